@@ -1,0 +1,145 @@
+"""The typed batch that flows through one PPO step.
+
+A `Batch` holds `B` rows (samples = prompts × rollout.n). Tensor fields are indexed along dim 0;
+list fields hold one Python object per row. Each stage of the step fills its own fields; a field that a
+stage has not produced yet is ``None``. No string-keyed dictionaries of tensors.
+
+Shapes (P = prompt length, left-padded; R = response length, right-padded):
+
+- ``prompts`` [B, P] int64, ``prompt_mask`` [B, P] (1 = real prompt token)
+- ``responses`` [B, R] int64, ``response_mask`` [B, R] (1 = generated token, EOS included)
+- ``rollout_log_probs`` [B, R] float32: log-prob of each sampled token under the rollout engine
+- ``old_log_probs`` / ``ref_log_probs`` / ``values`` [B, R] float32
+- ``token_level_scores`` / ``token_level_rewards`` / ``advantages`` / ``returns`` [B, R] float32
+- ``data_source`` / ``ground_truth`` / ``uid`` / ``extra_info`` / ``raw_prompt``: lists of length B
+  (``uid`` identifies the prompt a sample came from: the group for GRPO/RLOO)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+TENSOR_FIELDS = (
+    "prompts",
+    "prompt_mask",
+    "responses",
+    "response_mask",
+    "rollout_log_probs",
+    "old_log_probs",
+    "ref_log_probs",
+    "values",
+    "token_level_scores",
+    "token_level_rewards",
+    "advantages",
+    "returns",
+)
+LIST_FIELDS = ("data_source", "ground_truth", "uid", "extra_info", "raw_prompt")
+
+
+@dataclasses.dataclass
+class Batch:
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    responses: torch.Tensor | None = None
+    response_mask: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    token_level_scores: torch.Tensor | None = None
+    token_level_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    data_source: list[str] = dataclasses.field(default_factory=list)
+    ground_truth: list[Any] = dataclasses.field(default_factory=list)
+    uid: list[Any] = dataclasses.field(default_factory=list)
+    extra_info: list[Any] = dataclasses.field(default_factory=list)
+    raw_prompt: list[Any] = dataclasses.field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.prompts.shape[0])
+
+    # ---- derived views -------------------------------------------------------------------------
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """[B, P+R] prompt followed by response."""
+        assert self.responses is not None, "no responses yet"
+        return torch.cat([self.prompts, self.responses], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """[B, P+R] 1 on real prompt tokens and generated tokens."""
+        assert self.response_mask is not None, "no responses yet"
+        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """[B, P+R] positions counting from the first real token (0 on left padding)."""
+        return (self.attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+    @property
+    def response_length(self) -> int:
+        assert self.responses is not None
+        return int(self.responses.shape[1])
+
+    # ---- row operations ------------------------------------------------------------------------
+    def select(self, index: torch.Tensor | Sequence[int]) -> Batch:
+        """Rows ``index`` (in that order) as a new batch; tensors are indexed, not copied where possible."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        out: dict[str, Any] = {}
+        for name in TENSOR_FIELDS:
+            t = getattr(self, name)
+            out[name] = None if t is None else t[idx.to(t.device)]
+        idx_list = idx.tolist()
+        for name in LIST_FIELDS:
+            values = getattr(self, name)
+            out[name] = [values[i] for i in idx_list] if values else []
+        return Batch(**out)
+
+    def split(self, size: int) -> list[Batch]:
+        """Consecutive chunks of ``size`` rows (the last may be shorter)."""
+        if size <= 0:
+            raise ValueError(f"split size must be positive, got {size}")
+        n = len(self)
+        return [self.select(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+    def chunk(self, num_chunks: int) -> list[Batch]:
+        """``num_chunks`` consecutive chunks of equal size; ``len(self)`` must be divisible."""
+        n = len(self)
+        if n % num_chunks:
+            raise ValueError(f"cannot chunk {n} rows into {num_chunks} equal parts")
+        return self.split(n // num_chunks)
+
+    @staticmethod
+    def concat(batches: Sequence[Batch]) -> Batch:
+        if not batches:
+            raise ValueError("concat of no batches")
+        out: dict[str, Any] = {}
+        for name in TENSOR_FIELDS:
+            ts = [getattr(b, name) for b in batches]
+            if all(t is None for t in ts):
+                out[name] = None
+            elif any(t is None for t in ts):
+                raise ValueError(f"field {name} is set in some batches only")
+            else:
+                out[name] = torch.cat(ts, dim=0)
+        for name in LIST_FIELDS:
+            out[name] = [v for b in batches for v in getattr(b, name)]
+        return Batch(**out)
+
+    def repeat_interleave(self, n: int) -> Batch:
+        """Each row repeated ``n`` times consecutively (prompts → samples)."""
+        return self.select(torch.arange(len(self)).repeat_interleave(n))
+
+    def to(self, device: torch.device | str) -> Batch:
+        changes = {
+            name: getattr(self, name).to(device) for name in TENSOR_FIELDS if getattr(self, name) is not None
+        }
+        return dataclasses.replace(self, **changes)
+
+    def replace(self, **changes: Any) -> Batch:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,42 @@
+"""`klppo` command line: dispatches to the subcommand modules (each owns its own argument parsing)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "train": ("klppo.trainer.main_ppo", "Run KL-PPO training (no arguments: the embedded quickstart)."),
+    "config": ("klppo.config.cli", "Print the resolved configuration as YAML."),
+    "data": ("klppo.data.cli", "Prepare datasets (e.g. `klppo data gsm8k --input DIR --output DIR`)."),
+    "export": ("klppo.trainer.export", "Export a checkpoint to a Hugging Face directory."),
+    "tune": ("klppo.tune.cli", "Choose sharding / offload / overlap settings by model and measurement."),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: klppo <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        from klppo import __version__
+
+        print(__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"klppo: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
