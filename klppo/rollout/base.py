@@ -1,0 +1,127 @@
+"""The rollout contract: sampling parameters, outputs, the engine protocol and the factory.
+
+An engine turns left-padded prompts into right-padded responses on the model it is given:
+
+- ``prompts`` [B, P] int64, left-padded; ``prompt_mask`` [B, P] (1 = real prompt token).
+- Output rows are ``B * n``: prompt ``i``'s ``j``-th sample is row ``i * n + j``.
+- ``responses`` [B*n, R] int64 with ``R = max_new_tokens`` always, right-padded with ``pad_token_id``.
+- ``response_mask`` [B*n, R] int64: 1 on generated tokens up to and including the first EOS, 0 after.
+  Never derived from ``responses != pad_token_id`` (pad may equal EOS, as in SmolLM2).
+- ``log_probs`` [B*n, R] float32: ``log softmax(logits / temperature)[token]`` for each sampled token,
+  i.e. *before* top-k / top-p truncation — the quantity the actor's recomputation gives. Greedy
+  (``do_sample=False`` or ``temperature == 0``) uses temperature 1. Zero where the mask is 0.
+
+Engines know nothing of losses or of how the weights are sharded: the caller hands a module whose
+parameters are full tensors for the duration of ``generate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``top_k <= 0`` and ``top_p >= 1`` mean "off"; greedy if not ``do_sample``."""
+
+    max_new_tokens: int = 256
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = True
+    seed: int | None = None
+    ignore_eos: bool = False
+    """Generate exactly ``max_new_tokens`` for every row (benchmarks); the mask is then all ones."""
+
+    @property
+    def greedy(self) -> bool:
+        return (not self.do_sample) or self.temperature <= 0.0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class RolloutOutput:
+    """Responses for ``B * n`` rows (see the module docstring for shapes and the row order)."""
+
+    responses: torch.Tensor
+    response_mask: torch.Tensor
+    log_probs: torch.Tensor
+
+    def __post_init__(self) -> None:
+        assert self.responses.shape == self.response_mask.shape == self.log_probs.shape
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generation backend. ``last_stats`` holds figures about the last ``generate`` call."""
+
+    last_stats: dict[str, float]
+
+    def generate(
+        self,
+        model: torch.nn.Module,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+    ) -> RolloutOutput: ...
+
+    def release(self) -> None:
+        """Free the KV cache (and any captured graphs) now."""
+        ...
+
+
+def response_mask_from_tokens(
+    responses: torch.Tensor, eos_token_ids: list[int], *, ignore_eos: bool = False
+) -> torch.Tensor:
+    """[N, R] int64 mask: 1 up to and including the first EOS of each row, 0 after.
+
+    ``mask[t] = 1`` iff no EOS occurs at positions ``< t``. Independent of the pad id.
+    """
+    if ignore_eos or not eos_token_ids:
+        return torch.ones_like(responses, dtype=torch.long)
+    eos = torch.tensor(eos_token_ids, device=responses.device)
+    is_eos = torch.isin(responses, eos).long()
+    eos_before = is_eos.cumsum(dim=1) - is_eos
+    return (eos_before == 0).long()
+
+
+def make_rollout(
+    name: str,
+    *,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    gpu_memory_utilization: float = 0.5,
+    free_cache_engine: bool = True,
+    **kwargs: Any,
+) -> RolloutEngine:
+    """Build the engine called ``name`` ("klppo": our engine; "hf": transformers ``generate``).
+
+    ``gpu_memory_utilization`` bounds the whole rollout phase (other tensors + KV cache) as a fraction
+    of total device memory; ``free_cache_engine`` frees the KV cache after each ``generate``.
+    Extra keyword arguments go to the engine (e.g. ``max_num_seqs``, ``eos_check_every``).
+    """
+    eos_token_ids = [int(t) for t in eos_token_ids]
+    if name == "hf":
+        from klppo.rollout.hf import HFRollout
+
+        if kwargs:
+            warnings.warn(f"hf rollout ignores options {sorted(kwargs)}", stacklevel=2)
+        return HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+    if name == "klppo":
+        from klppo.rollout.hf import HFRollout
+
+        warnings.warn("the klppo engine is not ready yet: using the hf backend", stacklevel=2)
+        return HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+    raise ValueError(f"unknown rollout name {name!r}; expected 'klppo' or 'hf'")

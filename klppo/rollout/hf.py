@@ -1,0 +1,118 @@
+"""The reference backend: transformers ``generate``.
+
+Slow (the host drives every decode step) but simple and trusted: it is what the ``klppo`` engine is
+tested against, and the fallback for architectures that engine does not support.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from klppo.rollout.base import RolloutOutput, SamplingParams, response_mask_from_tokens
+
+
+class HFRollout:
+    """``generate`` with a fresh generation config per call (the model's own defaults are ignored).
+
+    ``cache_implementation="static"`` (with the model compiled by the caller) is the fast ``hf`` path.
+
+    Log-probs come from ``output_logits`` (the raw logits, before any logits processor), scaled by the
+    temperature: ``log_softmax(logits / T)[token]``.
+    """
+
+    def __init__(
+        self, *, eos_token_ids: list[int], pad_token_id: int, cache_implementation: str | None = None
+    ) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = int(pad_token_id)
+        self.cache_implementation = cache_implementation
+        self.last_stats: dict[str, float] = {}
+
+    def _generation_config(self, params: SamplingParams):
+        from transformers import GenerationConfig
+
+        greedy = params.greedy
+        return GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=0,
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_k=None if greedy else max(params.top_k, 0),
+            top_p=None if greedy else params.top_p,
+            num_beams=1,
+            repetition_penalty=1.0,
+            num_return_sequences=1 if greedy else params.n,
+            eos_token_id=None if params.ignore_eos else self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            bos_token_id=None,
+            return_dict_in_generate=True,
+            output_logits=True,
+            use_cache=True,
+            cache_implementation=self.cache_implementation,
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model: torch.nn.Module,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+    ) -> RolloutOutput:
+        """See :mod:`klppo.rollout.base` for the contract."""
+        device = prompts.device
+        num_prompt_tokens = prompts.shape[1]
+        start = time.perf_counter()
+        rng = contextlib.nullcontext()
+        if params.seed is not None:
+            devices = [device] if device.type == "cuda" else []
+            rng = torch.random.fork_rng(devices=devices)
+        # generate() fills unset fields from model.generation_config (e.g. a checkpoint's top_k or
+        # repetition_penalty): swap in a blank one so that only ``params`` decide.
+        from transformers import GenerationConfig
+
+        saved_config = model.generation_config
+        model.generation_config = GenerationConfig()
+        try:
+            with rng:
+                if params.seed is not None:
+                    torch.manual_seed(params.seed)
+                out = model.generate(
+                    input_ids=prompts,
+                    attention_mask=prompt_mask,
+                    generation_config=self._generation_config(params),
+                )
+        finally:
+            model.generation_config = saved_config
+        generated = out.sequences[:, num_prompt_tokens:]
+        logits = torch.stack(out.logits, dim=1).float()  # [N, T, V]
+        if params.greedy and params.n > 1:  # generate refuses n > 1 without sampling: all n are equal
+            generated = generated.repeat_interleave(params.n, dim=0)
+            logits = logits.repeat_interleave(params.n, dim=0)
+        temperature = 1.0 if params.greedy else params.temperature
+        log_probs = torch.log_softmax(logits / temperature, dim=-1)
+        log_probs = log_probs.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+
+        num_rows, num_steps = generated.shape
+        width = params.max_new_tokens
+        responses = torch.full((num_rows, width), self.pad_token_id, dtype=torch.long, device=device)
+        responses[:, :num_steps] = generated
+        mask = response_mask_from_tokens(responses, self.eos_token_ids, ignore_eos=params.ignore_eos)
+        mask[:, num_steps:] = 0
+        padded_log_probs = torch.zeros((num_rows, width), dtype=torch.float32, device=device)
+        padded_log_probs[:, :num_steps] = log_probs
+        padded_log_probs = padded_log_probs * mask
+        responses = torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_token_id))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.last_stats = {
+            "rollout/time_s": time.perf_counter() - start,
+            "rollout/tokens_generated": float(mask.sum().item()),
+        }
+        return RolloutOutput(responses=responses, response_mask=mask, log_probs=padded_log_probs)
+
+    def release(self) -> None:
+        """Nothing to free: ``generate`` allocates its cache per call."""
