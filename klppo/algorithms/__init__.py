@@ -1,1 +1,70 @@
-"""klppo.algorithms"""
+"""klppo.algorithms: the KL-PPO math as pure functions on tensors.
+
+KL estimators and the KL penalty in the reward (:mod:`.kl`), KL coefficient controllers
+(:mod:`.kl_control`), advantage estimators (:mod:`.advantages`), policy/value/KL losses, loss aggregation
+and entropy (:mod:`.losses`), masked reductions (:mod:`.masked`). Formulas, config keys and papers:
+``docs/algorithms.md``.
+
+Knows nothing of torch.distributed, models or the config: inputs are tensors, floats and strings.
+"""
+
+from klppo.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    compute_advantages,
+    gae,
+    get_advantage_estimator,
+    grpo,
+    needs_critic,
+    reinforce_plus_plus,
+    remax,
+    rloo,
+)
+from klppo.algorithms.kl import KL_KINDS, apply_kl_penalty, kl_penalty, kl_penalty_full
+from klppo.algorithms.kl_control import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    make_kl_controller,
+)
+from klppo.algorithms.losses import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    entropy_from_logits,
+    kl_loss,
+    policy_loss,
+    value_loss,
+)
+from klppo.algorithms.masked import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_KINDS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "AdvantageEstimator",
+    "FixedKLController",
+    "KLController",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_advantages",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "get_advantage_estimator",
+    "grpo",
+    "kl_loss",
+    "kl_penalty",
+    "kl_penalty_full",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "needs_critic",
+    "policy_loss",
+    "reinforce_plus_plus",
+    "remax",
+    "rloo",
+    "value_loss",
+]
