@@ -1,0 +1,50 @@
+"""Data-parallel reductions the roles need (no-ops in a single process)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of ``t`` over all ranks (a new tensor; CPU tensors are reduced on the backend's device)."""
+    if world_size() == 1:
+        return t.clone()
+    device = _comm_device()
+    out = t.to(device).clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.to(t.device)
+
+
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped per-rank tensors along dim 0, in rank order."""
+    if world_size() == 1:
+        return t
+    device = _comm_device()
+    local = t.to(device).contiguous()
+    parts = [torch.empty_like(local) for _ in range(world_size())]
+    dist.all_gather(parts, local)
+    return torch.cat(parts, dim=0).to(t.device)
+
+
+def all_gather_objects(obj) -> list:
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _comm_device() -> torch.device:
+    backend = dist.get_backend()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

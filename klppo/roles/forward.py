@@ -1,0 +1,125 @@
+"""Forward passes shared by the roles: per-token log-probs/entropy of a causal LM and values of a critic,
+over micro-batches formed by a fixed count or a token budget, with the outputs restored to batch order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from klppo.batch import Batch
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a batch is cut into micro-batches: ``micro_batch_size`` rows each, or (``use_dynamic_bsz``)
+    groups whose real tokens (prompt + response) stay within ``max_token_len``."""
+
+    micro_batch_size: int
+    use_dynamic_bsz: bool = False
+    max_token_len: int = 16384
+
+    def partitions(self, batch: Batch) -> list[list[int]]:
+        n = len(batch)
+        if not self.use_dynamic_bsz:
+            size = max(1, self.micro_batch_size)
+            return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+        from klppo.batching.dynamic import partition_by_token_budget
+
+        seq_lens = batch.attention_mask.sum(dim=1).tolist()
+        return partition_by_token_budget([int(s) for s in seq_lens], self.max_token_len)
+
+
+def iter_micro(batch: Batch, micro: MicroBatching) -> Iterator[tuple[list[int], Batch]]:
+    for idx in micro.partitions(batch):
+        yield idx, batch.select(idx)
+
+
+def gather_in_order(n: int, parts: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
+    """Rows computed per micro-batch → one [n, ...] tensor in the batch's original order."""
+    first = parts[0][1]
+    out = first.new_zeros((n, *first.shape[1:]))
+    for idx, values in parts:
+        out[torch.as_tensor(idx, device=out.device)] = values
+    return out
+
+
+def trim_left_padding(batch: Batch) -> Batch:
+    """Drop prompt columns that are padding in every row (a micro-batch's prompts are often shorter)."""
+    real = batch.prompt_mask.sum(dim=1).max().item()
+    cut = batch.prompts.shape[1] - int(real)
+    if cut <= 0:
+        return batch
+    return batch.replace(prompts=batch.prompts[:, cut:], prompt_mask=batch.prompt_mask[:, cut:])
+
+
+def policy_forward(
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    temperature: float,
+    calculate_entropy: bool,
+    use_remove_padding: bool = False,
+    return_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-prob of each response token under ``model`` with logits / ``temperature``.
+
+    Returns ``(log_probs [B,R] fp32, entropy [B,R] or None, response logits [B,R,V] or None)``.
+    """
+    from klppo.algorithms.losses import entropy_from_logits
+
+    batch = trim_left_padding(batch)
+    if use_remove_padding and not return_logits:
+        from klppo.batching.packing import forward_log_probs
+
+        return (
+            *forward_log_probs(
+                model,
+                batch.input_ids,
+                batch.attention_mask,
+                batch.position_ids,
+                response_length=batch.response_length,
+                temperature=temperature,
+                use_remove_padding=True,
+                calculate_entropy=calculate_entropy,
+            ),
+            None,
+        )
+    R = batch.response_length
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+        logits_to_keep=R + 1,
+    )
+    logits = out.logits[:, -R - 1 : -1].float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(logits) if calculate_entropy else None
+    return log_probs, entropy, (logits if return_logits else None)
+
+
+def value_forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Values [B,R] fp32 of a token-classification critic: the value at the position before each response
+    token (the state in which that token is chosen), as verl's critic."""
+    batch = trim_left_padding(batch)
+    R = batch.response_length
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    return out.logits[:, -R - 1 : -1, 0].float()
+
+
+def no_grad_pass(
+    batch: Batch, micro: MicroBatching, fn: Callable[[Batch], torch.Tensor]
+) -> torch.Tensor:
+    """Run ``fn`` over micro-batches without gradients; outputs [B, ...] in batch order."""
+    parts = []
+    with torch.no_grad():
+        for idx, mb in iter_micro(batch, micro):
+            parts.append((idx, fn(mb)))
+    return gather_in_order(len(batch), parts)

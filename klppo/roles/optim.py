@@ -1,0 +1,58 @@
+"""Optimizer and learning-rate schedule for a trained role (actor or critic)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """AdamW + warmup then constant/cosine decay; verl's ``*.optim`` keys.
+
+    ``warmup_steps`` < 0 means "use ``warmup_steps_ratio`` × total_steps".
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = -1
+    warmup_steps_ratio: float = 0.0
+    schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0
+    num_cycles: float = 0.5
+    total_steps: int = 1
+
+
+def build_optimizer(params, settings: OptimSettings) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (fused/foreach picked by torch)."""
+    params = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(
+        params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+    )
+
+
+def lr_multiplier(step: int, settings: OptimSettings) -> float:
+    """Multiplier of the base lr after ``step`` scheduler steps.
+
+    warmup: (step+1)/warmup for step < warmup (linear from lr/warmup, as verl's constant-with-warmup);
+    cosine: min_lr_ratio + (1 − min_lr_ratio)·½(1 + cos(2π·num_cycles·progress)).
+    """
+    warmup = settings.warmup_steps
+    if warmup < 0:
+        warmup = int(settings.warmup_steps_ratio * settings.total_steps)
+    if step < warmup:
+        return float(step + 1) / float(max(1, warmup))
+    if settings.schedule == "constant":
+        return 1.0
+    if settings.schedule == "cosine":
+        progress = (step - warmup) / max(1, settings.total_steps - warmup)
+        cosine = 0.5 * (1.0 + math.cos(2.0 * math.pi * settings.num_cycles * min(progress, 1.0)))
+        return settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * max(0.0, cosine)
+    raise ValueError(f"unknown lr schedule {settings.schedule!r}: expected constant or cosine")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, settings: OptimSettings):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, settings))

@@ -1,0 +1,45 @@
+"""The reference policy: a frozen copy of the initial actor, for ref log-probs (KL in reward or KL loss)."""
+
+from __future__ import annotations
+
+import torch
+
+from klppo.batch import Batch
+from klppo.roles.forward import MicroBatching, no_grad_pass, policy_forward
+
+
+class Reference:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        micro: MicroBatching,
+        temperature: float = 1.0,
+        use_remove_padding: bool = False,
+    ) -> None:
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.micro = micro
+        self.temperature = temperature
+        self.use_remove_padding = use_remove_padding
+
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        return no_grad_pass(
+            batch,
+            self.micro,
+            lambda mb: policy_forward(
+                self.model,
+                mb,
+                temperature=self.temperature,
+                calculate_entropy=False,
+                use_remove_padding=self.use_remove_padding,
+            )[0],
+        )
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """Temperature-scaled response logits [B,R,V] (for ``kl_loss_type='full'``)."""
+        with torch.no_grad():
+            return policy_forward(
+                self.model, batch, temperature=self.temperature, calculate_entropy=False, return_logits=True
+            )[2]

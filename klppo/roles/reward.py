@@ -1,0 +1,71 @@
+"""The reward role: rule scorers / a user's function by ``data_source``, or a sequence-classification
+reward model; scores land on each response's last token (``token_level_scores``)."""
+
+from __future__ import annotations
+
+import torch
+
+from klppo.batch import Batch
+
+
+class Reward:
+    """``score(batch) -> (token_level_scores [B,R], per-sequence scores [B], response texts)``."""
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        custom_fn_path: str | None = None,
+        custom_fn_name: str = "compute_score",
+        reward_kwargs: dict | None = None,
+        reward_model: torch.nn.Module | None = None,
+        reward_tokenizer=None,
+        max_length: int | None = None,
+    ) -> None:
+        from klppo.rewards import RewardManager
+
+        self.tokenizer = tokenizer
+        self.manager = RewardManager(
+            custom_fn_path=custom_fn_path, custom_fn_name=custom_fn_name, reward_kwargs=dict(reward_kwargs or {})
+        )
+        self.reward_model = reward_model
+        self.reward_tokenizer = reward_tokenizer or tokenizer
+        self.max_length = max_length
+
+    def decode_responses(self, batch: Batch) -> list[str]:
+        texts = []
+        for ids, mask in zip(batch.responses.tolist(), batch.response_mask.tolist()):
+            n = int(sum(mask))
+            texts.append(self.tokenizer.decode(ids[:n], skip_special_tokens=True))
+        return texts
+
+    def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        from klppo.rewards import place_scores
+
+        texts = self.decode_responses(batch)
+        if self.reward_model is not None:
+            seq_scores = self._model_scores(batch, texts)
+        else:
+            seq_scores = torch.tensor(
+                self.manager.score(texts, batch.data_source, batch.ground_truth, batch.extra_info),
+                dtype=torch.float32,
+            )
+        seq_scores = seq_scores.to(batch.response_mask.device)
+        return place_scores(seq_scores, batch.response_mask), seq_scores, texts
+
+    @torch.no_grad()
+    def _model_scores(self, batch: Batch, texts: list[str]) -> torch.Tensor:
+        """Re-tokenize (chat prompt + response) with the reward model's own template and score it."""
+        tok = self.reward_tokenizer
+        device = next(self.reward_model.parameters()).device
+        scores = []
+        for messages, response in zip(batch.raw_prompt, texts):
+            chat = list(messages) + [{"role": "assistant", "content": response}]
+            if getattr(tok, "chat_template", None):
+                text = tok.apply_chat_template(chat, tokenize=False)
+            else:
+                text = "\n".join(m["content"] for m in chat)
+            enc = tok(text, return_tensors="pt", truncation=self.max_length is not None, max_length=self.max_length)
+            out = self.reward_model(**{k: v.to(device) for k, v in enc.items()})
+            scores.append(float(out.logits[0, 0]))
+        return torch.tensor(scores, dtype=torch.float32)

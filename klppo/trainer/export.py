@@ -1,0 +1,56 @@
+"""`klppo export CKPT_DIR OUT_DIR [--role actor|critic]`: a checkpoint's weights as a Hugging Face
+directory (config, generation config, tokenizer, safetensors) that transformers loads directly."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, role: str = "actor") -> Path:
+    """Rebuild the role's model from the saved config, load the sharded weights (any world size), save."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+    from klppo.parallel.checkpoint import load_model_and_optimizer
+
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    hf_dir = ckpt_dir / role / "huggingface"
+    if not hf_dir.is_dir():
+        raise FileNotFoundError(
+            f"{ckpt_dir} holds no {role!r} model (expected {hf_dir}); pass a global_step_N folder"
+        )
+    config = AutoConfig.from_pretrained(hf_dir)
+    auto = AutoModelForTokenClassification if role == "critic" else AutoModelForCausalLM
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    model = auto.from_config(config, dtype=dtype)
+    load_model_and_optimizer(ckpt_dir / role, model, None)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
+    gen = hf_dir / "generation_config.json"
+    if gen.exists():
+        (out_dir / "generation_config.json").write_text(gen.read_text())
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="klppo export", description=__doc__)
+    parser.add_argument("ckpt_dir", help="a global_step_N checkpoint folder")
+    parser.add_argument("out_dir", help="where to write the Hugging Face directory")
+    parser.add_argument("--role", choices=["actor", "critic"], default="actor")
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.ckpt_dir, args.out_dir, role=args.role)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"klppo export: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""`klppo train` and `python -m klppo.trainer.main_ppo` (verl's entry-point name): the same arguments as
+verl — an optional YAML file and dotted overrides. With no arguments at all, the embedded quickstart."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("klppo")
+QUICKSTART_YAML = Path(__file__).with_name("quickstart.yaml")
+
+
+def quickstart_argv() -> list[str]:
+    """The quickstart: SmolLM2-135M-Instruct (cached from its GGUF) on the built-in arithmetic set."""
+    from klppo.data.arithmetic import write_arithmetic_parquet
+    from klppo.models.loading import quickstart_model_path
+
+    cache = Path(os.environ.get("KLPPO_CACHE", Path.home() / ".cache" / "klppo"))
+    train, test = write_arithmetic_parquet(cache / "data" / "arithmetic", num_train=256, num_test=32, seed=0)
+    return [
+        str(QUICKSTART_YAML),
+        f"actor_rollout_ref.model.path={quickstart_model_path()}",
+        f"data.train_files={train}",
+        f"data.val_files={test}",
+        "trainer.default_local_dir=runs/quickstart",
+    ]
+
+
+def resolve_machine(cfg) -> tuple[torch.device, int]:
+    """(device type to use, processes per node); checks what this machine has, before any model loads."""
+    from klppo.config import ConfigError
+
+    want = str(cfg.trainer.device)
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    nproc = cfg.trainer.n_gpus_per_node
+    if nproc in (None, "auto"):
+        nproc = torch.cuda.device_count() if want == "cuda" else 1
+    nproc = int(nproc)
+    if want == "cuda" and nproc > torch.cuda.device_count():
+        raise ConfigError(
+            f"trainer.n_gpus_per_node={nproc} but this machine has {torch.cuda.device_count()} visible GPU(s)"
+        )
+    return torch.device(want), nproc
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s klppo %(levelname)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _setup_logging()
+    from klppo.config import ConfigError, check_trainable, load_config
+
+    try:
+        if not argv:
+            log.info("no arguments: running the embedded quickstart (%s)", QUICKSTART_YAML)
+            argv = quickstart_argv()
+        cfg = load_config(argv)
+        check_trainable(cfg)
+        device, nproc = resolve_machine(cfg)
+    except (ConfigError, FileNotFoundError, ImportError) as exc:
+        print(f"klppo: {exc}", file=sys.stderr)
+        return 2
+
+    from klppo.parallel.launch import maybe_relaunch
+
+    code = maybe_relaunch(argv, nproc_per_node=nproc, nnodes=int(cfg.trainer.nnodes), module="klppo.trainer.main_ppo")
+    if code is not None:
+        return code
+    return run(cfg, device=device, argv=argv)
+
+
+def run(cfg, *, device: torch.device, argv: list[str]) -> int:
+    """Train on this rank (already inside the right process layout)."""
+    from klppo.config import warn_unimplemented
+    from klppo.models.loading import ModelLoadError
+    from klppo.parallel import dist
+    from klppo.trainer.checkpoint import CheckpointError
+    from klppo.trainer.ppo_trainer import PPOTrainer, TrainingStopped
+    from klppo.trainer.setup import build_run
+
+    info = dist.init_distributed(device.type, float(cfg.trainer.collective_timeout_s))
+    if info.rank == 0:
+        warn_unimplemented(cfg)
+    try:
+        parts = build_run(cfg, device=info.device, argv=argv)
+        state = PPOTrainer(parts).fit()
+        if info.rank == 0:
+            log.info("done: %d steps; metrics and checkpoints in %s", state.global_step, parts.run_dir)
+        return 0
+    except (TrainingStopped, CheckpointError, ModelLoadError) as exc:
+        print(f"klppo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        dist.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

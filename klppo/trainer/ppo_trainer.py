@@ -1,0 +1,415 @@
+"""The KL-PPO loop. One instance per rank (SPMD); reads top to bottom like the algorithm:
+
+    prompts → rollout → old/ref log-probs, values → scores → KL penalty in reward → advantages
+    → critic update → actor update → KL controller update → metrics → checkpoint → validation
+
+Each rank rolls out and scores its contiguous share of the step's prompts (all samples of one prompt stay
+on one rank); the per-sample fields are then all-gathered so that rewards, KL penalty and advantages are
+computed on the global batch, identically on every rank (batch-level whitening and group statistics need
+it); each rank then updates on its share, and FSDP averages the gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from klppo.algorithms import advantages as adv
+from klppo.algorithms import kl as kl_mod
+from klppo.algorithms.losses import masked_mean
+from klppo.batch import Batch
+from klppo.roles.dp import all_gather_objects, all_gather_rows, all_reduce_sum, rank, world_size
+from klppo.trainer.setup import RunParts
+from klppo.trainer.timer import PhaseTimer
+
+log = logging.getLogger("klppo")
+
+# per-sample tensor fields computed per rank and gathered into the global batch
+_GATHERED = ("responses", "response_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "values",
+             "token_level_scores")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (too many non-finite steps); the message says why and what to do."""
+
+
+@dataclass
+class TrainerState:
+    global_step: int = 0
+    num_nan_steps: int = 0
+
+
+class PPOTrainer:
+    def __init__(self, parts: RunParts) -> None:
+        self.p = parts
+        self.cfg = parts.cfg
+        self.state = TrainerState()
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> TrainerState:
+        p, cfg = self.p, self.cfg
+        self._install_signal_handlers()
+        self._maybe_resume()
+        total = p.total_training_steps
+        p.tracker.set_total_steps(total)
+        if self.state.global_step == 0 and cfg.trainer.val_before_train and p.val_loader is not None:
+            p.tracker.log(self.validate(), step=0)
+            if cfg.trainer.val_only:
+                return self.state
+        while self.state.global_step < total:
+            prompts = p.train_loader.next_batch()
+            self.state.global_step += 1
+            step = self.state.global_step
+            metrics = self.train_step(prompts, step)
+            p.tracker.log(metrics, step=step)
+            last = step >= total or self._stop_requested
+            if cfg.trainer.save_freq > 0 and (step % cfg.trainer.save_freq == 0 or last):
+                self.save()
+            elif self._stop_requested:
+                self.save()
+            if p.val_loader is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
+                p.tracker.log(self.validate(), step=step)
+            if self._stop_requested:
+                log.warning("stopping after step %d on a signal; checkpoint saved, resume with the same command", step)
+                break
+        p.tracker.close()
+        return self.state
+
+    def train_step(self, prompts: Batch, step: int) -> dict[str, float]:
+        p, cfg = self.p, self.cfg
+        timer = PhaseTimer(p.device)
+        metrics: dict[str, float] = {}
+        with timer.phase("step"):
+            with timer.phase("gen"):
+                local = self.generate(self._rank_share(prompts), p.sampling, seed=self._seed(step))
+            if p.needs_greedy_baseline:
+                with timer.phase("gen_max"):
+                    greedy = self.generate(self._rank_share(prompts), p.greedy_sampling, seed=0)
+                    _, baseline, _ = p.reward.score(greedy)
+            with timer.phase("old_log_prob"):
+                local.old_log_probs = p.actor.compute_log_prob(local)
+            if local.rollout_log_probs is not None:
+                diff = (local.old_log_probs - local.rollout_log_probs).abs()
+                metrics["rollout/log_prob_diff"] = float(masked_mean(diff, local.response_mask))
+            if p.reference is not None:
+                with timer.phase("ref"):
+                    p.offload.load("ref")
+                    local.ref_log_probs = p.reference.compute_ref_log_prob(local)
+                    p.offload.release("ref")
+            if p.critic is not None:
+                with timer.phase("values"):
+                    local.values = p.critic.compute_values(local)
+            with timer.phase("reward"):
+                local.token_level_scores, _, _ = p.reward.score(local)
+            batch = self._gather(prompts, local)
+            with timer.phase("adv"):
+                if p.needs_greedy_baseline:
+                    self._baseline = all_gather_rows(baseline.to(p.device)).repeat_interleave(p.sampling.n)
+                metrics.update(self.compute_rewards_and_advantages(batch))
+            share = self._update_share(batch)
+            if p.critic is not None:
+                with timer.phase("update_critic"):
+                    p.offload.load("critic_optim")
+                    metrics.update(p.critic.update_critic(share))
+                    p.offload.release("critic_optim")
+            if step > cfg.trainer.critic_warmup:
+                with timer.phase("update_actor"):
+                    p.offload.load("actor_optim")
+                    metrics.update(p.actor.update_policy(share, ref_logits_fn=p.ref_logits_fn))
+                    p.offload.release("actor_optim")
+        metrics = self._reduce_rank_metrics(metrics)
+        metrics.update(self._batch_metrics(batch))
+        metrics.update(timer.metrics())
+        metrics.update(self._perf_metrics(batch, metrics["timing_s/step"]))
+        self._check_finite(metrics, step)
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+    def generate(self, prompts: Batch, sampling, *, seed: int) -> Batch:
+        """Samples for ``prompts`` (n per prompt, consecutive) on the actor's gathered weights."""
+        from dataclasses import replace
+
+        p = self.p
+        p.offload.load("actor")
+        params = replace(sampling, seed=seed)
+        with p.gather_weights():
+            start = time.perf_counter()
+            out = p.rollout.generate(p.actor.model, prompts.prompts, prompts.prompt_mask, params)
+            self._last_gen_s = time.perf_counter() - start
+        if p.free_cache_engine:
+            p.rollout.release()
+        samples = prompts.repeat_interleave(params.n)
+        samples.responses = out.responses
+        samples.response_mask = out.response_mask.to(torch.float32)
+        samples.rollout_log_probs = out.log_probs
+        return samples
+
+    def compute_rewards_and_advantages(self, batch: Batch) -> dict[str, float]:
+        """KL penalty into the reward (optional), then the configured advantage estimator, in place."""
+        p, algo = self.p, self.cfg.algorithm
+        metrics: dict[str, float] = {}
+        if algo.use_kl_in_reward:
+            batch.token_level_rewards, kl_stats = kl_mod.apply_kl_penalty(
+                token_level_scores=batch.token_level_scores,
+                log_prob=batch.old_log_probs,
+                ref_log_prob=batch.ref_log_probs,
+                response_mask=batch.response_mask,
+                kl_ctrl=p.kl_ctrl,
+                kind=algo.kl_penalty,
+            )
+            current_kl = float(kl_stats["kl"])
+            metrics["actor/reward_kl_penalty"] = current_kl
+            metrics["actor/reward_kl_penalty_coeff"] = float(kl_stats["kl_coef"])
+            p.kl_ctrl.update(current_kl, len(batch))
+        else:
+            batch.token_level_rewards = batch.token_level_scores
+        batch.advantages, batch.returns = self._advantages(batch)
+        return metrics
+
+    def _advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        algo = self.cfg.algorithm
+        name = algo.adv_estimator
+        r, m = batch.token_level_rewards, batch.response_mask
+        if name == "gae":
+            return adv.gae(token_level_rewards=r, values=batch.values, response_mask=m, gamma=algo.gamma, lam=algo.lam)
+        if name == "grpo":
+            return adv.grpo(token_level_rewards=r, response_mask=m, group_ids=batch.uid,
+                            norm_by_std=algo.norm_adv_by_std_in_grpo)
+        if name == "rloo":
+            return adv.rloo(token_level_rewards=r, response_mask=m, group_ids=batch.uid)
+        if name == "reinforce_plus_plus":
+            return adv.reinforce_plus_plus(token_level_rewards=r, response_mask=m, gamma=algo.gamma)
+        if name == "remax":
+            return adv.remax(token_level_rewards=r, reward_baselines=self._baseline, response_mask=m)
+        raise ValueError(f"algorithm.adv_estimator={name!r} is not supported: gae, grpo, rloo, reinforce_plus_plus, remax")
+
+    # ------------------------------------------------------------------ data-parallel plumbing
+    def _rank_share(self, prompts: Batch) -> Batch:
+        """This rank's contiguous share of the step's prompts (sizes are checked divisible at start)."""
+        w = world_size()
+        if w == 1:
+            return prompts
+        return prompts.chunk(w)[rank()]
+
+    def _gather(self, prompts: Batch, local: Batch) -> Batch:
+        """Global batch: the step's prompts × n with every rank's per-sample fields, in rank order."""
+        batch = prompts.repeat_interleave(self.p.sampling.n)
+        for name in _GATHERED:
+            value = getattr(local, name)
+            if value is not None:
+                setattr(batch, name, all_gather_rows(value))
+        return batch
+
+    def _update_share(self, batch: Batch) -> Batch:
+        """This rank's samples for the updates; with ``trainer.balance_batch`` ranks get equal token counts."""
+        w = world_size()
+        if w == 1:
+            return batch
+        if self.cfg.trainer.balance_batch:
+            from klppo.batching.balance import balance_across_ranks
+
+            lengths = batch.attention_mask.sum(dim=1).long().tolist()
+            return batch.select(balance_across_ranks(lengths, w)[rank()])
+        return batch.chunk(w)[rank()]
+
+    def _reduce_rank_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Mean over ranks of the per-rank metrics (one collective for all keys)."""
+        if world_size() == 1:
+            return metrics
+        keys = sorted(metrics)
+        values = all_reduce_sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64)) / world_size()
+        return dict(zip(keys, values.tolist()))
+
+    def _seed(self, step: int) -> int:
+        return int(self.cfg.trainer.seed) * 1_000_003 + step * 1009 + rank()
+
+    # ------------------------------------------------------------------ metrics
+    def _batch_metrics(self, batch: Batch) -> dict[str, float]:
+        m = batch.response_mask
+        resp_len = m.sum(dim=1)
+        prompt_len = batch.prompt_mask.sum(dim=1).float()
+        scores = batch.token_level_scores.sum(dim=1)
+        rewards = batch.token_level_rewards.sum(dim=1)
+        max_len = batch.response_length
+        out = {
+            "critic/score/mean": scores.mean(),
+            "critic/score/max": scores.max(),
+            "critic/score/min": scores.min(),
+            "critic/rewards/mean": rewards.mean(),
+            "critic/rewards/max": rewards.max(),
+            "critic/rewards/min": rewards.min(),
+            "critic/advantages/mean": masked_mean(batch.advantages, m),
+            "critic/advantages/max": batch.advantages[m.bool()].max() if m.any() else torch.tensor(0.0),
+            "critic/advantages/min": batch.advantages[m.bool()].min() if m.any() else torch.tensor(0.0),
+            "critic/returns/mean": masked_mean(batch.returns, m),
+            "response_length/mean": resp_len.mean(),
+            "response_length/max": resp_len.max(),
+            "response_length/min": resp_len.min(),
+            "response_length/clip_ratio": (resp_len >= max_len).float().mean(),
+            "prompt_length/mean": prompt_len.mean(),
+            "prompt_length/max": prompt_len.max(),
+        }
+        if batch.values is not None:
+            from klppo.algorithms.losses import explained_variance
+
+            out["critic/values/mean"] = masked_mean(batch.values, m)
+            out["critic/vf_explained_var"] = explained_variance(batch.values, batch.returns, m)
+        if batch.ref_log_probs is not None:
+            out["actor/ref_kl_k1"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, m)
+        return {k: float(v) for k, v in out.items()}
+
+    def _perf_metrics(self, batch: Batch, step_s: float) -> dict[str, float]:
+        total_tokens = float(batch.attention_mask.sum())
+        out = {
+            "perf/total_num_tokens": total_tokens,
+            "perf/time_per_step": step_s,
+            "perf/throughput": total_tokens / max(step_s, 1e-9) / world_size(),
+        }
+        if self.p.device.type == "cuda":
+            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.p.device) / 2**30
+            out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.p.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.p.device)
+        stats = getattr(self.p.rollout, "last_stats", None) or {}
+        if "peak_memory_gb" in stats:
+            out["perf/rollout_peak_memory_gb"] = float(stats["peak_memory_gb"])
+        if "update_weights_s" in stats:
+            out["timing_s/update_weights"] = float(stats["update_weights_s"])
+        return out
+
+    def _check_finite(self, metrics: dict[str, float], step: int) -> None:
+        """Count steps whose update was skipped for a non-finite loss/grad; stop past the limit."""
+        skipped = metrics.get("actor/num_skipped_updates", 0.0) + metrics.get("critic/num_skipped_updates", 0.0)
+        bad = skipped > self._skipped_so_far or any(
+            not math.isfinite(metrics.get(k, 0.0)) for k in ("actor/pg_loss", "critic/vf_loss")
+        )
+        self._skipped_so_far = skipped
+        if bad:
+            self.state.num_nan_steps += 1
+            metrics["training/nan_steps"] = float(self.state.num_nan_steps)
+            log.warning("step %d: non-finite loss or gradient, the update was skipped (%d so far)",
+                        step, self.state.num_nan_steps)
+            limit = int(self.cfg.trainer.max_nan_steps)
+            if limit >= 0 and self.state.num_nan_steps > limit:
+                raise TrainingStopped(
+                    f"{self.state.num_nan_steps} steps had a non-finite loss or gradient (limit "
+                    f"trainer.max_nan_steps={limit}); the weights were not updated by those steps and the last "
+                    "checkpoint is intact. Lower the learning rate, check the reward function, or raise the limit."
+                )
+
+    _skipped_so_far = 0.0
+    _baseline: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Generate with ``val_kwargs`` on the validation set; mean score per data source."""
+        p = self.p
+        scores: list[float] = []
+        sources: list[str] = []
+        samples_logged: list[dict[str, Any]] = []
+        n = p.val_sampling.n
+        for prompts in p.val_loader:
+            # every rank generates the same number of rows (collectives inside), padding rows are dropped
+            share, num_real = _padded_share(prompts)
+            local = self.generate(share, p.val_sampling, seed=self._seed(0))
+            keep = num_real * n
+            _, seq_scores, texts = p.reward.score(local.select(range(keep)))
+            local_result = (seq_scores.tolist(), local.data_source[:keep], texts, local.raw_prompt[:keep])
+            for s, src, texts, raw in all_gather_objects(local_result):
+                scores += s
+                sources += src
+                if len(samples_logged) < self.cfg.trainer.log_val_generations:
+                    samples_logged += [{"prompt": r, "response": t, "score": x} for r, t, x in zip(raw, texts, s)]
+        out: dict[str, float] = {}
+        for src in sorted(set(sources)):
+            vals = [s for s, d in zip(scores, sources) if d == src]
+            out[f"val-core/{src}/reward/mean@{n}"] = sum(vals) / len(vals)
+        if samples_logged and rank() == 0:
+            p.generation_log.write(self.state.global_step, samples_logged[: self.cfg.trainer.log_val_generations])
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        from klppo.trainer.checkpoint import save_checkpoint
+
+        p = self.p
+        trainer_state = {
+            "global_step": self.state.global_step,
+            "num_nan_steps": self.state.num_nan_steps,
+            "skipped_so_far": self._skipped_so_far,
+            "dataloader": p.train_loader.state_dict(),
+            "kl_ctrl": p.kl_ctrl.state_dict(),
+            "roles": {name: role.extra_state() for name, role in p.trained_roles().items()},
+        }
+        path = save_checkpoint(
+            p.run_dir,
+            self.state.global_step,
+            models={name: (role.model, role.optimizer) for name, role in p.trained_roles().items()},
+            hf_assets=p.hf_assets,
+            trainer_state=trainer_state,
+            max_to_keep=self.cfg.trainer.max_actor_ckpt_to_keep,
+        )
+        if rank() == 0:
+            log.info("checkpoint saved: %s", path)
+
+    def _maybe_resume(self) -> None:
+        from klppo.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+
+        p, tcfg = self.p, self.cfg.trainer
+        mode = tcfg.resume_mode
+        if mode == "disable":
+            if list_checkpoints(p.run_dir) and rank() == 0:
+                log.warning("trainer.resume_mode=disable: starting fresh; the checkpoints already in %s stay "
+                            "there and may be overwritten by this run's", p.run_dir)
+            return
+        if mode == "auto":
+            path = latest_checkpoint(p.run_dir)
+            if path is None:
+                return
+        elif mode == "resume_path":
+            if not tcfg.resume_from_path:
+                raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+            path = tcfg.resume_from_path
+        else:
+            raise ValueError(f"trainer.resume_mode={mode!r}: expected auto, disable or resume_path")
+        state = load_checkpoint(
+            path, models={name: (role.model, role.optimizer) for name, role in p.trained_roles().items()}
+        )
+        self.state.global_step = int(state["global_step"])
+        self.state.num_nan_steps = int(state["num_nan_steps"])
+        self._skipped_so_far = float(state["skipped_so_far"])
+        p.train_loader.load_state_dict(state["dataloader"])
+        p.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        for name, role in p.trained_roles().items():
+            role.load_extra_state(state["roles"][name])
+        if rank() == 0:
+            log.info("resumed from %s at step %d", path, self.state.global_step)
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, _frame):
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            log.warning("received %s: finishing the current step, then saving a checkpoint and exiting "
+                        "(send again to abort now)", signal.Signals(signum).name)
+
+        try:
+            signal.signal(signal.SIGTERM, request_stop)
+            signal.signal(signal.SIGINT, request_stop)
+        except ValueError:  # not the main thread (e.g. inside a test runner thread)
+            pass
+
+
+def _padded_share(prompts: Batch) -> tuple[Batch, int]:
+    """This rank's rows of ``prompts`` when they may not divide evenly (validation): every rank gets
+    ceil(n / world) rows, the missing ones filled with copies of row 0; returns (rows, number of real rows)."""
+    w, r, n = world_size(), rank(), len(prompts)
+    per = -(-n // w)
+    real = list(range(min(r * per, n), min((r + 1) * per, n)))
+    return prompts.select(real + [0] * (per - len(real))), len(real)
