@@ -1,1 +1,6 @@
-"""klppo.data"""
+"""klppo.data: Parquet prompt sets in verl's schema (GSM8K conversion, a built-in arithmetic set) and the
+prompt loader that turns them into left-padded ``Batch`` objects. Knows nothing of the training loop."""
+
+from klppo.data.dataset import LoaderStats, PromptLoader
+
+__all__ = ["LoaderStats", "PromptLoader"]

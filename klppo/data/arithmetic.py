@@ -1,0 +1,54 @@
+"""A small built-in arithmetic prompt set in GSM8K format, for the quickstart and offline demos.
+
+Questions are two-digit sums and differences ("What is 23 + 45?"; differences never negative), the prompt
+carries GSM8K's instruction, the ground truth is the result as a string, and ``data_source`` is
+``openai/gsm8k`` so the GSM8K scorer applies unchanged. Deterministic given ``seed``; train and test
+questions are disjoint.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+from klppo.data.gsm8k import make_row, write_rows
+
+
+def arithmetic_rows(num_rows: int, *, split: str, seed: int, exclude: set[str] | None = None) -> list[dict]:
+    """``num_rows`` distinct questions (none in ``exclude``) as verl-format rows."""
+    rng = random.Random(f"klppo-arithmetic-{seed}-{split}")
+    seen = set(exclude or ())
+    rows: list[dict] = []
+    if num_rows > 2 * 90 * 90 - len(seen):
+        raise ValueError(
+            f"at most {2 * 90 * 90 - len(seen)} distinct two-digit questions remain, asked {num_rows}"
+        )
+    while len(rows) < num_rows:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        if rng.random() < 0.5:
+            question, result, op = f"What is {a} + {b}?", a + b, "+"
+        else:
+            a, b = max(a, b), min(a, b)
+            question, result, op = f"What is {a} - {b}?", a - b, "-"
+        if question in seen:
+            continue
+        seen.add(question)
+        answer = f"{a} {op} {b} = {result}\n#### {result}"
+        rows.append(make_row(question, answer, split=split, index=len(rows)))
+    return rows
+
+
+def write_arithmetic_parquet(
+    output_dir: str, num_train: int = 256, num_test: int = 64, seed: int = 0
+) -> tuple[str, str]:
+    """Write ``train.parquet`` and ``test.parquet`` into ``output_dir``; returns their paths."""
+    output_dir = os.path.expanduser(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    train = arithmetic_rows(num_train, split="train", seed=seed)
+    test = arithmetic_rows(
+        num_test, split="test", seed=seed, exclude={r["extra_info"]["question"] for r in train}
+    )
+    paths = os.path.join(output_dir, "train.parquet"), os.path.join(output_dir, "test.parquet")
+    write_rows(train, paths[0])
+    write_rows(test, paths[1])
+    return paths

@@ -1,0 +1,48 @@
+"""``klppo data``: prepare prompt datasets as Parquet.
+
+klppo data gsm8k [--input DIR] --output DIR      GSM8K jsonl → train/test.parquet (verl schema)
+klppo data arithmetic --output DIR [--num-train N --num-test N --seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from klppo.data.arithmetic import write_arithmetic_parquet
+from klppo.data.gsm8k import convert
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="klppo data", description="Prepare prompt datasets as Parquet.")
+    sub = parser.add_subparsers(dest="dataset", required=True)
+    g = sub.add_parser("gsm8k", help="GSM8K train.jsonl/test.jsonl → train.parquet/test.parquet")
+    g.add_argument(
+        "--input", default=None, help="folder with train.jsonl and test.jsonl (omit: fetch via datasets)"
+    )
+    g.add_argument("--output", default="~/data/gsm8k", help="output folder (default ~/data/gsm8k)")
+    a = sub.add_parser("arithmetic", help="small built-in two-digit arithmetic set in GSM8K format")
+    a.add_argument("--output", required=True)
+    a.add_argument("--num-train", type=int, default=256)
+    a.add_argument("--num-test", type=int, default=64)
+    a.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.dataset == "gsm8k":
+            n_train, n_test = convert(args.input, args.output)
+            print(f"wrote {n_train} train and {n_test} test rows to {args.output}")
+        else:
+            paths = write_arithmetic_parquet(args.output, args.num_train, args.num_test, args.seed)
+            print(f"wrote {args.num_train} train and {args.num_test} test rows: {paths[0]}, {paths[1]}")
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"klppo data {args.dataset}: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Prompt loader over Parquet files in verl's schema: tokenise, filter, shuffle, left-pad, resume.
+
+Rows carry ``prompt`` (chat messages), ``data_source``, ``reward_model.ground_truth`` and ``extra_info``
+(see ``klppo.data.gsm8k``). ``PromptLoader`` yields ``klppo.batch.Batch`` objects holding ``batch_size``
+prompts: ``prompts`` [B, P] int64 left-padded with ``pad_token_id`` to the longest prompt of the batch,
+``prompt_mask`` [B, P] int64 (1 = real token), and the lists ``data_source``, ``ground_truth``,
+``extra_info``, ``raw_prompt`` (the messages) and ``uid`` (``"<file index>:<row in file>"``, stable).
+
+Text: the tokenizer's chat template with ``add_generation_prompt=True``; with no template, or with
+``return_raw_chat=True``, the message contents joined by newlines (tokenised with the tokenizer's special
+tokens, e.g. BOS).
+
+Order. Construction scans every row group once (prompt column only; one row group in memory at a time)
+to find bad rows and prompts longer than ``max_prompt_length``. Two shuffle modes:
+
+- exact (default): the ids of the usable rows are kept (8 bytes a row: 80 MB for 10 M rows) and epoch
+  ``e`` visits them in the permutation drawn from ``numpy.random.default_rng([seed, e])``. Batches read
+  only the row groups they touch, through an LRU cache of ``max_cached_row_groups`` row groups; random
+  order over many row groups costs about one row-group read per row, so keep row groups small
+  (≤ a few thousand rows) or use the buffer mode.
+- bounded buffer (``shuffle_buffer_rows=N``): for sets whose index does not fit. Epoch ``e`` visits the
+  row groups in a seeded random order, rows in file order within them, through a buffer of ``N`` ids: each
+  step emits a random buffered id and refills from the stream (the classic shuffle buffer: rows move at
+  most about ``N`` places from row-group order). Rows are checked again when read and skipped if bad or
+  overlong. Only counts are kept in memory. Resuming replays the id stream (integers only, no reads).
+
+``state_dict()`` = {epoch, batch index in the epoch, position = rows of the epoch's order consumed}; a
+loader built on the same files with the same arguments and given that state yields the same batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from klppo.batch import Batch
+from klppo.data.parquet_rows import RowGroupSource, normalize_prompt
+
+logger = logging.getLogger(__name__)
+_META_COLUMNS = ("data_source", "reward_model", "extra_info")
+_MAX_REPORTED_BAD_ROWS = 20
+
+
+@dataclasses.dataclass
+class LoaderStats:
+    """What the construction scan found (``num_rows`` = usable rows)."""
+
+    num_rows_total: int = 0
+    num_bad_rows: int = 0
+    num_overlong: int = 0
+    num_rows: int = 0
+    bad_rows: list[str] = dataclasses.field(default_factory=list)  # first few, "file:row: reason"
+    row_groups_read: int = 0
+    max_rows_resident: int = 0
+
+
+class PromptLoader:
+    """Batches of tokenised prompts from Parquet files; ``val`` use: ``shuffle=False, drop_last=False``."""
+
+    def __init__(
+        self,
+        files: str | list[str],
+        tokenizer: Any,
+        *,
+        batch_size: int,
+        max_prompt_length: int,
+        prompt_key: str = "prompt",
+        shuffle: bool = True,
+        seed: int = 1,
+        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
+        return_raw_chat: bool = False,
+        bad_row_policy: str = "skip",
+        drop_last: bool = True,
+        shuffle_buffer_rows: int | None = None,
+        max_cached_row_groups: int = 16,
+    ) -> None:
+        if batch_size <= 0 or max_prompt_length <= 0:
+            raise ValueError(
+                f"batch_size and max_prompt_length must be positive ({batch_size}, {max_prompt_length})"
+            )
+        if truncation not in ("error", "left", "right"):
+            raise ValueError(f"truncation must be 'error', 'left' or 'right', got {truncation!r}")
+        if bad_row_policy not in ("skip", "error"):
+            raise ValueError(f"bad_row_policy must be 'skip' or 'error', got {bad_row_policy!r}")
+        if shuffle_buffer_rows is not None and shuffle_buffer_rows <= 0:
+            raise ValueError(f"shuffle_buffer_rows must be positive or None, got {shuffle_buffer_rows}")
+        self.tokenizer = tokenizer
+        self.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
+        if self.pad_token_id is None:
+            raise ValueError("tokenizer has neither pad_token_id nor eos_token_id: cannot left-pad prompts")
+        self.batch_size, self.max_prompt_length = batch_size, max_prompt_length
+        self.prompt_key, self.shuffle, self.seed = prompt_key, shuffle, seed
+        self.filter_overlong_prompts, self.truncation = filter_overlong_prompts, truncation
+        self.bad_row_policy, self.drop_last = bad_row_policy, drop_last
+        self.shuffle_buffer_rows = shuffle_buffer_rows
+        self.use_template = not return_raw_chat and getattr(tokenizer, "chat_template", None) is not None
+        paths = [files] if isinstance(files, str) else list(files)
+        self.source = RowGroupSource(paths, max_cached_row_groups=max_cached_row_groups)
+        for f, path in enumerate(self.source.paths):
+            if prompt_key not in self.source.column_names(f):
+                raise ValueError(
+                    f"{path} has no column {prompt_key!r} (data.prompt_key); columns: {self.source.column_names(f)}"
+                )
+        self.stats = LoaderStats(num_rows_total=self.source.num_rows)
+        self._valid_ids = self._scan()
+        self._check_not_empty()
+        self.epoch, self._batch_index, self._position = 0, 0, 0
+        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+        self._stream: Iterator[int] | None = None
+
+    # ---- construction scan ---------------------------------------------------------------------
+    def _where(self, global_id: int) -> str:
+        f, row, _ = self.source.locate(global_id)
+        return f"{self.source.paths[f]} row {row}"
+
+    def _scan(self) -> np.ndarray | None:
+        """Validate and measure every row; the usable ids (exact mode) or None (buffer mode)."""
+        kept: list[np.ndarray] = []
+        for _, _, first, table in self.source.iter_row_groups([self.prompt_key]):
+            values = table.column(self.prompt_key).to_pylist()
+            ok = np.ones(len(values), dtype=bool)
+            messages = []
+            for i, value in enumerate(values):
+                msgs, reason = normalize_prompt(value)
+                if reason is not None:
+                    ok[i] = False
+                    self._report_bad(first + i, reason)
+                messages.append(msgs)
+            if self.filter_overlong_prompts:
+                idx = np.flatnonzero(ok)
+                lengths = [len(ids) for ids in self._encode([messages[i] for i in idx])]
+                overlong = idx[np.asarray(lengths, dtype=np.int64) > self.max_prompt_length]
+                ok[overlong] = False
+                self.stats.num_overlong += len(overlong)
+            self.stats.num_rows += int(ok.sum())
+            if self.shuffle_buffer_rows is None:
+                kept.append(first + np.flatnonzero(ok).astype(np.int64))
+        self.stats.row_groups_read = self.source.stats.row_groups_read
+        self.stats.max_rows_resident = self.source.stats.max_rows_resident
+        logger.info(
+            "prompts: %d rows, %d usable, %d bad, %d longer than max_prompt_length=%d (filtered)",
+            self.stats.num_rows_total, self.stats.num_rows, self.stats.num_bad_rows,
+            self.stats.num_overlong, self.max_prompt_length,
+        )  # fmt: skip
+        if self.shuffle_buffer_rows is not None:
+            return None
+        return np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
+
+    def _report_bad(self, global_id: int, reason: str) -> None:
+        where = f"{self._where(global_id)}: {reason}"
+        if self.bad_row_policy == "error":
+            raise ValueError(f"bad row in {where} (data bad-row policy 'error'; 'skip' skips such rows)")
+        self.stats.num_bad_rows += 1
+        if len(self.stats.bad_rows) < _MAX_REPORTED_BAD_ROWS:
+            self.stats.bad_rows.append(where)
+            logger.warning("skipping bad row in %s", where)
+
+    def _check_not_empty(self) -> None:
+        s = self.stats
+        why = (
+            f"{s.num_rows_total} rows in {len(self.source.paths)} file(s); {s.num_bad_rows} bad (missing/"
+            f"wrongly typed/empty prompt), {s.num_overlong} longer than max_prompt_length={self.max_prompt_length}"
+        )
+        if s.num_rows == 0:
+            raise ValueError(f"no usable prompts after filtering: {why}")
+        if self.drop_last and s.num_rows < self.batch_size:
+            raise ValueError(
+                f"only {s.num_rows} usable prompts, fewer than batch_size={self.batch_size} with drop_last: {why}"
+            )
+
+    # ---- text → ids ----------------------------------------------------------------------------
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        if self.use_template:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return "\n".join(m["content"] for m in messages)
+
+    def _encode(self, batch_messages: list[list[dict[str, str]]]) -> list[list[int]]:
+        if not batch_messages:
+            return []
+        texts = [self._render(m) for m in batch_messages]
+        return self.tokenizer(texts, add_special_tokens=not self.use_template)["input_ids"]
+
+    # ---- epoch order ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        n = self.stats.num_rows
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order_epoch != self.epoch:
+            n = len(self._valid_ids)
+            if self.shuffle:
+                perm = np.random.default_rng([self.seed, self.epoch]).permutation(n)
+                self._order = self._valid_ids[perm]
+            else:
+                self._order = self._valid_ids
+            self._order_epoch = self.epoch
+        return self._order
+
+    def _id_stream(self, epoch: int) -> Iterator[int]:
+        """Buffer mode: global ids of epoch ``epoch`` (row groups shuffled, then a shuffle buffer)."""
+        groups = [(f, g) for f in range(len(self.source.paths)) for g in range(self.source.num_row_groups(f))]
+        rng = np.random.default_rng([self.seed, epoch])
+        if self.shuffle:
+            groups = [groups[i] for i in rng.permutation(len(groups))]
+
+        def ids_in_order() -> Iterator[int]:
+            for f, g in groups:
+                start = int(self.source.file_starts[f] + self.source.rg_starts[f][g])
+                stop = int(self.source.file_starts[f] + self.source.rg_starts[f][g + 1])
+                yield from range(start, stop)
+
+        if not self.shuffle:
+            yield from ids_in_order()
+            return
+        buffer: list[int] = []
+        for gid in ids_in_order():
+            if len(buffer) < self.shuffle_buffer_rows:
+                buffer.append(gid)
+                continue
+            j = int(rng.integers(len(buffer)))
+            buffer[j], gid = gid, buffer[j]
+            yield gid
+        while buffer:
+            j = int(rng.integers(len(buffer)))
+            buffer[j], buffer[-1] = buffer[-1], buffer[j]
+            yield buffer.pop()
+
+    def _stream_for_position(self) -> Iterator[int]:
+        if self._stream is None:
+            self._stream = self._id_stream(self.epoch)
+            for _ in range(self._position):
+                next(self._stream)
+        return self._stream
+
+    # ---- batches -------------------------------------------------------------------------------
+    def _columns(self) -> list[str]:
+        return [self.prompt_key, *_META_COLUMNS]
+
+    def _next_rows(self) -> list[dict[str, Any]]:
+        """The rows of the next batch of the current epoch (fewer than batch_size only at its end)."""
+        if self.shuffle_buffer_rows is None:
+            order = self._epoch_order()
+            ids = order[self._position : self._position + self.batch_size]
+            self._position += len(ids)
+            return self.source.take(ids.tolist(), self._columns())
+        rows: list[dict[str, Any]] = []
+        stream = self._stream_for_position()
+        while len(rows) < self.batch_size:
+            ids = [gid for _, gid in zip(range(self.batch_size - len(rows)), stream)]
+            if not ids:
+                break
+            self._position += len(ids)
+            for row in self.source.take(ids, self._columns()):
+                msgs, reason = normalize_prompt(row.get(self.prompt_key))
+                if reason is None and self.filter_overlong_prompts:
+                    reason = "overlong" if len(self._encode([msgs])[0]) > self.max_prompt_length else None
+                if reason is None:
+                    rows.append(row)
+        return rows
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch, self._batch_index, self._position, self._stream = epoch, 0, 0, None
+
+    def _next_in_epoch(self) -> Batch | None:
+        if self._batch_index >= len(self):
+            return None
+        rows = self._next_rows()
+        if not rows or (self.drop_last and len(rows) < self.batch_size):
+            self._batch_index = len(self)  # the epoch ran out early (buffer mode, files changed)
+            return None
+        self._batch_index += 1
+        return self._collate(rows)
+
+    def next_batch(self) -> Batch:
+        """The next batch, moving to the next epoch when the current one is done (never ends)."""
+        batch = self._next_in_epoch()
+        if batch is None:
+            self._start_epoch(self.epoch + 1)
+            batch = self._next_in_epoch()
+            assert batch is not None, "an epoch produced no batch"
+        return batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The remaining batches of the current epoch (a full new epoch if the current one is done)."""
+        if self._batch_index >= len(self):
+            self._start_epoch(self.epoch + 1)
+        while (batch := self._next_in_epoch()) is not None:
+            yield batch
+
+    def _collate(self, rows: list[dict[str, Any]]) -> Batch:
+        messages = []
+        for row in rows:
+            msgs, reason = normalize_prompt(row.get(self.prompt_key))
+            if reason is not None:  # only possible if a file changed after the scan
+                raise ValueError(f"{self.source.paths[row['_file']]} row {row['_row']}: {reason}")
+            messages.append(msgs)
+        encoded = self._encode(messages)
+        for k, ids in enumerate(encoded):
+            if len(ids) > self.max_prompt_length:
+                encoded[k] = self._truncate(ids, rows[k])
+        width = max(len(ids) for ids in encoded)
+        prompts = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for k, ids in enumerate(encoded):
+            if ids:
+                prompts[k, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                mask[k, width - len(ids) :] = 1
+        return Batch(
+            prompts=prompts,
+            prompt_mask=mask,
+            data_source=[row.get("data_source") or "" for row in rows],
+            ground_truth=[(row.get("reward_model") or {}).get("ground_truth") for row in rows],
+            extra_info=[row.get("extra_info") or {} for row in rows],
+            raw_prompt=messages,
+            uid=[f"{row['_file']}:{row['_row']}" for row in rows],
+        )
+
+    def _truncate(self, ids: list[int], row: dict[str, Any]) -> list[int]:
+        p = self.max_prompt_length
+        if self.truncation == "left":
+            return ids[-p:]
+        if self.truncation == "right":
+            return ids[:p]
+        raise ValueError(
+            f"prompt in {self.source.paths[row['_file']]} row {row['_row']} has {len(ids)} tokens > "
+            f"max_prompt_length={p}; set data.filter_overlong_prompts=True or data.truncation=left|right"
+        )
+
+    # ---- resume --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """Exact position: the epoch, batches already yielded in it, and rows of its order consumed."""
+        return {
+            "epoch": self.epoch,
+            "batch_index": self._batch_index,
+            "position": self._position,
+            "num_rows": self.stats.num_rows,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["num_rows"] != self.stats.num_rows or state["seed"] != self.seed:
+            raise ValueError(
+                f"loader state is for {state['num_rows']} usable rows and seed {state['seed']}, but this loader "
+                f"has {self.stats.num_rows} rows and seed {self.seed}: the data or data.seed changed"
+            )
+        self._start_epoch(int(state["epoch"]))
+        self._batch_index, self._position = int(state["batch_index"]), int(state["position"])

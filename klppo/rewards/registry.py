@@ -1,0 +1,168 @@
+"""Reward scorers by ``data_source``, user reward functions, and placement on response tokens.
+
+- ``SCORERS`` maps a row's ``data_source`` to a built-in rule scorer ``fn(solution_str, ground_truth,
+  **kwargs) -> float``: GSM8K (``openai/gsm8k``, ``gsm8k``) and the last-boxed-answer math scorer
+  (``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``, ``math``, …).
+- ``load_custom_reward_fn(path, name)`` loads ``custom_reward_function.{path,name}``; it is called
+  verl-style: ``fn(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)``.
+- ``RewardManager.score`` scores decoded responses; a scorer returning a dict contributes its ``"score"``.
+- ``place_scores`` puts each sequence score on its last response token (``token_level_scores``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from klppo.rewards import gsm8k, math
+
+Scorer = Callable[..., Any]
+
+SCORERS: dict[str, Scorer] = {
+    "openai/gsm8k": gsm8k.compute_score,
+    "gsm8k": gsm8k.compute_score,
+    "lighteval/MATH": math.compute_score,
+    "DigitalLearningGmbH/MATH-lighteval": math.compute_score,
+    "HuggingFaceH4/MATH-500": math.compute_score,
+    "math": math.compute_score,
+}
+
+
+def register_scorer(data_source: str, fn: Scorer) -> None:
+    """Register ``fn(solution_str, ground_truth, **kwargs)`` for rows whose ``data_source`` matches."""
+    SCORERS[data_source] = fn
+
+
+def get_scorer(data_source: str) -> Scorer:
+    """The built-in scorer for ``data_source``; ValueError naming the registered sources otherwise."""
+    try:
+        return SCORERS[data_source]
+    except KeyError:
+        known = ", ".join(sorted(SCORERS))
+        raise ValueError(
+            f"no reward scorer registered for data_source {data_source!r}; registered: {known}. "
+            "Set custom_reward_function.path/name to score other data sources."
+        ) from None
+
+
+def load_custom_reward_fn(path: str, name: str = "compute_score") -> Scorer:
+    """Import the Python file at ``path`` and return its callable ``name``."""
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"custom_reward_function.path: file not found: {path!r} (resolved to {full})")
+    module_name = f"klppo_custom_reward_{abs(hash(full))}"
+    spec = importlib.util.spec_from_file_location(module_name, full)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"custom_reward_function.path: cannot import {full} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise RuntimeError(f"custom_reward_function.path: importing {full} failed: {exc!r}") from exc
+    fn = getattr(module, name, None)
+    if fn is None:
+        available = sorted(
+            k
+            for k, v in vars(module).items()
+            if callable(v) and not k.startswith("_") and not inspect.isclass(v)
+        )
+        raise ValueError(
+            f"custom_reward_function.name: {full} defines no {name!r}; callables there: {available or 'none'}"
+        )
+    if not callable(fn):
+        raise ValueError(f"custom_reward_function.name: {name!r} in {full} is not callable")
+    return fn
+
+
+def _accepted_kwargs(fn: Scorer) -> set[str] | None:
+    """Keyword names ``fn`` accepts (None = any, it takes ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"reward function returned a dict without a 'score' key: keys {sorted(value)}")
+        value = value["score"]
+    return float(value)
+
+
+class RewardManager:
+    """Scores responses row by row: the user's function when given, else the built-in registry.
+
+    ``reward_kwargs`` go to the custom function, or to each built-in scorer that accepts them (e.g.
+    ``method``/``format_score``/``score`` for GSM8K); a key that no built-in scorer accepts is an error.
+    """
+
+    def __init__(
+        self,
+        *,
+        custom_fn_path: str | None = None,
+        custom_fn_name: str = "compute_score",
+        reward_kwargs: dict | None = None,
+    ) -> None:
+        self.reward_kwargs = dict(reward_kwargs or {})
+        self.custom_fn = load_custom_reward_fn(custom_fn_path, custom_fn_name) if custom_fn_path else None
+        if self.custom_fn is None and self.reward_kwargs:
+            accepted: set[str] = set()
+            for fn in set(SCORERS.values()):
+                names = _accepted_kwargs(fn)
+                accepted |= (
+                    names - {"solution_str", "ground_truth"} if names is not None else set(self.reward_kwargs)
+                )
+            unknown = sorted(set(self.reward_kwargs) - accepted)
+            if unknown:
+                raise ValueError(
+                    f"reward_kwargs {unknown} are accepted by no built-in scorer; accepted: {sorted(accepted)}"
+                )
+
+    def _builtin(self, data_source: str, response: str, ground_truth: Any) -> float:
+        fn = get_scorer(data_source)
+        names = _accepted_kwargs(fn)
+        kwargs = (
+            self.reward_kwargs
+            if names is None
+            else {k: v for k, v in self.reward_kwargs.items() if k in names}
+        )
+        return _as_float(fn(response, ground_truth, **kwargs))
+
+    def score(
+        self, responses: list[str], data_sources: list[str], ground_truths: list, extra_infos: list
+    ) -> list[float]:
+        """One float per response (lists aligned by row)."""
+        if not (len(responses) == len(data_sources) == len(ground_truths) == len(extra_infos)):
+            raise ValueError(
+                f"score(): lists differ in length: responses {len(responses)}, data_sources "
+                f"{len(data_sources)}, ground_truths {len(ground_truths)}, extra_infos {len(extra_infos)}"
+            )
+        out = []
+        for response, source, truth, extra in zip(responses, data_sources, ground_truths, extra_infos):
+            if self.custom_fn is not None:
+                out.append(_as_float(self.custom_fn(source, response, truth, extra, **self.reward_kwargs)))
+            else:
+                out.append(self._builtin(source, response, truth))
+        return out
+
+
+def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """token_level_scores [B, R] float32: ``scores[b]`` on the last position where ``response_mask[b]`` is
+    set, zero elsewhere; a row with no response token is all zero."""
+    if scores.dim() != 1 or response_mask.dim() != 2 or scores.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"place_scores: scores {tuple(scores.shape)} vs response_mask {tuple(response_mask.shape)}"
+        )
+    mask = response_mask.bool()
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).amax(dim=1)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    out[rows, last[rows]] = scores.to(device=mask.device, dtype=torch.float32)[rows]
+    return out

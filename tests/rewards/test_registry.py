@@ -1,0 +1,84 @@
+"""Registry by data_source, custom reward functions, and score placement on tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from klppo.rewards import RewardManager, get_scorer, load_custom_reward_fn, place_scores
+from klppo.rewards import gsm8k as gsm8k_scorer
+from klppo.rewards import math as math_scorer
+
+
+def test_routing_by_data_source():
+    for source in ("openai/gsm8k", "gsm8k"):
+        assert get_scorer(source) is gsm8k_scorer.compute_score
+    for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "math"):
+        assert get_scorer(source) is math_scorer.compute_score
+    with pytest.raises(ValueError, match=r"'my/set'.*openai/gsm8k.*custom_reward_function"):
+        get_scorer("my/set")
+
+
+def test_manager_builtin_scores_and_kwargs():
+    mgr = RewardManager()
+    out = mgr.score(
+        ["#### 72", "72", r"\boxed{3}", r"\boxed{4}"],
+        ["openai/gsm8k", "gsm8k", "math", "lighteval/MATH"],
+        ["72", "72", "3", "3"],
+        [{}, {}, {}, {}],
+    )
+    assert out == [1.0, 0.0, 1.0, 0.0]
+    assert all(isinstance(x, float) for x in out)
+    # GSM8K kwargs reach the GSM8K scorer and are not passed to the boxed scorer.
+    flex = RewardManager(reward_kwargs={"method": "flexible", "score": 2.0})
+    assert flex.score(["72", r"\boxed{3}"], ["gsm8k", "math"], ["72", "3"], [None, None]) == [2.0, 1.0]
+    with pytest.raises(ValueError, match=r"\['methd'\].*accepted"):
+        RewardManager(reward_kwargs={"methd": "flexible"})
+    with pytest.raises(ValueError, match="differ in length"):
+        mgr.score(["a"], ["gsm8k"], [], [{}])
+    with pytest.raises(ValueError, match="registered"):
+        mgr.score(["a"], ["unknown"], ["1"], [{}])
+
+
+def test_custom_function_verl_style(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):\n"
+        "    return {'score': float(solution_str == ground_truth) + bonus + extra_info['w'], 'acc': 1}\n"
+        "def plain(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return len(data_source)\n"
+        "VALUE = 3\n"
+    )
+    mgr = RewardManager(custom_fn_path=str(path), reward_kwargs={"bonus": 0.5})
+    assert mgr.score(["a", "b"], ["x", "y"], ["a", "a"], [{"w": 0.0}, {"w": 1.0}]) == [1.5, 1.5]
+    plain = RewardManager(custom_fn_path=str(path), custom_fn_name="plain")
+    assert plain.score(["r"], ["abcd"], [None], [None]) == [4.0]
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_custom_reward_fn(str(tmp_path / "missing.py"), "compute_score")
+    with pytest.raises(ValueError, match=r"no 'score_fn'.*compute_score.*plain"):
+        load_custom_reward_fn(str(path), "score_fn")
+    with pytest.raises(ValueError, match="not callable"):
+        load_custom_reward_fn(str(path), "VALUE")
+    bad = tmp_path / "broken.py"
+    bad.write_text("import does_not_exist_xyz\n")
+    with pytest.raises(RuntimeError, match="importing"):
+        load_custom_reward_fn(str(bad), "compute_score")
+
+
+def test_place_scores_matches_loop_reference():
+    gen = torch.Generator().manual_seed(0)
+    lengths = [0, 1, 5, 7, 3]
+    mask = torch.zeros(5, 7, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+    scores = torch.randn(5, generator=gen)
+    out = place_scores(scores, mask)
+    expected = torch.zeros(5, 7, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        if n:
+            expected[b, n - 1] = float(scores[b])
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected)
+    assert out[0].abs().sum() == 0  # empty response → all-zero row
+    with pytest.raises(ValueError):
+        place_scores(scores[:3], mask)
