@@ -1,0 +1,249 @@
+"""Padding-free forward passes: pack a micro-batch into one row, run the model, unpack per token.
+
+Layout (verl's): ``input_ids`` [B, L] = prompt (left-padded) followed by response (right-padded),
+``L = P + R``; ``attention_mask`` [B, L] marks real tokens, which form one contiguous run per row.
+Response token ``j`` of row ``b`` sits at column ``L - R + j`` and is predicted by the output at column
+``L - R - 1 + j``: log-probs and values are read there (values = critic output at ``[:, -R-1:-1]``).
+
+Packing keeps only the real tokens: ``input_ids`` [1, T] with ``T = Σ mask``, ``position_ids`` restarting
+at each sequence (gathered from the padded position ids), ``cu_seqlens`` [B+1] sequence boundaries and
+``indices`` [T] (flat positions in ``B × L``) to scatter per-token results back. The attention is
+block-diagonal causal (see :mod:`klppo.batching.attention`), so each sequence sees exactly the tokens it
+sees in the padded forward and results agree up to float rounding.
+
+Both paths return zeros at masked response positions. Log-probs and entropy are float32 (logits are
+upcast before the softmax); gradients flow through them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from klppo.batching.attention import PACKED_ATTENTION
+
+_ENTROPY_CHUNK = 4096
+
+
+@dataclasses.dataclass
+class Packed:
+    """One packed row. ``indices[k]`` = flat index ``b * L + l`` of packed token ``k``."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    cu_seqlens: torch.Tensor  # [B+1] int32
+    max_seqlen: int
+    indices: torch.Tensor  # [T] int64
+    batch_size: int
+    seq_len: int
+
+    def attention_kwargs(self) -> dict:
+        """Keyword arguments that carry the boundaries to the varlen attention (transformers names)."""
+        return {
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_seqlen,
+            "max_length_k": self.max_seqlen,
+        }
+
+    def flat_positions(self) -> torch.Tensor:
+        """[B, L] packed index of each padded position, -1 on padding."""
+        pos = torch.full((self.batch_size * self.seq_len,), -1, dtype=torch.long, device=self.indices.device)
+        pos[self.indices] = torch.arange(self.indices.numel(), device=self.indices.device)
+        return pos.view(self.batch_size, self.seq_len)
+
+
+def pack(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> Packed:
+    """Remove padding: [B, L] → one row [1, T] (row-major order of the real tokens).
+
+    ``position_ids`` defaults to ``cumsum(mask) - 1`` per row (0 at each sequence's first token).
+    """
+    batch_size, seq_len = input_ids.shape
+    mask = attention_mask.bool()
+    if position_ids is None:
+        position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    indices = torch.nonzero(mask.reshape(-1), as_tuple=False).squeeze(-1)
+    lengths = mask.sum(dim=1, dtype=torch.int32)
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return Packed(
+        input_ids=input_ids.reshape(-1)[indices].unsqueeze(0),
+        position_ids=position_ids.reshape(-1)[indices].unsqueeze(0),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(lengths.max()) if batch_size else 0,
+        indices=indices,
+        batch_size=batch_size,
+        seq_len=seq_len,
+    )
+
+
+def unpack(
+    values: torch.Tensor, packed: Packed, batch_size: int | None = None, seq_len: int | None = None
+) -> torch.Tensor:
+    """[1, T, ...] or [T, ...] per-token values → [B, L, ...] with zeros on padding (differentiable)."""
+    batch_size = packed.batch_size if batch_size is None else batch_size
+    seq_len = packed.seq_len if seq_len is None else seq_len
+    if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == packed.indices.numel():
+        values = values.squeeze(0)
+    out = values.new_zeros((batch_size * seq_len, *values.shape[1:]))
+    out = out.index_put((packed.indices,), values)
+    return out.view(batch_size, seq_len, *values.shape[1:])
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """H = logsumexp(z) − Σ softmax(z)·z over the last dim, float32.
+
+    Without grad it runs in chunks of rows so the extra [N, V] buffers stay small.
+    """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        z = logits.float()
+        return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, flat.shape[0], _ENTROPY_CHUNK):
+        z = flat[start : start + _ENTROPY_CHUNK].float()
+        out[start : start + _ENTROPY_CHUNK] = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(
+            -1
+        )
+    return out.view(logits.shape[:-1])
+
+
+def log_probs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, calculate_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(z / temperature)[label] as gather − logsumexp (no [N, V] log-softmax kept), and H."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    log_probs = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    entropy = entropy_from_logits(z) if calculate_entropy else None
+    return log_probs, entropy
+
+
+def _response_columns(attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
+    """[B, R] bool: response token j of row b is real (its log-prob / value is wanted)."""
+    return attention_mask[:, attention_mask.shape[1] - response_length :].bool()
+
+
+def _scatter_response(values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """values [N] at the True entries of target [B, R] → [B, R], zeros elsewhere."""
+    return values.new_zeros(target.shape).index_put((target,), values)
+
+
+def _packed_sources(packed: Packed, target: torch.Tensor) -> torch.Tensor:
+    """Packed indices of the positions predicting each real response token (row-major over target)."""
+    seq_len, response_length = packed.seq_len, target.shape[1]
+    flat = packed.flat_positions()[:, seq_len - response_length - 1 : seq_len - 1]
+    src = flat[target]
+    if bool((src < 0).any()):
+        raise ValueError(
+            "a response token follows a padding position: real tokens must be contiguous per row"
+        )
+    return src
+
+
+def _check_attention(model: torch.nn.Module) -> None:
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in (PACKED_ATTENTION, "flash_attention_2", "flash_attention_3", "flex_attention"):
+        if not getattr(model, "_klppo_warned_packed", False):
+            import warnings
+
+            warnings.warn(
+                f"packed forward with attn_implementation={impl!r} is correct but attends over a dense "
+                "[T, T] mask; call klppo.batching.attention.enable_packed_attention(model) once",
+                stacklevel=3,
+            )
+            model._klppo_warned_packed = True
+
+
+def forward_log_probs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    *,
+    response_length: int,
+    temperature: float = 1.0,
+    use_remove_padding: bool,
+    calculate_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob (and entropy) of each response token under a Hugging Face causal LM.
+
+    Args:
+        input_ids, attention_mask, position_ids: [B, L] (layout in the module docstring).
+        response_length: R, the last R columns are the response.
+        temperature: logits are divided by it (the rollout's sampling temperature).
+        use_remove_padding: pack the rows into one (no compute on padding) or run padded.
+        calculate_entropy: also return the entropy of the tempered next-token distribution.
+
+    Returns:
+        log_probs [B, R] float32 and entropy [B, R] float32 (or None); zeros at masked response positions.
+    """
+    target = _response_columns(attention_mask, response_length)
+    labels = input_ids[:, input_ids.shape[1] - response_length :]
+    if use_remove_padding:
+        _check_attention(model)
+        packed = pack(input_ids, attention_mask, position_ids)
+        src = _packed_sources(packed, target)
+        out = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=None,
+            logits_to_keep=src,
+            use_cache=False,
+            **packed.attention_kwargs(),
+        )
+        logits = out.logits[0]  # [N, V]: only the positions that predict a real response token
+        log_probs, entropy = log_probs_from_logits(logits, labels[target], temperature, calculate_entropy)
+        log_probs = _scatter_response(log_probs, target)
+        entropy = None if entropy is None else _scatter_response(entropy, target)
+        return log_probs, entropy
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=response_length + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1]  # [B, R, V]
+    log_probs, entropy = log_probs_from_logits(logits, labels, temperature, calculate_entropy)
+    log_probs = torch.where(target, log_probs, 0.0)
+    entropy = None if entropy is None else torch.where(target, entropy, 0.0)
+    return log_probs, entropy
+
+
+def forward_values(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    *,
+    response_length: int,
+    use_remove_padding: bool,
+) -> torch.Tensor:
+    """Critic values [B, R] float32 from a token-classification model with one label.
+
+    The value of response token j is the model's output at the position before it (verl:
+    ``logits[:, -R-1:-1]``); zeros at masked response positions.
+    """
+    target = _response_columns(attention_mask, response_length)
+    if use_remove_padding:
+        _check_attention(model)
+        packed = pack(input_ids, attention_mask, position_ids)
+        src = _packed_sources(packed, target)
+        out = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=None,
+            use_cache=False,
+            **packed.attention_kwargs(),
+        )
+        values = out.logits[0, :, 0].float()[src]
+        return _scatter_response(values, target)
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    values = out.logits[:, -response_length - 1 : -1, 0].float()
+    return torch.where(target, values, 0.0)
