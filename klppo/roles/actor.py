@@ -101,16 +101,11 @@ class Actor:
     def _update_mini_batch(self, mini: Batch, acc: MetricAccumulator, ref_logits_fn) -> None:
         s = self.settings
         self.optimizer.zero_grad(set_to_none=True)
-        mask = mini.response_mask
-        # global (all-rank) counts so micro losses add up to the loss of the whole global mini-batch
-        denom = all_reduce_sum(torch.stack([mask.sum(), torch.tensor(float(len(mini)))]).double())
-        global_tokens, global_seqs = float(denom[0]), float(denom[1])
+        counts = global_counts(mini.response_mask)
         finite = True
         for _, mb in iter_micro(mini, s.update_micro):
             loss, stats = self._micro_loss(mb, ref_logits_fn)
-            weight = _micro_weight(
-                s.loss_agg_mode, mb.response_mask, global_tokens, global_seqs, world_size()
-            )
+            weight = micro_weight(s.loss_agg_mode, mb.response_mask, counts, mini.response_length)
             if not torch.isfinite(loss):
                 finite = False
             (loss * weight).backward()
@@ -175,16 +170,19 @@ class Actor:
         self.num_skipped_updates = int(state["num_skipped_updates"])
 
 
-def _micro_weight(mode: str, micro_mask: torch.Tensor, global_tokens: float, global_seqs: float, world: int) -> float:
-    """Scale of a micro-batch's aggregated loss so that Σ over micro-batches and ranks (FSDP averages
-    gradients over ``world`` ranks) equals the aggregated loss of the global mini-batch."""
-    if mode == "token-mean":
-        share = float(micro_mask.sum()) / max(global_tokens, 1.0)
-    elif mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        share = micro_mask.shape[0] / max(global_seqs, 1.0)
-    else:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}")
-    return share * world
+def global_counts(mini_mask: torch.Tensor) -> tuple[float, float]:
+    """(tokens, sequences with a token) of the mini-batch summed over all ranks: one collective."""
+    counts = torch.stack([mini_mask.sum(), (mini_mask.sum(dim=-1) > 0).sum()]).double()
+    tokens, seqs = all_reduce_sum(counts).tolist()
+    return tokens, seqs
+
+
+def micro_weight(mode: str, micro_mask: torch.Tensor, counts: tuple[float, float], horizon: int) -> float:
+    """Scale of a micro-batch's aggregated loss so that the sum over micro-batches and ranks (FSDP averages
+    gradients over the ranks, hence × world size) equals the aggregated loss of the global mini-batch."""
+    from klppo.batching.dynamic import micro_batch_loss_weight
+
+    return world_size() * micro_batch_loss_weight(mode, micro_mask, counts[0], counts[1], horizon=horizon)
 
 
 def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

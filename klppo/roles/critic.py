@@ -9,8 +9,7 @@ import torch
 
 from klppo.algorithms import losses
 from klppo.batch import Batch
-from klppo.roles.actor import _clip_grad_norm, _micro_weight
-from klppo.roles.dp import all_reduce_sum, world_size
+from klppo.roles.actor import _clip_grad_norm, global_counts, micro_weight
 from klppo.roles.forward import MicroBatching, iter_micro, no_grad_pass, value_forward
 from klppo.roles.metrics import MetricAccumulator
 from klppo.roles.optim import OptimSettings, build_optimizer, build_scheduler
@@ -65,7 +64,7 @@ class Critic:
     def _update_mini_batch(self, mini: Batch, acc: MetricAccumulator) -> None:
         s = self.settings
         self.optimizer.zero_grad(set_to_none=True)
-        denom = all_reduce_sum(torch.stack([mini.response_mask.sum(), torch.tensor(float(len(mini)))]).double())
+        counts = global_counts(mini.response_mask)
         finite = True
         for _, mb in iter_micro(mini, s.update_micro):
             vpreds = value_forward(self.model, mb)
@@ -77,7 +76,7 @@ class Critic:
                 cliprange_value=s.cliprange_value,
                 loss_agg_mode=s.loss_agg_mode,
             )
-            weight = _micro_weight(s.loss_agg_mode, mb.response_mask, float(denom[0]), float(denom[1]), world_size())
+            weight = micro_weight(s.loss_agg_mode, mb.response_mask, counts, mini.response_length)
             finite = finite and bool(torch.isfinite(loss))
             (loss * weight).backward()
             micro_stats = {"critic/vf_loss": float(loss.detach())}

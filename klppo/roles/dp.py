@@ -24,6 +24,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return out.to(t.device)
 
 
+def all_reduce_max(value: int) -> int:
+    """Largest ``value`` over all ranks."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     """Concatenate equal-shaped per-rank tensors along dim 0, in rank order."""
     if world_size() == 1:

@@ -26,9 +26,15 @@ class MicroBatching:
             size = max(1, self.micro_batch_size)
             return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
         from klppo.batching.dynamic import partition_by_token_budget
+        from klppo.roles.dp import all_reduce_max
 
-        seq_lens = batch.attention_mask.sum(dim=1).tolist()
-        return partition_by_token_budget([int(s) for s in seq_lens], self.max_token_len)
+        seq_lens = [int(s) for s in batch.attention_mask.sum(dim=1).tolist()]
+        parts = partition_by_token_budget(seq_lens, self.max_token_len)
+        # every data-parallel rank must run the same number of micro-batches (FSDP collectives)
+        most = all_reduce_max(len(parts))
+        if most != len(parts):
+            parts = partition_by_token_budget(seq_lens, self.max_token_len, num_partitions_multiple=most)
+        return parts
 
 
 def iter_micro(batch: Batch, micro: MicroBatching) -> Iterator[tuple[list[int], Batch]]:

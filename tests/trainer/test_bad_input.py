@@ -1,0 +1,43 @@
+"""Bad input gives a clear message and no corrupted state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.trainer.utils import base_overrides, read_metrics, run_training
+
+
+def test_model_path_that_is_not_a_model(arithmetic_data, tmp_path):
+    from klppo.models.loading import ModelLoadError
+
+    not_a_model = tmp_path / "empty_dir"
+    not_a_model.mkdir()
+    with pytest.raises(ModelLoadError, match=str(not_a_model.name)):
+        run_training(base_overrides(not_a_model, arithmetic_data, tmp_path / "run"))
+
+
+def test_empty_dataset_after_filtering(tiny_model_dir, arithmetic_data, tmp_path):
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + ["data.max_prompt_length=4"]
+    with pytest.raises(ValueError, match="(?i)filter|empty|longer"):
+        run_training(overrides)
+
+
+def test_nan_loss_steps_skipped_then_stop(tiny_model_dir, arithmetic_data, tmp_path, monkeypatch):
+    from klppo.roles import actor as actor_mod
+    from klppo.trainer.ppo_trainer import TrainingStopped
+
+    real = actor_mod.Actor._micro_loss
+
+    def nan_loss(self, mb, ref_logits_fn):
+        loss, stats = real(self, mb, ref_logits_fn)
+        return loss * torch.tensor(float("nan")), stats
+
+    monkeypatch.setattr(actor_mod.Actor, "_micro_loss", nan_loss)
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        "trainer.total_training_steps=5", "trainer.max_nan_steps=2",
+    ]
+    with pytest.raises(TrainingStopped, match="max_nan_steps=2"):
+        run_training(overrides)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["training/nan_steps"] for r in rows] == [1.0, 2.0]

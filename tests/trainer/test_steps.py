@@ -1,0 +1,54 @@
+"""One full PPO step per advantage estimator and KL variant, on a tiny model, in one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.trainer.utils import base_overrides, read_metrics, run_training
+
+REQUIRED = [
+    "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean",
+    "critic/advantages/mean", "critic/returns/mean", "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac",
+    "actor/grad_norm", "actor/lr", "response_length/mean", "response_length/max",
+    "response_length/clip_ratio", "prompt_length/mean", "timing_s/gen", "timing_s/old_log_prob",
+    "timing_s/adv", "timing_s/update_actor", "timing_s/step", "perf/throughput", "perf/total_num_tokens",
+]
+
+CASES = {
+    "gae_kl_in_reward": ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=True",
+                         "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01"],
+    "grpo_kl_loss_k3": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=True",
+                        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0.01"],
+    "rloo_kl_loss_full": ["algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.use_kl_loss=True",
+                          "actor_rollout_ref.actor.kl_loss_type=full"],
+    "reinforce_pp_k2plus": ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.use_kl_in_reward=True",
+                            "algorithm.kl_penalty=mse", "actor_rollout_ref.actor.use_kl_loss=True",
+                            "actor_rollout_ref.actor.kl_loss_type=k1+"],
+    "remax_no_kl": ["algorithm.adv_estimator=remax"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_one_step(name, tiny_model_dir, arithmetic_data, tmp_path):
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path) + CASES[name]
+    state, parts = run_training(overrides)
+    assert state.global_step == 1
+    (row,) = read_metrics(tmp_path)
+    assert row["step"] == 1
+    for key in REQUIRED:
+        assert key in row, key
+        assert math.isfinite(row[key]), (key, row[key])
+    if "gae" in name:
+        for key in ("critic/vf_loss", "critic/values/mean", "critic/vf_explained_var", "timing_s/update_critic"):
+            assert key in row, key
+        assert parts.critic is not None
+    else:
+        assert parts.critic is None
+    needs_ref = any("kl" in o and "True" in o for o in CASES[name])
+    assert (parts.reference is not None) == needs_ref
+    if "use_kl_in_reward=True" in " ".join(CASES[name]):
+        assert "actor/reward_kl_penalty" in row and "actor/reward_kl_penalty_coeff" in row
+    if "use_kl_loss=True" in " ".join(CASES[name]):
+        assert "actor/kl_loss" in row and row["actor/kl_coef"] > 0

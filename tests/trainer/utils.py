@@ -1,0 +1,65 @@
+"""Helpers for the end-to-end trainer tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def base_overrides(model_dir: Path, data: tuple[Path, Path], run_dir: Path) -> list[str]:
+    train, test = data
+    return [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"data.train_files={train}",
+        f"data.val_files={test}",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=64",
+        "data.max_response_length=8",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "critic.forward_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "critic.optim.lr=1e-3",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        "critic.model.enable_gradient_checkpointing=False",
+        "reward_model.reward_kwargs={method: flexible}",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        "trainer.logger=[jsonl]",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.total_training_steps=1",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+
+
+def run_training(overrides: list[str]):
+    """Train in this process (world size 1); returns (state, parts) for inspection."""
+    from klppo.config import load_config
+    from klppo.parallel import dist
+    from klppo.trainer.ppo_trainer import PPOTrainer
+    from klppo.trainer.setup import build_run
+
+    torch.set_num_threads(1)
+    cfg = load_config(overrides)
+    info = dist.init_distributed("cpu", 120.0)
+    try:
+        parts = build_run(cfg, device=info.device, argv=overrides)
+        state = PPOTrainer(parts).fit()
+        return state, parts
+    finally:
+        dist.destroy()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    import json
+
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
