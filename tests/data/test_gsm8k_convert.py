@@ -1,0 +1,148 @@
+"""GSM8K conversion (synthetic rows everywhere, the real files when present), the arithmetic set, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow.parquet as pq
+import pytest
+
+from klppo.data import PromptLoader
+from klppo.data.arithmetic import write_arithmetic_parquet
+from klppo.data.cli import main as data_main
+from klppo.data.gsm8k import INSTRUCTION, convert
+from klppo.models.tiny import build_tiny_tokenizer
+from klppo.rewards.gsm8k import compute_score
+
+REAL_DIR = "/work/shared/data/gsm8k"
+_HERE_REAL = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k")
+REAL_DIR = _HERE_REAL if os.path.isdir(_HERE_REAL) else REAL_DIR
+
+
+def _write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _synthetic(tmp_path):
+    train = [
+        {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"},
+        {"question": "A car costs $12,500 more.", "answer": "So 1,250 + 11,250 = 12,500\n#### 12,500"},
+        {"question": "Temperature drops to?", "answer": "It is -3 degrees.\n#### -3"},
+    ]
+    test = [{"question": "Half of 5?", "answer": "5/2=2.5\n#### 2.5"}]
+    src = tmp_path / "src"
+    src.mkdir()
+    _write_jsonl(src / "train.jsonl", train)
+    _write_jsonl(src / "test.jsonl", test)
+    return src, train, test
+
+
+def test_synthetic_conversion_has_verl_schema_and_values(tmp_path):
+    src, train, test = _synthetic(tmp_path)
+    assert convert(str(src), str(tmp_path / "out")) == (3, 1)
+    rows = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
+    assert list(rows[0]) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    for i, (row, rec) in enumerate(zip(rows, train)):
+        assert row["data_source"] == "openai/gsm8k"
+        assert row["prompt"] == [{"role": "user", "content": rec["question"] + " " + INSTRUCTION}]
+        assert row["ability"] == "math"
+        assert row["reward_model"]["style"] == "rule"
+        assert row["extra_info"] == {
+            "split": "train",
+            "index": i,
+            "answer": rec["answer"],
+            "question": rec["question"],
+        }
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["7", "12500", "-3"]
+    assert INSTRUCTION == 'Let\'s think step by step and output the final answer after "####".'
+    (test_row,) = pq.read_table(tmp_path / "out" / "test.parquet").to_pylist()
+    assert test_row["extra_info"]["split"] == "test" and test_row["reward_model"]["ground_truth"] == "2.5"
+
+
+def test_conversion_errors(tmp_path):
+    src, train, _ = _synthetic(tmp_path)
+    with pytest.raises(FileNotFoundError, match="test.jsonl"):
+        (src / "test.jsonl").unlink()
+        convert(str(src), str(tmp_path / "o"))
+    _write_jsonl(src / "test.jsonl", [{"question": "q", "answer": "no marker"}])
+    with pytest.raises(ValueError, match=r"test.jsonl \(test row 0\).*####"):
+        convert(str(src), str(tmp_path / "o"))
+
+
+def test_cli(tmp_path, capsys):
+    src, _, _ = _synthetic(tmp_path)
+    assert data_main(["gsm8k", "--input", str(src), "--output", str(tmp_path / "o")]) == 0
+    assert "3 train and 1 test" in capsys.readouterr().out
+    assert data_main(["gsm8k", "--input", str(tmp_path / "nope"), "--output", str(tmp_path / "o")]) == 1
+    assert "not found" in capsys.readouterr().err
+    assert (
+        data_main(["arithmetic", "--output", str(tmp_path / "a"), "--num-train", "10", "--num-test", "5"])
+        == 0
+    )
+    assert pq.read_metadata(tmp_path / "a" / "train.parquet").num_rows == 10
+
+
+def test_without_input_needs_datasets(tmp_path):
+    try:
+        import datasets  # noqa: F401
+
+        pytest.skip("`datasets` is installed here; the no-input path would go online")
+    except ImportError:
+        pass
+    with pytest.raises(RuntimeError, match="datasets"):
+        convert(None, str(tmp_path / "o"))
+
+
+def test_real_gsm8k_conversion(tmp_path):
+    if not os.path.isfile(os.path.join(REAL_DIR, "train.jsonl")):
+        pytest.skip(f"real GSM8K not present at {REAL_DIR} (plain clone outside the project machines)")
+    assert convert(REAL_DIR, str(tmp_path)) == (7473, 1319)
+    for split, n in (("train", 7473), ("test", 1319)):
+        with open(os.path.join(REAL_DIR, f"{split}.jsonl")) as f:
+            source = [json.loads(line) for line in f]
+        rows = pq.read_table(tmp_path / f"{split}.parquet").to_pylist()
+        assert len(rows) == n
+        for i, (row, rec) in enumerate(zip(rows, source)):
+            truth = rec["answer"].split("####")[-1].strip().replace(",", "")  # independent parse
+            assert row["reward_model"]["ground_truth"] == truth
+            assert row["extra_info"]["index"] == i and row["extra_info"]["question"] == rec["question"]
+            assert row["prompt"][0]["content"].startswith(rec["question"] + " Let's think")
+    # Read back through the loader: every prompt's ground truth matches its source answer.
+    with open(os.path.join(REAL_DIR, "test.jsonl")) as f:
+        source = [json.loads(line) for line in f]
+    loader = PromptLoader(
+        str(tmp_path / "test.parquet"), build_tiny_tokenizer(), batch_size=512, max_prompt_length=4096,
+        shuffle=False, drop_last=False,
+    )  # fmt: skip
+    seen = 0
+    for batch in loader:
+        for uid, truth, messages in zip(batch.uid, batch.ground_truth, batch.raw_prompt):
+            rec = source[int(uid.split(":")[1])]
+            assert truth == rec["answer"].split("####")[-1].strip().replace(",", "")
+            assert messages[0]["content"].startswith(rec["question"])
+            seen += 1
+    assert seen == 1319 and loader.stats.num_overlong == 0
+
+
+def test_arithmetic_set(tmp_path):
+    train_path, test_path = write_arithmetic_parquet(str(tmp_path / "a"), num_train=40, num_test=20, seed=3)
+    again = write_arithmetic_parquet(str(tmp_path / "b"), num_train=40, num_test=20, seed=3)
+    train, test = pq.read_table(train_path).to_pylist(), pq.read_table(test_path).to_pylist()
+    assert train == pq.read_table(again[0]).to_pylist()  # deterministic by seed
+    other = write_arithmetic_parquet(str(tmp_path / "c"), num_train=40, num_test=20, seed=4)
+    assert train != pq.read_table(other[0]).to_pylist()
+    questions = [r["extra_info"]["question"] for r in train]
+    assert len(set(questions)) == 40
+    assert not set(questions) & {r["extra_info"]["question"] for r in test}
+    ops = set()
+    for row in train + test:
+        q = row["extra_info"]["question"]
+        _, _, a, op, b = q.rstrip("?").split()
+        ops.add(op)
+        assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99
+        value = int(a) + int(b) if op == "+" else int(a) - int(b)
+        assert value >= 0 and row["reward_model"]["ground_truth"] == str(value)
+        assert row["data_source"] == "openai/gsm8k"
+        assert compute_score(f"so #### {value}", row["reward_model"]["ground_truth"]) == 1.0
+    assert ops == {"+", "-"}
