@@ -120,8 +120,13 @@ def make_rollout(
             warnings.warn(f"hf rollout ignores options {sorted(kwargs)}", stacklevel=2)
         return HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
     if name == "klppo":
-        from klppo.rollout.hf import HFRollout
+        from klppo.rollout.engine import KLPPORollout
 
-        warnings.warn("the klppo engine is not ready yet: using the hf backend", stacklevel=2)
-        return HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+        return KLPPORollout(
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+            gpu_memory_utilization=gpu_memory_utilization,
+            free_cache_engine=free_cache_engine,
+            **kwargs,
+        )
     raise ValueError(f"unknown rollout name {name!r}; expected 'klppo' or 'hf'")

@@ -1,0 +1,328 @@
+"""The ``klppo`` rollout engine: continuous batching over a preallocated KV cache, on the model's own weights.
+
+One ``generate`` call:
+
+1. reads the weights from the module (``LlamaWeights.read``: views, no copy; never kept across calls);
+2. allocates the KV cache in one piece, ``[L, 2, num_slots, H_kv, S, D]`` with ``S = longest prompt +
+   max_new_tokens``, ``num_slots`` sized so that everything allocated plus the cache and a prefill
+   workspace stays within ``gpu_memory_utilization × total device memory`` (CPU: one slot per sequence,
+   or ``max_num_seqs``);
+3. fills the slots with the first sequences (``B × n``, row ``i·n + j`` = prompt i, sample j) through one
+   packed prefill (only real prompt tokens are projected; each prompt attends causally to itself);
+4. runs decode steps on the first ``bucket`` slots (``bucket`` = smallest power of two, or the slot count,
+   covering every busy slot), each step captured once as a CUDA graph per bucket on GPU, eager on CPU.
+   A step samples on the device and records tokens/log-probs into the output buffers without any host
+   synchronisation;
+5. every ``eos_check_every`` steps reads the finished flags once; finished slots take the next waiting
+   sequences (prefilled the same way) — continuous batching — until none is left.
+
+The cache, buffers and graphs are dropped at the end of ``generate`` when ``free_cache_engine`` is True;
+otherwise they are kept and reused by the next call of the same shape on the same weight addresses.
+Models the engine cannot run fall back to the ``hf`` backend with a warning that names the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import warnings
+
+import torch
+
+from klppo.rollout.base import RolloutOutput, SamplingParams
+from klppo.rollout.hf import HFRollout
+from klppo.rollout.llama import LlamaWeights, decode, logits_of, prefill, unsupported_reason
+from klppo.rollout.sampling import sample
+
+
+@dataclasses.dataclass
+class _Workspace:
+    """Everything the decode graphs point at. State tensors are indexed by slot, outputs by sequence."""
+
+    key: tuple
+    kv: torch.Tensor  # [L, 2, slots, H_kv, S, D]
+    last_token: torch.Tensor  # [slots] token to feed next
+    position: torch.Tensor  # [slots] cache position it is written at
+    seq_id: torch.Tensor  # [slots] sequence in the slot (num_seqs = none)
+    gen_len: torch.Tensor  # [slots] tokens generated so far
+    finished: torch.Tensor  # [slots] bool; a free slot counts as finished
+    out_tokens: torch.Tensor  # [num_seqs + 1, R] (last row: sink for idle slots)
+    out_log_probs: torch.Tensor  # [num_seqs + 1, R]
+    out_len: torch.Tensor  # [num_seqs + 1]
+    graphs: dict = dataclasses.field(default_factory=dict)
+    pool: object = None
+
+
+class KLPPORollout:
+    """Our engine (see the module docstring). ``last_stats`` reports the last call's figures."""
+
+    def __init__(
+        self,
+        *,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        gpu_memory_utilization: float = 0.5,
+        free_cache_engine: bool = True,
+        max_num_seqs: int | None = None,
+        eos_check_every: int = 16,
+        max_prefill_tokens: int = 32768,
+        use_cuda_graph: bool = True,
+    ) -> None:
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = int(pad_token_id)
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.free_cache_engine = free_cache_engine
+        self.max_num_seqs = max_num_seqs
+        self.eos_check_every = eos_check_every
+        self.max_prefill_tokens = max_prefill_tokens
+        self.use_cuda_graph = use_cuda_graph
+        self.last_stats: dict[str, float] = {}
+        self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+        self._ws: _Workspace | None = None
+
+    # ---- public ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        model: torch.nn.Module,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+    ) -> RolloutOutput:
+        """See :mod:`klppo.rollout.base` for the contract."""
+        lengths = prompt_mask.sum(dim=1).tolist()
+        reason = unsupported_reason(model, max(lengths) + params.max_new_tokens)
+        if reason is not None:
+            warnings.warn(f"klppo rollout cannot run this model ({reason}): using hf", stacklevel=2)
+            out = self._fallback.generate(model, prompts, prompt_mask, params)
+            self.last_stats = {**self._fallback.last_stats, "rollout/fallback_hf": 1.0}
+            return out
+        device = prompts.device
+        rng = contextlib.nullcontext()
+        if params.seed is not None:
+            rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+        with rng:
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            try:
+                return self._generate(model, prompts, prompt_mask, lengths, params)
+            finally:
+                if self.free_cache_engine:
+                    self.release()
+
+    def release(self) -> None:
+        """Drop the KV cache, output buffers and captured graphs."""
+        self._ws = None
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _generate(self, model, prompts, prompt_mask, lengths, params) -> RolloutOutput:
+        device = prompts.device
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        w = LlamaWeights.read(model)
+        if type(w.embed) is not torch.Tensor and type(w.embed).__name__ == "DTensor":
+            raise ValueError("klppo rollout needs full (gathered) weights, got DTensor shards")
+        n, width = params.n, params.max_new_tokens
+        num_seqs = len(lengths) * n
+        seq_lengths = [lengths[s // n] for s in range(num_seqs)]
+        packed = prompts[prompt_mask.bool()]
+        starts = [0]
+        for length in lengths:
+            starts.append(starts[-1] + length)
+        max_len = -(-(max(lengths) + width) // 16) * 16
+        ws = self._workspace(w, device, num_seqs, width, max_len, params)
+        num_slots = ws.kv.shape[2]
+        eos = torch.tensor(self.eos_token_ids or [-1], device=device)
+        check_eos = not params.ignore_eos and bool(self.eos_token_ids)
+
+        def admit(pairs: list[tuple[int, int]]) -> None:
+            """Prefill sequences into slots, in chunks of at most max_prefill_tokens tokens."""
+            chunk: list[tuple[int, int]] = []
+            budget = 0
+            for s, slot in pairs:
+                if chunk and budget + seq_lengths[s] > self.max_prefill_tokens:
+                    self._prefill(w, ws, packed, starts, seq_lengths, chunk, params, eos, check_eos, n)
+                    chunk, budget = [], 0
+                chunk.append((s, slot))
+                budget += seq_lengths[s]
+            if chunk:
+                self._prefill(w, ws, packed, starts, seq_lengths, chunk, params, eos, check_eos, n)
+
+        slot_seq = [-1] * num_slots
+        waiting = list(range(num_seqs))[::-1]  # pop() takes the lowest sequence id
+        prefill_start = time.perf_counter()
+        first = [(waiting.pop(), slot) for slot in range(min(num_slots, num_seqs))]
+        for s, slot in first:
+            slot_seq[slot] = s
+        admit(first)
+        prefill_s = time.perf_counter() - prefill_start
+        buckets = _buckets(num_slots)
+        num_steps = capture_s = 0.0
+        while True:
+            busy = [slot for slot, s in enumerate(slot_seq) if s >= 0]
+            if not busy:
+                break
+            bucket = next(b for b in buckets if b > busy[-1])
+            t0 = time.perf_counter()
+            step = self._step_fn(w, ws, bucket, params, eos, check_eos, cuda)
+            capture_s += time.perf_counter() - t0
+            for _ in range(self.eos_check_every):
+                step()
+            num_steps += self.eos_check_every
+            finished = ws.finished[:num_slots].tolist()  # the one host sync per eos_check_every steps
+            freed = [slot for slot in busy if finished[slot]]
+            for slot in freed:
+                slot_seq[slot] = -1
+            refill = [(waiting.pop(), slot) for slot in freed[: len(waiting)]]
+            for s, slot in refill:
+                slot_seq[slot] = s
+            if refill:
+                t0 = time.perf_counter()
+                admit(refill)
+                prefill_s += time.perf_counter() - t0
+
+        out_len = ws.out_len[:num_seqs]
+        mask = (torch.arange(width, device=device)[None, :] < out_len[:, None]).long()
+        responses = torch.where(mask.bool(), ws.out_tokens[:num_seqs], self.pad_token_id)
+        log_probs = ws.out_log_probs[:num_seqs] * mask
+        if cuda:
+            torch.cuda.synchronize(device)
+        tokens = float(out_len.sum().item())
+        elapsed = time.perf_counter() - start
+        self.last_stats = {
+            "rollout/time_s": elapsed,
+            "rollout/prefill_s": prefill_s,
+            "rollout/graph_capture_s": capture_s,
+            "rollout/tokens_generated": tokens,
+            "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
+            "rollout/num_slots": float(num_slots),
+            "rollout/decode_steps": float(num_steps),
+            "rollout/kv_cache_gb": ws.kv.numel() * ws.kv.element_size() / 2**30,
+            "perf/rollout_peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
+        }
+        return RolloutOutput(responses=responses.clone(), response_mask=mask, log_probs=log_probs.clone())
+
+    def _num_slots(self, w: LlamaWeights, device: torch.device, num_seqs: int, max_len: int) -> int:
+        cap = min(num_seqs, self.max_num_seqs or num_seqs)
+        if device.type != "cuda":
+            return cap
+        elt = w.embed.element_size()
+        hidden, vocab = w.embed.shape[1], w.lm_head.shape[0]
+        inter = w.layers[0].gate.shape[0]
+        per_slot = len(w.layers) * 2 * w.num_kv_heads * max_len * w.head_dim * elt + vocab * 4 * 8
+        workspace = self.max_prefill_tokens * (3 * inter + 8 * hidden + 4 * w.num_heads * w.head_dim) * elt
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = self.gpu_memory_utilization * total - torch.cuda.memory_allocated(device) - workspace
+        slots = int(budget // per_slot)
+        if slots < 1:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} leaves no room for a KV cache "
+                f"({torch.cuda.memory_allocated(device) / 2**30:.1f} GiB already allocated)"
+            )
+        return min(cap, slots)
+
+    def _workspace(self, w, device, num_seqs, width, max_len, params) -> _Workspace:
+        num_slots = self._num_slots(w, device, num_seqs, max_len)
+        key = (num_seqs, width, max_len, num_slots, w.embed.dtype, w.signature(), params)
+        if self._ws is not None and self._ws.key == key:
+            return self._ws
+        self._ws = None  # free the old cache before allocating the new one
+        kv = torch.zeros(  # zeros: masked-out cache entries must be finite (0 × NaN = NaN)
+            (len(w.layers), 2, num_slots, w.num_kv_heads, max_len, w.head_dim),
+            dtype=w.embed.dtype,
+            device=device,
+        )
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self._ws = _Workspace(
+            key=key,
+            kv=kv,
+            last_token=zeros(num_slots),
+            position=zeros(num_slots),
+            seq_id=torch.full((num_slots,), num_seqs, dtype=torch.long, device=device),
+            gen_len=zeros(num_slots),
+            finished=torch.ones(num_slots, dtype=torch.bool, device=device),
+            out_tokens=zeros(num_seqs + 1, width),
+            out_log_probs=zeros(num_seqs + 1, width, dtype=torch.float32),
+            out_len=zeros(num_seqs + 1),
+        )
+        return self._ws
+
+    def _prefill(self, w, ws, packed, starts, seq_lengths, pairs, params, eos, check_eos, n) -> None:
+        device = packed.device
+        seqs = [s for s, _ in pairs]
+        index = torch.cat([torch.arange(starts[s // n], starts[s // n + 1]) for s in seqs]).to(device)
+        slots = torch.tensor([slot for _, slot in pairs], device=device)
+        seq_t = torch.tensor(seqs, device=device)
+        hidden = prefill(w, ws.kv, packed[index], slots, [seq_lengths[s] for s in seqs])
+        tokens, log_probs = sample(logits_of(w, hidden), params)
+        ws.out_tokens[seq_t, 0] = tokens
+        ws.out_log_probs[seq_t, 0] = log_probs
+        ws.out_len[seq_t] = 1
+        ws.last_token[slots] = tokens
+        ws.position[slots] = torch.tensor([seq_lengths[s] for s in seqs], device=device)
+        ws.seq_id[slots] = seq_t
+        ws.gen_len[slots] = 1
+        done = torch.full_like(tokens, params.max_new_tokens <= 1, dtype=torch.bool)
+        if check_eos:
+            done |= torch.isin(tokens, eos)
+        ws.finished[slots] = done
+
+    def _step_fn(self, w, ws, bucket, params, eos, check_eos, cuda):
+        """A callable running one decode step on slots [0, bucket): a graph replay on GPU."""
+        width, sink, max_len = params.max_new_tokens, ws.out_len.shape[0] - 1, ws.kv.shape[4]
+
+        def step() -> None:
+            logits = decode(w, ws.kv, ws.last_token[:bucket], ws.position[:bucket])
+            tokens, log_probs = sample(logits, params)
+            alive = ~ws.finished[:bucket]
+            row = torch.where(alive, ws.seq_id[:bucket], sink)
+            col = ws.gen_len[:bucket].clamp(max=width - 1)
+            ws.out_tokens[row, col] = tokens
+            ws.out_log_probs[row, col] = log_probs
+            ws.gen_len[:bucket] += alive.long()
+            ws.out_len[row] = ws.gen_len[:bucket]
+            done = ws.gen_len[:bucket] >= width
+            if check_eos:
+                done |= torch.isin(tokens, eos)
+            ws.finished[:bucket] |= alive & done
+            ws.last_token[:bucket] = tokens
+            ws.position[:bucket] = (ws.position[:bucket] + 1).clamp(max=max_len - 1)
+
+        if not (cuda and self.use_cuda_graph):
+            return step
+        if bucket in ws.graphs:
+            return ws.graphs[bucket].replay
+        state = [ws.last_token, ws.position, ws.gen_len, ws.finished, ws.out_len]
+        saved = [t.clone() for t in state]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # warm-up (lazy inits, cuBLAS workspaces) outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+        if ws.pool is None:
+            ws.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=ws.pool):
+            step()
+        ws.graphs[bucket] = graph
+        return graph.replay
+
+
+def _buckets(num_slots: int) -> list[int]:
+    """Powers of two below ``num_slots``, then ``num_slots``."""
+    out, b = [], 1
+    while b < num_slots:
+        out.append(b)
+        b *= 2
+    return out + [num_slots]

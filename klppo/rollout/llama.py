@@ -1,0 +1,259 @@
+"""A functional forward pass of Llama-family decoders over a slot-indexed KV cache.
+
+It reads the weights from the given Hugging Face module *at call time* (``LlamaWeights.read``): no
+copy, no state-dict round trip, so under FSDP2 the caller gathers the shards, calls the engine, and
+releases them. Supported: Llama 2/3, Qwen2/2.5, Qwen3 (per-head q/k RMSNorm), Mistral, SmolLM2 — tied
+embeddings, GQA, q/k/v biases, and any RoPE variant whose frequencies do not depend on the sequence
+length (default, linear, llama3, yarn, longrope-free): the inverse frequencies are read from the
+model's own rotary module so they match Hugging Face exactly.
+
+Cache layout: one tensor ``kv`` [L, 2, num_slots, H_kv, S, D]; sequence ``s`` lives in slot
+``slot(s)`` and its token at position ``p`` in ``kv[:, :, slot, :, p]``.
+
+Deliberately left out: sliding-window attention (refused when the window is shorter than the rollout),
+dynamic RoPE, MoE, cross-attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def unsupported_reason(model: torch.nn.Module, max_len: int) -> str | None:
+    """Why the engine cannot run ``model`` for sequences of ``max_len`` tokens; None if it can."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not in {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (only silu)"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope_type {rope_type!r} (supported: {STATIC_ROPE_TYPES})"
+    window = getattr(config, "sliding_window", None)
+    use_window = getattr(config, "use_sliding_window", model_type == "mistral")
+    if use_window and window is not None and window < max_len:
+        return f"sliding_window {window} shorter than the rollout length {max_len}"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return "module layout is not model.model.layers / model.lm_head"
+    if not hasattr(inner, "rotary_emb") or not hasattr(inner.rotary_emb, "inv_freq"):
+        return "no rotary_emb.inv_freq on the model"
+    return None
+
+
+@dataclasses.dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_bias: torch.Tensor | None
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+
+@dataclasses.dataclass
+class LlamaWeights:
+    """Views of a model's weights for one ``generate`` call (never kept across calls)."""
+
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    inv_freq: torch.Tensor
+    attention_scaling: float
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @staticmethod
+    def read(model: torch.nn.Module) -> LlamaWeights:
+        config = model.config
+        inner = model.model
+        layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            q_norm = getattr(attn, "q_norm", None)
+            k_norm = getattr(attn, "k_norm", None)
+            layers.append(
+                LayerWeights(
+                    input_norm=layer.input_layernorm.weight,
+                    q=attn.q_proj.weight,
+                    k=attn.k_proj.weight,
+                    v=attn.v_proj.weight,
+                    q_bias=attn.q_proj.bias,
+                    k_bias=attn.k_proj.bias,
+                    v_bias=attn.v_proj.bias,
+                    o=attn.o_proj.weight,
+                    o_bias=attn.o_proj.bias,
+                    q_norm=None if q_norm is None else q_norm.weight,
+                    k_norm=None if k_norm is None else k_norm.weight,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    gate=mlp.gate_proj.weight,
+                    up=mlp.up_proj.weight,
+                    down=mlp.down_proj.weight,
+                    gate_bias=mlp.gate_proj.bias,
+                    up_bias=mlp.up_proj.bias,
+                    down_bias=mlp.down_proj.bias,
+                )
+            )
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return LlamaWeights(
+            embed=inner.embed_tokens.weight,
+            layers=layers,
+            final_norm=inner.norm.weight,
+            lm_head=model.lm_head.weight,
+            inv_freq=inner.rotary_emb.inv_freq,
+            attention_scaling=float(getattr(inner.rotary_emb, "attention_scaling", 1.0)),
+            eps=float(config.rms_norm_eps),
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+        )
+
+    def signature(self) -> tuple[int, ...]:
+        """Addresses of every weight: graphs captured on these stay valid while it is unchanged."""
+        ptrs = [self.embed.data_ptr(), self.final_norm.data_ptr(), self.lm_head.data_ptr()]
+        for layer in self.layers:
+            for f in dataclasses.fields(layer):
+                t = getattr(layer, f.name)
+                ptrs.append(0 if t is None else t.data_ptr())
+        return tuple(ptrs)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``w * (x / sqrt(mean(x²) + eps))`` computed in float32, as Hugging Face does."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_cos_sin(w: LlamaWeights, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """cos, sin [T, D] for integer ``positions`` [T]."""
+    freqs = positions[:, None].float() * w.inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * w.attention_scaling).to(dtype), (emb.sin() * w.attention_scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _qkv(w: LlamaWeights, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    num_tokens = h.shape[0]
+    q = F.linear(h, lw.q, lw.q_bias).view(num_tokens, w.num_heads, w.head_dim)
+    k = F.linear(h, lw.k, lw.k_bias).view(num_tokens, w.num_kv_heads, w.head_dim)
+    v = F.linear(h, lw.v, lw.v_bias).view(num_tokens, w.num_kv_heads, w.head_dim)
+    if lw.q_norm is not None:
+        q = rms_norm(q, lw.q_norm, w.eps)
+    if lw.k_norm is not None:
+        k = rms_norm(k, lw.k_norm, w.eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp(lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    gate = F.linear(h, lw.gate, lw.gate_bias)
+    return F.linear(F.silu(gate) * F.linear(h, lw.up, lw.up_bias), lw.down, lw.down_bias)
+
+
+def prefill(
+    w: LlamaWeights,
+    kv: torch.Tensor,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: list[int],
+) -> torch.Tensor:
+    """Run packed prompts, write their K/V into their slots; return last-token hidden states [N, hidden].
+
+    ``tokens`` [T] is the concatenation of N prompts of ``lengths`` (sum T); ``slots`` [N]. Projections and
+    MLP run on the T real tokens only; attention runs per prompt, causal (padded to the longest prompt
+    inside the attention call only).
+    """
+    device = tokens.device
+    num_seqs, max_len = len(lengths), max(lengths)
+    lengths_t = torch.tensor(lengths, device=device)
+    starts = torch.cumsum(lengths_t, 0) - lengths_t
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths_t)
+    positions = torch.arange(tokens.shape[0], device=device) - starts[seq_of_token]
+    slot_of_token = slots[seq_of_token]
+    x = F.embedding(tokens, w.embed)
+    cos, sin = rope_cos_sin(w, positions, x.dtype)
+    key_pos = torch.arange(max_len, device=device)
+    mask = (key_pos[None, :] <= key_pos[:, None])[None, None] & (key_pos < lengths_t[:, None])[:, None, None]
+    group = w.num_heads // w.num_kv_heads
+    for i, lw in enumerate(w.layers):
+        h = rms_norm(x, lw.input_norm, w.eps)
+        q, k, v = _qkv(w, lw, h, cos, sin)
+        kv[i, 0, slot_of_token, :, positions] = k
+        kv[i, 1, slot_of_token, :, positions] = v
+        q_pad = q.new_zeros(num_seqs, max_len, w.num_heads, w.head_dim)
+        q_pad[seq_of_token, positions] = q
+        k_pad = kv[i, 0, slots, :, :max_len].repeat_interleave(group, dim=1)
+        v_pad = kv[i, 1, slots, :, :max_len].repeat_interleave(group, dim=1)
+        attn = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k_pad, v_pad, attn_mask=mask)
+        attn = attn.transpose(1, 2)[seq_of_token, positions].reshape(tokens.shape[0], -1)
+        x = x + F.linear(attn, lw.o, lw.o_bias)
+        x = x + _mlp(lw, rms_norm(x, lw.post_norm, w.eps))
+    last = starts + lengths_t - 1
+    return rms_norm(x[last], w.final_norm, w.eps)
+
+
+def decode(
+    w: LlamaWeights,
+    kv: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """One token for each of the first B slots: ``tokens``/``positions`` [B]; returns logits [B, V] float32.
+
+    Writes K/V at ``positions`` and attends to cache positions ``<= positions``. Static shapes (the full
+    cache length S is attended with a mask), so it can be captured in a CUDA graph.
+    """
+    num_slots = tokens.shape[0]
+    slot_idx = torch.arange(num_slots, device=tokens.device)
+    x = F.embedding(tokens, w.embed)
+    cos, sin = rope_cos_sin(w, positions, x.dtype)
+    max_len = kv.shape[4]
+    mask = (torch.arange(max_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
+    group = w.num_heads // w.num_kv_heads
+    for i, lw in enumerate(w.layers):
+        h = rms_norm(x, lw.input_norm, w.eps)
+        q, k, v = _qkv(w, lw, h, cos, sin)
+        kv[i, 0, slot_idx, :, positions] = k
+        kv[i, 1, slot_idx, :, positions] = v
+        # GQA without expanding K/V: the query heads of one KV head act as a length-`group` query.
+        q = q.view(num_slots, w.num_kv_heads, group, w.head_dim)
+        attn = F.scaled_dot_product_attention(q, kv[i, 0, :num_slots], kv[i, 1, :num_slots], attn_mask=mask)
+        x = x + F.linear(attn.reshape(num_slots, -1), lw.o, lw.o_bias)
+        x = x + _mlp(lw, rms_norm(x, lw.post_norm, w.eps))
+    return F.linear(rms_norm(x, w.final_norm, w.eps), w.lm_head).float()
+
+
+def logits_of(w: LlamaWeights, hidden: torch.Tensor) -> torch.Tensor:
+    """[N, hidden] final-normed states → [N, V] float32 logits."""
+    return F.linear(hidden, w.lm_head).float()
