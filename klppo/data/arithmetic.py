@@ -39,10 +39,10 @@ def arithmetic_rows(num_rows: int, *, split: str, seed: int, exclude: set[str] |
 
 
 def write_arithmetic_parquet(
-    output_dir: str, num_train: int = 256, num_test: int = 64, seed: int = 0
+    output_dir: str | os.PathLike, num_train: int = 256, num_test: int = 64, seed: int = 0
 ) -> tuple[str, str]:
     """Write ``train.parquet`` and ``test.parquet`` into ``output_dir``; returns their paths."""
-    output_dir = os.path.expanduser(output_dir)
+    output_dir = os.path.expanduser(os.fspath(output_dir))
     os.makedirs(output_dir, exist_ok=True)
     train = arithmetic_rows(num_train, split="train", seed=seed)
     test = arithmetic_rows(

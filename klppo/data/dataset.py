@@ -7,8 +7,11 @@ prompts: ``prompts`` [B, P] int64 left-padded with ``pad_token_id`` to the longe
 ``extra_info``, ``raw_prompt`` (the messages) and ``uid`` (``"<file index>:<row in file>"``, stable).
 
 Text: the tokenizer's chat template with ``add_generation_prompt=True``; with no template, or with
-``return_raw_chat=True``, the message contents joined by newlines (tokenised with the tokenizer's special
-tokens, e.g. BOS).
+``use_chat_template=False``, the message contents joined by newlines (tokenised with the tokenizer's special
+tokens, e.g. BOS). As in verl, ``return_raw_chat`` does not change the tokens: it only says the rollout
+wants the messages, and ``raw_prompt`` is always filled here. Prompts longer than ``max_prompt_length``
+are dropped at construction (``filter_overlong_prompts``) or else cut by ``truncation``: ``left`` keeps the
+last tokens, ``right`` the first, ``middle`` the first ⌊P/2⌋ and last ⌈P/2⌉, ``error`` stops.
 
 Order. Construction scans every row group once (prompt column only; one row group in memory at a time)
 to find bad rows and prompts longer than ``max_prompt_length``. Two shuffle modes:
@@ -76,6 +79,7 @@ class PromptLoader:
         filter_overlong_prompts: bool = True,
         truncation: str = "error",
         return_raw_chat: bool = False,
+        use_chat_template: bool = True,
         bad_row_policy: str = "skip",
         drop_last: bool = True,
         shuffle_buffer_rows: int | None = None,
@@ -85,8 +89,8 @@ class PromptLoader:
             raise ValueError(
                 f"batch_size and max_prompt_length must be positive ({batch_size}, {max_prompt_length})"
             )
-        if truncation not in ("error", "left", "right"):
-            raise ValueError(f"truncation must be 'error', 'left' or 'right', got {truncation!r}")
+        if truncation not in ("error", "left", "right", "middle"):
+            raise ValueError(f"truncation must be 'error', 'left', 'right' or 'middle', got {truncation!r}")
         if bad_row_policy not in ("skip", "error"):
             raise ValueError(f"bad_row_policy must be 'skip' or 'error', got {bad_row_policy!r}")
         if shuffle_buffer_rows is not None and shuffle_buffer_rows <= 0:
@@ -102,7 +106,8 @@ class PromptLoader:
         self.filter_overlong_prompts, self.truncation = filter_overlong_prompts, truncation
         self.bad_row_policy, self.drop_last = bad_row_policy, drop_last
         self.shuffle_buffer_rows = shuffle_buffer_rows
-        self.use_template = not return_raw_chat and getattr(tokenizer, "chat_template", None) is not None
+        self.return_raw_chat = return_raw_chat  # accepted for verl compatibility; raw_prompt is always filled
+        self.use_template = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
         paths = [files] if isinstance(files, str) else list(files)
         self.source = RowGroupSource(paths, max_cached_row_groups=max_cached_row_groups)
         for f, path in enumerate(self.source.paths):
@@ -331,9 +336,11 @@ class PromptLoader:
             return ids[-p:]
         if self.truncation == "right":
             return ids[:p]
+        if self.truncation == "middle":
+            return ids[: p // 2] + ids[len(ids) - (p - p // 2) :]
         raise ValueError(
             f"prompt in {self.source.paths[row['_file']]} row {row['_row']} has {len(ids)} tokens > "
-            f"max_prompt_length={p}; set data.filter_overlong_prompts=True or data.truncation=left|right"
+            f"max_prompt_length={p}; set data.filter_overlong_prompts=True or data.truncation=left|right|middle"
         )
 
     # ---- resume --------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def test_filtering_padding_and_template(tmp_path, tok):
 
 def test_raw_text_without_template(tmp_path, tok):
     path = _write(tmp_path / "a.parquet", _rows(4))
-    raw = PromptLoader(path, tok, batch_size=4, max_prompt_length=512, shuffle=False, return_raw_chat=True)
+    raw = PromptLoader(path, tok, batch_size=4, max_prompt_length=512, shuffle=False, use_chat_template=False)
     b = raw.next_batch()
     content = _rows(1)[0]["prompt"][0]["content"]
     first = b.prompts[0][b.prompt_mask[0].bool()].tolist()
@@ -90,6 +90,11 @@ def test_raw_text_without_template(tmp_path, tok):
     no_template.chat_template = None
     b2 = PromptLoader(path, no_template, batch_size=4, max_prompt_length=512, shuffle=False).next_batch()
     assert torch.equal(b.prompts, b2.prompts)
+    # verl's return_raw_chat only asks for the messages (always carried): tokens stay templated.
+    chat = PromptLoader(path, tok, batch_size=4, max_prompt_length=512, shuffle=False, return_raw_chat=True)
+    b3 = chat.next_batch()
+    assert b3.prompts[0][b3.prompt_mask[0].bool()].tolist() == _ref_ids(tok, content)
+    assert b3.raw_prompt[0] == [{"role": "user", "content": content}]
 
 
 def test_truncation_when_not_filtering(tmp_path, tok):
@@ -100,6 +105,8 @@ def test_truncation_when_not_filtering(tmp_path, tok):
     assert left.prompts[0].tolist() == ref0[-20:] and left.prompts.shape[1] == 20
     right = PromptLoader(path, tok, truncation="right", **kwargs).next_batch()
     assert right.prompts[0].tolist() == ref0[:20]
+    middle = PromptLoader(path, tok, truncation="middle", **kwargs).next_batch()
+    assert middle.prompts[0].tolist() == ref0[:10] + ref0[-10:]
     with pytest.raises(ValueError, match=r"a.parquet row 0 has \d+ tokens > max_prompt_length=20"):
         PromptLoader(path, tok, truncation="error", **kwargs).next_batch()
 
@@ -225,7 +232,7 @@ def test_batch_counts_and_validation(tmp_path, tok):
     path = _write(tmp_path / "a.parquet", _rows(10))
     assert len(PromptLoader(path, tok, batch_size=4, max_prompt_length=512)) == 2
     assert len(PromptLoader(path, tok, batch_size=4, max_prompt_length=512, drop_last=False)) == 3
-    for bad in (dict(truncation="middle"), dict(bad_row_policy="warn"), dict(batch_size=0)):
+    for bad in (dict(truncation="center"), dict(bad_row_policy="warn"), dict(batch_size=0)):
         with pytest.raises(ValueError):
             PromptLoader(path, tok, **{"batch_size": 2, "max_prompt_length": 512, **bad})
     loader = PromptLoader(path, tok, batch_size=4, max_prompt_length=512, drop_last=False, shuffle=False)
