@@ -20,13 +20,14 @@ Contract of :func:`micro_batch_loss_weight`: for a mini-batch split into micro-b
 mode                       agg_loss                                            weight of micro-batch m
 =========================  ==================================================  ============================
 token-mean                 Σ_it L·M / Σ_it M                                   tokens_m / tokens_mini
-seq-mean-token-sum         mean_i (Σ_t L·M)                                    seqs_m / seqs_mini
-seq-mean-token-mean        mean_i (Σ_t L·M / Σ_t M)                            seqs_m / seqs_mini
+seq-mean-token-sum         mean over all rows i of (Σ_t L·M)                   rows_m / rows_mini
+seq-mean-token-mean        mean over rows with tokens of (Σ_t L·M / Σ_t M)     seqs_m / seqs_mini
 seq-mean-token-sum-norm    Σ_it L·M / horizon   (horizon = mask.shape[-1])     horizon_m / horizon_mini
 =========================  ==================================================  ============================
 
-``seqs`` counts the rows with at least one unmasked token (a fully masked row contributes no sequence
-term); pass ``mini_num_seqs`` with the same convention. Global-token variant (data parallel): pass the
+``rows`` counts all rows, ``seqs`` the rows with at least one unmasked token (as
+``klppo.algorithms.losses.agg_loss``: a fully masked row is a zero term of ``seq-mean-token-sum`` and
+no term of ``seq-mean-token-mean``); both counts agree when no response is empty, the normal case. Global-token variant (data parallel): pass the
 token / sequence counts summed over all ranks as ``mini_num_tokens`` / ``mini_num_seqs`` and *sum* the
 gradients over ranks (or multiply the weight by ``world_size`` when the all-reduce averages); the
 accumulated gradient then equals the gradient of the loss aggregated over the global mini-batch.
@@ -135,6 +136,8 @@ def micro_batch_loss_weight(
     mini_num_tokens: int | float | torch.Tensor,
     mini_num_seqs: int | float | torch.Tensor,
     horizon: int,
+    *,
+    mini_num_rows: int | float | torch.Tensor | None = None,
 ) -> float:
     """Weight of one micro-batch's ``agg_loss`` in the accumulated loss (table in the module docstring).
 
@@ -144,6 +147,8 @@ def micro_batch_loss_weight(
         mini_num_tokens: Σ mask over the whole mini-batch (or over all ranks: global variant).
         mini_num_seqs: number of rows of the mini-batch with at least one unmasked token.
         horizon: the mini-batch mask's last dimension (``seq-mean-token-sum-norm`` divides by it).
+        mini_num_rows: number of rows of the mini-batch (``seq-mean-token-sum``); ``None`` takes
+            ``mini_num_seqs``, exact when no row of the mini-batch is fully masked.
 
     Returns:
         A Python float (one host sync for the micro-batch's counts). A micro-batch with no unmasked token
@@ -152,7 +157,13 @@ def micro_batch_loss_weight(
     if mode == "token-mean":
         num = float(micro_mask.sum())
         return num / float(mini_num_tokens) if num > 0 else 0.0
-    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+    if mode == "seq-mean-token-sum":
+        rows = mini_num_seqs if mini_num_rows is None else mini_num_rows
+        num = (
+            float(micro_mask.shape[0]) if mini_num_rows is not None else float((micro_mask.sum(-1) > 0).sum())
+        )
+        return num / float(rows) if num > 0 else 0.0
+    if mode == "seq-mean-token-mean":
         num = float((micro_mask.sum(dim=-1) > 0).sum())
         return num / float(mini_num_seqs) if num > 0 else 0.0
     if mode == "seq-mean-token-sum-norm":
