@@ -1,0 +1,150 @@
+"""Validation of a resolved configuration (`validate`, run by `load_config`) and `check_trainable`.
+
+`validate` judges the configuration alone: choices, ranges, and the prompt/sample count rules that do not
+depend on the number of GPUs (those are in `sizes.derive_sizes`). `check_trainable` is what `klppo train`
+adds before loading anything: values that would change results but are not built are refused; values that
+only change speed or memory run with a notice (see `unimplemented.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from klppo.config.aliases import choice_error
+from klppo.config.errors import ConfigError, notice
+from klppo.config.schema import KLPPOConfig
+from klppo.config.sizes import check_prompt_counts, uses_critic
+
+Notify = Callable[[str], None]
+
+ADV_ESTIMATORS = (
+    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "grpo_passk",
+    "gpg", "optimal_token_baseline", "rloo_vectorized", "grpo_vectorized",
+)  # fmt: skip
+IMPLEMENTED_ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "remax")
+GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "opo", "rloo_vectorized", "grpo_vectorized")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+_CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("algorithm.adv_estimator", ADV_ESTIMATORS),
+    ("algorithm.kl_ctrl.type", ("fixed", "adaptive")),
+    ("actor_rollout_ref.actor.loss_agg_mode", LOSS_AGG_MODES),
+    ("critic.loss_agg_mode", LOSS_AGG_MODES),
+    ("actor_rollout_ref.rollout.mode", ("sync", "async")),
+    ("actor_rollout_ref.actor.optim.lr_scheduler_type", ("constant", "cosine")),
+    ("critic.optim.lr_scheduler_type", ("constant", "cosine")),
+    ("data.truncation", ("error", "left", "right", "middle")),
+    ("data.bad_row_policy", ("skip", "error")),
+    ("trainer.device", ("auto", "cuda", "cpu")),
+    ("trainer.resume_mode", ("auto", "disable", "resume_path")),
+)
+
+# (key, lowest allowed, highest allowed or None); None values are skipped (optional keys).
+_RANGES: tuple[tuple[str, float, float | None], ...] = (
+    ("data.train_batch_size", 1, None),
+    ("data.max_prompt_length", 1, None),
+    ("data.max_response_length", 1, None),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size", 1, None),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 1, None),
+    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", 1, None),
+    ("actor_rollout_ref.actor.ppo_epochs", 1, None),
+    ("actor_rollout_ref.actor.clip_ratio", 0, None),
+    ("actor_rollout_ref.actor.clip_ratio_low", 0, None),
+    ("actor_rollout_ref.actor.clip_ratio_high", 0, None),
+    ("actor_rollout_ref.actor.kl_loss_coef", 0, None),
+    ("actor_rollout_ref.actor.grad_clip", 0, None),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1, None),
+    ("actor_rollout_ref.actor.optim.lr", 0, None),
+    ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", 0, 1),
+    ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", 1, None),
+    ("actor_rollout_ref.rollout.n", 1, None),
+    ("actor_rollout_ref.rollout.temperature", 0, None),
+    ("actor_rollout_ref.rollout.top_p", 0, 1),
+    ("actor_rollout_ref.rollout.gpu_memory_utilization", 0.01, 1),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size", 1, None),
+    ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", 1, None),
+    ("actor_rollout_ref.rollout.val_kwargs.n", 1, None),
+    ("critic.ppo_micro_batch_size_per_gpu", 1, None),
+    ("critic.ppo_epochs", 1, None),
+    ("critic.ulysses_sequence_parallel_size", 1, None),
+    ("critic.cliprange_value", 0, None),
+    ("algorithm.gamma", 0, 1),
+    ("algorithm.lam", 0, 1),
+    ("algorithm.kl_ctrl.kl_coef", 0, None),
+    ("algorithm.kl_ctrl.horizon", 1, None),
+    ("trainer.nnodes", 1, None),
+    ("trainer.total_epochs", 1, None),
+    ("trainer.max_nan_steps", 0, None),
+    ("trainer.collective_timeout_s", 1, None),
+)
+
+
+def value_at(cfg: object, key: str) -> object:
+    """The value of dotted `key` in a config tree."""
+    node = cfg
+    for name in key.split("."):
+        node = node[name] if isinstance(node, dict) else getattr(node, name)
+    return node
+
+
+def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
+    """Choices, ranges and world-size-free count rules; ConfigError on the first problem, notes via notify."""
+    notify = notify or notice
+    for key, valid in _CHOICES:
+        if value_at(cfg, key) not in valid:
+            raise choice_error(key, value_at(cfg, key), valid)
+    for key, low, high in _RANGES:
+        v = value_at(cfg, key)
+        if v is None:
+            continue
+        if v < low or (high is not None and v > high):
+            bound = f"≥ {low}" if high is None else f"in [{low}, {high}]"
+            raise ConfigError(f"{key}={v}: must be {bound}")
+    n = cfg.trainer.n_gpus_per_node
+    if not (n == "auto" or (isinstance(n, int) and n >= 1)):
+        raise ConfigError(f"trainer.n_gpus_per_node={n!r}: expected 'auto' or an integer ≥ 1")
+    if cfg.actor_rollout_ref.actor.clip_ratio_c <= 1.0:
+        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={cfg.actor_rollout_ref.actor.clip_ratio_c}: "
+                          "the dual-clip constant must be > 1.0")  # fmt: skip
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        raise ConfigError(
+            "trainer.resume_mode=resume_path needs trainer.resume_from_path=<global_step_N folder>"
+        )
+    check_prompt_counts(cfg)
+    _token_budgets(cfg)
+    est, n_samples = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
+    if est in GROUP_ESTIMATORS and n_samples == 1:
+        notify(
+            f"algorithm.adv_estimator={est} with actor_rollout_ref.rollout.n=1: every group has one response, "
+            "so all advantages are 0 and the policy does not learn; set rollout.n ≥ 2"
+        )
+    if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
+        notify("both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL is penalized twice")
+
+
+def _token_budgets(cfg: KLPPOConfig) -> None:
+    arr, d = cfg.actor_rollout_ref, cfg.data
+    longest = d.max_prompt_length + d.max_response_length
+    budgets = []
+    if arr.actor.use_dynamic_bsz:
+        sp = arr.actor.ulysses_sequence_parallel_size
+        budgets.append(
+            ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", arr.actor.ppo_max_token_len_per_gpu, sp)
+        )
+    if arr.rollout.log_prob_use_dynamic_bsz:
+        budgets.append(("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                        arr.rollout.log_prob_max_token_len_per_gpu, arr.actor.ulysses_sequence_parallel_size))  # fmt: skip
+    if arr.ref.log_prob_use_dynamic_bsz:
+        budgets.append(("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                        arr.ref.log_prob_max_token_len_per_gpu, arr.ref.ulysses_sequence_parallel_size))  # fmt: skip
+    if uses_critic(cfg) and cfg.critic.use_dynamic_bsz:
+        sp = cfg.critic.ulysses_sequence_parallel_size
+        budgets.append(("critic.ppo_max_token_len_per_gpu", cfg.critic.ppo_max_token_len_per_gpu, sp))
+        budgets.append(("critic.forward_max_token_len_per_gpu", cfg.critic.forward_max_token_len_per_gpu, sp))
+    for key, budget, sp in budgets:
+        if budget * sp < longest:
+            raise ConfigError(
+                f"{key}={budget} tokens (× ulysses {sp}) cannot hold one sequence of data.max_prompt_length="
+                f"{d.max_prompt_length} + data.max_response_length={d.max_response_length} = {longest} tokens; "
+                f"set it ≥ {-(-longest // sp)}"
+            )

@@ -1,0 +1,213 @@
+"""`load_config(argv)`: packaged defaults + optional user YAML + dotted overrides → frozen `KLPPOConfig`.
+
+Order: (1) the schema's defaults and the packaged `ppo_trainer.yaml`; (2) the user's YAML file (first
+argument, when it ends in .yaml/.yml, or hydra's `--config-path/--config-name`); (3) `key=value`
+overrides left to right (hydra's `+`/`++` prefixes are accepted and ignored). Every key is checked
+against the schema (unknown → the closest valid keys), every value typed (see `_coerce`), key aliases
+rewritten, value aliases normalized (`aliases.py`), then `${...}` interpolations are resolved and the
+result validated (`checks.validate`). The returned tree is made of frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Iterator
+from importlib import resources
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from klppo.config._coerce import coerce
+from klppo.config._walk import all_keys, lookup
+from klppo.config.aliases import KEY_ALIASES, normalize
+from klppo.config.errors import ConfigError, notice
+from klppo.config.schema import KLPPOConfig
+
+Notify = Callable[[str], None]
+_META_KEYS = {"_target_"}  # verl's instantiation hints, meaningless here
+_IGNORED_TOP = {"defaults", "hydra"}  # hydra's own sections
+
+
+def load_config(argv: list[str], *, notify: Notify | None = None) -> KLPPOConfig:
+    """Parse `[file.yaml] key=value ...` exactly as given on the command line.
+
+    Raises ConfigError for unknown keys, wrong types, refused values and inconsistent sizes; aliases and
+    other notes go through `notify` (default: one line on stderr, rank 0 only).
+    """
+    notify = notify or notice
+    path, overrides = split_argv(argv)
+    tree = _to_plain(OmegaConf.structured(KLPPOConfig))
+    packaged = resources.files("klppo.config").joinpath("ppo_trainer.yaml")
+    with resources.as_file(packaged) as p:
+        _apply(tree, _flatten(_read_yaml(str(p)), source="ppo_trainer.yaml"), notify)
+    if path is not None:
+        data = _read_yaml(path)
+        for key in _IGNORED_TOP & set(data):
+            notify(
+                f"{path}: hydra section '{key}' ignored (klppo starts from its own verl-compatible defaults)"
+            )
+            del data[key]
+        _apply(tree, _flatten(data, source=path), notify)
+    _apply(tree, [_parse_override(o) for o in overrides], notify)
+    normalize(tree, notify)
+    cfg = _resolve(tree)
+    from klppo.config.checks import validate
+
+    validate(cfg, notify)
+    return cfg
+
+
+def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(yaml path or None, overrides) from a command line; raises ConfigError for stray arguments."""
+    args = list(argv)
+    path: str | None = None
+    cfg_dir = cfg_name = None
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        for flag in ("--config-path", "--config-name", "--config-dir"):
+            if a == flag or a.startswith(flag + "="):
+                if a == flag:
+                    if i + 1 >= len(args):
+                        raise ConfigError(f"{flag} needs a value")
+                    i += 1
+                    val = args[i]
+                else:
+                    val = a.split("=", 1)[1]
+                if flag == "--config-name":
+                    cfg_name = val
+                else:
+                    cfg_dir = val
+                break
+        else:
+            if i == 0 and "=" not in a and a.endswith((".yaml", ".yml")):
+                path = a
+            elif "=" not in a and not a.startswith("~"):
+                raise ConfigError(
+                    f"unexpected argument {a!r}: expected [config.yaml] followed by key=value overrides"
+                )
+            else:
+                rest.append(a)
+        i += 1
+    if cfg_name is not None:
+        name = cfg_name if cfg_name.endswith((".yaml", ".yml")) else cfg_name + ".yaml"
+        path = os.path.join(cfg_dir or ".", name)
+    return path, rest
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    p = os.path.expanduser(path)
+    if not os.path.isfile(p):
+        raise ConfigError(f"config file {path!r} not found")
+    try:
+        data = _to_plain(OmegaConf.load(p))
+    except (OmegaConfBaseException, OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable YAML mapping ({e})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys at the top level, got {type(data).__name__}")
+    return data
+
+
+def _to_plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=False)
+
+
+def _parse_override(text: str) -> tuple[str, Any, str]:
+    if text.startswith("~"):
+        raise ConfigError(f"{text!r}: deleting keys is not supported; set the key to a value instead")
+    key, _, raw = text.partition("=")
+    key = key.lstrip("+").strip()
+    if not key:
+        raise ConfigError(f"{text!r}: expected key=value")
+    try:
+        value = _to_plain(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{text!r}: cannot parse the value ({e})") from None
+    return key, value, "command line"
+
+
+def _flatten(data: dict[str, Any], *, source: str, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, value, source) for every leaf of a user mapping, descending through schema groups."""
+    out: list[tuple[str, Any, str]] = []
+    for k, v in data.items():
+        if k in _META_KEYS:
+            continue
+        key = f"{prefix}{k}"
+        kind, _, _ = lookup(KLPPOConfig, key.split("."))
+        if kind == "group" and isinstance(v, dict):
+            out += _flatten(v, source=source, prefix=key + ".")
+        else:
+            out.append((key, v, source))
+    return out
+
+
+def _apply(tree: dict[str, Any], items: list[tuple[str, Any, str]], notify: Notify) -> None:
+    for key, value, source in items:
+        for target in _expand_alias(key, notify):
+            _set(tree, target, value, source)
+
+
+def _expand_alias(key: str, notify: Notify) -> Iterator[str]:
+    if key in KEY_ALIASES:
+        targets = KEY_ALIASES[key]
+        notify(f"{key} is read as {' and '.join(targets)}")
+        yield from targets
+    else:
+        yield key
+
+
+def _set(tree: dict[str, Any], key: str, value: Any, source: str) -> None:
+    parts = key.split(".")
+    kind, tp, depth = lookup(KLPPOConfig, parts)
+    if kind == "unknown":
+        raise ConfigError(unknown_key_message(key, depth, source))
+    if kind == "group":
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k not in _META_KEYS:
+                    _set(tree, f"{key}.{k}", v, source)
+            return
+        raise ConfigError(f"{key} is a group of keys (set {key}.<name>=...), not a value: got {value!r}")
+    if kind == "leaf":
+        value = coerce(value, tp, key)
+    node = tree
+    for name in parts[:-1]:
+        if not isinstance(node.get(name), dict):
+            node[name] = {}
+        node = node[name]
+    node[parts[-1]] = value
+
+
+def unknown_key_message(key: str, depth: int, source: str = "command line") -> str:
+    """`unknown key X (from SRC); did you mean: A, B?` with the closest schema keys (difflib)."""
+    keys = all_keys(KLPPOConfig)
+    parts = key.split(".")
+    parent = ".".join(parts[:depth])
+    leaf = parts[min(depth, len(parts) - 1)]
+    siblings = [k.rsplit(".", 1)[-1] for k in keys if (k.rsplit(".", 1)[0] if "." in k else "") == parent]
+    local = [
+        f"{parent}.{n}" if parent else n for n in difflib.get_close_matches(leaf, siblings, n=3, cutoff=0.6)
+    ]
+    near = difflib.get_close_matches(key, keys, n=3, cutoff=0.75)
+    same_name = [k for k in keys if difflib.SequenceMatcher(None, k.rsplit(".", 1)[-1], leaf).ratio() >= 0.85]
+    suggestions = list(dict.fromkeys(local + near + same_name[:3]))[:4]
+    msg = f"unknown key {key!r}" + (f" (from {source})" if source else "")
+    if suggestions:
+        msg += "; did you mean: " + ", ".join(suggestions) + "?"
+    elif siblings:
+        msg += f"; valid keys under {parent or 'the top level'}: " + ", ".join(siblings)
+    return msg + " (docs/configuration.md lists every key)"
+
+
+def _resolve(tree: dict[str, Any]) -> KLPPOConfig:
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(KLPPOConfig), tree)
+        return OmegaConf.to_object(node)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None

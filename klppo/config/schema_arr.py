@@ -1,0 +1,232 @@
+"""Schema of `actor_rollout_ref`: the policy model, its trainer (actor), the frozen reference, the rollout.
+
+Units (verl's, the most common source of confusion): `ppo_mini_batch_size` counts PROMPTS (each update
+uses ppo_mini_batch_size × rollout.n samples); every `*micro_batch_size_per_gpu` counts SAMPLES on one
+GPU; token budgets (`*_max_token_len_per_gpu`) count prompt + response tokens on one GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from klppo.config._field import II, SEL, F
+from klppo.config.schema_common import CheckpointConfig, FSDPConfig, OptimConfig, ProfilerConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = F(
+        "~/models/deepseek-llm-7b-chat", "Hugging Face directory (or hub id in the local cache, or .gguf)."
+    )
+    tokenizer_path: str | None = F(None, "Tokenizer directory (null: the model's).")
+    custom_chat_template: str | None = F(None, "Jinja chat template replacing the tokenizer's.")
+    use_shm: bool = F(False, "Copy the model to shared memory before loading.")
+    external_lib: str | None = F(None, "Python module imported before loading (registers custom models).")
+    override_config: dict[str, Any] = F({}, "Keys overriding the model's config.json.")
+    enable_gradient_checkpointing: bool = F(True, "Recompute activations in backward to save memory.")
+    enable_activation_offload: bool = F(False, "Offload activations to CPU.")
+    use_remove_padding: bool = F(True, "Pack sequences without padding (alias: data.use_sequence_packing).")
+    lora_rank: int = F(0, "LoRA rank; 0 = full fine-tuning.")
+    lora_alpha: int = F(16, "LoRA alpha.")
+    target_modules: Any = F("all-linear", "LoRA target modules (name or list).")
+    exclude_modules: Any = F(None, "LoRA modules left out.")
+    lora_adapter_path: str | None = F(None, "Pretrained LoRA adapter to start from.")
+    use_liger: bool = F(False, "Liger kernels.")
+    use_fused_kernels: bool = F(False, "Fused log-prob/entropy kernels.")
+    fused_kernel_options: dict[str, Any] = F({"impl_backend": "torch"}, "Options of the fused kernels.")
+    trust_remote_code: bool = F(False, "Allow model code from the model directory.")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    loss_mode: str = F("vanilla", "vanilla (clipped PPO, dual-clip) | clip-cov | kl-cov | gpg | gspo ...")
+    clip_cov_ratio: float = F(0.0002, "clip-cov: fraction of tokens clipped.")
+    clip_cov_lb: float = F(1.0, "clip-cov: lower bound.")
+    clip_cov_ub: float = F(5.0, "clip-cov: upper bound.")
+    kl_cov_ratio: float = F(0.0002, "kl-cov: fraction of tokens penalized.")
+    ppo_kl_coef: float = F(0.1, "kl-cov: coefficient.")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    strategy: str = F("fsdp2", "Training backend: fsdp2 (fsdp is read as fsdp2; megatron is refused).")
+    ppo_mini_batch_size: int = F(256, "PROMPTS per optimizer step (× rollout.n samples), over all GPUs.")
+    ppo_micro_batch_size: int | None = F(None, "Deprecated: SAMPLES per micro-batch over all GPUs.")
+    ppo_micro_batch_size_per_gpu: int | None = F(None, "SAMPLES per forward/backward on one GPU.")
+    use_dynamic_bsz: bool = F(False, "Form micro-batches by token budget instead of sample count.")
+    ppo_max_token_len_per_gpu: int = F(16384, "Token budget of one micro-batch on one GPU (use_dynamic_bsz).")
+    clip_ratio: float = F(0.2, "PPO clip range ε.")
+    clip_ratio_low: float = F(0.2, "Lower clip range (1 − ε_low).")
+    clip_ratio_high: float = F(0.2, "Upper clip range (1 + ε_high).")
+    policy_loss: PolicyLossConfig = F(PolicyLossConfig, "Policy-loss variant.")
+    clip_ratio_c: float = F(3.0, "Dual-clip constant c for negative advantages.")
+    loss_agg_mode: str = F(
+        "token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."
+    )
+    loss_scale_factor: float | None = F(None, "Constant divisor for seq-mean-token-sum-norm.")
+    entropy_coeff: float = F(0.0, "Entropy bonus coefficient.")
+    calculate_entropy: bool = F(False, "Compute entropy even when entropy_coeff is 0.")
+    use_kl_loss: bool = F(False, "Add β·KL(π‖π_ref) to the policy loss (GRPO style).")
+    use_torch_compile: bool = F(True, "torch.compile the log-prob/entropy helpers.")
+    kl_loss_coef: float = F(0.001, "β of the KL loss.")
+    kl_loss_type: str = F(
+        "low_var_kl", "KL estimator: kl|abs|mse|low_var_kl|full (k1|k2|k3 accepted), '+' suffix."
+    )
+    ppo_epochs: int = F(1, "Passes over each step's samples.")
+    shuffle: bool = F(False, "Shuffle samples between epochs.")
+    data_loader_seed: int = F(42, "Seed of that shuffle.")
+    checkpoint: CheckpointConfig = F(CheckpointConfig, "Checkpoint contents.")
+    optim: OptimConfig = F(OptimConfig, "Optimizer and LR schedule.")
+    use_fused_kernels: bool = F(SEL("actor_rollout_ref.model.use_fused_kernels", "false"), "Follows model.")
+    profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
+    grad_clip: float = F(1.0, "Gradient-norm clip (over all shards).")
+    ulysses_sequence_parallel_size: int = F(1, "Ulysses sequence-parallel group size.")
+    entropy_from_logits_with_chunking: bool = F(False, "Compute entropy in chunks.")
+    entropy_checkpointing: bool = F(False, "Recompute entropy in backward.")
+    fsdp_config: FSDPConfig = F(FSDPConfig, "FSDP2 sharding of the actor.")
+    use_remove_padding: bool = F(SEL("actor_rollout_ref.model.use_remove_padding", "false"), "Follows model.")
+    rollout_n: int = F(SEL("actor_rollout_ref.rollout.n", "1"), "Follows rollout.n (read-only copy).")
+
+
+def _ref_fsdp() -> FSDPConfig:
+    return FSDPConfig(model_dtype="bf16", forward_only=True)
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    strategy: str = F(II("actor_rollout_ref.actor.strategy"), "Follows actor.strategy.")
+    use_torch_compile: bool = F(SEL("actor_rollout_ref.actor.use_torch_compile", "true"), "Follows actor.")
+    log_prob_micro_batch_size: int | None = F(None, "Deprecated: SAMPLES per micro-batch over all GPUs.")
+    log_prob_micro_batch_size_per_gpu: int | None = F(None, "SAMPLES per reference forward on one GPU.")
+    log_prob_use_dynamic_bsz: bool = F(
+        SEL("actor_rollout_ref.actor.use_dynamic_bsz", "false"), "Follows actor."
+    )
+    log_prob_max_token_len_per_gpu: int = F(
+        SEL("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "16384"), "Follows actor's token budget."
+    )
+    profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
+    model: dict[str, Any] | None = F(None, "A different reference model (null: the actor's initial weights).")
+    fsdp_config: FSDPConfig = F(
+        None, "FSDP2 sharding of the reference (weights bf16 by default).", factory=_ref_fsdp
+    )
+    ulysses_sequence_parallel_size: int = F(
+        SEL("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "1"), "Follows actor."
+    )
+    entropy_from_logits_with_chunking: bool = F(False, "Compute entropy in chunks.")
+    entropy_checkpointing: bool = F(False, "Recompute entropy in backward.")
+    rollout_n: int = F(SEL("actor_rollout_ref.rollout.n", "1"), "Follows rollout.n (read-only copy).")
+
+
+@dataclass(frozen=True)
+class ValKwargsConfig:
+    top_k: int = F(-1, "Validation top-k (-1 = off).")
+    top_p: float = F(1.0, "Validation nucleus p.")
+    temperature: float = F(0.0, "Validation temperature (0 = greedy).")
+    n: int = F(1, "Samples per validation prompt.")
+    do_sample: bool = F(False, "Sample during validation (false = greedy).")
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    enable: bool = F(False, "Multi-turn / tool-calling rollout.")
+    max_assistant_turns: int | None = F(None, "Turn limit.")
+    tool_config_path: str | None = F(None, "Tool definitions.")
+    max_user_turns: int | None = F(None, "Turn limit.")
+    max_parallel_calls: int = F(1, "Parallel tool calls.")
+    max_tool_response_length: int = F(256, "Tool response tokens.")
+    tool_response_truncate_side: str = F("middle", "Truncation side.")
+    interaction_config_path: str | None = F(None, "Interaction definitions.")
+    use_inference_chat_template: bool = F(False, "Template choice.")
+    tokenization_sanity_check_mode: str = F("strict", "Tokenization check.")
+    format: str = F("hermes", "Tool-call format.")
+
+
+@dataclass(frozen=True)
+class CustomAsyncServerConfig:
+    path: str | None = F(None, "Server module path.")
+    name: str | None = F(None, "Server class name.")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    num_workers: int = F(8, "Agent-loop workers.")
+    default_agent_loop: str = F("single_turn_agent", "Agent loop name.")
+    agent_loop_config_path: str | None = F(None, "Agent loop definitions.")
+    custom_async_server: CustomAsyncServerConfig = F(CustomAsyncServerConfig, "Custom server.")
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    backend: str | None = F(None, "Trace backend (weave | mlflow).")
+    token2text: bool = F(False, "Decode tokens in traces.")
+    max_samples_per_step_per_worker: int | None = F(None, "Trace sampling.")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    name: str = F(
+        "klppo", "Generation engine: klppo (ours) | hf (transformers generate); vllm|sglang → klppo."
+    )
+    mode: str = F("async", "sync | async (verl's server mode); klppo generates in-process.")
+    temperature: float = F(1.0, "Sampling temperature.")
+    top_k: int = F(-1, "Top-k (-1 = off).")
+    top_p: float = F(1.0, "Nucleus p.")
+    prompt_length: int = F(SEL("data.max_prompt_length", "512"), "Follows data.max_prompt_length.")
+    response_length: int = F(SEL("data.max_response_length", "512"), "Follows data.max_response_length.")
+    dtype: str = F("bf16", "Generation dtype on GPU.")
+    gpu_memory_utilization: float = F(0.5, "Fraction of GPU memory the engine may fill (weights + KV cache).")
+    ignore_eos: bool = F(False, "Keep generating after EOS.")
+    enforce_eager: bool = F(False, "Disable CUDA graphs in the engine.")
+    cudagraph_capture_sizes: list[int] | None = F(None, "Batch sizes captured as CUDA graphs.")
+    free_cache_engine: bool = F(True, "Free the KV cache after each rollout.")
+    tensor_model_parallel_size: int = F(
+        1, "[klppo default; verl 2] Rollout tensor parallelism (klppo: data-parallel rollout)."
+    )
+    data_parallel_size: int = F(1, "Rollout data parallelism (engine side).")
+    expert_parallel_size: int = F(1, "Rollout expert parallelism.")
+    pipeline_model_parallel_size: int = F(1, "Rollout pipeline parallelism.")
+    max_num_batched_tokens: int = F(8192, "Engine prefill token budget.")
+    max_model_len: int | None = F(None, "Engine context length (null: prompt + response).")
+    max_num_seqs: int = F(1024, "Engine concurrent sequences.")
+    enable_chunked_prefill: bool = F(True, "Chunked prefill.")
+    enable_prefix_caching: bool = F(True, "Prefix caching.")
+    load_format: str = F("dummy", "Engine weight loading.")
+    log_prob_micro_batch_size: int | None = F(None, "Deprecated: SAMPLES per micro-batch over all GPUs.")
+    log_prob_micro_batch_size_per_gpu: int | None = F(None, "SAMPLES per old-log-prob forward on one GPU.")
+    log_prob_use_dynamic_bsz: bool = F(
+        SEL("actor_rollout_ref.actor.use_dynamic_bsz", "false"), "Follows actor."
+    )
+    log_prob_max_token_len_per_gpu: int = F(
+        SEL("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "16384"), "Follows actor's token budget."
+    )
+    disable_log_stats: bool = F(True, "Engine statistics logging off.")
+    do_sample: bool = F(True, "Sample (false = greedy).")
+    n: int = F(1, "Responses per prompt.")
+    over_sample_rate: float = F(0.0, "Extra prompts sampled then dropped.")
+    multi_stage_wake_up: bool = F(False, "Load weights before KV cache on wake-up.")
+    engine_kwargs: dict[str, Any] = F({"vllm": {}, "sglang": {}}, "Engine-specific options.")
+    val_kwargs: ValKwargsConfig = F(ValKwargsConfig, "Sampling during validation.")
+    multi_turn: MultiTurnConfig = F(MultiTurnConfig, "Multi-turn rollout.")
+    calculate_log_probs: bool = F(False, "Return the engine's sampling log-probs.")
+    agent: AgentConfig = F(AgentConfig, "Agent loop.")
+    update_weights_bucket_megabytes: int = F(512, "Weight sync bucket size.")
+    trace: TraceConfig = F(TraceConfig, "Rollout tracing.")
+    skip_rollout: bool = F(False, "Load dumped rollouts instead of generating.")
+    skip_dump_dir: str = F("/tmp/rollout_dump", "Where dumped rollouts live.")
+    skip_tokenizer_init: bool = F(True, "Engine skips tokenizer init.")
+    profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
+    layered_summon: bool = F(False, "Gather weights layer by layer for the engine.")
+    logprobs_mode: str = F("processed_logprobs", "Which log-probs the engine returns.")
+    scheduling_policy: str = F("fcfs", "Engine scheduling.")
+    quantization: str | None = F(None, "Engine weight quantization.")
+
+
+@dataclass(frozen=True)
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = F(True, "Actor and rollout share weights (klppo: always).")
+    nccl_timeout: int = F(600, "verl's NCCL timeout in seconds; klppo uses trainer.collective_timeout_s.")
+    model: ModelConfig = F(ModelConfig, "The policy model.")
+    actor: ActorConfig = F(ActorConfig, "Policy training.")
+    ref: RefConfig = F(RefConfig, "Frozen reference policy.")
+    rollout: RolloutConfig = F(RolloutConfig, "Generation.")

@@ -1,0 +1,182 @@
+"""The ONE table of verl keys that klppo accepts but does not (yet) act on, and what happens if set.
+
+Each entry is a key pattern (`*` matches any part, e.g. `*.fsdp_config.use_orig_params`), an effect and a
+reason. Effects, applied when the value differs from klppo's default:
+  - `warn`:   accepted, no effect yet — `warn_unimplemented` prints one line at start;
+  - `refuse`: would change results — `check_trainable` raises ConfigError (klppo config still accepts it);
+  - `notice`: changes only speed or memory — `check_trainable` runs with a one-line notice.
+`docs/configuration.md` prints this table; keys not listed here are implemented. When a feature lands,
+delete its row.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Callable
+
+from klppo.config._walk import all_keys
+from klppo.config.checks import IMPLEMENTED_ADV_ESTIMATORS, value_at
+from klppo.config.errors import ConfigError, notice
+from klppo.config.schema import KLPPOConfig
+
+Notify = Callable[[str], None]
+_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
+
+UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
+    # changes results: refused by `klppo train`
+    ("*.ulysses_sequence_parallel_size", "refuse", "Ulysses sequence parallelism is not built yet"),
+    ("*.lora_rank", "refuse", "LoRA is not built yet"),
+    ("actor_rollout_ref.model.lora_adapter_path", "refuse", "LoRA is not built yet"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode", "refuse", "only the vanilla (dual-clip PPO) loss is built"),
+    ("*.optim.optimizer", "refuse", "only AdamW is built"),
+    ("*.optim.override_optimizer_config", "refuse", "extra optimizer arguments are not passed yet"),
+    ("actor_rollout_ref.ref.model", "refuse", "the reference is always the actor's initial weights"),
+    ("actor_rollout_ref.rollout.multi_turn.enable", "refuse", "multi-turn / tool rollout is not built"),
+    ("actor_rollout_ref.rollout.skip_rollout", "refuse", "replaying dumped rollouts is not built"),
+    ("actor_rollout_ref.rollout.over_sample_rate", "refuse", "over-sampling is not built"),
+    ("actor_rollout_ref.rollout.quantization", "refuse", "quantized rollout is not built"),
+    ("algorithm.use_pf_ppo", "refuse", "PF-PPO reweighting is not built"),
+    ("reward_model.reward_manager", "refuse", "only the naive reward manager (one score per sample) is built"),
+    ("data.tokenizer", "refuse", "the dataset always uses the model's tokenizer"),
+    ("data.custom_cls.*", "refuse", "custom dataset classes are not supported"),
+    ("data.sampler.*", "refuse", "custom samplers are not supported"),
+    ("data.datagen.*", "refuse", "dynamic data generation is not supported"),
+    # speed or memory only: run with a notice
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size", "notice",
+     "klppo's rollout runs data-parallel on each rank's gathered weights (no tensor parallelism): "
+     "results are the same, memory per GPU is higher"),
+    ("actor_rollout_ref.rollout.data_parallel_size", "notice", "rollout parallelism follows the training ranks"),
+    ("actor_rollout_ref.rollout.expert_parallel_size", "notice", "no expert parallelism in rollout"),
+    ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "notice", "no pipeline parallelism in rollout"),
+    # accepted, no effect yet
+    ("actor_rollout_ref.hybrid_engine", "warn", "klppo always generates on the actor's own weights"),
+    ("actor_rollout_ref.nccl_timeout", "warn", "use trainer.collective_timeout_s"),
+    ("*.use_shm", "warn", "shared-memory model/data copies are not used"),
+    ("data.dataloader_num_workers", "warn", "the loader reads Parquet row groups in the main process"),
+    ("data.filter_overlong_prompts_workers", "warn", "filtering runs in the main process"),
+    ("data.image_key", "warn", "text only"),
+    ("data.video_key", "warn", "text only"),
+    ("data.return_multi_modal_inputs", "warn", "text only"),
+    ("data.return_raw_input_ids", "warn", "not needed by klppo's rollout"),
+    ("data.return_full_prompt", "warn", "not needed by klppo's rollout"),
+    ("actor_rollout_ref.model.enable_activation_offload", "warn", "activation offload is not built"),
+    ("actor_rollout_ref.model.use_liger", "warn", "Liger kernels are not used"),
+    ("actor_rollout_ref.model.use_fused_kernels", "warn", "fused kernels are not used"),
+    ("actor_rollout_ref.model.fused_kernel_options", "warn", "fused kernels are not used"),
+    ("actor_rollout_ref.model.exclude_modules", "warn", "LoRA is not built yet"),
+    ("critic.model.enable_activation_offload", "warn", "activation offload is not built"),
+    ("*.use_torch_compile", "warn", "torch.compile of the log-prob helpers is not used"),
+    ("*.entropy_from_logits_with_chunking", "warn", "entropy is computed by klppo.algorithms (memory-bounded)"),
+    ("*.entropy_checkpointing", "warn", "not built"),
+    ("actor_rollout_ref.actor.calculate_entropy", "warn", "entropy is always logged"),
+    ("actor_rollout_ref.actor.policy_loss.clip_cov_*", "warn", "clip-cov loss is not built"),
+    ("actor_rollout_ref.actor.policy_loss.kl_cov_ratio", "warn", "kl-cov loss is not built"),
+    ("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", "warn", "kl-cov loss is not built"),
+    ("*.checkpoint.*", "warn", "checkpoints always hold model, optimizer and trainer state, written synchronously"),
+    ("*.profiler.*", "warn", "per-role profiler options are not used"),
+    ("global_profiler.*", "warn", "the profiler is not wired in yet"),
+    ("*.fsdp_config.use_orig_params", "warn", "FSDP2 always keeps original parameters"),
+    ("*.fsdp_config.seed", "warn", "seeding comes from trainer.seed"),
+    ("*.fsdp_config.full_determinism", "warn", "deterministic kernels are not forced"),
+    ("*.fsdp_config.ulysses_sequence_parallel_size", "warn", "use the role's ulysses_sequence_parallel_size"),
+    ("*.fsdp_config.entropy_*", "warn", "engine copy of a role key"),
+    ("*.fsdp_config.use_torch_compile", "warn", "engine copy of a role key"),
+    ("*.fsdp_config.forward_only", "warn", "set by role"),
+    ("*.fsdp_config.dtype", "warn", "compute dtype is fsdp_config.mixed_precision.param_dtype"),
+    ("*.optim.clip_grad", "warn", "use the role's grad_clip"),
+    ("*.optim.optimizer_impl", "warn", "torch.optim.AdamW is used"),
+    ("*.optim.zero_indexed_step", "warn", "the scheduler counts steps from 0"),
+    ("actor_rollout_ref.rollout.mode", "warn", "klppo generates in-process (no server)"),
+    ("actor_rollout_ref.rollout.max_num_batched_tokens", "warn", "vLLM engine option"),
+    ("actor_rollout_ref.rollout.max_model_len", "warn", "the KV cache holds prompt_length + response_length"),
+    ("actor_rollout_ref.rollout.max_num_seqs", "warn", "vLLM engine option"),
+    ("actor_rollout_ref.rollout.enable_chunked_prefill", "warn", "vLLM engine option"),
+    ("actor_rollout_ref.rollout.enable_prefix_caching", "warn", "vLLM engine option"),
+    ("actor_rollout_ref.rollout.load_format", "warn", "weights come from the actor's shards"),
+    ("actor_rollout_ref.rollout.disable_log_stats", "warn", "vLLM engine option"),
+    ("actor_rollout_ref.rollout.multi_stage_wake_up", "warn", "vLLM engine option"),
+    ("actor_rollout_ref.rollout.engine_kwargs", "warn", "vLLM/SGLang engine options"),
+    ("actor_rollout_ref.rollout.calculate_log_probs", "warn", "old log-probs are recomputed by the actor"),
+    ("actor_rollout_ref.rollout.update_weights_bucket_megabytes", "warn", "weights are gathered per FSDP unit"),
+    ("actor_rollout_ref.rollout.skip_dump_dir", "warn", "replaying dumped rollouts is not built"),
+    ("actor_rollout_ref.rollout.skip_tokenizer_init", "warn", "vLLM engine option"),
+    ("actor_rollout_ref.rollout.layered_summon", "warn", "weights are gathered per FSDP unit"),
+    ("actor_rollout_ref.rollout.logprobs_mode", "warn", "vLLM engine option"),
+    ("actor_rollout_ref.rollout.scheduling_policy", "warn", "vLLM engine option"),
+    ("actor_rollout_ref.rollout.multi_turn.*", "warn", "multi-turn rollout is not built"),
+    ("actor_rollout_ref.rollout.agent.*", "warn", "agent loops are not built"),
+    ("actor_rollout_ref.rollout.trace.*", "warn", "rollout tracing is not built"),
+    ("reward_model.launch_reward_fn_async", "warn", "scoring runs in the step"),
+    ("reward_model.sandbox_fusion.*", "warn", "no code-execution sandbox"),
+    ("algorithm.pf_ppo.*", "warn", "PF-PPO is not built"),
+    ("trainer.esi_redundant_time", "warn", "preemption is handled by SIGTERM (checkpoint, then exit)"),
+    ("trainer.default_hdfs_dir", "warn", "no HDFS copy"),
+    ("trainer.del_local_ckpt_after_load", "warn", "checkpoints are kept"),
+    ("trainer.ray_wait_register_center_timeout", "warn", "no Ray: klppo uses torchrun"),
+    ("trainer.use_legacy_worker_impl", "warn", "one implementation"),
+    ("ray_kwargs.*", "warn", "no Ray: klppo uses torchrun"),
+)  # fmt: skip
+
+
+@functools.cache
+def _expanded() -> tuple[tuple[str, str, str], ...]:
+    """(key, effect, reason) for every leaf key matched by a table pattern (first match wins)."""
+    keys = all_keys(KLPPOConfig)
+    out: dict[str, tuple[str, str]] = {}
+    for pattern, effect, reason in UNIMPLEMENTED:
+        hits = [k for k in keys if fnmatch.fnmatchcase(k, pattern)]
+        assert hits, f"unimplemented-table pattern {pattern!r} matches no key"
+        for k in hits:
+            out.setdefault(k, (effect, reason))
+    return tuple((k, e, r) for k, (e, r) in out.items())
+
+
+@functools.cache
+def _defaults() -> KLPPOConfig:
+    from klppo.config.loader import load_config
+
+    return load_config([], notify=lambda _msg: None)
+
+
+def _set_entries(cfg: KLPPOConfig, effect: str) -> list[tuple[str, object, str]]:
+    base = _defaults()
+    out = []
+    for key, eff, reason in _expanded():
+        if eff != effect:
+            continue
+        value = value_at(cfg, key)
+        if hasattr(value, "__dataclass_fields__"):
+            continue  # a group: its leaves have their own rows
+        if value != value_at(base, key):
+            out.append((key, value, reason))
+    return out
+
+
+def warn_unimplemented(cfg: KLPPOConfig, notify: Notify | None = None) -> list[str]:
+    """One line per key set away from its default that klppo accepts but does not act on; returns them."""
+    notify = notify or notice
+    lines = [f"{k}={v!r} is accepted but has no effect yet ({r})" for k, v, r in _set_entries(cfg, "warn")]
+    for line in lines:
+        notify(line)
+    return lines
+
+
+def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
+    """ConfigError listing every value `klppo train` cannot honour; notices for speed/memory-only ones."""
+    notify = notify or notice
+    problems = [f"{k}={v!r}: {r}" for k, v, r in _set_entries(cfg, "refuse")]
+    est = cfg.algorithm.adv_estimator
+    if est not in IMPLEMENTED_ADV_ESTIMATORS:
+        problems.append(f"algorithm.adv_estimator={est!r}: built are {', '.join(IMPLEMENTED_ADV_ESTIMATORS)}")
+    rm = cfg.reward_model
+    if rm.enable and rm.strategy not in ("fsdp", "fsdp2"):
+        problems.append(f"reward_model.strategy={rm.strategy!r}: the reward model runs with FSDP2 only")
+    if problems:
+        raise ConfigError(
+            "klppo train cannot honour these settings (they would change results):\n  - "
+            + "\n  - ".join(problems)
+            + "\n(`klppo config` accepts them; remove them or set them to their defaults to train)"
+        )
+    for key, value, reason in _set_entries(cfg, "notice"):
+        notify(f"{key}={value!r}: {reason}")
