@@ -1,0 +1,183 @@
+"""Process-group set-up: one code path for 1 process, torchrun, and SLURM (+ torchrun).
+
+Contract:
+- ``init_distributed`` always leaves a ``torch.distributed`` process group behind, also for a single
+  process started by hand (a 1-process group on a free local port), so sharding, checkpointing and
+  reductions run the same code whatever the world size.
+- ``phase(name)`` labels what the program is doing; a collective that fails or times out inside it is
+  re-raised as :class:`CollectiveTimeoutError` naming the phase and the rank, instead of a bare gloo/NCCL
+  message. NCCL timeouts are detected by NCCL's watchdog thread, which aborts the process; the label is
+  then in the log line ``phase=...`` that ``phase`` writes at debug level and in the env var
+  ``KLPPO_PHASE`` (read by :func:`current_phase`), not in an exception.
+- Knows nothing about models or PPO.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_current_phase = "startup"
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective failed or timed out; the message names the phase and rank."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: ``rank`` in ``[0, world_size)``, ``local_rank`` on its node."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_launcher(env: dict[str, str] | None = None) -> bool:
+    """True when a launcher already started the ranks: torchrun (``TORCHELASTIC_RUN_ID`` or
+    ``RANK``+``WORLD_SIZE``) or a multi-task SLURM step (``SLURM_NTASKS`` > 1)."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env):
+        return True
+    return int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 at the time of the call."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fill_rank_env() -> None:
+    """Make ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_*`` present for ``env://`` init.
+
+    torchrun sets them; a bare ``srun`` step gives SLURM's names (the user exports ``MASTER_ADDR``,
+    see docs/distributed.md); a hand-started process becomes rank 0 of 1 on a free local port.
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        env.setdefault("LOCAL_RANK", "0")
+        return
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        if "MASTER_ADDR" not in env:
+            raise ValueError(
+                "under srun without torchrun, export MASTER_ADDR (the first node of the allocation) "
+                "and MASTER_PORT; see docs/distributed.md"
+            )
+        env.setdefault("MASTER_PORT", "29500")
+        return
+    env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(free_port()))
+
+
+def info() -> DistInfo:
+    """The :class:`DistInfo` of the initialised group (asserts that one exists)."""
+    assert dist.is_initialized(), "init_distributed() first"
+    backend = dist.get_backend()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def init_distributed(device: str, timeout_s: float) -> DistInfo:
+    """Join (or create) the default process group.
+
+    ``device`` is "cuda" (NCCL, one GPU per local rank) or "cpu" (gloo). ``timeout_s`` bounds every
+    collective: a rank waiting longer fails instead of hanging forever. Idempotent.
+    """
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    if dist.is_initialized():
+        return info()
+    _fill_rank_env()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device=cuda but no CUDA device is visible; use device=cpu")
+        torch.cuda.set_device(local_rank)
+        backend, dev = "nccl", torch.device("cuda", local_rank)
+        kwargs = {"device_id": dev}
+    else:
+        backend, dev, kwargs = "gloo", torch.device("cpu"), {}
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s), **kwargs)
+    result = DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
+    setup_rank_logging(result.rank)
+    logger.info("process group: %s world_size=%d backend=%s", dev, result.world_size, backend)
+    return result
+
+
+def setup_rank_logging(rank: int) -> None:
+    """Rank 0 logs at INFO; other ranks only WARNING and above, so messages are not printed K times."""
+    if rank != 0:
+        logging.getLogger("klppo").setLevel(logging.WARNING)
+
+
+def current_phase() -> str:
+    """The label of the innermost :func:`phase` being run ("startup" before any)."""
+    return _current_phase
+
+
+_COLLECTIVE_ERRORS = (dist.DistError, RuntimeError)
+_TIMEOUT_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "nccl", "gloo")
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Label a stretch of work (``with phase("rollout"): ...``), nestable.
+
+    A ``torch.distributed`` error escaping the block is re-raised as :class:`CollectiveTimeoutError`
+    whose message names the phase and the rank.
+    """
+    global _current_phase
+    previous, _current_phase = _current_phase, name
+    os.environ["KLPPO_PHASE"] = name
+    logger.debug("phase=%s", name)
+    try:
+        yield
+    except CollectiveTimeoutError:
+        raise
+    except _COLLECTIVE_ERRORS as e:
+        text = str(e).lower()
+        if isinstance(e, dist.DistError) or any(w in text for w in _TIMEOUT_WORDS):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise CollectiveTimeoutError(
+                f"rank {rank}: a collective failed or timed out during phase {name!r} "
+                f"(another rank probably crashed or is stuck; its traceback is the root cause): {e}"
+            ) from e
+        raise
+    finally:
+        _current_phase = previous
+        os.environ["KLPPO_PHASE"] = previous
+
+
+def barrier() -> None:
+    """A barrier on the default group (CPU tensors with gloo, the local GPU with NCCL)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def destroy() -> None:
+    """Tear the default group down (no-op when none)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
