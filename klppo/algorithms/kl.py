@@ -109,10 +109,11 @@ class _FullKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, ref_logits: torch.Tensor, chunk_rows: int) -> torch.Tensor:
         n = logits.shape[0]
-        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+        dtype = compute_dtype(logits, ref_logits)
+        out = torch.empty(n, dtype=dtype, device=logits.device)
         for s in range(0, n, chunk_rows):
-            logp = torch.log_softmax(logits[s : s + chunk_rows].float(), dim=-1)
-            logq = torch.log_softmax(ref_logits[s : s + chunk_rows].float(), dim=-1)
+            logp = torch.log_softmax(logits[s : s + chunk_rows].to(dtype), dim=-1)
+            logq = torch.log_softmax(ref_logits[s : s + chunk_rows].to(dtype), dim=-1)
             out[s : s + chunk_rows] = (logp.exp() * (logp - logq)).sum(dim=-1)
         ctx.save_for_backward(logits, ref_logits, out)
         ctx.chunk_rows = chunk_rows
@@ -127,10 +128,10 @@ class _FullKL(torch.autograd.Function):
         grad_w = torch.empty_like(ref_logits) if need_w else None
         step = ctx.chunk_rows
         for s in range(0, logits.shape[0], step):
-            logp = torch.log_softmax(logits[s : s + step].float(), dim=-1)
-            logq = torch.log_softmax(ref_logits[s : s + step].float(), dim=-1)
+            logp = torch.log_softmax(logits[s : s + step].to(kl.dtype), dim=-1)
+            logq = torch.log_softmax(ref_logits[s : s + step].to(kl.dtype), dim=-1)
             p = logp.exp()
-            g = grad_out[s : s + step].float().unsqueeze(-1)
+            g = grad_out[s : s + step].to(kl.dtype).unsqueeze(-1)
             if grad_z is not None:
                 grad_z[s : s + step] = g * p * (logp - logq - kl[s : s + step].unsqueeze(-1))
             if grad_w is not None:

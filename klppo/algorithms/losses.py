@@ -166,10 +166,9 @@ class _Entropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, chunk_rows: int) -> torch.Tensor:
         n = logits.shape[0]
-        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+        out = torch.empty(n, dtype=compute_dtype(logits), device=logits.device)
         for s in range(0, n, chunk_rows):
-            z = logits[s : s + chunk_rows].float()
-            logp = torch.log_softmax(z, dim=-1)
+            logp = torch.log_softmax(logits[s : s + chunk_rows].to(out.dtype), dim=-1)
             out[s : s + chunk_rows] = -(logp.exp() * logp).sum(dim=-1)
         ctx.save_for_backward(logits, out)
         ctx.chunk_rows = chunk_rows
@@ -182,9 +181,11 @@ class _Entropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         step = ctx.chunk_rows
         for s in range(0, logits.shape[0], step):
-            logp = torch.log_softmax(logits[s : s + step].float(), dim=-1)
+            logp = torch.log_softmax(logits[s : s + step].to(entropy.dtype), dim=-1)
             h = entropy[s : s + step].unsqueeze(-1)
-            grad[s : s + step] = -grad_out[s : s + step].float().unsqueeze(-1) * logp.exp() * (logp + h)
+            grad[s : s + step] = (
+                -grad_out[s : s + step].to(entropy.dtype).unsqueeze(-1) * logp.exp() * (logp + h)
+            )
         return grad, None
 
 
@@ -197,7 +198,7 @@ def entropy_from_logits(logits: torch.Tensor, *, chunk_rows: int | None = None) 
             The float32 softmax is never held for the whole [..., V] tensor, in forward or backward.
 
     Returns:
-        [...] float32.
+        [...] float32 (float64 for float64 logits).
     """
     v = logits.shape[-1]
     flat = logits.reshape(-1, v)

@@ -1,0 +1,143 @@
+import math
+
+import pytest
+import torch
+
+from klppo.algorithms.kl import KL_KINDS, apply_kl_penalty, kl_penalty, kl_penalty_full
+from klppo.algorithms.kl_control import FixedKLController
+
+from . import reference as ref
+
+BASE_KINDS = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+
+
+def _log_probs(gen: torch.Generator, shape=(4, 9)) -> tuple[torch.Tensor, torch.Tensor]:
+    lp = -torch.rand(shape, generator=gen, dtype=torch.float64) * 5
+    rp = -torch.rand(shape, generator=gen, dtype=torch.float64) * 5
+    # extreme log-ratios: ±50 and beyond the k3 clamp
+    lp[0, 0], rp[0, 0] = 0.0, -50.0
+    lp[0, 1], rp[0, 1] = -50.0, 0.0
+    lp[1, 2], rp[1, 2] = -1.0, -23.0
+    return lp, rp
+
+
+@pytest.mark.parametrize("kind", BASE_KINDS + [k + "+" for k in BASE_KINDS])
+def test_kl_penalty_values_and_plus_gradients(kind: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    lp, rp = _log_probs(gen)
+    lp.requires_grad_(True)
+    rp.requires_grad_(True)
+    out = kl_penalty(lp, rp, kind)
+    base = kind.rstrip("+")
+    expected = [
+        [ref.kl_estimate(a, b, base) for a, b in zip(ra, rb)] for ra, rb in zip(ref.rows(lp), ref.rows(rp))
+    ]
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    weights = torch.rand(lp.shape, generator=gen, dtype=torch.float64)
+    g_lp, g_rp = torch.autograd.grad((out * weights).sum(), (lp, rp))
+    diff = (lp - rp).detach()
+    if kind.endswith("+") or base in ("mse", "k2"):
+        # straight-through: k2's gradient, ∂/∂lp ½(lp − rp)² = lp − rp
+        torch.testing.assert_close(g_lp, weights * diff)
+        torch.testing.assert_close(g_rp, -weights * diff)
+    elif base in ("kl", "k1"):
+        torch.testing.assert_close(g_lp, weights)
+    assert torch.isfinite(g_lp).all() and torch.isfinite(g_rp).all()
+
+
+def test_k3_gradient_inside_clamp() -> None:
+    lp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64, requires_grad=True)
+    rp = torch.tensor([-1.5, -1.0, -3.0], dtype=torch.float64)
+    (g,) = torch.autograd.grad(kl_penalty(lp, rp, "k3").sum(), lp)
+    # d/dlp [e^{rp−lp} − (rp − lp) − 1] = 1 − e^{rp−lp}
+    torch.testing.assert_close(g, 1 - torch.exp(rp - lp.detach()))
+
+
+def test_kl_penalty_errors() -> None:
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="kl_penalty_full"):
+        kl_penalty(x, x, "full")
+    with pytest.raises(ValueError, match="low_var_kl"):
+        kl_penalty(x, x, "k4")
+    assert "full" in KL_KINDS and "k3+" in KL_KINDS
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kl_penalty_low_precision(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    lp, rp = _log_probs(gen)
+    lp_lo, rp_lo = lp.to(dtype), rp.to(dtype)
+    for kind in ("k1", "k2", "k3", "abs", "k3+"):
+        out = kl_penalty(lp_lo, rp_lo, kind)
+        assert out.dtype == torch.float32
+        expected = [
+            [ref.kl_estimate(a, b, kind.rstrip("+")) for a, b in zip(ra, rb)]
+            for ra, rb in zip(ref.rows(lp_lo), ref.rows(rp_lo))
+        ]
+        torch.testing.assert_close(
+            out.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=1e-5
+        )
+
+
+def _full_kl_reference(z: torch.Tensor, w: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(z.shape[:2], dtype=torch.float64)
+    for i in range(z.shape[0]):
+        for t in range(z.shape[1]):
+            if m[i, t]:
+                p = ref.softmax_row(z[i, t].double().tolist())
+                q = ref.softmax_row(w[i, t].double().tolist())
+                out[i, t] = sum(a * (math.log(a) - math.log(b)) for a, b in zip(p, q))
+    return out
+
+
+def test_kl_penalty_full_values_chunks_and_gradients() -> None:
+    gen = torch.Generator().manual_seed(2)
+    z = torch.randn(3, 4, 11, generator=gen, dtype=torch.float64) * 3
+    w = torch.randn(3, 4, 11, generator=gen, dtype=torch.float64) * 3
+    m = ref.make_mask(3, 4, gen)
+    expected = _full_kl_reference(z, w, m)
+    for chunk in (None, 1, 5, 100):
+        torch.testing.assert_close(
+            kl_penalty_full(z, w, m, chunk_rows=chunk), expected, rtol=1e-10, atol=1e-12
+        )
+    # gradients: analytic chunked backward vs finite differences, both inputs
+    zz = z[:2, :3, :5].clone().requires_grad_(True)
+    ww = w[:2, :3, :5].clone().requires_grad_(True)
+    mm = torch.ones(2, 3)
+    assert torch.autograd.gradcheck(lambda a, b: kl_penalty_full(a, b, mm, chunk_rows=2), (zz, ww))
+    # bf16 logits: float32 result, gradient in the input dtype
+    zb = z.to(torch.bfloat16).requires_grad_(True)
+    out = kl_penalty_full(zb, w.to(torch.bfloat16), m)
+    assert out.dtype == torch.float32
+    ref_b = _full_kl_reference(zb.detach(), w.to(torch.bfloat16), m)
+    torch.testing.assert_close(out.double(), ref_b, rtol=1e-4, atol=1e-5)
+    out.sum().backward()
+    assert zb.grad.dtype == torch.bfloat16 and torch.isfinite(zb.grad.float()).all()
+    with pytest.raises(ValueError, match="response_mask"):
+        kl_penalty_full(z, w, m[:, :2])
+
+
+def test_apply_kl_penalty_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(3)
+    b, t = 6, 7
+    lp, rp = _log_probs(gen, (b, t))
+    m = ref.make_mask(b, t, gen)
+    scores = torch.zeros(b, t, dtype=torch.float64)
+    scores[:, 3] = torch.randn(b, generator=gen, dtype=torch.float64)
+    beta = 0.05
+    for kind in ("k1", "low_var_kl", "k3+"):
+        rewards, stats = apply_kl_penalty(scores, lp, rp, m, FixedKLController(beta), kind)
+        per_row = []
+        for i in range(b):
+            kls = [ref.kl_estimate(lp[i, j].item(), rp[i, j].item(), kind.rstrip("+")) for j in range(t)]
+            for j in range(t):
+                exp = scores[i, j].item() - (beta * kls[j] if m[i, j] else 0.0)
+                assert rewards[i, j].item() == pytest.approx(exp, rel=1e-12, abs=1e-12)
+            valid = [k for k, mk in zip(kls, m[i].tolist()) if mk]
+            per_row.append(ref.mean(valid))
+        assert stats["kl"].dim() == 0 and stats["kl"].item() == pytest.approx(ref.mean(per_row), rel=1e-12)
+        assert stats["kl_coef"].item() == pytest.approx(beta)
+    # a plain float works as β; rewards carry no autograd graph
+    rewards, _ = apply_kl_penalty(scores, lp.requires_grad_(True), rp, m, 0.1, "k2")
+    assert not rewards.requires_grad
