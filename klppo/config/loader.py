@@ -10,7 +10,10 @@ result validated (`checks.validate`). The returned tree is made of frozen datacl
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import difflib
+import functools
 import os
 from collections.abc import Callable, Iterator
 from importlib import resources
@@ -20,7 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from klppo.config._coerce import coerce
-from klppo.config._walk import all_keys, lookup
+from klppo.config._walk import all_keys, hints, is_group, lookup
 from klppo.config.aliases import KEY_ALIASES, normalize
 from klppo.config.errors import ConfigError, notice
 from klppo.config.schema import KLPPOConfig
@@ -38,10 +41,7 @@ def load_config(argv: list[str], *, notify: Notify | None = None) -> KLPPOConfig
     """
     notify = notify or notice
     path, overrides = split_argv(argv)
-    tree = _to_plain(OmegaConf.structured(KLPPOConfig))
-    packaged = resources.files("klppo.config").joinpath("ppo_trainer.yaml")
-    with resources.as_file(packaged) as p:
-        _apply(tree, _flatten(_read_yaml(str(p)), source="ppo_trainer.yaml"), notify)
+    tree = copy.deepcopy(_default_tree())
     if path is not None:
         data = _read_yaml(path)
         for key in _IGNORED_TOP & set(data):
@@ -57,6 +57,16 @@ def load_config(argv: list[str], *, notify: Notify | None = None) -> KLPPOConfig
 
     validate(cfg, notify)
     return cfg
+
+
+@functools.cache
+def _default_tree() -> dict[str, Any]:
+    """Schema defaults with the packaged ppo_trainer.yaml applied (plain, unresolved; cached)."""
+    tree = dataclasses.asdict(KLPPOConfig())
+    packaged = resources.files("klppo.config").joinpath("ppo_trainer.yaml")
+    with resources.as_file(packaged) as p:
+        _apply(tree, _flatten(_read_yaml(str(p)), source="ppo_trainer.yaml"), notice)
+    return tree
 
 
 def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -205,9 +215,19 @@ def unknown_key_message(key: str, depth: int, source: str = "command line") -> s
 
 
 def _resolve(tree: dict[str, Any]) -> KLPPOConfig:
+    """Resolve `${...}` interpolations (OmegaConf) and build the frozen dataclass tree, typing every leaf."""
     try:
-        node = OmegaConf.merge(OmegaConf.structured(KLPPOConfig), tree)
-        return OmegaConf.to_object(node)
+        resolved = OmegaConf.to_container(OmegaConf.create(tree), resolve=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
-        raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{key}: cannot resolve interpolation: {str(e).splitlines()[0]}") from None
+    return _build(KLPPOConfig, resolved, "")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        tp, key = hints(cls)[f.name], prefix + f.name
+        value = data[f.name]
+        kwargs[f.name] = _build(tp, value, key + ".") if is_group(tp) else coerce(value, tp, key)
+    return cls(**kwargs)

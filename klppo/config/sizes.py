@@ -80,7 +80,7 @@ def derive_sizes(cfg: KLPPOConfig, world_size: int) -> Sizes:
     if tb % world_size:
         raise ConfigError(
             f"data.train_batch_size={tb} prompts is not divisible by the {world_size} ranks "
-            f"({_ranks_src(cfg)}): each rank generates rollout.n={n} samples for its own share of prompts; "
+            f"{_ranks_src(cfg, world_size)}: each rank generates rollout.n={n} samples for its own share of prompts; "
             f"choose a multiple of {world_size}"
         )
     a_dp, a_mini, a_micro = _role(
@@ -186,9 +186,11 @@ def _divisor_near(total: int, want: int) -> int:
     return min(divisors, key=lambda d: (abs(d - want), -d))
 
 
-def _ranks_src(cfg: KLPPOConfig) -> str:
+def _ranks_src(cfg: KLPPOConfig, world_size: int) -> str:
     t = cfg.trainer
-    return f"trainer.n_gpus_per_node={t.n_gpus_per_node} × trainer.nnodes={t.nnodes}"
+    if config_world_size(cfg) != world_size or not isinstance(t.n_gpus_per_node, int):
+        return ""
+    return f" (trainer.n_gpus_per_node={t.n_gpus_per_node} × trainer.nnodes={t.nnodes})"
 
 
 def config_world_size(cfg: KLPPOConfig) -> int:

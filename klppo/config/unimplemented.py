@@ -165,6 +165,8 @@ def warn_unimplemented(cfg: KLPPOConfig, notify: Notify | None = None) -> list[s
 def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     """ConfigError listing every value `klppo train` cannot honour; notices for speed/memory-only ones."""
     notify = notify or notice
+    for key, value, reason in _set_entries(cfg, "notice"):
+        notify(f"{key}={value!r}: {reason}")
     problems = [f"{k}={v!r}: {r}" for k, v, r in _set_entries(cfg, "refuse")]
     est = cfg.algorithm.adv_estimator
     if est not in IMPLEMENTED_ADV_ESTIMATORS:
@@ -178,5 +180,3 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
             + "\n  - ".join(problems)
             + "\n(`klppo config` accepts them; remove them or set them to their defaults to train)"
         )
-    for key, value, reason in _set_entries(cfg, "notice"):
-        notify(f"{key}={value!r}: {reason}")

@@ -1,0 +1,176 @@
+"""Generates `docs/configuration.md` and `klppo/config/ppo_trainer.yaml` from the schema.
+
+python -m klppo.config.docgen      # rewrites both files (tests check they are current)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from klppo.config._walk import hints, is_group, type_name
+from klppo.config.aliases import KEY_ALIASES
+from klppo.config.schema import KLPPOConfig
+from klppo.config.unimplemented import UNIMPLEMENTED
+
+ROOT = Path(__file__).resolve().parents[2]
+_EFFECT = {
+    "warn": "accepted, no effect yet (one warning at start)",
+    "refuse": "`klppo train` refuses (would change results); `klppo config` accepts",
+    "notice": "runs, with a notice (speed/memory only)",
+}
+
+HEADER = """# Configuration
+
+klppo reads verl's configuration: the key names and groups of verl's `ppo_trainer.yaml` (v0.7), with
+verl's defaults except where noted below. A verl command runs by swapping the module name:
+
+```
+klppo config [file.yaml] [key=value ...]     # print the resolved configuration as YAML, exit 0 (2 on error)
+klppo train  [file.yaml] [key=value ...]     # the same arguments; no arguments: the quickstart
+python -m klppo.trainer.main_ppo [file.yaml] [key=value ...]
+```
+
+Layers, later wins: schema defaults (shipped as `klppo/config/ppo_trainer.yaml`), the YAML file (first
+argument; hydra's `--config-path DIR --config-name NAME` also works; its `defaults:` list and verl's
+`_target_` keys are ignored), then `key=value` overrides in order (hydra's `+`/`++` prefixes accepted).
+Values follow YAML: lists `[a,b]`, booleans `True/true/false`, `null`; numbers are typed by the key, so
+`1e8` into an integer key is `100000000`. A mapping-valued key (e.g. `reward_model.reward_kwargs`) set from
+a file replaces the default mapping; `key.sub=value` sets one entry. `${...}` interpolations (verl's
+`${oc.select:...}` included) are resolved once: a key shown as "follows X" takes X's value unless set.
+Python code uses `klppo.config.load_config(argv)`, which returns a frozen, typed tree with these names.
+
+## Errors
+
+Everything is checked before any model loads, with the key, the value and what was expected:
+unknown keys (with the closest valid keys), wrong types, values outside their range or choices, and the
+batch-size rules below. `klppo config` judges the configuration alone, for `trainer.n_gpus_per_node ×
+trainer.nnodes` ranks when n_gpus_per_node is a number (1 when `auto`); what depends on the machine is
+checked when `klppo train` starts.
+
+## Units and batch sizes (the most common verl confusion)
+
+| key | counts | per |
+| --- | --- | --- |
+| `data.train_batch_size` | PROMPTS | training step, all GPUs (samples per step = × `rollout.n`) |
+| `actor_rollout_ref.actor.ppo_mini_batch_size`, `critic.ppo_mini_batch_size` | PROMPTS | optimizer step, all GPUs (× `rollout.n` samples) |
+| `*.ppo_micro_batch_size_per_gpu`, `*.log_prob_micro_batch_size_per_gpu`, `critic.forward_micro_batch_size_per_gpu` | SAMPLES | one forward(/backward) on one GPU |
+| `*.ppo_micro_batch_size`, `*.log_prob_micro_batch_size` (deprecated) | SAMPLES | all GPUs (divided by the data-parallel size) |
+| `*_max_token_len_per_gpu` (with `use_dynamic_bsz`) | TOKENS (prompt + response) | one micro-batch on one GPU |
+
+Rules (`klppo.config.derive_sizes(cfg, world_size)` computes every per-rank size in one place):
+`ppo_mini_batch_size ≤ train_batch_size` and divides it; `train_batch_size` divisible by the number of
+ranks (each rank generates for its share of prompts, keeping a prompt's n samples together);
+`ppo_mini_batch_size × n` divisible by the data-parallel size (ranks / `ulysses_sequence_parallel_size`);
+the per-GPU share of a mini-batch divisible by `ppo_micro_batch_size_per_gpu`; with `use_dynamic_bsz`,
+each token budget (× Ulysses size) must hold `max_prompt_length + max_response_length`. klppo differs from
+verl in one forgiving way: an unset micro-batch size (without `use_dynamic_bsz`) means one pass over the
+GPU's whole mini-batch share, and unset log-prob micro-batch sizes follow the actor's. GRPO/RLOO with
+`rollout.n=1` warns (every advantage would be 0).
+
+## Keys klppo adds
+
+| key | default | meaning |
+| --- | --- | --- |
+| `data.bad_row_policy` | `skip` | a row with a missing/wrong-typed/empty prompt: `skip` (reported with file and row, counted) or `error` (stop) |
+| `trainer.seed` | `1` | seed of model initialization (value head), sampling and, when `data.seed` is null, data order |
+| `trainer.max_nan_steps` | `3` | a step whose loss is NaN/inf is skipped (no update); after this many in a row the run stops |
+| `trainer.collective_timeout_s` | `1800` | seconds a collective may wait before the run fails with the phase named |
+| `reward_model.reward_kwargs` | `{}` | passed to the scorer, e.g. `{method: flexible, format_score: 0.1}` for GSM8K |
+| `*.fsdp_config.mixed_precision.{param,reduce,buffer}_dtype` | `bf16`, `fp32`, `fp32` | FSDP2 mixed precision on GPU (CPU computes in fp32) |
+| `*.fsdp_config.backward_prefetch` | `true` | prefetch the previous unit's all-gather during backward |
+| `*.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap` | `null` | classes made one unit each at `min_num_params=0` (null: the model's `_no_split_modules`) |
+
+`data.seed` (verl's) is the shuffle seed; null uses `trainer.seed`.
+
+## Defaults that differ from verl
+
+| key | klppo | verl | why |
+| --- | --- | --- | --- |
+| `trainer.device` | `auto` | `cuda` | cuda when present, else cpu |
+| `trainer.n_gpus_per_node` | `auto` | `8` | all visible GPUs; 1 process on CPU unless set |
+| `trainer.logger` | `[console, jsonl]` | `[console, wandb]` | no account needed |
+| `actor_rollout_ref.rollout.name` | `klppo` | required | our engine; `hf` = transformers generate |
+| `actor_rollout_ref.rollout.tensor_model_parallel_size` | `1` | `2` | klppo's rollout is data-parallel |
+| `*.strategy` | `fsdp2` | `fsdp` | the same thing here (see aliases) |
+| `critic.model.path` | follows the actor's model | a fixed path | the usual choice |
+| `actor_rollout_ref.ref.fsdp_config.model_dtype` | `bf16` | `fp32` (v0.7 YAML); bf16 when the key is absent (older verl) | the frozen reference only runs forward in bf16 anyway |
+| dtypes | `fp32`/`bf16`/`fp16` | also `float32`/`bfloat16` | long names accepted, printed short |
+| `data.return_raw_chat` | `false` | `true` in v0.7 | v0.6 value: prompts are templated token ids |
+
+## Aliases (printed normalized, with a note on stderr)
+
+| written | read as |
+| --- | --- |
+{key_aliases}| `strategy: fsdp` (any role) | `fsdp2` (PyTorch FSDP2); `megatron` is refused: FSDP2 is what klppo supports |
+| `kl_penalty` / `kl_loss_type`: `k1`, `k2`, `k3` (optionally with `+`) | `kl`, `mse`, `low_var_kl` (the `+` kept: value of the estimator, gradient of k2) |
+| `trainer.logger: file` | `jsonl` |
+| `actor_rollout_ref.rollout.name: vllm` or `sglang` | `klppo` (same sampling keys; nothing to install) |
+| `*.optim.warmup_style` (deprecated in verl) | `*.optim.lr_scheduler_type` |
+| dtype `float32`/`bfloat16`/`float16` | `fp32`/`bf16`/`fp16` |
+
+## Keys accepted, no effect yet (and keys train refuses)
+
+These verl keys are accepted so that verl command lines run unchanged. Nothing happens while they keep their
+default; set to another value, they act as the second column says. Every other key is implemented.
+This is the one list (`klppo/config/unimplemented.py`); rows are removed as features land.
+
+| key | when set to a non-default value | why |
+| --- | --- | --- |
+{unimplemented}
+## All keys
+"""
+
+
+def _default_text(value: object) -> str:
+    if isinstance(value, str):
+        m = re.fullmatch(r"\$\{oc\.select:([^,]+),(.*)\}", value) or re.fullmatch(r"\$\{([^}]+)\}", value)
+        if m:
+            return f"follows `{m.group(1)}`"
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return f"`{text}`".replace("|", "\\|")
+
+
+def _rows(cls: type, obj: object, prefix: str) -> list[str]:
+    rows = []
+    for f in dataclasses.fields(cls):
+        tp, key, value = hints(cls)[f.name], prefix + f.name, getattr(obj, f.name)
+        meaning = f.metadata.get("help", "").replace("|", "\\|")
+        if is_group(tp):
+            rows.append(f"| **`{key}`** | | {meaning} |")
+            rows += _rows(tp, value, key + ".")
+        else:
+            rows.append(
+                f"| `{key}` | {_default_text(value)} | {meaning} ({type_name(tp).replace('|', '/')}) |"
+            )
+    return rows
+
+
+def render_docs() -> str:
+    key_aliases = "".join(f"| `{k}` | {', '.join(f'`{t}`' for t in ts)} |\n" for k, ts in KEY_ALIASES.items())
+    unimpl = "".join(f"| `{p}` | {_EFFECT[e]} | {r} |\n" for p, e, r in UNIMPLEMENTED)
+    text = HEADER.replace("{key_aliases}", key_aliases).replace("{unimplemented}", unimpl)
+    cfg = KLPPOConfig()
+    for f in dataclasses.fields(KLPPOConfig):
+        tp = hints(KLPPOConfig)[f.name]
+        text += f"\n### `{f.name}`: {f.metadata.get('help', '')}\n\n| key | default | meaning (type) |\n"
+        text += "| --- | --- | --- |\n" + "\n".join(_rows(tp, getattr(cfg, f.name), f.name + ".")) + "\n"
+    return text
+
+
+def render_yaml() -> str:
+    head = "# klppo's defaults (verl's ppo_trainer.yaml key set). Generated by `python -m klppo.config.docgen`.\n"
+    return head + OmegaConf.to_yaml(OmegaConf.structured(KLPPOConfig))
+
+
+def main() -> None:
+    (ROOT / "docs" / "configuration.md").write_text(render_docs())
+    (ROOT / "klppo" / "config" / "ppo_trainer.yaml").write_text(render_yaml())
+
+
+if __name__ == "__main__":
+    main()

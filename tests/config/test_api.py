@@ -1,0 +1,105 @@
+"""The public API: frozen typed tree, defaults file, check_trainable, warn_unimplemented, ranges."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from klppo.config import (
+    ConfigError,
+    KLPPOConfig,
+    check_trainable,
+    config_to_yaml,
+    load_config,
+    warn_unimplemented,
+)
+from klppo.config.unimplemented import UNIMPLEMENTED
+
+Q = {"notify": lambda _m: None}
+DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def test_tree_is_typed_frozen_and_uses_verl_names():
+    cfg = load_config([], **Q)
+    assert isinstance(cfg, KLPPOConfig)
+    assert cfg.actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params == 0
+    assert cfg.algorithm.kl_ctrl.type == "fixed"
+    assert cfg.trainer.logger == ["console", "jsonl"]
+    assert (cfg.trainer.device, cfg.trainer.n_gpus_per_node, cfg.trainer.seed) == ("auto", "auto", 1)
+    assert cfg.data.bad_row_policy == "skip" and cfg.trainer.max_nan_steps == 3
+    assert cfg.actor_rollout_ref.actor.fsdp_config.model_dtype == "fp32"
+    assert cfg.actor_rollout_ref.rollout.name == "klppo"
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.trainer.seed = 2  # type: ignore[misc]
+    assert isinstance(load_config(["trainer.n_gpus_per_node=4"], **Q).trainer.n_gpus_per_node, int)
+
+
+def test_packaged_yaml_equals_schema_defaults():
+    from importlib import resources
+
+    shipped = yaml.safe_load(resources.files("klppo.config").joinpath("ppo_trainer.yaml").read_text())
+    schema = OmegaConf.to_container(OmegaConf.structured(KLPPOConfig), resolve=False)
+    assert shipped == schema, "regenerate with: python -m klppo.config.docgen"
+
+
+def test_interpolations_follow_unless_set():
+    cfg = load_config(["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                       "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=2048"], **Q)  # fmt: skip
+    assert cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == 4096
+    assert cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu == 2048
+    with pytest.raises(ConfigError, match="interpolation"):
+        load_config(["trainer.experiment_name=${trainer.nope}"], **Q)
+
+
+def test_ranges_and_cross_checks():
+    for arg, part in [("actor_rollout_ref.rollout.gpu_memory_utilization=1.5", "in [0.01, 1]"),
+                      ("actor_rollout_ref.rollout.n=0", "≥ 1"),
+                      ("trainer.resume_mode=resume_path", "resume_from_path"),
+                      ("data.bad_row_policy=ignore", "skip, error")]:  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            load_config([arg], **Q)
+        assert arg.split("=")[0] in str(e.value) and part in str(e.value)
+
+
+def test_check_trainable_refuses_result_changing_values_and_notes_speed_only(issue_list):
+    cfg = load_config(issue_list, **Q)
+    notes: list[str] = []
+    with pytest.raises(ConfigError) as e:
+        check_trainable(cfg, notify=notes.append)
+    assert "ulysses_sequence_parallel_size=2" in str(e.value)
+    assert any("tensor_model_parallel_size=2" in n for n in notes)
+    with pytest.raises(ConfigError, match="lora_rank=8"):
+        check_trainable(load_config(["actor_rollout_ref.model.lora_rank=8"], **Q))
+    with pytest.raises(ConfigError, match="adv_estimator='gpg'"):
+        check_trainable(load_config(["algorithm.adv_estimator=gpg"], **Q))
+    check_trainable(load_config([], **Q), notify=notes.append)  # defaults train
+
+
+def test_warn_unimplemented_only_for_non_defaults(issue_list):
+    assert warn_unimplemented(load_config([], **Q), notify=lambda _m: None) == []
+    lines = warn_unimplemented(load_config(issue_list, **Q), notify=lambda _m: None)
+    assert len(lines) == 1 and "global_profiler.steps" in lines[0] and "no effect yet" in lines[0]
+
+
+def test_unimplemented_table_is_documented():
+    doc = DOC.read_text()
+    assert "accepted, no effect yet" in doc
+    for pattern, _effect, _reason in UNIMPLEMENTED:
+        assert f"`{pattern}`" in doc, pattern
+
+
+def test_docs_are_current():
+    from klppo.config.docgen import render_docs
+
+    assert DOC.read_text() == render_docs(), "regenerate: python -m klppo.config.docgen"
+
+
+def test_config_to_yaml_is_plain():
+    text = config_to_yaml(load_config([], **Q))
+    assert "${" not in text and "_target_" not in text
+    assert yaml.safe_load(text)["trainer"]["logger"] == ["console", "jsonl"]

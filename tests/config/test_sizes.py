@@ -1,0 +1,124 @@
+"""derive_sizes and the cross-field rules: numbers and units (prompts vs samples) in every message."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from klppo.config import ConfigError, derive_sizes, load_config
+
+Q = {"notify": lambda _m: None}
+
+
+def _cfg(**kv) -> object:
+    return load_config([f"{k}={v}" for k, v in kv.items()], **Q)
+
+
+def _args(tb, mini, n, micro, ctr_micro=None):
+    a = {
+        "data.train_batch_size": tb,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": mini,
+        "actor_rollout_ref.rollout.n": n,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": micro,
+    }
+    if ctr_micro:
+        a["critic.ppo_micro_batch_size_per_gpu"] = ctr_micro
+    return a
+
+
+def test_sizes_match_hand_computation_over_a_grid():
+    checked = refused = 0
+    for tb, mini, n, micro in itertools.product((8, 12), (2, 4), (1, 3), (1, 2)):
+        cfg = _cfg(**_args(tb, mini, n, micro))
+        for world in (1, 2, 4):
+            ok = tb % world == 0 and (mini * n) % world == 0 and ((mini * n) // world) % micro == 0
+            if not ok:
+                with pytest.raises(ConfigError):
+                    derive_sizes(cfg, world)
+                refused += 1
+                continue
+            s = derive_sizes(cfg, world)
+            checked += 1
+            assert s.samples_per_step == tb * n
+            assert s.prompts_per_rank * world == tb
+            assert s.samples_per_rank * world == tb * n
+            assert s.actor_mini_batch_samples_per_rank * world == mini * n
+            assert s.actor_micro_batch_size_per_gpu == micro
+            assert s.actor_grad_accum_steps * micro * world == mini * n
+            assert s.num_actor_updates_per_step == tb // mini
+            assert s.log_prob_micro_batch_size_per_gpu == micro  # falls back to the actor's
+            assert s.uses_critic  # gae by default; critic micro unset → one pass over its share
+            assert (
+                s.critic_micro_batch_size_per_gpu
+                == s.critic_mini_batch_samples_per_rank
+                == (mini * n) // world
+            )
+    assert checked > 15 and refused > 5
+
+
+def test_ulysses_divides_data_parallel_size(issue_list):
+    cfg = load_config(issue_list, **Q)
+    s = derive_sizes(cfg, 8)
+    # 128 prompts × 4 = 512 samples per update over 8 ranks / ulysses 2 = 4 dp groups → 128 per GPU
+    assert (s.actor_dp_size, s.actor_mini_batch_samples_per_rank) == (4, 128)
+    assert (s.samples_per_step, s.prompts_per_rank, s.samples_per_rank) == (2048, 64, 256)
+    assert s.actor_micro_batch_size_per_gpu is None  # dynamic batch size: token budget instead
+    cfg = load_config([*issue_list, "data.train_batch_size=384"], **Q)
+    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2 does not divide the 3 ranks"):
+        derive_sizes(cfg, 3)
+
+
+def test_messages_show_numbers_and_units():
+    with pytest.raises(ConfigError) as e:
+        derive_sizes(_cfg(**_args(64, 16, 4, 6)), 2)
+    msg = str(e.value)
+    for part in ("ppo_mini_batch_size=16 prompts", "rollout.n=4", "64 samples", "2 data-parallel", "32 samples per GPU",
+                 "ppo_micro_batch_size_per_gpu=6 samples"):  # fmt: skip
+        assert part in msg, (part, msg)
+    with pytest.raises(ConfigError, match=r"train_batch_size=30 prompts is not divisible by the 4 ranks"):
+        derive_sizes(_cfg(**_args(30, 10, 2, 1)), 4)
+    with pytest.raises(
+        ConfigError, match=r"ppo_mini_batch_size=64 prompts is larger than data.train_batch_size=32"
+    ):
+        _cfg(**_args(32, 64, 2, 1))
+    with pytest.raises(ConfigError, match=r"train_batch_size=24 prompts is not a multiple of .*=16 prompts"):
+        _cfg(**_args(24, 16, 2, 1))
+    with pytest.raises(ConfigError, match=r"= 12 samples per update is not divisible by 8 data-parallel"):
+        derive_sizes(_cfg(**_args(24, 4, 3, 1)), 8)
+
+
+def test_deprecated_global_micro_batch_and_exclusivity():
+    a = _args(16, 8, 2, 1)
+    del a["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"]
+    a["actor_rollout_ref.actor.ppo_micro_batch_size"] = 8
+    s = derive_sizes(_cfg(**a), 2)
+    assert s.actor_micro_batch_size_per_gpu == 4
+    a["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] = 2
+    with pytest.raises(ConfigError, match="set only the _per_gpu one"):
+        derive_sizes(_cfg(**a), 2)
+
+
+def test_unset_micro_batch_means_one_pass_and_log_prob_sizes():
+    cfg = _cfg(**{"data.train_batch_size": 16, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 3,
+                  "algorithm.adv_estimator": "grpo", "actor_rollout_ref.rollout.n": 2})  # fmt: skip
+    s = derive_sizes(cfg, 2)
+    assert s.actor_micro_batch_size_per_gpu == 8 and s.actor_grad_accum_steps == 1
+    assert s.log_prob_micro_batch_size_per_gpu == 3 and s.ref_log_prob_micro_batch_size_per_gpu == 3
+    assert not s.uses_critic and s.critic_mini_batch_samples_per_rank is None
+
+
+def test_token_budget_must_hold_one_sequence():
+    with pytest.raises(ConfigError, match=r"ppo_max_token_len_per_gpu=500 tokens .* = 768 tokens"):
+        _cfg(**{"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 500,
+                "data.max_prompt_length": 512, "data.max_response_length": 256})  # fmt: skip
+
+
+def test_group_estimator_with_one_sample_warns():
+    notes: list[str] = []
+    load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1"], notify=notes.append)
+    assert any("rollout.n=1" in m and "grpo" in m for m in notes)
+    notes.clear()
+    load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"], notify=notes.append)
+    assert notes == []
