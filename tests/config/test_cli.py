@@ -182,3 +182,20 @@ def test_printed_yaml_loads_back_identically(run_cli, tmp_path, issue_list):
     rc2, out2, err2 = run_cli([str(f)])
     assert rc == rc2 == 0, err2
     assert out2 == out
+
+
+def test_no_arguments_prints_the_defaults_and_hydra_prefixes(run_cli):
+    rc, out, err = run_cli([])
+    assert rc == 0, err
+    tree = yaml.safe_load(out)
+    assert _get(tree, "trainer.logger") == ["console", "jsonl"] and _get(tree, "trainer.device") == "auto"
+    rc, out, err = run_cli(
+        ["+trainer.seed=7", "++trainer.logger=console", "data.train_files=[a.parquet,b.parquet]"]
+    )
+    assert rc == 0, err
+    tree = yaml.safe_load(out)
+    assert _get(tree, "trainer.seed") == 7
+    assert _get(tree, "trainer.logger") == ["console"]  # a single name is a one-element list
+    assert _get(tree, "data.train_files") == ["a.parquet", "b.parquet"]
+    rc, _, err = run_cli(["~trainer.seed"])
+    assert rc == 2 and "deleting keys" in err
