@@ -110,6 +110,14 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         raise ConfigError(
             "trainer.resume_mode=resume_path needs trainer.resume_from_path=<global_step_N folder>"
         )
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is False:
+        raise ConfigError("algorithm.adv_estimator=gae needs a critic (values), but critic.enable=False; "
+                          "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax)")  # fmt: skip
+    kl = cfg.algorithm.kl_ctrl
+    if kl.type == "adaptive" and kl.target_kl <= 0:
+        raise ConfigError(
+            f"algorithm.kl_ctrl.target_kl={kl.target_kl}: the adaptive controller needs a target > 0"
+        )
     check_prompt_counts(cfg)
     _token_budgets(cfg)
     est, n_samples = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n

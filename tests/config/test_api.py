@@ -60,9 +60,11 @@ def test_ranges_and_cross_checks():
     for arg, part in [("actor_rollout_ref.rollout.gpu_memory_utilization=1.5", "in [0.01, 1]"),
                       ("actor_rollout_ref.rollout.n=0", "≥ 1"),
                       ("trainer.resume_mode=resume_path", "resume_from_path"),
-                      ("data.bad_row_policy=ignore", "skip, error")]:  # fmt: skip
+                      ("data.bad_row_policy=ignore", "skip, error"),
+                      ("critic.enable=false", "needs a critic"),
+                      ("algorithm.kl_ctrl.target_kl=0", "target > 0")]:  # fmt: skip
         with pytest.raises(ConfigError) as e:
-            load_config([arg], **Q)
+            load_config([arg, "algorithm.kl_ctrl.type=adaptive"] if "target_kl" in arg else [arg], **Q)
         assert arg.split("=")[0] in str(e.value) and part in str(e.value)
 
 
