@@ -32,7 +32,15 @@ import torch
 
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.hf import HFRollout
-from klppo.rollout.llama import LlamaWeights, decode, logits_of, prefill, unsupported_reason
+from klppo.rollout.llama import (
+    LlamaWeights,
+    attn_in,
+    attn_out_mlp,
+    decode,
+    logits_of,
+    prefill,
+    unsupported_reason,
+)
 from klppo.rollout.sampling import sample
 
 
@@ -68,6 +76,7 @@ class KLPPORollout:
         eos_check_every: int = 16,
         max_prefill_tokens: int = 32768,
         use_cuda_graph: bool = True,
+        compile_decode: bool = True,
     ) -> None:
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -79,6 +88,8 @@ class KLPPORollout:
         self.eos_check_every = eos_check_every
         self.max_prefill_tokens = max_prefill_tokens
         self.use_cuda_graph = use_cuda_graph
+        self.compile_decode = compile_decode
+        self._layer_fns: tuple | None = None  # compiled decode-layer functions, built on first GPU use
         self.last_stats: dict[str, float] = {}
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self._ws: _Workspace | None = None
@@ -280,8 +291,17 @@ class KLPPORollout:
         """A callable running one decode step on slots [0, bucket): a graph replay on GPU."""
         width, sink, max_len = params.max_new_tokens, ws.out_len.shape[0] - 1, ws.kv.shape[4]
 
+        layer_fns = (attn_in, attn_out_mlp)
+        if cuda and self.compile_decode:
+            if self._layer_fns is None:
+                self._layer_fns = (
+                    torch.compile(attn_in, dynamic=True),
+                    torch.compile(attn_out_mlp, dynamic=True),
+                )
+            layer_fns = self._layer_fns
+
         def step() -> None:
-            logits = decode(w, ws.kv, ws.last_token[:bucket], ws.position[:bucket])
+            logits = decode(w, ws.kv, ws.last_token[:bucket], ws.position[:bucket], layer_fns)
             tokens, log_probs = sample(logits, params)
             alive = ~ws.finished[:bucket]
             row = torch.where(alive, ws.seq_id[:bucket], sink)

@@ -88,13 +88,19 @@ class HFRollout:
         finally:
             model.generation_config = saved_config
         generated = out.sequences[:, num_prompt_tokens:]
-        logits = torch.stack(out.logits, dim=1).float()  # [N, T, V]
+        temperature = 1.0 if params.greedy else params.temperature
+        log_probs = torch.stack(  # step by step: [N, T, V] at once would not fit for large batches
+            [
+                torch.log_softmax(step_logits.float() / temperature, dim=-1)
+                .gather(-1, generated[:, t, None])
+                .squeeze(-1)
+                for t, step_logits in enumerate(out.logits)
+            ],
+            dim=1,
+        )
         if params.greedy and params.n > 1:  # generate refuses n > 1 without sampling: all n are equal
             generated = generated.repeat_interleave(params.n, dim=0)
-            logits = logits.repeat_interleave(params.n, dim=0)
-        temperature = 1.0 if params.greedy else params.temperature
-        log_probs = torch.log_softmax(logits / temperature, dim=-1)
-        log_probs = log_probs.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+            log_probs = log_probs.repeat_interleave(params.n, dim=0)
 
         num_rows, num_steps = generated.shape
         width = params.max_new_tokens

@@ -223,17 +223,43 @@ def prefill(
     return rms_norm(x[last], w.final_norm, w.eps)
 
 
+def attn_in(
+    x: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, spec: tuple[int, int, int, float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode-step layer front: norm, q/k/v, q/k norm, RoPE. ``spec`` = (H, H_kv, D, eps)."""
+    num_heads, num_kv_heads, head_dim, eps = spec
+    num_tokens = x.shape[0]
+    h = rms_norm(x, lw.input_norm, eps)
+    q = F.linear(h, lw.q, lw.q_bias).view(num_tokens, num_heads, head_dim)
+    k = F.linear(h, lw.k, lw.k_bias).view(num_tokens, num_kv_heads, head_dim)
+    v = F.linear(h, lw.v, lw.v_bias).view(num_tokens, num_kv_heads, head_dim)
+    if lw.q_norm is not None:
+        q = rms_norm(q, lw.q_norm, eps)
+    if lw.k_norm is not None:
+        k = rms_norm(k, lw.k_norm, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
+    """Decode-step layer back: output projection, residual, norm, SwiGLU MLP, residual."""
+    x = x + F.linear(attn, lw.o, lw.o_bias)
+    return x + _mlp(lw, rms_norm(x, lw.post_norm, eps))
+
+
 def decode(
     w: LlamaWeights,
     kv: torch.Tensor,
     tokens: torch.Tensor,
     positions: torch.Tensor,
+    layer_fns: tuple = (attn_in, attn_out_mlp),
 ) -> torch.Tensor:
     """One token for each of the first B slots: ``tokens``/``positions`` [B]; returns logits [B, V] float32.
 
     Writes K/V at ``positions`` and attends to cache positions ``<= positions``. Static shapes (the full
-    cache length S is attended with a mask), so it can be captured in a CUDA graph.
+    cache length S is attended with a mask), so it can be captured in a CUDA graph. ``layer_fns`` may be
+    compiled versions of (``attn_in``, ``attn_out_mlp``) (fewer, fused kernels).
     """
+    front, back = layer_fns
     num_slots = tokens.shape[0]
     slot_idx = torch.arange(num_slots, device=tokens.device)
     x = F.embedding(tokens, w.embed)
@@ -241,16 +267,15 @@ def decode(
     max_len = kv.shape[4]
     mask = (torch.arange(max_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
     group = w.num_heads // w.num_kv_heads
+    spec = (w.num_heads, w.num_kv_heads, w.head_dim, w.eps)
     for i, lw in enumerate(w.layers):
-        h = rms_norm(x, lw.input_norm, w.eps)
-        q, k, v = _qkv(w, lw, h, cos, sin)
+        q, k, v = front(x, lw, cos, sin, spec)
         kv[i, 0, slot_idx, :, positions] = k
         kv[i, 1, slot_idx, :, positions] = v
         # GQA without expanding K/V: the query heads of one KV head act as a length-`group` query.
-        q = q.view(num_slots, w.num_kv_heads, group, w.head_dim)
+        q = q.reshape(num_slots, w.num_kv_heads, group, w.head_dim)
         attn = F.scaled_dot_product_attention(q, kv[i, 0, :num_slots], kv[i, 1, :num_slots], attn_mask=mask)
-        x = x + F.linear(attn.reshape(num_slots, -1), lw.o, lw.o_bias)
-        x = x + _mlp(lw, rms_norm(x, lw.post_norm, w.eps))
+        x = back(x, attn.reshape(num_slots, -1), lw, w.eps)
     return F.linear(rms_norm(x, w.final_norm, w.eps), w.lm_head).float()
 
 

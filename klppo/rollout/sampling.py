@@ -40,9 +40,10 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, 
     log_probs = torch.log_softmax(scaled, dim=-1)
     if params.greedy:
         tokens = torch.argmax(logits, dim=-1)
+    elif params.top_k <= 0 and params.top_p >= 1.0:
+        # argmax(p / E) = argmax(log p - log E): reuse the log-probs, one noise tensor
+        tokens = torch.argmax(log_probs - torch.empty_like(log_probs).exponential_(1.0).log_(), dim=-1)
     else:
-        truncated = truncate_logits(scaled, params.top_k, params.top_p)
-        probs = torch.softmax(truncated, dim=-1)
-        race = probs / torch.empty_like(probs).exponential_(1.0)
-        tokens = torch.argmax(race, dim=-1)
+        probs = torch.softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
+        tokens = torch.argmax(probs / torch.empty_like(probs).exponential_(1.0), dim=-1)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,140 @@
+"""The klppo engine against the hf reference and independent references (CPU, fp32)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from klppo.models.tiny import build_tiny_model
+from klppo.rollout import SamplingParams, make_rollout
+from klppo.rollout.engine import KLPPORollout
+from tests.rollout.conftest import left_padded, reference_log_probs
+
+PROMPTS = [[1, 10, 20, 30, 40, 50], [1, 7, 8], [1, 99, 100, 101, 102], [5], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+
+ARCHS = [
+    ("qwen2", {}),  # tied embeddings, q/k/v bias, GQA
+    ("qwen2", {"tie_word_embeddings": False}),
+    ("llama", {"tie_word_embeddings": False}),
+    ("llama", {"num_kv_heads": 4}),  # plain multi-head
+    ("qwen3", {}),  # q/k norm
+    ("mistral", {}),
+]
+
+
+@pytest.mark.parametrize("arch,kwargs", ARCHS, ids=[f"{a}-{i}" for i, (a, _) in enumerate(ARCHS)])
+def test_greedy_identical_to_hf_with_continuous_batching(arch, kwargs) -> None:
+    model = build_tiny_model(arch=arch, **kwargs).eval()
+    prompts, prompt_mask = left_padded(PROMPTS)
+    params = SamplingParams(max_new_tokens=24, n=2, do_sample=False)
+    ref = make_rollout("hf", eos_token_ids=[2], pad_token_id=2).generate(model, prompts, prompt_mask, params)
+    # 10 sequences through 3 slots: finished slots must take the waiting sequences
+    engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=5)
+    out = engine.generate(model, prompts, prompt_mask, params)
+    assert engine.last_stats["rollout/num_slots"] == 3
+    assert torch.equal(out.responses, ref.responses)
+    assert torch.equal(out.response_mask, ref.response_mask)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+
+
+def test_rope_scaling_and_eos_mask_match_hf() -> None:
+    model = build_tiny_model(arch="llama").eval()
+    model.config.rope_parameters = {
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    }  # fmt: skip
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
+    prompts, prompt_mask = left_padded(PROMPTS)
+    greedy = SamplingParams(max_new_tokens=16, do_sample=False)
+    hf = make_rollout("hf", eos_token_ids=[2], pad_token_id=2)
+    first = hf.generate(model, prompts, prompt_mask, greedy)
+    # two EOS ids that the greedy paths emit, pad different from both: masks must cut after the first
+    eos_ids = [int(first.responses[0, 4]), int(first.responses[2, 2])]
+    ref = make_rollout("hf", eos_token_ids=eos_ids, pad_token_id=0).generate(
+        model, prompts, prompt_mask, greedy
+    )
+    out = make_rollout(
+        "klppo", eos_token_ids=eos_ids, pad_token_id=0, max_num_seqs=2, eos_check_every=3
+    ).generate(model, prompts, prompt_mask, greedy)
+    assert ref.response_mask[0].sum() <= 5 and ref.response_mask.sum() < ref.response_mask.numel()
+    assert torch.equal(out.responses, ref.responses)
+    assert torch.equal(out.response_mask, ref.response_mask)
+
+
+def test_sampled_log_probs_match_full_forward_and_seed_reproducible(tiny_qwen2) -> None:
+    prompts, prompt_mask = left_padded(PROMPTS)
+    engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, max_num_seqs=4, eos_check_every=4)
+    params = SamplingParams(max_new_tokens=16, n=3, temperature=0.8, top_k=40, top_p=0.9, seed=11)
+    out = engine.generate(tiny_qwen2, prompts, prompt_mask, params)
+    ref = reference_log_probs(tiny_qwen2, prompts, prompt_mask, out.responses, out.response_mask, 0.8, 3)
+    torch.testing.assert_close(out.log_probs.double(), ref, atol=1e-4, rtol=0)
+    again = engine.generate(tiny_qwen2, prompts, prompt_mask, params)
+    assert torch.equal(out.responses, again.responses)
+    other = engine.generate(tiny_qwen2, prompts, prompt_mask, SamplingParams(max_new_tokens=16, n=3, seed=12))
+    assert not torch.equal(out.responses, other.responses)
+    assert out.responses.shape == (15, 16)
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    keep = probs > 0
+    expected = probs[keep] * counts.sum()
+    assert counts[~keep].sum() == 0, "sampled a token outside the truncated support"
+    return float(((counts[keep] - expected) ** 2 / expected).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (5, 1.0), (-1, 0.6), (6, 0.8)])
+def test_sampling_distribution_chi_square(top_k, top_p) -> None:
+    """The sampler's first-token law equals the truncated, renormalised softmax (float64 reference)."""
+    from klppo.rollout.sampling import sample
+
+    torch.manual_seed(0)
+    vocab, draws, temperature = 12, 40000, 0.7
+    logits = torch.randn(vocab) * 1.5
+    params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens, log_probs = sample(logits.expand(draws, vocab).clone(), params)
+    # independent reference (HF order): sort, keep the top k, renormalise, keep the smallest prefix
+    # whose renormalised mass reaches top_p
+    p = torch.softmax(logits.double() / temperature, dim=0)
+    order = torch.argsort(p, descending=True).tolist()
+    if top_k > 0:
+        order = order[:top_k]
+    in_k = sum(float(p[t]) for t in order)
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    mass = 0.0
+    for tok in order:
+        if mass >= top_p:
+            break
+        keep[tok] = True
+        mass += float(p[tok]) / in_k
+    q = torch.where(keep, p, 0.0)
+    q = q / q.sum()
+    stat, dof = _chi_square(torch.bincount(tokens, minlength=vocab).double(), q)
+    # mean dof, sd sqrt(2 dof): 6 sd above the mean fails (a wrong law gives stat in the hundreds)
+    assert stat < dof + 6 * math.sqrt(2 * max(dof, 1)), (stat, dof)
+    torch.testing.assert_close(log_probs.double(), torch.log(p)[tokens], atol=1e-5, rtol=0)
+
+
+def test_fallback_and_cache_lifecycle(tiny_qwen2) -> None:
+    prompts, prompt_mask = left_padded(PROMPTS[:2])
+    params = SamplingParams(max_new_tokens=6, do_sample=False)
+    keep = KLPPORollout(eos_token_ids=[2], pad_token_id=2, free_cache_engine=False)
+    first = keep.generate(tiny_qwen2, prompts, prompt_mask, params)
+    cache = keep._ws.kv
+    second = keep.generate(tiny_qwen2, prompts, prompt_mask, params)
+    assert keep._ws.kv is cache and torch.equal(first.responses, second.responses)
+    keep.release()
+    assert keep._ws is None
+    free = KLPPORollout(eos_token_ids=[2], pad_token_id=2, free_cache_engine=True)
+    free.generate(tiny_qwen2, prompts, prompt_mask, params)
+    assert free._ws is None
+    gpt2_like = build_tiny_model(arch="mistral").eval()
+    gpt2_like.config.model_type = "unsupported-arch"
+    with pytest.warns(UserWarning, match="unsupported-arch"):
+        out = free.generate(gpt2_like, prompts, prompt_mask, params)
+    assert free.last_stats["rollout/fallback_hf"] == 1.0 and out.responses.shape == (2, 6)
+    with pytest.raises(ValueError, match="unknown rollout"):
+        make_rollout("vllm", eos_token_ids=[2], pad_token_id=2)
