@@ -27,6 +27,7 @@ class CriticSettings:
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     shuffle: bool = False
+    use_remove_padding: bool = False
     seed: int = 1
 
 
@@ -43,8 +44,10 @@ class Critic:
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """Values [B,R] (zero on masked positions)."""
         self.model.eval()
-        values = no_grad_pass(batch, self.settings.forward_micro, lambda mb: value_forward(self.model, mb))
-        return values * batch.response_mask
+        rmpad = self.settings.use_remove_padding
+        return no_grad_pass(
+            batch, self.settings.forward_micro, lambda mb: value_forward(self.model, mb, use_remove_padding=rmpad)
+        )
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Needs ``values`` (old), ``returns``, ``response_mask``."""
@@ -67,7 +70,7 @@ class Critic:
         counts = global_counts(mini.response_mask)
         finite = True
         for _, mb in iter_micro(mini, s.update_micro):
-            vpreds = value_forward(self.model, mb)
+            vpreds = value_forward(self.model, mb, use_remove_padding=s.use_remove_padding)
             loss, stats = losses.value_loss(
                 vpreds=vpreds,
                 returns=mb.returns,

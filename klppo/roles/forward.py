@@ -71,27 +71,26 @@ def policy_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-prob of each response token under ``model`` with logits / ``temperature``.
 
-    Returns ``(log_probs [B,R] fp32, entropy [B,R] or None, response logits [B,R,V] or None)``.
+    Returns ``(log_probs [B,R] fp32, entropy [B,R] or None, response logits [B,R,V] or None)``; the
+    logits (for the exact ``full`` KL) come from a padded pass, everything else from
+    :func:`klppo.batching.packing.forward_log_probs` (packed when ``use_remove_padding``).
     """
     from klppo.algorithms.losses import entropy_from_logits
+    from klppo.batching.packing import forward_log_probs
 
     batch = trim_left_padding(batch)
-    if use_remove_padding and not return_logits:
-        from klppo.batching.packing import forward_log_probs
-
-        return (
-            *forward_log_probs(
-                model,
-                batch.input_ids,
-                batch.attention_mask,
-                batch.position_ids,
-                response_length=batch.response_length,
-                temperature=temperature,
-                use_remove_padding=True,
-                calculate_entropy=calculate_entropy,
-            ),
-            None,
+    if not return_logits:
+        log_probs, entropy = forward_log_probs(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.position_ids,
+            response_length=batch.response_length,
+            temperature=temperature,
+            use_remove_padding=use_remove_padding,
+            calculate_entropy=calculate_entropy,
         )
+        return log_probs, entropy, None
     R = batch.response_length
     out = model(
         input_ids=batch.input_ids,
@@ -100,24 +99,26 @@ def policy_forward(
         use_cache=False,
         logits_to_keep=R + 1,
     )
-    logits = out.logits[:, -R - 1 : -1].float() / temperature
+    logits = out.logits[:, :-1].float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
     entropy = entropy_from_logits(logits) if calculate_entropy else None
-    return log_probs, entropy, (logits if return_logits else None)
+    return log_probs * batch.response_mask, entropy, logits
 
 
-def value_forward(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def value_forward(model: torch.nn.Module, batch: Batch, *, use_remove_padding: bool = False) -> torch.Tensor:
     """Values [B,R] fp32 of a token-classification critic: the value at the position before each response
-    token (the state in which that token is chosen), as verl's critic."""
+    token (the state in which that token is chosen), as verl's critic; zero on masked positions."""
+    from klppo.batching.packing import forward_values
+
     batch = trim_left_padding(batch)
-    R = batch.response_length
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
+    return forward_values(
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        response_length=batch.response_length,
+        use_remove_padding=use_remove_padding,
     )
-    return out.logits[:, -R - 1 : -1, 0].float()
 
 
 def no_grad_pass(

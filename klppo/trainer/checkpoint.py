@@ -101,7 +101,7 @@ def save_checkpoint(
 
     ``hf_assets[role]`` is a callable ``(dir) -> None`` writing that role's HF config/tokenizer (rank 0).
     """
-    from klppo.parallel.checkpoint import save_model_and_optimizer
+    from klppo.parallel.checkpoint import save_checkpoint as save_model_and_optimizer
 
     root = Path(root)
     final = root / f"global_step_{step}"
@@ -159,7 +159,7 @@ def load_checkpoint(
     path: str | Path, *, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
 ) -> dict[str, Any]:
     """Load model/optimizer states in place and return the trainer state; restores this rank's RNG."""
-    from klppo.parallel.checkpoint import load_model_and_optimizer
+    from klppo.parallel.checkpoint import load_checkpoint as load_model_and_optimizer
 
     path = Path(path)
     if not (path / "COMPLETE").exists():

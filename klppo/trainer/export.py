@@ -13,7 +13,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, role: str = 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
-    from klppo.parallel.checkpoint import load_model_and_optimizer
+    from klppo.parallel.checkpoint import load_checkpoint as load_model_and_optimizer
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     hf_dir = ckpt_dir / role / "huggingface"

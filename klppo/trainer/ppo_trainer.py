@@ -175,20 +175,17 @@ class PPOTrainer:
 
     def _advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         algo = self.cfg.algorithm
-        name = algo.adv_estimator
-        r, m = batch.token_level_rewards, batch.response_mask
-        if name == "gae":
-            return adv.gae(token_level_rewards=r, values=batch.values, response_mask=m, gamma=algo.gamma, lam=algo.lam)
-        if name == "grpo":
-            return adv.grpo(token_level_rewards=r, response_mask=m, group_ids=batch.uid,
-                            norm_by_std=algo.norm_adv_by_std_in_grpo)
-        if name == "rloo":
-            return adv.rloo(token_level_rewards=r, response_mask=m, group_ids=batch.uid)
-        if name == "reinforce_plus_plus":
-            return adv.reinforce_plus_plus(token_level_rewards=r, response_mask=m, gamma=algo.gamma)
-        if name == "remax":
-            return adv.remax(token_level_rewards=r, reward_baselines=self._baseline, response_mask=m)
-        raise ValueError(f"algorithm.adv_estimator={name!r} is not supported: gae, grpo, rloo, reinforce_plus_plus, remax")
+        return adv.compute_advantages(
+            algo.adv_estimator,
+            token_level_rewards=batch.token_level_rewards,
+            response_mask=batch.response_mask,
+            values=batch.values,
+            group_ids=batch.uid,
+            reward_baselines=self._baseline,
+            gamma=float(algo.gamma),
+            lam=float(algo.lam),
+            norm_by_std=bool(algo.norm_adv_by_std_in_grpo),
+        )
 
     # ------------------------------------------------------------------ data-parallel plumbing
     def _rank_share(self, prompts: Batch) -> Batch:

@@ -139,6 +139,10 @@ def _load_policy_model(cfg: Any, path: str, dtype: torch.dtype, device: torch.de
         gradient_checkpointing=bool(m.enable_gradient_checkpointing) and train,
         override_config=dict(m.override_config or {}),
     )
+    if m.use_remove_padding:
+        from klppo.batching.attention import enable_packed_attention
+
+        enable_packed_attention(model)
     return model.to(device)
 
 
@@ -153,7 +157,7 @@ def _shard(model: torch.nn.Module, fsdp_cfg: Any, device: torch.device, role: st
 
 
 def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
-    from klppo.algorithms.advantages import needs_critic
+    from klppo.algorithms.advantages import get_advantage_estimator, needs_critic
     from klppo.algorithms.kl_control import make_kl_controller
     from klppo.config import config_to_yaml, derive_sizes
     from klppo.models.loading import eos_token_ids, load_critic, load_tokenizer, resolve_model_path
@@ -247,7 +251,12 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
         critic_model = load_critic(
             critic_path, dtype=to_dtype(getattr(ccfg.model.fsdp_config, "model_dtype", "fp32")),
             gradient_checkpointing=bool(ccfg.model.enable_gradient_checkpointing),
-        ).to(device)
+        )
+        if ccfg.model.use_remove_padding:
+            from klppo.batching.attention import enable_packed_attention
+
+            enable_packed_attention(critic_model)
+        critic_model = critic_model.to(device)
         hf_assets["critic"] = _hf_writer(critic_model, tokenizer)
         _shard(critic_model, ccfg.model.fsdp_config, device, "critic")
         critic = Critic(
@@ -263,6 +272,7 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
                 cliprange_value=float(ccfg.cliprange_value),
                 loss_agg_mode=ccfg.loss_agg_mode,
                 shuffle=bool(ccfg.shuffle),
+                use_remove_padding=bool(ccfg.model.use_remove_padding),
                 seed=int(tcfg.seed),
             ),
             optim_settings(ccfg.optim, total_steps),
@@ -308,7 +318,7 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
         offload=offload,
         hf_assets=hf_assets,
         free_cache_engine=bool(rcfg.free_cache_engine),
-        needs_greedy_baseline=algo.adv_estimator == "remax",
+        needs_greedy_baseline=get_advantage_estimator(algo.adv_estimator).needs_reward_baselines,
     )
 
 
