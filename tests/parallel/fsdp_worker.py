@@ -36,6 +36,7 @@ CONFIGS: dict[str, FSDPSettings] = {
     "offload_policy": FSDPSettings(offload_policy=True),
     "fsdp_size_1": FSDPSettings(fsdp_size=1),
     "fsdp_size_2": FSDPSettings(fsdp_size=2),
+    "grad_checkpointing": FSDPSettings(),  # HF activation checkpointing inside FSDP2 units
 }
 COUNTED = ("baseline", "threshold_mid", "threshold_big", "no_reshard", "forward_prefetch")
 
@@ -132,6 +133,9 @@ def run_config(name: str, settings: FSDPSettings, world_size: int, rank: int) ->
     """Train STEPS steps under ``settings``; returns losses, norms, comm counts, final full weights."""
     mesh = build_mesh(world_size, settings.fsdp_size, "cpu")
     model = new_model()
+    if name == "grad_checkpointing":
+        model.gradient_checkpointing_enable()
+        model.train()
     report = shard_model(model, settings, mesh)
     opt = new_optimizer(model)
     rows = BATCH // world_size
