@@ -92,6 +92,29 @@ def unpack(
     return out.view(batch_size, seq_len, *values.shape[1:])
 
 
+def trim_padding_columns(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    response_length: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """Drop the columns that are padding in every row: prompt columns on the left, response on the right.
+
+    Returns ``(input_ids, attention_mask, position_ids, R')``; results of the trimmed batch for response
+    columns ``[0, R')`` are those of the full batch, the columns ``[R', R)`` are all padding (pad them back
+    with zeros). Lets a padded micro-batch cost its own longest prompt + response, not the batch's.
+    """
+    prompt_width = attention_mask.shape[1] - response_length
+    real = attention_mask.bool()
+    prompt_cols = real[:, :prompt_width].any(dim=0).nonzero()
+    response_cols = real[:, prompt_width:].any(dim=0).nonzero()
+    start = int(prompt_cols[0]) if prompt_cols.numel() else prompt_width
+    new_r = int(response_cols[-1]) + 1 if response_cols.numel() else 0
+    end = prompt_width + new_r
+    pos = None if position_ids is None else position_ids[:, start:end]
+    return input_ids[:, start:end], attention_mask[:, start:end], pos, new_r
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """H = logsumexp(z) − Σ softmax(z)·z over the last dim, float32.
 

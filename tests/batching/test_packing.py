@@ -201,3 +201,21 @@ def test_dynamic_and_fixed_micro_batches_give_the_mini_batch_gradient(batch, mod
     for name, g in reference.items():
         torch.testing.assert_close(fixed[name], g, rtol=1e-4, atol=1e-6, msg=name)
         torch.testing.assert_close(dynamic[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_trim_padding_columns_keeps_results(policy, batch):
+    from klppo.batching.packing import trim_padding_columns
+
+    ids, mask, pos = batch
+    rows = torch.tensor([1, 3])  # short prompts and responses: most columns are padding
+    t_ids, t_mask, t_pos, new_r = trim_padding_columns(ids[rows], mask[rows], pos[rows], R)
+    assert new_r == max(RESPONSE_LENS[1], RESPONSE_LENS[3])
+    assert t_ids.shape[1] == max(PROMPT_LENS[1], PROMPT_LENS[3]) + new_r
+    full, _ = forward_log_probs(
+        policy, ids[rows], mask[rows], pos[rows], response_length=R, use_remove_padding=False
+    )
+    trimmed, _ = forward_log_probs(
+        policy, t_ids, t_mask, t_pos, response_length=new_r, use_remove_padding=False
+    )
+    torch.testing.assert_close(trimmed, full[:, :new_r], rtol=0, atol=FWD_ATOL)
+    assert full[:, new_r:].eq(0).all()
