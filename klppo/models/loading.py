@@ -124,8 +124,16 @@ def _load(
     kwargs: dict[str, Any] = {"config": config, "dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    with _quiet_transformers():
-        model, info = auto_class.from_pretrained(directory, output_loading_info=True, **kwargs)
+    try:
+        with _quiet_transformers():
+            model, info = auto_class.from_pretrained(directory, output_loading_info=True, **kwargs)
+    except ValueError as error:
+        if "Unrecognized configuration class" not in str(error):
+            raise
+        raise ModelLoadError(
+            f"{path!r}: transformers has no {auto_class.__name__} for model type "
+            f"{config.model_type!r}, so klppo cannot build this role from it"
+        ) from error
     model.to(device)
     if gradient_checkpointing:
         model.config.use_cache = False
@@ -224,8 +232,8 @@ def load_reward_model(
 ):
     """Reward model: ``AutoModelForSequenceClassification(num_labels=1)``; ``logits`` [B, 1] = score.
 
-    The score is read at the last non-pad token, so the config needs ``pad_token_id`` (taken from
-    ``pad_token_id`` when given). Raises `ModelLoadError` when the checkpoint has no trained head.
+    The score is read at the last non-pad token, so the config needs ``pad_token_id``: the argument when
+    given, else the checkpoint's, else the pad id of the tokenizer in the same directory. Raises `ModelLoadError` when the checkpoint has no trained head.
     """
     from transformers import AutoModelForSequenceClassification
 
@@ -243,6 +251,8 @@ def load_reward_model(
         override_config=override_config,
         config_kwargs=extra,
     )
+    if model.config.pad_token_id is None:  # the score is read at the last non-pad token
+        model.config.pad_token_id = load_tokenizer(model_dir(path)).pad_token_id
     if missing:
         raise ModelLoadError(
             f"{path!r} is not a trained reward model: weights {sorted(missing)[:5]} are missing "

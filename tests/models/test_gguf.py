@@ -72,6 +72,18 @@ def test_interrupted_conversion_leaves_nothing(fake_gguf, tmp_path, monkeypatch)
     assert (gguf.Path(target) / "config.json").is_file()
 
 
+def test_missing_accelerate_message(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+
+    if not hasattr(transformers.modeling_utils, "is_accelerate_available"):
+        pytest.skip("this transformers does not gate GGUF loading on accelerate")
+    monkeypatch.setattr(transformers.modeling_utils, "is_accelerate_available", lambda *a, **k: False)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ModelLoadError, match="pip install accelerate"):
+        gguf._load_dense_from_gguf(path)
+
+
 def test_quickstart_missing_package_message(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

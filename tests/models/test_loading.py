@@ -98,8 +98,14 @@ def test_reward_model(tiny_dir, tmp_path):
     torch.manual_seed(1)
     trained = AutoModelForSequenceClassification.from_config(config).eval()
     trained.save_pretrained(tmp_path / "rm")
-    rm = load_reward_model(str(tmp_path / "rm"), dtype=torch.float32, pad_token_id=2)
-    assert not rm.training and rm.config.pad_token_id == 2
+    build_tiny_tokenizer().save_pretrained(tmp_path / "rm")
+    rm = load_reward_model(str(tmp_path / "rm"), dtype=torch.float32, pad_token_id=0)
+    assert not rm.training and rm.config.pad_token_id == 0
+    trained.config.pad_token_id = None
+    trained.save_pretrained(tmp_path / "rm")
+    rm = load_reward_model(str(tmp_path / "rm"), dtype=torch.float32)
+    assert rm.config.pad_token_id == 2  # from the tokenizer next to it
+    trained.config.pad_token_id = 2
     ids = torch.tensor([[5, 17, 40, 3], [8, 9, 2, 2]])  # second row right-padded with pad = 2
     with torch.no_grad():
         scores = rm(ids).logits
