@@ -1,0 +1,226 @@
+"""``klppo tune CONFIG [overrides] --budget-minutes N [--dry-run] [--model-shape NAME] [--out DIR]``.
+
+Reads the training configuration (verl keys), builds the actor's shape (``--model-shape`` or
+``actor_rollout_ref.model.path``) on the meta device, and either prints the memory model (``--dry-run``:
+no GPU) or sweeps the grid with short real steps (:mod:`klppo.tune.grid`, :mod:`klppo.tune.measure`),
+then prints the ranked table, writes ``tune.png`` and ``results.json`` into ``--out``, and prints the
+overrides of the best point that fits. Several GPUs: run under torchrun (every rank runs the sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+
+from klppo.tune import report
+from klppo.tune.grid import DEFAULT_THRESHOLDS, build_grid, describe, order, run_sweep
+from klppo.tune.memory import OFFLOAD_MODES, Point, Workload, predict
+from klppo.tune.shapes import load_model_config, shape_names
+from klppo.tune.units import ModelFacts
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="klppo tune", description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="*", help="config.yaml and/or dotted key=value overrides (verl keys)")
+    p.add_argument("--budget-minutes", type=float, default=10.0, help="stop measuring after this long")
+    p.add_argument("--dry-run", action="store_true", help="print the memory model only (no GPU needed)")
+    p.add_argument("--model-shape", help=f"named shape instead of model.path: {', '.join(shape_names())}")
+    p.add_argument("--out", default="tune_out", help="directory for results.json and tune.png")
+    p.add_argument(
+        "--thresholds",
+        default=",".join(str(t) for t in DEFAULT_THRESHOLDS),
+        help="min_num_params values (comma separated)",
+    )
+    p.add_argument("--offload", default="off,idle", help=f"offload modes among {OFFLOAD_MODES}")
+    p.add_argument("--micro-tokens", default=None, help="token budgets (default: ½×, 1× the configured)")
+    p.add_argument("--headroom", type=float, default=0.9, help="usable fraction of device memory")
+    p.add_argument("--device-gb", type=float, default=None, help="device memory (default: the GPU's; 80)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks for --dry-run (default: config's)")
+    p.add_argument("--num-micro", type=int, default=2, help="micro-batches per measured step")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per point (after one warm-up)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: prompt+response)")
+    p.add_argument("--profile", action="store_true", help="profile exposed communication on one rank too")
+    return p.parse_args(argv)
+
+
+def _load(argv: list[str]):
+    try:
+        from klppo.config import load_config
+    except ImportError as e:
+        if argv:
+            raise SystemExit(f"klppo tune: cannot read the configuration ({e})") from e
+        return None
+    return load_config(argv)
+
+
+def workload_from(cfg, args: argparse.Namespace, world_size: int) -> tuple[Workload, Point, int]:
+    """(Workload, the configured point, sequence length) from the config tree (None: defaults)."""
+    import torch
+
+    device_gb = args.device_gb
+    if device_gb is None:
+        device_gb = (
+            torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80
+        )
+    if cfg is None:
+        return (
+            Workload(world_size=world_size, device_bytes=int(device_gb * 2**30)),
+            Point(0, micro_tokens=16384),
+            1024,
+        )
+    arr = cfg.actor_rollout_ref
+    actor, fsdp = arr.actor, arr.actor.fsdp_config
+    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    ref_offloaded = arr.ref.fsdp_config.param_offload
+    w = Workload(
+        world_size=world_size,
+        fsdp_size=fsdp.fsdp_size,
+        grad_checkpointing=arr.model.enable_gradient_checkpointing,
+        response_fraction=response / (prompt + response),
+        calculate_entropy=actor.entropy_coeff > 0 or actor.calculate_entropy,
+        log_prob_tokens=arr.rollout.log_prob_max_token_len_per_gpu,
+        gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
+        device_bytes=int(device_gb * 2**30),
+        backward_prefetch=fsdp.backward_prefetch,
+        reference=bool(actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not ref_offloaded,
+    )
+    offload = (
+        "cpu" if fsdp.offload_policy else "idle" if fsdp.param_offload or fsdp.optimizer_offload else "off"
+    )
+    current = Point(
+        fsdp.wrap_policy.min_num_params,
+        offload,
+        fsdp.forward_prefetch,
+        fsdp.reshard_after_forward,
+        actor.ppo_max_token_len_per_gpu,
+    )
+    return w, current, prompt + response
+
+
+def _world_size(cfg, args) -> int:
+    if args.world_size:
+        return args.world_size
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if cfg is None:
+        return 1
+    n = cfg.trainer.n_gpus_per_node
+    if n == "auto":
+        import torch
+
+        n = torch.cuda.device_count() or 1
+    return int(n) * cfg.trainer.nnodes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    console = Console(width=200)
+    cfg = _load(args.config)
+    if args.model_shape:
+        model_config = load_model_config(args.model_shape)
+    elif cfg is not None:
+        model_config = load_model_config(cfg.actor_rollout_ref.model.path)
+    else:
+        raise SystemExit("klppo tune: give a config with actor_rollout_ref.model.path or --model-shape")
+    w, current, seq_len = workload_from(cfg, args, _world_size(cfg, args))
+    facts = ModelFacts.from_config(model_config)
+    tokens = (
+        [int(t) for t in args.micro_tokens.split(",")]
+        if args.micro_tokens
+        else sorted({max(1024, current.micro_tokens // 2), current.micro_tokens})
+    )
+    points = build_grid(
+        facts,
+        thresholds=[int(float(t)) for t in args.thresholds.split(",")],
+        offloads=args.offload.split(","),
+        micro_tokens=tokens,
+    )
+    if args.dry_run:
+        console.print(report.memory_table(facts, points, w, args.headroom))
+        console.print(report.terms_table(predict(facts, current, w), current))
+        return 0
+    return _sweep(args, console, facts, points, w, current, args.seq_len or seq_len)
+
+
+def _sweep(
+    args, console: Console, facts: ModelFacts, points: list[Point], w: Workload, current: Point, seq_len: int
+) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from klppo.parallel.dist import init_distributed
+    from klppo.tune.comm import matmul_rate, probe_bandwidth
+    from klppo.tune.measure import measure_point, safe_measure
+
+    info = init_distributed("cuda" if torch.cuda.is_available() else "cpu", timeout_s=600)
+    is_main = info.rank == 0
+
+    def agree(x: float) -> float:
+        t = torch.tensor([x], device=info.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    profile = args.profile or info.world_size > 1
+    bandwidth, rate = probe_bandwidth(), matmul_rate(info.device)
+
+    def measure(p: Point):
+        return safe_measure(
+            lambda: measure_point(
+                facts.config,
+                p,
+                w,
+                device=info.device,
+                steps=args.steps,
+                num_micro=args.num_micro,
+                seq_len=seq_len,
+                profile=profile,
+            ),
+            p,
+            info.device,
+        )
+
+    results = run_sweep(
+        facts,
+        order(points, current if current in points else None),
+        w,
+        measure=measure,
+        budget_s=args.budget_minutes * 60,
+        headroom=args.headroom,
+        agree=agree,
+        log=console.print if is_main else (lambda s: None),
+    )
+    if not is_main:
+        return 0
+    ranked = report.rank(facts, results, w, args.headroom, args.num_micro)
+    console.print(report.results_table(ranked, args.num_micro, w.device_bytes))
+    console.print(f"link bus bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {rate / 1e12:.1f} TFLOP/s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(
+        json.dumps(
+            [dict(asdict(m), need_bytes=need, fits=fit) for m, need, fit in ranked],
+            indent=1,
+            default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x),
+        )
+    )
+    try:
+        console.print(
+            f"plot: {report.plot(ranked, args.num_micro, out / 'tune.png', w.device_bytes, args.headroom)}"
+        )
+    except RuntimeError as e:
+        console.print(f"[yellow]no plot: {e}[/yellow]")
+    pick = report.best(ranked, args.num_micro)
+    if pick is None:
+        console.print("[red]no measured point fits the device with the headroom asked[/red]")
+        return 1
+    console.print(f"best point that fits ({describe(pick.point)}); paste these overrides:")
+    print(" \\\n".join(report.overrides(pick.point)))
+    return 0

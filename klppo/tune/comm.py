@@ -1,0 +1,127 @@
+"""Communication model: bytes per unit per step, a link-bandwidth probe, and whether prefetch hides it.
+
+Per micro-batch, for a unit of ``U`` own parameters (per rank of a shard group of ``f`` ranks):
+
+- all-gathers: ``U·c`` bytes gathered (the unsharded unit in the compute dtype), once in forward and,
+  when ``reshard_after_forward``, again in backward (activation recomputation under checkpointing runs
+  inside the backward gather, no third one). The root is never resharded after forward: one gather.
+- reduce-scatter: ``U·4`` bytes in (fp32 gradients), once per micro-batch in backward.
+- bus bytes a rank moves for a collective of ``B`` bytes: ``B·(f − 1)/f`` (ring); time = that / the
+  probed bus bandwidth. ``f = 1``: nothing to move.
+
+Hiding: with prefetch, unit ``i+1``'s gather runs while unit ``i`` computes; it is hidden when
+``t_comm(i+1) ≤ t_compute(i)``. Compute time of a unit: ``2·M_i·T`` FLOPs forward (``M_i``: its matmul
+parameters, ``T`` tokens) and twice that in backward (plus one forward more under checkpointing),
+divided by a matmul rate (measured with :func:`matmul_rate` or assumed).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from klppo.tune.memory import Point, Workload
+from klppo.tune.units import UnitSizes
+
+
+@dataclass(frozen=True)
+class UnitComm:
+    """One unit's traffic and times for one micro-batch (bytes; seconds)."""
+
+    index: int
+    params: int
+    all_gather_bytes: float
+    reduce_scatter_bytes: float
+    comm_s: float
+    compute_s: float
+    hidden: bool
+    """Prefetching this unit during the previous unit's compute covers its communication."""
+
+
+def gathers_per_micro(units: UnitSizes, index: int, point: Point) -> int:
+    is_root = index == units.count - 1
+    return 1 if is_root or not point.reshard_after_forward else 2
+
+
+def unit_bytes(units: UnitSizes, point: Point, w: Workload) -> list[tuple[float, float]]:
+    """(all-gathered, reduce-scattered) bytes per micro-batch of each unit, in forward order."""
+    return [
+        (gathers_per_micro(units, i, point) * size * w.compute_bytes, size * 4.0)
+        for i, size in enumerate(units.sizes)
+    ]
+
+
+def step_bytes(units: UnitSizes, point: Point, w: Workload, num_micro: int) -> tuple[float, float]:
+    """Totals over one optimizer step of ``num_micro`` micro-batches."""
+    per = unit_bytes(units, point, w)
+    return num_micro * sum(a for a, _ in per), num_micro * sum(r for _, r in per)
+
+
+def predict_units(
+    units: UnitSizes, point: Point, w: Workload, *, bus_bandwidth: float, flops_per_s: float
+) -> list[UnitComm]:
+    """Per-unit communication vs compute time for one micro-batch (module docstring)."""
+    f = w.shard_ranks
+    factor = (f - 1) / f if f > 1 else 0.0
+    passes = 4.0 if w.grad_checkpointing else 3.0  # forward, backward (2×), recompute
+    out = []
+    for i, ((ag, rs), matmul) in enumerate(zip(unit_bytes(units, point, w), units.matmul)):
+        comm = (ag + rs) * factor / bus_bandwidth if factor else 0.0
+        compute = passes * 2.0 * matmul * point.micro_tokens / flops_per_s
+        out.append(UnitComm(i, units.sizes[i], ag, rs, comm, compute, hidden=True))
+    for i, u in enumerate(out):  # unit i's traffic overlaps its neighbour's compute (prefetch)
+        neighbours = [out[j].compute_s for j in (i - 1, i + 1) if 0 <= j < len(out)]
+        prefetch = point.forward_prefetch or w.backward_prefetch
+        cover = max(neighbours, default=0.0) if prefetch else 0.0
+        out[i] = UnitComm(
+            u.index,
+            u.params,
+            u.all_gather_bytes,
+            u.reduce_scatter_bytes,
+            u.comm_s,
+            u.compute_s,
+            hidden=u.comm_s <= cover,
+        )
+    return out
+
+
+def probe_bandwidth(nbytes: int = 64 * 2**20, iters: int = 5, group=None) -> float:
+    """Bus bandwidth (bytes/s) of ``all_gather_into_tensor`` on ``group`` (default group): each rank
+    contributes ``nbytes / f``; bus bytes = ``nbytes·(f − 1)/f`` per call. ``inf`` for one rank."""
+    f = dist.get_world_size(group)
+    if f == 1:
+        return float("inf")
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    device = device or torch.device("cpu")
+    shard = torch.ones(nbytes // f // 2, dtype=torch.bfloat16, device=device)
+    out = torch.empty(shard.numel() * f, dtype=shard.dtype, device=device)
+    dist.all_gather_into_tensor(out, shard, group=group)  # warm-up (connection set-up)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_gather_into_tensor(out, shard, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / iters
+    return out.numel() * 2 * (f - 1) / f / seconds
+
+
+def matmul_rate(device: torch.device, n: int = 4096, iters: int = 10) -> float:
+    """Measured FLOP/s of an ``n×n`` matmul (bf16 on GPU, fp32 on CPU with n capped at 512)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n = n if device.type == "cuda" else min(n, 512)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2.0 * n**3 * iters / (time.perf_counter() - t0)

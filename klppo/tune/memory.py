@@ -1,0 +1,229 @@
+"""Predicted peak device memory of one rank, by phase (rollout, log-prob, update), term by term.
+
+Notation (per rank): ``P`` parameters, ``f`` ranks in a shard group (``fsdp_size``, -1 → world size),
+``Ps = ceil(P / f)`` the rank's shard, ``m`` master bytes (fp32: 4), ``c`` compute bytes (bf16: 2; no
+mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` tokens of a micro-batch,
+``N = T · response_fraction`` tokens with logits, ``L`` layers, ``h`` hidden, ``I`` MLP width, ``kvd``
+``kv_heads · head_dim``, ``V`` vocabulary, ``D`` device bytes. Formulas (``update`` phase):
+
+- sharded params ``Ps·m``; sharded grads ``Ps·m`` (reduced in fp32, kept in the master dtype);
+  AdamW ``2·Ps·4`` (exp_avg, exp_avg_sq). All three 0 with ``offload="cpu"`` (FSDP2 CPUOffloadPolicy:
+  shards and optimizer live on the host). ``offload="idle"`` (verl's param_offload +
+  optimizer_offload) moves them to the host *between* phases: the update loads both first, so the
+  update peak is unchanged and only the rollout / log-prob phases get lighter.
+- gathered units ``c·(U_r + W)``: the root stays unsharded from forward to backward (FSDP2 never
+  reshards the root after forward); ``W`` = the largest window of units unsharded at once: one unit +
+  the prefetched next (``backward_prefetch``/``forward_prefetch``), or all of them
+  (``reshard_after_forward=False``: every unit stays gathered until its backward).
+- on top of those, the larger of two moments of the backward:
+  (a) *backward start*: activations, per token and layer saved for backward ``A = 8h + c·(5h + 2·kvd
+  + 4I)`` (two RMSNorms' fp32 input and bf16 output, q and k after RoPE, v, attention output and its
+  copy into o_proj, gate, up, silu(gate), their product): without checkpointing ``L·T·A``, with
+  per-layer checkpointing ``L·T·h·c`` (layer inputs) ``+ T·A`` (one layer recomputed); a backward
+  workspace ``T·c·(2h + 2I)``; logits ``N·V·(c + 12)`` (bf16 logits, their fp32 copy kept for
+  backward, two fp32 [N, V] buffers of log-softmax's forward/backward; entropy adds ``N·V·8``); the
+  LM head's weight gradient ``V·h·c``.
+  (b) *backward end*: unit gradients ``max(U_r·(c+4), U_r·c + U_max·(c+4))`` (``U_max``: largest
+  non-root unit): the root's unsharded grads are reduced last; a unit being reduced holds bf16 grads
+  and their fp32 reduce-scatter input; or the all-gather's flat output buffer ``U_max·c``.
+- optimizer step (alternative peak): the static state plus one fp32 temporary ``Ps·4`` (foreach sqrt).
+
+``log_prob`` (no grad): resident params (+ AdamW unless offloaded), gathered units as above, one layer's
+forward transient ``T·c·(4h + 2·kvd + 3I)``, logits ``N·V·(c + 8)`` with ``T`` the log-prob budget.
+``rollout``: resident params (+ AdamW unless offloaded) + the whole model gathered ``P·c`` + the KV
+cache, which the engine sizes to fill ``gpu_memory_utilization·D``: peak ``max(util·D, resident+P·c)``.
+Not modelled: the reference / critic models (add them with ``reference=True``), allocator fragmentation
+(``torch.cuda.max_memory_allocated`` does not count it either), CUDA context and library workspaces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from klppo.tune.shapes import head_dim
+from klppo.tune.units import ModelFacts
+
+OFFLOAD_MODES = ("off", "idle", "cpu")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One candidate setting of the actor's FSDP engine and micro-batch budget."""
+
+    min_num_params: int
+    offload: str = "off"
+    """off | idle (param_offload + optimizer_offload) | cpu (FSDP2 offload_policy)."""
+    forward_prefetch: bool = False
+    reshard_after_forward: bool = True
+    micro_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {self.offload!r}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What does not vary over the grid: ranks, dtypes, sequence layout, rollout budget, device size."""
+
+    world_size: int = 1
+    fsdp_size: int = -1
+    grad_checkpointing: bool = True
+    response_fraction: float = 0.5
+    """Share of a micro-batch's tokens that are response tokens (only those get logits)."""
+    calculate_entropy: bool = False
+    log_prob_tokens: int | None = None
+    """Token budget of log-prob micro-batches (None: the point's ``micro_tokens``)."""
+    gpu_memory_utilization: float = 0.5
+    device_bytes: int = 80 * 2**30
+    master_bytes: int = 4
+    compute_bytes: int = 2
+    backward_prefetch: bool = True
+    reference: bool = False
+    """Count a bf16 reference model's shards as resident in every phase."""
+
+    @property
+    def shard_ranks(self) -> int:
+        return self.world_size if self.fsdp_size in (-1, self.world_size) else self.fsdp_size
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: float
+    formula: str
+    stage: str = ""
+    """"": always present; otherwise the moment it belongs to (only the largest moment counts)."""
+
+
+@dataclass
+class PhasePeak:
+    phase: str
+    terms: list[Term] = field(default_factory=list)
+    floor: float = 0.0
+    """A lower bound on the peak set by the phase itself (rollout: the engine fills util·D)."""
+
+    def add(self, name: str, value: float, formula: str, stage: str = "") -> None:
+        self.terms.append(Term(name, float(value), formula, stage))
+
+    def stage_bytes(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for t in self.terms:
+            if t.stage:
+                out[t.stage] = out.get(t.stage, 0.0) + t.bytes
+        return out
+
+    @property
+    def total(self) -> float:
+        """``max(floor, always-present terms + the largest stage)``."""
+        always = sum(t.bytes for t in self.terms if not t.stage)
+        return max(self.floor, always + max(self.stage_bytes().values(), default=0.0))
+
+
+def _resident(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *, optimizer: bool) -> None:
+    shard = math.ceil(facts.num_params / w.shard_ranks)
+    if point.offload == "cpu":
+        phase.add("sharded params", 0, "0 (offload_policy: shards on host)")
+    else:
+        phase.add("sharded params", shard * w.master_bytes, "ceil(P/f)·m")
+    if optimizer and point.offload == "off":
+        phase.add("optimizer (AdamW)", 2 * shard * 4, "2·ceil(P/f)·4")
+    if w.reference:
+        phase.add("reference shards", shard * w.compute_bytes, "ceil(P/f)·c")
+
+
+def _gathered(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *, backward: bool) -> None:
+    units = facts.units(point.min_num_params)
+    c = w.compute_bytes
+    inner_max = max(units.sizes[:-1], default=0)
+    if units.count == 1:
+        window, text = 0, "0 (root only)"
+    elif point.reshard_after_forward or not backward:
+        width = 2 if (point.forward_prefetch or (backward and w.backward_prefetch)) else 1
+        window, text = units.largest_window(width), f"largest {width} consecutive units"
+    else:
+        window, text = units.total - units.root, "all units (reshard_after_forward=False)"
+    phase.add("gathered root", units.root * c, "U_r·c")
+    phase.add("gathered units", window * c, f"c·({text})")
+    if not backward:
+        phase.add("all-gather buffer", max(inner_max, units.root) * c, "U_max·c (transient)")
+
+
+def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
+    s, c = facts.shape, w.compute_bytes
+    T, N = point.micro_tokens, point.micro_tokens * w.response_fraction
+    kvd = s.kv_heads * head_dim(facts.config)
+    units = facts.units(point.min_num_params)
+    shard = math.ceil(facts.num_params / w.shard_ranks)
+    phase = PhasePeak("update")
+    _resident(phase, facts, point, w, optimizer=True)
+    if point.offload != "cpu":
+        phase.add("sharded grads", shard * w.master_bytes, "ceil(P/f)·m")
+        if point.offload == "idle":
+            phase.add("optimizer (AdamW)", 2 * shard * 4, "2·ceil(P/f)·4 (loaded for the update)")
+    _gathered(phase, facts, point, w, backward=True)
+    inner_max = max(units.sizes[:-1], default=0)
+    grads = max(units.root * (c + 4), units.root * c + inner_max * (c + 4), max(inner_max, units.root) * c)
+    phase.add("unit grads / gather buffer", grads, "max(U_r·(c+4), U_r·c + U_max·(c+4), U_max·c)", _END)
+    per_layer = 8 * s.hidden + c * (5 * s.hidden + 2 * kvd + 4 * s.intermediate)
+    if w.grad_checkpointing:
+        acts, text = s.layers * T * s.hidden * c + T * per_layer, "L·T·h·c + T·A"
+    else:
+        acts, text = s.layers * T * per_layer, "L·T·A"
+    phase.add("activations", acts, text, _START)
+    phase.add("backward workspace", T * c * (2 * s.hidden + 2 * s.intermediate), "T·c·(2h+2I)", _START)
+    logit_bytes = c + 12 + (8 if w.calculate_entropy else 0)
+    phase.add("logits", N * s.vocab * logit_bytes, f"N·V·{logit_bytes}", _START)
+    phase.add("LM head grad", s.vocab * s.hidden * c, "V·h·c", _START)
+    static = sum(t.bytes for t in phase.terms if t.name in _STATIC)
+    if point.offload != "cpu":
+        phase.floor = static + shard * 4  # optimizer step: state + one fp32 temporary
+    return phase
+
+
+_START, _END = "backward start", "backward end"
+_STATIC = {"sharded params", "sharded grads", "optimizer (AdamW)", "reference shards"}
+
+
+def log_prob_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
+    s, c = facts.shape, w.compute_bytes
+    T = w.log_prob_tokens or point.micro_tokens
+    N = T * w.response_fraction
+    kvd = s.kv_heads * head_dim(facts.config)
+    phase = PhasePeak("log_prob")
+    _resident(phase, facts, point, w, optimizer=True)
+    _gathered(phase, facts, point, w, backward=False)
+    phase.add("activations", T * c * (4 * s.hidden + 2 * kvd + 3 * s.intermediate), "T·c·(4h+2kvd+3I)")
+    phase.add("logits", N * s.vocab * (c + 8), f"N·V·{c + 8}")
+    return phase
+
+
+def rollout_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
+    phase = PhasePeak("rollout")
+    _resident(phase, facts, point, w, optimizer=True)
+    gathered = facts.num_params * w.compute_bytes
+    phase.add("gathered model", gathered, "P·c")
+    used = sum(t.bytes for t in phase.terms)
+    budget = w.gpu_memory_utilization * w.device_bytes
+    phase.add("KV cache + workspace", max(0.0, budget - used), "util·D − the above")
+    return phase
+
+
+def predict(facts: ModelFacts, point: Point, w: Workload) -> dict[str, PhasePeak]:
+    """Peaks of the three phases of one PPO step, keyed ``rollout``, ``log_prob``, ``update``."""
+    return {
+        "rollout": rollout_peak(facts, point, w),
+        "log_prob": log_prob_peak(facts, point, w),
+        "update": update_peak(facts, point, w),
+    }
+
+
+def peak(facts: ModelFacts, point: Point, w: Workload) -> float:
+    """The largest phase peak (bytes)."""
+    return max(p.total for p in predict(facts, point, w).values())
+
+
+def kv_cache_room(facts: ModelFacts, point: Point, w: Workload) -> float:
+    """Bytes left to the rollout KV cache (0: the rollout cannot run at this utilization)."""
+    return next(t.bytes for t in rollout_peak(facts, point, w).terms if t.name == "KV cache + workspace")

@@ -1,0 +1,233 @@
+"""Output of ``klppo tune``: ranked table, memory-model table, Pareto plot, ready-to-paste overrides.
+
+Ranking: measured points that fit (:func:`klppo.tune.grid.training_need` with the measured update
+peak ≤ headroom × device, and room left for a KV cache) by throughput ``tokens/s = num_micro · micro_tokens /
+step_s``, fastest first; then measured points that do not fit, OOMs, skipped points.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rich.table import Table
+
+from klppo.tune.grid import describe, rule_out, training_need
+from klppo.tune.measure import Measurement
+from klppo.tune.memory import PhasePeak, Point, Workload, kv_cache_room, predict
+from klppo.tune.units import WHOLE_MODEL, ModelFacts
+
+GiB = 2**30
+FSDP_KEY = "actor_rollout_ref.actor.fsdp_config"
+
+
+def throughput(m: Measurement, num_micro: int) -> float:
+    return num_micro * m.point.micro_tokens / m.step_s if m.status == "ok" else 0.0
+
+
+def rank(
+    facts: ModelFacts, results: list[Measurement], w: Workload, headroom: float, num_micro: int
+) -> list[tuple[Measurement, float, bool]]:
+    """(measurement, need bytes, fits) best first (module docstring)."""
+    rows = []
+    for m in results:
+        measured = m.peak_bytes if m.status == "ok" and not math.isnan(m.peak_bytes) else None
+        need = training_need(facts, m.point, w, measured)
+        rows.append((m, need, m.status == "ok" and not rule_out(facts, m.point, w, headroom, measured)))
+    status_order = {"ok": 0, "oom": 1, "error": 2, "skipped": 3}
+    return sorted(rows, key=lambda r: (not r[2], status_order[r[0].status], -throughput(r[0], num_micro)))
+
+
+SPEED_TIE = 0.03
+"""Throughputs within 3% of the fastest count as equal (timing noise of short runs)."""
+
+
+def best(ranked: list[tuple[Measurement, float, bool]], num_micro: int) -> Measurement | None:
+    """The fitting point of least memory among those within :data:`SPEED_TIE` of the fastest fitting
+    one (ties in memory, within 1%, go to the faster)."""
+    fitting = [(m, need) for m, need, ok in ranked if ok]
+    if not fitting:
+        return None
+    top = max(throughput(m, num_micro) for m, _ in fitting)
+    near = [(m, need) for m, need in fitting if throughput(m, num_micro) >= (1 - SPEED_TIE) * top]
+    least = min(need for _, need in near)
+    return max((m for m, need in near if need <= 1.01 * least), key=lambda m: throughput(m, num_micro))
+
+
+def results_table(ranked, num_micro: int, device_bytes: float) -> Table:
+    t = Table(
+        title=f"klppo tune: actor update, {num_micro} micro-batches per step "
+        f"(device {device_bytes / GiB:.0f} GiB)"
+    )
+    for col in (
+        "#",
+        "min_num_params",
+        "offload",
+        "fwd_prefetch",
+        "reshard",
+        "tokens",
+        "step s",
+        "tok/s",
+        "update GiB meas.",
+        "pred.",
+        "err",
+        "exposed comm ms",
+        "need GiB",
+        "fits",
+        "note",
+    ):
+        t.add_column(col, justify="right" if col not in ("offload", "note") else "left")
+    for i, (m, need, ok) in enumerate(ranked, 1):
+        p = m.point
+        meas = m.peak_bytes / GiB if m.status == "ok" else math.nan
+        err = (
+            (m.predicted_bytes - m.peak_bytes) / m.peak_bytes
+            if m.status == "ok" and m.peak_bytes
+            else math.nan
+        )
+        t.add_row(
+            str(i),
+            _threshold(p.min_num_params),
+            p.offload,
+            _yn(p.forward_prefetch),
+            _yn(p.reshard_after_forward),
+            str(p.micro_tokens),
+            _f(m.step_s, 3),
+            _f(throughput(m, num_micro), 0),
+            _f(meas, 2),
+            _f(m.predicted_bytes / GiB, 2),
+            "" if math.isnan(err) else f"{err:+.0%}",
+            _f(m.exposed_comm_s * 1e3, 1),
+            _f(need / GiB, 1),
+            "yes" if ok else "no",
+            m.note if m.status != "ok" else "",
+        )
+    return t
+
+
+def memory_table(facts: ModelFacts, points: list[Point], w: Workload, headroom: float) -> Table:
+    t = Table(
+        title=f"klppo tune --dry-run: predicted peak GiB per rank ({facts.shape.name}, "
+        f"{facts.num_params / 1e9:.2f}B params, world {w.world_size}, device {w.device_bytes / GiB:.0f} GiB)"
+    )
+    for col in (
+        "min_num_params",
+        "units",
+        "offload",
+        "fwd_prefetch",
+        "reshard",
+        "tokens",
+        "rollout",
+        "log_prob",
+        "update",
+        "KV room",
+        "fits",
+    ):
+        t.add_column(col, justify="left" if col == "offload" else "right")
+    for p in points:
+        ph = predict(facts, p, w)
+        t.add_row(
+            _threshold(p.min_num_params),
+            str(facts.units(p.min_num_params).count),
+            p.offload,
+            _yn(p.forward_prefetch),
+            _yn(p.reshard_after_forward),
+            str(p.micro_tokens),
+            *(f"{ph[k].total / GiB:.1f}" for k in ("rollout", "log_prob", "update")),
+            f"{kv_cache_room(facts, p, w) / GiB:.1f}",
+            "no" if rule_out(facts, p, w, headroom) else "yes",
+        )
+    return t
+
+
+def terms_table(phases: dict[str, PhasePeak], point: Point) -> Table:
+    t = Table(title=f"memory terms at {describe(point)}")
+    for col in ("phase", "term", "GiB", "formula"):
+        t.add_column(col, justify="right" if col == "GiB" else "left")
+    for phase in phases.values():
+        for term in phase.terms:
+            name = f"{term.name} [{term.stage}]" if term.stage else term.name
+            t.add_row(phase.phase, name, f"{term.bytes / GiB:.2f}", term.formula)
+        note = (
+            "always + largest stage" + (", ≥ optimizer step" if phase.floor else "")
+            if phase.stage_bytes()
+            else ""
+        )
+        t.add_row(phase.phase, "[b]peak[/b]", f"[b]{phase.total / GiB:.2f}[/b]", note, end_section=True)
+    return t
+
+
+def overrides(p: Point) -> list[str]:
+    """verl keys that select ``p`` for the actor (use_dynamic_bsz so the token budget applies)."""
+    return [
+        f"{FSDP_KEY}.wrap_policy.min_num_params={p.min_num_params}",
+        f"{FSDP_KEY}.param_offload={_tf(p.offload == 'idle')}",
+        f"{FSDP_KEY}.optimizer_offload={_tf(p.offload == 'idle')}",
+        f"{FSDP_KEY}.offload_policy={_tf(p.offload == 'cpu')}",
+        f"{FSDP_KEY}.forward_prefetch={_tf(p.forward_prefetch)}",
+        f"{FSDP_KEY}.reshard_after_forward={_tf(p.reshard_after_forward)}",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={p.micro_tokens}",
+    ]
+
+
+def pareto(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of points (x, y) not dominated (no other point has x' ≤ x and y' ≤ y, one strictly)."""
+    front = []
+    for i, (x, y) in enumerate(points):
+        if not any((a <= x and b <= y) and (a < x or b < y) for j, (a, b) in enumerate(points) if j != i):
+            front.append(i)
+    return front
+
+
+def plot(ranked, num_micro: int, path: Path, device_bytes: float, headroom: float) -> Path:
+    """Scatter of memory vs time per 1k tokens, Pareto front joined, best point ringed; needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError(
+            "the plot needs matplotlib: pip install 'klppo[plot]' (or pip install matplotlib)"
+        ) from e
+    ok = [(m, need, fit) for m, need, fit in ranked if m.status == "ok"]
+    xy = [(1e3 * m.step_s / (num_micro * m.point.micro_tokens), need / GiB) for m, need, _ in ok]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = {"off": "tab:blue", "idle": "tab:orange", "cpu": "tab:green"}
+    for (m, _, fit), (x, y) in zip(ok, xy):
+        ax.scatter(x, y, c=colors[m.point.offload], marker="o" if fit else "x", s=30)
+    front = sorted((xy[i] for i in pareto(xy)), key=lambda p: p[0])
+    if front:
+        ax.plot(*zip(*front), "k--", lw=1, label="Pareto front")
+    pick = best(ranked, num_micro)
+    if pick is not None:
+        i = next(i for i, (m, _, _) in enumerate(ok) if m is pick)
+        ax.scatter(*xy[i], s=180, facecolors="none", edgecolors="red", label="pick")
+    ax.axhline(headroom * device_bytes / GiB, color="grey", lw=0.8, label=f"{headroom:.0%} of device")
+    for mode, color in colors.items():
+        ax.scatter([], [], c=color, label=f"offload={mode}")
+    ax.set_xlabel("actor update time per 1k tokens (ms)")
+    ax.set_ylabel("peak memory per rank (GiB)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _threshold(n: int) -> str:
+    return "whole" if n >= WHOLE_MODEL else f"{n:.0e}" if n else "0"
+
+
+def _yn(b: bool) -> str:
+    return "y" if b else "n"
+
+
+def _tf(b: bool) -> str:
+    return "true" if b else "false"
+
+
+def _f(x: float, digits: int) -> str:
+    return "" if x is None or math.isnan(x) else f"{x:.{digits}f}"
