@@ -74,10 +74,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from klppo.parallel.launch import maybe_relaunch
 
-    code = maybe_relaunch(argv, nproc_per_node=nproc, nnodes=int(cfg.trainer.nnodes), module="klppo.trainer.main_ppo")
+    code = maybe_relaunch(
+        argv,
+        nproc_per_node=nproc,
+        nnodes=int(cfg.trainer.nnodes),
+        module="klppo.trainer.main_ppo",
+        use_gpus=device.type == "cuda",
+    )
     if code is not None:
         return code
-    return run(cfg, device=device, argv=argv)
+    from klppo.parallel.launch import record_errors
+
+    return record_errors(run)(cfg, device=device, argv=argv)
 
 
 def run(cfg, *, device: torch.device, argv: list[str]) -> int:

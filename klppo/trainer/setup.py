@@ -124,6 +124,7 @@ def _sampling(rollout_cfg: Any, *, response_length: int, validation: bool) -> Sa
         top_k=int(src.top_k),
         do_sample=do_sample,
         max_new_tokens=response_length,
+        ignore_eos=bool(rollout_cfg.ignore_eos),
     )
 
 

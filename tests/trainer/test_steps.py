@@ -27,6 +27,15 @@ CASES = {
                             "algorithm.kl_penalty=mse", "actor_rollout_ref.actor.use_kl_loss=True",
                             "actor_rollout_ref.actor.kl_loss_type=k1+"],
     "remax_no_kl": ["algorithm.adv_estimator=remax"],
+    "gae_dynamic_bsz_klppo_engine": [
+        "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.name=klppo",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80",
+        "critic.use_dynamic_bsz=True", "critic.ppo_max_token_len_per_gpu=80",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=80",
+    ],
+    "grpo_padded_seq_mean": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.model.use_remove_padding=False",
+                             "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
 }
 
 
