@@ -102,15 +102,54 @@ def part_b(shape: str, budget_min: float, tokens: int, out: Path, device: torch.
     return result
 
 
+def replot(results: Path, shape: str, png: Path, device_gb: float, num_micro: int = 2) -> None:
+    """Re-rank a device run's ``results.json`` with the current model; print the table, write the plot."""
+    from rich.console import Console
+
+    from klppo.tune import report
+    from klppo.tune.measure import Measurement
+    from klppo.tune.memory import Point, Workload, predict
+    from klppo.tune.shapes import load_model_config
+    from klppo.tune.units import ModelFacts
+
+    facts = ModelFacts.from_config(load_model_config(shape))
+    w = Workload(device_bytes=int(device_gb * 2**30))
+    ms = []
+    for r in json.loads(results.read_text()):
+        p = Point(**(r["point"] if isinstance(r["point"], dict) else eval(r["point"])))  # noqa: S307 (own file)
+        nan = float("nan")
+        m = Measurement(
+            p,
+            r["status"],
+            r["peak_bytes"] or nan,
+            r["step_s"] or nan,
+            r["exposed_comm_s"] or nan,
+            r["comm_s"] or nan,
+            predict(facts, p, w)["update"].total,
+            r["note"] or "",
+        )
+        ms.append(m)
+    ranked = report.rank(facts, ms, w, 0.9, num_micro)
+    Console(width=200).print(report.results_table(ranked, num_micro, w.device_bytes))
+    report.plot(ranked, num_micro, png, w.device_bytes, 0.9)
+    pick = report.best(ranked, num_micro)
+    print("pick:", pick.point if pick else None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--replot", nargs=2, metavar=("RESULTS_JSON", "PNG"), help="re-rank a run's results")
+    ap.add_argument("--device-gb", type=float, default=139.8)
     ap.add_argument("--shape-small", default="Qwen2.5-0.5B")
     ap.add_argument("--shape-big", default="Qwen2.5-1.5B")
     ap.add_argument("--small-budget", type=float, default=50)
     ap.add_argument("--tune-budget", type=float, default=100)
     ap.add_argument("--tokens", type=int, default=16384)
     args = ap.parse_args()
+    if args.replot:
+        replot(Path(args.replot[0]), args.shape_big, Path(args.replot[1]), args.device_gb)
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

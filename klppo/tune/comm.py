@@ -4,7 +4,7 @@ Per micro-batch, for a unit of ``U`` own parameters (per rank of a shard group o
 
 - all-gathers: ``U·c`` bytes gathered (the unsharded unit in the compute dtype), once in forward and,
   when ``reshard_after_forward``, again in backward (activation recomputation under checkpointing runs
-  inside the backward gather, no third one). The root is never resharded after forward: one gather.
+  inside the backward gather, no third one). The root too (counted on FSDP2, torch 2.13).
 - reduce-scatter: ``U·4`` bytes in (fp32 gradients), once per micro-batch in backward.
 - bus bytes a rank moves for a collective of ``B`` bytes: ``B·(f − 1)/f`` (ring); time = that / the
   probed bus bandwidth. ``f = 1``: nothing to move.
@@ -42,8 +42,8 @@ class UnitComm:
 
 
 def gathers_per_micro(units: UnitSizes, index: int, point: Point) -> int:
-    is_root = index == units.count - 1
-    return 1 if is_root or not point.reshard_after_forward else 2
+    """All-gathers of unit ``index`` per micro-batch (same for every unit, the root included)."""
+    return 2 if point.reshard_after_forward else 1
 
 
 def unit_bytes(units: UnitSizes, point: Point, w: Workload) -> list[tuple[float, float]]:

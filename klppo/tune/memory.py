@@ -11,8 +11,8 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
   shards and optimizer live on the host). ``offload="idle"`` (verl's param_offload +
   optimizer_offload) moves them to the host *between* phases: the update loads both first, so the
   update peak is unchanged and only the rollout / log-prob phases get lighter.
-- gathered units ``c·(U_r + W)``: the root stays unsharded from forward to backward (FSDP2 never
-  reshards the root after forward); ``W`` = the largest window of units unsharded at once: one unit +
+- gathered units ``c·(U_r + W)``: the root (embeddings, final norm, tied head) is unsharded at both
+  ends of the pass, around the logits and the LM head's backward; ``W`` = the largest window of units unsharded at once: one unit +
   the prefetched next (``backward_prefetch``/``forward_prefetch``), or all of them
   (``reshard_after_forward=False``: every unit stays gathered until its backward).
 - on top of those, the larger of two moments of the backward:

@@ -192,7 +192,7 @@ def plot(ranked, num_micro: int, path: Path, device_bytes: float, headroom: floa
             "the plot needs matplotlib: pip install 'klppo[plot]' (or pip install matplotlib)"
         ) from e
     ok = [(m, need, fit) for m, need, fit in ranked if m.status == "ok"]
-    xy = [(1e3 * m.step_s / (num_micro * m.point.micro_tokens), need / GiB) for m, need, _ in ok]
+    xy = [(1e6 * m.step_s / (num_micro * m.point.micro_tokens), need / GiB) for m, need, _ in ok]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = {"off": "tab:blue", "idle": "tab:orange", "cpu": "tab:green"}
     for (m, _, fit), (x, y) in zip(ok, xy):
@@ -205,8 +205,9 @@ def plot(ranked, num_micro: int, path: Path, device_bytes: float, headroom: floa
         i = next(i for i, (m, _, _) in enumerate(ok) if m is pick)
         ax.scatter(*xy[i], s=180, facecolors="none", edgecolors="red", label="pick")
     ax.axhline(headroom * device_bytes / GiB, color="grey", lw=0.8, label=f"{headroom:.0%} of device")
-    for mode, color in colors.items():
-        ax.scatter([], [], c=color, label=f"offload={mode}")
+    for mode in sorted({m.point.offload for m, _, _ in ok}):
+        ax.scatter([], [], c=colors[mode], label=f"offload={mode}")
+    ax.set_xscale("log")
     ax.set_xlabel("actor update time per 1k tokens (ms)")
     ax.set_ylabel("peak memory per rank (GiB)")
     ax.legend(fontsize=8)

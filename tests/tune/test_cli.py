@@ -1,0 +1,51 @@
+"""`klppo tune --dry-run`: memory-model tables without a GPU, from a named shape and from a config."""
+
+from __future__ import annotations
+
+from klppo.models.tiny import save_tiny_model_dir
+from klppo.tune.cli import main
+
+
+def test_dry_run_named_shape(capsys):
+    assert (
+        main(
+            [
+                "--dry-run",
+                "--model-shape",
+                "Qwen2.5-7B",
+                "--world-size",
+                "8",
+                "--device-gb",
+                "80",
+                "--micro-tokens",
+                "8192",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "7.62B params" in out and "world 8" in out
+    assert "sharded params" in out and "KV cache" in out and "logits" in out
+    for threshold in ("0", "1e+07", "1e+08", "whole"):
+        assert f"│ {threshold:>14} │" in out
+
+
+def test_dry_run_from_config(tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    save_tiny_model_dir(str(model_dir))
+    rc = main(
+        [
+            f"actor_rollout_ref.model.path={model_dir}",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
+            "trainer.n_gpus_per_node=2",
+            "--dry-run",
+            "--device-gb",
+            "1",
+            "--thresholds",
+            "0,1000000000000",
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "world 2" in out and "tokens=2048" in out
+    assert "│   1024 │" in out and "│   2048 │" in out  # ½× and 1× the configured token budget

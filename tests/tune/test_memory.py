@@ -1,0 +1,91 @@
+"""Memory-model terms of a tiny Qwen2 shape against hand-computed numbers, units, and the phase rule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from klppo.parallel.fsdp import choose_units, unit_report
+from klppo.tune.memory import Point, Workload, kv_cache_room, predict
+from klppo.tune.shapes import ModelShape, config_from_shape, meta_model
+from klppo.tune.units import WHOLE_MODEL, ModelFacts, unit_sizes
+
+# h=64, 2 layers, 4 heads (head_dim 16), 2 kv heads (kvd 32), I=128, V=256, tied
+TINY = ModelShape("tiny", "qwen2", 64, 2, 4, 2, 128, 256, True)
+H, L, KVD, I, V = 64, 2, 32, 128, 256
+LAYER = (H * H + H) + 2 * (H * KVD + KVD) + H * H + 3 * H * I + 2 * H  # q(+b), k,v(+b), o, mlp, 2 norms
+ROOT = V * H + H  # tied embedding + final norm
+P = L * LAYER + ROOT
+
+
+@pytest.fixture(scope="module")
+def facts() -> ModelFacts:
+    return ModelFacts.from_config(config_from_shape(TINY))
+
+
+def terms(phase) -> dict[str, float]:
+    return {t.name: t.bytes for t in phase.terms}
+
+
+def test_param_count_and_units(facts):
+    assert facts.num_params == P == 90688
+    units = facts.units(0)
+    assert units.sizes == [LAYER, LAYER, ROOT]
+    assert facts.units(WHOLE_MODEL).sizes == [P]
+    model = meta_model(facts.config)
+    for threshold in (0, 40_000, 60_000, WHOLE_MODEL):
+        sizes = unit_sizes(model, threshold)
+        report = unit_report(choose_units(model, threshold, None))
+        assert (sizes.count, sizes.total, max(sizes.sizes)) == (report.count, report.total, report.largest)
+    # matmul params: every Linear (q,k,v,o,gate,up,down) + the tied head in the root
+    assert units.matmul[0] == LAYER - 2 * H and units.matmul[-1] == V * H
+
+
+def test_update_terms_by_hand(facts):
+    w = Workload(world_size=2, compute_bytes=2, response_fraction=0.25, device_bytes=2**30)
+    T, c = 1024, 2
+    phase = predict(facts, Point(0, micro_tokens=T), w)["update"]
+    t = terms(phase)
+    shard = math.ceil(P / 2)
+    assert t["sharded params"] == shard * 4
+    assert t["sharded grads"] == shard * 4
+    assert t["optimizer (AdamW)"] == shard * 8
+    assert t["gathered root"] == ROOT * c
+    assert t["gathered units"] == 2 * LAYER * c  # a layer and the prefetched next
+    A = 8 * H + c * (5 * H + 2 * KVD + 4 * I)
+    assert t["activations"] == L * T * H * c + T * A
+    assert t["backward workspace"] == T * c * (2 * H + 2 * I)
+    assert t["logits"] == (T // 4) * V * (c + 12)
+    assert t["LM head grad"] == V * H * c
+    grads = max(ROOT * (c + 4), ROOT * c + LAYER * (c + 4))
+    assert t["unit grads / gather buffer"] == grads
+    always = shard * 16 + ROOT * c + 2 * LAYER * c
+    start = t["activations"] + t["backward workspace"] + t["logits"] + t["LM head grad"]
+    assert phase.total == max(always + max(start, grads), shard * 20)
+
+
+def test_variants_change_the_right_terms(facts):
+    w = Workload(world_size=1, compute_bytes=2, grad_checkpointing=False, device_bytes=2**30)
+    base = terms(predict(facts, Point(0, micro_tokens=512), w)["update"])
+    A = 8 * H + 2 * (5 * H + 2 * KVD + 4 * I)
+    assert base["activations"] == L * 512 * A
+    no_reshard = terms(predict(facts, Point(0, reshard_after_forward=False, micro_tokens=512), w)["update"])
+    assert no_reshard["gathered units"] == 2 * LAYER * 2  # every unit stays gathered
+    cpu = predict(facts, Point(0, offload="cpu", micro_tokens=512), w)["update"]
+    assert terms(cpu)["sharded params"] == 0 and "optimizer (AdamW)" not in terms(cpu)
+    whole = terms(predict(facts, Point(WHOLE_MODEL, micro_tokens=512), w)["update"])
+    assert whole["gathered root"] == P * 2 and whole["gathered units"] == 0
+
+
+def test_rollout_and_offload(facts):
+    w = Workload(world_size=1, compute_bytes=2, gpu_memory_utilization=0.5, device_bytes=2**24)
+    off = predict(facts, Point(0), w)["rollout"]
+    idle = predict(facts, Point(0, offload="idle"), w)["rollout"]
+    assert off.total == pytest.approx(0.5 * 2**24)  # the engine fills its budget with KV cache
+    assert terms(off)["optimizer (AdamW)"] == P * 8 and "optimizer (AdamW)" not in terms(idle)
+    assert kv_cache_room(facts, Point(0, offload="idle"), w) - kv_cache_room(facts, Point(0), w) == P * 8
+    tiny_device = Workload(world_size=1, device_bytes=P)  # not even the weights fit in half of it
+    assert kv_cache_room(facts, Point(0), tiny_device) == 0
+    lp = terms(predict(facts, Point(0, micro_tokens=256), w)["log_prob"])
+    assert lp["logits"] == 128 * V * 10
