@@ -11,10 +11,10 @@ from klppo.tune.memory import Point, Workload, kv_cache_room, predict
 from klppo.tune.shapes import ModelShape, config_from_shape, meta_model
 from klppo.tune.units import WHOLE_MODEL, ModelFacts, unit_sizes
 
-# h=64, 2 layers, 4 heads (head_dim 16), 2 kv heads (kvd 32), I=128, V=256, tied
+# h=64, 2 layers, 4 heads (head_dim 16), 2 kv heads (kvd 32), FFN=128, V=256, tied
 TINY = ModelShape("tiny", "qwen2", 64, 2, 4, 2, 128, 256, True)
-H, L, KVD, I, V = 64, 2, 32, 128, 256
-LAYER = (H * H + H) + 2 * (H * KVD + KVD) + H * H + 3 * H * I + 2 * H  # q(+b), k,v(+b), o, mlp, 2 norms
+H, L, KVD, FFN, V = 64, 2, 32, 128, 256
+LAYER = (H * H + H) + 2 * (H * KVD + KVD) + H * H + 3 * H * FFN + 2 * H  # q(+b), k,v(+b), o, mlp, 2 norms
 ROOT = V * H + H  # tied embedding + final norm
 P = L * LAYER + ROOT
 
@@ -53,9 +53,9 @@ def test_update_terms_by_hand(facts):
     assert t["optimizer (AdamW)"] == shard * 8
     assert t["gathered root"] == ROOT * c
     assert t["gathered units"] == 2 * LAYER * c  # a layer and the prefetched next
-    A = 8 * H + c * (5 * H + 2 * KVD + 4 * I)
+    A = 8 * H + c * (5 * H + 2 * KVD + 4 * FFN)
     assert t["activations"] == L * T * H * c + T * A
-    assert t["backward workspace"] == T * c * (2 * H + 2 * I)
+    assert t["backward workspace"] == T * c * (2 * H + 2 * FFN)
     assert t["logits"] == (T // 4) * V * (c + 12)
     assert t["LM head grad"] == V * H * c
     grads = max(ROOT * (c + 4), ROOT * c + LAYER * (c + 4))
@@ -68,7 +68,7 @@ def test_update_terms_by_hand(facts):
 def test_variants_change_the_right_terms(facts):
     w = Workload(world_size=1, compute_bytes=2, grad_checkpointing=False, device_bytes=2**30)
     base = terms(predict(facts, Point(0, micro_tokens=512), w)["update"])
-    A = 8 * H + 2 * (5 * H + 2 * KVD + 4 * I)
+    A = 8 * H + 2 * (5 * H + 2 * KVD + 4 * FFN)
     assert base["activations"] == L * 512 * A
     no_reshard = terms(predict(facts, Point(0, reshard_after_forward=False, micro_tokens=512), w)["update"])
     assert no_reshard["gathered units"] == 2 * LAYER * 2  # every unit stays gathered
