@@ -155,6 +155,37 @@ def _prune(root: Path, max_to_keep: int | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def resolve_resume(mode: str, root: str | Path, resume_from_path: str | None) -> Path | None:
+    """The checkpoint to resume from under ``trainer.resume_mode`` (auto | disable | resume_path)."""
+    import logging
+
+    root = Path(root)
+    if mode == "disable":
+        if list_checkpoints(root) and rank() == 0:
+            logging.getLogger("klppo").warning(
+                "trainer.resume_mode=disable: starting fresh; the checkpoints already in %s stay there and "
+                "may be overwritten by this run's", root
+            )
+        return None
+    if mode == "auto":
+        return latest_checkpoint(root)
+    if mode == "resume_path":
+        if not resume_from_path:
+            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        path = Path(resume_from_path).expanduser()
+        if not (path / "COMPLETE").exists():
+            raise CheckpointError(f"trainer.resume_from_path={path} is not a complete klppo checkpoint")
+        return path
+    raise ValueError(f"trainer.resume_mode={mode!r}: expected auto, disable or resume_path")
+
+
+def checkpoint_step(path: Path) -> int:
+    m = _STEP_DIR.match(Path(path).name)
+    if not m:
+        raise CheckpointError(f"{path} is not named global_step_N")
+    return int(m.group(1))
+
+
 def load_checkpoint(
     path: str | Path, *, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
 ) -> dict[str, Any]:

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _setup_logging()
     from klppo.config import ConfigError, check_trainable, load_config
+    from klppo.models.loading import ModelLoadError, model_dir
 
     try:
         if not argv:
@@ -68,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         check_trainable(cfg)
         device, nproc = resolve_machine(cfg)
-    except (ConfigError, FileNotFoundError, ImportError) as exc:
+        # resolve (and for a .gguf file convert, once) the model before any process is started
+        model_dir(cfg.actor_rollout_ref.model.path)
+    except (ConfigError, ModelLoadError, FileNotFoundError, ImportError) as exc:
         print(f"klppo: {exc}", file=sys.stderr)
         return 2
 

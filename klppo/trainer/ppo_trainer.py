@@ -356,27 +356,13 @@ class PPOTrainer:
             log.info("checkpoint saved: %s", path)
 
     def _maybe_resume(self) -> None:
-        from klppo.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+        from klppo.trainer.checkpoint import load_checkpoint
 
-        p, tcfg = self.p, self.cfg.trainer
-        mode = tcfg.resume_mode
-        if mode == "disable":
-            if list_checkpoints(p.run_dir) and rank() == 0:
-                log.warning("trainer.resume_mode=disable: starting fresh; the checkpoints already in %s stay "
-                            "there and may be overwritten by this run's", p.run_dir)
+        p = self.p
+        if p.resume_path is None:
             return
-        if mode == "auto":
-            path = latest_checkpoint(p.run_dir)
-            if path is None:
-                return
-        elif mode == "resume_path":
-            if not tcfg.resume_from_path:
-                raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
-            path = tcfg.resume_from_path
-        else:
-            raise ValueError(f"trainer.resume_mode={mode!r}: expected auto, disable or resume_path")
         state = load_checkpoint(
-            path, models={name: (role.model, role.optimizer) for name, role in p.trained_roles().items()}
+            p.resume_path, models={name: (role.model, role.optimizer) for name, role in p.trained_roles().items()}
         )
         self.state.global_step = int(state["global_step"])
         self.state.num_nan_steps = int(state["num_nan_steps"])
@@ -386,7 +372,7 @@ class PPOTrainer:
         for name, role in p.trained_roles().items():
             role.load_extra_state(state["roles"][name])
         if rank() == 0:
-            log.info("resumed from %s at step %d", path, self.state.global_step)
+            log.info("resumed from %s at step %d", p.resume_path, self.state.global_step)
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, _frame):

@@ -63,6 +63,7 @@ class RunParts:
     hf_assets: dict[str, Callable[[Path], None]] = field(default_factory=dict)
     free_cache_engine: bool = True
     needs_greedy_baseline: bool = False
+    resume_path: Path | None = None
 
     def trained_roles(self) -> dict[str, Any]:
         roles = {"actor": self.actor}
@@ -161,7 +162,7 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     from klppo.algorithms.advantages import get_advantage_estimator, needs_critic
     from klppo.algorithms.kl_control import make_kl_controller
     from klppo.config import config_to_yaml, derive_sizes
-    from klppo.models.loading import eos_token_ids, load_critic, load_tokenizer, resolve_model_path
+    from klppo.models.loading import eos_token_ids, load_critic, load_tokenizer, model_dir
     from klppo.parallel.offload import load_optimizer, load_params, offload_optimizer, offload_params
     from klppo.roles.actor import Actor, ActorSettings
     from klppo.roles.critic import Critic, CriticSettings
@@ -170,6 +171,7 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     from klppo.roles.reward import Reward
     from klppo.rollout.base import make_rollout
     from klppo.tracking import Tracker
+    from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
     from klppo.tracking.run_dir import GenerationLog, write_run_metadata
 
     arr, algo, tcfg = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
@@ -177,7 +179,7 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     sizes = derive_sizes(cfg, world_size())
     torch.manual_seed(int(tcfg.seed))
 
-    model_path = resolve_model_path(arr.model.path)
+    model_path = model_dir(arr.model.path)  # a .gguf file → its cached Hugging Face directory
     tokenizer = load_tokenizer(model_path)
     train_loader, val_loader = build_loaders(cfg, tokenizer)
     total_steps = tcfg.total_training_steps or len(train_loader) * int(tcfg.total_epochs)
@@ -230,9 +232,12 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     # reference: only when a KL term needs it
     reference = None
     if algo.use_kl_in_reward or acfg.use_kl_loss:
-        ref_model = _load_policy_model(cfg, model_path, to_dtype(getattr(arr.ref.fsdp_config, "model_dtype", None),
-                                                                 torch.bfloat16 if device.type == "cuda" else torch.float32),
-                                       device, train=False)
+        # on CPU every role keeps fp32 weights: bf16 matmuls there are slow and would put a rounding KL
+        # between the actor and its reference from the first step
+        ref_dtype = to_dtype(getattr(arr.ref.fsdp_config, "model_dtype", None), torch.bfloat16)
+        ref_model = _load_policy_model(
+            cfg, model_path, ref_dtype if device.type == "cuda" else torch.float32, device, train=False
+        )
         _shard(ref_model, arr.ref.fsdp_config, device, "ref")
         reference = Reference(
             ref_model,
@@ -248,7 +253,7 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     critic = None
     if needs_critic(algo.adv_estimator):
         ccfg = cfg.critic
-        critic_path = resolve_model_path(ccfg.model.path or model_path)
+        critic_path = model_dir(ccfg.model.path or model_path)
         critic_model = load_critic(
             critic_path, dtype=to_dtype(getattr(ccfg.model.fsdp_config, "model_dtype", "fp32")),
             gradient_checkpointing=bool(ccfg.model.enable_gradient_checkpointing),
@@ -285,15 +290,17 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     reward = _build_reward(cfg, tokenizer, device)
     rollout = make_rollout(
         rcfg.name,
-        eos_token_ids=eos_token_ids(tokenizer, actor_model.config),
+        eos_token_ids=eos_token_ids(tokenizer, actor_model.config, getattr(actor_model, "generation_config", None)),
         pad_token_id=tokenizer.pad_token_id,
         gpu_memory_utilization=float(rcfg.gpu_memory_utilization),
         free_cache_engine=bool(rcfg.free_cache_engine),
     )
     response_length = int(cfg.data.max_response_length)
     sampling = _sampling(rcfg, response_length=response_length, validation=False)
+    resume_path = resolve_resume(tcfg.resume_mode, run_dir, tcfg.resume_from_path)
     tracker = Tracker(list(tcfg.logger), run_dir=str(run_dir), project_name=tcfg.project_name,
-                      experiment_name=tcfg.experiment_name, config_dict=None, rank=rank())
+                      experiment_name=tcfg.experiment_name, config_dict=None, rank=rank(),
+                      resume_step=checkpoint_step(resume_path) if resume_path else None)
     if rank() == 0:
         write_run_metadata(run_dir, config_yaml=config_to_yaml(cfg), argv=argv)
     return RunParts(
@@ -320,6 +327,7 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
         hf_assets=hf_assets,
         free_cache_engine=bool(rcfg.free_cache_engine),
         needs_greedy_baseline=get_advantage_estimator(algo.adv_estimator).needs_reward_baselines,
+        resume_path=resume_path,
     )
 
 
