@@ -157,6 +157,9 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             result[key + "_s"] = timed(fn, args.repeats)
             result[key + "_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+            if grad:
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                result[key + "_grads_finite"] = bool(all(torch.isfinite(g).all() for g in grads))
             print(f"{key}: {result[key + '_s']:.3f} s, peak {result[key + '_peak_gib']:.1f} GiB", flush=True)
     for phase in ("log_prob", "update"):
         base = result[f"a_fixed_padded/{phase}_s"]

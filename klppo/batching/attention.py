@@ -205,6 +205,15 @@ def packed_attention_forward(
 
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:
+        if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.dim() == 4:
+            # Queries on left padding see no key at all; CUDA SDPA kernels can return NaN for such rows
+            # and the NaN reaches the weight gradients (0 · NaN). Let them see themselves: finite garbage
+            # on padding only, real tokens never attend to padding.
+            q_len, kv_len = attention_mask.shape[-2:]
+            if q_len == kv_len:
+                dead = ~attention_mask.any(dim=-1, keepdim=True)
+                eye = torch.eye(q_len, dtype=torch.bool, device=attention_mask.device)
+                attention_mask = attention_mask | (dead & eye)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
