@@ -64,7 +64,7 @@ class PPOTrainer:
             if cfg.trainer.val_only:
                 return self.state
         while self.state.global_step < total:
-            prompts = p.train_loader.next_batch()
+            prompts = p.train_loader.next_batch().to(p.device)
             self.state.global_step += 1
             step = self.state.global_step
             metrics = self.train_step(prompts, step)
@@ -312,6 +312,7 @@ class PPOTrainer:
         samples_logged: list[dict[str, Any]] = []
         n = p.val_sampling.n
         for prompts in p.val_loader:
+            prompts = prompts.to(p.device)
             # every rank generates the same number of rows (collectives inside), padding rows are dropped
             share, num_real = _padded_share(prompts)
             local = self.generate(share, p.val_sampling, seed=self._seed(0))
