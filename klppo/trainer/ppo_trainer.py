@@ -54,8 +54,15 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainerState:
+        previous = self._install_signal_handlers()
+        try:
+            return self._fit()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _fit(self) -> TrainerState:
         p, cfg = self.p, self.cfg
-        self._install_signal_handlers()
         self._maybe_resume()
         total = p.total_training_steps
         p.tracker.set_total_steps(total)
@@ -375,7 +382,8 @@ class PPOTrainer:
         if rank() == 0:
             log.info("resumed from %s at step %d", p.resume_path, self.state.global_step)
 
-    def _install_signal_handlers(self) -> None:
+    def _install_signal_handlers(self) -> dict:
+        """SIGTERM/SIGINT finish the current step, save a checkpoint and stop; returns the old handlers."""
         def request_stop(signum, _frame):
             if self._stop_requested:
                 raise KeyboardInterrupt
@@ -383,11 +391,13 @@ class PPOTrainer:
             log.warning("received %s: finishing the current step, then saving a checkpoint and exiting "
                         "(send again to abort now)", signal.Signals(signum).name)
 
+        previous = {}
         try:
-            signal.signal(signal.SIGTERM, request_stop)
-            signal.signal(signal.SIGINT, request_stop)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                previous[signum] = signal.signal(signum, request_stop)
         except ValueError:  # not the main thread (e.g. inside a test runner thread)
             pass
+        return previous
 
 
 def _padded_share(prompts: Batch) -> tuple[Batch, int]:

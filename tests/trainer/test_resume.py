@@ -99,3 +99,31 @@ def test_full_disk_on_save_is_clear_and_keeps_previous(tiny_model_dir, arithmeti
     assert checkpoint.latest_checkpoint(tmp_path).name == "global_step_1"
     assert not any(p.name.startswith(".global_step") for p in tmp_path.iterdir())
     shutil.rmtree(tmp_path)
+
+
+SIGTERM_AT_STEP_2 = '''
+import os, signal
+calls = []
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    calls.append(1)
+    if len(calls) == 9:  # first sample of step 2 (8 samples per step)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return 0.0
+'''
+
+
+def test_sigterm_finishes_step_saves_and_resumes(tiny_model_dir, arithmetic_data, tmp_path):
+    from klppo.trainer import checkpoint
+
+    fn = tmp_path / "preempt.py"
+    fn.write_text(SIGTERM_AT_STEP_2)
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        "trainer.total_training_steps=4", "trainer.save_freq=-1", f"custom_reward_function.path={fn}",
+    ]
+    state, _ = run_training(overrides)
+    assert state.global_step == 2  # the step in flight finished, then the run stopped
+    assert checkpoint.latest_checkpoint(tmp_path / "run").name == "global_step_2"
+    state, _ = run_training(overrides)  # resumes at step 3 (a second SIGTERM would land in its last step)
+    assert state.global_step == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
