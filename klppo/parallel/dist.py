@@ -86,9 +86,16 @@ def _fill_rank_env() -> None:
             )
         env.setdefault("MASTER_PORT", "29500")
         return
-    env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = "0", "1", "0"
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", str(free_port()))
+    added = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": None}
+    for key, value in added.items():
+        if key not in env:
+            env[key] = value if value is not None else str(free_port())
+            _ADDED_ENV.append(key)
+
+
+# variables _fill_rank_env invented for a hand-started single process; destroy() removes them, so a later
+# launch from the same process (e.g. `klppo train` relaunching under torchrun) is not mistaken for a rank
+_ADDED_ENV: list[str] = []
 
 
 def info() -> DistInfo:
@@ -181,3 +188,5 @@ def destroy() -> None:
     """Tear the default group down (no-op when none)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _ADDED_ENV:
+        os.environ.pop(_ADDED_ENV.pop(), None)

@@ -275,6 +275,7 @@ class PPOTrainer:
             "perf/total_num_tokens": total_tokens,
             "perf/time_per_step": step_s,
             "perf/throughput": total_tokens / max(step_s, 1e-9) / world_size(),
+            "perf/world_size": float(world_size()),
         }
         if self.p.device.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.p.device) / 2**30

@@ -50,6 +50,8 @@ def test_two_processes_match_one(tiny_model_dir, arithmetic_data, tmp_path):
     ]
     assert main(argv) == 0
     rows_two = read_metrics(two)
+    assert all(r["perf/world_size"] == 2 for r in rows_two if "perf/world_size" in r)
+    assert any("perf/world_size" in r for r in rows_two)
 
     one = tmp_path / "one"
     run_training(_overrides(tiny_model_dir, arithmetic_data, one) + [
