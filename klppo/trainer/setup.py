@@ -100,18 +100,21 @@ def build_loaders(cfg: Any, tokenizer: Any):
         filter_overlong_prompts=bool(d.filter_overlong_prompts),
         truncation=d.truncation,
         return_raw_chat=bool(d.return_raw_chat),
+        use_chat_template=bool(d.use_chat_template),
         bad_row_policy=d.bad_row_policy,
+        max_cached_row_groups=int(d.max_cached_row_groups),
     )
     train = PromptLoader(
         _paths(d.train_files), tokenizer, batch_size=int(d.train_batch_size), shuffle=bool(d.shuffle),
-        seed=int(d.seed if d.seed is not None else 1), drop_last=True, **common,
+        seed=int(d.seed if d.seed is not None else cfg.trainer.seed), drop_last=True,
+        shuffle_buffer_rows=d.shuffle_buffer_rows, **common,
     )
     val = None
     val_files = _paths(d.val_files)
     if val_files:
         val_bs = d.val_batch_size or 10**9
-        val = PromptLoader(val_files, tokenizer, batch_size=int(val_bs), shuffle=False, seed=0, drop_last=False,
-                           **common)
+        val = PromptLoader(val_files, tokenizer, batch_size=int(val_bs), shuffle=bool(d.validation_shuffle),
+                           seed=0, drop_last=False, **common)
     return train, val
 
 
