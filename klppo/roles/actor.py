@@ -170,19 +170,23 @@ class Actor:
         self.num_skipped_updates = int(state["num_skipped_updates"])
 
 
-def global_counts(mini_mask: torch.Tensor) -> tuple[float, float]:
-    """(tokens, sequences with a token) of the mini-batch summed over all ranks: one collective."""
-    counts = torch.stack([mini_mask.sum(), (mini_mask.sum(dim=-1) > 0).sum()]).double()
-    tokens, seqs = all_reduce_sum(counts).tolist()
-    return tokens, seqs
+def global_counts(mini_mask: torch.Tensor) -> tuple[float, float, float]:
+    """(tokens, rows with a token, rows) of the mini-batch summed over all ranks: one collective."""
+    rows = torch.tensor(float(mini_mask.shape[0]), device=mini_mask.device)
+    counts = torch.stack([mini_mask.sum(), (mini_mask.sum(dim=-1) > 0).sum(), rows]).double()
+    tokens, seqs, num_rows = all_reduce_sum(counts).tolist()
+    return tokens, seqs, num_rows
 
 
-def micro_weight(mode: str, micro_mask: torch.Tensor, counts: tuple[float, float], horizon: int) -> float:
+def micro_weight(
+    mode: str, micro_mask: torch.Tensor, counts: tuple[float, float, float], horizon: int
+) -> float:
     """Scale of a micro-batch's aggregated loss so that the sum over micro-batches and ranks (FSDP averages
     gradients over the ranks, hence × world size) equals the aggregated loss of the global mini-batch."""
     from klppo.batching.dynamic import micro_batch_loss_weight
 
-    return world_size() * micro_batch_loss_weight(mode, micro_mask, counts[0], counts[1], horizon=horizon)
+    tokens, seqs, rows = counts
+    return world_size() * micro_batch_loss_weight(mode, micro_mask, tokens, seqs, horizon=horizon, mini_num_rows=rows)
 
 
 def _clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

@@ -144,10 +144,11 @@ def _load_policy_model(cfg: Any, path: str, dtype: torch.dtype, device: torch.de
         gradient_checkpointing=bool(m.enable_gradient_checkpointing) and train,
         override_config=dict(m.override_config or {}),
     )
-    if m.use_remove_padding:
-        from klppo.batching.attention import enable_packed_attention
+    # klppo_packed: block-diagonal attention for packed rows, and for padded rows SDPA with rows that see no
+    # key (left padding) attending to themselves, which keeps bf16 gradients finite on GPU
+    from klppo.batching.attention import enable_packed_attention
 
-        enable_packed_attention(model)
+    enable_packed_attention(model)
     return model.to(device)
 
 
@@ -261,10 +262,9 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
             critic_path, dtype=to_dtype(getattr(ccfg.model.fsdp_config, "model_dtype", "fp32")),
             gradient_checkpointing=bool(ccfg.model.enable_gradient_checkpointing),
         )
-        if ccfg.model.use_remove_padding:
-            from klppo.batching.attention import enable_packed_attention
+        from klppo.batching.attention import enable_packed_attention
 
-            enable_packed_attention(critic_model)
+        enable_packed_attention(critic_model)
         critic_model = critic_model.to(device)
         hf_assets["critic"] = _hf_writer(critic_model, tokenizer)
         _shard(critic_model, ccfg.model.fsdp_config, device, "critic")
