@@ -17,9 +17,16 @@ import tempfile
 from pathlib import Path
 
 QWEN25_05B = dict(
-    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-    num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
-    tie_word_embeddings=True, rms_norm_eps=1e-6,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
 )
 
 
@@ -48,7 +55,9 @@ def make_prompts(root: Path, tokenizer_dir: Path, *, prompt_len: int, rows: int)
 
     def length(k: int) -> int:
         msgs = [{"role": "user", "content": "7 " * k}]
-        return len(tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))["input_ids"])
+        return len(
+            tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))["input_ids"]
+        )
 
     k = next(k for k in range(prompt_len) if length(k) >= prompt_len)
     rows_ = [make_row(question="7 " * k, answer="#### 7", split="train", index=i) for i in range(rows)]
@@ -67,22 +76,37 @@ def run(model_dir: Path, data: Path, run_dir: Path, *, rollout: str, steps: int,
     from klppo.trainer.setup import build_run
 
     overrides = [
-        f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={data}", f"data.val_files={data}",
-        f"data.train_batch_size={args.prompts}", f"data.max_prompt_length={args.prompt_len}",
-        f"data.max_response_length={args.response_len}", "data.filter_overlong_prompts=False", "data.truncation=left",
-        f"actor_rollout_ref.rollout.n={args.n}", f"actor_rollout_ref.rollout.name={rollout}",
-        "actor_rollout_ref.rollout.ignore_eos=True", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"data.train_files={data}",
+        f"data.val_files={data}",
+        f"data.train_batch_size={args.prompts}",
+        f"data.max_prompt_length={args.prompt_len}",
+        f"data.max_response_length={args.response_len}",
+        "data.filter_overlong_prompts=False",
+        "data.truncation=left",
+        f"actor_rollout_ref.rollout.n={args.n}",
+        f"actor_rollout_ref.rollout.name={rollout}",
+        "actor_rollout_ref.rollout.ignore_eos=True",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts // 4}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
-        "critic.ppo_micro_batch_size_per_gpu=16", "critic.forward_micro_batch_size_per_gpu=32",
+        "critic.ppo_micro_batch_size_per_gpu=16",
+        "critic.forward_micro_batch_size_per_gpu=32",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         "critic.model.enable_gradient_checkpointing=False",
-        "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=True",
-        "actor_rollout_ref.actor.use_kl_loss=True", f"trainer.device={args.device}", "trainer.n_gpus_per_node=1",
-        "trainer.logger=[jsonl]", "trainer.val_before_train=False", "trainer.test_freq=-1",
-        "trainer.save_freq=-1", f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={run_dir}",
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_in_reward=True",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        f"trainer.device={args.device}",
+        "trainer.n_gpus_per_node=1",
+        "trainer.logger=[jsonl]",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.default_local_dir={run_dir}",
     ]
     cfg = load_config(overrides)
     info = dist.init_distributed(args.device, 600.0)
@@ -108,11 +132,24 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=256)
     parser.add_argument("--out", default="ppo_step.json")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer model instead of the 0.5B shape (smoke test)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a 2-layer model instead of the 0.5B shape (smoke test)"
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="klppo_bench_"))
-    shape = dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=384) if args.tiny else QWEN25_05B
+    shape = (
+        dict(
+            QWEN25_05B,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=384,
+        )
+        if args.tiny
+        else QWEN25_05B
+    )
     model_dir = make_model_dir(root, shape)
     data = make_prompts(root, model_dir, prompt_len=args.prompt_len, rows=args.prompts * args.steps)
     results = []

@@ -121,9 +121,7 @@ def value_forward(model: torch.nn.Module, batch: Batch, *, use_remove_padding: b
     )
 
 
-def no_grad_pass(
-    batch: Batch, micro: MicroBatching, fn: Callable[[Batch], torch.Tensor]
-) -> torch.Tensor:
+def no_grad_pass(batch: Batch, micro: MicroBatching, fn: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
     """Run ``fn`` over micro-batches without gradients; outputs [B, ...] in batch order."""
     parts = []
     with torch.no_grad():

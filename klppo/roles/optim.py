@@ -29,9 +29,7 @@ class OptimSettings:
 def build_optimizer(params, settings: OptimSettings) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (fused/foreach picked by torch)."""
     params = [p for p in params if p.requires_grad]
-    return torch.optim.AdamW(
-        params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
-    )
+    return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
 
 
 def lr_multiplier(step: int, settings: OptimSettings) -> float:

@@ -26,7 +26,9 @@ class Reward:
 
         self.tokenizer = tokenizer
         self.manager = RewardManager(
-            custom_fn_path=custom_fn_path, custom_fn_name=custom_fn_name, reward_kwargs=dict(reward_kwargs or {})
+            custom_fn_path=custom_fn_path,
+            custom_fn_name=custom_fn_name,
+            reward_kwargs=dict(reward_kwargs or {}),
         )
         self.reward_model = reward_model
         self.reward_tokenizer = reward_tokenizer or tokenizer
@@ -65,7 +67,9 @@ class Reward:
                 text = tok.apply_chat_template(chat, tokenize=False)
             else:
                 text = "\n".join(m["content"] for m in chat)
-            enc = tok(text, return_tensors="pt", truncation=self.max_length is not None, max_length=self.max_length)
+            enc = tok(
+                text, return_tensors="pt", truncation=self.max_length is not None, max_length=self.max_length
+            )
             out = self.reward_model(**{k: v.to(device) for k, v in enc.items()})
             scores.append(float(out.logits[0, 0]))
         return torch.tensor(scores, dtype=torch.float32)

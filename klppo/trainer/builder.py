@@ -88,5 +88,6 @@ class StepSizes:
 
 def micro(size: int, *, dynamic: bool, max_tokens: int) -> MicroBatching:
     # with use_dynamic_bsz the size is unset (None): micro-batches come from the token budget alone
-    return MicroBatching(micro_batch_size=max(1, int(size or 1)), use_dynamic_bsz=bool(dynamic),
-                         max_token_len=int(max_tokens))
+    return MicroBatching(
+        micro_batch_size=max(1, int(size or 1)), use_dynamic_bsz=bool(dynamic), max_token_len=int(max_tokens)
+    )

@@ -164,7 +164,8 @@ def resolve_resume(mode: str, root: str | Path, resume_from_path: str | None) ->
         if list_checkpoints(root) and rank() == 0:
             logging.getLogger("klppo").warning(
                 "trainer.resume_mode=disable: starting fresh; the checkpoints already in %s stay there and "
-                "may be overwritten by this run's", root
+                "may be overwritten by this run's",
+                root,
             )
         return None
     if mode == "auto":

@@ -53,7 +53,9 @@ def resolve_machine(cfg) -> tuple[torch.device, int]:
 def _setup_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
     level = logging.INFO if rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s klppo %(levelname)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=level, format="%(asctime)s klppo %(levelname)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,8 +31,15 @@ from klppo.trainer.timer import PhaseTimer
 log = logging.getLogger("klppo")
 
 # per-sample tensor fields computed per rank and gathered into the global batch
-_GATHERED = ("responses", "response_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "values",
-             "token_level_scores")
+_GATHERED = (
+    "responses",
+    "response_mask",
+    "rollout_log_probs",
+    "old_log_probs",
+    "ref_log_probs",
+    "values",
+    "token_level_scores",
+)
 
 
 class TrainingStopped(RuntimeError):
@@ -81,10 +88,16 @@ class PPOTrainer:
                 self.save()
             elif self._stop_requested:
                 self.save()
-            if p.val_loader is not None and cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or last):
+            if (
+                p.val_loader is not None
+                and cfg.trainer.test_freq > 0
+                and (step % cfg.trainer.test_freq == 0 or last)
+            ):
                 p.tracker.log(self.validate(), step=step)
             if self._stop_requested:
-                log.warning("stopping after step %d on a signal; checkpoint saved, resume with the same command", step)
+                log.warning(
+                    "stopping after step %d on a signal; checkpoint saved, resume with the same command", step
+                )
                 break
         p.tracker.close()
         return self.state
@@ -290,7 +303,9 @@ class PPOTrainer:
 
     def _check_finite(self, metrics: dict[str, float], step: int) -> None:
         """Count steps whose update was skipped for a non-finite loss/grad; stop past the limit."""
-        skipped = metrics.get("actor/num_skipped_updates", 0.0) + metrics.get("critic/num_skipped_updates", 0.0)
+        skipped = metrics.get("actor/num_skipped_updates", 0.0) + metrics.get(
+            "critic/num_skipped_updates", 0.0
+        )
         bad = skipped > self._skipped_so_far or any(
             not math.isfinite(metrics.get(k, 0.0)) for k in ("actor/pg_loss", "critic/vf_loss")
         )
@@ -298,8 +313,11 @@ class PPOTrainer:
         if bad:
             self.state.num_nan_steps += 1
             metrics["training/nan_steps"] = float(self.state.num_nan_steps)
-            log.warning("step %d: non-finite loss or gradient, the update was skipped (%d so far)",
-                        step, self.state.num_nan_steps)
+            log.warning(
+                "step %d: non-finite loss or gradient, the update was skipped (%d so far)",
+                step,
+                self.state.num_nan_steps,
+            )
             limit = int(self.cfg.trainer.max_nan_steps)
             if limit >= 0 and self.state.num_nan_steps > limit:
                 raise TrainingStopped(
@@ -331,13 +349,17 @@ class PPOTrainer:
                 scores += s
                 sources += src
                 if len(samples_logged) < self.cfg.trainer.log_val_generations:
-                    samples_logged += [{"prompt": r, "response": t, "score": x} for r, t, x in zip(raw, texts, s)]
+                    samples_logged += [
+                        {"prompt": r, "response": t, "score": x} for r, t, x in zip(raw, texts, s)
+                    ]
         out: dict[str, float] = {}
         for src in sorted(set(sources)):
             vals = [s for s, d in zip(scores, sources) if d == src]
             out[f"val-core/{src}/reward/mean@{n}"] = sum(vals) / len(vals)
         if samples_logged and rank() == 0:
-            p.generation_log.write(self.state.global_step, samples_logged[: self.cfg.trainer.log_val_generations])
+            p.generation_log.write(
+                self.state.global_step, samples_logged[: self.cfg.trainer.log_val_generations]
+            )
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -371,7 +393,8 @@ class PPOTrainer:
         if p.resume_path is None:
             return
         state = load_checkpoint(
-            p.resume_path, models={name: (role.model, role.optimizer) for name, role in p.trained_roles().items()}
+            p.resume_path,
+            models={name: (role.model, role.optimizer) for name, role in p.trained_roles().items()},
         )
         self.state.global_step = int(state["global_step"])
         self.state.num_nan_steps = int(state["num_nan_steps"])
@@ -385,12 +408,16 @@ class PPOTrainer:
 
     def _install_signal_handlers(self) -> dict:
         """SIGTERM/SIGINT finish the current step, save a checkpoint and stop; returns the old handlers."""
+
         def request_stop(signum, _frame):
             if self._stop_requested:
                 raise KeyboardInterrupt
             self._stop_requested = True
-            log.warning("received %s: finishing the current step, then saving a checkpoint and exiting "
-                        "(send again to abort now)", signal.Signals(signum).name)
+            log.warning(
+                "received %s: finishing the current step, then saving a checkpoint and exiting "
+                "(send again to abort now)",
+                signal.Signals(signum).name,
+            )
 
         previous = {}
         try:

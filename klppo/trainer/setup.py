@@ -105,16 +105,28 @@ def build_loaders(cfg: Any, tokenizer: Any):
         max_cached_row_groups=int(d.max_cached_row_groups),
     )
     train = PromptLoader(
-        _paths(d.train_files), tokenizer, batch_size=int(d.train_batch_size), shuffle=bool(d.shuffle),
-        seed=int(d.seed if d.seed is not None else cfg.trainer.seed), drop_last=True,
-        shuffle_buffer_rows=d.shuffle_buffer_rows, **common,
+        _paths(d.train_files),
+        tokenizer,
+        batch_size=int(d.train_batch_size),
+        shuffle=bool(d.shuffle),
+        seed=int(d.seed if d.seed is not None else cfg.trainer.seed),
+        drop_last=True,
+        shuffle_buffer_rows=d.shuffle_buffer_rows,
+        **common,
     )
     val = None
     val_files = _paths(d.val_files)
     if val_files:
         val_bs = d.val_batch_size or 10**9
-        val = PromptLoader(val_files, tokenizer, batch_size=int(val_bs), shuffle=bool(d.validation_shuffle),
-                           seed=0, drop_last=False, **common)
+        val = PromptLoader(
+            val_files,
+            tokenizer,
+            batch_size=int(val_bs),
+            shuffle=bool(d.validation_shuffle),
+            seed=0,
+            drop_last=False,
+            **common,
+        )
     return train, val
 
 
@@ -172,11 +184,10 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     from klppo.roles.critic import Critic, CriticSettings
     from klppo.roles.dp import rank, world_size
     from klppo.roles.reference import Reference
-    from klppo.roles.reward import Reward
     from klppo.rollout.base import make_rollout
     from klppo.tracking import Tracker
-    from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
     from klppo.tracking.run_dir import GenerationLog, write_run_metadata
+    from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
 
     arr, algo, tcfg = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     acfg, rcfg = arr.actor, arr.rollout
@@ -206,10 +217,16 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
         ActorSettings(
             ppo_epochs=int(acfg.ppo_epochs),
             mini_batch_size=sizes.actor_mini_batch_samples_per_rank,
-            update_micro=micro(sizes.actor_micro_batch_size_per_gpu, dynamic=acfg.use_dynamic_bsz,
-                               max_tokens=acfg.ppo_max_token_len_per_gpu),
-            log_prob_micro=micro(sizes.log_prob_micro_batch_size_per_gpu, dynamic=rcfg.log_prob_use_dynamic_bsz,
-                                 max_tokens=rcfg.log_prob_max_token_len_per_gpu),
+            update_micro=micro(
+                sizes.actor_micro_batch_size_per_gpu,
+                dynamic=acfg.use_dynamic_bsz,
+                max_tokens=acfg.ppo_max_token_len_per_gpu,
+            ),
+            log_prob_micro=micro(
+                sizes.log_prob_micro_batch_size_per_gpu,
+                dynamic=rcfg.log_prob_use_dynamic_bsz,
+                max_tokens=rcfg.log_prob_max_token_len_per_gpu,
+            ),
             grad_clip=float(acfg.grad_clip),
             clip_ratio=float(acfg.clip_ratio),
             clip_ratio_low=acfg.clip_ratio_low,
@@ -228,10 +245,15 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
         optim_settings(acfg.optim, total_steps),
     )
     if acfg.fsdp_config.param_offload:
-        offload.register("actor", lambda: load_params(actor.model, device), lambda: offload_params(actor.model))
+        offload.register(
+            "actor", lambda: load_params(actor.model, device), lambda: offload_params(actor.model)
+        )
     if acfg.fsdp_config.optimizer_offload:
-        offload.register("actor_optim", lambda: load_optimizer(actor.optimizer, device),
-                         lambda: offload_optimizer(actor.optimizer))
+        offload.register(
+            "actor_optim",
+            lambda: load_optimizer(actor.optimizer, device),
+            lambda: offload_optimizer(actor.optimizer),
+        )
 
     # reference: only when a KL term needs it
     reference = None
@@ -245,8 +267,11 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
         _shard(ref_model, arr.ref.fsdp_config, device, "ref")
         reference = Reference(
             ref_model,
-            micro=micro(sizes.ref_log_prob_micro_batch_size_per_gpu, dynamic=arr.ref.log_prob_use_dynamic_bsz,
-                        max_tokens=arr.ref.log_prob_max_token_len_per_gpu),
+            micro=micro(
+                sizes.ref_log_prob_micro_batch_size_per_gpu,
+                dynamic=arr.ref.log_prob_use_dynamic_bsz,
+                max_tokens=arr.ref.log_prob_max_token_len_per_gpu,
+            ),
             temperature=temperature,
             use_remove_padding=use_rmpad,
         )
@@ -259,7 +284,8 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
         ccfg = cfg.critic
         critic_path = model_dir(ccfg.model.path or model_path)
         critic_model = load_critic(
-            critic_path, dtype=to_dtype(getattr(ccfg.model.fsdp_config, "model_dtype", "fp32")),
+            critic_path,
+            dtype=to_dtype(getattr(ccfg.model.fsdp_config, "model_dtype", "fp32")),
             gradient_checkpointing=bool(ccfg.model.enable_gradient_checkpointing),
         )
         from klppo.batching.attention import enable_packed_attention
@@ -273,10 +299,16 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
             CriticSettings(
                 ppo_epochs=int(ccfg.ppo_epochs),
                 mini_batch_size=sizes.critic_mini_batch_samples_per_rank,
-                update_micro=micro(sizes.critic_micro_batch_size_per_gpu, dynamic=ccfg.use_dynamic_bsz,
-                                   max_tokens=ccfg.ppo_max_token_len_per_gpu),
-                forward_micro=micro(sizes.critic_forward_micro_batch_size_per_gpu, dynamic=ccfg.use_dynamic_bsz,
-                                    max_tokens=ccfg.forward_max_token_len_per_gpu),
+                update_micro=micro(
+                    sizes.critic_micro_batch_size_per_gpu,
+                    dynamic=ccfg.use_dynamic_bsz,
+                    max_tokens=ccfg.ppo_max_token_len_per_gpu,
+                ),
+                forward_micro=micro(
+                    sizes.critic_forward_micro_batch_size_per_gpu,
+                    dynamic=ccfg.use_dynamic_bsz,
+                    max_tokens=ccfg.forward_max_token_len_per_gpu,
+                ),
                 grad_clip=float(ccfg.grad_clip),
                 cliprange_value=float(ccfg.cliprange_value),
                 loss_agg_mode=ccfg.loss_agg_mode,
@@ -287,13 +319,18 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
             optim_settings(ccfg.optim, total_steps),
         )
         if ccfg.model.fsdp_config.optimizer_offload:
-            offload.register("critic_optim", lambda: load_optimizer(critic.optimizer, device),
-                             lambda: offload_optimizer(critic.optimizer))
+            offload.register(
+                "critic_optim",
+                lambda: load_optimizer(critic.optimizer, device),
+                lambda: offload_optimizer(critic.optimizer),
+            )
 
     reward = _build_reward(cfg, tokenizer, device)
     rollout = make_rollout(
         rcfg.name,
-        eos_token_ids=eos_token_ids(tokenizer, actor_model.config, getattr(actor_model, "generation_config", None)),
+        eos_token_ids=eos_token_ids(
+            tokenizer, actor_model.config, getattr(actor_model, "generation_config", None)
+        ),
         pad_token_id=tokenizer.pad_token_id,
         gpu_memory_utilization=float(rcfg.gpu_memory_utilization),
         free_cache_engine=bool(rcfg.free_cache_engine),
@@ -301,9 +338,15 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     response_length = int(cfg.data.max_response_length)
     sampling = _sampling(rcfg, response_length=response_length, validation=False)
     resume_path = resolve_resume(tcfg.resume_mode, run_dir, tcfg.resume_from_path)
-    tracker = Tracker(list(tcfg.logger), run_dir=str(run_dir), project_name=tcfg.project_name,
-                      experiment_name=tcfg.experiment_name, config_dict=None, rank=rank(),
-                      resume_step=checkpoint_step(resume_path) if resume_path else None)
+    tracker = Tracker(
+        list(tcfg.logger),
+        run_dir=str(run_dir),
+        project_name=tcfg.project_name,
+        experiment_name=tcfg.experiment_name,
+        config_dict=None,
+        rank=rank(),
+        resume_step=checkpoint_step(resume_path) if resume_path else None,
+    )
     if rank() == 0:
         write_run_metadata(run_dir, config_yaml=config_to_yaml(cfg), argv=argv)
     return RunParts(
@@ -320,8 +363,12 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
         sampling=sampling,
         val_sampling=_sampling(rcfg, response_length=response_length, validation=True),
         greedy_sampling=SamplingParams(n=1, do_sample=False, max_new_tokens=response_length),
-        kl_ctrl=make_kl_controller(algo.kl_ctrl.type, kl_coef=float(algo.kl_ctrl.kl_coef),
-                                   target_kl=algo.kl_ctrl.target_kl, horizon=int(algo.kl_ctrl.horizon)),
+        kl_ctrl=make_kl_controller(
+            algo.kl_ctrl.type,
+            kl_coef=float(algo.kl_ctrl.kl_coef),
+            target_kl=algo.kl_ctrl.target_kl,
+            horizon=int(algo.kl_ctrl.horizon),
+        ),
         tracker=tracker,
         generation_log=GenerationLog(run_dir),
         run_dir=run_dir,
@@ -344,7 +391,9 @@ def _build_reward(cfg: Any, tokenizer: Any, device: torch.device):
         from klppo.models.loading import load_reward_model, load_tokenizer, resolve_model_path
 
         path = resolve_model_path(rm.model.path)
-        reward_model = load_reward_model(path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        reward_model = load_reward_model(
+            path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
+        )
         reward_model = reward_model.to(device).eval()
         reward_tokenizer = load_tokenizer(resolve_model_path(rm.model.input_tokenizer or path))
     return Reward(
@@ -371,4 +420,3 @@ def _hf_writer(model: torch.nn.Module, tokenizer: Any) -> Callable[[Path], None]
         tokenizer.save_pretrained(path)
 
     return write
-

@@ -18,7 +18,9 @@ def test_model_path_that_is_not_a_model(arithmetic_data, tmp_path):
 
 
 def test_empty_dataset_after_filtering(tiny_model_dir, arithmetic_data, tmp_path):
-    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + ["data.max_prompt_length=4"]
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        "data.max_prompt_length=4"
+    ]
     with pytest.raises(ValueError, match="(?i)filter|empty|longer"):
         run_training(overrides)
 
@@ -35,7 +37,8 @@ def test_nan_loss_steps_skipped_then_stop(tiny_model_dir, arithmetic_data, tmp_p
 
     monkeypatch.setattr(actor_mod.Actor, "_micro_loss", nan_loss)
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
-        "trainer.total_training_steps=5", "trainer.max_nan_steps=2",
+        "trainer.total_training_steps=5",
+        "trainer.max_nan_steps=2",
     ]
     with pytest.raises(TrainingStopped, match="max_nan_steps=2"):
         run_training(overrides)

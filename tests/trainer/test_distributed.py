@@ -14,9 +14,20 @@ from tests.trainer.utils import base_overrides, read_metrics, run_training
 # whitened GAE advantages have mean 0 and so has the on-policy PPO loss: these are pure float noise
 # (|x| ≲ 1e-5), compared with an absolute tolerance only
 ZERO_BY_CONSTRUCTION = {"actor/pg_loss": 1e-4, "critic/advantages/mean": 1e-4}
-COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "critic/vf_loss",
-            "actor/kl_loss", "actor/reward_kl_penalty", "actor/grad_norm", "critic/grad_norm",
-            "critic/advantages/mean", "critic/values/mean", "response_length/mean"]
+COMPARED = [
+    "critic/score/mean",
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac",
+    "critic/vf_loss",
+    "actor/kl_loss",
+    "actor/reward_kl_penalty",
+    "actor/grad_norm",
+    "critic/grad_norm",
+    "critic/advantages/mean",
+    "critic/values/mean",
+    "response_length/mean",
+]
 
 
 def _overrides(model_dir, data, run_dir):
@@ -45,7 +56,9 @@ def test_two_processes_match_one(tiny_model_dir, arithmetic_data, tmp_path):
 
     two = tmp_path / "two"
     argv = _overrides(tiny_model_dir, arithmetic_data, two) + [
-        "trainer.n_gpus_per_node=2", "trainer.total_training_steps=2", "trainer.save_freq=2",
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=2",
         "trainer.test_freq=2",
     ]
     assert main(argv) == 0
@@ -54,9 +67,13 @@ def test_two_processes_match_one(tiny_model_dir, arithmetic_data, tmp_path):
     assert any("perf/world_size" in r for r in rows_two)
 
     one = tmp_path / "one"
-    run_training(_overrides(tiny_model_dir, arithmetic_data, one) + [
-        "trainer.total_training_steps=3", "trainer.test_freq=2",
-    ])
+    run_training(
+        _overrides(tiny_model_dir, arithmetic_data, one)
+        + [
+            "trainer.total_training_steps=3",
+            "trainer.test_freq=2",
+        ]
+    )
     rows_one = read_metrics(one)
 
     def by_step(rows, val):
@@ -74,9 +91,14 @@ def test_two_processes_match_one(tiny_model_dir, arithmetic_data, tmp_path):
         assert val_two[step] == pytest.approx(val_one[step], rel=1e-6)
 
     # the 2-rank checkpoint resumes in 1 process and continues exactly like the 1-process run
-    run_training(_overrides(tiny_model_dir, arithmetic_data, two) + [
-        "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=False",
-    ])
+    run_training(
+        _overrides(tiny_model_dir, arithmetic_data, two)
+        + [
+            "trainer.total_training_steps=3",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=False",
+        ]
+    )
     step3 = by_step(read_metrics(two), False)[3]
     mismatched = {
         key: (step3[key], train_one[3][key])

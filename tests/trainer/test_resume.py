@@ -10,10 +10,23 @@ import torch
 
 from tests.trainer.utils import base_overrides, read_metrics, run_training
 
-GAE = ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive",
-       "actor_rollout_ref.actor.use_kl_loss=True"]
-COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "critic/vf_loss", "actor/reward_kl_penalty",
-            "actor/reward_kl_penalty_coeff", "actor/lr", "response_length/mean", "critic/advantages/mean"]
+GAE = [
+    "algorithm.adv_estimator=gae",
+    "algorithm.use_kl_in_reward=True",
+    "algorithm.kl_ctrl.type=adaptive",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+]
+COMPARED = [
+    "critic/score/mean",
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "critic/vf_loss",
+    "actor/reward_kl_penalty",
+    "actor/reward_kl_penalty_coeff",
+    "actor/lr",
+    "response_length/mean",
+    "critic/advantages/mean",
+]
 
 
 def test_resume_equals_uninterrupted_and_export(tiny_model_dir, arithmetic_data, tmp_path):
@@ -53,7 +66,8 @@ def test_crash_mid_save_keeps_previous_checkpoint(tiny_model_dir, arithmetic_dat
     from klppo.trainer import checkpoint
 
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path) + [
-        "trainer.total_training_steps=1", "trainer.save_freq=1",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=1",
     ]
     run_training(overrides)
     assert checkpoint.latest_checkpoint(tmp_path).name == "global_step_1"
@@ -76,13 +90,17 @@ def test_crash_mid_save_keeps_previous_checkpoint(tiny_model_dir, arithmetic_dat
     assert state.global_step == 2
 
 
-def test_full_disk_on_save_is_clear_and_keeps_previous(tiny_model_dir, arithmetic_data, tmp_path, monkeypatch):
+def test_full_disk_on_save_is_clear_and_keeps_previous(
+    tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
     import errno
 
     from klppo.trainer import checkpoint
 
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path) + [
-        "trainer.total_training_steps=1", "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=1",
+        "trainer.max_actor_ckpt_to_keep=1",
     ]
     run_training(overrides)
     real_save = torch.save
@@ -101,7 +119,7 @@ def test_full_disk_on_save_is_clear_and_keeps_previous(tiny_model_dir, arithmeti
     shutil.rmtree(tmp_path)
 
 
-SIGTERM_AT_STEP_2 = '''
+SIGTERM_AT_STEP_2 = """
 import os, signal
 calls = []
 
@@ -110,7 +128,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     if len(calls) == 9:  # first sample of step 2 (8 samples per step)
         os.kill(os.getpid(), signal.SIGTERM)
     return 0.0
-'''
+"""
 
 
 def test_sigterm_finishes_step_saves_and_resumes(tiny_model_dir, arithmetic_data, tmp_path):
@@ -119,7 +137,9 @@ def test_sigterm_finishes_step_saves_and_resumes(tiny_model_dir, arithmetic_data
     fn = tmp_path / "preempt.py"
     fn.write_text(SIGTERM_AT_STEP_2)
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
-        "trainer.total_training_steps=4", "trainer.save_freq=-1", f"custom_reward_function.path={fn}",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=-1",
+        f"custom_reward_function.path={fn}",
     ]
     state, _ = run_training(overrides)
     assert state.global_step == 2  # the step in flight finished, then the run stopped

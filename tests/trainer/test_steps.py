@@ -9,33 +9,71 @@ import pytest
 from tests.trainer.utils import base_overrides, read_metrics, run_training
 
 REQUIRED = [
-    "critic/score/mean", "critic/score/max", "critic/score/min", "critic/rewards/mean",
-    "critic/advantages/mean", "critic/returns/mean", "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac",
-    "actor/grad_norm", "actor/lr", "response_length/mean", "response_length/max",
-    "response_length/clip_ratio", "prompt_length/mean", "timing_s/gen", "timing_s/old_log_prob",
-    "timing_s/adv", "timing_s/update_actor", "timing_s/step", "perf/throughput", "perf/total_num_tokens",
+    "critic/score/mean",
+    "critic/score/max",
+    "critic/score/min",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "critic/returns/mean",
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac",
+    "actor/grad_norm",
+    "actor/lr",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/clip_ratio",
+    "prompt_length/mean",
+    "timing_s/gen",
+    "timing_s/old_log_prob",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/step",
+    "perf/throughput",
+    "perf/total_num_tokens",
 ]
 
 CASES = {
-    "gae_kl_in_reward": ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=True",
-                         "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.01"],
-    "grpo_kl_loss_k3": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=True",
-                        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0.01"],
-    "rloo_kl_loss_full": ["algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.use_kl_loss=True",
-                          "actor_rollout_ref.actor.kl_loss_type=full"],
-    "reinforce_pp_k2plus": ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.use_kl_in_reward=True",
-                            "algorithm.kl_penalty=mse", "actor_rollout_ref.actor.use_kl_loss=True",
-                            "actor_rollout_ref.actor.kl_loss_type=k1+"],
+    "gae_kl_in_reward": [
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_in_reward=True",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.target_kl=0.01",
+    ],
+    "grpo_kl_loss_k3": [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+    ],
+    "rloo_kl_loss_full": [
+        "algorithm.adv_estimator=rloo",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_type=full",
+    ],
+    "reinforce_pp_k2plus": [
+        "algorithm.adv_estimator=reinforce_plus_plus",
+        "algorithm.use_kl_in_reward=True",
+        "algorithm.kl_penalty=mse",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_type=k1+",
+    ],
     "remax_no_kl": ["algorithm.adv_estimator=remax"],
     "gae_dynamic_bsz_klppo_engine": [
-        "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.name=klppo",
-        "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80",
-        "critic.use_dynamic_bsz=True", "critic.ppo_max_token_len_per_gpu=80",
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.rollout.name=klppo",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80",
+        "critic.use_dynamic_bsz=True",
+        "critic.ppo_max_token_len_per_gpu=80",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
         "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=80",
     ],
-    "grpo_padded_seq_mean": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.model.use_remove_padding=False",
-                             "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
+    "grpo_padded_seq_mean": [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+    ],
 }
 
 
@@ -50,7 +88,12 @@ def test_one_step(name, tiny_model_dir, arithmetic_data, tmp_path):
         assert key in row, key
         assert math.isfinite(row[key]), (key, row[key])
     if "gae" in name:
-        for key in ("critic/vf_loss", "critic/values/mean", "critic/vf_explained_var", "timing_s/update_critic"):
+        for key in (
+            "critic/vf_loss",
+            "critic/values/mean",
+            "critic/vf_explained_var",
+            "timing_s/update_critic",
+        ):
             assert key in row, key
         assert parts.critic is not None
     else:

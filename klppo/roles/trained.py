@@ -1,0 +1,122 @@
+"""What the actor and the critic share: a model with an optimizer and LR schedule, updated over
+``ppo_epochs`` × mini-batches × micro-batches with gradient accumulation, clipping, and a skipped step when
+the loss or the gradient norm is not finite.
+
+Gradients are averaged over data-parallel ranks by FSDP, so each micro-batch loss is scaled such that the
+accumulated gradient equals the gradient of the loss over the *global* mini-batch (token / row counts are
+all-reduced once per mini-batch): 1 rank and N ranks give the same update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from klppo.batch import Batch
+from klppo.roles.dp import all_reduce_sum, world_size
+from klppo.roles.forward import MicroBatching, iter_micro
+from klppo.roles.metrics import MetricAccumulator
+from klppo.roles.optim import OptimSettings, build_optimizer, build_scheduler
+
+MicroLoss = Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The update loop's settings; sizes per rank, in samples."""
+
+    ppo_epochs: int = 1
+    mini_batch_size: int = 8
+    update_micro: MicroBatching = MicroBatching(micro_batch_size=4)
+    grad_clip: float = 1.0
+    loss_agg_mode: str = "token-mean"
+    shuffle: bool = False
+    seed: int = 1
+
+
+class TrainedRole:
+    """Base of the roles that own an optimizer (actor, critic). ``name`` prefixes the metrics."""
+
+    name = "role"
+
+    def __init__(self, model: torch.nn.Module, update: UpdateSettings, optim: OptimSettings) -> None:
+        self.model = model
+        self.update = update
+        self.optimizer = build_optimizer(model.parameters(), optim)
+        self.scheduler = build_scheduler(self.optimizer, optim)
+        self.num_skipped_updates = 0  # optimizer steps skipped for a non-finite loss or grad norm
+
+    def run_updates(self, batch: Batch, micro_loss: MicroLoss) -> dict[str, float]:
+        """``ppo_epochs`` passes over mini-batches of ``batch``, one optimizer step each, then one LR step."""
+        u = self.update
+        self.model.train()
+        acc = MetricAccumulator()
+        generator = torch.Generator().manual_seed(u.seed)
+        for _ in range(u.ppo_epochs):
+            order = torch.randperm(len(batch), generator=generator) if u.shuffle else torch.arange(len(batch))
+            for start in range(0, len(batch), u.mini_batch_size):
+                self._update_mini_batch(
+                    batch.select(order[start : start + u.mini_batch_size]), micro_loss, acc
+                )
+        self.scheduler.step()
+        metrics = acc.means()
+        metrics[f"{self.name}/lr"] = self.scheduler.get_last_lr()[0]
+        metrics[f"{self.name}/num_skipped_updates"] = float(self.num_skipped_updates)
+        return metrics
+
+    def _update_mini_batch(self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator) -> None:
+        u = self.update
+        self.optimizer.zero_grad(set_to_none=True)
+        counts = global_counts(mini.response_mask)
+        finite = True
+        for _, mb in iter_micro(mini, u.update_micro):
+            loss, stats = micro_loss(mb)
+            finite = finite and bool(torch.isfinite(loss))
+            (loss * micro_weight(u.loss_agg_mode, mb.response_mask, counts, mini.response_length)).backward()
+            acc.add(stats, weight=float(mb.response_mask.sum()))
+        grad_norm = clip_grad_norm(self.model, u.grad_clip)
+        if finite and math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.num_skipped_updates += 1
+        acc.add({f"{self.name}/grad_norm": grad_norm})
+
+    # ---- checkpoint state ---------------------------------------------------------------------
+    def extra_state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "num_skipped_updates": self.num_skipped_updates}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.num_skipped_updates = int(state["num_skipped_updates"])
+
+
+def global_counts(mini_mask: torch.Tensor) -> tuple[float, float, float]:
+    """(tokens, rows with a token, rows) of the mini-batch summed over all ranks: one collective."""
+    rows = torch.tensor(float(mini_mask.shape[0]), device=mini_mask.device)
+    counts = torch.stack([mini_mask.sum(), (mini_mask.sum(dim=-1) > 0).sum(), rows]).double()
+    tokens, seqs, num_rows = all_reduce_sum(counts).tolist()
+    return tokens, seqs, num_rows
+
+
+def micro_weight(
+    mode: str, micro_mask: torch.Tensor, counts: tuple[float, float, float], horizon: int
+) -> float:
+    """Scale of a micro-batch's aggregated loss so that the sum over micro-batches and ranks (FSDP averages
+    gradients over the ranks, hence × world size) equals the aggregated loss of the global mini-batch."""
+    from klppo.batching.dynamic import micro_batch_loss_weight
+
+    tokens, seqs, rows = counts
+    return world_size() * micro_batch_loss_weight(
+        mode, micro_mask, tokens, seqs, horizon=horizon, mini_num_rows=rows
+    )
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Global gradient norm (sharded grads included), clipped to ``max_norm``; inf/nan returned as is."""
+    from klppo.parallel.fsdp import clip_grad_norm_
+
+    return float(clip_grad_norm_(model, max_norm))
