@@ -69,3 +69,24 @@ def model_flops_per_token(config: Any, *, seq_len: int = 0, training: bool = Tru
     layers = _get(config, "num_hidden_layers")
     flops = 6.0 * matmul_params_per_token(config) + 12.0 * layers * heads * head_dim * seq_len
     return flops if training else flops / 3.0
+
+
+# dense bf16 tensor-core peaks from the vendors' datasheets (FLOP/s), by a substring of the device name
+_PEAK_BF16 = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+    ("4090", 165e12),
+)
+
+
+def device_peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak of a GPU named ``device_name`` (``torch.cuda.get_device_name``), None if unknown."""
+    for key, peak in _PEAK_BF16:
+        if key in device_name:
+            return peak
+    return None

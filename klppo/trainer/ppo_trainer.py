@@ -147,7 +147,7 @@ class PPOTrainer:
         metrics = self._reduce_rank_metrics(metrics)
         metrics.update(self._batch_metrics(batch))
         metrics.update(timer.metrics())
-        metrics.update(self._perf_metrics(batch, metrics["timing_s/step"]))
+        metrics.update(self._perf_metrics(batch, metrics["timing_s/step"], timer.metrics()))
         self._check_finite(metrics, step)
         return metrics
 
@@ -282,7 +282,24 @@ class PPOTrainer:
             out["actor/ref_kl_k1"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, m)
         return {k: float(v) for k, v in out.items()}
 
-    def _perf_metrics(self, batch: Batch, step_s: float) -> dict[str, float]:
+    def _actor_mfu(self, batch: Batch, timings: dict[str, float]) -> float | None:
+        """Model FLOPs utilization of the actor update: 6·N·tokens (+ attention) × ppo_epochs per second,
+        over the device's dense bf16 peak (verl's ``perf/mfu/actor``); None on CPU / unknown GPUs."""
+        from klppo.models.flops import device_peak_flops, model_flops_per_token
+
+        seconds = timings.get("timing_s/update_actor")
+        if self.p.device.type != "cuda" or not seconds:
+            return None
+        peak = device_peak_flops(torch.cuda.get_device_name(self.p.device))
+        if peak is None:
+            return None
+        lengths = batch.attention_mask.sum(dim=1).float()
+        config = self.p.actor.model.config
+        flops = sum(model_flops_per_token(config, seq_len=int(n)) * int(n) for n in lengths.tolist())
+        flops *= int(self.cfg.actor_rollout_ref.actor.ppo_epochs)
+        return flops / (seconds * peak * world_size())
+
+    def _perf_metrics(self, batch: Batch, step_s: float, timings: dict[str, float]) -> dict[str, float]:
         total_tokens = float(batch.attention_mask.sum())
         out = {
             "perf/total_num_tokens": total_tokens,
@@ -290,6 +307,9 @@ class PPOTrainer:
             "perf/throughput": total_tokens / max(step_s, 1e-9) / world_size(),
             "perf/world_size": float(world_size()),
         }
+        mfu = self._actor_mfu(batch, timings)
+        if mfu is not None:
+            out["perf/mfu/actor"] = mfu
         if self.p.device.type == "cuda":
             out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.p.device) / 2**30
             out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.p.device) / 2**30
