@@ -1,6 +1,7 @@
 """Rollout benchmark: the klppo engine vs transformers ``generate`` on Qwen2.5-shaped random models.
 
     PYTHONPATH=$PWD python bench/rollout.py [--shapes 0.5b,1.5b] [--batches 64,256,1024] [--out results.json]
+        [--variants no-fuse,sdpa] [--old-engine MODULE] [--check] [--profile]
 
 bf16 random weights, prompt 256 tokens, 256 new tokens forced (EOS ignored), temperature 1, top-p 1, no
 top-k. For each shape and batch: klppo cold (first call: cache allocation + graph capture) and warm
@@ -8,7 +9,10 @@ top-k. For each shape and batch: klppo cold (first call: cache allocation + grap
 cache; hf static cache + its own torch.compile for one batch size; and the memory-bandwidth floor of a
 decode step ((weight bytes + mean KV bytes read + logits) / HBM bandwidth). ``--check`` adds the GPU
 correctness checks: fp32 greedy vs hf, bf16 greedy token match rate, bf16 log-probs vs a recomputed
-forward, seeded reproducibility with graphs.
+forward, seeded reproducibility with graphs, bf16 flash vs masked-SDPA decode. ``--variants`` re-runs the
+engine at ``--compile-batch`` with one optimisation off (ablation); ``--old-engine`` times another
+``KLPPORollout`` class (e.g. a copy of a previous commit's package) in the same process; ``--profile``
+prints the CUDA kernel-time table of a few eager (graph-less) decode steps.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ SHAPES = {
                  intermediate_size=8960),
 }  # fmt: skip
 HBM_BYTES_PER_S = 4.8e12  # H200
+VARIANTS = {"no-fuse": dict(fuse_projections=False), "sdpa": dict(decode_attention="sdpa")}
 PROMPT, NEW = 256, 256
 
 
@@ -64,28 +69,31 @@ def timed(fn, *args):
     return out, time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30
 
 
-def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_batch: int | None, emit):
+def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit) -> None:
+    batch = prompts.shape[0]
+    for phase in ("cold", "warm"):
+        out, elapsed, peak = timed(engine.generate, model, prompts, mask, params)
+        s = engine.last_stats
+        decode_s = s["rollout/time_s"] - s["rollout/prefill_s"] - s["rollout/graph_capture_s"]
+        emit(dict(shape=shape, batch=batch, backend=f"{name}-{phase}", time_s=elapsed,
+                  tokens_per_s=batch * NEW / elapsed, ms_per_step=decode_s / s["rollout/decode_steps"] * 1e3,
+                  prefill_s=s["rollout/prefill_s"], capture_s=s["rollout/graph_capture_s"],
+                  num_slots=s["rollout/num_slots"], peak_gb=peak, floor_ms=floor_ms(model, batch),
+                  fused_gb=s.get("rollout/fused_weights_gb", 0.0), tokens=int(out.response_mask.sum())))  # fmt: skip
+    engine.release()
+    torch.cuda.empty_cache()
+
+
+def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_batch: int | None, emit,
+                variants: list[str] = (), old_engine: str | None = None):  # fmt: skip
     model = build(shape, torch.bfloat16)
     params = SamplingParams(max_new_tokens=NEW, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True)
     eos, pad = [151645], 151643
+    kw = dict(eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9, free_cache_engine=False)
     for batch in batches:
         prompts = torch.randint(0, 151000, (batch, PROMPT), device="cuda")
         mask = torch.ones_like(prompts)
-        engine = make_rollout(
-            "klppo", eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9, free_cache_engine=False
-        )
-        for phase in ("cold", "warm"):
-            out, elapsed, peak = timed(engine.generate, model, prompts, mask, params)
-            s = engine.last_stats
-            decode_s = s["rollout/time_s"] - s["rollout/prefill_s"] - s["rollout/graph_capture_s"]
-            emit(dict(shape=shape, batch=batch, backend=f"klppo-{phase}", time_s=elapsed,
-                      tokens_per_s=batch * NEW / elapsed, ms_per_step=decode_s / s["rollout/decode_steps"] * 1e3,
-                      prefill_s=s["rollout/prefill_s"], capture_s=s["rollout/graph_capture_s"],
-                      num_slots=s["rollout/num_slots"], peak_gb=peak, floor_ms=floor_ms(model, batch),
-                      tokens=int(out.response_mask.sum())))  # fmt: skip
-        engine.release()
-        del engine
-        torch.cuda.empty_cache()
+        run_klppo(make_rollout("klppo", **kw), "klppo", shape, model, prompts, mask, params, emit)
         if batch in hf_batches:
             hf = make_rollout("hf", eos_token_ids=eos, pad_token_id=pad)
             out, elapsed, peak = timed(hf.generate, model, prompts, mask, params)
@@ -100,10 +108,37 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
             emit(dict(shape=shape, batch=batch, backend="hf-static-compile", time_s=elapsed,
                       first_call_s=compile_s, tokens_per_s=batch * NEW / elapsed,
                       ms_per_step=elapsed / NEW * 1e3, peak_gb=peak))  # fmt: skip
+            del hf
+        if batch == compile_batch:
+            if old_engine:
+                import importlib
+
+                old = importlib.import_module(old_engine).KLPPORollout(**kw)
+                run_klppo(old, "klppo-old", shape, model, prompts, mask, params, emit)
+            for name in variants:
+                engine = make_rollout("klppo", **kw, **VARIANTS[name])
+                run_klppo(engine, f"klppo-{name}", shape, model, prompts, mask, params, emit)
         torch.cuda.empty_cache()
 
 
-def checks(emit) -> None:
+def profile(batch: int = 256, steps: int = 16) -> None:
+    """CUDA kernel time of ``steps`` eager decode steps (no graphs: kernel times, not launch gaps)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    model = build("0.5b", torch.bfloat16)
+    prompts = torch.randint(0, 151000, (batch, PROMPT), device="cuda")
+    params = SamplingParams(max_new_tokens=steps, seed=0, ignore_eos=True)
+    engine = make_rollout("klppo", eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
+                          use_cuda_graph=False, eos_check_every=steps)  # fmt: skip
+    engine.generate(model, prompts, torch.ones_like(prompts), params)  # compile outside the profile
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(model, prompts, torch.ones_like(prompts), params)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
+def checks(emit, dtypes=(torch.float32, torch.bfloat16)) -> None:
     """GPU correctness on the 0.5B shape (short generations)."""
     eos, pad = [151645], 151643
     prompts = torch.randint(0, 151000, (8, 64), device="cuda")
@@ -112,7 +147,7 @@ def checks(emit) -> None:
     greedy = SamplingParams(max_new_tokens=32, do_sample=False)
     engine = make_rollout("klppo", eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9)
     hf = make_rollout("hf", eos_token_ids=eos, pad_token_id=pad)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         model = build("0.5b", dtype)
         ours = engine.generate(model, prompts, mask, greedy)
         ref = hf.generate(model, prompts, mask, greedy)
@@ -130,6 +165,14 @@ def checks(emit) -> None:
         emit(dict(check=str(dtype), greedy_token_match=match, greedy_rows_identical=identical_rows,
                   logprob_max_abs_diff=diff,
                   seeded_reproducible=bool(torch.equal(sampled.responses, again.responses))))  # fmt: skip
+        if dtype == torch.bfloat16:
+            sdpa = make_rollout("klppo", eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9,
+                                decode_attention="sdpa")  # fmt: skip
+            ref = sdpa.generate(model, prompts, mask, SamplingParams(max_new_tokens=32, seed=1))
+            same = (ref.responses == sampled.responses).all(dim=1)
+            emit(dict(check="bf16 flash vs sdpa decode", token_match=(ref.responses == sampled.responses)
+                      .float().mean().item(), logprob_max_abs_diff_identical_rows=(
+                      (ref.log_probs - sampled.log_probs)[same].abs().max().item() if same.any() else None)))  # fmt: skip
         del model
         torch.cuda.empty_cache()
 
@@ -142,6 +185,10 @@ def main() -> None:
     ap.add_argument("--compile-batch", type=int, default=256)
     ap.add_argument("--compile-shape", default="0.5b")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--check-dtypes", default="float32,bfloat16")
+    ap.add_argument("--variants", default="")
+    ap.add_argument("--old-engine", default=None)
+    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
@@ -154,17 +201,21 @@ def main() -> None:
                 json.dump(rows, f, indent=1)
 
     print(torch.cuda.get_device_name(), torch.__version__, file=sys.stderr)
-    if args.check:
-        checks(emit)
     for shape in args.shapes.split(","):
         compile_batch = args.compile_batch if shape == args.compile_shape else None
         bench_shape(
             shape,
             [int(b) for b in args.batches.split(",")],
-            [int(b) for b in args.hf_batches.split(",")],
+            [int(b) for b in args.hf_batches.split(",") if b],
             compile_batch,
             emit,
+            [v for v in args.variants.split(",") if v],
+            args.old_engine,
         )
+    if args.check:
+        checks(emit, [getattr(torch, d) for d in args.check_dtypes.split(",")])
+    if args.profile:
+        profile()
 
 
 if __name__ == "__main__":

@@ -3,16 +3,19 @@
 One ``generate`` call:
 
 1. reads the weights from the module (``LlamaWeights.read``: views, no copy; never kept across calls);
-2. allocates the KV cache in one piece, ``[L, 2, num_slots, H_kv, S, D]`` with ``S = longest prompt +
+2. allocates the KV cache in one piece, ``[L, 2, num_slots, S, H_kv, D]`` with ``S = longest prompt +
    max_new_tokens``, ``num_slots`` sized so that everything allocated plus the cache and a prefill
    workspace stays within ``gpu_memory_utilization × total device memory`` (CPU: one slot per sequence,
-   or ``max_num_seqs``);
+   or ``max_num_seqs``); with ``fuse_projections`` the per-layer ``[q; k; v]`` and ``[gate; up]``
+   concatenations are made first (a temporary copy of those matrices, counted in the budget, dropped
+   with the cache);
 3. fills the slots with the first sequences (``B × n``, row ``i·n + j`` = prompt i, sample j) through one
    packed prefill (only real prompt tokens are projected; each prompt attends causally to itself);
 4. runs decode steps on the first ``bucket`` slots (``bucket`` = smallest power of two, or the slot count,
    covering every busy slot), each step captured once as a CUDA graph per bucket on GPU, eager on CPU.
-   A step samples on the device and records tokens/log-probs into the output buffers without any host
-   synchronisation;
+   Attention reads each slot's occupied prefix only (flash varlen; ``decode_attention``). A step samples
+   on the device (untruncated sampling: one compiled fused kernel pair, no [B, V] tensors written) and
+   records tokens/log-probs into the output buffers without any host synchronisation;
 5. every ``eos_check_every`` steps reads the finished flags once; finished slots take the next waiting
    sequences (prefilled the same way) — continuous batching — until none is left.
 
@@ -41,7 +44,7 @@ from klppo.rollout.llama import (
     prefill,
     unsupported_reason,
 )
-from klppo.rollout.sampling import sample
+from klppo.rollout.sampling import is_untruncated, sample, sample_untruncated
 
 
 @dataclasses.dataclass
@@ -49,7 +52,8 @@ class _Workspace:
     """Everything the decode graphs point at. State tensors are indexed by slot, outputs by sequence."""
 
     key: tuple
-    kv: torch.Tensor  # [L, 2, slots, H_kv, S, D]
+    kv: torch.Tensor  # [L, 2, slots, S, H_kv, D]
+    weights: LlamaWeights | None  # the fused concatenations (fuse_projections), else None
     last_token: torch.Tensor  # [slots] token to feed next
     position: torch.Tensor  # [slots] cache position it is written at
     seq_id: torch.Tensor  # [slots] sequence in the slot (num_seqs = none)
@@ -77,9 +81,13 @@ class KLPPORollout:
         max_prefill_tokens: int = 32768,
         use_cuda_graph: bool = True,
         compile_decode: bool = True,
+        fuse_projections: bool = True,
+        decode_attention: str = "auto",
     ) -> None:
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if decode_attention not in ("auto", "flash", "sdpa"):
+            raise ValueError(f"decode_attention must be auto, flash or sdpa, got {decode_attention!r}")
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -89,7 +97,10 @@ class KLPPORollout:
         self.max_prefill_tokens = max_prefill_tokens
         self.use_cuda_graph = use_cuda_graph
         self.compile_decode = compile_decode
+        self.fuse_projections = fuse_projections
+        self.decode_attention = decode_attention
         self._layer_fns: tuple | None = None  # compiled decode-layer functions, built on first GPU use
+        self._sample_fn = None  # compiled sample_untruncated, likewise
         self.last_stats: dict[str, float] = {}
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self._ws: _Workspace | None = None
@@ -148,6 +159,8 @@ class KLPPORollout:
             starts.append(starts[-1] + length)
         max_len = -(-(max(lengths) + width) // 16) * 16
         ws = self._workspace(w, device, num_seqs, width, max_len, params)
+        if ws.weights is not None:
+            w = ws.weights
         num_slots = ws.kv.shape[2]
         eos = torch.tensor(self.eos_token_ids or [-1], device=device)
         check_eos = not params.ignore_eos and bool(self.eos_token_ids)
@@ -215,11 +228,13 @@ class KLPPORollout:
             "rollout/num_slots": float(num_slots),
             "rollout/decode_steps": float(num_steps),
             "rollout/kv_cache_gb": ws.kv.numel() * ws.kv.element_size() / 2**30,
+            "rollout/fused_weights_gb": _fused_bytes(ws.weights) / 2**30,
             "perf/rollout_peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
         }
         return RolloutOutput(responses=responses.clone(), response_mask=mask, log_probs=log_probs.clone())
 
     def _num_slots(self, w: LlamaWeights, device: torch.device, num_seqs: int, max_len: int) -> int:
+        """Slots that fit the budget, given everything allocated now (fused weights included)."""
         cap = min(num_seqs, self.max_num_seqs or num_seqs)
         if device.type != "cuda":
             return cap
@@ -239,13 +254,17 @@ class KLPPORollout:
         return min(cap, slots)
 
     def _workspace(self, w, device, num_seqs, width, max_len, params) -> _Workspace:
-        num_slots = self._num_slots(w, device, num_seqs, max_len)
-        key = (num_seqs, width, max_len, num_slots, w.embed.dtype, w.signature(), params)
+        fuse = self.fuse_projections
+        key = (num_seqs, width, max_len, w.embed.dtype, w.signature(), params, fuse)
         if self._ws is not None and self._ws.key == key:
+            if fuse:  # the model's weights may have changed in place: refresh the copies, same addresses
+                w.fuse(into=self._ws.weights)
             return self._ws
-        self._ws = None  # free the old cache before allocating the new one
+        self._ws = None  # free the old cache (and fused copies) before allocating the new ones
+        fused = w.fuse() if fuse else None
+        num_slots = self._num_slots(w, device, num_seqs, max_len)
         kv = torch.zeros(  # zeros: masked-out cache entries must be finite (0 × NaN = NaN)
-            (len(w.layers), 2, num_slots, w.num_kv_heads, max_len, w.head_dim),
+            (len(w.layers), 2, num_slots, max_len, w.num_kv_heads, w.head_dim),
             dtype=w.embed.dtype,
             device=device,
         )
@@ -256,6 +275,7 @@ class KLPPORollout:
         self._ws = _Workspace(
             key=key,
             kv=kv,
+            weights=fused,
             last_token=zeros(num_slots),
             position=zeros(num_slots),
             seq_id=torch.full((num_slots,), num_seqs, dtype=torch.long, device=device),
@@ -274,7 +294,7 @@ class KLPPORollout:
         slots = torch.tensor([slot for _, slot in pairs], device=device)
         seq_t = torch.tensor(seqs, device=device)
         hidden = prefill(w, ws.kv, packed[index], slots, [seq_lengths[s] for s in seqs])
-        tokens, log_probs = sample(logits_of(w, hidden), params)
+        tokens, log_probs = self._sampler(params, device.type == "cuda")(logits_of(w, hidden))
         ws.out_tokens[seq_t, 0] = tokens
         ws.out_log_probs[seq_t, 0] = log_probs
         ws.out_len[seq_t] = 1
@@ -289,7 +309,7 @@ class KLPPORollout:
 
     def _step_fn(self, w, ws, bucket, params, eos, check_eos, cuda):
         """A callable running one decode step on slots [0, bucket): a graph replay on GPU."""
-        width, sink, max_len = params.max_new_tokens, ws.out_len.shape[0] - 1, ws.kv.shape[4]
+        width, sink, max_len = params.max_new_tokens, ws.out_len.shape[0] - 1, ws.kv.shape[3]
 
         layer_fns = (attn_in, attn_out_mlp)
         if cuda and self.compile_decode:
@@ -299,10 +319,12 @@ class KLPPORollout:
                     torch.compile(attn_out_mlp, dynamic=True),
                 )
             layer_fns = self._layer_fns
+        flash = self._use_flash(ws.kv)
+        sampler = self._sampler(params, cuda)
 
         def step() -> None:
-            logits = decode(w, ws.kv, ws.last_token[:bucket], ws.position[:bucket], layer_fns)
-            tokens, log_probs = sample(logits, params)
+            logits = decode(w, ws.kv, ws.last_token[:bucket], ws.position[:bucket], layer_fns, flash)
+            tokens, log_probs = sampler(logits)
             alive = ~ws.finished[:bucket]
             row = torch.where(alive, ws.seq_id[:bucket], sink)
             col = ws.gen_len[:bucket].clamp(max=width - 1)
@@ -337,6 +359,36 @@ class KLPPORollout:
             step()
         ws.graphs[bucket] = graph
         return graph.replay
+
+    def _use_flash(self, kv: torch.Tensor) -> bool:
+        if self.decode_attention == "sdpa":
+            return False
+        ok = kv.device.type == "cuda" and kv.dtype in (torch.bfloat16, torch.float16)
+        if self.decode_attention == "flash" and not ok:
+            raise ValueError(
+                f"decode_attention='flash' needs a CUDA bf16/fp16 cache, got {kv.device} {kv.dtype}"
+            )
+        return ok
+
+    def _sampler(self, params: SamplingParams, cuda: bool):
+        """``logits -> (tokens, log_probs)`` for ``params``: compiled and fused on GPU when untruncated."""
+        if not is_untruncated(params):
+            return lambda logits: sample(logits, params)
+        fn = sample_untruncated
+        if cuda and self.compile_decode:
+            if self._sample_fn is None:
+                self._sample_fn = torch.compile(sample_untruncated, dynamic=True)
+            fn = self._sample_fn
+        return lambda logits: fn(logits, float(params.temperature), params.greedy)
+
+
+def _fused_bytes(w: LlamaWeights | None) -> int:
+    if w is None:
+        return 0
+    tensors = [
+        t for lw in w.layers for t in (lw.qkv, lw.qkv_bias, lw.gate_up, lw.gate_up_bias) if t is not None
+    ]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _buckets(num_slots: int) -> list[int]:

@@ -7,8 +7,15 @@ embeddings, GQA, q/k/v biases, and any RoPE variant whose frequencies do not dep
 length (default, linear, llama3, yarn, longrope-free): the inverse frequencies are read from the
 model's own rotary module so they match Hugging Face exactly.
 
-Cache layout: one tensor ``kv`` [L, 2, num_slots, H_kv, S, D]; sequence ``s`` lives in slot
-``slot(s)`` and its token at position ``p`` in ``kv[:, :, slot, :, p]``.
+Cache layout: one tensor ``kv`` [L, 2, num_slots, S, H_kv, D]; sequence ``s`` lives in slot
+``slot(s)`` and its token at position ``p`` in ``kv[:, :, slot, p]`` (so ``kv[l, 0, :B]`` viewed as
+``[B·S, H_kv, D]`` is the packed-varlen layout flash attention reads, lengths given per slot).
+
+Decode attention: on CUDA in bf16/fp16, flash attention (varlen, ``seqused_k`` = position + 1) reads only
+each slot's occupied prefix; elsewhere (CPU, fp32) SDPA over the whole length ``S`` with a mask.
+
+Optional fused projections (``LlamaWeights.fuse``): ``[q; k; v]`` and ``[gate; up]`` concatenated into
+temporary tensors (one matmul instead of three / two); the caller owns and frees them.
 
 Deliberately left out: sliding-window attention (refused when the window is shorter than the rollout),
 dynamic RoPE, MoE, cross-attention.
@@ -69,6 +76,10 @@ class LayerWeights:
     gate_bias: torch.Tensor | None
     up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
+    qkv: torch.Tensor | None = None  # [q; k; v] rows: a temporary concatenation (LlamaWeights.fuse)
+    qkv_bias: torch.Tensor | None = None
+    gate_up: torch.Tensor | None = None  # [gate; up] rows, likewise
+    gate_up_bias: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -132,6 +143,35 @@ class LlamaWeights:
             head_dim=head_dim,
         )
 
+    def fuse(self, into: LlamaWeights | None = None) -> LlamaWeights:
+        """These weights plus per-layer ``qkv`` = cat(q, k, v) and ``gate_up`` = cat(gate, up) (rows).
+
+        The concatenations are new tensors (a temporary copy of those matrices: the caller frees them
+        with the returned object), or are written into ``into``'s (same shapes) so that graphs captured
+        on them stay valid while the values follow the model's (updated in place) weights.
+        """
+        layers = []
+        for i, lw in enumerate(self.layers):
+            old = None if into is None else into.layers[i]
+            layers.append(
+                dataclasses.replace(
+                    lw,
+                    qkv=_cat([lw.q, lw.k, lw.v], None if old is None else old.qkv),
+                    qkv_bias=_cat_bias(
+                        [lw.q, lw.k, lw.v],
+                        [lw.q_bias, lw.k_bias, lw.v_bias],
+                        None if old is None else old.qkv_bias,
+                    ),
+                    gate_up=_cat([lw.gate, lw.up], None if old is None else old.gate_up),
+                    gate_up_bias=_cat_bias(
+                        [lw.gate, lw.up],
+                        [lw.gate_bias, lw.up_bias],
+                        None if old is None else old.gate_up_bias,
+                    ),
+                )
+            )
+        return dataclasses.replace(self, layers=layers)
+
     def signature(self) -> tuple[int, ...]:
         """Addresses of every weight: graphs captured on these stay valid while it is unchanged."""
         ptrs = [self.embed.data_ptr(), self.final_norm.data_ptr(), self.lm_head.data_ptr()]
@@ -140,6 +180,17 @@ class LlamaWeights:
                 t = getattr(layer, f.name)
                 ptrs.append(0 if t is None else t.data_ptr())
         return tuple(ptrs)
+
+
+def _cat(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+    return torch.cat(parts, dim=0) if out is None else torch.cat(parts, dim=0, out=out)
+
+
+def _cat_bias(weights: list[torch.Tensor], biases: list, out: torch.Tensor | None) -> torch.Tensor | None:
+    if all(b is None for b in biases):
+        return None
+    parts = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
+    return _cat(parts, out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -164,21 +215,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def _qkv(w: LlamaWeights, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    num_tokens = h.shape[0]
-    q = F.linear(h, lw.q, lw.q_bias).view(num_tokens, w.num_heads, w.head_dim)
-    k = F.linear(h, lw.k, lw.k_bias).view(num_tokens, w.num_kv_heads, w.head_dim)
-    v = F.linear(h, lw.v, lw.v_bias).view(num_tokens, w.num_kv_heads, w.head_dim)
-    if lw.q_norm is not None:
-        q = rms_norm(q, lw.q_norm, w.eps)
-    if lw.k_norm is not None:
-        k = rms_norm(k, lw.k_norm, w.eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-
 def _mlp(lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-    gate = F.linear(h, lw.gate, lw.gate_bias)
-    return F.linear(F.silu(gate) * F.linear(h, lw.up, lw.up_bias), lw.down, lw.down_bias)
+    if lw.gate_up is not None:
+        gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(h, lw.gate, lw.gate_bias), F.linear(h, lw.up, lw.up_bias)
+    return F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
 
 
 def prefill(
@@ -206,38 +248,44 @@ def prefill(
     key_pos = torch.arange(max_len, device=device)
     mask = (key_pos[None, :] <= key_pos[:, None])[None, None] & (key_pos < lengths_t[:, None])[:, None, None]
     group = w.num_heads // w.num_kv_heads
+    spec = (w.num_heads, w.num_kv_heads, w.head_dim, w.eps)
     for i, lw in enumerate(w.layers):
-        h = rms_norm(x, lw.input_norm, w.eps)
-        q, k, v = _qkv(w, lw, h, cos, sin)
-        kv[i, 0, slot_of_token, :, positions] = k
-        kv[i, 1, slot_of_token, :, positions] = v
+        q, kv_new = attn_in(x, lw, cos, sin, spec)
+        kv[i][:, slot_of_token, positions] = kv_new
         q_pad = q.new_zeros(num_seqs, max_len, w.num_heads, w.head_dim)
         q_pad[seq_of_token, positions] = q
-        k_pad = kv[i, 0, slots, :, :max_len].repeat_interleave(group, dim=1)
-        v_pad = kv[i, 1, slots, :, :max_len].repeat_interleave(group, dim=1)
+        k_pad = kv[i, 0, slots, :max_len].transpose(1, 2).repeat_interleave(group, dim=1)
+        v_pad = kv[i, 1, slots, :max_len].transpose(1, 2).repeat_interleave(group, dim=1)
         attn = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k_pad, v_pad, attn_mask=mask)
         attn = attn.transpose(1, 2)[seq_of_token, positions].reshape(tokens.shape[0], -1)
-        x = x + F.linear(attn, lw.o, lw.o_bias)
-        x = x + _mlp(lw, rms_norm(x, lw.post_norm, w.eps))
+        x = attn_out_mlp(x, attn, lw, w.eps)
     last = starts + lengths_t - 1
     return rms_norm(x[last], w.final_norm, w.eps)
 
 
 def attn_in(
     x: torch.Tensor, lw: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, spec: tuple[int, int, int, float]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Decode-step layer front: norm, q/k/v, q/k norm, RoPE. ``spec`` = (H, H_kv, D, eps)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer front: norm, q/k/v (fused if ``lw.qkv``), q/k norm, RoPE. ``spec`` = (H, H_kv, D, eps).
+
+    x [T, hidden] → q [T, H, D], kv_new [2, T, H_kv, D] (roped K stacked with V, ready for one cache write).
+    """
     num_heads, num_kv_heads, head_dim, eps = spec
     num_tokens = x.shape[0]
     h = rms_norm(x, lw.input_norm, eps)
-    q = F.linear(h, lw.q, lw.q_bias).view(num_tokens, num_heads, head_dim)
-    k = F.linear(h, lw.k, lw.k_bias).view(num_tokens, num_kv_heads, head_dim)
-    v = F.linear(h, lw.v, lw.v_bias).view(num_tokens, num_kv_heads, head_dim)
+    if lw.qkv is not None:
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        q, k, v = F.linear(h, lw.qkv, lw.qkv_bias).split(sizes, dim=-1)
+    else:
+        q, k, v = F.linear(h, lw.q, lw.q_bias), F.linear(h, lw.k, lw.k_bias), F.linear(h, lw.v, lw.v_bias)
+    q = q.reshape(num_tokens, num_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
     if lw.q_norm is not None:
         q = rms_norm(q, lw.q_norm, eps)
     if lw.k_norm is not None:
         k = rms_norm(k, lw.k_norm, eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return apply_rope(q, cos, sin), torch.stack((apply_rope(k, cos, sin), v))
 
 
 def attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
@@ -252,31 +300,48 @@ def decode(
     tokens: torch.Tensor,
     positions: torch.Tensor,
     layer_fns: tuple = (attn_in, attn_out_mlp),
+    flash: bool = False,
 ) -> torch.Tensor:
-    """One token for each of the first B slots: ``tokens``/``positions`` [B]; returns logits [B, V] float32.
+    """One token for each of the first B slots: ``tokens``/``positions`` [B]; returns logits [B, V].
 
-    Writes K/V at ``positions`` and attends to cache positions ``<= positions``. Static shapes (the full
-    cache length S is attended with a mask), so it can be captured in a CUDA graph. ``layer_fns`` may be
-    compiled versions of (``attn_in``, ``attn_out_mlp``) (fewer, fused kernels).
+    Writes K/V at ``positions`` and attends to cache positions ``<= positions``. Static shapes, so it can
+    be captured in a CUDA graph. ``flash``: varlen flash attention reads each slot's first
+    ``position + 1`` entries only (CUDA, bf16/fp16); otherwise SDPA over the whole length ``S`` with a mask.
+    ``layer_fns`` may be compiled versions of (``attn_in``, ``attn_out_mlp``). Logits are in the model's
+    dtype (the sampler upcasts).
     """
     front, back = layer_fns
     num_slots = tokens.shape[0]
-    slot_idx = torch.arange(num_slots, device=tokens.device)
+    device = tokens.device
+    slot_idx = torch.arange(num_slots, device=device)
     x = F.embedding(tokens, w.embed)
     cos, sin = rope_cos_sin(w, positions, x.dtype)
-    max_len = kv.shape[4]
-    mask = (torch.arange(max_len, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
+    max_len = kv.shape[3]
+    if flash:
+        cu_q = torch.arange(num_slots + 1, dtype=torch.int32, device=device)
+        cu_k = cu_q * max_len
+        used = (positions + 1).to(torch.int32)
+    else:
+        mask = (torch.arange(max_len, device=device)[None, :] <= positions[:, None])[:, None, None, :]
     group = w.num_heads // w.num_kv_heads
     spec = (w.num_heads, w.num_kv_heads, w.head_dim, w.eps)
     for i, lw in enumerate(w.layers):
-        q, k, v = front(x, lw, cos, sin, spec)
-        kv[i, 0, slot_idx, :, positions] = k
-        kv[i, 1, slot_idx, :, positions] = v
-        # GQA without expanding K/V: the query heads of one KV head act as a length-`group` query.
-        q = q.reshape(num_slots, w.num_kv_heads, group, w.head_dim)
-        attn = F.scaled_dot_product_attention(q, kv[i, 0, :num_slots], kv[i, 1, :num_slots], attn_mask=mask)
+        q, kv_new = front(x, lw, cos, sin, spec)
+        kv[i][:, slot_idx, positions] = kv_new
+        if flash:
+            k = kv[i, 0, :num_slots].view(num_slots * max_len, w.num_kv_heads, w.head_dim)
+            v = kv[i, 1, :num_slots].view(num_slots * max_len, w.num_kv_heads, w.head_dim)
+            attn = torch.ops.aten._flash_attention_forward(
+                q, k, v, cu_q, cu_k, 1, max_len, 0.0, False, False, seqused_k=used
+            )[0]
+        else:
+            # GQA without expanding K/V: the query heads of one KV head act as a length-`group` query.
+            q = q.reshape(num_slots, w.num_kv_heads, group, w.head_dim)
+            k = kv[i, 0, :num_slots].transpose(1, 2)
+            v = kv[i, 1, :num_slots].transpose(1, 2)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = back(x, attn.reshape(num_slots, -1), lw, w.eps)
-    return F.linear(rms_norm(x, w.final_norm, w.eps), w.lm_head).float()
+    return F.linear(rms_norm(x, w.final_norm, w.eps), w.lm_head)
 
 
 def logits_of(w: LlamaWeights, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,20 @@
 """Token sampling on the device, without a host synchronisation (capturable in a CUDA graph).
 
-Given float32 logits [B, V]:
+Given logits [B, V] (any float dtype; computed in float32):
 
 - ``log_probs = log_softmax(logits / T)`` (T = 1 when greedy) — reported for the sampled token, before
   any truncation;
 - greedy: ``argmax(logits)``;
+- untruncated sampling (no top-k, top-p = 1; ``sample_untruncated``): the Gumbel-max race
+  ``argmax(logits / T + G)``, ``G = -log(-log U)``, ``U ~ U[0, 1)`` — the same law as a categorical draw,
+  no ``multinomial`` sync, and no [B, V] probability or log-prob tensor written: one pass for the
+  log-normaliser, one for the race (a single fused kernel each when compiled, the noise generated
+  in-kernel);
 - otherwise the tempered distribution is truncated (top-k: keep the k largest; top-p: keep the smallest
   prefix of the sorted distribution whose mass reaches p, always at least one token), renormalised, and
-  sampled by the exponential race ``argmax(p_i / E_i)``, ``E_i ~ Exp(1)`` (same law as a categorical
-  draw, no ``multinomial`` sync), drawing from the current default generator.
+  sampled by the exponential race ``argmax(p_i / E_i)``, ``E_i ~ Exp(1)``.
+
+Randomness comes from the current default generator.
 """
 
 from __future__ import annotations
@@ -33,17 +39,38 @@ def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
     return logits
 
 
+def is_untruncated(params: SamplingParams) -> bool:
+    """True when ``sample_untruncated`` applies (greedy, or no top-k and top-p = 1)."""
+    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0)
+
+
+def sample_untruncated(
+    logits: torch.Tensor, temperature: float, greedy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [B] int64 and log-probs [B] float32 of greedy or plain tempered sampling (module docstring).
+
+    ``log_prob = x[token] - logsumexp(x)``, ``x = logits / T`` (T ignored when greedy). Written to be
+    compiled: every [B, V] intermediate is elementwise, so inductor fuses them into the two reductions.
+    """
+    x = logits.float()
+    if not greedy and temperature != 1.0:
+        x = x / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    if greedy:
+        tokens = torch.argmax(x, dim=-1)
+    else:
+        # U = 0 gives E = inf, G = -inf (never picked); the clamp keeps G finite if U rounds to 1
+        exp_noise = (-torch.log(torch.rand_like(x))).clamp_(min=1e-30)
+        tokens = torch.argmax(x - torch.log(exp_noise), dim=-1)
+    return tokens, x.gather(-1, tokens[:, None]).squeeze(-1) - lse
+
+
 def sample(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled tokens [B] int64 and their log-probs [B] float32 (see the module docstring)."""
-    temperature = 1.0 if params.greedy else params.temperature
-    scaled = logits / temperature
+    if is_untruncated(params):
+        return sample_untruncated(logits, params.temperature, params.greedy)
+    scaled = logits.float() / params.temperature
     log_probs = torch.log_softmax(scaled, dim=-1)
-    if params.greedy:
-        tokens = torch.argmax(logits, dim=-1)
-    elif params.top_k <= 0 and params.top_p >= 1.0:
-        # argmax(p / E) = argmax(log p - log E): reuse the log-probs, one noise tensor
-        tokens = torch.argmax(log_probs - torch.empty_like(log_probs).exponential_(1.0).log_(), dim=-1)
-    else:
-        probs = torch.softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
-        tokens = torch.argmax(probs / torch.empty_like(probs).exponential_(1.0), dim=-1)
+    probs = torch.softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
+    tokens = torch.argmax(probs / torch.empty_like(probs).exponential_(1.0), dim=-1)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -138,3 +138,48 @@ def test_fallback_and_cache_lifecycle(tiny_qwen2) -> None:
     assert free.last_stats["rollout/fallback_hf"] == 1.0 and out.responses.shape == (2, 6)
     with pytest.raises(ValueError, match="unknown rollout"):
         make_rollout("vllm", eos_token_ids=[2], pad_token_id=2)
+
+
+def test_fused_projections_match_and_follow_in_place_weight_updates() -> None:
+    """Fused [q;k;v]/[gate;up] copies give the unfused results, and a kept workspace re-reads the weights."""
+    model = build_tiny_model(arch="qwen2").eval()  # q/k/v biases
+    prompts, prompt_mask = left_padded(PROMPTS)
+    params = SamplingParams(max_new_tokens=10, do_sample=False)
+    plain = KLPPORollout(eos_token_ids=[2], pad_token_id=2, fuse_projections=False)
+    kept = KLPPORollout(eos_token_ids=[2], pad_token_id=2, free_cache_engine=False)
+    ref, out = (
+        plain.generate(model, prompts, prompt_mask, params),
+        kept.generate(model, prompts, prompt_mask, params),
+    )
+    assert torch.equal(out.responses, ref.responses)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+    assert (
+        kept.last_stats["rollout/fused_weights_gb"] > 0 and plain.last_stats["rollout/fused_weights_gb"] == 0
+    )
+    fused_qkv = kept._ws.weights.layers[0].qkv
+    with torch.no_grad():  # an optimizer step: same addresses, new values
+        for p in model.parameters():
+            p.mul_(1.5)
+    ref = plain.generate(model, prompts, prompt_mask, params)
+    out = kept.generate(model, prompts, prompt_mask, params)
+    assert kept._ws.weights.layers[0].qkv is fused_qkv  # reused buffers, refreshed values
+    assert torch.equal(out.responses, ref.responses)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_decode_matches_masked_sdpa_on_gpu() -> None:
+    """bf16: varlen flash decode (occupied prefix only) gives the masked full-length SDPA log-probs."""
+    model = build_tiny_model(arch="qwen2").to("cuda", torch.bfloat16).eval()
+    prompts, prompt_mask = (t.cuda() for t in left_padded(PROMPTS))
+    params = SamplingParams(max_new_tokens=12, n=2, seed=5)
+    outs = [
+        KLPPORollout(eos_token_ids=[2], pad_token_id=2, decode_attention=a, max_num_seqs=4).generate(
+            model, prompts, prompt_mask, params
+        )
+        for a in ("flash", "sdpa")
+    ]
+    assert (outs[0].responses == outs[1].responses).float().mean() > 0.9
+    same = (outs[0].responses == outs[1].responses).all(dim=1)
+    torch.testing.assert_close(outs[0].log_probs[same], outs[1].log_probs[same], atol=2e-2, rtol=0)
