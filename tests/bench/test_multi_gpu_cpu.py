@@ -1,0 +1,38 @@
+"""bench/multi_gpu.py's smoke mode, mechanically on CPU: 2 gloo ranks (the trainer relaunched under
+torchrun) against 1 process, first 2 PPO steps of a tiny Qwen2 with greedy rollouts and one mini-batch per
+step. fp32 on CPU, so the only difference is float summation order: rel 1e-4 (as
+tests/trainer/test_distributed.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.multi_gpu import compare_steps, main
+
+# non-zero by construction from step 1 (the smoke reward spreads scores over [0, 1)): the strong checks
+CHECKED = ["actor/grad_norm", "critic/grad_norm", "critic/vf_loss", "critic/returns/mean"]
+
+
+def test_smoke_two_gloo_ranks_match_one(tmp_path):
+    argv = ["--run", "smoke", "--device", "cpu", "--tiny", "--gpus", "2", "--smoke-steps", "2"]
+    assert main([*argv, "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]) == 0
+    saved = json.loads((tmp_path / "out" / "smoke_k2.json").read_text())
+    result = saved["result"]
+    assert saved["meta"]["gpus"] == 2 and result["world_sizes"] == [2.0]
+    assert result["ok"] and {c["step"] for c in result["compared"]} == {1, 2}
+
+    # independent re-check from the raw metrics rows, not the script's verdict
+    one = {r["step"]: r for r in result["rows_1"]}
+    two = {r["step"]: r for r in result["rows_k"]}
+    assert set(one) == set(two) == {1, 2}
+    for step in (1, 2):
+        for key in CHECKED:
+            assert abs(one[step][key]) > 1e-3, (step, key, "vacuous comparison")
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-4), (step, key)
+
+    # the comparison fails on what a rank-layout bug gives: gradients summed over 2 ranks, not averaged
+    summed = [dict(r, **{"actor/grad_norm": 2 * r["actor/grad_norm"]}) for r in result["rows_k"]]
+    bad = [c for c in compare_steps(summed, result["rows_1"], rel=2e-2) if not c["ok"]]
+    assert {c["metric"] for c in bad} == {"actor/grad_norm"} and len(bad) == 2
