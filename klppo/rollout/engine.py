@@ -315,8 +315,8 @@ class KLPPORollout:
         if cuda and self.compile_decode:
             if self._layer_fns is None:
                 self._layer_fns = (
-                    torch.compile(attn_in, dynamic=True),
-                    torch.compile(attn_out_mlp, dynamic=True),
+                    _batch_dynamic(torch.compile(attn_in)),
+                    _batch_dynamic(torch.compile(attn_out_mlp)),
                 )
             layer_fns = self._layer_fns
         flash = self._use_flash(ws.kv)
@@ -377,9 +377,27 @@ class KLPPORollout:
         fn = sample_untruncated
         if cuda and self.compile_decode:
             if self._sample_fn is None:
-                self._sample_fn = torch.compile(sample_untruncated, dynamic=True)
+                self._sample_fn = _batch_dynamic(torch.compile(sample_untruncated))
             fn = self._sample_fn
         return lambda logits: fn(logits, float(params.temperature), params.greedy)
+
+
+def _batch_dynamic(compiled):
+    """Call ``compiled`` with dim 0 (the batch) of every tensor argument marked dynamic, nothing else.
+
+    ``torch.compile(dynamic=True)`` makes every dim symbolic and unifies equal sizes: a first call with
+    batch 64 = head_dim 64 (cos/sin are [B, D]) compiles a graph valid only while B == D, so the next
+    bucket recompiles (seconds, and each bucket size may count against the recompile limit). Marking the
+    batch dim alone gives one graph for every batch size > 1.
+    """
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return compiled(*args)
+
+    return call
 
 
 def _fused_bytes(w: LlamaWeights | None) -> int:
