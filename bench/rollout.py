@@ -121,21 +121,36 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
         torch.cuda.empty_cache()
 
 
-def profile(batch: int = 256, steps: int = 16) -> None:
-    """CUDA kernel time of ``steps`` eager decode steps (no graphs: kernel times, not launch gaps)."""
+def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str = "cuda") -> None:
+    """CUDA kernel time of ``steps`` eager decode steps alone (no prefill; no graphs, so kernel times and
+    not launch gaps), at context ``PROMPT`` and up. Reaches into the engine's step function on purpose."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    model = build("0.5b", torch.bfloat16)
-    prompts = torch.randint(0, 151000, (batch, PROMPT), device="cuda")
-    params = SamplingParams(max_new_tokens=steps, seed=0, ignore_eos=True)
-    engine = make_rollout("klppo", eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
-                          use_cuda_graph=False, eos_check_every=steps)  # fmt: skip
-    engine.generate(model, prompts, torch.ones_like(prompts), params)  # compile outside the profile
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.generate(model, prompts, torch.ones_like(prompts), params)
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    from klppo.rollout.engine import KLPPORollout
+    from klppo.rollout.llama import LlamaWeights
+
+    model = build(shape, torch.bfloat16, device)
+    prompts = torch.randint(0, 1000, (batch, PROMPT), device=device)
+    params = SamplingParams(max_new_tokens=2 * steps, seed=0, ignore_eos=True)
+    engine = KLPPORollout(eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
+                          use_cuda_graph=False, free_cache_engine=False)  # fmt: skip
+    engine.generate(model, prompts, torch.ones_like(prompts), params)  # compile, keep the workspace
+    ws = engine._ws
+    ws.position.fill_(PROMPT)
+    w = ws.weights or LlamaWeights.read(model)
+    eos = torch.tensor([151645], device=device)
+    step = engine._step_fn(w, ws, ws.kv.shape[2], params, eos, False, device == "cuda")
+    step()
+    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+    print(f"decode-only profile: batch {batch}, {steps} steps (divide totals by {steps} for per step)")
+    print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70))
 
 
 def checks(emit, dtypes=(torch.float32, torch.bfloat16)) -> None:

@@ -345,5 +345,5 @@ def decode(
 
 
 def logits_of(w: LlamaWeights, hidden: torch.Tensor) -> torch.Tensor:
-    """[N, hidden] final-normed states → [N, V] float32 logits."""
-    return F.linear(hidden, w.lm_head).float()
+    """[N, hidden] final-normed states → [N, V] logits in the model's dtype (as ``decode``: one sampler graph)."""
+    return F.linear(hidden, w.lm_head)
