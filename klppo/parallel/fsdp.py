@@ -101,6 +101,10 @@ def choose_units(model: nn.Module, min_num_params: int, layer_cls_names: list[st
       stays with the parent. A value above the model size leaves only the root.
     - A module holding a parameter tied to another module (tied embedding / LM head) is never a unit of
       its own: the shared parameter stays with the root, as FSDP needs each parameter in one unit.
+    - A decoder layer (class in ``layer_cls_names``, else ``model._no_split_modules``) is never split:
+      no unit is made inside it, so a threshold below one layer's size gives one unit per layer. (Units
+      inside a layer break FSDP2 under activation checkpointing with mixed precision — "aten.mm got
+      mixed torch.Tensor and DTensor" — and only add collectives.)
     - The root is always a unit; parameters not inside any other unit belong to it.
     """
     if min_num_params < 0:
@@ -118,24 +122,33 @@ def choose_units(model: nn.Module, min_num_params: int, layer_cls_names: list[st
             raise ValueError(f"no module of class {names} in the model (classes present: {sorted(found)})")
         units = [(m,) for m in model.modules() if m is not model and type(m).__name__ in names]
     else:
-        _walk(model, model, min_num_params, shared, units, set())
+        atomic = set(layer_cls_names or getattr(model, "_no_split_modules", None) or [])
+        _walk(model, model, min_num_params, shared, units, set(), atomic)
         order = {id(m): i for i, m in enumerate(model.modules())}
         units.sort(key=lambda u: order[id(u[0])])
     return units + [(model,)]
 
 
 def _walk(
-    module: nn.Module, root: nn.Module, n: int, shared: set[int], units: list[Unit], seen: set[int]
+    module: nn.Module,
+    root: nn.Module,
+    n: int,
+    shared: set[int],
+    units: list[Unit],
+    seen: set[int],
+    atomic: set[str],
 ) -> tuple[int, bool]:
-    """Post-order walk; returns (params of the subtree not inside a unit, subtree holds a tied param)."""
+    """Post-order walk; returns (params of the subtree not inside a unit, subtree holds a tied param).
+    A module whose class is in ``atomic`` is counted as one block: no unit is made inside it."""
     count, tied = 0, False
-    for p in _own_params(module):
+    whole = type(module).__name__ in atomic
+    for p in module.parameters() if whole else _own_params(module):
         tied |= id(p) in shared
         if id(p) not in seen:
             seen.add(id(p))
             count += p.numel()
-    children = list(module.children())
-    results = [_walk(c, root, n, shared, units, seen) for c in children]
+    children = [] if whole else list(module.children())
+    results = [_walk(c, root, n, shared, units, seen, atomic) for c in children]
     if isinstance(module, (nn.ModuleList, nn.Sequential)):
         run: list[nn.Module] = []
         run_count = 0

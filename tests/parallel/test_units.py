@@ -51,21 +51,9 @@ def test_threshold_zero_one_unit_per_layer_class():
 @pytest.mark.parametrize(
     "threshold,expected",
     [
-        # each mlp (200) reaches it; each block then has 100 left: consecutive pairs reach 200;
+        # below one block (300): a block is never split (_no_split_modules), so one unit per block;
         # emb and head (500 each) reach it too
-        (
-            200,
-            [
-                ["emb"],
-                ["blocks.0", "blocks.1"],
-                ["blocks.0.mlp"],
-                ["blocks.1.mlp"],
-                ["blocks.2", "blocks.3"],
-                ["blocks.2.mlp"],
-                ["blocks.3.mlp"],
-                ["head"],
-            ],
-        ),
+        (200, [["emb"], ["blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3"], ["head"]]),
         # a block (300) is a unit on its own; emb/head below 301? no: 500 ≥ 300
         (300, [["emb"], ["blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3"], ["head"]]),
         # 600: two blocks per unit; emb and head (500) stay with the root
@@ -87,8 +75,8 @@ def test_unit_report_counts_own_params():
     # unit 1: 3 blocks = 900; root: emb 500 + block 3 (300) + head 500 = 1300
     assert (report.count, report.smallest, report.largest, report.total) == (2, 900, 1300, 2200)
     report = unit_report(choose_units(toy, 200, None))
-    # 4 mlps (200), 2 block pairs (2×100), emb, head (500), root owns nothing
-    assert (report.count, report.smallest, report.largest, report.total) == (9, 0, 500, 2200)
+    # below a block's size: 4 blocks (300 each, never split), emb, head (500), root owns nothing
+    assert (report.count, report.smallest, report.largest, report.total) == (7, 0, 500, 2200)
 
 
 def test_tied_parameter_stays_with_root():
