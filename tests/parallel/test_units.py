@@ -103,3 +103,26 @@ def test_tiny_qwen2_units():
     assert unit_report(choose_units(model, total + 1, None)).count == 1
     with pytest.raises(ValueError):
         choose_units(model, -1, None)
+
+
+def test_threshold_below_a_layer_trains_with_checkpointing_and_bf16():
+    """Regression: units inside a decoder layer made FSDP2 fail under activation checkpointing with bf16
+    mixed precision ("aten.mm got mixed torch.Tensor and DTensor"); layers are now never split."""
+    import torch
+
+    from klppo.parallel import dist
+    from klppo.parallel.fsdp import FSDPSettings, build_mesh, shard_model
+
+    dist.init_distributed("cpu", 60.0)
+    try:
+        model = build_tiny_model(num_layers=2, hidden_size=64, intermediate_size=256)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        report = shard_model(
+            model, FSDPSettings(min_num_params=16_000, param_dtype=torch.bfloat16), build_mesh(1, -1, "cpu")
+        )
+        assert report.count == 3  # 2 layers + root: nothing inside a layer
+        ids = torch.randint(3, 300, (2, 12))
+        model(input_ids=ids).logits.float().sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        dist.destroy()
