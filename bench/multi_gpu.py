@@ -193,9 +193,24 @@ def run_trainer(argv: list[str], run_dir: Path) -> list[dict]:
             stderr=subprocess.STDOUT,
             env=child_env(),
         )
+    metrics = run_dir / "metrics.jsonl"
+    rows = (
+        [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        if metrics.exists()
+        else []
+    )
     if code != 0:
-        raise RuntimeError(f"trainer exited {code}; last lines of {log}:\n" + log.read_text()[-3000:])
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        finished = "done:" in log.read_text() and rows
+        if not finished:
+            raise RuntimeError(f"trainer exited {code}; last lines of {log}:\n" + log.read_text()[-3000:])
+        # training finished and rank 0 logged "done:", then a rank aborted at exit ("terminate called without
+        # an active exception", seen in ~1 of 4 two-rank gloo runs): keep the figures, record the exit
+        TEARDOWN_CRASHES.append(f"{run_dir.name}: exit {code} after training finished")
+        print(f"warning: {TEARDOWN_CRASHES[-1]} (see {log})", file=sys.stderr)
+    return rows
+
+
+TEARDOWN_CRASHES: list[str] = []
 
 
 def child_env() -> dict[str, str]:
@@ -462,7 +477,9 @@ def sweep_ranks(args) -> None:
                             "units": facts.units(mnp).count,
                             "forward_prefetch": prefetch,
                             "reshard_after_forward": reshard,
-                            "status": "failed" if failed else m.status,
+                            "status": m.status
+                            if m.status != "ok"
+                            else ("failed on another rank" if failed else "ok"),
                             "note": m.note,
                             "peak_gib": peak / 2**30 if peak is not None else None,
                             "predicted_gib": predict(facts, p, w)["update"].total / 2**30,
@@ -483,17 +500,22 @@ def sweep_ranks(args) -> None:
 
 
 def run_sweep(args, root: Path) -> dict | None:
-    """Relaunch this script with ``--run sweep`` under torchrun (K ranks), or run it here for K = 1."""
+    """Relaunch this script under torchrun (K ranks) to run :func:`sweep_ranks`, or run it here for K = 1.
+
+    The ranks get one argument, ``sweep_args=FILE`` (this run's arguments as JSON): torchrun's own parser
+    would take ``--run`` for an abbreviation of its ``--run-path``."""
     from klppo.parallel.launch import maybe_relaunch
 
-    argv = list(args.argv)
-    if "--run" in argv:
-        argv[argv.index("--run") + 1] = "sweep"
-    else:
-        argv += ["--run", "sweep"]
+    spec = root / "sweep_args.json"
+    root.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}))
     os.environ["PYTHONPATH"] = child_env()["PYTHONPATH"]  # torchrun's `-m bench.multi_gpu` needs the root
     code = maybe_relaunch(
-        argv, nproc_per_node=args.gpus, nnodes=1, module="bench.multi_gpu", use_gpus=args.device == "cuda"
+        [f"sweep_args={spec}"],
+        nproc_per_node=args.gpus,
+        nnodes=1,
+        module="bench.multi_gpu",
+        use_gpus=args.device == "cuda",
     )
     if code is None:
         sweep_ranks(args)
@@ -542,8 +564,9 @@ def summarize(folder: Path) -> str:
     sweep = [
         row | {"k": f["meta"].get("world_size", f["meta"]["gpus"])}
         for f in by_run["sweep"]
-        for row in f["rows"]
+        for row in f.get("rows", [])
     ]
+    out += [f"sweep K={f['meta']['gpus']}: {f['result']['error']}" for f in by_run["sweep"] if "result" in f]
     if sweep:
         out += [
             "\n**Sharding sweep** (actor update; peak and times: max over ranks)\n",
@@ -552,7 +575,7 @@ def summarize(folder: Path) -> str:
             "|---" * 12 + "|",
         ]
         for s in sorted(sweep, key=lambda s: (s["shape"], s["k"])):
-            status = "" if s["status"] == "ok" else f" ({s['status']})"
+            status = "" if s["status"] == "ok" else f" ({s['status']}: {s['note'][:60]})"
             out.append(
                 f"| {s['shape']} | {s['k']} | {s['min_num_params']:.0e}{status} | {s['units']} | "
                 f"{'on' if s['forward_prefetch'] else 'off'} | {'on' if s['reshard_after_forward'] else 'off'} | "
@@ -628,12 +651,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # (full, --tiny) defaults
     sizes = {
         "steps": (3, 2),
-        "prompts_per_gpu": (32, 2),
+        "prompts_per_gpu": (32, 4),
         "offload_prompts_per_gpu": (8, 2),
         "n": (4, 2),
         "prompt_len": (512, 32),
         "response_len": (512, 16),
-        "micro": (16, 4),
+        "micro": (16, 2),
         "offload_micro": (4, 2),
         "micro_tokens": (8192, 256),
         "seq_len": (1024, 64),
@@ -660,16 +683,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from klppo.parallel.dist import under_launcher
 
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if under_launcher():  # a rank started by run_sweep's torchrun
+        if len(argv) != 1 or not argv[0].startswith("sweep_args="):
+            raise SystemExit(
+                "under torchrun only run_sweep's `sweep_args=FILE` runs; start with --gpus K instead"
+            )
+        spec = json.loads(Path(argv[0].split("=", 1)[1]).read_text())
+        sweep_ranks(argparse.Namespace(**dict(spec, out=Path(spec["out"]))))
+        return 0
+    args = parse_args(argv)
     if args.summarize:
         print(summarize(args.summarize))
         return 0
     runs = RUNS if args.run == "all" else (args.run,)
-    if under_launcher():  # a rank started by torchrun (run_sweep's relaunch, or the user's own torchrun)
-        if runs != ("sweep",):
-            raise SystemExit("under torchrun only --run sweep runs; the other runs start their own processes")
-        sweep_ranks(args)
-        return 0
     root = args.work_dir or Path(tempfile.mkdtemp(prefix="klppo_multi_gpu_"))
     fns = {"smoke": run_smoke, "sweep": run_sweep, "scaling": run_scaling, "offload": run_offload}
     failed = []
@@ -678,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
             print("smoke: skipped for K=1 (it compares K processes with 1)")
             continue
         t0 = time.perf_counter()
+        TEARDOWN_CRASHES.clear()
         try:
             result = fns[run](args, root)
         except Exception as e:  # one failed run must not lose the others
@@ -686,7 +714,11 @@ def main(argv: list[str] | None = None) -> int:
             result = {"error": f"{type(e).__name__}: {e}"}
         print(f"== {run}: {time.perf_counter() - t0:.0f} s{' (FAILED)' if run in failed else ''}", flush=True)
         if result is not None:
-            meta = dict(machine_meta(args, run), wall_s=time.perf_counter() - t0)
+            meta = dict(
+                machine_meta(args, run),
+                wall_s=time.perf_counter() - t0,
+                teardown_crashes=list(TEARDOWN_CRASHES),
+            )
             write_json(args.out, f"{run}_k{args.gpus}.json", {"meta": meta, "result": result})
         if run == "smoke" and result.get("ok") is False:
             failed.append(run)
