@@ -108,6 +108,9 @@ def run(cfg, *, device: torch.device, argv: list[str]) -> int:
     try:
         parts = build_run(cfg, device=info.device, argv=argv)
         state = PPOTrainer(parts).fit()
+        # every rank done before any tears its process group down (a rank leaving while a peer still
+        # talks to it aborted at exit: "terminate called without an active exception")
+        dist.barrier()
         if info.rank == 0:
             log.info("done: %d steps; metrics and checkpoints in %s", state.global_step, parts.run_dir)
         return 0
