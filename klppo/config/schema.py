@@ -61,7 +61,9 @@ class DataConfig:
     datagen: ClassRefConfig = F(ClassRefConfig, "Dynamic data generation.")
     apply_chat_template_kwargs: dict[str, Any] = F({}, "Extra arguments to apply_chat_template.")
     bad_row_policy: str = F("skip", "[klppo] Row with missing/wrong/empty prompt: skip (counted) | error.")
-    use_chat_template: bool = F(True, "[klppo] Apply the tokenizer's chat template (false: raw message text).")
+    use_chat_template: bool = F(
+        True, "[klppo] Apply the tokenizer's chat template (false: raw message text)."
+    )
     shuffle_buffer_rows: int | None = F(
         None,
         "[klppo] null: exact per-epoch permutation of all rows; N: row-group order shuffled, then an N-row "

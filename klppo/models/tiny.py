@@ -21,7 +21,7 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 _CORPUS = [
-    "What is 12 plus 7? Let's think step by step and output the final answer after \"####\".",
+    'What is 12 plus 7? Let\'s think step by step and output the final answer after "####".',
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
     "The answer is 42. #### 42",
     "user assistant system",

@@ -86,7 +86,13 @@ def _fill_rank_env() -> None:
             )
         env.setdefault("MASTER_PORT", "29500")
         return
-    added = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": None}
+    added = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": None,
+    }
     for key, value in added.items():
         if key not in env:
             env[key] = value if value is not None else str(free_port())
