@@ -42,12 +42,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("data.custom_cls.*", "refuse", "custom dataset classes are not supported"),
     ("data.sampler.*", "refuse", "custom samplers are not supported"),
     ("data.datagen.*", "refuse", "dynamic data generation is not supported"),
-    ("data.train_max_samples", "refuse", "row limits are not applied yet"),
-    ("data.val_max_samples", "refuse", "row limits are not applied yet"),
-    ("data.reward_fn_key", "refuse", "scorers are chosen by the data_source column"),
-    ("data.apply_chat_template_kwargs", "refuse", "extra chat-template arguments are not passed yet"),
-    ("actor_rollout_ref.model.custom_chat_template", "refuse", "the tokenizer's own chat template is used"),
-    ("actor_rollout_ref.model.tokenizer_path", "refuse", "the tokenizer is loaded from model.path"),
     ("actor_rollout_ref.model.external_lib", "refuse", "external model libraries are not imported"),
     ("actor_rollout_ref.actor.loss_scale_factor", "refuse", "a constant loss divisor is not applied yet"),
     # speed or memory only: run with a notice

@@ -84,6 +84,9 @@ class PromptLoader:
         drop_last: bool = True,
         shuffle_buffer_rows: int | None = None,
         max_cached_row_groups: int = 16,
+        max_samples: int = -1,
+        apply_chat_template_kwargs: dict[str, Any] | None = None,
+        reward_fn_key: str = "data_source",
     ) -> None:
         if batch_size <= 0 or max_prompt_length <= 0:
             raise ValueError(
@@ -95,6 +98,12 @@ class PromptLoader:
             raise ValueError(f"bad_row_policy must be 'skip' or 'error', got {bad_row_policy!r}")
         if shuffle_buffer_rows is not None and shuffle_buffer_rows <= 0:
             raise ValueError(f"shuffle_buffer_rows must be positive or None, got {shuffle_buffer_rows}")
+        if max_samples > 0 and shuffle_buffer_rows is not None:
+            raise ValueError(
+                "max_samples (data.*_max_samples) needs the exact-order mode (shuffle_buffer_rows=None)"
+            )
+        self.chat_template_kwargs = dict(apply_chat_template_kwargs or {})
+        self.reward_fn_key = reward_fn_key
         self.tokenizer = tokenizer
         self.pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -115,8 +124,18 @@ class PromptLoader:
                 raise ValueError(
                     f"{path} has no column {prompt_key!r} (data.prompt_key); columns: {self.source.column_names(f)}"
                 )
+            if reward_fn_key != "data_source" and reward_fn_key not in self.source.column_names(f):
+                raise ValueError(
+                    f"{path} has no column {reward_fn_key!r} (data.reward_fn_key); "
+                    f"columns: {self.source.column_names(f)}"
+                )
         self.stats = LoaderStats(num_rows_total=self.source.num_rows)
         self._valid_ids = self._scan()
+        if max_samples > 0 and self._valid_ids is not None and len(self._valid_ids) > max_samples:
+            # the first N usable rows in file order (before any shuffling), so the subset is stable
+            self._valid_ids = self._valid_ids[:max_samples]
+            self.stats.num_rows = max_samples
+            logger.info("prompts: using the first %d usable rows (max_samples)", max_samples)
         self._check_not_empty()
         self.epoch, self._batch_index, self._position = 0, 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
@@ -185,7 +204,9 @@ class PromptLoader:
     # ---- text → ids ----------------------------------------------------------------------------
     def _render(self, messages: list[dict[str, str]]) -> str:
         if self.use_template:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+            )
         return "\n".join(m["content"] for m in messages)
 
     def _encode(self, batch_messages: list[list[dict[str, str]]]) -> list[list[int]]:
@@ -249,7 +270,8 @@ class PromptLoader:
 
     # ---- batches -------------------------------------------------------------------------------
     def _columns(self) -> list[str]:
-        return [self.prompt_key, *_META_COLUMNS]
+        extra = [self.reward_fn_key] if self.reward_fn_key not in _META_COLUMNS else []
+        return [self.prompt_key, *_META_COLUMNS, *extra]
 
     def _next_rows(self) -> list[dict[str, Any]]:
         """The rows of the next batch of the current epoch (fewer than batch_size only at its end)."""
@@ -323,7 +345,7 @@ class PromptLoader:
         return Batch(
             prompts=prompts,
             prompt_mask=mask,
-            data_source=[row.get("data_source") or "" for row in rows],
+            data_source=[row.get(self.reward_fn_key) or "" for row in rows],
             ground_truth=[(row.get("reward_model") or {}).get("ground_truth") for row in rows],
             extra_info=[row.get("extra_info") or {} for row in rows],
             raw_prompt=messages,

@@ -103,6 +103,8 @@ def build_loaders(cfg: Any, tokenizer: Any):
         use_chat_template=bool(d.use_chat_template),
         bad_row_policy=d.bad_row_policy,
         max_cached_row_groups=int(d.max_cached_row_groups),
+        apply_chat_template_kwargs=dict(d.apply_chat_template_kwargs or {}),
+        reward_fn_key=d.reward_fn_key,
     )
     train = PromptLoader(
         _paths(d.train_files),
@@ -194,7 +196,11 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     torch.manual_seed(int(tcfg.seed))
 
     model_path = model_dir(arr.model.path)  # a .gguf file → its cached Hugging Face directory
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(
+        model_dir(arr.model.tokenizer_path) if arr.model.tokenizer_path else model_path
+    )
+    if arr.model.custom_chat_template:
+        tokenizer.chat_template = arr.model.custom_chat_template
     train_loader, val_loader = build_loaders(cfg, tokenizer)
     total_steps = tcfg.total_training_steps or len(train_loader) * int(tcfg.total_epochs)
     if len(train_loader) == 0:

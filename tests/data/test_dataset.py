@@ -238,3 +238,36 @@ def test_batch_counts_and_validation(tmp_path, tok):
     loader = PromptLoader(path, tok, batch_size=4, max_prompt_length=512, drop_last=False, shuffle=False)
     sizes = [len(b) for b in loader]
     assert sizes == [4, 4, 2] and np.sum(sizes) == 10
+
+
+def test_max_samples_template_kwargs_and_reward_fn_key(tmp_path, tok):
+    rows = [dict(r, ability=f"src{i % 3}") for i, r in enumerate(_rows(12, long_every=4))]
+    path = _write(tmp_path / "a.parquet", rows)
+    # max_samples: the first N usable rows in file order (overlong rows filtered first), whatever the shuffle
+    loader = PromptLoader(path, tok, batch_size=2, max_prompt_length=60, max_samples=4, seed=3)
+    seen = sorted(uid for _ in range(len(loader)) for uid in loader.next_batch().uid)
+    usable = [i for i in range(12) if i % 4 != 0]  # every 4th row is long (longer than 60 tokens)
+    assert len(loader) == 2 and seen == sorted(f"0:{i}" for i in usable[:4])
+
+    # extra chat-template arguments reach the template (a template that prints one of them)
+    tok2 = build_tiny_tokenizer()
+    tok2.chat_template = "{{ flavour }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    plain = PromptLoader(path, tok2, batch_size=2, max_prompt_length=512, shuffle=False)
+    tagged = PromptLoader(
+        path,
+        tok2,
+        batch_size=2,
+        max_prompt_length=512,
+        shuffle=False,
+        apply_chat_template_kwargs={"flavour": "zz"},
+    )
+    text = tok2.decode(tagged.next_batch().prompts[0], skip_special_tokens=True)
+    assert text.startswith("zz:") and not tok2.decode(plain.next_batch().prompts[0]).startswith("zz:")
+
+    # reward_fn_key: the scorer-selecting column is read from another column; a missing one is an error
+    by_ability = PromptLoader(
+        path, tok, batch_size=3, max_prompt_length=512, shuffle=False, reward_fn_key="ability"
+    )
+    assert by_ability.next_batch().data_source == ["src0", "src1", "src2"]
+    with pytest.raises(ValueError, match="no column 'nope'"):
+        PromptLoader(path, tok, batch_size=3, max_prompt_length=512, reward_fn_key="nope")
