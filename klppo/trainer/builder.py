@@ -4,7 +4,6 @@ the settings objects of the roles, rollout, data and parallel layers."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,20 +69,6 @@ def fsdp_settings(fsdp_cfg: Any, *, device: torch.device):
         param_dtype=to_dtype(getattr(mp, "param_dtype", "bf16")) if (on_gpu and mp is not None) else None,
         reduce_dtype=to_dtype(getattr(mp, "reduce_dtype", "fp32")) if mp is not None else torch.float32,
     )
-
-
-@dataclass(frozen=True)
-class StepSizes:
-    """Per-rank sizes, in samples, derived once from the config (see klppo.config.derive_sizes)."""
-
-    prompts_per_step: int
-    n: int
-    actor_mini: int
-    actor_micro: int
-    log_prob_micro: int
-    critic_mini: int
-    critic_micro: int
-    critic_forward_micro: int
 
 
 def micro(size: int, *, dynamic: bool, max_tokens: int) -> MicroBatching:

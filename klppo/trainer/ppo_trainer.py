@@ -26,6 +26,7 @@ from klppo.algorithms.losses import masked_mean
 from klppo.batch import Batch
 from klppo.roles.dp import all_gather_objects, all_gather_rows, all_reduce_sum, rank, world_size
 from klppo.trainer.setup import RunParts
+from klppo.trainer.step_metrics import batch_metrics, perf_metrics
 from klppo.trainer.timer import PhaseTimer
 
 log = logging.getLogger("klppo")
@@ -144,10 +145,19 @@ class PPOTrainer:
                     p.offload.load("actor_optim")
                     metrics.update(p.actor.update_policy(share, ref_logits_fn=p.ref_logits_fn))
                     p.offload.release("actor_optim")
+        metrics.update(self._rollout_stats)
         metrics = self._reduce_rank_metrics(metrics)
-        metrics.update(self._batch_metrics(batch))
+        metrics.update(batch_metrics(batch))
         metrics.update(timer.metrics())
-        metrics.update(self._perf_metrics(batch, metrics["timing_s/step"], timer.metrics()))
+        metrics.update(
+            perf_metrics(
+                batch,
+                timer.metrics(),
+                device=p.device,
+                model_config=p.actor.model.config,
+                ppo_epochs=int(cfg.actor_rollout_ref.actor.ppo_epochs),
+            )
+        )
         self._check_finite(metrics, step)
         return metrics
 
@@ -159,10 +169,16 @@ class PPOTrainer:
         p = self.p
         p.offload.load("actor")
         params = replace(sampling, seed=seed)
+        start = time.perf_counter()
         with p.gather_weights():
-            start = time.perf_counter()
+            if p.device.type == "cuda":
+                torch.cuda.synchronize(p.device)
+            gather_s = time.perf_counter() - start
             out = p.rollout.generate(p.actor.model, prompts.prompts, prompts.prompt_mask, params)
-            self._last_gen_s = time.perf_counter() - start
+        self._rollout_stats = {
+            "timing_s/update_weights": gather_s,
+            **(getattr(p.rollout, "last_stats", None) or {}),
+        }
         if p.free_cache_engine:
             p.rollout.release()
         samples = prompts.repeat_interleave(params.n)
@@ -248,79 +264,6 @@ class PPOTrainer:
         return int(self.cfg.trainer.seed) * 1_000_003 + step * 1009 + rank()
 
     # ------------------------------------------------------------------ metrics
-    def _batch_metrics(self, batch: Batch) -> dict[str, float]:
-        m = batch.response_mask
-        resp_len = m.sum(dim=1)
-        prompt_len = batch.prompt_mask.sum(dim=1).float()
-        scores = batch.token_level_scores.sum(dim=1)
-        rewards = batch.token_level_rewards.sum(dim=1)
-        max_len = batch.response_length
-        out = {
-            "critic/score/mean": scores.mean(),
-            "critic/score/max": scores.max(),
-            "critic/score/min": scores.min(),
-            "critic/rewards/mean": rewards.mean(),
-            "critic/rewards/max": rewards.max(),
-            "critic/rewards/min": rewards.min(),
-            "critic/advantages/mean": masked_mean(batch.advantages, m),
-            "critic/advantages/max": batch.advantages[m.bool()].max() if m.any() else torch.tensor(0.0),
-            "critic/advantages/min": batch.advantages[m.bool()].min() if m.any() else torch.tensor(0.0),
-            "critic/returns/mean": masked_mean(batch.returns, m),
-            "response_length/mean": resp_len.mean(),
-            "response_length/max": resp_len.max(),
-            "response_length/min": resp_len.min(),
-            "response_length/clip_ratio": (resp_len >= max_len).float().mean(),
-            "prompt_length/mean": prompt_len.mean(),
-            "prompt_length/max": prompt_len.max(),
-        }
-        if batch.values is not None:
-            from klppo.algorithms.losses import explained_variance
-
-            out["critic/values/mean"] = masked_mean(batch.values, m)
-            out["critic/vf_explained_var"] = explained_variance(batch.values, batch.returns, m)
-        if batch.ref_log_probs is not None:
-            out["actor/ref_kl_k1"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, m)
-        return {k: float(v) for k, v in out.items()}
-
-    def _actor_mfu(self, batch: Batch, timings: dict[str, float]) -> float | None:
-        """Model FLOPs utilization of the actor update: 6·N·tokens (+ attention) × ppo_epochs per second,
-        over the device's dense bf16 peak (verl's ``perf/mfu/actor``); None on CPU / unknown GPUs."""
-        from klppo.models.flops import device_peak_flops, model_flops_per_token
-
-        seconds = timings.get("timing_s/update_actor")
-        if self.p.device.type != "cuda" or not seconds:
-            return None
-        peak = device_peak_flops(torch.cuda.get_device_name(self.p.device))
-        if peak is None:
-            return None
-        lengths = batch.attention_mask.sum(dim=1).float()
-        config = self.p.actor.model.config
-        flops = sum(model_flops_per_token(config, seq_len=int(n)) * int(n) for n in lengths.tolist())
-        flops *= int(self.cfg.actor_rollout_ref.actor.ppo_epochs)
-        return flops / (seconds * peak * world_size())
-
-    def _perf_metrics(self, batch: Batch, step_s: float, timings: dict[str, float]) -> dict[str, float]:
-        total_tokens = float(batch.attention_mask.sum())
-        out = {
-            "perf/total_num_tokens": total_tokens,
-            "perf/time_per_step": step_s,
-            "perf/throughput": total_tokens / max(step_s, 1e-9) / world_size(),
-            "perf/world_size": float(world_size()),
-        }
-        mfu = self._actor_mfu(batch, timings)
-        if mfu is not None:
-            out["perf/mfu/actor"] = mfu
-        if self.p.device.type == "cuda":
-            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(self.p.device) / 2**30
-            out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(self.p.device) / 2**30
-            torch.cuda.reset_peak_memory_stats(self.p.device)
-        stats = getattr(self.p.rollout, "last_stats", None) or {}
-        if "peak_memory_gb" in stats:
-            out["perf/rollout_peak_memory_gb"] = float(stats["peak_memory_gb"])
-        if "update_weights_s" in stats:
-            out["timing_s/update_weights"] = float(stats["update_weights_s"])
-        return out
-
     def _check_finite(self, metrics: dict[str, float], step: int) -> None:
         """Count steps whose update was skipped for a non-finite loss/grad; stop past the limit."""
         skipped = metrics.get("actor/num_skipped_updates", 0.0) + metrics.get(
@@ -348,6 +291,7 @@ class PPOTrainer:
 
     _skipped_so_far = 0.0
     _baseline: torch.Tensor | None = None
+    _rollout_stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:

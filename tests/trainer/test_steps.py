@@ -27,6 +27,8 @@ REQUIRED = [
     "timing_s/gen",
     "timing_s/old_log_prob",
     "timing_s/adv",
+    "timing_s/update_weights",
+    "rollout/time_s",
     "timing_s/update_actor",
     "timing_s/step",
     "perf/throughput",

@@ -1,0 +1,269 @@
+"""Builds the roles of a run from the resolved configuration: loads each model, wraps it with FSDP2 and
+maps verl's per-role keys onto the roles' settings. A role is created only when the configured algorithm
+needs it (the reference for a KL term, the critic for GAE)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from klppo.trainer.builder import fsdp_settings, micro, optim_settings, to_dtype
+
+HFAssets = dict[str, Callable[[Path], None]]
+
+
+class Offload:
+    """Moves a role's parameters / optimizer state to CPU while idle and back before use
+    (``param_offload`` / ``optimizer_offload``). Names: actor, ref, actor_optim, critic_optim."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._load: dict[str, Callable[[], None]] = {}
+        self._release: dict[str, Callable[[], None]] = {}
+
+    def register(self, name: str, load: Callable[[], None], release: Callable[[], None]) -> None:
+        self._load[name], self._release[name] = load, release
+        release()
+
+    def load(self, name: str) -> None:
+        if name in self._load:
+            self._load[name]()
+
+    def release(self, name: str) -> None:
+        if name in self._release:
+            self._release[name]()
+
+    def register_params(self, name: str, model: torch.nn.Module) -> None:
+        from klppo.parallel.offload import load_params, offload_params
+
+        self.register(name, lambda: load_params(model, self.device), lambda: offload_params(model))
+
+    def register_optimizer(self, name: str, optimizer: torch.optim.Optimizer) -> None:
+        from klppo.parallel.offload import load_optimizer, offload_optimizer
+
+        self.register(
+            name, lambda: load_optimizer(optimizer, self.device), lambda: offload_optimizer(optimizer)
+        )
+
+
+def rollout_temperature(cfg: Any) -> float:
+    """The temperature log-probs are computed at (the rollout's; 1 for greedy)."""
+    t = float(cfg.actor_rollout_ref.rollout.temperature)
+    return t if t > 0 else 1.0
+
+
+def build_actor(
+    cfg: Any,
+    sizes: Any,
+    model_path: str,
+    tokenizer: Any,
+    *,
+    device: torch.device,
+    total_steps: int,
+    offload: Offload,
+    hf_assets: HFAssets,
+):
+    """The policy: ``fsdp_config.model_dtype`` master weights (fp32 by default), FSDP2, AdamW."""
+    from klppo.roles.actor import Actor, ActorSettings
+
+    arr = cfg.actor_rollout_ref
+    acfg, rcfg = arr.actor, arr.rollout
+    model = load_policy_model(cfg, model_path, to_dtype(acfg.fsdp_config.model_dtype), device, train=True)
+    hf_assets["actor"] = hf_writer(model, tokenizer)
+    shard(model, acfg.fsdp_config, device)
+    actor = Actor(
+        model,
+        ActorSettings(
+            ppo_epochs=int(acfg.ppo_epochs),
+            mini_batch_size=sizes.actor_mini_batch_samples_per_rank,
+            update_micro=micro(
+                sizes.actor_micro_batch_size_per_gpu,
+                dynamic=acfg.use_dynamic_bsz,
+                max_tokens=acfg.ppo_max_token_len_per_gpu,
+            ),
+            log_prob_micro=micro(
+                sizes.log_prob_micro_batch_size_per_gpu,
+                dynamic=rcfg.log_prob_use_dynamic_bsz,
+                max_tokens=rcfg.log_prob_max_token_len_per_gpu,
+            ),
+            grad_clip=float(acfg.grad_clip),
+            clip_ratio=float(acfg.clip_ratio),
+            clip_ratio_low=acfg.clip_ratio_low,
+            clip_ratio_high=acfg.clip_ratio_high,
+            clip_ratio_c=float(acfg.clip_ratio_c),
+            loss_agg_mode=acfg.loss_agg_mode,
+            entropy_coeff=float(acfg.entropy_coeff),
+            use_kl_loss=bool(acfg.use_kl_loss),
+            kl_loss_coef=float(acfg.kl_loss_coef),
+            kl_loss_type=acfg.kl_loss_type,
+            temperature=rollout_temperature(cfg),
+            shuffle=bool(acfg.shuffle),
+            use_remove_padding=bool(arr.model.use_remove_padding),
+            seed=int(cfg.trainer.seed),
+        ),
+        optim_settings(acfg.optim, total_steps),
+    )
+    if acfg.fsdp_config.param_offload:
+        offload.register_params("actor", actor.model)
+    if acfg.fsdp_config.optimizer_offload:
+        offload.register_optimizer("actor_optim", actor.optimizer)
+    return actor
+
+
+def build_reference(cfg: Any, sizes: Any, model_path: str, *, device: torch.device, offload: Offload):
+    """The frozen initial policy; None when neither KL in the reward nor a KL loss needs it."""
+    from klppo.roles.reference import Reference
+
+    arr = cfg.actor_rollout_ref
+    if not (cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss):
+        return None
+    # on CPU every role keeps fp32 weights: bf16 matmuls there are slow and would put a rounding KL
+    # between the actor and its reference from the first step
+    dtype = (
+        to_dtype(arr.ref.fsdp_config.model_dtype, torch.bfloat16) if device.type == "cuda" else torch.float32
+    )
+    model = load_policy_model(cfg, model_path, dtype, device, train=False)
+    shard(model, arr.ref.fsdp_config, device)
+    reference = Reference(
+        model,
+        micro=micro(
+            sizes.ref_log_prob_micro_batch_size_per_gpu,
+            dynamic=arr.ref.log_prob_use_dynamic_bsz,
+            max_tokens=arr.ref.log_prob_max_token_len_per_gpu,
+        ),
+        temperature=rollout_temperature(cfg),
+        use_remove_padding=bool(arr.model.use_remove_padding),
+    )
+    if arr.ref.fsdp_config.param_offload:
+        offload.register_params("ref", model)
+    return reference
+
+
+def build_critic(
+    cfg: Any,
+    sizes: Any,
+    model_path: str,
+    tokenizer: Any,
+    *,
+    device: torch.device,
+    total_steps: int,
+    offload: Offload,
+    hf_assets: HFAssets,
+):
+    """A value head on a causal-LM backbone (``critic.model.path``, default the actor's); None unless the
+    advantage estimator needs values."""
+    from klppo.algorithms.advantages import needs_critic
+    from klppo.batching.attention import enable_packed_attention
+    from klppo.models.loading import load_critic, model_dir
+    from klppo.roles.critic import Critic, CriticSettings
+
+    if not needs_critic(cfg.algorithm.adv_estimator):
+        return None
+    ccfg = cfg.critic
+    model = load_critic(
+        model_dir(ccfg.model.path or model_path),
+        dtype=to_dtype(ccfg.model.fsdp_config.model_dtype),
+        gradient_checkpointing=bool(ccfg.model.enable_gradient_checkpointing),
+    )
+    enable_packed_attention(model)
+    model = model.to(device)
+    hf_assets["critic"] = hf_writer(model, tokenizer)
+    shard(model, ccfg.model.fsdp_config, device)
+    critic = Critic(
+        model,
+        CriticSettings(
+            ppo_epochs=int(ccfg.ppo_epochs),
+            mini_batch_size=sizes.critic_mini_batch_samples_per_rank,
+            update_micro=micro(
+                sizes.critic_micro_batch_size_per_gpu,
+                dynamic=ccfg.use_dynamic_bsz,
+                max_tokens=ccfg.ppo_max_token_len_per_gpu,
+            ),
+            forward_micro=micro(
+                sizes.critic_forward_micro_batch_size_per_gpu,
+                dynamic=ccfg.use_dynamic_bsz,
+                max_tokens=ccfg.forward_max_token_len_per_gpu,
+            ),
+            grad_clip=float(ccfg.grad_clip),
+            cliprange_value=float(ccfg.cliprange_value),
+            loss_agg_mode=ccfg.loss_agg_mode,
+            shuffle=bool(ccfg.shuffle),
+            use_remove_padding=bool(ccfg.model.use_remove_padding),
+            seed=int(cfg.trainer.seed),
+        ),
+        optim_settings(ccfg.optim, total_steps),
+    )
+    if ccfg.model.fsdp_config.optimizer_offload:
+        offload.register_optimizer("critic_optim", critic.optimizer)
+    return critic
+
+
+def build_reward(cfg: Any, tokenizer: Any, device: torch.device):
+    """Rule scorers / the user's function by ``data_source``, or a sequence-classification reward model."""
+    from klppo.roles.reward import Reward
+
+    rm, crf = cfg.reward_model, cfg.custom_reward_function
+    reward_model = reward_tokenizer = None
+    if rm.enable:
+        from klppo.models.loading import load_reward_model, load_tokenizer, model_dir
+
+        path = model_dir(rm.model.path)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        reward_model = load_reward_model(path, dtype=dtype).to(device).eval()
+        reward_tokenizer = load_tokenizer(model_dir(rm.model.input_tokenizer or path))
+    return Reward(
+        tokenizer,
+        custom_fn_path=crf.path,
+        custom_fn_name=crf.name or "compute_score",
+        reward_kwargs=dict(rm.reward_kwargs or {}),
+        reward_model=reward_model,
+        reward_tokenizer=reward_tokenizer,
+        max_length=rm.max_length,
+    )
+
+
+def load_policy_model(cfg: Any, path: str, dtype: torch.dtype, device: torch.device, *, train: bool):
+    """A causal LM for the actor or the reference, with klppo's attention (see below), on ``device``."""
+    from klppo.batching.attention import enable_packed_attention
+    from klppo.models.loading import load_causal_lm
+
+    m = cfg.actor_rollout_ref.model
+    model = load_causal_lm(
+        path,
+        dtype=dtype,
+        device="cpu",
+        trust_remote_code=bool(m.trust_remote_code),
+        gradient_checkpointing=bool(m.enable_gradient_checkpointing) and train,
+        override_config=dict(m.override_config or {}),
+    )
+    # klppo_packed: block-diagonal attention for packed rows, and for padded rows SDPA with rows that see
+    # no key (left padding) attending to themselves, which keeps bf16 gradients finite on GPU
+    enable_packed_attention(model)
+    return model.to(device)
+
+
+def shard(model: torch.nn.Module, fsdp_cfg: Any, device: torch.device) -> None:
+    """FSDP2 over all ranks (or HSDP groups of ``fsdp_size``); logs the units chosen."""
+    from klppo.parallel.fsdp import build_mesh, shard_model
+    from klppo.roles.dp import world_size
+
+    settings = fsdp_settings(fsdp_cfg, device=device)
+    shard_model(model, settings, build_mesh(world_size(), settings.fsdp_size, device.type))
+
+
+def hf_writer(model: torch.nn.Module, tokenizer: Any) -> Callable[[Path], None]:
+    """Writes the model's config, generation config and the tokenizer (captured before sharding)."""
+    config = model.config
+    generation_config = getattr(model, "generation_config", None)
+
+    def write(path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(path)
+        if generation_config is not None:
+            generation_config.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+
+    return write

@@ -1,0 +1,85 @@
+"""The per-step metrics computed from the global batch and the phase timings (verl's names)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from klppo.algorithms.losses import explained_variance, masked_mean
+from klppo.batch import Batch
+from klppo.roles.dp import world_size
+
+
+def batch_metrics(batch: Batch) -> dict[str, float]:
+    """Scores, rewards, advantages, returns, values and lengths of the step's (global) batch."""
+    m = batch.response_mask
+    resp_len = m.sum(dim=1)
+    prompt_len = batch.prompt_mask.sum(dim=1).float()
+    scores = batch.token_level_scores.sum(dim=1)
+    rewards = batch.token_level_rewards.sum(dim=1)
+    valid_adv = batch.advantages[m.bool()] if m.any() else torch.zeros(1)
+    out = {
+        "critic/score/mean": scores.mean(),
+        "critic/score/max": scores.max(),
+        "critic/score/min": scores.min(),
+        "critic/rewards/mean": rewards.mean(),
+        "critic/rewards/max": rewards.max(),
+        "critic/rewards/min": rewards.min(),
+        "critic/advantages/mean": masked_mean(batch.advantages, m),
+        "critic/advantages/max": valid_adv.max(),
+        "critic/advantages/min": valid_adv.min(),
+        "critic/returns/mean": masked_mean(batch.returns, m),
+        "response_length/mean": resp_len.mean(),
+        "response_length/max": resp_len.max(),
+        "response_length/min": resp_len.min(),
+        "response_length/clip_ratio": (resp_len >= batch.response_length).float().mean(),
+        "prompt_length/mean": prompt_len.mean(),
+        "prompt_length/max": prompt_len.max(),
+    }
+    if batch.values is not None:
+        out["critic/values/mean"] = masked_mean(batch.values, m)
+        out["critic/vf_explained_var"] = explained_variance(batch.values, batch.returns, m)
+    if batch.ref_log_probs is not None:
+        out["actor/ref_kl_k1"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, m)
+    return {k: float(v) for k, v in out.items()}
+
+
+def perf_metrics(
+    batch: Batch, timings: dict[str, float], *, device: torch.device, model_config: Any, ppo_epochs: int
+) -> dict[str, float]:
+    """Throughput (tokens/s per device), MFU of the actor update, and this rank's peak memory (the
+    allocator's peak is reset after reading, so each step reports its own)."""
+    step_s = timings["timing_s/step"]
+    total_tokens = float(batch.attention_mask.sum())
+    out = {
+        "perf/total_num_tokens": total_tokens,
+        "perf/time_per_step": step_s,
+        "perf/throughput": total_tokens / max(step_s, 1e-9) / world_size(),
+        "perf/world_size": float(world_size()),
+    }
+    mfu = actor_mfu(batch, timings.get("timing_s/update_actor"), device, model_config, ppo_epochs)
+    if mfu is not None:
+        out["perf/mfu/actor"] = mfu
+    if device.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
+def actor_mfu(
+    batch: Batch, seconds: float | None, device: torch.device, model_config: Any, ppo_epochs: int
+) -> float | None:
+    """Model FLOPs utilization of the actor update: Σ_seq flops_per_token(len)·len × ppo_epochs per second,
+    over the device's dense bf16 peak (verl's ``perf/mfu/actor``); None on CPU or unknown GPUs."""
+    from klppo.models.flops import device_peak_flops, model_flops_per_token
+
+    if device.type != "cuda" or not seconds:
+        return None
+    peak = device_peak_flops(torch.cuda.get_device_name(device))
+    if peak is None:
+        return None
+    lengths = [int(n) for n in batch.attention_mask.sum(dim=1).tolist()]
+    flops = sum(model_flops_per_token(model_config, seq_len=n) * n for n in lengths) * ppo_epochs
+    return flops / (seconds * peak * world_size())
