@@ -106,3 +106,25 @@ def test_one_step(name, tiny_model_dir, arithmetic_data, tmp_path):
         assert "actor/reward_kl_penalty" in row and "actor/reward_kl_penalty_coeff" in row
     if "use_kl_loss=True" in " ".join(CASES[name]):
         assert "actor/kl_loss" in row and row["actor/kl_coef"] > 0
+
+
+def test_validation_metrics_and_generation_log(tiny_model_dir, arithmetic_data, tmp_path):
+    import json
+
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path) + [
+        "algorithm.adv_estimator=grpo",
+        "trainer.val_before_train=True",
+        "trainer.test_freq=2",
+        "trainer.total_training_steps=2",
+        "trainer.log_val_generations=3",
+        "actor_rollout_ref.rollout.val_kwargs.n=2",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+    ]
+    run_training(overrides)
+    rows = read_metrics(tmp_path)
+    val = [r for r in rows if "val-core/openai/gsm8k/reward/mean@2" in r]
+    assert [r["step"] for r in val] == [0, 2]  # before training, then after the last step
+    assert all(0.0 <= r["val-core/openai/gsm8k/reward/mean@2"] <= 1.0 for r in val)
+    logged = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
+    assert len(logged) >= 2 and all("response" in json.dumps(entry) for entry in logged)
