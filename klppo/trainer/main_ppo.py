@@ -101,6 +101,7 @@ def run(cfg, *, device: torch.device, argv: list[str]) -> int:
     from klppo.trainer.checkpoint import CheckpointError
     from klppo.trainer.ppo_trainer import PPOTrainer, TrainingStopped
     from klppo.trainer.setup import build_run
+    from klppo.trainer.timer import PhaseOutOfMemory
 
     info = dist.init_distributed(device.type, float(cfg.trainer.collective_timeout_s))
     if info.rank == 0:
@@ -114,7 +115,7 @@ def run(cfg, *, device: torch.device, argv: list[str]) -> int:
         if info.rank == 0:
             log.info("done: %d steps; metrics and checkpoints in %s", state.global_step, parts.run_dir)
         return 0
-    except (TrainingStopped, CheckpointError, ModelLoadError) as exc:
+    except (TrainingStopped, CheckpointError, ModelLoadError, PhaseOutOfMemory) as exc:
         print(f"klppo: {exc}", file=sys.stderr)
         return 1
     finally:

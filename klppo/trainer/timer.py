@@ -1,4 +1,5 @@
-"""Phase timing for ``timing_s/<phase>`` metrics (synchronizes the device at phase edges)."""
+"""Phase timing for ``timing_s/<phase>`` metrics (synchronizes the device at phase edges), and the
+out-of-memory report that names the phase and what to change."""
 
 from __future__ import annotations
 
@@ -6,6 +7,27 @@ import time
 from contextlib import contextmanager
 
 import torch
+
+# what to change when a phase runs out of device memory (verl key names)
+_OOM_ADVICE = {
+    "gen": "lower actor_rollout_ref.rollout.gpu_memory_utilization (KV cache budget) or rollout.n, keep "
+    "rollout.free_cache_engine=True, or set actor_rollout_ref.actor.fsdp_config.param_offload=True",
+    "gen_max": "as for generation: lower actor_rollout_ref.rollout.gpu_memory_utilization",
+    "old_log_prob": "lower actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu (or "
+    "log_prob_max_token_len_per_gpu with log_prob_use_dynamic_bsz=True); keep model.use_remove_padding=True",
+    "ref": "lower actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu, or set "
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "values": "lower critic.forward_micro_batch_size_per_gpu (or critic.forward_max_token_len_per_gpu)",
+    "update_actor": "lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (or ppo_max_token_len_per_gpu "
+    "with use_dynamic_bsz=True), set actor_rollout_ref.model.enable_gradient_checkpointing=True, or "
+    "fsdp_config.param_offload/optimizer_offload=True",
+    "update_critic": "lower critic.ppo_micro_batch_size_per_gpu (or critic.ppo_max_token_len_per_gpu), set "
+    "critic.model.enable_gradient_checkpointing=True or critic.model.fsdp_config.optimizer_offload=True",
+}
+
+
+class PhaseOutOfMemory(RuntimeError):
+    """Device memory ran out in a named phase of the step; the message says what to change."""
 
 
 class PhaseTimer:
@@ -23,10 +45,27 @@ class PhaseTimer:
 
         self._sync()
         start = time.perf_counter()
-        with dist_phase(name):
-            yield
+        try:
+            with dist_phase(name):
+                yield
+        except torch.OutOfMemoryError as exc:
+            raise PhaseOutOfMemory(out_of_memory_message(name, self.device)) from exc
         self._sync()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def out_of_memory_message(phase: str, device: torch.device) -> str:
+    used = ""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        used = f" (peak allocated {peak:.1f} of {total:.1f} GiB)"
+    advice = _OOM_ADVICE.get(phase, "lower the micro-batch sizes or enable offload")
+    return (
+        f"out of device memory in phase {phase!r}{used}. To fit: {advice}. `klppo tune` predicts the memory "
+        "of each setting. The step did not complete and no checkpoint was written for it: the last "
+        "checkpoint is intact, and the same command resumes from it after the change."
+    )

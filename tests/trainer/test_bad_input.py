@@ -44,3 +44,30 @@ def test_nan_loss_steps_skipped_then_stop(tiny_model_dir, arithmetic_data, tmp_p
         run_training(overrides)
     rows = read_metrics(tmp_path / "run")
     assert [r["training/nan_steps"] for r in rows] == [1.0, 2.0]
+
+
+def test_out_of_memory_names_the_phase_and_the_fix(
+    tiny_model_dir, arithmetic_data, tmp_path, monkeypatch, capsys
+):
+    from klppo.roles import actor as actor_mod
+    from klppo.trainer import checkpoint
+    from klppo.trainer.main_ppo import main
+
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=1",
+    ]
+    calls = []
+    real = actor_mod.Actor.update_policy
+
+    def oom_on_second_step(self, batch, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(self, batch, **kwargs)
+
+    monkeypatch.setattr(actor_mod.Actor, "update_policy", oom_on_second_step)
+    assert main(overrides) == 1
+    err = capsys.readouterr().err
+    assert "out of device memory in phase 'update_actor'" in err and "ppo_micro_batch_size_per_gpu" in err
+    assert checkpoint.latest_checkpoint(tmp_path / "run").name == "global_step_1"  # step 1 intact
