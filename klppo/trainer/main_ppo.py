@@ -58,8 +58,20 @@ def _setup_logging() -> None:
     )
 
 
+USAGE = """usage: klppo train [config.yaml] [key=value ...]
+       python -m klppo.trainer.main_ppo [config.yaml] [key=value ...]
+
+KL-regularized PPO with verl's configuration keys (dotted overrides, e.g. data.train_batch_size=512
+actor_rollout_ref.rollout.n=4). With no arguments: the embedded quickstart (SmolLM2-135M-Instruct on a
+built-in arithmetic set). `klppo config ...` prints the resolved configuration without training.
+Every key: docs/configuration.md; the run directory, checkpoints and failures: docs/training.md."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
     _setup_logging()
     from klppo.config import ConfigError, check_trainable, load_config
     from klppo.models.loading import ModelLoadError, model_dir
