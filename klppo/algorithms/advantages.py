@@ -1,11 +1,12 @@
-"""Advantage estimators (verl ``algorithm.adv_estimator``): GAE, GRPO, RLOO, REINFORCE++, ReMax.
+"""Advantage estimators (verl ``algorithm.adv_estimator``): GAE, REINFORCE++, ReMax here; the group
+outcome estimators (GRPO, RLOO, REINFORCE++-baseline, OPO, GRPO pass@k, GPG) in :mod:`.outcome`.
 
 Every estimator takes ``token_level_rewards`` [B, T] (scores with the KL penalty already folded in when
 ``use_kl_in_reward``) and a 0/1 ``response_mask`` [B, T], and returns ``(advantages, returns)``, both
 [B, T], computed without autograd, 0 at masked positions (verl leaves some of them non-zero; we zero them
 on purpose), in float32 (float64 if an input is float64).
 
-Outcome estimators (GRPO, RLOO) use one scalar per row, the row sum of ``token_level_rewards`` over all
+Outcome estimators use one scalar per row, the row sum of ``token_level_rewards`` over all
 positions (as verl), and compare it with the other rows of the same group: ``group_ids`` holds one hashable
 per row (the prompt ``uid``), or is a 1-D integer tensor.
 
@@ -16,41 +17,39 @@ per row (the prompt ``uid``), or is a 1-D integer tensor.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from klppo.algorithms.masked import as_bool_mask, compute_dtype, masked_whiten
+from klppo.algorithms.outcome import (
+    GroupIds,
+    gpg,
+    grpo,
+    grpo_passk,
+    opo,
+    reinforce_plus_plus_baseline,
+    rloo,
+)
 
-GroupIds = Sequence[Hashable] | torch.Tensor
-
-
-def _group_index(group_ids: GroupIds, batch_size: int, device: torch.device) -> torch.Tensor:
-    """Dense group index [B] int64 on ``device`` (first-seen order for Python ids)."""
-    if len(group_ids) != batch_size:
-        raise ValueError(f"group_ids has {len(group_ids)} entries for a batch of {batch_size} rows")
-    if isinstance(group_ids, torch.Tensor):
-        return torch.unique(group_ids.to(device), return_inverse=True)[1].reshape(-1)
-    dense: dict[Hashable, int] = {}
-    index = [dense.setdefault(g, len(dense)) for g in group_ids]
-    return torch.tensor(index, dtype=torch.long, device=device)
-
-
-def _group_stats(
-    scores: torch.Tensor, index: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (group size n, group mean, unbiased group std) gathered back to [B]; two-pass variance."""
-    zeros = torch.zeros(scores.shape[0], dtype=scores.dtype, device=scores.device)  # ≥ number of groups
-    count = zeros.index_add(0, index, torch.ones_like(scores))
-    mean = zeros.index_add(0, index, scores) / count.clamp(min=1)
-    sq = zeros.index_add(0, index, (scores - mean[index]).square())
-    std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    return count[index], mean[index], std[index]
-
-
-def _broadcast_masked(per_row: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(as_bool_mask(mask), per_row.unsqueeze(-1), 0.0)
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "GroupIds",
+    "compute_advantages",
+    "gae",
+    "get_advantage_estimator",
+    "gpg",
+    "grpo",
+    "grpo_passk",
+    "needs_critic",
+    "opo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "rloo",
+]
 
 
 @torch.no_grad()
@@ -89,54 +88,6 @@ def gae(
         adv[:, t] = last_gae
     returns = torch.where(mask, adv + vals, 0.0)
     return masked_whiten(adv, mask), returns
-
-
-@torch.no_grad()
-def grpo(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds,
-    eps: float = 1e-6,
-    norm_by_std: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
-
-    s_i = Σ_t r_{i,t};  A_i = (s_i − mean_g) / (std_g + eps), std unbiased (n − 1), over the rows of
-    group g = group_ids[i]; with ``norm_by_std=False`` A_i = s_i − mean_g (Dr. GRPO, arXiv:2503.20783;
-    ``algorithm.norm_adv_by_std_in_grpo``). A group of one has mean 0 and std 1 (as verl).
-    A_i is broadcast over the row's response tokens; returns = advantages.
-    """
-    dtype = compute_dtype(token_level_rewards)
-    scores = token_level_rewards.to(dtype).sum(dim=-1)
-    index = _group_index(group_ids, scores.shape[0], scores.device)
-    count, mean, std = _group_stats(scores, index)
-    single = count < 2
-    mean = torch.where(single, 0.0, mean)
-    std = torch.where(single, 1.0, std)
-    adv = (scores - mean) / (std + eps) if norm_by_std else scores - mean
-    adv = _broadcast_masked(adv, response_mask)
-    return adv, adv
-
-
-@torch.no_grad()
-def rloo(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: GroupIds,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740).
-
-    s_i = Σ_t r_{i,t};  A_i = s_i − (1/(n−1)) Σ_{j≠i, g_j = g_i} s_j = n/(n−1) · (s_i − mean_g) for a group
-    of n ≥ 2 rows; a group of one keeps A_i = s_i (as verl). Broadcast over the row; returns = advantages.
-    """
-    dtype = compute_dtype(token_level_rewards)
-    scores = token_level_rewards.to(dtype).sum(dim=-1)
-    index = _group_index(group_ids, scores.shape[0], scores.device)
-    count, mean, _ = _group_stats(scores, index)
-    scale = count / (count - 1).clamp(min=1)
-    adv = torch.where(count > 1, scores * scale - mean * scale, scores)
-    adv = _broadcast_masked(adv, response_mask)
-    return adv, adv
 
 
 @torch.no_grad()
@@ -202,6 +153,28 @@ def _run_rloo(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return rloo(kw["token_level_rewards"], kw["response_mask"], kw["group_ids"])
 
 
+def _run_reinforce_plus_plus_baseline(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    return reinforce_plus_plus_baseline(kw["token_level_rewards"], kw["response_mask"], kw["group_ids"])
+
+
+def _run_opo(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    return opo(kw["token_level_rewards"], kw["response_mask"], kw["group_ids"])
+
+
+def _run_grpo_passk(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    return grpo_passk(
+        kw["token_level_rewards"],
+        kw["response_mask"],
+        kw["group_ids"],
+        eps=kw["eps"],
+        norm_by_std=kw["norm_by_std"],
+    )
+
+
+def _run_gpg(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    return gpg(kw["token_level_rewards"], kw["response_mask"], kw["group_ids"])
+
+
 def _run_reinforce_plus_plus(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return reinforce_plus_plus(kw["token_level_rewards"], kw["response_mask"], gamma=kw["gamma"])
 
@@ -231,6 +204,15 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         "reinforce_plus_plus", reinforce_plus_plus, _run_reinforce_plus_plus
     ),
     "remax": AdvantageEstimator("remax", remax, _run_remax, needs_reward_baselines=True),
+    "reinforce_plus_plus_baseline": AdvantageEstimator(
+        "reinforce_plus_plus_baseline",
+        reinforce_plus_plus_baseline,
+        _run_reinforce_plus_plus_baseline,
+        needs_group_ids=True,
+    ),
+    "opo": AdvantageEstimator("opo", opo, _run_opo, needs_group_ids=True),
+    "grpo_passk": AdvantageEstimator("grpo_passk", grpo_passk, _run_grpo_passk, needs_group_ids=True),
+    "gpg": AdvantageEstimator("gpg", gpg, _run_gpg, needs_group_ids=True),
 }
 
 
@@ -262,7 +244,7 @@ def compute_advantages(
     """Run estimator ``name`` (``algorithm.adv_estimator``) with the inputs it uses; others are ignored.
 
     ``gamma``/``lam`` are ``algorithm.gamma``/``algorithm.lam``, ``norm_by_std`` is
-    ``algorithm.norm_adv_by_std_in_grpo``. ValueError if an input the estimator needs is None.
+    ``algorithm.norm_adv_by_std_in_grpo`` (grpo, grpo_passk), ``eps`` the std epsilon of those two. ValueError if an input the estimator needs is None.
     """
     est = get_advantage_estimator(name)
     needed = {

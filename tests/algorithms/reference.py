@@ -100,6 +100,74 @@ def group_outcome(r: torch.Tensor, m: torch.Tensor, ids, mode: str, eps: float =
     return [[a if k else 0.0 for k in mr] for a, mr in zip(out, mask_rows(m))]
 
 
+def _groups(ids) -> dict:
+    groups = defaultdict(list)
+    for i, g in enumerate(ids):
+        groups[g].append(i)
+    return groups
+
+
+def _broadcast(per_row: list[float], m: torch.Tensor) -> list[list[float]]:
+    return [[a if k else 0.0 for k in mr] for a, mr in zip(per_row, mask_rows(m))]
+
+
+def rf_pp_baseline(r: torch.Tensor, m: torch.Tensor, ids) -> list[list[float]]:
+    """REINFORCE++-baseline: s_i − group mean (0 for a singleton) on every token, whitened over the batch."""
+    scores = [sum(row) for row in rows(r)]
+    groups = _groups(ids)
+    centred = []
+    for i, g in enumerate(ids):
+        members = groups[g]
+        mu = mean([scores[j] for j in members]) if len(members) > 1 else 0.0
+        centred.append(scores[i] - mu)
+    return whiten(torch.tensor(_broadcast(centred, m), dtype=torch.float64), m)
+
+
+def opo(r: torch.Tensor, m: torch.Tensor, ids) -> list[list[float]]:
+    """OPO: s_i − Σ_j l_j s_j / Σ_j l_j over the group (l = response length); singleton baseline 0."""
+    scores = [sum(row) for row in rows(r)]
+    lengths = [sum(1 for k in mr if k) for mr in mask_rows(m)]
+    groups = _groups(ids)
+    out = []
+    for i, g in enumerate(ids):
+        members = groups[g]
+        total = sum(lengths[j] for j in members)
+        b = 0.0
+        if len(members) > 1 and total > 0:
+            b = sum(lengths[j] * scores[j] for j in members) / total
+        out.append(scores[i] - b)
+    return _broadcast(out, m)
+
+
+def grpo_passk(r: torch.Tensor, m: torch.Tensor, ids, norm_by_std: bool, eps: float = 1e-6):
+    """Pass@k: the unique best row of a group gets (best − second best) [/ (std + eps)]; ties give 0."""
+    scores = [sum(row) for row in rows(r)]
+    out = [0.0] * len(scores)
+    for members in _groups(ids).values():
+        vals = sorted((scores[j] for j in members), reverse=True)
+        best_rows = [j for j in members if scores[j] == vals[0]]
+        if len(best_rows) != 1:
+            continue
+        a = vals[0] - vals[1]
+        if norm_by_std:
+            a /= math.sqrt(var_unbiased(vals)) + eps
+        out[best_rows[0]] = a
+    return _broadcast(out, m)
+
+
+def gpg(r: torch.Tensor, m: torch.Tensor, ids) -> list[list[float]]:
+    """GPG: (B / #non-zero scores) · (s_i − group mean), singleton mean 0."""
+    scores = [sum(row) for row in rows(r)]
+    alpha = len(scores) / max(sum(1 for s in scores if s != 0), 1)
+    groups = _groups(ids)
+    out = []
+    for i, g in enumerate(ids):
+        members = groups[g]
+        mu = mean([scores[j] for j in members]) if len(members) > 1 else 0.0
+        out.append(alpha * (scores[i] - mu))
+    return _broadcast(out, m)
+
+
 def discounted_returns(r: torch.Tensor, m: torch.Tensor, gamma: float):
     """REINFORCE++ returns: G_t over the row, reset after every masked position."""
     out = []

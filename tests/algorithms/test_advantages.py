@@ -6,9 +6,13 @@ from klppo.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
     gae,
+    gpg,
     grpo,
+    grpo_passk,
     needs_critic,
+    opo,
     reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
     remax,
     rloo,
 )
@@ -114,6 +118,10 @@ def test_registry_dispatch_and_requirements() -> None:
         "rloo": rloo(r, m, ids),
         "reinforce_plus_plus": reinforce_plus_plus(r, m, gamma=0.9),
         "remax": remax(r, base, m),
+        "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline(r, m, ids),
+        "opo": opo(r, m, ids),
+        "grpo_passk": grpo_passk(r, m, ids, norm_by_std=False),
+        "gpg": gpg(r, m, ids),
     }
     assert set(direct) == set(ADVANTAGE_ESTIMATORS)
     for name, (adv, ret) in direct.items():
@@ -136,6 +144,10 @@ def test_registry_dispatch_and_requirements() -> None:
         ("grpo", "group_ids"),
         ("rloo", "group_ids"),
         ("remax", "reward_baselines"),
+        ("reinforce_plus_plus_baseline", "group_ids"),
+        ("opo", "group_ids"),
+        ("grpo_passk", "group_ids"),
+        ("gpg", "group_ids"),
     ]:
         with pytest.raises(ValueError, match=missing):
             compute_advantages(name, token_level_rewards=r, response_mask=m)

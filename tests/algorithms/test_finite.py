@@ -60,6 +60,8 @@ def test_everything_finite(dtype: torch.dtype, mask_kind: str) -> None:
     rewards, kstats = apply_kl_penalty(x, lp, rp, m, FixedKLController(0.1), "low_var_kl")
     assert _finite(rewards, *kstats.values())
     for name in ADVANTAGE_ESTIMATORS:
+        if name == "grpo_passk" and b == 1:
+            continue  # needs groups of two (raises, tested in test_outcome)
         adv, ret = compute_advantages(
             name,
             token_level_rewards=rewards,
