@@ -47,6 +47,7 @@ def _overrides(model_dir, data, run_dir):
         "critic.forward_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=False",
         "trainer.val_before_train=True",
+        "actor_rollout_ref.rollout.name=klppo",  # the default engine, on FSDP2-gathered weights
     ]
 
 
