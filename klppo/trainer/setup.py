@@ -146,6 +146,15 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     )
     if arr.model.custom_chat_template:
         tokenizer.chat_template = arr.model.custom_chat_template
+    if device.type == "cuda":
+        from transformers import AutoConfig
+
+        from klppo.tune.preflight import check_memory
+
+        total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        check_memory(
+            cfg, AutoConfig.from_pretrained(model_path), world_size=world_size(), device_gib=total_gib
+        )
     train_loader, val_loader = build_loaders(cfg, tokenizer)
     total_steps = tcfg.total_training_steps or len(train_loader) * int(tcfg.total_epochs)
     if len(train_loader) == 0:

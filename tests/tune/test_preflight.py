@@ -1,0 +1,38 @@
+"""The start-of-training memory check: predicted peaks for the configured settings, and a warning
+naming `klppo tune` when a phase does not fit."""
+
+from __future__ import annotations
+
+import logging
+
+from klppo.config import load_config
+from klppo.tune.preflight import check_memory, predicted_peaks_gib
+from klppo.tune.shapes import load_model_config
+
+
+def test_peaks_grow_with_the_micro_batch_and_warn_past_the_device(caplog):
+    model = load_model_config("Qwen2.5-7B")
+    small = load_config(
+        [
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "data.max_prompt_length=512",
+            "data.max_response_length=512",
+        ]
+    )
+    large = load_config(
+        [
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            "data.max_prompt_length=512",
+            "data.max_response_length=512",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "data.train_batch_size=16",
+        ]
+    )
+    p_small = predicted_peaks_gib(small, model, world_size=8, device_gib=80)
+    p_large = predicted_peaks_gib(large, model, world_size=8, device_gib=80)
+    assert set(p_small) == {"rollout", "log_prob", "update"}
+    assert p_large["update"] > p_small["update"] > 0
+    with caplog.at_level(logging.INFO, logger="klppo"):
+        check_memory(large, model, world_size=1, device_gib=24)  # a 7B model does not fit one 24 GiB GPU
+    assert "predicted peak memory per GPU" in caplog.text
+    assert "klppo tune" in caplog.text and "may run out of memory" in caplog.text
