@@ -1,8 +1,9 @@
 """klppo.algorithms: the KL-PPO math as pure functions on tensors.
 
 KL estimators and the KL penalty in the reward (:mod:`.kl`), KL coefficient controllers
-(:mod:`.kl_control`), advantage estimators (:mod:`.advantages`), policy/value/KL losses, loss aggregation
-and entropy (:mod:`.losses`), masked reductions (:mod:`.masked`). Formulas, config keys and papers:
+(:mod:`.kl_control`), advantage estimators (:mod:`.advantages`; group outcome estimators in
+:mod:`.outcome`), policy/value/KL losses and entropy (:mod:`.losses`; policy-loss variants in
+:mod:`.policy_losses`), loss aggregation (:mod:`.aggregate`), masked reductions (:mod:`.masked`). Formulas, config keys and papers:
 ``docs/algorithms.md``.
 
 Knows nothing of torch.distributed, models or the config: inputs are tensors, floats and strings.
@@ -33,10 +34,14 @@ from klppo.algorithms.kl_control import (
 )
 from klppo.algorithms.losses import (
     LOSS_AGG_MODES,
+    POLICY_LOSS_KEYS,
+    POLICY_LOSSES,
     agg_loss,
     entropy_from_logits,
+    get_policy_loss,
     kl_loss,
     policy_loss,
+    policy_loss_agg_mode,
     value_loss,
 )
 from klppo.algorithms.masked import explained_variance, masked_mean, masked_sum, masked_var, masked_whiten
@@ -45,6 +50,8 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_KINDS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "POLICY_LOSS_KEYS",
     "AdaptiveKLController",
     "AdvantageEstimator",
     "FixedKLController",
@@ -56,6 +63,7 @@ __all__ = [
     "explained_variance",
     "gae",
     "get_advantage_estimator",
+    "get_policy_loss",
     "gpg",
     "grpo",
     "grpo_passk",
@@ -70,6 +78,7 @@ __all__ = [
     "needs_critic",
     "opo",
     "policy_loss",
+    "policy_loss_agg_mode",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",

@@ -1,21 +1,24 @@
-"""PPO losses: loss aggregation, clipped policy loss (with dual clip), clipped value loss, KL loss, entropy.
+"""PPO losses: clipped policy loss (with dual clip) and the :data:`POLICY_LOSSES` registry of verl's
+``policy_loss.loss_mode`` variants, clipped value loss, KL loss, entropy.
 
-Per-token losses are [B, T] with a 0/1 ``response_mask``; :func:`agg_loss` turns them into a scalar
-(``actor_rollout_ref.actor.loss_agg_mode``). Stats are detached 0-dim tensors on the input's device, so
-the caller reduces metrics once per step instead of syncing inside the loss.
+Per-token losses are [B, T] with a 0/1 ``response_mask``; :func:`agg_loss` (from :mod:`.aggregate`) turns
+them into a scalar (``actor_rollout_ref.actor.loss_agg_mode``). Stats are detached 0-dim tensors on the
+input's device, so the caller reduces metrics once per step instead of syncing inside the loss.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from klppo.algorithms import policy_losses
+from klppo.algorithms.aggregate import LOSS_AGG_MODES, agg_loss
 from klppo.algorithms.kl import default_chunk_rows, kl_penalty
 from klppo.algorithms.masked import (
     compute_dtype,
     explained_variance,
-    masked_count,
     masked_mean,
     masked_sum,
     masked_var,
@@ -24,6 +27,8 @@ from klppo.algorithms.masked import (
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "POLICY_LOSS_KEYS",
     "agg_loss",
     "entropy_from_logits",
     "explained_variance",
@@ -32,35 +37,11 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "get_policy_loss",
     "policy_loss",
+    "policy_loss_agg_mode",
     "value_loss",
 ]
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Aggregate a per-token loss [B, T] into a scalar (``loss_agg_mode``). With m the mask, n_i = Σ_t m_it:
-
-    - ``token-mean``:              Σ_it m·ℓ / Σ_it m  (every token weighs the same; DAPO)
-    - ``seq-mean-token-sum``:      (1/B) Σ_i Σ_t m·ℓ
-    - ``seq-mean-token-mean``:     mean over rows with n_i > 0 of (Σ_t m·ℓ)/n_i  (original PPO/GRPO)
-    - ``seq-mean-token-sum-norm``: Σ_it m·ℓ / T, T = ``loss_mat.shape[-1]`` (Dr. GRPO, arXiv:2503.20783)
-
-    Same numbers as verl, except ``seq-mean-token-mean`` with empty rows, where verl returns NaN: here
-    empty rows are left out of the mean (0 if every row is empty).
-    """
-    if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
-    row_sums = masked_sum(loss_mat, mask, dim=-1)
-    if mode == "seq-mean-token-sum":
-        return row_sums.mean()
-    if mode == "seq-mean-token-mean":
-        counts = masked_count(mask, dim=-1, dtype=row_sums.dtype)
-        return masked_mean(row_sums / counts.clamp(min=1), counts > 0)
-    if mode == "seq-mean-token-sum-norm":
-        return row_sums.sum() / loss_mat.shape[-1]
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
 
 
 def policy_loss(
@@ -73,6 +54,7 @@ def policy_loss(
     clip_ratio_high: float | None = None,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with dual clip (Ye et al. 2020,
     arXiv:1912.09729) and asymmetric clip ranges (DAPO's clip-higher, arXiv:2503.14476).
@@ -80,7 +62,8 @@ def policy_loss(
     ρ = exp(clamp(log π − log π_old, −20, 20)), ε_lo = clip_ratio_low or clip_ratio, ε_hi likewise;
         ℓ₁ = max(−A ρ, −A clip(ρ, 1 − ε_lo, 1 + ε_hi))
         ℓ  = min(ℓ₁, −A c)  where A < 0 (dual clip, c = clip_ratio_c > 1), else ℓ₁
-    loss = agg_loss(ℓ, mask, loss_agg_mode); gradient flows to ``log_prob`` only.
+    loss = agg_loss(ℓ, mask, loss_agg_mode, loss_scale_factor); gradient flows to ``log_prob`` only.
+    This is ``policy_loss.loss_mode=vanilla``; the other modes are in :data:`POLICY_LOSSES`.
 
     Returns:
         (loss, stats) with 0-dim detached stats: ``pg_clipfrac`` (share of tokens where the clipped term
@@ -101,7 +84,7 @@ def policy_loss(
     loss_dual = -adv * clip_ratio_c
     negative = adv < 0
     per_token = torch.where(negative, torch.minimum(loss_ppo, loss_dual), loss_ppo)
-    loss = agg_loss(per_token, response_mask, loss_agg_mode)
+    loss = agg_loss(per_token, response_mask, loss_agg_mode, loss_scale_factor)
     with torch.no_grad():
         stats = {
             "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).to(dtype), response_mask),
@@ -109,6 +92,50 @@ def policy_loss(
             "pg_clipfrac_lower": masked_mean(((loss_ppo > loss_dual) & negative).to(dtype), response_mask),
         }
     return loss, stats
+
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "vanilla": policy_loss,
+    "gspo": policy_losses.gspo,
+    "clip_cov": policy_losses.clip_cov,
+    "kl_cov": policy_losses.kl_cov,
+    "gpg": policy_losses.gpg,
+    "geo_mean": policy_losses.geo_mean,
+}
+"""``actor_rollout_ref.actor.policy_loss.loss_mode`` → loss function. Every function takes
+``(old_log_prob, log_prob, advantages, response_mask, clip_ratio, clip_ratio_low, clip_ratio_high,
+clip_ratio_c, loss_agg_mode, loss_scale_factor)`` plus the keyword floats named in
+:data:`POLICY_LOSS_KEYS`, and returns ``(loss, {pg_clipfrac, ppo_kl, pg_clipfrac_lower})``."""
+
+POLICY_LOSS_KEYS: dict[str, tuple[str, ...]] = {
+    "vanilla": (),
+    "gspo": (),
+    "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
+    "gpg": (),
+    "geo_mean": (),
+}
+"""The ``actor_rollout_ref.actor.policy_loss.*`` keys each mode reads, passed as keyword floats."""
+
+_ROW_MEAN_LOSSES = ("geo_mean",)  # one term per row, averaged over all rows: ignores loss_agg_mode
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """Registry entry for ``loss_mode=name``; ValueError listing the valid names otherwise."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy_loss.loss_mode {name!r}; valid: {', '.join(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name]
+
+
+def policy_loss_agg_mode(loss_mode: str, loss_agg_mode: str) -> str:
+    """The aggregation the ``loss_mode`` policy loss really applies, as a ``loss_agg_mode`` name: what
+    gradient accumulation must weight its micro-batches by. ``geo_mean`` averages one term per row over
+    all rows, which micro-batches as ``seq-mean-token-sum`` (weight rows_m / rows); the others honour
+    ``loss_agg_mode``."""
+    get_policy_loss(loss_mode)
+    return "seq-mean-token-sum" if loss_mode in _ROW_MEAN_LOSSES else loss_agg_mode
 
 
 def value_loss(

@@ -21,7 +21,12 @@ ADV_ESTIMATORS = (
     "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "grpo_passk",
     "gpg", "optimal_token_baseline", "rloo_vectorized", "grpo_vectorized",
 )  # fmt: skip
-IMPLEMENTED_ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "remax")
+IMPLEMENTED_ADV_ESTIMATORS = (
+    "gae", "grpo", "rloo", "reinforce_plus_plus", "remax", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
+    "gpg",
+)  # fmt: skip
+# actor_rollout_ref.actor.policy_loss.loss_mode values klppo builds (klppo.algorithms.losses.POLICY_LOSSES)
+IMPLEMENTED_POLICY_LOSS_MODES = ("vanilla", "gspo", "clip_cov", "kl_cov", "gpg", "geo_mean")
 GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "opo", "rloo_vectorized", "grpo_vectorized")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 

@@ -7,6 +7,7 @@ from klppo.algorithms import (
     ADVANTAGE_ESTIMATORS,
     KL_KINDS,
     LOSS_AGG_MODES,
+    POLICY_LOSSES,
     FixedKLController,
     agg_loss,
     apply_kl_penalty,
@@ -54,6 +55,10 @@ def test_everything_finite(dtype: torch.dtype, mask_kind: str) -> None:
         loss, stats = policy_loss(rp, lp_g, x, m, loss_agg_mode=mode)
         (g,) = torch.autograd.grad(loss, lp_g)
         assert _finite(loss, g, *stats.values())
+        for name, fn in POLICY_LOSSES.items():
+            loss, stats = fn(rp, lp_g, x, m, loss_agg_mode=mode, loss_scale_factor=7.0)
+            (g,) = torch.autograd.grad(loss, lp_g)
+            assert _finite(loss, g, *stats.values()), (name, mode)
         vloss, vstats = value_loss(x, x * 0.5, x * 0.9, m, 0.5, mode)
         assert _finite(vloss, *vstats.values())
     assert _finite(masked_mean(x, m), masked_var(x, m), masked_whiten(x, m), explained_variance(x, x * 2, m))
