@@ -16,7 +16,7 @@ import functools
 from collections.abc import Callable
 
 from klppo.config._walk import all_keys
-from klppo.config.checks import IMPLEMENTED_ADV_ESTIMATORS, value_at
+from klppo.config.checks import IMPLEMENTED_ADV_ESTIMATORS, IMPLEMENTED_POLICY_LOSS_MODES, value_at
 from klppo.config.errors import ConfigError, notice
 from klppo.config.schema import KLPPOConfig
 
@@ -28,7 +28,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("*.ulysses_sequence_parallel_size", "refuse", "Ulysses sequence parallelism is not built yet"),
     ("*.lora_rank", "refuse", "LoRA is not built yet"),
     ("actor_rollout_ref.model.lora_adapter_path", "refuse", "LoRA is not built yet"),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode", "refuse", "only the vanilla (dual-clip PPO) loss is built"),
     ("*.optim.optimizer", "refuse", "only AdamW is built"),
     ("*.optim.override_optimizer_config", "refuse", "extra optimizer arguments are not passed yet"),
     ("actor_rollout_ref.ref.model", "refuse", "the reference is always the actor's initial weights"),
@@ -43,7 +42,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("data.sampler.*", "refuse", "custom samplers are not supported"),
     ("data.datagen.*", "refuse", "dynamic data generation is not supported"),
     ("actor_rollout_ref.model.external_lib", "refuse", "external model libraries are not imported"),
-    ("actor_rollout_ref.actor.loss_scale_factor", "refuse", "a constant loss divisor is not applied yet"),
     # speed or memory only: run with a notice
     ("actor_rollout_ref.rollout.tensor_model_parallel_size", "notice",
      "klppo's rollout runs data-parallel on each rank's gathered weights (no tensor parallelism): "
@@ -80,9 +78,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("*.entropy_from_logits_with_chunking", "warn", "entropy is computed by klppo.algorithms (memory-bounded)"),
     ("*.entropy_checkpointing", "warn", "not built"),
     ("actor_rollout_ref.actor.calculate_entropy", "warn", "entropy is always logged"),
-    ("actor_rollout_ref.actor.policy_loss.clip_cov_*", "warn", "clip-cov loss is not built"),
-    ("actor_rollout_ref.actor.policy_loss.kl_cov_ratio", "warn", "kl-cov loss is not built"),
-    ("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", "warn", "kl-cov loss is not built"),
     ("*.checkpoint.*", "warn", "checkpoints always hold model, optimizer and trainer state, written synchronously"),
     ("*.profiler.*", "warn", "per-role profiler options are not used"),
     ("global_profiler.*", "warn", "the profiler is not wired in yet"),
@@ -181,6 +176,15 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     est = cfg.algorithm.adv_estimator
     if est not in IMPLEMENTED_ADV_ESTIMATORS:
         problems.append(f"algorithm.adv_estimator={est!r}: built are {', '.join(IMPLEMENTED_ADV_ESTIMATORS)}")
+    if est == "grpo_passk" and cfg.actor_rollout_ref.rollout.n < 2:
+        problems.append("algorithm.adv_estimator='grpo_passk' compares the samples of a prompt: "
+                        "it needs actor_rollout_ref.rollout.n >= 2")  # fmt: skip
+    loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if loss_mode not in IMPLEMENTED_POLICY_LOSS_MODES:
+        problems.append(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r}: "
+            f"built are {', '.join(IMPLEMENTED_POLICY_LOSS_MODES)}"
+        )
     rm = cfg.reward_model
     if rm.enable and rm.strategy not in ("fsdp", "fsdp2"):
         problems.append(f"reward_model.strategy={rm.strategy!r}: the reward model runs with FSDP2 only")

@@ -1,11 +1,12 @@
 """The actor: the policy model, its optimizer, log-prob recomputation and the PPO policy update
-(clipped surrogate, optional KL loss toward the reference and entropy bonus). The update loop itself is
+(the ``policy_loss.loss_mode`` loss from ``klppo.algorithms.losses.POLICY_LOSSES``, optional KL loss
+toward the reference and entropy bonus). The update loop itself is
 :class:`klppo.roles.trained.TrainedRole`'s."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +32,9 @@ class ActorSettings:
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None  # constant divisor of seq-mean-token-sum-norm (all loss terms)
+    loss_mode: str = "vanilla"  # policy_loss.loss_mode: a key of klppo.algorithms.losses.POLICY_LOSSES
+    policy_loss_kwargs: dict[str, float] = field(default_factory=dict)  # policy_loss.* keys of the mode
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -54,7 +58,8 @@ class Actor(TrainedRole):
                 mini_batch_size=settings.mini_batch_size,
                 update_micro=settings.update_micro,
                 grad_clip=settings.grad_clip,
-                loss_agg_mode=settings.loss_agg_mode,
+                # micro-batches are weighted by the aggregation the policy loss really applies
+                loss_agg_mode=losses.policy_loss_agg_mode(settings.loss_mode, settings.loss_agg_mode),
                 shuffle=settings.shuffle,
                 seed=settings.seed,
             ),
@@ -103,7 +108,7 @@ class Actor(TrainedRole):
             return_logits=need_logits,
         )
         mask = mb.response_mask
-        pg_loss, pg_stats = losses.policy_loss(
+        pg_loss, pg_stats = losses.get_policy_loss(s.loss_mode)(
             old_log_prob=mb.old_log_probs,
             log_prob=log_prob,
             advantages=mb.advantages,
@@ -113,12 +118,14 @@ class Actor(TrainedRole):
             clip_ratio_high=s.clip_ratio_high,
             clip_ratio_c=s.clip_ratio_c,
             loss_agg_mode=s.loss_agg_mode,
+            loss_scale_factor=s.loss_scale_factor,
+            **s.policy_loss_kwargs,
         )
         loss = pg_loss
         stats = {"actor/pg_loss": pg_loss.detach()}
         stats.update({f"actor/{k}": v for k, v in pg_stats.items()})
         if entropy is not None:
-            entropy_loss = losses.agg_loss(entropy, mask, s.loss_agg_mode)
+            entropy_loss = losses.agg_loss(entropy, mask, s.loss_agg_mode, s.loss_scale_factor)
             loss = loss - s.entropy_coeff * entropy_loss
             stats["actor/entropy"] = entropy_loss.detach()
         if s.use_kl_loss:
@@ -128,7 +135,7 @@ class Actor(TrainedRole):
                 kl_mat = kl_mod.kl_penalty_full(logits, ref_logits, mask)
             else:
                 kl_mat = kl_mod.kl_penalty(log_prob, mb.ref_log_probs, s.kl_loss_type)
-            kl_loss = losses.agg_loss(kl_mat, mask, s.loss_agg_mode)
+            kl_loss = losses.agg_loss(kl_mat, mask, s.loss_agg_mode, s.loss_scale_factor)
             loss = loss + s.kl_loss_coef * kl_loss
             stats["actor/kl_loss"] = kl_loss.detach()
             stats["actor/kl_coef"] = s.kl_loss_coef

@@ -67,6 +67,7 @@ def build_actor(
     hf_assets: HFAssets,
 ):
     """The policy: ``fsdp_config.model_dtype`` master weights (fp32 by default), FSDP2, AdamW."""
+    from klppo.algorithms.losses import POLICY_LOSS_KEYS, get_policy_loss
     from klppo.roles.actor import Actor, ActorSettings
 
     arr = cfg.actor_rollout_ref
@@ -74,6 +75,8 @@ def build_actor(
     model = load_policy_model(cfg, model_path, to_dtype(acfg.fsdp_config.model_dtype), device, train=True)
     hf_assets["actor"] = hf_writer(model, tokenizer)
     shard(model, acfg.fsdp_config, device)
+    loss_mode = acfg.policy_loss.loss_mode
+    get_policy_loss(loss_mode)  # ValueError naming the built modes
     actor = Actor(
         model,
         ActorSettings(
@@ -95,6 +98,9 @@ def build_actor(
             clip_ratio_high=acfg.clip_ratio_high,
             clip_ratio_c=float(acfg.clip_ratio_c),
             loss_agg_mode=acfg.loss_agg_mode,
+            loss_scale_factor=None if acfg.loss_scale_factor is None else float(acfg.loss_scale_factor),
+            loss_mode=loss_mode,
+            policy_loss_kwargs={k: float(getattr(acfg.policy_loss, k)) for k in POLICY_LOSS_KEYS[loss_mode]},
             entropy_coeff=float(acfg.entropy_coeff),
             use_kl_loss=bool(acfg.use_kl_loss),
             kl_loss_coef=float(acfg.kl_loss_coef),

@@ -324,3 +324,19 @@ def test_config_lists_match_the_registries() -> None:
 
     assert set(IMPLEMENTED_ADV_ESTIMATORS) == set(ADVANTAGE_ESTIMATORS)
     assert set(IMPLEMENTED_POLICY_LOSS_MODES) == set(POLICY_LOSSES)
+
+
+def test_train_refuses_unbuilt_loss_modes_and_passk_without_groups() -> None:
+    from klppo.config import ConfigError, load_config
+    from klppo.config.unimplemented import check_trainable
+
+    quiet = {"notify": lambda _m: None}
+    for mode in POLICY_LOSSES:
+        cfg = load_config([f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"], **quiet)
+        check_trainable(cfg, **quiet)
+    check_trainable(load_config(["actor_rollout_ref.actor.loss_scale_factor=512"], **quiet), **quiet)
+    with pytest.raises(ConfigError, match="loss_mode='sapo': built are vanilla"):
+        check_trainable(load_config(["actor_rollout_ref.actor.policy_loss.loss_mode=sapo"], **quiet), **quiet)
+    passk = ["algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.rollout.n=1"]
+    with pytest.raises(ConfigError, match="rollout.n >= 2"):
+        check_trainable(load_config(passk, **quiet), **quiet)

@@ -76,6 +76,43 @@ CASES = {
         "actor_rollout_ref.model.use_remove_padding=False",
         "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
     ],
+    "reinforce_pp_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
+    "opo": ["algorithm.adv_estimator=opo"],
+    "grpo_passk": ["algorithm.adv_estimator=grpo_passk", "algorithm.norm_adv_by_std_in_grpo=False"],
+    "gpg_estimator_gpg_loss": [
+        "algorithm.adv_estimator=gpg",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gpg",
+    ],
+    "gspo_loss": [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+        "actor_rollout_ref.actor.clip_ratio_low=0.0003",
+        "actor_rollout_ref.actor.clip_ratio_high=0.0004",
+    ],
+    "clip_cov_loss": [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+        "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.2",
+        "actor_rollout_ref.actor.policy_loss.clip_cov_lb=0.0",
+    ],
+    "kl_cov_loss_kl_loss": [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov",
+        "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.1",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+    ],
+    "geo_mean_loss_entropy": [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+    ],
+    "loss_scale_factor_sum_norm": [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+        "actor_rollout_ref.actor.loss_scale_factor=64",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+    ],
 }
 
 
