@@ -59,7 +59,7 @@ def gspo(
         s_it = exp(min(sg[log s_i] + log π_it − sg[log π_it], 10))      (value s_i, gradient s_i ∇log π_it)
         ℓ_it = max(−A_it s_it, −A_it clip(s_it, 1 − ε_lo, 1 + ε_hi))   (no dual clip)
     loss = agg_loss(ℓ, m, loss_agg_mode, loss_scale_factor). The GSPO paper, and some verl versions,
-    always aggregate with ``seq-mean-token-mean``; verl 0.9 honours ``loss_agg_mode`` as here: set
+    always aggregate with ``seq-mean-token-mean``; others (0.9.x) honour ``loss_agg_mode``, as here: set
     ``loss_agg_mode=seq-mean-token-mean`` for the paper's objective. ``clip_ratio_c`` is unused.
     Stats: ``pg_clipfrac`` (share of tokens where the clipped term is larger), ``ppo_kl`` (token-mean of
     log π_old − log π), ``pg_clipfrac_lower`` = 0.
