@@ -27,7 +27,16 @@ IMPLEMENTED_ADV_ESTIMATORS = (
 )  # fmt: skip
 # actor_rollout_ref.actor.policy_loss.loss_mode values klppo builds (klppo.algorithms.losses.POLICY_LOSSES)
 IMPLEMENTED_POLICY_LOSS_MODES = ("vanilla", "gspo", "clip_cov", "kl_cov", "gpg", "geo_mean")
-GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_passk", "opo", "rloo_vectorized", "grpo_vectorized")
+GROUP_ESTIMATORS = (
+    "grpo",
+    "rloo",
+    "grpo_passk",
+    "opo",
+    "rloo_vectorized",
+    "grpo_vectorized",
+    "reinforce_plus_plus_baseline",
+    "gpg",
+)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -129,7 +138,8 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     if est in GROUP_ESTIMATORS and n_samples == 1:
         notify(
             f"algorithm.adv_estimator={est} with actor_rollout_ref.rollout.n=1: every group has one response, "
-            "so all advantages are 0 and the policy does not learn; set rollout.n ≥ 2"
+            "so the group baseline is 0 (as in verl) and the advantages are the raw scores, without the "
+            "variance reduction the estimator exists for; set rollout.n ≥ 2"
         )
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         notify("both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL is penalized twice")

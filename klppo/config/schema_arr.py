@@ -40,10 +40,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    loss_mode: str = F("vanilla", "vanilla (clipped PPO, dual-clip) | clip-cov | kl-cov | gpg | gspo ...")
-    clip_cov_ratio: float = F(0.0002, "clip-cov: fraction of tokens clipped.")
-    clip_cov_lb: float = F(1.0, "clip-cov: lower bound.")
-    clip_cov_ub: float = F(5.0, "clip-cov: upper bound.")
+    loss_mode: str = F(
+        "vanilla", "vanilla (clipped PPO, dual-clip) | gspo | clip_cov | kl_cov | gpg | geo_mean"
+    )
+    clip_cov_ratio: float = F(0.0002, "clip_cov: fraction of tokens clipped.")
+    clip_cov_lb: float = F(1.0, "clip_cov: lower bound.")
+    clip_cov_ub: float = F(5.0, "clip_cov: upper bound.")
     kl_cov_ratio: float = F(0.0002, "kl-cov: fraction of tokens penalized.")
     ppo_kl_coef: float = F(0.1, "kl-cov: coefficient.")
 
