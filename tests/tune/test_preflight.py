@@ -10,7 +10,16 @@ from klppo.tune.preflight import check_memory, predicted_peaks_gib
 from klppo.tune.shapes import load_model_config
 
 
-def test_peaks_grow_with_the_micro_batch_and_warn_past_the_device(caplog):
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_peaks_grow_with_the_micro_batch_and_warn_past_the_device():
     model = load_model_config("Qwen2.5-7B")
     small = load_config(
         [
@@ -32,7 +41,15 @@ def test_peaks_grow_with_the_micro_batch_and_warn_past_the_device(caplog):
     p_large = predicted_peaks_gib(large, model, world_size=8, device_gib=80)
     assert set(p_small) == {"rollout", "log_prob", "update"}
     assert p_large["update"] > p_small["update"] > 0
-    with caplog.at_level(logging.INFO, logger="klppo"):
+    logger, records = logging.getLogger("klppo"), _Records()
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
         check_memory(large, model, world_size=1, device_gib=24)  # a 7B model does not fit one 24 GiB GPU
-    assert "predicted peak memory per GPU" in caplog.text
-    assert "klppo tune" in caplog.text and "may run out of memory" in caplog.text
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    text = "\n".join(records.lines)
+    assert "predicted peak memory per GPU" in text
+    assert "klppo tune" in text and "may run out of memory" in text
