@@ -165,3 +165,27 @@ def test_validation_metrics_and_generation_log(tiny_model_dir, arithmetic_data, 
     assert all(0.0 <= r["val-core/openai/gsm8k/reward/mean@2"] <= 1.0 for r in val)
     logged = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
     assert len(logged) >= 2 and all("response" in json.dumps(entry) for entry in logged)
+
+
+def test_reward_model_scores_the_responses(tiny_model_dir, arithmetic_data, tmp_path):
+    """reward_model.enable: a sequence-classification model (its own directory and tokenizer) gives the
+    scores, on each response's last token; a different model gives different scores."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    rm_dir = tmp_path / "rm"
+    config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)
+    torch.manual_seed(1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(rm_dir)
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        "algorithm.adv_estimator=grpo",
+        "reward_model.enable=True",
+        f"reward_model.model.path={rm_dir}",
+    ]
+    _, parts = run_training(overrides)
+    (row,) = read_metrics(tmp_path / "run")
+    assert parts.reward.reward_model is not None
+    # a random head gives real-valued, non-constant scores (the rule reward would be 0/1)
+    assert row["critic/score/max"] > row["critic/score/min"]
+    assert row["critic/score/max"] not in (0.0, 1.0)
