@@ -56,20 +56,28 @@ class Reward:
         return place_scores(seq_scores, batch.response_mask), seq_scores, texts
 
     @torch.no_grad()
-    def _model_scores(self, batch: Batch, texts: list[str]) -> torch.Tensor:
-        """Re-tokenize (chat prompt + response) with the reward model's own template and score it."""
+    def _model_scores(self, batch: Batch, texts: list[str], micro_batch_size: int = 16) -> torch.Tensor:
+        """Re-tokenize (chat prompt + response) with the reward model's own template and score it, in
+        right-padded micro-batches (the model reads its score at the last non-pad token)."""
         tok = self.reward_tokenizer
         device = next(self.reward_model.parameters()).device
-        scores = []
+        chats = []
         for messages, response in zip(batch.raw_prompt, texts):
             chat = list(messages) + [{"role": "assistant", "content": response}]
             if getattr(tok, "chat_template", None):
-                text = tok.apply_chat_template(chat, tokenize=False)
+                chats.append(tok.apply_chat_template(chat, tokenize=False))
             else:
-                text = "\n".join(m["content"] for m in chat)
+                chats.append("\n".join(m["content"] for m in chat))
+        scores = []
+        for start in range(0, len(chats), micro_batch_size):
             enc = tok(
-                text, return_tensors="pt", truncation=self.max_length is not None, max_length=self.max_length
+                chats[start : start + micro_batch_size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                truncation=self.max_length is not None,
+                max_length=self.max_length,
             )
             out = self.reward_model(**{k: v.to(device) for k, v in enc.items()})
-            scores.append(float(out.logits[0, 0]))
-        return torch.tensor(scores, dtype=torch.float32)
+            scores.append(out.logits[:, 0].float().cpu())
+        return torch.cat(scores)

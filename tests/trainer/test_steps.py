@@ -189,3 +189,12 @@ def test_reward_model_scores_the_responses(tiny_model_dir, arithmetic_data, tmp_
     # a random head gives real-valued, non-constant scores (the rule reward would be 0/1)
     assert row["critic/score/max"] > row["critic/score/min"]
     assert row["critic/score/max"] not in (0.0, 1.0)
+
+    # micro-batched (right-padded) scoring equals scoring one sequence at a time
+    from klppo.batch import Batch
+
+    messages = [[{"role": "user", "content": "What is 1 plus 2?"}]] * 3
+    b = Batch(prompts=torch.zeros(3, 1, dtype=torch.long), prompt_mask=torch.ones(3, 1), raw_prompt=messages)
+    texts = ["The answer is 3", "3", "I think it is 12 plus 7 which is 19 #### 19"]
+    one_by_one = parts.reward._model_scores(b, texts, micro_batch_size=1)
+    assert torch.allclose(parts.reward._model_scores(b, texts), one_by_one, atol=1e-5)
