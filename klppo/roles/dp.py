@@ -26,11 +26,16 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 def all_reduce_max(value: int) -> int:
     """Largest ``value`` over all ranks."""
+    return int(all_reduce_max_values([float(value)])[0])
+
+
+def all_reduce_max_values(values: list[float]) -> list[float]:
+    """Element-wise largest of ``values`` over all ranks (one collective)."""
     if world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.long, device=_comm_device())
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return t.tolist()
 
 
 def all_gather_rows(t: torch.Tensor) -> torch.Tensor:

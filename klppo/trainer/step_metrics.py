@@ -48,8 +48,8 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
 def perf_metrics(
     batch: Batch, timings: dict[str, float], *, device: torch.device, model_config: Any, ppo_epochs: int
 ) -> dict[str, float]:
-    """Throughput (tokens/s per device), MFU of the actor update, and this rank's peak memory (the
-    allocator's peak is reset after reading, so each step reports its own)."""
+    """Throughput (tokens/s per device), MFU of the actor update, and the peak memory of the fullest rank
+    (the allocator's peak is reset after reading, so each step reports its own)."""
     step_s = timings["timing_s/step"]
     total_tokens = float(batch.attention_mask.sum())
     out = {
@@ -62,8 +62,12 @@ def perf_metrics(
     if mfu is not None:
         out["perf/mfu/actor"] = mfu
     if device.type == "cuda":
-        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-        out["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+        from klppo.roles.dp import all_reduce_max_values
+
+        allocated, reserved = all_reduce_max_values(
+            [torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30]
+        )
+        out["perf/max_memory_allocated_gb"], out["perf/max_memory_reserved_gb"] = allocated, reserved
         torch.cuda.reset_peak_memory_stats(device)
     return out
 
