@@ -103,7 +103,7 @@ class Actor(TrainedRole):
             self.model,
             mb,
             temperature=s.temperature,
-            calculate_entropy=s.entropy_coeff != 0,
+            calculate_entropy=True,  # the actor/entropy metric always; the bonus only with entropy_coeff
             use_remove_padding=s.use_remove_padding,
             return_logits=need_logits,
         )
@@ -124,10 +124,12 @@ class Actor(TrainedRole):
         loss = pg_loss
         stats = {"actor/pg_loss": pg_loss.detach()}
         stats.update({f"actor/{k}": v for k, v in pg_stats.items()})
-        if entropy is not None:
+        if s.entropy_coeff != 0:
             entropy_loss = losses.agg_loss(entropy, mask, s.loss_agg_mode, s.loss_scale_factor)
             loss = loss - s.entropy_coeff * entropy_loss
-            stats["actor/entropy"] = entropy_loss.detach()
+        else:
+            entropy_loss = losses.agg_loss(entropy.detach(), mask, s.loss_agg_mode, s.loss_scale_factor)
+        stats["actor/entropy"] = entropy_loss.detach()
         if s.use_kl_loss:
             if need_logits:
                 with torch.no_grad():

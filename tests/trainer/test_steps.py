@@ -19,6 +19,7 @@ REQUIRED = [
     "actor/ppo_kl",
     "actor/pg_clipfrac",
     "actor/grad_norm",
+    "actor/entropy",
     "actor/lr",
     "response_length/mean",
     "response_length/max",
