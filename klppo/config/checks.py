@@ -38,6 +38,8 @@ GROUP_ESTIMATORS = (
     "gpg",
 )
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# reward_model.reward_manager values klppo.rewards.RewardManager builds (klppo.rewards.REWARD_MANAGERS)
+IMPLEMENTED_REWARD_MANAGERS = ("naive", "batch", "dapo")
 
 _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("algorithm.adv_estimator", ADV_ESTIMATORS),

@@ -16,7 +16,12 @@ import functools
 from collections.abc import Callable
 
 from klppo.config._walk import all_keys
-from klppo.config.checks import IMPLEMENTED_ADV_ESTIMATORS, IMPLEMENTED_POLICY_LOSS_MODES, value_at
+from klppo.config.checks import (
+    IMPLEMENTED_ADV_ESTIMATORS,
+    IMPLEMENTED_POLICY_LOSS_MODES,
+    IMPLEMENTED_REWARD_MANAGERS,
+    value_at,
+)
 from klppo.config.errors import ConfigError, notice
 from klppo.config.schema import KLPPOConfig
 
@@ -36,7 +41,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.rollout.over_sample_rate", "refuse", "over-sampling is not built"),
     ("actor_rollout_ref.rollout.quantization", "refuse", "quantized rollout is not built"),
     ("algorithm.use_pf_ppo", "refuse", "PF-PPO reweighting is not built"),
-    ("reward_model.reward_manager", "refuse", "only the naive reward manager (one score per sample) is built"),
     ("data.tokenizer", "refuse", "the dataset always uses the model's tokenizer"),
     ("data.custom_cls.*", "refuse", "custom dataset classes are not supported"),
     ("data.sampler.*", "refuse", "custom samplers are not supported"),
@@ -186,6 +190,14 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
             f"built are {', '.join(IMPLEMENTED_POLICY_LOSS_MODES)}"
         )
     rm = cfg.reward_model
+    if rm.reward_manager not in IMPLEMENTED_REWARD_MANAGERS:
+        problems.append(
+            f"reward_model.reward_manager={rm.reward_manager!r}: built are {', '.join(IMPLEMENTED_REWARD_MANAGERS)}"
+        )
+    if rm.reward_manager == "batch" and not cfg.custom_reward_function.path:
+        problems.append(
+            "reward_model.reward_manager='batch' calls a batched custom_reward_function: set its path"
+        )
     if rm.enable and rm.strategy not in ("fsdp", "fsdp2"):
         problems.append(f"reward_model.strategy={rm.strategy!r}: the reward model runs with FSDP2 only")
     if problems:

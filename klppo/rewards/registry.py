@@ -95,10 +95,24 @@ def _as_float(value: Any) -> float:
     return float(value)
 
 
-class RewardManager:
-    """Scores responses row by row: the user's function when given, else the built-in registry.
+REWARD_MANAGERS = ("naive", "batch", "dapo")
 
-    ``reward_kwargs`` go to the custom function, or to each built-in scorer that accepts them (e.g.
+
+class RewardManager:
+    """Scores responses: the user's function when given, else the built-in registry by data source.
+
+    ``reward_manager`` (verl's ``reward_model.reward_manager``):
+
+    - ``naive``: one call per response.
+    - ``batch``: one call of the user's function for the whole batch, verl's batched signature
+      ``compute_score(data_sources, solution_strs, ground_truths, extra_infos, **reward_kwargs)`` returning a
+      list (of floats or dicts with ``score``).
+    - ``dapo``: as ``naive``, plus DAPO's soft overlong penalty (Yu et al. 2025) from ``reward_kwargs``
+      ``overlong_buffer_cfg: {enable, len, penalty_factor}`` and ``max_resp_len``: with
+      ``expected = max_resp_len − len``, a response of ``L`` tokens gets
+      ``min(−(L − expected) / len · penalty_factor, 0)`` added.
+
+    Other ``reward_kwargs`` go to the custom function, or to each built-in scorer that accepts them (e.g.
     ``method``/``format_score``/``score`` for GSM8K); a key that no built-in scorer accepts is an error.
     """
 
@@ -108,8 +122,27 @@ class RewardManager:
         custom_fn_path: str | None = None,
         custom_fn_name: str = "compute_score",
         reward_kwargs: dict | None = None,
+        reward_manager: str = "naive",
     ) -> None:
+        if reward_manager not in REWARD_MANAGERS:
+            raise ValueError(f"reward_manager={reward_manager!r}: built are {', '.join(REWARD_MANAGERS)}")
+        if reward_manager == "batch" and not custom_fn_path:
+            raise ValueError(
+                "reward_manager=batch needs custom_reward_function.path (a batched compute_score)"
+            )
+        self.reward_manager = reward_manager
         self.reward_kwargs = dict(reward_kwargs or {})
+        self.overlong = None
+        if reward_manager == "dapo":
+            cfg = dict(self.reward_kwargs.pop("overlong_buffer_cfg", None) or {})
+            max_resp_len = self.reward_kwargs.pop("max_resp_len", None)
+            if cfg.get("enable"):
+                if max_resp_len is None or not cfg.get("len"):
+                    raise ValueError(
+                        "reward_manager=dapo with overlong_buffer_cfg.enable needs "
+                        "reward_kwargs.max_resp_len and overlong_buffer_cfg.len"
+                    )
+                self.overlong = (int(max_resp_len), int(cfg["len"]), float(cfg.get("penalty_factor", 1.0)))
         self.custom_fn = load_custom_reward_fn(custom_fn_path, custom_fn_name) if custom_fn_path else None
         if self.custom_fn is None and self.reward_kwargs:
             accepted: set[str] = set()
@@ -135,20 +168,41 @@ class RewardManager:
         return _as_float(fn(response, ground_truth, **kwargs))
 
     def score(
-        self, responses: list[str], data_sources: list[str], ground_truths: list, extra_infos: list
+        self,
+        responses: list[str],
+        data_sources: list[str],
+        ground_truths: list,
+        extra_infos: list,
+        response_lengths: list[int] | None = None,
     ) -> list[float]:
-        """One float per response (lists aligned by row)."""
+        """One float per response (lists aligned by row); ``response_lengths`` (tokens) for ``dapo``."""
         if not (len(responses) == len(data_sources) == len(ground_truths) == len(extra_infos)):
             raise ValueError(
                 f"score(): lists differ in length: responses {len(responses)}, data_sources "
                 f"{len(data_sources)}, ground_truths {len(ground_truths)}, extra_infos {len(extra_infos)}"
             )
+        if self.reward_manager == "batch":
+            values = self.custom_fn(
+                data_sources=data_sources, solution_strs=responses, ground_truths=ground_truths,
+                extra_infos=extra_infos, **self.reward_kwargs,
+            )  # fmt: skip
+            if len(values) != len(responses):
+                raise ValueError(
+                    f"batched compute_score returned {len(values)} scores for {len(responses)} responses"
+                )
+            return [_as_float(v) for v in values]
         out = []
         for response, source, truth, extra in zip(responses, data_sources, ground_truths, extra_infos):
             if self.custom_fn is not None:
                 out.append(_as_float(self.custom_fn(source, response, truth, extra, **self.reward_kwargs)))
             else:
                 out.append(self._builtin(source, response, truth))
+        if self.overlong is not None:
+            if response_lengths is None:
+                raise ValueError("reward_manager=dapo with an overlong buffer needs the response lengths")
+            max_len, buffer_len, factor = self.overlong
+            expected = max_len - buffer_len
+            out = [r + min(-(n - expected) / buffer_len * factor, 0.0) for r, n in zip(out, response_lengths)]
         return out
 
 

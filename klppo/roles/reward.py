@@ -18,6 +18,7 @@ class Reward:
         custom_fn_path: str | None = None,
         custom_fn_name: str = "compute_score",
         reward_kwargs: dict | None = None,
+        reward_manager: str = "naive",
         reward_model: torch.nn.Module | None = None,
         reward_tokenizer=None,
         max_length: int | None = None,
@@ -29,6 +30,7 @@ class Reward:
             custom_fn_path=custom_fn_path,
             custom_fn_name=custom_fn_name,
             reward_kwargs=dict(reward_kwargs or {}),
+            reward_manager=reward_manager,
         )
         self.reward_model = reward_model
         self.reward_tokenizer = reward_tokenizer or tokenizer
@@ -48,8 +50,9 @@ class Reward:
         if self.reward_model is not None:
             seq_scores = self._model_scores(batch, texts)
         else:
+            lengths = [int(n) for n in batch.response_mask.sum(dim=1).tolist()]
             seq_scores = torch.tensor(
-                self.manager.score(texts, batch.data_source, batch.ground_truth, batch.extra_info),
+                self.manager.score(texts, batch.data_source, batch.ground_truth, batch.extra_info, lengths),
                 dtype=torch.float32,
             )
         seq_scores = seq_scores.to(batch.response_mask.device)

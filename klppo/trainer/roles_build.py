@@ -225,6 +225,7 @@ def build_reward(cfg: Any, tokenizer: Any, device: torch.device):
         custom_fn_path=crf.path,
         custom_fn_name=crf.name or "compute_score",
         reward_kwargs=dict(rm.reward_kwargs or {}),
+        reward_manager=rm.reward_manager,
         reward_model=reward_model,
         reward_tokenizer=reward_tokenizer,
         max_length=rm.max_length,

@@ -82,3 +82,28 @@ def test_place_scores_matches_loop_reference():
     assert out[0].abs().sum() == 0  # empty response → all-zero row
     with pytest.raises(ValueError):
         place_scores(scores[:3], mask)
+
+
+def test_batch_and_dapo_reward_managers(tmp_path):
+    from klppo.rewards import RewardManager
+
+    fn = tmp_path / "batched.py"
+    fn.write_text(
+        "def compute_score(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):\n"
+        "    return [{'score': float(len(s)) + bonus} for s in solution_strs]\n"
+    )
+    batch = RewardManager(custom_fn_path=str(fn), reward_kwargs={"bonus": 0.5}, reward_manager="batch")
+    assert batch.score(["ab", "abcd"], ["x", "x"], [None, None], [{}, {}]) == [2.5, 4.5]
+    with pytest.raises(ValueError, match="needs custom_reward_function.path"):
+        RewardManager(reward_manager="batch")
+
+    # DAPO soft overlong penalty: max 20 tokens, buffer 8 → expected 12; L=16 → −(4/8)·1.0 = −0.5
+    kwargs = {"overlong_buffer_cfg": {"enable": True, "len": 8, "penalty_factor": 1.0}, "max_resp_len": 20}
+    dapo = RewardManager(reward_kwargs=kwargs, reward_manager="dapo")
+    answers = ["#### 7", "#### 7", "#### 3"]
+    got = dapo.score(answers, ["openai/gsm8k"] * 3, ["7", "7", "7"], [{}] * 3, [10, 16, 20])
+    assert got == pytest.approx([1.0, 0.5, -1.0])
+    with pytest.raises(ValueError, match="response lengths"):
+        dapo.score(answers, ["openai/gsm8k"] * 3, ["7"] * 3, [{}] * 3)
+    with pytest.raises(ValueError, match="built are"):
+        RewardManager(reward_manager="prime")

@@ -37,6 +37,13 @@ REQUIRED = [
 ]
 
 CASES = {
+    "dapo_reward_manager": [
+        "algorithm.adv_estimator=grpo",
+        "reward_model.reward_manager=dapo",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg={enable: True, len: 4, penalty_factor: 1.0}",
+        "+reward_model.reward_kwargs.max_resp_len=8",
+    ],
     "gae_kl_in_reward": [
         "algorithm.adv_estimator=gae",
         "algorithm.use_kl_in_reward=True",
