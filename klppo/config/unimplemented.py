@@ -75,8 +75,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("*.mixed_precision.buffer_dtype", "warn", "FSDP2's MixedPrecisionPolicy has no buffer dtype: buffers stay in model_dtype"),
     ("*.data_loader_seed", "warn", "mini-batch shuffling is seeded from trainer.seed"),
     ("data.validation_shuffle", "warn", "validation order does not change its metrics"),
-    ("trainer.rollout_data_dir", "warn", "rollout dumps are not written yet"),
-    ("trainer.validation_data_dir", "warn", "validation dumps are not written yet (see trainer.log_val_generations)"),
     ("trainer.max_critic_ckpt_to_keep", "warn", "the critic is kept with the actor's checkpoints"),
     ("*.use_torch_compile", "warn", "torch.compile of the log-prob helpers is not used"),
     ("*.entropy_from_logits_with_chunking", "warn", "entropy is computed by klppo.algorithms (memory-bounded)"),

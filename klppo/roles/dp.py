@@ -62,3 +62,13 @@ def _comm_device() -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def padded_share(batch):
+    """This rank's rows of ``batch`` when they may not divide evenly (validation): every rank gets
+    ceil(n / world) rows, the missing ones filled with copies of row 0, so every rank runs the same
+    collectives; returns (rows, number of real rows)."""
+    w, r, n = world_size(), rank(), len(batch)
+    per = -(-n // w)
+    real = list(range(min(r * per, n), min((r + 1) * per, n)))
+    return batch.select(real + [0] * (per - len(real))), len(real)

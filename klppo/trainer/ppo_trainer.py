@@ -24,7 +24,8 @@ from klppo.algorithms import advantages as adv
 from klppo.algorithms import kl as kl_mod
 from klppo.algorithms.losses import masked_mean
 from klppo.batch import Batch
-from klppo.roles.dp import all_gather_objects, all_gather_rows, all_reduce_sum, rank, world_size
+from klppo.roles.dp import all_gather_objects, all_gather_rows, all_reduce_sum, padded_share, rank, world_size
+from klppo.trainer.dumps import chat_text, dump_rollouts, dump_samples
 from klppo.trainer.setup import RunParts
 from klppo.trainer.step_metrics import batch_metrics, perf_metrics
 from klppo.trainer.timer import PhaseTimer
@@ -145,6 +146,8 @@ class PPOTrainer:
                     p.offload.load("actor_optim")
                     metrics.update(p.actor.update_policy(share, ref_logits_fn=p.ref_logits_fn))
                     p.offload.release("actor_optim")
+        if cfg.trainer.rollout_data_dir and rank() == 0:
+            dump_rollouts(cfg.trainer.rollout_data_dir, step, batch, p.tokenizer, p.reward)
         metrics.update(self._rollout_stats)
         metrics = self._reduce_rank_metrics(metrics)
         metrics.update(batch_metrics(batch))
@@ -295,35 +298,42 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        """Generate with ``val_kwargs`` on the validation set; mean score per data source."""
-        p = self.p
-        scores: list[float] = []
-        sources: list[str] = []
-        samples_logged: list[dict[str, Any]] = []
+        """Generate with ``val_kwargs`` on the validation set; mean score per data source. Samples go to
+        ``trainer.log_val_generations`` (the first N) and ``trainer.validation_data_dir`` (all)."""
+        p, tcfg = self.p, self.cfg.trainer
+        records: list[dict[str, Any]] = []
         n = p.val_sampling.n
         for prompts in p.val_loader:
             prompts = prompts.to(p.device)
             # every rank generates the same number of rows (collectives inside), padding rows are dropped
-            share, num_real = _padded_share(prompts)
-            local = self.generate(share, p.val_sampling, seed=self._seed(0))
-            keep = num_real * n
-            _, seq_scores, texts = p.reward.score(local.select(range(keep)))
-            local_result = (seq_scores.tolist(), local.data_source[:keep], texts, local.raw_prompt[:keep])
-            for s, src, texts, raw in all_gather_objects(local_result):
-                scores += s
-                sources += src
-                if len(samples_logged) < self.cfg.trainer.log_val_generations:
-                    samples_logged += [
-                        {"prompt": r, "response": t, "score": x} for r, t, x in zip(raw, texts, s)
-                    ]
+            share, num_real = padded_share(prompts)
+            local = self.generate(share, p.val_sampling, seed=self._seed(0)).select(range(num_real * n))
+            _, seq_scores, texts = p.reward.score(local)
+            mine = [
+                {"prompt": raw, "response": text, "score": score, "data_source": src, "ground_truth": truth}
+                for raw, text, score, src, truth in zip(
+                    local.raw_prompt, texts, seq_scores.tolist(), local.data_source, local.ground_truth
+                )
+            ]
+            records += [r for part in all_gather_objects(mine) for r in part]
         out: dict[str, float] = {}
-        for src in sorted(set(sources)):
-            vals = [s for s, d in zip(scores, sources) if d == src]
+        for src in sorted({r["data_source"] for r in records}):
+            vals = [r["score"] for r in records if r["data_source"] == src]
             out[f"val-core/{src}/reward/mean@{n}"] = sum(vals) / len(vals)
-        if samples_logged and rank() == 0:
-            p.generation_log.write(
-                self.state.global_step, samples_logged[: self.cfg.trainer.log_val_generations]
-            )
+        if rank() == 0:
+            step = self.state.global_step
+            if tcfg.log_val_generations > 0:
+                keys = ("prompt", "response", "score")
+                p.generation_log.write(
+                    step, [{k: r[k] for k in keys} for r in records[: tcfg.log_val_generations]]
+                )
+            if tcfg.validation_data_dir:
+                dump_samples(
+                    tcfg.validation_data_dir, step,
+                    inputs=[chat_text(r["prompt"]) for r in records], outputs=[r["response"] for r in records],
+                    scores=[r["score"] for r in records], ground_truths=[r["ground_truth"] for r in records],
+                    data_sources=[r["data_source"] for r in records],
+                )  # fmt: skip
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -390,12 +400,3 @@ class PPOTrainer:
         except ValueError:  # not the main thread (e.g. inside a test runner thread)
             pass
         return previous
-
-
-def _padded_share(prompts: Batch) -> tuple[Batch, int]:
-    """This rank's rows of ``prompts`` when they may not divide evenly (validation): every rank gets
-    ceil(n / world) rows, the missing ones filled with copies of row 0; returns (rows, number of real rows)."""
-    w, r, n = world_size(), rank(), len(prompts)
-    per = -(-n // w)
-    real = list(range(min(r * per, n), min((r + 1) * per, n)))
-    return prompts.select(real + [0] * (per - len(real))), len(real)

@@ -165,8 +165,15 @@ def test_validation_metrics_and_generation_log(tiny_model_dir, arithmetic_data, 
         "actor_rollout_ref.rollout.val_kwargs.n=2",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
         "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+        f"trainer.validation_data_dir={tmp_path / 'val_dumps'}",
     ]
     run_training(overrides)
+    # verl's dumps: one JSONL per step, every sample (4 prompts × n=2 in training; 8 × 2 in validation)
+    rollout_rows = [json.loads(x) for x in (tmp_path / "rollouts" / "2.jsonl").read_text().splitlines()]
+    assert len(rollout_rows) == 8 and {"input", "output", "score", "reward", "step"} <= set(rollout_rows[0])
+    val_rows = [json.loads(x) for x in (tmp_path / "val_dumps" / "0.jsonl").read_text().splitlines()]
+    assert len(val_rows) == 16 and "What is" in val_rows[0]["input"]
     rows = read_metrics(tmp_path)
     val = [r for r in rows if "val-core/openai/gsm8k/reward/mean@2" in r]
     assert [r["step"] for r in val] == [0, 2]  # before training, then after the last step
