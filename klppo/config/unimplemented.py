@@ -31,8 +31,8 @@ _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_
 UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     # changes results: refused by `klppo train`
     ("*.ulysses_sequence_parallel_size", "refuse", "Ulysses sequence parallelism is not built yet"),
-    ("*.lora_rank", "refuse", "LoRA is not built yet"),
-    ("actor_rollout_ref.model.lora_adapter_path", "refuse", "LoRA is not built yet"),
+    ("critic.model.lora_rank", "refuse", "LoRA is built for the actor only"),
+    ("actor_rollout_ref.model.lora_adapter_path", "refuse", "starting from a saved LoRA adapter is not built yet"),
     ("*.optim.optimizer", "refuse", "only AdamW is built"),
     ("*.optim.override_optimizer_config", "refuse", "extra optimizer arguments are not passed yet"),
     ("actor_rollout_ref.ref.model", "refuse", "the reference is always the actor's initial weights"),
@@ -68,10 +68,9 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.model.use_liger", "warn", "Liger kernels are not used"),
     ("actor_rollout_ref.model.use_fused_kernels", "warn", "fused kernels are not used"),
     ("actor_rollout_ref.model.fused_kernel_options", "warn", "fused kernels are not used"),
-    ("actor_rollout_ref.model.exclude_modules", "warn", "LoRA is not built yet"),
     ("critic.model.enable_activation_offload", "warn", "activation offload is not built"),
-    ("*.lora_alpha", "warn", "LoRA is not built yet"),
-    ("*.target_modules", "warn", "LoRA is not built yet"),
+    ("critic.model.lora_alpha", "warn", "LoRA is built for the actor only"),
+    ("critic.model.target_modules", "warn", "LoRA is built for the actor only"),
     ("*.mixed_precision.buffer_dtype", "warn", "FSDP2's MixedPrecisionPolicy has no buffer dtype: buffers stay in model_dtype"),
     ("*.data_loader_seed", "warn", "mini-batch shuffling is seeded from trainer.seed"),
     ("data.validation_shuffle", "warn", "validation order does not change its metrics"),
@@ -187,6 +186,14 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
             f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r}: "
             f"built are {', '.join(IMPLEMENTED_POLICY_LOSS_MODES)}"
         )
+    actor = cfg.actor_rollout_ref.actor
+    if (
+        cfg.actor_rollout_ref.model.lora_rank > 0
+        and actor.use_kl_loss
+        and actor.kl_loss_type.startswith("full")
+    ):
+        problems.append("kl_loss_type='full' with LoRA is not built (the reference is the actor with its "
+                        "adapters off); use low_var_kl, kl or mse")  # fmt: skip
     rm = cfg.reward_model
     if rm.reward_manager not in IMPLEMENTED_REWARD_MANAGERS:
         problems.append(

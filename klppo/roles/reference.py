@@ -16,15 +16,33 @@ class Reference:
         micro: MicroBatching,
         temperature: float = 1.0,
         use_remove_padding: bool = False,
+        adapters_off: bool = False,
     ) -> None:
-        self.model = model.eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        """``adapters_off``: ``model`` is the LoRA actor itself, run with its adapters disabled (shared,
+        so it is neither frozen nor switched to eval mode here)."""
+        self.model = model
+        self.adapters_off = adapters_off
+        if not adapters_off:
+            self.model.eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
         self.micro = micro
         self.temperature = temperature
         self.use_remove_padding = use_remove_padding
 
+    def _context(self):
+        from contextlib import nullcontext
+
+        from klppo.models.lora import adapters_disabled
+
+        return adapters_disabled(self.model) if self.adapters_off else nullcontext()
+
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        with self._context():
+            return self._log_probs(batch)
+
+    def _log_probs(self, batch: Batch) -> torch.Tensor:
+        self.model.eval()
         return no_grad_pass(
             batch,
             self.micro,

@@ -32,8 +32,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a wrapper (a LoRA ``PeftModel`` with merged adapters), else ``model``."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
 def unsupported_reason(model: torch.nn.Module, max_len: int) -> str | None:
     """Why the engine cannot run ``model`` for sequences of ``max_len`` tokens; None if it can."""
+    model = base_model(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -99,6 +106,7 @@ class LlamaWeights:
 
     @staticmethod
     def read(model: torch.nn.Module) -> LlamaWeights:
+        model = base_model(model)
         config = model.config
         inner = model.model
         layers = []

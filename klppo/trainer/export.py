@@ -27,7 +27,16 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, role: str = 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     model = auto.from_config(config, dtype=dtype)
+    lora = (hf_dir / "adapter_config.json").exists()
+    if lora:  # trained with LoRA: rebuild the same adapters, load, and fold them into the weights
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig.from_pretrained(hf_dir))
     load_model_and_optimizer(ckpt_dir / role, model, None)
+    if lora:
+        from klppo.models.lora import merge_into_base
+
+        model = merge_into_base(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)

@@ -173,11 +173,11 @@ class PPOTrainer:
         p.offload.load("actor")
         params = replace(sampling, seed=seed)
         start = time.perf_counter()
-        with p.gather_weights():
+        with p.gather_weights() as model:
             if p.device.type == "cuda":
                 torch.cuda.synchronize(p.device)
             gather_s = time.perf_counter() - start
-            out = p.rollout.generate(p.actor.model, prompts.prompts, prompts.prompt_mask, params)
+            out = p.rollout.generate(model, prompts.prompts, prompts.prompt_mask, params)
         self._rollout_stats = {
             "timing_s/update_weights": gather_s,
             **(getattr(p.rollout, "last_stats", None) or {}),

@@ -74,6 +74,17 @@ def build_actor(
     acfg, rcfg = arr.actor, arr.rollout
     model = load_policy_model(cfg, model_path, to_dtype(acfg.fsdp_config.model_dtype), device, train=True)
     hf_assets["actor"] = hf_writer(model, tokenizer)
+    if arr.model.lora_rank > 0:
+        from klppo.models.lora import apply_lora
+
+        model = apply_lora(
+            model,
+            rank=arr.model.lora_rank,
+            alpha=arr.model.lora_alpha,
+            target_modules=arr.model.target_modules,
+            exclude_modules=arr.model.exclude_modules,
+        )
+        hf_assets["actor"] = hf_writer(model, tokenizer)
     shard(model, acfg.fsdp_config, device)
     loss_mode = acfg.policy_loss.loss_mode
     get_policy_loss(loss_mode)  # ValueError naming the built modes
@@ -119,13 +130,26 @@ def build_actor(
     return actor
 
 
-def build_reference(cfg: Any, sizes: Any, model_path: str, *, device: torch.device, offload: Offload):
-    """The frozen initial policy; None when neither KL in the reward nor a KL loss needs it."""
+def build_reference(
+    cfg: Any, sizes: Any, model_path: str, *, device: torch.device, offload: Offload, actor: Any = None
+):
+    """The frozen initial policy; None when neither KL in the reward nor a KL loss needs it. With LoRA,
+    the actor's own model with its adapters off (no second model)."""
     from klppo.roles.reference import Reference
 
     arr = cfg.actor_rollout_ref
     if not (cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss):
         return None
+    micro_ref = micro(sizes.ref_log_prob_micro_batch_size_per_gpu, dynamic=arr.ref.log_prob_use_dynamic_bsz,
+                      max_tokens=arr.ref.log_prob_max_token_len_per_gpu)  # fmt: skip
+    if arr.model.lora_rank > 0:
+        return Reference(
+            actor.model,
+            micro=micro_ref,
+            temperature=rollout_temperature(cfg),
+            use_remove_padding=bool(arr.model.use_remove_padding),
+            adapters_off=True,
+        )
     # on CPU every role keeps fp32 weights: bf16 matmuls there are slow and would put a rounding KL
     # between the actor and its reference from the first step
     dtype = (
@@ -254,11 +278,15 @@ def load_policy_model(cfg: Any, path: str, dtype: torch.dtype, device: torch.dev
 
 def shard(model: torch.nn.Module, fsdp_cfg: Any, device: torch.device) -> None:
     """FSDP2 over all ranks (or HSDP groups of ``fsdp_size``); logs the units chosen."""
+    from klppo.models.lora import is_lora
     from klppo.parallel.fsdp import build_mesh, shard_model
     from klppo.roles.dp import world_size
 
     settings = fsdp_settings(fsdp_cfg, device=device)
-    shard_model(model, settings, build_mesh(world_size(), settings.fsdp_size, device.type))
+    # with LoRA the FSDP root is the Hugging Face model inside the PeftModel: generate() and the adapter
+    # wrappers call it directly, and FSDP2 needs every forward to enter through its root
+    root = model.get_base_model() if is_lora(model) else model
+    shard_model(root, settings, build_mesh(world_size(), settings.fsdp_size, device.type))
 
 
 def hf_writer(model: torch.nn.Module, tokenizer: Any) -> Callable[[Path], None]:
@@ -266,9 +294,13 @@ def hf_writer(model: torch.nn.Module, tokenizer: Any) -> Callable[[Path], None]:
     config = model.config
     generation_config = getattr(model, "generation_config", None)
 
+    peft_config = getattr(model, "peft_config", None)
+
     def write(path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(path)
+        if peft_config:  # LoRA: the adapter layout, so `klppo export` can rebuild and merge
+            peft_config["default"].save_pretrained(path)
         if generation_config is not None:
             generation_config.save_pretrained(path)
         tokenizer.save_pretrained(path)

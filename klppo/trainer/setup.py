@@ -3,6 +3,7 @@ reward, KL controller, trackers and the run directory. Nothing here runs a train
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,11 +50,20 @@ class RunParts:
             roles["critic"] = self.critic
         return roles
 
+    @contextlib.contextmanager
     def gather_weights(self):
-        """Context in which the actor's full weights are materialized for the rollout engine."""
+        """The model the rollout engine runs on: the actor with its full weights gathered (FSDP2 unshard in
+        place), and with LoRA the base model with the adapters merged (restored afterwards)."""
+        from klppo.models.lora import is_lora, merged_for_rollout
         from klppo.parallel.fsdp import gathered_params
 
-        return gathered_params(self.actor.model)
+        model = self.actor.model
+        with gathered_params(model):
+            if is_lora(model):
+                with merged_for_rollout(model) as merged:
+                    yield merged
+            else:
+                yield model
 
     @property
     def ref_logits_fn(self):
@@ -166,7 +176,7 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
 
     role_args = dict(device=device, total_steps=total_steps, offload=offload, hf_assets=hf_assets)
     actor = build_actor(cfg, sizes, model_path, tokenizer, **role_args)
-    reference = build_reference(cfg, sizes, model_path, device=device, offload=offload)
+    reference = build_reference(cfg, sizes, model_path, device=device, offload=offload, actor=actor)
     critic = build_critic(cfg, sizes, model_path, tokenizer, **role_args)
     reward = build_reward(cfg, tokenizer, device)
     rollout = make_rollout(

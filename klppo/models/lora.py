@@ -1,0 +1,84 @@
+"""LoRA for the actor (verl's ``actor_rollout_ref.model.lora_rank/lora_alpha/target_modules/
+exclude_modules``), through the `peft` library.
+
+- The base weights are frozen; only the adapters train (and are what the optimizer holds).
+- The reference policy is the same model with its adapters switched off (no second model in memory).
+- Rollout runs on merged weights: inside the gathered-weights context the adapters are merged into the
+  base weights, the engine reads the plain base model, and the base weights are then restored exactly
+  from a copy (not by subtracting, which would drift by rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "actor_rollout_ref.model.lora_rank > 0 needs the `peft` package: pip install 'klppo[lora]'"
+        ) from exc
+    return peft
+
+
+def apply_lora(
+    model: torch.nn.Module, *, rank: int, alpha: float, target_modules: Any, exclude_modules: Any = None
+):
+    """Wrap ``model`` with LoRA adapters (B = 0 at start, so the wrapped model computes what it did)."""
+    peft = _peft()
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    config = peft.LoraConfig(
+        r=int(rank),
+        lora_alpha=float(alpha),
+        target_modules=targets,
+        exclude_modules=None
+        if exclude_modules is None
+        else (exclude_modules if isinstance(exclude_modules, str) else list(exclude_modules)),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(model, config)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+@contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """The base model's behaviour (the reference policy) for the duration of the block."""
+    with model.disable_adapter():
+        yield
+
+
+@contextmanager
+def merged_for_rollout(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Yield ``model`` with the adapters merged into its (gathered) base weights — merged layers skip the
+    adapter path, so a forward computes the merged model; the engine reads the base weights through
+    ``get_base_model()``. The base weights are restored from a copy afterwards."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    saved = [layer.get_base_layer().weight.detach().clone() for layer in layers]
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                layer.merge()
+        yield model
+    finally:
+        with torch.no_grad():
+            for layer, weight in zip(layers, saved):
+                layer.get_base_layer().weight.copy_(weight)
+                layer.merged_adapters = []  # the copy above undid the merge
+
+
+def merge_into_base(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain model with the adapters folded into the weights (for export)."""
+    return model.merge_and_unload()
