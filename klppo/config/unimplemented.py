@@ -31,8 +31,6 @@ _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_
 UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     # changes results: refused by `klppo train`
     ("*.ulysses_sequence_parallel_size", "refuse", "Ulysses sequence parallelism is not built yet"),
-    ("critic.model.lora_rank", "refuse", "LoRA is built for the actor only"),
-    ("actor_rollout_ref.model.lora_adapter_path", "refuse", "starting from a saved LoRA adapter is not built yet"),
     ("*.optim.optimizer", "refuse", "only AdamW is built"),
     ("*.optim.override_optimizer_config", "refuse", "extra optimizer arguments are not passed yet"),
     ("actor_rollout_ref.ref.model", "refuse", "the reference is always the actor's initial weights"),
@@ -69,8 +67,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.model.use_fused_kernels", "warn", "fused kernels are not used"),
     ("actor_rollout_ref.model.fused_kernel_options", "warn", "fused kernels are not used"),
     ("critic.model.enable_activation_offload", "warn", "activation offload is not built"),
-    ("critic.model.lora_alpha", "warn", "LoRA is built for the actor only"),
-    ("critic.model.target_modules", "warn", "LoRA is built for the actor only"),
     ("*.mixed_precision.buffer_dtype", "warn", "FSDP2's MixedPrecisionPolicy has no buffer dtype: buffers stay in model_dtype"),
     ("*.data_loader_seed", "warn", "mini-batch shuffling is seeded from trainer.seed"),
     ("data.validation_shuffle", "warn", "validation order does not change its metrics"),

@@ -28,21 +28,35 @@ def _peft():
 
 
 def apply_lora(
-    model: torch.nn.Module, *, rank: int, alpha: float, target_modules: Any, exclude_modules: Any = None
+    model: torch.nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    target_modules: Any,
+    exclude_modules: Any = None,
+    adapter_path: str | None = None,
+    task_type: str = "CAUSAL_LM",
+    modules_to_save: list[str] | None = None,
 ):
-    """Wrap ``model`` with LoRA adapters (B = 0 at start, so the wrapped model computes what it did)."""
+    """Wrap ``model`` with LoRA adapters (B = 0 at start, so the wrapped model computes what it did), or
+    with the trainable adapter saved at ``adapter_path`` (verl's ``lora_adapter_path``).
+    ``modules_to_save``: whole modules trained alongside (the critic's value head)."""
     peft = _peft()
-    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    if adapter_path:
+        return peft.PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
+
+    def names(value: Any) -> Any:
+        return value if value is None or isinstance(value, str) else list(value)
+
     config = peft.LoraConfig(
         r=int(rank),
         lora_alpha=float(alpha),
-        target_modules=targets,
-        exclude_modules=None
-        if exclude_modules is None
-        else (exclude_modules if isinstance(exclude_modules, str) else list(exclude_modules)),
+        target_modules=names(target_modules),
+        exclude_modules=names(exclude_modules),
         lora_dropout=0.0,
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type=task_type,
+        modules_to_save=modules_to_save,
     )
     return peft.get_peft_model(model, config)
 

@@ -74,7 +74,7 @@ def build_actor(
     acfg, rcfg = arr.actor, arr.rollout
     model = load_policy_model(cfg, model_path, to_dtype(acfg.fsdp_config.model_dtype), device, train=True)
     hf_assets["actor"] = hf_writer(model, tokenizer)
-    if arr.model.lora_rank > 0:
+    if arr.model.lora_rank > 0 or arr.model.lora_adapter_path:
         from klppo.models.lora import apply_lora
 
         model = apply_lora(
@@ -83,6 +83,7 @@ def build_actor(
             alpha=arr.model.lora_alpha,
             target_modules=arr.model.target_modules,
             exclude_modules=arr.model.exclude_modules,
+            adapter_path=arr.model.lora_adapter_path,
         )
         hf_assets["actor"] = hf_writer(model, tokenizer)
     shard(model, acfg.fsdp_config, device)
@@ -142,7 +143,9 @@ def build_reference(
         return None
     micro_ref = micro(sizes.ref_log_prob_micro_batch_size_per_gpu, dynamic=arr.ref.log_prob_use_dynamic_bsz,
                       max_tokens=arr.ref.log_prob_max_token_len_per_gpu)  # fmt: skip
-    if arr.model.lora_rank > 0:
+    from klppo.models.lora import is_lora
+
+    if actor is not None and is_lora(actor.model):
         return Reference(
             actor.model,
             micro=micro_ref,
@@ -200,6 +203,18 @@ def build_critic(
     )
     enable_packed_attention(model)
     model = model.to(device)
+    if ccfg.model.lora_rank > 0:
+        from klppo.models.lora import apply_lora
+
+        # the backbone gets adapters; the value head ("score") trains in full
+        model = apply_lora(
+            model,
+            rank=ccfg.model.lora_rank,
+            alpha=ccfg.model.lora_alpha,
+            target_modules=ccfg.model.target_modules,
+            task_type="TOKEN_CLS",
+            modules_to_save=["score"],
+        )
     hf_assets["critic"] = hf_writer(model, tokenizer)
     shard(model, ccfg.model.fsdp_config, device)
     critic = Critic(

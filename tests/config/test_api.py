@@ -75,9 +75,7 @@ def test_check_trainable_refuses_result_changing_values_and_notes_speed_only(iss
         check_trainable(cfg, notify=notes.append)
     assert "ulysses_sequence_parallel_size=2" in str(e.value)
     assert any("tensor_model_parallel_size=2" in n for n in notes)
-    with pytest.raises(ConfigError, match="critic.model.lora_rank=8"):  # LoRA is built for the actor only
-        check_trainable(load_config(["critic.model.lora_rank=8"], **Q))
-    check_trainable(load_config(["actor_rollout_ref.model.lora_rank=8"], **Q))
+    check_trainable(load_config(["actor_rollout_ref.model.lora_rank=8", "critic.model.lora_rank=8"], **Q))
     with pytest.raises(ConfigError, match="adv_estimator='optimal_token_baseline'"):
         check_trainable(load_config(["algorithm.adv_estimator=optimal_token_baseline"], **Q))
     check_trainable(load_config([], **Q), notify=notes.append)  # defaults train

@@ -114,3 +114,51 @@ def test_rollout_on_merged_lora_equals_the_merged_model():
     reference = make_rollout("hf", eos_token_ids=[2], pad_token_id=2).generate(plain, prompts, mask, params)
     assert torch.equal(outputs["klppo"], reference.responses)
     assert torch.equal(outputs["hf"], reference.responses)
+
+
+def test_critic_lora_and_starting_from_a_saved_adapter(tiny_model_dir, arithmetic_data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from klppo.models.lora import apply_lora
+
+    # a saved adapter with non-zero B: the run must start from it (the actor differs from the reference)
+    torch.manual_seed(0)
+    seeded = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), rank=4, alpha=8,
+                        target_modules="all-linear")  # fmt: skip
+    for name, p in seeded.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.3)
+    seeded.save_pretrained(tmp_path / "adapter")
+
+    reward_fn = tmp_path / "reward.py"  # non-zero returns, so the critic gets a gradient
+    reward_fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+                         "    return 1.0 + len(solution_str) / 10.0\n")  # fmt: skip
+    run = tmp_path / "run"
+    overrides = (
+        base_overrides(tiny_model_dir, arithmetic_data, run)
+        + LORA
+        + [
+            f"custom_reward_function.path={reward_fn}",
+            f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'adapter'}",
+            "algorithm.adv_estimator=gae",
+            "critic.model.lora_rank=4",
+            "critic.model.lora_alpha=8",
+            "trainer.save_freq=1",
+            "trainer.total_training_steps=1",
+        ]
+    )
+    _, parts = run_training(overrides)
+    (row,) = read_metrics(run)
+    assert abs(row["actor/ref_kl_k1"]) > 1e-4  # the loaded adapter moved the policy away from the base
+    critic_trainable = {n for n, p in parts.critic.model.named_parameters() if p.requires_grad}
+    assert critic_trainable and all("lora_" in n or "score" in n for n in critic_trainable)
+    assert any("score" in n for n in critic_trainable)  # the value head trains in full
+    assert row["critic/grad_norm"] > 0
+
+    from klppo.trainer.export import main as export_main
+
+    assert export_main([str(run / "global_step_1"), str(tmp_path / "critic_hf"), "--role", "critic"]) == 0
+    from transformers import AutoModelForTokenClassification
+
+    exported = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic_hf")
+    assert not any("lora" in k for k in exported.state_dict())
