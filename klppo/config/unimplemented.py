@@ -31,9 +31,6 @@ _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_
 UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     # changes results: refused by `klppo train`
     ("*.ulysses_sequence_parallel_size", "refuse", "Ulysses sequence parallelism is not built yet"),
-    ("*.optim.optimizer", "refuse", "only AdamW is built"),
-    ("*.optim.override_optimizer_config", "refuse", "extra optimizer arguments are not passed yet"),
-    ("actor_rollout_ref.ref.model", "refuse", "the reference is always the actor's initial weights"),
     ("actor_rollout_ref.rollout.multi_turn.enable", "refuse", "multi-turn / tool rollout is not built"),
     ("actor_rollout_ref.rollout.skip_rollout", "refuse", "replaying dumped rollouts is not built"),
     ("actor_rollout_ref.rollout.over_sample_rate", "refuse", "over-sampling is not built"),
@@ -43,7 +40,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("data.custom_cls.*", "refuse", "custom dataset classes are not supported"),
     ("data.sampler.*", "refuse", "custom samplers are not supported"),
     ("data.datagen.*", "refuse", "dynamic data generation is not supported"),
-    ("actor_rollout_ref.model.external_lib", "refuse", "external model libraries are not imported"),
     # speed or memory only: run with a notice
     ("actor_rollout_ref.rollout.tensor_model_parallel_size", "notice",
      "klppo's rollout runs data-parallel on each rank's gathered weights (no tensor parallelism): "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,12 +25,36 @@ class OptimSettings:
     min_lr_ratio: float = 0.0
     num_cycles: float = 0.5
     total_steps: int = 1
+    optimizer: str = "AdamW"
+    """Class name in ``optimizer_impl`` (verl's ``optim.optimizer`` / ``optim.optimizer_impl``)."""
+    optimizer_impl: str = "torch.optim"
+    extra: tuple[tuple[str, Any], ...] = ()
+    """``optim.override_optimizer_config``: further keyword arguments of the optimizer class."""
 
 
 def build_optimizer(params, settings: OptimSettings) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (fused/foreach picked by torch)."""
+    """The configured optimizer (AdamW by default) over the trainable parameters.
+
+    ``betas`` are passed to optimizers that take them (Adam family); ``weight_decay`` to all that do.
+    """
+    import importlib
+    import inspect
+
     params = [p for p in params if p.requires_grad]
-    return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+    try:
+        cls = getattr(importlib.import_module(settings.optimizer_impl), settings.optimizer)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"optim.optimizer={settings.optimizer!r} not found in optim.optimizer_impl={settings.optimizer_impl!r}"
+        ) from exc
+    accepted = inspect.signature(cls).parameters
+    kwargs: dict[str, Any] = {"lr": settings.lr}
+    if "betas" in accepted:
+        kwargs["betas"] = settings.betas
+    if "weight_decay" in accepted:
+        kwargs["weight_decay"] = settings.weight_decay
+    kwargs.update(dict(settings.extra))
+    return cls(params, **kwargs)
 
 
 def lr_multiplier(step: int, settings: OptimSettings) -> float:

@@ -46,6 +46,9 @@ def optim_settings(optim_cfg: Any, total_steps: int) -> OptimSettings:
         min_lr_ratio=float(min_lr_ratio or 0.0),
         num_cycles=float(getattr(optim_cfg, "num_cycles", 0.5)),
         total_steps=max(1, total_steps),
+        optimizer=str(optim_cfg.optimizer),
+        optimizer_impl=str(optim_cfg.optimizer_impl),
+        extra=tuple(sorted(dict(optim_cfg.override_optimizer_config or {}).items())),
     )
 
 

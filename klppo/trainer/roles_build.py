@@ -141,35 +141,33 @@ def build_reference(
     arr = cfg.actor_rollout_ref
     if not (cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss):
         return None
-    micro_ref = micro(sizes.ref_log_prob_micro_batch_size_per_gpu, dynamic=arr.ref.log_prob_use_dynamic_bsz,
-                      max_tokens=arr.ref.log_prob_max_token_len_per_gpu)  # fmt: skip
     from klppo.models.lora import is_lora
 
-    if actor is not None and is_lora(actor.model):
-        return Reference(
-            actor.model,
-            micro=micro_ref,
-            temperature=rollout_temperature(cfg),
-            use_remove_padding=bool(arr.model.use_remove_padding),
-            adapters_off=True,
-        )
-    # on CPU every role keeps fp32 weights: bf16 matmuls there are slow and would put a rounding KL
-    # between the actor and its reference from the first step
-    dtype = (
-        to_dtype(arr.ref.fsdp_config.model_dtype, torch.bfloat16) if device.type == "cuda" else torch.float32
+    micro_ref = micro(
+        sizes.ref_log_prob_micro_batch_size_per_gpu,
+        dynamic=arr.ref.log_prob_use_dynamic_bsz,
+        max_tokens=arr.ref.log_prob_max_token_len_per_gpu,
     )
-    model = load_policy_model(cfg, model_path, dtype, device, train=False)
-    shard(model, arr.ref.fsdp_config, device)
-    reference = Reference(
-        model,
-        micro=micro(
-            sizes.ref_log_prob_micro_batch_size_per_gpu,
-            dynamic=arr.ref.log_prob_use_dynamic_bsz,
-            max_tokens=arr.ref.log_prob_max_token_len_per_gpu,
-        ),
+    settings = dict(
+        micro=micro_ref,
         temperature=rollout_temperature(cfg),
         use_remove_padding=bool(arr.model.use_remove_padding),
     )
+    if actor is not None and is_lora(actor.model):
+        return Reference(actor.model, adapters_off=True, **settings)
+    # on CPU every role keeps fp32 weights: bf16 matmuls there are slow and would put a rounding KL
+    # between the actor and its reference from the first step
+    dtype = torch.float32
+    if device.type == "cuda":
+        dtype = to_dtype(arr.ref.fsdp_config.model_dtype, torch.bfloat16)
+    ref_path = (arr.ref.model or {}).get("path")  # verl: a different reference model, else the actor's start
+    if ref_path:
+        from klppo.models.loading import model_dir
+
+        model_path = model_dir(ref_path)
+    model = load_policy_model(cfg, model_path, dtype, device, train=False)
+    shard(model, arr.ref.fsdp_config, device)
+    reference = Reference(model, **settings)
     if arr.ref.fsdp_config.param_offload:
         offload.register_params("ref", model)
     return reference
@@ -277,6 +275,10 @@ def load_policy_model(cfg: Any, path: str, dtype: torch.dtype, device: torch.dev
     from klppo.models.loading import load_causal_lm
 
     m = cfg.actor_rollout_ref.model
+    if m.external_lib:  # verl: a module that registers custom model classes with transformers
+        import importlib
+
+        importlib.import_module(m.external_lib)
     model = load_causal_lm(
         path,
         dtype=dtype,

@@ -213,3 +213,33 @@ def test_reward_model_scores_the_responses(tiny_model_dir, arithmetic_data, tmp_
     texts = ["The answer is 3", "3", "I think it is 12 plus 7 which is 19 #### 19"]
     one_by_one = parts.reward._model_scores(b, texts, micro_batch_size=1)
     assert torch.allclose(parts.reward._model_scores(b, texts), one_by_one, atol=1e-5)
+
+
+def test_optimizer_choice_reference_path_and_external_lib(
+    tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    import sys
+
+    import torch
+
+    from klppo.models.tiny import save_tiny_model_dir
+
+    other_ref = save_tiny_model_dir(tmp_path / "other_ref", seed=7)  # different weights, same tokenizer
+    lib = tmp_path / "libdir"
+    lib.mkdir()
+    (lib / "my_models_lib.py").write_text("IMPORTED = True\n")
+    monkeypatch.syspath_prepend(str(lib))
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.optim.optimizer=SGD",
+        "actor_rollout_ref.actor.optim.override_optimizer_config={momentum: 0.9}",
+        f"+actor_rollout_ref.ref.model={{path: {other_ref}}}",
+        "actor_rollout_ref.model.external_lib=my_models_lib",
+    ]
+    _, parts = run_training(overrides)
+    (row,) = read_metrics(tmp_path / "run")
+    opt = parts.actor.optimizer
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.9
+    assert abs(row["actor/ref_kl_k1"]) > 1e-3  # the reference is the other model, not the actor's start
+    assert "my_models_lib" in sys.modules
