@@ -127,6 +127,7 @@ class PPOTrainer:
                     p.offload.release("ref")
             if p.critic is not None:
                 with timer.phase("values"):
+                    p.offload.load("critic")
                     local.values = p.critic.compute_values(local)
             with timer.phase("reward"):
                 local.token_level_scores, _, _ = p.reward.score(local)
@@ -141,11 +142,13 @@ class PPOTrainer:
                     p.offload.load("critic_optim")
                     metrics.update(p.critic.update_critic(share))
                     p.offload.release("critic_optim")
+            p.offload.release("critic")
             if step > cfg.trainer.critic_warmup:
                 with timer.phase("update_actor"):
                     p.offload.load("actor_optim")
                     metrics.update(p.actor.update_policy(share, ref_logits_fn=p.ref_logits_fn))
                     p.offload.release("actor_optim")
+            p.offload.release("actor")  # param_offload: shards live on the host until the next rollout
         if cfg.trainer.rollout_data_dir and rank() == 0:
             dump_rollouts(cfg.trainer.rollout_data_dir, step, batch, p.tokenizer, p.reward)
         metrics.update(self._rollout_stats)
@@ -316,6 +319,7 @@ class PPOTrainer:
                 )
             ]
             records += [r for part in all_gather_objects(mine) for r in part]
+        p.offload.release("actor")
         out: dict[str, float] = {}
         for src in sorted({r["data_source"] for r in records}):
             vals = [r["score"] for r in records if r["data_source"] == src]

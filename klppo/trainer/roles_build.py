@@ -17,7 +17,7 @@ HFAssets = dict[str, Callable[[Path], None]]
 
 class Offload:
     """Moves a role's parameters / optimizer state to CPU while idle and back before use
-    (``param_offload`` / ``optimizer_offload``). Names: actor, ref, actor_optim, critic_optim."""
+    (``param_offload`` / ``optimizer_offload``). Names: actor, ref, critic, actor_optim, critic_optim."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -239,6 +239,8 @@ def build_critic(
         ),
         optim_settings(ccfg.optim, total_steps),
     )
+    if ccfg.model.fsdp_config.param_offload:
+        offload.register_params("critic", critic.model)
     if ccfg.model.fsdp_config.optimizer_offload:
         offload.register_optimizer("critic_optim", critic.optimizer)
     return critic

@@ -37,6 +37,16 @@ REQUIRED = [
 ]
 
 CASES = {
+    "gae_everything_offloaded": [
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+        "critic.model.fsdp_config.param_offload=True",
+        "critic.model.fsdp_config.optimizer_offload=True",
+        "trainer.save_freq=1",
+    ],
     "dapo_reward_manager": [
         "algorithm.adv_estimator=grpo",
         "reward_model.reward_manager=dapo",
