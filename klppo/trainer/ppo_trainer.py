@@ -74,6 +74,13 @@ class PPOTrainer:
         p, cfg = self.p, self.cfg
         self._maybe_resume()
         total = p.total_training_steps
+        if self.state.global_step >= total and rank() == 0:
+            log.warning(
+                "the run in %s already reached step %d of trainer.total_training_steps=%d (resumed from %s): "
+                "nothing to train. Raise total_training_steps/total_epochs to continue, or start over with "
+                "trainer.resume_mode=disable or another trainer.default_local_dir.",
+                p.run_dir, self.state.global_step, total, p.resume_path,
+            )  # fmt: skip
         p.tracker.set_total_steps(total)
         if self.state.global_step == 0 and cfg.trainer.val_before_train and p.val_loader is not None:
             p.tracker.log(self.validate(), step=0)
