@@ -146,6 +146,7 @@ def _write_error_file(e: BaseException, callstack: str) -> None:
 
 def _torchrun_main() -> int:
     """torchrun with its failure summary (root cause traceback) printed once, no launcher traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -154,6 +155,13 @@ def _torchrun_main() -> int:
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         return 1
+    except SignalException as e:  # the launcher itself was signalled (preemption, docker stop, Ctrl-C)
+        print(
+            f"klppo: stopped by signal {int(e.sigval)}; the ranks were told to finish their step and save a "
+            "checkpoint (within torchrun's grace period); run the same command to resume.",
+            file=sys.stderr,
+        )
+        return 128 + int(e.sigval)
     return 0
 
 
