@@ -27,7 +27,7 @@ from klppo.batch import Batch
 from klppo.roles.dp import all_gather_objects, all_gather_rows, all_reduce_sum, padded_share, rank, world_size
 from klppo.trainer.dumps import chat_text, dump_rollouts, dump_samples
 from klppo.trainer.setup import RunParts
-from klppo.trainer.step_metrics import batch_metrics, perf_metrics
+from klppo.trainer.step_metrics import batch_metrics, perf_metrics, validation_metrics
 from klppo.trainer.timer import PhaseTimer
 
 log = logging.getLogger("klppo")
@@ -320,17 +320,15 @@ class PPOTrainer:
             local = self.generate(share, p.val_sampling, seed=self._seed(0)).select(range(num_real * n))
             _, seq_scores, texts = p.reward.score(local)
             mine = [
-                {"prompt": raw, "response": text, "score": score, "data_source": src, "ground_truth": truth}
-                for raw, text, score, src, truth in zip(
-                    local.raw_prompt, texts, seq_scores.tolist(), local.data_source, local.ground_truth
+                {"prompt": raw, "response": text, "score": score, "data_source": src, "ground_truth": truth,
+                 "uid": uid}
+                for raw, text, score, src, truth, uid in zip(
+                    local.raw_prompt, texts, seq_scores.tolist(), local.data_source, local.ground_truth, local.uid
                 )
-            ]
+            ]  # fmt: skip
             records += [r for part in all_gather_objects(mine) for r in part]
         p.offload.release("actor")
-        out: dict[str, float] = {}
-        for src in sorted({r["data_source"] for r in records}):
-            vals = [r["score"] for r in records if r["data_source"] == src]
-            out[f"val-core/{src}/reward/mean@{n}"] = sum(vals) / len(vals)
+        out = validation_metrics(records, n)
         if rank() == 0:
             step = self.state.global_step
             if tcfg.log_val_generations > 0:

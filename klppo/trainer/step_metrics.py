@@ -87,3 +87,19 @@ def actor_mfu(
     lengths = [int(n) for n in batch.attention_mask.sum(dim=1).tolist()]
     flops = sum(model_flops_per_token(model_config, seq_len=n) * n for n in lengths) * ppo_epochs
     return flops / (seconds * peak * world_size())
+
+
+def validation_metrics(records: list[dict[str, Any]], n: int) -> dict[str, float]:
+    """Per data source: ``val-core/<ds>/reward/mean@n`` over all samples and, with n > 1 samples per prompt,
+    ``best@n`` / ``worst@n`` (mean over prompts of the best / worst of its n scores), verl's names."""
+    out: dict[str, float] = {}
+    for src in sorted({r["data_source"] for r in records}):
+        rows = [r for r in records if r["data_source"] == src]
+        out[f"val-core/{src}/reward/mean@{n}"] = sum(r["score"] for r in rows) / len(rows)
+        if n > 1:
+            groups: dict[Any, list[float]] = {}
+            for r in rows:
+                groups.setdefault(r["uid"], []).append(r["score"])
+            out[f"val-core/{src}/reward/best@{n}/mean"] = sum(max(g) for g in groups.values()) / len(groups)
+            out[f"val-core/{src}/reward/worst@{n}/mean"] = sum(min(g) for g in groups.values()) / len(groups)
+    return out

@@ -188,6 +188,12 @@ def test_validation_metrics_and_generation_log(tiny_model_dir, arithmetic_data, 
     val = [r for r in rows if "val-core/openai/gsm8k/reward/mean@2" in r]
     assert [r["step"] for r in val] == [0, 2]  # before training, then after the last step
     assert all(0.0 <= r["val-core/openai/gsm8k/reward/mean@2"] <= 1.0 for r in val)
+    for r in val:  # best of 2 ≥ mean ≥ worst of 2
+        best, worst = (
+            r["val-core/openai/gsm8k/reward/best@2/mean"],
+            r["val-core/openai/gsm8k/reward/worst@2/mean"],
+        )
+        assert best >= r["val-core/openai/gsm8k/reward/mean@2"] >= worst
     logged = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
     assert len(logged) >= 2 and all("response" in json.dumps(entry) for entry in logged)
 
@@ -253,3 +259,21 @@ def test_optimizer_choice_reference_path_and_external_lib(
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.9
     assert abs(row["actor/ref_kl_k1"]) > 1e-3  # the reference is the other model, not the actor's start
     assert "my_models_lib" in sys.modules
+
+
+def test_validation_metrics_by_hand():
+    from klppo.trainer.step_metrics import validation_metrics
+
+    records = [
+        {"data_source": "a", "uid": 0, "score": 1.0},
+        {"data_source": "a", "uid": 0, "score": 0.0},
+        {"data_source": "a", "uid": 1, "score": 0.0},
+        {"data_source": "a", "uid": 1, "score": 0.0},
+        {"data_source": "b", "uid": 2, "score": 0.5},
+        {"data_source": "b", "uid": 2, "score": 1.0},
+    ]
+    out = validation_metrics(records, 2)
+    assert out["val-core/a/reward/mean@2"] == 0.25
+    assert out["val-core/a/reward/best@2/mean"] == 0.5 and out["val-core/a/reward/worst@2/mean"] == 0.0
+    assert out["val-core/b/reward/best@2/mean"] == 1.0 and out["val-core/b/reward/worst@2/mean"] == 0.5
+    assert "val-core/a/reward/best@1/mean" not in validation_metrics(records, 1)
