@@ -15,7 +15,7 @@ from klppo.algorithms import losses
 from klppo.batch import Batch
 from klppo.roles.forward import MicroBatching, no_grad_pass, policy_forward
 from klppo.roles.optim import OptimSettings
-from klppo.roles.trained import TrainedRole, UpdateSettings
+from klppo.roles.trained import LossTerms, TrainedRole, UpdateSettings
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,6 @@ class Actor(TrainedRole):
                 mini_batch_size=settings.mini_batch_size,
                 update_micro=settings.update_micro,
                 grad_clip=settings.grad_clip,
-                # micro-batches are weighted by the aggregation the policy loss really applies
-                loss_agg_mode=losses.policy_loss_agg_mode(settings.loss_mode, settings.loss_agg_mode),
                 shuffle=settings.shuffle,
                 seed=settings.seed,
             ),
@@ -96,7 +94,9 @@ class Actor(TrainedRole):
         """
         return self.run_updates(batch, lambda mb: self._micro_loss(mb, ref_logits_fn))
 
-    def _micro_loss(self, mb: Batch, ref_logits_fn) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_loss(self, mb: Batch, ref_logits_fn) -> tuple[LossTerms, dict[str, float]]:
+        """The policy term (weighted by the aggregation its loss mode applies), the entropy bonus and the KL
+        loss (weighted by ``loss_agg_mode``), and the micro-batch's statistics."""
         s = self.settings
         need_logits = s.use_kl_loss and s.kl_loss_type == "full"
         log_prob, entropy, logits = policy_forward(
@@ -121,12 +121,12 @@ class Actor(TrainedRole):
             loss_scale_factor=s.loss_scale_factor,
             **s.policy_loss_kwargs,
         )
-        loss = pg_loss
+        terms: LossTerms = [(pg_loss, losses.policy_loss_agg_mode(s.loss_mode, s.loss_agg_mode))]
         stats = {"actor/pg_loss": pg_loss.detach()}
         stats.update({f"actor/{k}": v for k, v in pg_stats.items()})
         if s.entropy_coeff != 0:
             entropy_loss = losses.agg_loss(entropy, mask, s.loss_agg_mode, s.loss_scale_factor)
-            loss = loss - s.entropy_coeff * entropy_loss
+            terms.append((-s.entropy_coeff * entropy_loss, s.loss_agg_mode))
         else:
             entropy_loss = losses.agg_loss(entropy.detach(), mask, s.loss_agg_mode, s.loss_scale_factor)
         stats["actor/entropy"] = entropy_loss.detach()
@@ -138,7 +138,7 @@ class Actor(TrainedRole):
             else:
                 kl_mat = kl_mod.kl_penalty(log_prob, mb.ref_log_probs, s.kl_loss_type)
             kl_loss = losses.agg_loss(kl_mat, mask, s.loss_agg_mode, s.loss_scale_factor)
-            loss = loss + s.kl_loss_coef * kl_loss
+            terms.append((s.kl_loss_coef * kl_loss, s.loss_agg_mode))
             stats["actor/kl_loss"] = kl_loss.detach()
             stats["actor/kl_coef"] = s.kl_loss_coef
-        return loss, {k: float(v) for k, v in stats.items()}
+        return terms, {k: float(v) for k, v in stats.items()}

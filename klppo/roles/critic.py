@@ -10,7 +10,7 @@ from klppo.algorithms import losses
 from klppo.batch import Batch
 from klppo.roles.forward import MicroBatching, no_grad_pass, value_forward
 from klppo.roles.optim import OptimSettings
-from klppo.roles.trained import TrainedRole, UpdateSettings
+from klppo.roles.trained import LossTerms, TrainedRole, UpdateSettings
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,6 @@ class Critic(TrainedRole):
                 mini_batch_size=settings.mini_batch_size,
                 update_micro=settings.update_micro,
                 grad_clip=settings.grad_clip,
-                loss_agg_mode=settings.loss_agg_mode,
                 shuffle=settings.shuffle,
                 seed=settings.seed + 1,
             ),
@@ -64,7 +63,7 @@ class Critic(TrainedRole):
         """Clipped value regression; needs ``values`` (old), ``returns``, ``response_mask``."""
         return self.run_updates(batch, self._micro_loss)
 
-    def _micro_loss(self, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_loss(self, mb: Batch) -> tuple[LossTerms, dict[str, float]]:
         s = self.settings
         vpreds = value_forward(self.model, mb, use_remove_padding=s.use_remove_padding)
         loss, stats = losses.value_loss(
@@ -77,4 +76,4 @@ class Critic(TrainedRole):
         )
         micro_stats = {"critic/vf_loss": float(loss.detach())}
         micro_stats.update({f"critic/{k}": float(v) for k, v in stats.items()})
-        return loss, micro_stats
+        return [(loss, s.loss_agg_mode)], micro_stats

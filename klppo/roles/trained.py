@@ -21,7 +21,9 @@ from klppo.roles.forward import MicroBatching, iter_micro
 from klppo.roles.metrics import MetricAccumulator
 from klppo.roles.optim import OptimSettings, build_optimizer, build_scheduler
 
-MicroLoss = Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
+LossTerms = list[tuple[torch.Tensor, str]]
+"""A micro-batch's loss as (term, loss_agg_mode) pairs: each term is weighted by its own aggregation."""
+MicroLoss = Callable[[Batch], tuple[LossTerms, dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,6 @@ class UpdateSettings:
     mini_batch_size: int = 8
     update_micro: MicroBatching = MicroBatching(micro_batch_size=4)
     grad_clip: float = 1.0
-    loss_agg_mode: str = "token-mean"
     shuffle: bool = False
     seed: int = 1
 
@@ -73,9 +74,13 @@ class TrainedRole:
         counts = global_counts(mini.response_mask)
         finite = True
         for _, mb in iter_micro(mini, u.update_micro):
-            loss, stats = micro_loss(mb)
+            terms, stats = micro_loss(mb)
+            loss = sum(
+                term * micro_weight(mode, mb.response_mask, counts, mini.response_length)
+                for term, mode in terms
+            )
             finite = finite and bool(torch.isfinite(loss))
-            (loss * micro_weight(u.loss_agg_mode, mb.response_mask, counts, mini.response_length)).backward()
+            loss.backward()
             acc.add(stats, weight=float(mb.response_mask.sum()))
         grad_norm = clip_grad_norm(self.model, u.grad_clip)
         if finite and math.isfinite(grad_norm):

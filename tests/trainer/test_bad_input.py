@@ -32,8 +32,9 @@ def test_nan_loss_steps_skipped_then_stop(tiny_model_dir, arithmetic_data, tmp_p
     real = actor_mod.Actor._micro_loss
 
     def nan_loss(self, mb, ref_logits_fn):
-        loss, stats = real(self, mb, ref_logits_fn)
-        return loss * torch.tensor(float("nan")), stats
+        terms, stats = real(self, mb, ref_logits_fn)
+        (pg, mode), *rest = terms
+        return [(pg * torch.tensor(float("nan")), mode), *rest], stats
 
     monkeypatch.setattr(actor_mod.Actor, "_micro_loss", nan_loss)
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
