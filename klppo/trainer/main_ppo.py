@@ -58,8 +58,10 @@ def _setup_logging() -> None:
     )
 
 
-USAGE = """usage: klppo train [config.yaml] [key=value ...]
+USAGE = """usage: klppo train [--dry-run] [config.yaml] [key=value ...]
        python -m klppo.trainer.main_ppo [config.yaml] [key=value ...]
+
+--dry-run: check everything, print the plan (processes, per-rank sizes, roles, predicted memory), train nothing.
 
 KL-regularized PPO with verl's configuration keys (dotted overrides, e.g. data.train_batch_size=512
 actor_rollout_ref.rollout.n=4). With no arguments: the embedded quickstart (SmolLM2-135M-Instruct on a
@@ -67,11 +69,62 @@ built-in arithmetic set). `klppo config ...` prints the resolved configuration w
 Every key: docs/configuration.md; the run directory, checkpoints and failures: docs/training.md."""
 
 
+def dry_run(cfg, *, device: torch.device, nproc: int, model_path: str) -> int:
+    """`klppo train --dry-run ...`: everything `klppo train` checks before training, and the plan: the
+    process layout, the per-rank sizes, the roles that will be built, and (on GPU, or with a known model)
+    the memory model's predicted peak per phase. Loads no weights."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from klppo.algorithms.advantages import needs_critic
+    from klppo.config import derive_sizes
+    from klppo.tune.preflight import predicted_peaks_gib
+
+    world = nproc * int(cfg.trainer.nnodes)
+    sizes = derive_sizes(cfg, world)
+    arr, algo = cfg.actor_rollout_ref, cfg.algorithm
+    roles = ["actor" + (" (LoRA)" if arr.model.lora_rank > 0 else "")]
+    if algo.use_kl_in_reward or arr.actor.use_kl_loss:
+        roles.append("reference" + (" (= actor, adapters off)" if arr.model.lora_rank > 0 else ""))
+    if needs_critic(algo.adv_estimator):
+        roles.append("critic")
+    roles.append("reward model" if cfg.reward_model.enable else "reward (rules / custom function)")
+    from klppo.trainer.setup import _paths
+
+    missing = [
+        f
+        for f in _paths(cfg.data.train_files) + _paths(cfg.data.val_files)
+        if not Path(f).expanduser().exists()
+    ]
+    if missing:
+        print(f"klppo: data files not found: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    print(f"model: {model_path}")
+    print(f"processes: {nproc} per node × {cfg.trainer.nnodes} node(s) on {device.type}")
+    print(f"roles: {', '.join(roles)}; rollout engine: {arr.rollout.name}")
+    print("sizes per rank (samples unless named prompts):")
+    for field in dataclasses.fields(sizes):
+        print(f"  {field.name}: {getattr(sizes, field.name)}")
+    device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if device.type == "cuda" else 80.0
+    try:
+        peaks = predicted_peaks_gib(cfg, AutoConfig.from_pretrained(model_path), world_size=world,
+                                    device_gib=device_gib)  # fmt: skip
+        where = "this GPU" if device.type == "cuda" else "an 80 GiB GPU"
+        summary = ", ".join(f"{k} {v:.1f}" for k, v in peaks.items())
+        print(f"predicted peak GiB per GPU on {where}: {summary} (klppo tune --dry-run shows the terms)")
+    except Exception as exc:  # the memory model is advice
+        print(f"memory prediction unavailable: {exc}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
+    dry = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
     _setup_logging()
     from klppo.config import ConfigError, check_trainable, load_config
     from klppo.models.loading import ModelLoadError, model_dir
@@ -84,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         check_trainable(cfg)
         device, nproc = resolve_machine(cfg)
         # resolve (and for a .gguf file convert, once) the model before any process is started
-        model_dir(cfg.actor_rollout_ref.model.path)
+        model_path = model_dir(cfg.actor_rollout_ref.model.path)
+        if dry:
+            return dry_run(cfg, device=device, nproc=nproc, model_path=model_path)
     except (ConfigError, ModelLoadError, FileNotFoundError, ImportError) as exc:
         print(f"klppo: {exc}", file=sys.stderr)
         return 2

@@ -277,3 +277,18 @@ def test_validation_metrics_by_hand():
     assert out["val-core/a/reward/best@2/mean"] == 0.5 and out["val-core/a/reward/worst@2/mean"] == 0.0
     assert out["val-core/b/reward/best@2/mean"] == 1.0 and out["val-core/b/reward/worst@2/mean"] == 0.5
     assert "val-core/a/reward/best@1/mean" not in validation_metrics(records, 1)
+
+
+def test_dry_run_prints_the_plan_and_trains_nothing(tiny_model_dir, arithmetic_data, tmp_path, capsys):
+    from klppo.trainer.main_ppo import main
+
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        "algorithm.adv_estimator=gae"
+    ]
+    assert main(["--dry-run", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "roles: actor, critic" in out and "actor_mini_batch_samples_per_rank: 4" in out
+    assert "predicted peak GiB per GPU" in out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert main(["--dry-run", *overrides, "data.val_files=/nonexistent.parquet"]) == 2
+    assert "not found: /nonexistent.parquet" in capsys.readouterr().err
