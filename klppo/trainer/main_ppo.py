@@ -90,11 +90,11 @@ def dry_run(cfg, *, device: torch.device, nproc: int, model_path: str) -> int:
     if needs_critic(algo.adv_estimator):
         roles.append("critic")
     roles.append("reward model" if cfg.reward_model.enable else "reward (rules / custom function)")
-    from klppo.trainer.setup import _paths
+    from klppo.trainer.setup import data_paths
 
     missing = [
         f
-        for f in _paths(cfg.data.train_files) + _paths(cfg.data.val_files)
+        for f in data_paths(cfg.data.train_files) + data_paths(cfg.data.val_files)
         if not Path(f).expanduser().exists()
     ]
     if missing:

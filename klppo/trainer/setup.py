@@ -70,7 +70,7 @@ class RunParts:
         return self.reference.logits if self.reference is not None else None
 
 
-def _paths(value: Any) -> list[str]:
+def data_paths(value: Any) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
@@ -95,7 +95,7 @@ def build_loaders(cfg: Any, tokenizer: Any):
         reward_fn_key=d.reward_fn_key,
     )
     train = PromptLoader(
-        _paths(d.train_files),
+        data_paths(d.train_files),
         tokenizer,
         batch_size=int(d.train_batch_size),
         shuffle=bool(d.shuffle),
@@ -105,7 +105,7 @@ def build_loaders(cfg: Any, tokenizer: Any):
         **common,
     )
     val = None
-    val_files = _paths(d.val_files)
+    val_files = data_paths(d.val_files)
     if val_files:
         val_bs = d.val_batch_size or 10**9
         val = PromptLoader(
