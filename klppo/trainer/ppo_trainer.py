@@ -67,6 +67,7 @@ class PPOTrainer:
         try:
             return self._fit()
         finally:
+            self.p.tracker.close()  # flushed also when a step fails (TensorBoard, W&B, …)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
@@ -108,7 +109,6 @@ class PPOTrainer:
                     "stopping after step %d on a signal; checkpoint saved, resume with the same command", step
                 )
                 break
-        p.tracker.close()
         return self.state
 
     def train_step(self, prompts: Batch, step: int) -> dict[str, float]:
