@@ -46,6 +46,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="timed steps per point (after one warm-up)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: prompt+response)")
     p.add_argument("--profile", action="store_true", help="profile exposed communication on one rank too")
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=350.0,
+        help="--dry-run: assumed all-gather bus bandwidth, GB/s (H100/H200 NVLink ≈ 350)",
+    )
+    p.add_argument(
+        "--tflops",
+        type=float,
+        default=600.0,
+        help="--dry-run: assumed sustained bf16 matmul rate, TFLOP/s (H100/H200 ≈ 600)",
+    )
     return p.parse_args(argv)
 
 
@@ -146,6 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         console.print(report.memory_table(facts, points, w, args.headroom))
         console.print(report.terms_table(predict(facts, current, w), current))
+        if w.shard_ranks > 1:
+            from klppo.tune.comm import predict_units
+
+            units = predict_units(
+                facts.units(current.min_num_params), current, w,
+                bus_bandwidth=args.link_gbps * 1e9, flops_per_s=args.tflops * 1e12,
+            )  # fmt: skip
+            console.print(report.comm_table(units, current, args.link_gbps, args.tflops))
         return 0
     return _sweep(args, console, facts, points, w, current, args.seq_len or seq_len)
 

@@ -157,6 +157,26 @@ def terms_table(phases: dict[str, PhasePeak], point: Point) -> Table:
     return t
 
 
+def comm_table(units, point: Point, link_gbps: float, tflops: float) -> Table:
+    """Per unit, one micro-batch: bytes all-gathered / reduce-scattered, communication vs compute time,
+    and whether prefetching it behind its neighbour's compute hides it (assumed link and matmul rates)."""
+    exposed = sum(u.comm_s for u in units if not u.hidden)
+    total = sum(u.compute_s for u in units) + exposed
+    table = Table(
+        title=f"communication per micro-batch at {describe(point)} (assumed {link_gbps:.0f} GB/s, {tflops:.0f} "
+        f"TFLOP/s): exposed {1e3 * exposed:.2f} ms = {100 * exposed / max(total, 1e-12):.0f}% of the pass"
+    )
+    for name in ("unit", "params", "all-gather MB", "reduce-scatter MB", "comm ms", "compute ms", "hidden"):
+        table.add_column(name, justify="right")
+    for u in units:
+        table.add_row(
+            "root" if u.index == len(units) - 1 else str(u.index), f"{u.params:,}",
+            f"{u.all_gather_bytes / 1e6:.1f}", f"{u.reduce_scatter_bytes / 1e6:.1f}",
+            f"{1e3 * u.comm_s:.3f}", f"{1e3 * u.compute_s:.3f}", _yn(u.hidden),
+        )  # fmt: skip
+    return table
+
+
 def overrides(p: Point) -> list[str]:
     """verl keys that select ``p`` for the actor (use_dynamic_bsz so the token budget applies)."""
     return [

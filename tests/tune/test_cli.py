@@ -26,6 +26,8 @@ def test_dry_run_named_shape(capsys):
     out = capsys.readouterr().out
     assert "7.62B params" in out and "world 8" in out
     assert "sharded params" in out and "KV cache" in out and "logits" in out
+    # with 8 ranks the per-unit communication table is printed (assumed link / matmul rates)
+    assert "communication per micro-batch" in out and "hidden" in out and "exposed" in out
     # 1e8 is below one 7B decoder layer (233M): its units equal 1e7's and the row is not repeated
     for threshold in ("0", "1e+07", "whole"):
         assert f"│ {threshold:>14} │" in out
