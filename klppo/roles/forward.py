@@ -42,15 +42,6 @@ def iter_micro(batch: Batch, micro: MicroBatching) -> Iterator[tuple[list[int], 
         yield idx, batch.select(idx)
 
 
-def gather_in_order(n: int, parts: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
-    """Rows computed per micro-batch → one [n, ...] tensor in the batch's original order."""
-    first = parts[0][1]
-    out = first.new_zeros((n, *first.shape[1:]))
-    for idx, values in parts:
-        out[torch.as_tensor(idx, device=out.device)] = values
-    return out
-
-
 def trim_left_padding(batch: Batch) -> Batch:
     """Drop prompt columns that are padding in every row (a micro-batch's prompts are often shorter)."""
     real = batch.prompt_mask.sum(dim=1).max().item()
@@ -123,8 +114,11 @@ def value_forward(model: torch.nn.Module, batch: Batch, *, use_remove_padding: b
 
 def no_grad_pass(batch: Batch, micro: MicroBatching, fn: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
     """Run ``fn`` over micro-batches without gradients; outputs [B, ...] in batch order."""
-    parts = []
+    from klppo.batching.dynamic import restore_order
+
+    partitions, chunks = [], []
     with torch.no_grad():
         for idx, mb in iter_micro(batch, micro):
-            parts.append((idx, fn(mb)))
-    return gather_in_order(len(batch), parts)
+            partitions.append(idx)
+            chunks.append(fn(mb))
+    return restore_order(chunks, partitions)

@@ -3,15 +3,12 @@ the settings objects of the roles, rollout, data and parallel layers."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from klppo.roles.forward import MicroBatching
 from klppo.roles.optim import OptimSettings
-
-log = logging.getLogger("klppo")
 
 DTYPES = {
     "fp32": torch.float32,
