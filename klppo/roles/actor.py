@@ -53,14 +53,7 @@ class Actor(TrainedRole):
     def __init__(self, model: torch.nn.Module, settings: ActorSettings, optim: OptimSettings) -> None:
         super().__init__(
             model,
-            UpdateSettings(
-                ppo_epochs=settings.ppo_epochs,
-                mini_batch_size=settings.mini_batch_size,
-                update_micro=settings.update_micro,
-                grad_clip=settings.grad_clip,
-                shuffle=settings.shuffle,
-                seed=settings.seed,
-            ),
+            UpdateSettings.of(settings),
             optim,
         )
         self.settings = settings

@@ -37,14 +37,7 @@ class Critic(TrainedRole):
     def __init__(self, model: torch.nn.Module, settings: CriticSettings, optim: OptimSettings) -> None:
         super().__init__(
             model,
-            UpdateSettings(
-                ppo_epochs=settings.ppo_epochs,
-                mini_batch_size=settings.mini_batch_size,
-                update_micro=settings.update_micro,
-                grad_clip=settings.grad_clip,
-                shuffle=settings.shuffle,
-                seed=settings.seed + 1,
-            ),
+            UpdateSettings.of(settings, seed_offset=1),
             optim,
         )
         self.settings = settings

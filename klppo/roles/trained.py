@@ -37,6 +37,13 @@ class UpdateSettings:
     shuffle: bool = False
     seed: int = 1
 
+    @classmethod
+    def of(cls, settings: object, *, seed_offset: int = 0) -> UpdateSettings:
+        """The update fields of a role's settings (same names), the shuffle seed shifted by ``seed_offset``."""
+        fields = {f: getattr(settings, f) for f in ("ppo_epochs", "mini_batch_size", "update_micro", "grad_clip",
+                                                      "shuffle")}  # fmt: skip
+        return cls(**fields, seed=settings.seed + seed_offset)
+
 
 class TrainedRole:
     """Base of the roles that own an optimizer (actor, critic). ``name`` prefixes the metrics."""
