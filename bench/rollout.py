@@ -18,6 +18,7 @@ prints the CUDA kernel-time table of a few eager (graph-less) decode steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -33,17 +34,29 @@ SHAPES = {
                  intermediate_size=8960),
 }  # fmt: skip
 HBM_BYTES_PER_S = 4.8e12  # H200
-VARIANTS = {"no-fuse": dict(fuse_projections=False), "sdpa": dict(decode_attention="sdpa")}
+VARIANTS = {
+    "no-fuse": dict(fuse_projections=False),
+    "sdpa": dict(decode_attention="sdpa"),
+    "flash-plain": dict(decode_attention="flash-plain"),
+    "bf16-logits": dict(fp32_logits=False),
+    "eager": dict(compile_decode=False),
+}
 PROMPT, NEW = 256, 256
 
 
-def build(shape: str, dtype: torch.dtype, device: str = "cuda"):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def qwen_config(shape: str):
+    from transformers import AutoConfig
 
-    config = AutoConfig.for_model(
+    return AutoConfig.for_model(
         "qwen2", vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096,
         rms_norm_eps=1e-6, eos_token_id=151645, pad_token_id=151643, **SHAPES[shape],
     )  # fmt: skip
+
+
+def build(shape: str, dtype: torch.dtype, device: str = "cuda"):
+    from transformers import AutoModelForCausalLM
+
+    config = qwen_config(shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -153,6 +166,35 @@ def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str 
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70))
 
 
+def recompute(model, prompts, mask, out, mode: str) -> torch.Tensor:
+    """Log-probs [B, R] of ``out.responses`` from one full forward: ``model`` (its own logits),
+    ``fp32-head`` (its hidden states, float32 LM-head output) or ``fp32`` (a float32 copy of the model)."""
+    import copy
+
+    from klppo.rollout.llama import lm_head_logits
+
+    ids = torch.cat([prompts, out.responses], dim=1)
+    full_mask = torch.cat([mask, out.response_mask], dim=1)
+    positions = (full_mask.cumsum(1) - 1).clamp(min=0)
+    kw = dict(input_ids=ids, attention_mask=full_mask, position_ids=positions)
+    start, width = prompts.shape[1] - 1, out.responses.shape[1]
+    with torch.no_grad():
+        if mode == "model":
+            logits = model(**kw).logits[:, start : start + width].float()
+        elif mode == "fp32-head":
+            hidden = model.model(**kw).last_hidden_state
+            logits = lm_head_logits(hidden[:, start : start + width], model.lm_head.weight, True)
+        else:
+            logits = copy.deepcopy(model).float()(**kw).logits[:, start : start + width]
+    return torch.log_softmax(logits, -1).gather(-1, out.responses[..., None]).squeeze(-1) * out.response_mask
+
+
+def logprob_gap(model, prompts, mask, out, mode: str, stat: str = "max") -> float:
+    """max (or mean) |``out.log_probs`` − ``recompute(mode)``| over the response tokens."""
+    gap = (recompute(model, prompts, mask, out, mode) - out.log_probs).abs()[out.response_mask.bool()]
+    return (gap.max() if stat == "max" else gap.mean()).item()
+
+
 def checks(emit, dtypes=(torch.float32, torch.bfloat16)) -> None:
     """GPU correctness on the 0.5B shape (short generations)."""
     eos, pad = [151645], 151643
@@ -170,16 +212,25 @@ def checks(emit, dtypes=(torch.float32, torch.bfloat16)) -> None:
         identical_rows = (ours.responses == ref.responses).all(dim=1).float().mean().item()
         sampled = engine.generate(model, prompts, mask, SamplingParams(max_new_tokens=32, seed=1))
         again = engine.generate(model, prompts, mask, SamplingParams(max_new_tokens=32, seed=1))
-        ids = torch.cat([prompts, sampled.responses], dim=1)
-        full_mask = torch.cat([mask, sampled.response_mask], dim=1)
-        positions = (full_mask.cumsum(1) - 1).clamp(min=0)
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=full_mask, position_ids=positions).logits.float()
-        lp = torch.log_softmax(logits[:, 63:-1], -1).gather(-1, sampled.responses[..., None]).squeeze(-1)
-        diff = ((lp - sampled.log_probs).abs() * sampled.response_mask).max().item()
+        diff = logprob_gap(model, prompts, mask, sampled, "model")
         emit(dict(check=str(dtype), greedy_token_match=match, greedy_rows_identical=identical_rows,
                   logprob_max_abs_diff=diff,
                   seeded_reproducible=bool(torch.equal(sampled.responses, again.responses))))  # fmt: skip
+        if dtype == torch.bfloat16:
+            # where the bf16 gap comes from: each engine logits setting against recomputations whose LM head
+            # rounds to bf16 ("model", what HF returns), keeps fp32 ("fp32-head"), or an fp32 copy ("fp32")
+            for fp32_logits in (False, True):
+                eng = make_rollout("klppo", eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9,
+                                   fp32_logits=fp32_logits)  # fmt: skip
+                out = eng.generate(model, prompts, mask, SamplingParams(max_new_tokens=32, seed=1))
+                emit(dict(check=f"bf16 log-prob gap, engine fp32_logits={fp32_logits}",
+                          **{f"{stat}_vs_{m}": logprob_gap(model, prompts, mask, out, m, stat)
+                             for m in ("model", "fp32-head", "fp32") for stat in ("max", "mean")}))  # fmt: skip
+            # the recomputation's own error: a bf16 recompute against the fp32 copy, same tokens
+            recomputed = dataclasses.replace(out, log_probs=recompute(model, prompts, mask, out, "model"))
+            emit(dict(check="bf16 recompute (model) vs fp32 copy",
+                      **{f"{stat}": logprob_gap(model, prompts, mask, recomputed, "fp32", stat)
+                         for stat in ("max", "mean")}))  # fmt: skip
         if dtype == torch.bfloat16:
             sdpa = make_rollout("klppo", eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9,
                                 decode_attention="sdpa")  # fmt: skip

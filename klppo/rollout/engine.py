@@ -34,6 +34,7 @@ import warnings
 import torch
 
 from klppo.rollout.base import RolloutOutput, SamplingParams
+from klppo.rollout.compiled import compiled, wait_precompile
 from klppo.rollout.hf import HFRollout
 from klppo.rollout.llama import (
     LlamaWeights,
@@ -45,6 +46,8 @@ from klppo.rollout.llama import (
     unsupported_reason,
 )
 from klppo.rollout.sampling import is_untruncated, sample, sample_untruncated
+
+DECODE_ATTENTION = ("auto", "flash", "flash-plain", "sdpa")
 
 
 @dataclasses.dataclass
@@ -80,14 +83,15 @@ class KLPPORollout:
         eos_check_every: int = 16,
         max_prefill_tokens: int = 32768,
         use_cuda_graph: bool = True,
-        compile_decode: bool = True,
+        compile_decode: bool | None = None,
         fuse_projections: bool = True,
         decode_attention: str = "auto",
+        fp32_logits: bool = True,
     ) -> None:
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if decode_attention not in ("auto", "flash", "sdpa"):
-            raise ValueError(f"decode_attention must be auto, flash or sdpa, got {decode_attention!r}")
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -99,8 +103,7 @@ class KLPPORollout:
         self.compile_decode = compile_decode
         self.fuse_projections = fuse_projections
         self.decode_attention = decode_attention
-        self._layer_fns: tuple | None = None  # compiled decode-layer functions, built on first GPU use
-        self._sample_fn = None  # compiled sample_untruncated, likewise
+        self.fp32_logits = fp32_logits
         self.last_stats: dict[str, float] = {}
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self._ws: _Workspace | None = None
@@ -115,6 +118,7 @@ class KLPPORollout:
         params: SamplingParams,
     ) -> RolloutOutput:
         """See :mod:`klppo.rollout.base` for the contract."""
+        wait_precompile()  # a background pre-compile (trainer start-up) must finish before we compile
         lengths = prompt_mask.sum(dim=1).tolist()
         reason = unsupported_reason(model, max(lengths) + params.max_new_tokens)
         if reason is not None:
@@ -294,7 +298,9 @@ class KLPPORollout:
         slots = torch.tensor([slot for _, slot in pairs], device=device)
         seq_t = torch.tensor(seqs, device=device)
         hidden = prefill(w, ws.kv, packed[index], slots, [seq_lengths[s] for s in seqs])
-        tokens, log_probs = self._sampler(params, device.type == "cuda")(logits_of(w, hidden))
+        tokens, log_probs = self._sampler(params, device.type == "cuda")(
+            logits_of(w, hidden, self.fp32_logits)
+        )
         ws.out_tokens[seq_t, 0] = tokens
         ws.out_log_probs[seq_t, 0] = log_probs
         ws.out_len[seq_t] = 1
@@ -312,18 +318,15 @@ class KLPPORollout:
         width, sink, max_len = params.max_new_tokens, ws.out_len.shape[0] - 1, ws.kv.shape[3]
 
         layer_fns = (attn_in, attn_out_mlp)
-        if cuda and self.compile_decode:
-            if self._layer_fns is None:
-                self._layer_fns = (
-                    _batch_dynamic(torch.compile(attn_in)),
-                    _batch_dynamic(torch.compile(attn_out_mlp)),
-                )
-            layer_fns = self._layer_fns
+        if self._compiles(cuda):
+            layer_fns = (compiled("attn_in"), compiled("attn_out_mlp"))
         flash = self._use_flash(ws.kv)
         sampler = self._sampler(params, cuda)
 
         def step() -> None:
-            logits = decode(w, ws.kv, ws.last_token[:bucket], ws.position[:bucket], layer_fns, flash)
+            logits = decode(
+                w, ws.kv, ws.last_token[:bucket], ws.position[:bucket], layer_fns, flash, self.fp32_logits
+            )
             tokens, log_probs = sampler(logits)
             alive = ~ws.finished[:bucket]
             row = torch.where(alive, ws.seq_id[:bucket], sink)
@@ -360,44 +363,37 @@ class KLPPORollout:
         ws.graphs[bucket] = graph
         return graph.replay
 
-    def _use_flash(self, kv: torch.Tensor) -> bool:
+    def _use_flash(self, kv: torch.Tensor) -> str | None:
+        """The ``flash`` argument of ``decode``: "packed", "plain" or None (masked SDPA)."""
         if self.decode_attention == "sdpa":
-            return False
+            return None
         ok = kv.device.type == "cuda" and kv.dtype in (torch.bfloat16, torch.float16)
-        if self.decode_attention == "flash" and not ok:
+        if self.decode_attention != "auto" and not ok:
             raise ValueError(
-                f"decode_attention='flash' needs a CUDA bf16/fp16 cache, got {kv.device} {kv.dtype}"
+                f"decode_attention={self.decode_attention!r} needs a CUDA bf16/fp16 cache, got {kv.device} {kv.dtype}"
             )
-        return ok
+        if not ok:
+            return None
+        return "plain" if self.decode_attention == "flash-plain" else "packed"
 
     def _sampler(self, params: SamplingParams, cuda: bool):
         """``logits -> (tokens, log_probs)`` for ``params``: compiled and fused on GPU when untruncated."""
         if not is_untruncated(params):
             return lambda logits: sample(logits, params)
-        fn = sample_untruncated
-        if cuda and self.compile_decode:
-            if self._sample_fn is None:
-                self._sample_fn = _batch_dynamic(torch.compile(sample_untruncated))
-            fn = self._sample_fn
-        return lambda logits: fn(logits, float(params.temperature), params.greedy)
+        fn = compiled("sample") if self._compiles(cuda) else sample_untruncated
+        temperature = 1.0 if params.greedy else float(params.temperature)  # one greedy graph
 
+        def run(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if logits.shape[0] == 1:  # a prefill of one sequence: 2 rows keep the compiled graph's batch dim
+                tokens, log_probs = fn(logits.repeat(2, 1), temperature, params.greedy)
+                return tokens[:1], log_probs[:1]
+            return fn(logits, temperature, params.greedy)
 
-def _batch_dynamic(compiled):
-    """Call ``compiled`` with dim 0 (the batch) of every tensor argument marked dynamic, nothing else.
+        return run
 
-    ``torch.compile(dynamic=True)`` makes every dim symbolic and unifies equal sizes: a first call with
-    batch 64 = head_dim 64 (cos/sin are [B, D]) compiles a graph valid only while B == D, so the next
-    bucket recompiles (seconds, and each bucket size may count against the recompile limit). Marking the
-    batch dim alone gives one graph for every batch size > 1.
-    """
-
-    def call(*args):
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                torch._dynamo.maybe_mark_dynamic(a, 0)
-        return compiled(*args)
-
-    return call
+    def _compiles(self, cuda: bool) -> bool:
+        """Whether decode runs the compiled functions: ``compile_decode`` None = on GPU only."""
+        return cuda if self.compile_decode is None else bool(self.compile_decode)
 
 
 def _fused_bytes(w: LlamaWeights | None) -> int:
@@ -410,8 +406,12 @@ def _fused_bytes(w: LlamaWeights | None) -> int:
 
 
 def _buckets(num_slots: int) -> list[int]:
-    """Powers of two below ``num_slots``, then ``num_slots``."""
-    out, b = [], 1
+    """Powers of two from 2 below ``num_slots``, then ``num_slots``.
+
+    No bucket of 1 (unless there is one slot): a batch of one would be a separate compiled graph (size-1
+    dims are specialised), compiled mid-rollout; a spare idle slot costs nothing.
+    """
+    out, b = [], 2
     while b < num_slots:
         out.append(b)
         b *= 2

@@ -12,7 +12,9 @@ Cache layout: one tensor ``kv`` [L, 2, num_slots, S, H_kv, D]; sequence ``s`` li
 ``[B·S, H_kv, D]`` is the packed-varlen layout flash attention reads, lengths given per slot).
 
 Decode attention: on CUDA in bf16/fp16, flash attention (varlen, ``seqused_k`` = position + 1) reads only
-each slot's occupied prefix; elsewhere (CPU, fp32) SDPA over the whole length ``S`` with a mask.
+each slot's occupied prefix, with the query heads of one KV head packed as rows of one query (GQA
+packing: each K/V block read once per KV head); elsewhere (CPU, fp32) SDPA over the whole length ``S``
+with a mask.
 
 Optional fused projections (``LlamaWeights.fuse``): ``[q; k; v]`` and ``[gate; up]`` concatenated into
 temporary tensors (one matmul instead of three / two); the caller owns and frees them.
@@ -88,6 +90,52 @@ class LayerWeights:
     gate_up: torch.Tensor | None = None  # [gate; up] rows, likewise
     gate_up_bias: torch.Tensor | None = None
 
+    @staticmethod
+    def read(layer: torch.nn.Module) -> LayerWeights:
+        """Views of one Hugging Face decoder layer's weights."""
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight,
+            q=attn.q_proj.weight,
+            k=attn.k_proj.weight,
+            v=attn.v_proj.weight,
+            q_bias=attn.q_proj.bias,
+            k_bias=attn.k_proj.bias,
+            v_bias=attn.v_proj.bias,
+            o=attn.o_proj.weight,
+            o_bias=attn.o_proj.bias,
+            q_norm=None if q_norm is None else q_norm.weight,
+            k_norm=None if k_norm is None else k_norm.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate=mlp.gate_proj.weight,
+            up=mlp.up_proj.weight,
+            down=mlp.down_proj.weight,
+            gate_bias=mlp.gate_proj.bias,
+            up_bias=mlp.up_proj.bias,
+            down_bias=mlp.down_proj.bias,
+        )
+
+    def fused(self, into: LayerWeights | None = None) -> LayerWeights:
+        """This layer plus ``qkv`` = cat(q, k, v) and ``gate_up`` = cat(gate, up) (see ``LlamaWeights.fuse``)."""
+        old = into
+        return dataclasses.replace(
+            self,
+            qkv=_cat([self.q, self.k, self.v], None if old is None else old.qkv),
+            qkv_bias=_cat_bias(
+                [self.q, self.k, self.v],
+                [self.q_bias, self.k_bias, self.v_bias],
+                None if old is None else old.qkv_bias,
+            ),
+            gate_up=_cat([self.gate, self.up], None if old is None else old.gate_up),
+            gate_up_bias=_cat_bias(
+                [self.gate, self.up],
+                [self.gate_bias, self.up_bias],
+                None if old is None else old.gate_up_bias,
+            ),
+        )
+
 
 @dataclasses.dataclass
 class LlamaWeights:
@@ -109,33 +157,7 @@ class LlamaWeights:
         model = base_model(model)
         config = model.config
         inner = model.model
-        layers = []
-        for layer in inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            q_norm = getattr(attn, "q_norm", None)
-            k_norm = getattr(attn, "k_norm", None)
-            layers.append(
-                LayerWeights(
-                    input_norm=layer.input_layernorm.weight,
-                    q=attn.q_proj.weight,
-                    k=attn.k_proj.weight,
-                    v=attn.v_proj.weight,
-                    q_bias=attn.q_proj.bias,
-                    k_bias=attn.k_proj.bias,
-                    v_bias=attn.v_proj.bias,
-                    o=attn.o_proj.weight,
-                    o_bias=attn.o_proj.bias,
-                    q_norm=None if q_norm is None else q_norm.weight,
-                    k_norm=None if k_norm is None else k_norm.weight,
-                    post_norm=layer.post_attention_layernorm.weight,
-                    gate=mlp.gate_proj.weight,
-                    up=mlp.up_proj.weight,
-                    down=mlp.down_proj.weight,
-                    gate_bias=mlp.gate_proj.bias,
-                    up_bias=mlp.up_proj.bias,
-                    down_bias=mlp.down_proj.bias,
-                )
-            )
+        layers = [LayerWeights.read(layer) for layer in inner.layers]
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         return LlamaWeights(
@@ -158,26 +180,7 @@ class LlamaWeights:
         with the returned object), or are written into ``into``'s (same shapes) so that graphs captured
         on them stay valid while the values follow the model's (updated in place) weights.
         """
-        layers = []
-        for i, lw in enumerate(self.layers):
-            old = None if into is None else into.layers[i]
-            layers.append(
-                dataclasses.replace(
-                    lw,
-                    qkv=_cat([lw.q, lw.k, lw.v], None if old is None else old.qkv),
-                    qkv_bias=_cat_bias(
-                        [lw.q, lw.k, lw.v],
-                        [lw.q_bias, lw.k_bias, lw.v_bias],
-                        None if old is None else old.qkv_bias,
-                    ),
-                    gate_up=_cat([lw.gate, lw.up], None if old is None else old.gate_up),
-                    gate_up_bias=_cat_bias(
-                        [lw.gate, lw.up],
-                        [lw.gate_bias, lw.up_bias],
-                        None if old is None else old.gate_up_bias,
-                    ),
-                )
-            )
+        layers = [lw.fused(None if into is None else into.layers[i]) for i, lw in enumerate(self.layers)]
         return dataclasses.replace(self, layers=layers)
 
     def signature(self) -> tuple[int, ...]:
@@ -308,15 +311,17 @@ def decode(
     tokens: torch.Tensor,
     positions: torch.Tensor,
     layer_fns: tuple = (attn_in, attn_out_mlp),
-    flash: bool = False,
+    flash: str | None = None,
+    fp32_logits: bool = False,
 ) -> torch.Tensor:
     """One token for each of the first B slots: ``tokens``/``positions`` [B]; returns logits [B, V].
 
     Writes K/V at ``positions`` and attends to cache positions ``<= positions``. Static shapes, so it can
-    be captured in a CUDA graph. ``flash``: varlen flash attention reads each slot's first
-    ``position + 1`` entries only (CUDA, bf16/fp16); otherwise SDPA over the whole length ``S`` with a mask.
-    ``layer_fns`` may be compiled versions of (``attn_in``, ``attn_out_mlp``). Logits are in the model's
-    dtype (the sampler upcasts).
+    be captured in a CUDA graph. ``flash`` ("packed" or "plain"): varlen flash attention reads each slot's
+    first ``position + 1`` entries only (CUDA, bf16/fp16); "packed" hands the ``H / H_kv`` query heads
+    that share a KV head to the kernel as that many query rows of one sequence, so each K/V block is read
+    once per KV head instead of once per query head; None: SDPA over the whole length ``S`` with a mask.
+    ``layer_fns`` may be compiled versions of (``attn_in``, ``attn_out_mlp``). Logits: see ``logits_of``.
     """
     front, back = layer_fns
     num_slots = tokens.shape[0]
@@ -325,13 +330,16 @@ def decode(
     x = F.embedding(tokens, w.embed)
     cos, sin = rope_cos_sin(w, positions, x.dtype)
     max_len = kv.shape[3]
+    group = w.num_heads // w.num_kv_heads
+    pack_gqa = flash == "packed" and group > 1
+    q_rows = group if pack_gqa else 1
     if flash:
-        cu_q = torch.arange(num_slots + 1, dtype=torch.int32, device=device)
-        cu_k = cu_q * max_len
+        cu_k = torch.arange(num_slots + 1, dtype=torch.int32, device=device)
+        cu_q = cu_k * q_rows
+        cu_k = cu_k * max_len
         used = (positions + 1).to(torch.int32)
     else:
         mask = (torch.arange(max_len, device=device)[None, :] <= positions[:, None])[:, None, None, :]
-    group = w.num_heads // w.num_kv_heads
     spec = (w.num_heads, w.num_kv_heads, w.head_dim, w.eps)
     for i, lw in enumerate(w.layers):
         q, kv_new = front(x, lw, cos, sin, spec)
@@ -339,9 +347,14 @@ def decode(
         if flash:
             k = kv[i, 0, :num_slots].view(num_slots * max_len, w.num_kv_heads, w.head_dim)
             v = kv[i, 1, :num_slots].view(num_slots * max_len, w.num_kv_heads, w.head_dim)
+            if pack_gqa:  # slot b's query heads of KV head j become `group` query rows of sequence b
+                q = q.view(num_slots, w.num_kv_heads, group, w.head_dim).transpose(1, 2)
+                q = q.reshape(num_slots * group, w.num_kv_heads, w.head_dim)
             attn = torch.ops.aten._flash_attention_forward(
-                q, k, v, cu_q, cu_k, 1, max_len, 0.0, False, False, seqused_k=used
+                q, k, v, cu_q, cu_k, q_rows, max_len, 0.0, False, False, seqused_k=used
             )[0]
+            if pack_gqa:
+                attn = attn.view(num_slots, group, w.num_kv_heads, w.head_dim).transpose(1, 2)
         else:
             # GQA without expanding K/V: the query heads of one KV head act as a length-`group` query.
             q = q.reshape(num_slots, w.num_kv_heads, group, w.head_dim)
@@ -349,9 +362,26 @@ def decode(
             v = kv[i, 1, :num_slots].transpose(1, 2)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = back(x, attn.reshape(num_slots, -1), lw, w.eps)
-    return F.linear(rms_norm(x, w.final_norm, w.eps), w.lm_head)
+    return logits_of(w, rms_norm(x, w.final_norm, w.eps), fp32_logits)
 
 
-def logits_of(w: LlamaWeights, hidden: torch.Tensor) -> torch.Tensor:
-    """[N, hidden] final-normed states → [N, V] logits in the model's dtype (as ``decode``: one sampler graph)."""
-    return F.linear(hidden, w.lm_head)
+def logits_of(w: LlamaWeights, hidden: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+    """[N, hidden] final-normed states → [N, V] logits: in the model's dtype, or float32 with ``fp32``.
+
+    ``fp32``: the products accumulate in float32 and are *kept* in float32 (one bf16 GEMM with a float32
+    output on CUDA, no weight copy), instead of being rounded to bf16 — a rounding of up to half a bf16
+    ulp of the logit (0.008 at |logit| 2–4), which is most of the gap between two bf16 computations of
+    the same log-prob. The prefill and decode paths must use the same setting (one sampler graph).
+    """
+    return lm_head_logits(hidden, w.lm_head, fp32)
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """``hidden @ weight.T`` ([..., hidden] × [V, hidden]); with ``fp32`` a float32 result (see ``logits_of``)."""
+    if not fp32 or hidden.dtype == torch.float32:
+        out = F.linear(hidden, weight)
+        return out.float() if fp32 else out
+    if hidden.is_cuda:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return torch.mm(flat, weight.t(), out_dtype=torch.float32).view(*hidden.shape[:-1], weight.shape[0])
+    return F.linear(hidden.float(), weight.float())

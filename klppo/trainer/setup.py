@@ -134,6 +134,26 @@ def _sampling(rollout_cfg: Any, *, response_length: int, validation: bool) -> Sa
     )
 
 
+def _start_precompile(cfg: Any, hf_config: Any, device: torch.device) -> None:
+    """Start compiling the klppo engine's decode functions in the background (see rollout.compiled)."""
+    from klppo.rollout.compiled import start_precompile
+    from klppo.trainer.builder import to_dtype
+
+    rcfg = cfg.actor_rollout_ref.rollout
+    mp = getattr(cfg.actor_rollout_ref.actor.fsdp_config, "mixed_precision", None)
+    temperatures = [
+        s.temperature
+        for s in (_sampling(rcfg, response_length=1, validation=v) for v in (False, True))
+        if s.do_sample
+    ]
+    start_precompile(
+        hf_config,
+        dtype=to_dtype(getattr(mp, "param_dtype", None) if mp is not None else None, torch.bfloat16),
+        device=device,
+        temperatures=temperatures,
+    )
+
+
 def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     from klppo.algorithms.advantages import get_advantage_estimator
     from klppo.algorithms.kl_control import make_kl_controller
@@ -162,9 +182,10 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
         from klppo.tune.preflight import check_memory
 
         total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
-        check_memory(
-            cfg, AutoConfig.from_pretrained(model_path), world_size=world_size(), device_gib=total_gib
-        )
+        hf_config = AutoConfig.from_pretrained(model_path)
+        check_memory(cfg, hf_config, world_size=world_size(), device_gib=total_gib)
+        if rcfg.name == "klppo":  # compile the decode functions while the weights load
+            _start_precompile(cfg, hf_config, device)
     train_loader, val_loader = build_loaders(cfg, tokenizer)
     total_steps = tcfg.total_training_steps or len(train_loader) * int(tcfg.total_epochs)
     if len(train_loader) == 0:

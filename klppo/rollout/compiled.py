@@ -1,0 +1,165 @@
+"""The engine's compiled decode functions, and their compilation in the background during start-up.
+
+Three functions are compiled (``torch.compile``, batch dimension dynamic): the two per-layer blocks of a
+decode step (``attn_in``, ``attn_out_mlp``) and the untruncated sampler. There is one compiled wrapper
+per function per process, shared by every engine, so a compilation done once serves all of them.
+
+Compiling them from empty caches takes several seconds (most of the engine's first call). The trainer
+therefore calls :func:`start_precompile` as soon as it knows the model's config, before it loads any
+weights: a background thread builds one decoder layer of that config with uninitialised weights and
+calls the compiled functions on it with the shapes, dtypes and flags the real rollout will use, so the
+compiled graphs are ready (and their guards hold) by the first ``generate``; that call waits for the
+thread (:func:`wait_precompile`). A failed or mismatched pre-compile costs nothing but its time: the
+first call then compiles as it would have.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from klppo.rollout.llama import LayerWeights, attn_in, attn_out_mlp
+from klppo.rollout.sampling import sample_untruncated
+
+logger = logging.getLogger(__name__)
+
+FUNCTIONS: dict[str, Callable] = {
+    "attn_in": attn_in,
+    "attn_out_mlp": attn_out_mlp,
+    "sample": sample_untruncated,
+}
+BACKEND: Any = "inductor"  # tests swap in a counting backend
+_compiled: dict[str, Callable] = {}
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+last_precompile_s: float | None = None  # how long the last background pre-compile took
+
+
+def compiled(name: str) -> Callable:
+    """The process-wide compiled version of ``FUNCTIONS[name]`` (batch dim dynamic)."""
+    with _lock:
+        if name not in _compiled:
+            _compiled[name] = _batch_dynamic(torch.compile(FUNCTIONS[name], backend=BACKEND))
+        return _compiled[name]
+
+
+def reset() -> None:
+    """Forget the compiled wrappers (tests; the next ``compiled`` call compiles afresh)."""
+    wait_precompile()
+    with _lock:
+        _compiled.clear()
+    torch._dynamo.reset()
+
+
+def _batch_dynamic(fn: Callable) -> Callable:
+    """Call ``fn`` with dim 0 (the batch) of every tensor argument marked dynamic, nothing else.
+
+    ``torch.compile(dynamic=True)`` makes every dim symbolic and unifies equal sizes: a first call with
+    batch 64 = head_dim 64 (cos/sin are [B, D]) compiles a graph valid only while B == D, so the next
+    bucket recompiles. Marking the batch dim alone gives one graph for every batch size > 1.
+    """
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return fn(*args)
+
+    return call
+
+
+def start_precompile(
+    config: Any,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    temperatures: Iterable[float] = (1.0,),
+    fuse_projections: bool = True,
+    fp32_logits: bool = True,
+    background: bool = True,
+) -> threading.Thread | None:
+    """Compile the decode functions for a model of Hugging Face ``config`` (see the module docstring).
+
+    ``temperatures``: the sampling temperatures the rollout will use (a greedy graph is always made).
+    Returns the thread (None when ``background`` is False: the work is done before returning).
+    """
+    global _thread
+    wait_precompile()
+    args = (config, dtype, torch.device(device), tuple(float(t) for t in temperatures), fuse_projections,
+            fp32_logits)  # fmt: skip
+    if not background:
+        _precompile(*args)
+        return None
+    _thread = threading.Thread(target=_precompile, args=args, name="klppo-precompile", daemon=True)
+    _thread.start()
+    return _thread
+
+
+def wait_precompile() -> None:
+    """Block until a running background pre-compile has finished (no-op when none is running)."""
+    global _thread
+    thread = _thread
+    if thread is not None:
+        thread.join()
+        _thread = None
+
+
+def _precompile(config, dtype, device, temperatures, fuse_projections, fp32_logits) -> None:
+    global last_precompile_s
+    start = time.perf_counter()
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        with torch.no_grad():
+            _run_once(config, dtype, device, temperatures, fuse_projections, fp32_logits)
+        last_precompile_s = time.perf_counter() - start
+        logger.info("rollout decode functions pre-compiled in %.1f s", last_precompile_s)
+    except Exception as err:  # the first generate compiles instead; say why this did not
+        logger.warning(
+            "rollout pre-compile skipped (%s: %s); the first rollout compiles", type(err).__name__, err
+        )
+
+
+def _run_once(config, dtype, device, temperatures, fuse_projections, fp32_logits) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from klppo.rollout.llama import unsupported_reason
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = 1
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:1]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    reason = unsupported_reason(model, 0)
+    if reason is not None:
+        logger.info("rollout pre-compile skipped: %s", reason)
+        return
+    layer = model.model.layers[0].to_empty(device=device)
+    lw = LayerWeights.read(layer)
+    if fuse_projections:
+        lw = lw.fused()
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    eps = float(config.rms_norm_eps)
+    batch = 4  # any size > 1: the batch dim is compiled dynamic
+    x = torch.zeros(batch, config.hidden_size, dtype=dtype, device=device)
+    cos, sin = (torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))  # not aliased
+    compiled("attn_in")(x, lw, cos, sin, (num_heads, num_kv_heads, head_dim, eps))
+    attn = torch.zeros(batch, num_heads * head_dim, dtype=dtype, device=device)
+    compiled("attn_out_mlp")(x, attn, lw, eps)
+    logits = torch.zeros(
+        batch, config.vocab_size, dtype=torch.float32 if fp32_logits else dtype, device=device
+    )
+    for temperature in dict.fromkeys((*temperatures, 1.0)):
+        compiled("sample")(logits, temperature, False)
+    compiled("sample")(logits, 1.0, True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
