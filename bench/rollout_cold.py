@@ -40,7 +40,11 @@ MODES = {
 
 def child(mode: str, batch: int) -> None:
     t_start = time.perf_counter()
+    import logging
+
     import torch
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
     sys.path.insert(0, os.path.dirname(__file__))
     from rollout import NEW, PROMPT, build, qwen_config

@@ -91,7 +91,10 @@ def start_precompile(
     """
     global _thread
     wait_precompile()
-    args = (config, dtype, torch.device(device), tuple(float(t) for t in temperatures), fuse_projections,
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # the thread must target this thread's device
+        device = torch.device("cuda", torch.cuda.current_device())
+    args = (config, dtype, device, tuple(float(t) for t in temperatures), fuse_projections,
             fp32_logits)  # fmt: skip
     if not background:
         _precompile(*args)
