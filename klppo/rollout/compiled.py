@@ -9,7 +9,8 @@ therefore calls :func:`start_precompile` as soon as it knows the model's config,
 weights: a background thread builds one decoder layer of that config with uninitialised weights and
 calls the compiled functions on it with the shapes, dtypes and flags the real rollout will use, so the
 compiled graphs are ready (and their guards hold) by the first ``generate``; that call waits for the
-thread (:func:`wait_precompile`). A failed or mismatched pre-compile costs nothing but its time: the
+thread (:func:`wait_precompile`). The layer's structure comes from a meta-device model built in the
+calling thread; the thread itself only allocates tensors and compiles (no process-wide state changes). A failed or mismatched pre-compile costs nothing but its time: the
 first call then compiles as it would have.
 """
 
@@ -94,14 +95,41 @@ def start_precompile(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # the thread must target this thread's device
         device = torch.device("cuda", torch.cuda.current_device())
-    args = (config, dtype, device, tuple(float(t) for t in temperatures), fuse_projections,
-            fp32_logits)  # fmt: skip
+    # The model structure is made here, on the meta device: building a Hugging Face model sets the
+    # process-wide default dtype for a while, which must not happen beside the caller's own model loading.
+    layer = _meta_layer(config, dtype)
+    if layer is None:
+        return None
+    args = (config, layer, device, tuple(float(t) for t in temperatures), fuse_projections, fp32_logits)
     if not background:
         _precompile(*args)
         return None
     _thread = threading.Thread(target=_precompile, args=args, name="klppo-precompile", daemon=True)
     _thread.start()
     return _thread
+
+
+def _meta_layer(config: Any, dtype: torch.dtype) -> LayerWeights | None:
+    """One decoder layer of ``config`` on the meta device (None, logged, if the engine cannot run it)."""
+    from transformers import AutoModelForCausalLM
+
+    from klppo.rollout.llama import unsupported_reason
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = 1
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:1]
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception as err:
+        logger.warning("rollout pre-compile skipped (%s: %s)", type(err).__name__, err)
+        return None
+    reason = unsupported_reason(model, 0)
+    if reason is not None:
+        logger.info("rollout pre-compile skipped: %s", reason)
+        return None
+    return LayerWeights.read(model.model.layers[0])
 
 
 def wait_precompile() -> None:
@@ -113,14 +141,14 @@ def wait_precompile() -> None:
         _thread = None
 
 
-def _precompile(config, dtype, device, temperatures, fuse_projections, fp32_logits) -> None:
+def _precompile(config, layer, device, temperatures, fuse_projections, fp32_logits) -> None:
     global last_precompile_s
     start = time.perf_counter()
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         with torch.no_grad():
-            _run_once(config, dtype, device, temperatures, fuse_projections, fp32_logits)
+            _run_once(config, layer, device, temperatures, fuse_projections, fp32_logits)
         last_precompile_s = time.perf_counter() - start
         logger.info("rollout decode functions pre-compiled in %.1f s", last_precompile_s)
     except Exception as err:  # the first generate compiles instead; say why this did not
@@ -129,25 +157,12 @@ def _precompile(config, dtype, device, temperatures, fuse_projections, fp32_logi
         )
 
 
-def _run_once(config, dtype, device, temperatures, fuse_projections, fp32_logits) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from klppo.rollout.llama import unsupported_reason
-
-    config = copy.deepcopy(config)
-    config.num_hidden_layers = 1
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:1]
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    reason = unsupported_reason(model, 0)
-    if reason is not None:
-        logger.info("rollout pre-compile skipped: %s", reason)
-        return
-    layer = model.model.layers[0].to_empty(device=device)
-    lw = LayerWeights.read(layer)
+def _run_once(config, layer: LayerWeights, device, temperatures, fuse_projections, fp32_logits) -> None:
+    """Call each compiled function once with the rollout's shapes, dtypes and flags (values irrelevant)."""
+    lw = layer.allocated_like(device)
     if fuse_projections:
         lw = lw.fused()
+    dtype = lw.input_norm.dtype
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads

@@ -92,29 +92,44 @@ class LayerWeights:
 
     @staticmethod
     def read(layer: torch.nn.Module) -> LayerWeights:
-        """Views of one Hugging Face decoder layer's weights."""
+        """Detached views of one Hugging Face decoder layer's weights (plain tensors, no grad: the same
+        kind whether the model is trained, frozen or LoRA-merged, so compiled graphs' guards agree)."""
         attn, mlp = layer.self_attn, layer.mlp
-        q_norm = getattr(attn, "q_norm", None)
-        k_norm = getattr(attn, "k_norm", None)
+
+        def get(module, name="weight"):
+            t = None if module is None else getattr(module, name, None)
+            return None if t is None else t.detach()
+
         return LayerWeights(
-            input_norm=layer.input_layernorm.weight,
-            q=attn.q_proj.weight,
-            k=attn.k_proj.weight,
-            v=attn.v_proj.weight,
-            q_bias=attn.q_proj.bias,
-            k_bias=attn.k_proj.bias,
-            v_bias=attn.v_proj.bias,
-            o=attn.o_proj.weight,
-            o_bias=attn.o_proj.bias,
-            q_norm=None if q_norm is None else q_norm.weight,
-            k_norm=None if k_norm is None else k_norm.weight,
-            post_norm=layer.post_attention_layernorm.weight,
-            gate=mlp.gate_proj.weight,
-            up=mlp.up_proj.weight,
-            down=mlp.down_proj.weight,
-            gate_bias=mlp.gate_proj.bias,
-            up_bias=mlp.up_proj.bias,
-            down_bias=mlp.down_proj.bias,
+            input_norm=get(layer.input_layernorm),
+            q=get(attn.q_proj),
+            k=get(attn.k_proj),
+            v=get(attn.v_proj),
+            q_bias=get(attn.q_proj, "bias"),
+            k_bias=get(attn.k_proj, "bias"),
+            v_bias=get(attn.v_proj, "bias"),
+            o=get(attn.o_proj),
+            o_bias=get(attn.o_proj, "bias"),
+            q_norm=get(getattr(attn, "q_norm", None)),
+            k_norm=get(getattr(attn, "k_norm", None)),
+            post_norm=get(layer.post_attention_layernorm),
+            gate=get(mlp.gate_proj),
+            up=get(mlp.up_proj),
+            down=get(mlp.down_proj),
+            gate_bias=get(mlp.gate_proj, "bias"),
+            up_bias=get(mlp.up_proj, "bias"),
+            down_bias=get(mlp.down_proj, "bias"),
+        )
+
+    def allocated_like(self, device: torch.device) -> LayerWeights:
+        """Uninitialised tensors of these shapes and dtypes on ``device`` (e.g. from a meta-device layer)."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: torch.empty_like(t, device=device)
+                for f in dataclasses.fields(self)
+                if (t := getattr(self, f.name)) is not None
+            },
         )
 
     def fused(self, into: LayerWeights | None = None) -> LayerWeights:
@@ -161,10 +176,10 @@ class LlamaWeights:
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         return LlamaWeights(
-            embed=inner.embed_tokens.weight,
+            embed=inner.embed_tokens.weight.detach(),
             layers=layers,
-            final_norm=inner.norm.weight,
-            lm_head=model.lm_head.weight,
+            final_norm=inner.norm.weight.detach(),
+            lm_head=model.lm_head.weight.detach(),
             inv_freq=inner.rotary_emb.inv_freq,
             attention_scaling=float(getattr(inner.rotary_emb, "attention_scaling", 1.0)),
             eps=float(config.rms_norm_eps),
