@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 QWEN25_05B = dict(
@@ -111,7 +112,9 @@ def run(model_dir: Path, data: Path, run_dir: Path, *, rollout: str, steps: int,
     cfg = load_config(overrides)
     info = dist.init_distributed(args.device, 600.0)
     try:
+        start = time.perf_counter()
         parts = build_run(cfg, device=info.device, argv=overrides)
+        setup_s = time.perf_counter() - start  # with rollout=klppo the decode functions compile meanwhile
         PPOTrainer(parts).fit()
     finally:
         dist.destroy()
@@ -119,7 +122,7 @@ def run(model_dir: Path, data: Path, run_dir: Path, *, rollout: str, steps: int,
     del parts
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"rollout": rollout, "steps": rows}
+    return {"rollout": rollout, "setup_s": setup_s, "steps": rows}
 
 
 def main() -> None:
@@ -157,6 +160,9 @@ def main() -> None:
         res = run(model_dir, data, root / f"run_{rollout}", rollout=rollout, steps=args.steps, args=args)
         last = res["steps"][-1]
         keys = sorted(k for k in last if k.startswith(("timing_s/", "perf/")))
+        first = res["steps"][0]
+        print(f"== rollout={rollout}: setup {res['setup_s']:.2f} s, first step gen {first['timing_s/gen']:.2f} s "
+              f"(update_weights {first.get('timing_s/update_weights', 0.0):.2f} s)")  # fmt: skip
         print(f"== rollout={rollout}: step {last['step']} of {args.steps}")
         for k in keys:
             print(f"   {k:40s} {last[k]:.4f}")

@@ -1,7 +1,8 @@
 """The engine's compiled decode functions, and their compilation in the background during start-up.
 
 Three functions are compiled (``torch.compile``, batch dimension dynamic): the two per-layer blocks of a
-decode step (``attn_in``, ``attn_out_mlp``) and the untruncated sampler. There is one compiled wrapper
+decode step (``attn_in``, ``attn_out_mlp``) and the untruncated sampler (one graph per temperature;
+greedy decoding runs it eagerly). There is one compiled wrapper
 per function per process, shared by every engine, so a compilation done once serves all of them.
 
 Compiling them from empty caches takes several seconds (most of the engine's first call). The trainer
@@ -87,7 +88,7 @@ def start_precompile(
 ) -> threading.Thread | None:
     """Compile the decode functions for a model of Hugging Face ``config`` (see the module docstring).
 
-    ``temperatures``: the sampling temperatures the rollout will use (a greedy graph is always made).
+    ``temperatures``: the sampling temperatures the rollout will use (greedy decoding needs no graph).
     Returns the thread (None when ``background`` is False: the work is done before returning).
     """
     global _thread
@@ -176,8 +177,7 @@ def _run_once(config, layer: LayerWeights, device, temperatures, fuse_projection
     logits = torch.zeros(
         batch, config.vocab_size, dtype=torch.float32 if fp32_logits else dtype, device=device
     )
-    for temperature in dict.fromkeys((*temperatures, 1.0)):
+    for temperature in dict.fromkeys(temperatures):  # greedy sampling is not compiled (engine._sampler)
         compiled("sample")(logits, temperature, False)
-    compiled("sample")(logits, 1.0, True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -380,8 +380,10 @@ class KLPPORollout:
         """``logits -> (tokens, log_probs)`` for ``params``: compiled and fused on GPU when untruncated."""
         if not is_untruncated(params):
             return lambda logits: sample(logits, params)
-        fn = compiled("sample") if self._compiles(cuda) else sample_untruncated
-        temperature = 1.0 if params.greedy else float(params.temperature)  # one greedy graph
+        # greedy (validation) stays eager: logsumexp + argmax are two plain reductions, and one graph fewer
+        # to compile at start-up
+        fn = compiled("sample") if self._compiles(cuda) and not params.greedy else sample_untruncated
+        temperature = 1.0 if params.greedy else float(params.temperature)
 
         def run(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if logits.shape[0] == 1:  # a prefill of one sequence: 2 rows keep the compiled graph's batch dim

@@ -204,7 +204,7 @@ def test_precompile_leaves_nothing_to_compile_and_matches_eager(monkeypatch) -> 
     assert thread is not None
     compiled.wait_precompile()
     made = len(graphs)
-    assert made >= 4 and compiled.last_precompile_s is not None  # two layer blocks, sampled + greedy sampler
+    assert made == 3 and compiled.last_precompile_s is not None  # two layer blocks, one sampler (T = 0.7)
     prompts, prompt_mask = left_padded(PROMPTS)
     for params in (SamplingParams(max_new_tokens=9, do_sample=False), SamplingParams(max_new_tokens=9, n=2,
                    temperature=0.7, seed=3)):  # fmt: skip
