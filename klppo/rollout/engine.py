@@ -11,11 +11,14 @@ One ``generate`` call:
    with the cache);
 3. fills the slots with the first sequences (``B × n``, row ``i·n + j`` = prompt i, sample j) through one
    packed prefill (only real prompt tokens are projected; each prompt attends causally to itself);
-4. runs decode steps on the first ``bucket`` slots (``bucket`` = smallest power of two, or the slot count,
-   covering every busy slot), each step captured once as a CUDA graph per bucket on GPU, eager on CPU.
-   Attention reads each slot's occupied prefix only (flash varlen; ``decode_attention``). A step samples
-   on the device (untruncated sampling: one compiled fused kernel pair, no [B, V] tensors written) and
-   records tokens/log-probs into the output buffers without any host synchronisation;
+4. runs decode steps on the first ``bucket`` slots (``bucket`` = smallest power of two from 2, or the slot
+   count, covering every busy slot), each step captured once as a CUDA graph per bucket on GPU, eager on
+   CPU. Attention reads each slot's occupied prefix only (flash varlen, GQA query heads packed per KV
+   head; ``decode_attention``). The per-layer blocks and the sampler are the process-wide compiled
+   functions of :mod:`klppo.rollout.compiled` (pre-compiled in the background by the trainer). A step
+   samples on the device (untruncated sampling: one compiled fused kernel pair, no [B, V] tensors
+   written; logits in float32 with ``fp32_logits``) and records tokens/log-probs into the output buffers
+   without any host synchronisation;
 5. every ``eos_check_every`` steps reads the finished flags once; finished slots take the next waiting
    sequences (prefilled the same way) — continuous batching — until none is left.
 
