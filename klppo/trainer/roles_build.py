@@ -274,6 +274,7 @@ def build_reward(cfg: Any, tokenizer: Any, device: torch.device):
 def load_policy_model(cfg: Any, path: str, dtype: torch.dtype, device: torch.device, *, train: bool):
     """A causal LM for the actor or the reference, with klppo's attention (see below), on ``device``."""
     from klppo.batching.attention import enable_packed_attention
+    from klppo.models.lm_head import fp32_lm_head
     from klppo.models.loading import load_causal_lm
 
     m = cfg.actor_rollout_ref.model
@@ -292,6 +293,9 @@ def load_policy_model(cfg: Any, path: str, dtype: torch.dtype, device: torch.dev
     # klppo_packed: block-diagonal attention for packed rows, and for padded rows SDPA with rows that see
     # no key (left padding) attending to themselves, which keeps bf16 gradients finite on GPU
     enable_packed_attention(model)
+    # float32 logits from the bf16 head (no rounding of the logits to bf16; the rollout engine computes its
+    # log-probs the same way, see klppo.models.lm_head); float32 models are unaffected
+    fp32_lm_head(model)
     return model.to(device)
 
 
