@@ -65,6 +65,28 @@ def unsupported_reason(model: torch.nn.Module, max_len: int) -> str | None:
     return None
 
 
+_LAYER_PATHS = {  # LayerWeights field → attribute path in a Hugging Face decoder layer (absent: None)
+    "input_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+    "o": "self_attn.o_proj.weight",
+    "o_bias": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+    "gate_bias": "mlp.gate_proj.bias",
+    "up_bias": "mlp.up_proj.bias",
+    "down_bias": "mlp.down_proj.bias",
+}
+
+
 @dataclasses.dataclass
 class LayerWeights:
     input_norm: torch.Tensor
@@ -94,32 +116,14 @@ class LayerWeights:
     def read(layer: torch.nn.Module) -> LayerWeights:
         """Detached views of one Hugging Face decoder layer's weights (plain tensors, no grad: the same
         kind whether the model is trained, frozen or LoRA-merged, so compiled graphs' guards agree)."""
-        attn, mlp = layer.self_attn, layer.mlp
 
-        def get(module, name="weight"):
-            t = None if module is None else getattr(module, name, None)
-            return None if t is None else t.detach()
+        def get(path: str) -> torch.Tensor | None:
+            obj = layer
+            for name in path.split("."):
+                obj = getattr(obj, name, None)
+            return None if obj is None else obj.detach()
 
-        return LayerWeights(
-            input_norm=get(layer.input_layernorm),
-            q=get(attn.q_proj),
-            k=get(attn.k_proj),
-            v=get(attn.v_proj),
-            q_bias=get(attn.q_proj, "bias"),
-            k_bias=get(attn.k_proj, "bias"),
-            v_bias=get(attn.v_proj, "bias"),
-            o=get(attn.o_proj),
-            o_bias=get(attn.o_proj, "bias"),
-            q_norm=get(getattr(attn, "q_norm", None)),
-            k_norm=get(getattr(attn, "k_norm", None)),
-            post_norm=get(layer.post_attention_layernorm),
-            gate=get(mlp.gate_proj),
-            up=get(mlp.up_proj),
-            down=get(mlp.down_proj),
-            gate_bias=get(mlp.gate_proj, "bias"),
-            up_bias=get(mlp.up_proj, "bias"),
-            down_bias=get(mlp.down_proj, "bias"),
-        )
+        return LayerWeights(**{field: get(path) for field, path in _LAYER_PATHS.items()})
 
     def allocated_like(self, device: torch.device) -> LayerWeights:
         """Uninitialised tensors of these shapes and dtypes on ``device`` (e.g. from a meta-device layer)."""
