@@ -22,7 +22,9 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
   per-layer checkpointing ``L·T·h·c`` (layer inputs) ``+ T·A`` (one layer recomputed); a backward
   workspace ``T·c·(2h + 2I)``; logits ``N·V·(c + 12)`` (bf16 logits, their fp32 copy kept for
   backward, two fp32 [N, V] buffers of log-softmax's forward/backward; entropy adds ``N·V·8``); the
-  LM head's weight gradient ``V·h·c``.
+  LM head's weight gradient ``V·h·c``. (Since the LM head returns float32 logits directly
+  — ``klppo.models.lm_head`` — the bf16 logits are no longer made: these terms overestimate by
+  ``N·V·c``; kept as they were validated until the next device sweep re-fits them.)
   (b) *backward end*: unit gradients ``max(U_r·(c+4), U_r·c + U_max·(c+4))`` (``U_max``: largest
   non-root unit): the root's unsharded grads are reduced last; a unit being reduced holds bf16 grads
   and their fp32 reduce-scatter input; or the all-gather's flat output buffer ``U_max·c``.
