@@ -216,3 +216,13 @@ def test_precompile_leaves_nothing_to_compile_and_matches_eager(monkeypatch) -> 
         torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-6, rtol=0)
     assert len(graphs) == made, "the rollout compiled graphs the pre-compile had not made"
     compiled.reset()
+
+
+def test_decode_buckets_never_one_unless_single_slot() -> None:
+    from klppo.rollout.engine import _buckets
+
+    assert _buckets(1) == [1]
+    assert _buckets(2) == [2]
+    assert _buckets(3) == [2, 3]
+    assert _buckets(64) == [2, 4, 8, 16, 32, 64]
+    assert _buckets(100) == [2, 4, 8, 16, 32, 64, 100]
