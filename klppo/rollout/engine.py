@@ -108,6 +108,7 @@ class KLPPORollout:
         self.decode_attention = decode_attention
         self.fp32_logits = fp32_logits
         self.last_stats: dict[str, float] = {}
+        self._prefill_tokens = 0
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self._ws: _Workspace | None = None
 
@@ -185,6 +186,7 @@ class KLPPORollout:
             if chunk:
                 self._prefill(w, ws, packed, starts, seq_lengths, chunk, params, eos, check_eos, n)
 
+        self._prefill_tokens = 0
         slot_seq = [-1] * num_slots
         waiting = list(range(num_seqs))[::-1]  # pop() takes the lowest sequence id
         prefill_start = time.perf_counter()
@@ -229,6 +231,7 @@ class KLPPORollout:
         self.last_stats = {
             "rollout/time_s": elapsed,
             "rollout/prefill_s": prefill_s,
+            "rollout/prefill_tokens": float(self._prefill_tokens),
             "rollout/graph_capture_s": capture_s,
             "rollout/tokens_generated": tokens,
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
@@ -295,15 +298,33 @@ class KLPPORollout:
         return self._ws
 
     def _prefill(self, w, ws, packed, starts, seq_lengths, pairs, params, eos, check_eos, n) -> None:
+        """Prefill ``pairs`` (sequence, slot) and sample each sequence's first token.
+
+        Samples of one prompt share its prefill: the prompt runs once (in the slot of its first sequence
+        here) and its K/V prefix is copied to the other samples' slots; the last hidden state's logits
+        are shared too, the sampling noise is not.
+        """
         device = packed.device
         seqs = [s for s, _ in pairs]
-        index = torch.cat([torch.arange(starts[s // n], starts[s // n + 1]) for s in seqs]).to(device)
+        leader: dict[int, int] = {}  # prompt -> position in pairs of the sequence that runs it
+        for j, s in enumerate(seqs):
+            leader.setdefault(s // n, j)
+        lead = list(leader.values())
+        row_of = {j: row for row, j in enumerate(lead)}
+        group = torch.tensor([row_of[leader[s // n]] for s in seqs], device=device)
+        index = torch.cat([torch.arange(starts[p], starts[p + 1]) for p in leader]).to(device)
         slots = torch.tensor([slot for _, slot in pairs], device=device)
         seq_t = torch.tensor(seqs, device=device)
-        hidden = prefill(w, ws.kv, packed[index], slots, [seq_lengths[s] for s in seqs])
-        tokens, log_probs = self._sampler(params, device.type == "cuda")(
-            logits_of(w, hidden, self.fp32_logits)
-        )
+        lead_slots = slots[lead]
+        hidden = prefill(w, ws.kv, packed[index], lead_slots, [seq_lengths[seqs[j]] for j in lead])
+        self._prefill_tokens += int(index.numel())
+        followers = [j for j in range(len(pairs)) if leader[seqs[j] // n] != j]
+        if followers:  # positions past a prompt's length are copied too: masked until overwritten
+            width = max(seq_lengths[seqs[j]] for j in followers)
+            dst, src = slots[followers], lead_slots[group[followers]]
+            ws.kv[:, :, dst, :width] = ws.kv[:, :, src, :width]
+        logits = logits_of(w, hidden, self.fp32_logits)[group]
+        tokens, log_probs = self._sampler(params, device.type == "cuda")(logits)
         ws.out_tokens[seq_t, 0] = tokens
         ws.out_log_probs[seq_t, 0] = log_probs
         ws.out_len[seq_t] = 1

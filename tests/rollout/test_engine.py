@@ -226,3 +226,23 @@ def test_decode_buckets_never_one_unless_single_slot() -> None:
     assert _buckets(3) == [2, 3]
     assert _buckets(64) == [2, 4, 8, 16, 32, 64]
     assert _buckets(100) == [2, 4, 8, 16, 32, 64, 100]
+
+
+def test_samples_of_a_prompt_share_its_prefill(tiny_qwen2) -> None:
+    """n samples run their prompt once (K/V copied to the other slots), also when a prompt's samples are
+    admitted in different refills; the outputs equal separate per-sample prefills (hf reference)."""
+    prompts, prompt_mask = left_padded(PROMPTS)
+    lengths = prompt_mask.sum(1).tolist()
+    params = SamplingParams(max_new_tokens=12, n=4, do_sample=False)
+    ref = make_rollout("hf", eos_token_ids=[2], pad_token_id=2).generate(
+        tiny_qwen2, prompts, prompt_mask, params
+    )
+    roomy = KLPPORollout(eos_token_ids=[2], pad_token_id=2)
+    out = roomy.generate(tiny_qwen2, prompts, prompt_mask, params)
+    assert torch.equal(out.responses, ref.responses)
+    assert roomy.last_stats["rollout/prefill_tokens"] == sum(lengths)  # once per prompt, not 4×
+    tight = KLPPORollout(eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=3)
+    out = tight.generate(tiny_qwen2, prompts, prompt_mask, params)
+    assert torch.equal(out.responses, ref.responses)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+    assert sum(lengths) <= tight.last_stats["rollout/prefill_tokens"] < 4 * sum(lengths)
