@@ -19,6 +19,7 @@ is refused (its scores would be noise).
 from __future__ import annotations
 
 import logging
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,7 @@ def _load(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
-        with _quiet_transformers():
+        with _quiet_transformers(), default_dtype_change(dtype):
             model, info = auto_class.from_pretrained(directory, output_loading_info=True, **kwargs)
     except ValueError as error:
         if "Unrecognized configuration class" not in str(error):
@@ -139,6 +140,23 @@ def _load(
         model.config.use_cache = False
         enable_activation_checkpointing(model)
     return model, set(info.get("missing_keys", ()))
+
+
+DEFAULT_DTYPE_LOCK = threading.Lock()
+"""Held while something may set the process-wide default dtype to another value (transformers does during
+``from_pretrained(dtype=...)``) and by the rollout's background pre-compile while it compiles: dynamo
+guards compiled graphs on the default dtype and refuses a change in the middle of a compilation."""
+
+
+@contextmanager
+def default_dtype_change(dtype: torch.dtype):
+    """Around code that sets the default dtype to ``dtype`` for a while: takes ``DEFAULT_DTYPE_LOCK`` when
+    that is a change (a background compile then waits, and this waits for its current function)."""
+    if dtype == torch.get_default_dtype():
+        yield
+        return
+    with DEFAULT_DTYPE_LOCK:
+        yield
 
 
 def load_causal_lm(

@@ -11,7 +11,9 @@ weights: a background thread builds one decoder layer of that config with uninit
 calls the compiled functions on it with the shapes, dtypes and flags the real rollout will use, so the
 compiled graphs are ready (and their guards hold) by the first ``generate``; that call waits for the
 thread (:func:`wait_precompile`). The layer's structure comes from a meta-device model built in the
-calling thread; the thread itself only allocates tensors and compiles (no process-wide state changes). A failed or mismatched pre-compile costs nothing but its time: the
+calling thread; the thread itself only allocates tensors and compiles (no process-wide state changes),
+one function at a time under ``klppo.models.loading.DEFAULT_DTYPE_LOCK``, which model loading takes
+while transformers switches the default dtype (dynamo guards on it). A failed or mismatched pre-compile costs nothing but its time: the
 first call then compiles as it would have.
 """
 
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from klppo.models.loading import DEFAULT_DTYPE_LOCK
 from klppo.rollout.llama import LayerWeights, attn_in, attn_out_mlp
 from klppo.rollout.sampling import sample_untruncated
 
@@ -171,13 +174,18 @@ def _run_once(config, layer: LayerWeights, device, temperatures, fuse_projection
     batch = 4  # any size > 1: the batch dim is compiled dynamic
     x = torch.zeros(batch, config.hidden_size, dtype=dtype, device=device)
     cos, sin = (torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))  # not aliased
-    compiled("attn_in")(x, lw, cos, sin, (num_heads, num_kv_heads, head_dim, eps))
     attn = torch.zeros(batch, num_heads * head_dim, dtype=dtype, device=device)
-    compiled("attn_out_mlp")(x, attn, lw, eps)
-    logits = torch.zeros(
-        batch, config.vocab_size, dtype=torch.float32 if fp32_logits else dtype, device=device
-    )
-    for temperature in dict.fromkeys(temperatures):  # greedy sampling is not compiled (engine._sampler)
-        compiled("sample")(logits, temperature, False)
+    logits_dtype = torch.float32 if fp32_logits else dtype
+    logits = torch.zeros(batch, config.vocab_size, dtype=logits_dtype, device=device)
+    calls = [
+        ("attn_in", (x, lw, cos, sin, (num_heads, num_kv_heads, head_dim, eps))),
+        ("attn_out_mlp", (x, attn, lw, eps)),
+        *[("sample", (logits, t, False)) for t in dict.fromkeys(temperatures)],  # greedy: not compiled
+    ]
+    for name, args in calls:
+        # one function at a time under the lock: the caller's model loading may not switch the default
+        # dtype meanwhile (dynamo guards on it), and waits for one function at most
+        with DEFAULT_DTYPE_LOCK:
+            compiled(name)(*args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

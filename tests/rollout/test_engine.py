@@ -246,3 +246,36 @@ def test_samples_of_a_prompt_share_its_prefill(tiny_qwen2) -> None:
     assert torch.equal(out.responses, ref.responses)
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
     assert sum(lengths) <= tight.last_stats["rollout/prefill_tokens"] < 4 * sum(lengths)
+
+
+def test_precompile_waits_while_model_loading_switches_the_default_dtype(monkeypatch) -> None:
+    """The background compile takes the default-dtype lock per function: while model loading holds it
+    (transformers switching the default dtype), nothing is compiled; afterwards everything is."""
+    import time
+
+    from klppo.models.loading import DEFAULT_DTYPE_LOCK, default_dtype_change
+    from klppo.rollout import compiled
+
+    model = build_tiny_model(arch="llama").eval()
+    graphs: list[object] = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(torch.get_default_dtype())
+        return gm.forward
+
+    compiled.reset()
+    monkeypatch.setattr(compiled, "BACKEND", counting_backend)
+    with default_dtype_change(torch.bfloat16):  # as load_causal_lm(dtype=bf16) does
+        assert DEFAULT_DTYPE_LOCK.locked()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            compiled.start_precompile(model.config, dtype=torch.float32, device="cpu")
+            time.sleep(0.5)
+            assert graphs == []
+        finally:
+            torch.set_default_dtype(torch.float32)
+    with default_dtype_change(torch.float32):  # no change: no lock
+        assert not DEFAULT_DTYPE_LOCK.locked()
+    compiled.wait_precompile()
+    assert graphs == [torch.float32] * 3
+    compiled.reset()
