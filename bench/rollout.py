@@ -1,7 +1,9 @@
 """Rollout benchmark: the klppo engine vs transformers ``generate`` on Qwen2.5-shaped random models.
 
     PYTHONPATH=$PWD python bench/rollout.py [--shapes 0.5b,1.5b] [--batches 64,256,1024] [--out results.json]
-        [--variants no-fuse,sdpa] [--old-engine MODULE] [--check] [--profile]
+        [--variants no-fuse,sdpa] [--old-engine MODULE] [--check] [--profile] [--n 4]
+
+``--n`` samples per prompt (the batch counts sequences): with n > 1 the engine prefills each prompt once.
 
 bf16 random weights, prompt 256 tokens, 256 new tokens forced (EOS ignored), temperature 1, top-p 1, no
 top-k. For each shape and batch: klppo cold (first call: cache allocation + graph capture) and warm
@@ -83,14 +85,15 @@ def timed(fn, *args):
 
 
 def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit) -> None:
-    batch = prompts.shape[0]
+    batch = prompts.shape[0] * params.n
     for phase in ("cold", "warm"):
         out, elapsed, peak = timed(engine.generate, model, prompts, mask, params)
         s = engine.last_stats
         decode_s = s["rollout/time_s"] - s["rollout/prefill_s"] - s["rollout/graph_capture_s"]
         emit(dict(shape=shape, batch=batch, backend=f"{name}-{phase}", time_s=elapsed,
                   tokens_per_s=batch * NEW / elapsed, ms_per_step=decode_s / s["rollout/decode_steps"] * 1e3,
-                  prefill_s=s["rollout/prefill_s"], capture_s=s["rollout/graph_capture_s"],
+                  prefill_s=s["rollout/prefill_s"], capture_s=s["rollout/graph_capture_s"], n=params.n,
+                  prefill_tokens=s["rollout/prefill_tokens"],
                   num_slots=s["rollout/num_slots"], peak_gb=peak, floor_ms=floor_ms(model, batch),
                   fused_gb=s.get("rollout/fused_weights_gb", 0.0), tokens=int(out.response_mask.sum())))  # fmt: skip
     engine.release()
@@ -98,13 +101,14 @@ def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit)
 
 
 def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_batch: int | None, emit,
-                variants: list[str] = (), old_engine: str | None = None):  # fmt: skip
+                variants: list[str] = (), old_engine: str | None = None, n: int = 1):  # fmt: skip
     model = build(shape, torch.bfloat16)
-    params = SamplingParams(max_new_tokens=NEW, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=NEW, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True,
+                            n=n)  # fmt: skip
     eos, pad = [151645], 151643
     kw = dict(eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9, free_cache_engine=False)
     for batch in batches:
-        prompts = torch.randint(0, 151000, (batch, PROMPT), device="cuda")
+        prompts = torch.randint(0, 151000, (batch // n, PROMPT), device="cuda")  # batch = sequences
         mask = torch.ones_like(prompts)
         run_klppo(make_rollout("klppo", **kw), "klppo", shape, model, prompts, mask, params, emit)
         if batch in hf_batches:
@@ -255,6 +259,7 @@ def main() -> None:
     ap.add_argument("--variants", default="")
     ap.add_argument("--old-engine", default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt (batch = prompts × n sequences)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
@@ -277,6 +282,7 @@ def main() -> None:
             emit,
             [v for v in args.variants.split(",") if v],
             args.old_engine,
+            args.n,
         )
     if args.check:
         checks(emit, [getattr(torch, d) for d in args.check_dtypes.split(",")])
