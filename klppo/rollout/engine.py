@@ -108,7 +108,7 @@ class KLPPORollout:
         self.decode_attention = decode_attention
         self.fp32_logits = fp32_logits
         self.last_stats: dict[str, float] = {}
-        self._prefill_tokens = 0
+        self._prefill_tokens = self._prefix_reused = 0
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self._ws: _Workspace | None = None
 
@@ -173,20 +173,28 @@ class KLPPORollout:
         eos = torch.tensor(self.eos_token_ids or [-1], device=device)
         check_eos = not params.ignore_eos and bool(self.eos_token_ids)
 
+        # prefix sharing: each prompt's last hidden state, and the busy slots holding its K/V prefix
+        prompt_hidden = torch.empty(len(lengths), w.embed.shape[1], dtype=w.embed.dtype, device=device)
+        holders: dict[int, set[int]] = {}
+
         def admit(pairs: list[tuple[int, int]]) -> None:
             """Prefill sequences into slots, in chunks of at most max_prefill_tokens tokens."""
-            chunk: list[tuple[int, int]] = []
+            chunks: list[list[tuple[int, int]]] = [[]]
             budget = 0
             for s, slot in pairs:
-                if chunk and budget + seq_lengths[s] > self.max_prefill_tokens:
-                    self._prefill(w, ws, packed, starts, seq_lengths, chunk, params, eos, check_eos, n)
-                    chunk, budget = [], 0
-                chunk.append((s, slot))
+                if chunks[-1] and budget + seq_lengths[s] > self.max_prefill_tokens:
+                    chunks.append([])
+                    budget = 0
+                chunks[-1].append((s, slot))
                 budget += seq_lengths[s]
-            if chunk:
-                self._prefill(w, ws, packed, starts, seq_lengths, chunk, params, eos, check_eos, n)
+            for chunk in chunks:
+                resident = {p: next(iter(held)) for p, held in holders.items() if held}
+                self._prefill(w, ws, packed, starts, seq_lengths, chunk, params, eos, check_eos, n, resident,
+                              prompt_hidden)  # fmt: skip
+                for s, slot in chunk:
+                    holders.setdefault(s // n, set()).add(slot)
 
-        self._prefill_tokens = 0
+        self._prefill_tokens = self._prefix_reused = 0
         slot_seq = [-1] * num_slots
         waiting = list(range(num_seqs))[::-1]  # pop() takes the lowest sequence id
         prefill_start = time.perf_counter()
@@ -211,6 +219,7 @@ class KLPPORollout:
             finished = ws.finished[:num_slots].tolist()  # the one host sync per eos_check_every steps
             freed = [slot for slot in busy if finished[slot]]
             for slot in freed:
+                holders[slot_seq[slot] // n].discard(slot)
                 slot_seq[slot] = -1
             refill = [(waiting.pop(), slot) for slot in freed[: len(waiting)]]
             for s, slot in refill:
@@ -232,6 +241,7 @@ class KLPPORollout:
             "rollout/time_s": elapsed,
             "rollout/prefill_s": prefill_s,
             "rollout/prefill_tokens": float(self._prefill_tokens),
+            "rollout/prefix_reused": float(self._prefix_reused),
             "rollout/graph_capture_s": capture_s,
             "rollout/tokens_generated": tokens,
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
@@ -297,33 +307,45 @@ class KLPPORollout:
         )
         return self._ws
 
-    def _prefill(self, w, ws, packed, starts, seq_lengths, pairs, params, eos, check_eos, n) -> None:
+    def _prefill(
+        self, w, ws, packed, starts, seq_lengths, pairs, params, eos, check_eos, n, resident, prompt_hidden
+    ) -> None:
         """Prefill ``pairs`` (sequence, slot) and sample each sequence's first token.
 
-        Samples of one prompt share its prefill: the prompt runs once (in the slot of its first sequence
-        here) and its K/V prefix is copied to the other samples' slots; the last hidden state's logits
-        are shared too, the sampling noise is not.
+        A prompt runs at most once while any of its samples holds a slot: its first sequence here runs it
+        unless ``resident`` (prompt → a busy slot already holding its K/V prefix) names one; every other
+        sample gets the prefix copied into its slot, and its first-token logits from the prompt's stored
+        last hidden state (``prompt_hidden``, written when the prompt runs). The sampling noise differs.
         """
         device = packed.device
         seqs = [s for s, _ in pairs]
-        leader: dict[int, int] = {}  # prompt -> position in pairs of the sequence that runs it
-        for j, s in enumerate(seqs):
-            leader.setdefault(s // n, j)
-        lead = list(leader.values())
-        row_of = {j: row for row, j in enumerate(lead)}
-        group = torch.tensor([row_of[leader[s // n]] for s in seqs], device=device)
-        index = torch.cat([torch.arange(starts[p], starts[p + 1]) for p in leader]).to(device)
-        slots = torch.tensor([slot for _, slot in pairs], device=device)
-        seq_t = torch.tensor(seqs, device=device)
-        lead_slots = slots[lead]
-        hidden = prefill(w, ws.kv, packed[index], lead_slots, [seq_lengths[seqs[j]] for j in lead])
-        self._prefill_tokens += int(index.numel())
-        followers = [j for j in range(len(pairs)) if leader[seqs[j] // n] != j]
-        if followers:  # positions past a prompt's length are copied too: masked until overwritten
-            width = max(seq_lengths[seqs[j]] for j in followers)
-            dst, src = slots[followers], lead_slots[group[followers]]
+        slot_list = [slot for _, slot in pairs]
+        prompt_of = [s // n for s in seqs]
+        leader: dict[int, int] = {}  # prompt run here -> position in pairs of the sequence it runs in
+        for j, p in enumerate(prompt_of):
+            if p not in resident:
+                leader.setdefault(p, j)
+        if leader:
+            lead = list(leader.values())
+            index = torch.cat([torch.arange(starts[p], starts[p + 1]) for p in leader]).to(device)
+            lead_slots = torch.tensor([slot_list[j] for j in lead], device=device)
+            hidden = prefill(w, ws.kv, packed[index], lead_slots, [seq_lengths[seqs[j]] for j in lead])
+            prompt_hidden[torch.tensor(list(leader), device=device)] = hidden
+            self._prefill_tokens += int(index.numel())
+        source = {**resident, **{p: slot_list[j] for p, j in leader.items()}}
+        copies = [j for j, p in enumerate(prompt_of) if leader.get(p) != j]
+        self._prefix_reused += sum(p in resident for p in prompt_of)
+        if copies:  # positions past a prompt's length are copied too: masked until overwritten
+            width = max(seq_lengths[seqs[j]] for j in copies)
+            dst = torch.tensor([slot_list[j] for j in copies], device=device)
+            src = torch.tensor([source[prompt_of[j]] for j in copies], device=device)
             ws.kv[:, :, dst, :width] = ws.kv[:, :, src, :width]
-        logits = logits_of(w, hidden, self.fp32_logits)[group]
+        unique = list(dict.fromkeys(prompt_of))
+        row_of = {p: row for row, p in enumerate(unique)}
+        logits = logits_of(w, prompt_hidden[torch.tensor(unique, device=device)], self.fp32_logits)
+        logits = logits[torch.tensor([row_of[p] for p in prompt_of], device=device)]
+        slots = torch.tensor(slot_list, device=device)
+        seq_t = torch.tensor(seqs, device=device)
         tokens, log_probs = self._sampler(params, device.type == "cuda")(logits)
         ws.out_tokens[seq_t, 0] = tokens
         ws.out_log_probs[seq_t, 0] = log_probs

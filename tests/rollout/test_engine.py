@@ -229,8 +229,8 @@ def test_decode_buckets_never_one_unless_single_slot() -> None:
 
 
 def test_samples_of_a_prompt_share_its_prefill(tiny_qwen2) -> None:
-    """n samples run their prompt once (K/V copied to the other slots), also when a prompt's samples are
-    admitted in different refills; the outputs equal separate per-sample prefills (hf reference)."""
+    """n samples run their prompt once (K/V copied to the other slots); a sample admitted later copies the
+    prefix from a sibling still in a slot; outputs equal hf's and the float64 reference log-probs."""
     prompts, prompt_mask = left_padded(PROMPTS)
     lengths = prompt_mask.sum(1).tolist()
     params = SamplingParams(max_new_tokens=12, n=4, do_sample=False)
@@ -246,6 +246,15 @@ def test_samples_of_a_prompt_share_its_prefill(tiny_qwen2) -> None:
     assert torch.equal(out.responses, ref.responses)
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
     assert sum(lengths) <= tight.last_stats["rollout/prefill_tokens"] < 4 * sum(lengths)
+    # sampled: siblings finish at different times, so later samples copy the prefix from a busy sibling
+    params = SamplingParams(max_new_tokens=12, n=4, temperature=1.3, seed=7)
+    many_eos = KLPPORollout(
+        eos_token_ids=list(range(2, 120)), pad_token_id=2, max_num_seqs=3, eos_check_every=1
+    )
+    out = many_eos.generate(tiny_qwen2, prompts, prompt_mask, params)
+    assert many_eos.last_stats["rollout/prefix_reused"] > 0
+    ref = reference_log_probs(tiny_qwen2, prompts, prompt_mask, out.responses, out.response_mask, 1.3, 4)
+    torch.testing.assert_close(out.log_probs.double(), ref, atol=1e-4, rtol=0)
 
 
 def test_precompile_waits_while_model_loading_switches_the_default_dtype(monkeypatch) -> None:
