@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import sys
 
 import torch
 
@@ -35,17 +37,10 @@ def load_models():
     return truth, bf16
 
 
-def response_log_probs(model, prompts, mask, out) -> torch.Tensor:
-    ids = torch.cat([prompts, out.responses], 1)
-    full = torch.cat([mask, out.response_mask], 1)
-    positions = (full.cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=full, position_ids=positions).logits
-    logits = logits[:, prompts.shape[1] - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, out.responses[..., None]).squeeze(-1)
-
-
 def main() -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from rollout import recompute  # bench/rollout.py: log-probs of sampled responses from one forward
+
     from klppo.rollout import SamplingParams, make_rollout
     from tests.rollout.conftest import left_padded
 
@@ -70,8 +65,8 @@ def main() -> None:
             out = engine.generate(bf16, prompts, mask, params)
             m = out.response_mask.bool()
             ours.append(out.log_probs[m])
-            ref.append(response_log_probs(truth, prompts, mask, out)[m])
-            hf.append(response_log_probs(bf16, prompts, mask, out)[m])
+            ref.append(recompute(truth, prompts, mask, out, "model")[m])
+            hf.append(recompute(bf16, prompts, mask, out, "model")[m])
         ours, ref, hf = torch.cat(ours), torch.cat(ref), torch.cat(hf)
         row = dict(fp32_logits=fp32_logits, tokens=len(ours), engine_vs_truth=stats(ours, ref),
                    engine_vs_hf_bf16=stats(ours, hf), hf_bf16_vs_truth=stats(hf, ref))  # fmt: skip

@@ -41,6 +41,16 @@ def _get(config: Any, *names: str) -> Any:
     raise ValueError(f"config {type(config).__name__} has none of {names}: cannot count FLOPs")
 
 
+def attention_dims(config: Any) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of a Llama-family config (``head_dim`` when it says so)."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = _get(config, "num_attention_heads")
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or _get(config, "hidden_size") // heads
+    return heads, kv_heads, head_dim
+
+
 def matmul_params_per_token(config: Any) -> int:
     """N_matmul of the module docstring, from a Llama-family config (dense MLP; MoE not supported)."""
     if hasattr(config, "get_text_config"):
@@ -49,9 +59,7 @@ def matmul_params_per_token(config: Any) -> int:
         raise ValueError("FLOPs of mixture-of-experts models are not modelled")
     hidden = _get(config, "hidden_size")
     layers = _get(config, "num_hidden_layers")
-    heads = _get(config, "num_attention_heads")
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    heads, kv_heads, head_dim = attention_dims(config)
     intermediate = _get(config, "intermediate_size")
     vocab = _get(config, "vocab_size")
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
@@ -63,9 +71,7 @@ def model_flops_per_token(config: Any, *, seq_len: int = 0, training: bool = Tru
     """FLOPs per token (module docstring formula); ``training=False`` gives the forward-only third."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    hidden = _get(config, "hidden_size")
-    heads = _get(config, "num_attention_heads")
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    heads, _, head_dim = attention_dims(config)
     layers = _get(config, "num_hidden_layers")
     flops = 6.0 * matmul_params_per_token(config) + 12.0 * layers * heads * head_dim * seq_len
     return flops if training else flops / 3.0

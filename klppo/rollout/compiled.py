@@ -2,8 +2,8 @@
 
 Three functions are compiled (``torch.compile``, batch dimension dynamic): the two per-layer blocks of a
 decode step (``attn_in``, ``attn_out_mlp``) and the untruncated sampler (one graph per temperature;
-greedy decoding runs it eagerly). There is one compiled wrapper
-per function per process, shared by every engine, so a compilation done once serves all of them.
+greedy decoding runs it eagerly). There is one compiled wrapper per function per process, shared by
+every engine, so a compilation done once serves all of them.
 
 Compiling them from empty caches takes several seconds (most of the engine's first call). The trainer
 therefore calls :func:`start_precompile` as soon as it knows the model's config, before it loads any
@@ -13,8 +13,8 @@ compiled graphs are ready (and their guards hold) by the first ``generate``; tha
 thread (:func:`wait_precompile`). The layer's structure comes from a meta-device model built in the
 calling thread; the thread itself only allocates tensors and compiles (no process-wide state changes),
 one function at a time under ``klppo.models.loading.DEFAULT_DTYPE_LOCK``, which model loading takes
-while transformers switches the default dtype (dynamo guards on it). A failed or mismatched pre-compile costs nothing but its time: the
-first call then compiles as it would have.
+while transformers switches the default dtype (dynamo guards on it). A failed or mismatched pre-compile
+costs nothing but its time: the first call then compiles as it would have.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from klppo.models.flops import attention_dims
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
 from klppo.rollout.llama import LayerWeights, attn_in, attn_out_mlp
 from klppo.rollout.sampling import sample_untruncated
@@ -87,12 +88,11 @@ def start_precompile(
     temperatures: Iterable[float] = (1.0,),
     fuse_projections: bool = True,
     fp32_logits: bool = True,
-    background: bool = True,
 ) -> threading.Thread | None:
     """Compile the decode functions for a model of Hugging Face ``config`` (see the module docstring).
 
     ``temperatures``: the sampling temperatures the rollout will use (greedy decoding needs no graph).
-    Returns the thread (None when ``background`` is False: the work is done before returning).
+    Returns the thread (None when the engine cannot run this config: nothing to compile).
     """
     global _thread
     wait_precompile()
@@ -105,9 +105,6 @@ def start_precompile(
     if layer is None:
         return None
     args = (config, layer, device, tuple(float(t) for t in temperatures), fuse_projections, fp32_logits)
-    if not background:
-        _precompile(*args)
-        return None
     _thread = threading.Thread(target=_precompile, args=args, name="klppo-precompile", daemon=True)
     _thread.start()
     return _thread
@@ -167,9 +164,7 @@ def _run_once(config, layer: LayerWeights, device, temperatures, fuse_projection
     if fuse_projections:
         lw = lw.fused()
     dtype = lw.input_norm.dtype
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    num_heads, num_kv_heads, head_dim = attention_dims(config)
     eps = float(config.rms_norm_eps)
     batch = 4  # any size > 1: the batch dim is compiled dynamic
     x = torch.zeros(batch, config.hidden_size, dtype=dtype, device=device)

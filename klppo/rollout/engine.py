@@ -108,7 +108,6 @@ class KLPPORollout:
         self.decode_attention = decode_attention
         self.fp32_logits = fp32_logits
         self.last_stats: dict[str, float] = {}
-        self._prefill_tokens = self._prefix_reused = 0
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self._ws: _Workspace | None = None
 

@@ -30,6 +30,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from klppo.models.flops import attention_dims
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -138,20 +140,19 @@ class LayerWeights:
 
     def fused(self, into: LayerWeights | None = None) -> LayerWeights:
         """This layer plus ``qkv`` = cat(q, k, v) and ``gate_up`` = cat(gate, up) (see ``LlamaWeights.fuse``)."""
-        old = into
         return dataclasses.replace(
             self,
-            qkv=_cat([self.q, self.k, self.v], None if old is None else old.qkv),
+            qkv=_cat([self.q, self.k, self.v], None if into is None else into.qkv),
             qkv_bias=_cat_bias(
                 [self.q, self.k, self.v],
                 [self.q_bias, self.k_bias, self.v_bias],
-                None if old is None else old.qkv_bias,
+                None if into is None else into.qkv_bias,
             ),
-            gate_up=_cat([self.gate, self.up], None if old is None else old.gate_up),
+            gate_up=_cat([self.gate, self.up], None if into is None else into.gate_up),
             gate_up_bias=_cat_bias(
                 [self.gate, self.up],
                 [self.gate_bias, self.up_bias],
-                None if old is None else old.gate_up_bias,
+                None if into is None else into.gate_up_bias,
             ),
         )
 
@@ -177,8 +178,7 @@ class LlamaWeights:
         config = model.config
         inner = model.model
         layers = [LayerWeights.read(layer) for layer in inner.layers]
-        num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        num_heads, num_kv_heads, head_dim = attention_dims(config)
         return LlamaWeights(
             embed=inner.embed_tokens.weight.detach(),
             layers=layers,
@@ -188,7 +188,7 @@ class LlamaWeights:
             attention_scaling=float(getattr(inner.rotary_emb, "attention_scaling", 1.0)),
             eps=float(config.rms_norm_eps),
             num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
         )
 

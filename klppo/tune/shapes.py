@@ -119,6 +119,6 @@ def shape_of(config) -> ModelShape:
 
 
 def head_dim(config) -> int:
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    from klppo.models.flops import attention_dims
+
+    return attention_dims(config)[2]
