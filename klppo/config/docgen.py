@@ -35,7 +35,8 @@ klppo train  [file.yaml] [key=value ...]     # the same arguments; no arguments:
 python -m klppo.trainer.main_ppo [file.yaml] [key=value ...]
 ```
 
-Layers, later wins: schema defaults (shipped as `klppo/config/ppo_trainer.yaml`), the YAML file (first
+Layers, later wins: schema defaults (written out, for reading only, as `klppo/config/ppo_trainer.yaml`;
+not read at load), the YAML file (first
 argument; hydra's `--config-path DIR --config-name NAME` also works; its `defaults:` list and verl's
 `_target_` keys are ignored), then `key=value` overrides in order (hydra's `+`/`++` prefixes accepted).
 Values follow YAML: lists `[a,b]`, booleans `True/true/false`, `null`; numbers are typed by the key, so

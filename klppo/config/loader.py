@@ -1,7 +1,7 @@
 """`load_config(argv)`: packaged defaults + optional user YAML + dotted overrides → frozen `KLPPOConfig`.
 
-Order: (1) the schema's defaults and the packaged `ppo_trainer.yaml`; (2) the user's YAML file (first
-argument, when it ends in .yaml/.yml, or hydra's `--config-path/--config-name`); (3) `key=value`
+Order: (1) the schema's defaults (the packaged `ppo_trainer.yaml` is their generated documentation, not
+read here); (2) the user's YAML file (first argument, when it ends in .yaml/.yml, or hydra's `--config-path/--config-name`); (3) `key=value`
 overrides left to right (hydra's `+`/`++` prefixes are accepted and ignored). Every key is checked
 against the schema (unknown → the closest valid keys), every value typed (see `_coerce`), key aliases
 rewritten, value aliases normalized (`aliases.py`), then `${...}` interpolations are resolved and the
@@ -16,7 +16,6 @@ import difflib
 import functools
 import os
 from collections.abc import Callable, Iterator
-from importlib import resources
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -61,12 +60,9 @@ def load_config(argv: list[str], *, notify: Notify | None = None) -> KLPPOConfig
 
 @functools.cache
 def _default_tree() -> dict[str, Any]:
-    """Schema defaults with the packaged ppo_trainer.yaml applied (plain, unresolved; cached)."""
-    tree = dataclasses.asdict(KLPPOConfig())
-    packaged = resources.files("klppo.config").joinpath("ppo_trainer.yaml")
-    with resources.as_file(packaged) as p:
-        _apply(tree, _flatten(_read_yaml(str(p)), source="ppo_trainer.yaml"), notice)
-    return tree
+    """The schema's defaults (plain, unresolved; cached). The packaged ppo_trainer.yaml is documentation
+    generated from the schema (a test keeps it current); it is not read here."""
+    return dataclasses.asdict(KLPPOConfig())
 
 
 def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:

@@ -2,7 +2,7 @@
 
 `KLPPOConfig` is the root. Defaults are verl v0.7's except where `docs/configuration.md` says otherwise
 (keys marked [klppo] in the help text are ours). Build one with `klppo.config.load_config`, which merges
-`ppo_trainer.yaml`, a user YAML and dotted overrides, resolves `${...}` interpolations and freezes it;
+these defaults, a user YAML and dotted overrides, resolves `${...}` interpolations and freezes it;
 constructing `KLPPOConfig()` directly leaves interpolations unresolved.
 """
 

@@ -104,3 +104,15 @@ def test_config_to_yaml_is_plain():
     text = config_to_yaml(load_config([], **Q))
     assert "${" not in text and "_target_" not in text
     assert yaml.safe_load(text)["trainer"]["logger"] == ["console", "jsonl"]
+
+
+@pytest.mark.parametrize("overrides", [[], "issue_list"])
+def test_defaults_come_from_the_schema_alone(overrides, issue_list):
+    """The packaged ppo_trainer.yaml is documentation: loading it as a user file changes no byte of the
+    printed configuration, for the defaults and for the issue's parameter list."""
+    from importlib import resources
+
+    args = issue_list if overrides == "issue_list" else []
+    with resources.as_file(resources.files("klppo.config").joinpath("ppo_trainer.yaml")) as shipped:
+        via_file = config_to_yaml(load_config([str(shipped), *args], **Q))
+    assert config_to_yaml(load_config(args, **Q)) == via_file
