@@ -1,8 +1,13 @@
-"""KL coefficient controllers: β for the KL penalty in the reward (verl ``algorithm.kl_ctrl.*``).
+"""KL coefficient controllers: β for the KL penalty in the reward (``algorithm.kl_ctrl.*``) and β of the
+actor's KL loss (``actor_rollout_ref.actor.kl_loss_ctrl.*``).
 
-Host-side objects holding one float; the trainer calls ``update`` once per step with the batch KL
-(``stats["kl"]`` of :func:`klppo.algorithms.kl.apply_kl_penalty`) and saves ``state_dict()`` in the
-checkpoint so that β survives a resume (verl loses it).
+Host-side objects holding one float; the trainer calls ``update`` once per step with the batch KL and
+saves ``state_dict()`` in the checkpoint so that β survives a resume (verl loses it).
+
+- ``fixed``: β constant.
+- ``adaptive``: verl's rule (Ziegler et al. 2019), a proportional step on β scaled by samples / horizon.
+- ``pi``: a proportional-integral controller on log β toward ``target_kl`` (ours): reacts within one step
+  to a KL spike (proportional term) and holds the target without a steady-state error (integral term).
 """
 
 from __future__ import annotations
@@ -83,17 +88,107 @@ class AdaptiveKLController:
         self.value = float(state["value"])
 
 
-def make_kl_controller(
-    type: str, kl_coef: float, target_kl: float | None = None, horizon: int = 10000
-) -> FixedKLController | AdaptiveKLController:
-    """Controller from ``algorithm.kl_ctrl.{type, kl_coef, target_kl, horizon}``.
+class PIKLController:
+    """Proportional-integral control of log β toward ``target_kl``.
 
-    ``type`` is ``fixed`` or ``adaptive``; ``adaptive`` requires ``target_kl > 0`` and ``horizon > 0``.
+    With the measured KL_t (floored at 1e-12 · target) and β_0 the initial coefficient::
+
+        e_t   = clip(ln(KL_t / target_kl), −1, 1)                       (log error: symmetric in ratio)
+        I_t   = clip(I_{t−1} + e_t, I_lo, I_hi),   I_lo/hi = ln(min_coef/β_0)/ki, ln(max_coef/β_0)/ki
+        ln β_t = clip(ln β_0 + kp · e_t + ki · I_t, ln min_coef, ln max_coef)
+
+    The integral's clip (anti-windup) keeps ``ki · I`` inside the coefficient bounds, so a long stretch far
+    below the target (early training, KL ≈ 0) cannot delay the response once the KL reaches it. ``n_steps``
+    is ignored: the controller acts per training step, whatever the batch size.
+    """
+
+    def __init__(
+        self,
+        init_kl_coef: float,
+        target_kl: float,
+        *,
+        kp: float = 1.0,
+        ki: float = 0.2,
+        min_coef: float = 1e-4,
+        max_coef: float = 10.0,
+    ) -> None:
+        if not target_kl > 0:
+            raise ValueError(f"the pi KL controller needs target_kl > 0, got {target_kl}")
+        if not 0 < min_coef <= init_kl_coef <= max_coef:
+            raise ValueError(
+                f"the pi KL controller needs 0 < min_coef ≤ initial coefficient ≤ max_coef, got "
+                f"min_coef={min_coef}, initial={init_kl_coef}, max_coef={max_coef}"
+            )
+        if kp < 0 or not ki > 0:
+            raise ValueError(f"the pi KL controller needs kp ≥ 0 and ki > 0, got kp={kp}, ki={ki}")
+        self.init = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.kp, self.ki = float(kp), float(ki)
+        self.log_min, self.log_max = math.log(min_coef), math.log(max_coef)
+        self.integral = 0.0
+        self.value = self.init
+
+    def update(self, current_kl: float, n_steps: int = 1) -> None:
+        kl = float(current_kl)
+        if not math.isfinite(kl):
+            raise ValueError(f"KL controller got a non-finite KL ({kl}); β would become {kl}")
+        error = min(max(math.log(max(kl, 1e-12 * self.target) / self.target), -1.0), 1.0)
+        log_init = math.log(self.init)
+        lo, hi = (self.log_min - log_init) / self.ki, (self.log_max - log_init) / self.ki
+        self.integral = min(max(self.integral + error, lo), hi)
+        log_beta = log_init + self.kp * error + self.ki * self.integral
+        self.value = math.exp(min(max(log_beta, self.log_min), self.log_max))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": "pi", "value": self.value, "integral": self.integral}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore β and the integral; gains, target and bounds come from the (possibly changed) config."""
+        _check_state_type(state, "pi")
+        self.value = float(state["value"])
+        self.integral = float(state["integral"])
+
+
+KL_CONTROLLER_TYPES = ("fixed", "adaptive", "pi")
+
+
+def make_kl_controller(
+    type: str,
+    kl_coef: float,
+    target_kl: float | None = None,
+    horizon: int = 10000,
+    *,
+    kp: float = 1.0,
+    ki: float = 0.2,
+    min_coef: float = 1e-4,
+    max_coef: float = 10.0,
+) -> FixedKLController | AdaptiveKLController | PIKLController:
+    """Controller from a ``kl_ctrl`` group: ``{type, kl_coef, target_kl, horizon, kp, ki, min_coef, max_coef}``.
+
+    ``type`` is one of :data:`KL_CONTROLLER_TYPES`; ``adaptive`` and ``pi`` require ``target_kl > 0``.
     """
     if type == "fixed":
         return FixedKLController(kl_coef)
+    if type in ("adaptive", "pi") and target_kl is None:
+        raise ValueError(f"KL controller type {type} needs a target_kl")
     if type == "adaptive":
-        if target_kl is None:
-            raise ValueError("algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl")
         return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(f"unknown KL controller type {type!r}; valid types: fixed, adaptive")
+    if type == "pi":
+        return PIKLController(kl_coef, target_kl, kp=kp, ki=ki, min_coef=min_coef, max_coef=max_coef)
+    raise ValueError(f"unknown KL controller type {type!r}; valid types: {', '.join(KL_CONTROLLER_TYPES)}")
+
+
+class PenaltyShareWatch:
+    """Warns when the KL penalty in the reward outweighs the task score for ``patience`` steps in a row.
+
+    ``update(share)`` with share = mean_i(β · Σ_t KL_i,t) / mean_i |Σ_t score_i,t| returns True on the step
+    the streak reaches ``patience`` (and every ``patience`` steps after, while it lasts).
+    """
+
+    def __init__(self, threshold: float = 1.0, patience: int = 5) -> None:
+        self.threshold, self.patience = float(threshold), int(patience)
+        self.streak = 0
+
+    def update(self, share: float) -> bool:
+        self.streak = self.streak + 1 if share > self.threshold else 0
+        return self.streak > 0 and self.streak % self.patience == 0

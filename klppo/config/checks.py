@@ -43,7 +43,8 @@ IMPLEMENTED_REWARD_MANAGERS = ("naive", "batch", "dapo")
 
 _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("algorithm.adv_estimator", ADV_ESTIMATORS),
-    ("algorithm.kl_ctrl.type", ("fixed", "adaptive")),
+    ("algorithm.kl_ctrl.type", ("fixed", "adaptive", "pi")),
+    ("actor_rollout_ref.actor.kl_loss_ctrl.type", ("fixed", "adaptive", "pi")),
     ("actor_rollout_ref.actor.loss_agg_mode", LOSS_AGG_MODES),
     ("critic.loss_agg_mode", LOSS_AGG_MODES),
     ("actor_rollout_ref.rollout.mode", ("sync", "async")),
@@ -129,10 +130,13 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is False:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic (values), but critic.enable=False; "
                           "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax)")  # fmt: skip
-    kl = cfg.algorithm.kl_ctrl
-    if kl.type == "adaptive" and kl.target_kl <= 0:
+    _check_kl_controller("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, cfg.algorithm.kl_ctrl.kl_coef)
+    actor = cfg.actor_rollout_ref.actor
+    _check_kl_controller("actor_rollout_ref.actor.kl_loss_ctrl", actor.kl_loss_ctrl, actor.kl_loss_coef)
+    if actor.kl_loss_ctrl.type != "fixed" and not actor.use_kl_loss:
         raise ConfigError(
-            f"algorithm.kl_ctrl.target_kl={kl.target_kl}: the adaptive controller needs a target > 0"
+            f"actor_rollout_ref.actor.kl_loss_ctrl.type={actor.kl_loss_ctrl.type} controls the KL loss, but "
+            "actor_rollout_ref.actor.use_kl_loss=False; set use_kl_loss=True or kl_loss_ctrl.type=fixed"
         )
     check_prompt_counts(cfg)
     _token_budgets(cfg)
@@ -172,4 +176,24 @@ def _token_budgets(cfg: KLPPOConfig) -> None:
                 f"{key}={budget} tokens (× ulysses {sp}) cannot hold one sequence of data.max_prompt_length="
                 f"{d.max_prompt_length} + data.max_response_length={d.max_response_length} = {longest} tokens; "
                 f"set it ≥ {-(-longest // sp)}"
+            )
+
+
+def _check_kl_controller(prefix: str, ctrl, init_coef: float) -> None:
+    """A controller's target and (pi) bounds, named by key, before anything loads."""
+    if ctrl.type == "fixed":
+        return
+    if ctrl.target_kl is None or ctrl.target_kl <= 0:
+        raise ConfigError(
+            f"{prefix}.target_kl={ctrl.target_kl}: the {ctrl.type} controller needs a target > 0"
+        )
+    if ctrl.type == "pi":
+        if not 0 < ctrl.min_coef <= init_coef <= ctrl.max_coef:
+            raise ConfigError(
+                f"{prefix}.min_coef={ctrl.min_coef}, max_coef={ctrl.max_coef}: the pi controller needs "
+                f"0 < min_coef ≤ the initial coefficient ({init_coef}) ≤ max_coef"
+            )
+        if ctrl.kp < 0 or ctrl.ki <= 0:
+            raise ConfigError(
+                f"{prefix}.kp={ctrl.kp}, ki={ctrl.ki}: the pi controller needs kp ≥ 0 and ki > 0"
             )

@@ -86,7 +86,19 @@ GPU's whole mini-batch share, and unset log-prob micro-batch sizes follow the ac
 | `*.fsdp_config.backward_prefetch` | `true` | prefetch the previous unit's all-gather during backward |
 | `*.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap` | `null` | classes made one unit each at `min_num_params=0` (null: the model's `_no_split_modules`) |
 
+| `actor_rollout_ref.actor.kl_loss_ctrl.*` | `type: fixed` | controller of the KL-loss β (`fixed`, `adaptive`, `pi`), with `kl_loss_coef` as the initial β; acts on the token mean of `kl_loss_type`(π_old‖π_ref) over the step's batch (metric `actor/kl_loss_ctrl_kl`) before the update it weights |
+| `algorithm.kl_ctrl.{kp,ki,min_coef,max_coef}` | `1.0, 0.2, 1e-4, 10` | gains and bounds of `type: pi` (also for `kl_loss_ctrl`); formulas in docs/algorithms.md |
+
 `data.seed` (verl's) is the shuffle seed; null uses `trainer.seed`.
+
+**Scale of the reward-side adaptive controller** (`algorithm.kl_ctrl.type=adaptive`, verl's rule): the KL
+it compares with `target_kl` is the batch mean of each response's *per-token mean* KL (`algorithm.kl_penalty`
+estimator, π_old against π_ref), while the penalty itself is β·KL on *every* response token, so a response of
+L tokens loses ≈ β·L·KL of reward. `horizon` is counted in *samples*: each step multiplies β by up to
+1 + 0.2·(samples in the step)/horizon — with 256 samples per step and horizon 2000, ×1.026 per step, ×3.6
+in 50 steps. When β·L·KL grows past the task score, the policy is pulled back toward the reference instead
+of learning: the metric `actor/reward_kl_penalty_share` (mean |β·Σ_t KL| ÷ mean |Σ_t score|) shows it, and
+the console warns after 5 steps above 1. `type: pi` acts per step (no horizon) and holds the target.
 
 ## Defaults that differ from verl
 

@@ -176,10 +176,14 @@ class CustomRewardFunctionConfig:
 
 @dataclass(frozen=True)
 class KLControlConfig:
-    type: str = F("fixed", "fixed | adaptive (Ziegler et al. 2019).")
-    kl_coef: float = F(0.001, "β of the KL penalty in the reward (initial β when adaptive).")
-    horizon: int = F(10000, "Adaptive controller horizon, in samples.")
-    target_kl: float = F(0.1, "Adaptive controller target KL.")
+    type: str = F("fixed", "fixed | adaptive (Ziegler et al. 2019) | pi (PI control of log β; ours).")
+    kl_coef: float = F(0.001, "β of the KL penalty in the reward (initial β when adaptive or pi).")
+    horizon: int = F(10000, "Adaptive controller horizon, in samples (all ranks, all n samples of a step).")
+    target_kl: float = F(0.1, "Target of adaptive/pi: batch mean of the per-response token-mean KL.")
+    kp: float = F(1.0, "pi: proportional gain on the log error ln(KL/target).")
+    ki: float = F(0.2, "pi: integral gain (per step).")
+    min_coef: float = F(1e-4, "pi: lower bound of β (also bounds the integral: anti-windup).")
+    max_coef: float = F(10.0, "pi: upper bound of β.")
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,19 @@ class PolicyLossConfig:
 
 
 @dataclass(frozen=True)
+class KLLossControlConfig:
+    type: str = F("fixed", "fixed | adaptive (verl's rule) | pi: controller of kl_loss_coef (initial β).")
+    target_kl: float = F(
+        0.05, "Target of adaptive/pi: token mean over the batch of kl_loss_type(π_old‖π_ref)."
+    )
+    horizon: int = F(10000, "adaptive: horizon in samples (all ranks, all n samples of a step).")
+    kp: float = F(1.0, "pi: proportional gain on the log error ln(KL/target).")
+    ki: float = F(0.2, "pi: integral gain (per step).")
+    min_coef: float = F(1e-4, "pi: lower bound of β (also bounds the integral: anti-windup).")
+    max_coef: float = F(10.0, "pi: upper bound of β.")
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     strategy: str = F("fsdp2", "Training backend: fsdp2 (fsdp is read as fsdp2; megatron is refused).")
     ppo_mini_batch_size: int = F(256, "PROMPTS per optimizer step (× rollout.n samples), over all GPUs.")
@@ -71,7 +84,8 @@ class ActorConfig:
     calculate_entropy: bool = F(False, "Compute entropy even when entropy_coeff is 0.")
     use_kl_loss: bool = F(False, "Add β·KL(π‖π_ref) to the policy loss (GRPO style).")
     use_torch_compile: bool = F(True, "torch.compile the log-prob/entropy helpers.")
-    kl_loss_coef: float = F(0.001, "β of the KL loss.")
+    kl_loss_coef: float = F(0.001, "β of the KL loss (the initial β when kl_loss_ctrl.type is not fixed).")
+    kl_loss_ctrl: KLLossControlConfig = F(KLLossControlConfig, "Controller of the KL loss coefficient.")
     kl_loss_type: str = F(
         "low_var_kl", "KL estimator: kl|abs|mse|low_var_kl|full (k1|k2|k3 accepted), '+' suffix."
     )

@@ -78,16 +78,21 @@ class Actor(TrainedRole):
         self,
         batch: Batch,
         *,
+        kl_loss_coef: float | None = None,
         ref_logits_fn: Callable[[Batch], torch.Tensor] | None = None,
     ) -> dict[str, float]:
         """``ppo_epochs`` passes over mini-batches; one optimizer step per mini-batch.
 
         Needs ``old_log_probs``, ``advantages``, ``response_mask`` (and ``ref_log_probs`` for the KL loss;
-        ``ref_logits_fn`` giving reference logits [b,R,V] when ``kl_loss_type='full'``).
+        ``ref_logits_fn`` giving reference logits [b,R,V] when ``kl_loss_type='full'``). ``kl_loss_coef``
+        is this step's β of the KL loss (from the trainer's controller); ``None`` = ``settings.kl_loss_coef``.
         """
-        return self.run_updates(batch, lambda mb: self._micro_loss(mb, ref_logits_fn))
+        beta = self.settings.kl_loss_coef if kl_loss_coef is None else float(kl_loss_coef)
+        return self.run_updates(batch, lambda mb: self._micro_loss(mb, ref_logits_fn, beta))
 
-    def _micro_loss(self, mb: Batch, ref_logits_fn) -> tuple[LossTerms, dict[str, float]]:
+    def _micro_loss(
+        self, mb: Batch, ref_logits_fn, kl_loss_coef: float
+    ) -> tuple[LossTerms, dict[str, float]]:
         """The policy term (weighted by the aggregation its loss mode applies), the entropy bonus and the KL
         loss (weighted by ``loss_agg_mode``), and the micro-batch's statistics."""
         s = self.settings
@@ -131,7 +136,7 @@ class Actor(TrainedRole):
             else:
                 kl_mat = kl_mod.kl_penalty(log_prob, mb.ref_log_probs, s.kl_loss_type)
             kl_loss = losses.agg_loss(kl_mat, mask, s.loss_agg_mode, s.loss_scale_factor)
-            terms.append((s.kl_loss_coef * kl_loss, s.loss_agg_mode))
+            terms.append((kl_loss_coef * kl_loss, s.loss_agg_mode))
             stats["actor/kl_loss"] = kl_loss.detach()
-            stats["actor/kl_coef"] = s.kl_loss_coef
+            stats["actor/kl_coef"] = kl_loss_coef
         return terms, {k: float(v) for k, v in stats.items()}

@@ -22,6 +22,7 @@ import torch
 
 from klppo.algorithms import advantages as adv
 from klppo.algorithms import kl as kl_mod
+from klppo.algorithms.kl_control import PenaltyShareWatch
 from klppo.algorithms.losses import masked_mean
 from klppo.batch import Batch
 from klppo.roles.dp import all_gather_objects, all_gather_rows, all_reduce_sum, padded_share, rank, world_size
@@ -60,6 +61,7 @@ class PPOTrainer:
         self.cfg = parts.cfg
         self.state = TrainerState()
         self._stop_requested = False
+        self._share_watch = PenaltyShareWatch(threshold=1.0, patience=5)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainerState:
@@ -151,9 +153,14 @@ class PPOTrainer:
                     p.offload.release("critic_optim")
             p.offload.release("critic")
             if step > cfg.trainer.critic_warmup:
+                metrics.update(self.control_kl_loss(batch))
                 with timer.phase("update_actor"):
                     p.offload.load("actor_optim")
-                    metrics.update(p.actor.update_policy(share, ref_logits_fn=p.ref_logits_fn))
+                    metrics.update(
+                        p.actor.update_policy(
+                            share, kl_loss_coef=p.kl_loss_ctrl.value, ref_logits_fn=p.ref_logits_fn
+                        )
+                    )
                     p.offload.release("actor_optim")
             p.offload.release("actor")  # param_offload: shards live on the host until the next rollout
         if cfg.trainer.rollout_data_dir and rank() == 0:
@@ -216,11 +223,46 @@ class PPOTrainer:
             current_kl = float(kl_stats["kl"])
             metrics["actor/reward_kl_penalty"] = current_kl
             metrics["actor/reward_kl_penalty_coeff"] = float(kl_stats["kl_coef"])
+            metrics["actor/reward_kl_penalty_share"] = self._penalty_share(batch)
             p.kl_ctrl.update(current_kl, len(batch))
         else:
             batch.token_level_rewards = batch.token_level_scores
         batch.advantages, batch.returns = self._advantages(batch)
         return metrics
+
+    def _penalty_share(self, batch: Batch) -> float:
+        """mean_i |β·Σ_t KL_i,t| ÷ mean_i |Σ_t score_i,t|: how large the KL penalty is next to the task score
+        (magnitudes: a k1 penalty can be negative, and a large bonus drowns the score as well). Warns when it
+        stays above 1 for 5 steps in a row (and every 5 steps while it lasts)."""
+        penalty = (batch.token_level_scores - batch.token_level_rewards).sum(dim=-1).abs().mean()
+        score = batch.token_level_scores.sum(dim=-1).abs().mean()
+        share = float(penalty) / max(float(score), 1e-6)
+        if self._share_watch.update(share) and rank() == 0:
+            algo = self.cfg.algorithm
+            log.warning(
+                "step %d: the KL penalty in the reward outweighs the task score for %d steps (share %.2f, "
+                "β=%.4g): the policy is pulled back toward the reference instead of learning. Lower "
+                "algorithm.kl_ctrl.kl_coef, raise target_kl (now %s, type %s) or move the KL into the loss "
+                "(actor_rollout_ref.actor.use_kl_loss with kl_loss_ctrl)",
+                self.state.global_step, self._share_watch.streak, share, self.p.kl_ctrl.value,
+                algo.kl_ctrl.target_kl, algo.kl_ctrl.type,
+            )  # fmt: skip
+        return share
+
+    def control_kl_loss(self, batch: Batch) -> dict[str, float]:
+        """β of this step's KL loss: the controller sees the batch's KL(π_old‖π_ref) (token mean of the
+        ``kl_loss_type`` estimator; k3 for ``full``) before the update it weights."""
+        actor = self.cfg.actor_rollout_ref.actor
+        if not actor.use_kl_loss or batch.ref_log_probs is None:
+            return {}
+        kind = "low_var_kl" if actor.kl_loss_type.startswith("full") else actor.kl_loss_type
+        kl = float(
+            masked_mean(
+                kl_mod.kl_penalty(batch.old_log_probs, batch.ref_log_probs, kind), batch.response_mask
+            )
+        )
+        self.p.kl_loss_ctrl.update(kl, len(batch))
+        return {"actor/kl_loss_ctrl_kl": kl}
 
     def _advantages(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         algo = self.cfg.algorithm
@@ -356,6 +398,8 @@ class PPOTrainer:
             "skipped_so_far": self._skipped_so_far,
             "dataloader": p.train_loader.state_dict(),
             "kl_ctrl": p.kl_ctrl.state_dict(),
+            "kl_loss_ctrl": p.kl_loss_ctrl.state_dict(),
+            "penalty_share_streak": self._share_watch.streak,
             "roles": {name: role.extra_state() for name, role in p.trained_roles().items()},
         }
         path = save_checkpoint(
@@ -384,6 +428,9 @@ class PPOTrainer:
         self._skipped_so_far = float(state["skipped_so_far"])
         p.train_loader.load_state_dict(state["dataloader"])
         p.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if "kl_loss_ctrl" in state:  # checkpoints before the KL-loss controller have none (β was fixed)
+            p.kl_loss_ctrl.load_state_dict(state["kl_loss_ctrl"])
+            self._share_watch.streak = int(state["penalty_share_streak"])
         for name, role in p.trained_roles().items():
             role.load_extra_state(state["roles"][name])
         if rank() == 0:

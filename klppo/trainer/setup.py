@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from klppo.algorithms.kl_control import KLController, make_kl_controller
+from klppo.config.schema import KLControlConfig
+from klppo.config.schema_arr import KLLossControlConfig
 from klppo.rollout.base import SamplingParams
 from klppo.trainer.roles_build import Offload, build_actor, build_critic, build_reference, build_reward
 
@@ -33,7 +36,8 @@ class RunParts:
     sampling: SamplingParams
     val_sampling: SamplingParams
     greedy_sampling: SamplingParams
-    kl_ctrl: Any
+    kl_ctrl: KLController
+    kl_loss_ctrl: KLController
     tracker: Any
     generation_log: Any
     run_dir: Path
@@ -154,9 +158,22 @@ def _start_precompile(cfg: Any, hf_config: Any, device: torch.device) -> None:
     )
 
 
+def kl_controller(group: KLControlConfig | KLLossControlConfig, init_coef: float) -> KLController:
+    """A β controller from an ``algorithm.kl_ctrl`` or ``actor.kl_loss_ctrl`` group and its initial β."""
+    return make_kl_controller(
+        group.type,
+        kl_coef=init_coef,
+        target_kl=group.target_kl,
+        horizon=group.horizon,
+        kp=group.kp,
+        ki=group.ki,
+        min_coef=group.min_coef,
+        max_coef=group.max_coef,
+    )
+
+
 def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     from klppo.algorithms.advantages import get_advantage_estimator
-    from klppo.algorithms.kl_control import make_kl_controller
     from klppo.config import config_to_yaml, derive_sizes
     from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
     from klppo.roles.dp import rank, world_size
@@ -237,11 +254,9 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
         sampling=sampling,
         val_sampling=_sampling(rcfg, response_length=response_length, validation=True),
         greedy_sampling=SamplingParams(n=1, do_sample=False, max_new_tokens=response_length),
-        kl_ctrl=make_kl_controller(
-            algo.kl_ctrl.type,
-            kl_coef=float(algo.kl_ctrl.kl_coef),
-            target_kl=algo.kl_ctrl.target_kl,
-            horizon=int(algo.kl_ctrl.horizon),
+        kl_ctrl=kl_controller(algo.kl_ctrl, algo.kl_ctrl.kl_coef),
+        kl_loss_ctrl=kl_controller(
+            cfg.actor_rollout_ref.actor.kl_loss_ctrl, cfg.actor_rollout_ref.actor.kl_loss_coef
         ),
         tracker=tracker,
         generation_log=GenerationLog(run_dir),

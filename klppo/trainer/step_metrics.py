@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from klppo.algorithms.kl import kl_penalty
 from klppo.algorithms.losses import explained_variance, masked_mean
 from klppo.batch import Batch
 from klppo.roles.dp import world_size
@@ -41,7 +42,9 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         out["critic/values/mean"] = masked_mean(batch.values, m)
         out["critic/vf_explained_var"] = explained_variance(batch.values, batch.returns, m)
     if batch.ref_log_probs is not None:
+        # KL(π_old‖π_ref) per response token (π_old = the policy that generated the batch), two estimators
         out["actor/ref_kl_k1"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, m)
+        out["actor/ref_kl_k3"] = masked_mean(kl_penalty(batch.old_log_probs, batch.ref_log_probs, "k3"), m)
     return {k: float(v) for k, v in out.items()}
 
 

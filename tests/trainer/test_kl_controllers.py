@@ -1,0 +1,72 @@
+"""KL control through `klppo train` (tiny model, CPU): the KL-loss controller's β follows its rule on the
+step's measured KL and resumes exactly; the reward-side penalty share is reported and warns."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from klppo.algorithms.kl_control import make_kl_controller
+from tests.trainer.utils import base_overrides, read_metrics, run_training
+
+PI = [
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.kl_loss_coef=0.05",
+    "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
+    "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.001",
+    "actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.001",
+    "actor_rollout_ref.actor.optim.lr=3e-3",
+]
+
+
+def test_pi_kl_loss_controller_in_the_loop_and_resume(tiny_model_dir, arithmetic_data, tmp_path):
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    run_training(
+        base_overrides(tiny_model_dir, arithmetic_data, full_dir) + PI + ["trainer.total_training_steps=4"]
+    )
+    rows = read_metrics(full_dir)
+    # the β each step used is the controller's output on that step's measured KL(π_old‖π_ref) (k3)
+    ctrl = make_kl_controller("pi", 0.05, 0.001, min_coef=0.001, max_coef=10.0)
+    for row in rows:
+        assert row["actor/kl_loss_ctrl_kl"] == pytest.approx(row["actor/ref_kl_k3"], rel=1e-6, abs=1e-9)
+        ctrl.update(row["actor/kl_loss_ctrl_kl"])
+        assert row["actor/kl_coef"] == pytest.approx(ctrl.value, rel=1e-9)
+    assert rows[0]["actor/ref_kl_k3"] == pytest.approx(0.0, abs=1e-6)  # actor = reference at step 1
+    assert rows[-1]["actor/ref_kl_k3"] > 0.001 and rows[-1]["actor/kl_coef"] > rows[1]["actor/kl_coef"]
+
+    cut = base_overrides(tiny_model_dir, arithmetic_data, cut_dir) + PI
+    run_training(cut + ["trainer.total_training_steps=2", "trainer.save_freq=2"])
+    run_training(cut + ["trainer.total_training_steps=4"])
+    resumed = {row["step"]: row for row in read_metrics(cut_dir)}
+    for key in ("actor/kl_coef", "actor/kl_loss", "actor/pg_loss", "actor/ref_kl_k3"):
+        assert resumed[4][key] == pytest.approx(rows[3][key], rel=1e-5, abs=1e-7), key
+
+
+REWARD_FN = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return 0.001 * (len(solution_str) % 3)
+"""
+
+
+def test_reward_penalty_share_metric_and_warning(tiny_model_dir, arithmetic_data, tmp_path, caplog):
+    fn = tmp_path / "reward_fn.py"
+    fn.write_text(REWARD_FN)
+    run_dir = tmp_path / "run"
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=True",
+        "algorithm.kl_ctrl.kl_coef=5.0",
+        "actor_rollout_ref.actor.optim.lr=3e-3",
+        f"custom_reward_function.path={fn}",
+        "trainer.total_training_steps=6",
+    ]
+    with caplog.at_level(logging.WARNING, logger="klppo"):
+        run_training(overrides)
+    rows = read_metrics(run_dir)
+    assert rows[0]["actor/reward_kl_penalty_share"] == pytest.approx(0.0, abs=1e-6)
+    assert all(row["actor/reward_kl_penalty_share"] > 1.0 for row in rows[1:])
+    warnings = [r.getMessage() for r in caplog.records if "outweighs the task score" in r.getMessage()]
+    assert len(warnings) == 1 and "step 6" in warnings[0], warnings
