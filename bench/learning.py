@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or quickstart_model_path()
     train, test = make_data(work / "data", args.num_train, args.num_test)
     settings = [parse_setting(s) for s in args.settings]
+    # runs sharing a GPU split its memory: each engine's KV cache gets its share (SmolLM2 needs ~2 GB)
+    per_gpu = -(-min(args.parallel, len(settings)) // max(1, len(args.gpus or [0])))
+    memory = [f"actor_rollout_ref.rollout.gpu_memory_utilization={min(0.5, 0.8 / per_gpu):.3f}"]
     results, pending = [], list(settings)
     running: list[tuple[Run, str, list[str], str]] = []
     slot = 0
@@ -283,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"trainer.default_local_dir={run_dir}",
                 f"trainer.validation_data_dir={run_dir / 'val'}",
                 f"trainer.experiment_name={name}",
+                *memory,
                 *overrides,
                 *args.extra,
             ]
