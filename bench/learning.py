@@ -53,14 +53,14 @@ COMMON = [
     f"{A}.ppo_mini_batch_size=32",
     f"{A}.ppo_epochs=1",
     f"{A}.use_dynamic_bsz=True",
-    f"{A}.ppo_max_token_len_per_gpu=32768",
+    f"{A}.ppo_max_token_len_per_gpu=16384",
     f"{A}.optim.lr=1e-5",
     f"{A}.optim.lr_warmup_steps=0",
     f"{A}.entropy_coeff=0.0",
     "actor_rollout_ref.model.enable_gradient_checkpointing=False",
     "critic.model.enable_gradient_checkpointing=False",
     "critic.use_dynamic_bsz=True",
-    "critic.ppo_max_token_len_per_gpu=32768",
+    "critic.ppo_max_token_len_per_gpu=16384",
     "critic.optim.lr=1e-5",
     "trainer.total_epochs=100",
     "trainer.total_training_steps=100000",
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = [parse_setting(s) for s in args.settings]
     # runs sharing a GPU split its memory: each engine's KV cache gets its share (SmolLM2 needs ~2 GB)
     per_gpu = -(-min(args.parallel, len(settings)) // max(1, len(args.gpus or [0])))
-    memory = [f"actor_rollout_ref.rollout.gpu_memory_utilization={min(0.5, 0.8 / per_gpu):.3f}"]
+    memory = [f"actor_rollout_ref.rollout.gpu_memory_utilization={min(0.5, 0.5 / per_gpu):.3f}"]
     results, pending = [], list(settings)
     running: list[tuple[Run, str, list[str], str]] = []
     slot = 0
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 *overrides,
                 *args.extra,
             ]
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
             if args.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = args.gpus[slot % len(args.gpus)]
             slot += 1
