@@ -113,13 +113,13 @@ def run(model_dir: Path, data: Path, run_dir: Path, *, rollout: str, steps: int,
     info = dist.init_distributed(args.device, 600.0)
     try:
         start = time.perf_counter()
-        parts = build_run(cfg, device=info.device, argv=overrides)
+        built = build_run(cfg, device=info.device, argv=overrides)
         setup_s = time.perf_counter() - start  # with rollout=klppo the decode functions compile meanwhile
-        PPOTrainer(parts).fit()
+        PPOTrainer(built).fit()
     finally:
         dist.destroy()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    del parts
+    del built
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"rollout": rollout, "setup_s": setup_s, "steps": rows}

@@ -88,7 +88,7 @@ def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit)
     batch = prompts.shape[0] * params.n
     for phase in ("cold", "warm"):
         out, elapsed, peak = timed(engine.generate, model, prompts, mask, params)
-        s = engine.last_stats
+        s = out.stats
         decode_s = s["rollout/time_s"] - s["rollout/prefill_s"] - s["rollout/graph_capture_s"]
         emit(dict(shape=shape, batch=batch, backend=f"{name}-{phase}", time_s=elapsed,
                   tokens_per_s=batch * NEW / elapsed, ms_per_step=decode_s / s["rollout/decode_steps"] * 1e3,

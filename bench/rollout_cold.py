@@ -66,9 +66,8 @@ def child(mode: str, batch: int) -> None:
     for phase in ("cold", "warm"):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.generate(model, prompts, mask, params)
+        s = engine.generate(model, prompts, mask, params).stats
         torch.cuda.synchronize()
-        s = engine.last_stats
         decode_s = s["rollout/time_s"] - s["rollout/prefill_s"] - s["rollout/graph_capture_s"]
         if phase == "cold":
             row["setup_to_first_s"] = time.perf_counter() - t_setup

@@ -11,6 +11,8 @@ Shapes (P = prompt length, left-padded; R = response length, right-padded):
 - ``rollout_log_probs`` [B, R] float32: log-prob of each sampled token under the rollout engine
 - ``old_log_probs`` / ``ref_log_probs`` / ``values`` [B, R] float32
 - ``token_level_scores`` / ``token_level_rewards`` / ``advantages`` / ``returns`` [B, R] float32
+- ``reward_baselines`` [B] float32: the score of the greedy response to the sample's prompt (estimators
+  that subtract it, e.g. ReMax); ``None`` otherwise
 - ``data_source`` / ``ground_truth`` / ``uid`` / ``extra_info`` / ``raw_prompt``: lists of length B
   (``uid`` identifies the prompt a sample came from: the group for GRPO/RLOO)
 """
@@ -36,6 +38,7 @@ TENSOR_FIELDS = (
     "token_level_rewards",
     "advantages",
     "returns",
+    "reward_baselines",
 )
 LIST_FIELDS = ("data_source", "ground_truth", "uid", "extra_info", "raw_prompt")
 
@@ -54,6 +57,7 @@ class Batch:
     token_level_rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    reward_baselines: torch.Tensor | None = None
     data_source: list[str] = dataclasses.field(default_factory=list)
     ground_truth: list[Any] = dataclasses.field(default_factory=list)
     uid: list[Any] = dataclasses.field(default_factory=list)

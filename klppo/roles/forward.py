@@ -26,7 +26,7 @@ class MicroBatching:
             size = max(1, self.micro_batch_size)
             return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
         from klppo.batching.dynamic import partition_by_token_budget
-        from klppo.roles.dp import all_reduce_max
+        from klppo.parallel.collectives import all_reduce_max
 
         seq_lens = [int(s) for s in batch.attention_mask.sum(dim=1).tolist()]
         parts = partition_by_token_budget(seq_lens, self.max_token_len)

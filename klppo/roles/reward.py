@@ -3,13 +3,26 @@ reward model; scores land on each response's last token (``token_level_scores``)
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from klppo.batch import Batch
 
 
+class Scores(NamedTuple):
+    """What :meth:`Reward.score` gives for a batch of ``B`` samples."""
+
+    token_level: torch.Tensor
+    """[B, R] float32: each sequence's score on its last response token, 0 elsewhere."""
+    sequence: torch.Tensor
+    """[B] float32: one score per sample."""
+    texts: list[str]
+    """The decoded responses that were scored."""
+
+
 class Reward:
-    """``score(batch) -> (token_level_scores [B,R], per-sequence scores [B], response texts)``."""
+    """``score(batch) -> Scores`` (token-level scores, per-sequence scores, response texts)."""
 
     def __init__(
         self,
@@ -43,7 +56,7 @@ class Reward:
             texts.append(self.tokenizer.decode(ids[:n], skip_special_tokens=True))
         return texts
 
-    def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    def score(self, batch: Batch) -> Scores:
         from klppo.rewards import place_scores
 
         texts = self.decode_responses(batch)
@@ -56,7 +69,7 @@ class Reward:
                 dtype=torch.float32,
             )
         seq_scores = seq_scores.to(batch.response_mask.device)
-        return place_scores(seq_scores, batch.response_mask), seq_scores, texts
+        return Scores(place_scores(seq_scores, batch.response_mask), seq_scores, texts)
 
     @torch.no_grad()
     def _model_scores(self, batch: Batch, texts: list[str], micro_batch_size: int = 16) -> torch.Tensor:

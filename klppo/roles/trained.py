@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from klppo.batch import Batch
-from klppo.roles.dp import all_reduce_sum, world_size
+from klppo.parallel.collectives import all_reduce_sum, world_size
 from klppo.roles.forward import MicroBatching, iter_micro
 from klppo.roles.metrics import MetricAccumulator
 from klppo.roles.optim import OptimSettings, build_optimizer, build_scheduler

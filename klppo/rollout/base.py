@@ -53,11 +53,13 @@ class SamplingParams:
 
 @dataclasses.dataclass
 class RolloutOutput:
-    """Responses for ``B * n`` rows (see the module docstring for shapes and the row order)."""
+    """Responses for ``B * n`` rows (see the module docstring for shapes and the row order), and figures
+    about the call that produced them (``rollout/time_s``, ``rollout/tokens_generated``, … — metric names)."""
 
     responses: torch.Tensor
     response_mask: torch.Tensor
     log_probs: torch.Tensor
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert self.responses.shape == self.response_mask.shape == self.log_probs.shape
@@ -65,9 +67,7 @@ class RolloutOutput:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """A generation backend. ``last_stats`` holds figures about the last ``generate`` call."""
-
-    last_stats: dict[str, float]
+    """A generation backend; ``generate`` returns its figures with its output (``RolloutOutput.stats``)."""
 
     def generate(
         self,

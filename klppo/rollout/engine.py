@@ -73,7 +73,7 @@ class _Workspace:
 
 
 class KLPPORollout:
-    """Our engine (see the module docstring). ``last_stats`` reports the last call's figures."""
+    """Our engine (see the module docstring). Each output's ``stats`` reports that call's figures."""
 
     def __init__(
         self,
@@ -107,7 +107,6 @@ class KLPPORollout:
         self.fuse_projections = fuse_projections
         self.decode_attention = decode_attention
         self.fp32_logits = fp32_logits
-        self.last_stats: dict[str, float] = {}
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self._ws: _Workspace | None = None
 
@@ -127,8 +126,7 @@ class KLPPORollout:
         if reason is not None:
             warnings.warn(f"klppo rollout cannot run this model ({reason}): using hf", stacklevel=2)
             out = self._fallback.generate(model, prompts, prompt_mask, params)
-            self.last_stats = {**self._fallback.last_stats, "rollout/fallback_hf": 1.0}
-            return out
+            return dataclasses.replace(out, stats={**out.stats, "rollout/fallback_hf": 1.0})
         device = prompts.device
         rng = contextlib.nullcontext()
         if params.seed is not None:
@@ -236,7 +234,7 @@ class KLPPORollout:
             torch.cuda.synchronize(device)
         tokens = float(out_len.sum().item())
         elapsed = time.perf_counter() - start
-        self.last_stats = {
+        stats = {
             "rollout/time_s": elapsed,
             "rollout/prefill_s": prefill_s,
             "rollout/prefill_tokens": float(self._prefill_tokens),
@@ -250,7 +248,9 @@ class KLPPORollout:
             "rollout/fused_weights_gb": _fused_bytes(ws.weights) / 2**30,
             "perf/rollout_peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
         }
-        return RolloutOutput(responses=responses.clone(), response_mask=mask, log_probs=log_probs.clone())
+        return RolloutOutput(
+            responses=responses.clone(), response_mask=mask, log_probs=log_probs.clone(), stats=stats
+        )
 
     def _num_slots(self, w: LlamaWeights, device: torch.device, num_seqs: int, max_len: int) -> int:
         """Slots that fit the budget, given everything allocated now (fused weights included)."""

@@ -29,7 +29,6 @@ class HFRollout:
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
         self.cache_implementation = cache_implementation
-        self.last_stats: dict[str, float] = {}
 
     def _generation_config(self, params: SamplingParams):
         from transformers import GenerationConfig
@@ -114,11 +113,11 @@ class HFRollout:
         responses = torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_token_id))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        self.last_stats = {
+        stats = {
             "rollout/time_s": time.perf_counter() - start,
             "rollout/tokens_generated": float(mask.sum().item()),
         }
-        return RolloutOutput(responses=responses, response_mask=mask, log_probs=padded_log_probs)
+        return RolloutOutput(responses=responses, response_mask=mask, log_probs=padded_log_probs, stats=stats)
 
     def release(self) -> None:
         """Nothing to free: ``generate`` allocates its cache per call."""

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from klppo.roles.dp import rank, world_size
+from klppo.parallel.collectives import rank, world_size
 
 MARKER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")

@@ -10,43 +10,10 @@ from typing import Any
 
 import torch
 
+from klppo.parallel.offload import OffloadSchedule
 from klppo.trainer.builder import fsdp_settings, micro, optim_settings, to_dtype
 
 HFAssets = dict[str, Callable[[Path], None]]
-
-
-class Offload:
-    """Moves a role's parameters / optimizer state to CPU while idle and back before use
-    (``param_offload`` / ``optimizer_offload``). Names: actor, ref, critic, actor_optim, critic_optim."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._load: dict[str, Callable[[], None]] = {}
-        self._release: dict[str, Callable[[], None]] = {}
-
-    def register(self, name: str, load: Callable[[], None], release: Callable[[], None]) -> None:
-        self._load[name], self._release[name] = load, release
-        release()
-
-    def load(self, name: str) -> None:
-        if name in self._load:
-            self._load[name]()
-
-    def release(self, name: str) -> None:
-        if name in self._release:
-            self._release[name]()
-
-    def register_params(self, name: str, model: torch.nn.Module) -> None:
-        from klppo.parallel.offload import load_params, offload_params
-
-        self.register(name, lambda: load_params(model, self.device), lambda: offload_params(model))
-
-    def register_optimizer(self, name: str, optimizer: torch.optim.Optimizer) -> None:
-        from klppo.parallel.offload import load_optimizer, offload_optimizer
-
-        self.register(
-            name, lambda: load_optimizer(optimizer, self.device), lambda: offload_optimizer(optimizer)
-        )
 
 
 def rollout_temperature(cfg: Any) -> float:
@@ -63,7 +30,7 @@ def build_actor(
     *,
     device: torch.device,
     total_steps: int,
-    offload: Offload,
+    offload: OffloadSchedule,
     hf_assets: HFAssets,
 ):
     """The policy: ``fsdp_config.model_dtype`` master weights (fp32 by default), FSDP2, AdamW."""
@@ -124,15 +91,25 @@ def build_actor(
         ),
         optim_settings(acfg.optim, total_steps),
     )
-    if acfg.fsdp_config.param_offload:
-        offload.register_params("actor", actor.model)
-    if acfg.fsdp_config.optimizer_offload:
-        offload.register_optimizer("actor_optim", actor.optimizer)
+    offload.add(
+        actor,
+        name="actor",
+        model=actor.model,
+        optimizer=actor.optimizer,
+        params=acfg.fsdp_config.param_offload,
+        optimizer_state=acfg.fsdp_config.optimizer_offload,
+    )
     return actor
 
 
 def build_reference(
-    cfg: Any, sizes: Any, model_path: str, *, device: torch.device, offload: Offload, actor: Any = None
+    cfg: Any,
+    sizes: Any,
+    model_path: str,
+    *,
+    device: torch.device,
+    offload: OffloadSchedule,
+    actor: Any = None,
 ):
     """The frozen initial policy; None when neither KL in the reward nor a KL loss needs it. With LoRA,
     the actor's own model with its adapters off (no second model)."""
@@ -154,7 +131,9 @@ def build_reference(
         use_remove_padding=bool(arr.model.use_remove_padding),
     )
     if actor is not None and is_lora(actor.model):
-        return Reference(actor.model, adapters_off=True, **settings)
+        reference = Reference(actor.model, adapters_off=True, **settings)
+        offload.add(reference, name="reference", model=actor.model, params=False, optimizer_state=False)
+        return reference
     # on CPU every role keeps fp32 weights: bf16 matmuls there are slow and would put a rounding KL
     # between the actor and its reference from the first step
     dtype = torch.float32
@@ -168,8 +147,13 @@ def build_reference(
     model = load_policy_model(cfg, model_path, dtype, device, train=False)
     shard(model, arr.ref.fsdp_config, device)
     reference = Reference(model, **settings)
-    if arr.ref.fsdp_config.param_offload:
-        offload.register_params("ref", model)
+    offload.add(
+        reference,
+        name="reference",
+        model=model,
+        params=arr.ref.fsdp_config.param_offload,
+        optimizer_state=False,
+    )
     return reference
 
 
@@ -181,7 +165,7 @@ def build_critic(
     *,
     device: torch.device,
     total_steps: int,
-    offload: Offload,
+    offload: OffloadSchedule,
     hf_assets: HFAssets,
 ):
     """A value head on a causal-LM backbone (``critic.model.path``, default the actor's); None unless the
@@ -239,10 +223,14 @@ def build_critic(
         ),
         optim_settings(ccfg.optim, total_steps),
     )
-    if ccfg.model.fsdp_config.param_offload:
-        offload.register_params("critic", critic.model)
-    if ccfg.model.fsdp_config.optimizer_offload:
-        offload.register_optimizer("critic_optim", critic.optimizer)
+    offload.add(
+        critic,
+        name="critic",
+        model=critic.model,
+        optimizer=critic.optimizer,
+        params=ccfg.model.fsdp_config.param_offload,
+        optimizer_state=ccfg.model.fsdp_config.optimizer_offload,
+    )
     return critic
 
 
@@ -302,8 +290,8 @@ def load_policy_model(cfg: Any, path: str, dtype: torch.dtype, device: torch.dev
 def shard(model: torch.nn.Module, fsdp_cfg: Any, device: torch.device) -> None:
     """FSDP2 over all ranks (or HSDP groups of ``fsdp_size``); logs the units chosen."""
     from klppo.models.lora import is_lora
+    from klppo.parallel.collectives import world_size
     from klppo.parallel.fsdp import build_mesh, shard_model
-    from klppo.roles.dp import world_size
 
     settings = fsdp_settings(fsdp_cfg, device=device)
     # with LoRA the FSDP root is the Hugging Face model inside the PeftModel: generate() and the adapter

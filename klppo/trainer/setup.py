@@ -1,77 +1,111 @@
 """Assembles one rank's run from the resolved config: tokenizer, data, roles (FSDP2-sharded), rollout,
-reward, KL controller, trackers and the run directory. Nothing here runs a training step."""
+reward, KL controller, trackers and the run directory, as one typed :class:`Run`. Nothing here runs a
+training step."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from klppo.algorithms.kl_control import KLController, make_kl_controller
+from klppo.config import KLPPOConfig
 from klppo.config.schema import KLControlConfig
 from klppo.config.schema_arr import KLLossControlConfig
-from klppo.rollout.base import SamplingParams
-from klppo.trainer.roles_build import Offload, build_actor, build_critic, build_reference, build_reward
+from klppo.data.dataset import PromptLoader
+from klppo.models.lora import is_lora, merged_for_rollout
+from klppo.parallel.fsdp import gathered_params
+from klppo.parallel.offload import OffloadSchedule
+from klppo.roles.actor import Actor
+from klppo.roles.critic import Critic
+from klppo.roles.reference import Reference
+from klppo.roles.reward import Reward
+from klppo.roles.trained import TrainedRole
+from klppo.rollout.base import RolloutEngine, SamplingParams
+from klppo.tracking import GenerationLog, Tracker
+from klppo.trainer.roles_build import HFAssets, build_actor, build_critic, build_reference, build_reward
 
 log = logging.getLogger("klppo")
 
 
-@dataclass
-class RunParts:
-    cfg: Any
-    device: torch.device
-    tokenizer: Any
-    train_loader: Any
-    val_loader: Any
-    actor: Any
-    reference: Any
-    critic: Any
-    reward: Any
-    rollout: Any
-    sampling: SamplingParams
-    val_sampling: SamplingParams
-    greedy_sampling: SamplingParams
-    kl_ctrl: KLController
-    kl_loss_ctrl: KLController
-    tracker: Any
-    generation_log: Any
-    run_dir: Path
-    total_training_steps: int
-    offload: Offload
-    hf_assets: dict[str, Callable[[Path], None]] = field(default_factory=dict)
-    free_cache_engine: bool = True
-    needs_greedy_baseline: bool = False
-    resume_path: Path | None = None
+@dataclass(frozen=True)
+class Roles:
+    """The run's models: the actor always; the reference when a KL term needs it; the critic for GAE."""
 
-    def trained_roles(self) -> dict[str, Any]:
-        roles = {"actor": self.actor}
+    actor: Actor
+    reference: Reference | None
+    critic: Critic | None
+    reward: Reward
+
+    def trained(self) -> dict[str, TrainedRole]:
+        """The roles with weights and an optimizer to checkpoint, by name."""
+        roles: dict[str, TrainedRole] = {"actor": self.actor}
         if self.critic is not None:
             roles["critic"] = self.critic
         return roles
 
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the rollout samples: for training, for validation (``val_kwargs``), and greedily for the reward
+    baseline of estimators that need one (``None`` otherwise)."""
+
+    train: SamplingParams
+    val: SamplingParams
+    greedy: SamplingParams | None
+
+
+@dataclass(frozen=True)
+class Loaders:
+    train: PromptLoader
+    val: PromptLoader | None
+
+
+@dataclass(frozen=True)
+class Trackers:
+    metrics: Tracker
+    generations: GenerationLog
+
+
+@dataclass(frozen=True)
+class Run:
+    """One rank's run, built once by :func:`build_run`; the trainer reads it and never adds to it."""
+
+    cfg: KLPPOConfig
+    device: torch.device
+    tokenizer: Any  # a transformers tokenizer
+    loaders: Loaders
+    roles: Roles
+    rollout: RolloutEngine
+    sampling: Sampling
+    kl_ctrl: KLController
+    """β of the KL penalty in the reward (``algorithm.kl_ctrl``)."""
+    kl_loss_ctrl: KLController
+    """β of the actor's KL loss (``actor.kl_loss_ctrl``)."""
+    trackers: Trackers
+    offload: OffloadSchedule
+    run_dir: Path
+    total_training_steps: int
+    hf_assets: HFAssets
+    free_cache_engine: bool
+    resume_path: Path | None
+
     @contextlib.contextmanager
-    def gather_weights(self):
+    def gather_weights(self) -> Iterator[torch.nn.Module]:
         """The model the rollout engine runs on: the actor with its full weights gathered (FSDP2 unshard in
         place), and with LoRA the base model with the adapters merged (restored afterwards)."""
-        from klppo.models.lora import is_lora, merged_for_rollout
-        from klppo.parallel.fsdp import gathered_params
-
-        model = self.actor.model
+        model = self.roles.actor.model
         with gathered_params(model):
             if is_lora(model):
                 with merged_for_rollout(model) as merged:
                     yield merged
             else:
                 yield model
-
-    @property
-    def ref_logits_fn(self):
-        return self.reference.logits if self.reference is not None else None
 
 
 def data_paths(value: Any) -> list[str]:
@@ -83,8 +117,6 @@ def data_paths(value: Any) -> list[str]:
 
 
 def build_loaders(cfg: Any, tokenizer: Any):
-    from klppo.data.dataset import PromptLoader
-
     d = cfg.data
     common = dict(
         max_prompt_length=int(d.max_prompt_length),
@@ -172,14 +204,13 @@ def kl_controller(group: KLControlConfig | KLLossControlConfig, init_coef: float
     )
 
 
-def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
+def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run:
     from klppo.algorithms.advantages import get_advantage_estimator
     from klppo.config import config_to_yaml, derive_sizes
     from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
-    from klppo.roles.dp import rank, world_size
+    from klppo.parallel.collectives import rank, world_size
     from klppo.rollout.base import make_rollout
-    from klppo.tracking import Tracker
-    from klppo.tracking.run_dir import GenerationLog, write_run_metadata
+    from klppo.tracking.run_dir import write_run_metadata
     from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
 
     arr, algo, tcfg = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
@@ -209,7 +240,7 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
         raise ValueError("the training set gives no full batch of data.train_batch_size prompts")
 
     run_dir = Path(tcfg.default_local_dir).expanduser()
-    offload = Offload(device)
+    offload = OffloadSchedule(device)
     hf_assets: dict[str, Callable[[Path], None]] = {}
 
     role_args = dict(device=device, total_steps=total_steps, offload=offload, hf_assets=hf_assets)
@@ -240,31 +271,28 @@ def build_run(cfg: Any, *, device: torch.device, argv: list[str]) -> RunParts:
     )
     if rank() == 0:
         write_run_metadata(run_dir, config_yaml=config_to_yaml(cfg), argv=argv)
-    return RunParts(
+    needs_baseline = get_advantage_estimator(algo.adv_estimator).needs_reward_baselines
+    return Run(
         cfg=cfg,
         device=device,
         tokenizer=tokenizer,
-        train_loader=train_loader,
-        val_loader=val_loader,
-        actor=actor,
-        reference=reference,
-        critic=critic,
-        reward=reward,
+        loaders=Loaders(train=train_loader, val=val_loader),
+        roles=Roles(actor=actor, reference=reference, critic=critic, reward=reward),
         rollout=rollout,
-        sampling=sampling,
-        val_sampling=_sampling(rcfg, response_length=response_length, validation=True),
-        greedy_sampling=SamplingParams(n=1, do_sample=False, max_new_tokens=response_length),
-        kl_ctrl=kl_controller(algo.kl_ctrl, algo.kl_ctrl.kl_coef),
-        kl_loss_ctrl=kl_controller(
-            cfg.actor_rollout_ref.actor.kl_loss_ctrl, cfg.actor_rollout_ref.actor.kl_loss_coef
+        sampling=Sampling(
+            train=sampling,
+            val=_sampling(rcfg, response_length=response_length, validation=True),
+            greedy=SamplingParams(n=1, do_sample=False, max_new_tokens=response_length)
+            if needs_baseline
+            else None,
         ),
-        tracker=tracker,
-        generation_log=GenerationLog(run_dir),
+        kl_ctrl=kl_controller(algo.kl_ctrl, algo.kl_ctrl.kl_coef),
+        kl_loss_ctrl=kl_controller(arr.actor.kl_loss_ctrl, arr.actor.kl_loss_coef),
+        trackers=Trackers(metrics=tracker, generations=GenerationLog(run_dir)),
+        offload=offload,
         run_dir=run_dir,
         total_training_steps=int(total_steps),
-        offload=offload,
         hf_assets=hf_assets,
         free_cache_engine=bool(rcfg.free_cache_engine),
-        needs_greedy_baseline=get_advantage_estimator(algo.adv_estimator).needs_reward_baselines,
         resume_path=resume_path,
     )

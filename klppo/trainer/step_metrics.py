@@ -9,7 +9,7 @@ import torch
 from klppo.algorithms.kl import kl_penalty
 from klppo.algorithms.losses import explained_variance, masked_mean
 from klppo.batch import Batch
-from klppo.roles.dp import world_size
+from klppo.parallel.collectives import world_size
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:
@@ -65,7 +65,7 @@ def perf_metrics(
     if mfu is not None:
         out["perf/mfu/actor"] = mfu
     if device.type == "cuda":
-        from klppo.roles.dp import all_reduce_max_values
+        from klppo.parallel.collectives import all_reduce_max_values
 
         allocated, reserved = all_reduce_max_values(
             [torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30]

@@ -33,7 +33,7 @@ def test_greedy_identical_to_hf_with_continuous_batching(arch, kwargs) -> None:
     # 10 sequences through 3 slots: finished slots must take the waiting sequences
     engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=5)
     out = engine.generate(model, prompts, prompt_mask, params)
-    assert engine.last_stats["rollout/num_slots"] == 3
+    assert out.stats["rollout/num_slots"] == 3
     assert torch.equal(out.responses, ref.responses)
     assert torch.equal(out.response_mask, ref.response_mask)
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
@@ -135,7 +135,7 @@ def test_fallback_and_cache_lifecycle(tiny_qwen2) -> None:
     gpt2_like.config.model_type = "unsupported-arch"
     with pytest.warns(UserWarning, match="unsupported-arch"):
         out = free.generate(gpt2_like, prompts, prompt_mask, params)
-    assert free.last_stats["rollout/fallback_hf"] == 1.0 and out.responses.shape == (2, 6)
+    assert out.stats["rollout/fallback_hf"] == 1.0 and out.responses.shape == (2, 6)
     with pytest.raises(ValueError, match="unknown rollout"):
         make_rollout("vllm", eos_token_ids=[2], pad_token_id=2)
 
@@ -153,9 +153,7 @@ def test_fused_projections_match_and_follow_in_place_weight_updates() -> None:
     )
     assert torch.equal(out.responses, ref.responses)
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
-    assert (
-        kept.last_stats["rollout/fused_weights_gb"] > 0 and plain.last_stats["rollout/fused_weights_gb"] == 0
-    )
+    assert out.stats["rollout/fused_weights_gb"] > 0 and ref.stats["rollout/fused_weights_gb"] == 0
     fused_qkv = kept._ws.weights.layers[0].qkv
     with torch.no_grad():  # an optimizer step: same addresses, new values
         for p in model.parameters():
@@ -240,19 +238,19 @@ def test_samples_of_a_prompt_share_its_prefill(tiny_qwen2) -> None:
     roomy = KLPPORollout(eos_token_ids=[2], pad_token_id=2)
     out = roomy.generate(tiny_qwen2, prompts, prompt_mask, params)
     assert torch.equal(out.responses, ref.responses)
-    assert roomy.last_stats["rollout/prefill_tokens"] == sum(lengths)  # once per prompt, not 4×
+    assert out.stats["rollout/prefill_tokens"] == sum(lengths)  # once per prompt, not 4×
     tight = KLPPORollout(eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=3)
     out = tight.generate(tiny_qwen2, prompts, prompt_mask, params)
     assert torch.equal(out.responses, ref.responses)
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
-    assert sum(lengths) <= tight.last_stats["rollout/prefill_tokens"] < 4 * sum(lengths)
+    assert sum(lengths) <= out.stats["rollout/prefill_tokens"] < 4 * sum(lengths)
     # sampled: siblings finish at different times, so later samples copy the prefix from a busy sibling
     params = SamplingParams(max_new_tokens=12, n=4, temperature=1.3, seed=7)
     many_eos = KLPPORollout(
         eos_token_ids=list(range(2, 120)), pad_token_id=2, max_num_seqs=3, eos_check_every=1
     )
     out = many_eos.generate(tiny_qwen2, prompts, prompt_mask, params)
-    assert many_eos.last_stats["rollout/prefix_reused"] > 0
+    assert out.stats["rollout/prefix_reused"] > 0
     ref = reference_log_probs(tiny_qwen2, prompts, prompt_mask, out.responses, out.response_mask, 1.3, 4)
     torch.testing.assert_close(out.log_probs.double(), ref, atol=1e-4, rtol=0)
 

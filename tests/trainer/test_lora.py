@@ -34,16 +34,16 @@ def test_lora_trains_adapters_only_and_exports_merged(engine, tiny_model_dir, ar
         + LORA
         + [f"actor_rollout_ref.rollout.name={engine}"]
     )
-    state, parts = run_training(overrides + ["trainer.total_training_steps=2", "trainer.save_freq=2"])
+    state, built = run_training(overrides + ["trainer.total_training_steps=2", "trainer.save_freq=2"])
     rows = read_metrics(run)
     assert rows[0]["actor/ref_kl_k1"] == pytest.approx(0.0, abs=1e-6)  # adapters start at B = 0
     assert all(row["actor/grad_norm"] > 0 for row in rows)
 
-    model = parts.actor.model
-    assert parts.reference.model is model  # no second model in memory
+    model = built.roles.actor.model
+    assert built.roles.reference.model is model  # no second model in memory
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
-    optimized = {id(p) for g in parts.actor.optimizer.param_groups for p in g["params"]}
+    optimized = {id(p) for g in built.roles.actor.optimizer.param_groups for p in g["params"]}
     assert optimized == {id(p) for p in model.parameters() if p.requires_grad}
 
     # base weights are untouched by training and by the merge/restore around each rollout
@@ -147,10 +147,10 @@ def test_critic_lora_and_starting_from_a_saved_adapter(tiny_model_dir, arithmeti
             "trainer.total_training_steps=1",
         ]
     )
-    _, parts = run_training(overrides)
+    _, built = run_training(overrides)
     (row,) = read_metrics(run)
     assert abs(row["actor/ref_kl_k1"]) > 1e-4  # the loaded adapter moved the policy away from the base
-    critic_trainable = {n for n, p in parts.critic.model.named_parameters() if p.requires_grad}
+    critic_trainable = {n for n, p in built.roles.critic.model.named_parameters() if p.requires_grad}
     assert critic_trainable and all("lora_" in n or "score" in n for n in critic_trainable)
     assert any("score" in n for n in critic_trainable)  # the value head trains in full
     assert row["critic/grad_norm"] > 0

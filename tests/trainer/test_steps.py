@@ -137,7 +137,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_one_step(name, tiny_model_dir, arithmetic_data, tmp_path):
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path) + CASES[name]
-    state, parts = run_training(overrides)
+    state, built = run_training(overrides)
     assert state.global_step == 1
     (row,) = read_metrics(tmp_path)
     assert row["step"] == 1
@@ -152,11 +152,11 @@ def test_one_step(name, tiny_model_dir, arithmetic_data, tmp_path):
             "timing_s/update_critic",
         ):
             assert key in row, key
-        assert parts.critic is not None
+        assert built.roles.critic is not None
     else:
-        assert parts.critic is None
+        assert built.roles.critic is None
     needs_ref = any("kl" in o and "True" in o for o in CASES[name])
-    assert (parts.reference is not None) == needs_ref
+    assert (built.roles.reference is not None) == needs_ref
     if "use_kl_in_reward=True" in " ".join(CASES[name]):
         assert "actor/reward_kl_penalty" in row and "actor/reward_kl_penalty_coeff" in row
     if "use_kl_loss=True" in " ".join(CASES[name]):
@@ -214,9 +214,9 @@ def test_reward_model_scores_the_responses(tiny_model_dir, arithmetic_data, tmp_
         "reward_model.enable=True",
         f"reward_model.model.path={rm_dir}",
     ]
-    _, parts = run_training(overrides)
+    _, built = run_training(overrides)
     (row,) = read_metrics(tmp_path / "run")
-    assert parts.reward.reward_model is not None
+    assert built.roles.reward.reward_model is not None
     # a random head gives real-valued, non-constant scores (the rule reward would be 0/1)
     assert row["critic/score/max"] > row["critic/score/min"]
     assert row["critic/score/max"] not in (0.0, 1.0)
@@ -227,8 +227,8 @@ def test_reward_model_scores_the_responses(tiny_model_dir, arithmetic_data, tmp_
     messages = [[{"role": "user", "content": "What is 1 plus 2?"}]] * 3
     b = Batch(prompts=torch.zeros(3, 1, dtype=torch.long), prompt_mask=torch.ones(3, 1), raw_prompt=messages)
     texts = ["The answer is 3", "3", "I think it is 12 plus 7 which is 19 #### 19"]
-    one_by_one = parts.reward._model_scores(b, texts, micro_batch_size=1)
-    assert torch.allclose(parts.reward._model_scores(b, texts), one_by_one, atol=1e-5)
+    one_by_one = built.roles.reward._model_scores(b, texts, micro_batch_size=1)
+    assert torch.allclose(built.roles.reward._model_scores(b, texts), one_by_one, atol=1e-5)
 
 
 def test_optimizer_choice_reference_path_and_external_lib(
@@ -253,9 +253,9 @@ def test_optimizer_choice_reference_path_and_external_lib(
         f"+actor_rollout_ref.ref.model={{path: {other_ref}}}",
         "actor_rollout_ref.model.external_lib=my_models_lib",
     ]
-    _, parts = run_training(overrides)
+    _, built = run_training(overrides)
     (row,) = read_metrics(tmp_path / "run")
-    opt = parts.actor.optimizer
+    opt = built.roles.actor.optimizer
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.9
     assert abs(row["actor/ref_kl_k1"]) > 1e-3  # the reference is the other model, not the actor's start
     assert "my_models_lib" in sys.modules

@@ -41,7 +41,7 @@ def base_overrides(model_dir: Path, data: tuple[Path, Path], run_dir: Path) -> l
 
 
 def run_training(overrides: list[str]):
-    """Train in this process (world size 1); returns (state, parts) for inspection."""
+    """Train in this process (world size 1); returns (state, run) for inspection."""
     from klppo.config import load_config
     from klppo.parallel import dist
     from klppo.trainer.ppo_trainer import PPOTrainer
@@ -51,9 +51,9 @@ def run_training(overrides: list[str]):
     cfg = load_config(overrides)
     info = dist.init_distributed("cpu", 120.0)
     try:
-        parts = build_run(cfg, device=info.device, argv=overrides)
-        state = PPOTrainer(parts).fit()
-        return state, parts
+        run = build_run(cfg, device=info.device, argv=overrides)
+        state = PPOTrainer(run).fit()
+        return state, run
     finally:
         dist.destroy()
 

@@ -1,4 +1,5 @@
-"""Data-parallel reductions the roles need (no-ops in a single process)."""
+"""The collectives the roles and the trainer use: rank, world size, sums, maxima and gathers over the
+data-parallel ranks (no-ops in a single process). CPU tensors travel on the backend's device."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import torch.distributed as dist
 
 
 def world_size() -> int:
+    """Number of ranks (1 without a process group)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rank() -> int:
+    """This process's rank (0 without a process group)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -49,7 +52,8 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=0).to(t.device)
 
 
-def all_gather_objects(obj) -> list:
+def all_gather_objects(obj: object) -> list:
+    """Every rank's picklable ``obj``, in rank order."""
     if world_size() == 1:
         return [obj]
     out = [None] * world_size()
@@ -62,13 +66,3 @@ def _comm_device() -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def padded_share(batch):
-    """This rank's rows of ``batch`` when they may not divide evenly (validation): every rank gets
-    ceil(n / world) rows, the missing ones filled with copies of row 0, so every rank runs the same
-    collectives; returns (rows, number of real rows)."""
-    w, r, n = world_size(), rank(), len(batch)
-    per = -(-n // w)
-    real = list(range(min(r * per, n), min((r + 1) * per, n)))
-    return batch.select(real + [0] * (per - len(real))), len(real)

@@ -1,0 +1,67 @@
+"""How one step's rows move between the data-parallel ranks, as named functions.
+
+A step's prompts are the same on every rank; each rank rolls out its contiguous share (all samples of a
+prompt stay on one rank), the per-sample fields are gathered into the global batch (identical on every
+rank, in rank order), and each rank updates on its share of that batch. Metrics computed per rank are
+averaged in one collective. With one rank every function returns its input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from klppo.batch import Batch
+from klppo.batching.balance import balance_across_ranks
+from klppo.parallel.collectives import all_gather_rows, all_reduce_sum, rank, world_size
+
+
+def shard_prompts(prompts: Batch) -> Batch:
+    """This rank's contiguous share of the step's prompts (sizes are checked divisible at start)."""
+    w = world_size()
+    if w == 1:
+        return prompts
+    return prompts.chunk(w)[rank()]
+
+
+def padded_share(batch: Batch) -> tuple[Batch, int]:
+    """This rank's rows of ``batch`` when they may not divide evenly (validation): every rank gets
+    ceil(n / world) rows, the missing ones filled with copies of row 0, so every rank runs the same
+    collectives; returns (rows, number of real rows)."""
+    w, r, n = world_size(), rank(), len(batch)
+    per = -(-n // w)
+    real = list(range(min(r * per, n), min((r + 1) * per, n)))
+    return batch.select(real + [0] * (per - len(real))), len(real)
+
+
+def gather_samples(prompts: Batch, local: Batch, *, n: int, fields: Sequence[str]) -> Batch:
+    """The global batch: the step's ``prompts`` × ``n`` with every rank's per-sample tensor ``fields``
+    (those set on ``local``, this rank's samples of :func:`shard_prompts`) concatenated in rank order."""
+    batch = prompts.repeat_interleave(n)
+    for name in fields:
+        value = getattr(local, name)
+        if value is not None:
+            setattr(batch, name, all_gather_rows(value))
+    return batch
+
+
+def shard_for_update(batch: Batch, *, balance: bool) -> Batch:
+    """This rank's samples of the global batch for the updates: a contiguous share, or with ``balance``
+    (``trainer.balance_batch``) equal token counts per rank."""
+    w = world_size()
+    if w == 1:
+        return batch
+    if balance:
+        lengths = batch.attention_mask.sum(dim=1).long().tolist()
+        return batch.select(balance_across_ranks(lengths, w)[rank()])
+    return batch.chunk(w)[rank()]
+
+
+def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Mean over ranks of the per-rank metrics (one collective for all keys; every rank has the same keys)."""
+    if world_size() == 1:
+        return metrics
+    keys = sorted(metrics)
+    values = all_reduce_sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64)) / world_size()
+    return dict(zip(keys, values.tolist()))

@@ -1,0 +1,167 @@
+"""The phases of one PPO step, each a function from typed values to typed values (no state kept between
+calls): generate, forward passes (old / reference log-probs, values), score, rewards and advantages.
+
+The trainer (``ppo_trainer.py``) calls them in order and owns the schedule: which rank holds which rows
+(``klppo.parallel.shares``) and which role is on the device (``Run.offload``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+
+from klppo.algorithms import advantages as adv
+from klppo.algorithms import kl as kl_mod
+from klppo.algorithms.kl_control import KLController, PenaltyShareWatch
+from klppo.algorithms.losses import masked_mean
+from klppo.batch import Batch
+from klppo.config.schema import AlgorithmConfig
+from klppo.config.schema_arr import ActorConfig
+from klppo.parallel.collectives import rank
+from klppo.roles.actor import Actor
+from klppo.roles.reward import Reward
+from klppo.rollout.base import SamplingParams
+from klppo.trainer.setup import Run
+
+log = logging.getLogger("klppo")
+
+# the per-sample tensor fields computed on each rank and gathered into the global batch
+GATHERED = (
+    "responses",
+    "response_mask",
+    "rollout_log_probs",
+    "old_log_probs",
+    "ref_log_probs",
+    "values",
+    "token_level_scores",
+    "reward_baselines",
+)
+
+
+class Rollout(NamedTuple):
+    """The samples of one generation (n per prompt, consecutive) and the engine's figures about it."""
+
+    samples: Batch
+    stats: dict[str, float]
+
+
+def sample_seed(seed: int, step: int) -> int:
+    """The sampling seed of ``step`` on this rank (a resumed run draws what an uninterrupted one would)."""
+    return seed * 1_000_003 + step * 1009 + rank()
+
+
+def generate(run: Run, prompts: Batch, sampling: SamplingParams, *, seed: int) -> Rollout:
+    """Samples for ``prompts`` on the actor's gathered weights (the actor must be on the device)."""
+    params = dataclasses.replace(sampling, seed=seed)
+    start = time.perf_counter()
+    with run.gather_weights() as model:
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+        gather_s = time.perf_counter() - start
+        out = run.rollout.generate(model, prompts.prompts, prompts.prompt_mask, params)
+    if run.free_cache_engine:
+        run.rollout.release()
+    samples = prompts.repeat_interleave(params.n).replace(
+        responses=out.responses,
+        response_mask=out.response_mask.to(torch.float32),
+        rollout_log_probs=out.log_probs,
+    )
+    return Rollout(samples, {"timing_s/update_weights": gather_s, **out.stats})
+
+
+def with_reward_baselines(run: Run, samples: Batch, prompts: Batch, greedy: SamplingParams) -> Batch:
+    """``samples`` with ``reward_baselines``: the score of one greedy response per prompt, for each of the
+    prompt's samples."""
+    scores = run.roles.reward.score(generate(run, prompts, greedy, seed=0).samples)
+    n = len(samples) // len(prompts)
+    return samples.replace(reward_baselines=scores.sequence.to(run.device).repeat_interleave(n))
+
+
+def with_old_log_probs(actor: Actor, samples: Batch) -> tuple[Batch, dict[str, float]]:
+    """The actor's log-probs of the sampled tokens before the update, and their gap to the engine's."""
+    samples = samples.replace(old_log_probs=actor.compute_log_prob(samples))
+    metrics: dict[str, float] = {}
+    if samples.rollout_log_probs is not None:
+        diff = (samples.old_log_probs - samples.rollout_log_probs).abs()
+        metrics["rollout/log_prob_diff"] = float(masked_mean(diff, samples.response_mask))
+    return samples, metrics
+
+
+def with_scores(reward: Reward, samples: Batch) -> Batch:
+    """``token_level_scores``: each sample's score on its last response token."""
+    return samples.replace(token_level_scores=reward.score(samples).token_level)
+
+
+def rewards_and_advantages(
+    batch: Batch, algo: AlgorithmConfig, kl_ctrl: KLController, *, watch: PenaltyShareWatch, step: int
+) -> tuple[Batch, dict[str, float]]:
+    """KL penalty into the reward (``use_kl_in_reward``; updates ``kl_ctrl``, and ``watch`` warns when the
+    penalty outweighs the score), then the configured advantage estimator, on the global batch."""
+    metrics: dict[str, float] = {}
+    if algo.use_kl_in_reward:
+        rewards, kl_stats = kl_mod.apply_kl_penalty(
+            token_level_scores=batch.token_level_scores,
+            log_prob=batch.old_log_probs,
+            ref_log_prob=batch.ref_log_probs,
+            response_mask=batch.response_mask,
+            kl_ctrl=kl_ctrl,
+            kind=algo.kl_penalty,
+        )
+        current_kl = float(kl_stats["kl"])
+        metrics["actor/reward_kl_penalty"] = current_kl
+        metrics["actor/reward_kl_penalty_coeff"] = float(kl_stats["kl_coef"])
+        share = penalty_share(batch.token_level_scores, rewards)
+        metrics["actor/reward_kl_penalty_share"] = share
+        if watch.update(share) and rank() == 0:
+            _warn_penalty_share(step, watch.streak, share, kl_ctrl.value, algo)
+        kl_ctrl.update(current_kl, len(batch))
+    else:
+        rewards = batch.token_level_scores
+    advantages, returns = adv.compute_advantages(
+        algo.adv_estimator,
+        token_level_rewards=rewards,
+        response_mask=batch.response_mask,
+        values=batch.values,
+        group_ids=batch.uid,
+        reward_baselines=batch.reward_baselines,
+        gamma=float(algo.gamma),
+        lam=float(algo.lam),
+        norm_by_std=bool(algo.norm_adv_by_std_in_grpo),
+    )
+    return batch.replace(token_level_rewards=rewards, advantages=advantages, returns=returns), metrics
+
+
+def penalty_share(scores: torch.Tensor, rewards: torch.Tensor) -> float:
+    """mean_i |β·Σ_t KL_i,t| ÷ mean_i |Σ_t score_i,t| (``scores`` − ``rewards`` is the penalty, [B, R]): how
+    large the KL penalty is next to the task score (magnitudes: a k1 penalty can be negative, and a large
+    bonus drowns the score as well)."""
+    penalty = (scores - rewards).sum(dim=-1).abs().mean()
+    score = scores.sum(dim=-1).abs().mean()
+    return float(penalty) / max(float(score), 1e-6)
+
+
+def _warn_penalty_share(step: int, streak: int, share: float, beta: float, algo: AlgorithmConfig) -> None:
+    log.warning(
+        "step %d: the KL penalty in the reward outweighs the task score for %d steps (share %.2f, "
+        "β=%.4g): the policy is pulled back toward the reference instead of learning. Lower "
+        "algorithm.kl_ctrl.kl_coef, raise target_kl (now %s, type %s) or move the KL into the loss "
+        "(actor_rollout_ref.actor.use_kl_loss with kl_loss_ctrl)",
+        step, streak, share, beta, algo.kl_ctrl.target_kl, algo.kl_ctrl.type,
+    )  # fmt: skip
+
+
+def control_kl_loss(batch: Batch, actor: ActorConfig, kl_loss_ctrl: KLController) -> dict[str, float]:
+    """Update the KL loss's β: the controller sees the batch's KL(π_old‖π_ref) (token mean of the
+    ``kl_loss_type`` estimator; k3 for ``full``) before the update it weights."""
+    if not actor.use_kl_loss or batch.ref_log_probs is None:
+        return {}
+    kind = "low_var_kl" if actor.kl_loss_type.startswith("full") else actor.kl_loss_type
+    kl = float(
+        masked_mean(kl_mod.kl_penalty(batch.old_log_probs, batch.ref_log_probs, kind), batch.response_mask)
+    )
+    kl_loss_ctrl.update(kl, len(batch))
+    return {"actor/kl_loss_ctrl_kl": kl}
