@@ -13,6 +13,7 @@ from collections.abc import Callable
 from klppo.config.aliases import choice_error
 from klppo.config.errors import ConfigError, notice
 from klppo.config.schema import KLPPOConfig
+from klppo.config.schema_monitor import check_monitor, check_profiler
 from klppo.config.sizes import check_prompt_counts, uses_critic
 
 Notify = Callable[[str], None]
@@ -140,6 +141,8 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         )
     check_prompt_counts(cfg)
     _token_budgets(cfg)
+    check_monitor(cfg.monitor)
+    check_profiler(cfg.global_profiler.tool, cfg.global_profiler.steps)
     est, n_samples = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
     if est in GROUP_ESTIMATORS and n_samples == 1:
         notify(

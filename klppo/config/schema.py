@@ -14,6 +14,7 @@ from typing import Any
 from klppo.config._field import II, SEL, F
 from klppo.config.schema_arr import ActorRolloutRefConfig
 from klppo.config.schema_common import CheckpointConfig, FSDPConfig, OptimConfig, ProfilerConfig
+from klppo.config.schema_monitor import MonitorConfig
 
 
 @dataclass(frozen=True)
@@ -278,4 +279,5 @@ class KLPPOConfig:
     algorithm: AlgorithmConfig = F(AlgorithmConfig, "Advantages and KL.")
     trainer: TrainerConfig = F(TrainerConfig, "Loop, logging, checkpoints, devices.")
     global_profiler: GlobalProfilerConfig = F(GlobalProfilerConfig, "Profiling.")
+    monitor: MonitorConfig = F(MonitorConfig, "[klppo] Operating rules that act on each step's metrics.")
     ray_kwargs: RayKwargsConfig = F(RayKwargsConfig, "verl's Ray options (no effect: klppo uses torchrun).")

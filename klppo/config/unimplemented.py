@@ -73,7 +73,7 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.actor.calculate_entropy", "warn", "entropy is always logged"),
     ("*.checkpoint.*", "warn", "checkpoints always hold model, optimizer and trainer state, written synchronously"),
     ("*.profiler.*", "warn", "per-role profiler options are not used"),
-    ("global_profiler.*", "warn", "the profiler is not wired in yet"),
+    ("global_profiler.global_tool_config", "warn", "tool options are not used (see docs/training.md, Profiling)"),
     ("*.fsdp_config.use_orig_params", "warn", "FSDP2 always keeps original parameters"),
     ("*.fsdp_config.seed", "warn", "seeding comes from trainer.seed"),
     ("*.fsdp_config.full_determinism", "warn", "deterministic kernels are not forced"),

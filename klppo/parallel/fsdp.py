@@ -295,3 +295,20 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
         total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def reset_after_failed_pass(model: nn.Module) -> None:
+    """Make FSDP2 state clean after a forward/backward aborted mid-flight (an out-of-memory error): the
+    root's per-iteration state reset (``reset_iter_state``: parameters resharded, pending collectives
+    waited on), and the partial unsharded gradients the aborted backward left behind dropped, so that a
+    retried pass accumulates exactly what an uninterrupted one would. A model without FSDP: no-op."""
+    modules = fsdp_modules(model)
+    if not modules:
+        return
+    modules[0].reset_iter_state()
+    for m in modules:
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    fsdp_param.unsharded_param.grad = None

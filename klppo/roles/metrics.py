@@ -20,5 +20,11 @@ class MetricAccumulator:
             self._sum[name] += float(value) * weight
             self._weight[name] += weight
 
+    def merge(self, other: MetricAccumulator) -> None:
+        """Add ``other``'s sums and weights (a retried pass's statistics, once it succeeded)."""
+        for name, total in other._sum.items():
+            self._sum[name] += total
+            self._weight[name] += other._weight[name]
+
     def means(self) -> dict[str, float]:
         return {k: self._sum[k] / self._weight[k] for k in self._sum if self._weight[k] > 0}

@@ -31,6 +31,7 @@ from klppo.parallel.shares import (
 from klppo.roles.trained import TrainedRole
 from klppo.trainer.checkpoint import load_checkpoint, save_checkpoint
 from klppo.trainer.dumps import chat_text, dump_rollouts, dump_samples
+from klppo.trainer.monitor import best_checkpoint_step, build_monitor
 from klppo.trainer.phases import (
     GATHERED,
     control_kl_loss,
@@ -41,6 +42,7 @@ from klppo.trainer.phases import (
     with_reward_baselines,
     with_scores,
 )
+from klppo.trainer.profiler import StepProfiler
 from klppo.trainer.setup import Run
 from klppo.trainer.step_metrics import batch_metrics, perf_metrics, validation_metrics
 from klppo.trainer.timer import PhaseTimer
@@ -72,6 +74,8 @@ class PPOTrainer:
         self.cfg = run.cfg
         self.state = TrainerState()
         self._stop_requested = False
+        self.monitor = build_monitor(run, self._trainer_state, rank=rank())
+        self.profiler = StepProfiler(run.cfg.global_profiler, device=run.device, rank=rank())
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainerState:
@@ -79,6 +83,7 @@ class PPOTrainer:
         try:
             return self._fit()
         finally:
+            self.monitor.finish(self.state.global_step)  # the summary also when a step failed
             self.run.trackers.metrics.close()  # flushed also when a step fails (TensorBoard, W&B, …)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -97,19 +102,31 @@ class PPOTrainer:
             )  # fmt: skip
         tracker.set_total_steps(total)
         if self.state.global_step == 0 and tcfg.val_before_train and val_loader is not None:
-            tracker.log(self.validate(), step=0)
+            val = self.validate()
+            self.monitor.observe_validation(0, val)
+            tracker.log(val, step=0)
             if tcfg.val_only:
                 return self.state
         while self.state.global_step < total:
             prompts = run.loaders.train.next_batch().to(run.device)
             self.state.global_step += 1
             step = self.state.global_step
-            tracker.log(self.train_step(prompts, step), step=step)
+            metrics: dict[str, float] = {}
+            with self.profiler.step(step, metrics):
+                metrics.update(self.train_step(prompts, step))
             last = step >= total or self._stop_requested
-            if (tcfg.save_freq > 0 and (step % tcfg.save_freq == 0 or last)) or self._stop_requested:
-                self.save()
+            val = None
             if val_loader is not None and tcfg.test_freq > 0 and (step % tcfg.test_freq == 0 or last):
-                tracker.log(self.validate(), step=step)
+                val = self.validate()
+            stop = self.monitor.observe(step, metrics, val)  # the rules act before the checkpoint
+            tracker.log(metrics, step=step)
+            if val is not None:
+                tracker.log(val, step=step)
+            if (tcfg.save_freq > 0 and (step % tcfg.save_freq == 0 or last or stop)) or self._stop_requested:
+                self.save()
+            if stop:
+                log.warning("stopping after step %d: %s", step, self.monitor.stop_reason)
+                break
             if self._stop_requested:
                 log.warning(
                     "stopping after step %d on a signal; checkpoint saved, resume with the same command", step
@@ -285,9 +302,10 @@ class PPOTrainer:
         return [r for part in all_gather_objects(mine) for r in part]
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self) -> None:
+    def _trainer_state(self) -> dict[str, Any]:
+        """What ``trainer_state.pt`` holds (also in the best-validation checkpoint)."""
         run, roles = self.run, self.run.roles.trained()
-        trainer_state = {
+        return {
             "global_step": self.state.global_step,
             "num_nan_steps": self.state.num_nan_steps,
             "skipped_so_far": self.state.skipped_so_far,
@@ -296,7 +314,12 @@ class PPOTrainer:
             "kl_loss_ctrl": run.kl_loss_ctrl.state_dict(),
             "penalty_share_streak": self.state.penalty_share.streak,
             "roles": {name: role.extra_state() for name, role in roles.items()},
+            "monitor": self.monitor.state_dict(),
         }
+
+    def save(self) -> None:
+        run, roles = self.run, self.run.roles.trained()
+        trainer_state = self._trainer_state()
         path = save_checkpoint(
             run.run_dir,
             self.state.global_step,
@@ -323,6 +346,8 @@ class PPOTrainer:
             self.state.penalty_share.streak = int(state["penalty_share_streak"])
         for name, role in roles.items():
             role.load_extra_state(state["roles"][name])
+        if "monitor" in state:
+            self.monitor.load_state_dict(state["monitor"], best_step_on_disk=best_checkpoint_step(run.run_dir))
         if rank() == 0:
             log.info("resumed from %s at step %d", run.resume_path, self.state.global_step)
 

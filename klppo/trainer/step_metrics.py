@@ -30,6 +30,7 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "critic/advantages/mean": masked_mean(batch.advantages, m),
         "critic/advantages/max": valid_adv.max(),
         "critic/advantages/min": valid_adv.min(),
+        "critic/advantages/std": valid_adv.std(correction=0),
         "critic/returns/mean": masked_mean(batch.returns, m),
         "response_length/mean": resp_len.mean(),
         "response_length/max": resp_len.max(),

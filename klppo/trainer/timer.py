@@ -46,7 +46,7 @@ class PhaseTimer:
         self._sync()
         start = time.perf_counter()
         try:
-            with dist_phase(name):
+            with dist_phase(name), _ranges(name, self.device):
                 yield
         except torch.OutOfMemoryError as exc:
             raise PhaseOutOfMemory(out_of_memory_message(name, self.device)) from exc
@@ -55,6 +55,21 @@ class PhaseTimer:
 
     def metrics(self) -> dict[str, float]:
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+@contextmanager
+def _ranges(name: str, device: torch.device):
+    """The phase as a torch.profiler range (traces of ``global_profiler.tool=torch``) and, on GPU, an NVTX
+    range (nsys)."""
+    with torch.profiler.record_function(f"phase/{name}"):
+        if device.type != "cuda":
+            yield
+            return
+        torch.cuda.nvtx.range_push(f"phase/{name}")
+        try:
+            yield
+        finally:
+            torch.cuda.nvtx.range_pop()
 
 
 def out_of_memory_message(phase: str, device: torch.device) -> str:

@@ -1,0 +1,268 @@
+"""The operating rules: each reads one step's metrics (and the step's validation metrics, when validation
+ran) and says what should happen, as `Action` records; `klppo.trainer.monitor.Monitor` carries them out.
+
+A rule holds only the counters its decision needs (``state_dict`` / ``load_state_dict`` for exact resume)
+and never touches the run. A metric that is absent (e.g. no reference model → no ``actor/ref_kl_k1``)
+makes its rule a no-op for that step. Rules and their defaults (``monitor.*`` keys):
+
+==================  =====================================================  ===============================
+rule                fires when                                             action
+==================  =====================================================  ===============================
+kl_early_stop       KL > target_kl for patience_steps consecutive steps    stop
+reward_plateau      reward not above best + min_delta for patience_steps   stop
+validation_drop     val score < ratio × training reward of that step       rollback | stop | warn
+kl_explosion        KL > threshold                                         KL coefficient × coef_factor
+entropy_collapse    entropy < min_entropy                                  raise entropy_coeff | stop
+nonfinite_reward    mean score NaN/inf                                     warn | stop
+drift               adv std ∉ [low, high], grad norm > max, |rollout −     warn (on entering the range
+                    actor| log-prob > max                                  violation only)
+==================  =====================================================  ===============================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Action:
+    """What a rule asks for. ``kind``: stop | rollback | scale_kl_coef | raise_entropy_coeff | warn |
+    save_best (silent bookkeeping: keep the current weights as the best-validation checkpoint)."""
+
+    rule: str
+    kind: str
+    message: str
+    values: dict[str, float] = field(default_factory=dict)
+
+
+def _finite(metrics: dict[str, float], key: str) -> float | None:
+    value = metrics.get(key)
+    if value is None or not math.isfinite(float(value)):
+        return None
+    return float(value)
+
+
+def validation_score(val_metrics: dict[str, float]) -> float | None:
+    """Mean over data sources of ``val-core/<source>/reward/mean@n`` (None when there is none)."""
+    scores = [v for k, v in val_metrics.items() if k.startswith("val-core/") and "/reward/mean@" in k]
+    return sum(scores) / len(scores) if scores else None
+
+
+class Rule:
+    """Base: no state. ``observe`` returns the step's actions; ``metrics`` the rule's ``monitor/*`` values."""
+
+    name = "rule"
+
+    def observe(self, step: int, metrics: dict[str, float], val: dict[str, float] | None) -> list[Action]:
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if not k.startswith("cfg")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+class KLEarlyStop(Rule):
+    name = "kl_early_stop"
+
+    def __init__(self, cfg: Any, target_kl: float) -> None:
+        self.cfg, self.cfg_target = cfg, target_kl
+        self.steps_over = 0
+
+    def observe(self, step, metrics, val):
+        kl = _finite(metrics, self.cfg.kl_metric)
+        if kl is None:
+            return []
+        self.steps_over = self.steps_over + 1 if kl > self.cfg_target else 0
+        if self.steps_over < self.cfg.patience_steps:
+            return []
+        return [Action(self.name, "stop",
+                       f"{self.cfg.kl_metric}={kl:.4g} above target {self.cfg_target:g} for {self.steps_over} "
+                       f"steps (monitor.kl_early_stop.patience_steps={self.cfg.patience_steps})",
+                       {"kl": kl, "target_kl": self.cfg_target, "steps_over": self.steps_over})]  # fmt: skip
+
+    def metrics(self):
+        return {"monitor/kl_early_stop/steps_over_target": float(self.steps_over)}
+
+
+class RewardPlateau(Rule):
+    name = "reward_plateau"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.best: float | None = None
+        self.steps_flat = 0
+
+    def observe(self, step, metrics, val):
+        reward = _finite(metrics, self.cfg.metric)
+        if reward is None:
+            return []
+        if self.best is None or reward > self.best + self.cfg.min_delta:
+            self.best, self.steps_flat = reward, 0
+            return []
+        self.steps_flat += 1
+        if self.steps_flat < self.cfg.patience_steps:
+            return []
+        return [Action(self.name, "stop",
+                       f"{self.cfg.metric} has not risen above its best {self.best:.4g} by more than "
+                       f"{self.cfg.min_delta:g} for {self.steps_flat} steps "
+                       f"(monitor.reward_plateau.patience_steps={self.cfg.patience_steps})",
+                       {"reward": reward, "best": self.best, "steps_flat": self.steps_flat})]  # fmt: skip
+
+    def metrics(self):
+        return {"monitor/reward_plateau/steps_without_improvement": float(self.steps_flat)}
+
+
+class ValidationDrop(Rule):
+    """Fires when a validation score < ratio × the training reward of the same step; otherwise a new best
+    validation score asks for the weights to be kept (``save_best``), which a later rollback returns to."""
+
+    name = "validation_drop"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.best: float | None = None
+        self.best_step: int | None = None
+
+    def observe(self, step, metrics, val):
+        score = validation_score(val or {})
+        if score is None:
+            return []
+        train = _finite(metrics, self.cfg.metric)
+        if train is not None and score < self.cfg.ratio * train:
+            c = self.cfg
+            values = {"val_score": score, "train_reward": train, "ratio": c.ratio}
+            message = f"validation score {score:.4g} < {c.ratio:g} × training {c.metric} {train:.4g}"
+            if c.action == "rollback":
+                values.update(lr_factor=c.lr_factor, kl_coef_factor=c.kl_coef_factor,
+                              best_step=-1 if self.best_step is None else self.best_step)  # fmt: skip
+                message += (
+                    f": back to the best validation (step {self.best_step}, score {self.best}), "
+                    f"lr × {c.lr_factor:g}, KL coefficient × {c.kl_coef_factor:g}"
+                )
+            return [Action(self.name, c.action, message, values)]
+        if self.best is None or score > self.best:
+            self.best, self.best_step = score, step
+            if self.cfg.keep_best:
+                return [
+                    Action(self.name, "save_best", f"best validation score {score:.4g}", {"val_score": score})
+                ]
+        return []
+
+    def metrics(self):
+        return {} if self.best is None else {"monitor/validation_drop/best_val_score": self.best}
+
+
+class KLExplosion(Rule):
+    name = "kl_explosion"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def observe(self, step, metrics, val):
+        kl = _finite(metrics, self.cfg.kl_metric)
+        if kl is None or kl <= self.cfg.threshold:
+            return []
+        return [Action(self.name, "scale_kl_coef",
+                       f"{self.cfg.kl_metric}={kl:.4g} above {self.cfg.threshold:g}: KL coefficient × "
+                       f"{self.cfg.coef_factor:g} (at most {self.cfg.max_coef:g})",
+                       {"kl": kl, "factor": self.cfg.coef_factor, "max_coef": self.cfg.max_coef})]  # fmt: skip
+
+
+class EntropyCollapse(Rule):
+    name = "entropy_collapse"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def observe(self, step, metrics, val):
+        entropy = _finite(metrics, self.cfg.metric)
+        c = self.cfg
+        if entropy is None or entropy >= c.min_entropy:
+            return []
+        message = f"{c.metric}={entropy:.4g} below {c.min_entropy:g}"
+        if c.action == "stop":
+            return [Action(self.name, "stop", message, {"entropy": entropy})]
+        return [Action(self.name, "raise_entropy_coeff", message + ": entropy bonus raised",
+                       {"entropy": entropy, "entropy_coeff": c.entropy_coeff, "factor": c.coeff_factor,
+                        "max_coeff": c.max_coeff})]  # fmt: skip
+
+
+class NonFiniteReward(Rule):
+    name = "nonfinite_reward"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def observe(self, step, metrics, val):
+        score = metrics.get("critic/score/mean")
+        if score is None or math.isfinite(float(score)):
+            return []
+        return [Action(self.name, self.cfg.action,
+                       f"the mean score is {score}: the reward function returned NaN/inf (the update of this "
+                       "step was skipped; check the reward function)", {"score": float(score)})]  # fmt: skip
+
+
+class Drift(Rule):
+    """Warnings only, once when a value leaves its range (again after it came back)."""
+
+    name = "drift"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.outside: dict[str, bool] = {}
+
+    def _checks(self, metrics) -> list[tuple[str, str, float | None, str]]:
+        c = self.cfg
+        adv = _finite(metrics, "critic/advantages/std")
+        grad = _finite(metrics, "actor/grad_norm")
+        gap = _finite(metrics, "rollout/log_prob_diff")
+        return [
+            ("adv_std", "critic/advantages/std", adv if adv is not None and not c.adv_std_low <= adv <= c.adv_std_high else None,
+             f"outside [{c.adv_std_low:g}, {c.adv_std_high:g}]"),
+            ("grad_norm", "actor/grad_norm", grad if grad is not None and grad > c.max_grad_norm else None,
+             f"above {c.max_grad_norm:g}"),
+            ("log_prob_gap", "rollout/log_prob_diff", gap if gap is not None and gap > c.max_log_prob_gap else None,
+             f"above {c.max_log_prob_gap:g}"),
+        ]  # fmt: skip
+
+    def observe(self, step, metrics, val):
+        actions = []
+        for name, key, bad, where in self._checks(metrics):
+            was = self.outside.get(name, False)
+            self.outside[name] = bad is not None
+            if bad is not None and not was:
+                actions.append(Action(f"drift/{name}", "warn", f"{key}={bad:.4g} {where}", {"value": bad}))
+        return actions
+
+    def metrics(self):
+        return {f"monitor/drift/{name}": float(v) for name, v in sorted(self.outside.items())}
+
+
+def build_rules(cfg: Any, *, default_target_kl: float) -> list[Rule]:
+    """The enabled rules of a ``monitor`` config group, in evaluation order."""
+    m = cfg
+    rules: list[Rule] = []
+    if m.nonfinite_reward.enable:
+        rules.append(NonFiniteReward(m.nonfinite_reward))
+    if m.drift.enable:
+        rules.append(Drift(m.drift))
+    if m.kl_explosion.enable:
+        rules.append(KLExplosion(m.kl_explosion))
+    if m.entropy_collapse.enable:
+        rules.append(EntropyCollapse(m.entropy_collapse))
+    if m.validation_drop.enable:
+        rules.append(ValidationDrop(m.validation_drop))
+    if m.kl_early_stop.enable:
+        target = m.kl_early_stop.target_kl if m.kl_early_stop.target_kl is not None else default_target_kl
+        rules.append(KLEarlyStop(m.kl_early_stop, float(target)))
+    if m.reward_plateau.enable:
+        rules.append(RewardPlateau(m.reward_plateau))
+    return rules

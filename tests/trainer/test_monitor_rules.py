@@ -1,0 +1,172 @@
+"""The rules' arithmetic against hand-worked sequences, and the Monitor's actions on fake controls (no model).
+The end-to-end runs that fire each rule are in test_monitor.py."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from klppo.config.schema_monitor import MonitorConfig
+from klppo.trainer.monitor import Monitor
+from klppo.trainer.monitor_rules import (
+    Drift,
+    EntropyCollapse,
+    KLEarlyStop,
+    RewardPlateau,
+    ValidationDrop,
+    validation_score,
+)
+
+M = MonitorConfig()
+
+
+def kinds(actions):
+    return [a.kind for a in actions]
+
+
+def test_kl_early_stop_needs_consecutive_steps():
+    rule = KLEarlyStop(M.kl_early_stop.__class__(enable=True, patience_steps=3), target_kl=0.1)
+    seq = [0.2, 0.3, 0.05, 0.2, 0.2, 0.2]  # the dip at step 3 resets the count
+    fired = [kinds(rule.observe(i + 1, {"actor/ref_kl_k1": kl}, None)) for i, kl in enumerate(seq)]
+    assert fired == [[], [], [], [], [], ["stop"]]
+    assert rule.observe(7, {}, None) == []  # metric absent: no-op
+
+
+def test_reward_plateau_counts_from_the_best():
+    rule = RewardPlateau(M.reward_plateau.__class__(enable=True, patience_steps=2, min_delta=0.1))
+    seq = [0.5, 0.55, 0.7, 0.75, 0.79]  # 0.55 is not > 0.5 + 0.1; 0.7 is; then two flat steps
+    out = [kinds(rule.observe(i + 1, {"critic/score/mean": r}, None)) for i, r in enumerate(seq)]
+    assert out == [[], [], [], [], ["stop"]] and rule.best == 0.7
+    assert rule.observe(6, {"critic/score/mean": math.nan}, None) == []  # NaN is not a plateau step
+
+
+def test_validation_drop_keeps_best_then_rolls_back():
+    rule = ValidationDrop(M.validation_drop.__class__(enable=True))
+    val = {
+        "val-core/a/reward/mean@1": 0.6,
+        "val-core/b/reward/mean@1": 0.8,
+        "val-core/a/reward/best@2/mean": 9,
+    }
+    assert validation_score(val) == pytest.approx(0.7)
+    assert kinds(rule.observe(0, {}, val)) == ["save_best"] and rule.best_step == 0
+    assert rule.observe(1, {"critic/score/mean": 0.5}, None) == []  # no validation this step
+    # 0.7 ≥ 0.9 × 0.75 = 0.675, not better than the best: nothing
+    assert rule.observe(2, {"critic/score/mean": 0.75}, val) == []
+    (a,) = rule.observe(3, {"critic/score/mean": 0.8}, val)  # 0.7 < 0.72
+    assert a.kind == "rollback" and a.values["best_step"] == 0 and a.values["lr_factor"] == 0.5
+
+
+def test_drift_warns_on_entering_the_range_violation_only():
+    rule = Drift(M.drift)
+    grads = [0.5, 1.5, 2.0, 0.5, 3.0]
+    out = [[a.rule for a in rule.observe(i, {"actor/grad_norm": g}, None)] for i, g in enumerate(grads)]
+    assert out == [[], ["drift/grad_norm"], [], [], ["drift/grad_norm"]]
+    assert rule.metrics() == {"monitor/drift/adv_std": 0.0, "monitor/drift/grad_norm": 1.0,
+                              "monitor/drift/log_prob_gap": 0.0}  # fmt: skip
+
+
+class FakeControls:
+    def __init__(self, best_step=None):
+        self.coefs = {"kl_ctrl": 0.01, "kl_loss_coef": 0.001}
+        self.entropy_coeff = 0.0
+        self.lr_scale = 1.0
+        self.saved, self.best_step = [], best_step
+
+    def kl_coefs(self):
+        return dict(self.coefs)
+
+    def set_kl_coef(self, name, value):
+        self.coefs[name] = value
+
+    def set_entropy_coeff(self, value):
+        self.entropy_coeff = value
+
+    def scale_lr(self, factor):
+        self.lr_scale *= factor
+
+    def save_best(self, step):
+        self.saved.append(step)
+        self.best_step = step
+
+    def rollback(self):
+        return self.best_step
+
+    def set_oom_retries(self, n):
+        pass
+
+    def drain_oom_events(self):
+        return []
+
+    def state_dict(self):
+        return {"coefs": dict(self.coefs), "entropy_coeff": self.entropy_coeff, "lr_scale": self.lr_scale}
+
+    def load_state_dict(self, s):
+        self.coefs, self.entropy_coeff, self.lr_scale = dict(s["coefs"]), s["entropy_coeff"], s["lr_scale"]
+
+
+def monitor(tmp_path, **groups):
+    import dataclasses
+
+    m = dataclasses.replace(MonitorConfig(), **groups)
+    cfg = SimpleNamespace(monitor=m, algorithm=SimpleNamespace(kl_ctrl=SimpleNamespace(target_kl=0.1)))
+    controls = FakeControls()
+    return Monitor(cfg, controls, run_dir=tmp_path, rank=0, resume_step=None), controls
+
+
+def test_kl_explosion_doubles_up_to_the_cap(tmp_path):
+    import dataclasses
+
+    mon, c = monitor(tmp_path, kl_explosion=dataclasses.replace(M.kl_explosion, enable=True, max_coef=0.03))
+    for step in (1, 2, 3):
+        mon.observe(step, {"actor/ref_kl_k1": 5.0}, None)
+    assert c.coefs == {"kl_ctrl": 0.03, "kl_loss_coef": 0.008}  # 0.01 → 0.02 → 0.03 (cap); 0.001 → 0.008
+    m: dict = {"actor/ref_kl_k1": 0.5}
+    mon.observe(4, m, None)
+    assert "monitor/kl_explosion/scale_kl_coef" not in m and m["monitor/kl_coef/kl_ctrl"] == 0.03
+
+
+def test_entropy_bonus_set_then_doubled_then_capped(tmp_path):
+    import dataclasses
+
+    rule_cfg = dataclasses.replace(M.entropy_collapse, enable=True, max_coeff=0.003)
+    mon, c = monitor(tmp_path, entropy_collapse=rule_cfg)
+    seen = []
+    for step in (1, 2, 3):
+        mon.observe(step, {"actor/entropy": 0.01}, None)
+        seen.append(c.entropy_coeff)
+    assert seen == [0.001, 0.002, 0.003]
+    assert isinstance(EntropyCollapse(rule_cfg).observe(1, {"actor/entropy": 1.0}, None), list)
+
+
+def test_rollback_scales_lr_and_kl_and_state_round_trips(tmp_path):
+    import dataclasses
+
+    rule_cfg = dataclasses.replace(M.validation_drop, enable=True, kl_coef_factor=2.0)
+    mon, c = monitor(tmp_path, validation_drop=rule_cfg)
+    mon.observe_validation(0, {"val-core/a/reward/mean@1": 0.8})
+    m: dict = {"critic/score/mean": 1.0}
+    assert not mon.observe(1, m, {"val-core/a/reward/mean@1": 0.1})
+    assert c.saved == [0] and c.lr_scale == 0.5 and c.coefs == {"kl_ctrl": 0.02, "kl_loss_coef": 0.002}
+    assert m["monitor/validation_drop/rollback"] == 1.0
+    events = mon.events.read()
+    assert [(e["step"], e["action"], e.get("restored_step")) for e in events] == [
+        (0, "save_best", None),
+        (1, "rollback", 0),
+    ]
+    state = mon.state_dict()
+    again, c2 = monitor(tmp_path / "b", validation_drop=rule_cfg)
+    again.load_state_dict(state, best_step_on_disk=0)
+    assert again.rules[-1].best == 0.8 and again.counts == mon.counts and c2.lr_scale == 0.5
+    stale, _ = monitor(tmp_path / "c", validation_drop=rule_cfg)
+    stale.load_state_dict(state, best_step_on_disk=3)  # the checkpoint on disk is not the remembered one
+    assert stale.rules[-1].best is None
+
+
+def test_monitor_off_fires_nothing(tmp_path):
+    import dataclasses
+
+    mon, c = monitor(tmp_path, enable=False, kl_explosion=dataclasses.replace(M.kl_explosion, enable=True))
+    m: dict = {"actor/ref_kl_k1": 5.0, "critic/score/mean": math.nan}
+    assert not mon.observe(1, m, None) and c.coefs["kl_ctrl"] == 0.01 and mon.events.read() == []
