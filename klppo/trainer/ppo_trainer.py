@@ -347,7 +347,9 @@ class PPOTrainer:
         for name, role in roles.items():
             role.load_extra_state(state["roles"][name])
         if "monitor" in state:
-            self.monitor.load_state_dict(state["monitor"], best_step_on_disk=best_checkpoint_step(run.run_dir))
+            self.monitor.load_state_dict(
+                state["monitor"], best_step_on_disk=best_checkpoint_step(run.run_dir)
+            )
         if rank() == 0:
             log.info("resumed from %s at step %d", run.resume_path, self.state.global_step)
 

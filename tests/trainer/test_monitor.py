@@ -244,7 +244,7 @@ def test_oom_in_actor_backward_is_retried_with_the_same_gradients(
     assert oom.raised and state.global_step == 2
     (event,) = acted(run, "oom_recovery/actor")
     assert event["step"] == 1 and event["micro_batch_size_old"] == 2 and event["micro_batch_size_new"] == 1
-    assert parts.actor.update.update_micro.micro_batch_size == 1  # stays halved for the rest of the run
+    assert parts.roles.actor.update.update_micro.micro_batch_size == 1  # stays halved for the rest of the run
     assert by_step(run)[1]["monitor/oom_recovery/retries"] == 1
     assert len(oom_grads) == len(clean_grads) == 4  # 2 steps × 2 mini-batches, none lost or repeated
     # the retried mini-batch (step 1's first optimizer step) has the uninterrupted one's gradient to fp32
