@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -275,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         while pending and len(running) < args.parallel:
             name, overrides, reward = pending.pop(0)
             run_dir = work / name
+            if run_dir.exists():  # a warm machine keeps the last call's runs: never resume one by accident
+                shutil.rmtree(run_dir)
             argv_ = [
                 *COMMON,
                 f"actor_rollout_ref.model.path={model}",
