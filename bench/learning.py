@@ -322,7 +322,7 @@ def environment(args: argparse.Namespace) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": commit.stdout.strip() or os.environ.get("KLPPO_COMMIT", "unknown"),
+        "commit": os.environ.get("KLPPO_COMMIT") or commit.stdout.strip() or "unknown",
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "train_seconds": args.train_seconds,
         "parallel": args.parallel,

@@ -1,0 +1,23 @@
+"""The recipes in examples/ load and pass the start-up checks (their figures are in bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from klppo.config import load_config
+from klppo.config.unimplemented import check_trainable
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_loads(path):
+    cfg = load_config([str(path)])
+    check_trainable(cfg)
+    assert cfg.actor_rollout_ref.actor.kl_loss_ctrl.type == "pi"
+
+
+def test_examples_exist():
+    assert len(EXAMPLES) >= 3
