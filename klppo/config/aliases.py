@@ -16,6 +16,7 @@ from klppo.config._coerce import is_interpolation
 from klppo.config.errors import ConfigError
 
 KEY_ALIASES: dict[str, tuple[str, ...]] = {
+    "reward_manager.name": ("reward_model.reward_manager",),
     "data.use_sequence_packing": (
         "actor_rollout_ref.model.use_remove_padding",
         "critic.model.use_remove_padding",
@@ -92,6 +93,7 @@ def normalize(tree: dict[str, Any], notify: Notify) -> None:
                     "mixed_precision.buffer_dtype"):  # fmt: skip
             _dtype(tree, f"{base}.{sub}")
     _dtype(tree, "actor_rollout_ref.rollout.dtype")
+    _dtype(tree, "reward_model.rollout.dtype")
     for base in ("actor_rollout_ref.actor.optim", "critic.optim"):
         style = get(tree, f"{base}.warmup_style")
         if style is not None and not is_interpolation(style):

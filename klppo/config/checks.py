@@ -139,6 +139,10 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
             f"actor_rollout_ref.actor.kl_loss_ctrl.type={actor.kl_loss_ctrl.type} controls the KL loss, but "
             "actor_rollout_ref.actor.use_kl_loss=False; set use_kl_loss=True or kl_loss_ctrl.type=fixed"
         )
+    crf = cfg.custom_reward_function
+    if crf.path and not crf.name:
+        raise ConfigError(f"custom_reward_function.path={crf.path!r} needs custom_reward_function.name "
+                          "(the function to call in that file), got null")  # fmt: skip
     check_prompt_counts(cfg)
     _token_budgets(cfg)
     check_monitor(cfg.monitor)

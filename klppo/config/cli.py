@@ -1,8 +1,9 @@
 """`klppo config [file.yaml] [key=value ...]`: print the resolved configuration as YAML.
 
 The configuration is judged alone: types, choices, aliases, and batch sizes for the world size it names
-(`trainer.n_gpus_per_node × trainer.nnodes` when n_gpus_per_node is a number, else 1). Notes go to stderr,
-the YAML to stdout; exit 0 when valid, 2 with a one-paragraph message when not.
+(`trainer.n_gpus_per_node × trainer.nnodes` when n_gpus_per_node is a number, else 1). Notes (aliases,
+keys accepted without effect) go to stderr, the YAML to stdout; exit 0 when valid, 2 with a one-paragraph
+message when not.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from klppo.config.dump import config_to_yaml
 from klppo.config.errors import ConfigError
 from klppo.config.loader import load_config
 from klppo.config.sizes import config_world_size, derive_sizes
+from klppo.config.unimplemented import warn_unimplemented
 
 USAGE = """usage: klppo config [config.yaml] [key=value ...]
 
@@ -29,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         derive_sizes(cfg, config_world_size(cfg))
+        warn_unimplemented(cfg)
     except ConfigError as e:
         print(f"klppo config: error: {e}", file=sys.stderr)
         return 2

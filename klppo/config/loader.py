@@ -1,11 +1,12 @@
-"""`load_config(argv)`: packaged defaults + optional user YAML + dotted overrides → frozen `KLPPOConfig`.
+"""`load_config(argv)`: schema defaults + optional user YAML + dotted overrides → frozen `KLPPOConfig`.
 
 Order: (1) the schema's defaults (the packaged `ppo_trainer.yaml` is their generated documentation, not
-read here); (2) the user's YAML file (first argument, when it ends in .yaml/.yml, or hydra's `--config-path/--config-name`); (3) `key=value`
-overrides left to right (hydra's `+`/`++` prefixes are accepted and ignored). Every key is checked
-against the schema (unknown → the closest valid keys), every value typed (see `_coerce`), key aliases
-rewritten, value aliases normalized (`aliases.py`), then `${...}` interpolations are resolved and the
-result validated (`checks.validate`). The returned tree is made of frozen dataclasses.
+read here); (2) the user's YAML file (first argument, when it ends in .yaml/.yml, or hydra's
+`--config-path/--config-name`; verl's packaged names are read as in `hydra.py`); (3) overrides left to
+right, with hydra's `+`, `++` and `~` (see `hydra.py`). Megatron anywhere is refused first, in one
+message. Every key is checked against the schema (unknown → the closest valid keys), every value typed
+(see `_coerce`), key aliases rewritten, value aliases normalized (`aliases.py`), then `${...}`
+interpolations are resolved and the result validated (`checks.validate`). The result is frozen dataclasses.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from klppo.config import hydra
 from klppo.config._coerce import coerce
 from klppo.config._walk import all_keys, hints, is_group, lookup
-from klppo.config.aliases import KEY_ALIASES, normalize
+from klppo.config.aliases import KEY_ALIASES, get, normalize, put
 from klppo.config.errors import ConfigError, notice
 from klppo.config.schema import KLPPOConfig
 
@@ -39,17 +42,15 @@ def load_config(argv: list[str], *, notify: Notify | None = None) -> KLPPOConfig
     other notes go through `notify` (default: one line on stderr, rank 0 only).
     """
     notify = notify or notice
-    path, overrides = split_argv(argv)
+    path, texts = split_argv(argv)
+    overrides = [hydra.parse_override(t) for t in texts]
+    hydra.refuse_megatron("the command line", [(o.key, o.value) for o in overrides])
+    data = _read_config_file(path, notify) if path is not None else None
     tree = copy.deepcopy(_default_tree())
-    if path is not None:
-        data = _read_yaml(path)
-        for key in _IGNORED_TOP & set(data):
-            notify(
-                f"{path}: hydra section '{key}' ignored (klppo starts from its own verl-compatible defaults)"
-            )
-            del data[key]
-        _apply(tree, _flatten(data, source=path), notify)
-    _apply(tree, [_parse_override(o) for o in overrides], notify)
+    if data is not None:
+        _apply(tree, _flatten(data, source=str(path)), notify)
+    for o in overrides:
+        _apply_override(tree, o, notify)
     normalize(tree, notify)
     cfg = _resolve(tree)
     from klppo.config.checks import validate
@@ -65,6 +66,11 @@ def _default_tree() -> dict[str, Any]:
     return dataclasses.asdict(KLPPOConfig())
 
 
+def default_value(key: str) -> Any:
+    """The schema default of dotted `key` (unresolved: interpolations as written)."""
+    return copy.deepcopy(get(_default_tree(), key))
+
+
 def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
     """(yaml path or None, overrides) from a command line; raises ConfigError for stray arguments."""
     args = list(argv)
@@ -74,6 +80,9 @@ def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
     i = 0
     while i < len(args):
         a = args[i]
+        if not a.strip():  # an empty word left by a shell line continuation
+            i += 1
+            continue
         for flag in ("--config-path", "--config-name", "--config-dir"):
             if a == flag or a.startswith(flag + "="):
                 if a == flag:
@@ -104,14 +113,32 @@ def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+def _read_config_file(path: str, notify: Notify) -> dict[str, Any] | None:
+    """The user's YAML mapping, hydra sections dropped (Megatron in `defaults:` refused); None when the
+    path is absent and names verl's packaged PPO defaults (klppo's own defaults stand for them)."""
+    if not os.path.isfile(os.path.expanduser(path)) and hydra.packaged_config(path):
+        notify(f"{path}: verl's packaged {hydra.config_name(path)} config: klppo's defaults stand for it")
+        return None
+    data = _read_yaml(path)
+    if "defaults" in data:
+        hydra.refuse_megatron_defaults(data["defaults"], path)
+    flat = _flatten(data, source=path)
+    hydra.refuse_megatron(path, [(k, v) for k, v, _ in flat])
+    for key in _IGNORED_TOP & set(data):
+        notify(f"{path}: hydra section '{key}' ignored (klppo starts from its own verl-compatible defaults)")
+        del data[key]
+    return data
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
     p = os.path.expanduser(path)
     if not os.path.isfile(p):
         raise ConfigError(f"config file {path!r} not found")
     try:
         data = _to_plain(OmegaConf.load(p))
-    except (OmegaConfBaseException, OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not a readable YAML mapping ({e})") from None
+    except (OmegaConfBaseException, OSError, ValueError, yaml.YAMLError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{path}: not a readable YAML mapping ({first})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -123,20 +150,6 @@ def _to_plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=False)
 
 
-def _parse_override(text: str) -> tuple[str, Any, str]:
-    if text.startswith("~"):
-        raise ConfigError(f"{text!r}: deleting keys is not supported; set the key to a value instead")
-    key, _, raw = text.partition("=")
-    key = key.lstrip("+").strip()
-    if not key:
-        raise ConfigError(f"{text!r}: expected key=value")
-    try:
-        value = _to_plain(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{text!r}: cannot parse the value ({e})") from None
-    return key, value, "command line"
-
-
 def _flatten(data: dict[str, Any], *, source: str, prefix: str = "") -> list[tuple[str, Any, str]]:
     """(dotted key, value, source) for every leaf of a user mapping, descending through schema groups."""
     out: list[tuple[str, Any, str]] = []
@@ -145,21 +158,44 @@ def _flatten(data: dict[str, Any], *, source: str, prefix: str = "") -> list[tup
             continue
         key = f"{prefix}{k}"
         kind, _, _ = lookup(KLPPOConfig, key.split("."))
-        if kind == "group" and isinstance(v, dict):
+        if kind in ("group", "unknown") and isinstance(v, dict):
             out += _flatten(v, source=source, prefix=key + ".")
         else:
             out.append((key, v, source))
     return out
 
 
+def _apply_override(tree: dict[str, Any], o: hydra.Override, notify: Notify) -> None:
+    kind, _, _ = lookup(KLPPOConfig, o.key.split("."))
+    if kind == "unknown" and o.op in ("add", "force") and o.key not in KEY_ALIASES:
+        notify(f"{o.text}: klppo has no key {o.key!r}; ignored")
+        return
+    if o.op == "delete":
+        if kind == "inside":
+            raise ConfigError(f"{o.text}: only whole keys can be deleted (set {o.key}=... instead)")
+        if kind == "unknown":
+            raise ConfigError(unknown_key_message(o.key, lookup(KLPPOConfig, o.key.split("."))[2]))
+        notify(f"{o.text}: {o.key} is back to its default")
+        put(tree, o.key, default_value(o.key))
+        return
+    _apply(tree, [(o.key, o.value, "command line")], notify)
+
+
 def _apply(tree: dict[str, Any], items: list[tuple[str, Any, str]], notify: Notify) -> None:
     for key, value, source in items:
-        for target in _expand_alias(key, notify):
+        if value == hydra.MISSING:
+            continue  # hydra's "no value yet": the default stays
+        value, note = hydra.frequency_value(key, value)
+        if note:
+            notify(note)
+        for target in _expand_alias(key, value, notify):
             _set(tree, target, value, source)
 
 
-def _expand_alias(key: str, notify: Notify) -> Iterator[str]:
+def _expand_alias(key: str, value: Any, notify: Notify) -> Iterator[str]:
     if key in KEY_ALIASES:
+        if lookup(KLPPOConfig, key.split("."))[0] == "leaf" and value == default_value(key):
+            return  # the alias key's own default (e.g. verl's `${oc.select:...}` text): nothing to set
         targets = KEY_ALIASES[key]
         notify(f"{key} is read as {' and '.join(targets)}")
         yield from targets
@@ -179,6 +215,8 @@ def _set(tree: dict[str, Any], key: str, value: Any, source: str) -> None:
                     _set(tree, f"{key}.{k}", v, source)
             return
         raise ConfigError(f"{key} is a group of keys (set {key}.<name>=...), not a value: got {value!r}")
+    if kind in ("leaf", "inside"):
+        value = _strip_meta(value)
     if kind == "leaf":
         value = coerce(value, tp, key)
     node = tree
@@ -187,6 +225,15 @@ def _set(tree: dict[str, Any], key: str, value: Any, source: str) -> None:
             node[name] = {}
         node = node[name]
     node[parts[-1]] = value
+
+
+def _strip_meta(value: Any) -> Any:
+    """A mapping value without verl's `_target_` instantiation hints, at any depth."""
+    if isinstance(value, dict):
+        return {k: _strip_meta(v) for k, v in value.items() if k not in _META_KEYS}
+    if isinstance(value, list):
+        return [_strip_meta(v) for v in value]
+    return value
 
 
 def unknown_key_message(key: str, depth: int, source: str = "command line") -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from klppo.config._field import II, SEL, F
-from klppo.config.schema_arr import ActorRolloutRefConfig
+from klppo.config.schema_arr import ActorRolloutRefConfig, TiledMLPConfig
 from klppo.config.schema_common import CheckpointConfig, FSDPConfig, OptimConfig, ProfilerConfig
 from klppo.config.schema_monitor import MonitorConfig
 
@@ -43,12 +43,16 @@ class DataConfig:
     max_response_length: int = F(512, "Generated tokens per response.")
     train_batch_size: int = F(1024, "PROMPTS per training step (samples per step = this × rollout.n).")
     val_batch_size: int | None = F(None, "Prompts per validation batch (null: whole set).")
+    tool_config_path: str | None = F(
+        SEL("actor_rollout_ref.rollout.multi_turn.tool_config_path", "null"), "Tools of multi-turn rollout."
+    )
     return_raw_input_ids: bool = F(False, "Also return unpadded prompt ids.")
     return_raw_chat: bool = F(False, "Also return the chat messages (verl v0.6 default).")
     return_full_prompt: bool = F(False, "Also return the templated prompt text.")
     shuffle: bool = F(True, "Shuffle training prompts.")
     seed: int | None = F(None, "Shuffle seed (null: trainer.seed).")
     dataloader_num_workers: int = F(8, "Loader worker processes.")
+    image_patch_size: int = F(14, "Vision models: image patch size.")
     validation_shuffle: bool = F(False, "Shuffle validation prompts.")
     filter_overlong_prompts: bool = F(False, "Drop prompts longer than max_prompt_length (count reported).")
     filter_overlong_prompts_workers: int = F(1, "Processes for that filter.")
@@ -90,6 +94,7 @@ class CriticModelConfig:
     lora_rank: int = F(0, "LoRA rank; 0 = full fine-tuning.")
     lora_alpha: int = F(16, "LoRA alpha.")
     target_modules: Any = F("all-linear", "LoRA target modules.")
+    tiled_mlp: TiledMLPConfig = F(TiledMLPConfig, "Compute the MLP in sequence tiles (memory).")
 
 
 def _critic_optim() -> OptimConfig:
@@ -136,6 +141,7 @@ class RewardModelModelConfig:
     path: str = F("~/models/FsfairX-LLaMA3-RM-v0.1", "Sequence-classification reward model.")
     external_lib: str | None = F(SEL("actor_rollout_ref.model.external_lib", "null"), "Follows actor's.")
     trust_remote_code: bool = F(False, "Allow model code.")
+    override_config: dict[str, Any] = F({}, "Keys overriding the reward model's config.json.")
     use_shm: bool = F(False, "Shared-memory copy.")
     use_remove_padding: bool = F(False, "Pack sequences.")
     use_fused_kernels: bool = F(SEL("actor_rollout_ref.model.use_fused_kernels", "false"), "Follows model.")
@@ -150,8 +156,36 @@ class SandboxFusionConfig:
 
 
 @dataclass(frozen=True)
+class RewardRolloutConfig:
+    name: str | None = F(None, "Engine serving the reward model in verl's reward loop (vllm | sglang).")
+    dtype: str = F("bf16", "Serving dtype.")
+    gpu_memory_utilization: float = F(0.5, "Serving memory fraction.")
+    enforce_eager: bool = F(True, "Serving without CUDA graphs.")
+    cudagraph_capture_sizes: list[int] | None = F(None, "Captured batch sizes.")
+    free_cache_engine: bool = F(True, "Free the KV cache between steps.")
+    data_parallel_size: int = F(1, "Serving data parallelism.")
+    expert_parallel_size: int = F(1, "Serving expert parallelism.")
+    tensor_model_parallel_size: int = F(2, "Serving tensor parallelism.")
+    max_num_batched_tokens: int = F(8192, "Serving prefill budget.")
+    max_model_len: int | None = F(None, "Serving context length.")
+    max_num_seqs: int = F(1024, "Serving concurrent sequences.")
+    load_format: str = F("auto", "Serving weight loading.")
+    engine_kwargs: dict[str, Any] = F({}, "Serving engine options.")
+    limit_images: int | None = F(None, "Images per prompt.")
+    enable_chunked_prefill: bool = F(True, "Chunked prefill.")
+    enable_prefix_caching: bool = F(True, "Prefix caching.")
+    disable_log_stats: bool = F(True, "Engine statistics off.")
+    skip_tokenizer_init: bool = F(False, "Engine skips tokenizer init.")
+    prompt_length: int = F(2048, "Serving prompt budget.")
+    response_length: int = F(2048, "Serving response budget.")
+
+
+@dataclass(frozen=True)
 class RewardModelConfig:
     enable: bool = F(False, "Score with a reward model instead of rules only.")
+    enable_resource_pool: bool = F(False, "verl: a separate GPU pool for the reward model.")
+    n_gpus_per_node: int = F(8, "GPUs per node of that pool.")
+    nnodes: int = F(0, "Nodes of that pool.")
     strategy: str = F("fsdp2", "Backend (fsdp is read as fsdp2).")
     model: RewardModelModelConfig = F(RewardModelModelConfig, "Reward model.")
     micro_batch_size: int | None = F(None, "Deprecated global micro-batch.")
@@ -160,10 +194,16 @@ class RewardModelConfig:
     use_dynamic_bsz: bool = F(II("critic.use_dynamic_bsz"), "Follows critic.")
     forward_max_token_len_per_gpu: int = F(II("critic.forward_max_token_len_per_gpu"), "Follows critic.")
     reward_manager: str = F("naive", "How scores are computed over a batch (naive | batch | prime | dapo).")
+    reward_loop_source: str = F("register", "verl reward loop: register | importlib (a user class).")
+    reward_loop_module_path: str | None = F(None, "File of a user reward-loop class.")
+    reward_loop_class_name: str | None = F(None, "Name of that class.")
     launch_reward_fn_async: bool = F(False, "Score in the background.")
     sandbox_fusion: SandboxFusionConfig = F(SandboxFusionConfig, "Code execution sandbox.")
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
     ulysses_sequence_parallel_size: int = F(1, "Ulysses group size.")
+    use_reward_loop: bool = F(True, "verl: score through the asynchronous reward loop.")
+    num_workers: int = F(1, "verl reward-loop workers.")
+    rollout: RewardRolloutConfig = F(RewardRolloutConfig, "verl: serving of the reward model in the loop.")
     reward_kwargs: dict[str, Any] = F(
         {}, "[klppo] Passed to the scorer, e.g. {method: flexible, format_score: 0.1} for GSM8K."
     )
@@ -172,7 +212,7 @@ class RewardModelConfig:
 @dataclass(frozen=True)
 class CustomRewardFunctionConfig:
     path: str | None = F(None, "Python file with a reward function (null: built-in by data_source).")
-    name: str = F("compute_score", "Function name in that file.")
+    name: str | None = F("compute_score", "Function name in that file (null only when path is null).")
 
 
 @dataclass(frozen=True)
@@ -180,7 +220,9 @@ class KLControlConfig:
     type: str = F("fixed", "fixed | adaptive (Ziegler et al. 2019) | pi (PI control of log β; ours).")
     kl_coef: float = F(0.001, "β of the KL penalty in the reward (initial β when adaptive or pi).")
     horizon: int = F(10000, "Adaptive controller horizon, in samples (all ranks, all n samples of a step).")
-    target_kl: float = F(0.1, "Target of adaptive/pi: batch mean of the per-response token-mean KL.")
+    target_kl: float | None = F(
+        0.1, "Target of adaptive/pi: batch mean of the per-response token-mean KL (null: none, fixed only)."
+    )
     kp: float = F(1.0, "pi: proportional gain on the log error ln(KL/target).")
     ki: float = F(0.2, "pi: integral gain (per step).")
     min_coef: float = F(1e-4, "pi: lower bound of β (also bounds the integral: anti-windup).")
@@ -194,7 +236,23 @@ class PFPPOConfig:
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    rollout_is: str | None = F(
+        None, "Importance weights rollout→training policy: token | sequence (null: off)."
+    )
+    rollout_is_threshold: float = F(2.0, "Truncation of those weights.")
+    rollout_rs: str | None = F(None, "Rejection sampling of mismatched samples (null: off).")
+    rollout_rs_threshold: float | str | None = F(None, "Rejection thresholds.")
+    bypass_mode: bool = F(False, "Use the rollout's log-probs as the old policy's.")
+    loss_type: str = F("ppo_clip", "Loss in bypass mode: ppo_clip | reinforce.")
+    rollout_is_batch_normalize: bool = F(False, "Normalize the weights to mean 1 per batch.")
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
+    rollout_correction: RolloutCorrectionConfig = F(
+        RolloutCorrectionConfig, "Correction of the rollout/training policy mismatch."
+    )
     gamma: float = F(1.0, "Discount.")
     lam: float = F(1.0, "GAE λ.")
     adv_estimator: str = F("gae", "gae | grpo | rloo | reinforce_plus_plus | remax | ... (see docs).")
@@ -268,11 +326,32 @@ class RayKwargsConfig:
 
 
 @dataclass(frozen=True)
+class ModuleRefConfig:
+    path: str | None = F(None, "Python file.")
+    name: str = F("custom_reward_manager", "Class name in that file.")
+
+
+@dataclass(frozen=True)
+class RewardManagerConfig:
+    source: str = F("register", "register (by name) | importlib (a user class from module.path).")
+    name: str = F(
+        SEL("reward_model.reward_manager", "naive"), "Reward manager (sets reward_model.reward_manager)."
+    )
+    module: ModuleRefConfig = F(ModuleRefConfig, "User reward-manager class.")
+
+
+@dataclass(frozen=True)
+class TransferQueueConfig:
+    enable: bool = F(False, "verl's TransferQueue data plane between workers.")
+
+
+@dataclass(frozen=True)
 class KLPPOConfig:
     data: DataConfig = F(DataConfig, "Prompts.")
     actor_rollout_ref: ActorRolloutRefConfig = F(ActorRolloutRefConfig, "Policy, reference, rollout.")
     critic: CriticConfig = F(CriticConfig, "Value model.")
     reward_model: RewardModelConfig = F(RewardModelConfig, "Reward model and scorer options.")
+    reward_manager: RewardManagerConfig = F(RewardManagerConfig, "verl's newer reward-manager group.")
     custom_reward_function: CustomRewardFunctionConfig = F(
         CustomRewardFunctionConfig, "User reward function."
     )
@@ -281,3 +360,4 @@ class KLPPOConfig:
     global_profiler: GlobalProfilerConfig = F(GlobalProfilerConfig, "Profiling.")
     monitor: MonitorConfig = F(MonitorConfig, "[klppo] Operating rules that act on each step's metrics.")
     ray_kwargs: RayKwargsConfig = F(RayKwargsConfig, "verl's Ray options (no effect: klppo uses torchrun).")
+    transfer_queue: TransferQueueConfig = F(TransferQueueConfig, "verl's data plane (no effect here).")

@@ -15,6 +15,34 @@ from klppo.config.schema_common import CheckpointConfig, FSDPConfig, OptimConfig
 
 
 @dataclass(frozen=True)
+class TiledMLPConfig:
+    enabled: bool = F(False, "Tile the MLP over the sequence.")
+    num_shards: int = F(4, "Tiles.")
+
+
+@dataclass(frozen=True)
+class MtpConfig:
+    enable: bool = F(False, "Load the model's multi-token-prediction layers.")
+    enable_train: bool = F(False, "Train them (adds their loss).")
+    enable_rollout: bool = F(False, "Use them for speculative decoding.")
+    detach_encoder: bool = F(False, "Stop gradients from the MTP loss into the trunk.")
+    mtp_loss_scaling_factor: float = F(0.1, "Weight of the MTP loss.")
+    speculative_algorithm: str = F("EAGLE", "Speculative decoding algorithm.")
+    speculative_num_steps: int = F(2, "Draft steps.")
+    speculative_eagle_topk: int = F(2, "EAGLE top-k.")
+    speculative_num_draft_tokens: int = F(4, "Draft tokens.")
+    method: str = F("mtp", "Draft method.")
+    num_speculative_tokens: int = F(1, "Speculative tokens.")
+
+
+@dataclass(frozen=True)
+class RouterReplayConfig:
+    mode: str = F("disabled", "MoE routing replay: disabled | R2 | R3 (record or replay expert choices).")
+    record_file: str | None = F(None, "Where recorded routing decisions go.")
+    replay_file: str | None = F(None, "Routing decisions to replay.")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: str = F(
         "~/models/deepseek-llm-7b-chat", "Hugging Face directory (or hub id in the local cache, or .gguf)."
@@ -36,6 +64,11 @@ class ModelConfig:
     use_fused_kernels: bool = F(False, "Fused log-prob/entropy kernels.")
     fused_kernel_options: dict[str, Any] = F({"impl_backend": "torch"}, "Options of the fused kernels.")
     trust_remote_code: bool = F(False, "Allow model code from the model directory.")
+    hf_config_path: str | None = F(
+        None, "A config.json directory other than the model's (null: the model's)."
+    )
+    tiled_mlp: TiledMLPConfig = F(TiledMLPConfig, "Compute the MLP in sequence tiles (memory).")
+    mtp: MtpConfig = F(MtpConfig, "Multi-token prediction heads (training and speculative decoding).")
 
 
 @dataclass(frozen=True)
@@ -74,6 +107,9 @@ class ActorConfig:
     clip_ratio: float = F(0.2, "PPO clip range ε.")
     clip_ratio_low: float = F(0.2, "Lower clip range (1 − ε_low).")
     clip_ratio_high: float = F(0.2, "Upper clip range (1 + ε_high).")
+    tau_pos: float = F(1.0, "SAPO soft-gate temperature for positive advantages.")
+    tau_neg: float = F(1.05, "SAPO soft-gate temperature for negative advantages.")
+    freeze_vision_tower: bool = F(False, "Vision-language models: keep the vision encoder frozen.")
     policy_loss: PolicyLossConfig = F(PolicyLossConfig, "Policy-loss variant.")
     clip_ratio_c: float = F(3.0, "Dual-clip constant c for negative advantages.")
     loss_agg_mode: str = F(
@@ -83,6 +119,9 @@ class ActorConfig:
     entropy_coeff: float = F(0.0, "Entropy bonus coefficient.")
     calculate_entropy: bool = F(False, "Compute entropy even when entropy_coeff is 0.")
     use_kl_loss: bool = F(False, "Add β·KL(π‖π_ref) to the policy loss (GRPO style).")
+    use_prefix_grouper: bool = F(
+        False, "Forward a prompt once for all its responses (shared-prefix attention)."
+    )
     use_torch_compile: bool = F(True, "torch.compile the log-prob/entropy helpers.")
     kl_loss_coef: float = F(0.001, "β of the KL loss (the initial β when kl_loss_ctrl.type is not fixed).")
     kl_loss_ctrl: KLLossControlConfig = F(KLLossControlConfig, "Controller of the KL loss coefficient.")
@@ -96,6 +135,7 @@ class ActorConfig:
     optim: OptimConfig = F(OptimConfig, "Optimizer and LR schedule.")
     use_fused_kernels: bool = F(SEL("actor_rollout_ref.model.use_fused_kernels", "false"), "Follows model.")
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
+    router_replay: RouterReplayConfig = F(RouterReplayConfig, "MoE routing replay.")
     grad_clip: float = F(1.0, "Gradient-norm clip (over all shards).")
     ulysses_sequence_parallel_size: int = F(1, "Ulysses sequence-parallel group size.")
     entropy_from_logits_with_chunking: bool = F(False, "Compute entropy in chunks.")
@@ -103,6 +143,8 @@ class ActorConfig:
     fsdp_config: FSDPConfig = F(FSDPConfig, "FSDP2 sharding of the actor.")
     use_remove_padding: bool = F(SEL("actor_rollout_ref.model.use_remove_padding", "false"), "Follows model.")
     rollout_n: int = F(SEL("actor_rollout_ref.rollout.n", "1"), "Follows rollout.n (read-only copy).")
+    calculate_sum_pi_squared: bool = F(False, "Compute Σπ² per token (optimal-token-baseline statistics).")
+    sum_pi_squared_checkpointing: bool = F(False, "Recompute Σπ² in backward.")
 
 
 def _ref_fsdp() -> FSDPConfig:
@@ -122,6 +164,7 @@ class RefConfig:
         SEL("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "16384"), "Follows actor's token budget."
     )
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
+    router_replay: RouterReplayConfig = F(RouterReplayConfig, "MoE routing replay.")
     model: dict[str, Any] | None = F(None, "A different reference model (null: the actor's initial weights).")
     fsdp_config: FSDPConfig = F(
         None, "FSDP2 sharding of the reference (weights bf16 by default).", factory=_ref_fsdp
@@ -156,6 +199,7 @@ class MultiTurnConfig:
     use_inference_chat_template: bool = F(False, "Template choice.")
     tokenization_sanity_check_mode: str = F("strict", "Tokenization check.")
     format: str = F("hermes", "Tool-call format.")
+    num_repeat_rollouts: int | None = F(None, "Repeated rollouts per interaction.")
 
 
 @dataclass(frozen=True)
@@ -180,6 +224,21 @@ class TraceConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointEngineConfig:
+    backend: str = F("naive", "How weights reach the rollout engine.")
+    update_weights_bucket_megabytes: int = F(2048, "Transfer bucket size.")
+    engine_kwargs: dict[str, Any] = F({}, "Backend options.")
+
+
+@dataclass(frozen=True)
+class PrometheusConfig:
+    enable: bool = F(False, "Export rollout-server metrics to Prometheus.")
+    port: int = F(9090, "Prometheus port.")
+    file: str = F("/tmp/ray/session_latest/metrics/prometheus/prometheus.yml", "Prometheus config file.")
+    served_model_name: str | None = F(None, "Model name in metrics (verl: the model path).")
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: str = F(
         "klppo", "Generation engine: klppo (ours) | hf (transformers generate); vllm|sglang → klppo."
@@ -193,7 +252,9 @@ class RolloutConfig:
     dtype: str = F("bf16", "Generation dtype on GPU.")
     gpu_memory_utilization: float = F(0.5, "Fraction of GPU memory the engine may fill (weights + KV cache).")
     ignore_eos: bool = F(False, "Keep generating after EOS.")
-    enforce_eager: bool = F(False, "Disable CUDA graphs in the engine.")
+    enforce_eager: bool = F(
+        False, "Run the klppo engine's decode step eagerly (no torch.compile / CUDA graphs)."
+    )
     cudagraph_capture_sizes: list[int] | None = F(None, "Batch sizes captured as CUDA graphs.")
     free_cache_engine: bool = F(True, "Free the KV cache after each rollout.")
     tensor_model_parallel_size: int = F(
@@ -231,11 +292,18 @@ class RolloutConfig:
     skip_rollout: bool = F(False, "Load dumped rollouts instead of generating.")
     skip_dump_dir: str = F("/tmp/rollout_dump", "Where dumped rollouts live.")
     skip_tokenizer_init: bool = F(True, "Engine skips tokenizer init.")
+    checkpoint_engine: CheckpointEngineConfig = F(CheckpointEngineConfig, "Weight transfer to the engine.")
+    enable_rollout_routing_replay: bool = F(False, "Record MoE routing during rollout for replay.")
+    prometheus: PrometheusConfig = F(PrometheusConfig, "Rollout-server metrics.")
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
     layered_summon: bool = F(False, "Gather weights layer by layer for the engine.")
     logprobs_mode: str = F("processed_logprobs", "Which log-probs the engine returns.")
     scheduling_policy: str = F("fcfs", "Engine scheduling.")
     quantization: str | None = F(None, "Engine weight quantization.")
+    quantization_config_file: str | None = F(None, "Engine quantization settings file.")
+    mtp: dict[str, Any] | None = F(
+        SEL("actor_rollout_ref.model.mtp", "null"), "Speculative decoding with MTP heads (follows model.mtp)."
+    )
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,27 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("data.custom_cls.*", "refuse", "custom dataset classes are not supported"),
     ("data.sampler.*", "refuse", "custom samplers are not supported"),
     ("data.datagen.*", "refuse", "dynamic data generation is not supported"),
+    ("algorithm.rollout_correction.*", "refuse",
+     "rollout-correction importance weights / rejection sampling are not built"),
+    ("actor_rollout_ref.actor.tau_pos", "refuse", "SAPO's soft-gate loss is not built"),
+    ("actor_rollout_ref.actor.tau_neg", "refuse", "SAPO's soft-gate loss is not built"),
+    ("actor_rollout_ref.actor.use_prefix_grouper", "refuse",
+     "prefix-grouped forward is not built (it changes the log-prob computation)"),
+    ("actor_rollout_ref.actor.calculate_sum_pi_squared", "refuse",
+     "Σπ² statistics (optimal-token baseline) are not built"),
+    ("*.router_replay.*", "refuse", "MoE routing replay is not built"),
+    ("actor_rollout_ref.rollout.enable_rollout_routing_replay", "refuse", "MoE routing replay is not built"),
+    ("actor_rollout_ref.rollout.mtp", "refuse", "speculative decoding with MTP heads is not built"),
+    ("actor_rollout_ref.model.mtp.*", "refuse", "multi-token-prediction heads are not built"),
+    ("actor_rollout_ref.rollout.quantization_config_file", "refuse", "quantized rollout is not built"),
+    ("actor_rollout_ref.model.hf_config_path", "refuse",
+     "the model's own config.json is read; a separate config directory is not"),
+    ("actor_rollout_ref.actor.freeze_vision_tower", "refuse", "vision-language models are not built"),
+    ("reward_manager.source", "refuse", "user reward-manager classes are not supported"),
+    ("reward_manager.module.*", "refuse", "user reward-manager classes are not supported"),
+    ("reward_model.reward_loop_source", "refuse", "user reward-loop classes are not supported"),
+    ("reward_model.reward_loop_module_path", "refuse", "user reward-loop classes are not supported"),
+    ("reward_model.reward_loop_class_name", "refuse", "user reward-loop classes are not supported"),
     # speed or memory only: run with a notice
     ("actor_rollout_ref.rollout.tensor_model_parallel_size", "notice",
      "klppo's rollout runs data-parallel on each rank's gathered weights (no tensor parallelism): "
@@ -47,6 +68,14 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.rollout.data_parallel_size", "notice", "rollout parallelism follows the training ranks"),
     ("actor_rollout_ref.rollout.expert_parallel_size", "notice", "no expert parallelism in rollout"),
     ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "notice", "no pipeline parallelism in rollout"),
+    ("*.tiled_mlp.*", "notice", "the MLP runs untiled (more activation memory, same results)"),
+    ("reward_model.enable_resource_pool", "notice", "the reward model shares the training ranks"),
+    ("reward_model.n_gpus_per_node", "notice", "the reward model shares the training ranks"),
+    ("reward_model.nnodes", "notice", "the reward model shares the training ranks"),
+    ("reward_model.rollout.*", "notice",
+     "klppo runs the reward model in the step with FSDP2 (reward_model.max_length bounds its input); "
+     "serving options do not apply"),
+    ("transfer_queue.enable", "notice", "batches move between phases in process memory"),
     # accepted, no effect yet
     ("actor_rollout_ref.hybrid_engine", "warn", "klppo always generates on the actor's own weights"),
     ("actor_rollout_ref.nccl_timeout", "warn", "use trainer.collective_timeout_s"),
@@ -114,6 +143,13 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("trainer.ray_wait_register_center_timeout", "warn", "no Ray: klppo uses torchrun"),
     ("trainer.use_legacy_worker_impl", "warn", "one implementation"),
     ("ray_kwargs.*", "warn", "no Ray: klppo uses torchrun"),
+    ("actor_rollout_ref.actor.sum_pi_squared_checkpointing", "warn", "Σπ² statistics are not built"),
+    ("actor_rollout_ref.rollout.checkpoint_engine.*", "warn", "weights are gathered per FSDP unit in-process"),
+    ("actor_rollout_ref.rollout.prometheus.*", "warn", "no rollout server to export metrics from"),
+    ("data.tool_config_path", "warn", "multi-turn / tool rollout is not built"),
+    ("data.image_patch_size", "warn", "text only"),
+    ("reward_model.use_reward_loop", "warn", "scores are computed in the step, in process (same scores)"),
+    ("reward_model.num_workers", "warn", "scores are computed in the step, in process"),
 )  # fmt: skip
 
 
@@ -151,10 +187,17 @@ def _set_entries(cfg: KLPPOConfig, effect: str) -> list[tuple[str, object, str]]
     return out
 
 
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def warn_unimplemented(cfg: KLPPOConfig, notify: Notify | None = None) -> list[str]:
     """One line per key set away from its default that klppo accepts but does not act on; returns them."""
     notify = notify or notice
-    lines = [f"{k}={v!r} is accepted but has no effect yet ({r})" for k, v, r in _set_entries(cfg, "warn")]
+    lines = [
+        f"{k}={_short(v)} is accepted but has no effect yet ({r})" for k, v, r in _set_entries(cfg, "warn")
+    ]
     for line in lines:
         notify(line)
     return lines

@@ -197,5 +197,5 @@ def test_no_arguments_prints_the_defaults_and_hydra_prefixes(run_cli):
     assert _get(tree, "trainer.seed") == 7
     assert _get(tree, "trainer.logger") == ["console"]  # a single name is a one-element list
     assert _get(tree, "data.train_files") == ["a.parquet", "b.parquet"]
-    rc, _, err = run_cli(["~trainer.seed"])
-    assert rc == 2 and "deleting keys" in err
+    rc, out, err = run_cli(["trainer.seed=7", "~trainer.seed"])  # hydra's delete: back to the default
+    assert rc == 0 and _get(yaml.safe_load(out), "trainer.seed") == 1 and "~trainer.seed" in err
