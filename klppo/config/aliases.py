@@ -2,7 +2,7 @@
 
 Key aliases (`KEY_ALIASES`): a key that sets other keys. Value aliases (`normalize`): strategy `fsdp` →
 `fsdp2`; KL estimator names `k1|k2|k3` → `kl|mse|low_var_kl` (a `+` suffix is kept); logger `file` →
-`jsonl`; rollout engine `vllm|sglang` → `klppo`; dtype long names → `fp32|bf16|fp16`; the deprecated
+`jsonl`; rollout engine `vllm|sglang|trtllm` → `klppo`; dtype long names → `fp32|bf16|fp16`; the deprecated
 `optim.warmup_style` → `optim.lr_scheduler_type`. The printed configuration shows the normalized values.
 """
 
@@ -158,13 +158,13 @@ def _rollout_name(tree: dict[str, Any], notify: Notify) -> None:
     value = get(tree, key)
     if is_interpolation(value):
         return
-    if value in ("vllm", "sglang"):
+    if value in ("vllm", "sglang", "trtllm"):
         notify(
             f"{key}={value}: using klppo's own rollout engine (same sampling settings; {value} not needed)"
         )
         put(tree, key, "klppo")
     elif value not in ROLLOUT_ENGINES:
-        raise choice_error(key, value, ROLLOUT_ENGINES + ("vllm", "sglang"))
+        raise choice_error(key, value, ROLLOUT_ENGINES + ("vllm", "sglang", "trtllm"))
 
 
 def _dtype(tree: dict[str, Any], key: str) -> None:

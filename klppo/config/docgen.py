@@ -123,7 +123,7 @@ the console warns after 5 steps above 1. `type: pi` acts per step (no horizon) a
 {key_aliases}| `strategy: fsdp` (any role) | `fsdp2` (PyTorch FSDP2); `megatron` is refused: FSDP2 is what klppo supports |
 | `kl_penalty` / `kl_loss_type`: `k1`, `k2`, `k3` (optionally with `+`) | `kl`, `mse`, `low_var_kl` (the `+` kept: value of the estimator, gradient of k2) |
 | `trainer.logger: file` | `jsonl` |
-| `actor_rollout_ref.rollout.name: vllm` or `sglang` | `klppo` (same sampling keys; nothing to install) |
+| `actor_rollout_ref.rollout.name: vllm`, `sglang` or `trtllm` | `klppo` (same sampling keys; nothing to install) |
 | `*.optim.warmup_style` (deprecated in verl) | `*.optim.lr_scheduler_type` |
 | dtype `float32`/`bfloat16`/`float16` | `fp32`/`bf16`/`fp16` |
 

@@ -45,10 +45,9 @@ def load_config(argv: list[str], *, notify: Notify | None = None) -> KLPPOConfig
     path, texts = split_argv(argv)
     overrides = [hydra.parse_override(t) for t in texts]
     hydra.refuse_megatron("the command line", [(o.key, o.value) for o in overrides])
-    data = _read_config_file(path, notify) if path is not None else None
+    items = _read_config_file(path, notify) if path is not None else []
     tree = copy.deepcopy(_default_tree())
-    if data is not None:
-        _apply(tree, _flatten(data, source=str(path)), notify)
+    _apply(tree, items, notify)
     for o in overrides:
         _apply_override(tree, o, notify)
     normalize(tree, notify)
@@ -113,21 +112,30 @@ def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def _read_config_file(path: str, notify: Notify) -> dict[str, Any] | None:
-    """The user's YAML mapping, hydra sections dropped (Megatron in `defaults:` refused); None when the
-    path is absent and names verl's packaged PPO defaults (klppo's own defaults stand for them)."""
+def _read_config_file(path: str, notify: Notify) -> list[tuple[str, Any, str]]:
+    """(key, value, source) of the user's YAML, hydra sections dropped (Megatron in `defaults:` refused);
+    none when the path is absent and names verl's packaged PPO defaults (klppo's defaults stand for them).
+
+    A file with a hydra `defaults:` list is composed the way hydra composes it: its keys are added to the
+    defaults, so a key klppo's schema lacks is ignored with one note naming it (as `+key=v`); in a plain
+    file an unknown key is an error (most often a typo)."""
     if not os.path.isfile(os.path.expanduser(path)) and hydra.packaged_config(path):
         notify(f"{path}: verl's packaged {hydra.config_name(path)} config: klppo's defaults stand for it")
-        return None
+        return []
     data = _read_yaml(path)
-    if "defaults" in data:
+    composed = "defaults" in data
+    if composed:
         hydra.refuse_megatron_defaults(data["defaults"], path)
-    flat = _flatten(data, source=path)
-    hydra.refuse_megatron(path, [(k, v) for k, v, _ in flat])
+    hydra.refuse_megatron(path, [(k, v) for k, v, _ in _flatten(data, source=path)])
     for key in _IGNORED_TOP & set(data):
         notify(f"{path}: hydra section '{key}' ignored (klppo starts from its own verl-compatible defaults)")
         del data[key]
-    return data
+    items = _flatten(data, source=path)
+    if composed:
+        for key, _, _ in [i for i in items if lookup(KLPPOConfig, i[0].split("."))[0] == "unknown"]:
+            notify(f"{path}: klppo has no key {key!r}; ignored (the file adds it to verl's defaults)")
+        items = [i for i in items if lookup(KLPPOConfig, i[0].split("."))[0] != "unknown"]
+    return items
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

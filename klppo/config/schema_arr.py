@@ -241,7 +241,7 @@ class PrometheusConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     name: str = F(
-        "klppo", "Generation engine: klppo (ours) | hf (transformers generate); vllm|sglang → klppo."
+        "klppo", "Generation engine: klppo (ours) | hf (transformers generate); vllm|sglang|trtllm → klppo."
     )
     mode: str = F("async", "sync | async (verl's server mode); klppo generates in-process.")
     temperature: float = F(1.0, "Sampling temperature.")

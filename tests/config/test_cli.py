@@ -135,7 +135,7 @@ def test_refused_and_invalid_choices(run_cli):
     assert rc == 2 and "did you mean grpo" in err
     rc, _, err = run_cli(["algorithm.kl_penalty=k4"])
     assert rc == 2 and "algorithm.kl_penalty" in err
-    rc, _, err = run_cli(["actor_rollout_ref.rollout.name=trtllm"])
+    rc, _, err = run_cli(["actor_rollout_ref.rollout.name=tgi"])
     assert rc == 2 and "klppo" in err
     rc, _, err = run_cli(["trainer.n_gpus_per_node=lots"])
     assert rc == 2 and "auto" in err

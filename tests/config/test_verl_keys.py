@@ -219,3 +219,16 @@ def test_unparsable_yaml_is_one_line_naming_the_file(tmp_path):
     f.write_text("trainer: {total_epochs: ???}\n")
     with pytest.raises(ConfigError, match="broken.yaml: not a readable YAML mapping"):
         load_config([str(f)], **Q)
+
+
+def test_a_hydra_composed_file_adds_keys_a_plain_file_may_not(tmp_path):
+    f = tmp_path / "composed.yaml"
+    f.write_text("defaults:\n  - ppo_trainer\n  - _self_\nactor_rollout_ref:\n  rollout:\n"
+                 "    sglang_rollout_mode: async\n    name: trtllm\n")  # fmt: skip
+    notes: list[str] = []
+    cfg = load_config([str(f)], notify=notes.append)
+    assert cfg.actor_rollout_ref.rollout.name == "klppo"
+    assert sum("actor_rollout_ref.rollout.sglang_rollout_mode" in n and "ignored" in n for n in notes) == 1
+    f.write_text("actor_rollout_ref:\n  rollout:\n    sglang_rollout_mode: async\n")
+    with pytest.raises(ConfigError, match="unknown key 'actor_rollout_ref.rollout.sglang_rollout_mode'"):
+        load_config([str(f)], **Q)
