@@ -42,8 +42,15 @@ BACKENDS: dict[str, Callable[..., Backend]] = {
     "swanlab": SwanlabBackend,
 }
 ALIASES = {"file": "jsonl"}
+# backend → (module it imports, pip package): what `klppo train` checks is importable before weights load
+PACKAGES: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+    "swanlab": ("swanlab", "swanlab"),
+}
 
-__all__ = ["BACKENDS", "Tracker", "TrackerError", "normalize_logger_names", "to_scalars"]
+__all__ = ["BACKENDS", "PACKAGES", "Tracker", "TrackerError", "normalize_logger_names", "to_scalars"]
 
 
 def normalize_logger_names(loggers: str | Sequence[str] | None) -> list[str]:

@@ -69,7 +69,7 @@ built-in arithmetic set). `klppo config ...` prints the resolved configuration w
 Every key: docs/configuration.md; the run directory, checkpoints and failures: docs/training.md."""
 
 
-def dry_run(cfg, *, device: torch.device, nproc: int, model_path: str) -> int:
+def dry_run(cfg, *, device: torch.device, nproc: int, model_path: str, plan: list[str] = ()) -> int:
     """`klppo train --dry-run ...`: everything `klppo train` checks before training, and the plan: the
     process layout, the per-rank sizes, the roles that will be built, and (on GPU, or with a known model)
     the memory model's predicted peak per phase. Loads no weights."""
@@ -101,6 +101,8 @@ def dry_run(cfg, *, device: torch.device, nproc: int, model_path: str) -> int:
         print(f"klppo: data files not found: {', '.join(missing)}", file=sys.stderr)
         return 2
     print(f"model: {model_path}")
+    for line in plan:
+        print(line)
     print(f"processes: {nproc} per node × {cfg.trainer.nnodes} node(s) on {device.type}")
     print(f"roles: {', '.join(roles)}; rollout engine: {arr.rollout.name}")
     print("sizes per rank (samples unless named prompts):")
@@ -126,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     dry = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     _setup_logging()
-    from klppo.config import ConfigError, check_trainable, load_config
+    from klppo.config import ConfigError, check_trainable, load_config, warn_unimplemented
     from klppo.models.loading import ModelLoadError, model_dir
+    from klppo.trainer.startup_checks import check_before_weights
 
     try:
         if not argv:
@@ -138,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         device, nproc = resolve_machine(cfg)
         # resolve (and for a .gguf file convert, once) the model before any process is started
         model_path = model_dir(cfg.actor_rollout_ref.model.path)
+        plan = check_before_weights(cfg, model_path)  # loggers, text-only data, run directory and disk
         if dry:
-            return dry_run(cfg, device=device, nproc=nproc, model_path=model_path)
+            warn_unimplemented(cfg)
+            return dry_run(cfg, device=device, nproc=nproc, model_path=model_path, plan=plan)
     except (ConfigError, ModelLoadError, FileNotFoundError, ImportError) as exc:
         print(f"klppo: {exc}", file=sys.stderr)
         return 2

@@ -68,6 +68,12 @@ class TrainerState:
     """Steps in a row the reward's KL penalty outweighed the score."""
 
 
+def updates_actor(step: int, critic_warmup: int) -> bool:
+    """verl's rule: the actor is updated at step ``step`` (counted from 1) once ``critic_warmup <= step``;
+    earlier steps train only the critic."""
+    return critic_warmup <= step
+
+
 class PPOTrainer:
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -200,7 +206,7 @@ class PPOTrainer:
     def _update_actor(self, batch: Batch, share: Batch, step: int, timer: PhaseTimer) -> dict[str, float]:
         """The KL loss's β from the global batch, then the policy update, after ``trainer.critic_warmup``."""
         run, roles = self.run, self.run.roles
-        if step <= self.cfg.trainer.critic_warmup:
+        if not updates_actor(step, self.cfg.trainer.critic_warmup):
             return {}
         metrics = control_kl_loss(batch, self.cfg.actor_rollout_ref.actor, run.kl_loss_ctrl)
         ref_logits_fn = roles.reference.logits if roles.reference is not None else None

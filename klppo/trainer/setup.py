@@ -16,7 +16,7 @@ import torch
 from klppo.algorithms.kl_control import KLController, make_kl_controller
 from klppo.config import KLPPOConfig
 from klppo.config.schema import KLControlConfig
-from klppo.config.schema_arr import KLLossControlConfig
+from klppo.config.schema_arr import KLLossControlConfig, RolloutConfig
 from klppo.data.dataset import PromptLoader
 from klppo.models.lora import is_lora, merged_for_rollout
 from klppo.parallel.fsdp import gathered_params
@@ -138,6 +138,7 @@ def build_loaders(cfg: Any, tokenizer: Any):
         seed=int(d.seed if d.seed is not None else cfg.trainer.seed),
         drop_last=True,
         shuffle_buffer_rows=d.shuffle_buffer_rows,
+        max_samples=d.train_max_samples,
         **common,
     )
     val = None
@@ -151,6 +152,7 @@ def build_loaders(cfg: Any, tokenizer: Any):
             shuffle=bool(d.validation_shuffle),
             seed=0,
             drop_last=False,
+            max_samples=d.val_max_samples,
             **common,
         )
     return train, val
@@ -168,6 +170,14 @@ def _sampling(rollout_cfg: Any, *, response_length: int, validation: bool) -> Sa
         max_new_tokens=response_length,
         ignore_eos=bool(rollout_cfg.ignore_eos),
     )
+
+
+def engine_options(rollout_cfg: RolloutConfig) -> dict[str, bool]:
+    """Options of the klppo engine read from the rollout config: `enforce_eager` runs the decode step
+    eagerly (no torch.compile, no CUDA graph capture), as vLLM's flag does."""
+    if rollout_cfg.name != "klppo" or not rollout_cfg.enforce_eager:
+        return {}
+    return {"use_cuda_graph": False, "compile_decode": False}
 
 
 def _start_precompile(cfg: Any, hf_config: Any, device: torch.device) -> None:
@@ -232,7 +242,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
         total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
         hf_config = AutoConfig.from_pretrained(model_path)
         check_memory(cfg, hf_config, world_size=world_size(), device_gib=total_gib)
-        if rcfg.name == "klppo":  # compile the decode functions while the weights load
+        if rcfg.name == "klppo" and not rcfg.enforce_eager:  # compile the decode functions while weights load
             _start_precompile(cfg, hf_config, device)
     train_loader, val_loader = build_loaders(cfg, tokenizer)
     total_steps = tcfg.total_training_steps or len(train_loader) * int(tcfg.total_epochs)
@@ -256,6 +266,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
         pad_token_id=tokenizer.pad_token_id,
         gpu_memory_utilization=float(rcfg.gpu_memory_utilization),
         free_cache_engine=bool(rcfg.free_cache_engine),
+        **engine_options(rcfg),
     )
     response_length = int(cfg.data.max_response_length)
     sampling = _sampling(rcfg, response_length=response_length, validation=False)

@@ -1,0 +1,154 @@
+"""What `klppo train` (and its --dry-run) checks before any weight loads (issue 14): logger backends,
+text-only data, run directory and one checkpoint's disk space; the data limits, critic warm-up as verl,
+enforce_eager. Each failure is one line naming the key or file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from klppo.config import ConfigError, load_config
+from klppo.trainer import startup_checks
+from tests.trainer.utils import base_overrides
+
+Q = {"notify": lambda _m: None}
+
+
+def _cfg(tiny_model_dir, arithmetic_data, tmp_path, *extra):
+    return load_config(base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + list(extra), **Q)
+
+
+def test_logger_backends_are_checked_by_name(tiny_model_dir, arithmetic_data, tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "wandb" else real(m, *a))
+    cfg = _cfg(tiny_model_dir, arithmetic_data, tmp_path, "trainer.logger=[console,wandb]")
+    with pytest.raises(ConfigError) as e:
+        startup_checks.check_loggers(cfg)
+    assert "trainer.logger includes 'wandb'" in str(e.value) and "pip install wandb" in str(e.value)
+    with pytest.raises(ConfigError, match="'clearml', which klppo does not build"):
+        startup_checks.check_loggers(
+            _cfg(tiny_model_dir, arithmetic_data, tmp_path, "trainer.logger=[clearml]")
+        )
+    startup_checks.check_loggers(
+        _cfg(tiny_model_dir, arithmetic_data, tmp_path, "trainer.logger=[console,jsonl]")
+    )
+
+
+def _write(path, prompts, **columns):
+    pq.write_table(pa.table({"prompt": prompts, **columns}), path)
+    return str(path)
+
+
+def test_image_and_video_data_are_refused_naming_the_key(tiny_model_dir, arithmetic_data, tmp_path):
+    chat = [[{"role": "user", "content": "What is 1 + 1?"}]] * 3
+    with_images = _write(tmp_path / "vl.parquet", chat, images=[[b"x"]] * 3)
+    cfg = _cfg(tiny_model_dir, arithmetic_data, tmp_path, f"data.train_files={with_images}")
+    with pytest.raises(ConfigError) as e:
+        startup_checks.check_text_only(cfg)
+    assert "vl.parquet has a 'images' column (data.image_key)" in str(e.value)
+    videos = _write(tmp_path / "v.parquet", chat, clips=[[b"x"]] * 3)
+    with pytest.raises(ConfigError, match=r"'clips' column \(data.video_key\)"):
+        startup_checks.check_text_only(_cfg(tiny_model_dir, arithmetic_data, tmp_path,
+                                            f"data.val_files={videos}", "data.video_key=clips"))  # fmt: skip
+    tagged = chat[:2] + [[{"role": "user", "content": "<image>What is drawn?"}]]
+    with pytest.raises(ConfigError, match=r"tag.parquet row 2: the prompt \(prompt\) holds a <image>"):
+        startup_checks.check_text_only(_cfg(tiny_model_dir, arithmetic_data, tmp_path,
+                                            f"data.train_files={_write(tmp_path / 'tag.parquet', tagged)}"))  # fmt: skip
+    startup_checks.check_text_only(_cfg(tiny_model_dir, arithmetic_data, tmp_path))  # the text set passes
+
+
+def test_checkpoint_estimate_by_hand(tiny_model_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.from_pretrained(tiny_model_dir)
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    cfg = load_config([], **Q)  # fp32 actor, AdamW: weights + 2 moments
+    assert startup_checks.checkpoint_bytes(cfg, hf, None) == params * 4 * 3
+    assert startup_checks.checkpoint_bytes(cfg, hf, hf) == 2 * params * 4 * 3
+    lora = load_config(["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"], **Q)  # fmt: skip
+    assert startup_checks.checkpoint_bytes(lora, hf, None) == params * 2
+
+
+def test_run_dir_writable_and_disk_space(tiny_model_dir, arithmetic_data, tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(tiny_model_dir)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    cfg = _cfg(tiny_model_dir, arithmetic_data, tmp_path, f"trainer.default_local_dir={blocker}/run")
+    with pytest.raises(
+        ConfigError, match=r"trainer.default_local_dir=.*a_file/run: .*a_file is not a writable"
+    ):
+        startup_checks.check_run_dir(cfg, hf, None)
+    cfg = _cfg(tiny_model_dir, arithmetic_data, tmp_path, "trainer.save_freq=5")
+    line = startup_checks.check_run_dir(cfg, hf, None)
+    assert line.startswith("checkpoint: about ") and "GiB free under" in line
+    monkeypatch.setattr(startup_checks.shutil, "disk_usage", lambda _p: SimpleNamespace(free=1000))
+    with pytest.raises(
+        ConfigError, match=r"one checkpoint needs about .* but 0.00 GiB are free .*save_freq=5"
+    ):
+        startup_checks.check_run_dir(cfg, hf, None)
+    startup_checks.check_run_dir(_cfg(tiny_model_dir, arithmetic_data, tmp_path), hf, None)  # save_freq=-1
+
+
+def test_dry_run_runs_the_checks_and_prints_inert_keys(
+    tiny_model_dir, arithmetic_data, tmp_path, capsys, monkeypatch
+):
+    from klppo.trainer.main_ppo import main
+
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run")
+    assert main(["--dry-run", *overrides, "actor_rollout_ref.rollout.max_num_seqs=256"]) == 0
+    out, err = capsys.readouterr()
+    assert "checkpoint: about" in out
+    assert "actor_rollout_ref.rollout.max_num_seqs=256 is accepted but has no effect yet" in err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "wandb" else real(m, *a))
+    assert main(["--dry-run", *overrides, "trainer.logger=[console,wandb]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("klppo: trainer.logger includes 'wandb'")
+
+
+def test_max_samples_limit_the_rows(tiny_model_dir, arithmetic_data, tmp_path):
+    from klppo.models.loading import load_tokenizer
+    from klppo.trainer.setup import build_loaders
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    cfg = _cfg(
+        tiny_model_dir, arithmetic_data, tmp_path, "data.train_max_samples=8", "data.val_max_samples=3"
+    )
+    train, val = build_loaders(cfg, tok)
+    assert (train.stats.num_rows, len(train)) == (8, 2)  # 64 rows, batch 4: 2 steps per epoch, not 16
+    assert val.stats.num_rows == 3
+    train, _ = build_loaders(_cfg(tiny_model_dir, arithmetic_data, tmp_path), tok)
+    assert len(train) == 16
+
+
+def test_enforce_eager_turns_off_compile_and_graphs():
+    from klppo.trainer.setup import engine_options
+
+    eager = load_config(["actor_rollout_ref.rollout.enforce_eager=true"], **Q).actor_rollout_ref.rollout
+    assert engine_options(eager) == {"use_cuda_graph": False, "compile_decode": False}
+    assert engine_options(load_config([], **Q).actor_rollout_ref.rollout) == {}
+
+
+def test_critic_warmup_as_verl(tiny_model_dir, arithmetic_data, tmp_path):
+    from klppo.trainer.ppo_trainer import updates_actor
+    from tests.trainer.utils import run_training
+
+    assert [updates_actor(s, 2) for s in (1, 2, 3)] == [False, True, True]  # verl: critic_warmup <= step
+    assert updates_actor(1, 0) and updates_actor(1, 1)
+    run = tmp_path / "run"
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, run) + [
+        "algorithm.adv_estimator=gae", "trainer.critic_warmup=2", "trainer.total_training_steps=2",
+    ]  # fmt: skip
+    run_training(overrides)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    by_step = {d["step"]: d for d in lines}
+    assert any(k.startswith("critic/") for k in by_step[1])
+    assert not any(k.startswith("actor/pg") for k in by_step[1])
+    assert any(k.startswith("actor/pg") for k in by_step[2])
