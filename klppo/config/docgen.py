@@ -38,7 +38,18 @@ python -m klppo.trainer.main_ppo [file.yaml] [key=value ...]
 Layers, later wins: schema defaults (written out, for reading only, as `klppo/config/ppo_trainer.yaml`;
 not read at load), the YAML file (first
 argument; hydra's `--config-path DIR --config-name NAME` also works; its `defaults:` list and verl's
-`_target_` keys are ignored), then `key=value` overrides in order (hydra's `+`/`++` prefixes accepted).
+`_target_` keys are ignored), then `key=value` overrides in order.
+
+verl's command-line conventions (hydra's) are read as verl reads them (`klppo/config/hydra.py`):
+`+key=v` / `++key=v` set a key, and for a key klppo lacks they are accepted with one note naming it (a
+plain `key=v` for an unknown key stays an error); a YAML with a hydra `defaults:` list likewise adds keys
+(unknown ones noted and ignored), a plain YAML may not; `~key` puts a key back to its default; `???` leaves
+the default. `--config-name` of verl's packaged `ppo_trainer` / `_generated_ppo_trainer` (absent at the
+given path) means klppo's defaults; the Megatron configs, a Megatron `defaults:` entry, any
+`*.megatron.*` key or `strategy=megatron` stop with one message naming where. `null` is accepted where verl
+takes it (`custom_reward_function.name` without a path, `optim.lr_warmup_steps`, `algorithm.kl_ctrl.target_kl`
+with the fixed controller), and `trainer.test_freq` / `save_freq` take booleans as verl's code reads them
+(false = never, true = every step).
 Values follow YAML: lists `[a,b]`, booleans `True/true/false`, `null`; numbers are typed by the key, so
 `1e8` into an integer key is `100000000`. A mapping-valued key (e.g. `reward_model.reward_kwargs`) set from
 a file replaces the default mapping; `key.sub=value` sets one entry. `${...}` interpolations (verl's

@@ -44,8 +44,8 @@ def load_config(argv: list[str], *, notify: Notify | None = None) -> KLPPOConfig
     notify = notify or notice
     path, texts = split_argv(argv)
     overrides = [hydra.parse_override(t) for t in texts]
+    items = _read_config_file(path, notify) if path is not None else []  # a Megatron file is named first
     hydra.refuse_megatron("the command line", [(o.key, o.value) for o in overrides])
-    items = _read_config_file(path, notify) if path is not None else []
     tree = copy.deepcopy(_default_tree())
     _apply(tree, items, notify)
     for o in overrides:

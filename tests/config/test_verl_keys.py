@@ -148,6 +148,16 @@ def test_megatron_anywhere_is_one_message(argv, tmp_path, monkeypatch):
     assert text.startswith("Megatron is not supported") and "\n" not in text and "FSDP2" in text
 
 
+def test_megatron_config_name_is_named_before_its_keys(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config-path=config", "--config-name=ppo_megatron_trainer.yaml",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"^Megatron is not supported \(--config-name=ppo_megatron_trainer\)"
+    ):
+        load_config(argv, **Q)
+
+
 def test_megatron_in_a_yaml_defaults_list_or_group(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("defaults:\n  - ppo_megatron_trainer\n  - _self_\ntrainer:\n  total_epochs: 2\n")
