@@ -24,9 +24,13 @@ import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from transformers import AutoConfig
 
 from klppo.config import ConfigError, KLPPOConfig, uses_critic
+from klppo.models.flops import num_params
+from klppo.models.loading import model_dir
 from klppo.tracking.tracker import BACKENDS, PACKAGES
+from klppo.tune.shapes import meta_model
 
 _PLACEHOLDERS = ("<image>", "<video>")
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -111,9 +115,6 @@ def checkpoint_bytes(cfg: KLPPOConfig, actor_config: object, critic_config: obje
 
 
 def _role_bytes(model_config: object, dtype: str, *, lora: bool) -> int:
-    from klppo.models.flops import num_params
-    from klppo.tune.shapes import meta_model
-
     params = num_params(meta_model(model_config))
     return params * _DTYPE_BYTES.get(dtype, 4) * (1 if lora else 3)
 
@@ -144,10 +145,6 @@ def check_run_dir(cfg: KLPPOConfig, actor_config: object, critic_config: object 
 
 def check_before_weights(cfg: KLPPOConfig, model_path: str) -> list[str]:
     """Every check above, in order; returns the plan lines (the checkpoint estimate)."""
-    from transformers import AutoConfig
-
-    from klppo.models.loading import model_dir
-
     check_loggers(cfg)
     check_text_only(cfg)
     actor_config = AutoConfig.from_pretrained(model_path)
