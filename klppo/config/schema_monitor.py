@@ -98,6 +98,10 @@ class DriftConfig:
     adv_std_high: float = F(1.2, "Advantage std above this warns.")
     max_grad_norm: float = F(1.0, "actor/grad_norm (before clipping) above this warns.")
     max_log_prob_gap: float = F(0.1, "rollout/log_prob_diff (|rollout − actor| log-prob) above this warns.")
+    min_gpu_util: float = F(85.0, "perf/gpu_util (percent, GPU with nvidia-ml-py) below this warns.")
+    max_exposed_comm_share: float = F(
+        0.1, "perf/exposed_comm_share (profiled steps) above this warns: communication the step waits for."
+    )
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ kl_explosion        KL > threshold                                         KL co
 entropy_collapse    entropy < min_entropy                                  raise entropy_coeff | stop
 nonfinite_reward    mean score NaN/inf                                     warn | stop
 drift               adv std ∉ [low, high], grad norm > max, |rollout −     warn (on entering the range
-                    actor| log-prob > max                                  violation only)
+                    actor| log-prob > max, GPU util < min, exposed         violation only)
+                    communication share > max
 ==================  =====================================================  ===============================
 """
 
@@ -219,27 +220,30 @@ class Drift(Rule):
         self.cfg = cfg
         self.outside: dict[str, bool] = {}
 
-    def _checks(self, metrics) -> list[tuple[str, str, float | None, str]]:
+    def _ranges(self) -> list[tuple[str, str, float | None, float | None]]:
+        """(name, metric, lowest fine value or None, highest or None)."""
         c = self.cfg
-        adv = _finite(metrics, "critic/advantages/std")
-        grad = _finite(metrics, "actor/grad_norm")
-        gap = _finite(metrics, "rollout/log_prob_diff")
         return [
-            ("adv_std", "critic/advantages/std", adv if adv is not None and not c.adv_std_low <= adv <= c.adv_std_high else None,
-             f"outside [{c.adv_std_low:g}, {c.adv_std_high:g}]"),
-            ("grad_norm", "actor/grad_norm", grad if grad is not None and grad > c.max_grad_norm else None,
-             f"above {c.max_grad_norm:g}"),
-            ("log_prob_gap", "rollout/log_prob_diff", gap if gap is not None and gap > c.max_log_prob_gap else None,
-             f"above {c.max_log_prob_gap:g}"),
-        ]  # fmt: skip
+            ("adv_std", "critic/advantages/std", c.adv_std_low, c.adv_std_high),
+            ("grad_norm", "actor/grad_norm", None, c.max_grad_norm),
+            ("log_prob_gap", "rollout/log_prob_diff", None, c.max_log_prob_gap),
+            ("gpu_util", "perf/gpu_util", c.min_gpu_util, None),
+            ("exposed_comm", "perf/exposed_comm_share", None, c.max_exposed_comm_share),
+        ]
 
     def observe(self, step, metrics, val):
         actions = []
-        for name, key, bad, where in self._checks(metrics):
-            was = self.outside.get(name, False)
-            self.outside[name] = bad is not None
-            if bad is not None and not was:
-                actions.append(Action(f"drift/{name}", "warn", f"{key}={bad:.4g} {where}", {"value": bad}))
+        for name, key, low, high in self._ranges():
+            value = _finite(metrics, key)
+            if value is None:  # not measured this step (no critic, CPU, not a profiled step): state kept
+                continue
+            bad = (low is not None and value < low) or (high is not None and value > high)
+            if bad and not self.outside.get(name, False):
+                where = f"below {low:g}" if low is not None and value < low else f"above {high:g}"
+                actions.append(
+                    Action(f"drift/{name}", "warn", f"{key}={value:.4g} {where}", {"value": value})
+                )
+            self.outside[name] = bad
         return actions
 
     def metrics(self):

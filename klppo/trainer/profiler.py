@@ -15,7 +15,9 @@
 
 On GPU, every step gets ``perf/gpu_util`` (mean NVML utilisation in percent over the step's samples) when
 ``nvidia-ml-py`` is installed (``pip install nvidia-ml-py``; optional, no metric without it).
-``global_tool_config`` is accepted and unused; ``npu`` is refused.
+``global_tool_config`` (verl's): ``torch.contents`` ⊆ [cpu, cuda, memory, shapes, stack] (default
+[cpu, cuda]; memory/shapes/stack make traces much larger), ``torch_memory.trace_alloc_max_entries``
+(default 100000); other entries are ignored. ``npu`` is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 log = logging.getLogger("klppo")
 TOOLS = (None, "torch", "torch_memory", "nsys")
+TORCH_CONTENTS = ("cpu", "cuda", "memory", "shapes", "stack")
 
 
 class StepProfiler:
@@ -50,6 +53,15 @@ class StepProfiler:
         self.nvml = NvmlUtilization.open(device) if device.type == "cuda" else None
         self._prof: Any = None
         self._first = 0
+        options = dict(cfg.global_tool_config or {})
+        self.contents = set(dict(options.get("torch") or {}).get("contents") or ["cpu", "cuda"])
+        if not self.contents <= set(TORCH_CONTENTS):
+            raise ValueError(
+                f"global_profiler.global_tool_config.torch.contents={sorted(self.contents)}: expected a subset "
+                f"of {list(TORCH_CONTENTS)}"
+            )
+        memory = dict(options.get("torch_memory") or {})
+        self.max_entries = int(memory.get("trace_alloc_max_entries", 100_000))
         if self.tool == "torch_memory" and device.type != "cuda":
             log.warning("global_profiler.tool=torch_memory records the CUDA allocator: nothing to record on %s",
                         device.type)  # fmt: skip
@@ -78,14 +90,16 @@ class StepProfiler:
         if self.tool == "torch" and self._prof is None:
             from torch.profiler import ProfilerActivity, profile
 
-            activities = [ProfilerActivity.CPU]
-            if self.device.type == "cuda":
+            c = self.contents
+            activities = [ProfilerActivity.CPU] if "cpu" in c else []
+            if self.device.type == "cuda" and "cuda" in c:
                 activities.append(ProfilerActivity.CUDA)
-            self._prof = profile(activities=activities, record_shapes=False, with_stack=False)
+            self._prof = profile(activities=activities, record_shapes="shapes" in c, profile_memory="memory" in c,
+                                 with_stack="stack" in c)  # fmt: skip
             self._prof.__enter__()
             self._first = step
         elif self.tool == "torch_memory" and self.device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
         elif self.tool == "nsys" and self.device.type == "cuda":
             torch.cuda.profiler.start()
 

@@ -63,8 +63,14 @@ def test_drift_warns_on_entering_the_range_violation_only():
     grads = [0.5, 1.5, 2.0, 0.5, 3.0]
     out = [[a.rule for a in rule.observe(i, {"actor/grad_norm": g}, None)] for i, g in enumerate(grads)]
     assert out == [[], ["drift/grad_norm"], [], [], ["drift/grad_norm"]]
-    assert rule.metrics() == {"monitor/drift/adv_std": 0.0, "monitor/drift/grad_norm": 1.0,
-                              "monitor/drift/log_prob_gap": 0.0}  # fmt: skip
+    assert rule.metrics() == {"monitor/drift/grad_norm": 1.0}  # only what was measured
+    # below a lower bound; a step without the metric (not profiled) keeps the state
+    assert [a.message for a in rule.observe(5, {"perf/gpu_util": 40.0}, None)] == [
+        "perf/gpu_util=40 below 85"
+    ]
+    assert rule.observe(6, {}, None) == [] and rule.observe(7, {"perf/gpu_util": 50.0}, None) == []
+    (a,) = rule.observe(8, {"perf/exposed_comm_share": 0.3}, None)
+    assert a.rule == "drift/exposed_comm" and a.message.endswith("above 0.1")
 
 
 class FakeControls:
