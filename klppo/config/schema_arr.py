@@ -129,6 +129,11 @@ class ActorConfig:
         "low_var_kl", "KL estimator: kl|abs|mse|low_var_kl|full (k1|k2|k3 accepted), '+' suffix."
     )
     ppo_epochs: int = F(1, "Passes over each step's samples.")
+    skip_old_log_prob_on_policy: bool = F(
+        True,
+        "[klppo] One epoch over one mini-batch (on-policy): no old-log-prob pass, π_old = the update's own "
+        "log-probs, detached (ratio 1); not with algorithm.use_kl_in_reward or a kl_loss_ctrl other than fixed.",
+    )
     shuffle: bool = F(False, "Shuffle samples between epochs.")
     data_loader_seed: int = F(42, "Seed of that shuffle.")
     checkpoint: CheckpointConfig = F(CheckpointConfig, "Checkpoint contents.")

@@ -1,7 +1,13 @@
 """The actor: the policy model, its optimizer, log-prob recomputation and the PPO policy update
 (the ``policy_loss.loss_mode`` loss from ``klppo.algorithms.losses.POLICY_LOSSES``, optional KL loss
 toward the reference and entropy bonus). The update loop itself is
-:class:`klppo.roles.trained.TrainedRole`'s."""
+:class:`klppo.roles.trained.TrainedRole`'s.
+
+On-policy updates (one epoch over one mini-batch) need no separate old-log-prob pass: every forward of the
+update runs on the weights that generated nothing new since the rollout, so π_old = π_θ and the ratio is 1
+by construction. With ``skip_old_log_prob_on_policy`` the trainer then leaves ``old_log_probs`` unset and
+:meth:`Actor.update_policy` uses the update's own log-probs, detached, as π_old; the statistics the skipped
+pass gave (``rollout/log_prob_diff``, ``actor/ref_kl_k1``) come from those same log-probs."""
 
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ class ActorSettings:
     shuffle: bool = False
     use_remove_padding: bool = False
     seed: int = 1
+    skip_old_log_prob_on_policy: bool = False  # π_old = the update's detached log-probs when on-policy
 
 
 class Actor(TrainedRole):
@@ -74,6 +81,12 @@ class Actor(TrainedRole):
             )[0],
         )
 
+    def skips_old_log_prob(self, num_rows: int) -> bool:
+        """True when an update over ``num_rows`` samples per rank is on-policy (one epoch, one mini-batch)
+        and ``skip_old_log_prob_on_policy`` is set: the trainer need not compute ``old_log_probs``."""
+        s = self.settings
+        return s.skip_old_log_prob_on_policy and s.ppo_epochs == 1 and num_rows <= s.mini_batch_size
+
     def update_policy(
         self,
         batch: Batch,
@@ -86,7 +99,13 @@ class Actor(TrainedRole):
         Needs ``old_log_probs``, ``advantages``, ``response_mask`` (and ``ref_log_probs`` for the KL loss;
         ``ref_logits_fn`` giving reference logits [b,R,V] when ``kl_loss_type='full'``). ``kl_loss_coef``
         is this step's β of the KL loss (from the trainer's controller); ``None`` = ``settings.kl_loss_coef``.
+        Without ``old_log_probs`` the update must be on-policy (:meth:`skips_old_log_prob`).
         """
+        if batch.old_log_probs is None and not self.skips_old_log_prob(len(batch)):
+            raise ValueError(
+                "actor update: old_log_probs missing, and the update is not on-policy (ppo_epochs="
+                f"{self.settings.ppo_epochs}, {len(batch)} samples, mini-batch {self.settings.mini_batch_size})"
+            )
         beta = self.settings.kl_loss_coef if kl_loss_coef is None else float(kl_loss_coef)
         return self.run_updates(batch, lambda mb: self._micro_loss(mb, ref_logits_fn, beta))
 
@@ -106,8 +125,13 @@ class Actor(TrainedRole):
             return_logits=need_logits,
         )
         mask = mb.response_mask
+        stats = {}
+        old_log_prob = mb.old_log_probs
+        if old_log_prob is None:  # on-policy: π_old is the current policy (see the module docstring)
+            old_log_prob = log_prob.detach()
+            stats.update(_skipped_pass_stats(old_log_prob, mb))
         pg_loss, pg_stats = losses.get_policy_loss(s.loss_mode)(
-            old_log_prob=mb.old_log_probs,
+            old_log_prob=old_log_prob,
             log_prob=log_prob,
             advantages=mb.advantages,
             response_mask=mask,
@@ -120,7 +144,7 @@ class Actor(TrainedRole):
             **s.policy_loss_kwargs,
         )
         terms: LossTerms = [(pg_loss, losses.policy_loss_agg_mode(s.loss_mode, s.loss_agg_mode))]
-        stats = {"actor/pg_loss": pg_loss.detach()}
+        stats["actor/pg_loss"] = pg_loss.detach()
         stats.update({f"actor/{k}": v for k, v in pg_stats.items()})
         if s.entropy_coeff != 0:
             entropy_loss = losses.agg_loss(entropy, mask, s.loss_agg_mode, s.loss_scale_factor)
@@ -140,3 +164,17 @@ class Actor(TrainedRole):
             stats["actor/kl_loss"] = kl_loss.detach()
             stats["actor/kl_coef"] = kl_loss_coef
         return terms, {k: float(v) for k, v in stats.items()}
+
+
+def _skipped_pass_stats(log_prob: torch.Tensor, mb: Batch) -> dict[str, torch.Tensor]:
+    """What the trainer reports after an old-log-prob pass, from the update's (pre-step) log-probs:
+    ``rollout/log_prob_diff`` = mean |log π_θ − log π_rollout|, ``actor/ref_kl_k1`` = mean(log π_θ −
+    log π_ref) and ``actor/ref_kl_k3`` over the response tokens (token means: the accumulator weights micro-batches by tokens)."""
+    out = {}
+    mask = mb.response_mask
+    if mb.rollout_log_probs is not None:
+        out["rollout/log_prob_diff"] = losses.masked_mean((log_prob - mb.rollout_log_probs).abs(), mask)
+    if mb.ref_log_probs is not None:
+        out["actor/ref_kl_k1"] = losses.masked_mean(log_prob - mb.ref_log_probs, mask)
+        out["actor/ref_kl_k3"] = losses.masked_mean(kl_mod.kl_penalty(log_prob, mb.ref_log_probs, "k3"), mask)
+    return out

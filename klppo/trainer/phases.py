@@ -156,8 +156,9 @@ def _warn_penalty_share(step: int, streak: int, share: float, beta: float, algo:
 
 def control_kl_loss(batch: Batch, actor: ActorConfig, kl_loss_ctrl: KLController) -> dict[str, float]:
     """Update the KL loss's β: the controller sees the batch's KL(π_old‖π_ref) (token mean of the
-    ``kl_loss_type`` estimator; k3 for ``full``) before the update it weights."""
-    if not actor.use_kl_loss or batch.ref_log_probs is None:
+    ``kl_loss_type`` estimator; k3 for ``full``) before the update it weights. No old log-probs: the
+    on-policy skip, which a controller other than fixed turns off (``roles_build.skips_old_log_prob_pass``)."""
+    if not actor.use_kl_loss or batch.ref_log_probs is None or batch.old_log_probs is None:
         return {}
     kind = "low_var_kl" if actor.kl_loss_type.startswith("full") else actor.kl_loss_type
     kl = float(

@@ -152,8 +152,10 @@ class PPOTrainer:
             if run.sampling.greedy is not None:
                 with timer.phase("gen_max"):
                     local = with_reward_baselines(run, local, mine, run.sampling.greedy)
-            with timer.phase("old_log_prob"):
-                local, metrics = with_old_log_probs(roles.actor, local)
+            metrics: dict[str, float] = {}
+            if not roles.actor.skips_old_log_prob(len(local)):  # on-policy: π_old = the update's log-probs
+                with timer.phase("old_log_prob"):
+                    local, metrics = with_old_log_probs(roles.actor, local)
             local = self._reference_log_probs(local, timer)
             with self._critic_on_device():  # from its values to its update
                 local = self._values(local, timer)

@@ -88,6 +88,7 @@ def build_actor(
             shuffle=bool(acfg.shuffle),
             use_remove_padding=bool(arr.model.use_remove_padding),
             seed=int(cfg.trainer.seed),
+            skip_old_log_prob_on_policy=skips_old_log_prob_pass(cfg),
         ),
         optim_settings(acfg.optim, total_steps),
     )
@@ -100,6 +101,15 @@ def build_actor(
         optimizer_state=acfg.fsdp_config.optimizer_offload,
     )
     return actor
+
+
+def skips_old_log_prob_pass(cfg: Any) -> bool:
+    """``actor.skip_old_log_prob_on_policy`` where nothing needs π_old before the update: not the KL in the
+    reward (before the advantages), nor a KL-loss controller other than ``fixed`` (it sets β from
+    KL(π_old‖π_ref) before the update). Whether the update is on-policy is the actor's test."""
+    acfg = cfg.actor_rollout_ref.actor
+    controlled = acfg.use_kl_loss and acfg.kl_loss_ctrl.type != "fixed"
+    return bool(acfg.skip_old_log_prob_on_policy) and not cfg.algorithm.use_kl_in_reward and not controlled
 
 
 def build_reference(

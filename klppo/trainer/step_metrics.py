@@ -42,7 +42,7 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     if batch.values is not None:
         out["critic/values/mean"] = masked_mean(batch.values, m)
         out["critic/vf_explained_var"] = explained_variance(batch.values, batch.returns, m)
-    if batch.ref_log_probs is not None:
+    if batch.ref_log_probs is not None and batch.old_log_probs is not None:  # else the actor reports them
         # KL(π_old‖π_ref) per response token (π_old = the policy that generated the batch), two estimators
         out["actor/ref_kl_k1"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, m)
         out["actor/ref_kl_k3"] = masked_mean(kl_penalty(batch.old_log_probs, batch.ref_log_probs, "k3"), m)

@@ -292,3 +292,50 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tiny_model_dir, arithmetic_d
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert main(["--dry-run", *overrides, "data.val_files=/nonexistent.parquet"]) == 2
     assert "not found: /nonexistent.parquet" in capsys.readouterr().err
+
+
+def test_on_policy_step_skips_the_old_log_prob_pass(tiny_model_dir, arithmetic_data, tmp_path):
+    """One mini-batch, one epoch: without the pass (default) the step updates the actor exactly as with it,
+    and reports rollout/log_prob_diff and actor/ref_kl_k1 from the update's own log-probs."""
+    import torch
+
+    runs = {}
+    for skip in (True, False):
+        run_dir = tmp_path / f"skip_{skip}"
+        overrides = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + [
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # = train_batch_size: on-policy
+            "actor_rollout_ref.actor.use_kl_loss=True",
+            f"actor_rollout_ref.actor.skip_old_log_prob_on_policy={skip}",
+        ]
+        _, parts = run_training(overrides)
+        (row,) = read_metrics(run_dir)
+        runs[skip] = row, [p.detach().clone() for p in parts.actor.model.parameters()]
+    (skipped, w_skipped), (kept, w_kept) = runs[True], runs[False]
+    assert "timing_s/old_log_prob" not in skipped and "timing_s/old_log_prob" in kept
+    for key in (
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "rollout/log_prob_diff",
+        "actor/ref_kl_k1",
+    ):
+        assert skipped[key] == pytest.approx(kept[key], rel=1e-4, abs=1e-6), key
+    assert skipped["rollout/log_prob_diff"] > 0
+    for a, b in zip(w_skipped, w_kept):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_old_log_probs_needed_before_the_update_keep_the_pass():
+    from klppo.config import load_config
+    from klppo.trainer.roles_build import skips_old_log_prob_pass
+
+    kl_loss = ["actor_rollout_ref.actor.use_kl_loss=True"]
+    assert skips_old_log_prob_pass(load_config(kl_loss))  # fixed β: nothing reads π_old before the update
+    assert not skips_old_log_prob_pass(load_config(["algorithm.use_kl_in_reward=True"]))
+    for ctrl in ("adaptive", "pi"):
+        assert not skips_old_log_prob_pass(
+            load_config([*kl_loss, f"actor_rollout_ref.actor.kl_loss_ctrl.type={ctrl}"])
+        )
+    off = ["actor_rollout_ref.actor.skip_old_log_prob_on_policy=False"]
+    assert not skips_old_log_prob_pass(load_config(off))
