@@ -1,46 +1,170 @@
-"""One KL-PPO step's timing breakdown on a Qwen2.5-0.5B-shaped random model (issue 4 / issue 6 figure).
+"""PPO-step timing breakdown (issues 4, 6, 18), several code variants measured in one invocation.
 
-train_batch_size 16 prompts × n 4 = 64 samples, prompts of 256 tokens, responses of 256 tokens forced
-(``rollout.ignore_eos``: random weights never emit EOS), GAE with a critic, KL in the reward and a KL loss
-(policy, reference and critic, like TRL's PPO), one PPO epoch in 4 mini-batches. Runs the trainer in
-this process for ``--steps`` steps per rollout backend and reports the last step (the first includes
-warm-up: allocator growth, CUDA-graph capture).
+Workloads (random weights, responses forced to full length with ``rollout.ignore_eos``):
 
-    PYTHONPATH=$PWD python3 bench/ppo_step.py --rollouts klppo hf --out $OUT/ppo_step.json
+- ``trl``: Qwen2.5-0.5B shape, 16 prompts × 4 = 64 samples of 256 + 256 tokens, GAE with a critic, KL in
+  the reward and a k3 KL loss (policy, reference and critic, like TRL's PPO), one epoch in 4 mini-batches,
+  micro-batches of 16 samples (32 for the no-grad passes), packed.
+- ``grpo135m``: SmolLM2-135M config, 32 prompts × 8 = 256 samples of 64 + 96 tokens, GRPO with a k3 KL
+  loss, one mini-batch (on-policy), token-budget micro-batches of 16,384 tokens, packed.
+- ``update15b``: no trainer: the actor role alone on a Qwen2.5-1.5B shape, one packed micro-batch of
+  16 × (512 + 512) = 16,384 tokens per optimizer step (``--grad-ckpt`` for gradient checkpointing);
+  reports the update time, ``perf/mfu/actor`` as the trainer computes it and the peak memory.
+
+Variants (``--variants``): ``before`` (every issue-18 candidate off) or ``after`` (all on), then
+``+name`` / ``-name`` to switch one candidate on or off: ``skip`` (on-policy skip of the old-log-prob
+pass), ``fused_head`` (``model.use_fused_kernels``: chunked log-prob/entropy from the LM head),
+``fused_adamw`` (fused AdamW on CUDA); and settings that are not candidates: ``+one_unit`` (one FSDP unit
+per model), ``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing).
+E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
+process; the trainer workloads report the median of the steps after the first (which includes warm-up:
+allocator growth, CUDA-graph capture, compilation).
+
+    PYTHONPATH=$PWD python3 bench/ppo_step.py --workload trl --variants before after --out $OUT/trl.json
+    PYTHONPATH=$PWD python3 bench/ppo_step.py --device cpu --tiny --workload grpo135m --steps 2   # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 QWEN25_05B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=32768,
-    rope_theta=1_000_000.0,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-)
+    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
+    tie_word_embeddings=True, rms_norm_eps=1e-6,
+)  # fmt: skip
+QWEN25_15B = dict(
+    QWEN25_05B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+)  # fmt: skip
+SMOLLM2_135M = dict(
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100_000.0,
+    tie_word_embeddings=True, rms_norm_eps=1e-5,
+)  # fmt: skip
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=384,
+)  # fmt: skip
+
+ARR = "actor_rollout_ref"
+FSDP_ROLES = (f"{ARR}.actor", f"{ARR}.ref", "critic.model")
+CANDIDATES = {  # name: (overrides when on, overrides when off)
+    "skip": (
+        [f"{ARR}.actor.skip_old_log_prob_on_policy=True"],
+        [f"{ARR}.actor.skip_old_log_prob_on_policy=False"],
+    ),
+    "fused_head": ([f"{ARR}.model.use_fused_kernels=True"], [f"{ARR}.model.use_fused_kernels=False"]),
+    "fused_adamw": (
+        [],  # the default on CUDA (klppo.roles.optim.build_optimizer)
+        [f"{role}.optim.override_optimizer_config={{fused: false}}" for role in (f"{ARR}.actor", "critic")],
+    ),
+}
+SETTINGS = {
+    "one_unit": [f"{r}.fsdp_config.wrap_policy.min_num_params=1000000000000" for r in FSDP_ROLES],
+    "no_reshard": [f"{r}.fsdp_config.reshard_after_forward=False" for r in FSDP_ROLES],
+    "ckpt": [
+        f"{ARR}.model.enable_gradient_checkpointing=True",
+        "critic.model.enable_gradient_checkpointing=True",
+    ],
+}
 
 
-def make_model_dir(root: Path, shape: dict) -> Path:
+def variant_overrides(name: str) -> list[str]:
+    """``before|after`` then ``+x`` / ``-x`` items (see the module docstring) → config overrides."""
+    base, *items = re.split(r"(?=[+-])", name)
+    if base not in ("before", "after"):
+        raise ValueError(f"--variants {name!r}: start with before or after, then +name/-name")
+    on = {c: base == "after" for c in CANDIDATES}
+    extra: list[str] = []
+    for item in items:
+        sign, key = item[0], item[1:]
+        if key in CANDIDATES:
+            on[key] = sign == "+"
+        elif key in SETTINGS and sign == "+":
+            extra += SETTINGS[key]
+        else:
+            raise ValueError(f"--variants {name!r}: unknown {item!r}; candidates {sorted(CANDIDATES)}, "
+                             f"settings (+ only) {sorted(SETTINGS)}")  # fmt: skip
+    return [o for c, flag in on.items() for o in CANDIDATES[c][0 if flag else 1]] + extra
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: dict
+    arch: str
+    prompts: int
+    n: int
+    prompt_len: int
+    response_len: int
+    overrides: list[str] = field(default_factory=list)
+
+
+WORKLOADS = {
+    "trl": Workload(QWEN25_05B, "qwen2", 16, 4, 256, 256, [
+        f"{ARR}.actor.ppo_mini_batch_size=4",
+        f"{ARR}.actor.ppo_micro_batch_size_per_gpu=16",
+        f"{ARR}.rollout.log_prob_micro_batch_size_per_gpu=32",
+        f"{ARR}.ref.log_prob_micro_batch_size_per_gpu=32",
+        "critic.ppo_micro_batch_size_per_gpu=16",
+        "critic.forward_micro_batch_size_per_gpu=32",
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_in_reward=True",
+        f"{ARR}.actor.use_kl_loss=True",
+    ]),
+    "grpo135m": Workload(SMOLLM2_135M, "llama", 32, 8, 64, 96, [
+        f"{ARR}.actor.ppo_mini_batch_size=32",
+        f"{ARR}.actor.use_dynamic_bsz=True",
+        f"{ARR}.actor.ppo_max_token_len_per_gpu=16384",
+        f"{ARR}.rollout.log_prob_use_dynamic_bsz=True",
+        f"{ARR}.rollout.log_prob_max_token_len_per_gpu=16384",
+        "algorithm.adv_estimator=grpo",
+        f"{ARR}.actor.use_kl_loss=True",
+        f"{ARR}.actor.kl_loss_type=low_var_kl",
+    ]),
+    "update15b": Workload(QWEN25_15B, "qwen2", 16, 1, 512, 512, [
+        f"{ARR}.actor.ppo_mini_batch_size=16",
+        f"{ARR}.actor.use_dynamic_bsz=True",
+        f"{ARR}.actor.ppo_max_token_len_per_gpu=16384",
+        f"{ARR}.rollout.log_prob_use_dynamic_bsz=True",
+        f"{ARR}.rollout.log_prob_max_token_len_per_gpu=16384",
+        "algorithm.adv_estimator=grpo",
+    ]),
+}  # fmt: skip
+
+
+def tiny_workload(w: Workload) -> Workload:
+    """The same workload on a 2-layer model with 4 prompts × 2 of 16 + 8 tokens (CPU smoke test)."""
+
+    def shrink(o: str) -> str:
+        key, value = o.split("=", 1)
+        if key.endswith("max_token_len_per_gpu"):
+            return f"{key}=64"
+        if key.endswith("ppo_mini_batch_size"):  # keeps the number of mini-batches
+            return f"{key}={max(1, int(value) * 4 // w.prompts)}"
+        if key.endswith("micro_batch_size_per_gpu"):
+            return f"{key}=2"
+        return o
+
+    return Workload({**w.shape, **TINY}, w.arch, 4, 2, 16, 8, [shrink(o) for o in w.overrides])
+
+
+def make_model_dir(root: Path, shape: dict, arch: str, dtype) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from klppo.models.tiny import build_tiny_tokenizer
 
-    path = root / "qwen2.5-0.5b-random"
-    config = AutoConfig.for_model("qwen2", bos_token_id=1, eos_token_id=2, pad_token_id=2, **shape)
+    path = root / f"{arch}-random"
+    config = AutoConfig.for_model(arch, bos_token_id=1, eos_token_id=2, pad_token_id=2, **shape)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(path)
     build_tiny_tokenizer().save_pretrained(path)
     return path
@@ -68,7 +192,36 @@ def make_prompts(root: Path, tokenizer_dir: Path, *, prompt_len: int, rows: int)
     return out
 
 
-def run(model_dir: Path, data: Path, run_dir: Path, *, rollout: str, steps: int, args) -> dict:
+def base_overrides(w: Workload, model_dir: Path, data: Path, run_dir: Path, args) -> list[str]:
+    return [
+        f"{ARR}.model.path={model_dir}",
+        f"data.train_files={data}",
+        f"data.val_files={data}",
+        f"data.train_batch_size={w.prompts}",
+        f"data.max_prompt_length={w.prompt_len}",
+        f"data.max_response_length={w.response_len}",
+        "data.filter_overlong_prompts=False",
+        "data.truncation=left",
+        f"{ARR}.rollout.n={w.n}",
+        f"{ARR}.rollout.name={args.rollout}",
+        f"{ARR}.rollout.ignore_eos=True",
+        f"{ARR}.rollout.gpu_memory_utilization=0.6",
+        f"{ARR}.model.enable_gradient_checkpointing={args.grad_ckpt}",
+        f"critic.model.enable_gradient_checkpointing={args.grad_ckpt}",
+        f"trainer.device={args.device}",
+        "trainer.n_gpus_per_node=1",
+        "trainer.logger=[jsonl]",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        f"trainer.total_training_steps={args.steps}",
+        f"trainer.default_local_dir={run_dir}",
+        *w.overrides,
+    ]
+
+
+def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
+    """``--steps`` trainer steps; the median of each metric over the steps after the first."""
     import torch
 
     from klppo.config import load_config
@@ -76,39 +229,6 @@ def run(model_dir: Path, data: Path, run_dir: Path, *, rollout: str, steps: int,
     from klppo.trainer.ppo_trainer import PPOTrainer
     from klppo.trainer.setup import build_run
 
-    overrides = [
-        f"actor_rollout_ref.model.path={model_dir}",
-        f"data.train_files={data}",
-        f"data.val_files={data}",
-        f"data.train_batch_size={args.prompts}",
-        f"data.max_prompt_length={args.prompt_len}",
-        f"data.max_response_length={args.response_len}",
-        "data.filter_overlong_prompts=False",
-        "data.truncation=left",
-        f"actor_rollout_ref.rollout.n={args.n}",
-        f"actor_rollout_ref.rollout.name={rollout}",
-        "actor_rollout_ref.rollout.ignore_eos=True",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts // 4}",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
-        "critic.ppo_micro_batch_size_per_gpu=16",
-        "critic.forward_micro_batch_size_per_gpu=32",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=False",
-        "critic.model.enable_gradient_checkpointing=False",
-        "algorithm.adv_estimator=gae",
-        "algorithm.use_kl_in_reward=True",
-        "actor_rollout_ref.actor.use_kl_loss=True",
-        f"trainer.device={args.device}",
-        "trainer.n_gpus_per_node=1",
-        "trainer.logger=[jsonl]",
-        "trainer.val_before_train=False",
-        "trainer.test_freq=-1",
-        "trainer.save_freq=-1",
-        f"trainer.total_training_steps={steps}",
-        f"trainer.default_local_dir={run_dir}",
-    ]
     cfg = load_config(overrides)
     info = dist.init_distributed(args.device, 600.0)
     try:
@@ -122,52 +242,154 @@ def run(model_dir: Path, data: Path, run_dir: Path, *, rollout: str, steps: int,
     del built
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"rollout": rollout, "setup_s": setup_s, "steps": rows}
+    later = rows[1:] or rows
+    keys = set.intersection(*(set(r) for r in later))
+    summary = {
+        k: statistics.median(r[k] for r in later) for k in keys if isinstance(later[0][k], float | int)
+    }
+    summary["setup_s"] = setup_s
+    summary["first_step_s"] = rows[0]["timing_s/step"]
+    if "timing_s/gen" in summary:
+        summary["train_s (step - gen)"] = summary["timing_s/step"] - summary["timing_s/gen"]
+    return summary
+
+
+def synthetic_batch(w: Workload, vocab: int, device):
+    """``prompts`` × (prompt_len + response_len) real tokens, random ids and advantages."""
+    import torch
+
+    from klppo.batch import Batch
+
+    g = torch.Generator().manual_seed(0)
+    B, P, R = w.prompts * w.n, w.prompt_len, w.response_len
+    return Batch(
+        prompts=torch.randint(3, vocab, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
+        responses=torch.randint(3, vocab, (B, R), generator=g), response_mask=torch.ones(B, R),
+        advantages=torch.randn(B, R, generator=g),
+    ).to(device)  # fmt: skip
+
+
+def run_update(w: Workload, overrides: list[str], model_dir: Path, args) -> dict:
+    """The actor alone: one no-grad log-prob pass, then ``--steps`` updates after one warm-up (min time)."""
+    import torch
+
+    from klppo.config import derive_sizes, load_config
+    from klppo.models.flops import device_peak_flops, model_flops_per_token
+    from klppo.models.loading import load_tokenizer
+    from klppo.parallel import dist
+    from klppo.trainer.roles_build import Offload, build_actor
+
+    cfg = load_config(overrides)
+    info = dist.init_distributed(args.device, 600.0)
+    device = info.device
+    cuda = device.type == "cuda"
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    try:
+        actor = build_actor(
+            cfg, derive_sizes(cfg, 1), str(model_dir), load_tokenizer(str(model_dir)), device=device,
+            total_steps=100, offload=Offload(device), hf_assets={},
+        )  # fmt: skip
+        batch = synthetic_batch(w, actor.model.config.vocab_size, device)
+        t0 = now()
+        batch.old_log_probs = actor.compute_log_prob(batch)  # ratio 1: an ordinary PPO update
+        log_prob_s = now() - t0
+        times, peaks = [], []
+        for _ in range(1 + args.steps):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = now()
+            metrics = actor.update_policy(batch)
+            times.append(now() - t0)
+            peaks.append(torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0)
+        tokens = float(batch.attention_mask.sum())
+        seq = w.prompt_len + w.response_len
+        flops = model_flops_per_token(actor.model.config, seq_len=seq) * tokens
+        peak = device_peak_flops(torch.cuda.get_device_name(device)) if cuda else None
+        best = min(times[1:])
+        out = {
+            "timing_s/old_log_prob": log_prob_s,
+            "timing_s/update_actor": best,
+            "first_update_s": times[0],
+            "tokens_per_s": tokens / best,
+            "perf/max_memory_allocated_gb": max(peaks[1:]),
+            "actor/grad_norm": metrics["actor/grad_norm"],
+        }
+        if peak:
+            out["perf/mfu/actor"] = flops / (best * peak)
+        del actor, batch
+    finally:
+        dist.destroy()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+ROWS = [
+    "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/reward",
+    "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step",
+    "train_s (step - gen)", "first_step_s", "first_update_s", "setup_s", "tokens_per_s", "perf/throughput",
+    "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/log_prob_diff", "actor/pg_loss",
+    "actor/entropy", "actor/grad_norm",
+]  # fmt: skip
+
+
+def print_table(title: str, results: dict[str, dict]) -> None:
+    names = list(results)
+    print(f"\n{title}\n| metric | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for key in ROWS:
+        if any(key in r for r in results.values()):
+            cells = [f"{results[n][key]:.4g}" if key in results[n] else "–" for n in names]
+            print(f"| {key} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rollouts", nargs="+", default=["klppo", "hf"])
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--response-len", type=int, default=256)
-    parser.add_argument("--out", default="ppo_step.json")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="trl")
+    parser.add_argument("--variants", nargs="+", default=["before", "after"])
+    parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every variant")
+    parser.add_argument("--rollout", default="klppo", help="klppo | hf")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--grad-ckpt", action="store_true")
+    parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
-        "--tiny", action="store_true", help="a 2-layer model instead of the 0.5B shape (smoke test)"
+        "--tiny", action="store_true", help="a 2-layer model of the workload's arch (smoke test)"
     )
     args = parser.parse_args()
+    import torch
+
+    w = WORKLOADS[args.workload]
+    if args.tiny:
+        w = tiny_workload(w)
+    variants = {name: variant_overrides(name) for name in args.variants}  # bad names fail before any work
     root = Path(tempfile.mkdtemp(prefix="klppo_bench_"))
-    shape = (
-        dict(
-            QWEN25_05B,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=384,
-        )
-        if args.tiny
-        else QWEN25_05B
-    )
-    model_dir = make_model_dir(root, shape)
-    data = make_prompts(root, model_dir, prompt_len=args.prompt_len, rows=args.prompts * args.steps)
-    results = []
-    for rollout in args.rollouts:
-        res = run(model_dir, data, root / f"run_{rollout}", rollout=rollout, steps=args.steps, args=args)
-        last = res["steps"][-1]
-        keys = sorted(k for k in last if k.startswith(("timing_s/", "perf/")))
-        first = res["steps"][0]
-        print(f"== rollout={rollout}: setup {res['setup_s']:.2f} s, first step gen {first['timing_s/gen']:.2f} s "
-              f"(update_weights {first.get('timing_s/update_weights', 0.0):.2f} s)")  # fmt: skip
-        print(f"== rollout={rollout}: step {last['step']} of {args.steps}")
-        for k in keys:
-            print(f"   {k:40s} {last[k]:.4f}")
-        results.append(res)
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    dtype = torch.bfloat16 if args.workload == "update15b" and not args.tiny else torch.float32
+    model_dir = make_model_dir(root, w.shape, w.arch, dtype)
+    data = make_prompts(root, model_dir, prompt_len=w.prompt_len, rows=w.prompts * args.steps)
+    results: dict[str, dict] = {}
+    for name, extra in variants.items():
+        run_dir = root / f"run_{re.sub(r'[^A-Za-z0-9_]', '_', name)}"
+        overrides = base_overrides(w, model_dir, data, run_dir, args) + extra + list(args.set)
+        if args.workload == "update15b":
+            results[name] = run_update(w, overrides, model_dir, args)
+        else:
+            results[name] = run_trainer(overrides, run_dir, args)
+        print(f"== {args.workload} / {name}: " + json.dumps({k: round(v, 4) for k, v in results[name].items()
+                                                            if k in ROWS}), flush=True)  # fmt: skip
+        if args.out:
+            Path(args.out).write_text(json.dumps({"args": vars(args), "variants": variants, "results": results},
+                                                 indent=1))  # fmt: skip
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print_table(
+        f"{args.workload}: {device}, torch {torch.__version__}, gradient checkpointing "
+        f"{'on' if args.grad_ckpt else 'off'}, rollout {args.rollout}", results
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ upcast before the softmax); gradients flow through them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
+from klppo.algorithms.losses import entropy_from_logits
 from klppo.batching.attention import PACKED_ATTENTION
-
-_ENTROPY_CHUNK = 4096
 
 
 @dataclasses.dataclass
@@ -115,24 +115,6 @@ def trim_padding_columns(
     return input_ids[:, start:end], attention_mask[:, start:end], pos, new_r
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """H = logsumexp(z) − Σ softmax(z)·z over the last dim, float32.
-
-    Without grad it runs in chunks of rows so the extra [N, V] buffers stay small.
-    """
-    if torch.is_grad_enabled() and logits.requires_grad:
-        z = logits.float()
-        return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
-    flat = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-    for start in range(0, flat.shape[0], _ENTROPY_CHUNK):
-        z = flat[start : start + _ENTROPY_CHUNK].float()
-        out[start : start + _ENTROPY_CHUNK] = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(
-            -1
-        )
-    return out.view(logits.shape[:-1])
-
-
 def log_probs_from_logits(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, calculate_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,7 +123,7 @@ def log_probs_from_logits(
     if temperature != 1.0:
         z = z / temperature
     log_probs = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
-    entropy = entropy_from_logits(z) if calculate_entropy else None
+    entropy = entropy_from_logits(z) if calculate_entropy else None  # in row chunks, −Σ p log p
     return log_probs, entropy
 
 
@@ -191,6 +173,7 @@ def forward_log_probs(
     temperature: float = 1.0,
     use_remove_padding: bool,
     calculate_entropy: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and entropy) of each response token under a Hugging Face causal LM.
 
@@ -200,6 +183,9 @@ def forward_log_probs(
         temperature: logits are divided by it (the rollout's sampling temperature).
         use_remove_padding: pack the rows into one (no compute on padding) or run padded.
         calculate_entropy: also return the entropy of the tempered next-token distribution.
+        fused: the LM head returns log-prob and entropy directly, computed in chunks of rows
+            (:func:`klppo.models.lm_head.token_stats_head`: no [tokens, V] float32 logits); needs a
+            float32-output head (:func:`klppo.models.lm_head.fp32_lm_head`).
 
     Returns:
         log_probs [B, R] float32 and entropy [B, R] float32 (or None); zeros at masked response positions.
@@ -210,31 +196,47 @@ def forward_log_probs(
         _check_attention(model)
         packed = pack(input_ids, attention_mask, position_ids)
         src = _packed_sources(packed, target)
-        out = model(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_mask=None,
-            logits_to_keep=src,
-            use_cache=False,
-            **packed.attention_kwargs(),
-        )
-        logits = out.logits[0]  # [N, V]: only the positions that predict a real response token
-        log_probs, entropy = log_probs_from_logits(logits, labels[target], temperature, calculate_entropy)
+        with _head(model, labels[target].unsqueeze(0), temperature, calculate_entropy, fused) as head_out:
+            out = model(
+                input_ids=packed.input_ids,
+                position_ids=packed.position_ids,
+                attention_mask=None,
+                logits_to_keep=src,
+                use_cache=False,
+                **packed.attention_kwargs(),
+            )
+        # [N, V] (or [N, 2] fused): only the positions that predict a real response token
+        log_probs, entropy = head_out(out.logits[0], labels[target])
         log_probs = _scatter_response(log_probs, target)
         entropy = None if entropy is None else _scatter_response(entropy, target)
         return log_probs, entropy
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=response_length + 1,
-        use_cache=False,
-    )
-    logits = out.logits[:, :-1]  # [B, R, V]
-    log_probs, entropy = log_probs_from_logits(logits, labels, temperature, calculate_entropy)
+    # the last kept position predicts nothing: any label (0) there, its result is dropped
+    head_labels = torch.nn.functional.pad(labels, (0, 1))
+    with _head(model, head_labels, temperature, calculate_entropy, fused) as head_out:
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=response_length + 1,
+            use_cache=False,
+        )
+    log_probs, entropy = head_out(out.logits[:, :-1], labels)  # from [B, R, V] (or [B, R, 2] fused)
     log_probs = torch.where(target, log_probs, 0.0)
     entropy = None if entropy is None else torch.where(target, entropy, 0.0)
     return log_probs, entropy
+
+
+@contextlib.contextmanager
+def _head(model: torch.nn.Module, head_labels: torch.Tensor, temperature: float, entropy: bool, fused: bool):
+    """Runs the forward with the fused head when ``fused``; yields how to read (log-prob, entropy) from
+    the model's ``logits`` output: ``read(out, labels)``."""
+    if not fused:
+        yield lambda logits, labels: log_probs_from_logits(logits, labels, temperature, entropy)
+        return
+    from klppo.models.lm_head import token_stats_head
+
+    with token_stats_head(model, head_labels, temperature=temperature, with_entropy=entropy):
+        yield lambda stats, labels: (stats[..., 0], stats[..., 1] if entropy else None)
 
 
 def forward_values(

@@ -61,7 +61,11 @@ class ModelConfig:
     exclude_modules: Any = F(None, "LoRA modules left out.")
     lora_adapter_path: str | None = F(None, "Pretrained LoRA adapter to start from.")
     use_liger: bool = F(False, "Liger kernels.")
-    use_fused_kernels: bool = F(False, "Fused log-prob/entropy kernels.")
+    use_fused_kernels: bool = F(
+        False,
+        "Log-prob and entropy from the LM head in chunks of rows (no float32 [tokens, vocab] logits); "
+        "actor and reference.",
+    )
     fused_kernel_options: dict[str, Any] = F({"impl_backend": "torch"}, "Options of the fused kernels.")
     trust_remote_code: bool = F(False, "Allow model code from the model directory.")
     hf_config_path: str | None = F(

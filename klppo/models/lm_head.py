@@ -9,23 +9,39 @@ an upcast matmul. The backward pass is the ordinary bf16 one (the float32 output
 the weight dtype, as a bf16 layer's would be). Float32 models are untouched. The rollout engine's
 ``fp32_logits`` computes its logits the same way, so the two log-probs agree more closely
 (``bench/logprob_precision.py``).
+
+Fused token statistics (``model.use_fused_kernels``): inside :func:`token_stats_head` the same head returns,
+instead of logits, the log-prob of a given label and the entropy of each row, ``[..., 2]`` float32,
+computed chunk by chunk of rows (:func:`token_log_probs_entropy`): the float32 [rows, vocabulary] logits
+exist for one chunk at a time, in the forward and again (recomputed) in the backward, never for all rows.
+The head still runs inside the model's forward, so FSDP2 sees its weight gathered as usual.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+CHUNK_ELEMENTS = 2**28
+"""Logit elements per chunk of the fused statistics: 1 GiB of float32 (≈ 1,770 rows at V = 151,936)."""
+
+
+def _fp32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with a float32 result: one GEMM with a float32 output on CUDA, an upcast matmul elsewhere."""
+    if a.is_cuda and a.dtype != torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
 
 
 class _FP32Logits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.is_cuda:
-            out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
-        else:
-            out = flat.float() @ weight.float().t()
+        out = _fp32_mm(x.reshape(-1, x.shape[-1]), weight.t())
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -45,10 +61,118 @@ def fp32_logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _FP32Logits.apply(x, weight)
 
 
+class _TokenStats(torch.autograd.Function):
+    """(log softmax(x Wᵀ / T)[label], entropy) per row, chunk by chunk; backward recomputes each chunk.
+
+    With z = x Wᵀ / T, log p = z − logsumexp(z), H = −Σ p log p:
+    ∂ log p_label / ∂z = onehot(label) − p and ∂H/∂z = −p ⊙ (log p + H).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, labels, temperature: float, chunk_rows: int, with_entropy: bool):
+        flat = x.reshape(-1, x.shape[-1])
+        lab = labels.reshape(-1)
+        n = flat.shape[0]
+        log_probs = torch.empty(n, dtype=torch.float32, device=x.device)
+        entropy = torch.zeros(n, dtype=torch.float32, device=x.device)
+        lse = torch.empty(n, dtype=torch.float32, device=x.device)
+        for start in range(0, n, chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            z = _fp32_mm(flat[rows], weight.t())
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            logp = z.sub_(lse[rows].unsqueeze(-1))
+            log_probs[rows] = logp.gather(-1, lab[rows].unsqueeze(-1)).squeeze(-1)
+            if with_entropy:  # −Σ p log p: a sum of non-negative terms (no cancellation in float32)
+                entropy[rows] = -(logp.exp() * logp).sum(dim=-1)
+        ctx.save_for_backward(x, weight, lab, lse, entropy)
+        ctx.temperature, ctx.chunk_rows, ctx.with_entropy = temperature, chunk_rows, with_entropy
+        return torch.stack([log_probs, entropy], dim=-1).view(*x.shape[:-1], 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, lab, lse, entropy = ctx.saved_tensors
+        temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
+        flat = x.reshape(-1, x.shape[-1])
+        g = grad.reshape(-1, 2).float()
+        g_lp, g_h = g[:, 0], g[:, 1]
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(flat) if need_x else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for start in range(0, flat.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            z = _fp32_mm(flat[rows], weight.t())
+            if temperature != 1.0:
+                z.div_(temperature)
+            logp = z.sub_(lse[rows].unsqueeze(-1))
+            p = logp.exp()
+            # ∂/∂z = g_lp·(onehot − p) − g_h·p·(log p + H) = −p·(g_lp + g_h·(log p + H)) + g_lp·onehot
+            coef = logp
+            if ctx.with_entropy:
+                coef.add_(entropy[rows].unsqueeze(-1)).mul_(g_h[rows].unsqueeze(-1))
+                coef.add_(g_lp[rows].unsqueeze(-1))
+            else:
+                coef.copy_(g_lp[rows].unsqueeze(-1).expand_as(coef))
+            dz = p.mul_(coef).neg_()
+            dz.scatter_add_(-1, lab[rows].unsqueeze(-1), g_lp[rows].unsqueeze(-1))
+            if temperature != 1.0:
+                dz.div_(temperature)
+            dz = dz.to(weight.dtype)  # as a bf16 layer's backward: the output gradient in the weight dtype
+            if need_x:
+                grad_x[rows] = (dz @ weight).to(grad_x.dtype)
+            if need_w:
+                grad_w += _fp32_mm(dz.t(), flat[rows])  # accumulated over chunks in float32
+        return (
+            None if grad_x is None else grad_x.view(x.shape),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def token_log_probs_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """``[..., 2]`` float32: log softmax(x Wᵀ / T)[label] and the entropy of softmax(x Wᵀ / T) (0 unless
+    ``with_entropy``), for hidden states ``x`` [..., H], ``weight`` [V, H], ``labels`` [...] int64.
+    Logits as :func:`fp32_logits_linear` computes them; ``chunk_rows`` rows at a time (default
+    ``CHUNK_ELEMENTS // V``). Differentiable in ``x`` and ``weight``."""
+    rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    if labels.shape != x.shape[:-1]:
+        raise ValueError(f"fused LM head: labels {tuple(labels.shape)} for hidden states {tuple(x.shape)}")
+    return _TokenStats.apply(x, weight, labels, float(temperature), int(rows), bool(with_entropy))
+
+
+@dataclass(frozen=True)
+class TokenStatsRequest:
+    labels: torch.Tensor  # the shape of the head's input without its last dim
+    temperature: float
+    with_entropy: bool
+    chunk_rows: int | None = None
+
+
 class FP32LogitsLinear(nn.Linear):
-    """An ``nn.Linear`` (no bias) whose output is float32 when its input and weight are bf16/fp16."""
+    """An ``nn.Linear`` (no bias) whose output is float32 when its input and weight are bf16/fp16, or,
+    inside :func:`token_stats_head`, the fused token statistics ``[..., 2]``."""
+
+    token_stats: TokenStatsRequest | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.token_stats is not None:
+            r = self.token_stats
+            return token_log_probs_entropy(
+                x, self.weight, r.labels, temperature=r.temperature, with_entropy=r.with_entropy,
+                chunk_rows=r.chunk_rows,
+            )  # fmt: skip
         if self.bias is None and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
             return fp32_logits_linear(x, self.weight)
         return super().forward(x)
@@ -63,3 +187,35 @@ def fp32_lm_head(model: nn.Module) -> bool:
         return False
     head.__class__ = FP32LogitsLinear
     return True
+
+
+def fused_head(model: nn.Module) -> FP32LogitsLinear | None:
+    """The model's output embeddings when :func:`token_stats_head` can use them: an
+    :class:`FP32LogitsLinear` whose output the model returns as it is (no final-logit soft-capping)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    config = getattr(model, "config", None)
+    if not isinstance(head, FP32LogitsLinear) or getattr(config, "final_logit_softcapping", None):
+        return None
+    return head
+
+
+@contextlib.contextmanager
+def token_stats_head(
+    model: nn.Module,
+    labels: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    chunk_rows: int | None = None,
+) -> Iterator[None]:
+    """Inside, ``model(...).logits`` is ``[..., 2]`` (log-prob of ``labels``, entropy) instead of logits;
+    ``labels`` has the shape of the logits without the vocabulary dim (after ``logits_to_keep``)."""
+    head = fused_head(model)
+    if head is None:
+        raise ValueError("use_fused_kernels: the model's LM head is not a bias-free linear layer")
+    head.token_stats = TokenStatsRequest(labels, temperature, with_entropy, chunk_rows)
+    try:
+        yield
+    finally:
+        head.token_stats = None

@@ -19,7 +19,7 @@ import torch
 from klppo.algorithms import kl as kl_mod
 from klppo.algorithms import losses
 from klppo.batch import Batch
-from klppo.roles.forward import MicroBatching, no_grad_pass, policy_forward
+from klppo.roles.forward import MicroBatching, check_fused, no_grad_pass, policy_forward
 from klppo.roles.optim import OptimSettings
 from klppo.roles.trained import LossTerms, TrainedRole, UpdateSettings
 
@@ -50,6 +50,7 @@ class ActorSettings:
     use_remove_padding: bool = False
     seed: int = 1
     skip_old_log_prob_on_policy: bool = False  # π_old = the update's detached log-probs when on-policy
+    use_fused_kernels: bool = False  # log-probs/entropy from the LM head in chunks (models/lm_head.py)
 
 
 class Actor(TrainedRole):
@@ -64,6 +65,8 @@ class Actor(TrainedRole):
             optim,
         )
         self.settings = settings
+        if settings.use_fused_kernels:
+            check_fused(model, "actor_rollout_ref.actor.use_fused_kernels")
 
     def compute_log_prob(self, batch: Batch) -> torch.Tensor:
         """Log-probs [B,R] of the batch's responses under the current policy (no gradient)."""
@@ -78,6 +81,7 @@ class Actor(TrainedRole):
                 temperature=s.temperature,
                 calculate_entropy=False,
                 use_remove_padding=s.use_remove_padding,
+                fused=s.use_fused_kernels,
             )[0],
         )
 
@@ -123,6 +127,7 @@ class Actor(TrainedRole):
             calculate_entropy=True,  # the actor/entropy metric always; the bonus only with entropy_coeff
             use_remove_padding=s.use_remove_padding,
             return_logits=need_logits,
+            fused=s.use_fused_kernels,
         )
         mask = mb.response_mask
         stats = {}

@@ -59,12 +59,14 @@ def policy_forward(
     calculate_entropy: bool,
     use_remove_padding: bool = False,
     return_logits: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-prob of each response token under ``model`` with logits / ``temperature``.
 
     Returns ``(log_probs [B,R] fp32, entropy [B,R] or None, response logits [B,R,V] or None)``; the
     logits (for the exact ``full`` KL) come from a padded pass, everything else from
-    :func:`klppo.batching.packing.forward_log_probs` (packed when ``use_remove_padding``).
+    :func:`klppo.batching.packing.forward_log_probs` (packed when ``use_remove_padding``; log-prob and
+    entropy from the LM head in chunks, without [tokens, V] logits, when ``fused``).
     """
     from klppo.algorithms.losses import entropy_from_logits
     from klppo.batching.packing import forward_log_probs
@@ -80,6 +82,7 @@ def policy_forward(
             temperature=temperature,
             use_remove_padding=use_remove_padding,
             calculate_entropy=calculate_entropy,
+            fused=fused,
         )
         return log_probs, entropy, None
     R = batch.response_length
@@ -94,6 +97,17 @@ def policy_forward(
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, batch.responses.unsqueeze(-1)).squeeze(-1)
     entropy = entropy_from_logits(logits) if calculate_entropy else None
     return log_probs * batch.response_mask, entropy, logits
+
+
+def check_fused(model: torch.nn.Module, key: str) -> None:
+    """One-line error naming ``key`` when the model's LM head cannot give fused token statistics."""
+    from klppo.models.lm_head import fused_head
+
+    if fused_head(model) is None:
+        raise ValueError(
+            f"{key}=True needs a bias-free linear LM head returned as is (no logit soft-capping); "
+            f"{type(model).__name__} has none: set it to False"
+        )
 
 
 def value_forward(model: torch.nn.Module, batch: Batch, *, use_remove_padding: bool = False) -> torch.Tensor:

@@ -36,6 +36,9 @@ def build_optimizer(params, settings: OptimSettings) -> torch.optim.Optimizer:
     """The configured optimizer (AdamW by default) over the trainable parameters.
 
     ``betas`` are passed to optimizers that take them (Adam family); ``weight_decay`` to all that do.
+    Optimizers with a ``fused`` option (torch's Adam/AdamW/SGD) get ``fused=True`` when every parameter is
+    on CUDA (one kernel per parameter group instead of one per tensor and operation), unless
+    ``override_optimizer_config`` sets ``fused`` (``{fused: false}``: the multi-tensor ``foreach`` path).
     """
     import importlib
     import inspect
@@ -53,6 +56,8 @@ def build_optimizer(params, settings: OptimSettings) -> torch.optim.Optimizer:
         kwargs["betas"] = settings.betas
     if "weight_decay" in accepted:
         kwargs["weight_decay"] = settings.weight_decay
+    if "fused" in accepted and params and all(p.is_cuda for p in params):
+        kwargs["fused"] = True
     kwargs.update(dict(settings.extra))
     return cls(params, **kwargs)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from klppo.batch import Batch
-from klppo.roles.forward import MicroBatching, no_grad_pass, policy_forward
+from klppo.roles.forward import MicroBatching, check_fused, no_grad_pass, policy_forward
 
 
 class Reference:
@@ -17,9 +17,11 @@ class Reference:
         temperature: float = 1.0,
         use_remove_padding: bool = False,
         adapters_off: bool = False,
+        use_fused_kernels: bool = False,
     ) -> None:
         """``adapters_off``: ``model`` is the LoRA actor itself, run with its adapters disabled (shared,
-        so it is neither frozen nor switched to eval mode here)."""
+        so it is neither frozen nor switched to eval mode here). ``use_fused_kernels``: log-probs from the
+        LM head in chunks (:func:`klppo.roles.forward.policy_forward`)."""
         self.model = model
         self.adapters_off = adapters_off
         if not adapters_off:
@@ -29,6 +31,9 @@ class Reference:
         self.micro = micro
         self.temperature = temperature
         self.use_remove_padding = use_remove_padding
+        self.use_fused_kernels = use_fused_kernels
+        if use_fused_kernels:
+            check_fused(model, "actor_rollout_ref.model.use_fused_kernels")
 
     def _context(self):
         from contextlib import nullcontext
@@ -52,6 +57,7 @@ class Reference:
                 temperature=self.temperature,
                 calculate_entropy=False,
                 use_remove_padding=self.use_remove_padding,
+                fused=self.use_fused_kernels,
             )[0],
         )
 

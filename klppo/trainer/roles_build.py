@@ -89,6 +89,7 @@ def build_actor(
             use_remove_padding=bool(arr.model.use_remove_padding),
             seed=int(cfg.trainer.seed),
             skip_old_log_prob_on_policy=skips_old_log_prob_pass(cfg),
+            use_fused_kernels=bool(acfg.use_fused_kernels),
         ),
         optim_settings(acfg.optim, total_steps),
     )
@@ -139,6 +140,7 @@ def build_reference(
         micro=micro_ref,
         temperature=rollout_temperature(cfg),
         use_remove_padding=bool(arr.model.use_remove_padding),
+        use_fused_kernels=bool(arr.model.use_fused_kernels),
     )
     if actor is not None and is_lora(actor.model):
         reference = Reference(actor.model, adapters_off=True, **settings)

@@ -62,3 +62,108 @@ def test_model_surgery_keeps_parameters_and_improves_log_probs() -> None:
     biased = torch.nn.Module()
     biased.get_output_embeddings = lambda: torch.nn.Linear(4, 4)
     assert not fp32_lm_head(biased)
+
+
+def _stats64(x, w, labels, temperature):
+    z = (x.double() @ w.double().t()) / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_rows", [None, 3])  # one chunk; several with a partial last one
+def test_fused_token_stats_against_float64_and_unfused(temperature, chunk_rows) -> None:
+    """Chunked log-prob/entropy (fp32) = the float64 truth and the unfused [N, V] computation within 1e-6
+    (absolute + relative); gradients (x and W, both outputs weighted) equal the unfused ones and are as
+    close to the float64 ones."""
+    from klppo.batching.packing import log_probs_from_logits
+    from klppo.models.lm_head import token_log_probs_entropy
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, 32, generator=g).requires_grad_()
+    w = (0.3 * torch.randn(97, 32, generator=g)).requires_grad_()
+    labels = torch.randint(0, 97, (2, 7), generator=g)
+    up_lp, up_h = torch.randn(2, 7, generator=g), torch.randn(2, 7, generator=g)
+
+    stats = token_log_probs_entropy(x, w, labels, temperature=temperature, chunk_rows=chunk_rows)
+    assert stats.shape == (2, 7, 2) and stats.dtype == torch.float32
+    (stats[..., 0] * up_lp + stats[..., 1] * up_h).sum().backward()
+    fused = (stats.detach(), x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+
+    lp, h = log_probs_from_logits(fp32_logits_linear(x, w), labels, temperature, calculate_entropy=True)
+    (lp * up_lp + h * up_h).sum().backward()
+    unfused = (torch.stack([lp, h], -1).detach(), x.grad.clone(), w.grad.clone())
+
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    lp64, h64 = _stats64(x64, w64, labels, temperature)
+    (lp64 * up_lp.double() + h64 * up_h.double()).sum().backward()
+    truth = (torch.stack([lp64, h64], -1).detach(), x64.grad, w64.grad)
+    # values: within 1e-6 of the float64 truth and of the unfused computation
+    torch.testing.assert_close(fused[0].double(), truth[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused[0], unfused[0], rtol=1e-6, atol=1e-6)
+    # gradients (sums over rows and vocabulary in float32): as close to the truth as the unfused ones
+    for ours, plain, exact in zip(fused[1:], unfused[1:], truth[1:]):
+        torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-6)
+        err, err_plain = (ours.double() - exact).abs().max(), (plain.double() - exact).abs().max()
+        assert err <= 2 * err_plain + 1e-6 and err < 1e-5 * exact.abs().max() + 1e-6, (err, err_plain)
+
+
+def test_fused_token_stats_bf16_and_without_entropy() -> None:
+    """bf16 operands: float32 results as the unfused fp32-logits head gives them; without entropy the
+    entropy column is 0 and the log-prob gradient is unchanged."""
+    from klppo.batching.packing import log_probs_from_logits
+    from klppo.models.lm_head import token_log_probs_entropy
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (0.2 * torch.randn(150, 64, generator=g)).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 150, (9,), generator=g)
+    stats = token_log_probs_entropy(x, w, labels, with_entropy=False, chunk_rows=4)
+    assert (stats[:, 1] == 0).all()
+    stats[:, 0].sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    lp, _ = log_probs_from_logits(fp32_logits_linear(x, w), labels)
+    lp.sum().backward()
+    torch.testing.assert_close(stats[:, 0].detach(), lp.detach(), rtol=0, atol=1e-5)
+    assert gx.dtype == gw.dtype == torch.bfloat16
+    torch.testing.assert_close(gx.float(), x.grad.float(), rtol=0.02, atol=0.02)
+    torch.testing.assert_close(gw.float(), w.grad.float(), rtol=0.02, atol=0.02)
+    with pytest.raises(ValueError, match="labels"):
+        token_log_probs_entropy(x, w, labels[:3])
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_fused_forward_log_probs_equal_unfused(packed) -> None:
+    """The model path: forward_log_probs with the fused head = without, values and every parameter's
+    gradient (fp32, tied head), packed and padded; the head is back to logits afterwards."""
+    from klppo.batching.attention import enable_packed_attention
+    from klppo.batching.packing import forward_log_probs
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    B, P, R = 3, 5, 6
+    ids = torch.randint(3, 300, (B, P + R), generator=g)
+    mask = torch.ones(B, P + R, dtype=torch.long)
+    mask[0, :2] = 0
+    mask[1, P + 3 :] = 0
+    up = torch.randn(B, R, 2, generator=g)
+    results = []
+    for fused in (False, True):
+        model = build_tiny_model(arch="qwen2", seed=0)
+        enable_packed_attention(model)
+        assert fp32_lm_head(model)
+        lp, h = forward_log_probs(
+            model, ids, mask, None, response_length=R, temperature=0.8, use_remove_padding=packed,
+            calculate_entropy=True, fused=fused,
+        )  # fmt: skip
+        (lp * up[..., 0] + h * up[..., 1]).sum().backward()
+        results.append((lp.detach(), h.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert model.lm_head.token_stats is None and model(input_ids=ids[:, :4]).logits.shape[-1] > 2
+    (lp0, h0, g0), (lp1, h1, g1) = results
+    torch.testing.assert_close(lp1, lp0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h1, h0, rtol=1e-6, atol=1e-6)  # H ≈ log V ≈ 6
+    assert (lp1[1, 3:] == 0).all() and (h1[1, 3:] == 0).all()
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

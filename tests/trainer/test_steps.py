@@ -79,6 +79,12 @@ CASES = {
         "actor_rollout_ref.actor.kl_loss_type=k1+",
     ],
     "remax_no_kl": ["algorithm.adv_estimator=remax"],
+    "grpo_fused_kernels_kl_loss": [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.model.use_fused_kernels=True",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+    ],
     "gae_dynamic_bsz_klppo_engine": [
         "algorithm.adv_estimator=gae",
         "actor_rollout_ref.rollout.name=klppo",
