@@ -27,11 +27,13 @@ allocator growth, CUDA-graph capture, compilation).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import statistics
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,11 +233,20 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
 
     cfg = load_config(overrides)
     info = dist.init_distributed(args.device, 600.0)
+    prof = Profile(args, run_dir.name, skip=args.steps - 1)
+
+    class Trainer(PPOTrainer):
+        def train_step(self, prompts, step):
+            out = super().train_step(prompts, step)
+            prof.step()
+            return out
+
     try:
         start = time.perf_counter()
         built = build_run(cfg, device=info.device, argv=overrides)
         setup_s = time.perf_counter() - start  # with rollout=klppo the decode functions compile meanwhile
-        PPOTrainer(built).fit()
+        with prof:
+            Trainer(built).fit()
     finally:
         dist.destroy()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -254,6 +265,49 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
     return summary
 
 
+class Profile:
+    """With ``--profile DIR``: torch.profiler over one step (after ``skip`` calls of :meth:`step`); prints the
+    top operators by device time and the device-busy share of the step, writes a Chrome trace to DIR."""
+
+    def __init__(self, args, label: str, *, skip: int) -> None:
+        self.args, self.label, self.prof = args, label, None
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile, schedule
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+            self.prof = profile(
+                activities=activities, schedule=schedule(wait=max(0, skip), warmup=0, active=1),
+                on_trace_ready=self._report,
+            )  # fmt: skip
+        self._start = 0.0
+
+    def __enter__(self) -> Profile:
+        if self.prof is not None:
+            self.prof.__enter__()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.prof is not None:
+            self.prof.__exit__(*exc)
+
+    def step(self) -> None:
+        if self.prof is not None:
+            self.prof.step()
+
+    def _report(self, prof) -> None:
+        out = Path(self.args.profile)
+        out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out / f"{self.args.workload}_{self.label}.json"))
+        events = prof.key_averages()
+        device_s = sum(e.self_device_time_total for e in events) / 1e6
+        wall_s = sum(e.cpu_time_total for e in events if e.key.startswith("ProfilerStep")) / 1e6
+        print(f"\n== profile {self.args.workload}/{self.label}: device kernels {device_s:.3f} s in a "
+              f"{wall_s:.3f} s step ({device_s / max(wall_s, 1e-9):.0%} busy)")  # fmt: skip
+        sort = "self_device_time_total" if self.args.device == "cuda" else "self_cpu_time_total"
+        print(events.table(sort_by=sort, row_limit=self.args.profile_rows, max_name_column_width=60))
+
+
 def synthetic_batch(w: Workload, vocab: int, device):
     """``prompts`` × (prompt_len + response_len) real tokens, random ids and advantages."""
     import torch
@@ -269,7 +323,7 @@ def synthetic_batch(w: Workload, vocab: int, device):
     ).to(device)  # fmt: skip
 
 
-def run_update(w: Workload, overrides: list[str], model_dir: Path, args) -> dict:
+def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, args) -> dict:
     """The actor alone: one no-grad log-prob pass, then ``--steps`` updates after one warm-up (min time)."""
     import torch
 
@@ -277,7 +331,8 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, args) -> dict
     from klppo.models.flops import device_peak_flops, model_flops_per_token
     from klppo.models.loading import load_tokenizer
     from klppo.parallel import dist
-    from klppo.trainer.roles_build import Offload, build_actor
+    from klppo.parallel.offload import OffloadSchedule
+    from klppo.trainer.roles_build import build_actor
 
     cfg = load_config(overrides)
     info = dist.init_distributed(args.device, 600.0)
@@ -292,20 +347,22 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, args) -> dict
     try:
         actor = build_actor(
             cfg, derive_sizes(cfg, 1), str(model_dir), load_tokenizer(str(model_dir)), device=device,
-            total_steps=100, offload=Offload(device), hf_assets={},
+            total_steps=100, offload=OffloadSchedule(device), hf_assets={},
         )  # fmt: skip
         batch = synthetic_batch(w, actor.model.config.vocab_size, device)
         t0 = now()
         batch.old_log_probs = actor.compute_log_prob(batch)  # ratio 1: an ordinary PPO update
         log_prob_s = now() - t0
         times, peaks = [], []
-        for _ in range(1 + args.steps):
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = now()
-            metrics = actor.update_policy(batch)
-            times.append(now() - t0)
-            peaks.append(torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0)
+        with Profile(args, name, skip=args.steps) as prof:  # the last update
+            for _ in range(1 + args.steps):
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                t0 = now()
+                metrics = actor.update_policy(batch)
+                times.append(now() - t0)
+                peaks.append(torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0)
+                prof.step()
         tokens = float(batch.attention_mask.sum())
         seq = w.prompt_len + w.response_len
         flops = model_flops_per_token(actor.model.config, seq_len=seq) * tokens
@@ -342,6 +399,9 @@ def print_table(title: str, results: dict[str, dict]) -> None:
     names = list(results)
     print(f"\n{title}\n| metric | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
+    for name in names:
+        if "error" in results[name]:
+            print(f"| {name} failed | {results[name]['error']} |")
     for key in ROWS:
         if any(key in r for r in results.values()):
             cells = [f"{results[n][key]:.4g}" if key in results[n] else "–" for n in names]
@@ -358,6 +418,8 @@ def main() -> None:
     parser.add_argument("--grad-ckpt", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", default=None, help="DIR: profile the last step of each variant")
+    parser.add_argument("--profile-rows", type=int, default=25)
     parser.add_argument(
         "--tiny", action="store_true", help="a 2-layer model of the workload's arch (smoke test)"
     )
@@ -376,10 +438,18 @@ def main() -> None:
     for name, extra in variants.items():
         run_dir = root / f"run_{re.sub(r'[^A-Za-z0-9_]', '_', name)}"
         overrides = base_overrides(w, model_dir, data, run_dir, args) + extra + list(args.set)
-        if args.workload == "update15b":
-            results[name] = run_update(w, overrides, model_dir, args)
-        else:
-            results[name] = run_trainer(overrides, run_dir, args)
+        try:
+            if args.workload == "update15b":
+                results[name] = run_update(w, overrides, model_dir, name, args)
+            else:
+                results[name] = run_trainer(overrides, run_dir, args)
+        except Exception as e:  # record and go on: one failing variant must not lose the others
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
         print(f"== {args.workload} / {name}: " + json.dumps({k: round(v, 4) for k, v in results[name].items()
                                                             if k in ROWS}), flush=True)  # fmt: skip
         if args.out:
