@@ -316,7 +316,7 @@ def test_on_policy_step_skips_the_old_log_prob_pass(tiny_model_dir, arithmetic_d
         ]
         _, parts = run_training(overrides)
         (row,) = read_metrics(run_dir)
-        runs[skip] = row, [p.detach().clone() for p in parts.actor.model.parameters()]
+        runs[skip] = row, [p.detach().clone() for p in parts.roles.actor.model.parameters()]
     (skipped, w_skipped), (kept, w_kept) = runs[True], runs[False]
     assert "timing_s/old_log_prob" not in skipped and "timing_s/old_log_prob" in kept
     for key in (
