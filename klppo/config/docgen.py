@@ -98,7 +98,7 @@ GPU's whole mini-batch share, and unset log-prob micro-batch sizes follow the ac
 | `*.fsdp_config.backward_prefetch` | `true` | prefetch the previous unit's all-gather during backward |
 | `*.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap` | `null` | classes made one unit each at `min_num_params=0` (null: the model's `_no_split_modules`) |
 
-| `actor_rollout_ref.actor.kl_loss_ctrl.*` | `type: fixed` | controller of the KL-loss β (`fixed`, `adaptive`, `pi`), with `kl_loss_coef` as the initial β; acts on the token mean of `kl_loss_type`(π_old‖π_ref) over the step's batch (metric `actor/kl_loss_ctrl_kl`) before the update it weights |
+| `actor_rollout_ref.actor.kl_loss_ctrl.*` | `type: fixed` | controller of the KL-loss β (`fixed`, `adaptive`, `pi`), with `kl_loss_coef` as the initial β; reads the token mean of `kl_loss_type`(π_old‖π_ref) over the step's batch (metric `actor/kl_loss_ctrl_kl`) after the step's update and sets the next step's β |
 | `algorithm.kl_ctrl.{kp,ki,min_coef,max_coef}` | `1.0, 0.2, 1e-4, 10` | gains and bounds of `type: pi` (also for `kl_loss_ctrl`); formulas in docs/algorithms.md |
 
 `data.seed` (verl's) is the shuffle seed; null uses `trainer.seed`.

@@ -136,7 +136,7 @@ class ActorConfig:
     skip_old_log_prob_on_policy: bool = F(
         True,
         "[klppo] One epoch over one mini-batch (on-policy): no old-log-prob pass, π_old = the update's own "
-        "log-probs, detached (ratio 1); not with algorithm.use_kl_in_reward or a kl_loss_ctrl other than fixed.",
+        "log-probs, detached (ratio 1); not with algorithm.use_kl_in_reward.",
     )
     shuffle: bool = F(False, "Shuffle samples between epochs.")
     data_loader_seed: int = F(42, "Seed of that shuffle.")

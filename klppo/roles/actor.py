@@ -134,7 +134,7 @@ class Actor(TrainedRole):
         old_log_prob = mb.old_log_probs
         if old_log_prob is None:  # on-policy: π_old is the current policy (see the module docstring)
             old_log_prob = log_prob.detach()
-            stats.update(_skipped_pass_stats(old_log_prob, mb))
+            stats.update(_skipped_pass_stats(old_log_prob, mb, s))
         pg_loss, pg_stats = losses.get_policy_loss(s.loss_mode)(
             old_log_prob=old_log_prob,
             log_prob=log_prob,
@@ -171,7 +171,7 @@ class Actor(TrainedRole):
         return terms, {k: float(v) for k, v in stats.items()}
 
 
-def _skipped_pass_stats(log_prob: torch.Tensor, mb: Batch) -> dict[str, torch.Tensor]:
+def _skipped_pass_stats(log_prob: torch.Tensor, mb: Batch, s: ActorSettings) -> dict[str, torch.Tensor]:
     """What the trainer reports after an old-log-prob pass, from the update's (pre-step) log-probs:
     ``rollout/log_prob_diff`` = mean |log π_θ − log π_rollout|, ``actor/ref_kl_k1`` = mean(log π_θ −
     log π_ref) and ``actor/ref_kl_k3`` over the response tokens (token means: the accumulator weights micro-batches by tokens)."""
@@ -182,4 +182,10 @@ def _skipped_pass_stats(log_prob: torch.Tensor, mb: Batch) -> dict[str, torch.Te
     if mb.ref_log_probs is not None:
         out["actor/ref_kl_k1"] = losses.masked_mean(log_prob - mb.ref_log_probs, mask)
         out["actor/ref_kl_k3"] = losses.masked_mean(kl_mod.kl_penalty(log_prob, mb.ref_log_probs, "k3"), mask)
+        if s.use_kl_loss:  # what the KL-loss controller acts on (trainer/phases.py: measure_kl_for_control)
+            kind = s.kl_loss_type.rstrip("+")
+            kind = "low_var_kl" if kind == "full" else kind
+            out["actor/kl_loss_ctrl_kl"] = losses.masked_mean(
+                kl_mod.kl_penalty(log_prob, mb.ref_log_probs, kind), mask
+            )
     return out

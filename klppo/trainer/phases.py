@@ -154,15 +154,24 @@ def _warn_penalty_share(step: int, streak: int, share: float, beta: float, algo:
     )  # fmt: skip
 
 
-def control_kl_loss(batch: Batch, actor: ActorConfig, kl_loss_ctrl: KLController) -> dict[str, float]:
-    """Update the KL loss's β: the controller sees the batch's KL(π_old‖π_ref) (token mean of the
-    ``kl_loss_type`` estimator; k3 for ``full``) before the update it weights. No old log-probs: the
-    on-policy skip, which a controller other than fixed turns off (``roles_build.skips_old_log_prob_pass``)."""
+def kl_loss_ctrl_kind(actor: ActorConfig) -> str:
+    """The estimator the KL-loss controller measures: ``kl_loss_type`` (k3 for ``full``)."""
+    kind = actor.kl_loss_type.rstrip("+")
+    return "low_var_kl" if kind == "full" else kind
+
+
+def measure_kl_for_control(batch: Batch, actor: ActorConfig) -> dict[str, float]:
+    """KL(π_old‖π_ref) of the global batch for the KL-loss controller: token mean of the ``kl_loss_type``
+    estimator from the old-log-prob pass. With the on-policy skip there is no such pass: the actor reports
+    the same figure from its update's forward (at the pre-step weights, i.e. π_old)."""
     if not actor.use_kl_loss or batch.ref_log_probs is None or batch.old_log_probs is None:
         return {}
-    kind = "low_var_kl" if actor.kl_loss_type.startswith("full") else actor.kl_loss_type
-    kl = float(
-        masked_mean(kl_mod.kl_penalty(batch.old_log_probs, batch.ref_log_probs, kind), batch.response_mask)
-    )
-    kl_loss_ctrl.update(kl, len(batch))
-    return {"actor/kl_loss_ctrl_kl": kl}
+    kl = kl_mod.kl_penalty(batch.old_log_probs, batch.ref_log_probs, kl_loss_ctrl_kind(actor))
+    return {"actor/kl_loss_ctrl_kl": float(masked_mean(kl, batch.response_mask))}
+
+
+def control_kl_loss(metrics: dict[str, float], kl_loss_ctrl: KLController, num_samples: int) -> None:
+    """After the step's actor update: the controller sees this step's KL(π_old‖π_ref) and sets the β of
+    the next step's KL loss (β_t depends on KL_1 … KL_{t−1}, as the reward-side controller in verl)."""
+    if "actor/kl_loss_ctrl_kl" in metrics:
+        kl_loss_ctrl.update(metrics["actor/kl_loss_ctrl_kl"], num_samples)

@@ -36,6 +36,7 @@ from klppo.trainer.phases import (
     GATHERED,
     control_kl_loss,
     generate,
+    measure_kl_for_control,
     rewards_and_advantages,
     sample_seed,
     with_old_log_probs,
@@ -210,7 +211,7 @@ class PPOTrainer:
         run, roles = self.run, self.run.roles
         if not updates_actor(step, self.cfg.trainer.critic_warmup):
             return {}
-        metrics = control_kl_loss(batch, self.cfg.actor_rollout_ref.actor, run.kl_loss_ctrl)
+        metrics = measure_kl_for_control(batch, self.cfg.actor_rollout_ref.actor)
         ref_logits_fn = roles.reference.logits if roles.reference is not None else None
         with timer.phase("update_actor"), run.offload.on_device(roles.actor, optimizer=True):
             metrics.update(
@@ -218,6 +219,11 @@ class PPOTrainer:
                     share, kl_loss_coef=run.kl_loss_ctrl.value, ref_logits_fn=ref_logits_fn
                 )
             )
+        # per-rank figures from the actor (on-policy skip) are reduced over ranks before the controller sees
+        # them; every rank computes the same β from the same reduced value
+        if "actor/kl_loss_ctrl_kl" in metrics and batch.old_log_probs is None:
+            metrics["actor/kl_loss_ctrl_kl"] = reduce_metrics({"k": metrics["actor/kl_loss_ctrl_kl"]})["k"]
+        control_kl_loss(metrics, run.kl_loss_ctrl, len(batch))
         return metrics
 
     # ------------------------------------------------------------------ metrics

@@ -106,11 +106,10 @@ def build_actor(
 
 def skips_old_log_prob_pass(cfg: Any) -> bool:
     """``actor.skip_old_log_prob_on_policy`` where nothing needs π_old before the update: not the KL in the
-    reward (before the advantages), nor a KL-loss controller other than ``fixed`` (it sets β from
-    KL(π_old‖π_ref) before the update). Whether the update is on-policy is the actor's test."""
+    reward (before the advantages). A KL-loss controller reads this step's KL after the update, from the
+    update's forward. Whether the update is on-policy is the actor's test."""
     acfg = cfg.actor_rollout_ref.actor
-    controlled = acfg.use_kl_loss and acfg.kl_loss_ctrl.type != "fixed"
-    return bool(acfg.skip_old_log_prob_on_policy) and not cfg.algorithm.use_kl_in_reward and not controlled
+    return bool(acfg.skip_old_log_prob_on_policy) and not cfg.algorithm.use_kl_in_reward
 
 
 def build_reference(

@@ -19,6 +19,7 @@ PI = [
     "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.001",
     "actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.001",
     "actor_rollout_ref.actor.optim.lr=3e-3",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one mini-batch: on-policy
 ]
 
 
@@ -30,12 +31,26 @@ def test_pi_kl_loss_controller_in_the_loop_and_resume(tiny_model_dir, arithmetic
     rows = read_metrics(full_dir)
     # the β each step used is the controller's output on that step's measured KL(π_old‖π_ref) (k3)
     ctrl = make_kl_controller("pi", 0.05, 0.001, min_coef=0.001, max_coef=10.0)
-    for row in rows:
+    for row in rows:  # β of step t from KL_1 … KL_{t−1}: the controller reads each step's KL after its update
+        assert row["actor/kl_coef"] == pytest.approx(ctrl.value, rel=1e-9)
         assert row["actor/kl_loss_ctrl_kl"] == pytest.approx(row["actor/ref_kl_k3"], rel=1e-6, abs=1e-9)
         ctrl.update(row["actor/kl_loss_ctrl_kl"])
-        assert row["actor/kl_coef"] == pytest.approx(ctrl.value, rel=1e-9)
     assert rows[0]["actor/ref_kl_k3"] == pytest.approx(0.0, abs=1e-6)  # actor = reference at step 1
-    assert rows[-1]["actor/ref_kl_k3"] > 0.001 and rows[-1]["actor/kl_coef"] > rows[1]["actor/kl_coef"]
+    assert rows[-1]["actor/ref_kl_k3"] > 0.001 and rows[-1]["actor/kl_coef"] > rows[2]["actor/kl_coef"]
+    assert "timing_s/old_log_prob" not in rows[0]  # on-policy: the controller does not need the extra pass
+
+    # the same run with the old-log-prob pass kept: the same β sequence (the KL read before vs in the update)
+    kept_dir = tmp_path / "kept"
+    run_training(
+        base_overrides(tiny_model_dir, arithmetic_data, kept_dir)
+        + PI
+        + ["trainer.total_training_steps=4", "actor_rollout_ref.actor.skip_old_log_prob_on_policy=False"]
+    )
+    kept = read_metrics(kept_dir)
+    assert "timing_s/old_log_prob" in kept[0]
+    for a, b in zip(rows, kept):
+        assert a["actor/kl_coef"] == pytest.approx(b["actor/kl_coef"], rel=1e-5)
+        assert a["actor/kl_loss_ctrl_kl"] == pytest.approx(b["actor/kl_loss_ctrl_kl"], rel=1e-4, abs=1e-7)
 
     cut = base_overrides(tiny_model_dir, arithmetic_data, cut_dir) + PI
     run_training(cut + ["trainer.total_training_steps=2", "trainer.save_freq=2"])

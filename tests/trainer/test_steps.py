@@ -339,8 +339,8 @@ def test_old_log_probs_needed_before_the_update_keep_the_pass():
     kl_loss = ["actor_rollout_ref.actor.use_kl_loss=True"]
     assert skips_old_log_prob_pass(load_config(kl_loss))  # fixed β: nothing reads π_old before the update
     assert not skips_old_log_prob_pass(load_config(["algorithm.use_kl_in_reward=True"]))
-    for ctrl in ("adaptive", "pi"):
-        assert not skips_old_log_prob_pass(
+    for ctrl in ("adaptive", "pi"):  # the controller reads this step's KL after the update
+        assert skips_old_log_prob_pass(
             load_config([*kl_loss, f"actor_rollout_ref.actor.kl_loss_ctrl.type={ctrl}"])
         )
     off = ["actor_rollout_ref.actor.skip_old_log_prob_on_policy=False"]
