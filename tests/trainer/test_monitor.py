@@ -325,3 +325,49 @@ def test_monitor_config_errors_name_the_key():
         load_config(["monitor.kl_explosion.coef_factor=0"])
     with pytest.raises(ConfigError, match="global_profiler.tool='npu'"):
         load_config(["global_profiler.tool=npu"])
+
+
+# training samples score 1–2, validation samples 0.5: every validation after the first (which has no
+# training reward to compare with) is a drop; no state in the function, so ranks need not agree on calls
+REWARD_VAL_BELOW_TRAIN = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    if extra_info["split"] == "test":
+        return 0.5
+    return 1.0 + (sum(map(ord, solution_str)) % 7) / 6.0
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_take_the_same_actions_as_one(tiny_model_dir, arithmetic_data, tmp_path):
+    """Rollback (collective save and load of the best-validation checkpoint) and KL-coefficient changes
+    with 2 gloo ranks under `klppo train`: the same events, coefficients and lr as 1 process."""
+    from tests.trainer.test_distributed import _overrides
+
+    rules = reward_file(tmp_path, REWARD_VAL_BELOW_TRAIN) + [
+        "trainer.total_training_steps=2", "trainer.test_freq=1", "trainer.save_freq=2",
+        "monitor.validation_drop.enable=True", "monitor.validation_drop.kl_coef_factor=2.0",
+        "monitor.kl_explosion.enable=True", "monitor.kl_explosion.threshold=-1.0",  # fires every step
+    ]  # fmt: skip
+    two, one = tmp_path / "two", tmp_path / "one"
+    assert (
+        klppo_train(_overrides(tiny_model_dir, arithmetic_data, two) + rules + ["trainer.n_gpus_per_node=2"])
+        == 0
+    )
+    run_training(_overrides(tiny_model_dir, arithmetic_data, one) + rules)
+
+    def actions(run_dir):
+        return [
+            (e["step"], e["rule"], e["action"]) for e in events(run_dir) if not e["rule"].startswith("drift")
+        ]
+
+    assert actions(two) == actions(one)
+    assert (1, "validation_drop", "rollback") in actions(one) and (
+        1,
+        "kl_explosion",
+        "scale_kl_coef",
+    ) in actions(one)
+    a, b = by_step(one), by_step(two)
+    for key in ("actor/kl_coef", "actor/reward_kl_penalty_coeff", "actor/lr", "monitor/lr_scale"):
+        for step in (1, 2):
+            assert b[step][key] == pytest.approx(a[step][key], rel=1e-4), (key, step)
+    assert (two / "best_validation" / "global_step_0" / "COMPLETE").exists()
