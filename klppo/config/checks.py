@@ -57,6 +57,15 @@ _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("trainer.resume_mode", ("auto", "disable", "resume_path")),
 )
 
+# verl values naming hardware or tools klppo does not build: refused with the reason, not as a typo
+UNBUILT_VALUES: dict[tuple[str, str], str] = {
+    ("trainer.device", "npu"): "Ascend NPUs are not supported (klppo runs on CUDA GPUs or the CPU)",
+    (
+        "global_profiler.tool",
+        "npu",
+    ): "the Ascend NPU profiler is not supported; use torch, torch_memory or nsys",
+}
+
 # (key, lowest allowed, highest allowed or None); None values are skipped (optional keys).
 _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("data.train_batch_size", 1, None),
@@ -108,6 +117,9 @@ def value_at(cfg: object, key: str) -> object:
 def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     """Choices, ranges and world-size-free count rules; ConfigError on the first problem, notes via notify."""
     notify = notify or notice
+    for (key, value), reason in UNBUILT_VALUES.items():
+        if value_at(cfg, key) == value:
+            raise ConfigError(f"{key}={value}: {reason}")
     for key, valid in _CHOICES:
         if value_at(cfg, key) not in valid:
             raise choice_error(key, value_at(cfg, key), valid)

@@ -54,7 +54,7 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.model.mtp.*", "refuse", "multi-token-prediction heads are not built"),
     ("actor_rollout_ref.rollout.quantization_config_file", "refuse", "quantized rollout is not built"),
     ("actor_rollout_ref.model.hf_config_path", "refuse",
-     "the model's own config.json is read; a separate config directory is not"),
+     "a config directory other than the model's is not supported (its own config.json is read)"),
     ("actor_rollout_ref.actor.freeze_vision_tower", "refuse", "vision-language models are not built"),
     ("reward_manager.source", "refuse", "user reward-manager classes are not supported"),
     ("reward_manager.module.*", "refuse", "user reward-manager classes are not supported"),

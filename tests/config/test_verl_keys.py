@@ -71,6 +71,9 @@ def test_result_changing_keys_are_refused_never_warned():
         "actor_rollout_ref.actor.router_replay.mode=R3",
         "actor_rollout_ref.model.mtp.enable=true",
         "reward_manager.source=importlib",
+        "actor_rollout_ref.actor.freeze_vision_tower=true",
+        "actor_rollout_ref.model.hf_config_path=/x",
+        "reward_model.reward_loop_source=importlib",
     ],
 )
 def test_each_refused_key_is_named_by_train(arg):
@@ -85,13 +88,16 @@ def test_each_refused_key_is_named_by_train(arg):
 def test_speed_only_and_inert_new_keys_run_with_one_line_each():
     cfg = load_config(
         ["actor_rollout_ref.model.tiled_mlp.enabled=true", "reward_model.rollout.gpu_memory_utilization=0.8",
-         "actor_rollout_ref.rollout.prometheus.enable=true", "reward_model.use_reward_loop=false"], **Q
+         "transfer_queue.enable=true", "actor_rollout_ref.rollout.prometheus.enable=true",
+         "reward_model.use_reward_loop=false", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"], **Q
     )  # fmt: skip
     notes: list[str] = []
     check_trainable(cfg, notify=notes.append)
-    assert len(notes) == 2 and "tiled_mlp.enabled" in notes[0] and "reward_model.rollout" in notes[1]
+    assert len(notes) == 3 and "tiled_mlp.enabled" in notes[0] and "reward_model.rollout" in notes[1]
+    assert "transfer_queue.enable" in notes[2]
     lines = warn_unimplemented(cfg, notify=lambda _m: None)
-    assert len(lines) == 2 and "prometheus.enable" in lines[0] and "use_reward_loop" in lines[1]
+    assert len(lines) == 3 and "checkpoint_engine.backend" in lines[0] and "prometheus.enable" in lines[1]
+    assert "use_reward_loop" in lines[2]
 
 
 def test_verl_style_file_with_targets_missing_markers_and_new_groups(tmp_path):
@@ -242,3 +248,9 @@ def test_a_hydra_composed_file_adds_keys_a_plain_file_may_not(tmp_path):
     f.write_text("actor_rollout_ref:\n  rollout:\n    sglang_rollout_mode: async\n")
     with pytest.raises(ConfigError, match="unknown key 'actor_rollout_ref.rollout.sglang_rollout_mode'"):
         load_config([str(f)], **Q)
+
+
+@pytest.mark.parametrize("arg", ["trainer.device=npu", "global_profiler.tool=npu"])
+def test_npu_values_are_refused_by_name(arg):
+    with pytest.raises(ConfigError, match=rf"^{arg}: .*NPU.* not supported"):
+        load_config([arg], **Q)
