@@ -119,7 +119,7 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     notify = notify or notice
     for (key, value), reason in UNBUILT_VALUES.items():
         if value_at(cfg, key) == value:
-            raise ConfigError(f"{key}={value}: {reason}")
+            raise ConfigError(f"{key}={value!r}: {reason}")
     for key, valid in _CHOICES:
         if value_at(cfg, key) not in valid:
             raise choice_error(key, value_at(cfg, key), valid)
