@@ -14,6 +14,7 @@ Workloads (random weights, responses forced to full length with ``rollout.ignore
 Variants (``--variants``): ``before`` (every issue-18 candidate off) or ``after`` (all on), then
 ``+name`` / ``-name`` to switch one candidate on or off: ``skip`` (on-policy skip of the old-log-prob
 pass), ``fused_head`` (``model.use_fused_kernels``: chunked log-prob/entropy from the LM head),
+``shared_plan`` (the reference pass reuses the old-log-prob pass's micro-batches, packed once),
 ``fused_adamw`` (fused AdamW on CUDA); and settings that are not candidates: ``+one_unit`` (one FSDP unit
 per model), ``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing).
 E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
@@ -27,6 +28,7 @@ allocator growth, CUDA-graph capture, compilation).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import re
@@ -34,6 +36,7 @@ import statistics
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +66,7 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
         [f"{ARR}.actor.skip_old_log_prob_on_policy=False"],
     ),
     "fused_head": ([f"{ARR}.model.use_fused_kernels=True"], [f"{ARR}.model.use_fused_kernels=False"]),
+    "shared_plan": (["@shared_plan=on"], ["@shared_plan=off"]),  # "@": a bench switch, not a config key
     "fused_adamw": (
         [],  # the default on CUDA (klppo.roles.optim.build_optimizer)
         [f"{role}.optim.override_optimizer_config={{fused: false}}" for role in (f"{ARR}.actor", "critic")],
@@ -76,6 +80,20 @@ SETTINGS = {
         "critic.model.enable_gradient_checkpointing=True",
     ],
 }
+
+
+@contextlib.contextmanager
+def bench_switches(items: list[str]) -> Iterator[None]:
+    """``@shared_plan=off``: the reference ignores the old-log-prob pass's plan (cuts and packs its own)."""
+    from klppo.roles.reference import Reference
+
+    original = Reference.compute_ref_log_prob
+    if "@shared_plan=off" in items:
+        Reference.compute_ref_log_prob = lambda self, batch, plan=None: original(self, batch)
+    try:
+        yield
+    finally:
+        Reference.compute_ref_log_prob = original
 
 
 def variant_overrides(name: str) -> list[str]:
@@ -437,12 +455,14 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name, extra in variants.items():
         run_dir = root / f"run_{re.sub(r'[^A-Za-z0-9_]', '_', name)}"
-        overrides = base_overrides(w, model_dir, data, run_dir, args) + extra + list(args.set)
+        config = [o for o in extra if not o.startswith("@")]
+        overrides = base_overrides(w, model_dir, data, run_dir, args) + config + list(args.set)
         try:
-            if args.workload == "update15b":
-                results[name] = run_update(w, overrides, model_dir, name, args)
-            else:
-                results[name] = run_trainer(overrides, run_dir, args)
+            with bench_switches([o for o in extra if o.startswith("@")]):
+                if args.workload == "update15b":
+                    results[name] = run_update(w, overrides, model_dir, name, args)
+                else:
+                    results[name] = run_trainer(overrides, run_dir, args)
         except Exception as e:  # record and go on: one failing variant must not lose the others
             traceback.print_exc()
             results[name] = {"error": f"{type(e).__name__}: {e}"[:300]}

@@ -163,6 +163,71 @@ def _check_attention(model: torch.nn.Module) -> None:
             model._klppo_warned_packed = True
 
 
+@dataclasses.dataclass
+class LogProbInputs:
+    """A micro-batch's inputs to :func:`log_probs_of`, prepared once by :func:`prepare_log_probs` (packing,
+    label gathering; several device syncs) and reusable by every model that reads the same rows."""
+
+    model_kwargs: dict  # input_ids, position_ids, attention_mask, logits_to_keep (+ packed boundaries)
+    target: torch.Tensor  # [B, R] bool: real response tokens
+    labels: torch.Tensor  # labels of the kept rows: [N] (packed) or [B, R] (padded)
+    head_labels: torch.Tensor  # the same as the LM head sees its rows: [1, N] or [B, R + 1]
+    packed: bool
+
+
+def prepare_log_probs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    *,
+    response_length: int,
+    use_remove_padding: bool,
+) -> LogProbInputs:
+    """The model inputs of :func:`forward_log_probs` (same arguments), without running a model."""
+    target = _response_columns(attention_mask, response_length)
+    labels = input_ids[:, input_ids.shape[1] - response_length :]
+    if use_remove_padding:
+        packed = pack(input_ids, attention_mask, position_ids)
+        src = _packed_sources(packed, target)
+        kwargs = dict(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
+            logits_to_keep=src, use_cache=False, **packed.attention_kwargs(),
+        )  # fmt: skip
+        return LogProbInputs(kwargs, target, labels[target], labels[target].unsqueeze(0), packed=True)
+    kwargs = dict(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        logits_to_keep=response_length + 1, use_cache=False,
+    )  # fmt: skip
+    # the last kept position predicts nothing: any label (0) there, its result is dropped
+    return LogProbInputs(kwargs, target, labels, torch.nn.functional.pad(labels, (0, 1)), packed=False)
+
+
+def log_probs_of(
+    model: torch.nn.Module,
+    inputs: LogProbInputs,
+    *,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    fused: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`forward_log_probs` on prepared inputs."""
+    if inputs.packed:
+        _check_attention(model)
+    with _head(model, inputs.head_labels, temperature, calculate_entropy, fused) as head_out:
+        out = model(**inputs.model_kwargs)
+    target = inputs.target
+    if inputs.packed:
+        # [N, V] (or [N, 2] fused): only the positions that predict a real response token
+        log_probs, entropy = head_out(out.logits[0], inputs.labels)
+        log_probs = _scatter_response(log_probs, target)
+        entropy = None if entropy is None else _scatter_response(entropy, target)
+        return log_probs, entropy
+    log_probs, entropy = head_out(out.logits[:, :-1], inputs.labels)  # from [B, R, V] (or [B, R, 2] fused)
+    log_probs = torch.where(target, log_probs, 0.0)
+    entropy = None if entropy is None else torch.where(target, entropy, 0.0)
+    return log_probs, entropy
+
+
 def forward_log_probs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -190,40 +255,13 @@ def forward_log_probs(
     Returns:
         log_probs [B, R] float32 and entropy [B, R] float32 (or None); zeros at masked response positions.
     """
-    target = _response_columns(attention_mask, response_length)
-    labels = input_ids[:, input_ids.shape[1] - response_length :]
-    if use_remove_padding:
-        _check_attention(model)
-        packed = pack(input_ids, attention_mask, position_ids)
-        src = _packed_sources(packed, target)
-        with _head(model, labels[target].unsqueeze(0), temperature, calculate_entropy, fused) as head_out:
-            out = model(
-                input_ids=packed.input_ids,
-                position_ids=packed.position_ids,
-                attention_mask=None,
-                logits_to_keep=src,
-                use_cache=False,
-                **packed.attention_kwargs(),
-            )
-        # [N, V] (or [N, 2] fused): only the positions that predict a real response token
-        log_probs, entropy = head_out(out.logits[0], labels[target])
-        log_probs = _scatter_response(log_probs, target)
-        entropy = None if entropy is None else _scatter_response(entropy, target)
-        return log_probs, entropy
-    # the last kept position predicts nothing: any label (0) there, its result is dropped
-    head_labels = torch.nn.functional.pad(labels, (0, 1))
-    with _head(model, head_labels, temperature, calculate_entropy, fused) as head_out:
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=response_length + 1,
-            use_cache=False,
-        )
-    log_probs, entropy = head_out(out.logits[:, :-1], labels)  # from [B, R, V] (or [B, R, 2] fused)
-    log_probs = torch.where(target, log_probs, 0.0)
-    entropy = None if entropy is None else torch.where(target, entropy, 0.0)
-    return log_probs, entropy
+    inputs = prepare_log_probs(
+        input_ids, attention_mask, position_ids, response_length=response_length,
+        use_remove_padding=use_remove_padding,
+    )  # fmt: skip
+    return log_probs_of(
+        model, inputs, temperature=temperature, calculate_entropy=calculate_entropy, fused=fused
+    )
 
 
 @contextlib.contextmanager

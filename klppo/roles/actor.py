@@ -19,7 +19,7 @@ import torch
 from klppo.algorithms import kl as kl_mod
 from klppo.algorithms import losses
 from klppo.batch import Batch
-from klppo.roles.forward import MicroBatching, check_fused, no_grad_pass, policy_forward
+from klppo.roles.forward import ForwardPlan, MicroBatching, check_fused, log_prob_pass, policy_forward
 from klppo.roles.optim import OptimSettings
 from klppo.roles.trained import LossTerms, TrainedRole, UpdateSettings
 
@@ -68,22 +68,19 @@ class Actor(TrainedRole):
         if settings.use_fused_kernels:
             check_fused(model, "actor_rollout_ref.actor.use_fused_kernels")
 
-    def compute_log_prob(self, batch: Batch) -> torch.Tensor:
-        """Log-probs [B,R] of the batch's responses under the current policy (no gradient)."""
+    def log_prob_plan(self, batch: Batch) -> ForwardPlan:
+        """The micro-batches of :meth:`compute_log_prob`, packed (shareable with the reference)."""
+        s = self.settings
+        return ForwardPlan.build(batch, s.log_prob_micro, use_remove_padding=s.use_remove_padding)
+
+    def compute_log_prob(self, batch: Batch, *, plan: ForwardPlan | None = None) -> torch.Tensor:
+        """Log-probs [B,R] of the batch's responses under the current policy (no gradient), over ``plan``
+        when it has this role's micro-batching."""
         self.model.eval()
         s = self.settings
-        return no_grad_pass(
-            batch,
-            s.log_prob_micro,
-            lambda mb: policy_forward(
-                self.model,
-                mb,
-                temperature=s.temperature,
-                calculate_entropy=False,
-                use_remove_padding=s.use_remove_padding,
-                fused=s.use_fused_kernels,
-            )[0],
-        )
+        if plan is None or not plan.serves(s.log_prob_micro, s.use_remove_padding):
+            plan = self.log_prob_plan(batch)
+        return log_prob_pass(self.model, plan, temperature=s.temperature, fused=s.use_fused_kernels)
 
     def skips_old_log_prob(self, num_rows: int) -> bool:
         """True when an update over ``num_rows`` samples per rank is on-policy (one epoch, one mini-batch)

@@ -126,6 +126,49 @@ def value_forward(model: torch.nn.Module, batch: Batch, *, use_remove_padding: b
     )
 
 
+@dataclass
+class ForwardPlan:
+    """One batch cut into micro-batches and packed once, for the no-grad log-prob passes: the
+    old-log-prob and the reference passes read the same plan (same micro-batches, same token order) when
+    their micro-batching and padding removal agree, instead of each partitioning and packing again."""
+
+    micro: MicroBatching
+    use_remove_padding: bool
+    partitions: list[list[int]]
+    inputs: list  # [LogProbInputs] per micro-batch
+
+    @classmethod
+    def build(cls, batch: Batch, micro: MicroBatching, *, use_remove_padding: bool) -> ForwardPlan:
+        from klppo.batching.packing import prepare_log_probs
+
+        partitions, inputs = [], []
+        for idx, mb in iter_micro(batch, micro):
+            mb = trim_left_padding(mb)
+            partitions.append(idx)
+            inputs.append(
+                prepare_log_probs(
+                    mb.input_ids, mb.attention_mask, mb.position_ids, response_length=mb.response_length,
+                    use_remove_padding=use_remove_padding,
+                )
+            )  # fmt: skip
+        return cls(micro, use_remove_padding, partitions, inputs)
+
+    def serves(self, micro: MicroBatching, use_remove_padding: bool) -> bool:
+        return self.micro == micro and self.use_remove_padding == use_remove_padding
+
+
+def log_prob_pass(
+    model: torch.nn.Module, plan: ForwardPlan, *, temperature: float, fused: bool
+) -> torch.Tensor:
+    """Log-probs [B, R] (batch order) of the plan's micro-batches under ``model``, without gradients."""
+    from klppo.batching.dynamic import restore_order
+    from klppo.batching.packing import log_probs_of
+
+    with torch.no_grad():
+        chunks = [log_probs_of(model, x, temperature=temperature, fused=fused)[0] for x in plan.inputs]
+    return restore_order(chunks, plan.partitions)
+
+
 def no_grad_pass(batch: Batch, micro: MicroBatching, fn: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
     """Run ``fn`` over micro-batches without gradients; outputs [B, ...] in batch order."""
     from klppo.batching.dynamic import restore_order

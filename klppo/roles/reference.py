@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from klppo.batch import Batch
-from klppo.roles.forward import MicroBatching, check_fused, no_grad_pass, policy_forward
+from klppo.roles.forward import ForwardPlan, MicroBatching, check_fused, log_prob_pass, policy_forward
 
 
 class Reference:
@@ -42,24 +42,14 @@ class Reference:
 
         return adapters_disabled(self.model) if self.adapters_off else nullcontext()
 
-    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+    def compute_ref_log_prob(self, batch: Batch, *, plan: ForwardPlan | None = None) -> torch.Tensor:
+        """Reference log-probs [B,R] (no gradient), over ``plan`` (e.g. the actor's old-log-prob plan) when
+        it has this role's micro-batching and padding removal."""
+        if plan is None or not plan.serves(self.micro, self.use_remove_padding):
+            plan = ForwardPlan.build(batch, self.micro, use_remove_padding=self.use_remove_padding)
         with self._context():
-            return self._log_probs(batch)
-
-    def _log_probs(self, batch: Batch) -> torch.Tensor:
-        self.model.eval()
-        return no_grad_pass(
-            batch,
-            self.micro,
-            lambda mb: policy_forward(
-                self.model,
-                mb,
-                temperature=self.temperature,
-                calculate_entropy=False,
-                use_remove_padding=self.use_remove_padding,
-                fused=self.use_fused_kernels,
-            )[0],
-        )
+            self.model.eval()
+            return log_prob_pass(self.model, plan, temperature=self.temperature, fused=self.use_fused_kernels)
 
     def logits(self, batch: Batch) -> torch.Tensor:
         """Temperature-scaled response logits [B,R,V] (for ``kl_loss_type='full'``)."""

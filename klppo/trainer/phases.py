@@ -23,6 +23,7 @@ from klppo.config.schema import AlgorithmConfig
 from klppo.config.schema_arr import ActorConfig
 from klppo.parallel.collectives import rank
 from klppo.roles.actor import Actor
+from klppo.roles.forward import ForwardPlan
 from klppo.roles.reward import Reward
 from klppo.rollout.base import SamplingParams
 from klppo.trainer.setup import Run
@@ -81,9 +82,12 @@ def with_reward_baselines(run: Run, samples: Batch, prompts: Batch, greedy: Samp
     return samples.replace(reward_baselines=scores.sequence.to(run.device).repeat_interleave(n))
 
 
-def with_old_log_probs(actor: Actor, samples: Batch) -> tuple[Batch, dict[str, float]]:
-    """The actor's log-probs of the sampled tokens before the update, and their gap to the engine's."""
-    samples = samples.replace(old_log_probs=actor.compute_log_prob(samples))
+def with_old_log_probs(
+    actor: Actor, samples: Batch, *, plan: ForwardPlan | None = None
+) -> tuple[Batch, dict[str, float]]:
+    """The actor's log-probs of the sampled tokens before the update (over ``plan``'s micro-batches when
+    given), and their gap to the engine's."""
+    samples = samples.replace(old_log_probs=actor.compute_log_prob(samples, plan=plan))
     metrics: dict[str, float] = {}
     if samples.rollout_log_probs is not None:
         diff = (samples.old_log_probs - samples.rollout_log_probs).abs()

@@ -28,6 +28,7 @@ from klppo.parallel.shares import (
     shard_for_update,
     shard_prompts,
 )
+from klppo.roles.forward import ForwardPlan
 from klppo.roles.trained import TrainedRole
 from klppo.trainer.checkpoint import load_checkpoint, save_checkpoint
 from klppo.trainer.dumps import chat_text, dump_rollouts, dump_samples
@@ -154,10 +155,12 @@ class PPOTrainer:
                 with timer.phase("gen_max"):
                     local = with_reward_baselines(run, local, mine, run.sampling.greedy)
             metrics: dict[str, float] = {}
+            plan = None  # the old-log-prob micro-batches, cut and packed once, also serve the reference
             if not roles.actor.skips_old_log_prob(len(local)):  # on-policy: π_old = the update's log-probs
                 with timer.phase("old_log_prob"):
-                    local, metrics = with_old_log_probs(roles.actor, local)
-            local = self._reference_log_probs(local, timer)
+                    plan = roles.actor.log_prob_plan(local)
+                    local, metrics = with_old_log_probs(roles.actor, local, plan=plan)
+            local = self._reference_log_probs(local, timer, plan)
             with self._critic_on_device():  # from its values to its update
                 local = self._values(local, timer)
                 with timer.phase("reward"):
@@ -179,13 +182,14 @@ class PPOTrainer:
         return metrics
 
     # ------------------------------------------------------------------ phases with their offload schedule
-    def _reference_log_probs(self, samples: Batch, timer: PhaseTimer) -> Batch:
-        """Reference log-probs, with the reference on the device just for them."""
+    def _reference_log_probs(self, samples: Batch, timer: PhaseTimer, plan: ForwardPlan | None) -> Batch:
+        """Reference log-probs, with the reference on the device just for them; over ``plan`` (the
+        old-log-prob pass's micro-batches) when its micro-batching is the reference's."""
         run, reference = self.run, self.run.roles.reference
         if reference is None:
             return samples
         with timer.phase("ref"), run.offload.on_device(reference):
-            return samples.replace(ref_log_probs=reference.compute_ref_log_prob(samples))
+            return samples.replace(ref_log_probs=reference.compute_ref_log_prob(samples, plan=plan))
 
     def _values(self, samples: Batch, timer: PhaseTimer) -> Batch:
         critic = self.run.roles.critic
