@@ -212,7 +212,7 @@ def make_prompts(root: Path, tokenizer_dir: Path, *, prompt_len: int, rows: int)
     return out
 
 
-def base_overrides(w: Workload, model_dir: Path, data: Path, run_dir: Path, args) -> list[str]:
+def base_overrides(w: Workload, model_dir: Path, data: Path, run_dir: Path, rollout: str, args) -> list[str]:
     return [
         f"{ARR}.model.path={model_dir}",
         f"data.train_files={data}",
@@ -223,7 +223,7 @@ def base_overrides(w: Workload, model_dir: Path, data: Path, run_dir: Path, args
         "data.filter_overlong_prompts=False",
         "data.truncation=left",
         f"{ARR}.rollout.n={w.n}",
-        f"{ARR}.rollout.name={args.rollout}",
+        f"{ARR}.rollout.name={rollout}",
         f"{ARR}.rollout.ignore_eos=True",
         f"{ARR}.rollout.gpu_memory_utilization=0.6",
         f"{ARR}.model.enable_gradient_checkpointing={args.grad_ckpt}",
@@ -431,7 +431,7 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="trl")
     parser.add_argument("--variants", nargs="+", default=["before", "after"])
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every variant")
-    parser.add_argument("--rollout", default="klppo", help="klppo | hf")
+    parser.add_argument("--rollouts", nargs="+", default=["klppo"], help="klppo | hf (each × each variant)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--grad-ckpt", action="store_true")
     parser.add_argument("--out", default=None)
@@ -453,10 +453,13 @@ def main() -> None:
     model_dir = make_model_dir(root, w.shape, w.arch, dtype)
     data = make_prompts(root, model_dir, prompt_len=w.prompt_len, rows=w.prompts * args.steps)
     results: dict[str, dict] = {}
-    for name, extra in variants.items():
+    runs = [(v, r) for r in args.rollouts for v in variants]
+    for variant, rollout in runs:
+        extra = variants[variant]
+        name = variant if len(args.rollouts) == 1 else f"{variant} ({rollout})"
         run_dir = root / f"run_{re.sub(r'[^A-Za-z0-9_]', '_', name)}"
         config = [o for o in extra if not o.startswith("@")]
-        overrides = base_overrides(w, model_dir, data, run_dir, args) + config + list(args.set)
+        overrides = base_overrides(w, model_dir, data, run_dir, rollout, args) + config + list(args.set)
         try:
             with bench_switches([o for o in extra if o.startswith("@")]):
                 if args.workload == "update15b":
@@ -478,7 +481,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print_table(
         f"{args.workload}: {device}, torch {torch.__version__}, gradient checkpointing "
-        f"{'on' if args.grad_ckpt else 'off'}, rollout {args.rollout}", results
+        f"{'on' if args.grad_ckpt else 'off'}, rollout {' / '.join(args.rollouts)}", results
     )  # fmt: skip
 
 
