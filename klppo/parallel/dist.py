@@ -28,6 +28,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 _current_phase = "startup"
+_phase_stack: list[str] = []  # enclosing phases, outermost first: an error names the whole path
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -164,6 +165,8 @@ def phase(name: str) -> Iterator[None]:
     """
     global _current_phase
     previous, _current_phase = _current_phase, name
+    _phase_stack.append(name)
+    path = " > ".join(_phase_stack)
     os.environ["KLPPO_PHASE"] = name
     logger.debug("phase=%s", name)
     try:
@@ -175,11 +178,12 @@ def phase(name: str) -> Iterator[None]:
         if isinstance(e, dist.DistError) or any(w in text for w in _TIMEOUT_WORDS):
             rank = dist.get_rank() if dist.is_initialized() else 0
             raise CollectiveTimeoutError(
-                f"rank {rank}: a collective failed or timed out during phase {name!r} "
+                f"rank {rank}: a collective failed or timed out during phase {name!r} ({path}) "
                 f"(another rank probably crashed or is stuck; its traceback is the root cause): {e}"
             ) from e
         raise
     finally:
+        _phase_stack.pop()
         _current_phase = previous
         os.environ["KLPPO_PHASE"] = previous
 

@@ -15,6 +15,7 @@ import torch
 from klppo.batch import Batch
 from klppo.batching.balance import balance_across_ranks
 from klppo.parallel.collectives import all_gather_rows, all_reduce_sum, rank, world_size
+from klppo.parallel.dist import phase
 
 
 def shard_prompts(prompts: Batch) -> Batch:
@@ -39,10 +40,11 @@ def gather_samples(prompts: Batch, local: Batch, *, n: int, fields: Sequence[str
     """The global batch: the step's ``prompts`` × ``n`` with every rank's per-sample tensor ``fields``
     (those set on ``local``, this rank's samples of :func:`shard_prompts`) concatenated in rank order."""
     batch = prompts.repeat_interleave(n)
-    for name in fields:
-        value = getattr(local, name)
-        if value is not None:
-            setattr(batch, name, all_gather_rows(value))
+    with phase("gather_samples"):  # a rank stuck before this point shows here on the others
+        for name in fields:
+            value = getattr(local, name)
+            if value is not None:
+                setattr(batch, name, all_gather_rows(value))
     return batch
 
 
@@ -63,5 +65,6 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     if world_size() == 1:
         return metrics
     keys = sorted(metrics)
-    values = all_reduce_sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64)) / world_size()
+    with phase("reduce_metrics"):
+        values = all_reduce_sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64)) / world_size()
     return dict(zip(keys, values.tolist()))
