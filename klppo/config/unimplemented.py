@@ -61,6 +61,10 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("reward_model.reward_loop_source", "refuse", "user reward-loop classes are not supported"),
     ("reward_model.reward_loop_module_path", "refuse", "user reward-loop classes are not supported"),
     ("reward_model.reward_loop_class_name", "refuse", "user reward-loop classes are not supported"),
+    ("reward_model.sandbox_fusion.url", "refuse", "scoring code in an execution sandbox is not built"),
+    ("actor_rollout_ref.rollout.agent.default_agent_loop", "refuse", "agent loops are not built"),
+    ("actor_rollout_ref.rollout.agent.agent_loop_config_path", "refuse", "agent loops are not built"),
+    ("actor_rollout_ref.rollout.agent.custom_async_server.*", "refuse", "agent loops are not built"),
     # speed or memory only: run with a notice
     ("actor_rollout_ref.rollout.tensor_model_parallel_size", "notice",
      "klppo's rollout runs data-parallel on each rank's gathered weights (no tensor parallelism): "

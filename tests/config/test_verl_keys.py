@@ -74,6 +74,8 @@ def test_result_changing_keys_are_refused_never_warned():
         "actor_rollout_ref.actor.freeze_vision_tower=true",
         "actor_rollout_ref.model.hf_config_path=/x",
         "reward_model.reward_loop_source=importlib",
+        "reward_model.sandbox_fusion.url=http://localhost:8080/run_code",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
     ],
 )
 def test_each_refused_key_is_named_by_train(arg):
