@@ -11,6 +11,10 @@ SUBCOMMANDS = {
     "data": ("klppo.data.cli", "Prepare datasets (e.g. `klppo data gsm8k --input DIR --output DIR`)."),
     "export": ("klppo.trainer.export", "Export a checkpoint to a Hugging Face directory."),
     "tune": ("klppo.tune.cli", "Choose sharding / offload / overlap settings by model and measurement."),
+    "report": (
+        "klppo.report.cli",
+        "Draw runs' metrics into an HTML page with plots (`klppo report RUN_DIR ...`).",
+    ),
 }
 
 

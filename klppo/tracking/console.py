@@ -6,14 +6,15 @@ A training line reads (fields absent from the metrics are left out)::
     resp_len 87 | 10.2 s (gen 7.1 s) | 512 tok/s
 
 (on one line). A validation line (only ``val-*`` keys) reads ``val @ step 3 | <source>/reward/mean@1
-0.42 | ...``. The bar (tqdm) is shown only on a terminal, so logs redirected to a file hold the lines
-alone.
+0.42 | ...``. The bar (tqdm) is shown only on a terminal; without it (output to a file or a pipe) each
+training line ends with the progress the bar would show: ``| 15% | 1:02 elapsed | eta 5:48``.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import time
 from typing import Any
 
 # (label, metric keys tried in order, format)
@@ -56,13 +57,32 @@ def format_step_line(values: dict[str, float | int], step: int, total: int | Non
     return " | ".join(parts)
 
 
+def _clock(seconds: float) -> str:
+    """``m:ss`` or ``h:mm:ss``."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def format_progress(step: int, total: int, *, elapsed_s: float, steps_done: int) -> str:
+    """``15% | 1:02 elapsed | eta 5:48``: the share of ``total`` steps reached at ``step``, and the time
+    left at the mean pace of the ``steps_done`` steps of ``elapsed_s``."""
+    text = f"{100 * step / max(total, 1):.0f}% | {_clock(elapsed_s)} elapsed"
+    if steps_done > 0 and step < total:
+        text += f" | eta {_clock(elapsed_s / steps_done * (total - step))}"
+    return text
+
+
 class ConsoleBackend:
-    """Prints `format_step_line` for every ``log``; drives a tqdm bar after ``set_total_steps``."""
+    """Prints `format_step_line` for every ``log``; drives a tqdm bar after ``set_total_steps`` (on a
+    terminal), or appends `format_progress` to training lines (elsewhere)."""
 
     def __init__(self, *, stream: Any = None, **_: Any) -> None:
         self.stream = stream
         self.total: int | None = None
         self.bar = None
+        self._start: float | None = None
+        self._initial = 0
 
     def set_total_steps(self, total: int, *, initial: int = 0) -> None:
         from tqdm.auto import tqdm
@@ -74,6 +94,7 @@ class ConsoleBackend:
         self.bar = tqdm(
             total=self.total, initial=initial, unit="step", desc="klppo", disable=None, leave=True
         )
+        self._start, self._initial = time.monotonic(), int(initial)
 
     def log(self, values: dict[str, float | int], step: int) -> None:
         line = format_step_line(values, step, self.total)
@@ -81,6 +102,12 @@ class ConsoleBackend:
         if self.bar is not None and not self.bar.disable:
             self.bar.write(line, file=stream)
         else:
+            training = not (values and all(key.startswith("val-") for key in values))
+            if self.total and self._start is not None and training:
+                elapsed = time.monotonic() - self._start
+                line += " | " + format_progress(
+                    step, self.total, elapsed_s=elapsed, steps_done=step - self._initial
+                )
             print(line, file=stream, flush=True)
         if self.bar is not None and step > self.bar.n:
             self.bar.update(step - self.bar.n)

@@ -11,6 +11,8 @@ Contract:
 - ``resume_step``: on resume, lines / events logged after this step by the interrupted run are dropped
   (jsonl rewrites its file, TensorBoard purges), so the record matches an uninterrupted run.
 - ``close()`` flushes and closes every backend; the tracker is a context manager too.
+- ``history``: every ``(step, values)`` logged by this process, kept in memory (the end-of-run summary
+  reads it when no ``jsonl`` file is written).
 Ranks other than 0 are no-ops.
 """
 
@@ -112,6 +114,7 @@ class Tracker:
         self.rank = rank
         self.run_dir = run_dir
         self.backends: dict[str, Backend] = {}
+        self.history: list[tuple[int, dict[str, float | int]]] = []
         if rank != 0:
             return
         try:
@@ -135,10 +138,11 @@ class Tracker:
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Send one step's metrics to every backend (no-op on ranks other than 0)."""
-        if not self.backends:
+        if self.rank != 0:
             return
         step = operator.index(step)
         values = to_scalars(metrics)
+        self.history.append((step, values))
         for backend in self.backends.values():
             backend.log(values, step)
 

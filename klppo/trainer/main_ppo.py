@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -171,6 +172,7 @@ def run(cfg, *, device: torch.device, argv: list[str]) -> int:
     from klppo.models.loading import ModelLoadError
     from klppo.parallel import dist
     from klppo.trainer.checkpoint import CheckpointError
+    from klppo.trainer.finish import finish_run
     from klppo.trainer.ppo_trainer import PPOTrainer, TrainingStopped
     from klppo.trainer.setup import build_run
     from klppo.trainer.timer import PhaseOutOfMemory
@@ -178,14 +180,15 @@ def run(cfg, *, device: torch.device, argv: list[str]) -> int:
     info = dist.init_distributed(device.type, float(cfg.trainer.collective_timeout_s))
     if info.rank == 0:
         warn_unimplemented(cfg)
+    start = time.perf_counter()
     try:
         parts = build_run(cfg, device=info.device, argv=argv)
-        state = PPOTrainer(parts).fit()
+        PPOTrainer(parts).fit()
         # every rank done before any tears its process group down (a rank leaving while a peer still
         # talks to it aborted at exit: "terminate called without an active exception")
         dist.barrier()
         if info.rank == 0:
-            log.info("done: %d steps; metrics and checkpoints in %s", state.global_step, parts.run_dir)
+            finish_run(parts.run_dir, history=parts.tracker.history, wall_s=time.perf_counter() - start)
         return 0
     except (TrainingStopped, CheckpointError, ModelLoadError, PhaseOutOfMemory) as exc:
         print(f"klppo: {exc}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from klppo.algorithms.kl import kl_penalty
 from klppo.algorithms.losses import explained_variance, masked_mean
 from klppo.batch import Batch
-from klppo.parallel.collectives import world_size
+from klppo.parallel.collectives import all_reduce_max_values, world_size
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:
@@ -52,8 +53,9 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
 def perf_metrics(
     batch: Batch, timings: dict[str, float], *, device: torch.device, model_config: Any, ppo_epochs: int
 ) -> dict[str, float]:
-    """Throughput (tokens/s per device), MFU of the actor update, and the peak memory of the fullest rank
-    (the allocator's peak is reset after reading, so each step reports its own)."""
+    """Throughput (tokens/s per device), MFU of the actor update, and the peak memory of the fullest rank:
+    GPU (the allocator's peak is reset after reading, so each step reports its own) and host (the process's
+    peak resident memory so far, ``perf/max_rss_gb``)."""
     step_s = timings["timing_s/step"]
     total_tokens = float(batch.attention_mask.sum())
     out = {
@@ -65,15 +67,26 @@ def perf_metrics(
     mfu = actor_mfu(batch, timings.get("timing_s/update_actor"), device, model_config, ppo_epochs)
     if mfu is not None:
         out["perf/mfu/actor"] = mfu
+    peaks: dict[str, float] = {}
     if device.type == "cuda":
-        from klppo.parallel.collectives import all_reduce_max_values
-
-        allocated, reserved = all_reduce_max_values(
-            [torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30]
-        )
-        out["perf/max_memory_allocated_gb"], out["perf/max_memory_reserved_gb"] = allocated, reserved
+        peaks["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        peaks["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
+    rss = peak_rss_gib()
+    if rss is not None:
+        peaks["perf/max_rss_gb"] = rss
+    out.update(zip(peaks, all_reduce_max_values(list(peaks.values()))))
     return out
+
+
+def peak_rss_gib() -> float | None:
+    """Peak resident host memory of this process since it started, GiB (None where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20  # bytes on macOS, KiB on Linux
 
 
 def actor_mfu(

@@ -149,6 +149,30 @@ def test_console_prints_lines_and_moves_bar(tmp_path, monkeypatch, capsys):
     assert "3/5" in terminal.getvalue()
 
 
+def test_console_without_terminal_prints_progress_on_each_training_line(tmp_path, monkeypatch, capsys):
+    from klppo.tracking import console
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar
+    clock = iter([100.0, 130.0, 160.0, 161.0])
+    monkeypatch.setattr(console.time, "monotonic", lambda: next(clock))
+    tracker = _tracker(tmp_path, ["console"])
+    tracker.set_total_steps(4, initial=1)  # resumed after step 1
+    assert tracker.backends["console"].bar.disable
+    tracker.log({"critic/score/mean": 0.5}, step=2)  # 30 s for 1 step, 2 to go
+    tracker.log({"critic/score/mean": 0.75}, step=3)  # 60 s for 2 steps, 1 to go
+    tracker.log({"val-core/a/reward/mean@1": 0.5}, step=3)
+    tracker.log({"critic/score/mean": 1.0}, step=4)
+    tracker.close()
+    assert capsys.readouterr().out.splitlines() == [
+        "step 2/4 | score 0.5 | 50% | 0:30 elapsed | eta 1:00",
+        "step 3/4 | score 0.75 | 75% | 1:00 elapsed | eta 0:30",
+        "val @ step 3 | a/reward/mean@1 0.5",
+        "step 4/4 | score 1 | 100% | 1:01 elapsed",
+    ]
+    assert [step for step, _ in tracker.history] == [2, 3, 3, 4]
+    assert tracker.history[1][1] == {"critic/score/mean": 0.75}
+
+
 def test_tensorboard_scalars_and_resume_purge(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
