@@ -12,23 +12,6 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("klppo")
-QUICKSTART_YAML = Path(__file__).with_name("quickstart.yaml")
-
-
-def quickstart_argv() -> list[str]:
-    """The quickstart: SmolLM2-135M-Instruct (cached from its GGUF) on the built-in arithmetic set."""
-    from klppo.data.arithmetic import write_arithmetic_parquet
-    from klppo.models.loading import quickstart_model_path
-
-    cache = Path(os.environ.get("KLPPO_CACHE", Path.home() / ".cache" / "klppo"))
-    train, test = write_arithmetic_parquet(cache / "data" / "arithmetic", num_train=256, num_test=32, seed=0)
-    return [
-        str(QUICKSTART_YAML),
-        f"actor_rollout_ref.model.path={quickstart_model_path()}",
-        f"data.train_files={train}",
-        f"data.val_files={test}",
-        "trainer.default_local_dir=runs/quickstart",
-    ]
 
 
 def resolve_machine(cfg) -> tuple[torch.device, int]:
@@ -60,13 +43,15 @@ def _setup_logging() -> None:
 
 
 USAGE = """usage: klppo train [--dry-run] [config.yaml] [key=value ...]
+       klppo train [--dry-run] --quickstart {cpu,gpu} [key=value ...]
        python -m klppo.trainer.main_ppo [config.yaml] [key=value ...]
 
 --dry-run: check everything, print the plan (processes, per-rank sizes, roles, predicted memory), train nothing.
+--quickstart: the embedded quickstart's recipe, chosen explicitly (overrides apply on top of it).
 
 KL-regularized PPO with verl's configuration keys (dotted overrides, e.g. data.train_batch_size=512
 actor_rollout_ref.rollout.n=4). With no arguments: the embedded quickstart (SmolLM2-135M-Instruct on a
-built-in arithmetic set). `klppo config ...` prints the resolved configuration without training.
+built-in arithmetic set): on a GPU the learning recipe, on a CPU a short demo. `klppo config ...` prints the resolved configuration without training.
 Every key: docs/configuration.md; the run directory, checkpoints and failures: docs/training.md."""
 
 
@@ -131,12 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     from klppo.config import ConfigError, check_trainable, load_config, warn_unimplemented
     from klppo.models.loading import ModelLoadError, model_dir
+    from klppo.trainer import quickstart
     from klppo.trainer.startup_checks import check_before_weights
 
+    recipe = None
     try:
-        if not argv:
-            log.info("no arguments: running the embedded quickstart (%s)", QUICKSTART_YAML)
-            argv = quickstart_argv()
+        name, argv = _pop_option(argv, "--quickstart")
+        if name is not None or not argv:
+            recipe = quickstart.choose(name)
+            print(recipe.about, flush=True)
+            argv = quickstart.quickstart_argv(recipe) + argv
         cfg = load_config(argv)
         check_trainable(cfg)
         device, nproc = resolve_machine(cfg)
@@ -146,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         if dry:
             warn_unimplemented(cfg)
             return dry_run(cfg, device=device, nproc=nproc, model_path=model_path, plan=plan)
-    except (ConfigError, ModelLoadError, FileNotFoundError, ImportError) as exc:
+    except (ConfigError, ModelLoadError, FileNotFoundError, ImportError, ValueError) as exc:
         print(f"klppo: {exc}", file=sys.stderr)
         return 2
 
@@ -163,7 +152,27 @@ def main(argv: list[str] | None = None) -> int:
         return code
     from klppo.parallel.launch import record_errors
 
-    return record_errors(run)(cfg, device=device, argv=argv)
+    code = record_errors(run)(cfg, device=device, argv=argv)
+    if recipe is not None and recipe.name == "cpu" and code == 0:
+        print(
+            f"this was the CPU demo; the learning recipe (about 5 minutes on one GPU):\n    {quickstart.GPU_COMMAND}"
+        )
+    return code
+
+
+def _pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
+    """(value of ``option VALUE`` or ``option=VALUE``, the other arguments); raises ValueError without a value."""
+    rest, value, args = [], None, iter(argv)
+    for arg in args:
+        if arg == option:
+            value = next(args, None)
+            if value is None:
+                raise ValueError(f"{option} needs a value")
+        elif arg.startswith(option + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return value, rest
 
 
 def run(cfg, *, device: torch.device, argv: list[str]) -> int:
