@@ -42,7 +42,7 @@ FIGURES: tuple[FigureSpec, ...] = (
                "reference) per response token, the KL loss and the KL penalty in the reward, their "
                "coefficients, and the approximate KL of the PPO update (actor/ppo_kl).",
                ("actor/ref_kl_k1", "actor/ref_kl_k3", "actor/kl_loss", "actor/reward_kl_penalty",
-                "actor/kl_coef", "actor/reward_kl_penalty_coeff", "actor/reward_kl_penalty_share",
+                "actor/kl_coef", "actor/kl_loss_ctrl_kl", "actor/reward_kl_penalty_coeff", "actor/reward_kl_penalty_share",
                 "actor/ppo_kl")),
     FigureSpec("entropy", "Entropy", "Mean per-token entropy of the policy on its own samples (nats).",
                ("actor/entropy",)),

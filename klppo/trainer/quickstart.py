@@ -45,6 +45,7 @@ QUICKSTARTS: dict[str, Quickstart] = {
         num_train=8000,
         num_test=200,
         run_dir="runs/quickstart-gpu",
+        data_kwargs={"negative": True},  # bench/learning.py's distribution: differences may be negative
         about=(
             "klppo quickstart (GPU): SmolLM2-135M-Instruct learns 2-digit arithmetic with KL-PPO (GRPO, k3 KL "
             "loss toward the reference), about 5 minutes of training on one H200; greedy accuracy on 200 "
