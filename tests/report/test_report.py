@@ -29,7 +29,7 @@ def test_end_of_run_summary_and_report(tiny_runs):
     assert summary[0] == f"klppo run summary: {STEPS} training steps in {run_a}"
     assert re.search(rf"score \(critic/score/mean\): \S+ → \S+ \(step 1 → {STEPS}\)", text), text
     assert re.search(rf"validation openai/gsm8k/reward/mean@1: \S+ → \S+ \(step 0 → {STEPS}\)", text), text
-    assert re.search(r"KL to the reference, last step: k1 \S+ \(max \S+\), kl_loss", text), text
+    assert re.search(r"KL to the reference, last step: k1 \S+ \(max \S+\), k3 \S+ \(max \S+\), kl_loss", text), text
     assert re.search(rf"time: .* in {STEPS} steps \(.*/step; .*%.*\), .* in all", text), text
     assert f"checkpoint: {run_a / f'global_step_{STEPS}'}" in text
     assert f"report: {run_a / 'report.html'}" in text
@@ -114,3 +114,19 @@ def test_missing_matplotlib_is_one_line(tiny_runs, monkeypatch, tmp_path, capsys
 
     page, note = write_report(load_run(tiny_runs[0]), tmp_path)
     assert page is None and note.startswith("skipped: matplotlib is not installed (pip install 'klppo[plot]'")
+
+
+def test_non_finite_values_leave_a_gap_and_a_red_x():
+    import math
+
+    from klppo.report.figures import FIGURES, make_figure
+    from klppo.report.runs import run_from_history
+
+    run = run_from_history("nan-run", [(1, {"actor/entropy": 1.0}), (2, {"actor/entropy": math.nan}),
+                                       (3, {"actor/entropy": math.inf}), (4, {"actor/entropy": 0.5})])  # fmt: skip
+    ax = make_figure(next(s for s in FIGURES if s.slug == "entropy"), [run]).axes[0]
+    curve, marks = ax.get_lines()
+    assert list(curve.get_xdata()) == [1, 2, 3, 4]
+    assert [v for v in curve.get_ydata() if not math.isnan(v)] == [1.0, 0.5]  # a gap at steps 2 and 3
+    assert marks.get_marker() == "x" and marks.get_color() == "red" and list(marks.get_xdata()) == [2, 3]
+    assert make_figure(next(s for s in FIGURES if s.slug == "memory"), [run]) is None  # nothing logged
