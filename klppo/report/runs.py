@@ -114,14 +114,24 @@ def _json_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
     return records, bad
 
 
+def is_run_summary(record: Mapping[str, Any]) -> bool:
+    """The monitor's last line (``"rule": "summary"``): counts for the run, not an event at a step."""
+    return record.get("rule") == "summary" or record.get("action") == "summary"
+
+
 def parse_event(record: Mapping[str, Any]) -> Event | None:
-    """An ``events.jsonl`` line as an `Event`: ``step`` plus the first of ``kind``/``rule``/``event``/
-    ``action``/``type`` as the kind and of ``message``/``msg``/``detail`` as the message (None without a
-    step)."""
+    """An ``events.jsonl`` line as an `Event` (None without a step). The monitor writes ``{"step", "rule",
+    "action", "message", ...}``: the kind is ``rule → action``; otherwise the first of ``kind``/``event``/
+    ``type``. The message is the first of ``message``/``msg``/``detail``."""
     step = to_float(record.get("step"))
     if step is None or not math.isfinite(step):
         return None
-    kind = next((str(record[k]) for k in ("kind", "rule", "event", "action", "type") if k in record), "event")
+    rule, action = record.get("rule"), record.get("action")
+    if rule and action and action != rule:
+        kind = f"{rule} → {action}"
+    else:
+        names = (rule, action, *(record.get(k) for k in ("kind", "event", "type")))
+        kind = next((str(n) for n in names if n), "event")
     message = next((str(record[k]) for k in ("message", "msg", "detail") if k in record), "")
     return Event(step=int(step), kind=kind, message=message)
 
@@ -142,7 +152,7 @@ def load_run(run_dir: str | Path, *, name: str | None = None) -> RunData:
         run.add_record(record)
     if (root / EVENTS_FILE).is_file():
         events, bad = _json_lines(root / EVENTS_FILE)
-        parsed = [parse_event(r) for r in events]
+        parsed = [parse_event(r) for r in events if not is_run_summary(r)]
         run.events = sorted((e for e in parsed if e is not None), key=lambda e: e.step)
         run.num_bad_lines += bad + sum(e is None for e in parsed)
     return run

@@ -191,13 +191,14 @@ def run(cfg, *, device: torch.device, argv: list[str]) -> int:
         warn_unimplemented(cfg)
     start = time.perf_counter()
     try:
-        parts = build_run(cfg, device=info.device, argv=argv)
-        PPOTrainer(parts).fit()
+        built = build_run(cfg, device=info.device, argv=argv)
+        PPOTrainer(built).fit()
         # every rank done before any tears its process group down (a rank leaving while a peer still
         # talks to it aborted at exit: "terminate called without an active exception")
         dist.barrier()
         if info.rank == 0:
-            finish_run(parts.run_dir, history=parts.tracker.history, wall_s=time.perf_counter() - start)
+            history = built.trackers.metrics.history
+            finish_run(built.run_dir, history=history, wall_s=time.perf_counter() - start)
         return 0
     except (TrainingStopped, CheckpointError, ModelLoadError, PhaseOutOfMemory) as exc:
         print(f"klppo: {exc}", file=sys.stderr)

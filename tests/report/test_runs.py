@@ -37,11 +37,14 @@ def test_events_in_several_spellings(tmp_path):
     (tmp_path / "events.jsonl").write_text(
         '{"step": 7, "kind": "kl_explosion", "message": "KL 0.9 > 0.5: kl_coef 0.01 -> 0.02"}\n'
         '{"step": 3, "rule": "plateau", "msg": "reward flat"}\n'
+        '{"step": 5, "rule": "kl_explosion", "action": "raise_kl_coef", "message": "KL 0.9", "kl": 0.9}\n'
         '{"kind": "no step"}\n'
+        '{"step": 9, "rule": "summary", "action": "summary", "counts": {"plateau/stop": 1}}\n'
     )
     run = load_run(tmp_path)
     assert [(e.step, e.kind, e.message) for e in run.events] == [
         (3, "plateau", "reward flat"),
+        (5, "kl_explosion → raise_kl_coef", "KL 0.9"),
         (7, "kl_explosion", "KL 0.9 > 0.5: kl_coef 0.01 -> 0.02"),
     ]
     assert run.num_bad_lines == 1
