@@ -55,10 +55,10 @@ class ValidationDropConfig:
 class OOMRecoveryConfig:
     enable: bool = F(
         True,
-        "Out of memory in an update: drop the mini-batch's gradients, halve the micro-batch (or token "
-        "budget) and redo it, at most max_retries times per step.",
+        "Out of memory in an update or a log-prob/value pass: halve that pass's micro-batch (or token "
+        "budget) and redo the pass on the same samples (an update's partial gradients dropped first).",
     )
-    max_retries: int = F(3, "Halvings per mini-batch before the error stops the run.")
+    max_retries: int = F(3, "Halvings per pass before the error stops the run.")
 
 
 @dataclass(frozen=True)

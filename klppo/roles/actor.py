@@ -71,16 +71,21 @@ class Actor(TrainedRole):
     def log_prob_plan(self, batch: Batch) -> ForwardPlan:
         """The micro-batches of :meth:`compute_log_prob`, packed (shareable with the reference)."""
         s = self.settings
-        return ForwardPlan.build(batch, s.log_prob_micro, use_remove_padding=s.use_remove_padding)
+        micro = self.oom.current("log_prob", s.log_prob_micro)  # halved after an out-of-memory retry
+        return ForwardPlan.build(batch, micro, use_remove_padding=s.use_remove_padding)
 
     def compute_log_prob(self, batch: Batch, *, plan: ForwardPlan | None = None) -> torch.Tensor:
         """Log-probs [B,R] of the batch's responses under the current policy (no gradient), over ``plan``
         when it has this role's micro-batching."""
         self.model.eval()
         s = self.settings
-        if plan is None or not plan.serves(s.log_prob_micro, s.use_remove_padding):
-            plan = self.log_prob_plan(batch)
-        return log_prob_pass(self.model, plan, temperature=s.temperature, fused=s.use_fused_kernels)
+
+        def attempt(micro: MicroBatching) -> torch.Tensor:
+            served = plan is not None and plan.serves(micro, s.use_remove_padding)
+            use = plan if served else ForwardPlan.build(batch, micro, use_remove_padding=s.use_remove_padding)
+            return log_prob_pass(self.model, use, temperature=s.temperature, fused=s.use_fused_kernels)
+
+        return self.oom.run("log_prob", s.log_prob_micro, attempt, self.model)
 
     def skips_old_log_prob(self, num_rows: int) -> bool:
         """True when an update over ``num_rows`` samples per rank is on-policy (one epoch, one mini-batch)

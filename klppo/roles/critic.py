@@ -46,10 +46,15 @@ class Critic(TrainedRole):
         """Values [B,R] (zero on masked positions)."""
         self.model.eval()
         rmpad = self.settings.use_remove_padding
-        return no_grad_pass(
-            batch,
+
+        def forward(mb: Batch) -> torch.Tensor:
+            return value_forward(self.model, mb, use_remove_padding=rmpad)
+
+        return self.oom.run(
+            "values",
             self.settings.forward_micro,
-            lambda mb: value_forward(self.model, mb, use_remove_padding=rmpad),
+            lambda micro: no_grad_pass(batch, micro, forward),
+            self.model,
         )
 
     def update_critic(self, batch: Batch) -> dict[str, float]:

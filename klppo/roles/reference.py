@@ -6,6 +6,7 @@ import torch
 
 from klppo.batch import Batch
 from klppo.roles.forward import ForwardPlan, MicroBatching, check_fused, log_prob_pass, policy_forward
+from klppo.roles.oom import OOMRecovery
 
 
 class Reference:
@@ -29,6 +30,7 @@ class Reference:
             for p in self.model.parameters():
                 p.requires_grad_(False)
         self.micro = micro
+        self.oom = OOMRecovery("ref")  # out-of-memory retries with smaller micro-batches
         self.temperature = temperature
         self.use_remove_padding = use_remove_padding
         self.use_fused_kernels = use_fused_kernels
@@ -45,11 +47,18 @@ class Reference:
     def compute_ref_log_prob(self, batch: Batch, *, plan: ForwardPlan | None = None) -> torch.Tensor:
         """Reference log-probs [B,R] (no gradient), over ``plan`` (e.g. the actor's old-log-prob plan) when
         it has this role's micro-batching and padding removal."""
-        if plan is None or not plan.serves(self.micro, self.use_remove_padding):
-            plan = ForwardPlan.build(batch, self.micro, use_remove_padding=self.use_remove_padding)
-        with self._context():
-            self.model.eval()
-            return log_prob_pass(self.model, plan, temperature=self.temperature, fused=self.use_fused_kernels)
+        rmpad = self.use_remove_padding
+
+        def attempt(micro: MicroBatching) -> torch.Tensor:
+            served = plan is not None and plan.serves(micro, rmpad)
+            use = plan if served else ForwardPlan.build(batch, micro, use_remove_padding=rmpad)
+            with self._context():
+                self.model.eval()
+                return log_prob_pass(
+                    self.model, use, temperature=self.temperature, fused=self.use_fused_kernels
+                )
+
+        return self.oom.run("log_prob", self.micro, attempt, self.model)
 
     def logits(self, batch: Batch) -> torch.Tensor:
         """Temperature-scaled response logits [B,R,V] (for ``kl_loss_type='full'``)."""

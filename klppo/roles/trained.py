@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +19,7 @@ from klppo.batch import Batch
 from klppo.parallel.collectives import all_reduce_sum, world_size
 from klppo.roles.forward import MicroBatching, iter_micro
 from klppo.roles.metrics import MetricAccumulator
+from klppo.roles.oom import OOMRecovery
 from klppo.roles.optim import OptimSettings, build_optimizer, build_scheduler
 
 LossTerms = list[tuple[torch.Tensor, str]]
@@ -56,8 +57,7 @@ class TrainedRole:
         self.optimizer = build_optimizer(model.parameters(), optim)
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.num_skipped_updates = 0  # optimizer steps skipped for a non-finite loss or grad norm
-        self.max_oom_retries = 0  # out-of-memory retries of a mini-batch (monitor.oom_recovery)
-        self.oom_events: list[dict] = []  # one per retry, drained by the trainer's monitor
+        self.oom = OOMRecovery(self.name)  # out-of-memory retries with smaller micro-batches
 
     def run_updates(self, batch: Batch, micro_loss: MicroLoss) -> dict[str, float]:
         """``ppo_epochs`` passes over mini-batches of ``batch``, one optimizer step each, then one LR step."""
@@ -79,24 +79,15 @@ class TrainedRole:
 
     def _update_mini_batch(self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator) -> None:
         """One optimizer step on ``mini``. Out of memory in a micro-batch (forward or backward): the
-        mini-batch's gradients are dropped, the micro-batch halved, and the mini-batch redone — at most
-        ``max_oom_retries`` times; the accumulated gradient is the mini-batch's either way."""
-        retries = 0
-        while True:
+        mini-batch's gradients are dropped and it is redone with half the micro-batch (`klppo.roles.oom`);
+        the accumulated gradient is the mini-batch's either way."""
+
+        def attempt(micro: MicroBatching) -> tuple[bool, MetricAccumulator]:
             self.optimizer.zero_grad(set_to_none=True)
             local = MetricAccumulator()
-            try:
-                finite = self._accumulate(mini, micro_loss, local)
-                break
-            except torch.OutOfMemoryError as exc:
-                if retries >= self.max_oom_retries or self._smaller_update_micro() is None:
-                    raise
-                error = (str(exc).splitlines() or ["out of memory"])[0][:200]
-            # outside the except block: the failed pass's frames (and tensors) are released by now
-            reset_after_failed_pass(self.model)
-            self.optimizer.zero_grad(set_to_none=True)
-            self._halve_update_micro(error)
-            retries += 1
+            return self._accumulate(mini, micro_loss, local, micro), local
+
+        finite, local = self.oom.run("update", self.update.update_micro, attempt, self.model)
         grad_norm = clip_grad_norm(self.model, self.update.grad_clip)
         if finite and math.isfinite(grad_norm):
             self.optimizer.step()
@@ -106,11 +97,13 @@ class TrainedRole:
         acc.merge(local)
         acc.add({f"{self.name}/grad_norm": grad_norm})
 
-    def _accumulate(self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator) -> bool:
+    def _accumulate(
+        self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator, micro: MicroBatching
+    ) -> bool:
         """Backward of every micro-batch of ``mini`` (gradients summed); True when every loss was finite."""
         counts = global_counts(mini.response_mask)
         finite = True
-        for _, mb in iter_micro(mini, self.update.update_micro):
+        for _, mb in iter_micro(mini, micro):
             terms, stats = micro_loss(mb)
             loss = sum(
                 term * micro_weight(mode, mb.response_mask, counts, mini.response_length)
@@ -121,43 +114,13 @@ class TrainedRole:
             acc.add(stats, weight=float(mb.response_mask.sum()))
         return finite
 
-    def _smaller_update_micro(self) -> tuple[str, int, int] | None:
-        """(field, old, new) halving the update micro-batch (rows, or the token budget with
-        use_dynamic_bsz); None when it is 1 already."""
-        micro = self.update.update_micro
-        key = "max_token_len" if micro.use_dynamic_bsz else "micro_batch_size"
-        old = getattr(micro, key)
-        return (key, old, old // 2) if old > 1 else None
-
-    def _halve_update_micro(self, error: str) -> None:
-        """Halve the update micro-batch for the rest of the run; the change goes to ``oom_events``."""
-        key, old, new = self._smaller_update_micro()
-        self.update = replace(self.update, update_micro=replace(self.update.update_micro, **{key: new}))
-        free_device_memory()
-        self.oom_events.append({
-            "role": self.name, key + "_old": old, key + "_new": new,
-            "message": f"out of memory in the {self.name} update ({error}): mini-batch redone with "
-                       f"{key} {old} → {new}",
-        })  # fmt: skip
-
     # ---- checkpoint state ---------------------------------------------------------------------
     def extra_state(self) -> dict:
-        micro = self.update.update_micro
-        return {
-            "scheduler": self.scheduler.state_dict(),
-            "num_skipped_updates": self.num_skipped_updates,
-            "update_micro": {
-                "micro_batch_size": micro.micro_batch_size,
-                "max_token_len": micro.max_token_len,
-            },
-        }
+        return {"scheduler": self.scheduler.state_dict(), "num_skipped_updates": self.num_skipped_updates}
 
     def load_extra_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.num_skipped_updates = int(state["num_skipped_updates"])
-        if "update_micro" in state:  # a micro-batch halved by an out-of-memory retry stays halved
-            micro = replace(self.update.update_micro, **state["update_micro"])
-            self.update = replace(self.update, update_micro=micro)
 
 
 def global_counts(mini_mask: torch.Tensor) -> tuple[float, float, float]:
@@ -179,21 +142,6 @@ def micro_weight(
     return world_size() * micro_batch_loss_weight(
         mode, micro_mask, tokens, seqs, horizon=horizon, mini_num_rows=rows
     )
-
-
-def free_device_memory() -> None:
-    """Return cached device blocks after an out-of-memory error (the failed pass's tensors are garbage)."""
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def reset_after_failed_pass(model: torch.nn.Module) -> None:
-    from klppo.parallel.fsdp import reset_after_failed_pass as reset
-
-    reset(model)
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

@@ -96,15 +96,19 @@ class RunControls:
         for group, base, fn in zip(role.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
             group["lr"] = base * fn(sched.last_epoch)
 
+    def _oom_roles(self) -> list[Any]:
+        roles = self.run.roles
+        return [r for r in (roles.actor, roles.critic, roles.reference) if r is not None]
+
     def set_oom_retries(self, max_retries: int) -> None:
-        for role in self.run.roles.trained().values():
-            role.max_oom_retries = max_retries
+        for role in self._oom_roles():
+            role.oom.max_retries = max_retries
 
     def drain_oom_events(self) -> list[dict[str, Any]]:
         out = []
-        for role in self.run.roles.trained().values():
-            out += role.oom_events
-            role.oom_events = []
+        for role in self._oom_roles():
+            out += role.oom.events
+            role.oom.events = []
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -112,6 +116,7 @@ class RunControls:
             "entropy_coeff": self.entropy_coeff,
             "lr_scale": self.lr_scale,
             "coef_scales": self.coef_scales,
+            "oom_micro": {role.oom.role: role.oom.state_dict() for role in self._oom_roles()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -120,6 +125,8 @@ class RunControls:
         self._set_actor(entropy_coeff=state["entropy_coeff"])
         self.lr_scale = float(state["lr_scale"])
         self.coef_scales = dict(state["coef_scales"])
+        for role in self._oom_roles():  # micro-batches halved after out-of-memory errors stay halved
+            role.oom.load_state_dict(state.get("oom_micro", {}).get(role.oom.role, {}))
         for name, scale in self.coef_scales.items():
             ctrl = self._controller(name)
             if hasattr(ctrl, "init"):

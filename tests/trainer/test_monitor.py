@@ -251,7 +251,7 @@ def test_oom_in_actor_backward_is_retried_with_the_same_gradients(
     assert oom.raised and state.global_step == 2
     (event,) = acted(run, "oom_recovery/actor")
     assert event["step"] == 1 and event["micro_batch_size_old"] == 2 and event["micro_batch_size_new"] == 1
-    assert parts.roles.actor.update.update_micro.micro_batch_size == 1  # stays halved for the rest of the run
+    assert parts.roles.actor.oom.micro["update"].micro_batch_size == 1  # stays halved for the rest of the run
     assert by_step(run)[1]["monitor/oom_recovery/retries"] == 1
     assert len(oom_grads) == len(clean_grads) == 4  # 2 steps × 2 mini-batches, none lost or repeated
     # the retried mini-batch (step 1's first optimizer step) has the uninterrupted one's gradient to fp32
@@ -260,6 +260,54 @@ def test_oom_in_actor_backward_is_retried_with_the_same_gradients(
     for i, (clean, retried) in enumerate(zip(clean_grads, oom_grads)):
         for a, b in zip(clean, retried, strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-6 if i == 0 else 1e-5)
+
+
+def test_oom_in_the_log_prob_pass_is_retried_with_the_same_log_probs(
+    tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    """Out of memory in the 2nd micro-batch of the actor's old-log-prob pass (no gradients): the pass is
+    redone with half the micro-batch and the step's numbers are those of an uninterrupted step."""
+    from klppo.roles.actor import Actor
+
+    common = GRPO + reward_file(tmp_path, REWARD_VARIED) + ["trainer.total_training_steps=2"]
+    run_training(base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "clean") + common)
+
+    state = {"inside": False, "forwards": 0, "raised": False}
+    real_init, real_pass = Actor.__init__, Actor.compute_log_prob
+
+    def hook(module, args, output):
+        if state["inside"] and not state["raised"]:
+            state["forwards"] += 1
+            if state["forwards"] == 2:
+                state["raised"] = True
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated, log-prob pass)")
+
+    def init_with_hook(self, model, *a, **k):
+        real_init(self, model, *a, **k)
+        _last_layer(model).register_forward_hook(hook)
+
+    def log_prob_pass(self, batch):
+        state["inside"] = True
+        try:
+            return real_pass(self, batch)
+        finally:
+            state["inside"] = False
+
+    monkeypatch.setattr(Actor, "__init__", init_with_hook)
+    monkeypatch.setattr(Actor, "compute_log_prob", log_prob_pass)
+    run = tmp_path / "oom"
+    state_, parts = run_training(base_overrides(tiny_model_dir, arithmetic_data, run) + common)
+    assert state["raised"] and state_.global_step == 2
+    (event,) = acted(run, "oom_recovery/actor")
+    assert event["phase"] == "log_prob" and (
+        event["micro_batch_size_old"],
+        event["micro_batch_size_new"],
+    ) == (4, 2)
+    assert parts.roles.actor.oom.micro["log_prob"].micro_batch_size == 2
+    clean, retried = by_step(tmp_path / "clean"), by_step(run)
+    for key in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/ref_kl_k1", "critic/score/mean"):
+        for step in (1, 2):
+            assert retried[step][key] == pytest.approx(clean[step][key], rel=1e-5, abs=1e-6), (key, step)
 
 
 def test_oom_past_the_retries_stops_with_the_phase_named(

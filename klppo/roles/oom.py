@@ -1,0 +1,80 @@
+"""Out-of-memory recovery of a role's passes (``monitor.oom_recovery``): a pass that runs out of device
+memory is redone with half the micro-batch (rows, or the token budget with ``use_dynamic_bsz``) — the same
+samples, so nothing is lost, and for an update the same accumulated gradient.
+
+One `OOMRecovery` per role holds, per phase (``update``, ``log_prob``, ``values``), the micro-batching in
+force after any halving (it stays halved for the rest of the run, and through a checkpoint via
+``state_dict``), and the retries made since the trainer last drained ``events``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from klppo.roles.forward import MicroBatching
+
+T = TypeVar("T")
+
+
+def halved(micro: MicroBatching) -> tuple[str, int, int] | None:
+    """(field, old, new) halving ``micro``: rows, or the token budget with use_dynamic_bsz; None at 1."""
+    key = "max_token_len" if micro.use_dynamic_bsz else "micro_batch_size"
+    old = getattr(micro, key)
+    return (key, old, old // 2) if old > 1 else None
+
+
+class OOMRecovery:
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.max_retries = 0  # set by the trainer's monitor from monitor.oom_recovery
+        self.micro: dict[str, MicroBatching] = {}
+        self.events: list[dict[str, Any]] = []
+
+    def current(self, phase: str, default: MicroBatching) -> MicroBatching:
+        """The micro-batching of ``phase``: ``default`` unless an out-of-memory retry halved it."""
+        return self.micro.get(phase, default)
+
+    def run(self, phase: str, default: MicroBatching, attempt: Callable[[MicroBatching], T], model) -> T:
+        """``attempt(micro)`` with this phase's micro-batching; on out of memory: FSDP2 state of ``model``
+        reset, the micro-batch halved, ``attempt`` called again (at most ``max_retries`` times)."""
+        retries = 0
+        while True:
+            micro = self.current(phase, default)
+            try:
+                return attempt(micro)
+            except torch.OutOfMemoryError as exc:
+                change = halved(micro)
+                if retries >= self.max_retries or change is None:
+                    raise
+                error = (str(exc).splitlines() or ["out of memory"])[0][:200]
+            # outside the except block: the failed pass's frames (and tensors) are released by now
+            _reset(model)
+            key, old, new = change
+            self.micro[phase] = dataclasses.replace(micro, **{key: new})
+            self.events.append({
+                "role": self.role, "phase": phase, key + "_old": old, key + "_new": new,
+                "message": f"out of memory in the {self.role} {phase} pass ({error}): redone with {key} "
+                           f"{old} → {new}",
+            })  # fmt: skip
+            retries += 1
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        return {phase: dataclasses.asdict(m) for phase, m in self.micro.items()}
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        self.micro = {phase: MicroBatching(**fields) for phase, fields in state.items()}
+
+
+def _reset(model: torch.nn.Module) -> None:
+    import gc
+
+    from klppo.parallel.fsdp import reset_after_failed_pass
+
+    reset_after_failed_pass(model)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
