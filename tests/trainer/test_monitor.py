@@ -286,10 +286,10 @@ def test_oom_in_the_log_prob_pass_is_retried_with_the_same_log_probs(
         real_init(self, model, *a, **k)
         _last_layer(model).register_forward_hook(hook)
 
-    def log_prob_pass(self, batch):
+    def log_prob_pass(self, batch, **kwargs):
         state["inside"] = True
         try:
-            return real_pass(self, batch)
+            return real_pass(self, batch, **kwargs)
         finally:
             state["inside"] = False
 
