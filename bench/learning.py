@@ -145,7 +145,7 @@ class Run:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.log = open(run_dir / "stdout.log", "w")
         cmd = [sys.executable, "-m", "klppo.trainer.main_ppo", *argv]
-        (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+        (run_dir / "bench_command.txt").write_text(" ".join(cmd) + "\n")  # klppo writes its own command.txt
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.stopped_at: float | None = None
         self.thread = threading.Thread(target=self._watch, daemon=True)

@@ -101,8 +101,10 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("algorithm.kl_ctrl.horizon", 1, None),
     ("trainer.nnodes", 1, None),
     ("trainer.total_epochs", 1, None),
+    ("trainer.total_training_steps", 1, None),
     ("trainer.max_nan_steps", 0, None),
     ("trainer.collective_timeout_s", 1, None),
+    ("trainer.stop_grace_s", 0, None),
 )
 
 

@@ -301,8 +301,14 @@ class TrainerConfig:
     device: str = F("auto", "[klppo default] auto (cuda if present, else cpu) | cuda | cpu.")
     use_legacy_worker_impl: str = F("auto", "verl worker implementation switch.")
     seed: int = F(1, "[klppo] Seed of model init (value head), sampling and data order (with data.seed).")
-    max_nan_steps: int = F(3, "[klppo] Consecutive NaN/inf-loss steps skipped before the run stops.")
+    max_nan_steps: int = F(
+        3, "[klppo] Steps skipped for a NaN/inf (reward, KL, loss, ...) before the run stops."
+    )
     collective_timeout_s: int = F(1800, "[klppo] Seconds a collective may wait before the run fails.")
+    stop_grace_s: int = F(
+        600,
+        "[klppo] After SIGTERM/SIGINT to `klppo train`, seconds its ranks get to finish the step and save.",
+    )
 
 
 @dataclass(frozen=True)

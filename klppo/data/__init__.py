@@ -2,5 +2,6 @@
 prompt loader that turns them into left-padded ``Batch`` objects. Knows nothing of the training loop."""
 
 from klppo.data.dataset import LoaderStats, PromptLoader
+from klppo.data.parquet_rows import DataError
 
-__all__ = ["LoaderStats", "PromptLoader"]
+__all__ = ["DataError", "LoaderStats", "PromptLoader"]

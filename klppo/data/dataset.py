@@ -11,7 +11,12 @@ Text: the tokenizer's chat template with ``add_generation_prompt=True``; with no
 tokens, e.g. BOS). As in verl, ``return_raw_chat`` does not change the tokens: it only says the rollout
 wants the messages, and ``raw_prompt`` is always filled here. Prompts longer than ``max_prompt_length``
 are dropped at construction (``filter_overlong_prompts``) or else cut by ``truncation``: ``left`` keeps the
-last tokens, ``right`` the first, ``middle`` the first ⌊P/2⌋ and last ⌈P/2⌉, ``error`` stops.
+last tokens, ``right`` the first, ``middle`` the first ⌊P/2⌋ and last ⌈P/2⌉ (counted by the scan and
+reported: ``LoaderStats.num_truncated``), ``error`` stops at construction naming the first such row.
+
+Every problem with the data is a :class:`DataError` (a ``ValueError``) raised at construction, naming the
+file (and row): a file that is not Parquet or is empty, a missing prompt column, a bad row under
+``bad_row_policy='error'``, an overlong prompt under ``truncation='error'``, no usable prompts.
 
 Order. Construction scans every row group once (prompt column only; one row group in memory at a time)
 to find bad rows and prompts longer than ``max_prompt_length``. Two shuffle modes:
@@ -43,7 +48,7 @@ import numpy as np
 import torch
 
 from klppo.batch import Batch
-from klppo.data.parquet_rows import RowGroupSource, normalize_prompt
+from klppo.data.parquet_rows import DataError, RowGroupSource, normalize_prompt
 
 logger = logging.getLogger(__name__)
 _META_COLUMNS = ("data_source", "reward_model", "extra_info")
@@ -56,7 +61,8 @@ class LoaderStats:
 
     num_rows_total: int = 0
     num_bad_rows: int = 0
-    num_overlong: int = 0
+    num_overlong: int = 0  # longer than max_prompt_length and filtered out
+    num_truncated: int = 0  # longer than max_prompt_length and kept, cut by ``truncation``
     num_rows: int = 0
     bad_rows: list[str] = dataclasses.field(default_factory=list)  # first few, "file:row: reason"
     row_groups_read: int = 0
@@ -121,11 +127,11 @@ class PromptLoader:
         self.source = RowGroupSource(paths, max_cached_row_groups=max_cached_row_groups)
         for f, path in enumerate(self.source.paths):
             if prompt_key not in self.source.column_names(f):
-                raise ValueError(
+                raise DataError(
                     f"{path} has no column {prompt_key!r} (data.prompt_key); columns: {self.source.column_names(f)}"
                 )
             if reward_fn_key != "data_source" and reward_fn_key not in self.source.column_names(f):
-                raise ValueError(
+                raise DataError(
                     f"{path} has no column {reward_fn_key!r} (data.reward_fn_key); "
                     f"columns: {self.source.column_names(f)}"
                 )
@@ -159,30 +165,48 @@ class PromptLoader:
                     ok[i] = False
                     self._report_bad(first + i, reason)
                 messages.append(msgs)
+            idx = np.flatnonzero(ok)
+            lengths = np.asarray(
+                [len(ids) for ids in self._encode([messages[i] for i in idx])], dtype=np.int64
+            )
+            overlong = idx[lengths > self.max_prompt_length]
             if self.filter_overlong_prompts:
-                idx = np.flatnonzero(ok)
-                lengths = [len(ids) for ids in self._encode([messages[i] for i in idx])]
-                overlong = idx[np.asarray(lengths, dtype=np.int64) > self.max_prompt_length]
                 ok[overlong] = False
                 self.stats.num_overlong += len(overlong)
+            elif len(overlong) and self.truncation == "error":
+                first_long = int(overlong[0])
+                raise DataError(
+                    f"prompt in {self._where(first + first_long)} has {int(lengths[idx == first_long][0])} "
+                    f"tokens > max_prompt_length={self.max_prompt_length} (data.truncation=error); set "
+                    "data.filter_overlong_prompts=True or data.truncation=left|right|middle, or raise "
+                    "data.max_prompt_length"
+                )
+            else:
+                self.stats.num_truncated += len(overlong)
             self.stats.num_rows += int(ok.sum())
             if self.shuffle_buffer_rows is None:
                 kept.append(first + np.flatnonzero(ok).astype(np.int64))
         self.stats.row_groups_read = self.source.stats.row_groups_read
         self.stats.max_rows_resident = self.source.stats.max_rows_resident
-        logger.info(
-            "prompts: %d rows, %d usable, %d bad, %d longer than max_prompt_length=%d (filtered)",
-            self.stats.num_rows_total, self.stats.num_rows, self.stats.num_bad_rows,
-            self.stats.num_overlong, self.max_prompt_length,
-        )  # fmt: skip
+        logger.info("prompts: %s", self.summary())
         if self.shuffle_buffer_rows is not None:
             return None
         return np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
 
+    def summary(self) -> str:
+        """One line: rows, usable, bad, and overlong ones filtered or truncated."""
+        s, p = self.stats, self.max_prompt_length
+        longer = (
+            f"{s.num_overlong} longer than max_prompt_length={p} (filtered)"
+            if self.filter_overlong_prompts
+            else f"{s.num_truncated} longer than max_prompt_length={p} (truncated, {self.truncation})"
+        )
+        return f"{s.num_rows_total} rows, {s.num_rows} usable, {s.num_bad_rows} bad, {longer}"
+
     def _report_bad(self, global_id: int, reason: str) -> None:
         where = f"{self._where(global_id)}: {reason}"
         if self.bad_row_policy == "error":
-            raise ValueError(f"bad row in {where} (data bad-row policy 'error'; 'skip' skips such rows)")
+            raise DataError(f"bad row in {where} (data bad-row policy 'error'; 'skip' skips such rows)")
         self.stats.num_bad_rows += 1
         if len(self.stats.bad_rows) < _MAX_REPORTED_BAD_ROWS:
             self.stats.bad_rows.append(where)
@@ -195,9 +219,9 @@ class PromptLoader:
             f"wrongly typed/empty prompt), {s.num_overlong} longer than max_prompt_length={self.max_prompt_length}"
         )
         if s.num_rows == 0:
-            raise ValueError(f"no usable prompts after filtering: {why}")
+            raise DataError(f"no usable prompts in {', '.join(self.source.paths)}: {why}")
         if self.drop_last and s.num_rows < self.batch_size:
-            raise ValueError(
+            raise DataError(
                 f"only {s.num_rows} usable prompts, fewer than batch_size={self.batch_size} with drop_last: {why}"
             )
 
@@ -329,7 +353,7 @@ class PromptLoader:
         for row in rows:
             msgs, reason = normalize_prompt(row.get(self.prompt_key))
             if reason is not None:  # only possible if a file changed after the scan
-                raise ValueError(f"{self.source.paths[row['_file']]} row {row['_row']}: {reason}")
+                raise DataError(f"{self.source.paths[row['_file']]} row {row['_row']}: {reason}")
             messages.append(msgs)
         encoded = self._encode(messages)
         for k, ids in enumerate(encoded):
@@ -360,7 +384,7 @@ class PromptLoader:
             return ids[:p]
         if self.truncation == "middle":
             return ids[: p // 2] + ids[len(ids) - (p - p // 2) :]
-        raise ValueError(
+        raise DataError(  # only possible if a file changed after the scan
             f"prompt in {self.source.paths[row['_file']]} row {row['_row']} has {len(ids)} tokens > "
             f"max_prompt_length={p}; set data.filter_overlong_prompts=True or data.truncation=left|right|middle"
         )

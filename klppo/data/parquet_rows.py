@@ -19,6 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
+class DataError(ValueError):
+    """A problem with the prompt data (file, column, rows), found at start-up; the message names the file."""
+
+
 @dataclasses.dataclass
 class ReadStats:
     """Counters of the reading path (tests check that reads stay per row group)."""
@@ -32,17 +36,19 @@ class RowGroupSource:
 
     def __init__(self, paths: Sequence[str], *, max_cached_row_groups: int = 16) -> None:
         if not paths:
-            raise ValueError("no Parquet files given")
+            raise DataError("no Parquet files given (data.train_files / data.val_files)")
         self.paths = [os.path.abspath(os.path.expanduser(p)) for p in paths]
         self._files: list[pq.ParquetFile] = []
         rows_per_file, self.rg_starts = [], []
         for path in self.paths:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"Parquet file not found: {path}")
+            if os.path.getsize(path) == 0:
+                raise DataError(f"{path} is empty (0 bytes), not a Parquet file")
             try:
                 pf = pq.ParquetFile(path)
             except (pa.ArrowInvalid, OSError) as exc:
-                raise ValueError(f"cannot read {path} as Parquet: {exc}") from None
+                raise DataError(f"cannot read {path} as Parquet: {exc}") from None
             self._files.append(pf)
             sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
             self.rg_starts.append(np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]))

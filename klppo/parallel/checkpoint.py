@@ -5,10 +5,18 @@ shards, and a load reads whatever slices the loading ranks own, so a checkpoint 
 on any K' (1 included, also into a model that is not sharded at all, with or without a process group).
 Atomicity (temp dir + rename) and trainer state are the trainer's concern: ``save_checkpoint`` writes
 into the directory it is given, all ranks taking part.
+
+Loading never runs code from the checkpoint: DCP reads tensors with ``torch.load(weights_only=True)``, and
+its ``.metadata`` file (a pickle) is read here through an unpickler that admits only DCP's metadata
+classes, ``torch.Size``, dtypes and paths (:class:`SafeFileSystemReader`); anything else is refused as
+:class:`UnsafeCheckpointError` before it is built.
 """
 
 from __future__ import annotations
 
+import enum
+import pathlib
+import pickle
 from pathlib import Path
 
 import torch
@@ -21,6 +29,52 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint's pickle names a global that no klppo/DCP checkpoint contains."""
+
+
+_PATH_CLASSES = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what DCP's ``.metadata`` holds: its metadata dataclasses/enums, the storage-info record,
+    ``torch.Size``, dtypes, the layout helper and paths; every other global is refused."""
+
+    def find_class(self, module: str, name: str):
+        import torch.distributed.checkpoint.metadata as md
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        if module == md.__name__ and not name.startswith("__"):
+            obj = getattr(md, name, None)
+            if isinstance(obj, type) and (hasattr(obj, "__dataclass_fields__") or issubclass(obj, enum.Enum)):
+                return obj
+        if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
+            return _StorageInfo
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        if module == "torch.serialization" and name == "_get_layout":
+            return torch.serialization._get_layout
+        if module in ("pathlib", "pathlib._local") and name in _PATH_CLASSES:
+            return getattr(pathlib, name)
+        raise UnsafeCheckpointError(f"refused to load global {module}.{name} (not part of a checkpoint)")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file-system reader with ``.metadata`` read by :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
@@ -46,7 +100,7 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.op
     state = {"model": model_sd}
     if optimizer is not None:
         state["optim"] = optim_sd
-    dcp.load(state, checkpoint_id=str(directory))
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)))
     set_state_dict(
         model,
         _optimizers(optimizer),

@@ -13,6 +13,13 @@ A failing rank's traceback is shown once: :func:`record_errors` writes it to tor
 (``TORCHELASTIC_ERROR_FILE``) instead of the console, torchrun prints it in its failure summary, and
 only local rank 0's console output is shown (``--local-ranks-filter 0``) unless ``show_all_ranks``.
 torchrun then stops the other ranks and exits non-zero, which :func:`maybe_relaunch` returns.
+
+Signals (:func:`supervise`): torchrun runs in its own session, so a terminal's Ctrl-C reaches only the
+launching process, as ``kill PID``, ``docker stop`` and systemd do. The first SIGTERM/SIGINT creates the
+*stop file* named in the ranks' environment (``KLPPO_STOP_FILE``): the ranks see it at the end of their
+step, agree to stop, save a checkpoint and exit 0, and so does the launcher. If they have not finished
+within ``stop_grace_s`` (or on a second signal), torchrun is sent SIGTERM (it signals the ranks and kills
+them after its own 30 s), and whatever still runs 45 s later is killed: no process outlives the launcher.
 """
 
 from __future__ import annotations
@@ -20,10 +27,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
@@ -31,6 +42,8 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from klppo.parallel.dist import CollectiveTimeoutError, free_port, under_launcher
 
 T = TypeVar("T")
+STOP_FILE_ENV = "KLPPO_STOP_FILE"
+_TORCHRUN_SHUTDOWN_S = 30  # torchrun's wait between SIGTERM and SIGKILL of the ranks
 
 
 def _visible_gpu_ids() -> list[str]:
@@ -81,13 +94,14 @@ def maybe_relaunch(
     module: str,
     use_gpus: bool | None = None,
     show_all_ranks: bool = False,
+    stop_grace_s: float = 600.0,
 ) -> int | None:
     """Re-exec under torchrun when more than one process is asked for and no launcher started us.
 
     Returns torchrun's exit code (non-zero when any rank failed), or None when the caller should run
     in this process: one process in all, or already under torchrun / a multi-task SLURM step. With
     ``use_gpus`` (default: CUDA available) and K below the visible GPUs, the first K are used
-    (``CUDA_VISIBLE_DEVICES``).
+    (``CUDA_VISIBLE_DEVICES``). Signals are handled as :func:`supervise` says.
     """
     if nproc_per_node < 1 or nnodes < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node} and nnodes={nnodes} must be >= 1")
@@ -103,7 +117,92 @@ def maybe_relaunch(
     cmd = torchrun_command(
         argv, nproc_per_node=nproc_per_node, nnodes=nnodes, module=module, show_all_ranks=show_all_ranks
     )
-    return subprocess.call(cmd, env=env)
+    return supervise(cmd, env=env, stop_grace_s=stop_grace_s)
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    for pid in [*_children(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def supervise(cmd: list[str], *, env: dict[str, str], stop_grace_s: float) -> int:
+    """Run ``cmd`` (torchrun) in its own session and return its exit code; SIGTERM/SIGINT to this process
+    ask the ranks to stop through the stop file, bounded by ``stop_grace_s`` (module docstring)."""
+    stop_dir = Path(tempfile.mkdtemp(prefix="klppo-stop-"))
+    stop_file = stop_dir / "stop"
+    proc = subprocess.Popen(cmd, env={**env, STOP_FILE_ENV: str(stop_file)}, start_new_session=True)
+    state: dict[str, float | int | None] = {"signals": 0, "deadline": None}
+
+    def on_signal(signum, _frame):
+        state["signals"] = int(state["signals"] or 0) + 1
+        if state["signals"] == 1:
+            stop_file.touch()
+            state["deadline"] = time.monotonic() + stop_grace_s
+            print(
+                f"klppo: received {signal.Signals(signum).name}: the ranks finish their step and save a checkpoint "
+                f"(waiting up to {stop_grace_s:g} s, trainer.stop_grace_s; send again to stop them now)",
+                file=sys.stderr,
+            )
+        else:
+            state["deadline"] = time.monotonic()
+
+    previous = {}
+    try:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, on_signal)
+    except ValueError:  # not the main thread: no handlers, the caller handles signals
+        pass
+    try:
+        return _wait(proc, state)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if proc.poll() is None:
+            _kill_tree(proc)
+        shutil.rmtree(stop_dir, ignore_errors=True)
+
+
+def _wait(proc: subprocess.Popen, state: dict) -> int:
+    killed_at = None
+    while True:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = state["deadline"]
+        if deadline is None or time.monotonic() < deadline:
+            continue
+        if killed_at is None:
+            print(
+                "klppo: the ranks did not stop in time; stopping them (the last completed checkpoint stays)",
+                file=sys.stderr,
+            )
+            proc.send_signal(signal.SIGTERM)  # torchrun signals the ranks, SIGKILLs them after its 30 s
+            killed_at = time.monotonic()
+        elif time.monotonic() - killed_at > _TORCHRUN_SHUTDOWN_S + 15:
+            _kill_tree(proc)
+            return 128 + signal.SIGKILL
 
 
 def record_errors(fn: Callable[..., T]) -> Callable[..., T | int]:
@@ -155,10 +254,10 @@ def _torchrun_main() -> int:
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         return 1
-    except SignalException as e:  # the launcher itself was signalled (preemption, docker stop, Ctrl-C)
+    except SignalException as e:  # torchrun itself was signalled (by `klppo train` past its grace period)
         print(
-            f"klppo: stopped by signal {int(e.sigval)}; the ranks were told to finish their step and save a "
-            "checkpoint (within torchrun's grace period); run the same command to resume.",
+            f"klppo: torchrun stopped by signal {int(e.sigval)}; the ranks were signalled and killed after "
+            f"{_TORCHRUN_SHUTDOWN_S} s; the last completed checkpoint stays; run the same command to resume.",
             file=sys.stderr,
         )
         return 128 + int(e.sigval)

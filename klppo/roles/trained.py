@@ -1,6 +1,6 @@
 """What the actor and the critic share: a model with an optimizer and LR schedule, updated over
 ``ppo_epochs`` × mini-batches × micro-batches with gradient accumulation, clipping, and a skipped step when
-the loss or the gradient norm is not finite.
+the loss or the gradient norm is not finite (the rest of that batch's optimizer steps are then skipped too).
 
 Gradients are averaged over data-parallel ranks by FSDP, so each micro-batch loss is scaled such that the
 accumulated gradient equals the gradient of the loss over the *global* mini-batch (token / row counts are
@@ -65,20 +65,25 @@ class TrainedRole:
         self.model.train()
         acc = MetricAccumulator()
         generator = torch.Generator().manual_seed(u.seed)
+        applied = True
         for _ in range(u.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator) if u.shuffle else torch.arange(len(batch))
             for start in range(0, len(batch), u.mini_batch_size):
-                self._update_mini_batch(
-                    batch.select(order[start : start + u.mini_batch_size]), micro_loss, acc
-                )
+                mini = batch.select(order[start : start + u.mini_batch_size])
+                applied = self._update_mini_batch(mini, micro_loss, acc)
+                if not applied:  # non-finite: no further optimizer step from this batch
+                    break
+            if not applied:
+                break
         self.scheduler.step()
         metrics = acc.means()
         metrics[f"{self.name}/lr"] = self.scheduler.get_last_lr()[0]
         metrics[f"{self.name}/num_skipped_updates"] = float(self.num_skipped_updates)
         return metrics
 
-    def _update_mini_batch(self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator) -> None:
-        """One optimizer step on ``mini``. Out of memory in a micro-batch (forward or backward): the
+    def _update_mini_batch(self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator) -> bool:
+        """One optimizer step on ``mini``; False (step skipped, counted) when a loss or the global gradient
+        norm is not finite. Out of memory in a micro-batch (forward or backward): the
         mini-batch's gradients are dropped and it is redone with half the micro-batch (`klppo.roles.oom`);
         the accumulated gradient is the mini-batch's either way."""
 
@@ -89,13 +94,14 @@ class TrainedRole:
 
         finite, local = self.oom.run("update", self.update.update_micro, attempt, self.model)
         grad_norm = clip_grad_norm(self.model, self.update.grad_clip)
-        if finite and math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.num_skipped_updates += 1
         acc.merge(local)
         acc.add({f"{self.name}/grad_norm": grad_norm})
+        if finite and math.isfinite(grad_norm):
+            self.optimizer.step()
+            return True
+        self.optimizer.zero_grad(set_to_none=True)
+        self.num_skipped_updates += 1
+        return False
 
     def _accumulate(
         self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator, micro: MicroBatching

@@ -49,13 +49,30 @@ def flatten_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def strict_record(step: int, values: dict[str, Any]) -> dict[str, Any]:
+    """``{"step": step, **values}`` with non-finite floats replaced by ``None`` and listed under
+    ``"nonfinite"`` as ``{key: "nan" | "inf" | "-inf"}`` (absent when every value is finite)."""
+    record: dict[str, Any] = {"step": step}
+    nonfinite: dict[str, str] = {}
+    for key, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            nonfinite[key] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            value = None
+        record[key] = value
+    if nonfinite:
+        record["nonfinite"] = nonfinite
+    return record
+
+
 class JsonlBackend:
     """``<run_dir>/metrics.jsonl``: one flat JSON object per line, ``{"step": int, key: value, ...}``.
 
     Appends (a resumed run continues the file); with ``resume_step`` the lines of later steps, written
     by the interrupted run after its last checkpoint, are dropped first (atomic rewrite). Each line is
-    flushed as written, so ``tail -f`` and a crash lose nothing. Non-finite values are written as the
-    JSON extensions ``NaN`` / ``Infinity`` (read by Python's json and pandas).
+    flushed as written, so ``tail -f`` and a crash lose nothing. Lines are strict JSON (RFC 8259): a
+    non-finite value is written as ``null`` and named, with its kind, in the line's ``nonfinite`` object,
+    e.g. ``{"step": 3, "actor/pg_loss": null, "nonfinite": {"actor/pg_loss": "nan"}}`` (kinds: ``nan``,
+    ``inf``, ``-inf``); every JSON reader (jq, JavaScript, pandas) reads the file.
     """
 
     FILENAME = "metrics.jsonl"
@@ -81,7 +98,7 @@ class JsonlBackend:
         os.replace(tmp, self.path)
 
     def log(self, values: dict[str, float | int], step: int) -> None:
-        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.write(json.dumps(strict_record(step, values), allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -2,11 +2,15 @@
 
 Layout written here (``trainer.default_local_dir``)::
 
-    config.yaml        the resolved config, as given (rewritten on every start, so a resume shows the
-                       config it resumed with)
+    resolved_config.yaml  the resolved config (rewritten on every start, so a resume shows the config it
+                          resumed with); its own name, so a user's ``config.yaml`` kept there is never touched
     command.txt        the command line of the latest start, shell-quoted
     versions.json      klppo, torch, transformers, python, CUDA, GPUs, git commit of klppo
     generations.jsonl  sample generations (`GenerationLog`), one JSON object per sample
+    .klppo_files.json  the names of the files above (and ``metrics.jsonl``) that klppo created here
+
+Files klppo did not create are never overwritten or appended to: :func:`claim_run_files` refuses to start
+a run whose directory holds a file of one of those names that is not listed as klppo's.
 """
 
 from __future__ import annotations
@@ -74,14 +78,60 @@ def collect_versions() -> dict[str, Any]:
     }
 
 
-def write_run_metadata(run_dir: str, *, config_yaml: str, argv: list[str]) -> dict[str, Any]:
-    """Write ``config.yaml``, ``command.txt`` and ``versions.json`` into ``run_dir``; returns the versions.
+RESOLVED_CONFIG = "resolved_config.yaml"
+OWNED_LIST = ".klppo_files.json"
+RUN_FILES = (
+    RESOLVED_CONFIG,
+    "command.txt",
+    "versions.json",
+    "metrics.jsonl",
+    "generations.jsonl",
+    "report.html",
+)
+_LEGACY_SIGNS = ("latest_checkpointed_iteration.txt",)  # a run directory of a klppo without OWNED_LIST
 
-    Files are replaced atomically. Call on rank 0 only.
+
+class RunDirError(ValueError):
+    """The run directory holds files klppo did not create under names it would write."""
+
+
+def claim_run_files(run_dir: str | Path, names: Sequence[str] = RUN_FILES, *, record: bool = True) -> None:
+    """Refuse (:class:`RunDirError`) if a file of ``names`` exists in ``run_dir`` and klppo did not create
+    it; otherwise (with ``record``) record ``names`` as klppo's (``.klppo_files.json``). Call on rank 0,
+    before writing.
+
+    A directory of an older klppo (a checkpoint marker, no list) counts its files as klppo's."""
+    root = Path(run_dir)
+    listed = root / OWNED_LIST
+    try:
+        owned = set(json.loads(listed.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        legacy = any((root / sign).exists() for sign in _LEGACY_SIGNS)
+        owned = set(RUN_FILES) - {RESOLVED_CONFIG} if legacy else set()
+    except (OSError, ValueError) as exc:
+        raise RunDirError(
+            f"{listed} is unreadable ({exc}); remove it if this is a klppo run directory"
+        ) from None
+    foreign = [n for n in names if (root / n).exists() and n not in owned]
+    if foreign:
+        raise RunDirError(
+            f"{root} holds {', '.join(foreign)}, not written by klppo; klppo never overwrites files it did not "
+            "create: move them, or set trainer.default_local_dir to another directory"
+        )
+    if not record:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    _write_atomic(listed, json.dumps(sorted(owned | set(names))) + "\n")
+
+
+def write_run_metadata(run_dir: str, *, config_yaml: str, argv: list[str]) -> dict[str, Any]:
+    """Write ``resolved_config.yaml``, ``command.txt`` and ``versions.json`` into ``run_dir`` (after
+    :func:`claim_run_files`); returns the versions. Files are replaced atomically. Call on rank 0 only.
     """
     root = Path(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    _write_atomic(root / "config.yaml", config_yaml if config_yaml.endswith("\n") else config_yaml + "\n")
+    claim_run_files(root, (RESOLVED_CONFIG, "command.txt", "versions.json"))
+    text = config_yaml if config_yaml.endswith("\n") else config_yaml + "\n"
+    _write_atomic(root / RESOLVED_CONFIG, text)
     _write_atomic(root / "command.txt", shlex.join(argv) + "\n")
     versions = collect_versions()
     _write_atomic(root / "versions.json", json.dumps(versions, indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""Run checkpoints: ``<default_local_dir>/global_step_N/`` written atomically, resumable exactly.
+"""Run checkpoints: ``<default_local_dir>/global_step_N/`` written atomically, validated before use.
 
 Layout of one checkpoint::
 
@@ -8,31 +8,49 @@ Layout of one checkpoint::
       critic/           same for the critic, when there is one
       trainer_state.pt  step, dataloader position, KL controller, schedulers, counters
       rng/rank_<r>.pt   each rank's RNG states
+      MANIFEST.json     every other file's size and SHA-256, written once all of them are complete
       COMPLETE          written last inside the directory
 
 The directory is written as ``.global_step_N.tmp`` and renamed once every rank has finished, then
 ``latest_checkpointed_iteration.txt`` (verl's marker) is updated: a crash at any point leaves either the
-previous checkpoint or a temporary directory that is never mistaken for a checkpoint.
+previous checkpoint or a temporary directory that is never mistaken for a checkpoint. Any failure while
+writing (an ``OSError``, torch.distributed.checkpoint's ``CheckpointException``, a failed ``torch.save``)
+removes the temporary directory on every rank's say-so and raises :class:`CheckpointError` with one line;
+a full disk is named as such, with the free space and the checkpoint's expected size.
+
+Resume (:func:`resolve_resume`) validates a checkpoint before any of it is used: ``COMPLETE``, the
+manifest, each file's size and checksum, the files every checkpoint needs. A damaged latest checkpoint is
+reported in one line naming the file, and the newest intact older one is used. Only tensors and plain
+Python values are ever unpickled (``torch.load(weights_only=True)``; DCP's metadata through
+:class:`klppo.parallel.checkpoint.SafeFileSystemReader`).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
+import logging
 import os
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from klppo.parallel.collectives import rank, world_size
+from klppo.parallel.collectives import all_gather_objects, rank, world_size
 
+log = logging.getLogger("klppo")
 MARKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_LOW_SPACE_BYTES = 16 * 2**20  # less free than this after a failed write: the disk was full
 
 
 class CheckpointError(RuntimeError):
@@ -44,8 +62,21 @@ def _barrier() -> None:
         dist.barrier()
 
 
+# ---------------------------------------------------------------------------------------------- RNG
 def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """This process's RNG states as tensors and plain values (loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -53,14 +84,18 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    npy = state["numpy"]
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
+# --------------------------------------------------------------------------------------- discovery
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root``, oldest first."""
+    """Checkpoints marked complete under ``root``, oldest first (not yet validated)."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -72,20 +107,189 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _marker_step(root: Path) -> int | None:
+    try:
+        return int((root / MARKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The checkpoint named by the marker file, else the newest complete one, else None."""
-    root = Path(root)
-    marker = root / MARKER
-    if marker.exists():
+    candidates = _candidates(Path(root))
+    return candidates[0] if candidates else None
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Complete checkpoints, the marker's first, then newest to oldest."""
+    found = [path for _, path in reversed(list_checkpoints(root))]
+    step = _marker_step(root)
+    marked = root / f"global_step_{step}"
+    if step is not None and marked in found:
+        found.remove(marked)
+        found.insert(0, marked)
+    return found
+
+
+def checkpoint_step(path: Path) -> int:
+    m = _STEP_DIR.match(Path(path).name)
+    if not m:
+        raise CheckpointError(f"{path} is not named global_step_N")
+    return int(m.group(1))
+
+
+# ------------------------------------------------------------------------------------------ manifest
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 * 2**20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(directory: Path) -> list[str]:
+    skip = {MANIFEST, "COMPLETE"}
+    return sorted(
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob("*")
+        if p.is_file() and p.relative_to(directory).as_posix() not in skip
+    )
+
+
+def write_manifest(directory: Path, step: int) -> dict[str, Any]:
+    """Record every file's size and SHA-256 (hashed in parallel) in ``MANIFEST.json``."""
+    names = _files(directory)
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:
+        digests = list(pool.map(lambda n: _sha256(directory / n), names))
+    manifest = {
+        "format": 1,
+        "step": step,
+        "files": {n: {"size": (directory / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)},
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def _required_files(path: Path, roles: list[str] | None) -> list[str]:
+    required = ["trainer_state.pt", "rng/rank_0.pt"]
+    for role in roles or ["actor"]:
+        required.append(f"{role}/.metadata")
+    return required
+
+
+def validate_checkpoint(path: str | Path, *, roles: list[str] | None = None) -> str | None:
+    """None if the checkpoint is intact, else one phrase naming the damaged file and what is wrong.
+
+    Checks ``COMPLETE``, the manifest (every listed file present with its size and SHA-256) and the files
+    every checkpoint needs (``trainer_state.pt``, rank 0's RNG file, each role's DCP ``.metadata``).
+    A checkpoint written before manifests existed gets the structural checks only.
+    """
+    path = Path(path)
+    if not (path / "COMPLETE").is_file():
+        return f"{path / 'COMPLETE'} is missing (the save did not finish)"
+    manifest_path = path / MANIFEST
+    if manifest_path.exists():
         try:
-            step = int(marker.read_text().strip())
-        except ValueError:
-            step = -1
-        candidate = root / f"global_step_{step}"
-        if (candidate / "COMPLETE").exists():
-            return candidate
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
+            listed = json.loads(manifest_path.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"{manifest_path} is unreadable ({type(exc).__name__})"
+        for name, entry in sorted(listed.items()):
+            f = path / name
+            if not f.is_file():
+                return f"{f} is missing"
+            size = f.stat().st_size
+            if size != entry["size"]:
+                return f"{f} has {size} bytes, {entry['size']} were written"
+        bad = _first_checksum_mismatch(path, listed)
+        if bad is not None:
+            return f"{path / bad} does not match its checksum (damaged after the save)"
+    for name in _required_files(path, roles):
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size == 0:
+            return f"{f} is empty"
+    return None
+
+
+def _first_checksum_mismatch(path: Path, listed: dict[str, dict[str, Any]]) -> str | None:
+    names = sorted(listed)
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:
+        digests = list(pool.map(lambda n: _sha256(path / n), names))
+    for name, digest in zip(names, digests):
+        if digest != listed[name]["sha256"]:
+            return name
+    return None
+
+
+def checkpoint_bytes(path: Path) -> int | None:
+    """Total size recorded in a checkpoint's manifest (None without one)."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return sum(int(e["size"]) for e in files.values())
+
+
+# ---------------------------------------------------------------------------------------------- save
+def _state_bytes(models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> int:
+    """Bytes of the models' parameters and optimizer states (global sizes: a DTensor counts whole)."""
+    total = 0
+    for model, optimizer in models.values():
+        total += sum(p.numel() * p.element_size() for p in model.parameters())
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+    return total
+
+
+def _agree(stage: str, error: BaseException | None) -> None:
+    """Every rank learns whether any rank failed ``stage``; all raise together (no rank left waiting)."""
+    reason = None if error is None else f"{type(error).__name__}: {_first_line(error)}"
+    reasons = all_gather_objects(reason) if world_size() > 1 else [reason]
+    reasons = [r for r in reasons if r is not None]
+    if reasons:
+        raise _SaveFailed(stage, reasons[0], error)
+
+
+class _SaveFailed(Exception):
+    def __init__(self, stage: str, reason: str, error: BaseException | None) -> None:
+        super().__init__(f"{stage}: {reason}")
+        self.stage, self.reason, self.error = stage, reason, error
+
+
+def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, CheckpointException):
+        for inner, _trace in exc.failures.values():
+            return f"{type(inner).__name__}: {_first_line(inner)}"
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _looks_like_full_disk(exc: BaseException | None, reason: str) -> bool:
+    seen: list[BaseException] = []
+    todo = [exc] if exc is not None else []
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(e, CheckpointException):
+            todo += [inner for inner, _ in e.failures.values()]
+        todo += [e.__cause__, e.__context__]
+    text = " ".join([reason, *(str(e) for e in seen)]).lower()
+    return any(s in text for s in ("no space left", "unexpected pos", "file write failed", "disk quota"))
+
+
+def _step(stage: str, fn, *args) -> None:
+    error = None
+    try:
+        fn(*args)
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        error = exc
+    _agree(stage, error)
 
 
 def save_checkpoint(
@@ -100,46 +304,95 @@ def save_checkpoint(
     """Save a checkpoint of step ``step``; collective (every rank calls it). Returns the final path.
 
     ``hf_assets[role]`` is a callable ``(dir) -> None`` writing that role's HF config/tokenizer (rank 0).
+    Raises :class:`CheckpointError` (on every rank, the partial directory removed) if any rank fails.
     """
     from klppo.parallel.checkpoint import save_checkpoint as save_model_and_optimizer
 
     root = Path(root)
     final = root / f"global_step_{step}"
     tmp = root / f".global_step_{step}.tmp"
-    try:
+    previous = latest_checkpoint(root)
+
+    def prepare() -> None:
         if rank() == 0:
             root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
             (tmp / "rng").mkdir()
-        _barrier()
-        for role, (model, optimizer) in models.items():
-            save_model_and_optimizer(tmp / role, model, optimizer)
-            if rank() == 0 and role in hf_assets:
-                hf_assets[role](tmp / role / "huggingface")
+
+    def hf(role: str) -> None:
+        if rank() == 0 and role in hf_assets:
+            hf_assets[role](tmp / role / "huggingface")
+
+    def small_files() -> None:
         torch.save(rng_state(), tmp / "rng" / f"rank_{rank()}.pt")
         if rank() == 0:
             torch.save(trainer_state, tmp / "trainer_state.pt")
-        _barrier()
+
+    def finish() -> None:
         if rank() == 0:
+            write_manifest(tmp, step)
             (tmp / "COMPLETE").write_text(f"{step}\n")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _write_marker(root, step)
-            _prune(root, max_to_keep)
-        _barrier()
-    except OSError as exc:
+
+    try:
+        _step("creating the directory", prepare)
+        for role, (model, optimizer) in models.items():
+            _step(f"writing the {role} state", save_model_and_optimizer, tmp / role, model, optimizer)
+            _step(f"writing the {role} Hugging Face files", hf, role)
+        _step("writing the trainer state and RNG files", small_files)
+        _step("finishing", finish)
+    except _SaveFailed as failed:
+        full = _looks_like_full_disk(failed.error, failed.reason)
+        free_before = _free_bytes(root)
         if rank() == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        reason = "the disk is full" if exc.errno == errno.ENOSPC else str(exc)
-        raise CheckpointError(
-            f"saving checkpoint global_step_{step} under {root} failed: {reason}. "
-            f"The previous checkpoint ({latest_checkpoint(root)}) is intact; free space or change "
-            "trainer.default_local_dir and resume."
-        ) from exc
+        _barrier()
+        full = full or free_before < _LOW_SPACE_BYTES
+        expected = (previous and checkpoint_bytes(previous)) or _state_bytes(models)
+        message = _failure_message(root, step, failed, full=full, expected=expected, previous=previous)
+        raise CheckpointError(message) from None
+    if rank() == 0:
+        _prune(root, max_to_keep)
+    _barrier()
     return final
+
+
+def _free_bytes(root: Path) -> int:
+    probe = root if root.exists() else root.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return 1 << 62
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _failure_message(
+    root: Path, step: int, failed: _SaveFailed, *, full: bool, expected: int, previous: Path | None
+) -> str:
+    if full:
+        what = (
+            f"the disk is full ({_gib(_free_bytes(root))} free on {root} after removing the partial "
+            f"checkpoint; a checkpoint needs about {_gib(expected)})"
+        )
+    else:
+        what = f"{failed.stage} failed ({failed.reason})"
+    kept = (
+        f"the previous checkpoint {previous} stays the latest"
+        if previous
+        else "there is no earlier checkpoint"
+    )
+    return (
+        f"saving checkpoint global_step_{step} under {root}: {what}. The partial directory was removed; "
+        f"{kept}. Free space or change trainer.default_local_dir, then run the same command to resume."
+    )
 
 
 def _write_marker(root: Path, step: int) -> None:
@@ -155,53 +408,102 @@ def _prune(root: Path, max_to_keep: int | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def resolve_resume(mode: str, root: str | Path, resume_from_path: str | None) -> Path | None:
-    """The checkpoint to resume from under ``trainer.resume_mode`` (auto | disable | resume_path)."""
-    import logging
+# -------------------------------------------------------------------------------------------- resume
+def _newest_intact(root: Path, roles: list[str] | None) -> Path | None:
+    """Rank 0's choice: the newest intact checkpoint, each damaged newer one reported in one line."""
+    damaged = []
+    for path in _candidates(root):
+        problem = validate_checkpoint(path, roles=roles)
+        if problem is None:
+            if damaged:
+                log.warning("resuming from the older intact checkpoint %s", path)
+            return path
+        damaged.append(path)
+        log.warning("checkpoint %s is damaged: %s; trying the previous one", path.name, problem)
+    if damaged:
+        raise CheckpointError(
+            f"no intact checkpoint in {root} ({len(damaged)} damaged, named above); move them away or set "
+            "trainer.resume_mode=disable to start over"
+        )
+    return None
 
+
+def _on_rank0(fn, *args):
+    """``fn(*args)`` on rank 0 only; its result (or its CheckpointError) on every rank."""
+    result: tuple[str, Any] = ("ok", None)
+    if rank() == 0:
+        try:
+            result = ("ok", fn(*args))
+        except CheckpointError as exc:
+            result = ("error", str(exc))
+    if world_size() > 1:
+        result = all_gather_objects(result)[0]
+    if result[0] == "error":
+        raise CheckpointError(result[1])
+    return result[1]
+
+
+def resolve_resume(
+    mode: str, root: str | Path, resume_from_path: str | None, *, roles: list[str] | None = None
+) -> Path | None:
+    """The checkpoint to resume from under ``trainer.resume_mode`` (auto | disable | resume_path), validated
+    (rank 0 checks, every rank gets the same answer). ``roles``: the trained roles whose state must be there."""
     root = Path(root)
     if mode == "disable":
         if list_checkpoints(root) and rank() == 0:
-            logging.getLogger("klppo").warning(
+            log.warning(
                 "trainer.resume_mode=disable: starting fresh; the checkpoints already in %s stay there and "
                 "may be overwritten by this run's",
                 root,
             )
         return None
     if mode == "auto":
-        return latest_checkpoint(root)
+        return _on_rank0(_newest_intact, root, roles)
     if mode == "resume_path":
         if not resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
         path = Path(resume_from_path).expanduser()
-        if not (path / "COMPLETE").exists():
-            raise CheckpointError(f"trainer.resume_from_path={path} is not a complete klppo checkpoint")
-        return path
+
+        def check() -> Path:
+            problem = validate_checkpoint(path, roles=roles)
+            if problem is not None:
+                raise CheckpointError(f"trainer.resume_from_path={path} is damaged: {problem}")
+            return path
+
+        return _on_rank0(check)
     raise ValueError(f"trainer.resume_mode={mode!r}: expected auto, disable or resume_path")
 
 
-def checkpoint_step(path: Path) -> int:
-    m = _STEP_DIR.match(Path(path).name)
-    if not m:
-        raise CheckpointError(f"{path} is not named global_step_N")
-    return int(m.group(1))
+def _load_small(path: Path) -> Any:
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # a pickle with code in it, a truncated file, …: one line naming the file
+        raise CheckpointError(f"cannot load {path}: {_first_line(exc)}") from None
 
 
 def load_checkpoint(
     path: str | Path, *, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
 ) -> dict[str, Any]:
-    """Load model/optimizer states in place and return the trainer state; restores this rank's RNG."""
+    """Load model/optimizer states in place and return the trainer state; restores this rank's RNG.
+
+    The trainer state and RNG files are read first (so a bad one is reported before the large loads);
+    every failure is a one-line :class:`CheckpointError` naming the file or role directory.
+    """
     from klppo.parallel.checkpoint import load_checkpoint as load_model_and_optimizer
 
     path = Path(path)
     if not (path / "COMPLETE").exists():
         raise CheckpointError(f"{path} is not a complete klppo checkpoint (no COMPLETE file)")
+    state = _load_small(path / "trainer_state.pt")
+    rng_file = path / "rng" / f"rank_{rank()}.pt"
+    rng = _load_small(rng_file) if rng_file.exists() else None
     for role, (model, optimizer) in models.items():
         if not (path / role).exists():
             raise CheckpointError(f"checkpoint {path} has no {role!r} state")
-        load_model_and_optimizer(path / role, model, optimizer)
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
-    rng_file = path / "rng" / f"rank_{rank()}.pt"
-    if rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        try:
+            load_model_and_optimizer(path / role, model, optimizer)
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError(f"cannot load {path / role}: {_first_line(exc)}") from None
+    if rng is not None:
+        set_rng_state(rng)
     return state

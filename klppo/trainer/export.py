@@ -1,5 +1,8 @@
-"""`klppo export CKPT_DIR OUT_DIR [--role actor|critic]`: a checkpoint's weights as a Hugging Face
-directory (config, generation config, tokenizer, safetensors) that transformers loads directly."""
+"""`klppo export CKPT_DIR OUT_DIR [--role actor|critic] [--overwrite]`: a checkpoint's weights as a Hugging
+Face directory (config, generation config, tokenizer, safetensors) that transformers loads directly.
+
+``OUT_DIR`` must be absent or empty: a non-empty directory (a base model's, an earlier export) is refused
+unless ``--overwrite`` is given, which then writes over the files of the same names."""
 
 from __future__ import annotations
 
@@ -8,7 +11,20 @@ import sys
 from pathlib import Path
 
 
-def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, role: str = "actor") -> Path:
+def check_target(out_dir: Path, *, overwrite: bool) -> None:
+    """Refuse a target that is a file, or a non-empty directory without ``overwrite``."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file, not a directory")
+    if not overwrite and out_dir.is_dir() and any(out_dir.iterdir()):
+        raise FileExistsError(
+            f"{out_dir} is not empty ({len(list(out_dir.iterdir()))} entries); choose a new directory or pass "
+            "--overwrite to write over its files"
+        )
+
+
+def export_checkpoint(
+    ckpt_dir: str | Path, out_dir: str | Path, *, role: str = "actor", overwrite: bool = False
+) -> Path:
     """Rebuild the role's model from the saved config, load the sharded weights (any world size), save."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
@@ -16,6 +32,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, *, role: str = 
     from klppo.parallel.checkpoint import load_checkpoint as load_model_and_optimizer
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    check_target(out_dir, overwrite=overwrite)
     hf_dir = ckpt_dir / role / "huggingface"
     if not hf_dir.is_dir():
         raise FileNotFoundError(
@@ -51,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("ckpt_dir", help="a global_step_N checkpoint folder")
     parser.add_argument("out_dir", help="where to write the Hugging Face directory")
     parser.add_argument("--role", choices=["actor", "critic"], default="actor")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty out_dir")
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.ckpt_dir, args.out_dir, role=args.role)
-    except (FileNotFoundError, ValueError) as exc:
+        out = export_checkpoint(args.ckpt_dir, args.out_dir, role=args.role, overwrite=args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"klppo export: {exc}", file=sys.stderr)
         return 2
     print(out)

@@ -3,6 +3,7 @@ verl — an optional YAML file and dotted overrides. With no arguments at all, t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -55,7 +56,18 @@ built-in arithmetic set): on a GPU the learning recipe, on a CPU a short demo. `
 Every key: docs/configuration.md; the run directory, checkpoints and failures: docs/training.md."""
 
 
-def dry_run(cfg, *, device: torch.device, nproc: int, model_path: str, plan: list[str] = ()) -> int:
+STARTUP_CHECKED_ENV = "KLPPO_STARTUP_CHECKED"  # set for the ranks a checked `klppo train` starts
+
+
+def dry_run(
+    cfg,
+    *,
+    device: torch.device,
+    nproc: int,
+    model_path: str,
+    plan: list[str] = (),
+    loaders: dict | None = None,
+) -> int:
     """`klppo train --dry-run ...`: everything `klppo train` checks before training, and the plan: the
     process layout, the per-rank sizes, the roles that will be built, and (on GPU, or with a known model)
     the memory model's predicted peak per phase. Loads no weights."""
@@ -76,19 +88,11 @@ def dry_run(cfg, *, device: torch.device, nproc: int, model_path: str, plan: lis
     if needs_critic(algo.adv_estimator):
         roles.append("critic")
     roles.append("reward model" if cfg.reward_model.enable else "reward (rules / custom function)")
-    from klppo.trainer.setup import data_paths
-
-    missing = [
-        f
-        for f in data_paths(cfg.data.train_files) + data_paths(cfg.data.val_files)
-        if not Path(f).expanduser().exists()
-    ]
-    if missing:
-        print(f"klppo: data files not found: {', '.join(missing)}", file=sys.stderr)
-        return 2
     print(f"model: {model_path}")
     for line in plan:
         print(line)
+    for split, loader in (loaders or {}).items():
+        print(f"{split} prompts: {loader.summary()}")
     print(f"processes: {nproc} per node × {cfg.trainer.nnodes} node(s) on {device.type}")
     print(f"roles: {', '.join(roles)}; rollout engine: {arr.rollout.name}")
     print("sizes per rank (samples unless named prompts):")
@@ -116,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     from klppo.config import ConfigError, check_trainable, load_config, warn_unimplemented
     from klppo.models.loading import ModelLoadError, model_dir
+    from klppo.tracking.run_dir import claim_run_files
     from klppo.trainer import quickstart
+    from klppo.trainer.data_check import check_data_at_startup
     from klppo.trainer.startup_checks import check_before_weights
 
     recipe = None
@@ -132,32 +138,70 @@ def main(argv: list[str] | None = None) -> int:
         # resolve (and for a .gguf file convert, once) the model before any process is started
         model_path = model_dir(cfg.actor_rollout_ref.model.path)
         plan = check_before_weights(cfg, model_path)  # loggers, text-only data, run directory and disk
+        loaders: dict = {}
+        if os.environ.get(STARTUP_CHECKED_ENV) != "1":  # prompt data and run-directory files
+            loaders = check_data_at_startup(cfg, model_path)
+            claim_run_files(Path(cfg.trainer.default_local_dir).expanduser(), record=False)
         if dry:
             warn_unimplemented(cfg)
-            return dry_run(cfg, device=device, nproc=nproc, model_path=model_path, plan=plan)
-    except (ConfigError, ModelLoadError, FileNotFoundError, ImportError, ValueError) as exc:
+            return dry_run(cfg, device=device, nproc=nproc, model_path=model_path, plan=plan, loaders=loaders)
+    except (ConfigError, ModelLoadError, FileNotFoundError, ImportError, ValueError) as exc:  # DataError too
         print(f"klppo: {exc}", file=sys.stderr)
         return 2
 
-    from klppo.parallel.launch import maybe_relaunch
+    from klppo.trainer.run_lock import RunLock, RunLockError, should_lock
 
-    code = maybe_relaunch(
-        argv,
-        nproc_per_node=nproc,
-        nnodes=int(cfg.trainer.nnodes),
-        module="klppo.trainer.main_ppo",
-        use_gpus=device.type == "cuda",
-    )
-    if code is not None:
-        return code
-    from klppo.parallel.launch import record_errors
-
-    code = record_errors(run)(cfg, device=device, argv=argv)
+    lock = None
+    if should_lock(int(cfg.trainer.nnodes)):
+        try:
+            lock = RunLock(Path(cfg.trainer.default_local_dir).expanduser()).acquire()
+        except RunLockError as exc:
+            print(f"klppo: {exc}", file=sys.stderr)
+            return 2
+    try:
+        code = _launch_or_run(cfg, device=device, nproc=nproc, argv=argv)
+    finally:
+        if lock is not None:
+            lock.release()
     if recipe is not None and recipe.name == "cpu" and code == 0:
         print(
             f"this was the CPU demo; the learning recipe (about 5 minutes on one GPU):\n    {quickstart.GPU_COMMAND}"
         )
     return code
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """``os.environ`` with ``values`` set while inside (for the processes started there)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _launch_or_run(cfg, *, device: torch.device, nproc: int, argv: list[str]) -> int:
+    """Start the ranks under torchrun (they inherit: data checked, run directory locked), or train here."""
+    from klppo.parallel.launch import maybe_relaunch, record_errors
+    from klppo.trainer.run_lock import HELD_ENV
+
+    with _environment(**{STARTUP_CHECKED_ENV: "1", HELD_ENV: "1"}):
+        code = maybe_relaunch(
+            argv,
+            nproc_per_node=nproc,
+            nnodes=int(cfg.trainer.nnodes),
+            module="klppo.trainer.main_ppo",
+            use_gpus=device.type == "cuda",
+            stop_grace_s=float(cfg.trainer.stop_grace_s),
+        )
+    if code is not None:
+        return code
+    return record_errors(run)(cfg, device=device, argv=argv)
 
 
 def _pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
@@ -178,11 +222,14 @@ def _pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
 def run(cfg, *, device: torch.device, argv: list[str]) -> int:
     """Train on this rank (already inside the right process layout)."""
     from klppo.config import warn_unimplemented
+    from klppo.data import DataError
     from klppo.models.loading import ModelLoadError
     from klppo.parallel import dist
+    from klppo.tracking.run_dir import RunDirError
     from klppo.trainer.checkpoint import CheckpointError
     from klppo.trainer.finish import finish_run
-    from klppo.trainer.ppo_trainer import PPOTrainer, TrainingStopped
+    from klppo.trainer.nonfinite import TrainingStopped
+    from klppo.trainer.ppo_trainer import PPOTrainer
     from klppo.trainer.setup import build_run
     from klppo.trainer.timer import PhaseOutOfMemory
 
@@ -200,6 +247,9 @@ def run(cfg, *, device: torch.device, argv: list[str]) -> int:
             history = built.trackers.metrics.history
             finish_run(built.run_dir, history=history, wall_s=time.perf_counter() - start)
         return 0
+    except (DataError, RunDirError) as exc:  # found by the ranks when no checked `klppo train` started them
+        print(f"klppo: {exc}", file=sys.stderr)
+        return 2
     except (TrainingStopped, CheckpointError, ModelLoadError, PhaseOutOfMemory) as exc:
         print(f"klppo: {exc}", file=sys.stderr)
         return 1

@@ -26,6 +26,7 @@ from klppo.roles.actor import Actor
 from klppo.roles.forward import ForwardPlan
 from klppo.roles.reward import Reward
 from klppo.rollout.base import SamplingParams
+from klppo.trainer.nonfinite import check_kl
 from klppo.trainer.setup import Run
 
 log = logging.getLogger("klppo")
@@ -116,6 +117,7 @@ def rewards_and_advantages(
             kind=algo.kl_penalty,
         )
         current_kl = float(kl_stats["kl"])
+        check_kl(current_kl)  # a non-finite KL skips the step before the controller moves
         metrics["actor/reward_kl_penalty"] = current_kl
         metrics["actor/reward_kl_penalty_coeff"] = float(kl_stats["kl_coef"])
         share = penalty_share(batch.token_level_scores, rewards)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +31,13 @@ from klppo.roles.trained import TrainedRole
 from klppo.trainer.checkpoint import load_checkpoint, save_checkpoint
 from klppo.trainer.dumps import chat_text, dump_rollouts, dump_samples
 from klppo.trainer.monitor import best_checkpoint_step, build_monitor
+from klppo.trainer.nonfinite import (
+    STEP_INPUTS,
+    STEP_TARGETS,
+    NonFiniteStep,
+    check_finite,
+    record_skipped_step,
+)
 from klppo.trainer.phases import (
     GATHERED,
     control_kl_loss,
@@ -47,13 +52,10 @@ from klppo.trainer.phases import (
 from klppo.trainer.profiler import StepProfiler
 from klppo.trainer.setup import Run
 from klppo.trainer.step_metrics import batch_metrics, perf_metrics, validation_metrics
+from klppo.trainer.stopping import StopRequest
 from klppo.trainer.timer import PhaseTimer
 
 log = logging.getLogger("klppo")
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose (too many non-finite steps); the message says why and what to do."""
 
 
 @dataclass
@@ -62,8 +64,7 @@ class TrainerState:
 
     global_step: int = 0
     num_nan_steps: int = 0
-    skipped_so_far: float = 0.0
-    """actor + critic ``num_skipped_updates`` as of the last step (a rise means a skipped update)."""
+    """Steps skipped for a non-finite value (trainer/nonfinite.py)."""
     penalty_share: PenaltyShareWatch = field(
         default_factory=lambda: PenaltyShareWatch(threshold=1.0, patience=5)
     )
@@ -81,20 +82,19 @@ class PPOTrainer:
         self.run = run
         self.cfg = run.cfg
         self.state = TrainerState()
-        self._stop_requested = False
+        self._stop = StopRequest()
         self.monitor = build_monitor(run, self._trainer_state, rank=rank())
         self.profiler = StepProfiler(run.cfg.global_profiler, device=run.device, rank=rank())
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainerState:
-        previous = self._install_signal_handlers()
+        self._stop.install()
         try:
             return self._fit()
         finally:
             self.monitor.finish(self.state.global_step)  # the summary also when a step failed
             self.run.trackers.metrics.close()  # flushed also when a step fails (TensorBoard, W&B, …)
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            self._stop.restore()
 
     def _fit(self) -> TrainerState:
         run, tcfg = self.run, self.cfg.trainer
@@ -122,7 +122,8 @@ class PPOTrainer:
             metrics: dict[str, float] = {}
             with self.profiler.step(step, metrics):
                 metrics.update(self.train_step(prompts, step))
-            last = step >= total or self._stop_requested
+            signalled = self._stop.agreed()  # one collective: every rank stops after the same step
+            last = step >= total or signalled
             val = None
             if val_loader is not None and tcfg.test_freq > 0 and (step % tcfg.test_freq == 0 or last):
                 val = self.validate()
@@ -130,12 +131,12 @@ class PPOTrainer:
             tracker.log(metrics, step=step)
             if val is not None:
                 tracker.log(val, step=step)
-            if (tcfg.save_freq > 0 and (step % tcfg.save_freq == 0 or last or stop)) or self._stop_requested:
+            if (tcfg.save_freq > 0 and (step % tcfg.save_freq == 0 or last or stop)) or signalled:
                 self.save()
             if stop:
                 log.warning("stopping after step %d: %s", step, self.monitor.stop_reason)
                 break
-            if self._stop_requested:
+            if signalled:
                 log.warning(
                     "stopping after step %d on a signal; checkpoint saved, resume with the same command", step
                 )
@@ -146,6 +147,9 @@ class PPOTrainer:
         """One PPO step: generate → score → gather → advantages → updates; returns the step's metrics."""
         run, cfg = self.run, self.cfg
         roles, timer = run.roles, PhaseTimer(run.device)
+        skipped: str | None = None  # what was non-finite: the step then updates no model
+        adv_metrics: dict[str, float] = {}
+        update_metrics: dict[str, float] = {}
         with timer.phase("step"), run.offload.on_device(roles.actor):
             mine = shard_prompts(prompts)
             with timer.phase("gen"):
@@ -166,19 +170,31 @@ class PPOTrainer:
                 with timer.phase("reward"):
                     local = with_scores(roles.reward, local)
                 batch = gather_samples(prompts, local, n=run.sampling.train.n, fields=GATHERED)
-                with timer.phase("adv"):
-                    batch, adv_metrics = rewards_and_advantages(
-                        batch, cfg.algorithm, run.kl_ctrl, watch=self.state.penalty_share, step=step
-                    )
-                share = shard_for_update(batch, balance=cfg.trainer.balance_batch)
-                update_metrics = self._update_critic(share, timer)
-            update_metrics.update(self._update_actor(batch, share, step, timer))
+                try:
+                    check_finite(batch, STEP_INPUTS, paths=self._data_paths)
+                    with timer.phase("adv"):
+                        batch, adv_metrics = rewards_and_advantages(
+                            batch, cfg.algorithm, run.kl_ctrl, watch=self.state.penalty_share, step=step
+                        )
+                    check_finite(batch, STEP_TARGETS, paths=self._data_paths)
+                except NonFiniteStep as exc:
+                    skipped = str(exc)
+                if skipped is None:
+                    share = shard_for_update(batch, balance=cfg.trainer.balance_batch)
+                    update_metrics, skipped = self._update_critic(share, timer)
+            if skipped is None:
+                actor_metrics, skipped = self._update_actor(batch, share, step, timer)
+                update_metrics.update(actor_metrics)
         if cfg.trainer.rollout_data_dir and rank() == 0:
             dump_rollouts(cfg.trainer.rollout_data_dir, step, batch, run.tokenizer, roles.reward)
         metrics = self._step_metrics(
             batch, timer, {**metrics, **adv_metrics, **update_metrics, **rollout_stats}
         )
-        self._check_finite(metrics, step)
+        if skipped is not None:
+            self.state.num_nan_steps = record_skipped_step(
+                step, skipped, count=self.state.num_nan_steps, limit=int(cfg.trainer.max_nan_steps)
+            )
+            metrics["training/nan_steps"] = float(self.state.num_nan_steps)
         return metrics
 
     # ------------------------------------------------------------------ phases with their offload schedule
@@ -203,18 +219,30 @@ class PPOTrainer:
         critic = self.run.roles.critic
         return contextlib.nullcontext() if critic is None else self.run.offload.on_device(critic)
 
-    def _update_critic(self, share: Batch, timer: PhaseTimer) -> dict[str, float]:
+    def _update_critic(self, share: Batch, timer: PhaseTimer) -> tuple[dict[str, float], str | None]:
+        """The critic's update; (metrics, what was non-finite if it skipped an optimizer step)."""
         critic = self.run.roles.critic
         if critic is None:
-            return {}
+            return {}, None
+        skipped_before = critic.num_skipped_updates
         with timer.phase("update_critic"), self.run.offload.on_device(critic, optimizer=True):
-            return critic.update_critic(share)
+            metrics = critic.update_critic(share)
+        if critic.num_skipped_updates > skipped_before:
+            return (
+                metrics,
+                "a non-finite critic loss or gradient norm (critic step skipped, actor not updated)",
+            )
+        return metrics, None
 
-    def _update_actor(self, batch: Batch, share: Batch, step: int, timer: PhaseTimer) -> dict[str, float]:
-        """The KL loss's β from the global batch, then the policy update, after ``trainer.critic_warmup``."""
+    def _update_actor(
+        self, batch: Batch, share: Batch, step: int, timer: PhaseTimer
+    ) -> tuple[dict[str, float], str | None]:
+        """The KL loss's β from the global batch, then the policy update, after ``trainer.critic_warmup``;
+        (metrics, what was non-finite if it skipped an optimizer step)."""
         run, roles = self.run, self.run.roles
         if not updates_actor(step, self.cfg.trainer.critic_warmup):
-            return {}
+            return {}, None
+        skipped_before = roles.actor.num_skipped_updates
         metrics = measure_kl_for_control(batch, self.cfg.actor_rollout_ref.actor)
         ref_logits_fn = roles.reference.logits if roles.reference is not None else None
         with timer.phase("update_actor"), run.offload.on_device(roles.actor, optimizer=True):
@@ -227,8 +255,15 @@ class PPOTrainer:
         # them; every rank computes the same β from the same reduced value
         if "actor/kl_loss_ctrl_kl" in metrics and batch.old_log_probs is None:
             metrics["actor/kl_loss_ctrl_kl"] = reduce_metrics({"k": metrics["actor/kl_loss_ctrl_kl"]})["k"]
+        if roles.actor.num_skipped_updates > skipped_before:  # the KL-loss controller is not moved either
+            return metrics, "a non-finite actor loss or gradient norm (actor step skipped)"
         control_kl_loss(metrics, run.kl_loss_ctrl, len(batch))
-        return metrics
+        return metrics, None
+
+    @property
+    def _data_paths(self) -> list[str] | None:
+        source = getattr(self.run.loaders.train, "source", None)
+        return list(source.paths) if source is not None else None
 
     # ------------------------------------------------------------------ metrics
     def _step_metrics(self, batch: Batch, timer: PhaseTimer, per_rank: dict[str, float]) -> dict[str, float]:
@@ -247,31 +282,6 @@ class PPOTrainer:
             )
         )
         return metrics
-
-    def _check_finite(self, metrics: dict[str, float], step: int) -> None:
-        """Count steps whose update was skipped for a non-finite loss/grad; stop past the limit."""
-        skipped = metrics.get("actor/num_skipped_updates", 0.0) + metrics.get(
-            "critic/num_skipped_updates", 0.0
-        )
-        bad = skipped > self.state.skipped_so_far or any(
-            not math.isfinite(metrics.get(k, 0.0)) for k in ("actor/pg_loss", "critic/vf_loss")
-        )
-        self.state.skipped_so_far = skipped
-        if bad:
-            self.state.num_nan_steps += 1
-            metrics["training/nan_steps"] = float(self.state.num_nan_steps)
-            log.warning(
-                "step %d: non-finite loss or gradient, the update was skipped (%d so far)",
-                step,
-                self.state.num_nan_steps,
-            )
-            limit = int(self.cfg.trainer.max_nan_steps)
-            if limit >= 0 and self.state.num_nan_steps > limit:
-                raise TrainingStopped(
-                    f"{self.state.num_nan_steps} steps had a non-finite loss or gradient (limit "
-                    f"trainer.max_nan_steps={limit}); the weights were not updated by those steps and the last "
-                    "checkpoint is intact. Lower the learning rate, check the reward function, or raise the limit."
-                )
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -326,7 +336,6 @@ class PPOTrainer:
         return {
             "global_step": self.state.global_step,
             "num_nan_steps": self.state.num_nan_steps,
-            "skipped_so_far": self.state.skipped_so_far,
             "dataloader": run.loaders.train.state_dict(),
             "kl_ctrl": run.kl_ctrl.state_dict(),
             "kl_loss_ctrl": run.kl_loss_ctrl.state_dict(),
@@ -356,7 +365,6 @@ class PPOTrainer:
         state = load_checkpoint(run.resume_path, models=_models(roles))
         self.state.global_step = int(state["global_step"])
         self.state.num_nan_steps = int(state["num_nan_steps"])
-        self.state.skipped_so_far = float(state["skipped_so_far"])
         run.loaders.train.load_state_dict(state["dataloader"])
         run.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if "kl_loss_ctrl" in state:  # checkpoints before the KL-loss controller have none (β was fixed)
@@ -370,27 +378,6 @@ class PPOTrainer:
             )
         if rank() == 0:
             log.info("resumed from %s at step %d", run.resume_path, self.state.global_step)
-
-    def _install_signal_handlers(self) -> dict:
-        """SIGTERM/SIGINT finish the current step, save a checkpoint and stop; returns the old handlers."""
-
-        def request_stop(signum, _frame):
-            if self._stop_requested:
-                raise KeyboardInterrupt
-            self._stop_requested = True
-            log.warning(
-                "received %s: finishing the current step, then saving a checkpoint and exiting "
-                "(send again to abort now)",
-                signal.Signals(signum).name,
-            )
-
-        previous = {}
-        try:
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                previous[signum] = signal.signal(signum, request_stop)
-        except ValueError:  # not the main thread (e.g. inside a test runner thread)
-            pass
-        return previous
 
 
 def _models(roles: dict[str, TrainedRole]) -> dict[str, tuple]:

@@ -220,7 +220,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
     from klppo.parallel.collectives import rank, world_size
     from klppo.rollout.base import make_rollout
-    from klppo.tracking.run_dir import write_run_metadata
+    from klppo.tracking.run_dir import claim_run_files, write_run_metadata
     from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
 
     arr, algo, tcfg = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
@@ -270,7 +270,10 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     )
     response_length = int(cfg.data.max_response_length)
     sampling = _sampling(rcfg, response_length=response_length, validation=False)
-    resume_path = resolve_resume(tcfg.resume_mode, run_dir, tcfg.resume_from_path)
+    roles = ["actor"] + (["critic"] if critic is not None else [])
+    resume_path = resolve_resume(tcfg.resume_mode, run_dir, tcfg.resume_from_path, roles=roles)
+    if rank() == 0:
+        claim_run_files(run_dir)  # before the trackers open metrics.jsonl
     tracker = Tracker(
         list(tcfg.logger),
         run_dir=str(run_dir),

@@ -19,20 +19,10 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     resp_len = m.sum(dim=1)
     prompt_len = batch.prompt_mask.sum(dim=1).float()
     scores = batch.token_level_scores.sum(dim=1)
-    rewards = batch.token_level_rewards.sum(dim=1)
-    valid_adv = batch.advantages[m.bool()] if m.any() else torch.zeros(1)
     out = {
         "critic/score/mean": scores.mean(),
         "critic/score/max": scores.max(),
         "critic/score/min": scores.min(),
-        "critic/rewards/mean": rewards.mean(),
-        "critic/rewards/max": rewards.max(),
-        "critic/rewards/min": rewards.min(),
-        "critic/advantages/mean": masked_mean(batch.advantages, m),
-        "critic/advantages/max": valid_adv.max(),
-        "critic/advantages/min": valid_adv.min(),
-        "critic/advantages/std": valid_adv.std(correction=0),
-        "critic/returns/mean": masked_mean(batch.returns, m),
         "response_length/mean": resp_len.mean(),
         "response_length/max": resp_len.max(),
         "response_length/min": resp_len.min(),
@@ -40,8 +30,22 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "prompt_length/mean": prompt_len.mean(),
         "prompt_length/max": prompt_len.max(),
     }
+    if batch.advantages is not None:  # absent when a non-finite input skipped the step before them
+        rewards = batch.token_level_rewards.sum(dim=1)
+        valid_adv = batch.advantages[m.bool()] if m.any() else torch.zeros(1)
+        out.update({
+            "critic/rewards/mean": rewards.mean(),
+            "critic/rewards/max": rewards.max(),
+            "critic/rewards/min": rewards.min(),
+            "critic/advantages/mean": masked_mean(batch.advantages, m),
+            "critic/advantages/max": valid_adv.max(),
+            "critic/advantages/min": valid_adv.min(),
+            "critic/advantages/std": valid_adv.std(correction=0),
+            "critic/returns/mean": masked_mean(batch.returns, m),
+        })  # fmt: skip
     if batch.values is not None:
         out["critic/values/mean"] = masked_mean(batch.values, m)
+    if batch.values is not None and batch.returns is not None:
         out["critic/vf_explained_var"] = explained_variance(batch.values, batch.returns, m)
     if batch.ref_log_probs is not None and batch.old_log_probs is not None:  # else the actor reports them
         # KL(π_old‖π_ref) per response token (π_old = the policy that generated the batch), two estimators

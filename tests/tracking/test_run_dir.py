@@ -6,6 +6,7 @@ import json
 import shlex
 import sys
 
+import pytest
 import torch
 import transformers
 
@@ -17,7 +18,7 @@ def test_write_run_metadata(tmp_path):
     run_dir = tmp_path / "run"
     argv = ["klppo", "train", "cfg.yaml", "trainer.experiment_name=a b", "data.path=$HOME/x"]
     versions = write_run_metadata(str(run_dir), config_yaml="a: 1\nb: [2, 3]", argv=argv)
-    assert (run_dir / "config.yaml").read_text() == "a: 1\nb: [2, 3]\n"
+    assert (run_dir / "resolved_config.yaml").read_text() == "a: 1\nb: [2, 3]\n"
     assert shlex.split((run_dir / "command.txt").read_text()) == argv
     on_disk = json.loads((run_dir / "versions.json").read_text())
     assert on_disk == versions
@@ -26,8 +27,32 @@ def test_write_run_metadata(tmp_path):
     assert versions["python"] == sys.version.split()[0] and versions["cuda"] == torch.version.cuda
     # a second start replaces the files, leaves no temp files
     write_run_metadata(str(run_dir), config_yaml="a: 2\n", argv=["klppo", "train"])
-    assert (run_dir / "config.yaml").read_text() == "a: 2\n"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["command.txt", "config.yaml", "versions.json"]
+    assert (run_dir / "resolved_config.yaml").read_text() == "a: 2\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        ".klppo_files.json",
+        "command.txt",
+        "resolved_config.yaml",
+        "versions.json",
+    ]
+
+
+def test_run_dir_never_overwrites_a_file_it_did_not_create(tmp_path):
+    from klppo.tracking.run_dir import RunDirError, claim_run_files
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("mine: 1\n")  # the user's own config, kept in the run directory
+    write_run_metadata(str(run_dir), config_yaml="resolved: 1", argv=["klppo", "train"])
+    assert (run_dir / "config.yaml").read_text() == "mine: 1\n"
+    (run_dir / "notes").mkdir()
+    (run_dir / "metrics.jsonl").write_text("user data\n")
+    with pytest.raises(RunDirError, match="metrics.jsonl, not written by klppo"):
+        claim_run_files(run_dir)
+    assert (run_dir / "metrics.jsonl").read_text() == "user data\n"
+    (run_dir / "metrics.jsonl").unlink()
+    claim_run_files(run_dir)  # now free: claimed, and a second start accepts klppo's own files
+    (run_dir / "metrics.jsonl").write_text("")
+    claim_run_files(run_dir)
 
 
 def _lines(path):

@@ -68,6 +68,21 @@ def test_jsonl_lines_flushed_and_appended(tmp_path):
     assert records[1] == {"step": 1, "val-core/gsm8k/reward/mean@1": 0.5}
 
 
+def test_jsonl_is_strict_json_with_nonfinite_values_named(tmp_path):
+    with _tracker(tmp_path) as tracker:
+        tracker.log({"a": float("nan"), "b": float("inf"), "c": -float("inf"), "d": 1.5, "n": 3}, step=7)
+
+    def refuse(constant):  # Python's json otherwise accepts the NaN/Infinity extensions
+        raise ValueError(f"not JSON: {constant}")
+
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+    record = json.loads(line, parse_constant=refuse)
+    assert record == {
+        "step": 7, "a": None, "b": None, "c": None, "d": 1.5, "n": 3,
+        "nonfinite": {"a": "nan", "b": "inf", "c": "-inf"},
+    }  # fmt: skip
+
+
 def test_resume_drops_lines_after_checkpoint(tmp_path):
     with _tracker(tmp_path) as tracker:
         for step in range(0, 6):

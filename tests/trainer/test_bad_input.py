@@ -27,7 +27,7 @@ def test_empty_dataset_after_filtering(tiny_model_dir, arithmetic_data, tmp_path
 
 def test_nan_loss_steps_skipped_then_stop(tiny_model_dir, arithmetic_data, tmp_path, monkeypatch):
     from klppo.roles import actor as actor_mod
-    from klppo.trainer.ppo_trainer import TrainingStopped
+    from klppo.trainer.nonfinite import TrainingStopped
 
     real = actor_mod.Actor._micro_loss
 

@@ -1,0 +1,70 @@
+"""Start-up check of the prompt data, before any process starts or any weight loads (`klppo train`, its
+``--dry-run`` included): every problem is one line and exit code 2.
+
+What it finds: a file that is missing, empty or not Parquet; a missing prompt column; a bad row under
+``data.bad_row_policy=error``; a prompt longer than ``data.max_prompt_length`` under
+``data.truncation=error`` (anywhere in the files, not when its batch comes up); no usable prompts or fewer
+than one batch; a file without the ``reward_model`` column (the ground truth) when the rule reward scores
+it. It reports how many prompts are filtered or truncated. The scan is the loader's own construction
+scan (tokenizer only), so the trainer ranks repeat it; for a very large set this doubles the start-up
+scan, which is the price of refusing bad data before the weights load.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from klppo.data.parquet_rows import DataError
+
+log = logging.getLogger("klppo")
+GROUND_TRUTH_COLUMN = "reward_model"
+
+
+def uses_rule_reward(cfg: Any) -> bool:
+    """Scores come from the built-in rule scorers (they need each row's ground truth)."""
+    return not cfg.reward_model.enable and not cfg.custom_reward_function.path
+
+
+def check_ground_truth_columns(cfg: Any, loaders: dict[str, Any]) -> None:
+    """With the rule reward, every file needs the ``reward_model`` column (``{"ground_truth": ...}``);
+    without it every score would silently be 0."""
+    if not uses_rule_reward(cfg):
+        return
+    for split, loader in loaders.items():
+        for f, path in enumerate(loader.source.paths):
+            if GROUND_TRUTH_COLUMN not in loader.source.column_names(f):
+                raise DataError(
+                    f"{path} ({split} data) has no {GROUND_TRUTH_COLUMN!r} column: the rule reward needs each "
+                    "row's reward_model.ground_truth (every score would be 0); add the column (`klppo data "
+                    "gsm8k` writes it), or set custom_reward_function.path or reward_model.enable=True"
+                )
+
+
+def check_data(cfg: Any, tokenizer: Any) -> dict[str, Any]:
+    """Scan the train and validation files as the trainer will; returns the loaders by split. Raises
+    :class:`DataError` (or ``FileNotFoundError``) with one line on the first problem."""
+    from klppo.trainer.setup import build_loaders
+
+    train, val = build_loaders(cfg, tokenizer)
+    loaders = {"train": train} if val is None else {"train": train, "validation": val}
+    check_ground_truth_columns(cfg, loaders)
+    for split, loader in loaders.items():
+        log.info("%s prompts: %s", split, loader.summary())
+        if loader.stats.num_truncated:
+            log.warning(
+                "%s prompts: %d longer than data.max_prompt_length=%d are cut (data.truncation=%s)",
+                split, loader.stats.num_truncated, loader.max_prompt_length, loader.truncation,
+            )  # fmt: skip
+    return loaders
+
+
+def check_data_at_startup(cfg: Any, model_path: str) -> dict[str, Any]:
+    """:func:`check_data` with the run's tokenizer (no model weights are read)."""
+    from klppo.models.loading import load_tokenizer, model_dir
+
+    mcfg = cfg.actor_rollout_ref.model
+    tokenizer = load_tokenizer(model_dir(mcfg.tokenizer_path) if mcfg.tokenizer_path else model_path)
+    if mcfg.custom_chat_template:
+        tokenizer.chat_template = mcfg.custom_chat_template
+    return check_data(cfg, tokenizer)

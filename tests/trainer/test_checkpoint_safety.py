@@ -1,0 +1,247 @@
+"""Checkpoint drills: a failure inside torch.distributed.checkpoint's writer (and a real full tmpfs) leaves
+no partial directory and a named message; damaged checkpoints are named in one line and the newest intact
+older one is used; a planted pickle never runs; `klppo export` refuses a non-empty target."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer.utils import base_overrides, run_training
+
+CODE_RAN = "code_ran"
+
+
+class _Planted:
+    """Unpickling this calls builtins.open(path, "w"): it creates a file, i.e. runs the planter's code."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _two_checkpoints(tiny_model_dir, arithmetic_data, run_dir: Path) -> list[str]:
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + [
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=1",
+    ]
+    run_training(overrides)
+    assert (run_dir / "global_step_2" / "MANIFEST.json").exists()
+    return overrides
+
+
+def test_truncated_shard_resumes_from_the_previous_checkpoint(
+    tiny_model_dir, arithmetic_data, tmp_path, caplog
+):
+    run_dir = tmp_path / "run"
+    overrides = _two_checkpoints(tiny_model_dir, arithmetic_data, run_dir)
+    shard = sorted((run_dir / "global_step_2" / "actor").glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    with caplog.at_level("WARNING", logger="klppo"):
+        state, parts = run_training(overrides + ["trainer.total_training_steps=3", "trainer.save_freq=-1"])
+    assert parts.resume_path.name == "global_step_1"
+    assert state.global_step == 3
+    damaged = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(damaged) == 1 and shard.name in damaged[0] and "\n" not in damaged[0]
+    assert any("older intact checkpoint" in r.getMessage() and "global_step_1" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        ("empty_trainer_state", "trainer_state.pt"),
+        ("truncated_rng", "rank_0.pt"),
+        ("missing_metadata", ".metadata"),
+        ("no_manifest_missing_metadata", ".metadata"),
+    ],
+)
+def test_damaged_checkpoint_files_are_named(tiny_model_dir, arithmetic_data, tmp_path_factory, damage, named):
+    from klppo.trainer.checkpoint import validate_checkpoint
+
+    src = _shared_checkpoint(tiny_model_dir, arithmetic_data, tmp_path_factory)
+    ckpt = tmp_path_factory.mktemp(damage) / "global_step_2"
+    shutil.copytree(src, ckpt)
+    assert validate_checkpoint(ckpt, roles=["actor", "critic"]) is None
+    if damage == "empty_trainer_state":
+        (ckpt / "trainer_state.pt").write_bytes(b"")
+    elif damage == "truncated_rng":
+        rng = ckpt / "rng" / "rank_0.pt"
+        rng.write_bytes(rng.read_bytes()[:100])
+    else:
+        (ckpt / "actor" / ".metadata").unlink()
+        if damage.startswith("no_manifest"):
+            (ckpt / "MANIFEST.json").unlink()
+    problem = validate_checkpoint(ckpt, roles=["actor", "critic"])
+    assert problem is not None and named in problem and "\n" not in problem
+
+
+_SHARED: dict[str, Path] = {}
+
+
+def _shared_checkpoint(tiny_model_dir, arithmetic_data, tmp_path_factory) -> Path:
+    if "ckpt" not in _SHARED:
+        run_dir = tmp_path_factory.mktemp("shared_run")
+        _two_checkpoints(tiny_model_dir, arithmetic_data, run_dir)
+        _SHARED["ckpt"] = run_dir / "global_step_2"
+    return _SHARED["ckpt"]
+
+
+def test_every_checkpoint_damaged_stops_with_one_line(tiny_model_dir, arithmetic_data, tmp_path):
+    from klppo.trainer.checkpoint import CheckpointError
+
+    run_dir = tmp_path / "run"
+    overrides = _two_checkpoints(tiny_model_dir, arithmetic_data, run_dir)
+    for step in (1, 2):
+        (run_dir / f"global_step_{step}" / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no intact checkpoint") as info:
+        run_training(overrides + ["trainer.total_training_steps=3"])
+    assert "\n" not in str(info.value)
+
+
+def test_planted_pickle_does_not_execute(tiny_model_dir, arithmetic_data, tmp_path):
+    """A planted trainer_state.pt / RNG file / DCP .metadata with a consistent manifest (the attacker rewrote
+    it too): loading refuses with one line naming the file, and the planted code never runs."""
+    from klppo.parallel.checkpoint import SafeFileSystemReader, UnsafeCheckpointError
+    from klppo.trainer.checkpoint import CheckpointError, load_checkpoint, write_manifest
+
+    run_dir = tmp_path / "run"
+    overrides = _two_checkpoints(tiny_model_dir, arithmetic_data, run_dir)
+    ckpt = run_dir / "global_step_2"
+    evidence = tmp_path / CODE_RAN
+    torch.save({"global_step": 2, "payload": _Planted(evidence)}, ckpt / "trainer_state.pt")
+    write_manifest(ckpt, 2)
+    with pytest.raises(CheckpointError, match="trainer_state.pt") as info:
+        run_training(overrides + ["trainer.total_training_steps=3"])
+    assert "\n" not in str(info.value)
+    assert not evidence.exists()
+
+    torch.save(_Planted(evidence), ckpt / "rng" / "rank_0.pt")
+    shutil.copy(run_dir / "global_step_1" / "trainer_state.pt", ckpt / "trainer_state.pt")
+    with pytest.raises(CheckpointError, match="rank_0.pt"):
+        load_checkpoint(ckpt, models={})
+    assert not evidence.exists()
+
+    import pickle
+
+    with open(ckpt / "actor" / ".metadata", "wb") as f:
+        pickle.dump(_Planted(evidence), f)
+    with pytest.raises(UnsafeCheckpointError, match=r"refused to load global (builtins|io)\.open"):
+        SafeFileSystemReader(str(ckpt / "actor")).read_metadata()
+    assert not evidence.exists()
+
+
+def test_dcp_writer_failure_removes_partial_and_names_full_disk(
+    tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    """The error a full disk gives inside DCP's writer thread ("unexpected pos" from the zip writer,
+    wrapped in a CheckpointException, which is not an OSError) is cleaned up and named."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from klppo.trainer import checkpoint
+
+    run_dir = tmp_path / "run"
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + [
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=1",
+    ]
+    run_training(overrides)
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4160 vs 4056")
+
+    monkeypatch.setattr(dcp_fs, "_write_item", full_disk)
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        run_training(overrides + ["trainer.total_training_steps=2"])
+    message = str(info.value)
+    assert "\n" not in message and "global_step_2" in message
+    assert "the disk is full" in message and "free on" in message and "needs about" in message
+    assert "global_step_1 stays the latest" in message
+    assert not any(p.name.startswith(".global_step") for p in run_dir.iterdir())
+    assert checkpoint.latest_checkpoint(run_dir).name == "global_step_1"
+
+
+def test_any_save_exception_is_cleaned_up(tiny_model_dir, arithmetic_data, tmp_path, monkeypatch):
+    from klppo.trainer import checkpoint
+
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path) + ["trainer.save_freq=1"]
+
+    def broken(directory):
+        raise ValueError("tokenizer cannot be saved")
+
+    real_save = checkpoint.save_checkpoint
+
+    def save_with_broken_assets(*args, **kwargs):
+        kwargs["hf_assets"] = {"actor": broken}
+        return real_save(*args, **kwargs)
+
+    from klppo.trainer import ppo_trainer
+
+    monkeypatch.setattr(ppo_trainer, "save_checkpoint", save_with_broken_assets)
+    with pytest.raises(checkpoint.CheckpointError, match="Hugging Face files failed .ValueError: tokenizer"):
+        run_training(overrides)
+    assert not any(p.name.startswith(".global_step") for p in tmp_path.iterdir())
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", "/tmp"],
+                           capture_output=True)  # fmt: skip
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="mounting a tmpfs (user namespace) is not allowed here")
+def test_real_full_tmpfs(tiny_model_dir, arithmetic_data, tmp_path):
+    """`klppo train` on a 1 MiB tmpfs: the first checkpoint cannot fit; no partial directory stays, the
+    message names the full disk, and the exit code is 1."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    argv = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + ["trainer.save_freq=1"]
+    train = " ".join(f"'{a}'" for a in [sys.executable, "-m", "klppo.cli", "train", *argv])
+    script = (
+        f"mount -t tmpfs -o size=1m tmpfs '{run_dir}' || exit 99; {train} 2>err.txt; echo rc=$?; "
+        f"ls -A '{run_dir}'; tail -n 1 err.txt"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=300)  # fmt: skip
+    lines = out.stdout.splitlines()
+    assert "rc=1" in lines, out.stdout + out.stderr
+    listing = lines[lines.index("rc=1") + 1 : -1]
+    assert not any(name.startswith(".global_step") or name.startswith("global_step") for name in listing)
+    assert "the disk is full" in lines[-1] and "global_step_1" in lines[-1], lines[-1]
+
+
+def test_export_refuses_a_non_empty_target(tiny_model_dir, arithmetic_data, tmp_path_factory, capsys):
+    from klppo.trainer.export import main as export_main
+
+    ckpt = _shared_checkpoint(tiny_model_dir, arithmetic_data, tmp_path_factory)
+    target = tmp_path_factory.mktemp("base_model")
+    shutil.copytree(tiny_model_dir, target, dirs_exist_ok=True)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    assert export_main([str(ckpt), str(target)]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert export_main([str(ckpt), str(target), "--overwrite"]) == 0
+    assert json.loads((target / "config.json").read_text())
+
+
+def test_run_directory_keeps_the_users_config(tiny_model_dir, arithmetic_data, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("# my settings\n")
+    run_training(base_overrides(tiny_model_dir, arithmetic_data, run_dir))
+    assert (run_dir / "config.yaml").read_text() == "# my settings\n"
+    assert "actor_rollout_ref" in (run_dir / "resolved_config.yaml").read_text()
