@@ -201,17 +201,36 @@ def _can_mount_tmpfs() -> bool:
     return probe.returncode == 0
 
 
+FILL_THE_DISK = """
+import os
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    filler = os.path.join({run_dir!r}, "filler")
+    if not os.path.exists(filler):  # during step 1: leave 256 KiB free, less than one checkpoint
+        st = os.statvfs({run_dir!r})
+        with open(filler, "wb") as f:
+            f.write(bytes(st.f_bavail * st.f_frsize - 256 * 1024))
+    return 0.0
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _can_mount_tmpfs(), reason="mounting a tmpfs (user namespace) is not allowed here")
 def test_real_full_tmpfs(tiny_model_dir, arithmetic_data, tmp_path):
-    """`klppo train` on a 1 MiB tmpfs: the first checkpoint cannot fit; no partial directory stays, the
-    message names the full disk, and the exit code is 1."""
+    """`klppo train` on a 32 MiB tmpfs that the reward function fills during step 1 (the start-up space
+    check passes): the first checkpoint cannot fit; no partial directory stays, the message names the
+    full disk, and the exit code is 1."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    argv = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + ["trainer.save_freq=1"]
+    fn = tmp_path / "fill.py"
+    fn.write_text(FILL_THE_DISK.format(run_dir=str(run_dir)))
+    argv = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + [
+        "trainer.save_freq=1",
+        f"custom_reward_function.path={fn}",
+    ]
     train = " ".join(f"'{a}'" for a in [sys.executable, "-m", "klppo.cli", "train", *argv])
     script = (
-        f"mount -t tmpfs -o size=1m tmpfs '{run_dir}' || exit 99; {train} 2>err.txt; echo rc=$?; "
+        f"mount -t tmpfs -o size=32m tmpfs '{run_dir}' || exit 99; {train} 2>err.txt; echo rc=$?; "
         f"ls -A '{run_dir}'; tail -n 1 err.txt"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
@@ -220,6 +239,7 @@ def test_real_full_tmpfs(tiny_model_dir, arithmetic_data, tmp_path):
     lines = out.stdout.splitlines()
     assert "rc=1" in lines, out.stdout + out.stderr
     listing = lines[lines.index("rc=1") + 1 : -1]
+    assert "filler" in listing  # the disk really was filled
     assert not any(name.startswith(".global_step") or name.startswith("global_step") for name in listing)
     assert "the disk is full" in lines[-1] and "global_step_1" in lines[-1], lines[-1]
 
