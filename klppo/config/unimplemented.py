@@ -30,7 +30,7 @@ _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_
 
 UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     # changes results: refused by `klppo train`
-    ("*.ulysses_sequence_parallel_size", "refuse", "Ulysses sequence parallelism is not built yet"),
+    ("reward_model.ulysses_sequence_parallel_size", "refuse", "the reward model runs without sequence parallelism"),
     ("actor_rollout_ref.rollout.multi_turn.enable", "refuse", "multi-turn / tool rollout is not built"),
     ("actor_rollout_ref.rollout.skip_rollout", "refuse", "replaying dumped rollouts is not built"),
     ("actor_rollout_ref.rollout.over_sample_rate", "refuse", "over-sampling is not built"),
@@ -235,6 +235,7 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     ):
         problems.append("kl_loss_type='full' with LoRA is not built (the reference is the actor with its "
                         "adapters off); use low_var_kl, kl or mse")  # fmt: skip
+    problems += ulysses_problems(cfg)
     rm = cfg.reward_model
     if rm.reward_manager not in IMPLEMENTED_REWARD_MANAGERS:
         problems.append(
@@ -252,3 +253,26 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
             + "\n  - ".join(problems)
             + "\n(`klppo config` accepts them; remove them or set them to their defaults to train)"
         )
+
+
+def ulysses_problems(cfg: KLPPOConfig) -> list[str]:
+    """What Ulysses sequence parallelism (``ulysses_sequence_parallel_size`` > 1, per role) cannot run
+    with: padded sequences (it splits packed ones) and the full-vocabulary KL loss."""
+    from klppo.config.sizes import uses_critic
+
+    arr = cfg.actor_rollout_ref
+    problems = []
+    padding = [("actor_rollout_ref.model.use_remove_padding", arr.model.use_remove_padding,
+                max(arr.actor.ulysses_sequence_parallel_size, arr.ref.ulysses_sequence_parallel_size))]  # fmt: skip
+    if uses_critic(cfg):
+        padding.append(("critic.model.use_remove_padding", cfg.critic.model.use_remove_padding,
+                        cfg.critic.ulysses_sequence_parallel_size))  # fmt: skip
+    for key, packed, sp in padding:
+        if sp > 1 and not packed:
+            problems.append(f"{key}=False with ulysses_sequence_parallel_size={sp}: Ulysses sequence "
+                            "parallelism splits packed sequences; set it True")  # fmt: skip
+    sp = arr.actor.ulysses_sequence_parallel_size
+    if sp > 1 and arr.actor.use_kl_loss and arr.actor.kl_loss_type.startswith("full"):
+        problems.append("actor_rollout_ref.actor.kl_loss_type='full' with ulysses_sequence_parallel_size > 1 "
+                        "is not built (it needs full-vocabulary logits); use low_var_kl, kl or mse")  # fmt: skip
+    return problems

@@ -48,16 +48,18 @@ def gather_samples(prompts: Batch, local: Batch, *, n: int, fields: Sequence[str
     return batch
 
 
-def shard_for_update(batch: Batch, *, balance: bool) -> Batch:
+def shard_for_update(batch: Batch, *, balance: bool, sp_size: int = 1) -> Batch:
     """This rank's samples of the global batch for the updates: a contiguous share, or with ``balance``
-    (``trainer.balance_batch``) equal token counts per rank."""
-    w = world_size()
+    (``trainer.balance_batch``) equal token counts per share. One share per data-parallel group of
+    ``sp_size`` consecutive ranks (a Ulysses group, see :mod:`klppo.parallel.mesh`: its ranks get the same
+    share); ``sp_size`` 1: one per rank."""
+    w, r = world_size() // sp_size, rank() // sp_size
     if w == 1:
         return batch
     if balance:
         lengths = batch.attention_mask.sum(dim=1).long().tolist()
-        return batch.select(balance_across_ranks(lengths, w)[rank()])
-    return batch.chunk(w)[rank()]
+        return batch.select(balance_across_ranks(lengths, w)[r])
+    return batch.chunk(w)[r]
 
 
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:

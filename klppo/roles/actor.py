@@ -19,7 +19,15 @@ import torch
 from klppo.algorithms import kl as kl_mod
 from klppo.algorithms import losses
 from klppo.batch import Batch
-from klppo.roles.forward import ForwardPlan, MicroBatching, check_fused, log_prob_pass, policy_forward
+from klppo.parallel.mesh import SequenceParallel
+from klppo.roles.forward import (
+    ForwardPlan,
+    MicroBatching,
+    check_fused,
+    log_prob_pass,
+    no_grad_pass,
+    policy_forward,
+)
 from klppo.roles.optim import OptimSettings
 from klppo.roles.trained import LossTerms, TrainedRole, UpdateSettings
 
@@ -51,6 +59,7 @@ class ActorSettings:
     seed: int = 1
     skip_old_log_prob_on_policy: bool = False  # π_old = the update's detached log-probs when on-policy
     use_fused_kernels: bool = False  # log-probs/entropy from the LM head in chunks (models/lm_head.py)
+    sp: SequenceParallel | None = None  # Ulysses group (needs use_remove_padding); None: no sequence split
 
 
 class Actor(TrainedRole):
@@ -81,11 +90,24 @@ class Actor(TrainedRole):
         s = self.settings
 
         def attempt(micro: MicroBatching) -> torch.Tensor:
+            if s.sp is not None:  # Ulysses: the group's rows, split along the tokens (no shared plan)
+                return no_grad_pass(batch, micro, self._sp_log_probs, sp=s.sp)
             served = plan is not None and plan.serves(micro, s.use_remove_padding)
             use = plan if served else ForwardPlan.build(batch, micro, use_remove_padding=s.use_remove_padding)
             return log_prob_pass(self.model, use, temperature=s.temperature, fused=s.use_fused_kernels)
 
         return self.oom.run("log_prob", s.log_prob_micro, attempt, self.model)
+
+    def _sp_log_probs(self, mb: Batch) -> torch.Tensor:
+        s = self.settings
+        return policy_forward(
+            self.model,
+            mb,
+            temperature=s.temperature,
+            calculate_entropy=False,
+            fused=s.use_fused_kernels,
+            sp=s.sp,
+        )[0]
 
     def skips_old_log_prob(self, num_rows: int) -> bool:
         """True when an update over ``num_rows`` samples per rank is on-policy (one epoch, one mini-batch)
@@ -130,6 +152,7 @@ class Actor(TrainedRole):
             use_remove_padding=s.use_remove_padding,
             return_logits=need_logits,
             fused=s.use_fused_kernels,
+            sp=s.sp,
         )
         mask = mb.response_mask
         stats = {}

@@ -8,6 +8,7 @@ import torch
 
 from klppo.algorithms import losses
 from klppo.batch import Batch
+from klppo.parallel.mesh import SequenceParallel
 from klppo.roles.forward import MicroBatching, no_grad_pass, value_forward
 from klppo.roles.optim import OptimSettings
 from klppo.roles.trained import LossTerms, TrainedRole, UpdateSettings
@@ -27,6 +28,7 @@ class CriticSettings:
     shuffle: bool = False
     use_remove_padding: bool = False
     seed: int = 1
+    sp: SequenceParallel | None = None  # Ulysses group (needs use_remove_padding); None: no sequence split
 
 
 class Critic(TrainedRole):
@@ -45,15 +47,15 @@ class Critic(TrainedRole):
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """Values [B,R] (zero on masked positions)."""
         self.model.eval()
-        rmpad = self.settings.use_remove_padding
+        rmpad, sp = self.settings.use_remove_padding, self.settings.sp
 
         def forward(mb: Batch) -> torch.Tensor:
-            return value_forward(self.model, mb, use_remove_padding=rmpad)
+            return value_forward(self.model, mb, use_remove_padding=rmpad, sp=sp)
 
         return self.oom.run(
             "values",
             self.settings.forward_micro,
-            lambda micro: no_grad_pass(batch, micro, forward),
+            lambda micro: no_grad_pass(batch, micro, forward, sp=sp),
             self.model,
         )
 
@@ -63,7 +65,7 @@ class Critic(TrainedRole):
 
     def _micro_loss(self, mb: Batch) -> tuple[LossTerms, dict[str, float]]:
         s = self.settings
-        vpreds = value_forward(self.model, mb, use_remove_padding=s.use_remove_padding)
+        vpreds = value_forward(self.model, mb, use_remove_padding=s.use_remove_padding, sp=s.sp)
         loss, stats = losses.value_loss(
             vpreds=vpreds,
             returns=mb.returns,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from klppo.batch import Batch
+from klppo.parallel.mesh import SequenceParallel
 
 
 @dataclass(frozen=True)
@@ -60,18 +61,37 @@ def policy_forward(
     use_remove_padding: bool = False,
     return_logits: bool = False,
     fused: bool = False,
+    sp: SequenceParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-prob of each response token under ``model`` with logits / ``temperature``.
 
     Returns ``(log_probs [B,R] fp32, entropy [B,R] or None, response logits [B,R,V] or None)``; the
     logits (for the exact ``full`` KL) come from a padded pass, everything else from
     :func:`klppo.batching.packing.forward_log_probs` (packed when ``use_remove_padding``; log-prob and
-    entropy from the LM head in chunks, without [tokens, V] logits, when ``fused``).
+    entropy from the LM head in chunks, without [tokens, V] logits, when ``fused``), or with ``sp``
+    from :func:`klppo.parallel.ulysses.forward_log_probs` (packed, this rank's share of the tokens; every
+    rank of the group passes the same ``batch``).
     """
     from klppo.algorithms.losses import entropy_from_logits
     from klppo.batching.packing import forward_log_probs
 
     batch = trim_left_padding(batch)
+    if sp is not None:
+        from klppo.parallel import ulysses
+
+        assert not return_logits, "full-vocabulary logits are not built with sequence parallelism"
+        log_probs, entropy = ulysses.forward_log_probs(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.position_ids,
+            response_length=batch.response_length,
+            temperature=temperature,
+            calculate_entropy=calculate_entropy,
+            sp=sp,
+            fused=fused,
+        )
+        return log_probs, entropy, None
     if not return_logits:
         log_probs, entropy = forward_log_probs(
             model,
@@ -110,12 +130,30 @@ def check_fused(model: torch.nn.Module, key: str) -> None:
         )
 
 
-def value_forward(model: torch.nn.Module, batch: Batch, *, use_remove_padding: bool = False) -> torch.Tensor:
+def value_forward(
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    use_remove_padding: bool = False,
+    sp: SequenceParallel | None = None,
+) -> torch.Tensor:
     """Values [B,R] fp32 of a token-classification critic: the value at the position before each response
-    token (the state in which that token is chosen), as verl's critic; zero on masked positions."""
+    token (the state in which that token is chosen), as verl's critic; zero on masked positions. With
+    ``sp``: sequence-parallel over the group (same ``batch`` on its ranks)."""
     from klppo.batching.packing import forward_values
 
     batch = trim_left_padding(batch)
+    if sp is not None:
+        from klppo.parallel import ulysses
+
+        return ulysses.forward_values(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.position_ids,
+            response_length=batch.response_length,
+            sp=sp,
+        )
     return forward_values(
         model,
         batch.input_ids,
@@ -169,10 +207,23 @@ def log_prob_pass(
     return restore_order(chunks, plan.partitions)
 
 
-def no_grad_pass(batch: Batch, micro: MicroBatching, fn: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
-    """Run ``fn`` over micro-batches without gradients; outputs [B, ...] in batch order."""
+def no_grad_pass(
+    batch: Batch,
+    micro: MicroBatching,
+    fn: Callable[[Batch], torch.Tensor],
+    sp: SequenceParallel | None = None,
+) -> torch.Tensor:
+    """Run ``fn`` over micro-batches without gradients; outputs [B, ...] in batch order.
+
+    With ``sp`` the ranks of the group hold different rows (each its share of the rollout): the group's
+    rows are gathered, ``fn`` runs sequence-parallel on all of them, and each rank keeps its own."""
     from klppo.batching.dynamic import restore_order
 
+    if sp is not None:
+        from klppo.parallel.ulysses import gather_group_rows
+
+        n = len(batch)
+        return no_grad_pass(gather_group_rows(batch, sp), micro, fn)[sp.rank * n : (sp.rank + 1) * n]
     partitions, chunks = [], []
     with torch.no_grad():
         for idx, mb in iter_micro(batch, micro):

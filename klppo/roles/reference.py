@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from klppo.batch import Batch
-from klppo.roles.forward import ForwardPlan, MicroBatching, check_fused, log_prob_pass, policy_forward
+from klppo.parallel.mesh import SequenceParallel
+from klppo.roles.forward import (
+    ForwardPlan,
+    MicroBatching,
+    check_fused,
+    log_prob_pass,
+    no_grad_pass,
+    policy_forward,
+)
 from klppo.roles.oom import OOMRecovery
 
 
@@ -19,6 +27,7 @@ class Reference:
         use_remove_padding: bool = False,
         adapters_off: bool = False,
         use_fused_kernels: bool = False,
+        sp: SequenceParallel | None = None,
     ) -> None:
         """``adapters_off``: ``model`` is the LoRA actor itself, run with its adapters disabled (shared,
         so it is neither frozen nor switched to eval mode here). ``use_fused_kernels``: log-probs from the
@@ -34,6 +43,7 @@ class Reference:
         self.temperature = temperature
         self.use_remove_padding = use_remove_padding
         self.use_fused_kernels = use_fused_kernels
+        self.sp = sp  # Ulysses group: log-probs of the group's rows, split along the tokens (no shared plan)
         if use_fused_kernels:
             check_fused(model, "actor_rollout_ref.model.use_fused_kernels")
 
@@ -50,6 +60,10 @@ class Reference:
         rmpad = self.use_remove_padding
 
         def attempt(micro: MicroBatching) -> torch.Tensor:
+            if self.sp is not None:
+                with self._context():
+                    self.model.eval()
+                    return no_grad_pass(batch, micro, self._sp_log_probs, sp=self.sp)
             served = plan is not None and plan.serves(micro, rmpad)
             use = plan if served else ForwardPlan.build(batch, micro, use_remove_padding=rmpad)
             with self._context():
@@ -59,6 +73,12 @@ class Reference:
                 )
 
         return self.oom.run("log_prob", self.micro, attempt, self.model)
+
+    def _sp_log_probs(self, mb: Batch) -> torch.Tensor:
+        return policy_forward(
+            self.model, mb, temperature=self.temperature, calculate_entropy=False, fused=self.use_fused_kernels,
+            sp=self.sp,
+        )[0]  # fmt: skip
 
     def logits(self, batch: Batch) -> torch.Tensor:
         """Temperature-scaled response logits [B,R,V] (for ``kl_loss_type='full'``)."""

@@ -37,13 +37,15 @@ class UpdateSettings:
     grad_clip: float = 1.0
     shuffle: bool = False
     seed: int = 1
+    sp_size: int = 1  # ranks of a Ulysses group: they hold the same rows
 
     @classmethod
     def of(cls, settings: object, *, seed_offset: int = 0) -> UpdateSettings:
         """The update fields of a role's settings (same names), the shuffle seed shifted by ``seed_offset``."""
         fields = {f: getattr(settings, f) for f in ("ppo_epochs", "mini_batch_size", "update_micro", "grad_clip",
                                                       "shuffle")}  # fmt: skip
-        return cls(**fields, seed=settings.seed + seed_offset)
+        sp = getattr(settings, "sp", None)
+        return cls(**fields, seed=settings.seed + seed_offset, sp_size=1 if sp is None else sp.size)
 
 
 class TrainedRole:
@@ -107,7 +109,7 @@ class TrainedRole:
         self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator, micro: MicroBatching
     ) -> bool:
         """Backward of every micro-batch of ``mini`` (gradients summed); True when every loss was finite."""
-        counts = global_counts(mini.response_mask)
+        counts = global_counts(mini.response_mask, sp_size=self.update.sp_size)
         finite = True
         for _, mb in iter_micro(mini, micro):
             terms, stats = micro_loss(mb)
@@ -129,11 +131,12 @@ class TrainedRole:
         self.num_skipped_updates = int(state["num_skipped_updates"])
 
 
-def global_counts(mini_mask: torch.Tensor) -> tuple[float, float, float]:
-    """(tokens, rows with a token, rows) of the mini-batch summed over all ranks: one collective."""
+def global_counts(mini_mask: torch.Tensor, *, sp_size: int = 1) -> tuple[float, float, float]:
+    """(tokens, rows with a token, rows) of the mini-batch summed over the data-parallel groups: one
+    collective over all ranks, divided by ``sp_size`` (the ranks of a Ulysses group hold the same rows)."""
     rows = torch.tensor(float(mini_mask.shape[0]), device=mini_mask.device)
     counts = torch.stack([mini_mask.sum(), (mini_mask.sum(dim=-1) > 0).sum(), rows]).double()
-    tokens, seqs, num_rows = all_reduce_sum(counts).tolist()
+    tokens, seqs, num_rows = (all_reduce_sum(counts) / sp_size).tolist()
     return tokens, seqs, num_rows
 
 
@@ -141,7 +144,9 @@ def micro_weight(
     mode: str, micro_mask: torch.Tensor, counts: tuple[float, float, float], horizon: int
 ) -> float:
     """Scale of a micro-batch's aggregated loss so that the sum over micro-batches and ranks (FSDP averages
-    gradients over the ranks, hence × world size) equals the aggregated loss of the global mini-batch."""
+    gradients over the ranks, hence × world size) equals the aggregated loss of the global mini-batch.
+    With Ulysses groups of S ranks each rank's gradient is its tokens' share of its group's loss, the S
+    shares sum to the group's gradient, and × world size (= dp × S) still undoes FSDP's average."""
     from klppo.batching.dynamic import micro_batch_loss_weight
 
     tokens, seqs, rows = counts

@@ -180,8 +180,10 @@ class PPOTrainer:
                 except NonFiniteStep as exc:
                     skipped = str(exc)
                 if skipped is None:
-                    share = shard_for_update(batch, balance=cfg.trainer.balance_batch)
-                    update_metrics, skipped = self._update_critic(share, timer)
+                    share = shard_for_update(
+                        batch, balance=cfg.trainer.balance_batch, sp_size=roles.actor.update.sp_size
+                    )
+                    update_metrics, skipped = self._update_critic(self._critic_share(batch, share), timer)
             if skipped is None:
                 actor_metrics, skipped = self._update_actor(batch, share, step, timer)
                 update_metrics.update(actor_metrics)
@@ -218,6 +220,13 @@ class PPOTrainer:
         """The critic's weights stay on the device from its values to its update (when there is a critic)."""
         critic = self.run.roles.critic
         return contextlib.nullcontext() if critic is None else self.run.offload.on_device(critic)
+
+    def _critic_share(self, batch: Batch, actor_share: Batch) -> Batch:
+        """The critic's update rows: the actor's, unless its Ulysses groups differ in size from the actor's."""
+        critic, actor = self.run.roles.critic, self.run.roles.actor
+        if critic is None or critic.update.sp_size == actor.update.sp_size:
+            return actor_share
+        return shard_for_update(batch, balance=self.cfg.trainer.balance_batch, sp_size=critic.update.sp_size)
 
     def _update_critic(self, share: Batch, timer: PhaseTimer) -> tuple[dict[str, float], str | None]:
         """The critic's update; (metrics, what was non-finite if it skipped an optimizer step)."""

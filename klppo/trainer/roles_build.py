@@ -10,10 +10,17 @@ from typing import Any
 
 import torch
 
+from klppo.parallel.mesh import SequenceParallel
 from klppo.parallel.offload import OffloadSchedule
+from klppo.parallel.ulysses import enable_ulysses_attention
 from klppo.trainer.builder import fsdp_settings, micro, optim_settings, to_dtype
 
 HFAssets = dict[str, Callable[[Path], None]]
+
+
+def sp_size(sp: SequenceParallel | None) -> int:
+    """Ranks of the Ulysses group (1 without one): a group's token budget is ``max_token_len × size``."""
+    return 1 if sp is None else sp.size
 
 
 def rollout_temperature(cfg: Any) -> float:
@@ -32,6 +39,7 @@ def build_actor(
     total_steps: int,
     offload: OffloadSchedule,
     hf_assets: HFAssets,
+    sp: SequenceParallel | None = None,
 ):
     """The policy: ``fsdp_config.model_dtype`` master weights (fp32 by default), FSDP2, AdamW."""
     from klppo.algorithms.losses import POLICY_LOSS_KEYS, get_policy_loss
@@ -39,7 +47,9 @@ def build_actor(
 
     arr = cfg.actor_rollout_ref
     acfg, rcfg = arr.actor, arr.rollout
-    model = load_policy_model(cfg, model_path, to_dtype(acfg.fsdp_config.model_dtype), device, train=True)
+    model = load_policy_model(
+        cfg, model_path, to_dtype(acfg.fsdp_config.model_dtype), device, train=True, sp=sp
+    )
     hf_assets["actor"] = hf_writer(model, tokenizer)
     if arr.model.lora_rank > 0 or arr.model.lora_adapter_path:
         from klppo.models.lora import apply_lora
@@ -64,12 +74,12 @@ def build_actor(
             update_micro=micro(
                 sizes.actor_micro_batch_size_per_gpu,
                 dynamic=acfg.use_dynamic_bsz,
-                max_tokens=acfg.ppo_max_token_len_per_gpu,
+                max_tokens=acfg.ppo_max_token_len_per_gpu * sp_size(sp),
             ),
             log_prob_micro=micro(
                 sizes.log_prob_micro_batch_size_per_gpu,
                 dynamic=rcfg.log_prob_use_dynamic_bsz,
-                max_tokens=rcfg.log_prob_max_token_len_per_gpu,
+                max_tokens=rcfg.log_prob_max_token_len_per_gpu * sp_size(sp),
             ),
             grad_clip=float(acfg.grad_clip),
             clip_ratio=float(acfg.clip_ratio),
@@ -90,6 +100,7 @@ def build_actor(
             seed=int(cfg.trainer.seed),
             skip_old_log_prob_on_policy=skips_old_log_prob_pass(cfg),
             use_fused_kernels=bool(acfg.use_fused_kernels),
+            sp=sp,
         ),
         optim_settings(acfg.optim, total_steps),
     )
@@ -120,6 +131,7 @@ def build_reference(
     device: torch.device,
     offload: OffloadSchedule,
     actor: Any = None,
+    sp: SequenceParallel | None = None,
 ):
     """The frozen initial policy; None when neither KL in the reward nor a KL loss needs it. With LoRA,
     the actor's own model with its adapters off (no second model)."""
@@ -133,13 +145,14 @@ def build_reference(
     micro_ref = micro(
         sizes.ref_log_prob_micro_batch_size_per_gpu,
         dynamic=arr.ref.log_prob_use_dynamic_bsz,
-        max_tokens=arr.ref.log_prob_max_token_len_per_gpu,
+        max_tokens=arr.ref.log_prob_max_token_len_per_gpu * sp_size(sp),
     )
     settings = dict(
         micro=micro_ref,
         temperature=rollout_temperature(cfg),
         use_remove_padding=bool(arr.model.use_remove_padding),
         use_fused_kernels=bool(arr.model.use_fused_kernels),
+        sp=sp,
     )
     if actor is not None and is_lora(actor.model):
         reference = Reference(actor.model, adapters_off=True, **settings)
@@ -155,7 +168,7 @@ def build_reference(
         from klppo.models.loading import model_dir
 
         model_path = model_dir(ref_path)
-    model = load_policy_model(cfg, model_path, dtype, device, train=False)
+    model = load_policy_model(cfg, model_path, dtype, device, train=False, sp=sp)
     shard(model, arr.ref.fsdp_config, device)
     reference = Reference(model, **settings)
     offload.add(
@@ -178,6 +191,7 @@ def build_critic(
     total_steps: int,
     offload: OffloadSchedule,
     hf_assets: HFAssets,
+    sp: SequenceParallel | None = None,
 ):
     """A value head on a causal-LM backbone (``critic.model.path``, default the actor's); None unless the
     advantage estimator needs values."""
@@ -195,6 +209,8 @@ def build_critic(
         gradient_checkpointing=bool(ccfg.model.enable_gradient_checkpointing),
     )
     enable_packed_attention(model)
+    if sp is not None:
+        enable_ulysses_attention(model, sp.size)
     model = model.to(device)
     if ccfg.model.lora_rank > 0:
         from klppo.models.lora import apply_lora
@@ -218,12 +234,12 @@ def build_critic(
             update_micro=micro(
                 sizes.critic_micro_batch_size_per_gpu,
                 dynamic=ccfg.use_dynamic_bsz,
-                max_tokens=ccfg.ppo_max_token_len_per_gpu,
+                max_tokens=ccfg.ppo_max_token_len_per_gpu * sp_size(sp),
             ),
             forward_micro=micro(
                 sizes.critic_forward_micro_batch_size_per_gpu,
                 dynamic=ccfg.use_dynamic_bsz,
-                max_tokens=ccfg.forward_max_token_len_per_gpu,
+                max_tokens=ccfg.forward_max_token_len_per_gpu * sp_size(sp),
             ),
             grad_clip=float(ccfg.grad_clip),
             cliprange_value=float(ccfg.cliprange_value),
@@ -231,6 +247,7 @@ def build_critic(
             shuffle=bool(ccfg.shuffle),
             use_remove_padding=bool(ccfg.model.use_remove_padding),
             seed=int(cfg.trainer.seed),
+            sp=sp,
         ),
         optim_settings(ccfg.optim, total_steps),
     )
@@ -270,8 +287,17 @@ def build_reward(cfg: Any, tokenizer: Any, device: torch.device):
     )
 
 
-def load_policy_model(cfg: Any, path: str, dtype: torch.dtype, device: torch.device, *, train: bool):
-    """A causal LM for the actor or the reference, with klppo's attention (see below), on ``device``."""
+def load_policy_model(
+    cfg: Any,
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    train: bool,
+    sp: SequenceParallel | None = None,
+):
+    """A causal LM for the actor or the reference, with klppo's attention (see below), on ``device``;
+    with ``sp`` its Ulysses variant (all-to-alls around the same attention)."""
     from klppo.batching.attention import enable_packed_attention
     from klppo.models.lm_head import fp32_lm_head
     from klppo.models.loading import load_causal_lm
@@ -292,6 +318,8 @@ def load_policy_model(cfg: Any, path: str, dtype: torch.dtype, device: torch.dev
     # klppo_packed: block-diagonal attention for packed rows, and for padded rows SDPA with rows that see
     # no key (left padding) attending to themselves, which keeps bf16 gradients finite on GPU
     enable_packed_attention(model)
+    if sp is not None:
+        enable_ulysses_attention(model, sp.size)
     # float32 logits from the bf16 head (no rounding of the logits to bf16; the rollout engine computes its
     # log-probs the same way, see klppo.models.lm_head); float32 models are unaffected
     fp32_lm_head(model)

@@ -20,6 +20,7 @@ from klppo.config.schema_arr import KLLossControlConfig, RolloutConfig
 from klppo.data.dataset import PromptLoader
 from klppo.models.lora import is_lora, merged_for_rollout
 from klppo.parallel.fsdp import gathered_params
+from klppo.parallel.mesh import ParallelMesh, SequenceParallel, build_parallel_mesh
 from klppo.parallel.offload import OffloadSchedule
 from klppo.roles.actor import Actor
 from klppo.roles.critic import Critic
@@ -89,6 +90,8 @@ class Run:
     """β of the actor's KL loss (``actor.kl_loss_ctrl``)."""
     trackers: Trackers
     offload: OffloadSchedule
+    meshes: dict[int, ParallelMesh]
+    """The ranks as ``("dp", "sp")`` meshes, by Ulysses size (one per size the roles use, 1 always)."""
     run_dir: Path
     total_training_steps: int
     hf_assets: HFAssets
@@ -253,10 +256,21 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     offload = OffloadSchedule(device)
     hf_assets: dict[str, Callable[[Path], None]] = {}
 
+    meshes: dict[int, ParallelMesh] = {}
+
+    def sp_group(size: int) -> SequenceParallel | None:
+        if size not in meshes:  # every rank builds the same meshes in the same order
+            meshes[size] = build_parallel_mesh(int(size), device.type)
+        return meshes[size].sequence_parallel
+
+    sp_group(1)
     role_args = dict(device=device, total_steps=total_steps, offload=offload, hf_assets=hf_assets)
-    actor = build_actor(cfg, sizes, model_path, tokenizer, **role_args)
-    reference = build_reference(cfg, sizes, model_path, device=device, offload=offload, actor=actor)
-    critic = build_critic(cfg, sizes, model_path, tokenizer, **role_args)
+    actor = build_actor(cfg, sizes, model_path, tokenizer, **role_args,
+                        sp=sp_group(arr.actor.ulysses_sequence_parallel_size))  # fmt: skip
+    reference = build_reference(cfg, sizes, model_path, device=device, offload=offload, actor=actor,
+                                sp=sp_group(arr.ref.ulysses_sequence_parallel_size))  # fmt: skip
+    critic = build_critic(cfg, sizes, model_path, tokenizer, **role_args,
+                          sp=sp_group(cfg.critic.ulysses_sequence_parallel_size))  # fmt: skip
     reward = build_reward(cfg, tokenizer, device)
     rollout = make_rollout(
         rcfg.name,
@@ -304,6 +318,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
         kl_loss_ctrl=kl_controller(arr.actor.kl_loss_ctrl, arr.actor.kl_loss_coef),
         trackers=Trackers(metrics=tracker, generations=GenerationLog(run_dir)),
         offload=offload,
+        meshes=meshes,
         run_dir=run_dir,
         total_training_steps=int(total_steps),
         hf_assets=hf_assets,

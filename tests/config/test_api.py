@@ -71,14 +71,26 @@ def test_ranges_and_cross_checks():
 def test_check_trainable_refuses_result_changing_values_and_notes_speed_only(issue_list):
     cfg = load_config(issue_list, **Q)
     notes: list[str] = []
-    with pytest.raises(ConfigError) as e:
-        check_trainable(cfg, notify=notes.append)
-    assert "ulysses_sequence_parallel_size=2" in str(e.value)
+    check_trainable(cfg, notify=notes.append)  # ulysses_sequence_parallel_size=2 included
     assert any("tensor_model_parallel_size=2" in n for n in notes)
     check_trainable(load_config(["actor_rollout_ref.model.lora_rank=8", "critic.model.lora_rank=8"], **Q))
     with pytest.raises(ConfigError, match="adv_estimator='optimal_token_baseline'"):
         check_trainable(load_config(["algorithm.adv_estimator=optimal_token_baseline"], **Q))
     check_trainable(load_config([], **Q), notify=notes.append)  # defaults train
+
+
+def test_check_trainable_refuses_what_ulysses_cannot_run_with(issue_list):
+    for extra, key in [
+        (["actor_rollout_ref.model.use_remove_padding=False"], "actor_rollout_ref.model.use_remove_padding"),
+        (["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2"], "critic.model.use_remove_padding"),
+        (["actor_rollout_ref.actor.kl_loss_type=full"], "kl_loss_type='full'"),
+        (["reward_model.ulysses_sequence_parallel_size=2"], "reward_model.ulysses_sequence_parallel_size=2"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            check_trainable(load_config(issue_list + extra, **Q), notify=lambda _m: None)
+        assert key in str(e.value), (extra, str(e.value))
+    check_trainable(load_config(issue_list + ["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2",
+                                              "critic.model.use_remove_padding=True"], **Q), notify=lambda _m: None)  # fmt: skip
 
 
 def test_warn_unimplemented_only_for_non_defaults(issue_list):
