@@ -76,6 +76,9 @@ def _run(rank: int, world: int, out: Path, num_kv_heads: int) -> None:
     torch.manual_seed(0)
     policy = new_policy(num_kv_heads)
     ulysses.enable_ulysses_attention(policy, sp.size)
+    # activation checkpointing: the recomputed forward must get the same all-to-alls (kwargs kept)
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.train()
     lp, ent = ulysses.forward_log_probs(policy, ids, mask, None, response_length=R, temperature=0.7,
                                          calculate_entropy=True, sp=sp)  # fmt: skip
     (lp.sum() + 0.1 * ent.sum()).backward()
