@@ -160,7 +160,8 @@ class PPOTrainer:
                     local = with_reward_baselines(run, local, mine, run.sampling.greedy)
             metrics: dict[str, float] = {}
             plan = None  # the old-log-prob micro-batches, cut and packed once, also serve the reference
-            if not roles.actor.skips_old_log_prob(len(local)):  # on-policy: π_old = the update's log-probs
+            # on-policy: π_old = the update's log-probs; the update's rows per rank are a Ulysses group's
+            if not roles.actor.skips_old_log_prob(len(local) * roles.actor.update.sp_size):
                 with timer.phase("old_log_prob"):
                     plan = roles.actor.log_prob_plan(local)
                     local, metrics = with_old_log_probs(roles.actor, local, plan=plan)

@@ -72,7 +72,7 @@ def _check_model(got: dict, want: dict) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_match_one_process(tmp_path):
-    """2 KV heads: one per rank; 1 KV head: replicated over the 2 ranks."""
+    """2 KV heads: one per rank; 1 KV head: replicated over the 2 ranks (and the fused LM head)."""
     runs = _launch(tmp_path, 2, (2, 1))
     for num_kv_heads, got in runs.items():
         _check_all_to_all(got["a2a"], 2)

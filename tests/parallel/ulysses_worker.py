@@ -79,8 +79,13 @@ def _run(rank: int, world: int, out: Path, num_kv_heads: int) -> None:
     # activation checkpointing: the recomputed forward must get the same all-to-alls (kwargs kept)
     policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy.train()
+    fused = num_kv_heads == 1  # the LM head's chunked log-prob/entropy on this variant
+    if fused:
+        from klppo.models.lm_head import fp32_lm_head
+
+        fp32_lm_head(policy)
     lp, ent = ulysses.forward_log_probs(policy, ids, mask, None, response_length=R, temperature=0.7,
-                                         calculate_entropy=True, sp=sp)  # fmt: skip
+                                         calculate_entropy=True, sp=sp, fused=fused)  # fmt: skip
     (lp.sum() + 0.1 * ent.sum()).backward()
     results["policy"] = {"log_probs": lp.detach(), "entropy": ent.detach(), "grads": _summed_grads(policy)}
     critic = new_critic(num_kv_heads)
