@@ -34,6 +34,10 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
 forward transient ``T·c·(4h + 2·kvd + 3I)``, logits ``N·V·(c + 8)`` with ``T`` the log-prob budget.
 ``rollout``: resident params (+ AdamW unless offloaded) + the whole model gathered ``P·c`` + the KV
 cache, which the engine sizes to fill ``gpu_memory_utilization·D``: peak ``max(util·D, resident+P·c)``.
+Ulysses (``sequence_parallel = S > 1``): ``T`` stays the tokens *one rank* runs (a group packs ``S·T``,
+so a sequence of length ``ℓ`` costs each rank ``ℓ/S`` of every term above); KV heads fewer than ``S``
+are replicated (``kvd = max(kv_heads, S)·head_dim`` in ``A``), and around attention the all-to-alls
+hold q, k, v and the output once more, ``T·c·(2h + 2·kvd)`` (transient, backward start and log-prob).
 Not modelled: the reference / critic models (add them with ``reference=True``), allocator fragmentation
 (``torch.cuda.max_memory_allocated`` does not count it either), CUDA context and library workspaces.
 """
@@ -84,6 +88,21 @@ class Workload:
     backward_prefetch: bool = True
     reference: bool = False
     """Count a bf16 reference model's shards as resident in every phase."""
+    sequence_parallel: int = 1
+    """Ulysses group size S (``ulysses_sequence_parallel_size``); token counts stay per rank."""
+
+    def kv_dim(self, facts: ModelFacts) -> int:
+        """``kv_heads · head_dim`` as one rank holds K and V: replicated up to S heads under Ulysses."""
+        heads = facts.shape.kv_heads
+        if self.sequence_parallel > 1:
+            heads = max(heads, self.sequence_parallel)
+        return heads * head_dim(facts.config)
+
+    def all_to_all_bytes(self, facts: ModelFacts, tokens: float) -> float:
+        """q, k, v and the attention output held a second time around Ulysses' all-to-alls (0 for S = 1)."""
+        if self.sequence_parallel <= 1:
+            return 0.0
+        return tokens * self.compute_bytes * (2 * facts.shape.hidden + 2 * self.kv_dim(facts))
 
     @property
     def shard_ranks(self) -> int:
@@ -155,7 +174,7 @@ def _gathered(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *,
 def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     s, c = facts.shape, w.compute_bytes
     T, N = point.micro_tokens, point.micro_tokens * w.response_fraction
-    kvd = s.kv_heads * head_dim(facts.config)
+    kvd = w.kv_dim(facts)
     units = facts.units(point.min_num_params)
     shard = math.ceil(facts.num_params / w.shard_ranks)
     phase = PhasePeak("update")
@@ -175,6 +194,8 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
         acts, text = s.layers * T * per_layer, "L·T·A"
     phase.add("activations", acts, text, _START)
     phase.add("backward workspace", T * c * (2 * s.hidden + 2 * s.intermediate), "T·c·(2h+2I)", _START)
+    if w.sequence_parallel > 1:
+        phase.add("all-to-all buffers", w.all_to_all_bytes(facts, T), "T·c·(2h+2kvd)", _START)
     logit_bytes = c + 12 + (8 if w.calculate_entropy else 0)
     phase.add("logits", N * s.vocab * logit_bytes, f"N·V·{logit_bytes}", _START)
     phase.add("LM head grad", s.vocab * s.hidden * c, "V·h·c", _START)
@@ -192,11 +213,13 @@ def log_prob_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     s, c = facts.shape, w.compute_bytes
     T = w.log_prob_tokens or point.micro_tokens
     N = T * w.response_fraction
-    kvd = s.kv_heads * head_dim(facts.config)
+    kvd = w.kv_dim(facts)
     phase = PhasePeak("log_prob")
     _resident(phase, facts, point, w, optimizer=True)
     _gathered(phase, facts, point, w, backward=False)
     phase.add("activations", T * c * (4 * s.hidden + 2 * kvd + 3 * s.intermediate), "T·c·(4h+2kvd+3I)")
+    if w.sequence_parallel > 1:
+        phase.add("all-to-all buffers", w.all_to_all_bytes(facts, T), "T·c·(2h+2kvd)")
     phase.add("logits", N * s.vocab * (c + 8), f"N·V·{c + 8}")
     return phase
 

@@ -23,13 +23,13 @@ def predicted_peaks_gib(
     w, point, seq_len = workload_from(cfg, argparse.Namespace(device_gb=device_gib), world_size)
     actor = cfg.actor_rollout_ref.actor
     if not actor.use_dynamic_bsz and actor.ppo_micro_batch_size_per_gpu:
-        # fixed micro-batches: rows × the padded sequence length
+        # fixed micro-batches: rows × the padded sequence length, split over a Ulysses group's ranks
         point = Point(
             point.min_num_params,
             point.offload,
             point.forward_prefetch,
             point.reshard_after_forward,
-            int(actor.ppo_micro_batch_size_per_gpu) * seq_len,
+            -(-int(actor.ppo_micro_batch_size_per_gpu) * seq_len // w.sequence_parallel),
         )
     phases = predict(ModelFacts.from_config(model_config), point, w)
     return {name: peak.total / 2**30 for name, peak in phases.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -89,3 +90,21 @@ def test_rollout_and_offload(facts):
     assert kv_cache_room(facts, Point(0), tiny_device) == 0
     lp = terms(predict(facts, Point(0, micro_tokens=256), w)["log_prob"])
     assert lp["logits"] == 128 * V * 10
+
+
+def test_ulysses_terms(facts):
+    """Per-rank tokens T: S = 2 adds only the all-to-all buffers; S = 4 > 2 KV heads replicates them."""
+    T, c = 1024, 2
+    base = Workload(world_size=4, compute_bytes=c, response_fraction=0.25, device_bytes=2**30)
+    one = {p: terms(v) for p, v in predict(facts, Point(0, micro_tokens=T), base).items()}
+    two = {
+        p: terms(v)
+        for p, v in predict(facts, Point(0, micro_tokens=T), replace(base, sequence_parallel=2)).items()
+    }
+    assert two["update"].pop("all-to-all buffers") == T * c * (2 * H + 2 * KVD)
+    assert two["log_prob"].pop("all-to-all buffers") == T * c * (2 * H + 2 * KVD)
+    assert two == one
+    four = terms(predict(facts, Point(0, micro_tokens=T), replace(base, sequence_parallel=4))["update"])
+    kvd4 = 4 * (H // 4)  # 2 KV heads replicated to 4, head_dim 16
+    assert four["all-to-all buffers"] == T * c * (2 * H + 2 * kvd4)
+    assert four["activations"] == L * T * H * c + T * (8 * H + c * (5 * H + 2 * kvd4 + 4 * FFN))
