@@ -60,6 +60,20 @@ def _check_all_to_all(got: dict, world: int) -> None:
     torch.testing.assert_close(got["grad"], want, rtol=0, atol=0)
 
 
+def _check_local_tokens(got: dict, world: int) -> None:
+    """Outside attention a rank holds only its T'/S tokens: every decoder layer and MLP call (forward and
+    the checkpointed recompute) sees ⌈T/S⌉ tokens, T the micro-batch's real tokens."""
+    _ids, mask, _R = W.sequences()
+    total = int(mask.sum())
+    local = -(-total // world)
+    assert local < total
+    seen = got["tokens_seen"]
+    assert set(seen) == {f"{kind}{i}" for kind in ("layer", "mlp") for i in range(2)}
+    for name, counts in seen.items():
+        assert counts and set(counts) == {local}, (name, counts, total)
+    assert len(seen["mlp0"]) == 2  # forward + the checkpointed recompute in backward
+
+
 def _check_model(got: dict, want: dict) -> None:
     for role, fields in (("policy", ("log_probs", "entropy")), ("critic", ("values",))):
         for f in fields:
@@ -76,6 +90,7 @@ def test_two_ranks_match_one_process(tmp_path):
     runs = _launch(tmp_path, 2, (2, 1))
     for num_kv_heads, got in runs.items():
         _check_all_to_all(got["a2a"], 2)
+        _check_local_tokens(got, 2)
         _check_model(got, _reference(num_kv_heads))
 
 

@@ -84,10 +84,12 @@ def _run(rank: int, world: int, out: Path, num_kv_heads: int) -> None:
         from klppo.models.lm_head import fp32_lm_head
 
         fp32_lm_head(policy)
+    seen = _record_tokens(policy)
     lp, ent = ulysses.forward_log_probs(policy, ids, mask, None, response_length=R, temperature=0.7,
                                          calculate_entropy=True, sp=sp, fused=fused)  # fmt: skip
     (lp.sum() + 0.1 * ent.sum()).backward()
     results["policy"] = {"log_probs": lp.detach(), "entropy": ent.detach(), "grads": _summed_grads(policy)}
+    results["tokens_seen"] = seen
     critic = new_critic(num_kv_heads)
     ulysses.enable_ulysses_attention(critic, sp.size)
     values = ulysses.forward_values(critic, ids, mask, None, response_length=R, sp=sp)
@@ -95,6 +97,24 @@ def _run(rank: int, world: int, out: Path, num_kv_heads: int) -> None:
     results["critic"] = {"values": values.detach(), "grads": _summed_grads(critic)}
     if rank == 0:
         torch.save(results, out / f"sp{world}_kv{num_kv_heads}.pt")
+
+
+def _record_tokens(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Tokens (dim 1) entering each decoder layer, its MLP and the LM head, per call (recomputes included)."""
+    seen: dict[str, list[int]] = {}
+
+    def hook(name):
+        def record(_module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            seen.setdefault(name, []).append(int(x.shape[1]))
+
+        return record
+
+    base = model.model
+    for i, layer in enumerate(base.layers):
+        layer.register_forward_pre_hook(hook(f"layer{i}"), with_kwargs=True)
+        layer.mlp.register_forward_pre_hook(hook(f"mlp{i}"), with_kwargs=True)
+    return seen
 
 
 def _summed_grads(m: torch.nn.Module) -> dict[str, torch.Tensor]:
