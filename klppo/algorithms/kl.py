@@ -94,6 +94,14 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     return k2 - k2.detach() + value.detach()
 
 
+def sampled_estimator(kind: str) -> str:
+    """The per-token estimator that measures a ``kind`` from sampled tokens: its base name (the ``+``
+    straight-through variants have the same value), and ``low_var_kl`` (k3) for ``full``, which needs logits.
+    The KL-loss controller measures ``kl_loss_type`` this way."""
+    base = kind[:-1] if kind.endswith("+") else kind
+    return "low_var_kl" if base == "full" else base
+
+
 def default_chunk_rows(vocab_size: int) -> int:
     """Rows per chunk so that one float32 [rows, vocab] temporary holds ≤ 2^24 elements."""
     return max(1, VOCAB_CHUNK_ELEMENTS // max(1, vocab_size))

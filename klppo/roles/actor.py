@@ -208,8 +208,7 @@ def _skipped_pass_stats(log_prob: torch.Tensor, mb: Batch, s: ActorSettings) -> 
         out["actor/ref_kl_k1"] = losses.masked_mean(log_prob - mb.ref_log_probs, mask)
         out["actor/ref_kl_k3"] = losses.masked_mean(kl_mod.kl_penalty(log_prob, mb.ref_log_probs, "k3"), mask)
         if s.use_kl_loss:  # what the KL-loss controller acts on (trainer/phases.py: measure_kl_for_control)
-            kind = s.kl_loss_type.rstrip("+")
-            kind = "low_var_kl" if kind == "full" else kind
+            kind = kl_mod.sampled_estimator(s.kl_loss_type)
             out["actor/kl_loss_ctrl_kl"] = losses.masked_mean(
                 kl_mod.kl_penalty(log_prob, mb.ref_log_probs, kind), mask
             )

@@ -160,19 +160,15 @@ def _warn_penalty_share(step: int, streak: int, share: float, beta: float, algo:
     )  # fmt: skip
 
 
-def kl_loss_ctrl_kind(actor: ActorConfig) -> str:
-    """The estimator the KL-loss controller measures: ``kl_loss_type`` (k3 for ``full``)."""
-    kind = actor.kl_loss_type.rstrip("+")
-    return "low_var_kl" if kind == "full" else kind
-
-
 def measure_kl_for_control(batch: Batch, actor: ActorConfig) -> dict[str, float]:
     """KL(π_old‖π_ref) of the global batch for the KL-loss controller: token mean of the ``kl_loss_type``
     estimator from the old-log-prob pass. With the on-policy skip there is no such pass: the actor reports
     the same figure from its update's forward (at the pre-step weights, i.e. π_old)."""
     if not actor.use_kl_loss or batch.ref_log_probs is None or batch.old_log_probs is None:
         return {}
-    kl = kl_mod.kl_penalty(batch.old_log_probs, batch.ref_log_probs, kl_loss_ctrl_kind(actor))
+    kl = kl_mod.kl_penalty(
+        batch.old_log_probs, batch.ref_log_probs, kl_mod.sampled_estimator(actor.kl_loss_type)
+    )
     return {"actor/kl_loss_ctrl_kl": float(masked_mean(kl, batch.response_mask))}
 
 

@@ -141,3 +141,11 @@ def test_apply_kl_penalty_matches_reference() -> None:
     # a plain float works as β; rewards carry no autograd graph
     rewards, _ = apply_kl_penalty(scores, lp.requires_grad_(True), rp, m, 0.1, "k2")
     assert not rewards.requires_grad
+
+
+def test_sampled_estimator_names():
+    from klppo.algorithms.kl import sampled_estimator
+
+    assert [sampled_estimator(k) for k in ("low_var_kl", "k3+", "kl", "mse+", "full", "full+")] == [
+        "low_var_kl", "k3", "kl", "mse", "low_var_kl", "low_var_kl",
+    ]  # fmt: skip
