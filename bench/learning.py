@@ -175,7 +175,7 @@ class Run:
             if time.monotonic() - start > self.max_wall_s:
                 self.proc.kill()
                 break
-            time.sleep(0.5)
+            time.sleep(0.05)  # steps of ~0.5 s on a fast CPU: a slow poll would see two at once and stop late
 
     def wait(self) -> int:
         code = self.proc.wait()
