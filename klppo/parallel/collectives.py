@@ -52,6 +52,31 @@ def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=0).to(t.device)
 
 
+def all_reduce_min(value: int, group: dist.ProcessGroup | None = None) -> int:
+    """Smallest ``value`` over the ranks of ``group`` (all ranks when None)."""
+    if world_size() == 1:
+        return int(value)
+    t = torch.tensor([value], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def group_all_gather(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[size, *t.shape]: every rank of ``group``'s equal-shaped ``t``, in group order, on ``t``'s device.
+
+    No host synchronisation (capturable in a CUDA graph on NCCL: one ``all_gather_into_tensor``); ``t``
+    must be on the backend's device."""
+    size = dist.get_world_size(group)
+    t = t.contiguous()
+    if dist.get_backend(group) == "nccl":
+        out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t, group=group)
+        return out.view(size, *t.shape)
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t, group=group)
+    return torch.stack(parts)
+
+
 def all_gather_objects(obj: object) -> list:
     """Every rank's picklable ``obj``, in rank order."""
     if world_size() == 1:

@@ -11,8 +11,9 @@ An engine turns left-padded prompts into right-padded responses on the model it 
   i.e. *before* top-k / top-p truncation — the quantity the actor's recomputation gives. Greedy
   (``do_sample=False`` or ``temperature == 0``) uses temperature 1. Zero where the mask is 0.
 
-Engines know nothing of losses or of how the weights are sharded: the caller hands a module whose
-parameters are full tensors for the duration of ``generate``.
+Engines know nothing of losses. The caller hands a module whose parameters are full tensors for the
+duration of ``generate``, except to an engine with ``reads_shards`` (the tensor-parallel one,
+:mod:`klppo.rollout.tp`), which takes the FSDP2-sharded module as it is and reshards it itself.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import warnings
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from klppo.parallel.mesh import TensorParallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,15 +107,23 @@ def make_rollout(
     pad_token_id: int,
     gpu_memory_utilization: float = 0.5,
     free_cache_engine: bool = True,
+    tensor_parallel: TensorParallel | None = None,
     **kwargs: Any,
 ) -> RolloutEngine:
     """Build the engine called ``name`` ("klppo": our engine; "hf": transformers ``generate``).
 
     ``gpu_memory_utilization`` bounds the whole rollout phase (other tensors + KV cache) as a fraction
     of total device memory; ``free_cache_engine`` frees the KV cache after each ``generate``.
+    ``tensor_parallel``: this rank's rollout tensor-parallel group (klppo only): the engine then takes
+    the FSDP2-sharded model and reshards it itself (:mod:`klppo.rollout.tp`).
     Extra keyword arguments go to the engine (e.g. ``max_num_seqs``, ``eos_check_every``).
     """
     eos_token_ids = [int(t) for t in eos_token_ids]
+    if tensor_parallel is not None and name != "klppo":
+        raise ValueError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel.size} needs "
+            f"actor_rollout_ref.rollout.name=klppo, got {name!r}"
+        )
     if name == "hf":
         from klppo.rollout.hf import HFRollout
 
@@ -122,11 +133,16 @@ def make_rollout(
     if name == "klppo":
         from klppo.rollout.engine import KLPPORollout
 
-        return KLPPORollout(
+        engine = KLPPORollout(
             eos_token_ids=eos_token_ids,
             pad_token_id=pad_token_id,
             gpu_memory_utilization=gpu_memory_utilization,
             free_cache_engine=free_cache_engine,
             **kwargs,
         )
+        if tensor_parallel is None:
+            return engine
+        from klppo.rollout.tp import TPRollout
+
+        return TPRollout(engine, tensor_parallel)
     raise ValueError(f"unknown rollout name {name!r}; expected 'klppo' or 'hf'")

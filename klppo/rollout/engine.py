@@ -36,6 +36,7 @@ import warnings
 
 import torch
 
+from klppo.parallel.collectives import all_reduce_min
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.compiled import compiled, wait_precompile
 from klppo.rollout.hf import HFRollout
@@ -44,11 +45,12 @@ from klppo.rollout.llama import (
     attn_in,
     attn_out_mlp,
     decode,
+    layer_back,
     logits_of,
     prefill,
     unsupported_reason,
 )
-from klppo.rollout.sampling import is_untruncated, sample, sample_untruncated
+from klppo.rollout.sampling import is_untruncated, sample, sample_untruncated, vocab_parallel_sampler
 
 DECODE_ATTENTION = ("auto", "flash", "flash-plain", "sdpa")
 
@@ -127,7 +129,23 @@ class KLPPORollout:
             warnings.warn(f"klppo rollout cannot run this model ({reason}): using hf", stacklevel=2)
             out = self._fallback.generate(model, prompts, prompt_mask, params)
             return dataclasses.replace(out, stats={**out.stats, "rollout/fallback_hf": 1.0})
+        return self.generate_from(LlamaWeights.read(model), prompts, prompt_mask, params)
+
+    @torch.no_grad()
+    def generate_from(
+        self,
+        w: LlamaWeights,
+        prompts: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        *,
+        reset_peak: bool = True,
+    ) -> RolloutOutput:
+        """``generate`` on weights already read (``LlamaWeights``: full, or tensor-parallel slices whose
+        group calls this together on the same prompts). ``reset_peak``: the reported peak memory starts
+        here (False: the caller reset it, e.g. before resharding)."""
         device = prompts.device
+        lengths = prompt_mask.sum(dim=1).tolist()
         rng = contextlib.nullcontext()
         if params.seed is not None:
             rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
@@ -135,7 +153,7 @@ class KLPPORollout:
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             try:
-                return self._generate(model, prompts, prompt_mask, lengths, params)
+                return self._generate(w, prompts, prompt_mask, lengths, params, reset_peak)
             finally:
                 if self.free_cache_engine:
                     self.release()
@@ -145,14 +163,14 @@ class KLPPORollout:
         self._ws = None
 
     # ---- internals ------------------------------------------------------------------------------
-    def _generate(self, model, prompts, prompt_mask, lengths, params) -> RolloutOutput:
+    def _generate(self, w, prompts, prompt_mask, lengths, params, reset_peak) -> RolloutOutput:
         device = prompts.device
         cuda = device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
+            if reset_peak:
+                torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        w = LlamaWeights.read(model)
         if type(w.embed) is not torch.Tensor and type(w.embed).__name__ == "DTensor":
             raise ValueError("klppo rollout needs full (gathered) weights, got DTensor shards")
         n, width = params.n, params.max_new_tokens
@@ -265,6 +283,8 @@ class KLPPORollout:
         total = torch.cuda.get_device_properties(device).total_memory
         budget = self.gpu_memory_utilization * total - torch.cuda.memory_allocated(device) - workspace
         slots = int(budget // per_slot)
+        if w.tp is not None:  # the ranks of a tensor-parallel group run the same slots in lockstep
+            slots = int(all_reduce_min(slots, w.tp.group))
         if slots < 1:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} leaves no room for a KV cache "
@@ -345,7 +365,7 @@ class KLPPORollout:
         logits = logits[torch.tensor([row_of[p] for p in prompt_of], device=device)]
         slots = torch.tensor(slot_list, device=device)
         seq_t = torch.tensor(seqs, device=device)
-        tokens, log_probs = self._sampler(params, device.type == "cuda")(logits)
+        tokens, log_probs = self._sampler(params, device.type == "cuda", w)(logits)
         ws.out_tokens[seq_t, 0] = tokens
         ws.out_log_probs[seq_t, 0] = log_probs
         ws.out_len[seq_t] = 1
@@ -365,8 +385,10 @@ class KLPPORollout:
         layer_fns = (attn_in, attn_out_mlp)
         if self._compiles(cuda):
             layer_fns = (compiled("attn_in"), compiled("attn_out_mlp"))
+        if w.tp is not None:  # the row-parallel all-reduces run eagerly (captured in the graph on CUDA)
+            layer_fns = (layer_fns[0], layer_back(w))
         flash = self._use_flash(ws.kv)
-        sampler = self._sampler(params, cuda)
+        sampler = self._sampler(params, cuda, w)
 
         def step() -> None:
             logits = decode(
@@ -403,8 +425,18 @@ class KLPPORollout:
         if ws.pool is None:
             ws.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=ws.pool):
-            step()
+        if w.tp is None:
+            with torch.cuda.graph(graph, pool=ws.pool):
+                step()
+        else:  # NCCL collectives inside the graph: untested on every stack, so a failed capture runs eager
+            try:
+                with torch.cuda.graph(graph, pool=ws.pool):
+                    step()
+            except RuntimeError as err:
+                warnings.warn(f"tensor-parallel decode runs without CUDA graphs (capture failed: {err})",
+                              stacklevel=2)  # fmt: skip
+                self.use_cuda_graph = False
+                return step
         ws.graphs[bucket] = graph
         return graph.replay
 
@@ -421,8 +453,11 @@ class KLPPORollout:
             return None
         return "plain" if self.decode_attention == "flash-plain" else "packed"
 
-    def _sampler(self, params: SamplingParams, cuda: bool):
-        """``logits -> (tokens, log_probs)`` for ``params``: compiled and fused on GPU when untruncated."""
+    def _sampler(self, params: SamplingParams, cuda: bool, w: LlamaWeights):
+        """``logits -> (tokens, log_probs)`` for ``params``: compiled and fused on GPU when untruncated;
+        over the vocabulary shards of a tensor-parallel group when ``w.tp``."""
+        if w.tp is not None:
+            return vocab_parallel_sampler(params, w.tp, w.vocab_size)
         if not is_untruncated(params):
             return lambda logits: sample(logits, params)
         # greedy (validation) stays eager: logsumexp + argmax are two plain reductions, and one graph fewer

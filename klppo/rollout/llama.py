@@ -28,9 +28,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from klppo.models.flops import attention_dims
+from klppo.parallel.mesh import TensorParallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -171,6 +173,13 @@ class LlamaWeights:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    tp: TensorParallel | None = None
+    """Tensor-parallel slices (:mod:`klppo.rollout.tp`): heads, KV heads, MLP rows and vocabulary are this
+    rank's; ``num_heads``/``num_kv_heads`` count local heads; None: the full model."""
+    vocab_start: int = 0
+    """First vocabulary id of this rank's ``embed``/``lm_head`` rows (tensor parallel)."""
+    vocab_size: int = 0
+    """The full vocabulary (tensor parallel; the rows are ``even_split(vocab_size, tp.size, tp.rank)``)."""
 
     @staticmethod
     def read(model: torch.nn.Module) -> LlamaWeights:
@@ -273,7 +282,8 @@ def prefill(
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths_t)
     positions = torch.arange(tokens.shape[0], device=device) - starts[seq_of_token]
     slot_of_token = slots[seq_of_token]
-    x = F.embedding(tokens, w.embed)
+    x = embed_tokens(w, tokens)
+    back = layer_back(w)
     cos, sin = rope_cos_sin(w, positions, x.dtype)
     key_pos = torch.arange(max_len, device=device)
     mask = (key_pos[None, :] <= key_pos[:, None])[None, None] & (key_pos < lengths_t[:, None])[:, None, None]
@@ -288,7 +298,7 @@ def prefill(
         v_pad = kv[i, 1, slots, :max_len].transpose(1, 2).repeat_interleave(group, dim=1)
         attn = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k_pad, v_pad, attn_mask=mask)
         attn = attn.transpose(1, 2)[seq_of_token, positions].reshape(tokens.shape[0], -1)
-        x = attn_out_mlp(x, attn, lw, w.eps)
+        x = back(x, attn, lw, w.eps)
     last = starts + lengths_t - 1
     return rms_norm(x[last], w.final_norm, w.eps)
 
@@ -324,6 +334,46 @@ def attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: flo
     return x + _mlp(lw, rms_norm(x, lw.post_norm, eps))
 
 
+def attn_out_mlp_tp(
+    x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """``attn_out_mlp`` on tensor-parallel slices: ``attn`` holds this rank's heads, ``o`` their columns
+    (row-parallel), ``gate``/``up`` this rank's MLP rows and ``down`` their columns; the two partial sums
+    are summed over ``group`` (one all-reduce each, capturable in a CUDA graph on NCCL) before the
+    replicated biases and residuals."""
+    y = F.linear(attn, lw.o)
+    dist.all_reduce(y, group=group)
+    x = x + y if lw.o_bias is None else x + y + lw.o_bias
+    h = rms_norm(x, lw.post_norm, eps)
+    if lw.gate_up is not None:
+        gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(h, lw.gate, lw.gate_bias), F.linear(h, lw.up, lw.up_bias)
+    m = F.linear(F.silu(gate) * up, lw.down)
+    dist.all_reduce(m, group=group)
+    return x + m if lw.down_bias is None else x + m + lw.down_bias
+
+
+def layer_back(w: LlamaWeights):
+    """The eager layer back for ``w``: ``attn_out_mlp``, or its tensor-parallel form."""
+    if w.tp is None:
+        return attn_out_mlp
+    group = w.tp.group
+    return lambda x, attn, lw, eps: attn_out_mlp_tp(x, attn, lw, eps, group)
+
+
+def embed_tokens(w: LlamaWeights, tokens: torch.Tensor) -> torch.Tensor:
+    """[T] ids → [T, hidden]; tensor parallel: each rank looks up the ids in its vocabulary rows (zeros
+    for the others) and the rows are summed over the group (vocabulary-parallel embedding)."""
+    if w.tp is None:
+        return F.embedding(tokens, w.embed)
+    local = tokens - w.vocab_start
+    inside = (local >= 0) & (local < w.embed.shape[0])
+    x = F.embedding(local.clamp(0, w.embed.shape[0] - 1), w.embed) * inside[:, None].to(w.embed.dtype)
+    dist.all_reduce(x, group=w.tp.group)
+    return x
+
+
 def decode(
     w: LlamaWeights,
     kv: torch.Tensor,
@@ -346,7 +396,7 @@ def decode(
     num_slots = tokens.shape[0]
     device = tokens.device
     slot_idx = torch.arange(num_slots, device=device)
-    x = F.embedding(tokens, w.embed)
+    x = embed_tokens(w, tokens)
     cos, sin = rope_cos_sin(w, positions, x.dtype)
     max_len = kv.shape[3]
     group = w.num_heads // w.num_kv_heads

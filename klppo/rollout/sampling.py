@@ -14,13 +14,26 @@ Given logits [B, V] (any float dtype; computed in float32):
   prefix of the sorted distribution whose mass reaches p, always at least one token), renormalised, and
   sampled by the exponential race ``argmax(p_i / E_i)``, ``E_i ~ Exp(1)``.
 
+Tensor parallel (``vocab_parallel_sampler``): each rank of the group holds the logits of its vocabulary
+rows [B, V/TP]. Untruncated, a rank computes its shard's log-normaliser, its race winner (the argmax of
+the logits, greedy, or of ``x + G`` with its own Gumbel noise) and the winner's ``x``; one all-gather of
+these [B, 4] figures gives every rank the same result: the token is the winner of the rank with the best
+race value (first rank on ties, i.e. the lowest id, as a full ``argmax``), the global log-normaliser is the
+``logsumexp`` of the shards' ones, and ``log_prob = x[token] − logsumexp(x)`` as without tensor
+parallelism — the law of the draw is the same (independent Gumbels per vocabulary entry). Truncated
+sampling gathers the full logits (top-k / top-p need them) and takes the group's first rank's draw.
+
 Randomness comes from the current default generator.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from klppo.parallel.collectives import group_all_gather
+from klppo.parallel.mesh import TensorParallel
+from klppo.parallel.reshard import even_split
 from klppo.rollout.base import SamplingParams
 
 
@@ -74,3 +87,40 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, 
     probs = torch.softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
     tokens = torch.argmax(probs / torch.empty_like(probs).exponential_(1.0), dim=-1)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def vocab_parallel_sampler(params: SamplingParams, tp: TensorParallel, vocab_size: int):
+    """``logits [B, V_local] -> (tokens [B], log_probs [B])``, identical on every rank of ``tp``'s group,
+    for logits of this rank's vocabulary ids ``even_split(vocab_size, tp.size, tp.rank)`` (module
+    docstring). No host synchronisation."""
+    bounds = [even_split(vocab_size, tp.size, r) for r in range(tp.size)]
+    vocab_start, widest = bounds[tp.rank][0], max(b - a for a, b in bounds)
+    temperature = 1.0 if params.greedy else float(params.temperature)
+
+    def untruncated(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = logits.float()
+        if temperature != 1.0:
+            x = x / temperature
+        lse = torch.logsumexp(x, dim=-1)
+        race = x
+        if not params.greedy:
+            race = x - torch.log((-torch.log(torch.rand_like(x))).clamp_(min=1e-30))
+        idx = torch.argmax(race, dim=-1, keepdim=True)
+        mine = torch.cat(
+            [race.gather(-1, idx), (idx + vocab_start).to(x.dtype), x.gather(-1, idx), lse[:, None]], -1
+        )
+        figures = group_all_gather(mine.double(), tp.group)  # [TP, B, 4]
+        winner = torch.argmax(figures[:, :, 0], dim=0)  # first rank with the best race value
+        best = figures.gather(0, winner[None, :, None].expand(1, -1, 4))[0]
+        log_norm = torch.logsumexp(figures[:, :, 3], dim=0)
+        return best[:, 1].long(), (best[:, 2] - log_norm).float()
+
+    def truncated(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        padded = F.pad(logits.float(), (0, widest - logits.shape[-1]), value=float("-inf"))
+        shards = group_all_gather(padded, tp.group)
+        full = torch.cat([shards[r, :, : b - a] for r, (a, b) in enumerate(bounds)], dim=-1)
+        tokens, log_probs = sample(full, params)
+        first = group_all_gather(torch.stack([tokens.double(), log_probs.double()], -1), tp.group)[0]
+        return first[:, 0].long(), first[:, 1].float()
+
+    return untruncated if is_untruncated(params) else truncated

@@ -1,0 +1,208 @@
+"""Tensor-parallel rollout: a group of ``TP`` ranks generates on slices of the actor's weights, resharded
+straight from the FSDP2 shards; data parallel across the groups.
+
+Layout (Megatron's, for Llama-family decoders), for rank ``t`` of the group:
+
+- ``q_proj`` (weight rows, bias): heads ``[t·H/TP, (t+1)·H/TP)``; ``k_proj``/``v_proj``: KV heads
+  ``[t·H_kv/TP, …)``, or when ``H_kv < TP`` the one KV head ``t·H_kv/TP`` its query heads share (KV heads
+  replicated); so the KV cache holds only the rank's KV heads;
+- ``o_proj``: the columns of its heads (row-parallel: partial sums, one all-reduce; bias replicated);
+- ``gate_proj``/``up_proj``: rows ``[t·I/TP, …)``; ``down_proj``: those columns (row-parallel, all-reduce);
+- ``embed_tokens`` and ``lm_head`` (tied or not): vocabulary rows ``even_split(V, TP, t)``
+  (vocabulary-parallel embedding: one all-reduce; LM head: logits of its ids only, sampled by
+  :func:`klppo.rollout.sampling.vocab_parallel_sampler` with a log-softmax over the whole vocabulary);
+- norms (and Qwen3's q/k norms): whole.
+
+:class:`TPRollout` wraps the engine: it gathers the group's prompts (each rank brings its own share, as at
+``TP = 1``), reshards (:func:`klppo.parallel.reshard.reshard`: one all-to-all per FSDP unit, no rank holds
+a full weight), generates the group's rows on every rank in lockstep (the same tokens everywhere), and
+returns this rank's rows. Left out: LoRA actors (the adapters would have to be merged into the slices),
+the ``hf`` backend, and models the engine cannot run (refused, no fallback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from klppo.models.flops import attention_dims
+from klppo.parallel.collectives import group_all_gather
+from klppo.parallel.mesh import TensorParallel
+from klppo.parallel.reshard import WHOLE, Region, even_split, reshard
+from klppo.rollout.base import RolloutOutput, SamplingParams
+from klppo.rollout.engine import KLPPORollout
+from klppo.rollout.llama import _LAYER_PATHS, LayerWeights, LlamaWeights, base_model, unsupported_reason
+
+KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLayout:
+    """Which region of each weight a tensor-parallel rank takes (module docstring)."""
+
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @staticmethod
+    def of(config: Any, size: int) -> TPLayout:
+        """The layout of a Hugging Face ``config`` over ``size`` ranks; ValueError when it cannot split."""
+        num_heads, num_kv_heads, head_dim = attention_dims(config)
+        inter = int(config.intermediate_size)
+        if num_heads % size:
+            raise ValueError(f"{KEY}={size} must divide num_attention_heads={num_heads}")
+        if num_kv_heads % size and size % num_kv_heads:
+            raise ValueError(
+                f"{KEY}={size} and num_key_value_heads={num_kv_heads}: one must divide the other"
+            )
+        if inter % size:
+            raise ValueError(f"{KEY}={size} must divide intermediate_size={inter}")
+        return TPLayout(size, num_heads, num_kv_heads, head_dim)
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(self.num_kv_heads // self.size, 1)
+
+    def region(self, name: str, shape: torch.Size, t: int) -> Region:
+        """Rank ``t``'s region of parameter ``name`` (its Hugging Face name) of full ``shape``."""
+        d = self.head_dim
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return Region(0, *even_split(int(shape[0]), self.size, t))
+        if ".self_attn.q_proj." in name or name.endswith("self_attn.o_proj.weight"):
+            h = self.local_heads
+            return Region(0 if ".q_proj." in name else 1, t * h * d, (t + 1) * h * d)
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            first = t * self.num_kv_heads // self.size
+            return Region(0, first * d, (first + self.local_kv_heads) * d)
+        if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+            return Region(0, *even_split(int(shape[0]), self.size, t))
+        if name.endswith("mlp.down_proj.weight"):
+            return Region(1, *even_split(int(shape[1]), self.size, t))
+        return WHOLE
+
+
+def tp_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], layout: TPLayout,
+               tp: TensorParallel) -> LlamaWeights:  # fmt: skip
+    """``LlamaWeights`` of this rank's slices ``tensors`` (by name, from :func:`reshard`) of ``model``."""
+    hf = base_model(model)
+    layers = [
+        LayerWeights(**{f: tensors.get(f"model.layers.{i}.{path}") for f, path in _LAYER_PATHS.items()})
+        for i in range(len(hf.model.layers))
+    ]
+    embed = tensors["model.embed_tokens.weight"]
+    vocab_size = int(hf.model.embed_tokens.weight.shape[0])
+    return LlamaWeights(
+        embed=embed,
+        layers=layers,
+        final_norm=tensors["model.norm.weight"],
+        lm_head=tensors.get("lm_head.weight", embed),  # tied: one parameter, one slice
+        inv_freq=hf.model.rotary_emb.inv_freq,
+        attention_scaling=float(getattr(hf.model.rotary_emb, "attention_scaling", 1.0)),
+        eps=float(hf.config.rms_norm_eps),
+        num_heads=layout.local_heads,
+        num_kv_heads=layout.local_kv_heads,
+        head_dim=layout.head_dim,
+        tp=tp,
+        vocab_start=even_split(vocab_size, tp.size, tp.rank)[0],
+        vocab_size=vocab_size,
+    )
+
+
+def reshard_for_rollout(model: torch.nn.Module, tp: TensorParallel, *, device: torch.device,
+                        into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """This rank's tensor-parallel slices of the FSDP2-sharded ``model``, by parameter name (collective
+    over all ranks; every group takes its slices at once)."""
+    layout = TPLayout.of(base_model(model).config, tp.size)
+    return reshard(model, lambda name, shape, d: layout.region(name, shape, d % tp.size), device=device,
+                   into=into)  # fmt: skip
+
+
+class TPRollout:
+    """The klppo engine run by a tensor-parallel group on resharded slices (module docstring).
+
+    ``generate`` takes the FSDP2-sharded actor as it is (``reads_shards``: the caller does not gather).
+    """
+
+    reads_shards = True
+
+    def __init__(self, engine: KLPPORollout, tp: TensorParallel) -> None:
+        self.engine = engine
+        self.tp = tp
+        self._tensors: dict[str, torch.Tensor] | None = None  # kept when the engine keeps its cache
+
+    @torch.no_grad()
+    def generate(
+        self, model: torch.nn.Module, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
+    ) -> RolloutOutput:
+        """The rollout contract (:mod:`klppo.rollout.base`) for this rank's ``prompts``; every rank of the
+        world calls it together (the reshard is a collective of all ranks)."""
+        max_len = int(prompt_mask.sum(dim=1).max()) + params.max_new_tokens
+        reason = unsupported_reason(model, max_len)
+        if reason is not None:
+            raise ValueError(f"{KEY}={self.tp.size}: the klppo engine cannot run this model ({reason})")
+        device = prompts.device
+        cuda = device.type == "cuda"
+        group_prompts, group_mask = _group_rows(
+            prompts, prompt_mask, self.tp, pad_id=self.engine.pad_token_id
+        )
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        tensors = reshard_for_rollout(model, self.tp, device=device, into=self._tensors)
+        w = tp_weights(model, tensors, TPLayout.of(base_model(model).config, self.tp.size), self.tp)
+        if cuda:
+            torch.cuda.synchronize(device)
+        reshard_s = time.perf_counter() - start
+        weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._tensors = None if self.engine.free_cache_engine else tensors
+        out = self.engine.generate_from(w, group_prompts, group_mask, params, reset_peak=False)
+        del w, tensors
+        rows = slice(self.tp.rank * len(prompts) * params.n, (self.tp.rank + 1) * len(prompts) * params.n)
+        mask = out.response_mask[rows]
+        tokens = float(mask.sum())
+        stats = {
+            **out.stats,
+            "rollout/reshard_s": reshard_s,
+            "rollout/tp_weights_gb": weight_bytes / 2**30,
+            "rollout/tokens_generated": tokens,  # this rank's rows, as at TP = 1
+            "rollout/tokens_per_s": tokens / max(out.stats["rollout/time_s"] + reshard_s, 1e-9),
+        }
+        return RolloutOutput(responses=out.responses[rows].clone(), response_mask=mask.clone(),
+                             log_probs=out.log_probs[rows].clone(), stats=stats)  # fmt: skip
+
+    def release(self) -> None:
+        """Free the KV cache, graphs and kept slices."""
+        self.engine.release()
+        self._tensors = None
+
+
+def _group_rows(prompts: torch.Tensor, prompt_mask: torch.Tensor, tp: TensorParallel, *, pad_id: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The group's prompts in rank order ([TP·B, P'] left-padded to the longest width, and the mask);
+    every rank must bring the same number of rows."""
+    comm = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    shapes = group_all_gather(torch.tensor(prompts.shape, device=comm), tp.group).tolist()
+    if len({b for b, _ in shapes}) != 1:
+        raise ValueError(f"{KEY}={tp.size}: the ranks of a group hold different prompt counts {shapes}")
+    width = max(p for _, p in shapes)
+    pad = width - prompts.shape[1]
+    ids = F.pad(prompts, (pad, 0), value=pad_id).to(comm)
+    mask = F.pad(prompt_mask, (pad, 0), value=0).to(comm)
+    all_ids = group_all_gather(ids, tp.group).flatten(0, 1)
+    all_mask = group_all_gather(mask, tp.group).flatten(0, 1)
+    return all_ids.to(prompts.device), all_mask.to(prompts.device)

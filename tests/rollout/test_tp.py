@@ -1,0 +1,87 @@
+"""Tensor-parallel rollout on gloo: 2 processes (TP = 2) give the greedy tokens of one process without
+any parallelism and log-probs within 1e-5 (fp32), sampled log-probs normalised over the whole vocabulary
+(float64 recomputation), each rank receives exactly its slices with a bounded peak; 4 processes
+(TP = 2 × DP = 2) give what 2 data-parallel processes give."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tp_worker as W  # noqa: E402
+
+from klppo.parallel.dist import free_port  # noqa: E402
+from klppo.rollout import make_rollout  # noqa: E402
+from tests.rollout.conftest import reference_log_probs  # noqa: E402
+
+
+def _launch(tmp_path: Path, world: int, tp_size: int) -> dict[str, list[dict]]:
+    out = tmp_path / f"w{world}_tp{tp_size}"
+    out.mkdir()
+    mp.start_processes(
+        W.main, args=(free_port(), world, tp_size, str(out)), nprocs=world, start_method="spawn"
+    )
+    return {case: [torch.load(out / f"{case}_rank{r}.pt", weights_only=False) for r in range(world)]
+            for case in W.CASES}  # fmt: skip
+
+
+def _cat(ranks: list[dict], run: str, field: str) -> torch.Tensor:
+    return torch.cat([r[run][field] for r in ranks])
+
+
+@pytest.mark.slow
+def test_tp2_matches_one_process(tmp_path):
+    runs = _launch(tmp_path, 2, 2)
+    for case, ranks in runs.items():
+        model = W.new_model(case)
+        engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2)
+        for r, got in enumerate(ranks):
+            prompts, mask = got["prompts"], got["mask"]
+            want = engine.generate(model, prompts, mask, W.GREEDY)
+            assert torch.equal(got["greedy"]["responses"], want.responses), (case, r)
+            assert torch.equal(got["greedy"]["mask"], want.response_mask), (case, r)
+            torch.testing.assert_close(got["greedy"]["log_probs"], want.log_probs, rtol=0, atol=1e-5)
+            assert got["greedy"]["mask"].sum() > 10  # not a test of empty responses
+            for run, params in (("sampled", W.SAMPLED), ("top_k", W.TOP_K)):
+                s = got[run]
+                ref = reference_log_probs(model, prompts, mask, s["responses"], s["mask"], params.temperature,
+                                          params.n)  # fmt: skip
+                torch.testing.assert_close(
+                    s["log_probs"].double(), ref, rtol=0, atol=1e-5, msg=f"{case} {run}"
+                )
+            assert got["greedy"]["stats"]["rollout/reshard_s"] > 0
+        # the two ranks drew their own samples of their own prompts
+        assert not torch.equal(ranks[0]["sampled"]["responses"], ranks[1]["sampled"]["responses"])
+        for got in ranks:
+            re = got["reshard"]
+            for name, t in re["expected"].items():
+                assert torch.equal(re["tensors"][name], t), (case, name)
+            # (1/TP + one FSDP unit) × the model, plus what a rank holds beyond an even 1/TP share: the
+            # replicated norms (and KV heads, when fewer than TP), and 4 KiB of small bookkeeping tensors;
+            # the peak must at least hold the slices
+            replicated = re["slice_bytes"] - re["model_bytes"] / 2
+            assert 0 <= replicated < (0.01 if "kv2" in case else 0.1) * re["model_bytes"]
+            bound = re["model_bytes"] / 2 + re["largest_unit"] + replicated + 4096
+            assert re["slice_bytes"] <= re["peak"] <= bound, (case, re["peak"], re["slice_bytes"], bound)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 4 and not os.environ.get("KLPPO_TEST_4_RANKS"),
+                    reason="4 processes on fewer than 4 cores take minutes (KLPPO_TEST_4_RANKS=1 runs it)")  # fmt: skip
+def test_tp2_dp2_matches_dp2(tmp_path):
+    four = _launch(tmp_path, 4, 2)
+    two = _launch(tmp_path, 2, 1)
+    for case in W.CASES:
+        for field in ("responses", "mask"):
+            assert torch.equal(_cat(four[case], "greedy", field), _cat(two[case], "greedy", field)), (
+                case,
+                field,
+            )
+        torch.testing.assert_close(_cat(four[case], "greedy", "log_probs"), _cat(two[case], "greedy", "log_probs"),
+                                   rtol=0, atol=1e-5)  # fmt: skip
