@@ -38,6 +38,8 @@ GROUP_ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "gpg",
 )
+# group estimators that divide by the group's std when algorithm.norm_adv_by_std_in_grpo is true
+STD_GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # reward_model.reward_manager values klppo.rewards.RewardManager builds (klppo.rewards.REWARD_MANAGERS)
 IMPLEMENTED_REWARD_MANAGERS = ("naive", "batch", "dapo")
@@ -170,6 +172,19 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         )
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         notify("both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL is penalized twice")
+    if (
+        cfg.algorithm.use_kl_in_reward
+        and est in STD_GROUP_ESTIMATORS
+        and cfg.algorithm.norm_adv_by_std_in_grpo
+    ):
+        notify(
+            f"algorithm.use_kl_in_reward=True with adv_estimator={est} and norm_adv_by_std_in_grpo=True: in a "
+            "group whose task scores are all equal (most groups while the reward is sparse) the division by the "
+            "group's std turns the KL penalty alone into advantages of size ~1, whatever kl_ctrl.kl_coef, and "
+            "they pull every response toward the reference (measured: no learning, bench/RESULTS.md "
+            "'Learning', call g); put the KL in the loss (actor.use_kl_loss=True, use_kl_in_reward=False) or "
+            "set algorithm.norm_adv_by_std_in_grpo=False"
+        )
 
 
 def _token_budgets(cfg: KLPPOConfig) -> None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from klppo.algorithms.advantages import compute_advantages
-from klppo.algorithms.outcome import gpg, grpo_passk, opo, reinforce_plus_plus_baseline
+from klppo.algorithms.outcome import gpg, grpo, grpo_passk, opo, reinforce_plus_plus_baseline
 
 from . import reference as ref
 
@@ -141,3 +141,21 @@ def test_group_ids_as_tensor_and_validation(name: str) -> None:
         compute_advantages(name, token_level_rewards=r, response_mask=m)
     with pytest.raises(ValueError, match="group_ids has 2 entries"):
         compute_advantages(name, token_level_rewards=r, response_mask=m, group_ids=["a", "b"])
+
+
+def test_grpo_std_division_scales_a_tiny_kl_penalty_to_unit_advantages() -> None:
+    """Why klppo warns on GRPO + KL in the reward (config/checks.py): a group whose 8 responses all score 0
+    gets advantages from -β·ΣKL alone, divided by their std: size ~1 for any β > 0 (hand-computed, float64);
+    without the std division they stay of size β·ΣKL."""
+    gen = torch.Generator().manual_seed(0)
+    beta, n, t = 1e-3, 8, 5
+    kl = torch.rand(n, t, generator=gen, dtype=torch.float64) * 0.2
+    token_rewards = -beta * kl  # task score 0 on every response
+    mask = torch.ones(n, t, dtype=torch.float64)
+    adv, _ = grpo(token_rewards, mask, [0] * n, norm_by_std=True)
+    seq = token_rewards.sum(-1)
+    expected = (seq - seq.mean()) / (seq.std() + 1e-6)
+    torch.testing.assert_close(adv[:, 0], expected, rtol=1e-9, atol=1e-12)
+    assert 0.9 < float(adv[:, 0].std()) <= 1.0  # unit size, from a penalty of ~1e-4 per response
+    raw, _ = grpo(token_rewards, mask, [0] * n, norm_by_std=False)
+    assert float(raw.abs().max()) < beta

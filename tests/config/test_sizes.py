@@ -122,3 +122,17 @@ def test_group_estimator_with_one_sample_warns():
     notes.clear()
     load_config(["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"], notify=notes.append)
     assert notes == []
+
+
+def test_kl_in_reward_with_std_normalised_groups_warns():
+    """GRPO divides by the group std: with the KL in the reward, equal task scores leave only the KL penalty,
+    scaled to unit size (tests/algorithms/test_outcome.py shows the effect); the note says what to set."""
+    notes: list[str] = []
+    kl_in_reward = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=True"]
+    load_config(kl_in_reward, notify=notes.append)
+    assert any("norm_adv_by_std_in_grpo=True" in m and "use_kl_loss=True" in m for m in notes)
+    for fixed in (kl_in_reward + ["algorithm.norm_adv_by_std_in_grpo=False"],
+                  ["algorithm.adv_estimator=rloo", "algorithm.use_kl_in_reward=True"]):  # fmt: skip
+        notes.clear()
+        load_config(fixed, notify=notes.append)
+        assert not any("norm_adv_by_std_in_grpo" in m for m in notes)
