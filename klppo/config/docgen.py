@@ -121,7 +121,7 @@ the console warns after 5 steps above 1. `type: pi` acts per step (no horizon) a
 | `trainer.n_gpus_per_node` | `auto` | `8` | all visible GPUs; 1 process on CPU unless set |
 | `trainer.logger` | `[console, jsonl]` | `[console, wandb]` | no account needed |
 | `actor_rollout_ref.rollout.name` | `klppo` | required | our engine; `hf` = transformers generate |
-| `actor_rollout_ref.rollout.tensor_model_parallel_size` | `1` | `2` | klppo's rollout is data-parallel |
+| `actor_rollout_ref.rollout.tensor_model_parallel_size` | `1` | `2` | a model that fits one GPU generates fastest data-parallel; 2+ for models that do not |
 | `*.strategy` | `fsdp2` | `fsdp` | the same thing here (see aliases) |
 | `critic.model.path` | follows the actor's model | a fixed path | the usual choice |
 | `actor_rollout_ref.ref.fsdp_config.model_dtype` | `bf16` | `fp32` (v0.7 YAML); bf16 when the key is absent (older verl) | the frozen reference only runs forward in bf16 anyway |

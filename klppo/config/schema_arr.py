@@ -267,7 +267,9 @@ class RolloutConfig:
     cudagraph_capture_sizes: list[int] | None = F(None, "Batch sizes captured as CUDA graphs.")
     free_cache_engine: bool = F(True, "Free the KV cache after each rollout.")
     tensor_model_parallel_size: int = F(
-        1, "[klppo default; verl 2] Rollout tensor parallelism (klppo: data-parallel rollout)."
+        1,
+        "[klppo default; verl 2] Rollout tensor parallelism: groups of this many ranks generate on "
+        "tensor-parallel slices resharded from the FSDP2 shards (must divide the world size).",
     )
     data_parallel_size: int = F(1, "Rollout data parallelism (engine side).")
     expert_parallel_size: int = F(1, "Rollout expert parallelism.")

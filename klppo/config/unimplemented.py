@@ -66,9 +66,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.rollout.agent.agent_loop_config_path", "refuse", "agent loops are not built"),
     ("actor_rollout_ref.rollout.agent.custom_async_server.*", "refuse", "agent loops are not built"),
     # speed or memory only: run with a notice
-    ("actor_rollout_ref.rollout.tensor_model_parallel_size", "notice",
-     "klppo's rollout runs data-parallel on each rank's gathered weights (no tensor parallelism): "
-     "results are the same, memory per GPU is higher"),
     ("actor_rollout_ref.rollout.data_parallel_size", "notice", "rollout parallelism follows the training ranks"),
     ("actor_rollout_ref.rollout.expert_parallel_size", "notice", "no expert parallelism in rollout"),
     ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "notice", "no pipeline parallelism in rollout"),

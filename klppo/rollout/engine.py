@@ -293,7 +293,7 @@ class KLPPORollout:
         return min(cap, slots)
 
     def _workspace(self, w, device, num_seqs, width, max_len, params) -> _Workspace:
-        fuse = self.fuse_projections
+        fuse = self.fuse_projections and w.layers[0].qkv is None  # not when given fused (tensor parallel)
         key = (num_seqs, width, max_len, w.embed.dtype, w.signature(), params, fuse)
         if self._ws is not None and self._ws.key == key:
             if fuse:  # the model's weights may have changed in place: refresh the copies, same addresses

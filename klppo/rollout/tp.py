@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from klppo.models.flops import attention_dims
 from klppo.parallel.collectives import group_all_gather
 from klppo.parallel.mesh import TensorParallel
-from klppo.parallel.reshard import WHOLE, Region, even_split, reshard
+from klppo.parallel.reshard import WHOLE, Region, compute_dtype, even_split, reshard
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.engine import KLPPORollout
 from klppo.rollout.llama import _LAYER_PATHS, LayerWeights, LlamaWeights, base_model, unsupported_reason
@@ -91,14 +91,46 @@ class TPLayout:
         return WHOLE
 
 
+_FUSED = {  # LayerWeights fused field -> the parameters it concatenates (rows), as in LayerWeights.fused
+    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "gate_up_bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+}
+
+
+def fused_destinations(model: torch.nn.Module, layout: TPLayout, t: int, *, dtype: torch.dtype,
+                       device: torch.device) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The engine's fused projections allocated up front, per layer ``[q; k; v]`` and ``[gate; up]`` (and
+    their biases when every part has one), as named views: the reshard writes each parameter's slice
+    straight into its rows, so the fused matrices cost no second copy. Keys: the parameters' names, and
+    ``model.layers.{i}.<fused field>`` for the whole tensors."""
+    hf = base_model(model)
+    named = dict(hf.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for i in range(len(hf.model.layers)):
+        for field, paths in _FUSED.items():
+            names = [f"model.layers.{i}.{path}" for path in paths]
+            if not all(n in named for n in names):
+                continue  # no biases (or only some: the engine adds zeros for the others itself)
+            shapes = [layout.region(n, named[n].shape, t).shape(named[n].shape) for n in names]
+            whole = torch.empty((sum(s[0] for s in shapes), *shapes[0][1:]), dtype=dtype, device=device)
+            out[f"model.layers.{i}.{field}"] = whole
+            for n, part in zip(names, whole.split([s[0] for s in shapes])):
+                out[n] = part
+    return out
+
+
 def tp_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], layout: TPLayout,
                tp: TensorParallel) -> LlamaWeights:  # fmt: skip
-    """``LlamaWeights`` of this rank's slices ``tensors`` (by name, from :func:`reshard`) of ``model``."""
+    """``LlamaWeights`` of this rank's slices ``tensors`` (by name, from :func:`reshard`, with the fused
+    projections of :func:`fused_destinations` when present) of ``model``."""
     hf = base_model(model)
-    layers = [
-        LayerWeights(**{f: tensors.get(f"model.layers.{i}.{path}") for f, path in _LAYER_PATHS.items()})
-        for i in range(len(hf.model.layers))
-    ]
+    layers = []
+    for i in range(len(hf.model.layers)):
+        prefix = f"model.layers.{i}."
+        fields = {f: tensors.get(prefix + path) for f, path in _LAYER_PATHS.items()}
+        layers.append(LayerWeights(**fields, **{f: tensors.get(prefix + f) for f in _FUSED}))
     embed = tensors["model.embed_tokens.weight"]
     vocab_size = int(hf.model.embed_tokens.weight.shape[0])
     return LlamaWeights(
@@ -159,12 +191,16 @@ class TPRollout:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        tensors = reshard_for_rollout(model, self.tp, device=device, into=self._tensors)
-        w = tp_weights(model, tensors, TPLayout.of(base_model(model).config, self.tp.size), self.tp)
+        layout = TPLayout.of(base_model(model).config, self.tp.size)
+        into = self._tensors
+        if into is None and self.engine.fuse_projections:
+            into = fused_destinations(model, layout, self.tp.rank, dtype=compute_dtype(model), device=device)
+        tensors = {**(into or {}), **reshard_for_rollout(model, self.tp, device=device, into=into)}
+        w = tp_weights(model, tensors, layout, self.tp)
         if cuda:
             torch.cuda.synchronize(device)
         reshard_s = time.perf_counter() - start
-        weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_bytes = _storage_bytes(tensors.values())
         self._tensors = None if self.engine.free_cache_engine else tensors
         out = self.engine.generate_from(w, group_prompts, group_mask, params, reset_peak=False)
         del w, tensors
@@ -206,3 +242,8 @@ def _group_rows(prompts: torch.Tensor, prompt_mask: torch.Tensor, tp: TensorPara
     all_ids = group_all_gather(ids, tp.group).flatten(0, 1)
     all_mask = group_all_gather(mask, tp.group).flatten(0, 1)
     return all_ids.to(prompts.device), all_mask.to(prompts.device)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views into a fused tensor counted once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())

@@ -20,7 +20,7 @@ from klppo.config.schema_arr import KLLossControlConfig, RolloutConfig
 from klppo.data.dataset import PromptLoader
 from klppo.models.lora import is_lora, merged_for_rollout
 from klppo.parallel.fsdp import gathered_params
-from klppo.parallel.mesh import ParallelMesh, SequenceParallel, build_parallel_mesh
+from klppo.parallel.mesh import ParallelMesh, SequenceParallel, build_parallel_mesh, build_rollout_mesh
 from klppo.parallel.offload import OffloadSchedule
 from klppo.roles.actor import Actor
 from klppo.roles.critic import Critic
@@ -101,8 +101,12 @@ class Run:
     @contextlib.contextmanager
     def gather_weights(self) -> Iterator[torch.nn.Module]:
         """The model the rollout engine runs on: the actor with its full weights gathered (FSDP2 unshard in
-        place), and with LoRA the base model with the adapters merged (restored afterwards)."""
+        place), and with LoRA the base model with the adapters merged (restored afterwards); a
+        tensor-parallel engine (``reads_shards``) takes the sharded actor as it is and reshards it."""
         model = self.roles.actor.model
+        if getattr(self.rollout, "reads_shards", False):
+            yield model
+            return
         with gathered_params(model):
             if is_lora(model):
                 with merged_for_rollout(model) as merged:
@@ -264,6 +268,12 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
         return meshes[size].sequence_parallel
 
     sp_group(1)
+    rollout_tp = build_rollout_mesh(int(rcfg.tensor_model_parallel_size), device.type)
+    if rollout_tp is not None and int(arr.model.lora_rank or 0) > 0:
+        raise ValueError(
+            "actor_rollout_ref.rollout.tensor_model_parallel_size > 1 with actor_rollout_ref.model.lora_rank > 0"
+            " is not built (the adapters would have to be merged into the tensor-parallel slices)"
+        )
     role_args = dict(device=device, total_steps=total_steps, offload=offload, hf_assets=hf_assets)
     actor = build_actor(cfg, sizes, model_path, tokenizer, **role_args,
                         sp=sp_group(arr.actor.ulysses_sequence_parallel_size))  # fmt: skip
@@ -280,6 +290,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
         pad_token_id=tokenizer.pad_token_id,
         gpu_memory_utilization=float(rcfg.gpu_memory_utilization),
         free_cache_engine=bool(rcfg.free_cache_engine),
+        tensor_parallel=rollout_tp,
         **engine_options(rcfg),
     )
     response_length = int(cfg.data.max_response_length)

@@ -102,6 +102,7 @@ def workload_from(cfg, args: argparse.Namespace, world_size: int) -> tuple[Workl
         backward_prefetch=fsdp.backward_prefetch,
         reference=bool(actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not ref_offloaded,
         sequence_parallel=int(actor.ulysses_sequence_parallel_size),
+        rollout_tensor_parallel=int(arr.rollout.tensor_model_parallel_size),
     )
     offload = (
         "cpu" if fsdp.offload_policy else "idle" if fsdp.param_offload or fsdp.optimizer_offload else "off"

@@ -34,6 +34,10 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
 forward transient ``T·c·(4h + 2·kvd + 3I)``, logits ``N·V·(c + 8)`` with ``T`` the log-prob budget.
 ``rollout``: resident params (+ AdamW unless offloaded) + the whole model gathered ``P·c`` + the KV
 cache, which the engine sizes to fill ``gpu_memory_utilization·D``: peak ``max(util·D, resident+P·c)``.
+Tensor-parallel rollout (``TP > 1``): the rank's slices ``P·c/TP`` instead of the gathered model (KV
+heads, vocabulary and MLP split: each KV-cache token costs ``1/TP`` as much, so the same room holds
+``TP×`` the tokens), and while resharding (before the cache exists) the send and receive buffers of the
+largest unit, ``U_max·c·(1/f + 1/TP)``.
 Ulysses (``sequence_parallel = S > 1``): ``T`` stays the tokens *one rank* runs (a group packs ``S·T``,
 so a sequence of length ``ℓ`` costs each rank ``ℓ/S`` of every term above); KV heads fewer than ``S``
 are replicated (``kvd = max(kv_heads, S)·head_dim`` in ``A``), and around attention the all-to-alls
@@ -90,6 +94,8 @@ class Workload:
     """Count a bf16 reference model's shards as resident in every phase."""
     sequence_parallel: int = 1
     """Ulysses group size S (``ulysses_sequence_parallel_size``); token counts stay per rank."""
+    rollout_tensor_parallel: int = 1
+    """Rollout tensor-parallel size TP (``rollout.tensor_model_parallel_size``): weights and KV per rank /TP."""
 
     def kv_dim(self, facts: ModelFacts) -> int:
         """``kv_heads · head_dim`` as one rank holds K and V: replicated up to S heads under Ulysses."""
@@ -227,11 +233,20 @@ def log_prob_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
 def rollout_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     phase = PhasePeak("rollout")
     _resident(phase, facts, point, w, optimizer=True)
-    gathered = facts.num_params * w.compute_bytes
-    phase.add("gathered model", gathered, "P·c")
-    used = sum(t.bytes for t in phase.terms)
+    c, tp = w.compute_bytes, w.rollout_tensor_parallel
+    if tp <= 1:
+        phase.add("gathered model", facts.num_params * c, "P·c")
+    else:
+        phase.add("tensor-parallel slices", facts.num_params * c / tp, "P·c/TP")
+        largest = max(facts.units(point.min_num_params).sizes)
+        phase.add("reshard buffers", largest * c * (1 / w.shard_ranks + 1 / tp), "U_max·c·(1/f + 1/TP)",
+                  "reshard")  # fmt: skip
+    used = sum(t.bytes for t in phase.terms if not t.stage)
     budget = w.gpu_memory_utilization * w.device_bytes
-    phase.add("KV cache + workspace", max(0.0, budget - used), "util·D − the above")
+    # tensor parallel: the reshard buffers are freed before the engine sizes its cache (two moments)
+    phase.add(
+        "KV cache + workspace", max(0.0, budget - used), "util·D − the above", "generate" if tp > 1 else ""
+    )
     return phase
 
 

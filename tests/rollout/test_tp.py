@@ -56,6 +56,16 @@ def test_tp2_matches_one_process(tmp_path):
                     s["log_probs"].double(), ref, rtol=0, atol=1e-5, msg=f"{case} {run}"
                 )
             assert got["greedy"]["stats"]["rollout/reshard_s"] > 0
+            assert got["greedy"]["stats"]["rollout/fused_weights_gb"] == 0  # fused in place by the reshard
+            # kept cache: the same result, then the moved weights' result (not the stale slices')
+            torch.testing.assert_close(got["kept"]["first"], want.log_probs, rtol=0, atol=1e-5)
+            moved = W.new_model(case)
+            with torch.no_grad():
+                for p in moved.parameters():
+                    p.mul_(1.01)
+            want_moved = engine.generate(moved, prompts, mask, W.GREEDY).log_probs
+            torch.testing.assert_close(got["kept"]["second"], want_moved, rtol=0, atol=1e-5)
+            assert not torch.allclose(want_moved, want.log_probs, rtol=0, atol=1e-3)
         # the two ranks drew their own samples of their own prompts
         assert not torch.equal(ranks[0]["sampled"]["responses"], ranks[1]["sampled"]["responses"])
         for got in ranks:

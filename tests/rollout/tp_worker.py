@@ -68,6 +68,19 @@ def _run(rank: int, world: int, tp, case: str, out: Path) -> None:
         results[name] = {"responses": o.responses, "mask": o.response_mask, "log_probs": o.log_probs,
                          "stats": o.stats}  # fmt: skip
     if tp is not None:
+        # an engine keeping its cache: the second call reshards into the first call's tensors
+        kept = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=4,
+                            free_cache_engine=False, tensor_parallel=tp)  # fmt: skip
+        first = kept.generate(model, prompts, mask, GREEDY)
+        with torch.no_grad():  # the weights move (as after an update): the kept slices must follow
+            for p in model.parameters():
+                p.to_local().mul_(1.01)
+        second = kept.generate(model, prompts, mask, GREEDY)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().div_(1.01)
+        kept.release()
+        results["kept"] = {"first": first.log_probs, "second": second.log_probs}
         results["reshard"] = _measure_reshard(model, tp)
     torch.save(results, out / f"{case}_rank{rank}.pt")
 

@@ -108,3 +108,23 @@ def test_ulysses_terms(facts):
     kvd4 = 4 * (H // 4)  # 2 KV heads replicated to 4, head_dim 16
     assert four["all-to-all buffers"] == T * c * (2 * H + 2 * kvd4)
     assert four["activations"] == L * T * H * c + T * (8 * H + c * (5 * H + 2 * kvd4 + 4 * FFN))
+
+
+def test_tensor_parallel_rollout(facts):
+    """TP = 2: the rank's slices P·c/2 replace the gathered model; the reshard buffers (largest unit's
+    send 1/f and receive 1/TP) are a moment before the KV cache, which gets the room the slices free."""
+    c = 2
+    base = Workload(world_size=2, compute_bytes=c, gpu_memory_utilization=0.5, device_bytes=2**24)
+    tp2 = replace(base, rollout_tensor_parallel=2)
+    one, two = (
+        terms(predict(facts, Point(0), base)["rollout"]),
+        terms(predict(facts, Point(0), tp2)["rollout"]),
+    )
+    assert one["gathered model"] == P * c and "gathered model" not in two
+    assert two["tensor-parallel slices"] == P * c / 2
+    assert two["reshard buffers"] == max(LAYER, ROOT) * c * (1 / 2 + 1 / 2)
+    assert kv_cache_room(facts, Point(0), tp2) - kv_cache_room(facts, Point(0), base) == P * c / 2
+    # a device too small for the gathered model: TP = 2 still leaves a KV cache
+    small = replace(base, device_bytes=int(2 * (P * 4 / 2 + P * 8 / 2 + 0.75 * P * c)))
+    assert kv_cache_room(facts, Point(0), small) == 0
+    assert kv_cache_room(facts, Point(0), replace(small, rollout_tensor_parallel=2)) > 0
