@@ -111,7 +111,14 @@ L tokens loses ≈ β·L·KL of reward. `horizon` is counted in *samples*: each 
 1 + 0.2·(samples in the step)/horizon — with 256 samples per step and horizon 2000, ×1.026 per step, ×3.6
 in 50 steps. When β·L·KL grows past the task score, the policy is pulled back toward the reference instead
 of learning: the metric `actor/reward_kl_penalty_share` (mean |β·Σ_t KL| ÷ mean |Σ_t score|) shows it, and
-the console warns after 5 steps above 1. `type: pi` acts per step (no horizon) and holds the target.
+the console warns after 5 steps above 1. `type: pi` acts per step (no horizon), but its log error is clipped to ±1, so
+past the proportional term (at most ±kp) ln β moves by at most `ki` per step: started while the KL is ≈ 0 it drives β down
+to `min_coef` first, and with gentle gains (kp 0.3, ki 0.05) climbing back from a floor of 0.001 takes ≈ ln(80)/0.05 ≈ 90
+steps to reach 0.08 once the policy moves (bench/RESULTS.md, "Learning", call g: the KL was never held). Set `min_coef`
+close to the starting `kl_coef` (a floor that still penalises the first switch) or use the default gains.
+With a group estimator that divides by the group's std (`grpo`, `grpo_passk` with
+`norm_adv_by_std_in_grpo=True`) the reward-side penalty becomes a unit-size advantage in every group whose
+task scores are equal, whatever β: klppo notes it at load time; put the KL in the loss there instead.
 
 ## Defaults that differ from verl
 
