@@ -8,15 +8,23 @@ Contract:
   re-raised as :class:`CollectiveTimeoutError` naming the phase and the rank, instead of a bare gloo/NCCL
   message. NCCL timeouts are detected by NCCL's watchdog thread, which aborts the process; the label is
   then in the log line ``phase=...`` that ``phase`` writes at debug level and in the env var
-  ``KLPPO_PHASE`` (read by :func:`current_phase`), not in an exception.
+  ``KLPPO_PHASE`` (read by :func:`current_phase`), not in an exception. So that a stalled run still names
+  its phases on NCCL, ``init_distributed`` (world size > 1) starts a :class:`PhaseWatch`: a rank that stays
+  in one phase for 80% of the collective timeout prints which phase (the stalled rank names the cause,
+  the waiting ranks the collective they wait in) before the watchdog aborts; ``faulthandler`` then dumps
+  every thread's Python stack on the abort.
 - Knows nothing about models or PPO.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import socket
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _current_phase = "startup"
 _phase_stack: list[str] = []  # enclosing phases, outermost first: an error names the whole path
+_phase_since = time.monotonic()  # when the innermost phase was entered or returned to
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -138,6 +147,10 @@ def init_distributed(device: str, timeout_s: float) -> DistInfo:
     result = DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
     setup_rank_logging(result.rank)
     logger.info("process group: %s world_size=%d backend=%s", dev, result.world_size, backend)
+    global _watch
+    if result.world_size > 1:
+        faulthandler.enable(all_threads=True)  # a watchdog abort prints every thread's Python stack
+        _watch = PhaseWatch(0.8 * timeout_s, result.rank).start()
     return result
 
 
@@ -163,9 +176,10 @@ def phase(name: str) -> Iterator[None]:
     A ``torch.distributed`` error escaping the block is re-raised as :class:`CollectiveTimeoutError`
     whose message names the phase and the rank.
     """
-    global _current_phase
+    global _current_phase, _phase_since
     previous, _current_phase = _current_phase, name
     _phase_stack.append(name)
+    _phase_since = time.monotonic()
     path = " > ".join(_phase_stack)
     os.environ["KLPPO_PHASE"] = name
     logger.debug("phase=%s", name)
@@ -185,7 +199,62 @@ def phase(name: str) -> Iterator[None]:
     finally:
         _phase_stack.pop()
         _current_phase = previous
+        _phase_since = time.monotonic()
         os.environ["KLPPO_PHASE"] = previous
+
+
+def phase_path() -> str:
+    """The enclosing phases, outermost first (``"step > update_actor"``), or the current label."""
+    return " > ".join(_phase_stack) or _current_phase
+
+
+class PhaseWatch:
+    """A daemon thread that prints one line when this rank stays in one phase for ``warn_after_s``.
+
+    Under NCCL a collective that waits past the timeout makes NCCL's watchdog abort the process, with no
+    Python exception for :func:`phase` to label; this line, written before that, names the phase of every
+    rank involved: the one stalled (the cause) and those waiting in the collective. Once per phase entry.
+    """
+
+    def __init__(self, warn_after_s: float, rank: int, poll_s: float | None = None, stream=None) -> None:
+        self.warn_after_s, self.rank = float(warn_after_s), rank
+        self.poll_s = poll_s if poll_s is not None else min(5.0, self.warn_after_s / 4)
+        self.stream = stream
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="klppo-phase-watch", daemon=True)
+
+    def start(self) -> PhaseWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def check(self, now: float | None = None, warned: float | None = None) -> float | None:
+        """Print the line if the current phase is overdue and not yet reported; returns the phase's start
+        time when reported (``warned``: the start time already reported)."""
+        since, label, path = _phase_since, _current_phase, phase_path()
+        held = (time.monotonic() if now is None else now) - since
+        if held < self.warn_after_s or warned == since:
+            return warned
+        stream = self.stream or sys.stderr
+        print(
+            f"klppo: rank {self.rank} has been in phase {label!r} ({path}) for {held:.0f} s; a collective "
+            f"that waits on it times out at trainer.collective_timeout_s (another rank stalled here, or this "
+            f"rank waits in a collective)",
+            file=stream,
+            flush=True,
+        )
+        return since
+
+    def _run(self) -> None:
+        warned = None
+        while not self._stop.wait(self.poll_s):
+            warned = self.check(warned=warned)
+
+
+_watch: PhaseWatch | None = None
 
 
 def barrier() -> None:
@@ -196,6 +265,10 @@ def barrier() -> None:
 
 def destroy() -> None:
     """Tear the default group down (no-op when none)."""
+    global _watch
+    if _watch is not None:
+        _watch.stop()
+        _watch = None
     if dist.is_initialized():
         dist.destroy_process_group()
     while _ADDED_ENV:
