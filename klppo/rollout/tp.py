@@ -16,14 +16,16 @@ Layout (Megatron's, for Llama-family decoders), for rank ``t`` of the group:
 :class:`TPRollout` wraps the engine: it gathers the group's prompts (each rank brings its own share, as at
 ``TP = 1``), reshards (:func:`klppo.parallel.reshard.reshard`: one all-to-all per FSDP unit, no rank holds
 a full weight), generates the group's rows on every rank in lockstep (the same tokens everywhere), and
-returns this rank's rows. Left out: LoRA actors (the adapters would have to be merged into the slices),
-the ``hf`` backend, and models the engine cannot run (refused, no fallback).
+returns this rank's rows. Models the engine cannot run generate data-parallel on gathered weights
+(a warning; the engine then falls back to ``hf`` itself). Left out: LoRA actors (the adapters would have
+to be merged into the slices) and the ``hf`` backend: the trainer runs those data-parallel with a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -31,7 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from klppo.models.flops import attention_dims
-from klppo.parallel.collectives import group_all_gather
+from klppo.parallel.collectives import all_reduce_max, group_all_gather
+from klppo.parallel.fsdp import gathered_params
 from klppo.parallel.mesh import TensorParallel
 from klppo.parallel.reshard import WHOLE, Region, compute_dtype, even_split, reshard
 from klppo.rollout.base import RolloutOutput, SamplingParams
@@ -178,10 +181,14 @@ class TPRollout:
     ) -> RolloutOutput:
         """The rollout contract (:mod:`klppo.rollout.base`) for this rank's ``prompts``; every rank of the
         world calls it together (the reshard is a collective of all ranks)."""
-        max_len = int(prompt_mask.sum(dim=1).max()) + params.max_new_tokens
+        # the reshard is a collective of all ranks: every rank takes the same path (longest prompt of all)
+        max_len = all_reduce_max(int(prompt_mask.sum(dim=1).max())) + params.max_new_tokens
         reason = unsupported_reason(model, max_len)
         if reason is not None:
-            raise ValueError(f"{KEY}={self.tp.size}: the klppo engine cannot run this model ({reason})")
+            warnings.warn(f"{KEY}={self.tp.size}: the klppo engine cannot run this model ({reason}); "
+                          "this rollout runs data-parallel on gathered weights", stacklevel=2)  # fmt: skip
+            with gathered_params(model):
+                return self.engine.generate(model, prompts, prompt_mask, params)
         device = prompts.device
         cuda = device.type == "cuda"
         group_prompts, group_mask = _group_rows(

@@ -269,11 +269,15 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
 
     sp_group(1)
     rollout_tp = build_rollout_mesh(int(rcfg.tensor_model_parallel_size), device.type)
-    if rollout_tp is not None and int(arr.model.lora_rank or 0) > 0:
-        raise ValueError(
-            "actor_rollout_ref.rollout.tensor_model_parallel_size > 1 with actor_rollout_ref.model.lora_rank > 0"
-            " is not built (the adapters would have to be merged into the tensor-parallel slices)"
+    if rollout_tp is not None and (int(arr.model.lora_rank or 0) > 0 or rcfg.name != "klppo"):
+        why = "LoRA (lora_rank > 0)" if int(arr.model.lora_rank or 0) > 0 else f"rollout.name={rcfg.name}"
+        log.warning(
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=%d is not built with %s: the rollout runs "
+            "data-parallel on gathered weights (same results, the whole model on every GPU)",
+            rollout_tp.size,
+            why,
         )
+        rollout_tp = None
     role_args = dict(device=device, total_steps=total_steps, offload=offload, hf_assets=hf_assets)
     actor = build_actor(cfg, sizes, model_path, tokenizer, **role_args,
                         sp=sp_group(arr.actor.ulysses_sequence_parallel_size))  # fmt: skip

@@ -21,12 +21,43 @@ from klppo.rollout import make_rollout  # noqa: E402
 from tests.rollout.conftest import reference_log_probs  # noqa: E402
 
 
+def _check_unsupported(out: Path, world: int) -> None:
+    """A model the engine cannot run generates data-parallel on gathered weights (the engine's hf
+    fallback), with a warning naming the key, and gives each rank what one process gives its prompts."""
+    model = W.unsupported_model()
+    hf = make_rollout("hf", eos_token_ids=[2], pad_token_id=2)
+    for r in range(world):
+        got = torch.load(out / f"unsupported_rank{r}.pt", weights_only=False)
+        assert any("tensor_model_parallel_size" in m and "hidden_act" in m for m in got["warnings"])
+        prompts, mask = W.my_prompts(r, world)
+        assert torch.equal(got["responses"], hf.generate(model, prompts, mask, W.GREEDY).responses)
+
+
+def _check_hsdp(out: Path, world: int, tp_size: int) -> None:
+    """Slices resharded from HSDP shards (every rank holds whole parameters) equal the full weights'."""
+    from klppo.rollout.tp import TPLayout
+
+    case = next(iter(W.CASES))
+    full = dict(W.new_model(case).named_parameters())
+    layout = TPLayout.of(W.new_model(case).config, tp_size)
+    for r in range(world):
+        got = torch.load(out / f"hsdp_rank{r}.pt", weights_only=False)
+        assert set(got) == set(full)
+        for name, t in full.items():
+            region = layout.region(name, t.shape, r % tp_size)
+            want = t if region.dim is None else t.narrow(region.dim, region.start, region.stop - region.start)
+            assert torch.equal(got[name], want.detach()), name
+
+
 def _launch(tmp_path: Path, world: int, tp_size: int) -> dict[str, list[dict]]:
     out = tmp_path / f"w{world}_tp{tp_size}"
     out.mkdir()
     mp.start_processes(
         W.main, args=(free_port(), world, tp_size, str(out)), nprocs=world, start_method="spawn"
     )
+    if tp_size > 1:
+        _check_hsdp(out, world, tp_size)
+        _check_unsupported(out, world)
     return {case: [torch.load(out / f"{case}_rank{r}.pt", weights_only=False) for r in range(world)]
             for case in W.CASES}  # fmt: skip
 

@@ -48,6 +48,9 @@ def main(rank: int, port: int, world: int, tp_size: int, out_dir: str) -> None:
         tp = build_rollout_mesh(tp_size, "cpu")
         for case in CASES:
             _run(rank, world, tp, case, Path(out_dir))
+        if tp is not None:
+            _hsdp(rank, world, tp, Path(out_dir))
+            _unsupported(rank, world, tp, Path(out_dir))
     finally:
         dist.destroy_process_group()
 
@@ -83,6 +86,39 @@ def _run(rank: int, world: int, tp, case: str, out: Path) -> None:
         results["kept"] = {"first": first.log_probs, "second": second.log_probs}
         results["reshard"] = _measure_reshard(model, tp)
     torch.save(results, out / f"{case}_rank{rank}.pt")
+
+
+def unsupported_model() -> torch.nn.Module:
+    """A model the engine cannot run (gelu MLP): the tensor-parallel rollout falls back."""
+    model = new_model(next(iter(CASES)))
+    model.config.hidden_act = "gelu_pytorch_tanh"
+    for layer in model.model.layers:  # the MLP's activation was built from the config at construction
+        layer.mlp.act_fn = torch.nn.GELU(approximate="tanh")
+    return model
+
+
+def _unsupported(rank: int, world: int, tp, out: Path) -> None:
+    import warnings
+
+    model = unsupported_model()
+    shard_model(model, FSDPSettings(), build_mesh(world, -1, "cpu"))
+    engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, tensor_parallel=tp)
+    prompts, mask = my_prompts(rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = engine.generate(model, prompts, mask, GREEDY)
+    messages = [str(w.message) for w in caught]
+    torch.save({"responses": got.responses, "warnings": messages}, out / f"unsupported_rank{rank}.pt")
+
+
+def _hsdp(rank: int, world: int, tp, out: Path) -> None:
+    """The reshard from HSDP shards (``fsdp_size=1``: each rank's replica group is itself): its slices."""
+    from klppo.rollout.tp import reshard_for_rollout
+
+    case = next(iter(CASES))
+    model = new_model(case)
+    shard_model(model, FSDPSettings(fsdp_size=1), build_mesh(world, 1, "cpu"))
+    torch.save(reshard_for_rollout(model, tp, device=torch.device("cpu")), out / f"hsdp_rank{rank}.pt")
 
 
 def _measure_reshard(model, tp) -> dict:
