@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from klppo.models.flops import attention_dims
 from klppo.parallel.collectives import all_reduce_max, group_all_gather
+from klppo.parallel.dist import phase
 from klppo.parallel.fsdp import gathered_params
 from klppo.parallel.mesh import TensorParallel
 from klppo.parallel.reshard import WHOLE, Region, compute_dtype, even_split, reshard
@@ -191,9 +192,10 @@ class TPRollout:
                 return self.engine.generate(model, prompts, prompt_mask, params)
         device = prompts.device
         cuda = device.type == "cuda"
-        group_prompts, group_mask = _group_rows(
-            prompts, prompt_mask, self.tp, pad_id=self.engine.pad_token_id
-        )
+        with phase("rollout_group_prompts"):  # a rank stuck before here shows on its group's others
+            group_prompts, group_mask = _group_rows(
+                prompts, prompt_mask, self.tp, pad_id=self.engine.pad_token_id
+            )
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -202,7 +204,8 @@ class TPRollout:
         into = self._tensors
         if into is None and self.engine.fuse_projections:
             into = fused_destinations(model, layout, self.tp.rank, dtype=compute_dtype(model), device=device)
-        tensors = {**(into or {}), **reshard_for_rollout(model, self.tp, device=device, into=into)}
+        with phase("rollout_reshard"):
+            tensors = {**(into or {}), **reshard_for_rollout(model, self.tp, device=device, into=into)}
         w = tp_weights(model, tensors, layout, self.tp)
         if cuda:
             torch.cuda.synchronize(device)
