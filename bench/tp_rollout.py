@@ -15,7 +15,8 @@ graph capture), then ``--calls`` timed calls; a call's time includes the gather 
 place: ``timing_s/update_weights`` in training) or the reshard (TP=K: ``rollout/reshard_s``). Reported
 per (shape, tp): ``tokens_per_s_per_gpu`` (each rank's own tokens / call time), ``weights_s`` (gather or
 reshard), ``peak_gib`` (max over ranks of ``torch.cuda.max_memory_allocated`` during a call, weights
-included), the KV cache's slots and GiB; then a ``check`` row: greedy 32 tokens of 8 prompts at TP=K and
+included), the KV cache's slots and GiB, ``cuda_graphs`` (1: the decode step ran as CUDA graphs; 0:
+eager, asked with ``--eager`` or after a failed capture); then a ``check`` row: greedy 32 tokens of 8 prompts at TP=K and
 TP=1, the share of identical rows and the largest log-prob gap (bf16: a few rows may part at near-ties).
 TP=K runs first; TP=1 last, as it is the one expected to fail under ``--cap-gib``
 (``torch.cuda.set_per_process_memory_fraction``, set once the actor is sharded, and
@@ -156,7 +157,8 @@ def measure(args, config, model, tp, info) -> tuple[dict, dict | None]:
         )
         row.update(call_s=step_s, weights_s=weights_s, peak_gib=peak, tokens_per_s_per_gpu=tokens / step_s,
                    num_slots=out.stats["rollout/num_slots"], kv_cache_gb=out.stats["rollout/kv_cache_gb"],
-                   decode_steps=out.stats["rollout/decode_steps"])  # fmt: skip
+                   decode_steps=out.stats["rollout/decode_steps"],
+                   cuda_graphs=out.stats["rollout/cuda_graphs"])  # fmt: skip
         greedy = SamplingParams(max_new_tokens=32, do_sample=False)
         check_ids, check_mask = prompts(config, args, info.device, info.rank, 8, 32)
         check, _, _ = call(engine, model, check_ids, check_mask, greedy, tp is not None, info.device)

@@ -258,6 +258,7 @@ class KLPPORollout:
             "rollout/prefill_tokens": float(self._prefill_tokens),
             "rollout/prefix_reused": float(self._prefix_reused),
             "rollout/graph_capture_s": capture_s,
+            "rollout/cuda_graphs": float(cuda and self.use_cuda_graph),  # 0: eager decode (or capture failed)
             "rollout/tokens_generated": tokens,
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
             "rollout/num_slots": float(num_slots),
