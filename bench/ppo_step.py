@@ -350,7 +350,8 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, ar
     from klppo.models.loading import load_tokenizer
     from klppo.parallel import dist
     from klppo.parallel.offload import OffloadSchedule
-    from klppo.trainer.roles_build import build_actor
+    from klppo.trainer.roles_build import RoleInputs, build_actor
+    from klppo.trainer.settings import fsdp_settings
 
     cfg = load_config(overrides)
     info = dist.init_distributed(args.device, 600.0)
@@ -363,10 +364,11 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, ar
         return time.perf_counter()
 
     try:
+        inputs = RoleInputs(cfg, derive_sizes(cfg, 1), str(model_dir), load_tokenizer(str(model_dir)), device,
+                            total_steps=100, offload=OffloadSchedule(device), hf_assets={})  # fmt: skip
         actor = build_actor(
-            cfg, derive_sizes(cfg, 1), str(model_dir), load_tokenizer(str(model_dir)), device=device,
-            total_steps=100, offload=OffloadSchedule(device), hf_assets={},
-        )  # fmt: skip
+            inputs, fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type=device.type)
+        )
         batch = synthetic_batch(w, actor.model.config.vocab_size, device)
         t0 = now()
         batch.old_log_probs = actor.compute_log_prob(batch)  # ratio 1: an ordinary PPO update

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from klppo import __version__
+
 SUBCOMMANDS = {
     "train": ("klppo.trainer.main_ppo", "Run KL-PPO training (no arguments: the embedded quickstart)."),
     "config": ("klppo.config.cli", "Print the resolved configuration as YAML."),
@@ -30,8 +32,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] == "--version":
-        from klppo import __version__
-
         print(__version__)
         return 0
     name, rest = argv[0], argv[1:]

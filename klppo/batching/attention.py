@@ -34,6 +34,10 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 PACKED_ATTENTION = "klppo_packed"
 BACKENDS = ("flash_attn", "torch_varlen", "flex", "sdpa_block")
@@ -52,7 +56,7 @@ def set_packed_attention_backend(name: str | None) -> None:
 @functools.cache
 def _flash_attn_varlen():
     try:
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func  # noqa: PLC0415  optional: flash-attn is not a dependency
     except Exception:
         return None
     return flash_attn_varlen_func
@@ -61,7 +65,7 @@ def _flash_attn_varlen():
 @functools.cache
 def _torch_varlen():
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415  optional: only in newer torch builds
     except Exception:
         return None
     return varlen_attn
@@ -123,14 +127,10 @@ def _sdpa_block(q, k, v, cu_seqlens, scaling):
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex(q, k, v, cu_seqlens, scaling):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     total = q.shape[1]
 
     def build():
@@ -201,7 +201,6 @@ def packed_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: q [B, Hq, S, D], k/v [B, Hkv, S, D] → ([B, S, Hq, D], None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:
@@ -233,7 +232,6 @@ def packed_attention_forward(
 
 def _packed_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
     """Mask function for ``klppo_packed``: none for packed/plain-causal rows, sdpa's mask for padded ones."""
-    from transformers.masking_utils import sdpa_mask
 
     if attention_mask is None:
         return None
@@ -243,8 +241,6 @@ def _packed_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
 @functools.cache
 def register_packed_attention() -> str:
     """Register ``"klppo_packed"`` with transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
     AttentionMaskInterface.register(PACKED_ATTENTION, _packed_mask)

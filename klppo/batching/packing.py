@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 
 import torch
 
 from klppo.algorithms.losses import entropy_from_logits
 from klppo.batching.attention import PACKED_ATTENTION
+from klppo.models.lm_head import token_stats_head
 
 
 @dataclasses.dataclass
@@ -153,8 +155,6 @@ def _check_attention(model: torch.nn.Module) -> None:
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in (PACKED_ATTENTION, "flash_attention_2", "flash_attention_3", "flex_attention"):
         if not getattr(model, "_klppo_warned_packed", False):
-            import warnings
-
             warnings.warn(
                 f"packed forward with attn_implementation={impl!r} is correct but attends over a dense "
                 "[T, T] mask; call klppo.batching.attention.enable_packed_attention(model) once",
@@ -271,7 +271,6 @@ def _head(model: torch.nn.Module, head_labels: torch.Tensor, temperature: float,
     if not fused:
         yield lambda logits, labels: log_probs_from_logits(logits, labels, temperature, entropy)
         return
-    from klppo.models.lm_head import token_stats_head
 
     with token_stats_head(model, head_labels, temperature=temperature, with_entropy=entropy):
         yield lambda stats, labels: (stats[..., 0], stats[..., 1] if entropy else None)

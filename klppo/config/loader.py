@@ -27,6 +27,7 @@ from klppo.config import hydra
 from klppo.config._coerce import coerce
 from klppo.config._walk import all_keys, hints, is_group, lookup
 from klppo.config.aliases import KEY_ALIASES, get, normalize, put
+from klppo.config.checks import validate
 from klppo.config.errors import ConfigError, notice
 from klppo.config.schema import KLPPOConfig
 
@@ -52,8 +53,6 @@ def load_config(argv: list[str], *, notify: Notify | None = None) -> KLPPOConfig
         _apply_override(tree, o, notify)
     normalize(tree, notify)
     cfg = _resolve(tree)
-    from klppo.config.checks import validate
-
     validate(cfg, notify)
     return cfg
 

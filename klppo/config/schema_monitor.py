@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from klppo.config._field import F
+from klppo.config.aliases import choice_error
+from klppo.config.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -125,8 +127,6 @@ class MonitorConfig:
 
 def check_profiler(tool: str | None, steps: list[int] | None) -> None:
     """``global_profiler.tool`` among those klppo runs; ``steps`` positive."""
-    from klppo.config.aliases import choice_error
-    from klppo.config.errors import ConfigError
 
     if tool is not None and tool not in ("torch", "torch_memory", "nsys"):
         raise choice_error("global_profiler.tool", tool, ("torch", "torch_memory", "nsys", "null"))
@@ -136,8 +136,6 @@ def check_profiler(tool: str | None, steps: list[int] | None) -> None:
 
 def check_monitor(m: MonitorConfig) -> None:
     """Choices and ranges of the monitor group; ConfigError naming the key."""
-    from klppo.config.aliases import choice_error
-    from klppo.config.errors import ConfigError
 
     choices = (
         ("monitor.validation_drop.action", m.validation_drop.action, ("rollback", "stop", "warn")),

@@ -23,7 +23,9 @@ from klppo.config.checks import (
     value_at,
 )
 from klppo.config.errors import ConfigError, notice
+from klppo.config.loader import load_config
 from klppo.config.schema import KLPPOConfig
+from klppo.config.sizes import uses_critic
 
 Notify = Callable[[str], None]
 _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
@@ -171,8 +173,6 @@ def _expanded() -> tuple[tuple[str, str, str], ...]:
 
 @functools.cache
 def _defaults() -> KLPPOConfig:
-    from klppo.config.loader import load_config
-
     return load_config([], notify=lambda _msg: None)
 
 
@@ -255,8 +255,6 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
 def ulysses_problems(cfg: KLPPOConfig) -> list[str]:
     """What Ulysses sequence parallelism (``ulysses_sequence_parallel_size`` > 1, per role) cannot run
     with: padded sequences (it splits packed ones) and the full-vocabulary KL loss."""
-    from klppo.config.sizes import uses_critic
-
     arr = cfg.actor_rollout_ref
     problems = []
     padding = [("actor_rollout_ref.model.use_remove_padding", arr.model.use_remove_padding,

@@ -90,7 +90,7 @@ def _read_jsonl(path: str) -> list[dict]:
 
 def _fetch_hub() -> dict[str, list[dict]]:
     try:
-        import datasets  # type: ignore[import-not-found]
+        import datasets  # type: ignore[import-not-found]  # noqa: PLC0415  optional: Hugging Face datasets only to download GSM8K
     except ImportError:
         raise RuntimeError(
             "no --input folder given and the `datasets` library is not installed: pass --input DIR holding "

@@ -27,6 +27,8 @@ import time
 import uuid
 from pathlib import Path
 
+import torch
+
 from klppo.models.paths import ModelLoadError
 from klppo.models.tokenizer import eos_token_ids, load_tokenizer
 
@@ -67,9 +69,8 @@ def gguf_cache_path(gguf_path: str | Path) -> Path:
 
 def _load_dense_from_gguf(gguf_path: Path):
     """transformers' GGUF load, forced dense (5.2x can keep blocks packed: not trainable, not saveable)."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
+    import transformers  # noqa: PLC0415  heavy (transformers, ~2 s): only when a model is converted or loaded
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415  heavy (transformers, ~2 s): only when a model is converted or loaded
 
     kwargs = {"gguf_file": gguf_path.name, "dtype": torch.bfloat16}
     if hasattr(transformers, "GgufConfig"):
@@ -103,7 +104,7 @@ def convert_gguf_to_hf_dir(gguf_path: str | Path, *, verbose: bool = True) -> st
     target = gguf_cache_path(gguf_path)
     if (target / "config.json").is_file():
         return str(target)
-    import transformers
+    import transformers  # noqa: PLC0415  heavy (transformers, ~2 s): only when a model is converted or loaded
 
     if verbose:
         print(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from klppo.models.flops import model_flops_per_token, num_params
-from klppo.models.gguf import convert_gguf_to_hf_dir, quickstart_model_path
+from klppo.models.gguf import convert_gguf_to_hf_dir, gguf_cache_path, quickstart_model_path
 from klppo.models.paths import ModelLoadError, resolve_model_path
 from klppo.models.tokenizer import eos_token_ids
 from klppo.models.tokenizer import load_tokenizer as _load_tokenizer_from_dir
@@ -65,8 +65,6 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     """
     resolved = resolve_model_path(path)
     if Path(resolved).is_file():
-        from klppo.models.gguf import gguf_cache_path
-
         cached = gguf_cache_path(resolved)
         if (cached / "config.json").is_file():
             return _load_tokenizer_from_dir(str(cached), trust_remote_code=trust_remote_code)
@@ -79,7 +77,7 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
 @contextmanager
 def _quiet_transformers():
     """Silence 'weights newly initialized' notices: the callers below handle the head themselves."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415  heavy (transformers, ~2 s): only when a model loads
 
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -116,7 +114,7 @@ def _load(
     config_kwargs: dict[str, Any] | None = None,
 ):
     """Shared body of the loaders: returns (model, missing_keys)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # noqa: PLC0415  heavy (transformers, ~2 s): only when a model loads
 
     directory = model_dir(path)
     config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
@@ -175,7 +173,7 @@ def load_causal_lm(
     ``model.override_config``). Gradient checkpointing uses the non-reentrant variant and turns the KV
     cache off in the config (generation passes ``use_cache=True`` explicitly).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415  heavy (transformers, ~2 s): only when a model is converted or loaded
 
     model, missing = _load(
         AutoModelForCausalLM,
@@ -213,7 +211,7 @@ def load_critic(
 
     ``model(input_ids, attention_mask).logits`` is [B, T, 1]: the value of each position's state.
     """
-    from transformers import AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification  # noqa: PLC0415  heavy (transformers, ~2 s): only when a model loads
 
     model, missing = _load(
         AutoModelForTokenClassification,
@@ -253,7 +251,7 @@ def load_reward_model(
     The score is read at the last non-pad token, so the config needs ``pad_token_id``: the argument when
     given, else the checkpoint's, else the pad id of the tokenizer in the same directory. Raises `ModelLoadError` when the checkpoint has no trained head.
     """
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification  # noqa: PLC0415  heavy (transformers, ~2 s): only when a model loads
 
     extra: dict[str, Any] = {"num_labels": 1}
     if pad_token_id is not None:

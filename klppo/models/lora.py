@@ -19,7 +19,7 @@ import torch
 
 def _peft():
     try:
-        import peft
+        import peft  # noqa: PLC0415  optional extra (klppo[lora])
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "actor_rollout_ref.model.lora_rank > 0 needs the `peft` package: pip install 'klppo[lora]'"
@@ -77,7 +77,7 @@ def merged_for_rollout(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Yield ``model`` with the adapters merged into its (gathered) base weights — merged layers skip the
     adapter path, so a forward computes the merged model; the engine reads the base weights through
     ``get_base_model()``. The base weights are restored from a copy afterwards."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415  optional extra (klppo[lora])
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     saved = [layer.get_base_layer().weight.detach().clone() for layer in layers]

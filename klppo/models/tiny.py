@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -37,8 +39,6 @@ def build_tiny_tokenizer(vocab_size: int = 384):
     eos = pad = ``<|im_end|>`` (id 2), as SmolLM2-Instruct has it: response masks must not be derived
     from ``!= pad_id``.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -77,7 +77,6 @@ def build_tiny_model(
     dtype: torch.dtype = torch.float32,
 ):
     """A random causal LM of the Llama family (``arch`` ∈ qwen2, llama, mistral, qwen3)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type = {"qwen2": "qwen2", "llama": "llama", "mistral": "mistral", "qwen3": "qwen3"}[arch]
     config = AutoConfig.for_model(

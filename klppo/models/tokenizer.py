@@ -114,7 +114,7 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False, gguf_file: str
     checkpoint has it; rollout code sets it. Use `klppo.models.loading.load_tokenizer` for user paths
     (hub ids, `.gguf` files): it resolves them and then calls this.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415  heavy (transformers, ~2 s): only when a tokenizer loads
 
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if gguf_file is not None:

@@ -22,7 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as md
 from torch import nn
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,9 +46,6 @@ class _MetadataUnpickler(pickle.Unpickler):
     ``torch.Size``, dtypes, the layout helper and paths; every other global is refused."""
 
     def find_class(self, module: str, name: str):
-        import torch.distributed.checkpoint.metadata as md
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-
         if module == md.__name__ and not name.startswith("__"):
             obj = getattr(md, name, None)
             if isinstance(obj, type) and (hasattr(obj, "__dataclass_fields__") or issubclass(obj, enum.Enum)):
@@ -65,8 +65,6 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     """DCP's file-system reader with ``.metadata`` read by :class:`_MetadataUnpickler`."""
 
     def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         rank = kwargs.get("rank")
         path = self._get_metadata_path(rank)
         with self.fs.create_stream(path, "rb") as f:

@@ -37,7 +37,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler
+from torch.distributed.run import parse_args, run
 
 from klppo.parallel.dist import CollectiveTimeoutError, free_port, under_launcher
 
@@ -50,7 +53,6 @@ def _visible_gpu_ids() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [x for x in env.split(",") if x.strip()]
-    import torch
 
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
@@ -245,9 +247,6 @@ def _write_error_file(e: BaseException, callstack: str) -> None:
 
 def _torchrun_main() -> int:
     """torchrun with its failure summary (root cause traceback) printed once, no launcher traceback."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
 
     try:
         run(parse_args(sys.argv[1:]))

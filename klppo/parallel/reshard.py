@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from klppo.parallel.fsdp import fsdp_modules
+
 
 @dataclass(frozen=True)
 class Region:
@@ -174,8 +176,6 @@ def _row_numel(shape: Sequence[int]) -> int:
 def fsdp_unit_params(model: torch.nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
     """The parameters of ``model`` grouped by FSDP2 unit (pre-order, the root first), by their names in
     ``model.named_parameters()``; a model without FSDP is one group of all its parameters."""
-    from klppo.parallel.fsdp import fsdp_modules
-
     names = {id(p): n for n, p in model.named_parameters()}
     units = []
     for module in fsdp_modules(model):
@@ -189,8 +189,6 @@ def fsdp_unit_params(model: torch.nn.Module) -> list[list[tuple[str, torch.Tenso
 
 def compute_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype the forward computes in: FSDP2's ``param_dtype`` (mixed precision), else the stored one."""
-    from klppo.parallel.fsdp import fsdp_modules
-
     for module in fsdp_modules(model):
         group = module._get_fsdp_state()._fsdp_param_group
         if group is not None and group.fsdp_params:

@@ -25,6 +25,8 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from klppo.batch import Batch
 from klppo.batching.attention import _packed_mask, packed_attention_forward
@@ -156,9 +158,6 @@ def ulysses_attention_forward(
 
 @functools.cache
 def register_ulysses_attention() -> str:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention_forward)
     AttentionMaskInterface.register(ULYSSES_ATTENTION, _packed_mask)
     return ULYSSES_ATTENTION

@@ -80,7 +80,7 @@ COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
 def require_matplotlib() -> None:
     """Raise ImportError with the one-line install hint when matplotlib is missing."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401, PLC0415  optional extra (klppo[plot])
     except ImportError:
         raise ImportError(
             "the run report draws with matplotlib, which is not installed: pip install 'klppo[plot]'"
@@ -121,8 +121,8 @@ class DrawnFigure:
 
 def make_figure(spec: FigureSpec, runs: list[RunData], *, dpi: int = 100):
     """The matplotlib ``Figure`` of ``spec`` (Agg canvas), or None when no run logged any of its metrics."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415  optional extra (klppo[plot])
+    from matplotlib.figure import Figure  # noqa: PLC0415  optional extra (klppo[plot])
 
     keys = panel_keys(spec, runs)
     bars = breakdown_keys(spec, runs)
@@ -175,7 +175,7 @@ def draw_figure(spec: FigureSpec, runs: list[RunData], *, dpi: int = 100) -> Dra
 
 
 def _draw_panel(ax, key: str, runs: list[RunData], *, label_events: bool) -> None:
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415  optional extra (klppo[plot])
 
     ax.set_title(key, fontsize=10)
     ax.set_xlabel("step", fontsize=9)

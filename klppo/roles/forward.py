@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
+from klppo.algorithms.losses import entropy_from_logits
 from klppo.batch import Batch
+from klppo.batching.dynamic import partition_by_token_budget, restore_order
+from klppo.batching.packing import forward_log_probs, forward_values, log_probs_of, prepare_log_probs
+from klppo.models.lm_head import fused_head
+from klppo.parallel import ulysses
+from klppo.parallel.collectives import all_reduce_max
 from klppo.parallel.mesh import SequenceParallel
 
 
@@ -26,8 +32,6 @@ class MicroBatching:
         if not self.use_dynamic_bsz:
             size = max(1, self.micro_batch_size)
             return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-        from klppo.batching.dynamic import partition_by_token_budget
-        from klppo.parallel.collectives import all_reduce_max
 
         seq_lens = [int(s) for s in batch.attention_mask.sum(dim=1).tolist()]
         parts = partition_by_token_budget(seq_lens, self.max_token_len)
@@ -72,13 +76,9 @@ def policy_forward(
     from :func:`klppo.parallel.ulysses.forward_log_probs` (packed, this rank's share of the tokens; every
     rank of the group passes the same ``batch``).
     """
-    from klppo.algorithms.losses import entropy_from_logits
-    from klppo.batching.packing import forward_log_probs
 
     batch = trim_left_padding(batch)
     if sp is not None:
-        from klppo.parallel import ulysses
-
         assert not return_logits, "full-vocabulary logits are not built with sequence parallelism"
         log_probs, entropy = ulysses.forward_log_probs(
             model,
@@ -121,7 +121,6 @@ def policy_forward(
 
 def check_fused(model: torch.nn.Module, key: str) -> None:
     """One-line error naming ``key`` when the model's LM head cannot give fused token statistics."""
-    from klppo.models.lm_head import fused_head
 
     if fused_head(model) is None:
         raise ValueError(
@@ -140,12 +139,9 @@ def value_forward(
     """Values [B,R] fp32 of a token-classification critic: the value at the position before each response
     token (the state in which that token is chosen), as verl's critic; zero on masked positions. With
     ``sp``: sequence-parallel over the group (same ``batch`` on its ranks)."""
-    from klppo.batching.packing import forward_values
 
     batch = trim_left_padding(batch)
     if sp is not None:
-        from klppo.parallel import ulysses
-
         return ulysses.forward_values(
             model,
             batch.input_ids,
@@ -177,8 +173,6 @@ class ForwardPlan:
 
     @classmethod
     def build(cls, batch: Batch, micro: MicroBatching, *, use_remove_padding: bool) -> ForwardPlan:
-        from klppo.batching.packing import prepare_log_probs
-
         partitions, inputs = [], []
         for idx, mb in iter_micro(batch, micro):
             mb = trim_left_padding(mb)
@@ -199,8 +193,6 @@ def log_prob_pass(
     model: torch.nn.Module, plan: ForwardPlan, *, temperature: float, fused: bool
 ) -> torch.Tensor:
     """Log-probs [B, R] (batch order) of the plan's micro-batches under ``model``, without gradients."""
-    from klppo.batching.dynamic import restore_order
-    from klppo.batching.packing import log_probs_of
 
     with torch.no_grad():
         chunks = [log_probs_of(model, x, temperature=temperature, fused=fused)[0] for x in plan.inputs]
@@ -217,13 +209,10 @@ def no_grad_pass(
 
     With ``sp`` the ranks of the group hold different rows (each its share of the rollout): the group's
     rows are gathered, ``fn`` runs sequence-parallel on all of them, and each rank keeps its own."""
-    from klppo.batching.dynamic import restore_order
 
     if sp is not None:
-        from klppo.parallel.ulysses import gather_group_rows
-
         n = len(batch)
-        return no_grad_pass(gather_group_rows(batch, sp), micro, fn)[sp.rank * n : (sp.rank + 1) * n]
+        return no_grad_pass(ulysses.gather_group_rows(batch, sp), micro, fn)[sp.rank * n : (sp.rank + 1) * n]
     partitions, chunks = [], []
     with torch.no_grad():
         for idx, mb in iter_micro(batch, micro):

@@ -10,11 +10,13 @@ force after any halving (it stays halved for the rest of the run, and through a 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
+from klppo.parallel.fsdp import reset_after_failed_pass
 from klppo.roles.forward import MicroBatching
 
 T = TypeVar("T")
@@ -70,10 +72,6 @@ class OOMRecovery:
 
 
 def _reset(model: torch.nn.Module) -> None:
-    import gc
-
-    from klppo.parallel.fsdp import reset_after_failed_pass
-
     reset_after_failed_pass(model)
     gc.collect()
     if torch.cuda.is_available():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +42,6 @@ def build_optimizer(params, settings: OptimSettings) -> torch.optim.Optimizer:
     on CUDA (one kernel per parameter group instead of one per tensor and operation), unless
     ``override_optimizer_config`` sets ``fused`` (``{fused: false}``: the multi-tensor ``foreach`` path).
     """
-    import importlib
-    import inspect
 
     params = [p for p in params if p.requires_grad]
     try:

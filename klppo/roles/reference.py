@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from klppo.batch import Batch
+from klppo.models.lora import adapters_disabled
 from klppo.parallel.mesh import SequenceParallel
 from klppo.roles.forward import (
     ForwardPlan,
@@ -48,10 +51,6 @@ class Reference:
             check_fused(model, "actor_rollout_ref.model.use_fused_kernels")
 
     def _context(self):
-        from contextlib import nullcontext
-
-        from klppo.models.lora import adapters_disabled
-
         return adapters_disabled(self.model) if self.adapters_off else nullcontext()
 
     def compute_ref_log_prob(self, batch: Batch, *, plan: ForwardPlan | None = None) -> torch.Tensor:

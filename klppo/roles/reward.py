@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from klppo.batch import Batch
+from klppo.rewards import RewardManager, place_scores
 
 
 class Scores(NamedTuple):
@@ -36,8 +37,6 @@ class Reward:
         reward_tokenizer=None,
         max_length: int | None = None,
     ) -> None:
-        from klppo.rewards import RewardManager
-
         self.tokenizer = tokenizer
         self.manager = RewardManager(
             custom_fn_path=custom_fn_path,
@@ -57,8 +56,6 @@ class Reward:
         return texts
 
     def score(self, batch: Batch) -> Scores:
-        from klppo.rewards import place_scores
-
         texts = self.decode_responses(batch)
         if self.reward_model is not None:
             seq_scores = self._model_scores(batch, texts)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from klppo.batch import Batch
+from klppo.batching.dynamic import micro_batch_loss_weight
 from klppo.parallel.collectives import all_reduce_sum, world_size
+from klppo.parallel.fsdp import clip_grad_norm_
 from klppo.roles.forward import MicroBatching, iter_micro
 from klppo.roles.metrics import MetricAccumulator
 from klppo.roles.oom import OOMRecovery
@@ -147,7 +149,6 @@ def micro_weight(
     gradients over the ranks, hence × world size) equals the aggregated loss of the global mini-batch.
     With Ulysses groups of S ranks each rank's gradient is its tokens' share of its group's loss, the S
     shares sum to the group's gradient, and × world size (= dp × S) still undoes FSDP's average."""
-    from klppo.batching.dynamic import micro_batch_loss_weight
 
     tokens, seqs, rows = counts
     return world_size() * micro_batch_loss_weight(
@@ -157,6 +158,5 @@ def micro_weight(
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     """Global gradient norm (sharded grads included), clipped to ``max_norm``; inf/nan returned as is."""
-    from klppo.parallel.fsdp import clip_grad_norm_
 
     return float(clip_grad_norm_(model, max_norm))

@@ -27,10 +27,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from klppo.models.flops import attention_dims
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
-from klppo.rollout.llama import LayerWeights, attn_in, attn_out_mlp
+from klppo.rollout.llama import LayerWeights, attn_in, attn_out_mlp, unsupported_reason
 from klppo.rollout.sampling import sample_untruncated
 
 logger = logging.getLogger(__name__)
@@ -112,9 +113,6 @@ def start_precompile(
 
 def _meta_layer(config: Any, dtype: torch.dtype) -> LayerWeights | None:
     """One decoder layer of ``config`` on the meta device (None, logged, if the engine cannot run it)."""
-    from transformers import AutoModelForCausalLM
-
-    from klppo.rollout.llama import unsupported_reason
 
     config = copy.deepcopy(config)
     config.num_hidden_layers = 1

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 import warnings
 
@@ -171,15 +172,12 @@ class KLPPORollout:
             if reset_peak:
                 torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        if type(w.embed) is not torch.Tensor and type(w.embed).__name__ == "DTensor":
-            raise ValueError("klppo rollout needs full (gathered) weights, got DTensor shards")
+        _require_gathered(w)
         n, width = params.n, params.max_new_tokens
         num_seqs = len(lengths) * n
         seq_lengths = [lengths[s // n] for s in range(num_seqs)]
         packed = prompts[prompt_mask.bool()]
-        starts = [0]
-        for length in lengths:
-            starts.append(starts[-1] + length)
+        starts = [0, *itertools.accumulate(lengths)]
         max_len = -(-(max(lengths) + width) // 16) * 16
         ws = self._workspace(w, device, num_seqs, width, max_len, params)
         if ws.weights is not None:
@@ -244,6 +242,14 @@ class KLPPORollout:
                 admit(refill)
                 prefill_s += time.perf_counter() - t0
 
+        timings = {"prefill_s": prefill_s, "graph_capture_s": capture_s, "decode_steps": float(num_steps)}
+        return self._output(ws, num_seqs, width, device, start, timings)
+
+    def _output(
+        self, ws: _Workspace, num_seqs: int, width: int, device: torch.device, start: float, timings: dict
+    ) -> RolloutOutput:
+        """The finished sequences as right-padded rows, with the call's figures."""
+        cuda = device.type == "cuda"
         out_len = ws.out_len[:num_seqs]
         mask = (torch.arange(width, device=device)[None, :] < out_len[:, None]).long()
         responses = torch.where(mask.bool(), ws.out_tokens[:num_seqs], self.pad_token_id)
@@ -254,15 +260,15 @@ class KLPPORollout:
         elapsed = time.perf_counter() - start
         stats = {
             "rollout/time_s": elapsed,
-            "rollout/prefill_s": prefill_s,
+            "rollout/prefill_s": timings["prefill_s"],
             "rollout/prefill_tokens": float(self._prefill_tokens),
             "rollout/prefix_reused": float(self._prefix_reused),
-            "rollout/graph_capture_s": capture_s,
+            "rollout/graph_capture_s": timings["graph_capture_s"],
             "rollout/cuda_graphs": float(cuda and self.use_cuda_graph),  # 0: eager decode (or capture failed)
             "rollout/tokens_generated": tokens,
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
-            "rollout/num_slots": float(num_slots),
-            "rollout/decode_steps": float(num_steps),
+            "rollout/num_slots": float(ws.kv.shape[2]),
+            "rollout/decode_steps": timings["decode_steps"],
             "rollout/kv_cache_gb": ws.kv.numel() * ws.kv.element_size() / 2**30,
             "rollout/fused_weights_gb": _fused_bytes(ws.weights) / 2**30,
             "perf/rollout_peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
@@ -477,6 +483,12 @@ class KLPPORollout:
     def _compiles(self, cuda: bool) -> bool:
         """Whether decode runs the compiled functions: ``compile_decode`` None = on GPU only."""
         return cuda if self.compile_decode is None else bool(self.compile_decode)
+
+
+def _require_gathered(w: LlamaWeights) -> None:
+    """The engine reads gathered weights (full, or a tensor-parallel group's slices), never FSDP2 shards."""
+    if type(w.embed) is not torch.Tensor and type(w.embed).__name__ == "DTensor":
+        raise ValueError("klppo rollout needs full (gathered) weights, got DTensor shards")
 
 
 def _fused_bytes(w: LlamaWeights | None) -> int:

@@ -10,6 +10,7 @@ import contextlib
 import time
 
 import torch
+from transformers import GenerationConfig
 
 from klppo.rollout.base import RolloutOutput, SamplingParams, response_mask_from_tokens
 
@@ -31,8 +32,6 @@ class HFRollout:
         self.cache_implementation = cache_implementation
 
     def _generation_config(self, params: SamplingParams):
-        from transformers import GenerationConfig
-
         greedy = params.greedy
         return GenerationConfig(
             max_new_tokens=params.max_new_tokens,
@@ -71,7 +70,6 @@ class HFRollout:
             rng = torch.random.fork_rng(devices=devices)
         # generate() fills unset fields from model.generation_config (e.g. a checkpoint's top_k or
         # repetition_penalty): swap in a blank one so that only ``params`` decide.
-        from transformers import GenerationConfig
 
         saved_config = model.generation_config
         model.generation_config = GenerationConfig()

@@ -111,7 +111,7 @@ class TensorBoardBackend:
 
     def __init__(self, *, run_dir: str, config_dict: dict, resume_step: int | None = None, **_: Any):
         _require("tensorboard", "tensorboard", "tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  optional extra (klppo[tensorboard])
 
         purge = None if resume_step is None else resume_step + 1
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge)

@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+from tqdm.auto import tqdm
+
 # (label, metric keys tried in order, format)
 LINE_FIELDS: list[tuple[str, tuple[str, ...], str]] = [
     ("score", ("critic/score/mean",), "{:.4g}"),
@@ -85,8 +87,6 @@ class ConsoleBackend:
         self._initial = 0
 
     def set_total_steps(self, total: int, *, initial: int = 0) -> None:
-        from tqdm.auto import tqdm
-
         self.total = int(total)
         if self.bar is not None:
             self.bar.close()

@@ -27,6 +27,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import torch
+
+import klppo
+
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -57,10 +61,7 @@ def _git_commit() -> str | None:
 
 def collect_versions() -> dict[str, Any]:
     """Versions of everything that changes numerics or behaviour of a run."""
-    import torch
-    import transformers
-
-    import klppo
+    import transformers  # noqa: PLC0415  heavy (transformers, ~2 s): only to record its version
 
     cuda = torch.cuda.is_available()
     return {

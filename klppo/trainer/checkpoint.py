@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from klppo.parallel.checkpoint import load_checkpoint as load_model_and_optimizer
+from klppo.parallel.checkpoint import save_checkpoint as save_model_and_optimizer
 from klppo.parallel.collectives import all_gather_objects, rank, world_size
 
 log = logging.getLogger("klppo")
@@ -306,7 +308,6 @@ def save_checkpoint(
     ``hf_assets[role]`` is a callable ``(dir) -> None`` writing that role's HF config/tokenizer (rank 0).
     Raises :class:`CheckpointError` (on every rank, the partial directory removed) if any rank fails.
     """
-    from klppo.parallel.checkpoint import save_checkpoint as save_model_and_optimizer
 
     root = Path(root)
     final = root / f"global_step_{step}"
@@ -489,7 +490,6 @@ def load_checkpoint(
     The trainer state and RNG files are read first (so a bad one is reported before the large loads);
     every failure is a one-line :class:`CheckpointError` naming the file or role directory.
     """
-    from klppo.parallel.checkpoint import load_checkpoint as load_model_and_optimizer
 
     path = Path(path)
     if not (path / "COMPLETE").exists():

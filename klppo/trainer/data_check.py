@@ -15,18 +15,20 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from klppo.config import KLPPOConfig
 from klppo.data.parquet_rows import DataError
+from klppo.models.loading import load_tokenizer, model_dir
 
 log = logging.getLogger("klppo")
 GROUND_TRUTH_COLUMN = "reward_model"
 
 
-def uses_rule_reward(cfg: Any) -> bool:
+def uses_rule_reward(cfg: KLPPOConfig) -> bool:
     """Scores come from the built-in rule scorers (they need each row's ground truth)."""
     return not cfg.reward_model.enable and not cfg.custom_reward_function.path
 
 
-def check_ground_truth_columns(cfg: Any, loaders: dict[str, Any]) -> None:
+def check_ground_truth_columns(cfg: KLPPOConfig, loaders: dict[str, Any]) -> None:
     """With the rule reward, every file needs the ``reward_model`` column (``{"ground_truth": ...}``);
     without it every score would silently be 0."""
     if not uses_rule_reward(cfg):
@@ -41,10 +43,10 @@ def check_ground_truth_columns(cfg: Any, loaders: dict[str, Any]) -> None:
                 )
 
 
-def check_data(cfg: Any, tokenizer: Any) -> dict[str, Any]:
+def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
     """Scan the train and validation files as the trainer will; returns the loaders by split. Raises
     :class:`DataError` (or ``FileNotFoundError``) with one line on the first problem."""
-    from klppo.trainer.setup import build_loaders
+    from klppo.trainer.setup import build_loaders  # noqa: PLC0415  heavy (the whole trainer): not for a bad key
 
     train, val = build_loaders(cfg, tokenizer)
     loaders = {"train": train} if val is None else {"train": train, "validation": val}
@@ -59,10 +61,8 @@ def check_data(cfg: Any, tokenizer: Any) -> dict[str, Any]:
     return loaders
 
 
-def check_data_at_startup(cfg: Any, model_path: str) -> dict[str, Any]:
+def check_data_at_startup(cfg: KLPPOConfig, model_path: str) -> dict[str, Any]:
     """:func:`check_data` with the run's tokenizer (no model weights are read)."""
-    from klppo.models.loading import load_tokenizer, model_dir
-
     mcfg = cfg.actor_rollout_ref.model
     tokenizer = load_tokenizer(model_dir(mcfg.tokenizer_path) if mcfg.tokenizer_path else model_path)
     if mcfg.custom_chat_template:

@@ -10,6 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+from klppo.models.lora import merge_into_base
+from klppo.parallel.checkpoint import load_checkpoint as load_model_and_optimizer
+
 
 def check_target(out_dir: Path, *, overwrite: bool) -> None:
     """Refuse a target that is a file, or a non-empty directory without ``overwrite``."""
@@ -26,11 +32,6 @@ def export_checkpoint(
     ckpt_dir: str | Path, out_dir: str | Path, *, role: str = "actor", overwrite: bool = False
 ) -> Path:
     """Rebuild the role's model from the saved config, load the sharded weights (any world size), save."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
-
-    from klppo.parallel.checkpoint import load_checkpoint as load_model_and_optimizer
-
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     check_target(out_dir, overwrite=overwrite)
     hf_dir = ckpt_dir / role / "huggingface"
@@ -46,13 +47,11 @@ def export_checkpoint(
     model = auto.from_config(config, dtype=dtype)
     lora = (hf_dir / "adapter_config.json").exists()
     if lora:  # trained with LoRA: rebuild the same adapters, load, and fold them into the weights
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # noqa: PLC0415  optional extra (klppo[lora])
 
         model = get_peft_model(model, LoraConfig.from_pretrained(hf_dir))
     load_model_and_optimizer(ckpt_dir / role, model, None)
     if lora:
-        from klppo.models.lora import merge_into_base
-
         model = merge_into_base(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)

@@ -12,6 +12,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from klppo.report import build_report, load_run, run_from_history, summary_lines
+from klppo.trainer.checkpoint import latest_checkpoint
+
 log = logging.getLogger("klppo")
 
 PLOT_HINT = "pip install 'klppo[plot]'"
@@ -19,7 +22,6 @@ PLOT_HINT = "pip install 'klppo[plot]'"
 
 def write_report(run: Any, run_dir: Path) -> tuple[Path | None, str | None]:
     """(report page, None) or (None, why not)."""
-    from klppo.report import build_report
 
     try:
         return build_report([run], run_dir).page, None
@@ -32,8 +34,6 @@ def write_report(run: Any, run_dir: Path) -> tuple[Path | None, str | None]:
 
 def finish_run(run_dir: Path, *, history: list[tuple[int, dict[str, float]]], wall_s: float) -> list[str]:
     """Write the report, print the summary (call on rank 0); returns the summary lines."""
-    from klppo.report import load_run, run_from_history, summary_lines
-    from klppo.trainer.checkpoint import latest_checkpoint
 
     run_dir = Path(run_dir)
     if (run_dir / "metrics.jsonl").is_file():

@@ -12,14 +12,27 @@ from pathlib import Path
 
 import torch
 
+from klppo.config import ConfigError, KLPPOConfig, check_trainable, load_config, warn_unimplemented
+from klppo.data import DataError
+from klppo.models.loading import ModelLoadError, model_dir
+from klppo.parallel import dist
+from klppo.parallel.launch import maybe_relaunch, record_errors
+from klppo.tracking.run_dir import RunDirError, claim_run_files
+from klppo.trainer import quickstart
+from klppo.trainer.checkpoint import CheckpointError
+from klppo.trainer.data_check import check_data_at_startup
+from klppo.trainer.finish import finish_run
+from klppo.trainer.nonfinite import TrainingStopped
+from klppo.trainer.run_lock import HELD_ENV, RunLock, RunLockError, should_lock
+from klppo.trainer.timer import PhaseOutOfMemory
+
 log = logging.getLogger("klppo")
 
 
-def resolve_machine(cfg) -> tuple[torch.device, int]:
+def resolve_machine(cfg: KLPPOConfig) -> tuple[torch.device, int]:
     """(device type to use, processes per node); checks what this machine has, before any model loads."""
-    from klppo.config import ConfigError
 
-    want = str(cfg.trainer.device)
+    want = cfg.trainer.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda" and not torch.cuda.is_available():
@@ -59,57 +72,6 @@ Every key: docs/configuration.md; the run directory, checkpoints and failures: d
 STARTUP_CHECKED_ENV = "KLPPO_STARTUP_CHECKED"  # set for the ranks a checked `klppo train` starts
 
 
-def dry_run(
-    cfg,
-    *,
-    device: torch.device,
-    nproc: int,
-    model_path: str,
-    plan: list[str] = (),
-    loaders: dict | None = None,
-) -> int:
-    """`klppo train --dry-run ...`: everything `klppo train` checks before training, and the plan: the
-    process layout, the per-rank sizes, the roles that will be built, and (on GPU, or with a known model)
-    the memory model's predicted peak per phase. Loads no weights."""
-    import dataclasses
-
-    from transformers import AutoConfig
-
-    from klppo.algorithms.advantages import needs_critic
-    from klppo.config import derive_sizes
-    from klppo.tune.preflight import predicted_peaks_gib
-
-    world = nproc * int(cfg.trainer.nnodes)
-    sizes = derive_sizes(cfg, world)
-    arr, algo = cfg.actor_rollout_ref, cfg.algorithm
-    roles = ["actor" + (" (LoRA)" if arr.model.lora_rank > 0 else "")]
-    if algo.use_kl_in_reward or arr.actor.use_kl_loss:
-        roles.append("reference" + (" (= actor, adapters off)" if arr.model.lora_rank > 0 else ""))
-    if needs_critic(algo.adv_estimator):
-        roles.append("critic")
-    roles.append("reward model" if cfg.reward_model.enable else "reward (rules / custom function)")
-    print(f"model: {model_path}")
-    for line in plan:
-        print(line)
-    for split, loader in (loaders or {}).items():
-        print(f"{split} prompts: {loader.summary()}")
-    print(f"processes: {nproc} per node × {cfg.trainer.nnodes} node(s) on {device.type}")
-    print(f"roles: {', '.join(roles)}; rollout engine: {arr.rollout.name}")
-    print("sizes per rank (samples unless named prompts):")
-    for field in dataclasses.fields(sizes):
-        print(f"  {field.name}: {getattr(sizes, field.name)}")
-    device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if device.type == "cuda" else 80.0
-    try:
-        peaks = predicted_peaks_gib(cfg, AutoConfig.from_pretrained(model_path), world_size=world,
-                                    device_gib=device_gib)  # fmt: skip
-        where = "this GPU" if device.type == "cuda" else "an 80 GiB GPU"
-        summary = ", ".join(f"{k} {v:.1f}" for k, v in peaks.items())
-        print(f"predicted peak GiB per GPU on {where}: {summary} (klppo tune --dry-run shows the terms)")
-    except Exception as exc:  # the memory model is advice
-        print(f"memory prediction unavailable: {exc}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -118,12 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     dry = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     _setup_logging()
-    from klppo.config import ConfigError, check_trainable, load_config, warn_unimplemented
-    from klppo.models.loading import ModelLoadError, model_dir
-    from klppo.tracking.run_dir import claim_run_files
-    from klppo.trainer import quickstart
-    from klppo.trainer.data_check import check_data_at_startup
-    from klppo.trainer.startup_checks import check_before_weights
+    from klppo.trainer.plan import check_before_weights, dry_run  # noqa: PLC0415  heavy (transformers, tune): not for a bad key
 
     recipe = None
     try:
@@ -149,10 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"klppo: {exc}", file=sys.stderr)
         return 2
 
-    from klppo.trainer.run_lock import RunLock, RunLockError, should_lock
-
     lock = None
-    if should_lock(int(cfg.trainer.nnodes)):
+    if should_lock(cfg.trainer.nnodes):
         try:
             lock = RunLock(Path(cfg.trainer.default_local_dir).expanduser()).acquire()
         except RunLockError as exc:
@@ -185,16 +140,14 @@ def _environment(**values: str):
                 os.environ[k] = v
 
 
-def _launch_or_run(cfg, *, device: torch.device, nproc: int, argv: list[str]) -> int:
+def _launch_or_run(cfg: KLPPOConfig, *, device: torch.device, nproc: int, argv: list[str]) -> int:
     """Start the ranks under torchrun (they inherit: data checked, run directory locked), or train here."""
-    from klppo.parallel.launch import maybe_relaunch, record_errors
-    from klppo.trainer.run_lock import HELD_ENV
 
     with _environment(**{STARTUP_CHECKED_ENV: "1", HELD_ENV: "1"}):
         code = maybe_relaunch(
             argv,
             nproc_per_node=nproc,
-            nnodes=int(cfg.trainer.nnodes),
+            nnodes=cfg.trainer.nnodes,
             module="klppo.trainer.main_ppo",
             use_gpus=device.type == "cuda",
             stop_grace_s=float(cfg.trainer.stop_grace_s),
@@ -219,19 +172,10 @@ def _pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
     return value, rest
 
 
-def run(cfg, *, device: torch.device, argv: list[str]) -> int:
+def run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> int:
     """Train on this rank (already inside the right process layout)."""
-    from klppo.config import warn_unimplemented
-    from klppo.data import DataError
-    from klppo.models.loading import ModelLoadError
-    from klppo.parallel import dist
-    from klppo.tracking.run_dir import RunDirError
-    from klppo.trainer.checkpoint import CheckpointError
-    from klppo.trainer.finish import finish_run
-    from klppo.trainer.nonfinite import TrainingStopped
-    from klppo.trainer.ppo_trainer import PPOTrainer
-    from klppo.trainer.setup import build_run
-    from klppo.trainer.timer import PhaseOutOfMemory
+    from klppo.trainer.ppo_trainer import PPOTrainer  # noqa: PLC0415  heavy (models, rollout): ranks only
+    from klppo.trainer.setup import build_run  # noqa: PLC0415  heavy (transformers, models): ranks only
 
     info = dist.init_distributed(device.type, float(cfg.trainer.collective_timeout_s))
     if info.rank == 0:

@@ -21,7 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from klppo.config import KLPPOConfig
+from klppo.parallel.checkpoint import load_checkpoint
 from klppo.tracking.events import EventLog
+from klppo.trainer.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
 from klppo.trainer.monitor_rules import Action, build_rules
 
 if TYPE_CHECKING:
@@ -138,19 +141,17 @@ class Monitor:
     → True when a rule stops the run; ``finish(step)`` writes the summary."""
 
     def __init__(
-        self, cfg: Any, controls: RunControls, *, run_dir: Path, rank: int, resume_step: int | None
+        self, cfg: KLPPOConfig, controls: RunControls, *, run_dir: Path, rank: int, resume_step: int | None
     ) -> None:
         m = cfg.monitor
         self.controls = controls
         self.rank = rank
-        self.rules = (
-            build_rules(m, default_target_kl=float(cfg.algorithm.kl_ctrl.target_kl)) if m.enable else []
-        )
+        self.rules = build_rules(m, default_target_kl=cfg.algorithm.kl_ctrl.target_kl) if m.enable else []
         self.events = EventLog(run_dir, rank=rank, resume_step=resume_step)
         self.counts: dict[str, int] = {}
         self.stop_reason: str | None = None
         if m.enable and m.oom_recovery.enable:
-            controls.set_oom_retries(int(m.oom_recovery.max_retries))
+            controls.set_oom_retries(m.oom_recovery.max_retries)
 
     # ------------------------------------------------------------------ per step
     def observe(self, step: int, metrics: dict[str, float], val: dict[str, float] | None) -> bool:
@@ -274,7 +275,6 @@ class Monitor:
 
 def build_monitor(run: Run, trainer_state: Callable[[], dict[str, Any]], *, rank: int) -> Monitor:
     """The run's monitor; ``trainer_state()`` gives what a checkpoint's ``trainer_state.pt`` holds."""
-    from klppo.trainer.checkpoint import checkpoint_step
 
     controls = RunControls(
         run,
@@ -286,15 +286,12 @@ def build_monitor(run: Run, trainer_state: Callable[[], dict[str, Any]], *, rank
 
 
 def best_checkpoint_step(run_dir: Path) -> int | None:
-    from klppo.trainer.checkpoint import checkpoint_step, latest_checkpoint
-
     path = latest_checkpoint(Path(run_dir) / BEST_DIR)
     return None if path is None else checkpoint_step(path)
 
 
 def save_best_checkpoint(run: Run, step: int, trainer_state: dict[str, Any]) -> None:
     """The current weights as ``<run dir>/best_validation/global_step_<step>`` (one kept; collective)."""
-    from klppo.trainer.checkpoint import save_checkpoint
 
     save_checkpoint(
         Path(run.run_dir) / BEST_DIR,
@@ -309,8 +306,6 @@ def save_best_checkpoint(run: Run, step: int, trainer_state: dict[str, Any]) -> 
 def load_best_weights(run: Run) -> int | None:
     """Models and optimizer states of the best-validation checkpoint, loaded in place (the step count,
     data position, schedules and RNG go on); its step, or None when there is none (collective)."""
-    from klppo.parallel.checkpoint import load_checkpoint
-    from klppo.trainer.checkpoint import checkpoint_step, latest_checkpoint
 
     path = latest_checkpoint(Path(run.run_dir) / BEST_DIR)
     if path is None:

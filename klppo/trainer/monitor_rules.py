@@ -26,6 +26,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from klppo.config.schema_monitor import (
+    DriftConfig,
+    EntropyCollapseConfig,
+    KLEarlyStopConfig,
+    KLExplosionConfig,
+    MonitorConfig,
+    NonFiniteRewardConfig,
+    RewardPlateauConfig,
+    ValidationDropConfig,
+)
+
 
 @dataclass
 class Action:
@@ -73,7 +84,7 @@ class Rule:
 class KLEarlyStop(Rule):
     name = "kl_early_stop"
 
-    def __init__(self, cfg: Any, target_kl: float) -> None:
+    def __init__(self, cfg: KLEarlyStopConfig, target_kl: float) -> None:
         self.cfg, self.cfg_target = cfg, target_kl
         self.steps_over = 0
 
@@ -96,7 +107,7 @@ class KLEarlyStop(Rule):
 class RewardPlateau(Rule):
     name = "reward_plateau"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: RewardPlateauConfig) -> None:
         self.cfg = cfg
         self.best: float | None = None
         self.steps_flat = 0
@@ -127,7 +138,7 @@ class ValidationDrop(Rule):
 
     name = "validation_drop"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: ValidationDropConfig) -> None:
         self.cfg = cfg
         self.best: float | None = None
         self.best_step: int | None = None
@@ -164,7 +175,7 @@ class ValidationDrop(Rule):
 class KLExplosion(Rule):
     name = "kl_explosion"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: KLExplosionConfig) -> None:
         self.cfg = cfg
 
     def observe(self, step, metrics, val):
@@ -180,7 +191,7 @@ class KLExplosion(Rule):
 class EntropyCollapse(Rule):
     name = "entropy_collapse"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: EntropyCollapseConfig) -> None:
         self.cfg = cfg
 
     def observe(self, step, metrics, val):
@@ -199,7 +210,7 @@ class EntropyCollapse(Rule):
 class NonFiniteReward(Rule):
     name = "nonfinite_reward"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: NonFiniteRewardConfig) -> None:
         self.cfg = cfg
 
     def observe(self, step, metrics, val):
@@ -216,7 +227,7 @@ class Drift(Rule):
 
     name = "drift"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: DriftConfig) -> None:
         self.cfg = cfg
         self.outside: dict[str, bool] = {}
 
@@ -250,7 +261,7 @@ class Drift(Rule):
         return {f"monitor/drift/{name}": float(v) for name, v in sorted(self.outside.items())}
 
 
-def build_rules(cfg: Any, *, default_target_kl: float) -> list[Rule]:
+def build_rules(cfg: MonitorConfig, *, default_target_kl: float | None) -> list[Rule]:
     """The enabled rules of a ``monitor`` config group, in evaluation order."""
     m = cfg
     rules: list[Rule] = []

@@ -134,9 +134,9 @@ def rewards_and_advantages(
         values=batch.values,
         group_ids=batch.uid,
         reward_baselines=batch.reward_baselines,
-        gamma=float(algo.gamma),
-        lam=float(algo.lam),
-        norm_by_std=bool(algo.norm_adv_by_std_in_grpo),
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_by_std=algo.norm_adv_by_std_in_grpo,
     )
     return batch.replace(token_level_rewards=rewards, advantages=advantages, returns=returns), metrics
 

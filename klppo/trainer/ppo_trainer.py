@@ -147,8 +147,6 @@ class PPOTrainer:
         """One PPO step: generate → score → gather → advantages → updates; returns the step's metrics."""
         run, cfg = self.run, self.cfg
         roles, timer = run.roles, PhaseTimer(run.device)
-        skipped: str | None = None  # what was non-finite: the step then updates no model
-        adv_metrics: dict[str, float] = {}
         update_metrics: dict[str, float] = {}
         with timer.phase("step"), run.offload.on_device(roles.actor):
             mine = shard_prompts(prompts)
@@ -158,29 +156,15 @@ class PPOTrainer:
             if run.sampling.greedy is not None:
                 with timer.phase("gen_max"):
                     local = with_reward_baselines(run, local, mine, run.sampling.greedy)
-            metrics: dict[str, float] = {}
-            plan = None  # the old-log-prob micro-batches, cut and packed once, also serve the reference
-            # on-policy: π_old = the update's log-probs; the update's rows per rank are a Ulysses group's
-            if not roles.actor.skips_old_log_prob(len(local) * roles.actor.update.sp_size):
-                with timer.phase("old_log_prob"):
-                    plan = roles.actor.log_prob_plan(local)
-                    local, metrics = with_old_log_probs(roles.actor, local, plan=plan)
+            local, metrics, plan = self._old_log_probs(local, timer)
             local = self._reference_log_probs(local, timer, plan)
             with self._critic_on_device():  # from its values to its update
                 local = self._values(local, timer)
                 with timer.phase("reward"):
                     local = with_scores(roles.reward, local)
                 batch = gather_samples(prompts, local, n=run.sampling.train.n, fields=GATHERED)
-                try:
-                    check_finite(batch, STEP_INPUTS, paths=self._data_paths)
-                    with timer.phase("adv"):
-                        batch, adv_metrics = rewards_and_advantages(
-                            batch, cfg.algorithm, run.kl_ctrl, watch=self.state.penalty_share, step=step
-                        )
-                    check_finite(batch, STEP_TARGETS, paths=self._data_paths)
-                except NonFiniteStep as exc:
-                    skipped = str(exc)
-                if skipped is None:
+                batch, adv_metrics, skipped = self._checked_advantages(batch, step, timer)
+                if skipped is None:  # else what was non-finite: the step updates no model
                     share = shard_for_update(
                         batch, balance=cfg.trainer.balance_batch, sp_size=roles.actor.update.sp_size
                     )
@@ -193,14 +177,49 @@ class PPOTrainer:
         metrics = self._step_metrics(
             batch, timer, {**metrics, **adv_metrics, **update_metrics, **rollout_stats}
         )
+        return self._count_skipped(metrics, step, skipped)
+
+    def _checked_advantages(
+        self, batch: Batch, step: int, timer: PhaseTimer
+    ) -> tuple[Batch, dict[str, float], str | None]:
+        """Rewards (KL penalty) and advantages of the global batch, its inputs and targets checked finite:
+        (batch, metrics, None), or with the first non-finite value named as the third item."""
+        adv_metrics: dict[str, float] = {}
+        try:
+            check_finite(batch, STEP_INPUTS, paths=self._data_paths)
+            with timer.phase("adv"):
+                batch, adv_metrics = rewards_and_advantages(
+                    batch, self.cfg.algorithm, self.run.kl_ctrl, watch=self.state.penalty_share, step=step
+                )
+            check_finite(batch, STEP_TARGETS, paths=self._data_paths)
+        except NonFiniteStep as exc:
+            return batch, adv_metrics, str(exc)
+        return batch, adv_metrics, None
+
+    def _count_skipped(self, metrics: dict[str, float], step: int, skipped: str | None) -> dict[str, float]:
+        """A step skipped for a non-finite value is counted (and past ``trainer.max_nan_steps`` stops)."""
         if skipped is not None:
             self.state.num_nan_steps = record_skipped_step(
-                step, skipped, count=self.state.num_nan_steps, limit=int(cfg.trainer.max_nan_steps)
+                step, skipped, count=self.state.num_nan_steps, limit=self.cfg.trainer.max_nan_steps
             )
             metrics["training/nan_steps"] = float(self.state.num_nan_steps)
         return metrics
 
     # ------------------------------------------------------------------ phases with their offload schedule
+    def _old_log_probs(
+        self, samples: Batch, timer: PhaseTimer
+    ) -> tuple[Batch, dict[str, float], ForwardPlan | None]:
+        """π_old's log-probs, unless the update is on-policy (then π_old = the update's own log-probs); the
+        pass's micro-batches, cut and packed once, also serve the reference."""
+        actor = self.run.roles.actor
+        # on-policy: π_old = the update's log-probs; the update's rows per rank are a Ulysses group's
+        if actor.skips_old_log_prob(len(samples) * actor.update.sp_size):
+            return samples, {}, None
+        with timer.phase("old_log_prob"):
+            plan = actor.log_prob_plan(samples)
+            samples, metrics = with_old_log_probs(actor, samples, plan=plan)
+        return samples, metrics, plan
+
     def _reference_log_probs(self, samples: Batch, timer: PhaseTimer, plan: ForwardPlan | None) -> Batch:
         """Reference log-probs, with the reference on the device just for them; over ``plan`` (the
         old-log-prob pass's micro-batches) when its micro-batching is the reference's."""
@@ -288,7 +307,7 @@ class PPOTrainer:
                 timer.metrics(),
                 device=run.device,
                 model_config=run.roles.actor.model.config,
-                ppo_epochs=int(self.cfg.actor_rollout_ref.actor.ppo_epochs),
+                ppo_epochs=self.cfg.actor_rollout_ref.actor.ppo_epochs,
             )
         )
         return metrics

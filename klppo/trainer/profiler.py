@@ -33,6 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from klppo.config.schema import GlobalProfilerConfig
+from klppo.tune.measure import _COLLECTIVE_WORDS, _CPU_COMPUTE, exposed_time
 
 log = logging.getLogger("klppo")
 TOOLS = (None, "torch", "torch_memory", "nsys")
@@ -40,14 +44,14 @@ TORCH_CONTENTS = ("cpu", "cuda", "memory", "shapes", "stack")
 
 
 class StepProfiler:
-    def __init__(self, cfg: Any, *, device: torch.device, rank: int) -> None:
+    def __init__(self, cfg: GlobalProfilerConfig, *, device: torch.device, rank: int) -> None:
         if cfg.tool not in TOOLS:
             raise ValueError(
                 f"global_profiler.tool={cfg.tool!r}: expected one of torch, torch_memory, nsys or null"
             )
         self.tool = cfg.tool
         self.steps = sorted({int(s) for s in (cfg.steps or [])})
-        self.continuous = bool(cfg.profile_continuous_steps)
+        self.continuous = cfg.profile_continuous_steps
         self.save_path = Path(cfg.save_path).expanduser()
         self.device, self.rank = device, rank
         self.nvml = NvmlUtilization.open(device) if device.type == "cuda" else None
@@ -88,8 +92,6 @@ class StepProfiler:
     # ------------------------------------------------------------------ tools
     def _start(self, step: int) -> None:
         if self.tool == "torch" and self._prof is None:
-            from torch.profiler import ProfilerActivity, profile
-
             c = self.contents
             activities = [ProfilerActivity.CPU] if "cpu" in c else []
             if self.device.type == "cuda" and "cuda" in c:
@@ -144,7 +146,6 @@ def comm_shares(events: list[dict], device_type: str, step_s: float) -> dict[str
     """``perf/comm_share`` and ``perf/exposed_comm_share`` from a Chrome trace's complete events: on GPU,
     kernels (collectives: names with "nccl") against all other kernels; on CPU, gloo/c10d collective ops
     against matmul-like aten ops (the rules of `klppo.tune.measure.split_profile`)."""
-    from klppo.tune.measure import _COLLECTIVE_WORDS, _CPU_COMPUTE, exposed_time
 
     comm, compute = [], []
     for e in events:
@@ -176,7 +177,7 @@ class NvmlUtilization:
     @classmethod
     def open(cls, device: torch.device) -> NvmlUtilization | None:
         try:
-            import pynvml
+            import pynvml  # noqa: PLC0415  optional: NVIDIA management library, GPU utilisation only
         except ImportError:
             return None
         try:

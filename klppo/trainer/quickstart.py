@@ -20,6 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from klppo.data.arithmetic import write_arithmetic_parquet
+from klppo.models.loading import quickstart_model_path
+
 HERE = Path(__file__).parent
 GPU_COMMAND = "klppo train --quickstart gpu   (on a machine with a CUDA GPU, `klppo train` alone runs it)"
 
@@ -71,8 +76,6 @@ QUICKSTARTS: dict[str, Quickstart] = {
 def choose(name: str | None = None) -> Quickstart:
     """The recipe called ``name``; None: ``gpu`` when a CUDA device is visible, else ``cpu``."""
     if name is None:
-        import torch
-
         name = "gpu" if torch.cuda.is_available() else "cpu"
     if name not in QUICKSTARTS:
         raise ValueError(f"--quickstart {name!r}: choose one of {sorted(QUICKSTARTS)}")
@@ -82,8 +85,6 @@ def choose(name: str | None = None) -> Quickstart:
 def quickstart_argv(recipe: Quickstart) -> list[str]:
     """`klppo train`'s arguments for ``recipe``: its YAML file, then the model, data and run directory
     (the data written on first use); user overrides go after these."""
-    from klppo.data.arithmetic import write_arithmetic_parquet
-    from klppo.models.loading import quickstart_model_path
 
     cache = Path(os.environ.get("KLPPO_CACHE", Path.home() / ".cache" / "klppo"))
     variant = "".join(f"-{key}{value}" for key, value in sorted(recipe.data_kwargs.items()))

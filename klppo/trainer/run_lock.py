@@ -18,6 +18,8 @@ import socket
 import time
 from pathlib import Path
 
+from klppo.parallel.dist import under_launcher
+
 log = logging.getLogger("klppo")
 LOCK_NAME = ".klppo.lock"
 HELD_ENV = "KLPPO_RUN_LOCK_HELD"
@@ -125,8 +127,6 @@ class RunLock:
 def should_lock(nnodes: int) -> bool:
     """Whether this process takes the lock: not a rank our launcher started (it holds it), and only one
     process per job (node 0's launcher, or global rank 0 under an external launcher)."""
-    from klppo.parallel.dist import under_launcher
-
     if os.environ.get(HELD_ENV) == "1":
         return False
     if under_launcher():  # torchrun / srun started by someone else: global rank 0

@@ -6,49 +6,50 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
+from klppo.algorithms.advantages import get_advantage_estimator
 from klppo.algorithms.kl_control import KLController, make_kl_controller
-from klppo.config import KLPPOConfig
+from klppo.config import KLPPOConfig, config_to_yaml, derive_sizes
 from klppo.config.schema import KLControlConfig
-from klppo.config.schema_arr import KLLossControlConfig, RolloutConfig
+from klppo.config.schema_arr import KLLossControlConfig
 from klppo.data.dataset import PromptLoader
+from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
 from klppo.models.lora import is_lora, merged_for_rollout
-from klppo.parallel.fsdp import gathered_params
-from klppo.parallel.mesh import ParallelMesh, SequenceParallel, build_parallel_mesh, build_rollout_mesh
+from klppo.parallel.collectives import rank, world_size
+from klppo.parallel.fsdp import FSDPSettings, gathered_params
+from klppo.parallel.mesh import (
+    ParallelMesh,
+    SequenceParallel,
+    TensorParallel,
+    build_parallel_mesh,
+    build_rollout_mesh,
+)
 from klppo.parallel.offload import OffloadSchedule
-from klppo.roles.actor import Actor
-from klppo.roles.critic import Critic
-from klppo.roles.reference import Reference
-from klppo.roles.reward import Reward
-from klppo.roles.trained import TrainedRole
-from klppo.rollout.base import RolloutEngine, SamplingParams
+from klppo.rollout.base import RolloutEngine, SamplingParams, make_rollout
+from klppo.rollout.compiled import start_precompile
 from klppo.tracking import GenerationLog, Tracker
-from klppo.trainer.roles_build import HFAssets, build_actor, build_critic, build_reference, build_reward
+from klppo.tracking.run_dir import claim_run_files, write_run_metadata
+from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
+from klppo.trainer.roles_build import HFAssets, RoleInputs, Roles, SequenceGroups, build_roles
+from klppo.trainer.settings import (
+    LoaderSettings,
+    engine_options,
+    fsdp_settings,
+    loader_settings,
+    sampling_params,
+    to_dtype,
+    tune_workload,
+)
+from klppo.tune.preflight import check_memory
 
 log = logging.getLogger("klppo")
-
-
-@dataclass(frozen=True)
-class Roles:
-    """The run's models: the actor always; the reference when a KL term needs it; the critic for GAE."""
-
-    actor: Actor
-    reference: Reference | None
-    critic: Critic | None
-    reward: Reward
-
-    def trained(self) -> dict[str, TrainedRole]:
-        """The roles with weights and an optimizer to checkpoint, by name."""
-        roles: dict[str, TrainedRole] = {"actor": self.actor}
-        if self.critic is not None:
-            roles["critic"] = self.critic
-        return roles
 
 
 @dataclass(frozen=True)
@@ -115,96 +116,45 @@ class Run:
                 yield model
 
 
-def data_paths(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    return [str(v) for v in value]
+def build_loaders(cfg: KLPPOConfig, tokenizer: Any) -> tuple[PromptLoader, PromptLoader | None]:
+    """The training loader and the validation loader (None without ``data.val_files``)."""
+
+    def make(settings: LoaderSettings) -> PromptLoader:
+        return PromptLoader(settings.files, tokenizer, **settings.loader_kwargs())
+
+    val = loader_settings(cfg.data, seed=cfg.trainer.seed, validation=True)
+    train = make(loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False))
+    return train, (make(val) if val is not None else None)
 
 
-def build_loaders(cfg: Any, tokenizer: Any):
-    d = cfg.data
-    common = dict(
-        max_prompt_length=int(d.max_prompt_length),
-        prompt_key=d.prompt_key,
-        filter_overlong_prompts=bool(d.filter_overlong_prompts),
-        truncation=d.truncation,
-        return_raw_chat=bool(d.return_raw_chat),
-        use_chat_template=bool(d.use_chat_template),
-        bad_row_policy=d.bad_row_policy,
-        max_cached_row_groups=int(d.max_cached_row_groups),
-        apply_chat_template_kwargs=dict(d.apply_chat_template_kwargs or {}),
-        reward_fn_key=d.reward_fn_key,
-    )
-    train = PromptLoader(
-        data_paths(d.train_files),
-        tokenizer,
-        batch_size=int(d.train_batch_size),
-        shuffle=bool(d.shuffle),
-        seed=int(d.seed if d.seed is not None else cfg.trainer.seed),
-        drop_last=True,
-        shuffle_buffer_rows=d.shuffle_buffer_rows,
-        max_samples=d.train_max_samples,
-        **common,
-    )
-    val = None
-    val_files = data_paths(d.val_files)
-    if val_files:
-        val_bs = d.val_batch_size or 10**9
-        val = PromptLoader(
-            val_files,
-            tokenizer,
-            batch_size=int(val_bs),
-            shuffle=bool(d.validation_shuffle),
-            seed=0,
-            drop_last=False,
-            max_samples=d.val_max_samples,
-            **common,
-        )
-    return train, val
-
-
-def _sampling(rollout_cfg: Any, *, response_length: int, validation: bool) -> SamplingParams:
-    src = rollout_cfg.val_kwargs if validation else rollout_cfg
-    do_sample = bool(src.do_sample) and float(src.temperature) > 0
-    return SamplingParams(
-        n=int(src.n),
-        temperature=float(src.temperature) if do_sample else 1.0,
-        top_p=float(src.top_p),
-        top_k=int(src.top_k),
-        do_sample=do_sample,
-        max_new_tokens=response_length,
-        ignore_eos=bool(rollout_cfg.ignore_eos),
-    )
-
-
-def engine_options(rollout_cfg: RolloutConfig) -> dict[str, bool]:
-    """Options of the klppo engine read from the rollout config: `enforce_eager` runs the decode step
-    eagerly (no torch.compile, no CUDA graph capture), as vLLM's flag does."""
-    if rollout_cfg.name != "klppo" or not rollout_cfg.enforce_eager:
-        return {}
-    return {"use_cuda_graph": False, "compile_decode": False}
-
-
-def _start_precompile(cfg: Any, hf_config: Any, device: torch.device) -> None:
+def _start_precompile(cfg: KLPPOConfig, hf_config: Any, device: torch.device) -> None:
     """Start compiling the klppo engine's decode functions in the background (see rollout.compiled)."""
-    from klppo.rollout.compiled import start_precompile
-    from klppo.trainer.builder import to_dtype
-
-    rcfg = cfg.actor_rollout_ref.rollout
-    mp = getattr(cfg.actor_rollout_ref.actor.fsdp_config, "mixed_precision", None)
+    rollout = cfg.actor_rollout_ref.rollout
     temperatures = [
         s.temperature
-        for s in (_sampling(rcfg, response_length=1, validation=v) for v in (False, True))
+        for s in (sampling_params(rollout, response_length=1, validation=v) for v in (False, True))
         if s.do_sample
     ]
     start_precompile(
         hf_config,
-        dtype=to_dtype(getattr(mp, "param_dtype", None) if mp is not None else None, torch.bfloat16),
+        dtype=to_dtype(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype),
         device=device,
         temperatures=temperatures,
     )
+
+
+def _before_weights(
+    cfg: KLPPOConfig, actor_fsdp: FSDPSettings, model_path: str, device: torch.device
+) -> None:
+    """On a GPU, before any weights load: the memory pre-flight for the actor's FSDP settings, and the
+    klppo engine's decode functions compiling in the background while the weights load."""
+    total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    hf_config = AutoConfig.from_pretrained(model_path)
+    workload = tune_workload(cfg, actor_fsdp, world_size=world_size(), device_gib=total_gib)
+    check_memory(workload, hf_config)
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name == "klppo" and not rollout.enforce_eager:
+        _start_precompile(cfg, hf_config, device)
 
 
 def kl_controller(group: KLControlConfig | KLLossControlConfig, init_coef: float) -> KLController:
@@ -221,88 +171,20 @@ def kl_controller(group: KLControlConfig | KLLossControlConfig, init_coef: float
     )
 
 
-def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run:
-    from klppo.algorithms.advantages import get_advantage_estimator
-    from klppo.config import config_to_yaml, derive_sizes
-    from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
-    from klppo.parallel.collectives import rank, world_size
-    from klppo.rollout.base import make_rollout
-    from klppo.tracking.run_dir import claim_run_files, write_run_metadata
-    from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
-
-    arr, algo, tcfg = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
-    rcfg = arr.rollout
-    sizes = derive_sizes(cfg, world_size())
-    torch.manual_seed(int(tcfg.seed))
-
-    model_path = model_dir(arr.model.path)  # a .gguf file → its cached Hugging Face directory
-    tokenizer = load_tokenizer(
-        model_dir(arr.model.tokenizer_path) if arr.model.tokenizer_path else model_path
+def _sampling(cfg: KLPPOConfig) -> Sampling:
+    rollout, response_length = cfg.actor_rollout_ref.rollout, cfg.data.max_response_length
+    needs_baseline = get_advantage_estimator(cfg.algorithm.adv_estimator).needs_reward_baselines
+    return Sampling(
+        train=sampling_params(rollout, response_length=response_length, validation=False),
+        val=sampling_params(rollout, response_length=response_length, validation=True),
+        greedy=SamplingParams(n=1, do_sample=False, max_new_tokens=response_length)
+        if needs_baseline
+        else None,
     )
-    if arr.model.custom_chat_template:
-        tokenizer.chat_template = arr.model.custom_chat_template
-    if device.type == "cuda":
-        from transformers import AutoConfig
 
-        from klppo.tune.preflight import check_memory
 
-        total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
-        hf_config = AutoConfig.from_pretrained(model_path)
-        check_memory(cfg, hf_config, world_size=world_size(), device_gib=total_gib)
-        if rcfg.name == "klppo" and not rcfg.enforce_eager:  # compile the decode functions while weights load
-            _start_precompile(cfg, hf_config, device)
-    train_loader, val_loader = build_loaders(cfg, tokenizer)
-    total_steps = tcfg.total_training_steps or len(train_loader) * int(tcfg.total_epochs)
-    if len(train_loader) == 0:
-        raise ValueError("the training set gives no full batch of data.train_batch_size prompts")
-
-    run_dir = Path(tcfg.default_local_dir).expanduser()
-    offload = OffloadSchedule(device)
-    hf_assets: dict[str, Callable[[Path], None]] = {}
-
-    meshes: dict[int, ParallelMesh] = {}
-
-    def sp_group(size: int) -> SequenceParallel | None:
-        if size not in meshes:  # every rank builds the same meshes in the same order
-            meshes[size] = build_parallel_mesh(int(size), device.type)
-        return meshes[size].sequence_parallel
-
-    sp_group(1)
-    rollout_tp = build_rollout_mesh(int(rcfg.tensor_model_parallel_size), device.type)
-    if rollout_tp is not None and (int(arr.model.lora_rank or 0) > 0 or rcfg.name != "klppo"):
-        why = "LoRA (lora_rank > 0)" if int(arr.model.lora_rank or 0) > 0 else f"rollout.name={rcfg.name}"
-        log.warning(
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=%d is not built with %s: the rollout runs "
-            "data-parallel on gathered weights (same results, the whole model on every GPU)",
-            rollout_tp.size,
-            why,
-        )
-        rollout_tp = None
-    role_args = dict(device=device, total_steps=total_steps, offload=offload, hf_assets=hf_assets)
-    actor = build_actor(cfg, sizes, model_path, tokenizer, **role_args,
-                        sp=sp_group(arr.actor.ulysses_sequence_parallel_size))  # fmt: skip
-    reference = build_reference(cfg, sizes, model_path, device=device, offload=offload, actor=actor,
-                                sp=sp_group(arr.ref.ulysses_sequence_parallel_size))  # fmt: skip
-    critic = build_critic(cfg, sizes, model_path, tokenizer, **role_args,
-                          sp=sp_group(cfg.critic.ulysses_sequence_parallel_size))  # fmt: skip
-    reward = build_reward(cfg, tokenizer, device)
-    rollout = make_rollout(
-        rcfg.name,
-        eos_token_ids=eos_token_ids(
-            tokenizer, actor.model.config, getattr(actor.model, "generation_config", None)
-        ),
-        pad_token_id=tokenizer.pad_token_id,
-        gpu_memory_utilization=float(rcfg.gpu_memory_utilization),
-        free_cache_engine=bool(rcfg.free_cache_engine),
-        tensor_parallel=rollout_tp,
-        **engine_options(rcfg),
-    )
-    response_length = int(cfg.data.max_response_length)
-    sampling = _sampling(rcfg, response_length=response_length, validation=False)
-    roles = ["actor"] + (["critic"] if critic is not None else [])
-    resume_path = resolve_resume(tcfg.resume_mode, run_dir, tcfg.resume_from_path, roles=roles)
-    if rank() == 0:
-        claim_run_files(run_dir)  # before the trackers open metrics.jsonl
+def _trackers(cfg: KLPPOConfig, run_dir: Path, resume_path: Path | None, argv: list[str]) -> Trackers:
+    tcfg = cfg.trainer
     tracker = Tracker(
         list(tcfg.logger),
         run_dir=str(run_dir),
@@ -314,29 +196,104 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     )
     if rank() == 0:
         write_run_metadata(run_dir, config_yaml=config_to_yaml(cfg), argv=argv)
-    needs_baseline = get_advantage_estimator(algo.adv_estimator).needs_reward_baselines
+    return Trackers(metrics=tracker, generations=GenerationLog(run_dir))
+
+
+def build_meshes(cfg: KLPPOConfig, device_type: str) -> tuple[dict[int, ParallelMesh], SequenceGroups]:
+    """The ranks as ``("dp", "sp")`` meshes, one per Ulysses size the roles use (1 always), and each role's
+    sequence-parallel group. Every rank builds the same meshes in the same order (a collective each)."""
+    meshes: dict[int, ParallelMesh] = {}
+
+    def group(size: int) -> SequenceParallel | None:
+        if size not in meshes:
+            meshes[size] = build_parallel_mesh(size, device_type)
+        return meshes[size].sequence_parallel
+
+    arr = cfg.actor_rollout_ref
+    group(1)
+    groups = SequenceGroups(
+        actor=group(arr.actor.ulysses_sequence_parallel_size),
+        reference=group(arr.ref.ulysses_sequence_parallel_size),
+        critic=group(cfg.critic.ulysses_sequence_parallel_size),
+    )
+    return meshes, groups
+
+
+def rollout_tensor_parallel(cfg: KLPPOConfig, device_type: str) -> TensorParallel | None:
+    """This rank's rollout tensor-parallel group (``rollout.tensor_model_parallel_size``; the mesh is a
+    collective), None for 1. LoRA (the adapters would have to be merged into the slices) and the ``hf``
+    backend run data-parallel on gathered weights instead, with a warning."""
+    arr = cfg.actor_rollout_ref
+    rollout = arr.rollout
+    group = build_rollout_mesh(rollout.tensor_model_parallel_size, device_type)
+    if group is not None and (arr.model.lora_rank > 0 or rollout.name != "klppo"):
+        why = "LoRA (lora_rank > 0)" if arr.model.lora_rank > 0 else f"rollout.name={rollout.name}"
+        log.warning(
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=%d is not built with %s: the rollout runs "
+            "data-parallel on gathered weights (same results, the whole model on every GPU)",
+            group.size,
+            why,
+        )
+        return None
+    return group
+
+
+def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run:
+    """Everything one rank trains with, in the order that lets slow work overlap (pre-compile, weights)."""
+    arr, tcfg = cfg.actor_rollout_ref, cfg.trainer
+    sizes = derive_sizes(cfg, world_size())
+    torch.manual_seed(tcfg.seed)
+    model_path = model_dir(arr.model.path)  # a .gguf file → its cached Hugging Face directory
+    tokenizer = load_tokenizer(
+        model_dir(arr.model.tokenizer_path) if arr.model.tokenizer_path else model_path
+    )
+    if arr.model.custom_chat_template:
+        tokenizer.chat_template = arr.model.custom_chat_template
+    actor_fsdp = fsdp_settings(arr.actor.fsdp_config, device_type=device.type)  # shards and is predicted
+    if device.type == "cuda":
+        _before_weights(cfg, actor_fsdp, model_path, device)
+    train_loader, val_loader = build_loaders(cfg, tokenizer)
+    total_steps = tcfg.total_training_steps or len(train_loader) * tcfg.total_epochs
+    if len(train_loader) == 0:
+        raise ValueError("the training set gives no full batch of data.train_batch_size prompts")
+    run_dir = Path(tcfg.default_local_dir).expanduser()
+    offload, hf_assets = OffloadSchedule(device), {}
+    meshes, sp = build_meshes(cfg, device.type)
+    rollout_tp = rollout_tensor_parallel(cfg, device.type)
+    inputs = RoleInputs(cfg, sizes, model_path, tokenizer, device, total_steps, offload, hf_assets, sp)
+    roles = build_roles(inputs, actor_fsdp)
+    actor_model = roles.actor.model
+    rollout = make_rollout(
+        arr.rollout.name,
+        eos_token_ids=eos_token_ids(
+            tokenizer, actor_model.config, getattr(actor_model, "generation_config", None)
+        ),
+        pad_token_id=tokenizer.pad_token_id,
+        gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
+        free_cache_engine=arr.rollout.free_cache_engine,
+        tensor_parallel=rollout_tp,
+        **engine_options(arr.rollout),
+    )
+    trained = ["actor"] + (["critic"] if roles.critic is not None else [])
+    resume_path = resolve_resume(tcfg.resume_mode, run_dir, tcfg.resume_from_path, roles=trained)
+    if rank() == 0:
+        claim_run_files(run_dir)  # before the trackers open metrics.jsonl
     return Run(
         cfg=cfg,
         device=device,
         tokenizer=tokenizer,
         loaders=Loaders(train=train_loader, val=val_loader),
-        roles=Roles(actor=actor, reference=reference, critic=critic, reward=reward),
+        roles=roles,
         rollout=rollout,
-        sampling=Sampling(
-            train=sampling,
-            val=_sampling(rcfg, response_length=response_length, validation=True),
-            greedy=SamplingParams(n=1, do_sample=False, max_new_tokens=response_length)
-            if needs_baseline
-            else None,
-        ),
-        kl_ctrl=kl_controller(algo.kl_ctrl, algo.kl_ctrl.kl_coef),
+        sampling=_sampling(cfg),
+        kl_ctrl=kl_controller(cfg.algorithm.kl_ctrl, cfg.algorithm.kl_ctrl.kl_coef),
         kl_loss_ctrl=kl_controller(arr.actor.kl_loss_ctrl, arr.actor.kl_loss_coef),
-        trackers=Trackers(metrics=tracker, generations=GenerationLog(run_dir)),
+        trackers=_trackers(cfg, run_dir, resume_path, argv),
         offload=offload,
         meshes=meshes,
         run_dir=run_dir,
-        total_training_steps=int(total_steps),
+        total_training_steps=total_steps,
         hf_assets=hf_assets,
-        free_cache_engine=bool(rcfg.free_cache_engine),
+        free_cache_engine=arr.rollout.free_cache_engine,
         resume_path=resume_path,
     )

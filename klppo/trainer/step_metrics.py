@@ -10,6 +10,7 @@ import torch
 from klppo.algorithms.kl import kl_penalty
 from klppo.algorithms.losses import explained_variance, masked_mean
 from klppo.batch import Batch
+from klppo.models.flops import device_peak_flops, model_flops_per_token
 from klppo.parallel.collectives import all_reduce_max_values, world_size
 
 
@@ -86,7 +87,7 @@ def perf_metrics(
 def peak_rss_gib() -> float | None:
     """Peak resident host memory of this process since it started, GiB (None where the OS does not say)."""
     try:
-        import resource
+        import resource  # noqa: PLC0415  POSIX only (absent on Windows)
     except ImportError:  # Windows
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -98,7 +99,6 @@ def actor_mfu(
 ) -> float | None:
     """Model FLOPs utilization of the actor update: Σ_seq flops_per_token(len)·len × ppo_epochs per second,
     over the device's dense bf16 peak (verl's ``perf/mfu/actor``); None on CPU or unknown GPUs."""
-    from klppo.models.flops import device_peak_flops, model_flops_per_token
 
     if device.type != "cuda" or not seconds:
         return None

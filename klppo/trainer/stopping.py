@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 
+from klppo.parallel.collectives import all_reduce_max_values, world_size
 from klppo.parallel.launch import STOP_FILE_ENV
 
 log = logging.getLogger("klppo")
@@ -58,8 +59,6 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """Collective (every rank, once per step): True on every rank when any rank wants to stop."""
-        from klppo.parallel.collectives import all_reduce_max_values, world_size
-
         wish = self.local()
         if world_size() == 1:
             return wish

@@ -8,6 +8,8 @@ from contextlib import contextmanager
 
 import torch
 
+from klppo.parallel.dist import phase as dist_phase
+
 # what to change when a phase runs out of device memory (verl key names)
 _OOM_ADVICE = {
     "gen": "lower actor_rollout_ref.rollout.gpu_memory_utilization (KV cache budget) or rollout.n, keep "
@@ -41,8 +43,6 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str):
-        from klppo.parallel.dist import phase as dist_phase
-
         self._sync()
         start = time.perf_counter()
         try:

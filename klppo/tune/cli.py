@@ -16,11 +16,18 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from rich.console import Console
 
+from klppo.config import KLPPOConfig, load_config
+from klppo.parallel.dist import init_distributed
+from klppo.trainer.settings import fsdp_settings, tune_workload
 from klppo.tune import report
+from klppo.tune.comm import matmul_rate, predict_units, probe_bandwidth
 from klppo.tune.grid import DEFAULT_THRESHOLDS, build_grid, describe, order, run_sweep
-from klppo.tune.memory import OFFLOAD_MODES, Point, Workload, predict
+from klppo.tune.measure import measure_point, safe_measure
+from klppo.tune.memory import OFFLOAD_MODES, Point, TuneWorkload, Workload, predict
 from klppo.tune.shapes import load_model_config, shape_names
 from klppo.tune.units import ModelFacts
 
@@ -61,75 +68,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _load(argv: list[str]):
-    try:
-        from klppo.config import load_config
-    except ImportError as e:
-        if argv:
-            raise SystemExit(f"klppo tune: cannot read the configuration ({e})") from e
-        return None
-    return load_config(argv)
-
-
-def workload_from(cfg, args: argparse.Namespace, world_size: int) -> tuple[Workload, Point, int]:
-    """(Workload, the configured point, sequence length) from the config tree (None: defaults)."""
-    import torch
-
-    device_gb = args.device_gb
+def workload_from(cfg: KLPPOConfig, device_gb: float | None, world_size: int) -> TuneWorkload:
+    """The actor's workload from the configuration, with its FSDP settings as the trainer builds them;
+    ``device_gb`` None: this GPU's memory, else 80."""
     if device_gb is None:
         device_gb = (
             torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80
         )
-    if cfg is None:
-        return (
-            Workload(world_size=world_size, device_bytes=int(device_gb * 2**30)),
-            Point(0, micro_tokens=16384),
-            1024,
-        )
-    arr = cfg.actor_rollout_ref
-    actor, fsdp = arr.actor, arr.actor.fsdp_config
-    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
-    ref_offloaded = arr.ref.fsdp_config.param_offload
-    w = Workload(
-        world_size=world_size,
-        fsdp_size=fsdp.fsdp_size,
-        grad_checkpointing=arr.model.enable_gradient_checkpointing,
-        response_fraction=response / (prompt + response),
-        calculate_entropy=actor.entropy_coeff > 0 or actor.calculate_entropy,
-        log_prob_tokens=arr.rollout.log_prob_max_token_len_per_gpu,
-        gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
-        device_bytes=int(device_gb * 2**30),
-        backward_prefetch=fsdp.backward_prefetch,
-        reference=bool(actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not ref_offloaded,
-        sequence_parallel=int(actor.ulysses_sequence_parallel_size),
-        rollout_tensor_parallel=int(arr.rollout.tensor_model_parallel_size),
-    )
-    offload = (
-        "cpu" if fsdp.offload_policy else "idle" if fsdp.param_offload or fsdp.optimizer_offload else "off"
-    )
-    current = Point(
-        fsdp.wrap_policy.min_num_params,
-        offload,
-        fsdp.forward_prefetch,
-        fsdp.reshard_after_forward,
-        actor.ppo_max_token_len_per_gpu,
-    )
-    return w, current, prompt + response
+    fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda")
+    return tune_workload(cfg, fsdp, world_size=world_size, device_gib=device_gb)
 
 
-def _world_size(cfg, args) -> int:
+def _world_size(cfg: KLPPOConfig, args: argparse.Namespace) -> int:
     if args.world_size:
         return args.world_size
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    if cfg is None:
-        return 1
     n = cfg.trainer.n_gpus_per_node
     if n == "auto":
-        import torch
-
         n = torch.cuda.device_count() or 1
     return int(n) * cfg.trainer.nnodes
 
@@ -137,14 +93,10 @@ def _world_size(cfg, args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     console = Console(width=200)
-    cfg = _load(args.config)
-    if args.model_shape:
-        model_config = load_model_config(args.model_shape)
-    elif cfg is not None:
-        model_config = load_model_config(cfg.actor_rollout_ref.model.path)
-    else:
-        raise SystemExit("klppo tune: give a config with actor_rollout_ref.model.path or --model-shape")
-    w, current, seq_len = workload_from(cfg, args, _world_size(cfg, args))
+    cfg = load_config(args.config)
+    model_config = load_model_config(args.model_shape or cfg.actor_rollout_ref.model.path)
+    tw = workload_from(cfg, args.device_gb, _world_size(cfg, args))
+    w, current, seq_len = tw.workload, tw.point, tw.seq_len
     facts = ModelFacts.from_config(model_config)
     tokens = (
         [int(t) for t in args.micro_tokens.split(",")]
@@ -161,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
         console.print(report.memory_table(facts, points, w, args.headroom))
         console.print(report.terms_table(predict(facts, current, w), current))
         if w.shard_ranks > 1:
-            from klppo.tune.comm import predict_units
-
             units = predict_units(
                 facts.units(current.min_num_params), current, w,
                 bus_bandwidth=args.link_gbps * 1e9, flops_per_s=args.tflops * 1e12,
@@ -175,13 +125,6 @@ def main(argv: list[str] | None = None) -> int:
 def _sweep(
     args, console: Console, facts: ModelFacts, points: list[Point], w: Workload, current: Point, seq_len: int
 ) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from klppo.parallel.dist import init_distributed
-    from klppo.tune.comm import matmul_rate, probe_bandwidth
-    from klppo.tune.measure import measure_point, safe_measure
-
     info = init_distributed("cuda" if torch.cuda.is_available() else "cpu", timeout_s=600)
     is_main = info.rank == 0
 

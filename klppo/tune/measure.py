@@ -20,7 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM
 
+from klppo.batching.attention import enable_packed_attention
+from klppo.batching.packing import forward_log_probs
+from klppo.parallel.fsdp import FSDPSettings, build_mesh, clip_grad_norm_, shard_model
+from klppo.parallel.offload import load_optimizer, load_params, offload_optimizer, offload_params
 from klppo.tune.memory import Point, Workload
 
 Interval = tuple[float, float]
@@ -97,10 +103,6 @@ def split_profile(events, device_type: str) -> tuple[list[Interval], list[Interv
 
 def build(config, point: Point, w: Workload, device: torch.device):
     """A random actor sharded for ``point`` (fp32 master weights) and its AdamW."""
-    from transformers import AutoModelForCausalLM
-
-    from klppo.batching.attention import enable_packed_attention
-    from klppo.parallel.fsdp import FSDPSettings, build_mesh, shard_model
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -138,9 +140,6 @@ def micro_batch(config, point: Point, w: Workload, seq_len: int, device: torch.d
 
 def actor_step(model, optimizer, batches, point: Point, device: torch.device) -> None:
     """One optimizer step over ``batches`` (the module docstring's sequence)."""
-    from klppo.batching.packing import forward_log_probs
-    from klppo.parallel.fsdp import clip_grad_norm_
-    from klppo.parallel.offload import load_optimizer, load_params, offload_optimizer, offload_params
 
     if point.offload == "idle":
         load_params(model, device)
@@ -178,8 +177,6 @@ def measure_point(
     model, optimizer = build(config, point, w, device)
     batches = [micro_batch(config, point, w, seq_len, device, seed=i) for i in range(num_micro)]
     if point.offload == "idle":
-        from klppo.parallel.offload import offload_params
-
         offload_params(model)
     actor_step(model, optimizer, batches, point, device)  # warm-up: AdamW state, kernels, caches
     _sync(device)
@@ -199,8 +196,6 @@ def measure_point(
 
 
 def _profiled_step(model, optimizer, batches, point: Point, device: torch.device) -> tuple[float, float]:
-    from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         actor_step(model, optimizer, batches, point, device)

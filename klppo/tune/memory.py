@@ -48,6 +48,7 @@ Not modelled: the reference / critic models (add them with ``reference=True``), 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -248,6 +249,23 @@ def rollout_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
         "KV cache + workspace", max(0.0, budget - used), "util·D − the above", "generate" if tp > 1 else ""
     )
     return phase
+
+
+@dataclass(frozen=True)
+class TuneWorkload:
+    """What the memory model needs of a run: the workload, the configured point, the sequence length."""
+
+    workload: Workload
+    point: Point
+    """The actor's configured FSDP settings, micro-batch budget ``ppo_max_token_len_per_gpu``."""
+    seq_len: int
+    update_micro_tokens: int
+    """Tokens of one update micro-batch as configured: the budget, or with fixed micro-batches rows × seq_len."""
+
+    @property
+    def update_point(self) -> Point:
+        """The configured point with the update micro-batch as the trainer will run it."""
+        return dataclasses.replace(self.point, micro_tokens=self.update_micro_tokens)
 
 
 def predict(facts: ModelFacts, point: Point, w: Workload) -> dict[str, PhasePeak]:

@@ -4,43 +4,27 @@ is predicted not to fit."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 from typing import Any
 
-from klppo.tune.memory import Point, predict
+from klppo.tune.memory import TuneWorkload, predict
 from klppo.tune.units import ModelFacts
 
 log = logging.getLogger("klppo")
 
 
-def predicted_peaks_gib(
-    cfg: Any, model_config: Any, *, world_size: int, device_gib: float
-) -> dict[str, float]:
-    """Predicted peak GiB per rank for the rollout, log-prob and update phases of ``cfg``'s actor."""
-    from klppo.tune.cli import workload_from
-
-    w, point, seq_len = workload_from(cfg, argparse.Namespace(device_gb=device_gib), world_size)
-    actor = cfg.actor_rollout_ref.actor
-    if not actor.use_dynamic_bsz and actor.ppo_micro_batch_size_per_gpu:
-        # fixed micro-batches: rows × the padded sequence length, split over a Ulysses group's ranks
-        point = Point(
-            point.min_num_params,
-            point.offload,
-            point.forward_prefetch,
-            point.reshard_after_forward,
-            -(-int(actor.ppo_micro_batch_size_per_gpu) * seq_len // w.sequence_parallel),
-        )
-    phases = predict(ModelFacts.from_config(model_config), point, w)
+def predicted_peaks_gib(workload: TuneWorkload, model_config: Any) -> dict[str, float]:
+    """Predicted peak GiB per rank for the rollout, log-prob and update phases of the actor, with its update
+    micro-batches as configured (``klppo.trainer.settings.tune_workload``)."""
+    phases = predict(ModelFacts.from_config(model_config), workload.update_point, workload.workload)
     return {name: peak.total / 2**30 for name, peak in phases.items()}
 
 
-def check_memory(
-    cfg: Any, model_config: Any, *, world_size: int, device_gib: float, headroom: float = 0.95
-) -> None:
+def check_memory(workload: TuneWorkload, model_config: Any, *, headroom: float = 0.95) -> None:
     """Log the predicted peaks; warn when one exceeds ``headroom`` × the device (the model is within ~15%)."""
+    device_gib = workload.workload.device_bytes / 2**30
     try:
-        peaks = predicted_peaks_gib(cfg, model_config, world_size=world_size, device_gib=device_gib)
+        peaks = predicted_peaks_gib(workload, model_config)
     except Exception as exc:  # an architecture the model does not know: the check is advice, not a gate
         log.info("memory check skipped: %s", exc)
         return

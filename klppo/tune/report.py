@@ -203,10 +203,10 @@ def pareto(points: list[tuple[float, float]]) -> list[int]:
 def plot(ranked, num_micro: int, path: Path, device_bytes: float, headroom: float) -> Path:
     """Scatter of memory vs time per 1k tokens, Pareto front joined, best point ringed; needs matplotlib."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415  optional extra (klppo[plot])
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # noqa: PLC0415  optional extra (klppo[plot])
     except ImportError as e:
         raise RuntimeError(
             "the plot needs matplotlib: pip install 'klppo[plot]' (or pip install matplotlib)"

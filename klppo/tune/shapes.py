@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from klppo.models.flops import attention_dims
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,6 @@ def _lookup(name: str) -> ModelShape:
 
 def config_from_shape(shape: ModelShape | str):
     """A transformers ``Qwen2Config`` / ``LlamaConfig`` of ``shape`` (a :class:`ModelShape` or its name)."""
-    from transformers import LlamaConfig, Qwen2Config
 
     s = _lookup(shape) if isinstance(shape, str) else shape
     common = dict(
@@ -86,15 +88,12 @@ def config_from_shape(shape: ModelShape | str):
 def load_model_config(name_or_path: str):
     """A config from a named shape (``Qwen2.5-7B``) or a local model directory (its ``config.json``)."""
     if Path(name_or_path).expanduser().is_dir():
-        from transformers import AutoConfig
-
         return AutoConfig.from_pretrained(str(Path(name_or_path).expanduser()))
     return config_from_shape(name_or_path)
 
 
 def meta_model(config) -> nn.Module:
     """A causal LM of ``config`` on the ``meta`` device: full module tree, parameters without storage."""
-    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
@@ -119,6 +118,4 @@ def shape_of(config) -> ModelShape:
 
 
 def head_dim(config) -> int:
-    from klppo.models.flops import attention_dims
-
     return attention_dims(config)[2]

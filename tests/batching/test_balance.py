@@ -127,6 +127,7 @@ def _worker(rank, world, init_file, result_file, setup):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_reproduce_one_rank(tmp_path):
     import torch.multiprocessing as mp
 

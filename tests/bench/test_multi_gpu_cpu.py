@@ -11,6 +11,8 @@ import pytest
 
 from bench.multi_gpu import compare_steps, main
 
+pytestmark = pytest.mark.slow  # multi-process or long (minutes on 2 busy cores); `-m 'not slow'` skips it
+
 # non-zero by construction from step 1 (the smoke reward spreads scores over [0, 1)): the strong checks
 CHECKED = ["actor/grad_norm", "critic/grad_norm", "critic/vf_loss", "critic/returns/mean"]
 

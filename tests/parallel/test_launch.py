@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from klppo.parallel.dist import under_launcher
 
 HERE = Path(__file__).parent
@@ -25,6 +27,7 @@ def _run(arg: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_failing_rank_one_traceback_nonzero_exit():
     proc = _run("fail")
     out = proc.stdout + proc.stderr
@@ -35,6 +38,7 @@ def test_failing_rank_one_traceback_nonzero_exit():
     assert "phase 'relaunch-test'" in out  # the other rank's failure names the phase, without traceback
 
 
+@pytest.mark.slow
 def test_success_runs_both_ranks_rank0_output_only():
     proc = _run("ok")
     assert proc.returncode == 0, proc.stderr

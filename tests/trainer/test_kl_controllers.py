@@ -10,6 +10,8 @@ import pytest
 from klppo.algorithms.kl_control import make_kl_controller
 from tests.trainer.utils import base_overrides, read_metrics, run_training
 
+pytestmark = pytest.mark.slow  # multi-process or long (minutes on 2 busy cores); `-m 'not slow'` skips it
+
 PI = [
     "algorithm.adv_estimator=grpo",
     "actor_rollout_ref.actor.use_kl_loss=True",

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.trainer.utils import base_overrides, read_metrics, run_training
+
+pytestmark = pytest.mark.slow  # multi-process or long (minutes on 2 busy cores); `-m 'not slow'` skips it
 
 REWARD_FN = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):

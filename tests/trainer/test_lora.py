@@ -22,6 +22,7 @@ LORA = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hf", "klppo"])
 def test_lora_trains_adapters_only_and_exports_merged(engine, tiny_model_dir, arithmetic_data, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -116,6 +117,7 @@ def test_rollout_on_merged_lora_equals_the_merged_model():
     assert torch.equal(outputs["hf"], reference.responses)
 
 
+@pytest.mark.slow
 def test_critic_lora_and_starting_from_a_saved_adapter(tiny_model_dir, arithmetic_data, tmp_path):
     from transformers import AutoModelForCausalLM
 

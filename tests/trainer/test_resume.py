@@ -10,6 +10,8 @@ import torch
 
 from tests.trainer.utils import base_overrides, read_metrics, run_training
 
+pytestmark = pytest.mark.slow  # multi-process or long (minutes on 2 busy cores); `-m 'not slow'` skips it
+
 GAE = [
     "algorithm.adv_estimator=gae",
     "algorithm.use_kl_in_reward=True",
@@ -121,6 +123,7 @@ def test_full_disk_on_save_is_clear_and_keeps_previous(
 
 SIGTERM_AT_STEP_2 = """
 import os, signal
+
 calls = []
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):

@@ -129,7 +129,7 @@ def test_max_samples_limit_the_rows(tiny_model_dir, arithmetic_data, tmp_path):
 
 
 def test_enforce_eager_turns_off_compile_and_graphs():
-    from klppo.trainer.setup import engine_options
+    from klppo.trainer.settings import engine_options
 
     eager = load_config(["actor_rollout_ref.rollout.enforce_eager=true"], **Q).actor_rollout_ref.rollout
     assert engine_options(eager) == {"use_cuda_graph": False, "compile_decode": False}

@@ -334,7 +334,7 @@ def test_on_policy_step_skips_the_old_log_prob_pass(tiny_model_dir, arithmetic_d
 
 def test_old_log_probs_needed_before_the_update_keep_the_pass():
     from klppo.config import load_config
-    from klppo.trainer.roles_build import skips_old_log_prob_pass
+    from klppo.trainer.settings import skips_old_log_prob_pass
 
     kl_loss = ["actor_rollout_ref.actor.use_kl_loss=True"]
     assert skips_old_log_prob_pass(load_config(kl_loss))  # fixed β: nothing reads π_old before the update

@@ -17,6 +17,8 @@ import tune_worker as W  # noqa: E402
 
 from klppo.parallel.dist import free_port  # noqa: E402
 
+pytestmark = pytest.mark.slow  # multi-process or long (minutes on 2 busy cores); `-m 'not slow'` skips it
+
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:

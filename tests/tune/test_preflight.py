@@ -7,9 +7,17 @@ import logging
 
 import pytest
 
-from klppo.config import load_config
+from klppo.config import KLPPOConfig, load_config
+from klppo.trainer.settings import fsdp_settings, tune_workload
+from klppo.tune.memory import TuneWorkload
 from klppo.tune.preflight import check_memory, predicted_peaks_gib
 from klppo.tune.shapes import load_model_config
+
+
+def workload(cfg: KLPPOConfig, *, world_size: int, device_gib: float) -> TuneWorkload:
+    """What `klppo train` gives the pre-flight: the actor's FSDP settings the trainer shards with."""
+    fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda")
+    return tune_workload(cfg, fsdp, world_size=world_size, device_gib=device_gib)
 
 
 class _Records(logging.Handler):
@@ -39,8 +47,8 @@ def test_peaks_grow_with_the_micro_batch_and_warn_past_the_device():
             "data.train_batch_size=16",
         ]
     )
-    p_small = predicted_peaks_gib(small, model, world_size=8, device_gib=80)
-    p_large = predicted_peaks_gib(large, model, world_size=8, device_gib=80)
+    p_small = predicted_peaks_gib(workload(small, world_size=8, device_gib=80), model)
+    p_large = predicted_peaks_gib(workload(large, world_size=8, device_gib=80), model)
     assert set(p_small) == {"rollout", "log_prob", "update"}
     assert p_large["update"] > p_small["update"] > 0
     logger, records = logging.getLogger("klppo"), _Records()
@@ -48,13 +56,35 @@ def test_peaks_grow_with_the_micro_batch_and_warn_past_the_device():
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     try:
-        check_memory(large, model, world_size=1, device_gib=24)  # a 7B model does not fit one 24 GiB GPU
+        check_memory(
+            workload(large, world_size=1, device_gib=24), model
+        )  # a 7B model does not fit one 24 GiB GPU
     finally:
         logger.removeHandler(records)
         logger.setLevel(level)
     text = "\n".join(records.lines)
     assert "predicted peak memory per GPU" in text
     assert "klppo tune" in text and "may run out of memory" in text
+
+
+def test_the_preflight_sees_the_settings_the_trainer_shards_with():
+    """min_num_params, offload and prefetch reach the memory model through the trainer's FSDPSettings."""
+    cfg = load_config(
+        [
+            "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=123456",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+            "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True",
+            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+        ]
+    )
+    fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda")
+    w = tune_workload(cfg, fsdp, world_size=4, device_gib=80)
+    assert fsdp.min_num_params == w.point.min_num_params == 123456
+    assert (w.point.offload, w.point.forward_prefetch, w.update_point.micro_tokens) == ("idle", True, 4096)
+    fixed = load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+    w = workload(fixed, world_size=1, device_gib=80)
+    assert w.update_micro_tokens == 2 * w.seq_len and w.point.micro_tokens != w.update_micro_tokens
 
 
 def test_ulysses_splits_a_fixed_micro_batch_over_the_group():
@@ -66,7 +96,7 @@ def test_ulysses_splits_a_fixed_micro_batch_over_the_group():
     sp2 = load_config(common + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
                                 "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])  # fmt: skip
     half = load_config(common + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"])
-    p_sp2 = predicted_peaks_gib(sp2, model, world_size=8, device_gib=80)
-    p_half = predicted_peaks_gib(half, model, world_size=8, device_gib=80)
+    p_sp2 = predicted_peaks_gib(workload(sp2, world_size=8, device_gib=80), model)
+    p_half = predicted_peaks_gib(workload(half, world_size=8, device_gib=80), model)
     buffers = 8192 * 2 * (2 * 3584 + 2 * 512) / 2**30
     assert p_sp2["update"] == pytest.approx(p_half["update"] + buffers, rel=1e-9)

@@ -1,0 +1,65 @@
+"""What `klppo train` checks and prints before training, once the configuration is loaded
+(``main_ppo.py``): the checks before any weight loads (``check_before_weights``, from
+``startup_checks.py``) and the plan without training (``dry_run``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from transformers import AutoConfig
+
+from klppo.algorithms.advantages import needs_critic
+from klppo.config import KLPPOConfig, derive_sizes
+from klppo.trainer.settings import fsdp_settings, tune_workload
+from klppo.trainer.startup_checks import check_before_weights
+from klppo.tune.preflight import predicted_peaks_gib
+
+__all__ = ["check_before_weights", "dry_run"]
+
+log = logging.getLogger("klppo")
+
+
+def dry_run(
+    cfg: KLPPOConfig,
+    *,
+    device: torch.device,
+    nproc: int,
+    model_path: str,
+    plan: list[str] = (),
+    loaders: dict | None = None,
+) -> int:
+    """`klppo train --dry-run ...`: everything `klppo train` checks before training, and the plan: the
+    process layout, the per-rank sizes, the roles that will be built, and (on GPU, or with a known model)
+    the memory model's predicted peak per phase. Loads no weights."""
+    world = nproc * cfg.trainer.nnodes
+    sizes = derive_sizes(cfg, world)
+    arr, algo = cfg.actor_rollout_ref, cfg.algorithm
+    roles = ["actor" + (" (LoRA)" if arr.model.lora_rank > 0 else "")]
+    if algo.use_kl_in_reward or arr.actor.use_kl_loss:
+        roles.append("reference" + (" (= actor, adapters off)" if arr.model.lora_rank > 0 else ""))
+    if needs_critic(algo.adv_estimator):
+        roles.append("critic")
+    roles.append("reward model" if cfg.reward_model.enable else "reward (rules / custom function)")
+    print(f"model: {model_path}")
+    for line in plan:
+        print(line)
+    for split, loader in (loaders or {}).items():
+        print(f"{split} prompts: {loader.summary()}")
+    print(f"processes: {nproc} per node × {cfg.trainer.nnodes} node(s) on {device.type}")
+    print(f"roles: {', '.join(roles)}; rollout engine: {arr.rollout.name}")
+    print("sizes per rank (samples unless named prompts):")
+    for field in dataclasses.fields(sizes):
+        print(f"  {field.name}: {getattr(sizes, field.name)}")
+    device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if device.type == "cuda" else 80.0
+    try:
+        fsdp = fsdp_settings(arr.actor.fsdp_config, device_type="cuda")  # as the trainer shards on a GPU
+        workload = tune_workload(cfg, fsdp, world_size=world, device_gib=device_gib)
+        peaks = predicted_peaks_gib(workload, AutoConfig.from_pretrained(model_path))
+        where = "this GPU" if device.type == "cuda" else "an 80 GiB GPU"
+        summary = ", ".join(f"{k} {v:.1f}" for k, v in peaks.items())
+        print(f"predicted peak GiB per GPU on {where}: {summary} (klppo tune --dry-run shows the terms)")
+    except Exception as exc:  # the memory model is advice
+        print(f"memory prediction unavailable: {exc}")
+    return 0

@@ -1,0 +1,348 @@
+"""Every translation of verl's configuration keys into the settings objects of the lower layers, in one
+place: each function takes a typed config group (or the whole ``KLPPOConfig`` where a setting draws on
+several groups) and returns a frozen dataclass.
+
+The trainer (``setup.py``, ``roles_build.py``), ``klppo train --dry-run`` and ``klppo tune`` (its CLI and the
+memory pre-flight) consume the same objects: the actor's :class:`~klppo.parallel.fsdp.FSDPSettings` that
+shards the model is the one the memory model predicts for. The schema holds every default; nothing here
+restates one or re-casts a typed field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from klppo.algorithms.losses import POLICY_LOSS_KEYS
+from klppo.config import KLPPOConfig
+from klppo.config.schema import DataConfig
+from klppo.config.schema_arr import RolloutConfig
+from klppo.config.schema_common import FSDPConfig, OptimConfig
+from klppo.config.sizes import Sizes
+from klppo.parallel.fsdp import FSDPSettings
+from klppo.parallel.mesh import SequenceParallel
+from klppo.roles.actor import ActorSettings
+from klppo.roles.critic import CriticSettings
+from klppo.roles.forward import MicroBatching
+from klppo.roles.optim import OptimSettings
+from klppo.rollout.base import SamplingParams
+from klppo.tune.memory import Point, TuneWorkload, Workload
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def to_dtype(name: str) -> torch.dtype:
+    """``fp32 | bf16 | fp16`` (or verl's long names) as a torch dtype."""
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: expected one of {sorted(DTYPES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------- parallel
+def fsdp_settings(fsdp: FSDPConfig, *, device_type: str) -> FSDPSettings:
+    """FSDP2 settings of one role (``*.fsdp_config``); mixed precision (bf16 compute) only on GPU."""
+    policy, mp = fsdp.wrap_policy, fsdp.mixed_precision
+    return FSDPSettings(
+        min_num_params=policy.min_num_params,
+        transformer_layer_cls_to_wrap=list(policy.transformer_layer_cls_to_wrap or []) or None,
+        param_offload=fsdp.param_offload,
+        optimizer_offload=fsdp.optimizer_offload,
+        offload_policy=fsdp.offload_policy,
+        reshard_after_forward=fsdp.reshard_after_forward,
+        fsdp_size=fsdp.fsdp_size,
+        forward_prefetch=fsdp.forward_prefetch,
+        backward_prefetch=fsdp.backward_prefetch,
+        param_dtype=to_dtype(mp.param_dtype) if device_type == "cuda" else None,
+        reduce_dtype=to_dtype(mp.reduce_dtype),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- roles
+def optim_settings(optim: OptimConfig, total_steps: int) -> OptimSettings:
+    """Optimizer and LR schedule of one role (``*.optim``)."""
+    return OptimSettings(
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        betas=(optim.betas[0], optim.betas[1]),
+        warmup_steps=optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else -1,  # 0 too: from the ratio
+        warmup_steps_ratio=optim.lr_warmup_steps_ratio,
+        schedule=optim.lr_scheduler_type,  # the loader moved a verl warmup_style here
+        min_lr_ratio=optim.min_lr_ratio,
+        num_cycles=optim.num_cycles,
+        total_steps=max(1, total_steps),
+        optimizer=optim.optimizer,
+        optimizer_impl=optim.optimizer_impl,
+        extra=tuple(sorted((optim.override_optimizer_config or {}).items())),
+    )
+
+
+def micro(size: int | None, *, dynamic: bool, max_tokens: int) -> MicroBatching:
+    """Micro-batching of one pass; with ``use_dynamic_bsz`` the size is unset (None) and micro-batches come
+    from the token budget alone."""
+    return MicroBatching(
+        micro_batch_size=max(1, size or 1), use_dynamic_bsz=dynamic, max_token_len=max_tokens
+    )
+
+
+def sp_size(sp: SequenceParallel | None) -> int:
+    """Ranks of a Ulysses group (1 without one): a group's token budget is ``max_token_len × size``."""
+    return 1 if sp is None else sp.size
+
+
+def rollout_temperature(rollout: RolloutConfig) -> float:
+    """The temperature log-probs are computed at (the rollout's; 1 for greedy)."""
+    return rollout.temperature if rollout.temperature > 0 else 1.0
+
+
+def actor_settings(cfg: KLPPOConfig, sizes: Sizes, *, sp: SequenceParallel | None = None) -> ActorSettings:
+    """The actor's update and log-prob settings (``actor_rollout_ref.actor.*``, the rollout's log-prob keys);
+    with ``sp`` (its Ulysses group, ``actor.ulysses_sequence_parallel_size``) the group's token budgets."""
+    arr = cfg.actor_rollout_ref
+    actor, rollout = arr.actor, arr.rollout
+    loss_mode = actor.policy_loss.loss_mode
+    return ActorSettings(
+        ppo_epochs=actor.ppo_epochs,
+        mini_batch_size=sizes.actor_mini_batch_samples_per_rank,
+        update_micro=micro(
+            sizes.actor_micro_batch_size_per_gpu,
+            dynamic=actor.use_dynamic_bsz,
+            max_tokens=actor.ppo_max_token_len_per_gpu * sp_size(sp),
+        ),
+        log_prob_micro=micro(
+            sizes.log_prob_micro_batch_size_per_gpu,
+            dynamic=rollout.log_prob_use_dynamic_bsz,
+            max_tokens=rollout.log_prob_max_token_len_per_gpu * sp_size(sp),
+        ),
+        grad_clip=actor.grad_clip,
+        clip_ratio=actor.clip_ratio,
+        clip_ratio_low=actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=actor.loss_agg_mode,
+        loss_scale_factor=actor.loss_scale_factor,
+        loss_mode=loss_mode,
+        policy_loss_kwargs={k: getattr(actor.policy_loss, k) for k in POLICY_LOSS_KEYS[loss_mode]},
+        entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+        temperature=rollout_temperature(rollout),
+        shuffle=actor.shuffle,
+        use_remove_padding=arr.model.use_remove_padding,
+        seed=cfg.trainer.seed,
+        skip_old_log_prob_on_policy=skips_old_log_prob_pass(cfg),
+        use_fused_kernels=actor.use_fused_kernels,
+        sp=sp,
+    )
+
+
+def skips_old_log_prob_pass(cfg: KLPPOConfig) -> bool:
+    """``actor.skip_old_log_prob_on_policy`` where nothing needs π_old before the update: not the KL in the
+    reward (before the advantages). A KL-loss controller reads this step's KL after the update, from the
+    update's forward. Whether the update is on-policy is the actor's test."""
+    return cfg.actor_rollout_ref.actor.skip_old_log_prob_on_policy and not cfg.algorithm.use_kl_in_reward
+
+
+@dataclass(frozen=True)
+class ReferenceSettings:
+    """The reference's log-prob pass (``actor_rollout_ref.ref.*``)."""
+
+    micro: MicroBatching
+    temperature: float
+    use_remove_padding: bool
+    use_fused_kernels: bool
+    sp: SequenceParallel | None = None
+    """Its Ulysses group (``ref.ulysses_sequence_parallel_size``)."""
+
+
+def reference_settings(
+    cfg: KLPPOConfig, sizes: Sizes, *, sp: SequenceParallel | None = None
+) -> ReferenceSettings:
+    arr = cfg.actor_rollout_ref
+    return ReferenceSettings(
+        micro=micro(
+            sizes.ref_log_prob_micro_batch_size_per_gpu,
+            dynamic=arr.ref.log_prob_use_dynamic_bsz,
+            max_tokens=arr.ref.log_prob_max_token_len_per_gpu * sp_size(sp),
+        ),
+        temperature=rollout_temperature(arr.rollout),
+        use_remove_padding=arr.model.use_remove_padding,
+        use_fused_kernels=arr.model.use_fused_kernels,
+        sp=sp,
+    )
+
+
+def critic_settings(cfg: KLPPOConfig, sizes: Sizes, *, sp: SequenceParallel | None = None) -> CriticSettings:
+    """The critic's update and value-pass settings (``critic.*``); with ``sp`` (its Ulysses group) the
+    group's token budgets."""
+    critic = cfg.critic
+    return CriticSettings(
+        ppo_epochs=critic.ppo_epochs,
+        mini_batch_size=sizes.critic_mini_batch_samples_per_rank,
+        update_micro=micro(
+            sizes.critic_micro_batch_size_per_gpu,
+            dynamic=critic.use_dynamic_bsz,
+            max_tokens=critic.ppo_max_token_len_per_gpu * sp_size(sp),
+        ),
+        forward_micro=micro(
+            sizes.critic_forward_micro_batch_size_per_gpu,
+            dynamic=critic.use_dynamic_bsz,
+            max_tokens=critic.forward_max_token_len_per_gpu * sp_size(sp),
+        ),
+        grad_clip=critic.grad_clip,
+        cliprange_value=critic.cliprange_value,
+        loss_agg_mode=critic.loss_agg_mode,
+        shuffle=critic.shuffle,
+        use_remove_padding=critic.model.use_remove_padding,
+        seed=cfg.trainer.seed,
+        sp=sp,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+def sampling_params(rollout: RolloutConfig, *, response_length: int, validation: bool) -> SamplingParams:
+    """How the rollout samples for training, or for validation (``rollout.val_kwargs``)."""
+    src = rollout.val_kwargs if validation else rollout
+    do_sample = src.do_sample and src.temperature > 0
+    return SamplingParams(
+        n=src.n,
+        temperature=src.temperature if do_sample else 1.0,
+        top_p=src.top_p,
+        top_k=src.top_k,
+        do_sample=do_sample,
+        max_new_tokens=response_length,
+        ignore_eos=rollout.ignore_eos,
+    )
+
+
+def engine_options(rollout: RolloutConfig) -> dict[str, bool]:
+    """Options of the klppo engine read from the rollout config: ``enforce_eager`` runs the decode step
+    eagerly (no torch.compile, no CUDA graph capture), as vLLM's flag does."""
+    if rollout.name != "klppo" or not rollout.enforce_eager:
+        return {}
+    return {"use_cuda_graph": False, "compile_decode": False}
+
+
+# ---------------------------------------------------------------------------------------------- data
+def data_paths(value: Any) -> list[str]:
+    """``data.*_files``: one path or a list of paths (the schema accepts both)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """One prompt loader: its files and batching, and how rows become prompts (``data.*``)."""
+
+    files: list[str]
+    batch_size: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    shuffle_buffer_rows: int | None
+    max_samples: int
+    """At most this many rows (-1: all; ``data.train_max_samples`` / ``val_max_samples``)."""
+    max_prompt_length: int
+    prompt_key: str
+    filter_overlong_prompts: bool
+    truncation: str
+    return_raw_chat: bool
+    use_chat_template: bool
+    bad_row_policy: str
+    max_cached_row_groups: int
+    apply_chat_template_kwargs: dict[str, Any]
+    reward_fn_key: str
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`klppo.data.dataset.PromptLoader` (all but files and tokenizer)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "files"}
+
+
+def loader_settings(data: DataConfig, *, seed: int, validation: bool) -> LoaderSettings | None:
+    """The training loader (``data.seed``, else ``seed``: trainer.seed), or the validation loader (whole set
+    per batch unless ``val_batch_size``; None without ``val_files``)."""
+    files = data_paths(data.val_files if validation else data.train_files)
+    if validation and not files:
+        return None
+    return LoaderSettings(
+        files=files,
+        batch_size=(data.val_batch_size or 10**9) if validation else data.train_batch_size,
+        shuffle=data.validation_shuffle if validation else data.shuffle,
+        seed=0 if validation else (data.seed if data.seed is not None else seed),
+        drop_last=not validation,
+        shuffle_buffer_rows=None if validation else data.shuffle_buffer_rows,
+        max_samples=data.val_max_samples if validation else data.train_max_samples,
+        max_prompt_length=data.max_prompt_length,
+        prompt_key=data.prompt_key,
+        filter_overlong_prompts=data.filter_overlong_prompts,
+        truncation=data.truncation,
+        return_raw_chat=data.return_raw_chat,
+        use_chat_template=data.use_chat_template,
+        bad_row_policy=data.bad_row_policy,
+        max_cached_row_groups=data.max_cached_row_groups,
+        apply_chat_template_kwargs=dict(data.apply_chat_template_kwargs),
+        reward_fn_key=data.reward_fn_key,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- tune
+def offload_mode(fsdp: FSDPSettings) -> str:
+    """The memory model's offload mode of a role's FSDP settings (``klppo.tune.memory.OFFLOAD_MODES``)."""
+    if fsdp.offload_policy:
+        return "cpu"
+    return "idle" if fsdp.param_offload or fsdp.optimizer_offload else "off"
+
+
+def tune_workload(
+    cfg: KLPPOConfig, fsdp: FSDPSettings, *, world_size: int, device_gib: float
+) -> TuneWorkload:
+    """The actor's workload for ``klppo tune`` and the pre-flight, with ``fsdp`` the actor's FSDP settings
+    (:func:`fsdp_settings` of ``actor.fsdp_config``, the object the trainer shards with)."""
+    arr = cfg.actor_rollout_ref
+    actor = arr.actor
+    prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    workload = Workload(
+        world_size=world_size,
+        fsdp_size=fsdp.fsdp_size,
+        grad_checkpointing=arr.model.enable_gradient_checkpointing,
+        response_fraction=response / (prompt + response),
+        calculate_entropy=actor.entropy_coeff > 0 or actor.calculate_entropy,
+        log_prob_tokens=arr.rollout.log_prob_max_token_len_per_gpu,
+        gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
+        device_bytes=int(device_gib * 2**30),
+        backward_prefetch=fsdp.backward_prefetch,
+        reference=(actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+        and not arr.ref.fsdp_config.param_offload,
+        sequence_parallel=actor.ulysses_sequence_parallel_size,
+        rollout_tensor_parallel=arr.rollout.tensor_model_parallel_size,
+    )
+    point = Point(
+        fsdp.min_num_params,
+        offload_mode(fsdp),
+        fsdp.forward_prefetch,
+        fsdp.reshard_after_forward,
+        actor.ppo_max_token_len_per_gpu,
+    )
+    fixed_rows = actor.ppo_micro_batch_size_per_gpu if not actor.use_dynamic_bsz else None
+    # fixed micro-batches: rows × the padded sequence length, split over a Ulysses group's ranks
+    fixed_tokens = -(-(fixed_rows or 0) * (prompt + response) // workload.sequence_parallel)
+    return TuneWorkload(
+        workload=workload,
+        point=point,
+        seq_len=prompt + response,
+        update_micro_tokens=fixed_tokens if fixed_rows else point.micro_tokens,
+    )

@@ -1,0 +1,113 @@
+"""verl keys → settings objects (klppo/trainer/settings.py): each translation against the config it reads."""
+
+from __future__ import annotations
+
+import torch
+
+from klppo.config import derive_sizes, load_config
+from klppo.trainer.settings import (
+    actor_settings,
+    critic_settings,
+    fsdp_settings,
+    loader_settings,
+    optim_settings,
+    reference_settings,
+    sampling_params,
+)
+
+
+def test_fsdp_settings_mixed_precision_only_on_gpu() -> None:
+    cfg = load_config(
+        [
+            "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=1000",
+            "actor_rollout_ref.actor.fsdp_config.wrap_policy.transformer_layer_cls_to_wrap=[Block]",
+            "actor_rollout_ref.actor.fsdp_config.fsdp_size=2",
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=bf16",
+        ]
+    )
+    fsdp = cfg.actor_rollout_ref.actor.fsdp_config
+    cpu, gpu = fsdp_settings(fsdp, device_type="cpu"), fsdp_settings(fsdp, device_type="cuda")
+    assert cpu.param_dtype is None and gpu.param_dtype == torch.bfloat16
+    assert cpu.reduce_dtype == gpu.reduce_dtype == torch.bfloat16
+    assert (gpu.min_num_params, gpu.transformer_layer_cls_to_wrap, gpu.fsdp_size) == (1000, ["Block"], 2)
+    assert (
+        fsdp_settings(
+            load_config([]).critic.model.fsdp_config, device_type="cpu"
+        ).transformer_layer_cls_to_wrap
+        is None
+    )
+
+
+def test_optim_settings_schedule_warmup_and_extra_arguments() -> None:
+    cfg = load_config(
+        [
+            "actor_rollout_ref.actor.optim.warmup_style=cosine",
+            "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1",
+            "actor_rollout_ref.actor.optim.betas=[0.8,0.9]",
+            "actor_rollout_ref.actor.optim.override_optimizer_config={eps: 1e-5}",
+        ]
+    )
+    s = optim_settings(cfg.actor_rollout_ref.actor.optim, total_steps=0)
+    assert (
+        s.schedule == "cosine" and s.warmup_steps == -1 and s.warmup_steps_ratio == 0.1
+    )  # 0: from the ratio
+    assert s.betas == (0.8, 0.9) and s.extra == (("eps", 1e-5),) and s.total_steps == 1
+    plain = optim_settings(load_config(["critic.optim.lr_warmup_steps=3"]).critic.optim, total_steps=10)
+    assert (plain.warmup_steps, plain.schedule, plain.extra) == (3, "constant", ())
+
+
+def test_role_settings_carry_the_per_rank_sizes_and_the_rollout_temperature() -> None:
+    cfg = load_config(
+        [
+            "data.train_batch_size=8",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.actor.ppo_epochs=3",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
+            "actor_rollout_ref.rollout.temperature=0.7",
+            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+            "critic.ppo_micro_batch_size_per_gpu=2",
+            "trainer.seed=5",
+        ]
+    )
+    sizes = derive_sizes(cfg, 2)
+    actor = actor_settings(cfg, sizes)
+    assert (actor.ppo_epochs, actor.mini_batch_size, actor.temperature, actor.seed) == (3, 4, 0.7, 5)
+    assert actor.update_micro.micro_batch_size == 2 and not actor.update_micro.use_dynamic_bsz
+    assert set(actor.policy_loss_kwargs) == {"clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"}
+    ref = reference_settings(cfg, sizes)
+    assert ref.micro.use_dynamic_bsz and ref.temperature == 0.7
+    critic = critic_settings(cfg, sizes)
+    assert critic.mini_batch_size == sizes.critic_mini_batch_samples_per_rank and critic.seed == 5
+    greedy = load_config(["actor_rollout_ref.rollout.temperature=0"])
+    assert actor_settings(greedy, derive_sizes(greedy, 1)).temperature == 1.0
+
+
+def test_sampling_and_loaders() -> None:
+    cfg = load_config(
+        [
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=False",
+            "data.val_files=null",
+            "data.train_files=[a.parquet, b.parquet]",
+            "trainer.seed=9",
+        ]
+    )
+    rollout = cfg.actor_rollout_ref.rollout
+    train = sampling_params(rollout, response_length=7, validation=False)
+    val = sampling_params(rollout, response_length=7, validation=True)
+    assert (train.n, train.do_sample, train.max_new_tokens) == (4, True, 7)
+    assert (val.n, val.do_sample, val.temperature) == (1, False, 1.0)
+    loader = loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False)
+    assert loader.files == ["a.parquet", "b.parquet"] and loader.seed == 9 and loader.drop_last
+    assert loader_settings(cfg.data, seed=9, validation=True) is None
+    val_loader = loader_settings(load_config(["data.val_batch_size=3"]).data, seed=1, validation=True)
+    assert (val_loader.batch_size, val_loader.seed, val_loader.drop_last, val_loader.shuffle) == (
+        3,
+        0,
+        False,
+        False,
+    )
+    assert "files" not in val_loader.loader_kwargs()
