@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,31 +77,17 @@ def policy_forward(
     from :func:`klppo.parallel.ulysses.forward_log_probs` (packed, this rank's share of the tokens; every
     rank of the group passes the same ``batch``).
     """
-
+    assert sp is None or not return_logits, "full-vocabulary logits are not built with sequence parallelism"
     batch = trim_left_padding(batch)
-    if sp is not None:
-        assert not return_logits, "full-vocabulary logits are not built with sequence parallelism"
-        log_probs, entropy = ulysses.forward_log_probs(
-            model,
-            batch.input_ids,
-            batch.attention_mask,
-            batch.position_ids,
-            response_length=batch.response_length,
-            temperature=temperature,
-            calculate_entropy=calculate_entropy,
-            sp=sp,
-            fused=fused,
-        )
-        return log_probs, entropy, None
     if not return_logits:
-        log_probs, entropy = forward_log_probs(
+        log_probs, entropy = _token_forward(
+            forward_log_probs,
+            ulysses.forward_log_probs,
             model,
-            batch.input_ids,
-            batch.attention_mask,
-            batch.position_ids,
-            response_length=batch.response_length,
-            temperature=temperature,
+            batch,
             use_remove_padding=use_remove_padding,
+            sp=sp,
+            temperature=temperature,
             calculate_entropy=calculate_entropy,
             fused=fused,
         )
@@ -119,9 +106,28 @@ def policy_forward(
     return log_probs * batch.response_mask, entropy, logits
 
 
+def _token_forward(
+    plain: Callable[..., Any],
+    sequence_parallel: Callable[..., Any],
+    model: torch.nn.Module,
+    batch: Batch,
+    *,
+    use_remove_padding: bool,
+    sp: SequenceParallel | None,
+    **kwargs: Any,
+) -> Any:
+    """One forward over ``batch``'s rows: ``plain`` (packed when ``use_remove_padding``, else padded), or
+    with ``sp`` its ``sequence_parallel`` twin (packed, this rank's share of the group's tokens)."""
+    args = (model, batch.input_ids, batch.attention_mask, batch.position_ids)
+    if sp is not None:
+        return sequence_parallel(*args, response_length=batch.response_length, sp=sp, **kwargs)
+    return plain(
+        *args, response_length=batch.response_length, use_remove_padding=use_remove_padding, **kwargs
+    )
+
+
 def check_fused(model: torch.nn.Module, key: str) -> None:
     """One-line error naming ``key`` when the model's LM head cannot give fused token statistics."""
-
     if fused_head(model) is None:
         raise ValueError(
             f"{key}=True needs a bias-free linear LM head returned as is (no logit soft-capping); "
@@ -139,24 +145,13 @@ def value_forward(
     """Values [B,R] fp32 of a token-classification critic: the value at the position before each response
     token (the state in which that token is chosen), as verl's critic; zero on masked positions. With
     ``sp``: sequence-parallel over the group (same ``batch`` on its ranks)."""
-
-    batch = trim_left_padding(batch)
-    if sp is not None:
-        return ulysses.forward_values(
-            model,
-            batch.input_ids,
-            batch.attention_mask,
-            batch.position_ids,
-            response_length=batch.response_length,
-            sp=sp,
-        )
-    return forward_values(
+    return _token_forward(
+        forward_values,
+        ulysses.forward_values,
         model,
-        batch.input_ids,
-        batch.attention_mask,
-        batch.position_ids,
-        response_length=batch.response_length,
+        trim_left_padding(batch),
         use_remove_padding=use_remove_padding,
+        sp=sp,
     )
 
 
@@ -193,7 +188,6 @@ def log_prob_pass(
     model: torch.nn.Module, plan: ForwardPlan, *, temperature: float, fused: bool
 ) -> torch.Tensor:
     """Log-probs [B, R] (batch order) of the plan's micro-batches under ``model``, without gradients."""
-
     with torch.no_grad():
         chunks = [log_probs_of(model, x, temperature=temperature, fused=fused)[0] for x in plan.inputs]
     return restore_order(chunks, plan.partitions)
@@ -209,7 +203,6 @@ def no_grad_pass(
 
     With ``sp`` the ranks of the group hold different rows (each its share of the rollout): the group's
     rows are gathered, ``fn`` runs sequence-parallel on all of them, and each rank keeps its own."""
-
     if sp is not None:
         n = len(batch)
         return no_grad_pass(ulysses.gather_group_rows(batch, sp), micro, fn)[sp.rank * n : (sp.rank + 1) * n]

@@ -25,9 +25,8 @@ def test_choice_follows_the_machine(monkeypatch):
 @pytest.fixture
 def tiny_quickstart(monkeypatch, tmp_path, tiny_model_dir):
     """The quickstart with the tiny model in place of SmolLM2, its data under tmp_path, run from tmp_path."""
-    import klppo.models.loading
-
-    monkeypatch.setattr(klppo.models.loading, "quickstart_model_path", lambda: str(tiny_model_dir))
+    # where quickstart_argv looks the name up (its module imports it at the top)
+    monkeypatch.setattr(quickstart, "quickstart_model_path", lambda: str(tiny_model_dir))
     monkeypatch.setenv("KLPPO_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     return tmp_path
