@@ -58,7 +58,7 @@ def main(rank: int, port: int, world: int, tp_size: int, out_dir: str) -> None:
 def _run(rank: int, world: int, tp, case: str, out: Path) -> None:
     model = new_model(case)
     shard_model(model, FSDPSettings(), build_mesh(world, -1, "cpu"))
-    engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=4,
+    engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, max_num_seqs=5, eos_check_every=4,
                           tensor_parallel=tp)  # fmt: skip
     prompts, mask = my_prompts(rank, world)
     results: dict = {"prompts": prompts, "mask": mask}
@@ -72,7 +72,7 @@ def _run(rank: int, world: int, tp, case: str, out: Path) -> None:
                          "stats": o.stats}  # fmt: skip
     if tp is not None:
         # an engine keeping its cache: the second call reshards into the first call's tensors
-        kept = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=4,
+        kept = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, eos_check_every=4,
                             free_cache_engine=False, tensor_parallel=tp)  # fmt: skip
         first = kept.generate(model, prompts, mask, GREEDY)
         with torch.no_grad():  # the weights move (as after an update): the kept slices must follow
