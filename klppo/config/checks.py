@@ -8,6 +8,7 @@ only change speed or memory run with a notice (see `unimplemented.py`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from klppo.config.aliases import choice_error
@@ -150,6 +151,14 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     _check_kl_controller("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, cfg.algorithm.kl_ctrl.kl_coef)
     actor = cfg.actor_rollout_ref.actor
     _check_kl_controller("actor_rollout_ref.actor.kl_loss_ctrl", actor.kl_loss_ctrl, actor.kl_loss_coef)
+    for prefix, ctrl, init_key, init_coef, on in (
+        ("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, "kl_coef", cfg.algorithm.kl_ctrl.kl_coef,
+         cfg.algorithm.use_kl_in_reward),
+        ("actor_rollout_ref.actor.kl_loss_ctrl", actor.kl_loss_ctrl, "actor.kl_loss_coef", actor.kl_loss_coef,
+         actor.use_kl_loss),
+    ):  # fmt: skip
+        if on and ctrl.type == "pi":
+            _pi_floor_note(prefix, ctrl, init_key, init_coef, notify)
     if actor.kl_loss_ctrl.type != "fixed" and not actor.use_kl_loss:
         raise ConfigError(
             f"actor_rollout_ref.actor.kl_loss_ctrl.type={actor.kl_loss_ctrl.type} controls the KL loss, but "
@@ -213,6 +222,22 @@ def _token_budgets(cfg: KLPPOConfig) -> None:
                 f"{d.max_prompt_length} + data.max_response_length={d.max_response_length} = {longest} tokens; "
                 f"set it ≥ {-(-longest // sp)}"
             )
+
+
+PI_CLIMB_NOTE_STEPS = 25
+
+
+def _pi_floor_note(prefix: str, ctrl, init_key: str, init_coef: float, notify: Notify) -> None:
+    """A note when the pi controller's floor is far below its start: while the KL is ≈ 0 (the first steps)
+    β sinks to min_coef, and ln β climbs back by at most ki per step (log error clipped to ±1)."""
+    steps = math.log(init_coef / ctrl.min_coef) / ctrl.ki
+    if steps > PI_CLIMB_NOTE_STEPS:
+        notify(
+            f"{prefix}: with min_coef={ctrl.min_coef:g} and ki={ctrl.ki:g}, β can sink to the floor while the KL "
+            f"is ≈ 0 in the first steps and then needs ≥ {steps:.0f} steps to climb back to {init_key}="
+            f"{init_coef:g} once the policy moves (measured: the KL ran ~5× over target, bench/RESULTS.md "
+            f"'Learning', call g); raise min_coef toward {init_coef:g} or ki"
+        )
 
 
 def _check_kl_controller(prefix: str, ctrl, init_coef: float) -> None:

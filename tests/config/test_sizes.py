@@ -136,3 +136,27 @@ def test_kl_in_reward_with_std_normalised_groups_warns():
         notes.clear()
         load_config(fixed, notify=notes.append)
         assert not any("norm_adv_by_std_in_grpo" in m for m in notes)
+
+
+def test_pi_controller_floor_far_below_its_start_is_noted():
+    """ln(kl_coef/min_coef)/ki steps to climb back: 0.01/0.001 at ki 0.05 is 46 steps (the measured failure,
+    bench/RESULTS.md call g) → a note naming the keys; the defaults (ln 10 / 0.2 = 12 steps) → none."""
+    notes: list[str] = []
+    reward_pi = [
+        "algorithm.use_kl_in_reward=True",
+        "algorithm.adv_estimator=gae",
+        "algorithm.kl_ctrl.type=pi",
+    ]
+    slow = ["algorithm.kl_ctrl.kl_coef=0.01", "algorithm.kl_ctrl.min_coef=0.001", "algorithm.kl_ctrl.ki=0.05"]
+    load_config(reward_pi + slow, notify=notes.append)
+    (note,) = [m for m in notes if "climb back" in m]
+    assert note.startswith("algorithm.kl_ctrl: with min_coef=0.001 and ki=0.05") and "≥ 46 steps" in note
+    notes.clear()
+    load_config(reward_pi, notify=notes.append)
+    assert not any("climb back" in m for m in notes)
+    notes.clear()
+    loss_pi = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
+               "actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.0001",
+               "actor_rollout_ref.actor.kl_loss_ctrl.ki=0.05"]  # fmt: skip
+    load_config(loss_pi, notify=notes.append)
+    assert any(m.startswith("actor_rollout_ref.actor.kl_loss_ctrl: with min_coef=0.0001") for m in notes)

@@ -7,6 +7,8 @@ that advantages and gradients are not zero."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.trainer.test_distributed import COMPARED, ZERO_BY_CONSTRUCTION
@@ -66,3 +68,30 @@ def test_sequence_parallel_matches_one_process(tiny_model_dir, arithmetic_data, 
         for key in COMPARED:
             expected = pytest.approx(rows_one[step][key], rel=1e-4, abs=ZERO_BY_CONSTRUCTION.get(key, 1e-6))
             assert rows_two[step][key] == expected, (step, key)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif((os.cpu_count() or 1) < 4 and not os.environ.get("KLPPO_TEST_4_RANKS"),
+                    reason="4 processes on fewer than 4 cores take minutes (KLPPO_TEST_4_RANKS=1 runs it)")  # fmt: skip
+def test_sp2_dp2_matches_dp2(tiny_model_dir, arithmetic_data, tmp_path):
+    """4 processes as 2 Ulysses groups of 2 (SP=2 × DP=2) = 2 processes data-parallel (DP=2): each group's
+    token budget (80 per GPU × 2) is a DP=2 rank's 160, so both form the same micro-batches."""
+    from klppo.trainer.main_ppo import main
+
+    four, two = tmp_path / "sp2dp2", tmp_path / "dp2"
+    assert (
+        main(_overrides(tiny_model_dir, arithmetic_data, four, 80) + SP + ["trainer.n_gpus_per_node=4"]) == 0
+    )
+    assert main(_overrides(tiny_model_dir, arithmetic_data, two, 160) + ["trainer.n_gpus_per_node=2"]) == 0
+
+    def by_step(run_dir):
+        return {r["step"]: r for r in read_metrics(run_dir) if "actor/pg_loss" in r}
+
+    rows_four, rows_two = by_step(four), by_step(two)
+    assert set(rows_four) == set(rows_two) == {1, 2}
+    assert rows_four[1]["perf/world_size"] == 4 and rows_two[1]["perf/world_size"] == 2
+    assert rows_two[2]["actor/grad_norm"] > 0.1  # not a test of zeros
+    for step in (1, 2):
+        for key in COMPARED:
+            expected = pytest.approx(rows_two[step][key], rel=1e-4, abs=ZERO_BY_CONSTRUCTION.get(key, 1e-6))
+            assert rows_four[step][key] == expected, (step, key)
