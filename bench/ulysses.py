@@ -157,22 +157,9 @@ def ranks(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from klppo.parallel.launch import maybe_relaunch
+    from bench.spmd import relaunch_main
 
-    if ENV in os.environ:  # a rank started by torchrun
-        ranks(parse(json.loads(os.environ[ENV])))
-        return 0
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse(argv)
-    os.environ[ENV] = json.dumps(argv)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    code = maybe_relaunch([], nproc_per_node=args.gpus, nnodes=1, module="bench.ulysses",
-                          use_gpus=args.device == "cuda")  # fmt: skip
-    if code is None:
-        ranks(args)
-        code = 0
-    os.environ.pop(ENV, None)
-    return code
+    return relaunch_main("bench.ulysses", ENV, parse, ranks, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,10 @@ def _overrides(model_dir, data, run_dir, budget: int):
     ]
 
 
+def by_step(run_dir) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run_dir) if "actor/pg_loss" in r}
+
+
 @pytest.mark.slow
 def test_sequence_parallel_matches_one_process(tiny_model_dir, arithmetic_data, tmp_path):
     from klppo.trainer.main_ppo import main
@@ -54,9 +58,6 @@ def test_sequence_parallel_matches_one_process(tiny_model_dir, arithmetic_data, 
     )
     one = tmp_path / "one"
     run_training(_overrides(tiny_model_dir, arithmetic_data, one, 160))
-
-    def by_step(run_dir):
-        return {r["step"]: r for r in read_metrics(run_dir) if "actor/pg_loss" in r}
 
     rows_two, rows_one = by_step(two), by_step(one)
     assert set(rows_two) == set(rows_one) == {1, 2}
@@ -83,9 +84,6 @@ def test_sp2_dp2_matches_dp2(tiny_model_dir, arithmetic_data, tmp_path):
         main(_overrides(tiny_model_dir, arithmetic_data, four, 80) + SP + ["trainer.n_gpus_per_node=4"]) == 0
     )
     assert main(_overrides(tiny_model_dir, arithmetic_data, two, 160) + ["trainer.n_gpus_per_node=2"]) == 0
-
-    def by_step(run_dir):
-        return {r["step"]: r for r in read_metrics(run_dir) if "actor/pg_loss" in r}
 
     rows_four, rows_two = by_step(four), by_step(two)
     assert set(rows_four) == set(rows_two) == {1, 2}
