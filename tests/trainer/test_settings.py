@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from klppo.config import derive_sizes, load_config
+from klppo.parallel.mesh import SequenceParallel
 from klppo.trainer.settings import (
     actor_settings,
     critic_settings,
@@ -13,6 +14,7 @@ from klppo.trainer.settings import (
     optim_settings,
     reference_settings,
     sampling_params,
+    tune_workload,
 )
 
 
@@ -111,3 +113,51 @@ def test_sampling_and_loaders() -> None:
         False,
     )
     assert "files" not in val_loader.loader_kwargs()
+
+
+def test_a_ulysses_group_gets_its_token_budgets_and_the_tune_workload_its_sizes() -> None:
+    """With a Ulysses group of S ranks every token budget of the role is the group's (× S), the group rides
+    along in the settings, and the memory model sees S, the rollout's TP and a fixed micro-batch's tokens
+    split over the group (ceil)."""
+    cfg = load_config(
+        [
+            "data.max_prompt_length=100",
+            "data.max_response_length=100",
+            "actor_rollout_ref.model.use_remove_padding=True",
+            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000",
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=700",
+            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=300",
+            "critic.ppo_max_token_len_per_gpu=500",
+            "critic.forward_max_token_len_per_gpu=600",
+        ]
+    )
+    sizes = derive_sizes(cfg, 1)
+    sp = SequenceParallel(group=None, size=2, rank=1)
+    plain, split = actor_settings(cfg, sizes), actor_settings(cfg, sizes, sp=sp)
+    assert plain.sp is None and split.sp is sp
+    assert (plain.update_micro.max_token_len, split.update_micro.max_token_len) == (1000, 2000)
+    assert (plain.log_prob_micro.max_token_len, split.log_prob_micro.max_token_len) == (700, 1400)
+    assert reference_settings(cfg, sizes, sp=sp).micro.max_token_len == 600
+    critic = critic_settings(cfg, sizes, sp=sp)
+    assert (critic.update_micro.max_token_len, critic.forward_micro.max_token_len, critic.sp) == (
+        1000,
+        1200,
+        sp,
+    )
+
+    fixed = load_config(
+        [
+            "data.max_prompt_length=7",
+            "data.max_response_length=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        ]
+    )
+    fsdp = fsdp_settings(fixed.actor_rollout_ref.actor.fsdp_config, device_type="cuda")
+    tw = tune_workload(fixed, fsdp, world_size=4, device_gib=80)
+    assert (tw.workload.sequence_parallel, tw.workload.rollout_tensor_parallel) == (2, 2)
+    assert tw.update_micro_tokens == 23  # ceil(3 rows × 15 tokens / 2 ranks)
