@@ -19,9 +19,7 @@ from klppo.parallel import dist
 from klppo.parallel.launch import maybe_relaunch, record_errors
 from klppo.tracking.run_dir import RunDirError, claim_run_files
 from klppo.trainer import quickstart
-from klppo.trainer.checkpoint import CheckpointError
 from klppo.trainer.data_check import check_data_at_startup
-from klppo.trainer.finish import finish_run
 from klppo.trainer.nonfinite import TrainingStopped
 from klppo.trainer.run_lock import HELD_ENV, RunLock, RunLockError, should_lock
 from klppo.trainer.timer import PhaseOutOfMemory
@@ -80,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
     dry = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     _setup_logging()
-    from klppo.trainer.plan import check_before_weights, dry_run  # noqa: PLC0415  heavy (transformers, tune): not for a bad key
-
     recipe = None
     try:
         name, argv = _pop_option(argv, "--quickstart")
@@ -91,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             argv = quickstart.quickstart_argv(recipe) + argv
         cfg = load_config(argv)
         check_trainable(cfg)
+        from klppo.trainer.plan import check_before_weights, dry_run  # noqa: PLC0415  heavy (transformers, tune): not for a bad key
+
         device, nproc = resolve_machine(cfg)
         # resolve (and for a .gguf file convert, once) the model before any process is started
         model_path = model_dir(cfg.actor_rollout_ref.model.path)
@@ -174,6 +172,8 @@ def _pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
 
 def run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> int:
     """Train on this rank (already inside the right process layout)."""
+    from klppo.trainer.checkpoint import CheckpointError  # noqa: PLC0415  heavy (torch.distributed.checkpoint): ranks only
+    from klppo.trainer.finish import finish_run  # noqa: PLC0415  heavy (torch.distributed.checkpoint): ranks only
     from klppo.trainer.ppo_trainer import PPOTrainer  # noqa: PLC0415  heavy (models, rollout): ranks only
     from klppo.trainer.setup import build_run  # noqa: PLC0415  heavy (transformers, models): ranks only
 
