@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 WORKER = """
-import sys, time
+import os, sys, time
 import torch, torch.distributed as dist
 from klppo.parallel.dist import CollectiveTimeoutError, init_distributed, phase
 device, timeout_s, stall_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
@@ -42,7 +42,7 @@ try:
     print("no timeout", file=sys.stderr, flush=True)
 except CollectiveTimeoutError as e:
     print("ERROR", e, file=sys.stderr, flush=True)
-    sys.exit(3)
+    os._exit(3)  # no interpreter teardown: the failed collective's work is still pending
 """
 
 KEYS = ("phase", "Watchdog", "timed out", "Timeout", "ERROR", "Fatal Python error", "line")
