@@ -153,11 +153,9 @@ def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str 
     engine = KLPPORollout(eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
                           use_cuda_graph=False, free_cache_engine=False)  # fmt: skip
     engine.generate(model, prompts, torch.ones_like(prompts), params)  # compile, keep the workspace
-    ws = engine._ws
-    ws.position.fill_(PROMPT)
-    w = ws.weights or LlamaWeights.read(model)
-    eos = torch.tensor([151645], device=device)
-    step = engine._step_fn(w, ws, ws.kv.shape[2], params, eos, False, device == "cuda")
+    call = engine._call(LlamaWeights.read(model), prompts, torch.ones_like(prompts), [PROMPT] * batch, params)
+    call.ws.position.fill_(PROMPT)  # the kept workspace (same shape), fused copies refreshed
+    step = engine._decode_step(call, call.ws.kv.shape[2])
     step()
     activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
     with torch_profile(activities=activities) as prof:

@@ -3,24 +3,27 @@
 One ``generate`` call:
 
 1. reads the weights from the module (``LlamaWeights.read``: views, no copy; never kept across calls);
-2. allocates the KV cache in one piece, ``[L, 2, num_slots, S, H_kv, D]`` with ``S = longest prompt +
-   max_new_tokens``, ``num_slots`` sized so that everything allocated plus the cache and a prefill
-   workspace stays within ``gpu_memory_utilization × total device memory`` (CPU: one slot per sequence,
-   or ``max_num_seqs``); with ``fuse_projections`` the per-layer ``[q; k; v]`` and ``[gate; up]``
-   concatenations are made first (a temporary copy of those matrices, counted in the budget, dropped
-   with the cache);
+2. allocates the workspace (:mod:`klppo.rollout.workspace`): the KV cache in one piece,
+   ``[L, 2, num_slots, S, H_kv, D]`` with ``S = longest prompt + max_new_tokens``, ``num_slots`` sized so
+   that everything allocated plus the cache and a prefill workspace stays within
+   ``gpu_memory_utilization × total device memory`` (CPU: one slot per sequence, or ``max_num_seqs``);
+   with ``fuse_projections`` the per-layer ``[q; k; v]`` and ``[gate; up]`` concatenations are made first
+   (a temporary copy of those matrices, counted in the budget, dropped with the cache);
 3. fills the slots with the first sequences (``B × n``, row ``i·n + j`` = prompt i, sample j) through one
    packed prefill (only real prompt tokens are projected; each prompt attends causally to itself);
+   which sequence goes into which slot, and which prompts run or are copied, is the pure-Python
+   bookkeeping of :mod:`klppo.rollout.scheduler` (``SlotScheduler`` → one ``PrefillPlan`` per chunk);
 4. runs decode steps on the first ``bucket`` slots (``bucket`` = smallest power of two from 2, or the slot
-   count, covering every busy slot), each step captured once as a CUDA graph per bucket on GPU, eager on
-   CPU. Attention reads each slot's occupied prefix only (flash varlen, GQA query heads packed per KV
-   head; ``decode_attention``). The per-layer blocks and the sampler are the process-wide compiled
-   functions of :mod:`klppo.rollout.compiled` (pre-compiled in the background by the trainer). A step
-   samples on the device (untruncated sampling: one compiled fused kernel pair, no [B, V] tensors
-   written; logits in float32 with ``fp32_logits``) and records tokens/log-probs into the output buffers
-   without any host synchronisation;
-5. every ``eos_check_every`` steps reads the finished flags once; finished slots take the next waiting
-   sequences (prefilled the same way) — continuous batching — until none is left.
+   count, covering every busy slot), each step captured once as a CUDA graph per bucket on GPU
+   (:mod:`klppo.rollout.graphs`), eager on CPU. Attention reads each slot's occupied prefix only (flash
+   varlen, GQA query heads packed per KV head; ``decode_attention``). The per-layer blocks and the
+   sampler are the process-wide compiled functions of :mod:`klppo.rollout.compiled` (pre-compiled in the
+   background by the trainer). A step samples on the device (untruncated sampling: one compiled fused
+   kernel pair, no [B, V] tensors written; logits in float32 with ``fp32_logits``) and records
+   tokens/log-probs into the output buffers without any host synchronisation;
+5. every ``eos_check_every`` steps reads the finished flags once; the scheduler frees the finished
+   slots and gives them to the next waiting sequences (prefilled the same way) — continuous batching —
+   until none is left.
 
 The cache, buffers and graphs are dropped at the end of ``generate`` when ``free_cache_engine`` is True;
 otherwise they are kept and reused by the next call of the same shape on the same weight addresses.
@@ -34,10 +37,10 @@ import dataclasses
 import itertools
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 
-from klppo.parallel.collectives import all_reduce_min
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.compiled import compiled, wait_precompile
 from klppo.rollout.hf import HFRollout
@@ -52,27 +55,25 @@ from klppo.rollout.llama import (
     unsupported_reason,
 )
 from klppo.rollout.sampling import is_untruncated, sample, sample_untruncated, vocab_parallel_sampler
+from klppo.rollout.scheduler import PrefillPlan, SlotScheduler
+from klppo.rollout.workspace import CacheBudget, Workspace, num_slots
 
 DECODE_ATTENTION = ("auto", "flash", "flash-plain", "sdpa")
 
 
 @dataclasses.dataclass
-class _Workspace:
-    """Everything the decode graphs point at. State tensors are indexed by slot, outputs by sequence."""
+class _Call:
+    """One ``generate`` call's fixed inputs, shared by its prefills and decode steps."""
 
-    key: tuple
-    kv: torch.Tensor  # [L, 2, slots, S, H_kv, D]
-    weights: LlamaWeights | None  # the fused concatenations (fuse_projections), else None
-    last_token: torch.Tensor  # [slots] token to feed next
-    position: torch.Tensor  # [slots] cache position it is written at
-    seq_id: torch.Tensor  # [slots] sequence in the slot (num_seqs = none)
-    gen_len: torch.Tensor  # [slots] tokens generated so far
-    finished: torch.Tensor  # [slots] bool; a free slot counts as finished
-    out_tokens: torch.Tensor  # [num_seqs + 1, R] (last row: sink for idle slots)
-    out_log_probs: torch.Tensor  # [num_seqs + 1, R]
-    out_len: torch.Tensor  # [num_seqs + 1]
-    graphs: dict = dataclasses.field(default_factory=dict)
-    pool: object = None
+    w: LlamaWeights  # the weights decode reads (the fused copies with fuse_projections)
+    ws: Workspace
+    params: SamplingParams
+    packed: torch.Tensor  # [sum of prompt lengths] the prompts' real tokens, back to back
+    starts: list[int]  # prompt p is packed[starts[p] : starts[p + 1]]
+    prompt_hidden: torch.Tensor  # [num_prompts, hidden] each prompt's last hidden state, once it has run
+    eos: torch.Tensor  # [E] the ids that end a sequence ([-1] when none)
+    check_eos: bool  # False: sequences end at max_new_tokens only
+    cuda: bool
 
 
 class KLPPORollout:
@@ -111,7 +112,7 @@ class KLPPORollout:
         self.decode_attention = decode_attention
         self.fp32_logits = fp32_logits
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
-        self._ws: _Workspace | None = None
+        self._ws: Workspace | None = None
 
     # ---- public ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -166,90 +167,72 @@ class KLPPORollout:
     # ---- internals ------------------------------------------------------------------------------
     def _generate(self, w, prompts, prompt_mask, lengths, params, reset_peak) -> RolloutOutput:
         device = prompts.device
-        cuda = device.type == "cuda"
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
             if reset_peak:
                 torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         _require_gathered(w)
-        n, width = params.n, params.max_new_tokens
-        num_seqs = len(lengths) * n
-        seq_lengths = [lengths[s // n] for s in range(num_seqs)]
+        call = self._call(w, prompts, prompt_mask, lengths, params)
+        sched = SlotScheduler(prompt_lengths=lengths, n=params.n, num_slots=call.ws.kv.shape[2],
+                              max_prefill_tokens=self.max_prefill_tokens)  # fmt: skip
+        timings = self._run(call, sched)
+        return self._output(call.ws, sched, params.max_new_tokens, device, start, timings)
+
+    def _call(self, w, prompts, prompt_mask, lengths, params) -> _Call:
+        """The call's workspace (cache, buffers) and fixed inputs."""
+        device = prompts.device
         packed = prompts[prompt_mask.bool()]
-        starts = [0, *itertools.accumulate(lengths)]
-        max_len = -(-(max(lengths) + width) // 16) * 16
-        ws = self._workspace(w, device, num_seqs, width, max_len, params)
+        max_len = -(-(max(lengths) + params.max_new_tokens) // 16) * 16
+        ws = self._workspace(w, device, len(lengths) * params.n, params.max_new_tokens, max_len, params)
         if ws.weights is not None:
             w = ws.weights
-        num_slots = ws.kv.shape[2]
-        eos = torch.tensor(self.eos_token_ids or [-1], device=device)
-        check_eos = not params.ignore_eos and bool(self.eos_token_ids)
+        return _Call(
+            w=w,
+            ws=ws,
+            params=params,
+            packed=packed,
+            starts=[0, *itertools.accumulate(lengths)],
+            prompt_hidden=torch.empty(len(lengths), w.embed.shape[1], dtype=w.embed.dtype, device=device),
+            eos=torch.tensor(self.eos_token_ids or [-1], device=device),
+            check_eos=not params.ignore_eos and bool(self.eos_token_ids),
+            cuda=device.type == "cuda",
+        )
 
-        # prefix sharing: each prompt's last hidden state, and the busy slots holding its K/V prefix
-        prompt_hidden = torch.empty(len(lengths), w.embed.shape[1], dtype=w.embed.dtype, device=device)
-        holders: dict[int, set[int]] = {}
-
-        def admit(pairs: list[tuple[int, int]]) -> None:
-            """Prefill sequences into slots, in chunks of at most max_prefill_tokens tokens."""
-            chunks: list[list[tuple[int, int]]] = [[]]
-            budget = 0
-            for s, slot in pairs:
-                if chunks[-1] and budget + seq_lengths[s] > self.max_prefill_tokens:
-                    chunks.append([])
-                    budget = 0
-                chunks[-1].append((s, slot))
-                budget += seq_lengths[s]
-            for chunk in chunks:
-                resident = {p: next(iter(held)) for p, held in holders.items() if held}
-                self._prefill(w, ws, packed, starts, seq_lengths, chunk, params, eos, check_eos, n, resident,
-                              prompt_hidden)  # fmt: skip
-                for s, slot in chunk:
-                    holders.setdefault(s // n, set()).add(slot)
-
-        self._prefill_tokens = self._prefix_reused = 0
-        slot_seq = [-1] * num_slots
-        waiting = list(range(num_seqs))[::-1]  # pop() takes the lowest sequence id
-        prefill_start = time.perf_counter()
-        first = [(waiting.pop(), slot) for slot in range(min(num_slots, num_seqs))]
-        for s, slot in first:
-            slot_seq[slot] = s
-        admit(first)
-        prefill_s = time.perf_counter() - prefill_start
-        buckets = _buckets(num_slots)
+    def _run(self, call: _Call, sched: SlotScheduler) -> dict[str, float]:
+        """Prefill the first sequences, then decode in blocks of ``eos_check_every`` steps, refilling the
+        slots that finished, until no sequence is left. Returns the call's timings."""
+        t0 = time.perf_counter()
+        self._admit(call, sched, sched.start())
+        prefill_s = time.perf_counter() - t0
         num_steps = capture_s = 0.0
-        while True:
-            busy = [slot for slot, s in enumerate(slot_seq) if s >= 0]
-            if not busy:
-                break
-            bucket = next(b for b in buckets if b > busy[-1])
+        while (bucket := sched.bucket()) is not None:
             t0 = time.perf_counter()
-            step = self._step_fn(w, ws, bucket, params, eos, check_eos, cuda)
+            step = self._step_fn(call, bucket)
             capture_s += time.perf_counter() - t0
             for _ in range(self.eos_check_every):
                 step()
             num_steps += self.eos_check_every
-            finished = ws.finished[:num_slots].tolist()  # the one host sync per eos_check_every steps
-            freed = [slot for slot in busy if finished[slot]]
-            for slot in freed:
-                holders[slot_seq[slot] // n].discard(slot)
-                slot_seq[slot] = -1
-            refill = [(waiting.pop(), slot) for slot in freed[: len(waiting)]]
-            for s, slot in refill:
-                slot_seq[slot] = s
+            finished = call.ws.finished[: sched.num_slots].tolist()  # the one host sync per block
+            refill = sched.finish(finished)
             if refill:
                 t0 = time.perf_counter()
-                admit(refill)
+                self._admit(call, sched, refill)
                 prefill_s += time.perf_counter() - t0
+        return {"prefill_s": prefill_s, "graph_capture_s": capture_s, "decode_steps": float(num_steps)}
 
-        timings = {"prefill_s": prefill_s, "graph_capture_s": capture_s, "decode_steps": float(num_steps)}
-        return self._output(ws, num_seqs, width, device, start, timings)
+    def _admit(self, call: _Call, sched: SlotScheduler, pairs: list[tuple[int, int]]) -> None:
+        """Prefill (sequence, slot) ``pairs``, in chunks of at most ``max_prefill_tokens`` tokens."""
+        for chunk in sched.chunks(pairs):
+            self._prefill(call, sched.plan(chunk))
 
     def _output(
-        self, ws: _Workspace, num_seqs: int, width: int, device: torch.device, start: float, timings: dict
-    ) -> RolloutOutput:
+        self, ws: Workspace, sched: SlotScheduler, width: int, device: torch.device, start: float,
+        timings: dict,
+    ) -> RolloutOutput:  # fmt: skip
         """The finished sequences as right-padded rows, with the call's figures."""
         cuda = device.type == "cuda"
+        num_seqs = sched.num_seqs
         out_len = ws.out_len[:num_seqs]
         mask = (torch.arange(width, device=device)[None, :] < out_len[:, None]).long()
         responses = torch.where(mask.bool(), ws.out_tokens[:num_seqs], self.pad_token_id)
@@ -261,8 +244,8 @@ class KLPPORollout:
         stats = {
             "rollout/time_s": elapsed,
             "rollout/prefill_s": timings["prefill_s"],
-            "rollout/prefill_tokens": float(self._prefill_tokens),
-            "rollout/prefix_reused": float(self._prefix_reused),
+            "rollout/prefill_tokens": float(sched.prefill_tokens),
+            "rollout/prefix_reused": float(sched.prefix_reused),
             "rollout/graph_capture_s": timings["graph_capture_s"],
             "rollout/cuda_graphs": float(cuda and self.use_cuda_graph),  # 0: eager decode (or capture failed)
             "rollout/tokens_generated": tokens,
@@ -270,36 +253,14 @@ class KLPPORollout:
             "rollout/num_slots": float(ws.kv.shape[2]),
             "rollout/decode_steps": timings["decode_steps"],
             "rollout/kv_cache_gb": ws.kv.numel() * ws.kv.element_size() / 2**30,
-            "rollout/fused_weights_gb": _fused_bytes(ws.weights) / 2**30,
+            "rollout/fused_weights_gb": ws.fused_bytes() / 2**30,
             "perf/rollout_peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
         }
         return RolloutOutput(
             responses=responses.clone(), response_mask=mask, log_probs=log_probs.clone(), stats=stats
         )
 
-    def _num_slots(self, w: LlamaWeights, device: torch.device, num_seqs: int, max_len: int) -> int:
-        """Slots that fit the budget, given everything allocated now (fused weights included)."""
-        cap = min(num_seqs, self.max_num_seqs or num_seqs)
-        if device.type != "cuda":
-            return cap
-        elt = w.embed.element_size()
-        hidden, vocab = w.embed.shape[1], w.lm_head.shape[0]
-        inter = w.layers[0].gate.shape[0]
-        per_slot = len(w.layers) * 2 * w.num_kv_heads * max_len * w.head_dim * elt + vocab * 4 * 8
-        workspace = self.max_prefill_tokens * (3 * inter + 8 * hidden + 4 * w.num_heads * w.head_dim) * elt
-        total = torch.cuda.get_device_properties(device).total_memory
-        budget = self.gpu_memory_utilization * total - torch.cuda.memory_allocated(device) - workspace
-        slots = int(budget // per_slot)
-        if w.tp is not None:  # the ranks of a tensor-parallel group run the same slots in lockstep
-            slots = int(all_reduce_min(slots, w.tp.group))
-        if slots < 1:
-            raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization} leaves no room for a KV cache "
-                f"({torch.cuda.memory_allocated(device) / 2**30:.1f} GiB already allocated)"
-            )
-        return min(cap, slots)
-
-    def _workspace(self, w, device, num_seqs, width, max_len, params) -> _Workspace:
+    def _workspace(self, w, device, num_seqs, width, max_len, params) -> Workspace:
         fuse = self.fuse_projections and w.layers[0].qkv is None  # not when given fused (tensor parallel)
         key = (num_seqs, width, max_len, w.embed.dtype, w.signature(), params, fuse)
         if self._ws is not None and self._ws.key == key:
@@ -308,94 +269,66 @@ class KLPPORollout:
             return self._ws
         self._ws = None  # free the old cache (and fused copies) before allocating the new ones
         fused = w.fuse() if fuse else None
-        num_slots = self._num_slots(w, device, num_seqs, max_len)
-        kv = torch.zeros(  # zeros: masked-out cache entries must be finite (0 × NaN = NaN)
-            (len(w.layers), 2, num_slots, max_len, w.num_kv_heads, w.head_dim),
-            dtype=w.embed.dtype,
-            device=device,
-        )
-
-        def zeros(*shape, dtype=torch.long):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self._ws = _Workspace(
-            key=key,
-            kv=kv,
-            weights=fused,
-            last_token=zeros(num_slots),
-            position=zeros(num_slots),
-            seq_id=torch.full((num_slots,), num_seqs, dtype=torch.long, device=device),
-            gen_len=zeros(num_slots),
-            finished=torch.ones(num_slots, dtype=torch.bool, device=device),
-            out_tokens=zeros(num_seqs + 1, width),
-            out_log_probs=zeros(num_seqs + 1, width, dtype=torch.float32),
-            out_len=zeros(num_seqs + 1),
-        )
+        budget = CacheBudget(self.gpu_memory_utilization, self.max_num_seqs, self.max_prefill_tokens)
+        slots = num_slots(w, device, num_seqs, max_len, budget)
+        self._ws = Workspace.allocate(w, key=key, fused=fused, num_slots=slots, num_seqs=num_seqs, width=width,
+                                      max_len=max_len, device=device)  # fmt: skip
         return self._ws
 
-    def _prefill(
-        self, w, ws, packed, starts, seq_lengths, pairs, params, eos, check_eos, n, resident, prompt_hidden
-    ) -> None:
-        """Prefill ``pairs`` (sequence, slot) and sample each sequence's first token.
+    def _prefill(self, call: _Call, plan: PrefillPlan) -> None:
+        """Run ``plan`` (:class:`~klppo.rollout.scheduler.PrefillPlan`) and sample each sequence's first token.
 
-        A prompt runs at most once while any of its samples holds a slot: its first sequence here runs it
-        unless ``resident`` (prompt → a busy slot already holding its K/V prefix) names one; every other
-        sample gets the prefix copied into its slot, and its first-token logits from the prompt's stored
-        last hidden state (``prompt_hidden``, written when the prompt runs). The sampling noise differs.
+        The prompts it runs write their K/V into their slots and their last hidden state into
+        ``call.prompt_hidden``; every other sequence gets its prompt's prefix copied into its slot and its
+        first-token logits from that stored hidden state. The sampling noise differs per sequence.
         """
-        device = packed.device
-        seqs = [s for s, _ in pairs]
-        slot_list = [slot for _, slot in pairs]
-        prompt_of = [s // n for s in seqs]
-        leader: dict[int, int] = {}  # prompt run here -> position in pairs of the sequence it runs in
-        for j, p in enumerate(prompt_of):
-            if p not in resident:
-                leader.setdefault(p, j)
-        if leader:
-            lead = list(leader.values())
-            index = torch.cat([torch.arange(starts[p], starts[p + 1]) for p in leader]).to(device)
-            lead_slots = torch.tensor([slot_list[j] for j in lead], device=device)
-            hidden = prefill(w, ws.kv, packed[index], lead_slots, [seq_lengths[seqs[j]] for j in lead])
-            prompt_hidden[torch.tensor(list(leader), device=device)] = hidden
-            self._prefill_tokens += int(index.numel())
-        source = {**resident, **{p: slot_list[j] for p, j in leader.items()}}
-        copies = [j for j, p in enumerate(prompt_of) if leader.get(p) != j]
-        self._prefix_reused += sum(p in resident for p in prompt_of)
-        if copies:  # positions past a prompt's length are copied too: masked until overwritten
-            width = max(seq_lengths[seqs[j]] for j in copies)
-            dst = torch.tensor([slot_list[j] for j in copies], device=device)
-            src = torch.tensor([source[prompt_of[j]] for j in copies], device=device)
-            ws.kv[:, :, dst, :width] = ws.kv[:, :, src, :width]
-        unique = list(dict.fromkeys(prompt_of))
-        row_of = {p: row for row, p in enumerate(unique)}
-        logits = logits_of(w, prompt_hidden[torch.tensor(unique, device=device)], self.fp32_logits)
-        logits = logits[torch.tensor([row_of[p] for p in prompt_of], device=device)]
-        slots = torch.tensor(slot_list, device=device)
-        seq_t = torch.tensor(seqs, device=device)
-        tokens, log_probs = self._sampler(params, device.type == "cuda", w)(logits)
-        ws.out_tokens[seq_t, 0] = tokens
-        ws.out_log_probs[seq_t, 0] = log_probs
-        ws.out_len[seq_t] = 1
-        ws.last_token[slots] = tokens
-        ws.position[slots] = torch.tensor([seq_lengths[s] for s in seqs], device=device)
-        ws.seq_id[slots] = seq_t
-        ws.gen_len[slots] = 1
-        done = torch.full_like(tokens, params.max_new_tokens <= 1, dtype=torch.bool)
-        if check_eos:
-            done |= torch.isin(tokens, eos)
-        ws.finished[slots] = done
+        w, ws, device = call.w, call.ws, call.packed.device
+        if plan.run_prompts:
+            starts = call.starts
+            index = torch.cat([torch.arange(starts[p], starts[p + 1]) for p in plan.run_prompts]).to(device)
+            run_slots = torch.tensor(plan.run_slots, device=device)
+            hidden = prefill(w, ws.kv, call.packed[index], run_slots, plan.run_lengths)
+            call.prompt_hidden[torch.tensor(plan.run_prompts, device=device)] = hidden
+        if plan.copy_dst:  # positions past a prompt's length are copied too: masked until overwritten
+            dst = torch.tensor(plan.copy_dst, device=device)
+            src = torch.tensor(plan.copy_src, device=device)
+            ws.kv[:, :, dst, : plan.copy_width] = ws.kv[:, :, src, : plan.copy_width]
+        unique = torch.tensor(plan.unique_prompts, device=device)
+        logits = logits_of(w, call.prompt_hidden[unique], self.fp32_logits)
+        logits = logits[torch.tensor(plan.logit_rows, device=device)]
+        tokens, log_probs = self._sampler(call.params, call.cuda, w)(logits)
+        _start_sequences(call, plan, tokens, log_probs)
 
-    def _step_fn(self, w, ws, bucket, params, eos, check_eos, cuda):
+    def _step_fn(self, call: _Call, bucket: int) -> Callable[[], None]:
         """A callable running one decode step on slots [0, bucket): a graph replay on GPU."""
-        width, sink, max_len = params.max_new_tokens, ws.out_len.shape[0] - 1, ws.kv.shape[3]
+        ws = call.ws
+        step = self._decode_step(call, bucket)
+        if not (call.cuda and self.use_cuda_graph):
+            return step
+        replay = ws.graphs.replay(bucket)
+        if replay is not None:
+            return replay
+        state = [ws.last_token, ws.position, ws.gen_len, ws.finished, ws.out_len]
+        # NCCL collectives inside the graph are untested on every stack: a failed capture runs eager
+        replay = ws.graphs.capture(bucket, step, state, fallible=call.w.tp is not None)
+        if replay is None:
+            warnings.warn(f"tensor-parallel decode runs without CUDA graphs (capture failed: {ws.graphs.error})",
+                          stacklevel=2)  # fmt: skip
+            self.use_cuda_graph = False
+            return step
+        return replay
 
+    def _decode_step(self, call: _Call, bucket: int) -> Callable[[], None]:
+        """One eager decode step on slots [0, bucket): decode, sample, record, advance (no host sync)."""
+        w, ws, params = call.w, call.ws, call.params
+        width, sink, max_len = params.max_new_tokens, ws.out_len.shape[0] - 1, ws.kv.shape[3]
         layer_fns = (attn_in, attn_out_mlp)
-        if self._compiles(cuda):
+        if self._compiles(call.cuda):
             layer_fns = (compiled("attn_in"), compiled("attn_out_mlp"))
         if w.tp is not None:  # the row-parallel all-reduces run eagerly (captured in the graph on CUDA)
             layer_fns = (layer_fns[0], layer_back(w))
         flash = self._use_flash(ws.kv)
-        sampler = self._sampler(params, cuda, w)
+        sampler = self._sampler(params, call.cuda, w)
 
         def step() -> None:
             logits = decode(
@@ -410,42 +343,13 @@ class KLPPORollout:
             ws.gen_len[:bucket] += alive.long()
             ws.out_len[row] = ws.gen_len[:bucket]
             done = ws.gen_len[:bucket] >= width
-            if check_eos:
-                done |= torch.isin(tokens, eos)
+            if call.check_eos:
+                done |= torch.isin(tokens, call.eos)
             ws.finished[:bucket] |= alive & done
             ws.last_token[:bucket] = tokens
             ws.position[:bucket] = (ws.position[:bucket] + 1).clamp(max=max_len - 1)
 
-        if not (cuda and self.use_cuda_graph):
-            return step
-        if bucket in ws.graphs:
-            return ws.graphs[bucket].replay
-        state = [ws.last_token, ws.position, ws.gen_len, ws.finished, ws.out_len]
-        saved = [t.clone() for t in state]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # warm-up (lazy inits, cuBLAS workspaces) outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        for t, s in zip(state, saved):
-            t.copy_(s)
-        if ws.pool is None:
-            ws.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        if w.tp is None:
-            with torch.cuda.graph(graph, pool=ws.pool):
-                step()
-        else:  # NCCL collectives inside the graph: untested on every stack, so a failed capture runs eager
-            try:
-                with torch.cuda.graph(graph, pool=ws.pool):
-                    step()
-            except RuntimeError as err:
-                warnings.warn(f"tensor-parallel decode runs without CUDA graphs (capture failed: {err})",
-                              stacklevel=2)  # fmt: skip
-                self.use_cuda_graph = False
-                return step
-        ws.graphs[bucket] = graph
-        return graph.replay
+        return step
 
     def _use_flash(self, kv: torch.Tensor) -> str | None:
         """The ``flash`` argument of ``decode``: "packed", "plain" or None (masked SDPA)."""
@@ -491,23 +395,19 @@ def _require_gathered(w: LlamaWeights) -> None:
         raise ValueError("klppo rollout needs full (gathered) weights, got DTensor shards")
 
 
-def _fused_bytes(w: LlamaWeights | None) -> int:
-    if w is None:
-        return 0
-    tensors = [
-        t for lw in w.layers for t in (lw.qkv, lw.qkv_bias, lw.gate_up, lw.gate_up_bias) if t is not None
-    ]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _buckets(num_slots: int) -> list[int]:
-    """Powers of two from 2 below ``num_slots``, then ``num_slots``.
-
-    No bucket of 1 (unless there is one slot): a batch of one would be a separate compiled graph (size-1
-    dims are specialised), compiled mid-rollout; a spare idle slot costs nothing.
-    """
-    out, b = [], 2
-    while b < num_slots:
-        out.append(b)
-        b *= 2
-    return out + [num_slots]
+def _start_sequences(call: _Call, plan: PrefillPlan, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
+    """Record the first tokens of ``plan``'s sequences and set their slots' decode state."""
+    ws, device = call.ws, call.packed.device
+    slots = torch.tensor(plan.slots, device=device)
+    seq_t = torch.tensor(plan.seqs, device=device)
+    ws.out_tokens[seq_t, 0] = tokens
+    ws.out_log_probs[seq_t, 0] = log_probs
+    ws.out_len[seq_t] = 1
+    ws.last_token[slots] = tokens
+    ws.position[slots] = torch.tensor(plan.positions, device=device)
+    ws.seq_id[slots] = seq_t
+    ws.gen_len[slots] = 1
+    done = torch.full_like(tokens, call.params.max_new_tokens <= 1, dtype=torch.bool)
+    if call.check_eos:
+        done |= torch.isin(tokens, call.eos)
+    ws.finished[slots] = done

@@ -217,7 +217,7 @@ def test_precompile_leaves_nothing_to_compile_and_matches_eager(monkeypatch) -> 
 
 
 def test_decode_buckets_never_one_unless_single_slot() -> None:
-    from klppo.rollout.engine import _buckets
+    from klppo.rollout.scheduler import buckets as _buckets
 
     assert _buckets(1) == [1]
     assert _buckets(2) == [2]
