@@ -29,8 +29,16 @@ def test_refills_finishes_and_prefill_plans_match_a_hand_computed_run() -> None:
     refill = sched.finish([True, False, True])
     assert refill == [(3, 0), (4, 2)] and sched.slot_seq == [3, 1, 4]
     assert sched.chunks(refill) == [refill]  # 2 + 3 = 5 tokens: one chunk
-    d = sched.plan(refill)  # prompt 1's only holder (slot 2) left: it runs again, and prompt 2 for the first time
-    assert (d.run_prompts, d.run_slots, d.run_lengths, d.copy_dst, d.reused) == ([1, 2], [0, 2], [2, 3], [], 0)
+    d = sched.plan(
+        refill
+    )  # prompt 1's only holder (slot 2) left: it runs again, and prompt 2 for the first time
+    assert (d.run_prompts, d.run_slots, d.run_lengths, d.copy_dst, d.reused) == (
+        [1, 2],
+        [0, 2],
+        [2, 3],
+        [],
+        0,
+    )
     assert (d.positions, d.unique_prompts, d.logit_rows) == ([2, 3], [1, 2], [0, 1])
     assert sched.bucket() == 3
 
