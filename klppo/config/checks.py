@@ -179,6 +179,16 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
             "so the group baseline is 0 (as in verl) and the advantages are the raw scores, without the "
             "variance reduction the estimator exists for; set rollout.n ≥ 2"
         )
+    arr = cfg.actor_rollout_ref
+    if arr.rollout.tensor_model_parallel_size > 1 and (
+        arr.model.lora_rank > 0 or arr.rollout.name != "klppo"
+    ):
+        why = "LoRA (model.lora_rank > 0)" if arr.model.lora_rank > 0 else f"rollout.name={arr.rollout.name}"
+        notify(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={arr.rollout.tensor_model_parallel_size} is "
+            f"not built with {why}: the rollout runs data-parallel on gathered weights (same results, the "
+            "whole model in memory on every GPU)"
+        )
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         notify("both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL is penalized twice")
     if (

@@ -79,7 +79,7 @@ def derive_sizes(cfg: KLPPOConfig, world_size: int) -> Sizes:
     samples = tb * n
     if tb % world_size:
         raise ConfigError(
-            f"data.train_batch_size={tb} prompts is not divisible by the {world_size} ranks "
+            f"data.train_batch_size={tb} prompts is not divisible by the {world_size} ranks"
             f"{_ranks_src(cfg, world_size)}: each rank generates rollout.n={n} samples for its own share of prompts; "
             f"choose a multiple of {world_size}"
         )
@@ -103,6 +103,13 @@ def derive_sizes(cfg: KLPPOConfig, world_size: int) -> Sizes:
         c_fwd = _micro("critic.forward", crit.forward_micro_batch_size, crit.forward_micro_batch_size_per_gpu,
                        world_size, crit.use_dynamic_bsz, c_micro)  # fmt: skip
         c_updates = crit.ppo_epochs * (tb // crit.ppo_mini_batch_size)
+    tp = rollout.tensor_model_parallel_size
+    if tp > 1 and world_size % tp:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the {world_size} ranks"
+            f"{_ranks_src(cfg, world_size)}: the rollout's tensor-parallel groups are {tp} consecutive ranks; "
+            f"choose a divisor of {world_size}"
+        )
     return Sizes(
         world_size=world_size,
         actor_dp_size=a_dp,

@@ -222,19 +222,12 @@ def build_meshes(cfg: KLPPOConfig, device_type: str) -> tuple[dict[int, Parallel
 def rollout_tensor_parallel(cfg: KLPPOConfig, device_type: str) -> TensorParallel | None:
     """This rank's rollout tensor-parallel group (``rollout.tensor_model_parallel_size``; the mesh is a
     collective), None for 1. LoRA (the adapters would have to be merged into the slices) and the ``hf``
-    backend run data-parallel on gathered weights instead, with a warning."""
+    backend run data-parallel on gathered weights instead (noted when the configuration loads)."""
     arr = cfg.actor_rollout_ref
     rollout = arr.rollout
     group = build_rollout_mesh(rollout.tensor_model_parallel_size, device_type)
     if group is not None and (arr.model.lora_rank > 0 or rollout.name != "klppo"):
-        why = "LoRA (lora_rank > 0)" if arr.model.lora_rank > 0 else f"rollout.name={rollout.name}"
-        log.warning(
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=%d is not built with %s: the rollout runs "
-            "data-parallel on gathered weights (same results, the whole model on every GPU)",
-            group.size,
-            why,
-        )
-        return None
+        return None  # data-parallel on gathered weights: the config check said so (config/checks.py)
     return group
 
 

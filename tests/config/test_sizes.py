@@ -160,3 +160,25 @@ def test_pi_controller_floor_far_below_its_start_is_noted():
                "actor_rollout_ref.actor.kl_loss_ctrl.ki=0.05"]  # fmt: skip
     load_config(loss_pi, notify=notes.append)
     assert any(m.startswith("actor_rollout_ref.actor.kl_loss_ctrl: with min_coef=0.0001") for m in notes)
+
+
+def test_rollout_tp_must_divide_the_ranks():
+    cfg = load_config(["actor_rollout_ref.rollout.tensor_model_parallel_size=3", "data.train_batch_size=24",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=24"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 does not divide the 8 ranks"):
+        derive_sizes(cfg, 8)
+    derive_sizes(cfg, 6)  # 3 divides 6
+
+
+def test_rollout_tp_without_its_engine_is_noted_at_load():
+    """LoRA or the hf backend: the rollout runs data-parallel on gathered weights; said when the config
+    loads (so `klppo train --dry-run` shows it), not only once training starts."""
+    tp2 = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    for extra, why in ((["actor_rollout_ref.model.lora_rank=8"], "LoRA"),
+                       (["actor_rollout_ref.rollout.name=hf"], "rollout.name=hf")):  # fmt: skip
+        notes: list[str] = []
+        load_config(tp2 + extra, notify=notes.append)
+        assert any("tensor_model_parallel_size=2 is not built with " + why in m for m in notes), notes
+    notes = []
+    load_config(tp2, notify=notes.append)
+    assert not any("tensor_model_parallel_size" in m for m in notes)
