@@ -11,9 +11,10 @@ decode functions, CUDA-graph capture of each batch bucket met) and then a second
 - ``compile-warm-cache``: the default engine again, reusing the on-disk caches the previous mode left
   (every later process on that machine: a resumed run, the next job);
 - ``compile-1thread``: as ``compile`` with inductor's compile-worker pool off (in-process compiles);
-- ``precompile``: empty caches, ``klppo.rollout.compiled.start_precompile`` started from the model's config
-  before the model is built (as the trainer does before loading weights), so compilation overlaps the
-  build; the first call waits for what is left of it;
+- ``precompile``: empty caches, ``CompiledFunctions.start_precompile`` (``klppo.rollout.compiled``) started
+  from the model's config before the model is built, on the object then handed to the engine (as the
+  trainer does before loading weights), so compilation overlaps the build; the first call waits for what
+  is left of it;
 - ``eager``: ``compile_decode=False`` (CUDA graphs of uncompiled kernels), empty caches.
 
 ``setup_to_first_s`` = model build + engine + first call (+ the pre-compile start): the start-up a user sees.
@@ -50,16 +51,17 @@ def child(mode: str, batch: int) -> None:
     from rollout import NEW, PROMPT, build, qwen_config
 
     from klppo.rollout import SamplingParams, make_rollout
-    from klppo.rollout.compiled import start_precompile
+    from klppo.rollout.compiled import CompiledFunctions
 
     t_import = time.perf_counter() - t_start
     t_setup = time.perf_counter()
+    compiled = CompiledFunctions()
     if MODES[mode].get("precompile"):
-        start_precompile(qwen_config("0.5b"), dtype=torch.bfloat16, device=torch.device("cuda"))
+        compiled.start_precompile(qwen_config("0.5b"), dtype=torch.bfloat16, device=torch.device("cuda"))
     model = build("0.5b", torch.bfloat16)
     params = SamplingParams(max_new_tokens=NEW, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True)
     engine = make_rollout("klppo", eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
-                          free_cache_engine=False, **MODES[mode]["engine"])  # fmt: skip
+                          free_cache_engine=False, compiled=compiled, **MODES[mode]["engine"])  # fmt: skip
     prompts = torch.randint(0, 151000, (batch, PROMPT), device="cuda")
     mask = torch.ones_like(prompts)
     row = dict(mode=mode, batch=batch, import_s=t_import)

@@ -2,19 +2,22 @@
 
 Three functions are compiled (``torch.compile``, batch dimension dynamic): the two per-layer blocks of a
 decode step (``attn_in``, ``attn_out_mlp``) and the untruncated sampler (one graph per temperature;
-greedy decoding runs it eagerly). There is one compiled wrapper per function per process, shared by
-every engine, so a compilation done once serves all of them.
+greedy decoding runs it eagerly). They live on a :class:`CompiledFunctions` object, no module state: the
+trainer's set-up creates one and hands it to the engine (``KLPPORollout(compiled=...)``); an engine
+given none makes its own. With the default backend, dynamo's cache (keyed on the functions' code) serves
+every object of the process, so a compilation done once serves all engines.
 
 Compiling them from empty caches takes several seconds (most of the engine's first call). The trainer
-therefore calls :func:`start_precompile` as soon as it knows the model's config, before it loads any
-weights: a background thread builds one decoder layer of that config with uninitialised weights and
-calls the compiled functions on it with the shapes, dtypes and flags the real rollout will use, so the
-compiled graphs are ready (and their guards hold) by the first ``generate``; that call waits for the
-thread (:func:`wait_precompile`). The layer's structure comes from a meta-device model built in the
-calling thread; the thread itself only allocates tensors and compiles (no process-wide state changes),
-one function at a time under ``klppo.models.loading.DEFAULT_DTYPE_LOCK``, which model loading takes
-while transformers switches the default dtype (dynamo guards on it). A failed or mismatched pre-compile
-costs nothing but its time: the first call then compiles as it would have.
+therefore calls :meth:`CompiledFunctions.start_precompile` as soon as it knows the model's config, before
+it loads any weights: a background thread builds one decoder layer of that config with uninitialised
+weights and calls the compiled functions on it with the shapes, dtypes and flags the real rollout will
+use, so the compiled graphs are ready (and their guards hold) by the first ``generate``; that call waits
+for the thread (:meth:`CompiledFunctions.wait`). The layer's structure comes from a meta-device model
+built in the calling thread; the thread itself only allocates tensors and compiles (no process-wide
+state changes), one function at a time under ``klppo.models.loading.DEFAULT_DTYPE_LOCK`` (process-wide,
+as the default dtype it guards), which model loading takes while transformers switches the default
+dtype (dynamo guards on it). A failed or mismatched pre-compile costs nothing but its time: the first
+call then compiles as it would have.
 """
 
 from __future__ import annotations
@@ -41,27 +44,81 @@ FUNCTIONS: dict[str, Callable] = {
     "attn_out_mlp": attn_out_mlp,
     "sample": sample_untruncated,
 }
-BACKEND: Any = "inductor"  # tests swap in a counting backend
-_compiled: dict[str, Callable] = {}
-_lock = threading.Lock()
-_thread: threading.Thread | None = None
-last_precompile_s: float | None = None  # how long the last background pre-compile took
 
 
-def compiled(name: str) -> Callable:
-    """The process-wide compiled version of ``FUNCTIONS[name]`` (batch dim dynamic)."""
-    with _lock:
-        if name not in _compiled:
-            _compiled[name] = _batch_dynamic(torch.compile(FUNCTIONS[name], backend=BACKEND))
-        return _compiled[name]
+class CompiledFunctions:
+    """The compiled versions of ``FUNCTIONS`` (batch dim dynamic) and their background pre-compile.
 
+    ``backend``: the ``torch.compile`` backend (tests pass a counting one). Engines given the same object
+    share its wrappers; with the default backend, dynamo's own cache also serves a second object's calls
+    without compiling again.
+    """
 
-def reset() -> None:
-    """Forget the compiled wrappers (tests; the next ``compiled`` call compiles afresh)."""
-    wait_precompile()
-    with _lock:
-        _compiled.clear()
-    torch._dynamo.reset()
+    def __init__(self, *, backend: Any = "inductor") -> None:
+        self.backend = backend
+        self.last_precompile_s: float | None = None  # how long the last background pre-compile took
+        self._fns: dict[str, Callable] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def get(self, name: str) -> Callable:
+        """The compiled version of ``FUNCTIONS[name]`` (made on first use)."""
+        with self._lock:
+            if name not in self._fns:
+                self._fns[name] = _batch_dynamic(torch.compile(FUNCTIONS[name], backend=self.backend))
+            return self._fns[name]
+
+    def start_precompile(
+        self,
+        config: Any,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        temperatures: Iterable[float] = (1.0,),
+        fuse_projections: bool = True,
+        fp32_logits: bool = True,
+    ) -> threading.Thread | None:
+        """Compile the decode functions for a model of Hugging Face ``config`` (see the module docstring).
+
+        ``temperatures``: the sampling temperatures the rollout will use (greedy decoding needs no graph).
+        Returns the thread (None when the engine cannot run this config: nothing to compile).
+        """
+        self.wait()
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # the thread must target this thread's device
+            device = torch.device("cuda", torch.cuda.current_device())
+        # The model structure is made here, on the meta device: building a Hugging Face model sets the
+        # process-wide default dtype for a while, which must not happen beside the caller's own model loading.
+        layer = _meta_layer(config, dtype)
+        if layer is None:
+            return None
+        args = (config, layer, device, tuple(float(t) for t in temperatures), fuse_projections, fp32_logits)
+        self._thread = threading.Thread(
+            target=self._precompile, args=args, name="klppo-precompile", daemon=True
+        )
+        self._thread.start()
+        return self._thread
+
+    def wait(self) -> None:
+        """Block until a running background pre-compile has finished (no-op when none is running)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None
+
+    def _precompile(self, config, layer, device, temperatures, fuse_projections, fp32_logits) -> None:
+        start = time.perf_counter()
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            with torch.no_grad():
+                _run_once(self, config, layer, device, temperatures, fuse_projections, fp32_logits)
+            self.last_precompile_s = time.perf_counter() - start
+            logger.info("rollout decode functions pre-compiled in %.1f s", self.last_precompile_s)
+        except Exception as err:  # the first generate compiles instead; say why this did not
+            logger.warning(
+                "rollout pre-compile skipped (%s: %s); the first rollout compiles", type(err).__name__, err
+            )
 
 
 def _batch_dynamic(fn: Callable) -> Callable:
@@ -79,36 +136,6 @@ def _batch_dynamic(fn: Callable) -> Callable:
         return fn(*args)
 
     return call
-
-
-def start_precompile(
-    config: Any,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    temperatures: Iterable[float] = (1.0,),
-    fuse_projections: bool = True,
-    fp32_logits: bool = True,
-) -> threading.Thread | None:
-    """Compile the decode functions for a model of Hugging Face ``config`` (see the module docstring).
-
-    ``temperatures``: the sampling temperatures the rollout will use (greedy decoding needs no graph).
-    Returns the thread (None when the engine cannot run this config: nothing to compile).
-    """
-    global _thread
-    wait_precompile()
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # the thread must target this thread's device
-        device = torch.device("cuda", torch.cuda.current_device())
-    # The model structure is made here, on the meta device: building a Hugging Face model sets the
-    # process-wide default dtype for a while, which must not happen beside the caller's own model loading.
-    layer = _meta_layer(config, dtype)
-    if layer is None:
-        return None
-    args = (config, layer, device, tuple(float(t) for t in temperatures), fuse_projections, fp32_logits)
-    _thread = threading.Thread(target=_precompile, args=args, name="klppo-precompile", daemon=True)
-    _thread.start()
-    return _thread
 
 
 def _meta_layer(config: Any, dtype: torch.dtype) -> LayerWeights | None:
@@ -131,32 +158,9 @@ def _meta_layer(config: Any, dtype: torch.dtype) -> LayerWeights | None:
     return LayerWeights.read(model.model.layers[0])
 
 
-def wait_precompile() -> None:
-    """Block until a running background pre-compile has finished (no-op when none is running)."""
-    global _thread
-    thread = _thread
-    if thread is not None:
-        thread.join()
-        _thread = None
-
-
-def _precompile(config, layer, device, temperatures, fuse_projections, fp32_logits) -> None:
-    global last_precompile_s
-    start = time.perf_counter()
-    try:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        with torch.no_grad():
-            _run_once(config, layer, device, temperatures, fuse_projections, fp32_logits)
-        last_precompile_s = time.perf_counter() - start
-        logger.info("rollout decode functions pre-compiled in %.1f s", last_precompile_s)
-    except Exception as err:  # the first generate compiles instead; say why this did not
-        logger.warning(
-            "rollout pre-compile skipped (%s: %s); the first rollout compiles", type(err).__name__, err
-        )
-
-
-def _run_once(config, layer: LayerWeights, device, temperatures, fuse_projections, fp32_logits) -> None:
+def _run_once(
+    fns: CompiledFunctions, config, layer: LayerWeights, device, temperatures, fuse_projections, fp32_logits
+) -> None:
     """Call each compiled function once with the rollout's shapes, dtypes and flags (values irrelevant)."""
     lw = layer.allocated_like(device)
     if fuse_projections:
@@ -179,6 +183,6 @@ def _run_once(config, layer: LayerWeights, device, temperatures, fuse_projection
         # one function at a time under the lock: the caller's model loading may not switch the default
         # dtype meanwhile (dynamo guards on it), and waits for one function at most
         with DEFAULT_DTYPE_LOCK:
-            compiled(name)(*args)
+            fns.get(name)(*args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

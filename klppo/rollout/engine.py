@@ -17,10 +17,11 @@ One ``generate`` call:
    count, covering every busy slot), each step captured once as a CUDA graph per bucket on GPU
    (:mod:`klppo.rollout.graphs`), eager on CPU. Attention reads each slot's occupied prefix only (flash
    varlen, GQA query heads packed per KV head; ``decode_attention``). The per-layer blocks and the
-   sampler are the process-wide compiled functions of :mod:`klppo.rollout.compiled` (pre-compiled in the
-   background by the trainer). A step samples on the device (untruncated sampling: one compiled fused
-   kernel pair, no [B, V] tensors written; logits in float32 with ``fp32_logits``) and records
-   tokens/log-probs into the output buffers without any host synchronisation;
+   sampler are the compiled functions of the engine's :class:`~klppo.rollout.compiled.CompiledFunctions`
+   (``compiled``: handed in by the trainer, which starts pre-compiling them in the background before
+   the weights load; else the engine's own). A step samples on the device (untruncated sampling: one
+   compiled fused kernel pair, no [B, V] tensors written; logits in float32 with ``fp32_logits``) and
+   records tokens/log-probs into the output buffers without any host synchronisation;
 5. every ``eos_check_every`` steps reads the finished flags once; the scheduler frees the finished
    slots and gives them to the next waiting sequences (prefilled the same way) — continuous batching —
    until none is left.
@@ -42,7 +43,7 @@ from collections.abc import Callable
 import torch
 
 from klppo.rollout.base import RolloutOutput, SamplingParams
-from klppo.rollout.compiled import compiled, wait_precompile
+from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.hf import HFRollout
 from klppo.rollout.llama import (
     LlamaWeights,
@@ -94,6 +95,7 @@ class KLPPORollout:
         fuse_projections: bool = True,
         decode_attention: str = "auto",
         fp32_logits: bool = True,
+        compiled: CompiledFunctions | None = None,
     ) -> None:
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -111,6 +113,7 @@ class KLPPORollout:
         self.fuse_projections = fuse_projections
         self.decode_attention = decode_attention
         self.fp32_logits = fp32_logits
+        self.compiled = compiled if compiled is not None else CompiledFunctions()
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self._ws: Workspace | None = None
 
@@ -124,7 +127,7 @@ class KLPPORollout:
         params: SamplingParams,
     ) -> RolloutOutput:
         """See :mod:`klppo.rollout.base` for the contract."""
-        wait_precompile()  # a background pre-compile (trainer start-up) must finish before we compile
+        self.compiled.wait()  # a background pre-compile (trainer start-up) must finish before we compile
         lengths = prompt_mask.sum(dim=1).tolist()
         reason = unsupported_reason(model, max(lengths) + params.max_new_tokens)
         if reason is not None:
@@ -324,7 +327,7 @@ class KLPPORollout:
         width, sink, max_len = params.max_new_tokens, ws.out_len.shape[0] - 1, ws.kv.shape[3]
         layer_fns = (attn_in, attn_out_mlp)
         if self._compiles(call.cuda):
-            layer_fns = (compiled("attn_in"), compiled("attn_out_mlp"))
+            layer_fns = (self.compiled.get("attn_in"), self.compiled.get("attn_out_mlp"))
         if w.tp is not None:  # the row-parallel all-reduces run eagerly (captured in the graph on CUDA)
             layer_fns = (layer_fns[0], layer_back(w))
         flash = self._use_flash(ws.kv)
@@ -373,7 +376,7 @@ class KLPPORollout:
             return lambda logits: sample(logits, params)
         # greedy (validation) stays eager: logsumexp + argmax are two plain reductions, and one graph fewer
         # to compile at start-up
-        fn = compiled("sample") if self._compiles(cuda) and not params.greedy else sample_untruncated
+        fn = self.compiled.get("sample") if self._compiles(cuda) and not params.greedy else sample_untruncated
         temperature = 1.0 if params.greedy else float(params.temperature)
 
         def run(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

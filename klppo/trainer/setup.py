@@ -33,7 +33,7 @@ from klppo.parallel.mesh import (
 )
 from klppo.parallel.offload import OffloadSchedule
 from klppo.rollout.base import RolloutEngine, SamplingParams, make_rollout
-from klppo.rollout.compiled import start_precompile
+from klppo.rollout.compiled import CompiledFunctions
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
 from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
@@ -127,7 +127,9 @@ def build_loaders(cfg: KLPPOConfig, tokenizer: Any) -> tuple[PromptLoader, Promp
     return train, (make(val) if val is not None else None)
 
 
-def _start_precompile(cfg: KLPPOConfig, hf_config: Any, device: torch.device) -> None:
+def _start_precompile(
+    cfg: KLPPOConfig, hf_config: Any, device: torch.device, compiled: CompiledFunctions
+) -> None:
     """Start compiling the klppo engine's decode functions in the background (see rollout.compiled)."""
     rollout = cfg.actor_rollout_ref.rollout
     temperatures = [
@@ -135,7 +137,7 @@ def _start_precompile(cfg: KLPPOConfig, hf_config: Any, device: torch.device) ->
         for s in (sampling_params(rollout, response_length=1, validation=v) for v in (False, True))
         if s.do_sample
     ]
-    start_precompile(
+    compiled.start_precompile(
         hf_config,
         dtype=to_dtype(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype),
         device=device,
@@ -144,17 +146,22 @@ def _start_precompile(cfg: KLPPOConfig, hf_config: Any, device: torch.device) ->
 
 
 def _before_weights(
-    cfg: KLPPOConfig, actor_fsdp: FSDPSettings, model_path: str, device: torch.device
+    cfg: KLPPOConfig,
+    actor_fsdp: FSDPSettings,
+    model_path: str,
+    device: torch.device,
+    compiled: CompiledFunctions | None,
 ) -> None:
     """On a GPU, before any weights load: the memory pre-flight for the actor's FSDP settings, and the
-    klppo engine's decode functions compiling in the background while the weights load."""
+    klppo engine's decode functions (``compiled``, None for another engine) compiling in the background
+    while the weights load."""
     total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
     hf_config = AutoConfig.from_pretrained(model_path)
     workload = tune_workload(cfg, actor_fsdp, world_size=world_size(), device_gib=total_gib)
     check_memory(workload, hf_config)
     rollout = cfg.actor_rollout_ref.rollout
-    if rollout.name == "klppo" and not rollout.enforce_eager:
-        _start_precompile(cfg, hf_config, device)
+    if compiled is not None and not rollout.enforce_eager:
+        _start_precompile(cfg, hf_config, device, compiled)
 
 
 def kl_controller(group: KLControlConfig | KLLossControlConfig, init_coef: float) -> KLController:
@@ -231,6 +238,25 @@ def rollout_tensor_parallel(cfg: KLPPOConfig, device_type: str) -> TensorParalle
     return group
 
 
+def _rollout_engine(cfg: KLPPOConfig, tokenizer: Any, actor_model: torch.nn.Module,
+                    tensor_parallel: TensorParallel | None, compiled: CompiledFunctions | None) -> RolloutEngine:  # fmt: skip
+    """The rollout engine of ``actor_rollout_ref.rollout``, handed the compiled functions that ``build_run``
+    started pre-compiling (klppo only)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    return make_rollout(
+        rollout.name,
+        eos_token_ids=eos_token_ids(
+            tokenizer, actor_model.config, getattr(actor_model, "generation_config", None)
+        ),
+        pad_token_id=tokenizer.pad_token_id,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        free_cache_engine=rollout.free_cache_engine,
+        tensor_parallel=tensor_parallel,
+        **engine_options(rollout),
+        **({} if compiled is None else {"compiled": compiled}),
+    )
+
+
 def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run:
     """Everything one rank trains with, in the order that lets slow work overlap (pre-compile, weights)."""
     arr, tcfg = cfg.actor_rollout_ref, cfg.trainer
@@ -243,8 +269,10 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     if arr.model.custom_chat_template:
         tokenizer.chat_template = arr.model.custom_chat_template
     actor_fsdp = fsdp_settings(arr.actor.fsdp_config, device_type=device.type)  # shards and is predicted
+    # the klppo engine's compiled decode functions: made here, pre-compiling while the weights load
+    compiled = CompiledFunctions() if arr.rollout.name == "klppo" else None
     if device.type == "cuda":
-        _before_weights(cfg, actor_fsdp, model_path, device)
+        _before_weights(cfg, actor_fsdp, model_path, device, compiled)
     train_loader, val_loader = build_loaders(cfg, tokenizer)
     total_steps = tcfg.total_training_steps or len(train_loader) * tcfg.total_epochs
     if len(train_loader) == 0:
@@ -255,18 +283,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     rollout_tp = rollout_tensor_parallel(cfg, device.type)
     inputs = RoleInputs(cfg, sizes, model_path, tokenizer, device, total_steps, offload, hf_assets, sp)
     roles = build_roles(inputs, actor_fsdp)
-    actor_model = roles.actor.model
-    rollout = make_rollout(
-        arr.rollout.name,
-        eos_token_ids=eos_token_ids(
-            tokenizer, actor_model.config, getattr(actor_model, "generation_config", None)
-        ),
-        pad_token_id=tokenizer.pad_token_id,
-        gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
-        free_cache_engine=arr.rollout.free_cache_engine,
-        tensor_parallel=rollout_tp,
-        **engine_options(arr.rollout),
-    )
+    rollout = _rollout_engine(cfg, tokenizer, roles.actor.model, rollout_tp, compiled)
     trained = ["actor"] + (["critic"] if roles.critic is not None else [])
     resume_path = resolve_resume(tcfg.resume_mode, run_dir, tcfg.resume_from_path, roles=trained)
     if rank() == 0:

@@ -184,10 +184,11 @@ def test_flash_decode_matches_masked_sdpa_on_gpu() -> None:
         torch.testing.assert_close(outs[0].log_probs[same], other.log_probs[same], atol=2e-2, rtol=0)
 
 
-def test_precompile_leaves_nothing_to_compile_and_matches_eager(monkeypatch) -> None:
-    """A background pre-compile from the config alone makes every graph the rollout needs: generate then
-    compiles nothing (greedy and tempered sampling, several batch buckets) and equals the eager engine."""
-    from klppo.rollout import compiled
+def test_precompile_leaves_nothing_to_compile_and_matches_eager() -> None:
+    """A background pre-compile from the config alone makes every graph the rollout needs: generate on an
+    engine handed the same CompiledFunctions then compiles nothing (greedy and tempered sampling, several
+    batch buckets) and equals the eager engine."""
+    from klppo.rollout.compiled import CompiledFunctions
 
     model = build_tiny_model(arch="qwen2").eval()
     graphs: list[str] = []
@@ -196,24 +197,25 @@ def test_precompile_leaves_nothing_to_compile_and_matches_eager(monkeypatch) -> 
         graphs.append(gm.code)
         return gm.forward
 
-    compiled.reset()
-    monkeypatch.setattr(compiled, "BACKEND", counting_backend)
-    thread = compiled.start_precompile(model.config, dtype=torch.float32, device="cpu", temperatures=(0.7,))
+    torch._dynamo.reset()
+    fns = CompiledFunctions(backend=counting_backend)
+    thread = fns.start_precompile(model.config, dtype=torch.float32, device="cpu", temperatures=(0.7,))
     assert thread is not None
-    compiled.wait_precompile()
+    fns.wait()
     made = len(graphs)
-    assert made == 3 and compiled.last_precompile_s is not None  # two layer blocks, one sampler (T = 0.7)
+    assert made == 3 and fns.last_precompile_s is not None  # two layer blocks, one sampler (T = 0.7)
     prompts, prompt_mask = left_padded(PROMPTS)
     for params in (SamplingParams(max_new_tokens=9, do_sample=False), SamplingParams(max_new_tokens=9, n=2,
                    temperature=0.7, seed=3)):  # fmt: skip
-        ours = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3)
+        ours = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3,
+                            compiled=fns)  # fmt: skip
         eager = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=False, max_num_seqs=3)
         a = ours.generate(model, prompts, prompt_mask, params)
         b = eager.generate(model, prompts, prompt_mask, params)
         assert torch.equal(a.responses, b.responses)
         torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-6, rtol=0)
     assert len(graphs) == made, "the rollout compiled graphs the pre-compile had not made"
-    compiled.reset()
+    torch._dynamo.reset()
 
 
 def test_decode_buckets_never_one_unless_single_slot() -> None:
@@ -255,13 +257,13 @@ def test_samples_of_a_prompt_share_its_prefill(tiny_qwen2) -> None:
     torch.testing.assert_close(out.log_probs.double(), ref, atol=1e-4, rtol=0)
 
 
-def test_precompile_waits_while_model_loading_switches_the_default_dtype(monkeypatch) -> None:
+def test_precompile_waits_while_model_loading_switches_the_default_dtype() -> None:
     """The background compile takes the default-dtype lock per function: while model loading holds it
     (transformers switching the default dtype), nothing is compiled; afterwards everything is."""
     import time
 
     from klppo.models.loading import DEFAULT_DTYPE_LOCK, default_dtype_change
-    from klppo.rollout import compiled
+    from klppo.rollout.compiled import CompiledFunctions
 
     model = build_tiny_model(arch="llama").eval()
     graphs: list[object] = []
@@ -270,19 +272,19 @@ def test_precompile_waits_while_model_loading_switches_the_default_dtype(monkeyp
         graphs.append(torch.get_default_dtype())
         return gm.forward
 
-    compiled.reset()
-    monkeypatch.setattr(compiled, "BACKEND", counting_backend)
+    torch._dynamo.reset()
+    fns = CompiledFunctions(backend=counting_backend)
     with default_dtype_change(torch.bfloat16):  # as load_causal_lm(dtype=bf16) does
         assert DEFAULT_DTYPE_LOCK.locked()
         torch.set_default_dtype(torch.bfloat16)
         try:
-            compiled.start_precompile(model.config, dtype=torch.float32, device="cpu")
+            fns.start_precompile(model.config, dtype=torch.float32, device="cpu")
             time.sleep(0.5)
             assert graphs == []
         finally:
             torch.set_default_dtype(torch.float32)
     with default_dtype_change(torch.float32):  # no change: no lock
         assert not DEFAULT_DTYPE_LOCK.locked()
-    compiled.wait_precompile()
+    fns.wait()
     assert graphs == [torch.float32] * 3
-    compiled.reset()
+    torch._dynamo.reset()

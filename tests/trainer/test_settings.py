@@ -161,3 +161,35 @@ def test_a_ulysses_group_gets_its_token_budgets_and_the_tune_workload_its_sizes(
     tw = tune_workload(fixed, fsdp, world_size=4, device_gib=80)
     assert (tw.workload.sequence_parallel, tw.workload.rollout_tensor_parallel) == (2, 2)
     assert tw.update_micro_tokens == 23  # ceil(3 rows × 15 tokens / 2 ranks)
+
+
+def test_setup_precompile_makes_one_sampler_graph_per_temperature_on_the_given_object() -> None:
+    """The trainer's pre-compile runs on the CompiledFunctions it is given (the one build_run hands to
+    the engine): one sampler graph per sampling temperature of the config (training 0.7, validation 0.5),
+    besides the two layer blocks."""
+    from klppo.models.tiny import build_tiny_model
+    from klppo.rollout.compiled import CompiledFunctions
+    from klppo.trainer.setup import _start_precompile
+
+    cfg = load_config(
+        [
+            "actor_rollout_ref.rollout.temperature=0.7",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=0.5",
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        ]  # fmt: skip
+    )
+    graphs: list[str] = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fns = CompiledFunctions(backend=counting_backend)
+    config = build_tiny_model(arch="qwen2").config
+    try:
+        _start_precompile(cfg, config, torch.device("cpu"), fns)
+        fns.wait()
+        assert len(graphs) == 4 and fns.last_precompile_s is not None
+    finally:
+        torch._dynamo.reset()
