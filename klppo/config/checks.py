@@ -151,14 +151,6 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     _check_kl_controller("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, cfg.algorithm.kl_ctrl.kl_coef)
     actor = cfg.actor_rollout_ref.actor
     _check_kl_controller("actor_rollout_ref.actor.kl_loss_ctrl", actor.kl_loss_ctrl, actor.kl_loss_coef)
-    for prefix, ctrl, init_key, init_coef, on in (
-        ("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, "kl_coef", cfg.algorithm.kl_ctrl.kl_coef,
-         cfg.algorithm.use_kl_in_reward),
-        ("actor_rollout_ref.actor.kl_loss_ctrl", actor.kl_loss_ctrl, "actor.kl_loss_coef", actor.kl_loss_coef,
-         actor.use_kl_loss),
-    ):  # fmt: skip
-        if on and ctrl.type == "pi":
-            _pi_floor_note(prefix, ctrl, init_key, init_coef, notify)
     if actor.kl_loss_ctrl.type != "fixed" and not actor.use_kl_loss:
         raise ConfigError(
             f"actor_rollout_ref.actor.kl_loss_ctrl.type={actor.kl_loss_ctrl.type} controls the KL loss, but "
@@ -172,6 +164,21 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     _token_budgets(cfg)
     check_monitor(cfg.monitor)
     check_profiler(cfg.global_profiler.tool, cfg.global_profiler.steps)
+    _advice(cfg, notify)
+
+
+def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
+    """Settings that run but rarely do what their author wants: one note each, naming the keys and what to
+    set (the GRPO and PI notes rest on measured runs, bench/RESULTS.md 'Learning')."""
+    actor = cfg.actor_rollout_ref.actor
+    for prefix, ctrl, init_key, init_coef, on in (
+        ("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, "kl_coef", cfg.algorithm.kl_ctrl.kl_coef,
+         cfg.algorithm.use_kl_in_reward),
+        ("actor_rollout_ref.actor.kl_loss_ctrl", actor.kl_loss_ctrl, "actor.kl_loss_coef", actor.kl_loss_coef,
+         actor.use_kl_loss),
+    ):  # fmt: skip
+        if on and ctrl.type == "pi":
+            _pi_floor_note(prefix, ctrl, init_key, init_coef, notify)
     est, n_samples = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
     if est in GROUP_ESTIMATORS and n_samples == 1:
         notify(
