@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,24 +56,24 @@ def main() -> None:
     p.add_argument("--stall", type=float, default=45.0, help="seconds rank 1 sleeps in 'gen'")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    worker = args.out.parent / "stall_worker.py"
+    work = Path(tempfile.mkdtemp(prefix="klppo-stall-"))  # worker and rank logs: only the JSON goes to --out
+    worker, logs = work / "stall_worker.py", work / "logs"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     worker.write_text(WORKER)
-    shutil.rmtree(args.out.parent / "stall_logs", ignore_errors=True)  # only this run's rank logs
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--redirects", "2",
-           "--log-dir", str(args.out.parent / "stall_logs"), str(worker),
-           args.device, str(args.timeout), str(args.stall)]  # fmt: skip
+           "--log-dir", str(logs), str(worker), args.device, str(args.timeout), str(args.stall)]  # fmt: skip
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=600)
     wall = time.monotonic() - start
     ranks = {}
-    for err in sorted((args.out.parent / "stall_logs").rglob("stderr.log")):
+    for err in sorted(logs.rglob("stderr.log")):
         rank = err.parent.name
         lines = err.read_text(errors="replace").splitlines()
         ranks[rank] = [ln for ln in lines if any(k in ln for k in KEYS)][:40]
     result = {"device": args.device, "timeout_s": args.timeout, "stall_s": args.stall, "wall_s": round(wall, 1),
               "torchrun_exit": proc.returncode, "ranks": ranks, "torchrun_tail": proc.stderr[-3000:]}  # fmt: skip
     args.out.write_text(json.dumps(result, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=1))
 
 
