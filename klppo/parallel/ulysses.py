@@ -37,6 +37,7 @@ from klppo.batching.packing import (
     _scatter_response,
     pack,
 )
+from klppo.parallel.collectives import group_all_gather
 from klppo.parallel.mesh import SequenceParallel
 
 ULYSSES_ATTENTION = "klppo_ulysses"
@@ -102,9 +103,7 @@ class GatherTokens(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         ctx.n = x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=0)
+        return group_all_gather(x, group).flatten(0, 1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -287,9 +286,7 @@ def gather_group_rows(batch: Batch, sp: SequenceParallel) -> Batch:
     the same widths (each rank's share of a step)."""
 
     def cat(t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(sp.size)]
-        dist.all_gather(parts, t.contiguous(), group=sp.group)
-        return torch.cat(parts, dim=0)
+        return group_all_gather(t, sp.group).flatten(0, 1)
 
     return Batch(
         prompts=cat(batch.prompts),
