@@ -6,12 +6,12 @@ import io
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from bench.phase_stall import WORKER
 from klppo.parallel import dist as kdist
 from klppo.parallel.dist import PhaseWatch, free_port, phase
 
@@ -42,32 +42,12 @@ def test_watch_thread_starts_and_stops():
     assert "phase 'update_actor'" in out.getvalue()
 
 
-WORKER = textwrap.dedent(
-    """
-    import os, sys, time
-    import torch, torch.distributed as dist
-    from klppo.parallel.dist import CollectiveTimeoutError, init_distributed, phase, destroy
-    info = init_distributed("cpu", timeout_s=2.0)
-    try:
-        with phase("step"):
-            if info.rank == 1:
-                with phase("gen"):  # stalled on purpose: rank 0 waits for it in a collective
-                    time.sleep(5.0)
-            else:
-                with phase("gather_samples"):
-                    dist.all_reduce(torch.ones(1))
-    except CollectiveTimeoutError as e:
-        print("ERROR", e, file=sys.stderr, flush=True)
-        os._exit(3)  # no interpreter teardown: gloo's destructor may abort with the failed work pending
-    """
-)
-
-
 @pytest.mark.slow
 def test_two_ranks_one_stalled_name_both_phases(tmp_path: Path):
     """gloo, 2 processes, collective timeout 2 s: rank 1 sleeps 5 s in 'gen' while rank 0 waits in an
     all-reduce inside 'gather_samples'. Rank 0's error names its phase; rank 1's watch line (at 80% of the
-    timeout) names the stalled phase, the cause."""
+    timeout) names the stalled phase, the cause. The worker is bench/phase_stall.py's (which runs it under
+    torchrun, also on NCCL)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     port = str(free_port())
@@ -77,7 +57,9 @@ def test_two_ranks_one_stalled_name_both_phases(tmp_path: Path):
                    MASTER_PORT=port, PYTHONPATH=os.environ.get("PYTHONPATH", ""))  # fmt: skip
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env["PYTHONPATH"]])
         procs.append(
-            subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [sys.executable, str(script), "cpu", "2", "5"], env=env, stderr=subprocess.PIPE, text=True
+            )
         )
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert procs[0].returncode == 3, errs[0]
