@@ -180,7 +180,7 @@ def phase(name: str) -> Iterator[None]:
     previous, _current_phase = _current_phase, name
     _phase_stack.append(name)
     _phase_since = time.monotonic()
-    path = " > ".join(_phase_stack)
+    path = phase_path()
     os.environ["KLPPO_PHASE"] = name
     logger.debug("phase=%s", name)
     try:
