@@ -186,15 +186,11 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
             "so the group baseline is 0 (as in verl) and the advantages are the raw scores, without the "
             "variance reduction the estimator exists for; set rollout.n ≥ 2"
         )
-    arr = cfg.actor_rollout_ref
-    if arr.rollout.tensor_model_parallel_size > 1 and (
-        arr.model.lora_rank > 0 or arr.rollout.name != "klppo"
-    ):
-        why = "LoRA (model.lora_rank > 0)" if arr.model.lora_rank > 0 else f"rollout.name={arr.rollout.name}"
+    tp, why = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, tp_rollout_unbuilt(cfg)
+    if tp > 1 and why:
         notify(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={arr.rollout.tensor_model_parallel_size} is "
-            f"not built with {why}: the rollout runs data-parallel on gathered weights (same results, the "
-            "whole model in memory on every GPU)"
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} is not built with {why}: the rollout "
+            "runs data-parallel on gathered weights (same results, the whole model in memory on every GPU)"
         )
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         notify("both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL is penalized twice")
@@ -239,6 +235,18 @@ def _token_budgets(cfg: KLPPOConfig) -> None:
                 f"{d.max_prompt_length} + data.max_response_length={d.max_response_length} = {longest} tokens; "
                 f"set it ≥ {-(-longest // sp)}"
             )
+
+
+def tp_rollout_unbuilt(cfg: KLPPOConfig) -> str | None:
+    """Why a tensor-parallel rollout cannot run with this config (the rollout then runs data-parallel on
+    gathered weights), or None: LoRA (the adapters would have to be merged into the slices) or the hf
+    backend."""
+    arr = cfg.actor_rollout_ref
+    if arr.model.lora_rank > 0:
+        return "LoRA (model.lora_rank > 0)"
+    if arr.rollout.name != "klppo":
+        return f"rollout.name={arr.rollout.name}"
+    return None
 
 
 PI_CLIMB_NOTE_STEPS = 25

@@ -17,6 +17,7 @@ from transformers import AutoConfig
 from klppo.algorithms.advantages import get_advantage_estimator
 from klppo.algorithms.kl_control import KLController, make_kl_controller
 from klppo.config import KLPPOConfig, config_to_yaml, derive_sizes
+from klppo.config.checks import tp_rollout_unbuilt
 from klppo.config.schema import KLControlConfig
 from klppo.config.schema_arr import KLLossControlConfig
 from klppo.data.dataset import PromptLoader
@@ -230,11 +231,9 @@ def rollout_tensor_parallel(cfg: KLPPOConfig, device_type: str) -> TensorParalle
     """This rank's rollout tensor-parallel group (``rollout.tensor_model_parallel_size``; the mesh is a
     collective), None for 1. LoRA (the adapters would have to be merged into the slices) and the ``hf``
     backend run data-parallel on gathered weights instead (noted when the configuration loads)."""
-    arr = cfg.actor_rollout_ref
-    rollout = arr.rollout
-    group = build_rollout_mesh(rollout.tensor_model_parallel_size, device_type)
-    if group is not None and (arr.model.lora_rank > 0 or rollout.name != "klppo"):
-        return None  # data-parallel on gathered weights: the config check said so (config/checks.py)
+    group = build_rollout_mesh(cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, device_type)
+    if group is not None and tp_rollout_unbuilt(cfg):
+        return None  # data-parallel on gathered weights: noted when the config loaded (config/checks.py)
     return group
 
 
