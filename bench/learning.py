@@ -92,8 +92,12 @@ PRESETS: dict[str, list[str]] = {
     # RLOO (leave-one-out baseline, no std division) with the KL in the reward (k1, summed over the
     # response): the policy gradient of E[score] − β·KL(π‖π_ref) at the sequence level, whose optimum is
     # π_ref·exp(score/β) — the format whose whole answer costs the least KL wins, not the cheapest token
-    "rloo_reward_k1": ["algorithm.adv_estimator=rloo", "algorithm.use_kl_in_reward=True",
-                       "algorithm.kl_penalty=kl", "algorithm.kl_ctrl.kl_coef=0.1"],  # fmt: skip
+    "rloo_reward_k1": [
+        "algorithm.adv_estimator=rloo",
+        "algorithm.use_kl_in_reward=True",
+        "algorithm.kl_penalty=kl",
+        "algorithm.kl_ctrl.kl_coef=0.1",
+    ],
     # PPO with a critic, KL in the reward held at a target by the PI controller
     "gae_reward_pi": GAE
     + [
