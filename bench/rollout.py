@@ -34,6 +34,8 @@ SHAPES = {
                  intermediate_size=4864),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128),  # CPU tests of the bench scripts
 }  # fmt: skip
 HBM_BYTES_PER_S = 4.8e12  # H200
 VARIANTS = {

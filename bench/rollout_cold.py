@@ -1,14 +1,19 @@
 """Cold-start time of the klppo engine: the first ``generate`` in a fresh Python process.
 
     PYTHONPATH=$PWD python bench/rollout_cold.py [--modes compile,compile-warm-cache,eager] [--batch 64]
+        [--repeat 3] [--out cold.json]
 
-Each mode runs in its own child process (nothing imported or compiled beforehand) on the Qwen2.5-0.5B
-shape, bf16, prompt 256, 256 new tokens forced: the first call (KV cache allocation, compile of the
-decode functions, CUDA-graph capture of each batch bucket met) and then a second call of the same shape
-(warm). Modes:
+Each mode runs ``--repeat`` times, each run in its own child process (nothing imported or compiled
+beforehand) on the Qwen2.5-0.5B shape, bf16, prompt 256, 256 new tokens forced: the first call (KV cache
+allocation, compile of the decode functions, CUDA-graph capture of each batch bucket met) and then a
+second call of the same shape (warm). The compile caches are klppo's own (``klppo.rollout.compiled``:
+``$KLPPO_CACHE/compile/{inductor,triton}``): each child gets ``KLPPO_CACHE`` and no
+``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR``, so the engine's default choice is what is measured.
+Modes:
 
-- ``compile``: the default engine with empty inductor and triton caches (a machine's very first run);
-- ``compile-warm-cache``: the default engine again, reusing the on-disk caches the previous mode left
+- ``compile``: the default engine, each process with a new empty cache directory (a machine's very first
+  run);
+- ``compile-warm-cache``: the default engine, reusing the cache directory the last fresh process filled
   (every later process on that machine: a resumed run, the next job);
 - ``compile-1thread``: as ``compile`` with inductor's compile-worker pool off (in-process compiles);
 - ``precompile``: empty caches, ``CompiledFunctions.start_precompile`` (``klppo.rollout.compiled``) started
@@ -17,7 +22,12 @@ decode functions, CUDA-graph capture of each batch bucket met) and then a second
   is left of it;
 - ``eager``: ``compile_decode=False`` (CUDA graphs of uncompiled kernels), empty caches.
 
-``setup_to_first_s`` = model build + engine + first call (+ the pre-compile start): the start-up a user sees.
+``setup_to_first_s`` = model build + engine + first call (+ the pre-compile start): the start-up a user
+sees after the imports; ``to_first_result_s`` = the same from the child's first line (imports included);
+``process_s`` = the child process's wall time, interpreter start and exit included;
+``fxgraph_cache_hit`` / ``_miss``: inductor's FX graph cache in that process. ``--tiny``: a tiny model on
+the CPU with the decode compiled (the test of this script). ``--out`` writes
+``{"runs": [...], "median": {mode: {figure: median over the repeats}}}``.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,7 +50,7 @@ MODES = {
 }
 
 
-def child(mode: str, batch: int) -> None:
+def child(mode: str, batch: int, tiny: bool) -> None:
     t_start = time.perf_counter()
     import logging
 
@@ -53,29 +64,37 @@ def child(mode: str, batch: int) -> None:
     from klppo.rollout import SamplingParams, make_rollout
     from klppo.rollout.compiled import CompiledFunctions
 
+    shape, device, dtype, prompt, new = ("tiny", "cpu", torch.float32, 8, 8) if tiny else \
+        ("0.5b", "cuda", torch.bfloat16, PROMPT, NEW)  # fmt: skip
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t_import = time.perf_counter() - t_start
     t_setup = time.perf_counter()
     compiled = CompiledFunctions()
     if MODES[mode].get("precompile"):
-        compiled.start_precompile(qwen_config("0.5b"), dtype=torch.bfloat16, device=torch.device("cuda"))
-    model = build("0.5b", torch.bfloat16)
-    params = SamplingParams(max_new_tokens=NEW, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True)
+        compiled.start_precompile(qwen_config(shape), dtype=dtype, device=torch.device(device))
+    model = build(shape, dtype, device)
+    params = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True)
     engine = make_rollout("klppo", eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
-                          free_cache_engine=False, compiled=compiled, **MODES[mode]["engine"])  # fmt: skip
-    prompts = torch.randint(0, 151000, (batch, PROMPT), device="cuda")
+                          free_cache_engine=False, compiled=compiled,
+                          **{"compile_decode": True, **MODES[mode]["engine"]})  # fmt: skip
+    prompts = torch.randint(0, 151000, (batch, prompt), device=device)
     mask = torch.ones_like(prompts)
     row = dict(mode=mode, batch=batch, import_s=t_import)
     for phase in ("cold", "warm"):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         s = engine.generate(model, prompts, mask, params).stats
-        torch.cuda.synchronize()
+        sync()
         decode_s = s["rollout/time_s"] - s["rollout/prefill_s"] - s["rollout/graph_capture_s"]
         if phase == "cold":
             row["setup_to_first_s"] = time.perf_counter() - t_setup
+            row["to_first_result_s"] = time.perf_counter() - t_start
         row.update({f"{phase}_call_s": time.perf_counter() - t0, f"{phase}_capture_s": s["rollout/graph_capture_s"],
                     f"{phase}_prefill_s": s["rollout/prefill_s"],
                     f"{phase}_ms_per_step": decode_s / s["rollout/decode_steps"] * 1e3})  # fmt: skip
+    from torch._dynamo.utils import counters
+
+    row.update({k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")})
     if os.environ.get("KLPPO_COLD_BREAKDOWN"):
         print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)
     print(
@@ -84,32 +103,60 @@ def child(mode: str, batch: int) -> None:
     )
 
 
-def main() -> None:
+def run_child(mode: str, batch: int, cache: str, tiny: bool = False) -> dict | None:
+    """One child process of ``mode`` with ``KLPPO_CACHE=cache``: its row (None when it printed none)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env.update(KLPPO_CACHE=cache, **MODES[mode].get("env", {}))
+    t0 = time.perf_counter()
+    argv = [sys.executable, __file__, "--child", mode, "--batch", str(batch), *(["--tiny"] if tiny else [])]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+    rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    if proc.returncode or not rows or os.environ.get("KLPPO_COLD_BREAKDOWN"):
+        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+    if not rows:
+        return None
+    row = json.loads(rows[0])
+    row["process_s"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def medians(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per mode, the median of every numeric figure over its runs."""
+    out: dict[str, dict[str, float]] = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        rows = [r for r in runs if r["mode"] == mode]
+        keys = [k for k, v in rows[0].items() if isinstance(v, int | float) and k != "batch"]
+        out[mode] = {"runs": len(rows), **{k: round(statistics.median(r[k] for r in rows), 4) for k in keys}}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="compile,compile-warm-cache,eager")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=1, help="processes per mode (the JSON gives medians)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU, decode compiled (tests)")
     ap.add_argument("--child", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.batch)
+        child(args.child, args.batch, args.tiny)
         return
-    cache = tempfile.mkdtemp(prefix="klppo-cold-")
+    cache = tempfile.mkdtemp(prefix="klppo-cold-")  # filled by the last fresh process
+    runs = []
     for mode in args.modes.split(","):
-        if MODES[mode]["fresh_cache"]:
-            cache = tempfile.mkdtemp(prefix="klppo-cold-")
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton",
-                   **MODES[mode].get("env", {}))  # fmt: skip
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, __file__, "--child", mode, "--batch", str(args.batch)], env=env,
-                              capture_output=True, text=True)  # fmt: skip
-        rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
-        if proc.returncode or not rows or os.environ.get("KLPPO_COLD_BREAKDOWN"):
-            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-        if not rows:
-            continue
-        row = json.loads(rows[0])
-        row["process_s"] = round(time.perf_counter() - t0, 2)
-        print(json.dumps(row), flush=True)
+        for _ in range(args.repeat):
+            if MODES[mode]["fresh_cache"]:
+                cache = tempfile.mkdtemp(prefix="klppo-cold-")
+            row = run_child(mode, args.batch, cache, args.tiny)
+            if row is None:
+                continue
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump({"runs": runs, "median": medians(runs)}, f, indent=1)
+    print(json.dumps({"median": medians(runs)}, indent=1), flush=True)
 
 
 if __name__ == "__main__":

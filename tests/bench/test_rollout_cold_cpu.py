@@ -1,0 +1,28 @@
+"""bench/rollout_cold.py on CPU (tiny model, decode compiled): fresh processes get their own empty klppo
+cache and compile; a process of the reuse mode loads the graphs from the last fresh one's cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.rollout_cold import main, medians
+
+
+def test_medians_per_mode() -> None:
+    runs = [dict(mode="a", batch=2, x=1.0), dict(mode="a", batch=2, x=5.0), dict(mode="a", batch=2, x=2.0),
+            dict(mode="b", batch=2, x=7.0)]  # fmt: skip
+    assert medians(runs) == {"a": {"runs": 3, "x": 2.0}, "b": {"runs": 1, "x": 7.0}}
+
+
+@pytest.mark.slow
+def test_fresh_then_reused_cache_on_cpu(tmp_path) -> None:
+    out = tmp_path / "cold.json"
+    main(["--tiny", "--batch", "2", "--modes", "compile,compile-warm-cache", "--out", str(out)])
+    result = json.loads(out.read_text())
+    fresh, reused = result["runs"]
+    assert fresh["fxgraph_cache_miss"] >= 3 and fresh.get("fxgraph_cache_hit", 0) == 0, fresh
+    assert reused["fxgraph_cache_hit"] >= 3 and reused.get("fxgraph_cache_miss", 0) == 0, reused
+    assert set(result["median"]) == {"compile", "compile-warm-cache"}
+    assert result["median"]["compile"]["to_first_result_s"] == fresh["to_first_result_s"]
