@@ -15,7 +15,8 @@ Variants (``--variants``): ``before`` (every issue-18 candidate off) or ``after`
 ``+name`` / ``-name`` to switch one candidate on or off: ``skip`` (on-policy skip of the old-log-prob
 pass), ``fused_head`` (``model.use_fused_kernels``: chunked log-prob/entropy from the LM head),
 ``shared_plan`` (the reference pass reuses the old-log-prob pass's micro-batches, packed once),
-``fused_adamw`` (fused AdamW on CUDA); and settings that are not candidates: ``+one_unit`` (one FSDP unit
+``fused_adamw`` (fused AdamW on CUDA), ``host_plan`` (micro-batches trimmed, packed and weighted from a
+host copy of the masks, statistics summed on the device: no host sync per micro-batch); and settings that are not candidates: ``+one_unit`` (one FSDP unit
 per model), ``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing).
 E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
 process; the trainer workloads report the median of the steps after the first (which includes warm-up:
@@ -67,6 +68,7 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
     ),
     "fused_head": ([f"{ARR}.model.use_fused_kernels=True"], [f"{ARR}.model.use_fused_kernels=False"]),
     "shared_plan": (["@shared_plan=on"], ["@shared_plan=off"]),  # "@": a bench switch, not a config key
+    "host_plan": (["@host_plan=on"], ["@host_plan=off"]),
     "fused_adamw": (
         [],  # the default on CUDA (klppo.roles.optim.build_optimizer)
         [f"{role}.optim.override_optimizer_config={{fused: false}}" for role in (f"{ARR}.actor", "critic")],
@@ -84,16 +86,27 @@ SETTINGS = {
 
 @contextlib.contextmanager
 def bench_switches(items: list[str]) -> Iterator[None]:
-    """``@shared_plan=off``: the reference ignores the old-log-prob pass's plan (cuts and packs its own)."""
+    """``@shared_plan=off``: the reference ignores the old-log-prob pass's plan (cuts and packs its own).
+    ``@host_plan=off``: the host syncs per micro-batch of the code before the host-planned passes: no host
+    mask (trimming, packing and loss weights read the device masks) and every statistic read one by one."""
+    from klppo.batch import Batch
+    from klppo.roles.metrics import MetricAccumulator
     from klppo.roles.reference import Reference
 
     original = Reference.compute_ref_log_prob
+    with_host_mask, add = Batch.with_host_mask, MetricAccumulator.add
     if "@shared_plan=off" in items:
         Reference.compute_ref_log_prob = lambda self, batch, plan=None: original(self, batch)
+    if "@host_plan=off" in items:
+        Batch.with_host_mask = lambda self: self
+        MetricAccumulator.add = lambda self, stats, weight=1.0: add(
+            self, {k: float(v) for k, v in stats.items()}, weight=weight
+        )
     try:
         yield
     finally:
         Reference.compute_ref_log_prob = original
+        Batch.with_host_mask, MetricAccumulator.add = with_host_mask, add
 
 
 def variant_overrides(name: str) -> list[str]:

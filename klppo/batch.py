@@ -13,6 +13,11 @@ Shapes (P = prompt length, left-padded; R = response length, right-padded):
 - ``token_level_scores`` / ``token_level_rewards`` / ``advantages`` / ``returns`` [B, R] float32
 - ``reward_baselines`` [B] float32: the score of the greedy response to the sample's prompt (estimators
   that subtract it, e.g. ReMax); ``None`` otherwise
+- ``host_mask``: a host (numpy) copy of ``attention_mask`` [B, P+R] bool, or ``None``. The roles' passes set
+  it once per pass (:meth:`Batch.with_host_mask`: one device→host copy) so that micro-batching, trimming
+  and packing read lengths and token positions on the host instead of syncing with the device once per
+  micro-batch. ``select`` indexes it; ``replace`` of a mask or token field drops it; ``concat`` keeps it
+  only when every part has one.
 - ``data_source`` / ``ground_truth`` / ``uid`` / ``extra_info`` / ``raw_prompt``: lists of length B
   (``uid`` identifies the prompt a sample came from: the group for GRPO/RLOO)
 """
@@ -23,6 +28,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 TENSOR_FIELDS = (
@@ -63,6 +69,7 @@ class Batch:
     uid: list[Any] = dataclasses.field(default_factory=list)
     extra_info: list[Any] = dataclasses.field(default_factory=list)
     raw_prompt: list[Any] = dataclasses.field(default_factory=list)
+    host_mask: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.prompts.shape[0])
@@ -95,13 +102,18 @@ class Batch:
         """Rows ``index`` (in that order) as a new batch; tensors are indexed, not copied where possible."""
         idx = torch.as_tensor(index, dtype=torch.long)
         out: dict[str, Any] = {}
+        on_device: dict[torch.device, torch.Tensor] = {}  # asynchronous copies: a blocking one syncs
         for name in TENSOR_FIELDS:
             t = getattr(self, name)
-            out[name] = None if t is None else t[idx.to(t.device)]
-        idx_list = idx.tolist()
+            if t is not None and t.device not in on_device:
+                on_device[t.device] = idx.to(t.device, non_blocking=idx.device.type == "cpu")
+            out[name] = None if t is None else t[on_device[t.device]]
+        idx_list = idx.tolist() if isinstance(index, torch.Tensor) else [int(i) for i in index]
         for name in LIST_FIELDS:
             values = getattr(self, name)
             out[name] = [values[i] for i in idx_list] if values else []
+        if self.host_mask is not None:
+            out["host_mask"] = self.host_mask[idx_list]
         return Batch(**out)
 
     def split(self, size: int) -> list[Batch]:
@@ -133,6 +145,8 @@ class Batch:
                 out[name] = torch.cat(ts, dim=0)
         for name in LIST_FIELDS:
             out[name] = [v for b in batches for v in getattr(b, name)]
+        if all(b.host_mask is not None for b in batches):
+            out["host_mask"] = np.concatenate([b.host_mask for b in batches], axis=0)
         return Batch(**out)
 
     def repeat_interleave(self, n: int) -> Batch:
@@ -146,4 +160,15 @@ class Batch:
         return dataclasses.replace(self, **changes)
 
     def replace(self, **changes: Any) -> Batch:
+        if "host_mask" not in changes and _MASK_SOURCES.intersection(changes):
+            changes["host_mask"] = None  # it would no longer match the new masks
         return dataclasses.replace(self, **changes)
+
+    def with_host_mask(self) -> Batch:
+        """This batch with ``host_mask`` set (one device→host copy unless it is set already)."""
+        if self.host_mask is not None or self.response_mask is None:
+            return self
+        return dataclasses.replace(self, host_mask=self.attention_mask.bool().cpu().numpy())
+
+
+_MASK_SOURCES = frozenset({"prompts", "prompt_mask", "responses", "response_mask"})

@@ -40,6 +40,7 @@ import math
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -127,12 +128,12 @@ def restore_order(chunks: Sequence[torch.Tensor], partitions: Sequence[Sequence[
         raise ValueError(f"chunks hold {stacked.shape[0]} rows but partitions name {len(order)}")
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.as_tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    return stacked[inverse.to(stacked.device)]
+    return stacked[inverse.to(stacked.device, non_blocking=True)]
 
 
 def micro_batch_loss_weight(
     mode: str,
-    micro_mask: torch.Tensor,
+    micro_mask: torch.Tensor | np.ndarray,
     mini_num_tokens: int | float | torch.Tensor,
     mini_num_seqs: int | float | torch.Tensor,
     horizon: int,
@@ -143,7 +144,8 @@ def micro_batch_loss_weight(
 
     Args:
         mode: one of :data:`LOSS_AGG_MODES`.
-        micro_mask: [b, R'] loss mask of the micro-batch's rows.
+        micro_mask: [b, R'] loss mask of the micro-batch's rows (a tensor, or a numpy array: read on the
+            host without a device sync).
         mini_num_tokens: Σ mask over the whole mini-batch (or over all ranks: global variant).
         mini_num_seqs: number of rows of the mini-batch with at least one unmasked token.
         horizon: the mini-batch mask's last dimension (``seq-mean-token-sum-norm`` divides by it).
@@ -164,7 +166,7 @@ def micro_batch_loss_weight(
         )
         return num / float(rows) if num > 0 else 0.0
     if mode == "seq-mean-token-mean":
-        num = float((micro_mask.sum(dim=-1) > 0).sum())
+        num = float((micro_mask.sum(-1) > 0).sum())
         return num / float(mini_num_seqs) if num > 0 else 0.0
     if mode == "seq-mean-token-sum-norm":
         return float(micro_mask.shape[-1]) / float(horizon)

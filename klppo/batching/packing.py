@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import warnings
 
+import numpy as np
 import torch
 
 from klppo.algorithms.losses import entropy_from_logits
@@ -56,25 +57,46 @@ class Packed:
         return pos.view(self.batch_size, self.seq_len)
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on ``device`` without waiting for the device (an asynchronous copy: a
+    blocking host→device copy would synchronise the stream)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+
+
 def pack(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    host_mask: np.ndarray | None = None,
 ) -> Packed:
     """Remove padding: [B, L] → one row [1, T] (row-major order of the real tokens).
 
     ``position_ids`` defaults to ``cumsum(mask) - 1`` per row (0 at each sequence's first token).
+    ``host_mask``: a numpy copy of ``attention_mask``; the token positions are then found on the host
+    (no device sync) and copied to the device asynchronously. Same result either way.
     """
     batch_size, seq_len = input_ids.shape
     mask = attention_mask.bool()
     if position_ids is None:
         position_ids = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    indices = torch.nonzero(mask.reshape(-1), as_tuple=False).squeeze(-1)
-    lengths = mask.sum(dim=1, dtype=torch.int32)
-    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    if host_mask is not None:
+        host_lengths = host_mask.sum(axis=1, dtype=np.int32)
+        indices = to_device(np.flatnonzero(host_mask.reshape(-1)).astype(np.int64), input_ids.device)
+        cu_seqlens = to_device(
+            np.concatenate([[0], np.cumsum(host_lengths)]).astype(np.int32), input_ids.device
+        )
+        max_seqlen = int(host_lengths.max()) if batch_size else 0
+    else:
+        indices = torch.nonzero(mask.reshape(-1), as_tuple=False).squeeze(-1)
+        lengths = mask.sum(dim=1, dtype=torch.int32)
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        max_seqlen = int(lengths.max()) if batch_size else 0
     return Packed(
         input_ids=input_ids.reshape(-1)[indices].unsqueeze(0),
         position_ids=position_ids.reshape(-1)[indices].unsqueeze(0),
         cu_seqlens=cu_seqlens,
-        max_seqlen=int(lengths.max()) if batch_size else 0,
+        max_seqlen=max_seqlen,
         indices=indices,
         batch_size=batch_size,
         seq_len=seq_len,
@@ -134,9 +156,14 @@ def _response_columns(attention_mask: torch.Tensor, response_length: int) -> tor
     return attention_mask[:, attention_mask.shape[1] - response_length :].bool()
 
 
-def _scatter_response(values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """values [N] at the True entries of target [B, R] → [B, R], zeros elsewhere."""
-    return values.new_zeros(target.shape).index_put((target,), values)
+def _scatter_response(
+    values: torch.Tensor, target: torch.Tensor, index: torch.Tensor | None = None
+) -> torch.Tensor:
+    """values [N] at the True entries of target [B, R] → [B, R], zeros elsewhere. ``index``: the flat
+    positions of those entries (row-major), when known: no device sync for the boolean mask."""
+    if index is None:
+        return values.new_zeros(target.shape).index_put((target,), values)
+    return values.new_zeros(target.numel()).index_put((index,), values).view(target.shape)
 
 
 def _packed_sources(packed: Packed, target: torch.Tensor) -> torch.Tensor:
@@ -145,10 +172,26 @@ def _packed_sources(packed: Packed, target: torch.Tensor) -> torch.Tensor:
     flat = packed.flat_positions()[:, seq_len - response_length - 1 : seq_len - 1]
     src = flat[target]
     if bool((src < 0).any()):
-        raise ValueError(
-            "a response token follows a padding position: real tokens must be contiguous per row"
-        )
+        raise ValueError(_FOLLOWS_PADDING)
     return src
+
+
+_FOLLOWS_PADDING = "a response token follows a padding position: real tokens must be contiguous per row"
+
+
+def _host_sources(host_mask: np.ndarray, response_length: int, device: torch.device):
+    """:func:`_packed_sources` from the host mask, and the flat positions of the real response tokens in
+    [B, R] (row-major); both on ``device``, no device sync."""
+    host_mask = np.asarray(host_mask, dtype=bool)
+    batch_size, seq_len = host_mask.shape
+    flat = host_mask.reshape(-1)
+    positions = np.full(flat.shape[0], -1, dtype=np.int64)
+    positions[flat] = np.arange(int(flat.sum()), dtype=np.int64)
+    target = host_mask[:, seq_len - response_length :]
+    src = positions.reshape(batch_size, seq_len)[:, seq_len - response_length - 1 : seq_len - 1][target]
+    if (src < 0).any():
+        raise ValueError(_FOLLOWS_PADDING)
+    return to_device(src, device), to_device(np.flatnonzero(target).astype(np.int64), device)
 
 
 def _check_attention(model: torch.nn.Module) -> None:
@@ -173,6 +216,7 @@ class LogProbInputs:
     labels: torch.Tensor  # labels of the kept rows: [N] (packed) or [B, R] (padded)
     head_labels: torch.Tensor  # the same as the LM head sees its rows: [1, N] or [B, R + 1]
     packed: bool
+    target_index: torch.Tensor | None = None  # [N] flat positions of target's True entries (host-planned)
 
 
 def prepare_log_probs(
@@ -182,18 +226,24 @@ def prepare_log_probs(
     *,
     response_length: int,
     use_remove_padding: bool,
+    host_mask: np.ndarray | None = None,
 ) -> LogProbInputs:
     """The model inputs of :func:`forward_log_probs` (same arguments), without running a model."""
     target = _response_columns(attention_mask, response_length)
     labels = input_ids[:, input_ids.shape[1] - response_length :]
     if use_remove_padding:
-        packed = pack(input_ids, attention_mask, position_ids)
-        src = _packed_sources(packed, target)
+        packed = pack(input_ids, attention_mask, position_ids, host_mask=host_mask)
+        index = None
+        if host_mask is None:
+            src, kept = _packed_sources(packed, target), labels[target]
+        else:
+            src, index = _host_sources(host_mask, response_length, input_ids.device)
+            kept = labels.reshape(-1)[index]
         kwargs = dict(
             input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
             logits_to_keep=src, use_cache=False, **packed.attention_kwargs(),
         )  # fmt: skip
-        return LogProbInputs(kwargs, target, labels[target], labels[target].unsqueeze(0), packed=True)
+        return LogProbInputs(kwargs, target, kept, kept.unsqueeze(0), packed=True, target_index=index)
     kwargs = dict(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         logits_to_keep=response_length + 1, use_cache=False,
@@ -219,8 +269,8 @@ def log_probs_of(
     if inputs.packed:
         # [N, V] (or [N, 2] fused): only the positions that predict a real response token
         log_probs, entropy = head_out(out.logits[0], inputs.labels)
-        log_probs = _scatter_response(log_probs, target)
-        entropy = None if entropy is None else _scatter_response(entropy, target)
+        log_probs = _scatter_response(log_probs, target, inputs.target_index)
+        entropy = None if entropy is None else _scatter_response(entropy, target, inputs.target_index)
         return log_probs, entropy
     log_probs, entropy = head_out(out.logits[:, :-1], inputs.labels)  # from [B, R, V] (or [B, R, 2] fused)
     log_probs = torch.where(target, log_probs, 0.0)
@@ -239,6 +289,7 @@ def forward_log_probs(
     use_remove_padding: bool,
     calculate_entropy: bool = False,
     fused: bool = False,
+    host_mask: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and entropy) of each response token under a Hugging Face causal LM.
 
@@ -251,13 +302,15 @@ def forward_log_probs(
         fused: the LM head returns log-prob and entropy directly, computed in chunks of rows
             (:func:`klppo.models.lm_head.token_stats_head`: no [tokens, V] float32 logits); needs a
             float32-output head (:func:`klppo.models.lm_head.fp32_lm_head`).
+        host_mask: a numpy copy of ``attention_mask`` (:meth:`klppo.batch.Batch.with_host_mask`): the
+            packing is planned on the host, without device syncs. Same results.
 
     Returns:
         log_probs [B, R] float32 and entropy [B, R] float32 (or None); zeros at masked response positions.
     """
     inputs = prepare_log_probs(
         input_ids, attention_mask, position_ids, response_length=response_length,
-        use_remove_padding=use_remove_padding,
+        use_remove_padding=use_remove_padding, host_mask=host_mask,
     )  # fmt: skip
     return log_probs_of(
         model, inputs, temperature=temperature, calculate_entropy=calculate_entropy, fused=fused
@@ -284,17 +337,23 @@ def forward_values(
     *,
     response_length: int,
     use_remove_padding: bool,
+    host_mask: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Critic values [B, R] float32 from a token-classification model with one label.
 
     The value of response token j is the model's output at the position before it (verl:
-    ``logits[:, -R-1:-1]``); zeros at masked response positions.
+    ``logits[:, -R-1:-1]``); zeros at masked response positions. ``host_mask`` as in
+    :func:`forward_log_probs`.
     """
     target = _response_columns(attention_mask, response_length)
     if use_remove_padding:
         _check_attention(model)
-        packed = pack(input_ids, attention_mask, position_ids)
-        src = _packed_sources(packed, target)
+        packed = pack(input_ids, attention_mask, position_ids, host_mask=host_mask)
+        index = None
+        if host_mask is None:
+            src = _packed_sources(packed, target)
+        else:
+            src, index = _host_sources(host_mask, response_length, input_ids.device)
         out = model(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
@@ -303,7 +362,7 @@ def forward_values(
             **packed.attention_kwargs(),
         )
         values = out.logits[0, :, 0].float()[src]
-        return _scatter_response(values, target)
+        return _scatter_response(values, target, index)
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )

@@ -139,7 +139,7 @@ class Actor(TrainedRole):
 
     def _micro_loss(
         self, mb: Batch, ref_logits_fn, kl_loss_coef: float
-    ) -> tuple[LossTerms, dict[str, float]]:
+    ) -> tuple[LossTerms, dict[str, float | torch.Tensor]]:
         """The policy term (weighted by the aggregation its loss mode applies), the entropy bonus and the KL
         loss (weighted by ``loss_agg_mode``), and the micro-batch's statistics."""
         s = self.settings
@@ -193,7 +193,7 @@ class Actor(TrainedRole):
             terms.append((kl_loss_coef * kl_loss, s.loss_agg_mode))
             stats["actor/kl_loss"] = kl_loss.detach()
             stats["actor/kl_coef"] = kl_loss_coef
-        return terms, {k: float(v) for k, v in stats.items()}
+        return terms, stats  # on the device: one transfer per update (roles/metrics.py)
 
 
 def _skipped_pass_stats(log_prob: torch.Tensor, mb: Batch, s: ActorSettings) -> dict[str, torch.Tensor]:

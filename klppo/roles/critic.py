@@ -63,7 +63,7 @@ class Critic(TrainedRole):
         """Clipped value regression; needs ``values`` (old), ``returns``, ``response_mask``."""
         return self.run_updates(batch, self._micro_loss)
 
-    def _micro_loss(self, mb: Batch) -> tuple[LossTerms, dict[str, float]]:
+    def _micro_loss(self, mb: Batch) -> tuple[LossTerms, dict[str, float | torch.Tensor]]:
         s = self.settings
         vpreds = value_forward(self.model, mb, use_remove_padding=s.use_remove_padding, sp=s.sp)
         loss, stats = losses.value_loss(
@@ -74,6 +74,6 @@ class Critic(TrainedRole):
             cliprange_value=s.cliprange_value,
             loss_agg_mode=s.loss_agg_mode,
         )
-        micro_stats = {"critic/vf_loss": float(loss.detach())}
-        micro_stats.update({f"critic/{k}": float(v) for k, v in stats.items()})
+        micro_stats = {"critic/vf_loss": loss.detach()}  # on the device: one transfer per update
+        micro_stats.update({f"critic/{k}": v for k, v in stats.items()})
         return [(loss, s.loss_agg_mode)], micro_stats

@@ -34,7 +34,10 @@ class MicroBatching:
             size = max(1, self.micro_batch_size)
             return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
-        seq_lens = [int(s) for s in batch.attention_mask.sum(dim=1).tolist()]
+        if batch.host_mask is not None:
+            seq_lens = [int(s) for s in batch.host_mask.sum(axis=1)]
+        else:
+            seq_lens = [int(s) for s in batch.attention_mask.sum(dim=1).tolist()]
         parts = partition_by_token_budget(seq_lens, self.max_token_len)
         # every data-parallel rank must run the same number of micro-batches (FSDP collectives)
         most = all_reduce_max(len(parts))
@@ -49,12 +52,20 @@ def iter_micro(batch: Batch, micro: MicroBatching) -> Iterator[tuple[list[int], 
 
 
 def trim_left_padding(batch: Batch) -> Batch:
-    """Drop prompt columns that are padding in every row (a micro-batch's prompts are often shorter)."""
-    real = batch.prompt_mask.sum(dim=1).max().item()
-    cut = batch.prompts.shape[1] - int(real)
+    """Drop prompt columns that are padding in every row (a micro-batch's prompts are often shorter); read
+    on the host when the batch has a ``host_mask`` (no device sync)."""
+    width = batch.prompts.shape[1]
+    if batch.host_mask is not None:
+        real = int(batch.host_mask[:, :width].sum(axis=1).max())
+    else:
+        real = int(batch.prompt_mask.sum(dim=1).max().item())
+    cut = width - real
     if cut <= 0:
         return batch
-    return batch.replace(prompts=batch.prompts[:, cut:], prompt_mask=batch.prompt_mask[:, cut:])
+    host = None if batch.host_mask is None else batch.host_mask[:, cut:]
+    return batch.replace(
+        prompts=batch.prompts[:, cut:], prompt_mask=batch.prompt_mask[:, cut:], host_mask=host
+    )
 
 
 def policy_forward(
@@ -122,8 +133,9 @@ def _token_forward(
     if sp is not None:
         return sequence_parallel(*args, response_length=batch.response_length, sp=sp, **kwargs)
     return plain(
-        *args, response_length=batch.response_length, use_remove_padding=use_remove_padding, **kwargs
-    )
+        *args, response_length=batch.response_length, use_remove_padding=use_remove_padding,
+        host_mask=batch.host_mask, **kwargs,
+    )  # fmt: skip
 
 
 def check_fused(model: torch.nn.Module, key: str) -> None:
@@ -169,13 +181,13 @@ class ForwardPlan:
     @classmethod
     def build(cls, batch: Batch, micro: MicroBatching, *, use_remove_padding: bool) -> ForwardPlan:
         partitions, inputs = [], []
-        for idx, mb in iter_micro(batch, micro):
+        for idx, mb in iter_micro(batch.with_host_mask(), micro):
             mb = trim_left_padding(mb)
             partitions.append(idx)
             inputs.append(
                 prepare_log_probs(
                     mb.input_ids, mb.attention_mask, mb.position_ids, response_length=mb.response_length,
-                    use_remove_padding=use_remove_padding,
+                    use_remove_padding=use_remove_padding, host_mask=mb.host_mask,
                 )
             )  # fmt: skip
         return cls(micro, use_remove_padding, partitions, inputs)
@@ -208,7 +220,7 @@ def no_grad_pass(
         return no_grad_pass(ulysses.gather_group_rows(batch, sp), micro, fn)[sp.rank * n : (sp.rank + 1) * n]
     partitions, chunks = [], []
     with torch.no_grad():
-        for idx, mb in iter_micro(batch, micro):
+        for idx, mb in iter_micro(batch.with_host_mask(), micro):
             partitions.append(idx)
             chunks.append(fn(mb))
     return restore_order(chunks, partitions)

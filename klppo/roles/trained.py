@@ -26,7 +26,9 @@ from klppo.roles.optim import OptimSettings, build_optimizer, build_scheduler
 
 LossTerms = list[tuple[torch.Tensor, str]]
 """A micro-batch's loss as (term, loss_agg_mode) pairs: each term is weighted by its own aggregation."""
-MicroLoss = Callable[[Batch], tuple[LossTerms, dict[str, float]]]
+MicroLoss = Callable[[Batch], tuple[LossTerms, dict[str, float | torch.Tensor]]]
+"""Loss terms and statistics of a micro-batch; statistics may stay on the device (0-dim tensors): the
+update brings them to the host once per update (:class:`klppo.roles.metrics.MetricAccumulator`)."""
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,14 @@ class TrainedRole:
         """``ppo_epochs`` passes over mini-batches of ``batch``, one optimizer step each, then one LR step."""
         u = self.update
         self.model.train()
+        batch = batch.with_host_mask()  # micro-batches planned on the host (one copy per update)
         acc = MetricAccumulator()
         generator = torch.Generator().manual_seed(u.seed)
         applied = True
         for _ in range(u.ppo_epochs):
-            order = torch.randperm(len(batch), generator=generator) if u.shuffle else torch.arange(len(batch))
+            order = (
+                torch.randperm(len(batch), generator=generator) if u.shuffle else torch.arange(len(batch))
+            ).tolist()
             for start in range(0, len(batch), u.mini_batch_size):
                 mini = batch.select(order[start : start + u.mini_batch_size])
                 applied = self._update_mini_batch(mini, micro_loss, acc)
@@ -91,16 +96,16 @@ class TrainedRole:
         mini-batch's gradients are dropped and it is redone with half the micro-batch (`klppo.roles.oom`);
         the accumulated gradient is the mini-batch's either way."""
 
-        def attempt(micro: MicroBatching) -> tuple[bool, MetricAccumulator]:
+        def attempt(micro: MicroBatching) -> tuple[torch.Tensor, MetricAccumulator]:
             self.optimizer.zero_grad(set_to_none=True)
             local = MetricAccumulator()
             return self._accumulate(mini, micro_loss, local, micro), local
 
         finite, local = self.oom.run("update", self.update.update_micro, attempt, self.model)
-        grad_norm = clip_grad_norm(self.model, self.update.grad_clip)
+        grad_norm, all_finite = _host_floats(clip_grad_norm_(self.model, self.update.grad_clip), finite)
         acc.merge(local)
         acc.add({f"{self.name}/grad_norm": grad_norm})
-        if finite and math.isfinite(grad_norm):
+        if all_finite and math.isfinite(grad_norm):
             self.optimizer.step()
             return True
         self.optimizer.zero_grad(set_to_none=True)
@@ -109,19 +114,19 @@ class TrainedRole:
 
     def _accumulate(
         self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator, micro: MicroBatching
-    ) -> bool:
-        """Backward of every micro-batch of ``mini`` (gradients summed); True when every loss was finite."""
+    ) -> torch.Tensor:
+        """Backward of every micro-batch of ``mini`` (gradients summed); a bool tensor on the device: every
+        loss was finite. Loss weights and metric weights come from the host mask: no device sync here."""
         counts = global_counts(mini.response_mask, sp_size=self.update.sp_size)
-        finite = True
+        finite = torch.ones((), dtype=torch.bool, device=mini.response_mask.device)
+        horizon = mini.response_length
         for _, mb in iter_micro(mini, micro):
+            mask = _host_response_mask(mb)
             terms, stats = micro_loss(mb)
-            loss = sum(
-                term * micro_weight(mode, mb.response_mask, counts, mini.response_length)
-                for term, mode in terms
-            )
-            finite = finite and bool(torch.isfinite(loss))
+            loss = sum(term * micro_weight(mode, mask, counts, horizon) for term, mode in terms)
+            finite = finite & torch.isfinite(loss)
             loss.backward()
-            acc.add(stats, weight=float(mb.response_mask.sum()))
+            acc.add(stats, weight=float(mask.sum()))
         return finite
 
     # ---- checkpoint state ---------------------------------------------------------------------
@@ -136,15 +141,27 @@ class TrainedRole:
 def global_counts(mini_mask: torch.Tensor, *, sp_size: int = 1) -> tuple[float, float, float]:
     """(tokens, rows with a token, rows) of the mini-batch summed over the data-parallel groups: one
     collective over all ranks, divided by ``sp_size`` (the ranks of a Ulysses group hold the same rows)."""
-    rows = torch.tensor(float(mini_mask.shape[0]), device=mini_mask.device)
-    counts = torch.stack([mini_mask.sum(), (mini_mask.sum(dim=-1) > 0).sum(), rows]).double()
+    rows = torch.full((), float(mini_mask.shape[0]), dtype=torch.float64, device=mini_mask.device)
+    counts = torch.stack([mini_mask.sum().double(), (mini_mask.sum(dim=-1) > 0).sum().double(), rows])
     tokens, seqs, num_rows = (all_reduce_sum(counts) / sp_size).tolist()
     return tokens, seqs, num_rows
 
 
-def micro_weight(
-    mode: str, micro_mask: torch.Tensor, counts: tuple[float, float, float], horizon: int
-) -> float:
+def _host_response_mask(mb: Batch):
+    """The micro-batch's response mask on the host (numpy, from ``host_mask``; else the device tensor)."""
+    if mb.host_mask is None:
+        return mb.response_mask
+    return mb.host_mask[:, mb.host_mask.shape[1] - mb.response_length :]
+
+
+def _host_floats(grad_norm: torch.Tensor, finite: torch.Tensor) -> tuple[float, bool]:
+    """(gradient norm, every loss finite) on the host, in one device→host transfer."""
+    norm = grad_norm.detach().reshape(()).double().to(finite.device)
+    value, ok = torch.stack([norm, finite.double()]).tolist()
+    return value, ok == 1.0
+
+
+def micro_weight(mode: str, micro_mask, counts: tuple[float, float, float], horizon: int) -> float:
     """Scale of a micro-batch's aggregated loss so that the sum over micro-batches and ranks (FSDP averages
     gradients over the ranks, hence × world size) equals the aggregated loss of the global mini-batch.
     With Ulysses groups of S ranks each rank's gradient is its tokens' share of its group's loss, the S
