@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python bench/rollout.py [--shapes 0.5b,1.5b] [--batches 64,256,1024] [--out results.json]
         [--variants no-fuse,sdpa] [--old-engine MODULE] [--check] [--profile] [--n 4]
+        [--samplers torch,triton] [--temperature 1] [--top-k -1] [--top-p 1] [--device cuda]
 
 ``--n`` samples per prompt (the batch counts sequences): with n > 1 the engine prefills each prompt once.
 
@@ -14,7 +15,10 @@ correctness checks: fp32 greedy vs hf, bf16 greedy token match rate, bf16 log-pr
 forward, seeded reproducibility with graphs, bf16 flash vs masked-SDPA decode. ``--variants`` re-runs the
 engine at ``--compile-batch`` with one optimisation off (ablation); ``--old-engine`` times another
 ``KLPPORollout`` class (e.g. a copy of a previous commit's package) in the same process; ``--profile``
-prints the CUDA kernel-time table of a few eager (graph-less) decode steps.
+prints the CUDA kernel-time table of a few eager (graph-less) decode steps. ``--samplers`` times the
+engine once per sampler (``KLPPORollout(sampler=...)``: ``torch``, the default path, rows ``klppo-*``;
+``triton``, the one-pass kernels, rows ``klppo-triton-*``) with the sampling of ``--temperature``,
+``--top-k``, ``--top-p``. ``--device cpu`` with ``--shapes tiny`` runs the script's own test.
 """
 
 from __future__ import annotations
@@ -78,12 +82,15 @@ def floor_ms(model, batch: int) -> float:
 
 
 def timed(fn, *args):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     out = fn(*args)
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
 
 
 def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit) -> None:
@@ -93,26 +100,33 @@ def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit)
         s = out.stats
         decode_s = s["rollout/time_s"] - s["rollout/prefill_s"] - s["rollout/graph_capture_s"]
         emit(dict(shape=shape, batch=batch, backend=f"{name}-{phase}", time_s=elapsed,
+                  sampling=f"T={params.temperature} top_k={params.top_k} top_p={params.top_p}",
                   tokens_per_s=batch * NEW / elapsed, ms_per_step=decode_s / s["rollout/decode_steps"] * 1e3,
                   prefill_s=s["rollout/prefill_s"], capture_s=s["rollout/graph_capture_s"], n=params.n,
                   prefill_tokens=s["rollout/prefill_tokens"],
                   num_slots=s["rollout/num_slots"], peak_gb=peak, floor_ms=floor_ms(model, batch),
                   fused_gb=s.get("rollout/fused_weights_gb", 0.0), tokens=int(out.response_mask.sum())))  # fmt: skip
     engine.release()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_batch: int | None, emit,
-                variants: list[str] = (), old_engine: str | None = None, n: int = 1):  # fmt: skip
-    model = build(shape, torch.bfloat16)
-    params = SamplingParams(max_new_tokens=NEW, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True,
-                            n=n)  # fmt: skip
+                variants: list[str] = (), old_engine: str | None = None, n: int = 1, *,
+                samplers: list[str] = ("torch",), sampling: dict | None = None, device: str = "cuda"):  # fmt: skip
+    model = build(shape, torch.bfloat16, device)
+    sampling = sampling or dict(temperature=1.0, top_p=1.0, top_k=-1)
+    params = SamplingParams(max_new_tokens=NEW, seed=0, ignore_eos=True, n=n, **sampling)
     eos, pad = [151645], 151643
     kw = dict(eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9, free_cache_engine=False)
     for batch in batches:
-        prompts = torch.randint(0, 151000, (batch // n, PROMPT), device="cuda")  # batch = sequences
+        prompts = torch.randint(0, 151000, (batch // n, PROMPT), device=device)  # batch = sequences
         mask = torch.ones_like(prompts)
-        run_klppo(make_rollout("klppo", **kw), "klppo", shape, model, prompts, mask, params, emit)
+        for sampler in samplers:
+            name = "klppo" if sampler == "torch" else f"klppo-{sampler}"
+            run_klppo(
+                make_rollout("klppo", **kw, sampler=sampler), name, shape, model, prompts, mask, params, emit
+            )
         if batch in hf_batches:
             hf = make_rollout("hf", eos_token_ids=eos, pad_token_id=pad)
             out, elapsed, peak = timed(hf.generate, model, prompts, mask, params)
@@ -137,7 +151,8 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
             for name in variants:
                 engine = make_rollout("klppo", **kw, **VARIANTS[name])
                 run_klppo(engine, f"klppo-{name}", shape, model, prompts, mask, params, emit)
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str = "cuda") -> None:
@@ -247,7 +262,8 @@ def checks(emit, dtypes=(torch.float32, torch.bfloat16)) -> None:
         torch.cuda.empty_cache()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    global PROMPT, NEW  # --prompt / --new: the functions above read them
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="0.5b,1.5b")
     ap.add_argument("--batches", default="64,256,1024")
@@ -260,8 +276,16 @@ def main() -> None:
     ap.add_argument("--old-engine", default=None)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (batch = prompts × n sequences)")
+    ap.add_argument("--samplers", default="torch", help="torch,triton: the engine once per sampler")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (default 256)")
+    ap.add_argument("--new", type=int, default=NEW, help="new tokens, forced (default 256)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    PROMPT, NEW = args.prompt, args.new
     rows = []
 
     def emit(row):
@@ -271,7 +295,8 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
 
-    print(torch.cuda.get_device_name(), torch.__version__, file=sys.stderr)
+    if args.device == "cuda":
+        print(torch.cuda.get_device_name(), torch.__version__, file=sys.stderr)
     for shape in args.shapes.split(","):
         compile_batch = args.compile_batch if shape == args.compile_shape else None
         bench_shape(
@@ -283,6 +308,9 @@ def main() -> None:
             [v for v in args.variants.split(",") if v],
             args.old_engine,
             args.n,
+            samplers=args.samplers.split(","),
+            sampling=dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+            device=args.device,
         )
     if args.check:
         checks(emit, [getattr(torch, d) for d in args.check_dtypes.split(",")])

@@ -20,7 +20,8 @@ One ``generate`` call:
    sampler are the compiled functions of the engine's :class:`~klppo.rollout.compiled.CompiledFunctions`
    (``compiled``: handed in by the trainer, which starts pre-compiling them in the background before
    the weights load; else the engine's own). A step samples on the device (untruncated sampling: one
-   compiled fused kernel pair, no [B, V] tensors written; logits in float32 with ``fp32_logits``) and
+   compiled fused kernel pair, no [B, V] tensors written; logits in float32 with ``fp32_logits``; with
+   ``sampler="triton"`` the one-pass kernels of :mod:`klppo.rollout.triton_sampling`) and
    records tokens/log-probs into the output buffers without any host synchronisation;
 5. every ``eos_check_every`` steps reads the finished flags once; the scheduler frees the finished
    slots and gives them to the next waiting sequences (prefilled the same way) — continuous batching —
@@ -57,9 +58,13 @@ from klppo.rollout.llama import (
 )
 from klppo.rollout.sampling import is_untruncated, sample, sample_untruncated, vocab_parallel_sampler
 from klppo.rollout.scheduler import PrefillPlan, SlotScheduler
+from klppo.rollout.triton_sampling import available as triton_available
+from klppo.rollout.triton_sampling import sample_triton
+from klppo.rollout.triton_sampling import supports as triton_supports
 from klppo.rollout.workspace import CacheBudget, Workspace, num_slots
 
 DECODE_ATTENTION = ("auto", "flash", "flash-plain", "sdpa")
+SAMPLERS = ("torch", "triton", "auto")
 
 
 @dataclasses.dataclass
@@ -96,11 +101,14 @@ class KLPPORollout:
         decode_attention: str = "auto",
         fp32_logits: bool = True,
         compiled: CompiledFunctions | None = None,
+        sampler: str = "torch",
     ) -> None:
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -113,6 +121,7 @@ class KLPPORollout:
         self.fuse_projections = fuse_projections
         self.decode_attention = decode_attention
         self.fp32_logits = fp32_logits
+        self.sampler = sampler
         self.compiled = compiled if compiled is not None else CompiledFunctions()
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self._ws: Workspace | None = None
@@ -372,6 +381,11 @@ class KLPPORollout:
         over the vocabulary shards of a tensor-parallel group when ``w.tp``."""
         if w.tp is not None:
             return vocab_parallel_sampler(params, w.tp, w.vocab_size)
+        if self._uses_triton(cuda, params):
+            # the torch path past the kernels' int32 offsets (batch × vocab ≥ 2**31), decided per shape
+            return lambda x: (
+                sample_triton(x, params) if triton_supports(params, *x.shape) else sample(x, params)
+            )
         if not is_untruncated(params):
             return lambda logits: sample(logits, params)
         # greedy (validation) stays eager: logsumexp + argmax are two plain reductions, and one graph fewer
@@ -386,6 +400,17 @@ class KLPPORollout:
             return fn(logits, temperature, params.greedy)
 
         return run
+
+    def _uses_triton(self, cuda: bool, params: SamplingParams) -> bool:
+        """Whether to sample with the Triton kernels (:mod:`klppo.rollout.triton_sampling`): ``sampler``
+        "triton" (CUDA with triton, else an error) or "auto" (when available), for the parameters they
+        take (not top-k with top-p: the torch path)."""
+        if self.sampler == "torch":
+            return False
+        ok = cuda and triton_available(torch.device("cuda"))
+        if self.sampler == "triton" and not ok:
+            raise ValueError("rollout sampler='triton' needs a CUDA device and the triton package")
+        return ok and triton_supports(params, 1, 1)
 
     def _compiles(self, cuda: bool) -> bool:
         """Whether decode runs the compiled functions: ``compile_decode`` None = on GPU only."""

@@ -1,0 +1,240 @@
+"""Token sampling in one pass over the logits as Triton kernels (CUDA): temperature, top-k or top-p and the
+sampled token's log-prob, no sort of the vocabulary, no host synchronisation (capturable in a CUDA graph).
+
+The law is that of :mod:`klppo.rollout.sampling` (the pure-torch path: the reference, and the path on CPU):
+``x = logits / T`` in float32, ``log_prob = x[token] − logsumexp(x)`` (before any truncation).
+
+- Untruncated (no top-k, top-p = 1; greedy too): one read of the logits. Each row's vocabulary is cut into
+  chunks spread over several programs (enough to fill the GPU at small batches); a program keeps per lane
+  a running max and sum of ``exp`` (the log-normaliser, online) and the Gumbel race: the largest
+  ``x + G`` (``G = −log(−log U)``, ``U`` from ``tl.rand``; greedy: ``x``), with its id and ``x``. A small
+  second kernel combines the chunks: the log-sum of their normalisers, and the best race value's token
+  (the lowest id on ties, as ``argmax``) — a categorical draw from ``softmax(x)``.
+- Top-k alone or top-p alone: the kept set is an upper set of the values: token ``i`` is kept iff fewer
+  than ``k`` tokens have a larger ``x`` (top-k: ``x_i`` ≥ the k-th largest, ties kept, as
+  ``truncate_logits``), or iff the probability mass of the tokens with a larger ``x`` is below ``p``
+  (top-p: the sorted prefix whose mass reaches ``p``). One program per row samples it exactly by rejection,
+  without sorting: compute ``logsumexp(x)``; then draw ``s`` by the Gumbel race among the tokens with
+  ``x > low`` (fresh noise each round; ``low = −inf`` at first) and, in one more pass, count the tokens above
+  ``x_s`` and their mass; keep ``s`` if it is in the set, else set ``low = x_s`` and draw again. Every
+  round's candidates contain the kept set (a rejected ``s`` and everything at or below it are outside it),
+  so the accepted draw follows the renormalised truncated softmax; the largest token is always kept, so the
+  loop ends. Rounds needed: about 1 / (kept mass) at first, then fewer as ``low`` rises (small ``k`` on a
+  flat distribution is the slow case).
+- Top-k and top-p together need the top-k set's mass (a selection): :func:`supports` says no, and the
+  engine uses the torch path.
+
+Randomness: one int64 seed per call drawn from the current default generator on the device (so seeded
+generation is reproducible, and a CUDA graph replays fresh noise); ``tl.rand(seed + round, row·V + id)``.
+Float32 sums in another order than torch's: a top-p boundary token whose mass above lies within rounding
+of ``p`` may be kept by one path and not the other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from klppo.rollout.base import SamplingParams
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the torch path only
+    triton = None
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Triton sampler can run on ``device`` (CUDA with triton importable)."""
+    return triton is not None and torch.device(device).type == "cuda"
+
+
+def supports(params: SamplingParams, batch: int, vocab: int) -> bool:
+    """Whether :func:`sample_triton` handles ``params`` at this size (module docstring)."""
+    both = params.top_k > 0 and params.top_p < 1.0 and not params.greedy
+    return not both and batch * vocab < 2**31 and vocab < 2**24
+
+
+def sample_triton(logits: torch.Tensor, params: SamplingParams, *, splits: int | None = None):
+    """Tokens [B] int64 and log-probs [B] float32 drawn from ``logits`` [B, V] (module docstring).
+
+    ``splits``: programs per row of the untruncated kernel (default: enough to fill the device)."""
+    batch, vocab = logits.shape
+    if not supports(params, batch, vocab):
+        raise ValueError(f"the Triton sampler does not take top_k={params.top_k} with top_p={params.top_p}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    device = logits.device
+    greedy = params.greedy
+    temperature = 1.0 if greedy else float(params.temperature)
+    seed = torch.zeros(1, dtype=torch.int64, device=device)
+    if not greedy:
+        seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+    tokens = torch.empty(batch, dtype=torch.int64, device=device)
+    log_probs = torch.empty(batch, dtype=torch.float32, device=device)
+    top_k = params.top_k if 0 < params.top_k < vocab and not greedy else 0
+    top_p = params.top_p if params.top_p < 1.0 and not greedy else 1.0
+    block = min(2048, triton.next_power_of_2(vocab))
+    if top_k == 0 and top_p >= 1.0:
+        splits = splits or _splits(device, batch, vocab, block)
+        chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
+        splits = triton.cdiv(vocab, chunk)  # no empty chunk
+        part = torch.empty(batch, splits, 4, dtype=torch.float32, device=device)
+        _race_chunk_kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, seed, part,
+                                            splits, GREEDY=greedy, BLOCK=block, num_warps=8)  # fmt: skip
+        _race_combine_kernel[(batch,)](part, splits, tokens, log_probs, SP=triton.next_power_of_2(splits))
+    else:
+        _truncated_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, seed, top_k, top_p, tokens,
+                                    log_probs, USE_K=top_k > 0, USE_P=top_p < 1.0, BLOCK=block, num_warps=8)  # fmt: skip
+    return tokens, log_probs
+
+
+def _splits(device: torch.device, batch: int, vocab: int, block: int) -> int:
+    """Programs per row: about four per SM over the batch, each with at least a few blocks of work."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(-(-4 * sms // batch), vocab // (4 * block), 64))
+
+
+if triton is not None:
+    NEG_INF = tl.constexpr(float("-inf"))
+
+    @triton.jit
+    def _online(m, s, x):
+        """Per-lane running max ``m`` and sum of ``exp(x - m)`` ``s``, updated with ``x`` (−inf adds 0)."""
+        m_new = tl.maximum(m, x)
+        ref = tl.where(m_new > NEG_INF, m_new, 0.0)
+        return m_new, s * tl.exp(m - ref) + tl.exp(x - ref)
+
+    @triton.jit
+    def _lse_of_lanes(m, s):
+        """``log Σ s · exp(m)`` over the lanes (−inf when every lane is empty)."""
+        top = tl.max(m, axis=0)
+        ref = tl.where(top > NEG_INF, top, 0.0)
+        return ref + tl.log(tl.sum(s * tl.exp(m - ref), axis=0))
+
+    @triton.jit
+    def _gumbel(seed, offsets):
+        u = tl.rand(seed, offsets)  # u = 0 gives -inf (never wins); the clamp: u rounding to 1
+        return -tl.log(tl.maximum(-tl.log(u), 1e-30))
+
+    @triton.jit
+    def _race_update(best_r, best_i, best_x, r, idx, x):
+        """Per lane, keep the larger race value (the first one on ties: the lower id), its id and ``x``."""
+        win = r > best_r
+        return tl.where(win, r, best_r), tl.where(win, idx, best_i), tl.where(win, x, best_x)
+
+    @triton.jit
+    def _race_winner(best_r, best_i, best_x, sentinel):
+        """The lanes' best race value, its (lowest) id and its ``x``."""
+        top = tl.max(best_r, axis=0)
+        idx = tl.min(tl.where(best_r == top, best_i, sentinel), axis=0)
+        return top, idx, tl.max(tl.where(best_i == idx, best_x, NEG_INF), axis=0)
+
+    @triton.jit
+    def _race_chunk_kernel(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S,
+                           GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """Program (row, split): normaliser and race winner of ``chunk`` ids → part[row, split, 0:4]."""
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        base = logits_ptr + row.to(tl.int64) * stride
+        seed = tl.load(seed_ptr)
+        start = split * chunk
+        end = tl.minimum(start + chunk, V)
+        m = tl.full([BLOCK], NEG_INF, tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        best_r = tl.full([BLOCK], NEG_INF, tl.float32)
+        best_i = tl.full([BLOCK], V, tl.int32)
+        best_x = tl.full([BLOCK], NEG_INF, tl.float32)
+        for off in range(start, end, BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            ok = idx < end
+            x = tl.load(base + idx, mask=ok, other=NEG_INF).to(tl.float32) / temperature
+            m, s = _online(m, s, x)
+            r = x
+            if not GREEDY:
+                r = tl.where(ok, x + _gumbel(seed, row * V + idx), NEG_INF)
+            best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
+        top, idx, x_win = _race_winner(best_r, best_i, best_x, V)
+        out = part_ptr + (row * S + split) * 4
+        tl.store(out, _lse_of_lanes(m, s))
+        tl.store(out + 1, top)
+        tl.store(out + 2, idx.to(tl.float32))  # ids < 2**24: exact in float32
+        tl.store(out + 3, x_win)
+
+    @triton.jit
+    def _race_combine_kernel(part_ptr, S, tokens_ptr, logp_ptr, SP: tl.constexpr):
+        """Program row: combine the row's ``S`` chunks into its token and log-prob."""
+        row = tl.program_id(0)
+        j = tl.arange(0, SP)
+        ok = j < S
+        p = part_ptr + (row * S + j) * 4
+        lse = _lse_of_lanes(tl.load(p, mask=ok, other=NEG_INF), tl.where(ok, 1.0, 0.0))
+        r = tl.load(p + 1, mask=ok, other=NEG_INF)
+        ids = tl.load(p + 2, mask=ok, other=2.0**30)
+        x = tl.load(p + 3, mask=ok, other=NEG_INF)
+        _, idx, x_win = _race_winner(r, ids, x, 2.0**30)
+        tl.store(tokens_ptr + row, idx.to(tl.int64))
+        tl.store(logp_ptr + row, x_win - lse)
+
+    @triton.jit
+    def _row_lse(base, V, temperature, BLOCK: tl.constexpr):
+        m = tl.full([BLOCK], NEG_INF, tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        for off in range(0, V, BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            x = tl.load(base + idx, mask=idx < V, other=NEG_INF).to(tl.float32) / temperature
+            m, s = _online(m, s, x)
+        return _lse_of_lanes(m, s)
+
+    @triton.jit
+    def _row_race(base, V, temperature, low, seed, row, BLOCK: tl.constexpr):
+        """The Gumbel race among the row's ids with ``x > low``: winner id and its ``x``."""
+        best_r = tl.full([BLOCK], NEG_INF, tl.float32)
+        best_i = tl.full([BLOCK], V, tl.int32)
+        best_x = tl.full([BLOCK], NEG_INF, tl.float32)
+        for off in range(0, V, BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            x = tl.load(base + idx, mask=idx < V, other=NEG_INF).to(tl.float32) / temperature
+            r = tl.where(x > low, x + _gumbel(seed, row * V + idx), NEG_INF)
+            best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
+        _, idx, x_win = _race_winner(best_r, best_i, best_x, V)
+        return idx, x_win
+
+    @triton.jit
+    def _row_above(base, V, temperature, x_s, lse, BLOCK: tl.constexpr):
+        """How many of the row's ids have ``x > x_s``, and their probability mass."""
+        count = tl.zeros([BLOCK], tl.int32)
+        mass = tl.zeros([BLOCK], tl.float32)
+        for off in range(0, V, BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            x = tl.load(base + idx, mask=idx < V, other=NEG_INF).to(tl.float32) / temperature
+            above = x > x_s
+            count += above.to(tl.int32)
+            mass += tl.where(above, tl.exp(x - lse), 0.0)
+        return tl.sum(count, axis=0), tl.sum(mass, axis=0)
+
+    @triton.jit
+    def _truncated_kernel(logits_ptr, stride, V, temperature, seed_ptr, top_k, top_p, tokens_ptr, logp_ptr,
+                          USE_K: tl.constexpr, USE_P: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """Program row: top-k or top-p sampling by rejection (module docstring)."""
+        row = tl.program_id(0)
+        base = logits_ptr + row.to(tl.int64) * stride
+        seed = tl.load(seed_ptr)
+        lse = _row_lse(base, V, temperature, BLOCK)
+        low = lse * 0.0 + NEG_INF
+        x_s = low
+        token = row * 0
+        rnd = row * 0
+        searching = row * 0 + 1
+        while searching > 0:
+            token, x_s = _row_race(base, V, temperature, low, seed + rnd, row, BLOCK)
+            count, mass = _row_above(base, V, temperature, x_s, lse, BLOCK)
+            keep = count >= 0
+            if USE_K:
+                keep = keep & (count < top_k)
+            if USE_P:
+                keep = keep & (mass < top_p)
+            searching = 1 - keep.to(tl.int32)
+            low = x_s
+            rnd += 1
+        tl.store(tokens_ptr + row, token.to(tl.int64))
+        tl.store(logp_ptr + row, x_s - lse)

@@ -1,0 +1,193 @@
+"""The samplers' law against a float64 reference computed from the definition of top-k / top-p: χ² tests of
+≥ 10⁵ draws (p > 0.01, fixed seeds) and exact log-probs, for the torch path on CPU and the Triton kernels
+(on CUDA; and, slow, in Triton's CPU interpreter when triton is installed)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from klppo.rollout.base import SamplingParams
+from klppo.rollout.sampling import sample
+
+# (temperature, top_k, top_p): untruncated, top-k, top-p, both
+SETTINGS = [(1.0, -1, 1.0), (0.7, 8, 1.0), (1.3, -1, 0.75), (0.8, 10, 0.9)]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def reference(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the law of the draw [V], the untruncated log-probs [V]) in float64, from the definitions: token i is
+    in the top-k set iff fewer than k tokens have larger logits; then in the top-p set iff the renormalised
+    mass of the top-k tokens with larger logits is below p."""
+    x = logits.double() / temperature
+    log_p = torch.log_softmax(x, dim=0)
+    larger = x[None, :] > x[:, None]  # larger[i, j]: x_j > x_i
+    keep = larger.sum(1) < top_k if top_k > 0 else torch.ones_like(x, dtype=torch.bool)
+    q = torch.where(keep, log_p.exp(), 0.0)
+    q = q / q.sum()
+    if top_p < 1.0:
+        keep &= (larger.double() * q[None, :]).sum(1) < top_p
+    law = torch.where(keep, log_p.exp(), 0.0)
+    return law / law.sum(), log_p
+
+
+def chi_square_p(tokens: torch.Tensor, law: torch.Tensor) -> float:
+    """p-value of the χ² goodness-of-fit of ``tokens`` to ``law`` (no draw may fall outside its support)."""
+    counts = torch.bincount(tokens.cpu(), minlength=law.numel()).double()
+    support = law > 0
+    assert counts[~support].sum() == 0, "a token outside the truncated support was drawn"
+    expected = law[support] * counts.sum()
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+
+
+def _logits(vocab: int = 40) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(vocab, generator=g, dtype=torch.float64).float() * 1.5
+
+
+def _check(sampler, draws: int, device: str, settings=SETTINGS) -> None:
+    logits = _logits()
+    for seed, (temperature, top_k, top_p) in enumerate(settings):
+        params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+        torch.manual_seed(seed)
+        tokens, log_probs = sampler(logits.to(device).expand(draws, -1).contiguous(), params)
+        law, log_p = reference(logits, temperature, top_k, top_p)
+        assert chi_square_p(tokens, law) > 0.01, (temperature, top_k, top_p)
+        torch.testing.assert_close(log_probs.cpu().double(), log_p[tokens.cpu()], atol=1e-5, rtol=0)
+
+
+def test_reference_by_hand() -> None:
+    """The reference on 4 tokens, worked by hand: p = (0.1, 0.2, 0.3, 0.4) at T = 1."""
+    logits = torch.tensor([0.1, 0.2, 0.3, 0.4]).log()
+    assert torch.allclose(reference(logits, 1.0, 2, 1.0)[0].float(), torch.tensor([0, 0, 3 / 7, 4 / 7]))
+    # top-p 0.5: 0.4 has nothing above (kept), 0.3 has 0.4 < 0.5 above (kept), 0.2 has 0.7 (dropped)
+    assert torch.allclose(reference(logits, 1.0, -1, 0.5)[0].float(), torch.tensor([0, 0, 3 / 7, 4 / 7]))
+    # top-k 3 renormalises to (2, 3, 4) / 9; top-p 0.4: 3/9 + 4/9 above 0.2 → dropped, 4/9 above 0.3 → kept
+    assert torch.allclose(reference(logits, 1.0, 3, 0.5)[0].float(), torch.tensor([0, 0, 3 / 7, 4 / 7]))
+    assert torch.allclose(reference(logits, 1.0, 3, 0.4)[0].float(), torch.tensor([0, 0, 0, 1.0]))
+
+
+def test_torch_sampler_law_and_log_probs() -> None:
+    _check(sample, 100_000, "cpu")
+
+
+def test_torch_sampler_greedy_is_argmax() -> None:
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 3.0]])
+    tokens, log_probs = sample(logits, SamplingParams(do_sample=False))
+    assert tokens.tolist() == [1, 0]  # ties: the lowest id, as argmax
+    torch.testing.assert_close(log_probs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+def test_engine_sampler_option_is_checked(tiny_qwen2) -> None:
+    from klppo.rollout.engine import KLPPORollout
+
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        KLPPORollout(eos_token_ids=[2], pad_token_id=2, sampler="fast")
+    engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, sampler="triton")
+    prompts = torch.tensor([[1, 5, 7]])
+    with pytest.raises(ValueError, match="sampler='triton' needs a CUDA device"):
+        engine.generate(tiny_qwen2, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=2))
+    auto = KLPPORollout(eos_token_ids=[2], pad_token_id=2, sampler="auto")  # CPU: the torch path
+    out = auto.generate(
+        tiny_qwen2, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=2, seed=0)
+    )
+    assert out.responses.shape == (1, 2)
+
+
+def _triton_checks(draws: int, device: str) -> None:
+    from klppo.rollout.triton_sampling import sample_triton
+
+    settings = [s for s in SETTINGS if not (s[1] > 0 and s[2] < 1.0)]  # both at once: the torch path
+    _check(sample_triton, draws, device, settings)
+    for splits in (1, 3):  # the chunked untruncated kernel, one and several programs per row
+        params = SamplingParams(max_new_tokens=1, temperature=0.9)
+        tokens, _ = sample_triton(
+            _logits().to(device).expand(draws // 4, -1).contiguous(), params, splits=splits
+        )
+        assert chi_square_p(tokens, reference(_logits(), 0.9, -1, 1.0)[0]) > 0.01, splits
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 3.0]], device=device)
+    tokens, log_probs = sample_triton(logits, SamplingParams(do_sample=False), splits=2)
+    assert tokens.tolist() == [1, 0]  # ties: the lowest id, across chunks too
+    torch.testing.assert_close(log_probs.cpu(), torch.log_softmax(logits.cpu(), -1)[[0, 1], [1, 0]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_triton_sampler_law_and_log_probs_on_gpu() -> None:
+    _triton_checks(200_000, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_triton_sampler_matches_torch_at_full_vocabulary_on_gpu() -> None:
+    """Qwen-sized rows (V = 151936, batch 64): log-probs equal the torch path's formula; top-k draws lie in
+    the top k; greedy equals argmax; the same seed gives the same draws."""
+    from klppo.rollout.triton_sampling import sample_triton
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 151936, device="cuda") * 3
+    for params in (SamplingParams(temperature=0.8), SamplingParams(top_k=20), SamplingParams(top_p=0.5),
+                   SamplingParams(do_sample=False)):  # fmt: skip
+        torch.manual_seed(1)
+        tokens, log_probs = sample_triton(logits, params)
+        torch.manual_seed(1)
+        again, _ = sample_triton(logits, params)
+        assert torch.equal(tokens, again)
+        t = 1.0 if params.greedy else params.temperature
+        ref = torch.log_softmax(logits.double() / t, -1).gather(1, tokens[:, None]).squeeze(1)
+        torch.testing.assert_close(log_probs.double(), ref, atol=1e-5, rtol=0)
+        if params.greedy:
+            assert torch.equal(tokens, logits.argmax(-1))
+        if params.top_k > 0:
+            assert (logits.gather(1, tokens[:, None]) >= logits.topk(20, -1).values[:, -1:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_engine_with_triton_sampler_on_gpu(tiny_qwen2) -> None:
+    """The engine with ``sampler="triton"`` (CUDA graphs): log-probs equal a recomputed forward, a seed
+    reproduces the draws."""
+    from klppo.rollout.engine import KLPPORollout
+
+    model = copy.deepcopy(tiny_qwen2).to("cuda")
+    prompts = torch.randint(3, 100, (4, 6), device="cuda")
+    mask = torch.ones_like(prompts)
+    engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, sampler="triton")
+    for params in (SamplingParams(max_new_tokens=12, n=2, seed=3), SamplingParams(max_new_tokens=12, top_p=0.7,
+                                                                                   temperature=0.9, seed=3)):  # fmt: skip
+        out = engine.generate(model, prompts, mask, params)
+        again = engine.generate(model, prompts, mask, params)
+        assert torch.equal(out.responses, again.responses)
+        ids = torch.cat([prompts.repeat_interleave(params.n, 0), out.responses], 1)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, prompts.shape[1] - 1 : -1].float() / params.temperature
+        ref = (
+            torch.log_softmax(logits, -1).gather(-1, out.responses[..., None]).squeeze(-1) * out.response_mask
+        )
+        torch.testing.assert_close(out.log_probs, ref, atol=1e-4, rtol=0)
+
+
+CHILD = """
+from tests.rollout.test_sampling import _triton_checks
+_triton_checks(1000, "cpu")
+print("OK")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package (its CPU interpreter)")
+def test_triton_kernels_in_the_interpreter() -> None:
+    """The kernels' logic on CPU through ``TRITON_INTERPRET=1`` (fewer draws: the interpreter is slow)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
