@@ -16,8 +16,12 @@ Variants (``--variants``): ``before`` (every issue-18 candidate off) or ``after`
 pass), ``fused_head`` (``model.use_fused_kernels``: chunked log-prob/entropy from the LM head),
 ``shared_plan`` (the reference pass reuses the old-log-prob pass's micro-batches, packed once),
 ``fused_adamw`` (fused AdamW on CUDA), ``host_plan`` (micro-batches trimmed, packed and weighted from a
-host copy of the masks, statistics summed on the device: no host sync per micro-batch); and settings that are not candidates: ``+one_unit`` (one FSDP unit
-per model), ``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing).
+host copy of the masks, statistics summed on the device: no host sync per micro-batch), ``compile``
+(``actor_rollout_ref.model.compile_packed_layers``: the actor's and the reference's decoder layers compiled
+over bucket-padded packed micro-batches; compilation falls in the first, unmeasured step); and settings
+that are not candidates: ``+one_unit`` (one FSDP unit per model), ``+critic_compile`` (the critic packed,
+``critic.model.use_remove_padding``, and compiled likewise; the ``trl`` critic runs padded otherwise),
+``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing).
 E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
 process; the trainer workloads report the median of the steps after the first (which includes warm-up:
 allocator growth, CUDA-graph capture, compilation).
@@ -69,12 +73,14 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
     "fused_head": ([f"{ARR}.model.use_fused_kernels=True"], [f"{ARR}.model.use_fused_kernels=False"]),
     "shared_plan": (["@shared_plan=on"], ["@shared_plan=off"]),  # "@": a bench switch, not a config key
     "host_plan": (["@host_plan=on"], ["@host_plan=off"]),
+    "compile": ([f"{ARR}.model.compile_packed_layers=True"], [f"{ARR}.model.compile_packed_layers=False"]),
     "fused_adamw": (
         [],  # the default on CUDA (klppo.roles.optim.build_optimizer)
         [f"{role}.optim.override_optimizer_config={{fused: false}}" for role in (f"{ARR}.actor", "critic")],
     ),
 }
 SETTINGS = {
+    "critic_compile": ["critic.model.use_remove_padding=True", "critic.model.compile_packed_layers=True"],
     "one_unit": [f"{r}.fsdp_config.wrap_policy.min_num_params=1000000000000" for r in FSDP_ROLES],
     "no_reshard": [f"{r}.fsdp_config.reshard_after_forward=False" for r in FSDP_ROLES],
     "ckpt": [

@@ -172,8 +172,11 @@ def _torch_varlen_call(q, k, v, cu_seqlens, max_len, scaling):
     return fn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
+@torch.compiler.disable
 def _varlen_attention(q, k, v, cu_seqlens, max_len: int, scaling: float) -> torch.Tensor:
-    """q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D] block-diagonal causal attention."""
+    """q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D] block-diagonal causal attention. Opaque to
+    ``torch.compile`` (compiled decoder layers, :mod:`klppo.models.compiled_layers`, run it eager between
+    their compiled parts): the kernels are the same, and the backend choice and mask cache stay Python."""
     backend = packed_attention_backend(q.device, q.dtype)
     if backend in ("flash_attn", "torch_varlen"):
         qt, kt, vt = (x.squeeze(0).transpose(0, 1) for x in (q, k, v))  # [T, H, D]

@@ -9,7 +9,9 @@ Packing keeps only the real tokens: ``input_ids`` [1, T] with ``T = Σ mask``, `
 at each sequence (gathered from the padded position ids), ``cu_seqlens`` [B+1] sequence boundaries and
 ``indices`` [T] (flat positions in ``B × L``) to scatter per-token results back. The attention is
 block-diagonal causal (see :mod:`klppo.batching.attention`), so each sequence sees exactly the tokens it
-sees in the padded forward and results agree up to float rounding.
+sees in the padded forward and results agree up to float rounding. A model whose decoder layers are
+compiled (:mod:`klppo.models.compiled_layers`) gets its packed row padded to a bucket size at the call
+(one more sequence, never read).
 
 Both paths return zeros at masked response positions. Log-probs and entropy are float32 (logits are
 upcast before the softmax); gradients flow through them.
@@ -26,6 +28,7 @@ import torch
 
 from klppo.algorithms.losses import entropy_from_logits
 from klppo.batching.attention import PACKED_ATTENTION
+from klppo.models.compiled_layers import pad_packed_call
 from klppo.models.lm_head import token_stats_head
 
 
@@ -264,7 +267,7 @@ def log_probs_of(
     if inputs.packed:
         _check_attention(model)
     with _head(model, inputs.head_labels, temperature, calculate_entropy, fused) as head_out:
-        out = model(**inputs.model_kwargs)
+        out = model(**pad_packed_call(model, inputs.model_kwargs))
     target = inputs.target
     if inputs.packed:
         # [N, V] (or [N, 2] fused): only the positions that predict a real response token
@@ -354,13 +357,11 @@ def forward_values(
             src = _packed_sources(packed, target)
         else:
             src, index = _host_sources(host_mask, response_length, input_ids.device)
-        out = model(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_mask=None,
-            use_cache=False,
+        kwargs = dict(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
             **packed.attention_kwargs(),
-        )
+        )  # fmt: skip
+        out = model(**pad_packed_call(model, kwargs))
         values = out.logits[0, :, 0].float()[src]
         return _scatter_response(values, target, index)
     out = model(

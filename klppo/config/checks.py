@@ -162,6 +162,7 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
                           "(the function to call in that file), got null")  # fmt: skip
     check_prompt_counts(cfg)
     _token_budgets(cfg)
+    _compiled_layers(cfg)
     check_monitor(cfg.monitor)
     check_profiler(cfg.global_profiler.tool, cfg.global_profiler.steps)
     _advice(cfg, notify)
@@ -235,6 +236,24 @@ def _token_budgets(cfg: KLPPOConfig) -> None:
                 f"{d.max_prompt_length} + data.max_response_length={d.max_response_length} = {longest} tokens; "
                 f"set it ≥ {-(-longest // sp)}"
             )
+
+
+def _compiled_layers(cfg: KLPPOConfig) -> None:
+    """``*.model.compile_packed_layers`` compiles the packed forwards only, without Ulysses."""
+    arr = cfg.actor_rollout_ref
+    for prefix, model, sp in (
+        ("actor_rollout_ref.model", arr.model, max(arr.actor.ulysses_sequence_parallel_size,
+                                                  arr.ref.ulysses_sequence_parallel_size)),
+        ("critic.model", cfg.critic.model, cfg.critic.ulysses_sequence_parallel_size),
+    ):  # fmt: skip
+        if not model.compile_packed_layers:
+            continue
+        if not model.use_remove_padding:
+            raise ConfigError(f"{prefix}.compile_packed_layers=True compiles the packed forwards, but "
+                              f"{prefix}.use_remove_padding=False; set it to True")  # fmt: skip
+        if sp > 1:
+            raise ConfigError(f"{prefix}.compile_packed_layers=True is not built with Ulysses sequence "
+                              f"parallelism (ulysses_sequence_parallel_size={sp}); set it to False")  # fmt: skip
 
 
 def tp_rollout_unbuilt(cfg: KLPPOConfig) -> str | None:

@@ -90,6 +90,11 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = F(True, "Recompute activations in backward.")
     enable_activation_offload: bool = F(False, "Offload activations to CPU.")
     use_remove_padding: bool = F(False, "Pack sequences without padding (alias: data.use_sequence_packing).")
+    compile_packed_layers: bool = F(
+        False,
+        "[klppo] torch.compile the critic's decoder layers for packed forwards (values and update), "
+        "micro-batches padded to bucket sizes; needs use_remove_padding, not with Ulysses.",
+    )
     fsdp_config: FSDPConfig = F(FSDPConfig, "FSDP2 sharding of the critic.")
     lora_rank: int = F(0, "LoRA rank; 0 = full fine-tuning.")
     lora_alpha: int = F(16, "LoRA alpha.")

@@ -67,6 +67,12 @@ class ModelConfig:
         "actor and reference.",
     )
     fused_kernel_options: dict[str, Any] = F({"impl_backend": "torch"}, "Options of the fused kernels.")
+    compile_packed_layers: bool = F(
+        False,
+        "[klppo] torch.compile the decoder layers for packed forwards (actor and reference: log-probs and "
+        "update), each packed micro-batch padded to a bucket size so compiled graphs are reused; needs "
+        "use_remove_padding, not with Ulysses (klppo.models.compiled_layers).",
+    )
     trust_remote_code: bool = F(False, "Allow model code from the model directory.")
     hf_config_path: str | None = F(
         None, "A config.json directory other than the model's (null: the model's)."

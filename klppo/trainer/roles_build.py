@@ -19,6 +19,7 @@ from klppo.config import KLPPOConfig
 from klppo.config.schema import CustomRewardFunctionConfig, RewardModelConfig
 from klppo.config.schema_arr import ModelConfig
 from klppo.config.sizes import Sizes
+from klppo.models.compiled_layers import compile_packed_layers
 from klppo.models.lm_head import fp32_lm_head
 from klppo.models.loading import load_causal_lm, load_critic, load_reward_model, load_tokenizer, model_dir
 from klppo.models.lora import apply_lora, is_lora
@@ -183,6 +184,8 @@ def build_critic(inputs: RoleInputs) -> Critic | None:
     sp = inputs.sp.critic
     if sp is not None:
         enable_ulysses_attention(model, sp.size)
+    if ccfg.model.compile_packed_layers:
+        compile_packed_layers(model)
     model = model.to(device)
     if ccfg.model.lora_rank > 0:
         # the backbone gets adapters; the value head ("score") trains in full
@@ -261,6 +264,8 @@ def load_policy_model(
     # float32 logits from the bf16 head (no rounding of the logits to bf16; the rollout engine computes its
     # log-probs the same way, see klppo.models.lm_head); float32 models are unaffected
     fp32_lm_head(model)
+    if m.compile_packed_layers:  # packed forwards only; config checks: use_remove_padding, no Ulysses
+        compile_packed_layers(model)
     return model.to(device)
 
 

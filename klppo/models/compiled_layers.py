@@ -1,0 +1,113 @@
+"""Compiled decoder layers for the packed training forwards (``*.model.compile_packed_layers``, a klppo
+extension of verl's configuration).
+
+:func:`compile_packed_layers` gives every decoder layer of a Hugging Face model (the modules that
+transformers checkpoints: ``GradientCheckpointingLayer``) a forward that runs ``torch.compile``-d code when
+it is called on a packed row (the call carries ``cu_seq_lens_q``, :mod:`klppo.batching.packing`), and the
+original eager code otherwise (generation with a KV cache, padded batches). What is compiled is the layer's
+forward only: FSDP2's hooks and gradient checkpointing stay around it, eager. One compiled function per
+layer class serves all layers of the model (and the reference's copy): the layers differ only by their
+parameters, which are inputs of the graph.
+
+Shapes are static (``dynamic=False``): a packed micro-batch of ``T`` real tokens is padded up by
+:func:`pad_packed_call` to a bucket of :func:`token_bucket` (``T`` rounded up to its 3 leading bits: 4, 5,
+6 or 7 × 2^k, at most 25% padding, four sizes per octave), ``cu_seq_lens`` to a power-of-two number of
+sequences, and the longest-sequence bound to a power of two. A workload's micro-batches then fall into a
+few shapes, each compiled once (forward and backward) and reused; static shapes also let inductor pick its
+kernels for the size. Symbolic shapes (``mark_dynamic``) would compile once but give every kernel a
+runtime size and still specialise on ``max_length``; the buckets keep the guards simple.
+
+The padding is one extra sequence after the real ones (token id 0, positions from 0) plus zero-length
+sequences: attention is block-diagonal over ``cu_seq_lens``, every other op of a layer is per token, so
+real tokens never see it, and no log-prob or value is read at a padding position — outputs and gradients
+are those of the unpadded row (``tests/models/test_compiled_layers.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+MIN_TOKEN_BUCKET = 64
+RECOMPILE_LIMIT = 64  # distinct (tokens, sequences, max length, grad mode) shapes per layer class
+_COMPILED: dict[type, Any] = {}
+_SUBCLASSES: dict[type, type] = {}
+
+
+def token_bucket(tokens: int) -> int:
+    """Smallest ``m · 2^k ≥ tokens`` with ``m ∈ {4, 5, 6, 7}`` (and at least :data:`MIN_TOKEN_BUCKET`)."""
+    n = max(int(tokens), MIN_TOKEN_BUCKET)
+    step = 1 << max(0, n.bit_length() - 3)
+    return -(-n // step) * step
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def pad_packed_call(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a packed forward call, padded to the buckets when ``model``'s layers are
+    compiled (:func:`compile_packed_layers`); unchanged otherwise. Needs no device sync: the sizes are
+    shapes, the new entries are written on the device."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or not getattr(model, "klppo_packed_buckets", False):
+        return kwargs
+    ids, pos = kwargs["input_ids"], kwargs["position_ids"]
+    tokens = ids.shape[1]
+    bucket = token_bucket(tokens)
+    pad = bucket - tokens
+    entries = _pow2_ceil(cu.numel()) + 1  # the real sequences and the padding one, bucketed, + 1
+    cu = torch.cat([cu, cu.new_full((entries - cu.numel(),), bucket)])
+    max_len = min(_pow2_ceil(max(int(kwargs["max_length_q"]), pad, 1)), bucket)
+    return {
+        **kwargs,
+        "input_ids": torch.cat([ids, ids.new_zeros((1, pad))], dim=1),
+        "position_ids": torch.cat([pos, torch.arange(pad, device=pos.device, dtype=pos.dtype)[None]], dim=1),
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+    }
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks (transformers' ``GradientCheckpointingLayer`` modules)."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def compile_packed_layers(model: torch.nn.Module) -> int:
+    """Compile ``model``'s decoder layers for packed calls (module docstring); returns how many. Raises
+    ValueError when the model has none (the key names it)."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(
+            f"model.compile_packed_layers: {type(model).__name__} has no transformers decoder layers "
+            "(GradientCheckpointingLayer) to compile; set it to False"
+        )
+    limit = getattr(torch._dynamo.config, "recompile_limit", None)
+    if limit is not None and limit < RECOMPILE_LIMIT:
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    for layer in layers:
+        layer.__class__ = _packed_subclass(type(layer))
+    model.klppo_packed_buckets = True
+    return len(layers)
+
+
+def _packed_subclass(cls: type) -> type:
+    """``cls`` with a forward that runs the compiled ``cls.forward`` on packed calls."""
+    if cls in _SUBCLASSES.values():
+        return cls
+    if cls not in _SUBCLASSES:
+        compiled = _COMPILED.setdefault(cls, torch.compile(cls.forward, dynamic=False))
+
+        def forward(self, *args, **kwargs):
+            if kwargs.get("cu_seq_lens_q") is None:
+                return cls.forward(self, *args, **kwargs)
+            return compiled(self, *args, **kwargs)
+
+        # same name as ``cls``: lookups by class name (FSDP units from _no_split_modules) still find it
+        namespace = {"forward": forward, "klppo_compiled": True, "__qualname__": cls.__qualname__}
+        _SUBCLASSES[cls] = type(cls.__name__, (cls,), namespace)
+    return _SUBCLASSES[cls]
