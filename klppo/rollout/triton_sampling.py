@@ -14,13 +14,13 @@ The law is that of :mod:`klppo.rollout.sampling` (the pure-torch path: the refer
   than ``k`` tokens have a larger ``x`` (top-k: ``x_i`` ≥ the k-th largest, ties kept, as
   ``truncate_logits``), or iff the probability mass of the tokens with a larger ``x`` is below ``p``
   (top-p: the sorted prefix whose mass reaches ``p``). One program per row samples it exactly by rejection,
-  without sorting: compute ``logsumexp(x)``; then draw ``s`` by the Gumbel race among the tokens with
-  ``x > low`` (fresh noise each round; ``low = −inf`` at first) and, in one more pass, count the tokens above
-  ``x_s`` and their mass; keep ``s`` if it is in the set, else set ``low = x_s`` and draw again. Every
+  without sorting. A first pass gives ``logsumexp(x)`` and a candidate ``s`` (the Gumbel race among all
+  tokens); each later pass counts the tokens above ``x_s`` and their mass (is ``s`` in the set?) and runs
+  the race among those tokens with fresh noise: the next candidate, taken if ``s`` is rejected. Every
   round's candidates contain the kept set (a rejected ``s`` and everything at or below it are outside it),
   so the accepted draw follows the renormalised truncated softmax; the largest token is always kept, so the
-  loop ends. Rounds needed: about 1 / (kept mass) at first, then fewer as ``low`` rises (small ``k`` on a
-  flat distribution is the slow case).
+  loop ends. Passes: 1 + the rounds, about 1 / (kept mass) at first and fewer as the candidates rise
+  (small ``k`` on a flat distribution is the slow case: about log2(V / k) rounds).
 - Top-k and top-p together need the top-k set's mass (a selection): :func:`supports` says no, and the
   engine uses the torch path.
 
@@ -176,65 +176,65 @@ if triton is not None:
         tl.store(logp_ptr + row, x_win - lse)
 
     @triton.jit
-    def _row_lse(base, V, temperature, BLOCK: tl.constexpr):
+    def _row_first(base, V, temperature, seed, row, BLOCK: tl.constexpr):
+        """One pass over the row: its log-normaliser, and the Gumbel race among all ids (round 0)."""
         m = tl.full([BLOCK], NEG_INF, tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
-        for off in range(0, V, BLOCK):
-            idx = off + tl.arange(0, BLOCK)
-            x = tl.load(base + idx, mask=idx < V, other=NEG_INF).to(tl.float32) / temperature
-            m, s = _online(m, s, x)
-        return _lse_of_lanes(m, s)
-
-    @triton.jit
-    def _row_race(base, V, temperature, low, seed, row, BLOCK: tl.constexpr):
-        """The Gumbel race among the row's ids with ``x > low``: winner id and its ``x``."""
         best_r = tl.full([BLOCK], NEG_INF, tl.float32)
         best_i = tl.full([BLOCK], V, tl.int32)
         best_x = tl.full([BLOCK], NEG_INF, tl.float32)
         for off in range(0, V, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             x = tl.load(base + idx, mask=idx < V, other=NEG_INF).to(tl.float32) / temperature
-            r = tl.where(x > low, x + _gumbel(seed, row * V + idx), NEG_INF)
-            best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
+            m, s = _online(m, s, x)
+            best_r, best_i, best_x = _race_update(
+                best_r, best_i, best_x, x + _gumbel(seed, row * V + idx), idx, x
+            )
         _, idx, x_win = _race_winner(best_r, best_i, best_x, V)
-        return idx, x_win
+        return _lse_of_lanes(m, s), idx, x_win
 
     @triton.jit
-    def _row_above(base, V, temperature, x_s, lse, BLOCK: tl.constexpr):
-        """How many of the row's ids have ``x > x_s``, and their probability mass."""
+    def _row_check_and_race(base, V, temperature, x_s, lse, seed, row, BLOCK: tl.constexpr):
+        """One pass over the row: how many ids have ``x > x_s`` and their probability mass (the check of
+        the candidate ``x_s``), and the Gumbel race among those ids (the next candidate, used if this one
+        is rejected; ``seed``: this round's noise)."""
         count = tl.zeros([BLOCK], tl.int32)
         mass = tl.zeros([BLOCK], tl.float32)
+        best_r = tl.full([BLOCK], NEG_INF, tl.float32)
+        best_i = tl.full([BLOCK], V, tl.int32)
+        best_x = tl.full([BLOCK], NEG_INF, tl.float32)
         for off in range(0, V, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             x = tl.load(base + idx, mask=idx < V, other=NEG_INF).to(tl.float32) / temperature
             above = x > x_s
             count += above.to(tl.int32)
             mass += tl.where(above, tl.exp(x - lse), 0.0)
-        return tl.sum(count, axis=0), tl.sum(mass, axis=0)
+            r = tl.where(above, x + _gumbel(seed, row * V + idx), NEG_INF)
+            best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
+        _, idx, x_win = _race_winner(best_r, best_i, best_x, V)
+        return tl.sum(count, axis=0), tl.sum(mass, axis=0), idx, x_win
 
     @triton.jit
     def _truncated_kernel(logits_ptr, stride, V, temperature, seed_ptr, top_k, top_p, tokens_ptr, logp_ptr,
                           USE_K: tl.constexpr, USE_P: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        """Program row: top-k or top-p sampling by rejection (module docstring)."""
+        """Program row: top-k or top-p sampling by rejection (module docstring), one pass per round."""
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * stride
         seed = tl.load(seed_ptr)
-        lse = _row_lse(base, V, temperature, BLOCK)
-        low = lse * 0.0 + NEG_INF
-        x_s = low
-        token = row * 0
-        rnd = row * 0
+        lse, token, x_s = _row_first(base, V, temperature, seed, row, BLOCK)
+        rnd = row * 0 + 1
         searching = row * 0 + 1
         while searching > 0:
-            token, x_s = _row_race(base, V, temperature, low, seed + rnd, row, BLOCK)
-            count, mass = _row_above(base, V, temperature, x_s, lse, BLOCK)
+            count, mass, next_token, next_x = _row_check_and_race(base, V, temperature, x_s, lse, seed + rnd, row,
+                                                                  BLOCK)  # fmt: skip
             keep = count >= 0
             if USE_K:
                 keep = keep & (count < top_k)
             if USE_P:
                 keep = keep & (mass < top_p)
             searching = 1 - keep.to(tl.int32)
-            low = x_s
+            token = tl.where(keep, token, next_token)
+            x_s = tl.where(keep, x_s, next_x)
             rnd += 1
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(logp_ptr + row, x_s - lse)
