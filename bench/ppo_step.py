@@ -94,17 +94,21 @@ SETTINGS = {
 def bench_switches(items: list[str]) -> Iterator[None]:
     """``@shared_plan=off``: the reference ignores the old-log-prob pass's plan (cuts and packs its own).
     ``@host_plan=off``: the host syncs per micro-batch of the code before the host-planned passes: no host
-    mask (trimming, packing and loss weights read the device masks) and every statistic read one by one."""
+    mask (trimming, packing and loss weights read the device masks), every statistic read one by one, and
+    transformers' packed-sequence detection in every packed forward."""
     from klppo.batch import Batch
+    from klppo.batching import packing
+    from klppo.models.compiled_layers import pad_packed_call
     from klppo.roles.metrics import MetricAccumulator
     from klppo.roles.reference import Reference
 
     original = Reference.compute_ref_log_prob
-    with_host_mask, add = Batch.with_host_mask, MetricAccumulator.add
+    with_host_mask, add, packed_call = Batch.with_host_mask, MetricAccumulator.add, packing._packed_call
     if "@shared_plan=off" in items:
         Reference.compute_ref_log_prob = lambda self, batch, plan=None: original(self, batch)
     if "@host_plan=off" in items:
         Batch.with_host_mask = lambda self: self
+        packing._packed_call = pad_packed_call  # attention_mask=None: transformers detects the packing
         MetricAccumulator.add = lambda self, stats, weight=1.0: add(
             self, {k: float(v) for k, v in stats.items()}, weight=weight
         )
@@ -112,7 +116,7 @@ def bench_switches(items: list[str]) -> Iterator[None]:
         yield
     finally:
         Reference.compute_ref_log_prob = original
-        Batch.with_host_mask, MetricAccumulator.add = with_host_mask, add
+        Batch.with_host_mask, MetricAccumulator.add, packing._packed_call = with_host_mask, add, packed_call
 
 
 def variant_overrides(name: str) -> list[str]:

@@ -238,6 +238,12 @@ def _packed_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
 
     if attention_mask is None:
         return None
+    q_offset = kwargs.get("q_offset", 0)
+    if kwargs.get("q_length") == kwargs.get("kv_length") and isinstance(q_offset, int) and q_offset == 0:
+        # a whole-sequence forward (the padded training passes): always the explicit mask. Asking whether
+        # SDPA's is_causal could replace it reads the padding on the host, a device sync per forward, and
+        # these batches are left-padded anyway.
+        kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 

@@ -209,6 +209,18 @@ def _check_attention(model: torch.nn.Module) -> None:
             model._klppo_warned_packed = True
 
 
+def _packed_call(model: torch.nn.Module, kwargs: dict) -> dict:
+    """A packed forward's keyword arguments as ``model`` runs them: padded to the compiled layers' buckets
+    (:func:`klppo.models.compiled_layers.pad_packed_call`), and with the klppo_packed attention an empty
+    4-D ``attention_mask``, which transformers passes through as "prepared" (its packed-sequence detection
+    from ``position_ids`` reads one device scalar per forward); the attention reads ``cu_seq_lens`` only."""
+    kwargs = pad_packed_call(model, kwargs)
+    if getattr(model.config, "_attn_implementation", None) == PACKED_ATTENTION:
+        ids = kwargs["input_ids"]
+        kwargs = {**kwargs, "attention_mask": torch.ones((1, 1, 0, 0), dtype=torch.bool, device=ids.device)}
+    return kwargs
+
+
 @dataclasses.dataclass
 class LogProbInputs:
     """A micro-batch's inputs to :func:`log_probs_of`, prepared once by :func:`prepare_log_probs` (packing,
@@ -267,7 +279,7 @@ def log_probs_of(
     if inputs.packed:
         _check_attention(model)
     with _head(model, inputs.head_labels, temperature, calculate_entropy, fused) as head_out:
-        out = model(**pad_packed_call(model, inputs.model_kwargs))
+        out = model(**_packed_call(model, inputs.model_kwargs) if inputs.packed else inputs.model_kwargs)
     target = inputs.target
     if inputs.packed:
         # [N, V] (or [N, 2] fused): only the positions that predict a real response token
@@ -361,7 +373,7 @@ def forward_values(
             input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
             **packed.attention_kwargs(),
         )  # fmt: skip
-        out = model(**pad_packed_call(model, kwargs))
+        out = model(**_packed_call(model, kwargs))
         values = out.logits[0, :, 0].float()[src]
         return _scatter_response(values, target, index)
     out = model(
