@@ -18,7 +18,10 @@ engine at ``--compile-batch`` with one optimisation off (ablation); ``--old-engi
 prints the CUDA kernel-time table of a few eager (graph-less) decode steps. ``--samplers`` times the
 engine once per sampler (``KLPPORollout(sampler=...)``: ``torch``, the default path, rows ``klppo-*``;
 ``triton``, the one-pass kernels, rows ``klppo-triton-*``) with the sampling of ``--temperature``,
-``--top-k``, ``--top-p``. ``--device cpu`` with ``--shapes tiny`` runs the script's own test.
+``--top-k``, ``--top-p``. ``--eos-every K`` makes every K-th token id an EOS (not ignored): on the random
+models the sequences then end at spread lengths, as in a real rollout (``--variants compact`` times slot
+compaction, ``KLPPORollout(compact_slots=True)``, there). ``--device cpu`` with ``--shapes tiny`` runs the
+script's own test.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ VARIANTS = {
     "flash-plain": dict(decode_attention="flash-plain"),
     "bf16-logits": dict(fp32_logits=False),
     "eager": dict(compile_decode=False),
+    "compact": dict(compact_slots=True),
 }
 PROMPT, NEW = 256, 256
 
@@ -101,7 +105,8 @@ def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit)
         decode_s = s["rollout/time_s"] - s["rollout/prefill_s"] - s["rollout/graph_capture_s"]
         emit(dict(shape=shape, batch=batch, backend=f"{name}-{phase}", time_s=elapsed,
                   sampling=f"T={params.temperature} top_k={params.top_k} top_p={params.top_p}",
-                  tokens_per_s=batch * NEW / elapsed, ms_per_step=decode_s / s["rollout/decode_steps"] * 1e3,
+                  tokens_per_s=s["rollout/tokens_generated"] / elapsed,
+                  ms_per_step=decode_s / s["rollout/decode_steps"] * 1e3, slot_moves=s["rollout/slot_moves"],
                   prefill_s=s["rollout/prefill_s"], capture_s=s["rollout/graph_capture_s"], n=params.n,
                   prefill_tokens=s["rollout/prefill_tokens"],
                   num_slots=s["rollout/num_slots"], peak_gb=peak, floor_ms=floor_ms(model, batch),
@@ -113,11 +118,14 @@ def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit)
 
 def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_batch: int | None, emit,
                 variants: list[str] = (), old_engine: str | None = None, n: int = 1, *,
-                samplers: list[str] = ("torch",), sampling: dict | None = None, device: str = "cuda"):  # fmt: skip
+                samplers: list[str] = ("torch",), sampling: dict | None = None, device: str = "cuda",
+                eos_every: int = 0):  # fmt: skip
     model = build(shape, torch.bfloat16, device)
     sampling = sampling or dict(temperature=1.0, top_p=1.0, top_k=-1)
-    params = SamplingParams(max_new_tokens=NEW, seed=0, ignore_eos=True, n=n, **sampling)
+    params = SamplingParams(max_new_tokens=NEW, seed=0, ignore_eos=not eos_every, n=n, **sampling)
     eos, pad = [151645], 151643
+    if eos_every:  # every eos_every-th id ends a sequence: lengths spread as in a real rollout
+        eos = list(range(0, model.config.vocab_size, eos_every))
     kw = dict(eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9, free_cache_engine=False)
     for batch in batches:
         prompts = torch.randint(0, 151000, (batch // n, PROMPT), device=device)  # batch = sequences
@@ -281,6 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--eos-every", type=int, default=0, help="K > 0: every K-th id is an EOS (EOS not ignored)"
+    )
     ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (default 256)")
     ap.add_argument("--new", type=int, default=NEW, help="new tokens, forced (default 256)")
     ap.add_argument("--out", default=None)
@@ -311,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
             samplers=args.samplers.split(","),
             sampling=dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
             device=args.device,
+            eos_every=args.eos_every,
         )
     if args.check:
         checks(emit, [getattr(torch, d) for d in args.check_dtypes.split(",")])

@@ -25,7 +25,9 @@ One ``generate`` call:
    records tokens/log-probs into the output buffers without any host synchronisation;
 5. every ``eos_check_every`` steps reads the finished flags once; the scheduler frees the finished
    slots and gives them to the next waiting sequences (prefilled the same way) — continuous batching —
-   until none is left.
+   until none is left. With ``compact_slots``, once nothing waits, the busy slots are moved down into the
+   smallest bucket that holds them (their K/V and decode state copied; ``SlotScheduler.compact``, not
+   below ``compact_min_bucket``), so the step follows the live sequence count.
 
 The cache, buffers and graphs are dropped at the end of ``generate`` when ``free_cache_engine`` is True;
 otherwise they are kept and reused by the next call of the same shape on the same weight addresses.
@@ -102,6 +104,8 @@ class KLPPORollout:
         fp32_logits: bool = True,
         compiled: CompiledFunctions | None = None,
         sampler: str = "torch",
+        compact_slots: bool = False,
+        compact_min_bucket: int = 16,
     ) -> None:
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -122,6 +126,8 @@ class KLPPORollout:
         self.decode_attention = decode_attention
         self.fp32_logits = fp32_logits
         self.sampler = sampler
+        self.compact_slots = compact_slots
+        self.compact_min_bucket = compact_min_bucket
         self.compiled = compiled if compiled is not None else CompiledFunctions()
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self._ws: Workspace | None = None
@@ -217,7 +223,7 @@ class KLPPORollout:
         t0 = time.perf_counter()
         self._admit(call, sched, sched.start())
         prefill_s = time.perf_counter() - t0
-        num_steps = capture_s = 0.0
+        num_steps = capture_s = moved = 0.0
         while (bucket := sched.bucket()) is not None:
             t0 = time.perf_counter()
             step = self._step_fn(call, bucket)
@@ -231,7 +237,10 @@ class KLPPORollout:
                 t0 = time.perf_counter()
                 self._admit(call, sched, refill)
                 prefill_s += time.perf_counter() - t0
-        return {"prefill_s": prefill_s, "graph_capture_s": capture_s, "decode_steps": float(num_steps)}
+            elif self.compact_slots:
+                moved += _move_slots(call.ws, sched.compact(self.compact_min_bucket))
+        return {"prefill_s": prefill_s, "graph_capture_s": capture_s, "decode_steps": float(num_steps),
+                "slot_moves": moved}  # fmt: skip
 
     def _admit(self, call: _Call, sched: SlotScheduler, pairs: list[tuple[int, int]]) -> None:
         """Prefill (sequence, slot) ``pairs``, in chunks of at most ``max_prefill_tokens`` tokens."""
@@ -264,6 +273,7 @@ class KLPPORollout:
             "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
             "rollout/num_slots": float(ws.kv.shape[2]),
             "rollout/decode_steps": timings["decode_steps"],
+            "rollout/slot_moves": timings["slot_moves"],
             "rollout/kv_cache_gb": ws.kv.numel() * ws.kv.element_size() / 2**30,
             "rollout/fused_weights_gb": ws.fused_bytes() / 2**30,
             "perf/rollout_peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
@@ -421,6 +431,19 @@ def _require_gathered(w: LlamaWeights) -> None:
     """The engine reads gathered weights (full, or a tensor-parallel group's slices), never FSDP2 shards."""
     if type(w.embed) is not torch.Tensor and type(w.embed).__name__ == "DTensor":
         raise ValueError("klppo rollout needs full (gathered) weights, got DTensor shards")
+
+
+def _move_slots(ws: Workspace, moves: list[tuple[int, int]]) -> int:
+    """Move each (from, to) slot's sequence: its K/V and decode state; the emptied slots idle as finished.
+    Returns the number of moves."""
+    if moves:
+        src = torch.tensor([a for a, _ in moves], device=ws.kv.device)
+        dst = torch.tensor([b for _, b in moves], device=ws.kv.device)
+        ws.kv[:, :, dst] = ws.kv[:, :, src]
+        for state in (ws.last_token, ws.position, ws.seq_id, ws.gen_len, ws.finished):
+            state[dst] = state[src]
+        ws.finished[src] = True
+    return len(moves)
 
 
 def _start_sequences(call: _Call, plan: PrefillPlan, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:

@@ -16,7 +16,12 @@ row ``s``. Rules (the engine's behaviour, kept exactly):
 - within a chunk, a prompt runs at most once, in its first sequence of the chunk, unless a busy slot
   already holds its prefix (``resident``); every other sequence of the prompt copies the prefix from
   the slot that holds or computes it;
-- the decode bucket is the smallest of :func:`buckets` greater than the highest busy slot.
+- the decode bucket is the smallest of :func:`buckets` greater than the highest busy slot;
+- compaction (:meth:`SlotScheduler.compact`, when the engine asks for it): once nothing waits, when the
+  busy slots would fit a smaller bucket than the one covering them, the busy slots at or above that
+  bucket move, lowest first, into its free slots, lowest first — the decode step then runs on the
+  bucket of the live sequence count (a PPO batch whose sequences finish at different lengths shrinks
+  step by step) instead of that of the highest slot still busy.
 """
 
 from __future__ import annotations
@@ -108,6 +113,24 @@ class SlotScheduler:
             self._holders[self.slot_seq[slot] // self.n].discard(slot)
             self.slot_seq[slot] = -1
         return self._place(freed[: len(self._waiting)])
+
+    def compact(self, min_bucket: int = 2) -> list[tuple[int, int]]:
+        """The (from, to) slot moves of a compaction (module docstring), applied to the bookkeeping; none
+        while sequences wait, or when the smaller bucket would be below ``min_bucket``."""
+        busy = self.busy()
+        if self._waiting or not busy:
+            return []
+        target = next(b for b in self._buckets if b >= len(busy))
+        if target >= self.bucket() or target < min_bucket:
+            return []
+        free = [slot for slot in range(target) if self.slot_seq[slot] < 0]
+        moves = list(zip([slot for slot in busy if slot >= target], free))
+        for src, dst in moves:
+            self.slot_seq[dst], self.slot_seq[src] = self.slot_seq[src], -1
+            held = self._holders[self.slot_seq[dst] // self.n]
+            held.discard(src)
+            held.add(dst)
+        return moves
 
     def chunks(self, pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
         """``pairs`` split in order into prefill chunks of at most ``max_prefill_tokens`` prompt tokens."""

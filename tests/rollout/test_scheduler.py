@@ -105,3 +105,33 @@ def test_random_finishes_admit_every_sequence_once() -> None:
             pairs = sched.finish([rng.random() < 0.4 for _ in range(num_slots)])
         assert admitted == list(range(num_prompts * n))  # each once, in id order
         assert sched.prefill_tokens >= sum(lengths)
+
+
+def test_compaction_moves_the_high_busy_slots_into_the_smaller_bucket() -> None:
+    # 2 prompts × 4 samples in 8 slots (buckets 2, 4, 8): nothing waits once they are all in
+    sched = SlotScheduler(prompt_lengths=[3, 2], n=4, num_slots=8, max_prefill_tokens=100)
+    sched.plan(sched.start())
+    assert sched.compact() == []  # 8 busy: already the smallest bucket that holds them
+    sched.finish([True, False, True, True, False, False, True, False])  # busy: 1, 4, 5, 7 → bucket 8
+    assert sched.bucket() == 8
+    assert sched.compact(min_bucket=8) == []  # the bucket of 4 is below min_bucket
+    moves = sched.compact()
+    assert moves == [(4, 0), (5, 2), (7, 3)]  # the busy slots ≥ 4 into the free slots < 4, lowest first
+    assert sched.slot_seq == [4, 1, 5, 7, -1, -1, -1, -1] and sched.bucket() == 4
+    assert sched._holders == {0: {1}, 1: {0, 2, 3}}  # sequences 4, 5, 7 are samples of prompt 1
+    assert sched.compact() == []
+    sched.finish([False, True, True, False, False, False, False, False])  # busy: 0, 3 → bucket 4
+    assert sched.compact() == [(3, 1)] and sched.slot_seq[:4] == [4, 7, -1, -1] and sched.bucket() == 2
+
+
+def test_compaction_after_the_last_refill() -> None:
+    sched = SlotScheduler(prompt_lengths=[2] * 10, n=1, num_slots=8, max_prefill_tokens=100)
+    sched.plan(sched.start())
+    refill = sched.finish([True] * 7 + [False])  # sequences 8 and 9 take slots 0 and 1; none waits
+    sched.plan(refill)
+    assert sched.slot_seq == [8, 9, -1, -1, -1, -1, -1, 7] and sched.bucket() == 8
+    assert sched.compact() == [(7, 2)] and sched.bucket() == 4
+    waiting = SlotScheduler(prompt_lengths=[2] * 20, n=1, num_slots=8, max_prefill_tokens=100)
+    waiting.plan(waiting.start())
+    waiting.plan(waiting.finish([True] * 7 + [False]))  # 5 still wait
+    assert waiting.compact() == []
