@@ -41,6 +41,15 @@ def all_reduce_max_values(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_sum_values(values: list[float]) -> list[float]:
+    """Element-wise sum of ``values`` over all ranks (one collective; none on one rank)."""
+    if world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
 def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     """Concatenate equal-shaped per-rank tensors along dim 0, in rank order."""
     if world_size() == 1:

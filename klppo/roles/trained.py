@@ -17,7 +17,7 @@ import torch
 
 from klppo.batch import Batch
 from klppo.batching.dynamic import micro_batch_loss_weight
-from klppo.parallel.collectives import all_reduce_sum, world_size
+from klppo.parallel.collectives import all_reduce_sum_values, world_size
 from klppo.parallel.fsdp import clip_grad_norm_
 from klppo.roles.forward import MicroBatching, iter_micro
 from klppo.roles.metrics import MetricAccumulator
@@ -117,7 +117,7 @@ class TrainedRole:
     ) -> torch.Tensor:
         """Backward of every micro-batch of ``mini`` (gradients summed); a bool tensor on the device: every
         loss was finite. Loss weights and metric weights come from the host mask: no device sync here."""
-        counts = global_counts(mini.response_mask, sp_size=self.update.sp_size)
+        counts = global_counts(_host_response_mask(mini), sp_size=self.update.sp_size)
         finite = torch.ones((), dtype=torch.bool, device=mini.response_mask.device)
         horizon = mini.response_length
         for _, mb in iter_micro(mini, micro):
@@ -138,13 +138,16 @@ class TrainedRole:
         self.num_skipped_updates = int(state["num_skipped_updates"])
 
 
-def global_counts(mini_mask: torch.Tensor, *, sp_size: int = 1) -> tuple[float, float, float]:
+def global_counts(mini_mask, *, sp_size: int = 1) -> tuple[float, float, float]:
     """(tokens, rows with a token, rows) of the mini-batch summed over the data-parallel groups: one
-    collective over all ranks, divided by ``sp_size`` (the ranks of a Ulysses group hold the same rows)."""
-    rows = torch.full((), float(mini_mask.shape[0]), dtype=torch.float64, device=mini_mask.device)
-    counts = torch.stack([mini_mask.sum().double(), (mini_mask.sum(dim=-1) > 0).sum().double(), rows])
-    tokens, seqs, num_rows = (all_reduce_sum(counts) / sp_size).tolist()
-    return tokens, seqs, num_rows
+    collective over all ranks (none on one), divided by ``sp_size`` (the ranks of a Ulysses group hold the
+    same rows). ``mini_mask``: the host (numpy) response mask, or a device tensor (one read)."""
+    if isinstance(mini_mask, torch.Tensor):
+        local = torch.stack([mini_mask.sum(), (mini_mask.sum(dim=-1) > 0).sum()]).double().tolist()
+    else:
+        local = [float(mini_mask.sum()), float((mini_mask.sum(-1) > 0).sum())]
+    tokens, seqs, num_rows = all_reduce_sum_values([*local, float(mini_mask.shape[0])])
+    return tokens / sp_size, seqs / sp_size, num_rows / sp_size
 
 
 def _host_response_mask(mb: Batch):
