@@ -4,8 +4,9 @@ Two ranks; rank 1 sleeps in phase ``step > gen`` for ``--stall`` seconds while r
 all-reduce inside ``step > gather_samples``; the collective timeout is ``--timeout`` seconds. Under gloo
 rank 0 gets a ``CollectiveTimeoutError`` naming its phase; under NCCL the watchdog aborts the waiting
 process instead (no Python exception), so what names the phases there is klppo's phase watch (a line at
-80% of the timeout) and the ``faulthandler`` stacks on the abort. Prints each rank's exit code and the
-lines that name a phase; writes them to ``--out`` as JSON.
+80% of the timeout) and the ``faulthandler`` stacks on the abort. Prints each rank's exit code, the lines
+that name a phase and each rank's last lines; writes them to ``--out`` as JSON — also when the ranks are
+still running after ``--max-wall`` seconds (then killed; ``killed_at_max_wall`` says so).
 
     PYTHONPATH=$PWD python3 bench/phase_stall.py --device cuda --out $OUT/stall.json
     PYTHONPATH=$PWD python3 bench/phase_stall.py --device cpu --timeout 2 --stall 5 --out /tmp/stall.json
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,6 +56,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--timeout", type=float, default=20.0, help="collective timeout, seconds")
     p.add_argument("--stall", type=float, default=45.0, help="seconds rank 1 sleeps in 'gen'")
+    p.add_argument("--max-wall", type=float, default=120.0, help="kill the ranks after this many seconds")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="klppo-stall-"))  # worker and rank logs: only the JSON goes to --out
@@ -63,18 +66,34 @@ def main() -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--redirects", "2",
            "--log-dir", str(logs), str(worker), args.device, str(args.timeout), str(args.stall)]  # fmt: skip
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=600)
+    exit_code, tail = _run_ranks(cmd, args.max_wall)
     wall = time.monotonic() - start
     ranks = {}
     for err in sorted(logs.rglob("stderr.log")):
         rank = err.parent.name
         lines = err.read_text(errors="replace").splitlines()
-        ranks[rank] = [ln for ln in lines if any(k in ln for k in KEYS)][:40]
+        # the lines naming a phase or the abort, and the last lines whatever they say (a hang shows there)
+        ranks[rank] = {"named": [ln for ln in lines if any(k in ln for k in KEYS)][:40], "last": lines[-8:]}
     result = {"device": args.device, "timeout_s": args.timeout, "stall_s": args.stall, "wall_s": round(wall, 1),
-              "torchrun_exit": proc.returncode, "ranks": ranks, "torchrun_tail": proc.stderr[-3000:]}  # fmt: skip
+              "torchrun_exit": exit_code, "killed_at_max_wall": exit_code is None, "ranks": ranks,
+              "torchrun_tail": tail[-3000:]}  # fmt: skip
     args.out.write_text(json.dumps(result, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(result, indent=1))
+
+
+def _run_ranks(cmd: list[str], max_wall: float) -> tuple[int | None, str]:
+    """torchrun's exit code and stderr; after ``max_wall`` seconds its whole process group is killed (exit
+    code None) so that the logs written so far are still read and reported."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=os.environ.copy(), start_new_session=True)  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=max_wall)
+        return proc.returncode, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        return None, err
 
 
 if __name__ == "__main__":
