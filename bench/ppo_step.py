@@ -28,6 +28,9 @@ allocator growth, CUDA-graph capture, compilation).
 
     PYTHONPATH=$PWD python3 bench/ppo_step.py --workload trl --variants before after --out $OUT/trl.json
     PYTHONPATH=$PWD python3 bench/ppo_step.py --device cpu --tiny --workload grpo135m --steps 2   # smoke test
+
+``--count-syncs`` (CUDA) adds ``cuda_syncs/passes`` and ``cuda_syncs/other``: host-device synchronisations
+per step in the training passes and elsewhere (``torch.cuda.set_sync_debug_mode``; not a timing run).
 """
 
 from __future__ import annotations
@@ -275,18 +278,20 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
     cfg = load_config(overrides)
     info = dist.init_distributed(args.device, 600.0)
     prof = Profile(args, run_dir.name, skip=args.steps - 1)
+    syncs = SyncCount(args.count_syncs and args.device == "cuda")
 
     class Trainer(PPOTrainer):
         def train_step(self, prompts, step):
             out = super().train_step(prompts, step)
             prof.step()
+            syncs.step()
             return out
 
     try:
         start = time.perf_counter()
         built = build_run(cfg, device=info.device, argv=overrides)
         setup_s = time.perf_counter() - start  # with rollout=klppo the decode functions compile meanwhile
-        with prof:
+        with prof, syncs:
             Trainer(built).fit()
     finally:
         dist.destroy()
@@ -299,11 +304,64 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
     summary = {
         k: statistics.median(r[k] for r in later) for k in keys if isinstance(later[0][k], float | int)
     }
+    summary.update(syncs.summary())
     summary["setup_s"] = setup_s
     summary["first_step_s"] = rows[0]["timing_s/step"]
     if "timing_s/gen" in summary:
         summary["train_s (step - gen)"] = summary["timing_s/step"] - summary["timing_s/gen"]
     return summary
+
+
+class SyncCount:
+    """With ``--count-syncs`` (CUDA): every host-device synchronisation counted through
+    ``torch.cuda.set_sync_debug_mode("warn")``, per step, split into the training passes (a frame in
+    ``klppo/roles`` or ``klppo/batching``: log-probs, reference, values, updates) and the rest (generation,
+    reward, advantages, logging). The warnings cost time: timings of such a run are not comparable."""
+
+    PASSES = ("klppo/roles/", "klppo/batching/")
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.counts, self.current = enabled, [], {"passes": 0, "other": 0}
+        self._ctx = None
+
+    def __enter__(self):
+        if self.enabled:
+            import warnings
+
+            import torch
+
+            self._ctx = warnings.catch_warnings()
+            self._ctx.__enter__()
+            warnings.simplefilter("always")
+            shown = warnings.showwarning
+
+            def show(message, category, filename, lineno, file=None, line=None):
+                if "synchronizing CUDA operation" not in str(message):
+                    return shown(message, category, filename, lineno, file, line)
+                frames = traceback.extract_stack()
+                key = "passes" if any(p in f.filename for f in frames for p in self.PASSES) else "other"
+                self.current[key] += 1
+
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._ctx is not None:
+            import torch
+
+            torch.cuda.set_sync_debug_mode(0)
+            self._ctx.__exit__(*exc)
+
+    def step(self) -> None:
+        self.counts.append(self.current)
+        self.current = {"passes": 0, "other": 0}
+
+    def summary(self) -> dict[str, float]:
+        later = self.counts[1:] or self.counts
+        if not self.enabled or not later:
+            return {}
+        return {f"cuda_syncs/{k}": statistics.median(c[k] for c in later) for k in ("passes", "other")}
 
 
 class Profile:
@@ -434,7 +492,7 @@ ROWS = [
     "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step",
     "train_s (step - gen)", "first_step_s", "first_update_s", "setup_s", "tokens_per_s", "perf/throughput",
     "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/log_prob_diff", "actor/pg_loss",
-    "actor/entropy", "actor/grad_norm",
+    "actor/entropy", "actor/grad_norm", "cuda_syncs/passes", "cuda_syncs/other",
 ]  # fmt: skip
 
 
@@ -463,6 +521,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--profile", default=None, help="DIR: profile the last step of each variant")
     parser.add_argument("--profile-rows", type=int, default=25)
+    parser.add_argument(
+        "--count-syncs", action="store_true", help="count host-device syncs per step (CUDA; slows the run)"
+    )
     parser.add_argument(
         "--tiny", action="store_true", help="a 2-layer model of the workload's arch (smoke test)"
     )
