@@ -227,7 +227,22 @@ def summarize(name: str, run_dir: Path, overrides: list[str], reward: str, code:
         "series": series,
     }
     out.update(target_stats(series, overrides))
+    out["trajectory"] = trajectory(dumps, series)
     return out
+
+
+def trajectory(dumps: list[Path], series: dict) -> list[dict]:
+    """Held-out accuracy at every validation after step 0, each with the mean k3 KL of the 20 steps up to
+    it: one run gives several points of accuracy against KL. A reading, not a selection — the figures of
+    record stay the run's last validation and its last 20 steps."""
+    points = []
+    for dump in dumps:
+        step = int(dump.stem)
+        if step == 0:
+            continue
+        k3 = [x for x in series["kl_k3"][max(0, step - 20) : step] if x is not None]
+        points.append({"step": step, **score_dump(dump), "kl_k3_20": statistics.fmean(k3) if k3 else None})
+    return points
 
 
 def target_stats(series: dict, overrides: list[str]) -> dict:
@@ -266,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--extra", nargs="*", default=[], help="overrides added to every setting (after presets)"
     )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="also validate every N steps (trainer.test_freq; outside the step-time budget): the "
+        "held-out accuracy along the run, each beside the k3 KL of the 20 steps before it",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -299,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"trainer.validation_data_dir={run_dir / 'val'}",
                 f"trainer.experiment_name={name}",
                 *memory,
+                *([f"trainer.test_freq={args.eval_every}"] if args.eval_every > 0 else []),
                 *overrides,
                 *args.extra,
             ]
@@ -364,6 +387,13 @@ def print_table(results: list[dict]) -> None:
             f"{pct(r['accuracy_after'], 'flexible')} | {pct(r['accuracy_after'], 'strict')} | "
             f"{num(r['kl_k3_last20_mean'])} | {num(r['kl_k3_max'])} | {num(r['entropy_min_after_step10'])} | {tgt} |"
         )
+    for r in results:
+        if len(r.get("trajectory") or []) > 1:
+            points = ", ".join(
+                f"step {p['step']}: {100 * p['flexible']:.1f}% at {num(p['kl_k3_20'])}"
+                for p in r["trajectory"]
+            )
+            print(f"{r['name']} along the run (held-out flexible at k3 of the 20 steps before): {points}")
 
 
 if __name__ == "__main__":
