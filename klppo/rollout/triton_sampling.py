@@ -54,10 +54,13 @@ def supports(params: SamplingParams, batch: int, vocab: int) -> bool:
     return not both and batch * vocab < 2**31 and vocab < 2**24
 
 
-def sample_triton(logits: torch.Tensor, params: SamplingParams, *, splits: int | None = None):
+def sample_triton(
+    logits: torch.Tensor, params: SamplingParams, *, splits: int | None = None, block: int = 2048
+):
     """Tokens [B] int64 and log-probs [B] float32 drawn from ``logits`` [B, V] (module docstring).
 
-    ``splits``: programs per row of the untruncated kernel (default: enough to fill the device)."""
+    ``splits``: programs per row of the untruncated kernel (default: enough to fill the device);
+    ``block``: ids a program reads at once (a power of two; tests make it small to split short rows)."""
     batch, vocab = logits.shape
     if not supports(params, batch, vocab):
         raise ValueError(f"the Triton sampler does not take top_k={params.top_k} with top_p={params.top_p}")
@@ -73,11 +76,9 @@ def sample_triton(logits: torch.Tensor, params: SamplingParams, *, splits: int |
     log_probs = torch.empty(batch, dtype=torch.float32, device=device)
     top_k = params.top_k if 0 < params.top_k < vocab and not greedy else 0
     top_p = params.top_p if params.top_p < 1.0 and not greedy else 1.0
-    block = min(2048, triton.next_power_of_2(vocab))
+    block = min(block, triton.next_power_of_2(vocab))
     if top_k == 0 and top_p >= 1.0:
-        splits = splits or _splits(device, batch, vocab, block)
-        chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
-        splits = triton.cdiv(vocab, chunk)  # no empty chunk
+        chunk, splits = chunking(vocab, splits or _splits(device, batch, vocab, block), block)
         part = torch.empty(batch, splits, 4, dtype=torch.float32, device=device)
         _race_chunk_kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, seed, part,
                                             splits, GREEDY=greedy, BLOCK=block, num_warps=8)  # fmt: skip
@@ -86,6 +87,13 @@ def sample_triton(logits: torch.Tensor, params: SamplingParams, *, splits: int |
         _truncated_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, seed, top_k, top_p, tokens,
                                     log_probs, USE_K=top_k > 0, USE_P=top_p < 1.0, BLOCK=block, num_warps=8)  # fmt: skip
     return tokens, log_probs
+
+
+def chunking(vocab: int, splits: int, block: int) -> tuple[int, int]:
+    """(ids per program, programs per row) of the untruncated kernel: whole blocks, no empty chunk."""
+    per_split = -(-vocab // splits)
+    chunk = -(-per_split // block) * block
+    return chunk, -(-vocab // chunk)
 
 
 def _splits(device: torch.device, batch: int, vocab: int, block: int) -> int:

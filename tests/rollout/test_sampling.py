@@ -88,6 +88,18 @@ def test_torch_sampler_greedy_is_argmax() -> None:
     torch.testing.assert_close(log_probs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
 
 
+def test_chunking_of_the_untruncated_kernel() -> None:
+    from klppo.rollout.triton_sampling import chunking
+
+    assert chunking(40, 3, 16) == (16, 3)  # what the kernel tests use
+    assert chunking(40, 1, 16) == (48, 1)
+    assert chunking(4, 2, 2) == (2, 2)
+    assert chunking(151936, 3, 2048) == (51200, 3)  # whole blocks per program; the last chunk shorter
+    assert chunking(151936, 64, 2048) == (4096, 38)  # never an empty chunk
+    chunk, splits = chunking(151936, 9, 2048)
+    assert chunk % 2048 == 0 and (splits - 1) * chunk < 151936 <= splits * chunk
+
+
 def test_engine_sampler_option_is_checked(tiny_qwen2) -> None:
     from klppo.rollout.engine import KLPPORollout
 
@@ -111,13 +123,12 @@ def _triton_checks(draws: int, device: str) -> None:
     _check(sample_triton, draws, device, settings)
     for splits in (1, 3):  # the chunked untruncated kernel, one and several programs per row
         params = SamplingParams(max_new_tokens=1, temperature=0.9)
-        tokens, _ = sample_triton(
-            _logits().to(device).expand(draws // 4, -1).contiguous(), params, splits=splits
-        )
+        x = _logits().to(device).expand(draws // 4, -1).contiguous()
+        tokens, _ = sample_triton(x, params, splits=splits, block=16)  # 40 ids: 1 or 3 chunks of 16
         assert chi_square_p(tokens, reference(_logits(), 0.9, -1, 1.0)[0]) > 0.01, splits
     logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 3.0]], device=device)
-    tokens, log_probs = sample_triton(logits, SamplingParams(do_sample=False), splits=2)
-    assert tokens.tolist() == [1, 0]  # ties: the lowest id, across chunks too
+    tokens, log_probs = sample_triton(logits, SamplingParams(do_sample=False), splits=2, block=2)
+    assert tokens.tolist() == [1, 0]  # ties (2.0 at ids 1, 2; 3.0 at 0, 3) across two chunks: the lowest id
     torch.testing.assert_close(log_probs.cpu(), torch.log_softmax(logits.cpu(), -1)[[0, 1], [1, 0]])
 
 
