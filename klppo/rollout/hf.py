@@ -85,16 +85,7 @@ class HFRollout:
         finally:
             model.generation_config = saved_config
         generated = out.sequences[:, num_prompt_tokens:]
-        temperature = 1.0 if params.greedy else params.temperature
-        log_probs = torch.stack(  # step by step: [N, T, V] at once would not fit for large batches
-            [
-                torch.log_softmax(step_logits.float() / temperature, dim=-1)
-                .gather(-1, generated[:, t, None])
-                .squeeze(-1)
-                for t, step_logits in enumerate(out.logits)
-            ],
-            dim=1,
-        )
+        log_probs = _step_log_probs(out.logits, generated, 1.0 if params.greedy else params.temperature)
         if params.greedy and params.n > 1:  # generate refuses n > 1 without sampling: all n are equal
             generated = generated.repeat_interleave(params.n, dim=0)
             log_probs = log_probs.repeat_interleave(params.n, dim=0)
@@ -119,3 +110,19 @@ class HFRollout:
 
     def release(self) -> None:
         """Nothing to free: ``generate`` allocates its cache per call."""
+
+
+def _step_log_probs(
+    logits: tuple[torch.Tensor, ...], generated: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """[N, T] log-probs of ``generated`` under each step's logits / T, step by step (a [N, T, V] tensor at
+    once would not fit for large batches)."""
+    return torch.stack(
+        [
+            torch.log_softmax(step.float() / temperature, dim=-1)
+            .gather(-1, generated[:, t, None])
+            .squeeze(-1)
+            for t, step in enumerate(logits)
+        ],
+        dim=1,
+    )
