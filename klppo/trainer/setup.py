@@ -34,7 +34,7 @@ from klppo.parallel.mesh import (
 )
 from klppo.parallel.offload import OffloadSchedule
 from klppo.rollout.base import RolloutEngine, SamplingParams, make_rollout
-from klppo.rollout.compiled import CompiledFunctions
+from klppo.rollout.compiled import CompiledFunctions, use_persistent_cache
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
 from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
@@ -260,6 +260,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     """Everything one rank trains with, in the order that lets slow work overlap (pre-compile, weights)."""
     arr, tcfg = cfg.actor_rollout_ref, cfg.trainer
     sizes = derive_sizes(cfg, world_size())
+    use_persistent_cache()  # before anything compiles: every compiled part of the run, whatever the engine
     torch.manual_seed(tcfg.seed)
     model_path = model_dir(arr.model.path)  # a .gguf file → its cached Hugging Face directory
     tokenizer = load_tokenizer(
