@@ -20,7 +20,8 @@ engine once per sampler (``KLPPORollout(sampler=...)``: ``torch``, the default p
 ``triton``, the one-pass kernels, rows ``klppo-triton-*``) with the sampling of ``--temperature``,
 ``--top-k``, ``--top-p``. ``--eos-every K`` makes every K-th token id an EOS (not ignored): on the random
 models the sequences then end at spread lengths, as in a real rollout (``--variants compact`` times slot
-compaction, ``KLPPORollout(compact_slots=True)``, there). ``--device cpu`` with ``--shapes tiny`` runs the
+compaction, ``KLPPORollout(compact_slots=True)``, there; ``--no-hf-compile`` skips hf static + compile at
+``--compile-batch``). ``--device cpu`` with ``--shapes tiny`` runs the
 script's own test.
 """
 
@@ -119,7 +120,7 @@ def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit)
 def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_batch: int | None, emit,
                 variants: list[str] = (), old_engine: str | None = None, n: int = 1, *,
                 samplers: list[str] = ("torch",), sampling: dict | None = None, device: str = "cuda",
-                eos_every: int = 0):  # fmt: skip
+                eos_every: int = 0, hf_compile: bool = True):  # fmt: skip
     model = build(shape, torch.bfloat16, device)
     sampling = sampling or dict(temperature=1.0, top_p=1.0, top_k=-1)
     params = SamplingParams(max_new_tokens=NEW, seed=0, ignore_eos=not eos_every, n=n, **sampling)
@@ -140,7 +141,7 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
             out, elapsed, peak = timed(hf.generate, model, prompts, mask, params)
             emit(dict(shape=shape, batch=batch, backend="hf-default", time_s=elapsed,
                       tokens_per_s=batch * NEW / elapsed, ms_per_step=elapsed / NEW * 1e3, peak_gb=peak))  # fmt: skip
-        if batch == compile_batch:
+        if batch == compile_batch and hf_compile:
             from klppo.rollout.hf import HFRollout
 
             hf = HFRollout(eos_token_ids=eos, pad_token_id=pad, cache_implementation="static")
@@ -290,6 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument(
+        "--no-hf-compile", action="store_true", help="skip hf static + compile at --compile-batch"
+    )
+    ap.add_argument(
         "--eos-every", type=int, default=0, help="K > 0: every K-th id is an EOS (EOS not ignored)"
     )
     ap.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens (default 256)")
@@ -323,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
             sampling=dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
             device=args.device,
             eos_every=args.eos_every,
+            hf_compile=not args.no_hf_compile,
         )
     if args.check:
         checks(emit, [getattr(torch, d) for d in args.check_dtypes.split(",")])
