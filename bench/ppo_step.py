@@ -48,19 +48,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-QWEN25_05B = dict(
-    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-    num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
-    tie_word_embeddings=True, rms_norm_eps=1e-6,
-)  # fmt: skip
-QWEN25_15B = dict(
-    QWEN25_05B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-)  # fmt: skip
-SMOLLM2_135M = dict(
-    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100_000.0,
-    tie_word_embeddings=True, rms_norm_eps=1e-5,
-)  # fmt: skip
+from klppo.tune.shapes import config_kwargs
+
+# the measured shapes, from klppo's table (klppo/tune/shapes.py): the same configs `klppo tune` models
+QWEN25_05B = config_kwargs("Qwen2.5-0.5B")
+QWEN25_15B = config_kwargs("Qwen2.5-1.5B")
+SMOLLM2_135M = config_kwargs("SmolLM2-135M")
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     vocab_size=384,

@@ -49,6 +49,7 @@ SHAPES: dict[str, ModelShape] = {
         ModelShape("Qwen2.5-72B", "qwen2", 8192, 80, 64, 8, 29568, 152064, False),
         ModelShape("Llama-3-8B", "llama", 4096, 32, 32, 8, 14336, 128256, False, 500_000.0, 8192),
         ModelShape("Llama-3-70B", "llama", 8192, 80, 64, 8, 28672, 128256, False, 500_000.0, 8192),
+        ModelShape("SmolLM2-135M", "llama", 576, 30, 9, 3, 1536, 49152, True, 100_000.0, 8192),
     ]
 }
 
@@ -65,11 +66,10 @@ def _lookup(name: str) -> ModelShape:
     return folded[key]
 
 
-def config_from_shape(shape: ModelShape | str):
-    """A transformers ``Qwen2Config`` / ``LlamaConfig`` of ``shape`` (a :class:`ModelShape` or its name)."""
-
+def config_kwargs(shape: ModelShape | str) -> dict:
+    """The transformers config fields of ``shape`` (a :class:`ModelShape` or its name), as keywords."""
     s = _lookup(shape) if isinstance(shape, str) else shape
-    common = dict(
+    return dict(
         hidden_size=s.hidden,
         num_hidden_layers=s.layers,
         num_attention_heads=s.heads,
@@ -81,8 +81,13 @@ def config_from_shape(shape: ModelShape | str):
         rope_theta=s.rope_theta,
         rms_norm_eps=1e-6 if s.arch == "qwen2" else 1e-5,
     )
+
+
+def config_from_shape(shape: ModelShape | str):
+    """A transformers ``Qwen2Config`` / ``LlamaConfig`` of ``shape`` (a :class:`ModelShape` or its name)."""
+    s = _lookup(shape) if isinstance(shape, str) else shape
     cls = Qwen2Config if s.arch == "qwen2" else LlamaConfig
-    return cls(**common)
+    return cls(**config_kwargs(s))
 
 
 def load_model_config(name_or_path: str):
