@@ -402,14 +402,8 @@ class KLPPORollout:
         # to compile at start-up
         fn = self.compiled.get("sample") if self._compiles(cuda) and not params.greedy else sample_untruncated
         temperature = 1.0 if params.greedy else float(params.temperature)
-
-        def run(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if logits.shape[0] == 1:  # a prefill of one sequence: 2 rows keep the compiled graph's batch dim
-                tokens, log_probs = fn(logits.repeat(2, 1), temperature, params.greedy)
-                return tokens[:1], log_probs[:1]
-            return fn(logits, temperature, params.greedy)
-
-        return run
+        # one compiled graph for every batch size, a prefill of one sequence included (batch dim unbacked)
+        return lambda logits: fn(logits, temperature, params.greedy)
 
     def _uses_triton(self, cuda: bool, params: SamplingParams) -> bool:
         """Whether to sample with the Triton kernels (:mod:`klppo.rollout.triton_sampling`): ``sampler``

@@ -30,12 +30,12 @@ import dataclasses
 
 
 def buckets(num_slots: int) -> list[int]:
-    """Powers of two from 2 below ``num_slots``, then ``num_slots``.
+    """Powers of two from 1 below ``num_slots``, then ``num_slots``.
 
-    No bucket of 1 (unless there is one slot): a batch of one would be a separate compiled graph (size-1
-    dims are specialised), compiled mid-rollout; a spare idle slot costs nothing.
+    A bucket of 1 costs no compilation: the compiled functions' batch dim is unbacked (one graph serves
+    every size, :mod:`klppo.rollout.compiled`); on GPU it is one more captured CUDA graph.
     """
-    out, b = [], 2
+    out, b = [], 1
     while b < num_slots:
         out.append(b)
         b *= 2

@@ -218,14 +218,55 @@ def test_precompile_leaves_nothing_to_compile_and_matches_eager() -> None:
     torch._dynamo.reset()
 
 
-def test_decode_buckets_never_one_unless_single_slot() -> None:
+def test_decode_buckets_from_one() -> None:
     from klppo.rollout.scheduler import buckets as _buckets
 
     assert _buckets(1) == [1]
-    assert _buckets(2) == [2]
-    assert _buckets(3) == [2, 3]
-    assert _buckets(64) == [2, 4, 8, 16, 32, 64]
-    assert _buckets(100) == [2, 4, 8, 16, 32, 64, 100]
+    assert _buckets(2) == [1, 2]
+    assert _buckets(3) == [1, 2, 3]
+    assert _buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert _buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+
+
+def test_batch_of_one_reuses_the_compiled_graphs() -> None:
+    """One prompt, n = 1 (a one-row prefill sampled by the compiled sampler, decode on bucket 1, no
+    padding row): greedy equals hf, tempered sampling equals the eager engine; then 3 prompts (buckets
+    2 and 3) compile no further graph: the batch dim is unbacked, never specialised to 1."""
+    from klppo.rollout.compiled import CompiledFunctions
+
+    model = build_tiny_model(arch="qwen2").eval()
+    graphs: list[str] = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fns = CompiledFunctions(backend=counting_backend)
+    greedy = SamplingParams(max_new_tokens=9, do_sample=False)
+    tempered = SamplingParams(max_new_tokens=9, temperature=0.7, seed=3)
+    counts = []
+    for batch in (PROMPTS[:1], PROMPTS[:3]):
+        prompts, prompt_mask = left_padded(batch)
+        ours = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=True, compiled=fns)
+        eager = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=False)
+        hf = make_rollout("hf", eos_token_ids=[2], pad_token_id=2)
+        a, ref = (
+            ours.generate(model, prompts, prompt_mask, greedy),
+            hf.generate(model, prompts, prompt_mask, greedy),
+        )
+        assert torch.equal(a.responses, ref.responses)
+        torch.testing.assert_close(a.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+        a, b = (
+            ours.generate(model, prompts, prompt_mask, tempered),
+            eager.generate(model, prompts, prompt_mask, tempered),
+        )
+        assert torch.equal(a.responses, b.responses)
+        torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-6, rtol=0)
+        counts.append(len(graphs))
+    assert counts[0] == 3, graphs  # two layer blocks and the sampler (T = 0.7), made at batch 1
+    assert counts[1] == counts[0], "batch 3 compiled graphs batch 1 had not made"
+    torch._dynamo.reset()
 
 
 def test_samples_of_a_prompt_share_its_prefill(tiny_qwen2) -> None:

@@ -23,7 +23,7 @@ def test_refills_finishes_and_prefill_plans_match_a_hand_computed_run() -> None:
     c = sched.plan(chunks[2])  # prompt 1 runs in slot 2
     assert (c.run_prompts, c.run_slots, c.run_lengths, c.positions) == ([1], [2], [2], [2])
     assert (sched.prefill_tokens, sched.prefix_reused) == (6, 1)
-    assert buckets(3) == [2, 3] and sched.bucket() == 3
+    assert buckets(3) == [1, 2, 3] and sched.bucket() == 3
 
     # slots 0 and 2 finish: sequences 3 and 4 take them (lowest id into the lowest slot)
     refill = sched.finish([True, False, True])
@@ -75,13 +75,13 @@ def test_bucket_shrinks_with_the_highest_busy_slot() -> None:
     sched = SlotScheduler(prompt_lengths=[1] * 5, n=1, num_slots=5, max_prefill_tokens=10)
     for chunk in sched.chunks(sched.start()):
         sched.plan(chunk)
-    assert buckets(5) == [2, 4, 5] and sched.bucket() == 5
+    assert buckets(5) == [1, 2, 4, 5] and sched.bucket() == 5
     sched.finish([False, False, False, False, True])
     assert sched.bucket() == 4
     sched.finish([False, False, True, True, False])
     assert sched.bucket() == 2
     sched.finish([False, True, False, False, False])
-    assert sched.bucket() == 2  # never a bucket of 1 with more than one slot
+    assert sched.bucket() == 1  # only slot 0 busy: a batch of one (no padding row)
     assert buckets(1) == [1]
 
 
@@ -108,7 +108,7 @@ def test_random_finishes_admit_every_sequence_once() -> None:
 
 
 def test_compaction_moves_the_high_busy_slots_into_the_smaller_bucket() -> None:
-    # 2 prompts × 4 samples in 8 slots (buckets 2, 4, 8): nothing waits once they are all in
+    # 2 prompts × 4 samples in 8 slots (buckets 1, 2, 4, 8): nothing waits once they are all in
     sched = SlotScheduler(prompt_lengths=[3, 2], n=4, num_slots=8, max_prefill_tokens=100)
     sched.plan(sched.start())
     assert sched.compact() == []  # 8 busy: already the smallest bucket that holds them
