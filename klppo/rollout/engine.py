@@ -13,7 +13,10 @@ One ``generate`` call:
    packed prefill (only real prompt tokens are projected; each prompt attends causally to itself);
    which sequence goes into which slot, and which prompts run or are copied, is the pure-Python
    bookkeeping of :mod:`klppo.rollout.scheduler` (``SlotScheduler`` → one ``PrefillPlan`` per chunk);
-4. runs decode steps on the first ``bucket`` slots (``bucket`` = smallest power of two from 2, or the slot
+   the tensor work of the call — a prefill chunk, a decode step, slot moves, the output rows — is in
+   :mod:`klppo.rollout.steps`, which this module drives with its choices (sampler, layer functions,
+   attention, graphs or eager);
+4. runs decode steps on the first ``bucket`` slots (``bucket`` = smallest power of two from 1, or the slot
    count, covering every busy slot), each step captured once as a CUDA graph per bucket on GPU
    (:mod:`klppo.rollout.graphs`), eager on CPU. Attention reads each slot's occupied prefix only (flash
    varlen, GQA query heads packed per KV head; ``decode_attention``). The per-layer blocks and the
@@ -48,18 +51,10 @@ import torch
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.hf import HFRollout
-from klppo.rollout.llama import (
-    LlamaWeights,
-    attn_in,
-    attn_out_mlp,
-    decode,
-    layer_back,
-    logits_of,
-    prefill,
-    unsupported_reason,
-)
+from klppo.rollout.llama import LlamaWeights, attn_in, attn_out_mlp, layer_back, unsupported_reason
 from klppo.rollout.sampling import is_untruncated, sample, sample_untruncated, vocab_parallel_sampler
-from klppo.rollout.scheduler import PrefillPlan, SlotScheduler
+from klppo.rollout.scheduler import SlotScheduler
+from klppo.rollout.steps import Call, assemble_output, decode_step, move_slots, prefill_chunk
 from klppo.rollout.triton_sampling import available as triton_available
 from klppo.rollout.triton_sampling import sample_triton
 from klppo.rollout.triton_sampling import supports as triton_supports
@@ -67,21 +62,6 @@ from klppo.rollout.workspace import CacheBudget, Workspace, num_slots
 
 DECODE_ATTENTION = ("auto", "flash", "flash-plain", "sdpa")
 SAMPLERS = ("torch", "triton", "auto")
-
-
-@dataclasses.dataclass
-class _Call:
-    """One ``generate`` call's fixed inputs, shared by its prefills and decode steps."""
-
-    w: LlamaWeights  # the weights decode reads (the fused copies with fuse_projections)
-    ws: Workspace
-    params: SamplingParams
-    packed: torch.Tensor  # [sum of prompt lengths] the prompts' real tokens, back to back
-    starts: list[int]  # prompt p is packed[starts[p] : starts[p + 1]]
-    prompt_hidden: torch.Tensor  # [num_prompts, hidden] each prompt's last hidden state, once it has run
-    eos: torch.Tensor  # [E] the ids that end a sequence ([-1] when none)
-    check_eos: bool  # False: sequences end at max_new_tokens only
-    cuda: bool
 
 
 class KLPPORollout:
@@ -195,9 +175,11 @@ class KLPPORollout:
         sched = SlotScheduler(prompt_lengths=lengths, n=params.n, num_slots=call.ws.kv.shape[2],
                               max_prefill_tokens=self.max_prefill_tokens)  # fmt: skip
         timings = self._run(call, sched)
-        return self._output(call.ws, sched, params.max_new_tokens, device, start, timings)
+        return assemble_output(
+            call, sched, self.pad_token_id, start, timings, call.cuda and self.use_cuda_graph
+        )
 
-    def _call(self, w, prompts, prompt_mask, lengths, params) -> _Call:
+    def _call(self, w, prompts, prompt_mask, lengths, params) -> Call:
         """The call's workspace (cache, buffers) and fixed inputs."""
         device = prompts.device
         packed = prompts[prompt_mask.bool()]
@@ -205,7 +187,7 @@ class KLPPORollout:
         ws = self._workspace(w, device, len(lengths) * params.n, params.max_new_tokens, max_len, params)
         if ws.weights is not None:
             w = ws.weights
-        return _Call(
+        return Call(
             w=w,
             ws=ws,
             params=params,
@@ -217,7 +199,7 @@ class KLPPORollout:
             cuda=device.type == "cuda",
         )
 
-    def _run(self, call: _Call, sched: SlotScheduler) -> dict[str, float]:
+    def _run(self, call: Call, sched: SlotScheduler) -> dict[str, float]:
         """Prefill the first sequences, then decode in blocks of ``eos_check_every`` steps, refilling the
         slots that finished, until no sequence is left. Returns the call's timings."""
         t0 = time.perf_counter()
@@ -238,49 +220,16 @@ class KLPPORollout:
                 self._admit(call, sched, refill)
                 prefill_s += time.perf_counter() - t0
             elif self.compact_slots:
-                moved += _move_slots(call.ws, sched.compact(self.compact_min_bucket))
+                moved += move_slots(call.ws, sched.compact(self.compact_min_bucket))
         return {"prefill_s": prefill_s, "graph_capture_s": capture_s, "decode_steps": float(num_steps),
                 "slot_moves": moved}  # fmt: skip
 
-    def _admit(self, call: _Call, sched: SlotScheduler, pairs: list[tuple[int, int]]) -> None:
+    def _admit(self, call: Call, sched: SlotScheduler, pairs: list[tuple[int, int]]) -> None:
         """Prefill (sequence, slot) ``pairs``, in chunks of at most ``max_prefill_tokens`` tokens."""
         for chunk in sched.chunks(pairs):
-            self._prefill(call, sched.plan(chunk))
-
-    def _output(
-        self, ws: Workspace, sched: SlotScheduler, width: int, device: torch.device, start: float,
-        timings: dict,
-    ) -> RolloutOutput:  # fmt: skip
-        """The finished sequences as right-padded rows, with the call's figures."""
-        cuda = device.type == "cuda"
-        num_seqs = sched.num_seqs
-        out_len = ws.out_len[:num_seqs]
-        mask = (torch.arange(width, device=device)[None, :] < out_len[:, None]).long()
-        responses = torch.where(mask.bool(), ws.out_tokens[:num_seqs], self.pad_token_id)
-        log_probs = ws.out_log_probs[:num_seqs] * mask
-        if cuda:
-            torch.cuda.synchronize(device)
-        tokens = float(out_len.sum().item())
-        elapsed = time.perf_counter() - start
-        stats = {
-            "rollout/time_s": elapsed,
-            "rollout/prefill_s": timings["prefill_s"],
-            "rollout/prefill_tokens": float(sched.prefill_tokens),
-            "rollout/prefix_reused": float(sched.prefix_reused),
-            "rollout/graph_capture_s": timings["graph_capture_s"],
-            "rollout/cuda_graphs": float(cuda and self.use_cuda_graph),  # 0: eager decode (or capture failed)
-            "rollout/tokens_generated": tokens,
-            "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
-            "rollout/num_slots": float(ws.kv.shape[2]),
-            "rollout/decode_steps": timings["decode_steps"],
-            "rollout/slot_moves": timings["slot_moves"],
-            "rollout/kv_cache_gb": ws.kv.numel() * ws.kv.element_size() / 2**30,
-            "rollout/fused_weights_gb": ws.fused_bytes() / 2**30,
-            "perf/rollout_peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0,
-        }
-        return RolloutOutput(
-            responses=responses.clone(), response_mask=mask, log_probs=log_probs.clone(), stats=stats
-        )
+            prefill_chunk(
+                call, sched.plan(chunk), self._sampler(call.params, call.cuda, call.w), self.fp32_logits
+            )
 
     def _workspace(self, w, device, num_seqs, width, max_len, params) -> Workspace:
         fuse = self.fuse_projections and w.layers[0].qkv is None  # not when given fused (tensor parallel)
@@ -297,31 +246,7 @@ class KLPPORollout:
                                       max_len=max_len, device=device)  # fmt: skip
         return self._ws
 
-    def _prefill(self, call: _Call, plan: PrefillPlan) -> None:
-        """Run ``plan`` (:class:`~klppo.rollout.scheduler.PrefillPlan`) and sample each sequence's first token.
-
-        The prompts it runs write their K/V into their slots and their last hidden state into
-        ``call.prompt_hidden``; every other sequence gets its prompt's prefix copied into its slot and its
-        first-token logits from that stored hidden state. The sampling noise differs per sequence.
-        """
-        w, ws, device = call.w, call.ws, call.packed.device
-        if plan.run_prompts:
-            starts = call.starts
-            index = torch.cat([torch.arange(starts[p], starts[p + 1]) for p in plan.run_prompts]).to(device)
-            run_slots = torch.tensor(plan.run_slots, device=device)
-            hidden = prefill(w, ws.kv, call.packed[index], run_slots, plan.run_lengths)
-            call.prompt_hidden[torch.tensor(plan.run_prompts, device=device)] = hidden
-        if plan.copy_dst:  # positions past a prompt's length are copied too: masked until overwritten
-            dst = torch.tensor(plan.copy_dst, device=device)
-            src = torch.tensor(plan.copy_src, device=device)
-            ws.kv[:, :, dst, : plan.copy_width] = ws.kv[:, :, src, : plan.copy_width]
-        unique = torch.tensor(plan.unique_prompts, device=device)
-        logits = logits_of(w, call.prompt_hidden[unique], self.fp32_logits)
-        logits = logits[torch.tensor(plan.logit_rows, device=device)]
-        tokens, log_probs = self._sampler(call.params, call.cuda, w)(logits)
-        _start_sequences(call, plan, tokens, log_probs)
-
-    def _step_fn(self, call: _Call, bucket: int) -> Callable[[], None]:
+    def _step_fn(self, call: Call, bucket: int) -> Callable[[], None]:
         """A callable running one decode step on slots [0, bucket): a graph replay on GPU."""
         ws = call.ws
         step = self._decode_step(call, bucket)
@@ -340,38 +265,17 @@ class KLPPORollout:
             return step
         return replay
 
-    def _decode_step(self, call: _Call, bucket: int) -> Callable[[], None]:
-        """One eager decode step on slots [0, bucket): decode, sample, record, advance (no host sync)."""
-        w, ws, params = call.w, call.ws, call.params
-        width, sink, max_len = params.max_new_tokens, ws.out_len.shape[0] - 1, ws.kv.shape[3]
+    def _decode_step(self, call: Call, bucket: int) -> Callable[[], None]:
+        """One eager decode step on slots [0, bucket) (:func:`~klppo.rollout.steps.decode_step`) with this
+        engine's layer functions, attention and sampler."""
         layer_fns = (attn_in, attn_out_mlp)
         if self._compiles(call.cuda):
             layer_fns = (self.compiled.get("attn_in"), self.compiled.get("attn_out_mlp"))
-        if w.tp is not None:  # the row-parallel all-reduces run eagerly (captured in the graph on CUDA)
-            layer_fns = (layer_fns[0], layer_back(w))
-        flash = self._use_flash(ws.kv)
-        sampler = self._sampler(params, call.cuda, w)
-
-        def step() -> None:
-            logits = decode(
-                w, ws.kv, ws.last_token[:bucket], ws.position[:bucket], layer_fns, flash, self.fp32_logits
-            )
-            tokens, log_probs = sampler(logits)
-            alive = ~ws.finished[:bucket]
-            row = torch.where(alive, ws.seq_id[:bucket], sink)
-            col = ws.gen_len[:bucket].clamp(max=width - 1)
-            ws.out_tokens[row, col] = tokens
-            ws.out_log_probs[row, col] = log_probs
-            ws.gen_len[:bucket] += alive.long()
-            ws.out_len[row] = ws.gen_len[:bucket]
-            done = ws.gen_len[:bucket] >= width
-            if call.check_eos:
-                done |= torch.isin(tokens, call.eos)
-            ws.finished[:bucket] |= alive & done
-            ws.last_token[:bucket] = tokens
-            ws.position[:bucket] = (ws.position[:bucket] + 1).clamp(max=max_len - 1)
-
-        return step
+        if call.w.tp is not None:  # the row-parallel all-reduces run eagerly (captured in the graph on CUDA)
+            layer_fns = (layer_fns[0], layer_back(call.w))
+        flash = self._use_flash(call.ws.kv)
+        sampler = self._sampler(call.params, call.cuda, call.w)
+        return decode_step(call, bucket, layer_fns, flash, sampler, self.fp32_logits)
 
     def _use_flash(self, kv: torch.Tensor) -> str | None:
         """The ``flash`` argument of ``decode``: "packed", "plain" or None (masked SDPA)."""
@@ -425,34 +329,3 @@ def _require_gathered(w: LlamaWeights) -> None:
     """The engine reads gathered weights (full, or a tensor-parallel group's slices), never FSDP2 shards."""
     if type(w.embed) is not torch.Tensor and type(w.embed).__name__ == "DTensor":
         raise ValueError("klppo rollout needs full (gathered) weights, got DTensor shards")
-
-
-def _move_slots(ws: Workspace, moves: list[tuple[int, int]]) -> int:
-    """Move each (from, to) slot's sequence: its K/V and decode state; the emptied slots idle as finished.
-    Returns the number of moves."""
-    if moves:
-        src = torch.tensor([a for a, _ in moves], device=ws.kv.device)
-        dst = torch.tensor([b for _, b in moves], device=ws.kv.device)
-        ws.kv[:, :, dst] = ws.kv[:, :, src]
-        for state in (ws.last_token, ws.position, ws.seq_id, ws.gen_len, ws.finished):
-            state[dst] = state[src]
-        ws.finished[src] = True
-    return len(moves)
-
-
-def _start_sequences(call: _Call, plan: PrefillPlan, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
-    """Record the first tokens of ``plan``'s sequences and set their slots' decode state."""
-    ws, device = call.ws, call.packed.device
-    slots = torch.tensor(plan.slots, device=device)
-    seq_t = torch.tensor(plan.seqs, device=device)
-    ws.out_tokens[seq_t, 0] = tokens
-    ws.out_log_probs[seq_t, 0] = log_probs
-    ws.out_len[seq_t] = 1
-    ws.last_token[slots] = tokens
-    ws.position[slots] = torch.tensor(plan.positions, device=device)
-    ws.seq_id[slots] = seq_t
-    ws.gen_len[slots] = 1
-    done = torch.full_like(tokens, call.params.max_new_tokens <= 1, dtype=torch.bool)
-    if call.check_eos:
-        done |= torch.isin(tokens, call.eos)
-    ws.finished[slots] = done
