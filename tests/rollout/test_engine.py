@@ -10,6 +10,7 @@ import torch
 from klppo.models.tiny import build_tiny_model
 from klppo.rollout import SamplingParams, make_rollout
 from klppo.rollout.engine import KLPPORollout
+from tests.rollout.compile_utils import recording_functions
 from tests.rollout.conftest import left_padded, reference_log_probs
 
 PROMPTS = [[1, 10, 20, 30, 40, 50], [1, 7, 8], [1, 99, 100, 101, 102], [5], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -188,17 +189,8 @@ def test_precompile_leaves_nothing_to_compile_and_matches_eager() -> None:
     """A background pre-compile from the config alone makes every graph the rollout needs: generate on an
     engine handed the same CompiledFunctions then compiles nothing (greedy and tempered sampling, several
     batch buckets) and equals the eager engine."""
-    from klppo.rollout.compiled import CompiledFunctions
-
     model = build_tiny_model(arch="qwen2").eval()
-    graphs: list[str] = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm.code)
-        return gm.forward
-
-    torch._dynamo.reset()
-    fns = CompiledFunctions(backend=counting_backend)
+    fns, graphs = recording_functions()
     thread = fns.start_precompile(model.config, dtype=torch.float32, device="cpu", temperatures=(0.7,))
     assert thread is not None
     fns.wait()
@@ -262,17 +254,9 @@ def test_batch_of_one_reuses_the_compiled_graphs() -> None:
     """One prompt, n = 1 (a one-row prefill sampled by the compiled sampler, decode on bucket 1, no
     padding row): greedy equals hf, tempered sampling equals the eager engine; then 3 prompts (buckets
     2 and 3) compile no further graph: the batch dim is unbacked, never specialised to 1."""
-    from klppo.rollout.compiled import CompiledFunctions
-
     model = build_tiny_model(arch="qwen2").eval()
-    graphs: list[str] = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm.code)
-        return gm.forward
-
-    torch._dynamo.reset()
-    one, three = _batch_of_one_then_three(model, CompiledFunctions(backend=counting_backend), graphs)
+    fns, graphs = recording_functions()
+    one, three = _batch_of_one_then_three(model, fns, graphs)
     assert one == 3, graphs  # two layer blocks and the sampler (T = 0.7), made at batch 1
     assert three == one, "batch 3 compiled graphs batch 1 had not made"
     torch._dynamo.reset()
@@ -286,17 +270,8 @@ def test_batch_of_one_with_inductor_and_cuda_graphs(dtype) -> None:
     flash decode)."""
     from torch._inductor.compile_fx import compile_fx
 
-    from klppo.rollout.compiled import CompiledFunctions
-
     model = build_tiny_model(arch="qwen2").to("cuda", dtype).eval()
-    graphs: list[str] = []
-
-    def counting_inductor(gm, example_inputs):
-        graphs.append(gm.code)
-        return compile_fx(gm, example_inputs)
-
-    torch._dynamo.reset()
-    fns = CompiledFunctions(backend=counting_inductor)
+    fns, graphs = recording_functions(compile=compile_fx)
     one, three = _batch_of_one_then_three(model, fns, graphs, device="cuda", eager_rng=False)
     assert one == 3 and three == one, graphs
     torch._dynamo.reset()
@@ -337,17 +312,9 @@ def test_precompile_waits_while_model_loading_switches_the_default_dtype() -> No
     import time
 
     from klppo.models.loading import DEFAULT_DTYPE_LOCK, default_dtype_change
-    from klppo.rollout.compiled import CompiledFunctions
 
     model = build_tiny_model(arch="llama").eval()
-    graphs: list[object] = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(torch.get_default_dtype())
-        return gm.forward
-
-    torch._dynamo.reset()
-    fns = CompiledFunctions(backend=counting_backend)
+    fns, graphs = recording_functions(record=lambda gm: torch.get_default_dtype())
     with default_dtype_change(torch.bfloat16):  # as load_causal_lm(dtype=bf16) does
         assert DEFAULT_DTYPE_LOCK.locked()
         torch.set_default_dtype(torch.bfloat16)

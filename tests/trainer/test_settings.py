@@ -16,6 +16,7 @@ from klppo.trainer.settings import (
     sampling_params,
     tune_workload,
 )
+from tests.rollout.compile_utils import recording_functions
 
 
 def test_fsdp_settings_mixed_precision_only_on_gpu() -> None:
@@ -168,7 +169,6 @@ def test_setup_precompile_makes_one_sampler_graph_per_temperature_on_the_given_o
     the engine): one sampler graph per sampling temperature of the config (training 0.7, validation 0.5),
     besides the two layer blocks."""
     from klppo.models.tiny import build_tiny_model
-    from klppo.rollout.compiled import CompiledFunctions
     from klppo.trainer.setup import _start_precompile
 
     cfg = load_config(
@@ -178,14 +178,7 @@ def test_setup_precompile_makes_one_sampler_graph_per_temperature_on_the_given_o
             "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
         ]  # fmt: skip
     )
-    graphs: list[str] = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm.code)
-        return gm.forward
-
-    torch._dynamo.reset()
-    fns = CompiledFunctions(backend=counting_backend)
+    fns, graphs = recording_functions()
     config = build_tiny_model(arch="qwen2").config
     try:
         _start_precompile(cfg, config, torch.device("cpu"), fns)
