@@ -531,6 +531,33 @@ def _f(x, fmt: str = "{:.3f}") -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
+def memory_error(row: dict) -> float | None:
+    """(predicted − measured) / measured peak of one sweep point; None where nothing was measured."""
+    peak = row.get("peak_gib")
+    if row.get("status") != "ok" or not peak:
+        return None
+    return row["predicted_gib"] / peak - 1
+
+
+def memory_check(sweep: list[dict], tolerance: float = 0.10) -> list[str]:
+    """Per shape and K: how far the memory model (fixed before these runs, so every point is out of
+    sample) lands from the measured peaks — the largest |error| and the points within ``tolerance``."""
+    lines = []
+    for shape, k in sorted({(r["shape"], r["k"]) for r in sweep}):
+        errors = [
+            e for r in sweep if (r["shape"], r["k"]) == (shape, k) if (e := memory_error(r)) is not None
+        ]
+        if not errors:
+            continue
+        worst = max(errors, key=abs)
+        within = sum(abs(e) <= tolerance for e in errors)
+        lines.append(
+            f"- memory model, {shape}, K={k}: largest error {worst:+.1%}; {within} of {len(errors)} points "
+            f"within ±{tolerance:.0%}{'' if within == len(errors) else ' — NOT all'}"
+        )
+    return lines
+
+
 def summarize(folder: Path) -> str:
     """Markdown tables (for bench/RESULTS.md) of every ``*_k*.json`` under ``folder``."""
     files = [json.loads(p.read_text()) for p in sorted(Path(folder).rglob("*_k*.json"))]
@@ -571,17 +598,19 @@ def summarize(folder: Path) -> str:
         out += [
             "\n**Sharding sweep** (actor update; peak and times: max over ranks)\n",
             "| shape | K | min_num_params | units | fwd prefetch | reshard | peak GiB/GPU | predicted GiB "
-            "| update s | comm s | exposed comm s | exposed share |",
-            "|---" * 12 + "|",
+            "| error | update s | comm s | exposed comm s | exposed share |",
+            "|---" * 13 + "|",
         ]
         for s in sorted(sweep, key=lambda s: (s["shape"], s["k"])):
             status = "" if s["status"] == "ok" else f" ({s['status']}: {s['note'][:60]})"
             out.append(
                 f"| {s['shape']} | {s['k']} | {s['min_num_params']:.0e}{status} | {s['units']} | "
                 f"{'on' if s['forward_prefetch'] else 'off'} | {'on' if s['reshard_after_forward'] else 'off'} | "
-                f"{_f(s['peak_gib'], '{:.1f}')} | {s['predicted_gib']:.1f} | {_f(s['update_s'])} | "
+                f"{_f(s['peak_gib'], '{:.1f}')} | {s['predicted_gib']:.1f} | {_f(memory_error(s), '{:+.1%}')} | "
+                f"{_f(s['update_s'])} | "
                 f"{_f(s['comm_s'])} | {_f(s['exposed_comm_s'])} | {_f(s['exposed_share'], '{:.1%}')} |"
             )
+        out += memory_check(sweep)
     out.append(scaling_table(by_run["scaling"]))
     for f in by_run["offload"]:
         r = f.get("result", {})

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.multi_gpu import compare_steps, main
+from bench.multi_gpu import compare_steps, main, memory_check, memory_error
 
 pytestmark = pytest.mark.slow  # multi-process or long (minutes on 2 busy cores); `-m 'not slow'` skips it
 
@@ -38,3 +38,18 @@ def test_smoke_two_gloo_ranks_match_one(tmp_path):
     summed = [dict(r, **{"actor/grad_norm": 2 * r["actor/grad_norm"]}) for r in result["rows_k"]]
     bad = [c for c in compare_steps(summed, result["rows_1"], rel=2e-2) if not c["ok"]]
     assert {c["metric"] for c in bad} == {"actor/grad_norm"} and len(bad) == 2
+
+
+def test_memory_check_by_hand():
+    rows = [
+        dict(shape="Qwen2.5-7B", k=2, status="ok", peak_gib=40.0, predicted_gib=42.0),  # +5%
+        dict(shape="Qwen2.5-7B", k=2, status="ok", peak_gib=50.0, predicted_gib=44.0),  # -12%
+        dict(shape="Qwen2.5-7B", k=2, status="oom", peak_gib=None, predicted_gib=90.0),  # not measured
+        dict(shape="Qwen2.5-1.5B", k=2, status="ok", peak_gib=20.0, predicted_gib=21.0),  # +5%
+    ]
+    assert memory_error(rows[0]) == pytest.approx(0.05) and memory_error(rows[2]) is None
+    lines = memory_check(rows)
+    assert lines == [
+        "- memory model, Qwen2.5-1.5B, K=2: largest error +5.0%; 1 of 1 points within ±10%",
+        "- memory model, Qwen2.5-7B, K=2: largest error -12.0%; 1 of 2 points within ±10% — NOT all",
+    ]
