@@ -269,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--settings", nargs="+", required=True, help="name=PRESET[,key=value…]")
+    parser.add_argument("--settings", nargs="+", help="name=PRESET[,key=value…]")
+    parser.add_argument(
+        "--source-hash", action="store_true", help="print the code's hash (a results file's source_sha256)"
+    )
     parser.add_argument("--train-seconds", type=float, default=300.0)
     parser.add_argument("--parallel", type=int, default=1, help="settings running at once")
     parser.add_argument("--gpus", nargs="*", default=None, help="CUDA devices to spread the settings over")
@@ -290,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.source_hash:
+        print(source_hash())
+        return 0
+    if not args.settings:
+        parser.error("--settings is required")
 
     from klppo.models.gguf import quickstart_model_path
 
@@ -348,6 +356,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.get("exit_code") == 0 for r in results) else 1
 
 
+def source_hash() -> str:
+    """SHA-256 over the paths and bytes of klppo/**/*.py|yaml and bench/*.py (sorted): names the code run."""
+    import hashlib
+
+    root = HERE.parent
+    files = sorted([*root.glob("klppo/**/*.py"), *root.glob("klppo/**/*.yaml"), *root.glob("bench/*.py")])
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def environment(args: argparse.Namespace) -> dict:
     import torch
 
@@ -355,6 +375,9 @@ def environment(args: argparse.Namespace) -> dict:
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": os.environ.get("KLPPO_COMMIT") or commit.stdout.strip() or "unknown",
+        # the code itself, whatever git says on the machine (a copied tree's .git can lag its files):
+        # `python bench/learning.py --source-hash` on a checkout prints the same value for the same code
+        "source_sha256": source_hash(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "train_seconds": args.train_seconds,
         "parallel": args.parallel,

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from bench import arith_reward
-from bench.learning import main
+from bench.learning import main, source_hash
 
 TINY = [
     "trainer.device=cpu",
@@ -59,6 +59,8 @@ def test_learning_bench_runs_and_stops_on_budget(tmp_path):
     assert r["accuracy_before"]["n"] == r["accuracy_after"]["n"] == 6
     assert len(r["series"]["kl_k3"]) == r["steps"] and r["series"]["kl_k3"][0] == pytest.approx(0, abs=1e-6)
     assert r["target_kl"] == 0.01
+    report = json.loads(out.read_text())
+    assert report["source_sha256"] == source_hash() and len(report["source_sha256"]) == 16
     # --eval-every 1: a held-out reading after every step, each beside the KL of the steps before it
     traj = r["trajectory"]
     assert r["steps"] >= 2  # else this checks little
