@@ -206,7 +206,8 @@ def summarize(name: str, run_dir: Path, overrides: list[str], reward: str, code:
     series = {k: [r.get(m) for r in steps] for k, m in SERIES.items()}
     dumps = sorted((run_dir / "val").glob("*.jsonl"), key=lambda p: int(p.stem))
     before = score_dump(dumps[0]) if dumps and dumps[0].stem == "0" else None
-    after = score_dump(dumps[-1]) if dumps and dumps[-1].stem != "0" else None
+    points = trajectory(dumps, series)  # every validation after step 0; the last is the run's "after"
+    after = {k: points[-1][k] for k in ("n", "flexible", "strict")} if points else None
     k3 = [x for x in series["kl_k3"] if x is not None]
     ent = [x for x in series["entropy"] if x is not None]
     out = {
@@ -227,7 +228,7 @@ def summarize(name: str, run_dir: Path, overrides: list[str], reward: str, code:
         "series": series,
     }
     out.update(target_stats(series, overrides))
-    out["trajectory"] = trajectory(dumps, series)
+    out["trajectory"] = points
     return out
 
 
