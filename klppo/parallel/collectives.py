@@ -33,20 +33,20 @@ def all_reduce_max(value: int) -> int:
 
 
 def all_reduce_max_values(values: list[float]) -> list[float]:
-    """Element-wise largest of ``values`` over all ranks (one collective)."""
-    if world_size() == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    """Element-wise largest of ``values`` over all ranks (one collective; none on one rank)."""
+    return _all_reduce_values(values, dist.ReduceOp.MAX)
 
 
 def all_reduce_sum_values(values: list[float]) -> list[float]:
     """Element-wise sum of ``values`` over all ranks (one collective; none on one rank)."""
+    return _all_reduce_values(values, dist.ReduceOp.SUM)
+
+
+def _all_reduce_values(values: list[float], op: dist.ReduceOp) -> list[float]:
     if world_size() == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 
