@@ -1,7 +1,7 @@
 """The engine's compiled decode functions, and their compilation in the background during start-up.
 
-Three functions are compiled (``torch.compile``, batch dimension unbacked: one graph serves every batch
-size, 1 included): the two per-layer blocks of a decode step (``attn_in``, ``attn_out_mlp``) and the
+Three functions are compiled (``torch.compile``, batch dimension dynamic: one graph serves every batch
+size from 2, and batch 1 has its own): the two per-layer blocks of a decode step (``attn_in``, ``attn_out_mlp``) and the
 untruncated sampler (one graph per temperature; greedy decoding runs it eagerly). They live on a
 :class:`CompiledFunctions` object, no module state: the trainer's set-up creates one and hands it to the
 engine (``KLPPORollout(compiled=...)``); an engine given none makes its own. With the default backend, dynamo's cache (keyed on the functions' code) serves
@@ -62,7 +62,7 @@ FUNCTIONS: dict[str, Callable] = {
 
 
 class CompiledFunctions:
-    """The compiled versions of ``FUNCTIONS`` (batch dim unbacked) and their background pre-compile.
+    """The compiled versions of ``FUNCTIONS`` (batch dim dynamic, batch 1 its own graph) and their background pre-compile.
 
     ``backend``: the ``torch.compile`` backend (tests pass a counting one). Engines given the same object
     share its wrappers; with the default backend, dynamo's own cache also serves a second object's calls
@@ -176,23 +176,23 @@ def _torch_default(var: str) -> str | None:
 
 
 def _batch_dynamic(fn: Callable) -> Callable:
-    """Call ``fn`` with dim 0 (the batch) of every tensor argument marked unbacked, nothing else.
+    """Call ``fn`` with dim 0 (the batch) of every tensor argument marked dynamic, nothing else.
 
     ``torch.compile(dynamic=True)`` makes every dim symbolic and unifies equal sizes: a first call with
     batch 64 = head_dim 64 (cos/sin are [B, D]) compiles a graph valid only while B == D, so the next
-    bucket recompiles. Marking the batch dim alone gives one graph per function; marking it *unbacked*
-    (``torch._dynamo.decorators.mark_unbacked``, no size hint, never specialised to 0 or 1) makes that
-    graph serve batch 1 too (a backed dynamic dim is specialised at size 1: a second graph). The compiled
-    functions hold nothing that branches on the batch size (``sample_untruncated`` states it is > 0 for
-    ``logsumexp``'s empty-input check). A torch without ``mark_unbacked`` gets the backed mark: correct,
-    with one more graph for batch 1.
+    bucket recompiles. Marking the batch dim alone gives one graph per function for every batch from 2;
+    a batch of 1 is specialised (a backed dynamic dim always is), so it gets a second graph, which
+    :meth:`CompiledFunctions.start_precompile` makes too. Marking the dim *unbacked* instead
+    (``mark_unbacked``: never specialised, one graph for batch 1 too) was measured slower on an H200
+    (2026-11-30, ``bench/rollout.py``, Qwen2.5-0.5B shape, bf16: decode step 1.94 vs 1.84 ms at batch 64,
+    2.92 vs 2.76 ms at batch 256, same call; likely because inductor has no size hint to tune an unbacked
+    dim's kernels with), so the hot path keeps the backed mark and pays one more graph.
     """
-    mark = getattr(torch._dynamo.decorators, "mark_unbacked", None) or torch._dynamo.maybe_mark_dynamic
 
     def call(*args):
         for a in args:
             if isinstance(a, torch.Tensor):
-                mark(a, 0)
+                torch._dynamo.maybe_mark_dynamic(a, 0)
         return fn(*args)
 
     return call
@@ -228,21 +228,21 @@ def _run_once(
     dtype = lw.input_norm.dtype
     num_heads, num_kv_heads, head_dim = attention_dims(config)
     eps = float(config.rms_norm_eps)
-    batch = 4  # any size: the batch dim is compiled unbacked (one graph serves every size, 1 included)
-    x = torch.zeros(batch, config.hidden_size, dtype=dtype, device=device)
-    cos, sin = (torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))  # not aliased
-    attn = torch.zeros(batch, num_heads * head_dim, dtype=dtype, device=device)
     logits_dtype = torch.float32 if fp32_logits else dtype
-    logits = torch.zeros(batch, config.vocab_size, dtype=logits_dtype, device=device)
-    calls = [
-        ("attn_in", (x, lw, cos, sin, (num_heads, num_kv_heads, head_dim, eps))),
-        ("attn_out_mlp", (x, attn, lw, eps)),
-        *[("sample", (logits, t, False)) for t in dict.fromkeys(temperatures)],  # greedy: not compiled
-    ]
-    for name, args in calls:
-        # one function at a time under the lock: the caller's model loading may not switch the default
-        # dtype meanwhile (dynamo guards on it), and waits for one function at most
-        with DEFAULT_DTYPE_LOCK:
-            fns.get(name)(*args)
+    for batch in (4, 1):  # 4: the graph of every batch from 2 (dynamic batch dim); 1: its own graph
+        x = torch.zeros(batch, config.hidden_size, dtype=dtype, device=device)
+        cos, sin = (torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))  # not aliased
+        attn = torch.zeros(batch, num_heads * head_dim, dtype=dtype, device=device)
+        logits = torch.zeros(batch, config.vocab_size, dtype=logits_dtype, device=device)
+        calls = [
+            ("attn_in", (x, lw, cos, sin, (num_heads, num_kv_heads, head_dim, eps))),
+            ("attn_out_mlp", (x, attn, lw, eps)),
+            *[("sample", (logits, t, False)) for t in dict.fromkeys(temperatures)],  # greedy: not compiled
+        ]
+        for name, args in calls:
+            # one function at a time under the lock: the caller's model loading may not switch the default
+            # dtype meanwhile (dynamo guards on it), and waits for one function at most
+            with DEFAULT_DTYPE_LOCK:
+                fns.get(name)(*args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

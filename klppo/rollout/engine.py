@@ -306,7 +306,7 @@ class KLPPORollout:
         # to compile at start-up
         fn = self.compiled.get("sample") if self._compiles(cuda) and not params.greedy else sample_untruncated
         temperature = 1.0 if params.greedy else float(params.temperature)
-        # one compiled graph for every batch size, a prefill of one sequence included (batch dim unbacked)
+        # one compiled graph for every batch size from 2 and one for a batch of 1 (compiled._batch_dynamic)
         return lambda logits: fn(logits, temperature, params.greedy)
 
     def _uses_triton(self, cuda: bool, params: SamplingParams) -> bool:

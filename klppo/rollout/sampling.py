@@ -67,7 +67,7 @@ def sample_untruncated(
     ``log_prob = x[token] - logsumexp(x)``, ``x = logits / T`` (T ignored when greedy). Written to be
     compiled: every [B, V] intermediate is elementwise, so inductor fuses them into the two reductions.
     """
-    torch._check(logits.shape[0] > 0)  # the batch dim may be unbacked (compiled.py): logsumexp asks
+    torch._check(logits.shape[0] > 0)  # the batch dim is symbolic (compiled.py): logsumexp asks
     x = logits.float()
     if not greedy and temperature != 1.0:
         x = x / temperature

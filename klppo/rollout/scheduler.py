@@ -32,8 +32,9 @@ import dataclasses
 def buckets(num_slots: int) -> list[int]:
     """Powers of two from 1 below ``num_slots``, then ``num_slots``.
 
-    A bucket of 1 costs no compilation: the compiled functions' batch dim is unbacked (one graph serves
-    every size, :mod:`klppo.rollout.compiled`); on GPU it is one more captured CUDA graph.
+    A bucket of 1 runs the compiled functions' batch-1 graphs, which the background pre-compile makes
+    beside the graph of every larger size (:mod:`klppo.rollout.compiled`); on GPU it is one more captured
+    CUDA graph.
     """
     out, b = [], 1
     while b < num_slots:

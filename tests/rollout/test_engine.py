@@ -195,10 +195,12 @@ def test_precompile_leaves_nothing_to_compile_and_matches_eager() -> None:
     assert thread is not None
     fns.wait()
     made = len(graphs)
-    assert made == 3 and fns.last_precompile_s is not None  # two layer blocks, one sampler (T = 0.7)
-    prompts, prompt_mask = left_padded(PROMPTS)
-    for params in (SamplingParams(max_new_tokens=9, do_sample=False), SamplingParams(max_new_tokens=9, n=2,
-                   temperature=0.7, seed=3)):  # fmt: skip
+    # two layer blocks and one sampler (T = 0.7), each for batches from 2 and for a batch of 1
+    assert made == 6 and fns.last_precompile_s is not None
+    for params, batch in ((SamplingParams(max_new_tokens=9, do_sample=False), PROMPTS),
+                          (SamplingParams(max_new_tokens=9, n=2, temperature=0.7, seed=3), PROMPTS),
+                          (SamplingParams(max_new_tokens=9, temperature=0.7, seed=3), PROMPTS[:1])):  # fmt: skip
+        prompts, prompt_mask = left_padded(batch)
         ours = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3,
                             compiled=fns)  # fmt: skip
         eager = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=False, max_num_seqs=3)
@@ -250,15 +252,21 @@ def _batch_of_one_then_three(
     return counts
 
 
-def test_batch_of_one_reuses_the_compiled_graphs() -> None:
+def test_batch_of_one_and_larger_batches_compile_once_each() -> None:
     """One prompt, n = 1 (a one-row prefill sampled by the compiled sampler, decode on bucket 1, no
     padding row): greedy equals hf, tempered sampling equals the eager engine; then 3 prompts (buckets
-    2 and 3) compile no further graph: the batch dim is unbacked, never specialised to 1."""
+    2 and 3) compile one graph per function for both sizes (the batch dim is dynamic from 2, batch 1
+    specialised: compiled._batch_dynamic), and a batch of 2 after them none."""
     model = build_tiny_model(arch="qwen2").eval()
     fns, graphs = recording_functions()
     one, three = _batch_of_one_then_three(model, fns, graphs)
     assert one == 3, graphs  # two layer blocks and the sampler (T = 0.7), made at batch 1
-    assert three == one, "batch 3 compiled graphs batch 1 had not made"
+    assert three == 6, "batch 3 (buckets 2 and 3) should add one graph per function, not one per bucket"
+    prompts, prompt_mask = left_padded(PROMPTS[:2])
+    KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=True, compiled=fns).generate(
+        model, prompts, prompt_mask, SamplingParams(max_new_tokens=5, temperature=0.7, seed=1)
+    )
+    assert len(graphs) == three, "a batch of 2 compiled again"
     torch._dynamo.reset()
 
 
@@ -273,7 +281,7 @@ def test_batch_of_one_with_inductor_and_cuda_graphs(dtype) -> None:
     model = build_tiny_model(arch="qwen2").to("cuda", dtype).eval()
     fns, graphs = recording_functions(compile=compile_fx)
     one, three = _batch_of_one_then_three(model, fns, graphs, device="cuda", eager_rng=False)
-    assert one == 3 and three == one, graphs
+    assert (one, three) == (3, 6), graphs
     torch._dynamo.reset()
 
 
@@ -327,7 +335,7 @@ def test_precompile_waits_while_model_loading_switches_the_default_dtype() -> No
     with default_dtype_change(torch.float32):  # no change: no lock
         assert not DEFAULT_DTYPE_LOCK.locked()
     fns.wait()
-    assert graphs == [torch.float32] * 3
+    assert graphs == [torch.float32] * 6  # three functions, for batches from 2 and for a batch of 1
     torch._dynamo.reset()
 
 

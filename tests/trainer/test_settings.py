@@ -164,10 +164,12 @@ def test_a_ulysses_group_gets_its_token_budgets_and_the_tune_workload_its_sizes(
     assert tw.update_micro_tokens == 23  # ceil(3 rows × 15 tokens / 2 ranks)
 
 
-def test_setup_precompile_makes_one_sampler_graph_per_temperature_on_the_given_object() -> None:
+def test_setup_precompile_makes_the_sampler_graphs_of_every_temperature_on_the_given_object() -> None:
     """The trainer's pre-compile runs on the CompiledFunctions it is given (the one build_run hands to
-    the engine): one sampler graph per sampling temperature of the config (training 0.7, validation 0.5),
-    besides the two layer blocks."""
+    the engine): the two layer blocks and the sampler for every sampling temperature of the config
+    (training 0.7, validation 0.5), for batches from 2 and for a batch of 1 — afterwards sampling at
+    either temperature and either kind of batch compiles nothing. (How many sampler graphs that takes
+    is dynamo's choice: after a second temperature it may make the float symbolic.)"""
     from klppo.models.tiny import build_tiny_model
     from klppo.trainer.setup import _start_precompile
 
@@ -183,6 +185,12 @@ def test_setup_precompile_makes_one_sampler_graph_per_temperature_on_the_given_o
     try:
         _start_precompile(cfg, config, torch.device("cpu"), fns)
         fns.wait()
-        assert len(graphs) == 4 and fns.last_precompile_s is not None
+        made = len(graphs)
+        assert made >= 2 * 2 + 2 and fns.last_precompile_s is not None  # blocks × (batch ≥ 2, 1) + samplers
+        with torch.no_grad():  # as the engine samples
+            for batch in (1, 3):
+                for temperature in (0.7, 0.5):
+                    fns.get("sample")(torch.randn(batch, config.vocab_size), temperature, False)
+        assert len(graphs) == made, "sampling compiled a graph the pre-compile had not made"
     finally:
         torch._dynamo.reset()
