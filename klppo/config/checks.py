@@ -52,6 +52,7 @@ _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("actor_rollout_ref.actor.loss_agg_mode", LOSS_AGG_MODES),
     ("critic.loss_agg_mode", LOSS_AGG_MODES),
     ("actor_rollout_ref.rollout.mode", ("sync", "async")),
+    ("actor_rollout_ref.rollout.sampler", ("auto", "triton", "torch")),
     ("actor_rollout_ref.actor.optim.lr_scheduler_type", ("constant", "cosine")),
     ("critic.optim.lr_scheduler_type", ("constant", "cosine")),
     ("data.truncation", ("error", "left", "right", "middle")),

@@ -271,6 +271,11 @@ class RolloutConfig:
         False, "Run the klppo engine's decode step eagerly (no torch.compile / CUDA graphs)."
     )
     cudagraph_capture_sizes: list[int] | None = F(None, "Batch sizes captured as CUDA graphs.")
+    sampler: str = F(
+        "auto",
+        "[klppo] How the klppo engine samples: auto (the one-pass Triton kernels on a CUDA GPU with triton, "
+        "for the settings they take; else torch) | triton (an error without them) | torch.",
+    )
     free_cache_engine: bool = F(True, "Free the KV cache after each rollout.")
     tensor_model_parallel_size: int = F(
         1,

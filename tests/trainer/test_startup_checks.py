@@ -128,12 +128,22 @@ def test_max_samples_limit_the_rows(tiny_model_dir, arithmetic_data, tmp_path):
     assert len(train) == 16
 
 
-def test_enforce_eager_turns_off_compile_and_graphs():
+def test_engine_options_from_enforce_eager_and_sampler():
     from klppo.trainer.settings import engine_options
 
-    eager = load_config(["actor_rollout_ref.rollout.enforce_eager=true"], **Q).actor_rollout_ref.rollout
-    assert engine_options(eager) == {"use_cuda_graph": False, "compile_decode": False}
-    assert engine_options(load_config([], **Q).actor_rollout_ref.rollout) == {}
+    def options(*overrides):
+        return engine_options(load_config(list(overrides), **Q).actor_rollout_ref.rollout)
+
+    assert options("actor_rollout_ref.rollout.enforce_eager=true") == {
+        "use_cuda_graph": False,
+        "compile_decode": False,
+        "sampler": "auto",
+    }
+    assert options() == {"sampler": "auto"}
+    assert options("actor_rollout_ref.rollout.sampler=torch") == {"sampler": "torch"}
+    assert options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.sampler=torch") == {}
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.sampler"):
+        options("actor_rollout_ref.rollout.sampler=cuda")
 
 
 def test_critic_warmup_as_verl(tiny_model_dir, arithmetic_data, tmp_path):
