@@ -67,8 +67,19 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 @contextmanager
 def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
-    """The base model's behaviour (the reference policy) for the duration of the block."""
+    """The base model's behaviour (the reference policy) for the duration of the block.
+
+    The adapters keep ``requires_grad``: peft's ``disable_adapter`` clears it on every adapter weight as a
+    side effect, and FSDP2 reads ``requires_grad`` when a unit is first run or gathered to fix the dtype
+    its gradients are reduced in and returned as (``_init_mp_dtypes``: the dtype of the trainable
+    parameters). A unit first reached here would see no trainable parameter and keep its gradients in the
+    bf16 compute dtype: the first backward then fails assigning bf16 gradients to the fp32 adapters
+    ("attempting to assign a gradient with dtype BFloat16 to a tensor with grad_dtype Float"). The block
+    runs without gradients (the reference), so the flag changes nothing inside it."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
     with model.disable_adapter():
+        for p in trainable:
+            p.requires_grad_(True)
         yield
 
 

@@ -28,6 +28,12 @@ CASES = {
                            "critic.model.fsdp_config.optimizer_offload=True", "trainer.save_freq=2"],
     "lora_klppo_engine": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=klppo",
                           "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.actor.use_kl_loss=True"],
+    # one mini-batch: no old-log-prob pass, the reference (adapters off) is the first forward (issue 16's
+    # crash: bf16 gradients assigned to the fp32 adapters); a checkpoint at step 1
+    "lora_reference_first": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=klppo",
+                             "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.actor.use_kl_loss=True",
+                             "actor_rollout_ref.actor.kl_loss_type=mse",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.save_freq=1"],
 }  # fmt: skip
 
 

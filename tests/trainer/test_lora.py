@@ -164,3 +164,89 @@ def test_critic_lora_and_starting_from_a_saved_adapter(tiny_model_dir, arithmeti
 
     exported = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic_hf")
     assert not any("lora" in k for k in exported.state_dict())
+
+
+@pytest.fixture
+def gpu_mixed_precision(monkeypatch):
+    """The trainer's FSDP settings as on a GPU (bf16 compute, fp32 master weights, fp32 gradient reduce),
+    on CPU: ``fsdp_settings`` picks mixed precision only for ``device_type == 'cuda'``."""
+    from klppo.trainer import roles_build, settings, setup
+
+    real = settings.fsdp_settings
+
+    def as_on_gpu(fsdp, *, device_type):
+        return real(fsdp, device_type="cuda")
+
+    monkeypatch.setattr(setup, "fsdp_settings", as_on_gpu)
+    monkeypatch.setattr(roles_build, "fsdp_settings", as_on_gpu)
+
+
+@pytest.mark.slow
+def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
+    gpu_mixed_precision, tiny_model_dir, arithmetic_data, tmp_path
+):
+    """Issue 16's crash (bf16 gradients assigned to the fp32 adapters in the first update, when the
+    reference with adapters off ran first) on CPU with the GPU's FSDP settings, through the trainer: GRPO +
+    MSE KL loss (old-log-prob pass skipped), the klppo engine on merged gathered weights; adapters, their
+    gradients and AdamW state in fp32; base weights untouched; a checkpoint resumes to the uninterrupted
+    run's step-2 metrics; the checkpoint exports merged."""
+    from transformers import AutoModelForCausalLM
+
+    from klppo.parallel.fsdp import gathered_params
+
+    gpu = LORA + [
+        "actor_rollout_ref.actor.kl_loss_type=mse",
+        "actor_rollout_ref.rollout.name=klppo",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one mini-batch: on-policy, the reference runs first
+    ]
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    _, built = run_training(
+        base_overrides(tiny_model_dir, arithmetic_data, full_dir) + gpu + ["trainer.total_training_steps=2"]
+    )
+    full = read_metrics(full_dir)
+    model, optimizer = built.roles.actor.model, built.roles.actor.optimizer
+    assert built.roles.reference.model is model
+    assert "old_log_prob" not in " ".join(full[0])  # no old-log-prob pass (π_old = the update's own)
+    group = model.get_base_model().model.layers[0]._get_fsdp_state()._fsdp_param_group
+    assert group.mp_policy.param_dtype == torch.bfloat16  # the GPU's settings were in force
+    assert all(
+        row["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(row["actor/pg_loss"])) for row in full
+    )
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert adapters and all(p.requires_grad and p.dtype == torch.float32 for p in adapters)
+    assert all(p.grad.dtype == torch.float32 for p in adapters)
+    for p in adapters:
+        state = optimizer.state[p]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    with gathered_params(model):
+        q = model.get_base_model().model.layers[0].self_attn.q_proj
+        assert q.lora_B["default"].weight.abs().max() > 0  # the adapter learned something
+    masters = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    base_key = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert torch.equal(masters[base_key], original["model.layers.0.self_attn.q_proj.weight"])
+
+    cut = base_overrides(tiny_model_dir, arithmetic_data, cut_dir) + gpu
+    run_training(cut + ["trainer.total_training_steps=1", "trainer.save_freq=1"])
+    assert (cut_dir / "global_step_1" / "COMPLETE").exists()
+    state, _ = run_training(cut + ["trainer.total_training_steps=2"])
+    assert state.global_step == 2
+    resumed = {row["step"]: row for row in read_metrics(cut_dir)}
+    compared = (
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/grad_norm",
+        "response_length/mean",
+        "critic/score/mean",
+    )
+    for key in compared:
+        assert resumed[2][key] == pytest.approx(full[1][key], rel=1e-5, abs=1e-6), key
+
+    from klppo.trainer.export import main as export_main
+
+    out = tmp_path / "hf"
+    assert export_main([str(cut_dir / "global_step_1"), str(out)]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert not any("lora" in k for k in exported)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert exported[key].dtype == torch.float32 and not torch.equal(exported[key], original[key])
