@@ -60,6 +60,7 @@ class ActorSettings:
     skip_old_log_prob_on_policy: bool = False  # π_old = the update's detached log-probs when on-policy
     use_fused_kernels: bool = False  # log-probs/entropy from the LM head in chunks (models/lm_head.py)
     sp: SequenceParallel | None = None  # Ulysses group (needs use_remove_padding); None: no sequence split
+    grad_sync_per_mini_batch: bool = False  # one reduce-scatter per mini-batch (roles/trained.py)
 
 
 class Actor(TrainedRole):

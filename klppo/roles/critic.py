@@ -29,6 +29,7 @@ class CriticSettings:
     use_remove_padding: bool = False
     seed: int = 1
     sp: SequenceParallel | None = None  # Ulysses group (needs use_remove_padding); None: no sequence split
+    grad_sync_per_mini_batch: bool = False  # one reduce-scatter per mini-batch (roles/trained.py)
 
 
 class Critic(TrainedRole):

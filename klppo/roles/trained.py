@@ -5,25 +5,33 @@ the loss or the gradient norm is not finite (the rest of that batch's optimizer 
 Gradients are averaged over data-parallel ranks by FSDP, so each micro-batch loss is scaled such that the
 accumulated gradient equals the gradient of the loss over the *global* mini-batch (token / row counts are
 all-reduced once per mini-batch): 1 rank and N ranks give the same update.
+
+Gradient sync: by default every micro-batch's backward reduce-scatters its gradients (FSDP2's default).
+With ``grad_sync_per_mini_batch`` the FSDP modules skip it (``set_requires_gradient_sync(False)``) for
+every micro-batch but the last of a mini-batch: the unsharded gradients accumulate on each rank (in the
+reduce dtype, fp32: 4 bytes per trainable parameter, whole model, per rank) and one reduce-scatter per
+unit and mini-batch sums them; the update is the same (docs/sharding.md, "Gradient sync").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from klppo.batch import Batch
 from klppo.batching.dynamic import micro_batch_loss_weight
 from klppo.parallel.collectives import all_reduce_sum_values, world_size
-from klppo.parallel.fsdp import clip_grad_norm_
+from klppo.parallel.fsdp import clip_grad_norm_, fsdp_modules
 from klppo.roles.forward import MicroBatching, iter_micro
 from klppo.roles.metrics import MetricAccumulator
 from klppo.roles.oom import OOMRecovery
 from klppo.roles.optim import OptimSettings, build_optimizer, build_scheduler
 
+T = TypeVar("T")
 LossTerms = list[tuple[torch.Tensor, str]]
 """A micro-batch's loss as (term, loss_agg_mode) pairs: each term is weighted by its own aggregation."""
 MicroLoss = Callable[[Batch], tuple[LossTerms, dict[str, float | torch.Tensor]]]
@@ -42,12 +50,14 @@ class UpdateSettings:
     shuffle: bool = False
     seed: int = 1
     sp_size: int = 1  # ranks of a Ulysses group: they hold the same rows
+    grad_sync_per_mini_batch: bool = False
+    """Reduce-scatter gradients once per mini-batch (after its last micro-batch), not per micro-batch."""
 
     @classmethod
     def of(cls, settings: object, *, seed_offset: int = 0) -> UpdateSettings:
         """The update fields of a role's settings (same names), the shuffle seed shifted by ``seed_offset``."""
         fields = {f: getattr(settings, f) for f in ("ppo_epochs", "mini_batch_size", "update_micro", "grad_clip",
-                                                      "shuffle")}  # fmt: skip
+                                                      "shuffle", "grad_sync_per_mini_batch")}  # fmt: skip
         sp = getattr(settings, "sp", None)
         return cls(**fields, seed=settings.seed + seed_offset, sp_size=1 if sp is None else sp.size)
 
@@ -116,17 +126,25 @@ class TrainedRole:
         self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator, micro: MicroBatching
     ) -> torch.Tensor:
         """Backward of every micro-batch of ``mini`` (gradients summed); a bool tensor on the device: every
-        loss was finite. Loss weights and metric weights come from the host mask: no device sync here."""
+        loss was finite. Loss weights and metric weights come from the host mask: no device sync here.
+        With ``grad_sync_per_mini_batch`` only the last micro-batch's backward reduce-scatters."""
         counts = global_counts(_host_response_mask(mini), sp_size=self.update.sp_size)
         finite = torch.ones((), dtype=torch.bool, device=mini.response_mask.device)
         horizon = mini.response_length
-        for _, mb in iter_micro(mini, micro):
-            mask = _host_response_mask(mb)
-            terms, stats = micro_loss(mb)
-            loss = sum(term * micro_weight(mode, mask, counts, horizon) for term, mode in terms)
-            finite = finite & torch.isfinite(loss)
-            loss.backward()
-            acc.add(stats, weight=float(mask.sum()))
+        deferred = fsdp_modules(self.model) if self.update.grad_sync_per_mini_batch else []
+        try:
+            for (_, mb), last in _with_last(iter_micro(mini, micro)):
+                for module in deferred:
+                    module.set_requires_gradient_sync(last, recurse=False)
+                mask = _host_response_mask(mb)
+                terms, stats = micro_loss(mb)
+                loss = sum(term * micro_weight(mode, mask, counts, horizon) for term, mode in terms)
+                finite = finite & torch.isfinite(loss)
+                loss.backward()
+                acc.add(stats, weight=float(mask.sum()))
+        finally:  # FSDP2's default again (also after an out-of-memory error mid-mini-batch)
+            for module in deferred:
+                module.set_requires_gradient_sync(True, recurse=False)
         return finite
 
     # ---- checkpoint state ---------------------------------------------------------------------
@@ -148,6 +166,19 @@ def global_counts(mini_mask, *, sp_size: int = 1) -> tuple[float, float, float]:
         local = [float(mini_mask.sum()), float((mini_mask.sum(-1) > 0).sum())]
     tokens, seqs, num_rows = all_reduce_sum_values([*local, float(mini_mask.shape[0])])
     return tokens / sp_size, seqs / sp_size, num_rows / sp_size
+
+
+def _with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
+    """``(item, is_last)`` pairs, one item ahead (micro-batches stay lazy)."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield current, False
+        current = following
+    yield current, True
 
 
 def _host_response_mask(mb: Batch):
