@@ -139,6 +139,11 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     n = cfg.trainer.n_gpus_per_node
     if not (n == "auto" or (isinstance(n, int) and n >= 1)):
         raise ConfigError(f"trainer.n_gpus_per_node={n!r}: expected 'auto' or an integer ≥ 1")
+    for role in ("actor_rollout_ref.actor", "critic.model"):
+        key = f"{role}.fsdp_config.grad_sync_per_mini_batch"
+        value = value_at(cfg, key)
+        if not (isinstance(value, bool) or value == "auto"):
+            raise ConfigError(f"{key}={value!r}: expected auto, true or false")
     if cfg.actor_rollout_ref.actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={cfg.actor_rollout_ref.actor.clip_ratio_c}: "
                           "the dual-clip constant must be > 1.0")  # fmt: skip

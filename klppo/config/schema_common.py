@@ -48,6 +48,13 @@ class FSDPConfig:
         False, "Prefetch the next unit's all-gather during the current unit's forward."
     )
     backward_prefetch: bool = F(True, "[klppo] Prefetch the previous unit's all-gather during backward.")
+    grad_sync_per_mini_batch: bool | str = F(
+        "auto",
+        "[klppo] Reduce-scatter gradients once per mini-batch (after its last micro-batch) instead of after "
+        "every micro-batch: auto | true | false. Costs 4 bytes per trainable parameter per rank (unsharded "
+        "fp32 gradients) during the update. auto: on with more than one rank, no offload, and that cost at "
+        "most 10% of the device's memory. Read by the trained roles (actor, critic).",
+    )
     model_dtype: str = F("fp32", "[klppo default per role] dtype the role's weights are stored in.")
     mixed_precision: MixedPrecisionConfig = F(MixedPrecisionConfig, "[klppo] FSDP2 mixed-precision policy.")
     use_orig_params: bool = F(False, "FSDP1 option; FSDP2 always keeps original parameters.")

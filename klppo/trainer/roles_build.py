@@ -4,7 +4,9 @@ needs it (the reference for a KL term, the critic for GAE)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ from klppo.trainer.settings import (
     actor_settings,
     critic_settings,
     fsdp_settings,
+    grad_sync_per_mini_batch,
     optim_settings,
     reference_settings,
     to_dtype,
@@ -120,6 +123,9 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
     shard(model, fsdp, inputs.device)
     get_policy_loss(acfg.policy_loss.loss_mode)  # ValueError naming the built modes
     settings = actor_settings(cfg, inputs.sizes, sp=sp)
+    settings = dataclasses.replace(
+        settings, grad_sync_per_mini_batch=_grad_sync("actor", acfg.fsdp_config, fsdp, model, inputs.device)
+    )
     actor = Actor(model, settings, optim_settings(acfg.optim, inputs.total_steps))
     inputs.offload.add(
         actor,
@@ -130,6 +136,19 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
         optimizer_state=fsdp.optimizer_offload,
     )
     return actor
+
+
+def _grad_sync(role: str, fsdp_cfg, fsdp: FSDPSettings, model: torch.nn.Module, device: torch.device) -> bool:
+    """``fsdp_config.grad_sync_per_mini_batch`` of a trained role, resolved for this run and logged."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    on, why = grad_sync_per_mini_batch(
+        fsdp_cfg, fsdp, num_trainable=trainable, ranks=world_size(), device_bytes=device_bytes
+    )
+    logging.getLogger("klppo").info(
+        "%s: gradient reduce-scatter once per %s (%s)", role, "mini-batch" if on else "micro-batch", why
+    )
+    return on
 
 
 def build_reference(inputs: RoleInputs, actor: Actor) -> Reference | None:
@@ -201,6 +220,10 @@ def build_critic(inputs: RoleInputs) -> Critic | None:
     fsdp = fsdp_settings(ccfg.model.fsdp_config, device_type=device.type)
     shard(model, fsdp, device)
     settings = critic_settings(cfg, inputs.sizes, sp=sp)
+    settings = dataclasses.replace(
+        settings,
+        grad_sync_per_mini_batch=_grad_sync("critic", ccfg.model.fsdp_config, fsdp, model, device),
+    )
     critic = Critic(model, settings, optim_settings(ccfg.optim, inputs.total_steps))
     inputs.offload.add(
         critic,

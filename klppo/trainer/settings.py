@@ -29,7 +29,7 @@ from klppo.roles.critic import CriticSettings
 from klppo.roles.forward import MicroBatching
 from klppo.roles.optim import OptimSettings
 from klppo.rollout.base import SamplingParams
-from klppo.tune.memory import Point, TuneWorkload, Workload
+from klppo.tune.memory import Point, TuneWorkload, Workload, defers_grad_sync
 
 DTYPES = {
     "fp32": torch.float32,
@@ -65,6 +65,20 @@ def fsdp_settings(fsdp: FSDPConfig, *, device_type: str) -> FSDPSettings:
         backward_prefetch=fsdp.backward_prefetch,
         param_dtype=to_dtype(mp.param_dtype) if device_type == "cuda" else None,
         reduce_dtype=to_dtype(mp.reduce_dtype),
+    )
+
+
+def grad_sync_per_mini_batch(
+    fsdp_cfg: FSDPConfig, fsdp: FSDPSettings, *, num_trainable: int, ranks: int, device_bytes: int | None
+) -> tuple[bool, str]:
+    """A trained role's ``fsdp_config.grad_sync_per_mini_batch`` resolved (auto: :func:`defers_grad_sync`,
+    the rule the memory model applies too), and why; its cost 4 bytes per trainable parameter per rank."""
+    return defers_grad_sync(
+        fsdp_cfg.grad_sync_per_mini_batch,
+        ranks=ranks,
+        offload=offload_mode(fsdp),
+        grad_bytes=4 * num_trainable,
+        device_bytes=device_bytes,
     )
 
 
@@ -332,6 +346,7 @@ def tune_workload(
         and not arr.ref.fsdp_config.param_offload,
         sequence_parallel=actor.ulysses_sequence_parallel_size,
         rollout_tensor_parallel=arr.rollout.tensor_model_parallel_size,
+        grad_sync_per_mini_batch=actor.fsdp_config.grad_sync_per_mini_batch,
     )
     point = Point(
         fsdp.min_num_params,

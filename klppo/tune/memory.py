@@ -29,6 +29,9 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
   non-root unit): the root's unsharded grads are reduced last; a unit being reduced holds bf16 grads
   and their fp32 reduce-scatter input; or the all-gather's flat output buffer ``U_max·c``.
 - optimizer step (alternative peak): the static state plus one fp32 temporary ``Ps·4`` (foreach sqrt).
+- ``grad_sync_per_mini_batch`` on (:func:`defers_grad_sync`): the unsharded gradients of the whole model
+  accumulate in fp32 over a mini-batch's micro-batches before one reduce-scatter, ``P·4`` more for the
+  whole backward (counted once even with one micro-batch per mini-batch, where nothing is deferred).
 
 ``log_prob`` (no grad): resident params (+ AdamW unless offloaded), gathered units as above, one layer's
 forward transient ``T·c·(4h + 2·kvd + 3I)``, logits ``N·V·(c + 8)`` with ``T`` the log-prob budget.
@@ -97,6 +100,8 @@ class Workload:
     """Ulysses group size S (``ulysses_sequence_parallel_size``); token counts stay per rank."""
     rollout_tensor_parallel: int = 1
     """Rollout tensor-parallel size TP (``rollout.tensor_model_parallel_size``): weights and KV per rank /TP."""
+    grad_sync_per_mini_batch: bool | str = False
+    """``fsdp_config.grad_sync_per_mini_batch`` (True, False or "auto": :func:`defers_grad_sync`)."""
 
     def kv_dim(self, facts: ModelFacts) -> int:
         """``kv_heads · head_dim`` as one rank holds K and V: replicated up to S heads under Ulysses."""
@@ -114,6 +119,35 @@ class Workload:
     @property
     def shard_ranks(self) -> int:
         return self.world_size if self.fsdp_size in (-1, self.world_size) else self.fsdp_size
+
+
+GRAD_SYNC_AUTO_SHARE = 0.10
+"""``grad_sync_per_mini_batch=auto`` defers the sync when the unsharded gradients take at most this share of
+the device."""
+
+
+def defers_grad_sync(
+    value: bool | str, *, ranks: int, offload: str, grad_bytes: float, device_bytes: float | None
+) -> tuple[bool, str]:
+    """Whether a role reduce-scatters its gradients once per mini-batch, and why. ``value``: the
+    ``fsdp_config.grad_sync_per_mini_batch`` key; ``grad_bytes``: its cost (4 bytes per trainable parameter,
+    the unsharded fp32 gradients, per rank); ``device_bytes`` None: no device limit (CPU).
+
+    ``auto`` is on when there is something to save and room for it: more than one rank (one rank has no
+    reduce-scatter), no offload (``offload`` of :data:`OFFLOAD_MODES` is ``off``: offload is asked for to
+    save memory), and ``grad_bytes`` at most :data:`GRAD_SYNC_AUTO_SHARE` of the device."""
+    if isinstance(value, bool):
+        return value, "set"
+    if ranks <= 1:
+        return False, "auto: one rank, no gradient reduce-scatter to save"
+    if offload != "off":
+        return False, f"auto: offload ({offload}) puts memory first"
+    if device_bytes is not None and grad_bytes > GRAD_SYNC_AUTO_SHARE * device_bytes:
+        return False, (
+            f"auto: unsharded gradients {grad_bytes / 2**30:.1f} GiB > {GRAD_SYNC_AUTO_SHARE:.0%} of the "
+            f"device's {device_bytes / 2**30:.0f} GiB"
+        )
+    return True, f"auto: {ranks} ranks, unsharded gradients {grad_bytes / 2**30:.2f} GiB"
 
 
 @dataclass(frozen=True)
@@ -190,6 +224,15 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
         phase.add("sharded grads", shard * w.master_bytes, "ceil(P/f)·m")
         if point.offload == "idle":
             phase.add("optimizer (AdamW)", 2 * shard * 4, "2·ceil(P/f)·4 (loaded for the update)")
+    deferred, _ = defers_grad_sync(
+        w.grad_sync_per_mini_batch,
+        ranks=w.world_size,
+        offload=point.offload,
+        grad_bytes=facts.num_params * 4,
+        device_bytes=w.device_bytes,
+    )
+    if deferred:
+        phase.add("unsharded grads (sync per mini-batch)", facts.num_params * 4, "P·4")
     _gathered(phase, facts, point, w, backward=True)
     inner_max = max(units.sizes[:-1], default=0)
     grads = max(units.root * (c + 4), units.root * c + inner_max * (c + 4), max(inner_max, units.root) * c)

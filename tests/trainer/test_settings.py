@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from klppo.config import derive_sizes, load_config
@@ -194,3 +195,35 @@ def test_setup_precompile_makes_the_sampler_graphs_of_every_temperature_on_the_g
         assert len(graphs) == made, "sampling compiled a graph the pre-compile had not made"
     finally:
         torch._dynamo.reset()
+
+
+def test_grad_sync_per_mini_batch_key_is_validated_and_resolved() -> None:
+    """The klppo key takes auto / true / false (one-line error naming the key otherwise); the trainer's
+    resolution is the memory model's rule, with its cost 4 bytes per trainable parameter."""
+    from klppo.config.errors import ConfigError
+    from klppo.trainer.settings import grad_sync_per_mini_batch
+
+    key = "critic.model.fsdp_config.grad_sync_per_mini_batch"
+    assert load_config([]).critic.model.fsdp_config.grad_sync_per_mini_batch == "auto"
+    assert load_config([f"{key}=true"]).critic.model.fsdp_config.grad_sync_per_mini_batch is True
+    with pytest.raises(ConfigError, match=key):
+        load_config([f"{key}=sometimes"])
+    cfg = load_config([])
+    fsdp_cfg = cfg.actor_rollout_ref.actor.fsdp_config
+    fsdp = fsdp_settings(fsdp_cfg, device_type="cuda")
+    gib = 2**30
+    # 0.5B (494M params): 1.84 GiB of fp32 gradients, on with 2 ranks on a 141 GiB device
+    assert grad_sync_per_mini_batch(
+        fsdp_cfg, fsdp, num_trainable=494_032_768, ranks=2, device_bytes=141 * gib
+    )[0]
+    # 7.6B: 28 GiB > 10% of the device: off under auto
+    on, why = grad_sync_per_mini_batch(
+        fsdp_cfg, fsdp, num_trainable=7_615_616_512, ranks=2, device_bytes=141 * gib
+    )
+    assert not on and "10%" in why
+    assert not grad_sync_per_mini_batch(fsdp_cfg, fsdp, num_trainable=10**6, ranks=1, device_bytes=None)[0]
+    offloaded = fsdp_settings(load_config(["actor_rollout_ref.actor.fsdp_config.param_offload=True"])
+                              .actor_rollout_ref.actor.fsdp_config, device_type="cuda")  # fmt: skip
+    assert not grad_sync_per_mini_batch(fsdp_cfg, offloaded, num_trainable=10**6, ranks=2, device_bytes=None)[
+        0
+    ]

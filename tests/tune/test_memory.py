@@ -128,3 +128,30 @@ def test_tensor_parallel_rollout(facts):
     small = replace(base, device_bytes=int(2 * (P * 4 / 2 + P * 8 / 2 + 0.75 * P * c)))
     assert kv_cache_room(facts, Point(0), small) == 0
     assert kv_cache_room(facts, Point(0), replace(small, rollout_tensor_parallel=2)) > 0
+
+
+def test_grad_sync_per_mini_batch_rule_and_term(facts):
+    """auto defers the gradient sync with >1 rank, no offload and P·4 ≤ 10% of the device; on, the update
+    holds the whole model's unsharded fp32 gradients (P·4) on top."""
+    from klppo.tune.memory import defers_grad_sync
+
+    big = 10 * P * 4  # P·4 is exactly 10% of this device
+    rule = dict(offload="off", grad_bytes=P * 4, device_bytes=big)
+    assert defers_grad_sync("auto", ranks=2, **rule)[0]
+    assert not defers_grad_sync("auto", ranks=1, **rule)[0]  # one rank: nothing to save
+    assert not defers_grad_sync("auto", ranks=2, **dict(rule, offload="idle"))[0]
+    assert not defers_grad_sync("auto", ranks=2, **dict(rule, device_bytes=big - 1))[0]
+    assert defers_grad_sync("auto", ranks=2, **dict(rule, device_bytes=None))[0]  # CPU: no device limit
+    assert defers_grad_sync(True, ranks=1, offload="cpu", grad_bytes=P * 4, device_bytes=1)[0]
+    assert not defers_grad_sync(False, **dict(rule, ranks=2))[0]
+
+    point = Point(0, micro_tokens=256)
+    w = Workload(world_size=2, compute_bytes=2, device_bytes=big)
+    off = predict(facts, point, w)["update"]
+    on = predict(facts, point, replace(w, grad_sync_per_mini_batch=True))["update"]
+    auto = predict(facts, point, replace(w, grad_sync_per_mini_batch="auto"))["update"]
+    assert terms(on)["unsharded grads (sync per mini-batch)"] == P * 4
+    assert on.total == off.total + P * 4
+    assert auto.total == on.total  # 2 ranks, 10% of the device: auto is on
+    one_rank = replace(w, world_size=1, grad_sync_per_mini_batch="auto")
+    assert "unsharded grads (sync per mini-batch)" not in terms(predict(facts, point, one_rank)["update"])
