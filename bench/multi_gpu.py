@@ -6,6 +6,12 @@ the device: carry it as a wheel, see /work/shared/tools/device-wheels.sh)::
     python bench/multi_gpu.py --run all --gpus K --out $OUT/k$K      # K = 1, 2, 4, 8 (smoke skipped at 1)
     python bench/multi_gpu.py --summarize DIR                        # markdown tables for bench/RESULTS.md
 
+Before/after of a setting, K = 1 and 2 in one call (each variant's efficiency against its own K = 1)::
+
+    python bench/multi_gpu.py --run scaling --gpus 2 --scaling-ks 1,2 --out $OUT/ab \
+        --variant 'per_micro:actor_rollout_ref.actor.fsdp_config.grad_sync_per_mini_batch=false critic.model.fsdp_config.grad_sync_per_mini_batch=false' \
+        --variant auto
+
 - ``smoke``: the trainer with K processes and with 1 process, first 3 steps of a Qwen2.5-0.5B-shaped
   random model, greedy rollouts, one mini-batch per step (so every sample's math is independent of the
   rank layout): losses compared per step. Tolerance: fp32 (CPU) rel 1e-4 (summation order only, as
@@ -311,7 +317,36 @@ def run_smoke(args, root: Path) -> dict:
 
 
 def run_scaling(args, root: Path) -> dict:
-    k = args.gpus
+    """One trainer run at K = ``--gpus``; with ``--variant`` or ``--scaling-ks``, every variant at every K
+    of ``--scaling-ks`` (default ``--gpus``) in this one call (same commit, same machine), in the order
+    variant by variant, K by K: ``{"variants": [one run's result + variant, overrides, k]}``."""
+    if not args.variant and not args.scaling_ks:
+        return _scaling_run(args, root, args.gpus, [], "")
+    ks = args.scaling_ks or [args.gpus]
+    runs = []
+    for name, overrides in args.variant or [("default", [])]:
+        for k in ks:
+            print(f"scaling: variant {name}, K={k}", flush=True)
+            try:
+                result = _scaling_run(args, root, k, overrides, name)
+                result.pop("rows")  # the last row is kept; all rows are in the run directory's metrics.jsonl
+            except Exception as e:  # one failed variant must not lose the others
+                result = {"error": f"{type(e).__name__}: {e}"}
+            runs.append({"variant": name, "overrides": overrides, "k": k, **result})
+    return {"shape": "tiny" if args.tiny else args.scaling_shape, "variants": runs}
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``NAME`` or ``NAME:key=value key=value ...`` (trainer overrides, space-separated)."""
+    name, _, overrides = text.partition(":")
+    if not name or any("=" not in o for o in overrides.split()):
+        raise argparse.ArgumentTypeError(
+            f"--variant {text!r}: expected NAME or NAME:key=value [key=value ...]"
+        )
+    return name, overrides.split()
+
+
+def _scaling_run(args, root: Path, k: int, overrides: list[str], tag: str) -> dict:
     model_dir = make_model_dir(root, args.scaling_shape, tiny=args.tiny, device=args.device)
     batch = args.prompts_per_gpu * k
     data = _prompts(root, model_dir, args, batch)
@@ -330,8 +365,9 @@ def run_scaling(args, root: Path) -> dict:
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         "critic.model.enable_gradient_checkpointing=False",
+        *overrides,
     ]
-    run_dir = root / f"scaling_{k}"
+    run_dir = root / f"scaling_{k}{'_' + tag if tag else ''}"
     argv = trainer_argv(
         model_dir,
         data,
@@ -633,9 +669,25 @@ def summarize(folder: Path) -> str:
     return "\n".join(x for x in out if x)
 
 
+def _variant_files(files: list[dict]) -> list[dict]:
+    """The runs of ``--variant`` files as one-run files (shape ``SHAPE [variant]``); others as they are."""
+    out = []
+    for f in files:
+        r = f.get("result", {})
+        if "variants" not in r:
+            out.append(f)
+            continue
+        for v in r["variants"]:
+            if "last" in v:
+                shape = f"{v['shape']} [{v['variant']}]"
+                out.append({"meta": dict(f["meta"], gpus=v["k"]), "result": dict(v, shape=shape)})
+    return out
+
+
 def scaling_table(files: list[dict]) -> str:
     """efficiency(K) = T(K) / (K·T(1)) for total throughputs T = perf/throughput (per GPU) x K, i.e. the
-    per-GPU throughput ratio; needs the K = 1 file of the same shape."""
+    per-GPU throughput ratio; needs the K = 1 run of the same shape (and variant)."""
+    files = _variant_files(files)
     rows = sorted((f for f in files if "last" in f.get("result", {})), key=lambda f: f["meta"]["gpus"])
     if not rows:
         return ""
@@ -644,8 +696,9 @@ def scaling_table(files: list[dict]) -> str:
     }
     out = [
         "\n**Scaling** (end-to-end PPO step, last step)\n",
-        "| shape | K | train_batch_size | step s | gen s | update_actor s | tokens/s/GPU | efficiency | max mem GiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| shape | K | train_batch_size | step s | gen s | rank_wait s | update_actor s | update_critic s "
+        "| tokens/s/GPU | efficiency | max mem GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in rows:
         r, k = f["result"], f["meta"]["gpus"]
@@ -653,8 +706,8 @@ def scaling_table(files: list[dict]) -> str:
         eff = last["perf/throughput"] / one if one else None
         out.append(
             f"| {r['shape']} | {k} | {r['train_batch_size']} | {_f(last.get('timing_s/step'))} | "
-            f"{_f(last.get('timing_s/gen'))} | {_f(last.get('timing_s/update_actor'))} | "
-            f"{last['perf/throughput']:,.0f} | {_f(eff, '{:.2f}')} | "
+            f"{_f(last.get('timing_s/gen'))} | {_f(last.get('timing_s/rank_wait'))} | "
+            f"{_f(last.get('timing_s/update_actor'))} | {_f(last.get('timing_s/update_critic'))} | {last['perf/throughput']:,.0f} | {_f(eff, '{:.2f}')} | "
             f"{_f(last.get('perf/max_memory_allocated_gb'), '{:.1f}')} |"
         )
     return "\n".join(out)
@@ -696,6 +749,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--thresholds", default=None, help="comma list (default 0,1e7,1e8,whole)")
     p.add_argument("--sweep-shapes", default="Qwen2.5-1.5B,Qwen2.5-7B")
     p.add_argument("--scaling-shape", default="Qwen2.5-0.5B")
+    p.add_argument(
+        "--variant",
+        action="append",
+        type=parse_variant,
+        default=None,
+        help="scaling: NAME or NAME:key=value ... (trainer overrides); repeat for before/after in one call",
+    )
+    p.add_argument(
+        "--scaling-ks",
+        default=None,
+        help="scaling: comma list of K run in this call (default --gpus), e.g. 1,2",
+    )
     p.add_argument("--offload-shape", default="Qwen2.5-7B")
     args = p.parse_args(argv)
     for name, (full, tiny) in sizes.items():
@@ -703,6 +768,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             setattr(args, name, tiny if args.tiny else full)
     default = TINY_THRESHOLDS if args.tiny else THRESHOLDS
     args.thresholds = [int(float(t)) for t in args.thresholds.split(",")] if args.thresholds else default
+    args.scaling_ks = [int(k) for k in args.scaling_ks.split(",")] if args.scaling_ks else None
     args.argv = argv
     return args
 

@@ -53,3 +53,36 @@ def test_memory_check_by_hand():
         "- memory model, Qwen2.5-1.5B, K=2: largest error +5.0%; 1 of 1 points within ±10%",
         "- memory model, Qwen2.5-7B, K=2: largest error -12.0%; 1 of 2 points within ±10% — NOT all",
     ]
+
+
+def test_scaling_variants_parse_and_table():
+    """``--variant NAME:overrides`` and ``--scaling-ks``: each variant's efficiency against its own K = 1
+    (the runs themselves: `--run scaling --device cpu --tiny --scaling-ks 1,2 --variant ...`, ~1 min)."""
+    import argparse
+
+    from bench.multi_gpu import parse_args, parse_variant, scaling_table
+
+    key = "critic.model.fsdp_config.grad_sync_per_mini_batch"
+    assert parse_variant(f"per_micro:{key}=false x.y=1") == ("per_micro", [f"{key}=false", "x.y=1"])
+    assert parse_variant("auto") == ("auto", [])
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME:key=value"):
+        parse_variant("bad:novalue")
+    args = parse_args(
+        ["--run", "scaling", "--scaling-ks", "1,2", "--variant", "a", "--variant", f"b:{key}=true"]
+    )
+    assert args.scaling_ks == [1, 2] and args.variant == [("a", []), ("b", [f"{key}=true"])]
+
+    def run(variant, k, tput):
+        return {
+            "variant": variant,
+            "k": k,
+            "shape": "S",
+            "train_batch_size": 32 * k,
+            "last": {"perf/throughput": tput},
+        }
+
+    runs = [run("a", 1, 100.0), run("a", 2, 90.0), run("b", 1, 100.0), run("b", 2, 96.0)]
+    files = [{"meta": {"run": "scaling", "gpus": 2}, "result": {"shape": "S", "variants": runs}}]
+    table = scaling_table(files)
+    assert "| S [a] | 2 | 64 |" in table and "| 90 | 0.90 |" in table
+    assert "| S [b] | 2 | 64 |" in table and "| 96 | 0.96 |" in table
