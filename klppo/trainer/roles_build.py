@@ -20,6 +20,7 @@ from klppo.batching.attention import enable_packed_attention
 from klppo.config import KLPPOConfig
 from klppo.config.schema import CustomRewardFunctionConfig, RewardModelConfig
 from klppo.config.schema_arr import ModelConfig
+from klppo.config.schema_common import FSDPConfig
 from klppo.config.sizes import Sizes
 from klppo.models.compiled_layers import compile_packed_layers
 from klppo.models.lm_head import fp32_lm_head
@@ -138,7 +139,9 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
     return actor
 
 
-def _grad_sync(role: str, fsdp_cfg, fsdp: FSDPSettings, model: torch.nn.Module, device: torch.device) -> bool:
+def _grad_sync(
+    role: str, fsdp_cfg: FSDPConfig, fsdp: FSDPSettings, model: torch.nn.Module, device: torch.device
+) -> bool:
     """``fsdp_config.grad_sync_per_mini_batch`` of a trained role, resolved for this run and logged."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
