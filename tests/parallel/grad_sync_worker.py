@@ -4,7 +4,7 @@ under FSDP2 with the gradient reduce-scatter per micro-batch (FSDP2's default) a
 
 Per role and switch: the full gradients each optimizer step sees, the full weights after the update, the
 collectives of the update (reduce-scatters, all-gathers, all-reduces; FSDP2's ``foreach_reduce`` calls,
-which run on one rank too), and a checkpoint save → load → second update.
+which run on one rank too), and with the switch on a checkpoint save → load → second update.
 """
 
 from __future__ import annotations
@@ -165,21 +165,21 @@ def run_case(role: str, world: int, rank: int, defer: bool, ckpt: Path) -> dict:
         for m in fsdp_modules(obj.model)
         for group in m._get_fsdp_state()._fsdp_param_groups
     )
-    # checkpoint: save after the update, load into a fresh role, one more update on both
-    save_checkpoint(ckpt, obj.model, obj.optimizer)
-    resumed = new_role(role, world, defer)
-    load_checkpoint(ckpt, resumed.model, resumed.optimizer)
-    run_update(obj, role, local)
-    run_update(resumed, role, local)
-    return {
+    out = {
         "grads": grads,
         "weights": weights,
         "calls": counter.calls,
         "grad_norm": metrics[f"{role}/grad_norm"],
         "sync_restored": sync_restored,
-        "second": full_weights(obj.model),
-        "second_resumed": full_weights(resumed.model),
     }
+    if defer:  # checkpoint: save after the update, load into a fresh role, one more update on both
+        save_checkpoint(ckpt, obj.model, obj.optimizer)
+        resumed = new_role(role, world, defer)
+        load_checkpoint(ckpt, resumed.model, resumed.optimizer)
+        run_update(obj, role, local)
+        run_update(resumed, role, local)
+        out.update(second=full_weights(obj.model), second_resumed=full_weights(resumed.model))
+    return out
 
 
 def main(rank: int, world: int, port: int, out_dir: str) -> None:
