@@ -6,25 +6,32 @@ Contract:
   reductions run the same code whatever the world size.
 - ``phase(name)`` labels what the program is doing; a collective that fails or times out inside it is
   re-raised as :class:`CollectiveTimeoutError` naming the phase and the rank, instead of a bare gloo/NCCL
-  message. NCCL timeouts are detected by NCCL's watchdog thread, which aborts the process; the label is
-  then in the log line ``phase=...`` that ``phase`` writes at debug level and in the env var
-  ``KLPPO_PHASE`` (read by :func:`current_phase`), not in an exception. So that a stalled run still names
-  its phases on NCCL, ``init_distributed`` (world size > 1) starts a :class:`PhaseWatch`: a rank that stays
-  in one phase for 80% of the collective timeout prints which phase (the stalled rank names the cause,
-  the waiting ranks the collective they wait in) before the watchdog aborts; ``faulthandler`` then dumps
-  every thread's Python stack on the abort.
+  message. That needs the backend to raise, and NCCL does not always: its watchdog thread only watches
+  collectives already launched on the GPU (it then aborts the process, no Python exception), and a rank
+  whose thread is still inside the NCCL call (the first collective of a kind on a communicator sets up its
+  connections there, waiting for peers that never come) hangs forever, timeout or not. So ``init_distributed``
+  (world size > 1) starts a :class:`PhaseWatch` on every rank: at 80% of the collective timeout a rank
+  that stays in one phase prints which phase (the stalled rank names the cause, the waiting ranks the
+  collective they wait in), and a rank whose main thread has stayed inside one ``torch.distributed``
+  collective call for the timeout plus a grace (:func:`stall_grace_s`) prints one line naming its phase and
+  the call, dumps every thread's Python stack, writes the line to torchrun's error file and ends with exit
+  code :data:`COLLECTIVE_STALL_EXIT` (torchrun then stops the other ranks). The grace lets the backend's
+  own error (gloo's exception, NCCL's watchdog) come first where it works. The label is also in the env
+  var ``KLPPO_PHASE`` (read by :func:`current_phase`).
 - Knows nothing about models or PPO.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import json
 import logging
 import os
 import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +45,11 @@ logger = logging.getLogger(__name__)
 _current_phase = "startup"
 _phase_stack: list[str] = []  # enclosing phases, outermost first: an error names the whole path
 _phase_since = time.monotonic()  # when the innermost phase was entered or returned to
+
+COLLECTIVE_STALL_EXIT = 75  # a rank ended by its PhaseWatch: it waited in one collective past the timeout
+# the Python files whose functions enter the backends' collectives (dist.all_reduce, FSDP's all-gathers
+# and reduce-scatters, barrier, new_group, destroy_process_group; functional collectives and DTensor)
+COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "torch/distributed/_functional_collectives.py")
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -150,8 +162,20 @@ def init_distributed(device: str, timeout_s: float) -> DistInfo:
     global _watch
     if result.world_size > 1:
         faulthandler.enable(all_threads=True)  # a watchdog abort prints every thread's Python stack
-        _watch = PhaseWatch(0.8 * timeout_s, result.rank).start()
+        _watch = PhaseWatch(
+            0.8 * timeout_s,
+            result.rank,
+            act_after_s=timeout_s + stall_grace_s(timeout_s),
+            timeout_s=timeout_s,
+        ).start()
     return result
+
+
+def stall_grace_s(timeout_s: float) -> float:
+    """How long after the collective timeout a rank still inside one collective call is ended by its
+    :class:`PhaseWatch` (the backend's own error, raised at the timeout, comes first where it works):
+    10% of the timeout, at least 5 s, at most 60 s."""
+    return min(60.0, max(5.0, 0.1 * timeout_s))
 
 
 def setup_rank_logging(rank: int) -> None:
@@ -209,17 +233,41 @@ def phase_path() -> str:
 
 
 class PhaseWatch:
-    """A daemon thread that prints one line when this rank stays in one phase for ``warn_after_s``.
+    """A daemon thread that watches this rank's phase and its main thread's collective calls.
 
-    Under NCCL a collective that waits past the timeout makes NCCL's watchdog abort the process, with no
-    Python exception for :func:`phase` to label; this line, written before that, names the phase of every
-    rank involved: the one stalled (the cause) and those waiting in the collective. Once per phase entry.
+    - A rank that stays in one phase for ``warn_after_s`` prints one line naming it (once per phase entry).
+    - With ``act_after_s``: a rank whose main thread has been inside one call of a ``torch.distributed``
+      collective (a frame of :data:`COLLECTIVE_FILES`, the same invocation at the same instruction) for
+      ``act_after_s`` is ended: one line naming the phase and the call, every thread's Python stack, the
+      line in torchrun's error file, then ``os._exit(COLLECTIVE_STALL_EXIT)`` (no interpreter teardown,
+      which could wait on the stuck collective). Normal collectives cost nothing: the thread looks at the
+      main thread's top frame every ``poll_s`` (every 0.25 s while one call looks stuck), and holds a frame
+      only once two looks ``poll_s`` apart found the same call.
     """
 
-    def __init__(self, warn_after_s: float, rank: int, poll_s: float | None = None, stream=None) -> None:
+    def __init__(
+        self,
+        warn_after_s: float,
+        rank: int,
+        poll_s: float | None = None,
+        stream=None,
+        *,
+        act_after_s: float | None = None,
+        timeout_s: float | None = None,
+        collective_files: tuple[str, ...] = COLLECTIVE_FILES,
+        exit_fn=os._exit,
+    ) -> None:
         self.warn_after_s, self.rank = float(warn_after_s), rank
         self.poll_s = poll_s if poll_s is not None else min(5.0, self.warn_after_s / 4)
         self.stream = stream
+        self.act_after_s = act_after_s
+        self.timeout_s = timeout_s if timeout_s is not None else act_after_s
+        self.collective_files = collective_files
+        self.exit_fn = exit_fn
+        # (address and instruction of a frame, first seen at); (the frame itself, its instruction, first seen at)
+        self._candidate: tuple[tuple[int, int], float] | None = None
+        self._held: tuple[object, int, float] | None = None
+        self._main_ident = threading.main_thread().ident
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="klppo-phase-watch", daemon=True)
 
@@ -230,6 +278,7 @@ class PhaseWatch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._held = None
 
     def check(self, now: float | None = None, warned: float | None = None) -> float | None:
         """Print the line if the current phase is overdue and not yet reported; returns the phase's start
@@ -248,10 +297,114 @@ class PhaseWatch:
         )
         return since
 
+    def in_collective(self, frame) -> bool:
+        """Whether ``frame`` (a thread's innermost Python frame) is a function of a collective file."""
+        if frame is None:
+            return False
+        return frame.f_code.co_filename.replace(os.sep, "/").endswith(self.collective_files)
+
+    def observe(self, frame, now: float) -> float | None:
+        """Track the main thread's innermost frame ``frame`` seen at ``now``; returns how long it has been
+        inside one collective call (None when it is not in one).
+
+        A frame is only referenced once two looks found the same frame address at the same instruction
+        (the address alone can be reused by the next call of the same function); from then on, identity
+        is exact, and the reference is dropped at the first look that finds another frame."""
+        if not self.in_collective(frame):
+            self._candidate = self._held = None
+            return None
+        if self._held is not None:
+            held_frame, lasti, since = self._held
+            if frame is held_frame and frame.f_lasti == lasti:
+                return now - since
+            self._held = None
+        key = (id(frame), frame.f_lasti)
+        if self._candidate is not None and self._candidate[0] == key:
+            since = self._candidate[1]
+            self._held, self._candidate = (frame, frame.f_lasti, since), None
+            return now - since
+        self._candidate = (key, now)
+        return 0.0
+
+    def stall_message(self, frame, waited_s: float) -> str:
+        code = frame.f_code
+        where = f"{code.co_name}, {_short_path(code.co_filename)}:{frame.f_lineno}"
+        timeout = f" ({self.timeout_s:g} s)" if self.timeout_s is not None else ""
+        return (
+            f"klppo: rank {self.rank} has waited {waited_s:.0f} s in one collective call ({where}) during "
+            f"phase {_current_phase!r} ({phase_path()}), past trainer.collective_timeout_s{timeout}, and the "
+            f"backend did not end it: this rank stops with exit code {COLLECTIVE_STALL_EXIT} (a peer never "
+            f"joined the collective: the rank whose own line names another phase is the cause)"
+        )
+
+    def act(self, frame, waited_s: float) -> None:
+        """End this rank: the line, every thread's stack, torchrun's error file, ``exit_fn``."""
+        stream = self.stream or sys.stderr
+        message = self.stall_message(frame, waited_s)
+        stack = "".join(traceback.format_stack(frame))
+        try:
+            print(message, file=stream, flush=True)
+            print(f"klppo: rank {self.rank}: Python stacks of every thread:", file=stream, flush=True)
+            _dump_stacks(stream)
+            _write_torchrun_error(message, stack)
+        finally:
+            self.exit_fn(COLLECTIVE_STALL_EXIT)
+
+    def tick(self, now: float, warned: float | None) -> float | None:
+        """One look: the phase line, then the main thread's collective call (ended past ``act_after_s``)."""
+        warned = self.check(now=now, warned=warned)
+        if self.act_after_s is None:
+            return warned
+        frame = sys._current_frames().get(self._main_ident)
+        try:
+            waited = self.observe(frame, now)
+            if waited is not None and waited >= self.act_after_s:
+                self.act(frame, waited)
+        finally:
+            del frame
+        return warned
+
     def _run(self) -> None:
         warned = None
-        while not self._stop.wait(self.poll_s):
-            warned = self.check(warned=warned)
+        while not self._stop.wait(0.25 if self._held is not None else self.poll_s):
+            warned = self.tick(time.monotonic(), warned)
+
+
+def _short_path(filename: str) -> str:
+    path = filename.replace(os.sep, "/")
+    return path[path.index("torch/") :] if "/torch/" in path else path
+
+
+def _dump_stacks(stream) -> None:
+    """Every thread's Python stack to ``stream``: faulthandler's (safe whatever the threads hold) when the
+    stream is a real file, else the traceback module's."""
+    try:
+        faulthandler.dump_traceback(file=stream, all_threads=True)
+        return
+    except (AttributeError, ValueError, OSError):  # no fileno (a StringIO in tests)
+        pass
+    for ident, top in sys._current_frames().items():
+        print(f"Thread 0x{ident:x}:", file=stream)
+        print("".join(traceback.format_stack(top)), file=stream, end="", flush=True)
+
+
+def _write_torchrun_error(message: str, stack: str) -> None:
+    """The stall in torchrun's per-rank error file: its failure summary shows it (the console shows only
+    local rank 0's output under `klppo train`)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": f"CollectiveStall: {message}",
+            "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))},
+        }
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
 
 
 _watch: PhaseWatch | None = None
