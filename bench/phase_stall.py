@@ -9,15 +9,17 @@ seconds. Scenarios (``--scenario``, default all three, one torchrun each):
   phase watch can end it (at the timeout + ``stall_grace_s``, exit code 75). Under gloo: the
   ``CollectiveTimeoutError`` at the timeout (the worker exits 3).
 - ``warm``: both ranks first complete one all-reduce, so rank 0's next one is launched on the GPU and its
-  thread waits in ``torch.cuda.synchronize``: NCCL's watchdog's case (abort at the timeout, SIGABRT, the
-  stacks from ``faulthandler``). Under gloo as ``cold``.
+  thread waits in ``torch.cuda.synchronize``: NCCL's watchdog's case (it logs the timeout at the timeout,
+  pauses for its flight-recorder dump — 4 x ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, a minute by default in
+  recent torch — then aborts: SIGABRT, the stacks from ``faulthandler``). Under gloo as ``cold``.
 - ``watch``: rank 0 waits in a barrier of a group whose own timeout is 10x ``--timeout``: only klppo's
   watch ends it, on CPU as on GPU (exit code 75).
 
 For each scenario: per rank, the exit code and the time it exited (seconds since the launch; a rank
 killed by torchrun's SIGKILL leaves no record), the time rank 0 entered the collective, the lines that name
 a phase or the abort and the last lines; torchrun's exit code and wall time; ``ended_within_bound``
-(the job ended within timeout + grace + 45 s of rank 0 entering the collective) and ``phases_named``
+(the job ended within timeout + grace + 45 s of rank 0 entering the collective; for ``warm`` + 75 s more,
+the watchdog's pause) and ``phases_named``
 (rank 0's output names 'gather_samples' and rank 1's names 'gen'). Ranks still running after
 ``--max-wall`` seconds are killed (``killed_at_max_wall``). Writes everything to ``--out`` as JSON.
 
@@ -117,7 +119,9 @@ def main() -> None:
     p.add_argument("--scenario", default="all", choices=("all", *SCENARIOS))
     p.add_argument("--timeout", type=float, default=20.0, help="collective timeout, seconds")
     p.add_argument("--stall", type=float, default=45.0, help="seconds rank 1 sleeps in 'gen'")
-    p.add_argument("--max-wall", type=float, default=120.0, help="kill the ranks after this many seconds")
+    p.add_argument(
+        "--max-wall", type=float, default=150.0, help="kill a scenario's ranks after this many seconds"
+    )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -170,6 +174,8 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict:
         }
     entered = _entered_at(ranks.get("0", {}).get("named", []))
     bound = args.timeout + stall_grace_s(args.timeout) + 45.0  # watch poll + torchrun's 30 s + slack
+    if scenario == "warm" and args.device == "cuda":
+        bound += 75.0  # NCCL's watchdog pauses (4 x its 15 s dump timeout) and dumps before it aborts
     text = {r: "\n".join(v["named"]) for r, v in ranks.items()}
     shutil.rmtree(work, ignore_errors=True)
     return {

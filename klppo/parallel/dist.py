@@ -158,6 +158,8 @@ def init_distributed(device: str, timeout_s: float) -> DistInfo:
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s), **kwargs)
     result = DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
     setup_rank_logging(result.rank)
+    if backend == "nccl" and result.rank == 0:
+        _warn_watchdog_settings(os.environ)
     logger.info("process group: %s world_size=%d backend=%s", dev, result.world_size, backend)
     global _watch
     if result.world_size > 1:
@@ -169,6 +171,21 @@ def init_distributed(device: str, timeout_s: float) -> DistInfo:
             timeout_s=timeout_s,
         ).start()
     return result
+
+
+# settings with which NCCL's watchdog logs a timed-out collective but does not end the process (a hang)
+_WATCHDOG_OFF = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"}
+
+
+def _warn_watchdog_settings(env) -> None:
+    for key, off in _WATCHDOG_OFF.items():
+        if env.get(key, "").strip() == off:
+            logger.warning(
+                "%s=%s: NCCL's watchdog will not end a rank whose collective times out on the GPU (the run "
+                "hangs instead of failing at trainer.collective_timeout_s); unset it",
+                key,
+                off,
+            )
 
 
 def stall_grace_s(timeout_s: float) -> float:

@@ -221,3 +221,11 @@ def test_two_ranks_busy_with_collectives_past_the_bound_run_to_the_end(tmp_path:
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
     assert all("done" in e and "has waited" not in e for e in errs), errs
+
+
+def test_warning_when_nccl_watchdog_would_not_end_a_rank(caplog: pytest.LogCaptureFixture):
+    with caplog.at_level("WARNING", logger="klppo.parallel.dist"):
+        kdist._warn_watchdog_settings({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"})
+        assert caplog.records == []
+        kdist._warn_watchdog_settings({"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0"})
+    assert len(caplog.records) == 1 and "TORCH_NCCL_RETHROW_CUDA_ERRORS=0" in caplog.records[0].getMessage()
