@@ -191,8 +191,8 @@ def _warn_watchdog_settings(env) -> None:
 def stall_grace_s(timeout_s: float) -> float:
     """How long after the collective timeout a rank still inside one collective call is ended by its
     :class:`PhaseWatch` (the backend's own error, raised at the timeout, comes first where it works):
-    10% of the timeout, at least 5 s, at most 60 s."""
-    return min(60.0, max(5.0, 0.1 * timeout_s))
+    10% of the timeout, at least 2 s, at most 60 s."""
+    return min(60.0, max(2.0, 0.1 * timeout_s))
 
 
 def setup_rank_logging(rank: int) -> None:

@@ -101,7 +101,7 @@ def test_stall_tracking_with_a_fake_clock():
 
 
 def test_grace_after_the_timeout():
-    assert stall_grace_s(20) == 5.0 and stall_grace_s(300) == 30.0 and stall_grace_s(1800) == 60.0
+    assert stall_grace_s(10) == 2.0 and stall_grace_s(20) == 2.0 and stall_grace_s(300) == 30.0 and stall_grace_s(1800) == 60.0
 
 
 def test_watch_ends_a_rank_stuck_in_one_collective_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -176,7 +176,7 @@ def _launch_two(tmp_path: Path, source: str, args: list[str]) -> list[subprocess
 def test_two_ranks_collective_past_the_timeout_ends_the_rank(tmp_path: Path):
     """gloo, 2 processes, collective timeout 1 s: rank 0 waits in a barrier of a group whose own timeout is
     10 s (as a NCCL call that never returns: no backend error) while rank 1 sleeps 12 s in 'gen'. Rank 0's
-    watch ends it at 1 s + the grace (5 s), exit code 75, its line naming 'gather_samples'."""
+    watch ends it at 1 s + the grace (2 s), exit code 75, its line naming 'gather_samples'."""
     procs = _launch_two(tmp_path, WORKER, ["cpu", "1", "12", "watch"])
     start = time.monotonic()
     err0 = procs[0].communicate(timeout=120)[1]
@@ -215,9 +215,11 @@ print("done", file=sys.stderr, flush=True)
 
 @pytest.mark.slow
 def test_two_ranks_busy_with_collectives_past_the_bound_run_to_the_end(tmp_path: Path):
-    """A normal run: rank 0 spends 8 s (more than the 6 s at which a stuck call is ended) waiting in short
-    all-reduces, each shorter than the 1 s timeout: both ranks finish, exit 0, and nothing is ended."""
-    procs = _launch_two(tmp_path, BUSY_WORKER, ["8"])
+    """A normal run: rank 0 spends 5 s (more than the 3 s at which a stuck call is ended: 1 s timeout + 2 s
+    grace) waiting in short all-reduces, each shorter than the 1 s timeout: both ranks finish, exit 0, and
+    nothing is ended."""
+    assert 1 + stall_grace_s(1) < 5
+    procs = _launch_two(tmp_path, BUSY_WORKER, ["5"])
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
     assert all("done" in e and "has waited" not in e for e in errs), errs
