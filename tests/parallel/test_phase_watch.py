@@ -101,7 +101,12 @@ def test_stall_tracking_with_a_fake_clock():
 
 
 def test_grace_after_the_timeout():
-    assert stall_grace_s(10) == 2.0 and stall_grace_s(20) == 2.0 and stall_grace_s(300) == 30.0 and stall_grace_s(1800) == 60.0
+    assert (
+        stall_grace_s(10) == 2.0
+        and stall_grace_s(20) == 2.0
+        and stall_grace_s(300) == 30.0
+        and stall_grace_s(1800) == 60.0
+    )
 
 
 def test_watch_ends_a_rank_stuck_in_one_collective_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
