@@ -144,6 +144,10 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         value = value_at(cfg, key)
         if not (isinstance(value, bool) or value == "auto"):
             raise ConfigError(f"{key}={value!r}: expected auto, true or false")
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.sampler == "triton" and rollout.name != "klppo":
+        raise ConfigError(f"actor_rollout_ref.rollout.sampler=triton is klppo's engine's; rollout.name={rollout.name} "
+                          "samples its own way: set sampler=auto or rollout.name=klppo")  # fmt: skip
     if cfg.actor_rollout_ref.actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={cfg.actor_rollout_ref.actor.clip_ratio_c}: "
                           "the dual-clip constant must be > 1.0")  # fmt: skip

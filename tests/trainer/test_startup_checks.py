@@ -144,6 +144,8 @@ def test_engine_options_from_enforce_eager_and_sampler():
     assert options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.sampler=torch") == {}
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.sampler"):
         options("actor_rollout_ref.rollout.sampler=cuda")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.sampler=triton"):
+        options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.sampler=triton")
 
 
 def test_critic_warmup_as_verl(tiny_model_dir, arithmetic_data, tmp_path):
