@@ -204,15 +204,16 @@ def test_grad_sync_per_mini_batch_key_is_validated_and_resolved() -> None:
     from klppo.trainer.settings import grad_sync_per_mini_batch
 
     key = "critic.model.fsdp_config.grad_sync_per_mini_batch"
-    assert load_config([]).critic.model.fsdp_config.grad_sync_per_mini_batch is False  # until measured
+    default = load_config([])
+    assert default.critic.model.fsdp_config.grad_sync_per_mini_batch is False  # until measured
     assert load_config([f"{key}=true"]).critic.model.fsdp_config.grad_sync_per_mini_batch is True
     with pytest.raises(ConfigError, match=key):
         load_config([f"{key}=sometimes"])
+    default_fsdp_cfg = default.actor_rollout_ref.actor.fsdp_config
+    default_fsdp = fsdp_settings(default_fsdp_cfg, device_type="cuda")
     assert not grad_sync_per_mini_batch(
-        load_config([]).actor_rollout_ref.actor.fsdp_config, fsdp_settings(
-            load_config([]).actor_rollout_ref.actor.fsdp_config, device_type="cuda"),
-        num_trainable=10**6, ranks=2, device_bytes=141 * 2**30,
-    )[0]  # fmt: skip
+        default_fsdp_cfg, default_fsdp, num_trainable=10**6, ranks=2, device_bytes=141 * 2**30
+    )[0]
     cfg = load_config(["actor_rollout_ref.actor.fsdp_config.grad_sync_per_mini_batch=auto"])
     fsdp_cfg = cfg.actor_rollout_ref.actor.fsdp_config
     fsdp = fsdp_settings(fsdp_cfg, device_type="cuda")
