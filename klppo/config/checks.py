@@ -295,9 +295,27 @@ def _pi_floor_note(prefix: str, ctrl, init_key: str, init_coef: float, notify: N
 
 
 def _check_kl_controller(prefix: str, ctrl, init_coef: float) -> None:
-    """A controller's target and (pi) bounds, named by key, before anything loads."""
+    """A controller's target, anneal and (pi) bounds, named by key, before anything loads."""
     if ctrl.type == "fixed":
+        if ctrl.target_kl_start is not None:
+            raise ConfigError(
+                f"{prefix}.target_kl_start={ctrl.target_kl_start}: an annealed target needs {prefix}.type "
+                "adaptive or pi (fixed keeps β constant and has no target)"
+            )
         return
+    if ctrl.target_kl_start is not None and ctrl.target_kl_start <= 0:
+        raise ConfigError(
+            f"{prefix}.target_kl_start={ctrl.target_kl_start}: the annealed target needs a start > 0"
+        )
+    if ctrl.anneal_begin < 0 or ctrl.anneal_steps < 0:
+        raise ConfigError(
+            f"{prefix}.anneal_begin={ctrl.anneal_begin}, anneal_steps={ctrl.anneal_steps}: both must be ≥ 0"
+        )
+    if ctrl.target_kl_start is None and (ctrl.anneal_begin or ctrl.anneal_steps):
+        raise ConfigError(
+            f"{prefix}.anneal_begin/anneal_steps are set but {prefix}.target_kl_start is null: "
+            "set target_kl_start (the target before the decay) or drop the anneal keys"
+        )
     if ctrl.target_kl is None or ctrl.target_kl <= 0:
         raise ConfigError(
             f"{prefix}.target_kl={ctrl.target_kl}: the {ctrl.type} controller needs a target > 0"

@@ -104,6 +104,11 @@ class KLLossControlConfig:
     ki: float = F(0.2, "pi: integral gain (per step).")
     min_coef: float = F(1e-4, "pi: lower bound of β (also bounds the integral: anti-windup).")
     max_coef: float = F(10.0, "pi: upper bound of β.")
+    target_kl_start: float | None = F(
+        None, "adaptive/pi: annealed target — the target until anneal_begin (null: target_kl throughout)."
+    )
+    anneal_begin: int = F(0, "adaptive/pi: controller updates (steps) at target_kl_start before the decay.")
+    anneal_steps: int = F(0, "adaptive/pi: steps of geometric decay from target_kl_start to target_kl.")
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,8 @@ def rewards_and_advantages(
         check_kl(current_kl)  # a non-finite KL skips the step before the controller moves
         metrics["actor/reward_kl_penalty"] = current_kl
         metrics["actor/reward_kl_penalty_coeff"] = float(kl_stats["kl_coef"])
+        if getattr(kl_ctrl, "target", None) is not None:
+            metrics["actor/reward_kl_ctrl_target"] = float(kl_ctrl.target)
         share = penalty_share(batch.token_level_scores, rewards)
         metrics["actor/reward_kl_penalty_share"] = share
         if watch.update(share) and rank() == 0:
@@ -176,4 +178,7 @@ def control_kl_loss(metrics: dict[str, float], kl_loss_ctrl: KLController, num_s
     """After the step's actor update: the controller sees this step's KL(π_old‖π_ref) and sets the β of
     the next step's KL loss (β_t depends on KL_1 … KL_{t−1}, as the reward-side controller in verl)."""
     if "actor/kl_loss_ctrl_kl" in metrics:
+        target = getattr(kl_loss_ctrl, "target", None)
         kl_loss_ctrl.update(metrics["actor/kl_loss_ctrl_kl"], num_samples)
+        if target is not None:  # the target this step's KL was held to (it moves with an annealed target)
+            metrics["actor/kl_loss_ctrl_target"] = float(kl_loss_ctrl.target)

@@ -176,6 +176,9 @@ def kl_controller(group: KLControlConfig | KLLossControlConfig, init_coef: float
         ki=group.ki,
         min_coef=group.min_coef,
         max_coef=group.max_coef,
+        target_kl_start=group.target_kl_start,
+        anneal_begin=group.anneal_begin,
+        anneal_steps=group.anneal_steps,
     )
 
 

@@ -25,6 +25,14 @@ from klppo.config.unimplemented import check_trainable
             "kl_loss_ctrl.min_coef",
         ),
         (["algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.ki=0"], "algorithm.kl_ctrl.kp"),
+        (["algorithm.kl_ctrl.target_kl_start=0.2"], "algorithm.kl_ctrl.target_kl_start=0.2"),
+        (["algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.anneal_steps=10"], "target_kl_start is null"),
+        (["algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.target_kl_start=-1"], "kl_ctrl.target_kl_start=-1"),
+        (
+            ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl_start=0.2",
+             "algorithm.kl_ctrl.anneal_begin=-1"],
+            "algorithm.kl_ctrl.anneal_begin=-1",
+        ),
     ],
 )  # fmt: skip
 def test_kl_controller_keys_are_named(overrides, message):

@@ -20,6 +20,10 @@ PI = [
     "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
     "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.001",
     "actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.001",
+    # an annealed target: 0.01 for the first update, then halfway (geometric) and the final 0.001 from update 3
+    "actor_rollout_ref.actor.kl_loss_ctrl.target_kl_start=0.01",
+    "actor_rollout_ref.actor.kl_loss_ctrl.anneal_begin=1",
+    "actor_rollout_ref.actor.kl_loss_ctrl.anneal_steps=2",
     "actor_rollout_ref.actor.optim.lr=3e-3",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one mini-batch: on-policy
 ]
@@ -32,11 +36,14 @@ def test_pi_kl_loss_controller_in_the_loop_and_resume(tiny_model_dir, arithmetic
     )
     rows = read_metrics(full_dir)
     # the β each step used is the controller's output on that step's measured KL(π_old‖π_ref) (k3)
-    ctrl = make_kl_controller("pi", 0.05, 0.001, min_coef=0.001, max_coef=10.0)
+    ctrl = make_kl_controller("pi", 0.05, 0.001, min_coef=0.001, max_coef=10.0, target_kl_start=0.01,
+                              anneal_begin=1, anneal_steps=2)  # fmt: skip
     for row in rows:  # β of step t from KL_1 … KL_{t−1}: the controller reads each step's KL after its update
         assert row["actor/kl_coef"] == pytest.approx(ctrl.value, rel=1e-9)
         assert row["actor/kl_loss_ctrl_kl"] == pytest.approx(row["actor/ref_kl_k3"], rel=1e-6, abs=1e-9)
         ctrl.update(row["actor/kl_loss_ctrl_kl"])
+        assert row["actor/kl_loss_ctrl_target"] == pytest.approx(ctrl.target, rel=1e-12)
+    assert [r["actor/kl_loss_ctrl_target"] for r in rows] == pytest.approx([0.01, 0.01, 10**-2.5, 0.001])
     assert rows[0]["actor/ref_kl_k3"] == pytest.approx(0.0, abs=1e-6)  # actor = reference at step 1
     assert rows[-1]["actor/ref_kl_k3"] > 0.001 and rows[-1]["actor/kl_coef"] > rows[2]["actor/kl_coef"]
     assert "timing_s/old_log_prob" not in rows[0]  # on-policy: the controller does not need the extra pass
@@ -58,7 +65,13 @@ def test_pi_kl_loss_controller_in_the_loop_and_resume(tiny_model_dir, arithmetic
     run_training(cut + ["trainer.total_training_steps=2", "trainer.save_freq=2"])
     run_training(cut + ["trainer.total_training_steps=4"])
     resumed = {row["step"]: row for row in read_metrics(cut_dir)}
-    for key in ("actor/kl_coef", "actor/kl_loss", "actor/pg_loss", "actor/ref_kl_k3"):
+    for key in (
+        "actor/kl_coef",
+        "actor/kl_loss",
+        "actor/pg_loss",
+        "actor/ref_kl_k3",
+        "actor/kl_loss_ctrl_target",
+    ):
         assert resumed[4][key] == pytest.approx(rows[3][key], rel=1e-5, abs=1e-7), key
 
 
