@@ -389,8 +389,19 @@ def _scaling_run(args, root: Path, k: int, overrides: list[str], tag: str) -> di
         "prompt_len": args.prompt_len,
         "response_len": args.response_len,
         "last": rows[-1],
+        "steady": _steady(rows),
         "rows": rows,
     }
+
+
+def _steady(rows: list[dict]) -> dict:
+    """Per metric, the median over the steps after the first (the first compiles and warms up; one step
+    alone varied by ~10% between identical runs, bench/RESULTS.md session 7); all steps if only one."""
+    import statistics
+
+    steps = rows[1:] or rows
+    keys = [k for k, v in steps[0].items() if isinstance(v, (int, float)) and all(k in r for r in steps)]
+    return {k: statistics.median(float(r[k]) for r in steps) for k in keys}
 
 
 def _prompts(root: Path, model_dir: Path, args, batch: int) -> tuple[Path, Path]:
@@ -691,18 +702,25 @@ def scaling_table(files: list[dict]) -> str:
     rows = sorted((f for f in files if "last" in f.get("result", {})), key=lambda f: f["meta"]["gpus"])
     if not rows:
         return ""
+
+    def pick(r: dict) -> dict:  # files before session 7 hold the last step only
+        return r.get("steady") or r["last"]
+
     base = {
-        f["result"]["shape"]: f["result"]["last"]["perf/throughput"] for f in rows if f["meta"]["gpus"] == 1
+        f["result"]["shape"]: pick(f["result"])["perf/throughput"] for f in rows if f["meta"]["gpus"] == 1
     }
+    what = (
+        "median of the steps after the first" if all("steady" in f["result"] for f in rows) else "last step"
+    )
     out = [
-        "\n**Scaling** (end-to-end PPO step, last step)\n",
+        f"\n**Scaling** (end-to-end PPO step, {what})\n",
         "| shape | K | train_batch_size | step s | gen s | rank_wait s | update_actor s | update_critic s "
         "| tokens/s/GPU | efficiency | max mem GiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in rows:
         r, k = f["result"], f["meta"]["gpus"]
-        last, one = r["last"], base.get(r["shape"])
+        last, one = pick(r), base.get(r["shape"])
         eff = last["perf/throughput"] / one if one else None
         out.append(
             f"| {r['shape']} | {k} | {r['train_batch_size']} | {_f(last.get('timing_s/step'))} | "

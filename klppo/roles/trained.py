@@ -74,6 +74,8 @@ class TrainedRole:
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.num_skipped_updates = 0  # optimizer steps skipped for a non-finite loss or grad norm
         self.oom = OOMRecovery(self.name)  # out-of-memory retries with smaller micro-batches
+        # the FSDP modules whose reduce-scatter waits for a mini-batch's last micro-batch (found once)
+        self._deferred_sync = fsdp_modules(model) if update.grad_sync_per_mini_batch else []
 
     def run_updates(self, batch: Batch, micro_loss: MicroLoss) -> dict[str, float]:
         """``ppo_epochs`` passes over mini-batches of ``batch``, one optimizer step each, then one LR step."""
@@ -131,7 +133,7 @@ class TrainedRole:
         counts = global_counts(_host_response_mask(mini), sp_size=self.update.sp_size)
         finite = torch.ones((), dtype=torch.bool, device=mini.response_mask.device)
         horizon = mini.response_length
-        deferred = fsdp_modules(self.model) if self.update.grad_sync_per_mini_batch else []
+        deferred = self._deferred_sync
         try:
             for (_, mb), last in _with_last(iter_micro(mini, micro)):
                 for module in deferred:

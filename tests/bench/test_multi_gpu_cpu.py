@@ -86,3 +86,33 @@ def test_scaling_variants_parse_and_table():
     table = scaling_table(files)
     assert "| S [a] | 2 | 64 |" in table and "| 90 | 0.90 |" in table
     assert "| S [b] | 2 | 64 |" in table and "| 96 | 0.96 |" in table
+
+
+def test_scaling_reads_the_median_of_the_steps_after_the_first():
+    """One step varied ~10% between identical runs on the GPUs: the table reads the median of the steps
+    after the first (``steady``), and files without it (before session 7) still read their last step."""
+    from bench.multi_gpu import _steady, scaling_table
+
+    rows = [{"step": 1, "perf/throughput": 10.0}, {"step": 2, "perf/throughput": 100.0},
+            {"step": 3, "perf/throughput": 80.0}, {"step": 4, "perf/throughput": 120.0}]  # fmt: skip
+    assert _steady(rows)["perf/throughput"] == 100.0 and _steady(rows[:1])["perf/throughput"] == 10.0
+    one = {
+        "variant": "a",
+        "k": 1,
+        "shape": "S",
+        "train_batch_size": 32,
+        "last": rows[-1],
+        "steady": _steady(rows),
+    }
+    two = dict(
+        one, k=2, train_batch_size=64, last={"perf/throughput": 50.0}, steady={"perf/throughput": 95.0}
+    )
+    table = scaling_table(
+        [{"meta": {"run": "scaling", "gpus": 2}, "result": {"shape": "S", "variants": [one, two]}}]
+    )
+    assert "median of the steps after the first" in table and "| 95 | 0.95 |" in table
+    del one["steady"], two["steady"]
+    table = scaling_table(
+        [{"meta": {"run": "scaling", "gpus": 2}, "result": {"shape": "S", "variants": [one, two]}}]
+    )
+    assert "last step" in table and "| 50 | 0.42 |" in table
