@@ -20,7 +20,9 @@ class KLEarlyStopConfig:
         False, "Stop when the KL to the reference stays above target_kl for patience_steps steps."
     )
     kl_metric: str = F("actor/ref_kl_k1", "Metric read as the KL to the reference.")
-    target_kl: float | None = F(None, "KL target (null: algorithm.kl_ctrl.target_kl).")
+    target_kl: float | None = F(
+        None, "KL target (null: algorithm.kl_ctrl.target_kl, following its anneal when target_kl_start is set)."
+    )
     patience_steps: int = F(10, "Consecutive steps above the target before the run stops.")
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from klppo.algorithms.kl_control import TargetSchedule
 from klppo.config import KLPPOConfig
 from klppo.parallel.checkpoint import load_checkpoint
 from klppo.tracking.events import EventLog
@@ -35,6 +36,13 @@ log = logging.getLogger("klppo")
 BEST_DIR = "best_validation"
 """Subdirectory of the run directory holding the best-validation checkpoint (never pruned by
 ``trainer.max_actor_ckpt_to_keep``, never taken for the latest checkpoint by ``resume_mode=auto``)."""
+
+
+def _reward_target(ctrl: Any) -> float | TargetSchedule | None:
+    """``algorithm.kl_ctrl``'s target as the monitor reads it: its schedule when annealed."""
+    if ctrl.target_kl is None or ctrl.target_kl_start is None:
+        return ctrl.target_kl
+    return TargetSchedule(ctrl.target_kl, ctrl.target_kl_start, ctrl.anneal_begin, ctrl.anneal_steps)
 
 
 class RunControls:
@@ -146,7 +154,9 @@ class Monitor:
         m = cfg.monitor
         self.controls = controls
         self.rank = rank
-        self.rules = build_rules(m, default_target_kl=cfg.algorithm.kl_ctrl.target_kl) if m.enable else []
+        self.rules = (
+            build_rules(m, default_target_kl=_reward_target(cfg.algorithm.kl_ctrl)) if m.enable else []
+        )
         self.events = EventLog(run_dir, rank=rank, resume_step=resume_step)
         self.counts: dict[str, int] = {}
         self.stop_reason: str | None = None

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from klppo.algorithms.kl_control import TargetSchedule
 from klppo.config.schema_monitor import (
     DriftConfig,
     EntropyCollapseConfig,
@@ -84,14 +85,21 @@ class Rule:
 class KLEarlyStop(Rule):
     name = "kl_early_stop"
 
-    def __init__(self, cfg: KLEarlyStopConfig, target_kl: float) -> None:
-        self.cfg, self.cfg_target = cfg, target_kl
+    def __init__(self, cfg: KLEarlyStopConfig, target_kl: float | TargetSchedule) -> None:
+        """``target_kl``: a number, or the reward-side controller's (annealed) schedule, read at the
+        step's update (step t is update t − 1), so a loose early target does not stop the run."""
+        self.cfg = cfg
+        self.cfg_schedule = (
+            target_kl if isinstance(target_kl, TargetSchedule) else TargetSchedule(float(target_kl))
+        )
+        self.cfg_target = self.cfg_schedule.at(0)
         self.steps_over = 0
 
     def observe(self, step, metrics, val):
         kl = _finite(metrics, self.cfg.kl_metric)
         if kl is None:
             return []
+        self.cfg_target = self.cfg_schedule.at(max(int(step) - 1, 0))
         self.steps_over = self.steps_over + 1 if kl > self.cfg_target else 0
         if self.steps_over < self.cfg.patience_steps:
             return []
@@ -261,8 +269,9 @@ class Drift(Rule):
         return {f"monitor/drift/{name}": float(v) for name, v in sorted(self.outside.items())}
 
 
-def build_rules(cfg: MonitorConfig, *, default_target_kl: float | None) -> list[Rule]:
-    """The enabled rules of a ``monitor`` config group, in evaluation order."""
+def build_rules(cfg: MonitorConfig, *, default_target_kl: float | TargetSchedule | None) -> list[Rule]:
+    """The enabled rules of a ``monitor`` config group, in evaluation order. ``default_target_kl``: the
+    reward-side controller's target (a schedule when annealed), for ``kl_early_stop.target_kl: null``."""
     m = cfg
     rules: list[Rule] = []
     if m.nonfinite_reward.enable:
@@ -277,7 +286,7 @@ def build_rules(cfg: MonitorConfig, *, default_target_kl: float | None) -> list[
         rules.append(ValidationDrop(m.validation_drop))
     if m.kl_early_stop.enable:
         target = m.kl_early_stop.target_kl if m.kl_early_stop.target_kl is not None else default_target_kl
-        rules.append(KLEarlyStop(m.kl_early_stop, float(target)))
+        rules.append(KLEarlyStop(m.kl_early_stop, target))
     if m.reward_plateau.enable:
         rules.append(RewardPlateau(m.reward_plateau))
     return rules

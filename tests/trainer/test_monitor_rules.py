@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from klppo.config import load_config
 from klppo.config.schema_monitor import MonitorConfig
 from klppo.trainer.monitor import Monitor
 from klppo.trainer.monitor_rules import (
@@ -16,6 +17,7 @@ from klppo.trainer.monitor_rules import (
     KLEarlyStop,
     RewardPlateau,
     ValidationDrop,
+    build_rules,
     validation_score,
 )
 
@@ -32,6 +34,26 @@ def test_kl_early_stop_needs_consecutive_steps():
     fired = [kinds(rule.observe(i + 1, {"actor/ref_kl_k1": kl}, None)) for i, kl in enumerate(seq)]
     assert fired == [[], [], [], [], [], ["stop"]]
     assert rule.observe(7, {}, None) == []  # metric absent: no-op
+
+
+def test_kl_early_stop_follows_an_annealed_reward_target():
+    """With ``algorithm.kl_ctrl`` annealed (and no target of its own) the stop reads the target of the
+    step's update: KL 0.2 under the loose 0.3 of the first steps does not count; once the target has
+    decayed to 0.1 it does. The schedule is configuration, not checkpointed state."""
+    from klppo.algorithms.kl_control import TargetSchedule
+    from klppo.trainer.monitor import _reward_target
+
+    cfg = load_config(["algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.target_kl=0.1",
+                       "algorithm.kl_ctrl.target_kl_start=0.3", "algorithm.kl_ctrl.anneal_begin=3",
+                       "algorithm.kl_ctrl.anneal_steps=2", "monitor.kl_early_stop.enable=True",
+                       "monitor.kl_early_stop.patience_steps=2"])  # fmt: skip
+    target = _reward_target(cfg.algorithm.kl_ctrl)
+    assert isinstance(target, TargetSchedule) and _reward_target(load_config([]).algorithm.kl_ctrl) == 0.1
+    (rule,) = [r for r in build_rules(cfg.monitor, default_target_kl=target) if isinstance(r, KLEarlyStop)]
+    fired = [kinds(rule.observe(step, {"actor/ref_kl_k1": 0.2}, None)) for step in range(1, 8)]
+    # targets by step: 0.3, 0.3, 0.3, 0.3, √0.03 ≈ 0.173, 0.1, 0.1: over from step 5, stop at step 6
+    assert fired == [[], [], [], [], [], ["stop"], ["stop"]]
+    assert rule.cfg_target == 0.1 and set(rule.state_dict()) == {"steps_over"}
 
 
 def test_reward_plateau_counts_from_the_best():
@@ -116,7 +138,9 @@ def monitor(tmp_path, **groups):
     import dataclasses
 
     m = dataclasses.replace(MonitorConfig(), **groups)
-    cfg = SimpleNamespace(monitor=m, algorithm=SimpleNamespace(kl_ctrl=SimpleNamespace(target_kl=0.1)))
+    cfg = SimpleNamespace(
+        monitor=m, algorithm=SimpleNamespace(kl_ctrl=SimpleNamespace(target_kl=0.1, target_kl_start=None))
+    )
     controls = FakeControls()
     return Monitor(cfg, controls, run_dir=tmp_path, rank=0, resume_step=None), controls
 
