@@ -21,7 +21,8 @@ class KLEarlyStopConfig:
     )
     kl_metric: str = F("actor/ref_kl_k1", "Metric read as the KL to the reference.")
     target_kl: float | None = F(
-        None, "KL target (null: algorithm.kl_ctrl.target_kl, following its anneal when target_kl_start is set)."
+        None,
+        "KL target (null: algorithm.kl_ctrl.target_kl, following its anneal when target_kl_start is set).",
     )
     patience_steps: int = F(10, "Consecutive steps above the target before the run stops.")
 
