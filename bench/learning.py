@@ -222,6 +222,7 @@ def summarize(name: str, run_dir: Path, overrides: list[str], reward: str, code:
         "kl_k3_last20_mean": statistics.fmean(k3[-20:]) if k3 else None,
         "kl_k3_max": max(k3) if k3 else None,
         "kl_k1_last20_mean": statistics.fmean([x for x in series["kl_k1"][-20:] if x is not None] or [0.0]),
+        "response_kl_last20_mean": response_kl(series),
         "entropy_min_after_step10": min(ent[10:]) if len(ent) > 10 else None,
         "reward_first10": statistics.fmean(series["reward"][:10]) if steps else None,
         "reward_last10": statistics.fmean(series["reward"][-10:]) if steps else None,
@@ -230,6 +231,17 @@ def summarize(name: str, run_dir: Path, overrides: list[str], reward: str, code:
     out.update(target_stats(series, overrides))
     out["trajectory"] = points
     return out
+
+
+def response_kl(series: dict) -> float | None:
+    """Mean over the last 20 steps of k1 per token × mean response length: the KL of a whole response, the
+    quantity the held-out accuracy tracked across calls k–n (bench/RESULTS.md, session 7)."""
+    pairs = [
+        (k, n)
+        for k, n in zip(series["kl_k1"][-20:], series["length"][-20:])
+        if k is not None and n is not None
+    ]
+    return statistics.fmean(k * n for k, n in pairs) if pairs else None
 
 
 def trajectory(dumps: list[Path], series: dict) -> list[dict]:
@@ -394,9 +406,10 @@ def print_table(results: list[dict]) -> None:
         return format(x, fmt) if isinstance(x, (int, float)) else "-"
 
     print(
-        "| setting | steps | train s | flex before → after | strict after | k3 last-20 | k3 max | entropy min (>10) | 2nd-half KL / target (±50%) |"
+        "| setting | steps | train s | flex before → after | strict after | k3 last-20 | k3 max | k1 × length last-20 "
+        "| entropy min (>10) | 2nd-half KL / target (±50%) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         if "error" in r:
             print(f"| {r['name']} | failed: {r['error']} |")
@@ -409,7 +422,8 @@ def print_table(results: list[dict]) -> None:
         print(
             f"| {r['name']} | {r['steps']} | {r['train_seconds']:.0f} | {pct(r['accuracy_before'], 'flexible')} → "
             f"{pct(r['accuracy_after'], 'flexible')} | {pct(r['accuracy_after'], 'strict')} | "
-            f"{num(r['kl_k3_last20_mean'])} | {num(r['kl_k3_max'])} | {num(r['entropy_min_after_step10'])} | {tgt} |"
+            f"{num(r['kl_k3_last20_mean'])} | {num(r['kl_k3_max'])} | {num(r.get('response_kl_last20_mean'), '.2f')} | "
+            f"{num(r['entropy_min_after_step10'])} | {tgt} |"
         )
     for r in results:
         if len(r.get("trajectory") or []) > 1:

@@ -67,3 +67,14 @@ def test_learning_bench_runs_and_stops_on_budget(tmp_path):
     assert [p["step"] for p in traj] == list(range(1, r["steps"] + 1))
     assert traj[-1]["flexible"] == r["accuracy_after"]["flexible"]
     assert all(p["n"] == 6 and p["kl_k3_20"] is not None for p in traj)
+
+
+def test_response_kl_is_the_mean_of_per_step_products_over_the_last_20_steps():
+    from bench.learning import response_kl
+
+    kl = [9.0] * 5 + [0.1 * (i % 3) for i in range(20)]  # the first 5 steps are outside the window
+    length = [1.0] * 5 + [10.0 + i for i in range(20)]
+    by_hand = sum(0.1 * (i % 3) * (10.0 + i) for i in range(20)) / 20
+    assert response_kl({"kl_k1": kl, "length": length}) == pytest.approx(by_hand, rel=1e-12)
+    assert response_kl({"kl_k1": [None, 0.2], "length": [5.0, 30.0]}) == pytest.approx(6.0)
+    assert response_kl({"kl_k1": [], "length": []}) is None
