@@ -29,7 +29,8 @@ allocator growth, CUDA-graph capture, compilation).
     PYTHONPATH=$PWD python3 bench/ppo_step.py --workload trl --variants before after --out $OUT/trl.json
     PYTHONPATH=$PWD python3 bench/ppo_step.py --device cpu --tiny --workload grpo135m --steps 2   # smoke test
 
-``--count-syncs`` (CUDA) adds ``cuda_syncs/passes`` and ``cuda_syncs/other``: host-device synchronisations
+``--count-ops`` adds ``ops/<phase>``: aten operators dispatched per step in each trainer phase (host work of a
+launch-bound step; not a timing run). ``--count-syncs`` (CUDA) adds ``cuda_syncs/passes`` and ``cuda_syncs/other``: host-device synchronisations
 per step in the training passes and elsewhere (``torch.cuda.set_sync_debug_mode``; not a timing run).
 """
 
@@ -272,12 +273,15 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
     info = dist.init_distributed(args.device, 600.0)
     prof = Profile(args, run_dir.name, skip=args.steps - 1)
     syncs = SyncCount(args.count_syncs and args.device == "cuda")
+    ops = OpCount(args.count_ops)
 
     class Trainer(PPOTrainer):
         def train_step(self, prompts, step):
-            out = super().train_step(prompts, step)
+            with ops:
+                out = super().train_step(prompts, step)
             prof.step()
             syncs.step()
+            ops.step()
             return out
 
     try:
@@ -298,6 +302,7 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
         k: statistics.median(r[k] for r in later) for k in keys if isinstance(later[0][k], float | int)
     }
     summary.update(syncs.summary())
+    summary.update(ops.summary())
     summary["setup_s"] = setup_s
     summary["first_step_s"] = rows[0]["timing_s/step"]
     if "timing_s/gen" in summary:
@@ -355,6 +360,52 @@ class SyncCount:
         if not self.enabled or not later:
             return {}
         return {f"cuda_syncs/{k}": statistics.median(c[k] for c in later) for k in ("passes", "other")}
+
+
+class OpCount:
+    """With ``--count-ops``: aten operators dispatched per step (``TorchDispatchMode``, below autograd, so
+    backward operators count too), per innermost trainer phase (``klppo.parallel.dist.current_phase``).
+    A launch-bound step issues one kernel per operator outside compiled graphs: the count is its host
+    work. Counting slows the run: timings of such a run are not comparable."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.counts, self.current = enabled, [], {}
+        self._mode = None
+
+    def __enter__(self):
+        if self.enabled:
+            from torch.utils._python_dispatch import TorchDispatchMode
+
+            from klppo.parallel.dist import current_phase
+
+            counts = self.current
+
+            class Mode(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    key = current_phase()
+                    counts[key] = counts.get(key, 0) + 1
+                    return func(*args, **(kwargs or {}))
+
+            self._mode = Mode()
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+
+    def step(self) -> None:
+        if self.enabled:
+            self.counts.append(self.current)
+            self.current = {}
+
+    def summary(self) -> dict[str, float]:
+        later = self.counts[1:] or self.counts
+        if not later:
+            return {}
+        keys = sorted(set().union(*later))
+        return {f"ops/{k}": statistics.median(c.get(k, 0) for c in later) for k in keys}
 
 
 class Profile:
@@ -516,6 +567,9 @@ def main() -> None:
     parser.add_argument("--profile-rows", type=int, default=25)
     parser.add_argument(
         "--count-syncs", action="store_true", help="count host-device syncs per step (CUDA; slows the run)"
+    )
+    parser.add_argument(
+        "--count-ops", action="store_true", help="count aten operators per step and phase (slows the run)"
     )
     parser.add_argument(
         "--tiny", action="store_true", help="a 2-layer model of the workload's arch (smoke test)"

@@ -1,0 +1,28 @@
+"""bench/ppo_step.py pieces on CPU: the operator count per trainer phase (``--count-ops``)."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.ppo_step import OpCount
+from klppo.parallel.dist import phase
+
+
+def test_op_count_attributes_forward_and_backward_operators_to_the_phase():
+    ops = OpCount(True)
+    x = torch.ones(3, requires_grad=True)
+    for _ in range(2):  # two steps; the summary is the median of the steps after the first
+        with ops:
+            with phase("update_actor"):
+                loss = (x * 2).sum()  # mul, sum
+                loss.backward()  # backward operators are dispatched too
+            with phase("ref"):
+                torch.zeros(2).add_(1)  # zeros (+ fill), add_
+        ops.step()
+    summary = ops.summary()
+    assert set(summary) == {"ops/update_actor", "ops/ref"}
+    assert summary["ops/update_actor"] >= 4 and summary["ops/ref"] >= 2  # forward 2 + backward ≥ 2
+    with ops:  # outside the mode nothing is counted
+        pass
+    torch.ones(2) * 3
+    assert OpCount(False).summary() == {} and ops.current == {}
