@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python bench/rollout.py [--shapes 0.5b,1.5b] [--batches 64,256,1024] [--out results.json]
         [--variants no-fuse,sdpa] [--old-engine MODULE] [--check] [--profile] [--n 4]
-        [--samplers torch,triton] [--temperature 1] [--top-k -1] [--top-p 1] [--device cuda]
+        [--samplers torch,triton] [--decode-attention flash,triton] [--temperature 1] [--top-k -1] [--top-p 1] [--device cuda]
 
 ``--n`` samples per prompt (the batch counts sequences): with n > 1 the engine prefills each prompt once.
 
@@ -18,7 +18,9 @@ engine at ``--compile-batch`` with one optimisation off (ablation); ``--old-engi
 prints the CUDA kernel-time table of a few eager (graph-less) decode steps. ``--samplers`` times the
 engine once per sampler (``KLPPORollout(sampler=...)``: ``torch``, the default path, rows ``klppo-*``;
 ``triton``, the one-pass kernels, rows ``klppo-triton-*``) with the sampling of ``--temperature``,
-``--top-k``, ``--top-p``. ``--eos-every K`` makes every K-th token id an EOS (not ignored): on the random
+``--top-k``, ``--top-p``; ``--decode-attention`` likewise once per ``decode_attention`` (``flash,triton``:
+rows ``klppo-attn-flash-*``, ``klppo-attn-triton-*``; with ``--profile``, one kernel table per mode and
+``--profile-batches`` batch). ``--eos-every K`` makes every K-th token id an EOS (not ignored): on the random
 models the sequences then end at spread lengths, as in a real rollout (``--variants compact`` times slot
 compaction, ``KLPPORollout(compact_slots=True)``, there; ``--no-hf-compile`` skips hf static + compile at
 ``--compile-batch``). ``--device cpu`` with ``--shapes tiny`` runs the
@@ -120,7 +122,7 @@ def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit)
 def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_batch: int | None, emit,
                 variants: list[str] = (), old_engine: str | None = None, n: int = 1, *,
                 samplers: list[str] = ("torch",), sampling: dict | None = None, device: str = "cuda",
-                eos_every: int = 0, hf_compile: bool = True):  # fmt: skip
+                eos_every: int = 0, hf_compile: bool = True, attentions: list[str] = ("auto",)):  # fmt: skip
     model = build(shape, torch.bfloat16, device)
     sampling = sampling or dict(temperature=1.0, top_p=1.0, top_k=-1)
     params = SamplingParams(max_new_tokens=NEW, seed=0, ignore_eos=not eos_every, n=n, **sampling)
@@ -132,10 +134,11 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
         prompts = torch.randint(0, 151000, (batch // n, PROMPT), device=device)  # batch = sequences
         mask = torch.ones_like(prompts)
         for sampler in samplers:
-            name = "klppo" if sampler == "torch" else f"klppo-{sampler}"
-            run_klppo(
-                make_rollout("klppo", **kw, sampler=sampler), name, shape, model, prompts, mask, params, emit
-            )
+            for attention in attentions:
+                name = "klppo" if sampler == "torch" else f"klppo-{sampler}"
+                name += "" if attention == "auto" else f"-attn-{attention}"
+                engine = make_rollout("klppo", **kw, sampler=sampler, decode_attention=attention)
+                run_klppo(engine, name, shape, model, prompts, mask, params, emit)
         if batch in hf_batches:
             hf = make_rollout("hf", eos_token_ids=eos, pad_token_id=pad)
             out, elapsed, peak = timed(hf.generate, model, prompts, mask, params)
@@ -164,7 +167,8 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
             torch.cuda.empty_cache()
 
 
-def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str = "cuda") -> None:
+def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str = "cuda",
+            decode_attention: str = "auto") -> None:  # fmt: skip
     """CUDA kernel time of ``steps`` eager decode steps alone (no prefill; no graphs, so kernel times and
     not launch gaps), at context ``PROMPT`` and up. Reaches into the engine's step function on purpose."""
     from torch.profiler import ProfilerActivity
@@ -177,7 +181,7 @@ def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str 
     prompts = torch.randint(0, 1000, (batch, PROMPT), device=device)
     params = SamplingParams(max_new_tokens=2 * steps, seed=0, ignore_eos=True)
     engine = KLPPORollout(eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
-                          use_cuda_graph=False, free_cache_engine=False)  # fmt: skip
+                          use_cuda_graph=False, free_cache_engine=False, decode_attention=decode_attention)  # fmt: skip
     engine.generate(model, prompts, torch.ones_like(prompts), params)  # compile, keep the workspace
     call = engine._call(LlamaWeights.read(model), prompts, torch.ones_like(prompts), [PROMPT] * batch, params)
     call.ws.position.fill_(PROMPT)  # the kept workspace (same shape), fused copies refreshed
@@ -190,7 +194,8 @@ def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str 
         if device == "cuda":
             torch.cuda.synchronize()
     sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-    print(f"decode-only profile: batch {batch}, {steps} steps (divide totals by {steps} for per step)")
+    print(f"decode-only profile: batch {batch}, decode_attention={decode_attention}, {steps} steps (divide totals "
+          f"by {steps} for per step)")  # fmt: skip
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70))
 
 
@@ -284,8 +289,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", default="")
     ap.add_argument("--old-engine", default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-batches", default="256", help="batches of the --profile kernel tables")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (batch = prompts × n sequences)")
     ap.add_argument("--samplers", default="torch", help="torch,triton: the engine once per sampler")
+    ap.add_argument("--decode-attention", default="auto",
+                    help="flash,triton: the engine once per decode_attention (rows klppo[-sampler]-attn-NAME; "
+                         "auto: rows klppo[-sampler]); also the --profile runs")  # fmt: skip
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -328,11 +337,14 @@ def main(argv: list[str] | None = None) -> None:
             device=args.device,
             eos_every=args.eos_every,
             hf_compile=not args.no_hf_compile,
+            attentions=args.decode_attention.split(","),
         )
     if args.check:
         checks(emit, [getattr(torch, d) for d in args.check_dtypes.split(",")])
     if args.profile:
-        profile()
+        for attention in args.decode_attention.split(","):
+            for batch in [int(b) for b in args.profile_batches.split(",")]:
+                profile(batch, device=args.device, decode_attention=attention)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ One ``generate`` call:
 4. runs decode steps on the first ``bucket`` slots (``bucket`` = smallest power of two from 1, or the slot
    count, covering every busy slot), each step captured once as a CUDA graph per bucket on GPU
    (:mod:`klppo.rollout.graphs`), eager on CPU. Attention reads each slot's occupied prefix only (flash
-   varlen, GQA query heads packed per KV head; ``decode_attention``). The per-layer blocks and the
-   sampler are the compiled functions of the engine's :class:`~klppo.rollout.compiled.CompiledFunctions`
-   (``compiled``: handed in by the trainer, which starts pre-compiling them in the background before
+   varlen, GQA query heads packed per KV head; ``decode_attention``; "triton", off by default: the
+   split-KV kernels of :mod:`klppo.rollout.triton_attention`, fused with the cache write). The per-layer
+   blocks and the sampler are the compiled functions of the engine's
+   :class:`~klppo.rollout.compiled.CompiledFunctions` (``compiled``: handed in by the trainer, which starts pre-compiling them in the background before
    the weights load; else the engine's own). A step samples on the device (untruncated sampling: one
    compiled fused kernel pair, no [B, V] tensors written; logits in float32 with ``fp32_logits``; with
    ``sampler="triton"`` the one-pass kernels of :mod:`klppo.rollout.triton_sampling`) and
@@ -48,6 +49,7 @@ from collections.abc import Callable
 
 import torch
 
+from klppo.rollout import triton_attention
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.hf import HFRollout
@@ -60,7 +62,7 @@ from klppo.rollout.triton_sampling import sample_triton
 from klppo.rollout.triton_sampling import supports as triton_supports
 from klppo.rollout.workspace import CacheBudget, Workspace, num_slots
 
-DECODE_ATTENTION = ("auto", "flash", "flash-plain", "sdpa")
+DECODE_ATTENTION = ("auto", "flash", "flash-plain", "sdpa", "triton")
 SAMPLERS = ("torch", "triton", "auto")
 
 
@@ -278,17 +280,22 @@ class KLPPORollout:
         return decode_step(call, bucket, layer_fns, flash, sampler, self.fp32_logits)
 
     def _use_flash(self, kv: torch.Tensor) -> str | None:
-        """The ``flash`` argument of ``decode``: "packed", "plain" or None (masked SDPA)."""
+        """The ``flash`` argument of ``decode``: "packed", "plain", "triton" or None (masked SDPA)."""
         if self.decode_attention == "sdpa":
             return None
         ok = kv.device.type == "cuda" and kv.dtype in (torch.bfloat16, torch.float16)
+        if self.decode_attention == "triton" and not (ok and triton_attention.available(kv.device)):
+            raise ValueError(
+                "rollout decode_attention='triton' needs a CUDA bf16/fp16 cache and the triton package, "
+                f"got {kv.device} {kv.dtype}"
+            )
         if self.decode_attention != "auto" and not ok:
             raise ValueError(
                 f"decode_attention={self.decode_attention!r} needs a CUDA bf16/fp16 cache, got {kv.device} {kv.dtype}"
             )
         if not ok:
             return None
-        return "plain" if self.decode_attention == "flash-plain" else "packed"
+        return {"flash-plain": "plain", "triton": "triton"}.get(self.decode_attention, "packed")
 
     def _sampler(self, params: SamplingParams, cuda: bool, w: LlamaWeights):
         """``logits -> (tokens, log_probs)`` for ``params``: compiled and fused on GPU when untruncated;

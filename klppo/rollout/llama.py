@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from klppo.models.flops import attention_dims
 from klppo.parallel.mesh import TensorParallel
+from klppo.rollout import triton_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -389,49 +390,74 @@ def decode(
     be captured in a CUDA graph. ``flash`` ("packed" or "plain"): varlen flash attention reads each slot's
     first ``position + 1`` entries only (CUDA, bf16/fp16); "packed" hands the ``H / H_kv`` query heads
     that share a KV head to the kernel as that many query rows of one sequence, so each K/V block is read
-    once per KV head instead of once per query head; None: SDPA over the whole length ``S`` with a mask.
+    once per KV head instead of once per query head; "triton": the split-KV kernels of
+    :mod:`klppo.rollout.triton_attention`, which also do the cache write (their torch reference off CUDA);
+    None: SDPA over the whole length ``S`` with a mask.
     ``layer_fns`` may be compiled versions of (``attn_in``, ``attn_out_mlp``). Logits: see ``logits_of``.
     """
     front, back = layer_fns
     num_slots = tokens.shape[0]
-    device = tokens.device
-    slot_idx = torch.arange(num_slots, device=device)
     x = embed_tokens(w, tokens)
     cos, sin = rope_cos_sin(w, positions, x.dtype)
-    max_len = kv.shape[3]
-    group = w.num_heads // w.num_kv_heads
-    pack_gqa = flash == "packed" and group > 1
-    q_rows = group if pack_gqa else 1
-    if flash:
-        cu_k = torch.arange(num_slots + 1, dtype=torch.int32, device=device)
-        cu_q = cu_k * q_rows
-        cu_k = cu_k * max_len
-        used = (positions + 1).to(torch.int32)
-    else:
-        mask = (torch.arange(max_len, device=device)[None, :] <= positions[:, None])[:, None, None, :]
+    attend = _decode_attention(w, kv, positions, flash)
     spec = (w.num_heads, w.num_kv_heads, w.head_dim, w.eps)
     for i, lw in enumerate(w.layers):
         q, kv_new = front(x, lw, cos, sin, spec)
-        kv[i][:, slot_idx, positions] = kv_new
-        if flash:
-            k = kv[i, 0, :num_slots].view(num_slots * max_len, w.num_kv_heads, w.head_dim)
-            v = kv[i, 1, :num_slots].view(num_slots * max_len, w.num_kv_heads, w.head_dim)
-            if pack_gqa:  # slot b's query heads of KV head j become `group` query rows of sequence b
-                q = q.view(num_slots, w.num_kv_heads, group, w.head_dim).transpose(1, 2)
-                q = q.reshape(num_slots * group, w.num_kv_heads, w.head_dim)
-            attn = torch.ops.aten._flash_attention_forward(
-                q, k, v, cu_q, cu_k, q_rows, max_len, 0.0, False, False, seqused_k=used
-            )[0]
-            if pack_gqa:
-                attn = attn.view(num_slots, group, w.num_kv_heads, w.head_dim).transpose(1, 2)
-        else:
-            # GQA without expanding K/V: the query heads of one KV head act as a length-`group` query.
-            q = q.reshape(num_slots, w.num_kv_heads, group, w.head_dim)
-            k = kv[i, 0, :num_slots].transpose(1, 2)
-            v = kv[i, 1, :num_slots].transpose(1, 2)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        attn = attend(i, q, kv_new)
         x = back(x, attn.reshape(num_slots, -1), lw, w.eps)
     return logits_of(w, rms_norm(x, w.final_norm, w.eps), fp32_logits)
+
+
+def _decode_attention(w: LlamaWeights, kv: torch.Tensor, positions: torch.Tensor, flash: str | None):
+    """``(layer, q [B, H, D], kv_new [2, B, H_kv, D]) -> attention [B, H, D]`` of one decode step (see
+    ``decode``): writes ``kv_new`` into layer's cache at ``positions``, then attends."""
+    num_slots, device = positions.shape[0], positions.device
+    max_len = kv.shape[3]
+    if flash == "triton":
+        splits = triton_attention.device_splits(device, num_slots, w.num_kv_heads, max_len)  # fixed per shape
+        return lambda i, q, kv_new: triton_attention.decode_attention(
+            q, kv_new, kv[i], positions, splits=splits
+        )
+    slot_idx = torch.arange(num_slots, device=device)
+    group = w.num_heads // w.num_kv_heads
+    if flash:
+        q_rows = group if flash == "packed" and group > 1 else 1
+        cu_k = torch.arange(num_slots + 1, dtype=torch.int32, device=device)
+        lens = (cu_k * q_rows, cu_k * max_len, (positions + 1).to(torch.int32))
+    else:
+        mask = (torch.arange(max_len, device=device)[None, :] <= positions[:, None])[:, None, None, :]
+
+    def attend(i: int, q: torch.Tensor, kv_new: torch.Tensor) -> torch.Tensor:
+        kv[i][:, slot_idx, positions] = kv_new
+        if flash:
+            return _flash_decode(w, kv[i], q, lens, q_rows)
+        # GQA without expanding K/V: the query heads of one KV head act as a length-`group` query.
+        q = q.reshape(num_slots, w.num_kv_heads, group, w.head_dim)
+        k, v = kv[i, 0, :num_slots].transpose(1, 2), kv[i, 1, :num_slots].transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return attend
+
+
+def _flash_decode(
+    w: LlamaWeights, cache: torch.Tensor, q: torch.Tensor, lens: tuple, q_rows: int
+) -> torch.Tensor:
+    """Varlen flash attention over each slot's first ``position + 1`` entries of one layer's ``cache``;
+    ``q_rows`` > 1: slot b's query heads of KV head j become ``q_rows`` query rows of sequence b (GQA
+    packing). ``lens``: (cumulative query rows, cumulative cache rows, used cache rows)."""
+    num_slots, max_len, head_dim = q.shape[0], cache.shape[2], w.head_dim
+    k = cache[0, :num_slots].view(num_slots * max_len, w.num_kv_heads, head_dim)
+    v = cache[1, :num_slots].view(num_slots * max_len, w.num_kv_heads, head_dim)
+    if q_rows > 1:
+        q = q.view(num_slots, w.num_kv_heads, q_rows, head_dim).transpose(1, 2)
+        q = q.reshape(num_slots * q_rows, w.num_kv_heads, head_dim)
+    cu_q, cu_k, used = lens
+    attn = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, q_rows, max_len, 0.0, False, False, seqused_k=used
+    )[0]
+    if q_rows > 1:
+        attn = attn.view(num_slots, q_rows, w.num_kv_heads, head_dim).transpose(1, 2)
+    return attn
 
 
 def logits_of(w: LlamaWeights, hidden: torch.Tensor, fp32: bool = False) -> torch.Tensor:

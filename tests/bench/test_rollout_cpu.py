@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.rollout import main
 
 
@@ -31,3 +33,16 @@ def test_spread_eos_lengths_and_the_compact_variant_on_cpu(tmp_path) -> None:
     ]
     assert all(r["tokens"] < 8 * 12 for r in rows)  # sequences ended at EOS
     assert rows[0]["slot_moves"] == 0  # compaction is off by default
+
+
+def test_one_engine_run_per_decode_attention_on_cpu(tmp_path) -> None:
+    out = tmp_path / "rollout.json"
+    main(["--shapes", "tiny", "--batches", "4", "--hf-batches", "", "--compile-batch", "0", "--device", "cpu",
+          "--decode-attention", "auto,sdpa", "--prompt", "8", "--new", "6", "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())
+    names = ["klppo-cold", "klppo-warm", "klppo-attn-sdpa-cold", "klppo-attn-sdpa-warm"]
+    assert [r["backend"] for r in rows] == names
+    assert all(r["tokens"] == 4 * 6 for r in rows)
+    with pytest.raises(ValueError, match="decode_attention='triton' needs a CUDA"):  # the kernels: CUDA only
+        main(["--shapes", "tiny", "--batches", "4", "--hf-batches", "", "--compile-batch", "0", "--device", "cpu",
+              "--decode-attention", "triton", "--prompt", "8", "--new", "6"])  # fmt: skip
