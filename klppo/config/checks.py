@@ -53,6 +53,7 @@ _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("critic.loss_agg_mode", LOSS_AGG_MODES),
     ("actor_rollout_ref.rollout.mode", ("sync", "async")),
     ("actor_rollout_ref.rollout.sampler", ("auto", "triton", "torch")),
+    ("actor_rollout_ref.rollout.decode_attention", ("auto", "flash", "flash-plain", "sdpa", "triton")),
     ("actor_rollout_ref.actor.optim.lr_scheduler_type", ("constant", "cosine")),
     ("critic.optim.lr_scheduler_type", ("constant", "cosine")),
     ("data.truncation", ("error", "left", "right", "middle")),
@@ -148,6 +149,9 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     if rollout.sampler == "triton" and rollout.name != "klppo":
         raise ConfigError(f"actor_rollout_ref.rollout.sampler=triton is klppo's engine's; rollout.name={rollout.name} "
                           "samples its own way: set sampler=auto or rollout.name=klppo")  # fmt: skip
+    if rollout.decode_attention != "auto" and rollout.name != "klppo":
+        raise ConfigError(f"actor_rollout_ref.rollout.decode_attention={rollout.decode_attention} is klppo's engine's; "
+                          f"rollout.name={rollout.name}: set decode_attention=auto or rollout.name=klppo")  # fmt: skip
     if cfg.actor_rollout_ref.actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={cfg.actor_rollout_ref.actor.clip_ratio_c}: "
                           "the dual-clip constant must be > 1.0")  # fmt: skip

@@ -281,6 +281,12 @@ class RolloutConfig:
         "[klppo] How the klppo engine samples: auto (the one-pass Triton kernels on a CUDA GPU with triton, "
         "for the settings they take; else torch) | triton (an error without them) | torch.",
     )
+    decode_attention: str = F(
+        "auto",
+        "[klppo] The klppo engine's decode attention: auto (flash on a CUDA GPU in bf16/fp16, else masked "
+        "SDPA) | flash | flash-plain | sdpa | triton (split-KV kernels fused with the cache write; CUDA "
+        "with triton; off by default until measured).",
+    )
     free_cache_engine: bool = F(True, "Free the KV cache after each rollout.")
     tensor_model_parallel_size: int = F(
         1,

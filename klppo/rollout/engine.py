@@ -286,8 +286,8 @@ class KLPPORollout:
         ok = kv.device.type == "cuda" and kv.dtype in (torch.bfloat16, torch.float16)
         if self.decode_attention == "triton" and not (ok and triton_attention.available(kv.device)):
             raise ValueError(
-                "rollout decode_attention='triton' needs a CUDA bf16/fp16 cache and the triton package, "
-                f"got {kv.device} {kv.dtype}"
+                "actor_rollout_ref.rollout.decode_attention=triton (engine decode_attention='triton') needs a "
+                f"CUDA bf16/fp16 cache and the triton package, got {kv.device} {kv.dtype}"
             )
         if self.decode_attention != "auto" and not ok:
             raise ValueError(

@@ -143,7 +143,7 @@ def test_decode_with_the_fused_write_equals_masked_sdpa() -> None:
 def test_triton_decode_attention_needs_cuda_and_triton() -> None:
     prompts, mask = left_padded([[1, 5, 9], [3, 4]])
     engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, decode_attention="triton")
-    with pytest.raises(ValueError, match="decode_attention='triton' needs"):
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.decode_attention=triton .* needs"):
         engine.generate(build_tiny_model().eval(), prompts, mask, SamplingParams(max_new_tokens=2))
 
 

@@ -128,7 +128,7 @@ def test_max_samples_limit_the_rows(tiny_model_dir, arithmetic_data, tmp_path):
     assert len(train) == 16
 
 
-def test_engine_options_from_enforce_eager_and_sampler():
+def test_engine_options_from_enforce_eager_sampler_and_decode_attention():
     from klppo.trainer.settings import engine_options
 
     def options(*overrides):
@@ -138,9 +138,18 @@ def test_engine_options_from_enforce_eager_and_sampler():
         "use_cuda_graph": False,
         "compile_decode": False,
         "sampler": "auto",
+        "decode_attention": "auto",
     }
-    assert options() == {"sampler": "auto"}
-    assert options("actor_rollout_ref.rollout.sampler=torch") == {"sampler": "torch"}
+    assert options() == {"sampler": "auto", "decode_attention": "auto"}
+    assert options("actor_rollout_ref.rollout.sampler=torch") == {
+        "sampler": "torch",
+        "decode_attention": "auto",
+    }
+    assert options("actor_rollout_ref.rollout.decode_attention=triton")["decode_attention"] == "triton"
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.decode_attention"):
+        options("actor_rollout_ref.rollout.decode_attention=splitkv")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.decode_attention=triton is klppo's"):
+        options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.decode_attention=triton")
     assert options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.sampler=torch") == {}
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.sampler"):
         options("actor_rollout_ref.rollout.sampler=cuda")
