@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from klppo.models.tiny import build_tiny_model
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def run_triton_interpreted(source: str, timeout: float = 900) -> None:
+    """Run ``source`` (which prints ``OK`` at its end) in a child process under ``TRITON_INTERPRET=1``:
+    Triton kernels on the CPU through Triton's interpreter, set before triton is first imported."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 
 
 def left_padded(rows: list[list[int]], pad_id: int = 2) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,20 +5,16 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from klppo.rollout.base import SamplingParams
 from klppo.rollout.sampling import sample
+from tests.rollout.conftest import HAS_TRITON, run_triton_interpreted
 
 # (temperature, top_k, top_p): untruncated, top-k, top-p, both
 SETTINGS = [(1.0, -1, 1.0), (0.7, 8, 1.0), (1.3, -1, 0.75), (0.8, 10, 0.9)]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def reference(
@@ -199,6 +195,4 @@ print("OK")
 @pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package (its CPU interpreter)")
 def test_triton_kernels_in_the_interpreter() -> None:
     """The kernels' logic on CPU through ``TRITON_INTERPRET=1`` (fewer draws: the interpreter is slow)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
+    run_triton_interpreted(CHILD)

@@ -6,11 +6,7 @@ interpreter (fp16 and fp32: the interpreter's ``tl.dot`` mishandles bf16) and on
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,9 +16,8 @@ from klppo.rollout.base import SamplingParams
 from klppo.rollout.engine import KLPPORollout
 from klppo.rollout.llama import LlamaWeights, decode, prefill
 from klppo.rollout.triton_attention import decode_attention_reference, num_splits
-from tests.rollout.conftest import left_padded
+from tests.rollout.conftest import HAS_TRITON, left_padded, run_triton_interpreted
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 # (B, H, H_kv, D, S, positions, splits): position 0, a full cache (S - 1), GQA groups 1/2/7, D not a power
 # of two, chunks past a short slot's length, the last chunk partial (S = 200 at 3 splits: 64+64+72 rows)
 CASES = [
@@ -113,9 +108,7 @@ print("OK")
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package (its CPU interpreter)")
 def test_kernels_in_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
+    run_triton_interpreted(CHILD, timeout=600)
 
 
 @pytest.mark.gpu
