@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if w.shard_ranks > 1:
             units = predict_units(
                 facts.units(current.min_num_params), current, w,
-                bus_bandwidth=args.link_gbps * 1e9, flops_per_s=args.tflops * 1e12,
+                bus_bandwidth=args.link_gbps * 1e9, flops_per_s=args.tflops * 1e12, num_micro=args.num_micro,
             )  # fmt: skip
             console.print(report.comm_table(units, current, args.link_gbps, args.tflops))
         return 0

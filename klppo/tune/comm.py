@@ -5,7 +5,10 @@ Per micro-batch, for a unit of ``U`` own parameters (per rank of a shard group o
 - all-gathers: ``U·c`` bytes gathered (the unsharded unit in the compute dtype), once in forward and,
   when ``reshard_after_forward``, again in backward (activation recomputation under checkpointing runs
   inside the backward gather, no third one). The root too (counted on FSDP2, torch 2.13).
-- reduce-scatter: ``U·4`` bytes in (fp32 gradients), once per micro-batch in backward.
+- reduce-scatter: ``U·4`` bytes in (fp32 gradients), once per micro-batch in backward — or once per
+  optimizer step when the role defers it to the mini-batch's last micro-batch
+  (``fsdp_config.grad_sync_per_mini_batch``, :func:`klppo.tune.memory.defers_grad_sync`; on by default
+  with more than one rank): per micro-batch that is ``U·4 / num_micro`` on average.
 - bus bytes a rank moves for a collective of ``B`` bytes: ``B·(f − 1)/f`` (ring); time = that / the
   probed bus bandwidth. ``f = 1``: nothing to move.
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from klppo.tune.memory import Point, Workload
+from klppo.tune.memory import Point, Workload, defers_grad_sync
 from klppo.tune.units import UnitSizes
 
 
@@ -46,29 +49,51 @@ def gathers_per_micro(units: UnitSizes, index: int, point: Point) -> int:
     return 2 if point.reshard_after_forward else 1
 
 
-def unit_bytes(units: UnitSizes, point: Point, w: Workload) -> list[tuple[float, float]]:
-    """(all-gathered, reduce-scattered) bytes per micro-batch of each unit, in forward order."""
+def syncs_per_step(units: UnitSizes, point: Point, w: Workload, num_micro: int) -> int:
+    """Gradient reduce-scatters per unit and optimizer step: 1 when the sync is deferred to the
+    mini-batch's last micro-batch (the trainer's rule, :func:`defers_grad_sync`), else ``num_micro``."""
+    deferred, _ = defers_grad_sync(
+        w.grad_sync_per_mini_batch,
+        ranks=w.world_size,
+        offload=point.offload,
+        grad_bytes=units.total * 4.0,
+        device_bytes=w.device_bytes,
+    )
+    return 1 if deferred else num_micro
+
+
+def unit_bytes(units: UnitSizes, point: Point, w: Workload, num_micro: int = 1) -> list[tuple[float, float]]:
+    """(all-gathered, reduce-scattered) bytes per micro-batch of each unit, in forward order; with the
+    gradient sync deferred the reduce-scatter is the step's one over its ``num_micro`` micro-batches."""
+    share = syncs_per_step(units, point, w, num_micro) / num_micro
     return [
-        (gathers_per_micro(units, i, point) * size * w.compute_bytes, size * 4.0)
+        (gathers_per_micro(units, i, point) * size * w.compute_bytes, size * 4.0 * share)
         for i, size in enumerate(units.sizes)
     ]
 
 
 def step_bytes(units: UnitSizes, point: Point, w: Workload, num_micro: int) -> tuple[float, float]:
     """Totals over one optimizer step of ``num_micro`` micro-batches."""
-    per = unit_bytes(units, point, w)
+    per = unit_bytes(units, point, w, num_micro)
     return num_micro * sum(a for a, _ in per), num_micro * sum(r for _, r in per)
 
 
 def predict_units(
-    units: UnitSizes, point: Point, w: Workload, *, bus_bandwidth: float, flops_per_s: float
+    units: UnitSizes,
+    point: Point,
+    w: Workload,
+    *,
+    bus_bandwidth: float,
+    flops_per_s: float,
+    num_micro: int = 1,
 ) -> list[UnitComm]:
-    """Per-unit communication vs compute time for one micro-batch (module docstring)."""
+    """Per-unit communication vs compute time for one micro-batch (module docstring), the reduce-scatter
+    averaged over the step's ``num_micro`` micro-batches when it is deferred."""
     f = w.shard_ranks
     factor = (f - 1) / f if f > 1 else 0.0
     passes = 4.0 if w.grad_checkpointing else 3.0  # forward, backward (2×), recompute
     out = []
-    for i, ((ag, rs), matmul) in enumerate(zip(unit_bytes(units, point, w), units.matmul)):
+    for i, ((ag, rs), matmul) in enumerate(zip(unit_bytes(units, point, w, num_micro), units.matmul)):
         comm = (ag + rs) * factor / bus_bandwidth if factor else 0.0
         compute = passes * 2.0 * matmul * point.micro_tokens / flops_per_s
         out.append(UnitComm(i, units.sizes[i], ag, rs, comm, compute, hidden=True))

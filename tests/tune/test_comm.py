@@ -1,0 +1,39 @@
+"""The communication model's bytes against hand counts, with and without the gradient sync deferred to the
+mini-batch's last micro-batch (``fsdp_config.grad_sync_per_mini_batch``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from klppo.tune.comm import predict_units, step_bytes, syncs_per_step
+from klppo.tune.memory import Point, Workload
+from klppo.tune.units import UnitSizes
+
+UNITS = UnitSizes(min_num_params=0, sizes=[100, 200, 50], matmul=[100, 200, 40])
+POINT = Point(0, micro_tokens=64)  # reshard after forward: two all-gathers per unit and micro-batch
+
+
+def w(sync, ranks=2, **kw) -> Workload:
+    return Workload(world_size=ranks, compute_bytes=2, grad_sync_per_mini_batch=sync, **kw)
+
+
+def test_step_bytes_by_hand_per_micro_and_deferred():
+    gathered = 2 * 350 * 2  # two gathers of every unit in bf16, per micro-batch
+    assert step_bytes(UNITS, POINT, w(False), 3) == (3 * gathered, 3 * 350 * 4)
+    assert step_bytes(UNITS, POINT, w(True), 3) == pytest.approx((3 * gathered, 350 * 4))  # one sync
+    assert step_bytes(UNITS, POINT, w("auto"), 3) == pytest.approx((3 * gathered, 350 * 4))  # 2 ranks: on
+    assert step_bytes(UNITS, POINT, w("auto", ranks=1), 3)[1] == 3 * 350 * 4  # one rank: nothing deferred
+    offload = Point(0, offload="cpu", micro_tokens=64)
+    assert step_bytes(UNITS, offload, w("auto"), 3)[1] == 3 * 350 * 4  # offload puts memory first
+    assert syncs_per_step(UNITS, POINT, w("auto", device_bytes=10_000), 3) == 3  # 1,400 B > 10% of 10,000
+
+
+def test_predicted_unit_traffic_averages_a_deferred_sync_over_the_micro_batches():
+    kw = dict(bus_bandwidth=1e3, flops_per_s=1e9, num_micro=4)
+    per_micro = predict_units(UNITS, POINT, w(False), **kw)
+    deferred = predict_units(UNITS, POINT, w(True), **kw)
+    assert [u.reduce_scatter_bytes for u in per_micro] == [400.0, 800.0, 200.0]
+    assert [u.reduce_scatter_bytes for u in deferred] == [100.0, 200.0, 50.0]
+    assert [u.all_gather_bytes for u in deferred] == [u.all_gather_bytes for u in per_micro]
+    # ring over 2 ranks: half the bytes cross the link; unit 0: (400 gathered + 100 reduced) / 2 / 1e3 B/s
+    assert deferred[0].comm_s == pytest.approx((400 + 100) / 2 / 1e3)
