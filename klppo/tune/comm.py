@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from klppo.tune.memory import Point, Workload, defers_grad_sync
+from klppo.tune.memory import Point, Workload, point_defers_grad_sync
 from klppo.tune.units import UnitSizes
 
 
@@ -51,15 +51,8 @@ def gathers_per_micro(units: UnitSizes, index: int, point: Point) -> int:
 
 def syncs_per_step(units: UnitSizes, point: Point, w: Workload, num_micro: int) -> int:
     """Gradient reduce-scatters per unit and optimizer step: 1 when the sync is deferred to the
-    mini-batch's last micro-batch (the trainer's rule, :func:`defers_grad_sync`), else ``num_micro``."""
-    deferred, _ = defers_grad_sync(
-        w.grad_sync_per_mini_batch,
-        ranks=w.world_size,
-        offload=point.offload,
-        grad_bytes=units.total * 4.0,
-        device_bytes=w.device_bytes,
-    )
-    return 1 if deferred else num_micro
+    mini-batch's last micro-batch (the trainer's rule, :func:`point_defers_grad_sync`), else ``num_micro``."""
+    return 1 if point_defers_grad_sync(w, point, units.total) else num_micro
 
 
 def unit_bytes(units: UnitSizes, point: Point, w: Workload, num_micro: int = 1) -> list[tuple[float, float]]:

@@ -150,6 +150,19 @@ def defers_grad_sync(
     return True, f"auto: {ranks} ranks, unsharded gradients {grad_bytes / 2**30:.2f} GiB"
 
 
+def point_defers_grad_sync(w: Workload, point: Point, num_params: float) -> bool:
+    """:func:`defers_grad_sync` at a modelled point: the workload's key, ranks and device, the point's
+    offload, ``num_params`` trainable parameters (the memory and communication models ask the same)."""
+    deferred, _ = defers_grad_sync(
+        w.grad_sync_per_mini_batch,
+        ranks=w.world_size,
+        offload=point.offload,
+        grad_bytes=num_params * 4,
+        device_bytes=w.device_bytes,
+    )
+    return deferred
+
+
 @dataclass(frozen=True)
 class Term:
     name: str
@@ -224,14 +237,7 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
         phase.add("sharded grads", shard * w.master_bytes, "ceil(P/f)·m")
         if point.offload == "idle":
             phase.add("optimizer (AdamW)", 2 * shard * 4, "2·ceil(P/f)·4 (loaded for the update)")
-    deferred, _ = defers_grad_sync(
-        w.grad_sync_per_mini_batch,
-        ranks=w.world_size,
-        offload=point.offload,
-        grad_bytes=facts.num_params * 4,
-        device_bytes=w.device_bytes,
-    )
-    if deferred:
+    if point_defers_grad_sync(w, point, facts.num_params):
         phase.add("unsharded grads (sync per mini-batch)", facts.num_params * 4, "P·4")
     _gathered(phase, facts, point, w, backward=True)
     inner_max = max(units.sizes[:-1], default=0)
