@@ -140,6 +140,34 @@ def test_triton_decode_attention_needs_cuda_and_triton() -> None:
         engine.generate(build_tiny_model().eval(), prompts, mask, SamplingParams(max_new_tokens=2))
 
 
+@pytest.mark.parametrize(
+    ("setting", "device", "dtype", "has_triton", "want"),
+    [
+        ("auto", "cuda", torch.bfloat16, True, "triton"),  # measured faster than flash (bench/RESULTS.md)
+        ("auto", "cuda", torch.float16, False, "packed"),  # no triton: flash varlen
+        ("auto", "cuda", torch.float32, True, None),  # fp32 cache: masked SDPA
+        ("auto", "cpu", torch.bfloat16, True, None),
+        ("flash", "cuda", torch.bfloat16, True, "packed"),
+        ("flash-plain", "cuda", torch.bfloat16, True, "plain"),
+        ("sdpa", "cuda", torch.bfloat16, True, None),
+        ("triton", "cuda", torch.bfloat16, True, "triton"),
+    ],
+)
+def test_decode_attention_choice(monkeypatch, setting, device, dtype, has_triton, want) -> None:
+    """What each ``decode_attention`` setting hands to ``decode`` for a cache (only its device and dtype are
+    read, so a stand-in object checks the CUDA branches on a CPU machine)."""
+    from types import SimpleNamespace
+
+    from klppo.rollout import triton_attention
+
+    monkeypatch.setattr(
+        triton_attention, "available", lambda d: has_triton and torch.device(d).type == "cuda"
+    )
+    kv = SimpleNamespace(device=torch.device(device), dtype=dtype)
+    engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, decode_attention=setting)
+    assert engine._use_flash(kv) == want
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
 def test_engine_greedy_tokens_equal_flash_on_gpu() -> None:
