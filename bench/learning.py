@@ -355,13 +355,19 @@ def main(argv: list[str] | None = None) -> int:
             )
         run, name, overrides, reward = running.pop(0)
         code = run.wait()
+        last = ""
         if code != 0:
+            lines = (run.run_dir / "stdout.log").read_text().splitlines()
+            last = next((x for x in reversed(lines) if x.strip()), "")
             print(f"[{name}] exit {code}; last lines of {run.run_dir / 'stdout.log'}:")
-            print("\n".join((run.run_dir / "stdout.log").read_text().splitlines()[-25:]))
+            print("\n".join(lines[-25:]))
         try:
             results.append(summarize(name, run.run_dir, overrides, reward, code))
         except (FileNotFoundError, ValueError, IndexError) as exc:
-            results.append({"name": name, "exit_code": code, "error": repr(exc)})
+            # a run that stopped before its first step (a configuration error): the table shows the
+            # trainer's own last line, not the missing metrics file
+            error = f"exit {code}: {last}" if code != 0 and last else repr(exc)
+            results.append({"name": name, "exit_code": code, "error": error})
     report = {"results": results, **environment(args)}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

@@ -78,3 +78,20 @@ def test_response_kl_is_the_mean_of_per_step_products_over_the_last_20_steps():
     assert response_kl({"kl_k1": kl, "length": length}) == pytest.approx(by_hand, rel=1e-12)
     assert response_kl({"kl_k1": [None, 0.2], "length": [5.0, 30.0]}) == pytest.approx(6.0)
     assert response_kl({"kl_k1": [], "length": []}) is None
+
+
+def test_a_setting_refused_at_load_shows_the_trainers_message(tmp_path, capsys):
+    """A setting whose configuration the trainer refuses (here the PI controller's floor above its start)
+    ends before its first step: the table names the trainer's one-line reason, not a missing file."""
+    from klppo.models.tiny import save_tiny_model_dir
+
+    model = save_tiny_model_dir(tmp_path / "model", num_layers=1, hidden_size=32)
+    out = tmp_path / "learning.json"
+    argv = ["--settings", "bad=grpo_pi,actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.06",
+            "--train-seconds", "1", "--model", str(model), "--num-train", "16", "--num-test", "4",
+            "--workdir", str(tmp_path / "work"), "--out", str(out), "--extra", *TINY]  # fmt: skip
+    main(argv)
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["exit_code"] != 0
+    assert "kl_loss_ctrl.min_coef=0.06" in r["error"] and r["error"].startswith(f"exit {r['exit_code']}:")
+    assert f"| bad | failed: exit {r['exit_code']}:" in capsys.readouterr().out
