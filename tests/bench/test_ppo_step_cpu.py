@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.ppo_step import OpCount
+from bench.ppo_step import OpCount, kernel_seconds
 from klppo.parallel.dist import phase
 
 
@@ -26,3 +26,18 @@ def test_op_count_attributes_forward_and_backward_operators_to_the_phase():
         pass
     torch.ones(2) * 3
     assert OpCount(False).summary() == {} and ops.current == {}
+
+
+def test_kernel_seconds_leave_out_the_ranges_around_the_kernels() -> None:
+    """A profile of one step: two kernels (300 + 200 µs) inside ``phase/update_actor`` inside the profiler
+    step; on CUDA both ranges report the device time they span, which must not be counted again."""
+    from types import SimpleNamespace as E
+
+    events = [
+        E(key="ProfilerStep#3", self_device_time_total=500.0),
+        E(key="phase/update_actor", self_device_time_total=500.0),
+        E(key="void gemm_kernel", self_device_time_total=300.0),
+        E(key="triton_poi_fused_mul_silu_1", self_device_time_total=200.0),
+        E(key="aten::mm", self_device_time_total=0.0),
+    ]
+    assert kernel_seconds(events) == 500e-6
