@@ -368,8 +368,11 @@ class OpCount:
     A launch-bound step issues one kernel per operator outside compiled graphs: the count is its host
     work. Counting slows the run: timings of such a run are not comparable."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, top: int = 15) -> None:
         self.enabled, self.counts, self.current = enabled, [], {}
+        self.by_name: dict[tuple[str, str], int] = {}  # (phase, operator) → count, this step
+        self.last_by_name: dict[tuple[str, str], int] = {}
+        self.top = top
         self._mode = None
 
     def __enter__(self):
@@ -378,12 +381,14 @@ class OpCount:
 
             from klppo.parallel.dist import current_phase
 
-            counts = self.current
+            counts, by_name = self.current, self.by_name
 
             class Mode(TorchDispatchMode):
                 def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                     key = current_phase()
                     counts[key] = counts.get(key, 0) + 1
+                    name = (key, str(func.overloadpacket))
+                    by_name[name] = by_name.get(name, 0) + 1
                     return func(*args, **(kwargs or {}))
 
             self._mode = Mode()
@@ -399,13 +404,24 @@ class OpCount:
         if self.enabled:
             self.counts.append(self.current)
             self.current = {}
+            self.last_by_name, self.by_name = self.by_name, {}
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, float | str]:
+        """``ops/<phase>``: operators per step (median of the steps after the first); ``ops_top/<phase>``:
+        the last step's most frequent operators of that phase, "name count, …" — where the host time goes."""
         later = self.counts[1:] or self.counts
         if not later:
             return {}
         keys = sorted(set().union(*later))
-        return {f"ops/{k}": statistics.median(c.get(k, 0) for c in later) for k in keys}
+        out: dict[str, float | str] = {
+            f"ops/{k}": statistics.median(c.get(k, 0) for c in later) for k in keys
+        }
+        for k in keys:
+            ranked = sorted(
+                ((n, c) for (p, n), c in self.last_by_name.items() if p == k), key=lambda x: -x[1]
+            )
+            out[f"ops_top/{k}"] = ", ".join(f"{n} {c}" for n, c in ranked[: self.top])
+        return out
 
 
 class Profile:
@@ -618,6 +634,9 @@ def main() -> None:
             continue
         print(f"== {args.workload} / {name}: " + json.dumps({k: round(v, 4) for k, v in results[name].items()
                                                             if k in ROWS}), flush=True)  # fmt: skip
+        for key, top in results[name].items():
+            if key.startswith("ops_top/"):
+                print(f"   {key}: {top}")
         if args.out:
             Path(args.out).write_text(json.dumps({"args": vars(args), "variants": variants, "results": results},
                                                  indent=1))  # fmt: skip

@@ -20,8 +20,15 @@ def test_op_count_attributes_forward_and_backward_operators_to_the_phase():
                 torch.zeros(2).add_(1)  # zeros (+ fill), add_
         ops.step()
     summary = ops.summary()
-    assert set(summary) == {"ops/update_actor", "ops/ref"}
+    assert set(summary) == {"ops/update_actor", "ops/ref", "ops_top/update_actor", "ops_top/ref"}
     assert summary["ops/update_actor"] >= 4 and summary["ops/ref"] >= 2  # forward 2 + backward ≥ 2
+    # the operators by name, most frequent first, of the last step: "aten.mul 2, aten.sum 1, …"
+    top = dict(x.rsplit(" ", 1) for x in summary["ops_top/update_actor"].split(", "))
+    assert int(top["aten.mul"]) >= 2 and "aten.sum" in top  # forward mul, and the backward's mul by 2
+    assert sum(map(int, top.values())) == summary["ops/update_actor"]  # both steps do the same work
+    counts = list(map(int, top.values()))
+    assert counts == sorted(counts, reverse=True)
+    assert "aten.add_" in summary["ops_top/ref"] and "aten.mul" not in summary["ops_top/ref"]
     with ops:  # outside the mode nothing is counted
         pass
     torch.ones(2) * 3
