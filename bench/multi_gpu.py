@@ -420,7 +420,8 @@ def run_offload(args, root: Path) -> dict:
     batch = args.offload_prompts_per_gpu * k
     data = _prompts(root, model_dir, args, batch)
     results = {}
-    for on in (False, True):
+    report = {"shape": "tiny" if args.tiny else args.offload_shape, "train_batch_size": batch, "n": args.n}
+    for on in (True, False):  # the recipe first: a call cut short keeps its figures
         flag = str(on)
         extra = [
             "algorithm.adv_estimator=grpo",
@@ -454,12 +455,10 @@ def run_offload(args, root: Path) -> dict:
             results["on" if on else "off"] = {"last": rows[-1], "rows": rows}
         except RuntimeError as e:  # an OOM without offload is a result, not a reason to lose the other run
             results["on" if on else "off"] = {"error": str(e)[-1500:]}
-    return {
-        "shape": "tiny" if args.tiny else args.offload_shape,
-        "train_batch_size": batch,
-        "n": args.n,
-        "results": results,
-    }
+        # written after each run (main rewrites it whole at the end): a timeout keeps the runs finished
+        meta = dict(machine_meta(args, "offload"), partial=len(results) < 2)
+        write_json(args.out, f"offload_k{k}.json", {"meta": meta, "result": {**report, "results": results}})
+    return {**report, "results": results}
 
 
 # ---------------------------------------------------------------- sweep (every rank runs this)

@@ -116,3 +116,34 @@ def test_scaling_reads_the_median_of_the_steps_after_the_first():
         [{"meta": {"run": "scaling", "gpus": 2}, "result": {"shape": "S", "variants": [one, two]}}]
     )
     assert "last step" in table and "| 50 | 0.42 |" in table
+
+
+def test_offload_writes_the_recipe_first_and_keeps_it_when_cut(tmp_path, monkeypatch):
+    """Session 8 lost the 7B offload run to the call's timeout with nothing written: the recipe (offload on)
+    now runs first and its figures are on disk before the second run starts."""
+    import bench.multi_gpu as mg
+
+    args = mg.parse_args(
+        ["--run", "offload", "--gpus", "2", "--device", "cpu", "--tiny", "--out", str(tmp_path)]
+    )
+    monkeypatch.setattr(mg, "make_model_dir", lambda *a, **k: tmp_path / "model")
+    monkeypatch.setattr(
+        mg, "_prompts", lambda *a, **k: (tmp_path / "train.parquet", tmp_path / "val.parquet")
+    )
+    calls = []
+
+    def run_trainer(argv, run_dir):
+        calls.append(next(x for x in argv if "actor.fsdp_config.param_offload=" in x))
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the call's timeout, during the second run
+        return [{"timing_s/step": 2.0, "perf/max_memory_allocated_gb": 30.5}]
+
+    monkeypatch.setattr(mg, "run_trainer", run_trainer)
+    with pytest.raises(KeyboardInterrupt):
+        mg.run_offload(args, tmp_path)
+    assert calls[0].endswith("param_offload=True") and calls[1].endswith("param_offload=False")
+    saved = json.loads((tmp_path / "offload_k2.json").read_text())
+    assert saved["meta"]["partial"] is True
+    assert saved["result"]["results"]["on"]["last"]["perf/max_memory_allocated_gb"] == 30.5
+    assert "off" not in saved["result"]["results"]
+    assert "| True |" not in mg.summarize(tmp_path) and "30.5" in mg.summarize(tmp_path)
