@@ -762,7 +762,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     }
     for name in sizes:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
-    p.add_argument("--sweep-steps", type=int, default=2)
+    p.add_argument(
+        "--sweep-steps",
+        type=int,
+        default=5,
+        help="timed steps per sweep point (median); 2 ranked nothing on 2 H200s (session 8, bench/RESULTS.md)",
+    )
     p.add_argument("--thresholds", default=None, help="comma list (default 0,1e7,1e8,whole)")
     p.add_argument("--sweep-shapes", default="Qwen2.5-1.5B,Qwen2.5-7B")
     p.add_argument("--scaling-shape", default="Qwen2.5-0.5B")
