@@ -421,7 +421,8 @@ def run_offload(args, root: Path) -> dict:
     data = _prompts(root, model_dir, args, batch)
     results = {}
     report = {"shape": "tiny" if args.tiny else args.offload_shape, "train_batch_size": batch, "n": args.n}
-    for on in (True, False):  # the recipe first: a call cut short keeps its figures
+    modes = (True, False)  # the recipe first: a call cut short keeps its figures
+    for on in modes:
         flag = str(on)
         extra = [
             "algorithm.adv_estimator=grpo",
@@ -455,9 +456,13 @@ def run_offload(args, root: Path) -> dict:
             results["on" if on else "off"] = {"last": rows[-1], "rows": rows}
         except RuntimeError as e:  # an OOM without offload is a result, not a reason to lose the other run
             results["on" if on else "off"] = {"error": str(e)[-1500:]}
-        # written after each run (main rewrites it whole at the end): a timeout keeps the runs finished
-        meta = dict(machine_meta(args, "offload"), partial=len(results) < 2)
-        write_json(args.out, f"offload_k{k}.json", {"meta": meta, "result": {**report, "results": results}})
+        # another run follows: a timeout in it keeps this one (main writes the whole file at the end)
+        if len(results) < len(modes):
+            partial = {
+                "meta": dict(machine_meta(args, "offload"), partial=True),
+                "result": {**report, "results": results},
+            }
+            write_json(args.out, f"offload_k{k}.json", partial)
     return {**report, "results": results}
 
 

@@ -369,10 +369,9 @@ class OpCount:
     work. Counting slows the run: timings of such a run are not comparable."""
 
     def __init__(self, enabled: bool, top: int = 15) -> None:
-        self.enabled, self.counts, self.current = enabled, [], {}
-        self.by_name: dict[tuple[str, str], int] = {}  # (phase, operator) → count, this step
-        self.last_by_name: dict[tuple[str, str], int] = {}
-        self.top = top
+        self.enabled, self.counts, self.top = enabled, [], top  # counts: {phase: operators} per step
+        self.current: dict[tuple[str, str], int] = {}  # (phase, operator) → count, this step
+        self.last_by_name: dict[tuple[str, str], int] = {}  # the same, the last finished step
         self._mode = None
 
     def __enter__(self):
@@ -381,14 +380,12 @@ class OpCount:
 
             from klppo.parallel.dist import current_phase
 
-            counts, by_name = self.current, self.by_name
+            counts = self.current
 
             class Mode(TorchDispatchMode):
                 def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                    key = current_phase()
-                    counts[key] = counts.get(key, 0) + 1
-                    name = (key, str(func.overloadpacket))
-                    by_name[name] = by_name.get(name, 0) + 1
+                    name = (current_phase(), str(func.overloadpacket))
+                    counts[name] = counts.get(name, 0) + 1
                     return func(*args, **(kwargs or {}))
 
             self._mode = Mode()
@@ -402,9 +399,11 @@ class OpCount:
 
     def step(self) -> None:
         if self.enabled:
-            self.counts.append(self.current)
-            self.current = {}
-            self.last_by_name, self.by_name = self.by_name, {}
+            per_phase: dict[str, int] = {}
+            for (phase, _), n in self.current.items():
+                per_phase[phase] = per_phase.get(phase, 0) + n
+            self.counts.append(per_phase)
+            self.last_by_name, self.current = self.current, {}
 
     def summary(self) -> dict[str, float | str]:
         """``ops/<phase>``: operators per step (median of the steps after the first); ``ops_top/<phase>``:

@@ -22,8 +22,8 @@ One ``generate`` call:
    varlen, GQA query heads packed per KV head; ``decode_attention``; "auto" on CUDA with triton: the
    split-KV kernels of :mod:`klppo.rollout.triton_attention`, fused with the cache write, measured 15–22%
    faster per step). The per-layer blocks and the sampler are the compiled functions of the engine's
-   :class:`~klppo.rollout.compiled.CompiledFunctions` (``compiled``: handed in by the trainer, which starts pre-compiling them in the background before
-   the weights load; else the engine's own). A step samples on the device (untruncated sampling: one
+   :class:`~klppo.rollout.compiled.CompiledFunctions` (``compiled``: handed in by the trainer, which
+   starts pre-compiling them in the background before the weights load; else the engine's own). A step samples on the device (untruncated sampling: one
    compiled fused kernel pair, no [B, V] tensors written; logits in float32 with ``fp32_logits``; with
    ``sampler="triton"`` the one-pass kernels of :mod:`klppo.rollout.triton_sampling`) and
    records tokens/log-probs into the output buffers without any host synchronisation;

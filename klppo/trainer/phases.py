@@ -178,7 +178,6 @@ def control_kl_loss(metrics: dict[str, float], kl_loss_ctrl: KLController, num_s
     """After the step's actor update: the controller sees this step's KL(π_old‖π_ref) and sets the β of
     the next step's KL loss (β_t depends on KL_1 … KL_{t−1}, as the reward-side controller in verl)."""
     if "actor/kl_loss_ctrl_kl" in metrics:
-        target = getattr(kl_loss_ctrl, "target", None)
         kl_loss_ctrl.update(metrics["actor/kl_loss_ctrl_kl"], num_samples)
-        if target is not None:  # the target this step's KL was held to (it moves with an annealed target)
+        if getattr(kl_loss_ctrl, "target", None) is not None:  # the target this step's KL was held to
             metrics["actor/kl_loss_ctrl_target"] = float(kl_loss_ctrl.target)
