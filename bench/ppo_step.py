@@ -18,8 +18,9 @@ pass), ``fused_head`` (``model.use_fused_kernels``: chunked log-prob/entropy fro
 ``fused_adamw`` (fused AdamW on CUDA), ``host_plan`` (micro-batches trimmed, packed and weighted from a
 host copy of the masks, statistics summed on the device: no host sync per micro-batch), ``compile``
 (``actor_rollout_ref.model.compile_packed_layers``: the actor's and the reference's decoder layers compiled
-over bucket-padded packed micro-batches; compilation falls in the first, unmeasured step); and settings
-that are not candidates: ``+one_unit`` (one FSDP unit per model), ``+critic_compile`` (the critic packed,
+over bucket-padded packed micro-batches; compilation falls in the first, unmeasured step), ``one_unit``
+(``wrap_policy.min_num_params`` auto, the default: one FSDP unit per model when one process trains; off:
+0, one unit per decoder layer); and settings that are not candidates: ``+critic_compile`` (the critic packed,
 ``critic.model.use_remove_padding``, and compiled likewise; the ``trl`` critic runs padded otherwise),
 ``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing).
 E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
@@ -71,6 +72,10 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
     "shared_plan": (["@shared_plan=on"], ["@shared_plan=off"]),  # "@": a bench switch, not a config key
     "host_plan": (["@host_plan=on"], ["@host_plan=off"]),
     "compile": ([f"{ARR}.model.compile_packed_layers=True"], [f"{ARR}.model.compile_packed_layers=False"]),
+    "one_unit": (  # min_num_params auto, the default: one FSDP unit per model on one process
+        [],
+        [f"{r}.fsdp_config.wrap_policy.min_num_params=0" for r in FSDP_ROLES],
+    ),
     "fused_adamw": (
         [],  # the default on CUDA (klppo.roles.optim.build_optimizer)
         [f"{role}.optim.override_optimizer_config={{fused: false}}" for role in (f"{ARR}.actor", "critic")],
@@ -78,7 +83,6 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
 }
 SETTINGS = {
     "critic_compile": ["critic.model.use_remove_padding=True", "critic.model.compile_packed_layers=True"],
-    "one_unit": [f"{r}.fsdp_config.wrap_policy.min_num_params=1000000000000" for r in FSDP_ROLES],
     "no_reshard": [f"{r}.fsdp_config.reshard_after_forward=False" for r in FSDP_ROLES],
     "ckpt": [
         f"{ARR}.model.enable_gradient_checkpointing=True",
@@ -517,7 +521,8 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, ar
         inputs = RoleInputs(cfg, derive_sizes(cfg, 1), str(model_dir), load_tokenizer(str(model_dir)), device,
                             total_steps=100, offload=OffloadSchedule(device), hf_assets={})  # fmt: skip
         actor = build_actor(
-            inputs, fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type=device.type)
+            inputs,
+            fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type=device.type, world_size=1),
         )
         batch = synthetic_batch(w, actor.model.config.vocab_size, device)
         t0 = now()

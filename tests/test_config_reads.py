@@ -158,7 +158,7 @@ def test_the_checker_finds_what_it_looks_for(tmp_path) -> None:
         "    a = int(acfg.ppo_epochs)\n"
         "    b = float(algo.gamma)\n"
         "    c = getattr(fsdp, 'param_offload', False)\n"
-        "    d = int(fsdp.wrap_policy.min_num_params)\n"
+        "    d = int(fsdp.fsdp_size)\n"
         "    e = int(self.cfg.trainer.max_nan_steps)\n"
         "    ok = float(acfg.ppo_epochs) + int(other.x) + int(cfg.trainer.n_gpus_per_node)\n"
         "def g(cfg: Any, fsdp_cfg, config: Any): pass\n"

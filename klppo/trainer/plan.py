@@ -54,7 +54,7 @@ def dry_run(
         print(f"  {field.name}: {getattr(sizes, field.name)}")
     device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if device.type == "cuda" else 80.0
     try:
-        fsdp = fsdp_settings(arr.actor.fsdp_config, device_type="cuda")  # as the trainer shards on a GPU
+        fsdp = fsdp_settings(arr.actor.fsdp_config, device_type="cuda", world_size=world)  # as on a GPU
         workload = tune_workload(cfg, fsdp, world_size=world, device_gib=device_gib)
         peaks = predicted_peaks_gib(workload, AutoConfig.from_pretrained(model_path))
         where = "this GPU" if device.type == "cuda" else "an 80 GiB GPU"

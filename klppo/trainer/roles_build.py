@@ -43,6 +43,7 @@ from klppo.trainer.settings import (
     grad_sync_per_mini_batch,
     optim_settings,
     reference_settings,
+    resolve_min_num_params,
     to_dtype,
 )
 
@@ -139,6 +140,14 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
     return actor
 
 
+def role_fsdp(role: str, fsdp_cfg: FSDPConfig, device: torch.device) -> FSDPSettings:
+    """A role's FSDP2 settings for this run, with the resolved ``min_num_params`` logged (auto: why)."""
+    fsdp = fsdp_settings(fsdp_cfg, device_type=device.type, world_size=world_size())
+    _, why = resolve_min_num_params(fsdp_cfg, world_size=world_size())
+    logging.getLogger("klppo").info("%s: FSDP2 min_num_params=%d (%s)", role, fsdp.min_num_params, why)
+    return fsdp
+
+
 def _grad_sync(
     role: str, fsdp_cfg: FSDPConfig, fsdp: FSDPSettings, model: torch.nn.Module, device: torch.device
 ) -> bool:
@@ -181,7 +190,7 @@ def build_reference(inputs: RoleInputs, actor: Actor) -> Reference | None:
     ref_path = (arr.ref.model or {}).get("path")  # verl: a different reference model, else the actor's start
     model_path = model_dir(ref_path) if ref_path else inputs.model_path
     model = load_policy_model(arr.model, model_path, dtype, device, train=False, sp=s.sp)
-    fsdp = fsdp_settings(arr.ref.fsdp_config, device_type=device.type)
+    fsdp = role_fsdp("reference", arr.ref.fsdp_config, device)
     shard(model, fsdp, device)
     reference = Reference(model, **settings)
     inputs.offload.add(
@@ -220,7 +229,7 @@ def build_critic(inputs: RoleInputs) -> Critic | None:
             modules_to_save=["score"],
         )
     inputs.hf_assets["critic"] = hf_writer(model, inputs.tokenizer)
-    fsdp = fsdp_settings(ccfg.model.fsdp_config, device_type=device.type)
+    fsdp = role_fsdp("critic", ccfg.model.fsdp_config, device)
     shard(model, fsdp, device)
     settings = critic_settings(cfg, inputs.sizes, sp=sp)
     settings = dataclasses.replace(

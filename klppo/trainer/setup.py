@@ -38,11 +38,10 @@ from klppo.rollout.compiled import CompiledFunctions, use_persistent_cache
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
 from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
-from klppo.trainer.roles_build import HFAssets, RoleInputs, Roles, SequenceGroups, build_roles
+from klppo.trainer.roles_build import HFAssets, RoleInputs, Roles, SequenceGroups, build_roles, role_fsdp
 from klppo.trainer.settings import (
     LoaderSettings,
     engine_options,
-    fsdp_settings,
     loader_settings,
     sampling_params,
     to_dtype,
@@ -271,7 +270,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     )
     if arr.model.custom_chat_template:
         tokenizer.chat_template = arr.model.custom_chat_template
-    actor_fsdp = fsdp_settings(arr.actor.fsdp_config, device_type=device.type)  # shards and is predicted
+    actor_fsdp = role_fsdp("actor", arr.actor.fsdp_config, device)  # shards and is predicted
     # the klppo engine's compiled decode functions: made here, pre-compiling while the weights load
     compiled = CompiledFunctions() if arr.rollout.name == "klppo" else None
     if device.type == "cuda":

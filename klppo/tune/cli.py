@@ -75,7 +75,7 @@ def workload_from(cfg: KLPPOConfig, device_gb: float | None, world_size: int) ->
         device_gb = (
             torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80
         )
-    fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda")
+    fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda", world_size=world_size)
     return tune_workload(cfg, fsdp, world_size=world_size, device_gib=device_gb)
 
 

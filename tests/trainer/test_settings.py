@@ -30,13 +30,16 @@ def test_fsdp_settings_mixed_precision_only_on_gpu() -> None:
         ]
     )
     fsdp = cfg.actor_rollout_ref.actor.fsdp_config
-    cpu, gpu = fsdp_settings(fsdp, device_type="cpu"), fsdp_settings(fsdp, device_type="cuda")
+    cpu, gpu = (
+        fsdp_settings(fsdp, device_type="cpu", world_size=2),
+        fsdp_settings(fsdp, device_type="cuda", world_size=2),
+    )
     assert cpu.param_dtype is None and gpu.param_dtype == torch.bfloat16
     assert cpu.reduce_dtype == gpu.reduce_dtype == torch.bfloat16
     assert (gpu.min_num_params, gpu.transformer_layer_cls_to_wrap, gpu.fsdp_size) == (1000, ["Block"], 2)
     assert (
         fsdp_settings(
-            load_config([]).critic.model.fsdp_config, device_type="cpu"
+            load_config([]).critic.model.fsdp_config, device_type="cpu", world_size=1
         ).transformer_layer_cls_to_wrap
         is None
     )
@@ -159,7 +162,7 @@ def test_a_ulysses_group_gets_its_token_budgets_and_the_tune_workload_its_sizes(
             "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         ]
     )
-    fsdp = fsdp_settings(fixed.actor_rollout_ref.actor.fsdp_config, device_type="cuda")
+    fsdp = fsdp_settings(fixed.actor_rollout_ref.actor.fsdp_config, device_type="cuda", world_size=2)
     tw = tune_workload(fixed, fsdp, world_size=4, device_gib=80)
     assert (tw.workload.sequence_parallel, tw.workload.rollout_tensor_parallel) == (2, 2)
     assert tw.update_micro_tokens == 23  # ceil(3 rows × 15 tokens / 2 ranks)
@@ -210,13 +213,13 @@ def test_grad_sync_per_mini_batch_key_is_validated_and_resolved() -> None:
     with pytest.raises(ConfigError, match=key):
         load_config([f"{key}=sometimes"])
     default_fsdp_cfg = default.actor_rollout_ref.actor.fsdp_config
-    default_fsdp = fsdp_settings(default_fsdp_cfg, device_type="cuda")
+    default_fsdp = fsdp_settings(default_fsdp_cfg, device_type="cuda", world_size=2)
     assert grad_sync_per_mini_batch(  # the default (auto) defers with 2 ranks
         default_fsdp_cfg, default_fsdp, num_trainable=10**6, ranks=2, device_bytes=141 * 2**30
     )[0]
     cfg = load_config(["actor_rollout_ref.actor.fsdp_config.grad_sync_per_mini_batch=auto"])
     fsdp_cfg = cfg.actor_rollout_ref.actor.fsdp_config
-    fsdp = fsdp_settings(fsdp_cfg, device_type="cuda")
+    fsdp = fsdp_settings(fsdp_cfg, device_type="cuda", world_size=2)
     gib = 2**30
     # 0.5B (494M params): 1.84 GiB of fp32 gradients, on with 2 ranks on a 141 GiB device
     assert grad_sync_per_mini_batch(
@@ -230,7 +233,38 @@ def test_grad_sync_per_mini_batch_key_is_validated_and_resolved() -> None:
     assert not grad_sync_per_mini_batch(fsdp_cfg, fsdp, num_trainable=10**6, ranks=1, device_bytes=None)[0]
     offloaded = fsdp_settings(load_config(["actor_rollout_ref.actor.fsdp_config.param_offload=True",
                                            "actor_rollout_ref.actor.fsdp_config.grad_sync_per_mini_batch=auto"])
-                              .actor_rollout_ref.actor.fsdp_config, device_type="cuda")  # fmt: skip
+                              .actor_rollout_ref.actor.fsdp_config, device_type="cuda", world_size=2)  # fmt: skip
     assert not grad_sync_per_mini_batch(fsdp_cfg, offloaded, num_trainable=10**6, ranks=2, device_bytes=None)[
         0
     ]
+
+
+def test_min_num_params_auto_is_one_unit_on_one_process_without_offload() -> None:
+    """``wrap_policy.min_num_params`` auto (the default): the whole model one FSDP unit when one process
+    trains and the role offloads nothing; 0 (a unit per decoder layer, verl's default) with more processes
+    or any offload; a number as set; anything else refused at load, naming the key."""
+    from klppo.config.errors import ConfigError
+    from klppo.trainer.settings import resolve_min_num_params
+    from klppo.tune.units import WHOLE_MODEL
+
+    key = "actor_rollout_ref.actor.fsdp_config"
+    default = load_config([]).actor_rollout_ref.actor.fsdp_config
+    assert default.wrap_policy.min_num_params == "auto"
+    assert resolve_min_num_params(default, world_size=1) == (
+        WHOLE_MODEL,
+        "auto: one process, one unit for the whole model",
+    )
+    assert resolve_min_num_params(default, world_size=2)[0] == 0
+    assert fsdp_settings(default, device_type="cuda", world_size=1).min_num_params == WHOLE_MODEL
+    assert fsdp_settings(default, device_type="cuda", world_size=8).min_num_params == 0
+    for offload in ("param_offload", "optimizer_offload", "offload_policy"):
+        cfg = load_config([f"{key}.{offload}=True"]).actor_rollout_ref.actor.fsdp_config
+        value, why = resolve_min_num_params(cfg, world_size=1)
+        assert value == 0 and offload in why
+    for role in ("actor_rollout_ref.ref.fsdp_config", "critic.model.fsdp_config"):
+        cfg = load_config([f"{role}.wrap_policy.min_num_params=0"])
+        sub = cfg.actor_rollout_ref.ref.fsdp_config if "ref" in role else cfg.critic.model.fsdp_config
+        assert resolve_min_num_params(sub, world_size=1) == (0, "set")  # set: kept, also on one process
+    for bad in ("whole", "-1"):
+        with pytest.raises(ConfigError, match=f"{key}.wrap_policy.min_num_params"):
+            load_config([f"{key}.wrap_policy.min_num_params={bad}"])

@@ -16,7 +16,7 @@ from klppo.tune.shapes import load_model_config
 
 def workload(cfg: KLPPOConfig, *, world_size: int, device_gib: float) -> TuneWorkload:
     """What `klppo train` gives the pre-flight: the actor's FSDP settings the trainer shards with."""
-    fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda")
+    fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda", world_size=world_size)
     return tune_workload(cfg, fsdp, world_size=world_size, device_gib=device_gib)
 
 
@@ -78,7 +78,7 @@ def test_the_preflight_sees_the_settings_the_trainer_shards_with():
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
         ]
     )
-    fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda")
+    fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda", world_size=4)
     w = tune_workload(cfg, fsdp, world_size=4, device_gib=80)
     assert fsdp.min_num_params == w.point.min_num_params == 123456
     assert (w.point.offload, w.point.forward_prefetch, w.update_point.micro_tokens) == ("idle", True, 4096)
