@@ -13,8 +13,7 @@ cache; hf static cache + its own torch.compile for one batch size; and the memor
 decode step ((weight bytes + mean KV bytes read + logits) / HBM bandwidth). ``--check`` adds the GPU
 correctness checks: fp32 greedy vs hf, bf16 greedy token match rate, bf16 log-probs vs a recomputed
 forward, seeded reproducibility with graphs, bf16 flash vs masked-SDPA decode. ``--variants`` re-runs the
-engine at ``--compile-batch`` (and ``--variant-batches``, every shape) with one optimisation off (ablation;
-once per ``--samplers`` entry; ``no-seam``: the layer seams unfused); ``--old-engine`` times another
+engine at ``--compile-batch`` with one optimisation off (ablation); ``--old-engine`` times another
 ``KLPPORollout`` class (e.g. a copy of a previous commit's package) in the same process; ``--profile``
 prints the CUDA kernel-time table of a few eager (graph-less) decode steps. ``--samplers`` times the
 engine once per sampler (``KLPPORollout(sampler=...)``: ``torch``, the default path, rows ``klppo-*``;
@@ -51,7 +50,6 @@ SHAPES = {
 HBM_BYTES_PER_S = 4.8e12  # H200
 VARIANTS = {
     "no-fuse": dict(fuse_projections=False),
-    "no-seam": dict(fuse_layer_seams=False),
     "sdpa": dict(decode_attention="sdpa"),
     "flash-plain": dict(decode_attention="flash-plain"),
     "bf16-logits": dict(fp32_logits=False),
@@ -124,8 +122,7 @@ def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit)
 def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_batch: int | None, emit,
                 variants: list[str] = (), old_engine: str | None = None, n: int = 1, *,
                 samplers: list[str] = ("torch",), sampling: dict | None = None, device: str = "cuda",
-                eos_every: int = 0, hf_compile: bool = True, attentions: list[str] = ("auto",),
-                variant_batches: list[int] = ()):  # fmt: skip
+                eos_every: int = 0, hf_compile: bool = True, attentions: list[str] = ("auto",)):  # fmt: skip
     model = build(shape, torch.bfloat16, device)
     sampling = sampling or dict(temperature=1.0, top_p=1.0, top_k=-1)
     params = SamplingParams(max_new_tokens=NEW, seed=0, ignore_eos=not eos_every, n=n, **sampling)
@@ -157,17 +154,15 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
                       first_call_s=compile_s, tokens_per_s=batch * NEW / elapsed,
                       ms_per_step=elapsed / NEW * 1e3, peak_gb=peak))  # fmt: skip
             del hf
-        if batch == compile_batch and old_engine:
-            import importlib
+        if batch == compile_batch:
+            if old_engine:
+                import importlib
 
-            old = importlib.import_module(old_engine).KLPPORollout(**kw)
-            run_klppo(old, "klppo-old", shape, model, prompts, mask, params, emit)
-        if batch == compile_batch or batch in variant_batches:
+                old = importlib.import_module(old_engine).KLPPORollout(**kw)
+                run_klppo(old, "klppo-old", shape, model, prompts, mask, params, emit)
             for name in variants:
-                for sampler in samplers:  # the ablation beside each sampler's full row
-                    row = f"klppo-{name}" if sampler == "torch" else f"klppo-{sampler}-{name}"
-                    engine = make_rollout("klppo", **{**kw, "sampler": sampler, **VARIANTS[name]})
-                    run_klppo(engine, row, shape, model, prompts, mask, params, emit)
+                engine = make_rollout("klppo", **kw, **VARIANTS[name])
+                run_klppo(engine, f"klppo-{name}", shape, model, prompts, mask, params, emit)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -292,11 +287,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--check-dtypes", default="float32,bfloat16")
     ap.add_argument("--variants", default="")
-    ap.add_argument(
-        "--variant-batches",
-        default="",
-        help="also run --variants at these batches, every shape (default: --compile-batch only)",
-    )
     ap.add_argument("--old-engine", default=None)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-batches", default="256", help="batches of the --profile kernel tables")
@@ -348,7 +338,6 @@ def main(argv: list[str] | None = None) -> None:
             eos_every=args.eos_every,
             hf_compile=not args.no_hf_compile,
             attentions=args.decode_attention.split(","),
-            variant_batches=[int(b) for b in args.variant_batches.split(",") if b],
         )
     if args.check:
         checks(emit, [getattr(torch, d) for d in args.check_dtypes.split(",")])

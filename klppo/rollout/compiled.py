@@ -1,8 +1,8 @@
 """The engine's compiled decode functions, and their compilation in the background during start-up.
 
-Four functions are compiled (``torch.compile``, batch dimension dynamic: one graph serves every batch
-size from 2, and batch 1 has its own): the per-layer blocks of a decode step (``attn_in``, ``attn_out_mlp``
-and ``layer_seam``, one layer's back with the next one's front) and the untruncated sampler (one graph per temperature; greedy decoding runs it eagerly). They live on a
+Three functions are compiled (``torch.compile``, batch dimension dynamic: one graph serves every batch
+size from 2, and batch 1 has its own): the two per-layer blocks of a decode step (``attn_in``, ``attn_out_mlp``) and the
+untruncated sampler (one graph per temperature; greedy decoding runs it eagerly). They live on a
 :class:`CompiledFunctions` object, no module state: the trainer's set-up creates one and hands it to the
 engine (``KLPPORollout(compiled=...)``); an engine given none makes its own. With the default backend, dynamo's cache (keyed on the functions' code) serves
 every object of the process, so a compilation done once serves all engines.
@@ -49,7 +49,7 @@ from transformers import AutoModelForCausalLM
 from klppo.models.flops import attention_dims
 from klppo.models.gguf import klppo_cache_dir
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
-from klppo.rollout.llama import LayerWeights, attn_in, attn_out_mlp, layer_seam, unsupported_reason
+from klppo.rollout.llama import LayerWeights, attn_in, attn_out_mlp, unsupported_reason
 from klppo.rollout.sampling import sample_untruncated
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,6 @@ logger = logging.getLogger(__name__)
 FUNCTIONS: dict[str, Callable] = {
     "attn_in": attn_in,
     "attn_out_mlp": attn_out_mlp,
-    "layer_seam": layer_seam,
     "sample": sample_untruncated,
 }
 
@@ -223,9 +222,9 @@ def _run_once(
     fns: CompiledFunctions, config, layer: LayerWeights, device, temperatures, fuse_projections, fp32_logits
 ) -> None:
     """Call each compiled function once with the rollout's shapes, dtypes and flags (values irrelevant)."""
-    lw, lw_next = layer.allocated_like(device), layer.allocated_like(device)  # two: no aliasing guard
+    lw = layer.allocated_like(device)
     if fuse_projections:
-        lw, lw_next = lw.fused(), lw_next.fused()
+        lw = lw.fused()
     dtype = lw.input_norm.dtype
     num_heads, num_kv_heads, head_dim = attention_dims(config)
     eps = float(config.rms_norm_eps)
@@ -238,7 +237,6 @@ def _run_once(
         calls = [
             ("attn_in", (x, lw, cos, sin, (num_heads, num_kv_heads, head_dim, eps))),
             ("attn_out_mlp", (x, attn, lw, eps)),
-            ("layer_seam", (x, attn, lw, lw_next, cos, sin, (num_heads, num_kv_heads, head_dim, eps))),
             *[("sample", (logits, t, False)) for t in dict.fromkeys(temperatures)],  # greedy: not compiled
         ]
         for name, args in calls:

@@ -21,9 +21,7 @@ One ``generate`` call:
    (:mod:`klppo.rollout.graphs`), eager on CPU. Attention reads each slot's occupied prefix only (flash
    varlen, GQA query heads packed per KV head; ``decode_attention``; "auto" on CUDA with triton: the
    split-KV kernels of :mod:`klppo.rollout.triton_attention`, fused with the cache write, measured 15–22%
-   faster per step). The per-layer blocks (with ``fuse_layer_seams``, compiled only: each layer's back
-   and the next layer's front as one function, ``llama.layer_seam``, so the residual add and the next
-   input norm are one kernel) and the sampler are the compiled functions of the engine's
+   faster per step). The per-layer blocks and the sampler are the compiled functions of the engine's
    :class:`~klppo.rollout.compiled.CompiledFunctions` (``compiled``: handed in by the trainer, which
    starts pre-compiling them in the background before the weights load; else the engine's own). A step samples on the device (untruncated sampling: one
    compiled fused kernel pair, no [B, V] tensors written; logits in float32 with ``fp32_logits``; with
@@ -84,7 +82,6 @@ class KLPPORollout:
         use_cuda_graph: bool = True,
         compile_decode: bool | None = None,
         fuse_projections: bool = True,
-        fuse_layer_seams: bool = True,
         decode_attention: str = "auto",
         fp32_logits: bool = True,
         compiled: CompiledFunctions | None = None,
@@ -108,7 +105,6 @@ class KLPPORollout:
         self.use_cuda_graph = use_cuda_graph
         self.compile_decode = compile_decode
         self.fuse_projections = fuse_projections
-        self.fuse_layer_seams = fuse_layer_seams
         self.decode_attention = decode_attention
         self.fp32_logits = fp32_logits
         self.sampler = sampler
@@ -274,11 +270,9 @@ class KLPPORollout:
     def _decode_step(self, call: Call, bucket: int) -> Callable[[], None]:
         """One eager decode step on slots [0, bucket) (:func:`~klppo.rollout.steps.decode_step`) with this
         engine's layer functions, attention and sampler."""
-        layer_fns: tuple = (attn_in, attn_out_mlp)
+        layer_fns = (attn_in, attn_out_mlp)
         if self._compiles(call.cuda):
             layer_fns = (self.compiled.get("attn_in"), self.compiled.get("attn_out_mlp"))
-            if self.fuse_layer_seams and call.w.tp is None:  # one kernel fewer per layer (llama.layer_seam)
-                layer_fns += (self.compiled.get("layer_seam"),)
         if call.w.tp is not None:  # the row-parallel all-reduces run eagerly (captured in the graph on CUDA)
             layer_fns = (layer_fns[0], layer_back(call.w))
         flash = self._use_flash(call.ws.kv)

@@ -355,25 +355,6 @@ def attn_out_mlp_tp(
     return x + m if lw.down_bias is None else x + m + lw.down_bias
 
 
-def layer_seam(
-    x: torch.Tensor,
-    attn: torch.Tensor,
-    lw: LayerWeights,
-    lw_next: LayerWeights,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    spec: tuple[int, int, int, float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One layer's back (``attn_out_mlp``) and the next layer's front (``attn_in``) as one function.
-
-    Returns the residual stream x [T, hidden] after layer ``lw`` and ``lw_next``'s q, kv_new. Compiled as
-    one graph, the residual add that ends a layer and the input norm that starts the next become one
-    kernel instead of two (one launch fewer per layer of a decode step, which is kernel-bound)."""
-    x = attn_out_mlp(x, attn, lw, spec[3])
-    q, kv_new = attn_in(x, lw_next, cos, sin, spec)
-    return x, q, kv_new
-
-
 def layer_back(w: LlamaWeights):
     """The eager layer back for ``w``: ``attn_out_mlp``, or its tensor-parallel form."""
     if w.tp is None:
@@ -412,27 +393,18 @@ def decode(
     once per KV head instead of once per query head; "triton": the split-KV kernels of
     :mod:`klppo.rollout.triton_attention`, which also do the cache write (their torch reference off CUDA);
     None: SDPA over the whole length ``S`` with a mask.
-    ``layer_fns`` may be compiled versions of (``attn_in``, ``attn_out_mlp``), optionally followed by
-    ``layer_seam``: then each layer but the last ends with the seam (its back and the next layer's front in
-    one call) — the same operations in the same order. Logits: see ``logits_of``.
+    ``layer_fns`` may be compiled versions of (``attn_in``, ``attn_out_mlp``). Logits: see ``logits_of``.
     """
-    front, back, *rest = layer_fns
-    seam = rest[0] if rest else None
-    num_slots, layers = tokens.shape[0], w.layers
+    front, back = layer_fns
+    num_slots = tokens.shape[0]
     x = embed_tokens(w, tokens)
     cos, sin = rope_cos_sin(w, positions, x.dtype)
     attend = _decode_attention(w, kv, positions, flash)
     spec = (w.num_heads, w.num_kv_heads, w.head_dim, w.eps)
-    q, kv_new = front(x, layers[0], cos, sin, spec)
-    for i, lw in enumerate(layers):
-        attn = attend(i, q, kv_new).reshape(num_slots, -1)
-        if i + 1 == len(layers):
-            x = back(x, attn, lw, w.eps)
-        elif seam is not None:
-            x, q, kv_new = seam(x, attn, lw, layers[i + 1], cos, sin, spec)
-        else:
-            x = back(x, attn, lw, w.eps)
-            q, kv_new = front(x, layers[i + 1], cos, sin, spec)
+    for i, lw in enumerate(w.layers):
+        q, kv_new = front(x, lw, cos, sin, spec)
+        attn = attend(i, q, kv_new)
+        x = back(x, attn.reshape(num_slots, -1), lw, w.eps)
     return logits_of(w, rms_norm(x, w.final_norm, w.eps), fp32_logits)
 
 

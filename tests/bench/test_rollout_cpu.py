@@ -46,14 +46,3 @@ def test_one_engine_run_per_decode_attention_on_cpu(tmp_path) -> None:
     with pytest.raises(ValueError, match="decode_attention=triton .* needs a CUDA"):  # the kernels: CUDA only
         main(["--shapes", "tiny", "--batches", "4", "--hf-batches", "", "--compile-batch", "0", "--device", "cpu",
               "--decode-attention", "triton", "--prompt", "8", "--new", "6"])  # fmt: skip
-
-
-def test_variants_at_every_listed_batch_on_cpu(tmp_path) -> None:
-    out = tmp_path / "rollout.json"
-    main(["--shapes", "tiny", "--batches", "2,4", "--hf-batches", "", "--compile-batch", "0", "--device", "cpu",
-          "--variants", "no-seam", "--variant-batches", "4", "--prompt", "8", "--new", "6",
-          "--out", str(out)])  # fmt: skip
-    rows = json.loads(out.read_text())
-    names = [(r["batch"], r["backend"]) for r in rows]
-    assert names == [(2, "klppo-cold"), (2, "klppo-warm"), (4, "klppo-cold"), (4, "klppo-warm"),
-                     (4, "klppo-no-seam-cold"), (4, "klppo-no-seam-warm")]  # fmt: skip
