@@ -26,7 +26,9 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 def test_tree_is_typed_frozen_and_uses_verl_names():
     cfg = load_config([], **Q)
     assert isinstance(cfg, KLPPOConfig)
-    assert cfg.actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params == "auto"  # klppo: one unit on one process (verl: 0)
+    assert (
+        cfg.actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params == "auto"
+    )  # klppo: one unit on one process (verl: 0)
     assert cfg.algorithm.kl_ctrl.type == "fixed"
     assert cfg.trainer.logger == ["console", "jsonl"]
     assert (cfg.trainer.device, cfg.trainer.n_gpus_per_node, cfg.trainer.seed) == ("auto", "auto", 1)
