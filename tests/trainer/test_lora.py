@@ -170,15 +170,14 @@ def test_critic_lora_and_starting_from_a_saved_adapter(tiny_model_dir, arithmeti
 def gpu_mixed_precision(monkeypatch):
     """The trainer's FSDP settings as on a GPU (bf16 compute, fp32 master weights, fp32 gradient reduce),
     on CPU: ``fsdp_settings`` picks mixed precision only for ``device_type == 'cuda'``."""
-    from klppo.trainer import roles_build, settings, setup
+    from klppo.trainer import roles_build, settings
 
     real = settings.fsdp_settings
 
-    def as_on_gpu(fsdp, *, device_type):
-        return real(fsdp, device_type="cuda")
+    def as_on_gpu(fsdp, *, device_type, world_size):
+        return real(fsdp, device_type="cuda", world_size=world_size)
 
-    monkeypatch.setattr(setup, "fsdp_settings", as_on_gpu)
-    monkeypatch.setattr(roles_build, "fsdp_settings", as_on_gpu)
+    monkeypatch.setattr(roles_build, "fsdp_settings", as_on_gpu)  # every role's, the actor's included
 
 
 @pytest.mark.slow
@@ -198,6 +197,8 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
         "actor_rollout_ref.actor.kl_loss_type=mse",
         "actor_rollout_ref.rollout.name=klppo",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one mini-batch: on-policy, the reference runs first
+        # a unit per decoder layer, as with several GPUs (one process's default is one unit): the crash's layout
+        "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
     ]
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     _, built = run_training(

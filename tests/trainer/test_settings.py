@@ -268,3 +268,23 @@ def test_min_num_params_auto_is_one_unit_on_one_process_without_offload() -> Non
     for bad in ("whole", "-1"):
         with pytest.raises(ConfigError, match=f"{key}.wrap_policy.min_num_params"):
             load_config([f"{key}.wrap_policy.min_num_params={bad}"])
+
+
+def test_one_process_shards_each_role_as_one_unit_unless_set(
+    tiny_model_dir, arithmetic_data, tmp_path
+) -> None:
+    """Through the trainer on one process: the actor and the reference (min_num_params auto) are one FSDP
+    unit each, the critic set to 0 gets one unit per decoder layer plus the root."""
+    from klppo.parallel.fsdp import fsdp_modules
+    from tests.trainer.utils import base_overrides, run_training
+
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "critic.model.fsdp_config.wrap_policy.min_num_params=0",
+    ]
+    _, run = run_training(overrides)
+    roles = run.roles
+    assert [len(fsdp_modules(r.model)) for r in (roles.actor, roles.reference)] == [1, 1]
+    layers = roles.critic.model.config.num_hidden_layers
+    assert len(fsdp_modules(roles.critic.model)) == layers + 1
