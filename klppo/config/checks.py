@@ -140,7 +140,7 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     n = cfg.trainer.n_gpus_per_node
     if not (n == "auto" or (isinstance(n, int) and n >= 1)):
         raise ConfigError(f"trainer.n_gpus_per_node={n!r}: expected 'auto' or an integer ≥ 1")
-    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model"):
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model", "reward_model.model"):
         key = f"{role}.fsdp_config.wrap_policy.min_num_params"
         value = value_at(cfg, key)
         if not (value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)):
