@@ -20,6 +20,7 @@ from klppo.config import KLPPOConfig, config_to_yaml, derive_sizes
 from klppo.config.checks import tp_rollout_unbuilt
 from klppo.config.schema import KLControlConfig
 from klppo.config.schema_arr import KLLossControlConfig
+from klppo.config.sizes import Sizes
 from klppo.data.dataset import PromptLoader
 from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
 from klppo.models.lora import is_lora, merged_for_rollout
@@ -151,6 +152,7 @@ def _before_weights(
     model_path: str,
     device: torch.device,
     compiled: CompiledFunctions | None,
+    sizes: Sizes,
 ) -> None:
     """On a GPU, before any weights load: the memory pre-flight for the actor's FSDP settings, and the
     klppo engine's decode functions (``compiled``, None for another engine) compiling in the background
@@ -158,7 +160,13 @@ def _before_weights(
     total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
     hf_config = AutoConfig.from_pretrained(model_path)
     workload = tune_workload(cfg, actor_fsdp, world_size=world_size(), device_gib=total_gib)
-    check_memory(workload, hf_config)
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length  # an upper bound: responses may end early
+    mini_tokens = -(
+        -sizes.actor_mini_batch_samples_per_rank
+        * seq
+        // cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    )
+    check_memory(workload, hf_config, mini_batch_tokens=mini_tokens)
     rollout = cfg.actor_rollout_ref.rollout
     if compiled is not None and not rollout.enforce_eager:
         _start_precompile(cfg, hf_config, device, compiled)
@@ -274,7 +282,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     # the klppo engine's compiled decode functions: made here, pre-compiling while the weights load
     compiled = CompiledFunctions() if arr.rollout.name == "klppo" else None
     if device.type == "cuda":
-        _before_weights(cfg, actor_fsdp, model_path, device, compiled)
+        _before_weights(cfg, actor_fsdp, model_path, device, compiled, sizes)
     train_loader, val_loader = build_loaders(cfg, tokenizer)
     total_steps = tcfg.total_training_steps or len(train_loader) * tcfg.total_epochs
     if len(train_loader) == 0:

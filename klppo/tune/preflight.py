@@ -1,9 +1,11 @@
 """The memory check `klppo train` runs before loading any model on a GPU: the memory model's predicted
 peak per phase for the configured settings, logged, with a warning that names `klppo tune` when a phase
-is predicted not to fit."""
+is predicted not to fit — and, the other way round, the token budget to set when the actor's mini-batch
+runs as several micro-batches while a larger budget is predicted to fit well inside the device."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -20,8 +22,58 @@ def predicted_peaks_gib(workload: TuneWorkload, model_config: Any) -> dict[str, 
     return {name: peak.total / 2**30 for name, peak in phases.items()}
 
 
-def check_memory(workload: TuneWorkload, model_config: Any, *, headroom: float = 0.95) -> None:
-    """Log the predicted peaks; warn when one exceeds ``headroom`` × the device (the model is within ~15%)."""
+ADVICE_SHARE = 0.6
+"""A larger micro-batch budget is advised only while the update and log-prob phases stay predicted under
+this share of the device (the memory model is within ~15%; the rest is room for fragmentation and what it does not count)."""
+
+
+def micro_batch_advice(
+    workload: TuneWorkload, model_config: Any, mini_batch_tokens: int, *, share: float = ADVICE_SHARE
+) -> str | None:
+    """With token-budget micro-batches (``use_dynamic_bsz``): when the actor's mini-batch of up to
+    ``mini_batch_tokens`` tokens per rank takes several micro-batches of ``ppo_max_token_len_per_gpu`` and a
+    larger budget — doubled until it holds the whole mini-batch — keeps the predicted update and log-prob
+    peaks under ``share`` of the device (the rollout's peak does not depend on it), the sentence that says what to set (the log-prob budget too); None otherwise
+    (fixed micro-batches, one micro-batch already, or no room). Fewer, larger micro-batches cut the host
+    work per step, which is what bounds small models: bench/RESULTS.md, session 9."""
+    budget = workload.point.micro_tokens
+    if workload.update_micro_tokens != budget or budget >= mini_batch_tokens:
+        return None
+    facts, limit = ModelFacts.from_config(model_config), share * workload.workload.device_bytes
+
+    def peak_at(tokens: int) -> float:  # the phases the budget sizes (the rollout's does not move with it)
+        w = dataclasses.replace(
+            workload.workload, log_prob_tokens=max(tokens, workload.workload.log_prob_tokens or 0)
+        )
+        phases = predict(facts, dataclasses.replace(workload.update_point, micro_tokens=tokens), w)
+        return max(phases["update"].total, phases["log_prob"].total)
+
+    best, tokens = None, budget
+    while tokens < mini_batch_tokens:
+        tokens = min(2 * tokens, mini_batch_tokens)
+        if peak_at(tokens) > limit:
+            break
+        best = tokens
+    if best is None:
+        return None
+    device_gib = workload.workload.device_bytes / 2**30
+    return (
+        f"the actor's mini-batch (up to {mini_batch_tokens:,} tokens per rank) runs as up to "
+        f"{-(-mini_batch_tokens // budget)} micro-batches of ≤ {budget:,} tokens; "
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={best} and "
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={best} are predicted to need "
+        f"{peak_at(best) / 2**30:.1f} GiB of {device_gib:.0f} in the update and log-prob passes "
+        f"({-(-mini_batch_tokens // best)} micro-batch(es)): "
+        "fewer, larger micro-batches cut the per-step host work that bounds small models "
+        "(SmolLM2-135M on an H200: training phases −45 to −57% from 16,384 to 49,152 tokens)"
+    )
+
+
+def check_memory(
+    workload: TuneWorkload, model_config: Any, *, headroom: float = 0.95, mini_batch_tokens: int | None = None
+) -> None:
+    """Log the predicted peaks; warn when one exceeds ``headroom`` × the device (the model is within ~15%);
+    with ``mini_batch_tokens`` (the actor's mini-batch per rank), log :func:`micro_batch_advice` if any."""
     device_gib = workload.workload.device_bytes / 2**30
     try:
         peaks = predicted_peaks_gib(workload, model_config)
@@ -39,3 +91,7 @@ def check_memory(workload: TuneWorkload, model_config: Any, *, headroom: float =
             "(min_num_params, offload, micro-batch tokens, gradient checkpointing).",
             worst, over[worst], device_gib,
         )  # fmt: skip
+    elif mini_batch_tokens:
+        advice = micro_batch_advice(workload, model_config, mini_batch_tokens)
+        if advice:
+            log.info("advice: %s", advice)

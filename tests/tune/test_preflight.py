@@ -100,3 +100,53 @@ def test_ulysses_splits_a_fixed_micro_batch_over_the_group():
     p_half = predicted_peaks_gib(workload(half, world_size=8, device_gib=80), model)
     buffers = 8192 * 2 * (2 * 3584 + 2 * 512) / 2**30
     assert p_sp2["update"] == pytest.approx(p_half["update"] + buffers, rel=1e-9)
+
+
+def _advice_lines(tw: TuneWorkload, model, mini_batch_tokens: int) -> list[str]:
+    logger, records = logging.getLogger("klppo"), _Records()
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        check_memory(tw, model, mini_batch_tokens=mini_batch_tokens)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    return [line for line in records.lines if line.startswith("advice:")]
+
+
+def test_a_larger_token_budget_is_advised_when_it_fits_and_only_then():
+    """The grpo135m bench's case (SmolLM2-135M, 256 samples of 64 + 96 tokens, 16,384-token micro-batches,
+    one H200): the mini-batch is 40,960 tokens in up to 3 micro-batches and the whole of it in one is
+    predicted to fit well inside the device — advised, both keys named, the update/log-prob prediction
+    under 60% of the device. Not advised: fixed micro-batches, a budget already holding the mini-batch, or no room (a 7B
+    model on a 24 GiB device)."""
+    from klppo.tune.preflight import ADVICE_SHARE, micro_batch_advice
+
+    small = load_model_config("SmolLM2-135M")
+    dynamic = [
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=16384",
+        "data.max_prompt_length=64",
+        "data.max_response_length=96",
+    ]
+    tw = workload(load_config(dynamic), world_size=1, device_gib=141)
+    [line] = _advice_lines(tw, small, 256 * 160)
+    assert "ppo_max_token_len_per_gpu=40960" in line and "log_prob_max_token_len_per_gpu=40960" in line
+    assert "up to 3 micro-batches" in line and "(1 micro-batch(es))" in line
+    predicted = float(line.split("predicted to need ")[1].split(" GiB")[0])
+    assert 0 < predicted < ADVICE_SHARE * 141
+    # the prediction it quotes is the memory model's at that budget (both phases' budgets raised)
+    larger = workload(load_config(dynamic[:1] + ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40960",
+                                                  "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=40960"]
+                                  + dynamic[3:]), world_size=1, device_gib=141)  # fmt: skip
+    peaks = predicted_peaks_gib(larger, small)
+    assert abs(max(peaks["update"], peaks["log_prob"]) - predicted) < 0.06
+    assert _advice_lines(tw, small, 16384) == []  # one micro-batch already
+    fixed = workload(load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]), world_size=1,
+                     device_gib=141)  # fmt: skip
+    assert micro_batch_advice(fixed, small, 10**6) is None
+    big = workload(load_config(dynamic[:3] + ["data.max_prompt_length=512", "data.max_response_length=512"]),
+                   world_size=1, device_gib=24)  # fmt: skip
+    assert micro_batch_advice(big, load_model_config("Qwen2.5-7B"), 10**6) is None
