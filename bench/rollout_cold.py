@@ -22,6 +22,10 @@ Modes:
   is left of it;
 - ``eager``: ``compile_decode=False`` (CUDA graphs of uncompiled kernels), empty caches.
 
+``--profile-first N`` puts each process's first ``generate`` under cProfile and adds its N costliest
+functions by cumulative and by own time to the row (``first_call_top_cumulative`` / ``_tottime``: where
+the first call's seconds go — tracing, cache loads, kernel loading, device initialisation);
+``import_torch_s`` is the ``import torch`` part of ``import_s``.
 ``setup_to_first_s`` = model build + engine + first call (+ the pre-compile start): the start-up a user
 sees after the imports; ``to_first_result_s`` = the same from the child's first line (imports included);
 ``process_s`` = the child process's wall time, interpreter start and exit included;
@@ -50,11 +54,13 @@ MODES = {
 }
 
 
-def child(mode: str, batch: int, tiny: bool) -> None:
+def child(mode: str, batch: int, tiny: bool, profile_first: int = 0) -> None:
     t_start = time.perf_counter()
     import logging
 
     import torch
+
+    t_torch = time.perf_counter() - t_start
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
@@ -79,12 +85,15 @@ def child(mode: str, batch: int, tiny: bool) -> None:
                           **{"compile_decode": True, **MODES[mode]["engine"]})  # fmt: skip
     prompts = torch.randint(0, 151000, (batch, prompt), device=device)
     mask = torch.ones_like(prompts)
-    row = dict(mode=mode, batch=batch, import_s=t_import)
+    row = dict(mode=mode, batch=batch, import_s=t_import, import_torch_s=t_torch)
     for phase in ("cold", "warm"):
         sync()
         t0 = time.perf_counter()
+        profiler = _start_profile() if profile_first and phase == "cold" else None
         s = engine.generate(model, prompts, mask, params).stats
         sync()
+        if profiler is not None:
+            row.update(_top_functions(profiler, profile_first))
         decode_s = s["rollout/time_s"] - s["rollout/prefill_s"] - s["rollout/graph_capture_s"]
         if phase == "cold":
             row["setup_to_first_s"] = time.perf_counter() - t_setup
@@ -103,12 +112,40 @@ def child(mode: str, batch: int, tiny: bool) -> None:
     )
 
 
-def run_child(mode: str, batch: int, cache: str, tiny: bool = False) -> dict | None:
+def _start_profile():
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _top_functions(profiler, n: int) -> dict[str, list[str]]:
+    """The first call's ``n`` costliest functions (host time: Python, and the C calls it makes, waits on
+    the device included) by cumulative and by own time, as "seconds file:line(function)"."""
+    import pstats
+
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    out = {}
+    for key, column in (("cumulative", 3), ("tottime", 2)):
+        stats.sort_stats(key)
+        rows = []
+        for func in stats.fcn_list[:n]:
+            filename, line, name = func
+            where = "/".join(filename.split("/")[-2:])
+            rows.append(f"{stats.stats[func][column]:.3f}s {where}:{line}({name})")
+        out[f"first_call_top_{key}"] = rows
+    return out
+
+
+def run_child(mode: str, batch: int, cache: str, tiny: bool = False, profile_first: int = 0) -> dict | None:
     """One child process of ``mode`` with ``KLPPO_CACHE=cache``: its row (None when it printed none)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env.update(KLPPO_CACHE=cache, **MODES[mode].get("env", {}))
     t0 = time.perf_counter()
-    argv = [sys.executable, __file__, "--child", mode, "--batch", str(batch), *(["--tiny"] if tiny else [])]
+    argv = [sys.executable, __file__, "--child", mode, "--batch", str(batch), *(["--tiny"] if tiny else []),
+            "--profile-first", str(profile_first)]  # fmt: skip
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
     if proc.returncode or not rows or os.environ.get("KLPPO_COLD_BREAKDOWN"):
@@ -125,7 +162,11 @@ def medians(runs: list[dict]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for mode in dict.fromkeys(r["mode"] for r in runs):
         rows = [r for r in runs if r["mode"] == mode]
-        keys = [k for k, v in rows[0].items() if isinstance(v, int | float) and k != "batch"]
+        keys = [
+            k
+            for k, v in rows[0].items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and k != "batch"
+        ]
         out[mode] = {"runs": len(rows), **{k: round(statistics.median(r[k] for r in rows), 4) for k in keys}}
     return out
 
@@ -138,9 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU, decode compiled (tests)")
     ap.add_argument("--child", default=None)
+    ap.add_argument("--profile-first", type=int, default=0,
+                    help="N > 0: each process's first generate under cProfile; its N costliest functions by "
+                         "cumulative and own time go into the row")  # fmt: skip
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.batch, args.tiny)
+        child(args.child, args.batch, args.tiny, args.profile_first)
         return
     cache = tempfile.mkdtemp(prefix="klppo-cold-")  # filled by the last fresh process
     runs = []
@@ -148,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.repeat):
             if MODES[mode]["fresh_cache"]:
                 cache = tempfile.mkdtemp(prefix="klppo-cold-")
-            row = run_child(mode, args.batch, cache, args.tiny)
+            row = run_child(mode, args.batch, cache, args.tiny, args.profile_first)
             if row is None:
                 continue
             runs.append(row)
