@@ -13,7 +13,8 @@ cache; hf static cache + its own torch.compile for one batch size; and the memor
 decode step ((weight bytes + mean KV bytes read + logits) / HBM bandwidth). ``--check`` adds the GPU
 correctness checks: fp32 greedy vs hf, bf16 greedy token match rate, bf16 log-probs vs a recomputed
 forward, seeded reproducibility with graphs, bf16 flash vs masked-SDPA decode. ``--variants`` re-runs the
-engine at ``--compile-batch`` with one optimisation off (ablation); ``--old-engine`` times another
+engine at ``--compile-batch`` with one optimisation off (ablation; ``autotune``: the decode blocks compiled
+with inductor's ``max-autotune-no-cudagraphs`` mode instead, Triton GEMM templates tuned per shape); ``--old-engine`` times another
 ``KLPPORollout`` class (e.g. a copy of a previous commit's package) in the same process; ``--profile``
 prints the CUDA kernel-time table of a few eager (graph-less) decode steps. ``--samplers`` times the
 engine once per sampler (``KLPPORollout(sampler=...)``: ``torch``, the default path, rows ``klppo-*``;
@@ -38,6 +39,7 @@ import time
 import torch
 
 from klppo.rollout import SamplingParams, make_rollout
+from klppo.rollout.compiled import CompiledFunctions
 
 SHAPES = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -55,6 +57,8 @@ VARIANTS = {
     "bf16-logits": dict(fp32_logits=False),
     "eager": dict(compile_decode=False),
     "compact": dict(compact_slots=True),
+    # inductor's Triton GEMM templates tuned per shape for the decode blocks (a compile mode; made per run)
+    "autotune": dict(compiled=lambda: CompiledFunctions(mode="max-autotune-no-cudagraphs")),
 }
 PROMPT, NEW = 256, 256
 
@@ -161,7 +165,8 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
                 old = importlib.import_module(old_engine).KLPPORollout(**kw)
                 run_klppo(old, "klppo-old", shape, model, prompts, mask, params, emit)
             for name in variants:
-                engine = make_rollout("klppo", **kw, **VARIANTS[name])
+                options = {k: v() if callable(v) else v for k, v in VARIANTS[name].items()}
+                engine = make_rollout("klppo", **kw, **options)
                 run_klppo(engine, f"klppo-{name}", shape, model, prompts, mask, params, emit)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -64,13 +64,19 @@ FUNCTIONS: dict[str, Callable] = {
 class CompiledFunctions:
     """The compiled versions of ``FUNCTIONS`` (batch dim dynamic, batch 1 its own graph) and their background pre-compile.
 
-    ``backend``: the ``torch.compile`` backend (tests pass a counting one). Engines given the same object
-    share its wrappers; with the default backend, dynamo's own cache also serves a second object's calls
-    without compiling again.
+    ``backend``: the ``torch.compile`` backend (tests pass a counting one); ``mode``: its ``mode`` (None:
+    inductor's default; e.g. ``"max-autotune-no-cudagraphs"``: Triton GEMM templates tuned per shape — the
+    engine captures its own CUDA graphs, so never a mode that adds them). Engines given the same object
+    share its wrappers; with the default backend and mode, dynamo's own cache also serves a second object's
+    calls without compiling again.
     """
 
-    def __init__(self, *, backend: Any = "inductor") -> None:
-        self.backend = backend
+    def __init__(self, *, backend: Any = "inductor", mode: str | None = None) -> None:
+        if mode in ("reduce-overhead", "max-autotune"):  # the modes that capture CUDA graphs themselves
+            raise ValueError(
+                f"compile mode {mode!r} adds CUDA graphs inside the engine's own: use a no-cudagraphs mode"
+            )
+        self.backend, self.mode = backend, mode
         if backend == "inductor":
             use_persistent_cache()
         self.last_precompile_s: float | None = None  # how long the last background pre-compile took
@@ -82,7 +88,8 @@ class CompiledFunctions:
         """The compiled version of ``FUNCTIONS[name]`` (made on first use)."""
         with self._lock:
             if name not in self._fns:
-                self._fns[name] = _batch_dynamic(torch.compile(FUNCTIONS[name], backend=self.backend))
+                compiled = torch.compile(FUNCTIONS[name], backend=self.backend, mode=self.mode)
+                self._fns[name] = _batch_dynamic(compiled)
             return self._fns[name]
 
     def start_precompile(

@@ -46,3 +46,17 @@ def test_one_engine_run_per_decode_attention_on_cpu(tmp_path) -> None:
     with pytest.raises(ValueError, match="decode_attention=triton .* needs a CUDA"):  # the kernels: CUDA only
         main(["--shapes", "tiny", "--batches", "4", "--hf-batches", "", "--compile-batch", "0", "--device", "cpu",
               "--decode-attention", "triton", "--prompt", "8", "--new", "6"])  # fmt: skip
+
+
+def test_the_autotune_variant_builds_its_own_compiled_functions_on_cpu(tmp_path) -> None:
+    out = tmp_path / "rollout.json"
+    main(["--shapes", "tiny", "--batches", "4", "--hf-batches", "", "--compile-batch", "4", "--compile-shape", "tiny",
+          "--no-hf-compile", "--variants", "autotune", "--device", "cpu", "--prompt", "8", "--new", "6",
+          "--out", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert [r["backend"] for r in rows] == [
+        "klppo-cold",
+        "klppo-warm",
+        "klppo-autotune-cold",
+        "klppo-autotune-warm",
+    ]

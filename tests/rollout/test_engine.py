@@ -362,3 +362,21 @@ def test_compacted_slots_match_hf_and_the_float64_reference(tiny_qwen2) -> None:
     torch.testing.assert_close(out.log_probs.double(), expected, atol=1e-4, rtol=0)
     off = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1)
     assert off.generate(tiny_qwen2, prompts, prompt_mask, greedy).stats["rollout/slot_moves"] == 0
+
+
+def test_compiled_functions_pass_their_mode_and_refuse_modes_with_graphs(monkeypatch) -> None:
+    """``CompiledFunctions(mode=...)`` compiles with that ``torch.compile`` mode; the modes that capture
+    CUDA graphs of their own (inside the engine's graphs) are refused."""
+    from klppo.rollout.compiled import CompiledFunctions
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    CompiledFunctions(backend="eager", mode="max-autotune-no-cudagraphs").get("attn_in")
+    CompiledFunctions(backend="eager").get("attn_in")
+    assert seen == [
+        dict(backend="eager", mode="max-autotune-no-cudagraphs"),
+        dict(backend="eager", mode=None),
+    ]
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ValueError, match="no-cudagraphs"):
+            CompiledFunctions(backend="eager", mode=mode)
