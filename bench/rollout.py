@@ -13,8 +13,9 @@ cache; hf static cache + its own torch.compile for one batch size; and the memor
 decode step ((weight bytes + mean KV bytes read + logits) / HBM bandwidth). ``--check`` adds the GPU
 correctness checks: fp32 greedy vs hf, bf16 greedy token match rate, bf16 log-probs vs a recomputed
 forward, seeded reproducibility with graphs, bf16 flash vs masked-SDPA decode. ``--variants`` re-runs the
-engine at ``--compile-batch`` with one optimisation off (ablation; ``autotune``: the decode blocks compiled
-with inductor's ``max-autotune-no-cudagraphs`` mode instead, Triton GEMM templates tuned per shape); ``--old-engine`` times another
+engine at ``--compile-batch`` with one optimisation off (ablation, with the last of ``--samplers``;
+``autotune``: the decode blocks compiled in inductor's ``max-autotune-no-cudagraphs`` mode, Triton GEMM
+templates tuned per shape); ``--old-engine`` times another
 ``KLPPORollout`` class (e.g. a copy of a previous commit's package) in the same process; ``--profile``
 prints the CUDA kernel-time table of a few eager (graph-less) decode steps. ``--samplers`` times the
 engine once per sampler (``KLPPORollout(sampler=...)``: ``torch``, the default path, rows ``klppo-*``;
@@ -164,10 +165,15 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
 
                 old = importlib.import_module(old_engine).KLPPORollout(**kw)
                 run_klppo(old, "klppo-old", shape, model, prompts, mask, params, emit)
+            sampler = samplers[-1]  # the ablations beside the last sampler's full row
             for name in variants:
-                options = {k: v() if callable(v) else v for k, v in VARIANTS[name].items()}
+                options = {
+                    "sampler": sampler,
+                    **{k: v() if callable(v) else v for k, v in VARIANTS[name].items()},
+                }
                 engine = make_rollout("klppo", **kw, **options)
-                run_klppo(engine, f"klppo-{name}", shape, model, prompts, mask, params, emit)
+                row = f"klppo-{name}" if sampler == "torch" else f"klppo-{sampler}-{name}"
+                run_klppo(engine, row, shape, model, prompts, mask, params, emit)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

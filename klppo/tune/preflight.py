@@ -24,18 +24,20 @@ def predicted_peaks_gib(workload: TuneWorkload, model_config: Any) -> dict[str, 
 
 ADVICE_SHARE = 0.6
 """A larger micro-batch budget is advised only while the update and log-prob phases stay predicted under
-this share of the device (the memory model is within ~15%; the rest is room for fragmentation and what it does not count)."""
+this share of the device (the memory model is within ~15%; the rest is room for fragmentation and for
+what it does not count)."""
 
 
 def micro_batch_advice(
     workload: TuneWorkload, model_config: Any, mini_batch_tokens: int, *, share: float = ADVICE_SHARE
 ) -> str | None:
     """With token-budget micro-batches (``use_dynamic_bsz``): when the actor's mini-batch of up to
-    ``mini_batch_tokens`` tokens per rank takes several micro-batches of ``ppo_max_token_len_per_gpu`` and a
-    larger budget — doubled until it holds the whole mini-batch — keeps the predicted update and log-prob
-    peaks under ``share`` of the device (the rollout's peak does not depend on it), the sentence that says what to set (the log-prob budget too); None otherwise
-    (fixed micro-batches, one micro-batch already, or no room). Fewer, larger micro-batches cut the host
-    work per step, which is what bounds small models: bench/RESULTS.md, session 9."""
+    ``mini_batch_tokens`` tokens per rank takes several micro-batches of ``ppo_max_token_len_per_gpu`` and
+    a larger budget — doubled until it holds the whole mini-batch — keeps the predicted update and
+    log-prob peaks under ``share`` of the device (the rollout's peak does not depend on it), the sentence
+    that says what to set (the log-prob budget too); None otherwise (fixed micro-batches, one micro-batch
+    already, or no room). Fewer, larger micro-batches cut the host work per step, which is what bounds
+    small models: bench/RESULTS.md, session 9."""
     budget = workload.point.micro_tokens
     if workload.update_micro_tokens != budget or budget >= mini_batch_tokens:
         return None
