@@ -12,9 +12,10 @@ from transformers import AutoConfig
 
 from klppo.algorithms.advantages import needs_critic
 from klppo.config import KLPPOConfig, derive_sizes
-from klppo.trainer.settings import fsdp_settings, tune_workload
+from klppo.trainer.settings import fsdp_settings, resolve_min_num_params, tune_workload
 from klppo.trainer.startup_checks import check_before_weights
 from klppo.tune.preflight import predicted_peaks_gib
+from klppo.tune.units import WHOLE_MODEL
 
 __all__ = ["check_before_weights", "dry_run"]
 
@@ -49,6 +50,14 @@ def dry_run(
         print(f"{split} prompts: {loader.summary()}")
     print(f"processes: {nproc} per node × {cfg.trainer.nnodes} node(s) on {device.type}")
     print(f"roles: {', '.join(roles)}; rollout engine: {arr.rollout.name}")
+    for role, fsdp_cfg in (("actor", arr.actor.fsdp_config), ("reference", arr.ref.fsdp_config),
+                           ("critic", cfg.critic.model.fsdp_config)):  # fmt: skip
+        if role == "actor" or any(r.startswith(role) for r in roles):
+            threshold, why = resolve_min_num_params(fsdp_cfg, world_size=world)
+            layout = (
+                "one unit for the whole model" if threshold >= WHOLE_MODEL else f"min_num_params={threshold}"
+            )
+            print(f"FSDP2 {role}: {layout} ({why})")
     print("sizes per rank (samples unless named prompts):")
     for field in dataclasses.fields(sizes):
         print(f"  {field.name}: {getattr(sizes, field.name)}")

@@ -108,6 +108,11 @@ def test_truncation_is_counted_and_reported(tiny_model_dir, arithmetic_data, tmp
         "train prompts: 64 rows, 64 usable, 0 bad, 2 longer than max_prompt_length=64 (truncated, left)"
         in out
     )
+    # the plan also states each role's FSDP layout and why (min_num_params auto on one process)
+    assert (
+        "FSDP2 actor: one unit for the whole model (auto: one process, one unit for the whole model)" in out
+    )
+    assert "FSDP2 reference" not in out and "FSDP2 critic" not in out  # GRPO without a KL: no such roles
 
 
 def test_users_file_in_the_run_directory_is_refused_at_start(
