@@ -121,6 +121,10 @@ SERIES = {
     "entropy": "actor/entropy",
     "length": "response_length/mean",
     "step_s": "timing_s/step",
+    # where a step's time goes (the phases a setting changes: a larger batch, a token budget, one FSDP unit)
+    "gen_s": "timing_s/gen",
+    "ref_s": "timing_s/ref",
+    "update_actor_s": "timing_s/update_actor",
 }
 
 

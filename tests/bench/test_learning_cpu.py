@@ -58,6 +58,8 @@ def test_learning_bench_runs_and_stops_on_budget(tmp_path):
     assert r["train_seconds"] == pytest.approx(sum(steps))
     assert r["accuracy_before"]["n"] == r["accuracy_after"]["n"] == 6
     assert len(r["series"]["kl_k3"]) == r["steps"] and r["series"]["kl_k3"][0] == pytest.approx(0, abs=1e-6)
+    for phase in ("gen_s", "ref_s", "update_actor_s"):  # the phases of each step, inside its time
+        assert all(0 < t <= s for t, s in zip(r["series"][phase], steps, strict=True))
     assert r["target_kl"] == 0.01
     report = json.loads(out.read_text())
     assert report["source_sha256"] == source_hash() and len(report["source_sha256"]) == 16
