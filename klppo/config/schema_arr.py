@@ -287,7 +287,12 @@ class RolloutConfig:
         "triton package imports, else flash; masked SDPA elsewhere) | flash | flash-plain | sdpa | triton "
         "(split-KV kernels fused with the cache write; 15-22% faster decode steps than flash on an H200).",
     )
-    free_cache_engine: bool = F(True, "Free the KV cache after each rollout.")
+    free_cache_engine: bool = F(
+        True,
+        "Free the KV cache after each rollout. false: the klppo engine keeps cache, CUDA graphs and a copy of "
+        "the weights, reused by every later rollout of the same batch shape (graphs captured once, not per "
+        "step), at the memory of the cache and one weight copy during training.",
+    )
     tensor_model_parallel_size: int = F(
         1,
         "[klppo default; verl 2] Rollout tensor parallelism: groups of this many ranks generate on "

@@ -34,7 +34,8 @@ One ``generate`` call:
    below ``compact_min_bucket``), so the step follows the live sequence count.
 
 The cache, buffers and graphs are dropped at the end of ``generate`` when ``free_cache_engine`` is True;
-otherwise they are kept and reused by the next call of the same shape on the same weight addresses.
+otherwise they are kept, with a resident copy of the weights, and reused by every later call of the same
+shape whatever its seed and weights (``_keeps_workspace``).
 Models the engine cannot run fall back to the ``hf`` backend with a warning that names the reason.
 """
 
@@ -196,7 +197,7 @@ class KLPPORollout:
             packed=packed,
             starts=[0, *itertools.accumulate(lengths)],
             prompt_hidden=torch.empty(len(lengths), w.embed.shape[1], dtype=w.embed.dtype, device=device),
-            eos=torch.tensor(self.eos_token_ids or [-1], device=device),
+            eos=ws.eos,
             check_eos=not params.ignore_eos and bool(self.eos_token_ids),
             cuda=device.type == "cuda",
         )
@@ -235,18 +236,37 @@ class KLPPORollout:
 
     def _workspace(self, w, device, num_seqs, width, max_len, params) -> Workspace:
         fuse = self.fuse_projections and w.layers[0].qkv is None  # not when given fused (tensor parallel)
-        key = (num_seqs, width, max_len, w.embed.dtype, w.signature(), params, fuse)
-        if self._ws is not None and self._ws.key == key:
-            if fuse:  # the model's weights may have changed in place: refresh the copies, same addresses
-                w.fuse(into=self._ws.weights)
-            return self._ws
+        if self._keeps_workspace(w, fuse):  # kept across calls: see _reusable
+            key = (num_seqs, width, w.embed.dtype, w.layout(), dataclasses.replace(params, seed=None))
+            if self._ws is not None and self._ws.key == key and self._ws.kv.shape[3] >= max_len:
+                w.resident(into=self._ws.weights)  # this call's weights, into the graphs' copies
+                return self._ws
+            max_len = -(-max_len // 64) * 64  # room for a little longer prompts next time
+        else:
+            key = (num_seqs, width, max_len, w.embed.dtype, w.signature(), params, fuse)
+            if self._ws is not None and self._ws.key == key:
+                if fuse:  # the model's weights may have changed in place: refresh the copies, same addresses
+                    w.fuse(into=self._ws.weights)
+                return self._ws
         self._ws = None  # free the old cache (and fused copies) before allocating the new ones
-        fused = w.fuse() if fuse else None
+        if self._keeps_workspace(w, fuse):
+            fused = w.resident()
+        else:
+            fused = w.fuse() if fuse else None
         budget = CacheBudget(self.gpu_memory_utilization, self.max_num_seqs, self.max_prefill_tokens)
         slots = num_slots(w, device, num_seqs, max_len, budget)
         self._ws = Workspace.allocate(w, key=key, fused=fused, num_slots=slots, num_seqs=num_seqs, width=width,
-                                      max_len=max_len, device=device)  # fmt: skip
+                                      max_len=max_len, device=device, eos=self.eos_token_ids)  # fmt: skip
         return self._ws
+
+    def _keeps_workspace(self, w: LlamaWeights, fuse: bool) -> bool:
+        """With ``free_cache_engine=False`` (and fused projections, no tensor parallelism) the workspace —
+        cache, buffers, graphs and a resident copy of the weights (:meth:`LlamaWeights.resident`) — serves
+        every later call with the same sequence count, width, sampling parameters other than the seed, and
+        a prompt that fits its positions: a training run's rollouts then capture their graphs once, not
+        every step, whatever addresses the re-gathered weights get. The cost: one more copy of the weights
+        while the workspace lives, and positions rounded up to a multiple of 64."""
+        return not self.free_cache_engine and fuse and w.tp is None
 
     def _step_fn(self, call: Call, bucket: int) -> Callable[[], None]:
         """A callable running one decode step on slots [0, bucket): a graph replay on GPU."""

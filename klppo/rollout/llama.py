@@ -212,6 +212,48 @@ class LlamaWeights:
         layers = [lw.fused(None if into is None else into.layers[i]) for i, lw in enumerate(self.layers)]
         return dataclasses.replace(self, layers=layers)
 
+    def resident(self, into: LlamaWeights | None = None) -> LlamaWeights:
+        """Fused weights (``fuse``) that the result owns entirely: every tensor a copy, ``q``/``k``/``v`` and
+        ``gate``/``up`` (and their biases) views of the fused rows, tied tensors still tied — or, with
+        ``into`` (an earlier result, same layout), the same written into ``into``'s tensors. Graphs
+        captured on them stay valid from call to call whatever addresses this object's tensors have (a
+        model re-gathered by FSDP2 every step); costs one copy of the weights."""
+        fused = self.fuse(into)
+        copies: dict[tuple, torch.Tensor] = {}
+
+        def own(t: torch.Tensor | None, dst: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))  # a tied tensor: copied once
+            if key not in copies:
+                copies[key] = t.clone() if dst is None else dst.copy_(t)
+            return copies[key]
+
+        layers = []
+        for i, lw in enumerate(fused.layers):
+            dst = None if into is None else into.layers[i]
+            owned = {
+                f.name: own(getattr(lw, f.name), None if dst is None else getattr(dst, f.name))
+                for f in dataclasses.fields(lw)
+                if f.name not in _FUSED_SOURCES and f.name not in _FUSED
+            }
+            owned.update({name: getattr(lw, name) for name in _FUSED})  # made by fuse (into dst's if given)
+            layers.append(dataclasses.replace(lw, **owned, **_row_views(lw, owned)))
+        return dataclasses.replace(
+            fused,
+            layers=layers,
+            embed=own(self.embed, None if into is None else into.embed),
+            final_norm=own(self.final_norm, None if into is None else into.final_norm),
+            lm_head=own(self.lm_head, None if into is None else into.lm_head),
+            inv_freq=own(self.inv_freq, None if into is None else into.inv_freq),
+        )
+
+    def layout(self) -> tuple:
+        """Shapes and dtypes of every weight: what graphs on :meth:`resident` copies depend on."""
+        tensors = [self.embed, self.final_norm, self.lm_head, self.inv_freq]
+        tensors += [getattr(lw, f.name) for lw in self.layers for f in dataclasses.fields(lw)]
+        return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in tensors)
+
     def signature(self) -> tuple[int, ...]:
         """Addresses of every weight: graphs captured on these stay valid while it is unchanged."""
         ptrs = [self.embed.data_ptr(), self.final_norm.data_ptr(), self.lm_head.data_ptr()]
@@ -220,6 +262,26 @@ class LlamaWeights:
                 t = getattr(layer, f.name)
                 ptrs.append(0 if t is None else t.data_ptr())
         return tuple(ptrs)
+
+
+_FUSED = ("qkv", "qkv_bias", "gate_up", "gate_up_bias")
+_FUSED_SOURCES = ("q", "k", "v", "q_bias", "k_bias", "v_bias", "gate", "up", "gate_bias", "up_bias")
+
+
+def _row_views(lw: LayerWeights, owned: dict) -> dict:
+    """``q``/``k``/``v`` and ``gate``/``up`` (and biases) as views of the rows of the fused tensors in
+    ``owned`` (``lw`` gives their row counts)."""
+    views = {}
+    for fused, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+        start = 0
+        for name in parts:
+            rows = getattr(lw, name).shape[0]
+            views[name] = owned[fused][start : start + rows]
+            bias = owned[f"{fused}_bias"]
+            if getattr(lw, f"{name}_bias") is not None:
+                views[f"{name}_bias"] = bias[start : start + rows]
+            start += rows
+    return views
 
 
 def _cat(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:

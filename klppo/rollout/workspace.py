@@ -65,11 +65,14 @@ class Workspace:
     out_tokens: torch.Tensor  # [num_seqs + 1, R] (last row: sink for idle slots)
     out_log_probs: torch.Tensor  # [num_seqs + 1, R]
     out_len: torch.Tensor  # [num_seqs + 1]
+    eos: (
+        torch.Tensor
+    )  # [E] the ids that end a sequence ([-1] when none): read inside the graphs, so owned here
     graphs: DecodeGraphs = dataclasses.field(default_factory=DecodeGraphs)
 
     @staticmethod
     def allocate(w: LlamaWeights, *, key: tuple, fused: LlamaWeights | None, num_slots: int, num_seqs: int,
-                 width: int, max_len: int, device: torch.device) -> Workspace:  # fmt: skip
+                 width: int, max_len: int, device: torch.device, eos: list[int] = ()) -> Workspace:  # fmt: skip
         """A fresh workspace for ``num_seqs`` sequences of at most ``width`` new tokens in ``num_slots``
         slots of ``max_len`` positions (cache dtype and heads from ``w``)."""
         kv = torch.zeros(  # zeros: masked-out cache entries must be finite (0 × NaN = NaN)
@@ -93,6 +96,7 @@ class Workspace:
             out_tokens=zeros(num_seqs + 1, width),
             out_log_probs=zeros(num_seqs + 1, width, dtype=torch.float32),
             out_len=zeros(num_seqs + 1),
+            eos=torch.tensor(list(eos) or [-1], device=device),
         )
 
     def fused_bytes(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -380,3 +381,44 @@ def test_compiled_functions_pass_their_mode_and_refuse_modes_with_graphs(monkeyp
     for mode in ("reduce-overhead", "max-autotune"):
         with pytest.raises(ValueError, match="no-cudagraphs"):
             CompiledFunctions(backend="eager", mode=mode)
+
+
+def test_a_kept_workspace_serves_later_calls_with_new_seeds_weights_and_addresses() -> None:
+    """``free_cache_engine=False``: a later call with another seed, changed weights — updated in place, or
+    replaced by new tensors (as FSDP2 re-gathers them each step) — and a shorter prompt batch reuses the
+    workspace (cache, graphs, resident weight copies) and gives exactly what a fresh engine gives; a
+    prompt batch past its positions gets a new one."""
+    model = build_tiny_model(arch="qwen2").eval()
+    prompts, prompt_mask = left_padded(PROMPTS)
+    kept = KLPPORollout(eos_token_ids=[2], pad_token_id=2, free_cache_engine=False)
+
+    def fresh(seed: int, p=prompts, m=prompt_mask):
+        params = SamplingParams(max_new_tokens=9, n=2, temperature=0.8, seed=seed)
+        return KLPPORollout(eos_token_ids=[2], pad_token_id=2).generate(model, p, m, params)
+
+    def same(a, b) -> None:
+        assert torch.equal(a.responses, b.responses)
+        torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-6, rtol=0)
+
+    params = SamplingParams(max_new_tokens=9, n=2, temperature=0.8, seed=1)
+    same(kept.generate(model, prompts, prompt_mask, params), fresh(1))
+    ws = kept._ws
+    assert ws is not None and ws.weights.layers[0].q.data_ptr() == ws.weights.layers[0].qkv.data_ptr()
+    same(kept.generate(model, prompts, prompt_mask, dataclasses.replace(params, seed=2)), fresh(2))
+    assert kept._ws is ws, "another seed allocated a new workspace"
+    with torch.no_grad():  # an update in place
+        for p in model.parameters():
+            p.mul_(1.05)
+    same(kept.generate(model, prompts, prompt_mask, dataclasses.replace(params, seed=3)), fresh(3))
+    for module in model.modules():  # new tensors at new addresses, as a re-gather gives
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(p.detach().clone() * 0.97, requires_grad=False))
+    model.tie_weights()
+    same(kept.generate(model, prompts, prompt_mask, dataclasses.replace(params, seed=4)), fresh(4))
+    shorter, shorter_mask = left_padded([p[:3] for p in PROMPTS])
+    out = kept.generate(model, shorter, shorter_mask, dataclasses.replace(params, seed=5))
+    same(out, fresh(5, shorter, shorter_mask))
+    assert kept._ws is ws
+    longer, longer_mask = left_padded([PROMPTS[0] * 12])  # past the 64-rounded positions
+    kept.generate(model, longer, longer_mask, dataclasses.replace(params, seed=6))
+    assert kept._ws is not ws
