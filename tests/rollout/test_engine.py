@@ -383,13 +383,19 @@ def test_compiled_functions_pass_their_mode_and_refuse_modes_with_graphs(monkeyp
             CompiledFunctions(backend="eager", mode=mode)
 
 
-def test_a_kept_workspace_serves_later_calls_with_new_seeds_weights_and_addresses() -> None:
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs CUDA")])],
+)  # fmt: skip
+def test_a_kept_workspace_serves_later_calls_with_new_seeds_weights_and_addresses(device) -> None:
     """``free_cache_engine=False``: a later call with another seed, changed weights — updated in place, or
     replaced by new tensors (as FSDP2 re-gathers them each step) — and a shorter prompt batch reuses the
     workspace (cache, graphs, resident weight copies) and gives exactly what a fresh engine gives; a
-    prompt batch past its positions gets a new one."""
-    model = build_tiny_model(arch="qwen2").eval()
-    prompts, prompt_mask = left_padded(PROMPTS)
+    prompt batch past its positions gets a new one. On CUDA (fp32, compiled, CUDA graphs): the graphs
+    captured under the first seed replay the later seeds' noise and weights."""
+    model = build_tiny_model(arch="qwen2").eval().to(device)
+    prompts, prompt_mask = (t.to(device) for t in left_padded(PROMPTS))
     kept = KLPPORollout(eos_token_ids=[2], pad_token_id=2, free_cache_engine=False)
 
     def fresh(seed: int, p=prompts, m=prompt_mask):
@@ -415,10 +421,12 @@ def test_a_kept_workspace_serves_later_calls_with_new_seeds_weights_and_addresse
             setattr(module, name, torch.nn.Parameter(p.detach().clone() * 0.97, requires_grad=False))
     model.tie_weights()
     same(kept.generate(model, prompts, prompt_mask, dataclasses.replace(params, seed=4)), fresh(4))
-    shorter, shorter_mask = left_padded([p[:3] for p in PROMPTS])
+    shorter, shorter_mask = (t.to(device) for t in left_padded([p[:3] for p in PROMPTS]))
     out = kept.generate(model, shorter, shorter_mask, dataclasses.replace(params, seed=5))
     same(out, fresh(5, shorter, shorter_mask))
     assert kept._ws is ws
-    longer, longer_mask = left_padded([PROMPTS[0] * 12])  # past the 64-rounded positions
+    longer, longer_mask = (
+        t.to(device) for t in left_padded([PROMPTS[0] * 12])
+    )  # past the 64-rounded positions
     kept.generate(model, longer, longer_mask, dataclasses.replace(params, seed=6))
     assert kept._ws is not ws
