@@ -125,6 +125,7 @@ SERIES = {
     "gen_s": "timing_s/gen",
     "ref_s": "timing_s/ref",
     "update_actor_s": "timing_s/update_actor",
+    "capture_s": "rollout/graph_capture_s",  # decode graphs captured in the step (0 when the engine kept them)
 }
 
 
