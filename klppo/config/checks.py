@@ -157,6 +157,9 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     if rollout.decode_attention != "auto" and rollout.name != "klppo":
         raise ConfigError(f"actor_rollout_ref.rollout.decode_attention={rollout.decode_attention} is klppo's engine's; "
                           f"rollout.name={rollout.name}: set decode_attention=auto or rollout.name=klppo")  # fmt: skip
+    if rollout.compact_slots and rollout.name != "klppo":
+        raise ConfigError(f"actor_rollout_ref.rollout.compact_slots=true is klppo's engine's; rollout.name={rollout.name}: "
+                          "set compact_slots=false or rollout.name=klppo")  # fmt: skip
     if cfg.actor_rollout_ref.actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={cfg.actor_rollout_ref.actor.clip_ratio_c}: "
                           "the dual-clip constant must be > 1.0")  # fmt: skip

@@ -287,6 +287,12 @@ class RolloutConfig:
         "triton package imports, else flash; masked SDPA elsewhere) | flash | flash-plain | sdpa | triton "
         "(split-KV kernels fused with the cache write; 15-22% faster decode steps than flash on an H200).",
     )
+    compact_slots: bool = F(
+        False,
+        "[klppo] The klppo engine moves its busy slots down into a smaller decode batch once no sequence "
+        "waits, so responses of spread lengths decode at the size of the live batch (K/V and state copied). "
+        "Off until measured on a GPU (bench/rollout.py --eos-every K --variants compact).",
+    )
     free_cache_engine: bool = F(
         True,
         "Free the KV cache after each rollout. false: the klppo engine keeps cache, CUDA graphs and a copy of "

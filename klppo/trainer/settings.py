@@ -265,11 +265,13 @@ def engine_options(rollout: RolloutConfig) -> dict[str, bool | str]:
     """Options of the klppo engine read from the rollout config: ``enforce_eager`` runs the decode step
     eagerly (no torch.compile, no CUDA graph capture), as vLLM's flag does; ``sampler`` picks the sampling
     kernels (``auto``: the one-pass Triton kernels where they run, measured 4–6% off the decode step on an
-    H200, bench/RESULTS.md); ``decode_attention`` picks the decode attention kernels."""
+    H200, bench/RESULTS.md); ``decode_attention`` picks the decode attention kernels; ``compact_slots``
+    moves busy slots into smaller decode batches once nothing waits."""
     if rollout.name != "klppo":
         return {}
     eager = {"use_cuda_graph": False, "compile_decode": False} if rollout.enforce_eager else {}
-    return {**eager, "sampler": rollout.sampler, "decode_attention": rollout.decode_attention}
+    return {**eager, "sampler": rollout.sampler, "decode_attention": rollout.decode_attention,
+            "compact_slots": rollout.compact_slots}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- data

@@ -139,12 +139,17 @@ def test_engine_options_from_enforce_eager_sampler_and_decode_attention():
         "compile_decode": False,
         "sampler": "auto",
         "decode_attention": "auto",
+        "compact_slots": False,
     }
-    assert options() == {"sampler": "auto", "decode_attention": "auto"}
+    assert options() == {"sampler": "auto", "decode_attention": "auto", "compact_slots": False}
     assert options("actor_rollout_ref.rollout.sampler=torch") == {
         "sampler": "torch",
         "decode_attention": "auto",
+        "compact_slots": False,
     }
+    assert options("actor_rollout_ref.rollout.compact_slots=true")["compact_slots"] is True
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.compact_slots=true is klppo's"):
+        options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.compact_slots=true")
     assert options("actor_rollout_ref.rollout.decode_attention=triton")["decode_attention"] == "triton"
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.decode_attention"):
         options("actor_rollout_ref.rollout.decode_attention=splitkv")
