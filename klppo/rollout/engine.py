@@ -256,7 +256,8 @@ class KLPPORollout:
         budget = CacheBudget(self.gpu_memory_utilization, self.max_num_seqs, self.max_prefill_tokens)
         slots = num_slots(w, device, num_seqs, max_len, budget)
         self._ws = Workspace.allocate(w, key=key, fused=fused, num_slots=slots, num_seqs=num_seqs, width=width,
-                                      max_len=max_len, device=device, eos=self.eos_token_ids)  # fmt: skip
+                                      max_len=max_len, device=device, eos=self.eos_token_ids,
+                                      resident=self._keeps_workspace(w, fuse))  # fmt: skip
         return self._ws
 
     def _keeps_workspace(self, w: LlamaWeights, fuse: bool) -> bool:

@@ -65,14 +65,14 @@ class Workspace:
     out_tokens: torch.Tensor  # [num_seqs + 1, R] (last row: sink for idle slots)
     out_log_probs: torch.Tensor  # [num_seqs + 1, R]
     out_len: torch.Tensor  # [num_seqs + 1]
-    eos: (
-        torch.Tensor
-    )  # [E] the ids that end a sequence ([-1] when none): read inside the graphs, so owned here
+    eos: torch.Tensor  # [E] ids that end a sequence ([-1]: none); read inside the graphs, so owned here
+    resident: bool  # weights is a resident copy of every weight (a kept workspace)
     graphs: DecodeGraphs = dataclasses.field(default_factory=DecodeGraphs)
 
     @staticmethod
     def allocate(w: LlamaWeights, *, key: tuple, fused: LlamaWeights | None, num_slots: int, num_seqs: int,
-                 width: int, max_len: int, device: torch.device, eos: list[int] = ()) -> Workspace:  # fmt: skip
+                 width: int, max_len: int, device: torch.device, eos: list[int] = (),
+                 resident: bool = False) -> Workspace:  # fmt: skip
         """A fresh workspace for ``num_seqs`` sequences of at most ``width`` new tokens in ``num_slots``
         slots of ``max_len`` positions (cache dtype and heads from ``w``)."""
         kv = torch.zeros(  # zeros: masked-out cache entries must be finite (0 × NaN = NaN)
@@ -97,16 +97,21 @@ class Workspace:
             out_log_probs=zeros(num_seqs + 1, width, dtype=torch.float32),
             out_len=zeros(num_seqs + 1),
             eos=torch.tensor(list(eos) or [-1], device=device),
+            resident=resident,
         )
 
     def fused_bytes(self) -> int:
-        """Bytes of the fused weight copies (0 without them)."""
+        """Bytes of the weight copies the workspace holds: the fused matrices, or with a resident copy
+        (:meth:`LlamaWeights.resident`, a kept workspace) every weight once (0 without copies)."""
         if self.weights is None:
             return 0
-        tensors = [
-            t
-            for lw in self.weights.layers
-            for t in (lw.qkv, lw.qkv_bias, lw.gate_up, lw.gate_up_bias)
-            if t is not None
-        ]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        w = self.weights
+        if self.resident:
+            tensors = [w.embed, w.final_norm, w.lm_head, w.inv_freq]
+            tensors += [getattr(lw, f.name) for lw in w.layers for f in dataclasses.fields(lw)]
+        else:
+            tensors = [t for lw in w.layers for t in (lw.qkv, lw.qkv_bias, lw.gate_up, lw.gate_up_bias)]
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None
+        }
+        return sum(storages.values())

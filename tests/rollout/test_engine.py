@@ -410,6 +410,10 @@ def test_a_kept_workspace_serves_later_calls_with_new_seeds_weights_and_addresse
     same(kept.generate(model, prompts, prompt_mask, params), fresh(1))
     ws = kept._ws
     assert ws is not None and ws.weights.layers[0].q.data_ptr() == ws.weights.layers[0].qkv.data_ptr()
+    # one copy of every weight, tied embeddings once (q/k/v, gate/up: views of the fused rows)
+    one_copy = sum(p.numel() * p.element_size() for p in model.parameters())
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert ws.fused_bytes() == one_copy + inv_freq.numel() * inv_freq.element_size()
     same(kept.generate(model, prompts, prompt_mask, dataclasses.replace(params, seed=2)), fresh(2))
     assert kept._ws is ws, "another seed allocated a new workspace"
     with torch.no_grad():  # an update in place
