@@ -2,8 +2,10 @@
 
 :class:`DecodeGraphs` holds the captured graphs of one workspace (they point at its tensors, so they are
 dropped with it) and the memory pool they share. Capturing a step: one warm-up run on a side stream
-(lazy initialisations, cuBLAS workspaces) outside the capture, the state tensors the warm-up advanced
-restored from copies, then the capture itself. Knows nothing of what the step computes.
+(lazy initialisations, cuBLAS workspaces) outside the capture, the state tensors and the random-number
+generators the warm-up advanced restored, then the capture itself (which draws no random numbers: a
+replay takes the generator's state at its start, so a call that captures and a call that replays a kept
+graph sample the same noise for the same seed). Knows nothing of what the step computes.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ class DecodeGraphs:
         saved = [t.clone() for t in state]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # warm-up (lazy inits, cuBLAS workspaces) outside the capture
+        # warm-up (lazy inits, cuBLAS workspaces) outside the capture, its random draws undone: capturing
+        # consumes no random numbers, so a call that captures draws what a call replaying a kept graph
+        # draws (a resumed run samples as the uninterrupted one did)
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()]), torch.cuda.stream(stream):
+            step()
         torch.cuda.current_stream().wait_stream(stream)
         for t, s in zip(state, saved):
             t.copy_(s)
