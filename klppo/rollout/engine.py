@@ -236,10 +236,11 @@ class KLPPORollout:
 
     def _workspace(self, w, device, num_seqs, width, max_len, params) -> Workspace:
         fuse = self.fuse_projections and w.layers[0].qkv is None  # not when given fused (tensor parallel)
-        if self._keeps_workspace(w, fuse):  # kept across calls: see _reusable
+        keep = self._keeps_workspace(w, fuse)
+        if keep:  # kept across calls (_keeps_workspace): the weights are copied into the graphs' own
             key = (num_seqs, width, w.embed.dtype, w.layout(), dataclasses.replace(params, seed=None))
             if self._ws is not None and self._ws.key == key and self._ws.kv.shape[3] >= max_len:
-                w.resident(into=self._ws.weights)  # this call's weights, into the graphs' copies
+                w.resident(into=self._ws.weights)
                 return self._ws
             max_len = -(-max_len // 64) * 64  # room for a little longer prompts next time
         else:
@@ -248,16 +249,13 @@ class KLPPORollout:
                 if fuse:  # the model's weights may have changed in place: refresh the copies, same addresses
                     w.fuse(into=self._ws.weights)
                 return self._ws
-        self._ws = None  # free the old cache (and fused copies) before allocating the new ones
-        if self._keeps_workspace(w, fuse):
-            fused = w.resident()
-        else:
-            fused = w.fuse() if fuse else None
+        self._ws = None  # free the old cache (and weight copies) before allocating the new ones
+        copies = w.resident() if keep else w.fuse() if fuse else None
         budget = CacheBudget(self.gpu_memory_utilization, self.max_num_seqs, self.max_prefill_tokens)
         slots = num_slots(w, device, num_seqs, max_len, budget)
-        self._ws = Workspace.allocate(w, key=key, fused=fused, num_slots=slots, num_seqs=num_seqs, width=width,
+        self._ws = Workspace.allocate(w, key=key, fused=copies, num_slots=slots, num_seqs=num_seqs, width=width,
                                       max_len=max_len, device=device, eos=self.eos_token_ids,
-                                      resident=self._keeps_workspace(w, fuse))  # fmt: skip
+                                      resident=keep)  # fmt: skip
         return self._ws
 
     def _keeps_workspace(self, w: LlamaWeights, fuse: bool) -> bool:
