@@ -229,30 +229,29 @@ class LlamaWeights:
                 copies[key] = t.clone() if dst is None else dst.copy_(t)
             return copies[key]
 
+        def owned(obj, dst, names) -> dict:
+            return {
+                name: own(getattr(obj, name), None if dst is None else getattr(dst, name)) for name in names
+            }
+
         layers = []
         for i, lw in enumerate(fused.layers):
-            dst = None if into is None else into.layers[i]
-            owned = {
-                f.name: own(getattr(lw, f.name), None if dst is None else getattr(dst, f.name))
-                for f in dataclasses.fields(lw)
-                if f.name not in _FUSED_SOURCES and f.name not in _FUSED
-            }
-            owned.update({name: getattr(lw, name) for name in _FUSED})  # made by fuse (into dst's if given)
-            layers.append(dataclasses.replace(lw, **owned, **_row_views(lw, owned)))
-        return dataclasses.replace(
-            fused,
-            layers=layers,
-            embed=own(self.embed, None if into is None else into.embed),
-            final_norm=own(self.final_norm, None if into is None else into.final_norm),
-            lm_head=own(self.lm_head, None if into is None else into.lm_head),
-            inv_freq=own(self.inv_freq, None if into is None else into.inv_freq),
-        )
+            names = [f.name for f in dataclasses.fields(lw) if f.name not in _FUSED_SOURCES + _FUSED]
+            mine = owned(lw, None if into is None else into.layers[i], names)
+            mine.update({name: getattr(lw, name) for name in _FUSED})  # made by fuse (into `into`'s if given)
+            layers.append(dataclasses.replace(lw, **mine, **_row_views(lw, mine)))
+        return dataclasses.replace(fused, layers=layers, **owned(self, into, _MODEL_TENSORS))
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Every weight tensor (None for the optional ones absent): the model-level ones, then each
+        layer's fields."""
+        return [getattr(self, name) for name in _MODEL_TENSORS] + [
+            getattr(lw, f.name) for lw in self.layers for f in dataclasses.fields(lw)
+        ]
 
     def layout(self) -> tuple:
         """Shapes and dtypes of every weight: what graphs on :meth:`resident` copies depend on."""
-        tensors = [self.embed, self.final_norm, self.lm_head, self.inv_freq]
-        tensors += [getattr(lw, f.name) for lw in self.layers for f in dataclasses.fields(lw)]
-        return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in tensors)
+        return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in self.tensors())
 
     def signature(self) -> tuple[int, ...]:
         """Addresses of every weight: graphs captured on these stay valid while it is unchanged."""
@@ -264,6 +263,7 @@ class LlamaWeights:
         return tuple(ptrs)
 
 
+_MODEL_TENSORS = ("embed", "final_norm", "lm_head", "inv_freq")
 _FUSED = ("qkv", "qkv_bias", "gate_up", "gate_up_bias")
 _FUSED_SOURCES = ("q", "k", "v", "q_bias", "k_bias", "v_bias", "gate", "up", "gate_bias", "up_bias")
 

@@ -107,8 +107,7 @@ class Workspace:
             return 0
         w = self.weights
         if self.resident:
-            tensors = [w.embed, w.final_norm, w.lm_head, w.inv_freq]
-            tensors += [getattr(lw, f.name) for lw in w.layers for f in dataclasses.fields(lw)]
+            tensors = w.tensors()
         else:
             tensors = [t for lw in w.layers for t in (lw.qkv, lw.qkv_bias, lw.gate_up, lw.gate_up_bias)]
         storages = {
