@@ -562,8 +562,8 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, ar
 
 
 ROWS = [
-    "timing_s/gen", "rollout/graph_capture_s", "rollout/prefill_s", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/reward",
-    "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step",
+    "timing_s/gen", "rollout/graph_capture_s", "rollout/prefill_s", "timing_s/old_log_prob", "timing_s/ref",
+    "timing_s/values", "timing_s/reward", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step",
     "train_s (step - gen)", "first_step_s", "first_update_s", "setup_s", "tokens_per_s", "perf/throughput",
     "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/log_prob_diff", "actor/pg_loss",
     "actor/entropy", "actor/grad_norm", "cuda_syncs/passes", "cuda_syncs/other",

@@ -162,11 +162,7 @@ def medians(runs: list[dict]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for mode in dict.fromkeys(r["mode"] for r in runs):
         rows = [r for r in runs if r["mode"] == mode]
-        keys = [
-            k
-            for k, v in rows[0].items()
-            if isinstance(v, int | float) and not isinstance(v, bool) and k != "batch"
-        ]
+        keys = [k for k, v in rows[0].items() if isinstance(v, int | float) and k != "batch"]
         out[mode] = {"runs": len(rows), **{k: round(statistics.median(r[k] for r in rows), 4) for k in keys}}
     return out
 
