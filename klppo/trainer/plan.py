@@ -12,10 +12,9 @@ from transformers import AutoConfig
 
 from klppo.algorithms.advantages import needs_critic
 from klppo.config import KLPPOConfig, derive_sizes
-from klppo.trainer.settings import fsdp_settings, resolve_min_num_params, tune_workload
+from klppo.trainer.settings import describe_min_num_params, fsdp_settings, tune_workload
 from klppo.trainer.startup_checks import check_before_weights
 from klppo.tune.preflight import predicted_peaks_gib
-from klppo.tune.units import WHOLE_MODEL
 
 __all__ = ["check_before_weights", "dry_run"]
 
@@ -38,10 +37,16 @@ def dry_run(
     sizes = derive_sizes(cfg, world)
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
     roles = ["actor" + (" (LoRA)" if arr.model.lora_rank > 0 else "")]
+    sharded = [("actor", arr.actor.fsdp_config)]  # the roles with a model of their own to shard
     if algo.use_kl_in_reward or arr.actor.use_kl_loss:
         roles.append("reference" + (" (= actor, adapters off)" if arr.model.lora_rank > 0 else ""))
+        if not (
+            arr.model.lora_rank > 0 or arr.model.lora_adapter_path
+        ):  # LoRA: the actor's model, adapters off
+            sharded.append(("reference", arr.ref.fsdp_config))
     if needs_critic(algo.adv_estimator):
         roles.append("critic")
+        sharded.append(("critic", cfg.critic.model.fsdp_config))
     roles.append("reward model" if cfg.reward_model.enable else "reward (rules / custom function)")
     print(f"model: {model_path}")
     for line in plan:
@@ -50,14 +55,8 @@ def dry_run(
         print(f"{split} prompts: {loader.summary()}")
     print(f"processes: {nproc} per node × {cfg.trainer.nnodes} node(s) on {device.type}")
     print(f"roles: {', '.join(roles)}; rollout engine: {arr.rollout.name}")
-    for role, fsdp_cfg in (("actor", arr.actor.fsdp_config), ("reference", arr.ref.fsdp_config),
-                           ("critic", cfg.critic.model.fsdp_config)):  # fmt: skip
-        if role == "actor" or any(r.startswith(role) for r in roles):
-            threshold, why = resolve_min_num_params(fsdp_cfg, world_size=world)
-            layout = (
-                "one unit for the whole model" if threshold >= WHOLE_MODEL else f"min_num_params={threshold}"
-            )
-            print(f"FSDP2 {role}: {layout} ({why})")
+    for role, fsdp_cfg in sharded:
+        print(f"FSDP2 {role}: {describe_min_num_params(fsdp_cfg, world_size=world)}")
     print("sizes per rank (samples unless named prompts):")
     for field in dataclasses.fields(sizes):
         print(f"  {field.name}: {getattr(sizes, field.name)}")

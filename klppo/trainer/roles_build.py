@@ -39,11 +39,11 @@ from klppo.roles.trained import TrainedRole
 from klppo.trainer.settings import (
     actor_settings,
     critic_settings,
+    describe_min_num_params,
     fsdp_settings,
     grad_sync_per_mini_batch,
     optim_settings,
     reference_settings,
-    resolve_min_num_params,
     to_dtype,
 )
 
@@ -142,10 +142,9 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
 
 def role_fsdp(role: str, fsdp_cfg: FSDPConfig, device: torch.device) -> FSDPSettings:
     """A role's FSDP2 settings for this run, with the resolved ``min_num_params`` logged (auto: why)."""
-    fsdp = fsdp_settings(fsdp_cfg, device_type=device.type, world_size=world_size())
-    _, why = resolve_min_num_params(fsdp_cfg, world_size=world_size())
-    logging.getLogger("klppo").info("%s: FSDP2 min_num_params=%d (%s)", role, fsdp.min_num_params, why)
-    return fsdp
+    layout = describe_min_num_params(fsdp_cfg, world_size=world_size())
+    logging.getLogger("klppo").info("%s: FSDP2 %s", role, layout)
+    return fsdp_settings(fsdp_cfg, device_type=device.type, world_size=world_size())
 
 
 def _grad_sync(

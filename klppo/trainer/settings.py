@@ -89,6 +89,14 @@ def resolve_min_num_params(fsdp: FSDPConfig, *, world_size: int) -> tuple[int, s
     return WHOLE_MODEL, "auto: one process, one unit for the whole model"
 
 
+def describe_min_num_params(fsdp: FSDPConfig, *, world_size: int) -> str:
+    """The resolved layout and why, for logs and the dry-run plan, e.g. "one unit for the whole model
+    (auto: one process, one unit for the whole model)"."""
+    threshold, why = resolve_min_num_params(fsdp, world_size=world_size)
+    layout = "one unit for the whole model" if threshold >= WHOLE_MODEL else f"min_num_params={threshold}"
+    return f"{layout} ({why})"
+
+
 def grad_sync_per_mini_batch(
     fsdp_cfg: FSDPConfig, fsdp: FSDPSettings, *, num_trainable: int, ranks: int, device_bytes: int | None
 ) -> tuple[bool, str]:

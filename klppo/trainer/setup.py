@@ -160,12 +160,9 @@ def _before_weights(
     total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
     hf_config = AutoConfig.from_pretrained(model_path)
     workload = tune_workload(cfg, actor_fsdp, world_size=world_size(), device_gib=total_gib)
-    seq = cfg.data.max_prompt_length + cfg.data.max_response_length  # an upper bound: responses may end early
-    mini_tokens = -(
-        -sizes.actor_mini_batch_samples_per_rank
-        * seq
-        // cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
-    )
+    # per rank, an upper bound (responses may end early), split over a Ulysses group as the tokens of a micro-batch
+    per_rank = sizes.actor_mini_batch_samples_per_rank * workload.seq_len
+    mini_tokens = -(-per_rank // workload.workload.sequence_parallel)
     check_memory(workload, hf_config, mini_batch_tokens=mini_tokens)
     rollout = cfg.actor_rollout_ref.rollout
     if compiled is not None and not rollout.enforce_eager:

@@ -87,6 +87,19 @@ def test_lora_with_full_kl_is_refused(tiny_model_dir, arithmetic_data, tmp_path)
         check_trainable(cfg)
 
 
+def test_the_dry_run_lists_no_fsdp_layout_for_the_lora_reference(
+    tiny_model_dir, arithmetic_data, tmp_path, capsys
+):
+    """With LoRA the reference is the actor's own model (adapters off): the plan names it, but shards
+    only the actor."""
+    from klppo.trainer.main_ppo import main
+
+    assert main(["--dry-run", *base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run"), *LORA]) == 0
+    out = capsys.readouterr().out
+    assert "reference (= actor, adapters off)" in out and "FSDP2 actor: one unit for the whole model" in out
+    assert "FSDP2 reference" not in out
+
+
 def test_rollout_on_merged_lora_equals_the_merged_model():
     """Greedy generation inside merged_for_rollout (our engine and hf) equals hf generate on the
     merge_and_unload()'d model, and the base weights come back bit-identical."""
