@@ -151,6 +151,12 @@ def test_engine_options_from_enforce_eager_sampler_and_decode_attention():
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.compact_slots=true is klppo's"):
         options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.compact_slots=true")
     assert options("actor_rollout_ref.rollout.decode_attention=triton")["decode_attention"] == "triton"
+    # refused where it would decode under CUDA graphs (its only GPU run failed there); eager or CPU: allowed
+    with pytest.raises(ConfigError, match="compact_slots=true failed its only GPU run"):
+        options("trainer.device=cuda", "actor_rollout_ref.rollout.compact_slots=true")
+    eager = options("trainer.device=cuda", "actor_rollout_ref.rollout.compact_slots=true",
+                    "actor_rollout_ref.rollout.enforce_eager=true")  # fmt: skip
+    assert eager["compact_slots"] is True and eager["use_cuda_graph"] is False
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.decode_attention"):
         options("actor_rollout_ref.rollout.decode_attention=splitkv")
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.decode_attention=triton is klppo's"):
