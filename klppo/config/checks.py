@@ -285,7 +285,7 @@ def _compiled_layers(cfg: KLPPOConfig) -> None:
 def _decodes_on_cuda(cfg: KLPPOConfig) -> bool:
     """Whether the rollout decodes on a CUDA GPU: ``trainer.device`` cuda, or auto with a GPU present."""
     if cfg.trainer.device == "auto":
-        import torch  # lazily: the other checks need no torch
+        import torch  # noqa: PLC0415  lazily: the other checks need no torch
 
         return torch.cuda.is_available()
     return cfg.trainer.device == "cuda"
