@@ -163,8 +163,12 @@ def _before_weights(
     # per rank, an upper bound (responses may end early), split over a Ulysses group as the tokens of a micro-batch
     per_rank = sizes.actor_mini_batch_samples_per_rank * workload.seq_len
     mini_tokens = -(-per_rank // workload.workload.sequence_parallel)
-    check_memory(workload, hf_config, mini_batch_tokens=mini_tokens)
     rollout = cfg.actor_rollout_ref.rollout
+    # a klppo-engine rollout on CUDA graphs that frees its workspace each step: could it keep it?
+    frees = rollout.name == "klppo" and rollout.free_cache_engine and not rollout.enforce_eager
+    frees = frees and rollout.tensor_model_parallel_size == 1
+    check_memory(workload, hf_config, mini_batch_tokens=mini_tokens,
+                 rollout_seqs=sizes.samples_per_rank if frees else None)  # fmt: skip
     if compiled is not None and not rollout.enforce_eager:
         _start_precompile(cfg, hf_config, device, compiled)
 

@@ -71,11 +71,47 @@ def micro_batch_advice(
     )
 
 
+def workspace_advice(
+    workload: TuneWorkload, model_config: Any, rollout_seqs: int, *, share: float = ADVICE_SHARE
+) -> str | None:
+    """For a klppo-engine rollout that frees its workspace after each step (``free_cache_engine=True``,
+    verl's default): when keeping it — the KV cache of ``rollout_seqs`` sequences per rank at the full
+    prompt + response length rounded up to 64 positions, and one bf16/fp16 copy of the weights — beside
+    the update and log-prob phases' predicted peak stays under ``share`` of the device, the sentence that
+    says to set ``free_cache_engine=False`` and what it costs; None otherwise. A kept workspace captures
+    its decode graphs once per run instead of every step (SmolLM2-135M on an H200: step −15%,
+    bench/RESULTS.md session 10)."""
+    facts = ModelFacts.from_config(model_config)
+    shape, c = facts.shape, workload.workload.compute_bytes
+    positions = -(-workload.seq_len // 64) * 64
+    kv = rollout_seqs * positions * shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * c
+    kept = kv + facts.num_params * c
+    phases = predict(facts, workload.update_point, workload.workload)
+    training = max(phases["update"].total, phases["log_prob"].total)
+    if training + kept > share * workload.workload.device_bytes:
+        return None
+    device_gib = workload.workload.device_bytes / 2**30
+    return (
+        f"actor_rollout_ref.rollout.free_cache_engine=False keeps the rollout's KV cache and decode graphs "
+        f"between steps (graphs captured once per run instead of every step: SmolLM2-135M step −15% on an "
+        f"H200) for {kept / 2**30:.1f} GiB held through training ({rollout_seqs} sequences × {positions} "
+        f"positions and a copy of the weights); with the update and log-prob passes that is predicted at "
+        f"{(training + kept) / 2**30:.1f} GiB of {device_gib:.0f}"
+    )
+
+
 def check_memory(
-    workload: TuneWorkload, model_config: Any, *, headroom: float = 0.95, mini_batch_tokens: int | None = None
+    workload: TuneWorkload,
+    model_config: Any,
+    *,
+    headroom: float = 0.95,
+    mini_batch_tokens: int | None = None,
+    rollout_seqs: int | None = None,
 ) -> None:
     """Log the predicted peaks; warn when one exceeds ``headroom`` × the device (the model is within ~15%);
-    with ``mini_batch_tokens`` (the actor's mini-batch per rank), log :func:`micro_batch_advice` if any."""
+    with ``mini_batch_tokens`` (the actor's mini-batch per rank), log :func:`micro_batch_advice` if any;
+    with ``rollout_seqs`` (sequences per rank of a rollout that frees its workspace each step), log
+    :func:`workspace_advice` if any."""
     device_gib = workload.workload.device_bytes / 2**30
     try:
         peaks = predicted_peaks_gib(workload, model_config)
@@ -93,7 +129,8 @@ def check_memory(
             "(min_num_params, offload, micro-batch tokens, gradient checkpointing).",
             worst, over[worst], device_gib,
         )  # fmt: skip
-    elif mini_batch_tokens:
-        advice = micro_batch_advice(workload, model_config, mini_batch_tokens)
-        if advice:
-            log.info("advice: %s", advice)
+    else:
+        advice = [micro_batch_advice(workload, model_config, mini_batch_tokens) if mini_batch_tokens else None,
+                  workspace_advice(workload, model_config, rollout_seqs) if rollout_seqs else None]  # fmt: skip
+        for line in filter(None, advice):
+            log.info("advice: %s", line)

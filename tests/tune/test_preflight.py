@@ -150,3 +150,38 @@ def test_a_larger_token_budget_is_advised_when_it_fits_and_only_then():
     big = workload(load_config(dynamic[:3] + ["data.max_prompt_length=512", "data.max_response_length=512"]),
                    world_size=1, device_gib=24)  # fmt: skip
     assert micro_batch_advice(big, load_model_config("Qwen2.5-7B"), 10**6) is None
+
+
+def test_keeping_the_rollout_workspace_is_advised_when_it_fits_and_only_then():
+    """The learning runs' case (SmolLM2-135M, 2,048 sequences of 128 + 128 tokens, one H200): the kept KV
+    cache (2,048 × 256 positions × 30 layers × K and V × 3 heads × 64 × 2 bytes) plus a bf16 copy of the
+    weights, beside the training passes, fits — advised with its size; a 7B model's 1,024 sequences of 4k
+    positions on an 80 GiB device do not."""
+    from klppo.tune.preflight import workspace_advice
+
+    small = load_model_config("SmolLM2-135M")
+    over = ["data.max_prompt_length=128", "data.max_response_length=128"]
+    tw = workload(load_config(over), world_size=1, device_gib=141)
+    line = workspace_advice(tw, small, 2048)
+    assert line is not None and "free_cache_engine=False" in line
+    kv = 2048 * 256 * 30 * 2 * 3 * 64 * 2
+    from klppo.tune.units import ModelFacts
+
+    weights = ModelFacts.from_config(small).num_params * 2
+    assert f"for {(kv + weights) / 2**30:.1f} GiB held" in line and "2048 sequences × 256 positions" in line
+    lines = []
+    logger, records = logging.getLogger("klppo"), _Records()
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        check_memory(tw, small, rollout_seqs=2048)
+        check_memory(tw, small)  # a rollout that keeps its workspace already (or another engine): nothing
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    lines = [r for r in records.lines if r.startswith("advice:")]
+    assert lines == [f"advice: {line}"]
+    big = workload(load_config(["data.max_prompt_length=2048", "data.max_response_length=2048"]), world_size=1,
+                   device_gib=80)  # fmt: skip
+    assert workspace_advice(big, load_model_config("Qwen2.5-7B"), 1024) is None
