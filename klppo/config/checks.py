@@ -161,9 +161,9 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.compact_slots=true is klppo's engine's; rollout.name={rollout.name}: "
                           "set compact_slots=false or rollout.name=klppo")  # fmt: skip
     if rollout.compact_slots and not rollout.enforce_eager and _decodes_on_cuda(cfg):
-        raise ConfigError("actor_rollout_ref.rollout.compact_slots=true failed its only GPU run: a CUDA error while "
-                          "the decode graphs were captured (bench/RESULTS.md, session 10); set compact_slots=false, "
-                          "or rollout.enforce_eager=true to compact without CUDA graphs")  # fmt: skip
+        raise ConfigError("actor_rollout_ref.rollout.compact_slots=true has not yet run on a GPU with CUDA graphs "
+                          "(its one try, bench/RESULTS.md session 10, failed in the capture); set "
+                          "compact_slots=false, or rollout.enforce_eager=true to compact without CUDA graphs")  # fmt: skip
     if cfg.actor_rollout_ref.actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={cfg.actor_rollout_ref.actor.clip_ratio_c}: "
                           "the dual-clip constant must be > 1.0")  # fmt: skip

@@ -291,8 +291,8 @@ class RolloutConfig:
         False,
         "[klppo] The klppo engine moves its busy slots down into a smaller decode batch once no sequence "
         "waits, so responses of spread lengths decode at the size of the live batch (K/V and state copied). "
-        "Off: refused on a CUDA GPU unless enforce_eager=true (its only GPU run, with CUDA graphs, failed; "
-        "bench/RESULTS.md session 10).",
+        "Off: refused on a CUDA GPU unless enforce_eager=true until it has run there with CUDA graphs (its one "
+        "try failed in the capture, most likely in the EOS check since fixed; bench/RESULTS.md session 10).",
     )
     free_cache_engine: bool = F(
         True,

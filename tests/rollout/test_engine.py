@@ -434,3 +434,35 @@ def test_a_kept_workspace_serves_later_calls_with_new_seeds_weights_and_addresse
     )  # past the 64-rounded positions
     kept.generate(model, longer, longer_mask, dataclasses.replace(params, seed=6))
     assert kept._ws is not ws
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs CUDA")])],
+)  # fmt: skip
+def test_the_eos_check_takes_many_ids_without_a_host_sync(device) -> None:
+    """Hundreds of EOS ids (``bench/rollout.py --eos-every``, a tokenizer with many stop ids): the check
+    equals ``torch.isin``, and the decode loop never calls ``unique`` — ``torch.isin`` does once the id
+    list outgrows the batch (10·B^0.145 ids), a device→host sync that invalidated the CUDA-graph capture
+    of session 10's GPU run. On CUDA the same generate runs with graphs and matches eager decoding."""
+    from torch.profiler import profile
+
+    from klppo.rollout.steps import ends
+
+    for rows, num_ids in ((1, 1), (16, 3), (256, 600), (7, 600)):
+        tokens = torch.randint(0, 2000, (rows,), device=device)
+        eos = torch.randperm(2000, device=device)[:num_ids]
+        assert torch.equal(ends(tokens, eos), torch.isin(tokens, eos))
+    model = build_tiny_model(arch="qwen2").eval().to(device)
+    prompts, prompt_mask = (t.to(device) for t in left_padded(PROMPTS))
+    eos = list(range(2, 602))  # 600 ids, as many as --eos-every 256 gives on a 152k vocabulary
+    greedy = SamplingParams(max_new_tokens=12, n=2, do_sample=False)
+    engine = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1)
+    with profile() as prof:
+        out = engine.generate(model, prompts, prompt_mask, greedy)
+    assert not [e.name for e in prof.events() if e.name == "aten::_unique"]
+    eager = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, use_cuda_graph=False,
+                         compile_decode=False).generate(model, prompts, prompt_mask, greedy)  # fmt: skip
+    assert torch.equal(out.responses, eager.responses) and torch.equal(out.response_mask, eager.response_mask)
+    assert out.response_mask.sum(1).min() < greedy.max_new_tokens  # the ids did end sequences
