@@ -160,10 +160,6 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     if rollout.compact_slots and rollout.name != "klppo":
         raise ConfigError(f"actor_rollout_ref.rollout.compact_slots=true is klppo's engine's; rollout.name={rollout.name}: "
                           "set compact_slots=false or rollout.name=klppo")  # fmt: skip
-    if rollout.compact_slots and not rollout.enforce_eager and _decodes_on_cuda(cfg):
-        raise ConfigError("actor_rollout_ref.rollout.compact_slots=true has not yet run on a GPU with CUDA graphs "
-                          "(its one try, bench/RESULTS.md session 10, failed in the capture); set "
-                          "compact_slots=false, or rollout.enforce_eager=true to compact without CUDA graphs")  # fmt: skip
     if cfg.actor_rollout_ref.actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={cfg.actor_rollout_ref.actor.clip_ratio_c}: "
                           "the dual-clip constant must be > 1.0")  # fmt: skip
@@ -280,15 +276,6 @@ def _compiled_layers(cfg: KLPPOConfig) -> None:
         if sp > 1:
             raise ConfigError(f"{prefix}.compile_packed_layers=True is not built with Ulysses sequence "
                               f"parallelism (ulysses_sequence_parallel_size={sp}); set it to False")  # fmt: skip
-
-
-def _decodes_on_cuda(cfg: KLPPOConfig) -> bool:
-    """Whether the rollout decodes on a CUDA GPU: ``trainer.device`` cuda, or auto with a GPU present."""
-    if cfg.trainer.device == "auto":
-        import torch  # noqa: PLC0415  lazily: the other checks need no torch
-
-        return torch.cuda.is_available()
-    return cfg.trainer.device == "cuda"
 
 
 def tp_rollout_unbuilt(cfg: KLPPOConfig) -> str | None:

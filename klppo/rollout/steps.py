@@ -89,9 +89,10 @@ def start_sequences(call: Call, plan: PrefillPlan, tokens: torch.Tensor, log_pro
 
 
 def ends(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
-    """Which ``tokens`` [B] are one of the ``eos`` ids [E]: a broadcast compare, [B, E] booleans. Not
-    ``torch.isin``, which sorts and calls ``unique`` once E ≥ 10·B^0.145 (8 ids at B = 1, 23 at B = 256):
-    a device→host sync that invalidates a CUDA-graph capture (a model with a few hundred stop ids)."""
+    """Which ``tokens`` [B] (1-D) are one of the ``eos`` ids [E]: a broadcast compare through [B, E]
+    booleans. Not ``torch.isin``, which sorts and calls ``unique`` once E reaches about 10·B^0.145 (10 ids
+    at B = 1, 22 at B = 256): a device→host sync that invalidates a CUDA-graph capture (a model with a few
+    hundred stop ids)."""
     return (tokens[:, None] == eos[None, :]).any(dim=1)
 
 

@@ -36,6 +36,7 @@ from klppo.parallel.mesh import (
 from klppo.parallel.offload import OffloadSchedule
 from klppo.rollout.base import RolloutEngine, SamplingParams, make_rollout
 from klppo.rollout.compiled import CompiledFunctions, use_persistent_cache
+from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
 from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
@@ -164,13 +165,23 @@ def _before_weights(
     per_rank = sizes.actor_mini_batch_samples_per_rank * workload.seq_len
     mini_tokens = -(-per_rank // workload.workload.sequence_parallel)
     rollout = cfg.actor_rollout_ref.rollout
-    # a klppo-engine rollout on CUDA graphs that frees its workspace each step: could it keep it?
-    frees = rollout.name == "klppo" and rollout.free_cache_engine and not rollout.enforce_eager
-    frees = frees and rollout.tensor_model_parallel_size == 1
     check_memory(workload, hf_config, mini_batch_tokens=mini_tokens,
-                 rollout_seqs=sizes.samples_per_rank if frees else None)  # fmt: skip
+                 rollout_seqs=sizes.samples_per_rank if could_keep_workspace(cfg, hf_config) else None)  # fmt: skip
     if compiled is not None and not rollout.enforce_eager:
         _start_precompile(cfg, hf_config, device, compiled)
+
+
+def could_keep_workspace(cfg: KLPPOConfig, hf_config) -> bool:
+    """Whether the rollout frees a workspace that it could keep between steps (the pre-flight then weighs
+    ``free_cache_engine=False``): the klppo engine on CUDA graphs for this architecture, freeing after each
+    step, no tensor parallelism, and one call shape per step — not with an estimator that adds a greedy
+    call per step (ReMax), whose two shapes would replace a kept workspace twice a step."""
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name != "klppo" or not rollout.free_cache_engine or rollout.enforce_eager:
+        return False
+    if rollout.tensor_model_parallel_size != 1 or hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        return False
+    return not get_advantage_estimator(cfg.algorithm.adv_estimator).needs_reward_baselines
 
 
 def kl_controller(group: KLControlConfig | KLLossControlConfig, init_coef: float) -> KLController:

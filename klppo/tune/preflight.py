@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from klppo.tune.memory import TuneWorkload, predict
+from klppo.tune.shapes import head_dim
 from klppo.tune.units import ModelFacts
 
 log = logging.getLogger("klppo")
@@ -75,17 +76,20 @@ def workspace_advice(
     workload: TuneWorkload, model_config: Any, rollout_seqs: int, *, share: float = ADVICE_SHARE
 ) -> str | None:
     """For a klppo-engine rollout that frees its workspace after each step (``free_cache_engine=True``,
-    verl's default): when keeping it — the KV cache of ``rollout_seqs`` sequences per rank at the full
-    prompt + response length rounded up to 64 positions, and one bf16/fp16 copy of the weights — beside
-    the update and log-prob phases' predicted peak stays under ``share`` of the device, the sentence that
-    says to set ``free_cache_engine=False`` and what it costs; None otherwise. A kept workspace captures
-    its decode graphs once per run instead of every step (SmolLM2-135M on an H200: step −15%,
-    bench/RESULTS.md session 10)."""
+    verl's default): when keeping it beside the update and log-prob phases' predicted peak stays under
+    ``share`` of the device, the sentence that says to set ``free_cache_engine=False`` and what it costs;
+    None otherwise. What a kept workspace holds through training, per rank: the KV cache of
+    ``rollout_seqs`` sequences (an upper bound: the engine takes fewer slots when fewer fit) at the full
+    prompt + response length rounded up to 64 positions, the decode step's per-slot temporaries the engine
+    budgets (``rollout.workspace.num_slots``: 32 bytes per vocabulary entry — fp32 logits and the
+    sampler's buffers, kept in the graphs' memory pool), and one bf16/fp16 copy of the weights. It captures
+    its decode graphs once instead of every step (SmolLM2-135M on an H200: step −15%, bench/RESULTS.md
+    session 10)."""
     facts = ModelFacts.from_config(model_config)
     shape, c = facts.shape, workload.workload.compute_bytes
     positions = -(-workload.seq_len // 64) * 64
-    kv = rollout_seqs * positions * shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * c
-    kept = kv + facts.num_params * c
+    kv = rollout_seqs * positions * shape.layers * 2 * shape.kv_heads * head_dim(facts.config) * c
+    kept = kv + rollout_seqs * shape.vocab * 32 + facts.num_params * c
     phases = predict(facts, workload.update_point, workload.workload)
     training = max(phases["update"].total, phases["log_prob"].total)
     if training + kept > share * workload.workload.device_bytes:
@@ -95,7 +99,8 @@ def workspace_advice(
         f"actor_rollout_ref.rollout.free_cache_engine=False keeps the rollout's KV cache and decode graphs "
         f"between steps (graphs captured once per run instead of every step: SmolLM2-135M step −15% on an "
         f"H200) for {kept / 2**30:.1f} GiB held through training ({rollout_seqs} sequences × {positions} "
-        f"positions and a copy of the weights); with the update and log-prob passes that is predicted at "
+        f"positions, decode buffers and a copy of the weights); with the update and log-prob passes that is "
+        f"predicted at "
         f"{(training + kept) / 2**30:.1f} GiB of {device_gib:.0f}"
     )
 

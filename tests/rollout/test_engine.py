@@ -445,7 +445,8 @@ def test_the_eos_check_takes_many_ids_without_a_host_sync(device) -> None:
     """Hundreds of EOS ids (``bench/rollout.py --eos-every``, a tokenizer with many stop ids): the check
     equals ``torch.isin``, and the decode loop never calls ``unique`` — ``torch.isin`` does once the id
     list outgrows the batch (10·B^0.145 ids), a device→host sync that invalidated the CUDA-graph capture
-    of session 10's GPU run. On CUDA the same generate runs with graphs and matches eager decoding."""
+    of session 10's GPU run. On CUDA the same generate, with and without slot compaction, runs with graphs
+    and matches eager decoding."""
     from torch.profiler import profile
 
     from klppo.rollout.steps import ends
@@ -456,7 +457,10 @@ def test_the_eos_check_takes_many_ids_without_a_host_sync(device) -> None:
         assert torch.equal(ends(tokens, eos), torch.isin(tokens, eos))
     model = build_tiny_model(arch="qwen2").eval().to(device)
     prompts, prompt_mask = (t.to(device) for t in left_padded(PROMPTS))
-    eos = list(range(2, 602))  # 600 ids, as many as --eos-every 256 gives on a 152k vocabulary
+    # 600 ids, as many as --eos-every 256 gives on a 152k vocabulary: 58 the model emits (lengths spread, as
+    # in the compaction test) and 542 past its vocabulary (never sampled, but as many entries for the check)
+    vocab = model.config.vocab_size
+    eos = list(range(2, 60)) + list(range(vocab, vocab + 542))
     greedy = SamplingParams(max_new_tokens=12, n=2, do_sample=False)
     engine = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1)
     with profile() as prof:
@@ -465,4 +469,10 @@ def test_the_eos_check_takes_many_ids_without_a_host_sync(device) -> None:
     eager = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, use_cuda_graph=False,
                          compile_decode=False).generate(model, prompts, prompt_mask, greedy)  # fmt: skip
     assert torch.equal(out.responses, eager.responses) and torch.equal(out.response_mask, eager.response_mask)
-    assert out.response_mask.sum(1).min() < greedy.max_new_tokens  # the ids did end sequences
+    lengths = out.response_mask.sum(1)
+    assert 1 < lengths.max() and lengths.min() < greedy.max_new_tokens and lengths.min() < lengths.max()
+    # with slot compaction (the configuration of session 10's failed GPU run): graphs of the smaller buckets
+    compact = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True,
+                           compact_min_bucket=2).generate(model, prompts, prompt_mask, greedy)  # fmt: skip
+    assert compact.stats["rollout/slot_moves"] > 0
+    assert torch.equal(compact.responses, eager.responses)

@@ -151,12 +151,6 @@ def test_engine_options_from_enforce_eager_sampler_and_decode_attention():
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.compact_slots=true is klppo's"):
         options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.compact_slots=true")
     assert options("actor_rollout_ref.rollout.decode_attention=triton")["decode_attention"] == "triton"
-    # refused where it would decode under CUDA graphs (its only GPU run failed there); eager or CPU: allowed
-    with pytest.raises(ConfigError, match="compact_slots=true has not yet run on a GPU"):
-        options("trainer.device=cuda", "actor_rollout_ref.rollout.compact_slots=true")
-    eager = options("trainer.device=cuda", "actor_rollout_ref.rollout.compact_slots=true",
-                    "actor_rollout_ref.rollout.enforce_eager=true")  # fmt: skip
-    assert eager["compact_slots"] is True and eager["use_cuda_graph"] is False
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.decode_attention"):
         options("actor_rollout_ref.rollout.decode_attention=splitkv")
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.decode_attention=triton is klppo's"):
@@ -184,3 +178,31 @@ def test_critic_warmup_as_verl(tiny_model_dir, arithmetic_data, tmp_path):
     assert any(k.startswith("critic/") for k in by_step[1])
     assert not any(k.startswith("actor/pg") for k in by_step[1])
     assert any(k.startswith("actor/pg") for k in by_step[2])
+
+
+@pytest.mark.parametrize(
+    "device,gpu,eager,refused",
+    [("auto", True, False, True), ("cuda", True, False, True), ("cuda", True, True, False),
+     ("auto", False, False, False), ("cpu", True, False, False)],
+)  # fmt: skip
+def test_compact_slots_is_refused_where_the_decode_runs_under_cuda_graphs(
+    monkeypatch, device, gpu, eager, refused
+):
+    """``compact_slots=true`` has not run on a GPU with CUDA graphs yet (its one try failed): the machine
+    check refuses it where the rollout would decode on CUDA with graphs (trainer.device cuda, or auto with a
+    GPU visible), and lets it through eager or on the CPU; without compact_slots nothing changes."""
+    import torch
+
+    from klppo.trainer.main_ppo import resolve_machine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(gpu))
+    over = [f"trainer.device={device}", "trainer.n_gpus_per_node=1",
+            f"actor_rollout_ref.rollout.enforce_eager={str(eager).lower()}"]  # fmt: skip
+    resolve_machine(load_config(over, **Q))  # compact_slots off: never refused
+    cfg = load_config([*over, "actor_rollout_ref.rollout.compact_slots=true"], **Q)
+    if refused:
+        with pytest.raises(ConfigError, match="compact_slots=true has not yet run on a GPU"):
+            resolve_machine(cfg)
+    else:
+        assert resolve_machine(cfg)[0].type == ("cuda" if device != "cpu" and gpu else "cpu")

@@ -153,35 +153,63 @@ def test_a_larger_token_budget_is_advised_when_it_fits_and_only_then():
 
 
 def test_keeping_the_rollout_workspace_is_advised_when_it_fits_and_only_then():
-    """The learning runs' case (SmolLM2-135M, 2,048 sequences of 128 + 128 tokens, one H200): the kept KV
-    cache (2,048 × 256 positions × 30 layers × K and V × 3 heads × 64 × 2 bytes) plus a bf16 copy of the
-    weights, beside the training passes, fits — advised with its size; a 7B model's 1,024 sequences of 4k
-    positions on an 80 GiB device do not."""
-    from klppo.tune.preflight import workspace_advice
+    """The learning runs' case (SmolLM2-135M, 2,048 sequences of 128 + 100 tokens, one H200): the kept KV
+    cache (positions rounded up to 256), the decode buffers (32 bytes per vocabulary entry and slot) and a
+    bf16 copy of the weights, beside the training passes, fit — advised with their size. Not advised when
+    the training passes fit but the kept workspace tips the total over 60% of the device; the head size
+    is the config's own (``head_dim``), not hidden ÷ heads."""
+    from klppo.tune.preflight import ADVICE_SHARE, workspace_advice
+    from klppo.tune.units import ModelFacts
 
     small = load_model_config("SmolLM2-135M")
-    over = ["data.max_prompt_length=128", "data.max_response_length=128"]
+    over = ["data.max_prompt_length=128", "data.max_response_length=100"]
     tw = workload(load_config(over), world_size=1, device_gib=141)
     line = workspace_advice(tw, small, 2048)
     assert line is not None and "free_cache_engine=False" in line
-    kv = 2048 * 256 * 30 * 2 * 3 * 64 * 2
-    from klppo.tune.units import ModelFacts
-
     weights = ModelFacts.from_config(small).num_params * 2
-    assert f"for {(kv + weights) / 2**30:.1f} GiB held" in line and "2048 sequences × 256 positions" in line
-    lines = []
+
+    def kept_gib(head: int, seqs: int = 2048) -> float:
+        return (seqs * 256 * 30 * 2 * 3 * head * 2 + seqs * 49152 * 32 + weights) / 2**30
+
+    assert f"for {kept_gib(64):.1f} GiB held" in line and "2048 sequences × 256 positions" in line
+    peaks = predicted_peaks_gib(tw, small)
+    training = max(peaks["update"], peaks["log_prob"])
+    assert f"predicted at {training + kept_gib(64):.1f} GiB of 141" in line
     logger, records = logging.getLogger("klppo"), _Records()
     level = logger.level
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     try:
         check_memory(tw, small, rollout_seqs=2048)
-        check_memory(tw, small)  # a rollout that keeps its workspace already (or another engine): nothing
+        check_memory(tw, small)  # a rollout that cannot keep its workspace (or keeps it already): nothing
     finally:
         logger.removeHandler(records)
         logger.setLevel(level)
-    lines = [r for r in records.lines if r.startswith("advice:")]
-    assert lines == [f"advice: {line}"]
-    big = workload(load_config(["data.max_prompt_length=2048", "data.max_response_length=2048"]), world_size=1,
-                   device_gib=80)  # fmt: skip
-    assert workspace_advice(big, load_model_config("Qwen2.5-7B"), 1024) is None
+    assert [r for r in records.lines if r.startswith("advice:")] == [f"advice: {line}"]
+    # the training passes alone fit; the kept workspace is what tips the total over the share
+    room = ADVICE_SHARE * 141 - training
+    seqs = int(2048 * room / kept_gib(64)) + 512
+    assert training < ADVICE_SHARE * 141 < training + kept_gib(64, seqs)
+    assert workspace_advice(tw, small, seqs) is None
+    # an explicit head_dim (as Qwen3 configs set it) sizes the cache, not hidden // heads = 64
+    wide = load_model_config("SmolLM2-135M")
+    wide.head_dim = 128
+    line = workspace_advice(workload(load_config(over), world_size=1, device_gib=141), wide, 2048)
+    weights = ModelFacts.from_config(wide).num_params * 2
+    assert line is not None and f"for {kept_gib(128):.1f} GiB held" in line
+
+
+def test_the_workspace_advice_only_where_a_workspace_could_be_kept():
+    """``setup.could_keep_workspace``: the klppo engine on CUDA graphs, freeing after each step, no tensor
+    parallelism, an architecture the engine runs, and one rollout shape per step (not ReMax's greedy call)."""
+    from klppo.trainer.setup import could_keep_workspace
+
+    small = load_model_config("SmolLM2-135M")
+    R = "actor_rollout_ref.rollout"
+    assert could_keep_workspace(load_config([]), small)
+    for over in ([f"{R}.free_cache_engine=False"], [f"{R}.enforce_eager=True"], [f"{R}.name=hf"],
+                 [f"{R}.tensor_model_parallel_size=2"], ["algorithm.adv_estimator=remax"]):  # fmt: skip
+        assert not could_keep_workspace(load_config(over), small), over
+    other = load_model_config("SmolLM2-135M")
+    other.model_type = "gpt2"
+    assert not could_keep_workspace(load_config([]), other)
