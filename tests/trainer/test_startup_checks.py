@@ -206,3 +206,25 @@ def test_compact_slots_is_refused_where_the_decode_runs_under_cuda_graphs(
             resolve_machine(cfg)
     else:
         assert resolve_machine(cfg)[0].type == ("cuda" if device != "cpu" and gpu else "cpu")
+
+
+def test_compiled_layers_are_advised_where_they_could_run_and_only_there():
+    """On a GPU the pre-flight names ``compile_packed_layers`` for each role that packs without it (actor
+    and reference; the critic only in a run with one), not where it is set, not without packing or with
+    Ulysses (where it is refused)."""
+    from klppo.config.checks import compiled_layers_advice
+
+    def advice(*over):
+        return compiled_layers_advice(load_config(list(over), **Q))
+
+    [actor] = advice()
+    assert actor.startswith("actor_rollout_ref.model.compile_packed_layers=True") and "43.5% MFU" in actor
+    assert advice("actor_rollout_ref.model.compile_packed_layers=True") == []
+    assert advice("actor_rollout_ref.model.use_remove_padding=False") == []
+    assert advice("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2") == []
+    gae = ["algorithm.adv_estimator=gae", "critic.enable=True", "critic.model.use_remove_padding=True",
+           "actor_rollout_ref.model.compile_packed_layers=True"]  # fmt: skip
+    [critic] = advice(*gae)
+    assert critic.startswith("critic.model.compile_packed_layers=True") and "+16 GiB" in critic
+    assert advice(*gae, "critic.model.compile_packed_layers=True") == []
+    assert advice(*gae[:-2], "actor_rollout_ref.model.compile_packed_layers=True") == []  # critic unpacked
