@@ -213,3 +213,40 @@ def test_the_workspace_advice_only_where_a_workspace_could_be_kept():
     other = load_model_config("SmolLM2-135M")
     other.model_type = "gpt2"
     assert not could_keep_workspace(load_config([]), other)
+
+
+def test_the_gpu_preflight_runs_end_to_end_and_logs_its_advice(monkeypatch, tmp_path):
+    """``setup._before_weights`` — what `klppo train` runs on a GPU before loading weights — from a model
+    directory's config.json, with the device's size faked on the CPU: the predicted peaks, then the advice
+    lines (the larger token budget, keeping the workspace, the compiled layers) for the learning runs'
+    settings (SmolLM2-135M, 256 prompts × 8, 16,384-token micro-batches, verl's free_cache_engine=True)."""
+    import types
+
+    import torch
+
+    from klppo.config import derive_sizes
+    from klppo.trainer import setup
+
+    load_model_config("SmolLM2-135M").save_pretrained(tmp_path)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda _d: types.SimpleNamespace(total_memory=141 * 2**30)
+    )
+    A = "actor_rollout_ref.actor"
+    cfg = load_config(["data.max_prompt_length=128", "data.max_response_length=128", "data.train_batch_size=256",
+                       f"{A}.ppo_mini_batch_size=256", "actor_rollout_ref.rollout.n=8", f"{A}.use_dynamic_bsz=True",
+                       f"{A}.ppo_max_token_len_per_gpu=16384", "actor_rollout_ref.model.enable_gradient_checkpointing=False"])  # fmt: skip
+    fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda", world_size=1)
+    logger, records = logging.getLogger("klppo"), _Records()
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        setup._before_weights(cfg, fsdp, str(tmp_path), torch.device("cuda"), None, derive_sizes(cfg, 1))
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert any(line.startswith("predicted peak memory per GPU") for line in records.lines)
+    advice = [line for line in records.lines if line.startswith("advice:")]
+    assert len(advice) == 3, advice
+    assert "ppo_max_token_len_per_gpu=" in advice[0] and "2048 sequences × 256 positions" in advice[1]
+    assert advice[2].startswith("advice: actor_rollout_ref.model.compile_packed_layers=True")
