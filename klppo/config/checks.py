@@ -202,6 +202,14 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
     ):  # fmt: skip
         if on and ctrl.type == "pi":
             _pi_floor_note(prefix, ctrl, init_key, init_coef, notify)
+    if actor.use_kl_loss and actor.kl_loss_ctrl.type == "pi" and actor.kl_loss_ctrl.target_kl_start is None:
+        notify(
+            "actor_rollout_ref.actor.kl_loss_ctrl: a constant target is overshot in the first steps, before β "
+            "catches up (measured per step: k3 0.27–0.39 for targets of 0.1–0.15, bench/RESULTS.md 'Learning'); "
+            "ramping the target up from below kept every step under 0.15 and ended at 55–58.5% against "
+            "49–52.5% at k3 ≈ 0.1 (session 10, where the ramped runs also made more steps): kl_loss_coef=0.3, "
+            "kl_loss_ctrl.target_kl_start=0.02, anneal_begin=0, anneal_steps=40 (examples/arithmetic_grpo_kl_ramp.yaml)"
+        )
     est, n_samples = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
     if est in GROUP_ESTIMATORS and n_samples == 1:
         notify(

@@ -162,6 +162,22 @@ def test_pi_controller_floor_far_below_its_start_is_noted():
     assert any(m.startswith("actor_rollout_ref.actor.kl_loss_ctrl: with min_coef=0.0001") for m in notes)
 
 
+def test_a_constant_kl_loss_target_under_pi_control_is_noted_with_the_ramp():
+    """The KL-loss PI controller with a constant target: a note naming the ramp's keys (its first steps
+    overshoot; the ramped runs did not, bench/RESULTS.md session 10); with target_kl_start set, the fixed
+    controller, or no KL loss: none."""
+    pi = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
+          "actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.03"]  # fmt: skip
+    for over, noted in ((pi, True), (pi + ["actor_rollout_ref.actor.kl_loss_ctrl.target_kl_start=0.02"], False),
+                        (pi[:1], False), (pi[2:3], False)):  # fmt: skip
+        notes: list[str] = []
+        load_config(over, notify=notes.append)
+        ramp = [m for m in notes if "target_kl_start=0.02" in m]
+        assert len(ramp) == int(noted), (over, notes)
+        if noted:
+            assert ramp[0].startswith("actor_rollout_ref.actor.kl_loss_ctrl: a constant target")
+
+
 def test_rollout_tp_must_divide_the_ranks():
     cfg = load_config(["actor_rollout_ref.rollout.tensor_model_parallel_size=3", "data.train_batch_size=24",
                        "actor_rollout_ref.actor.ppo_mini_batch_size=24"])  # fmt: skip
