@@ -27,6 +27,12 @@ class CacheBudget:
     max_prefill_tokens: int
 
 
+def slot_bytes(*, layers: int, kv_heads: int, head_dim: int, max_len: int, vocab: int, elt: int) -> int:
+    """Device bytes one decode slot takes: its K and V at ``max_len`` positions (``elt`` bytes per
+    element), and 32 bytes per vocabulary entry of decode temporaries (float32 logits, sampler buffers)."""
+    return layers * 2 * kv_heads * max_len * head_dim * elt + vocab * 4 * 8
+
+
 def num_slots(w: LlamaWeights, device: torch.device, num_seqs: int, max_len: int, budget: CacheBudget) -> int:
     """Slots that fit the budget, given everything allocated now (module docstring)."""
     cap = min(num_seqs, budget.max_num_seqs or num_seqs)
@@ -35,7 +41,8 @@ def num_slots(w: LlamaWeights, device: torch.device, num_seqs: int, max_len: int
     elt = w.embed.element_size()
     hidden, vocab = w.embed.shape[1], w.lm_head.shape[0]
     inter = w.layers[0].gate.shape[0]
-    per_slot = len(w.layers) * 2 * w.num_kv_heads * max_len * w.head_dim * elt + vocab * 4 * 8
+    per_slot = slot_bytes(layers=len(w.layers), kv_heads=w.num_kv_heads, head_dim=w.head_dim, max_len=max_len,
+                          vocab=vocab, elt=elt)  # fmt: skip
     workspace = budget.max_prefill_tokens * (3 * inter + 8 * hidden + 4 * w.num_heads * w.head_dim) * elt
     total = torch.cuda.get_device_properties(device).total_memory
     free = budget.gpu_memory_utilization * total - torch.cuda.memory_allocated(device) - workspace

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from klppo.rollout.workspace import slot_bytes
 from klppo.tune.memory import TuneWorkload, predict
 from klppo.tune.shapes import head_dim
 from klppo.tune.units import ModelFacts
@@ -81,15 +82,17 @@ def workspace_advice(
     None otherwise. What a kept workspace holds through training, per rank: the KV cache of
     ``rollout_seqs`` sequences (an upper bound: the engine takes fewer slots when fewer fit) at the full
     prompt + response length rounded up to 64 positions, the decode step's per-slot temporaries the engine
-    budgets (``rollout.workspace.num_slots``: 32 bytes per vocabulary entry — fp32 logits and the
-    sampler's buffers, kept in the graphs' memory pool), and one bf16/fp16 copy of the weights. It captures
+    budgets (``rollout.workspace.slot_bytes``, as ``num_slots`` counts a slot: 32 bytes per vocabulary
+    entry — fp32 logits and the sampler's buffers, kept in the graphs' memory pool), and one bf16/fp16 copy
+    of the weights. It captures
     its decode graphs once instead of every step (SmolLM2-135M on an H200: step −15%, bench/RESULTS.md
     session 10)."""
     facts = ModelFacts.from_config(model_config)
     shape, c = facts.shape, workload.workload.compute_bytes
     positions = -(-workload.seq_len // 64) * 64
-    kv = rollout_seqs * positions * shape.layers * 2 * shape.kv_heads * head_dim(facts.config) * c
-    kept = kv + rollout_seqs * shape.vocab * 32 + facts.num_params * c
+    per_slot = slot_bytes(layers=shape.layers, kv_heads=shape.kv_heads, head_dim=head_dim(facts.config),
+                          max_len=positions, vocab=shape.vocab, elt=c)  # fmt: skip
+    kept = rollout_seqs * per_slot + facts.num_params * c
     phases = predict(facts, workload.update_point, workload.workload)
     training = max(phases["update"].total, phases["log_prob"].total)
     if training + kept > share * workload.workload.device_bytes:
