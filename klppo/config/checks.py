@@ -268,14 +268,20 @@ def _token_budgets(cfg: KLPPOConfig) -> None:
             )
 
 
-def _compiled_layers(cfg: KLPPOConfig) -> None:
-    """``*.model.compile_packed_layers`` compiles the packed forwards only, without Ulysses."""
+def _packed_roles(cfg: KLPPOConfig) -> list[tuple[str, object, int]]:
+    """(key prefix, model group, Ulysses size) of each model whose packed passes ``compile_packed_layers``
+    compiles: the actor's (with the reference's passes) and the critic's."""
     arr = cfg.actor_rollout_ref
-    for prefix, model, sp in (
+    return [
         ("actor_rollout_ref.model", arr.model, max(arr.actor.ulysses_sequence_parallel_size,
                                                   arr.ref.ulysses_sequence_parallel_size)),
         ("critic.model", cfg.critic.model, cfg.critic.ulysses_sequence_parallel_size),
-    ):  # fmt: skip
+    ]  # fmt: skip
+
+
+def _compiled_layers(cfg: KLPPOConfig) -> None:
+    """``*.model.compile_packed_layers`` compiles the packed forwards only, without Ulysses."""
+    for prefix, model, sp in _packed_roles(cfg):
         if not model.compile_packed_layers:
             continue
         if not model.use_remove_padding:
@@ -290,23 +296,27 @@ def compiled_layers_advice(cfg: KLPPOConfig) -> list[str]:
     """On a GPU: for each role whose packed passes could run compiled decoder layers but do not
     (``compile_packed_layers`` off with ``use_remove_padding`` on and no Ulysses), the sentence that says what
     to set and what it measured (bench/RESULTS.md, sessions 6 and 7); the critic only when the run has one."""
-    arr, out = cfg.actor_rollout_ref, []
-    actor_sp = max(arr.actor.ulysses_sequence_parallel_size, arr.ref.ulysses_sequence_parallel_size)
-    if not arr.model.compile_packed_layers and arr.model.use_remove_padding and actor_sp == 1:
-        out.append(
-            "actor_rollout_ref.model.compile_packed_layers=True compiles the decoder layers of the actor's and "
-            "the reference's packed passes (measured on an H200: SmolLM2-135M GRPO update −29% and reference "
-            "pass −36%; the Qwen2.5-1.5B update 35.5% → 43.5% MFU and −13 GiB), for about 12 s of compilation "
-            "in the first passes (1.5B)"
-        )
-    critic = cfg.critic
-    if (uses_critic(cfg) and not critic.model.compile_packed_layers and critic.model.use_remove_padding
-            and critic.ulysses_sequence_parallel_size == 1):  # fmt: skip
-        out.append(
-            "critic.model.compile_packed_layers=True compiles the critic's packed passes (measured on an H200, "
-            "Qwen2.5-0.5B PPO: update_critic −15%, training phases −16%, at +16 GiB of peak memory)"
-        )
+    out = []
+    for prefix, model, sp in _packed_roles(cfg):
+        if prefix == "critic.model" and not uses_critic(cfg):
+            continue
+        if not model.compile_packed_layers and model.use_remove_padding and sp == 1:
+            out.append(_COMPILED_LAYERS_MEASURED[prefix])
     return out
+
+
+_COMPILED_LAYERS_MEASURED = {
+    "actor_rollout_ref.model": (
+        "actor_rollout_ref.model.compile_packed_layers=True compiles the decoder layers of the actor's and "
+        "the reference's packed passes (measured on an H200: SmolLM2-135M GRPO update −29% and reference "
+        "pass −36%; the Qwen2.5-1.5B update 35.5% → 43.5% MFU and −13 GiB), for about 12 s of compilation "
+        "in the first passes (1.5B)"
+    ),
+    "critic.model": (
+        "critic.model.compile_packed_layers=True compiles the critic's packed passes (measured on an H200, "
+        "Qwen2.5-0.5B PPO: update_critic −15%, training phases −16%, at +16 GiB of peak memory)"
+    ),
+}
 
 
 def tp_rollout_unbuilt(cfg: KLPPOConfig) -> str | None:
