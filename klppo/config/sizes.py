@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from klppo.config.errors import ConfigError
 from klppo.config.schema import KLPPOConfig
+from klppo.config.schema_arr import ModelConfig
 
 CRITIC_ESTIMATORS = ("gae",)
 
@@ -46,6 +47,12 @@ def uses_critic(cfg: KLPPOConfig) -> bool:
     """critic.enable, or (when null) whether the advantage estimator needs values (GAE)."""
     enable = cfg.critic.enable
     return bool(enable) if enable is not None else cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+
+
+def uses_lora(model: ModelConfig) -> bool:
+    """Whether the actor trains LoRA adapters (``actor_rollout_ref.model``: a rank, or an adapter to start
+    from); the reference is then the actor's own model with the adapters off, not a model of its own."""
+    return model.lora_rank > 0 or bool(model.lora_adapter_path)
 
 
 def check_prompt_counts(cfg: KLPPOConfig) -> None:

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig
 
 from klppo.algorithms.advantages import needs_critic
-from klppo.config import KLPPOConfig, derive_sizes
+from klppo.config import KLPPOConfig, derive_sizes, uses_lora
 from klppo.trainer.settings import describe_min_num_params, fsdp_settings, tune_workload
 from klppo.trainer.startup_checks import check_before_weights
 from klppo.tune.preflight import predicted_peaks_gib
@@ -40,9 +40,7 @@ def dry_run(
     sharded = [("actor", arr.actor.fsdp_config)]  # the roles with a model of their own to shard
     if algo.use_kl_in_reward or arr.actor.use_kl_loss:
         roles.append("reference" + (" (= actor, adapters off)" if arr.model.lora_rank > 0 else ""))
-        if not (
-            arr.model.lora_rank > 0 or arr.model.lora_adapter_path
-        ):  # LoRA: the actor's model, adapters off
+        if not uses_lora(arr.model):  # with LoRA the reference is the actor's model, adapters off
             sharded.append(("reference", arr.ref.fsdp_config))
     if needs_critic(algo.adv_estimator):
         roles.append("critic")

@@ -17,7 +17,7 @@ import torch
 from klppo.algorithms.advantages import needs_critic
 from klppo.algorithms.losses import get_policy_loss
 from klppo.batching.attention import enable_packed_attention
-from klppo.config import KLPPOConfig
+from klppo.config import KLPPOConfig, uses_lora
 from klppo.config.schema import CustomRewardFunctionConfig, RewardModelConfig
 from klppo.config.schema_arr import ModelConfig
 from klppo.config.schema_common import FSDPConfig
@@ -112,7 +112,7 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
     dtype = to_dtype(acfg.fsdp_config.model_dtype)
     sp = inputs.sp.actor
     model = load_policy_model(arr.model, inputs.model_path, dtype, inputs.device, train=True, sp=sp)
-    if arr.model.lora_rank > 0 or arr.model.lora_adapter_path:
+    if uses_lora(arr.model):
         model = apply_lora(
             model,
             rank=arr.model.lora_rank,
