@@ -16,6 +16,10 @@ from tests.rollout.conftest import left_padded, reference_log_probs
 
 PROMPTS = [[1, 10, 20, 30, 40, 50], [1, 7, 8], [1, 99, 100, 101, 102], [5], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
+CPU_AND_CUDA = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                  reason="needs CUDA")])]  # fmt: skip
+"""``device`` parameters of a test that runs on the CPU and, marked ``gpu``, on CUDA where there is one."""
+
 ARCHS = [
     ("qwen2", {}),  # tied embeddings, q/k/v bias, GQA
     ("qwen2", {"tie_word_embeddings": False}),
@@ -383,11 +387,7 @@ def test_compiled_functions_pass_their_mode_and_refuse_modes_with_graphs(monkeyp
             CompiledFunctions(backend="eager", mode=mode)
 
 
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                           reason="needs CUDA")])],
-)  # fmt: skip
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_a_kept_workspace_serves_later_calls_with_new_seeds_weights_and_addresses(device) -> None:
     """``free_cache_engine=False``: a later call with another seed, changed weights — updated in place, or
     replaced by new tensors (as FSDP2 re-gathers them each step) — and a shorter prompt batch reuses the
@@ -436,11 +436,7 @@ def test_a_kept_workspace_serves_later_calls_with_new_seeds_weights_and_addresse
     assert kept._ws is not ws
 
 
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                           reason="needs CUDA")])],
-)  # fmt: skip
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_the_eos_check_takes_many_ids_without_a_host_sync(device) -> None:
     """Hundreds of EOS ids (``bench/rollout.py --eos-every``, a tokenizer with many stop ids): the check
     equals ``torch.isin``, and the decode loop never calls ``unique`` — ``torch.isin`` does once the id
