@@ -14,8 +14,13 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
 - gathered units ``c·(U_r + W)``: the root (embeddings, final norm, tied head) is unsharded at both
   ends of the pass, around the logits and the LM head's backward; ``W`` = the largest window of units unsharded at once: one unit +
   the prefetched next (``backward_prefetch``/``forward_prefetch``), or all of them
-  (``reshard_after_forward=False``: every unit stays gathered until its backward).
-- on top of those, the larger of two moments of the backward:
+  (``reshard_after_forward=False``: every unit stays gathered until its backward). With
+  ``reshard_after_forward=True`` klppo passes the key to the root as well, and FSDP2 then reshards the
+  root after the forward too (it keeps the root gathered only when the key is left unset): while the
+  loss's logits are live nothing is gathered, and ``c·(U_r + W)`` belongs to a third moment, (c) below.
+  Measured on two H200s (Qwen2.5-1.5B, session 11): 21.6 GiB at every threshold with resharding, the
+  whole model as one unit included, where counting the root as always gathered predicted 22.4–24.7.
+- on top of those, the larger of the moments of the backward:
   (a) *backward start*: activations, per token and layer saved for backward ``A = 8h + c·(5h + 2·kvd
   + 4I)`` (two RMSNorms' fp32 input and bf16 output, q and k after RoPE, v, attention output and its
   copy into o_proj, gate, up, silu(gate), their product): without checkpointing ``L·T·A``, with
@@ -25,6 +30,8 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
   LM head's weight gradient ``V·h·c``. (Since the LM head returns float32 logits directly
   — ``klppo.models.lm_head`` — the bf16 logits are no longer made: these terms overestimate by
   ``N·V·c``; kept as they were validated until the next device sweep re-fits them.)
+  (c) *head backward* (``reshard_after_forward=True`` only): the root and the window gathered again,
+  the activations, the logits' fp32 gradient ``N·V·4`` and the LM head's weight gradient.
   (b) *backward end*: unit gradients ``max(U_r·(c+4), U_r·c + U_max·(c+4))`` (``U_max``: largest
   non-root unit): the root's unsharded grads are reduced last; a unit being reduced holds bf16 grads
   and their fp32 reduce-scatter input; or the all-gather's flat output buffer ``U_max·c``.
@@ -219,8 +226,12 @@ def _gathered(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *,
         window, text = units.largest_window(width), f"largest {width} consecutive units"
     else:
         window, text = units.total - units.root, "all units (reshard_after_forward=False)"
-    phase.add("gathered root", units.root * c, "U_r·c")
-    phase.add("gathered units", window * c, f"c·({text})")
+    # reshard_after_forward=True is passed to the root too, so the root reshards after the forward (FSDP2
+    # keeps the root gathered only when the key is left unset): nothing is gathered while the loss and its
+    # logits are live, and the root comes back at the head's backward (stage _HEAD)
+    stage = _HEAD if backward and point.reshard_after_forward else ""
+    phase.add("gathered root", units.root * c, "U_r·c", stage)
+    phase.add("gathered units", window * c, f"c·({text})", stage)
     if not backward:
         phase.add("all-gather buffer", max(inner_max, units.root) * c, "U_max·c (transient)")
 
@@ -255,13 +266,17 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     logit_bytes = c + 12 + (8 if w.calculate_entropy else 0)
     phase.add("logits", N * s.vocab * logit_bytes, f"N·V·{logit_bytes}", _START)
     phase.add("LM head grad", s.vocab * s.hidden * c, "V·h·c", _START)
+    if point.reshard_after_forward:  # the head's backward, the root gathered again (_gathered)
+        phase.add("activations (head backward)", acts, text, _HEAD)
+        phase.add("logits grad (head backward)", N * s.vocab * 4, "N·V·4", _HEAD)
+        phase.add("LM head grad (head backward)", s.vocab * s.hidden * c, "V·h·c", _HEAD)
     static = sum(t.bytes for t in phase.terms if t.name in _STATIC)
     if point.offload != "cpu":
         phase.floor = static + shard * 4  # optimizer step: state + one fp32 temporary
     return phase
 
 
-_START, _END = "backward start", "backward end"
+_START, _HEAD, _END = "backward start", "head backward", "backward end"
 _STATIC = {"sharded params", "sharded grads", "optimizer (AdamW)", "reference shards"}
 
 

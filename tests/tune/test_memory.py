@@ -61,9 +61,18 @@ def test_update_terms_by_hand(facts):
     assert t["LM head grad"] == V * H * c
     grads = max(ROOT * (c + 4), ROOT * c + LAYER * (c + 4))
     assert t["unit grads / gather buffer"] == grads
-    always = shard * 16 + ROOT * c + 2 * LAYER * c
+    # reshard_after_forward (default): the root reshards too, so nothing is gathered while the logits are
+    # live; root and window come back at the head's backward with its fp32 logits gradient
+    always = shard * 16
     start = t["activations"] + t["backward workspace"] + t["logits"] + t["LM head grad"]
-    assert phase.total == max(always + max(start, grads), shard * 20)
+    head = ROOT * c + 2 * LAYER * c + t["activations"] + (T // 4) * V * 4 + V * H * c
+    assert t["logits grad (head backward)"] == (T // 4) * V * 4
+    assert phase.total == max(always + max(start, head, grads), shard * 20)
+    # without resharding every gathered byte is there from the forward to the backward, logits included
+    kept = predict(facts, Point(0, reshard_after_forward=False, micro_tokens=T), w)["update"]
+    assert "logits grad (head backward)" not in terms(kept)
+    gathered = ROOT * c + 2 * LAYER * c
+    assert kept.total == max(always + gathered + max(start, grads), shard * 20)
 
 
 def test_variants_change_the_right_terms(facts):
@@ -155,3 +164,30 @@ def test_grad_sync_per_mini_batch_rule_and_term(facts):
     assert auto.total == on.total  # 2 ranks, 10% of the device: auto is on
     one_rank = replace(w, world_size=1, grad_sync_per_mini_batch="auto")
     assert "unsharded grads (sync per mini-batch)" not in terms(predict(facts, point, one_rank)["update"])
+
+
+def test_measured_sweeps_within_five_percent():
+    """The update peaks measured on two H200s (bench/results: session 8, Qwen2.5-1.5B and 7B at thresholds
+    0 and 1e8; session 11, 1.5B at all four thresholds; each × forward prefetch × reshard_after_forward)
+    against the model as bench/multi_gpu.py calls it. The root's resharding (_gathered) was found on the
+    1.5B points of session 11 (whole model as one unit, resharding: +14.3% when the root was counted as
+    always gathered); the 7B points are out of sample for that change. Every point within ±5% (the
+    issue asks ±10%)."""
+    import json
+    from pathlib import Path
+
+    from klppo.tune.shapes import config_from_shape
+
+    results = Path(__file__).parents[2] / "bench/results"
+    rows = []
+    for name in ("multi_gpu-sweep-k2-s8-2026-12-01.json", "multi_gpu-2026-12-01-s11-sweep15b_k2.json"):
+        rows += json.loads((results / name).read_text())["rows"]
+    assert len(rows) == 32 and {r["shape"] for r in rows} == {"Qwen2.5-1.5B", "Qwen2.5-7B"}
+    w = Workload(world_size=2, grad_checkpointing=True, device_bytes=143771 * 2**20, compute_bytes=2)
+    for r in rows:
+        facts = ModelFacts.from_config(config_from_shape(r["shape"]))
+        p = Point(
+            r["min_num_params"], "off", r["forward_prefetch"], r["reshard_after_forward"], r["micro_tokens"]
+        )
+        predicted = predict(facts, p, w)["update"].total / 2**30
+        assert abs(predicted / r["peak_gib"] - 1) <= 0.05, (r, predicted)
