@@ -35,11 +35,6 @@ def resolve_machine(cfg: KLPPOConfig) -> tuple[torch.device, int]:
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-    rollout = cfg.actor_rollout_ref.rollout
-    if want == "cuda" and rollout.compact_slots and not rollout.enforce_eager:
-        raise ConfigError("actor_rollout_ref.rollout.compact_slots=true has not yet run on a GPU with CUDA graphs "
-                          "(its one try, bench/RESULTS.md session 10, failed in the capture); set "
-                          "compact_slots=false, or rollout.enforce_eager=true (no CUDA graphs, no compiled decode)")  # fmt: skip
     nproc = cfg.trainer.n_gpus_per_node
     if nproc in (None, "auto"):
         nproc = torch.cuda.device_count() if want == "cuda" else 1

@@ -180,34 +180,6 @@ def test_critic_warmup_as_verl(tiny_model_dir, arithmetic_data, tmp_path):
     assert any(k.startswith("actor/pg") for k in by_step[2])
 
 
-@pytest.mark.parametrize(
-    "device,gpu,eager,refused",
-    [("auto", True, False, True), ("cuda", True, False, True), ("cuda", True, True, False),
-     ("auto", False, False, False), ("cpu", True, False, False)],
-)  # fmt: skip
-def test_compact_slots_is_refused_where_the_decode_runs_under_cuda_graphs(
-    monkeypatch, device, gpu, eager, refused
-):
-    """``compact_slots=true`` has not run on a GPU with CUDA graphs yet (its one try failed): the machine
-    check refuses it where the rollout would decode on CUDA with graphs (trainer.device cuda, or auto with a
-    GPU visible), and lets it through eager or on the CPU; without compact_slots nothing changes."""
-    import torch
-
-    from klppo.trainer.main_ppo import resolve_machine
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(gpu))
-    over = [f"trainer.device={device}", "trainer.n_gpus_per_node=1",
-            f"actor_rollout_ref.rollout.enforce_eager={str(eager).lower()}"]  # fmt: skip
-    resolve_machine(load_config(over, **Q))  # compact_slots off: never refused
-    cfg = load_config([*over, "actor_rollout_ref.rollout.compact_slots=true"], **Q)
-    if refused:
-        with pytest.raises(ConfigError, match="compact_slots=true has not yet run on a GPU"):
-            resolve_machine(cfg)
-    else:
-        assert resolve_machine(cfg)[0].type == ("cuda" if device != "cpu" and gpu else "cpu")
-
-
 def test_compiled_layers_are_advised_where_they_could_run_and_only_there():
     """On a GPU the pre-flight names ``compile_packed_layers`` for each role that packs without it (actor
     and reference; the critic only in a run with one), not where it is set, not without packing or with
