@@ -217,6 +217,12 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
             "so the group baseline is 0 (as in verl) and the advantages are the raw scores, without the "
             "variance reduction the estimator exists for; set rollout.n ≥ 2"
         )
+    if cfg.critic.enable and not uses_critic(cfg):
+        notify(
+            f"critic.enable=True has no effect with algorithm.adv_estimator={est}: the estimator reads no values, "
+            "so klppo builds no critic (verl would train one whose values nothing uses); leave critic.enable "
+            "unset, or set algorithm.adv_estimator=gae for PPO with a critic"
+        )
     tp, why = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, tp_rollout_unbuilt(cfg)
     if tp > 1 and why:
         notify(

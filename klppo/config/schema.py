@@ -110,7 +110,11 @@ def _critic_optim() -> OptimConfig:
 class CriticConfig:
     rollout_n: int = F(SEL("actor_rollout_ref.rollout.n", "1"), "Follows rollout.n (read-only copy).")
     strategy: str = F("fsdp2", "Training backend (fsdp is read as fsdp2).")
-    enable: bool | None = F(None, "Use a critic (null: when adv_estimator=gae).")
+    enable: bool | None = F(
+        None,
+        "Use a critic. klppo builds one exactly when adv_estimator=gae: false with gae is refused, true with a "
+        "critic-free estimator is noted at load as having no effect (verl would train a critic nothing reads).",
+    )
     optim: OptimConfig = F(None, "Optimizer (lr 1e-5).", factory=_critic_optim)
     model: CriticModelConfig = F(CriticModelConfig, "Value model.")
     ppo_mini_batch_size: int = F(

@@ -44,9 +44,11 @@ class Sizes:
 
 
 def uses_critic(cfg: KLPPOConfig) -> bool:
-    """critic.enable, or (when null) whether the advantage estimator needs values (GAE)."""
-    enable = cfg.critic.enable
-    return bool(enable) if enable is not None else cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+    """Whether the run builds and trains a critic: exactly when the advantage estimator reads values (GAE;
+    ``klppo.algorithms.advantages.needs_critic`` says the same, tested). ``critic.enable`` does not change
+    it: False with GAE is refused and True with a critic-free estimator gets a note at load
+    (``config.checks``), so the sizes, the checks, the plan and the roles built all read this one rule."""
+    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
 
 
 def uses_lora(model: ModelConfig) -> bool:

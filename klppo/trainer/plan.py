@@ -10,8 +10,7 @@ import logging
 import torch
 from transformers import AutoConfig
 
-from klppo.algorithms.advantages import needs_critic
-from klppo.config import KLPPOConfig, derive_sizes, uses_lora
+from klppo.config import KLPPOConfig, derive_sizes, uses_critic, uses_lora
 from klppo.trainer.settings import describe_min_num_params, fsdp_settings, tune_workload
 from klppo.trainer.startup_checks import check_before_weights
 from klppo.tune.preflight import predicted_peaks_gib
@@ -36,13 +35,14 @@ def dry_run(
     world = nproc * cfg.trainer.nnodes
     sizes = derive_sizes(cfg, world)
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
-    roles = ["actor" + (" (LoRA)" if arr.model.lora_rank > 0 else "")]
+    lora = uses_lora(arr.model)
+    roles = ["actor" + (" (LoRA)" if lora else "")]
     sharded = [("actor", arr.actor.fsdp_config)]  # the roles with a model of their own to shard
     if algo.use_kl_in_reward or arr.actor.use_kl_loss:
-        roles.append("reference" + (" (= actor, adapters off)" if arr.model.lora_rank > 0 else ""))
-        if not uses_lora(arr.model):  # with LoRA the reference is the actor's model, adapters off
+        roles.append("reference" + (" (= actor, adapters off)" if lora else ""))
+        if not lora:  # with LoRA the reference is the actor's model, adapters off
             sharded.append(("reference", arr.ref.fsdp_config))
-    if needs_critic(algo.adv_estimator):
+    if uses_critic(cfg):
         roles.append("critic")
         sharded.append(("critic", cfg.critic.model.fsdp_config))
     roles.append("reward model" if cfg.reward_model.enable else "reward (rules / custom function)")

@@ -14,10 +14,9 @@ from typing import Any
 
 import torch
 
-from klppo.algorithms.advantages import needs_critic
 from klppo.algorithms.losses import get_policy_loss
 from klppo.batching.attention import enable_packed_attention
-from klppo.config import KLPPOConfig, uses_lora
+from klppo.config import KLPPOConfig, uses_critic, uses_lora
 from klppo.config.schema import CustomRewardFunctionConfig, RewardModelConfig
 from klppo.config.schema_arr import ModelConfig
 from klppo.config.schema_common import FSDPConfig
@@ -202,7 +201,7 @@ def build_critic(inputs: RoleInputs) -> Critic | None:
     """A value head on a causal-LM backbone (``critic.model.path``, default the actor's); None unless the
     advantage estimator needs values."""
     cfg, device = inputs.cfg, inputs.device
-    if not needs_critic(cfg.algorithm.adv_estimator):
+    if not uses_critic(cfg):
         return None
     ccfg = cfg.critic
     model = load_critic(

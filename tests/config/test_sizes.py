@@ -124,6 +124,27 @@ def test_group_estimator_with_one_sample_warns():
     assert notes == []
 
 
+def test_critic_enable_follows_the_estimator_and_is_said_when_it_does_nothing():
+    """One rule for 'the run has a critic' (config.uses_critic): the estimator reads values. critic.enable=True
+    with GRPO builds nothing, so load says that the key has no effect, by name; with GAE (or unset) no note;
+    critic.enable=False with GAE is refused. The rule's estimator list is the advantage registry's."""
+    from klppo.algorithms.advantages import ADVANTAGE_ESTIMATORS, needs_critic
+    from klppo.config import uses_critic
+    from klppo.config.sizes import CRITIC_ESTIMATORS
+
+    assert list(CRITIC_ESTIMATORS) == [n for n in ADVANTAGE_ESTIMATORS if needs_critic(n)]
+    notes: list[str] = []
+    cfg = load_config(["algorithm.adv_estimator=grpo", "critic.enable=True"], notify=notes.append)
+    assert not uses_critic(cfg)
+    assert [m for m in notes if "critic.enable=True has no effect with algorithm.adv_estimator=grpo" in m]
+    for over in (["algorithm.adv_estimator=gae", "critic.enable=True"], ["algorithm.adv_estimator=gae"]):
+        notes.clear()
+        assert uses_critic(load_config(over, notify=notes.append))
+        assert not [m for m in notes if "critic.enable" in m]
+    with pytest.raises(ConfigError, match="critic.enable=False"):
+        load_config(["algorithm.adv_estimator=gae", "critic.enable=False"])
+
+
 def test_kl_in_reward_with_std_normalised_groups_warns():
     """GRPO divides by the group std: with the KL in the reward, equal task scores leave only the KL penalty,
     scaled to unit size (tests/algorithms/test_outcome.py shows the effect); the note says what to set."""
