@@ -120,6 +120,8 @@ SERIES = {
     "penalty_share": "actor/reward_kl_penalty_share",
     "entropy": "actor/entropy",
     "length": "response_length/mean",
+    # groups whose samples all scored the same: no task gradient under GRPO (what dropping them would save)
+    "equal_groups": "batch/equal_score_groups",
     "step_s": "timing_s/step",
     # where a step's time goes (the phases a setting changes: a larger batch, a token budget, one FSDP unit)
     "gen_s": "timing_s/gen",

@@ -31,6 +31,9 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "prompt_length/mean": prompt_len.mean(),
         "prompt_length/max": prompt_len.max(),
     }
+    share = equal_score_group_share(scores, batch.uid)
+    if share is not None:
+        out["batch/equal_score_groups"] = share
     if batch.advantages is not None:  # absent when a non-finite input skipped the step before them
         rewards = batch.token_level_rewards.sum(dim=1)
         valid_adv = batch.advantages[m.bool()] if m.any() else torch.zeros(1)
@@ -53,6 +56,21 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         out["actor/ref_kl_k1"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, m)
         out["actor/ref_kl_k3"] = masked_mean(kl_penalty(batch.old_log_probs, batch.ref_log_probs, "k3"), m)
     return {k: float(v) for k, v in out.items()}
+
+
+def equal_score_group_share(scores: torch.Tensor, uids: list[Any]) -> float | None:
+    """Share of the step's prompt groups (the samples of one ``uid``, at least two of them) whose scores are
+    all equal: GRPO, RLOO and the other group estimators give such a group zero advantage, so it brings the
+    update no task gradient (only its KL and entropy terms). None without groups (``rollout.n`` = 1)."""
+    if len(uids) != scores.shape[0]:
+        return None
+    groups: dict[Any, list[float]] = {}
+    for score, uid in zip(scores.tolist(), uids, strict=True):
+        groups.setdefault(uid, []).append(score)
+    sized = [g for g in groups.values() if len(g) >= 2]
+    if not sized:
+        return None
+    return sum(max(g) == min(g) for g in sized) / len(sized)
 
 
 def perf_metrics(

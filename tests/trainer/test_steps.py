@@ -150,6 +150,7 @@ def test_one_step(name, tiny_model_dir, arithmetic_data, tmp_path):
     for key in REQUIRED:
         assert key in row, key
         assert math.isfinite(row[key]), (key, row[key])
+    assert 0.0 <= row["batch/equal_score_groups"] <= 1.0  # rollout.n=2: every prompt is a group
     if "gae" in name:
         for key in (
             "critic/vf_loss",
@@ -265,6 +266,20 @@ def test_optimizer_choice_reference_path_and_external_lib(
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.9
     assert abs(row["actor/ref_kl_k1"]) > 1e-3  # the reference is the other model, not the actor's start
     assert "my_models_lib" in sys.modules
+
+
+def test_equal_score_group_share_by_hand():
+    """Groups by uid: {a: 1, 1} equal, {b: 0, 1} mixed, {c: 0, 0, 0} equal, {d: 0.5} a single sample (not a
+    group) → 2 of 3 groups; no groups at all (rollout.n = 1, or no uids) → None."""
+    import torch
+
+    from klppo.trainer.step_metrics import equal_score_group_share
+
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.5])
+    uids = ["a", "b", "a", "b", "c", "c", "c", "d"]
+    assert equal_score_group_share(scores, uids) == 2 / 3
+    assert equal_score_group_share(scores[:2], ["a", "b"]) is None
+    assert equal_score_group_share(scores, []) is None
 
 
 def test_validation_metrics_by_hand():
