@@ -22,3 +22,46 @@ def test_example_loads(path):
 
 def test_examples_exist():
     assert len(EXAMPLES) >= 5
+
+
+@pytest.mark.parametrize(
+    "example,setting",
+    [
+        # session 10's ramp40 (58.5%), as measured: eager, unfused passes
+        ("arithmetic_grpo_kl_ramp.yaml", "ramp40=grpo_pi,{G},{R},{C}.target_kl=0.14,{K}.optim.lr=4e-5,{B},{M}"),
+        # session 11's gae_lr3 (51.5%)
+        ("arithmetic_gae_kl_ramp.yaml",
+         "gae_lr3=gae_pi,{G},{R},{C}.target_kl=0.14,{K}.optim.lr=3e-5,{K}.entropy_coeff=0.001,"
+         "critic.model.use_remove_padding=True,critic.model.compile_packed_layers=True,data.train_batch_size=128,"
+         "{K}.ppo_mini_batch_size=128,critic.ppo_mini_batch_size=128,{M},{F}"),
+    ],
+)  # fmt: skip
+def test_ramp_recipes_are_the_measured_settings(example, setting):
+    """The recipe file trains what bench/learning.py measured (its presets and the setting's overrides, as
+    written in bench/RESULTS.md): the actor, rollout, critic, algorithm and batch sections agree."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from learning import COMMON, parse_setting
+
+    K = "actor_rollout_ref.actor"
+    C = f"{K}.kl_loss_ctrl"
+    parts = dict(
+        K=K, C=C,
+        G=f"{C}.kp=0.6,{C}.ki=0.15,{C}.min_coef=0.03,{C}.max_coef=1,{K}.kl_loss_type=mse",
+        M=f"{K}.ppo_max_token_len_per_gpu=65536,actor_rollout_ref.rollout.free_cache_engine=False",
+        B=f"data.train_batch_size=256,{K}.ppo_mini_batch_size=256",
+        R=f"{K}.kl_loss_coef=0.3,{C}.target_kl_start=0.02,{C}.anneal_begin=0,{C}.anneal_steps=40",
+        F="actor_rollout_ref.model.use_fused_kernels=True,actor_rollout_ref.model.compile_packed_layers=True",
+    )  # fmt: skip
+    _, overrides, _ = parse_setting(setting.format(**parts))
+    measured = load_config([*COMMON, *overrides])
+    recipe = load_config([str(Path(__file__).resolve().parents[2] / "examples" / example)])
+    arr_m, arr_r = measured.actor_rollout_ref, recipe.actor_rollout_ref
+    assert arr_r.actor == arr_m.actor
+    assert arr_r.rollout == arr_m.rollout
+    assert arr_r.model == arr_m.model
+    if measured.algorithm.adv_estimator == "gae":  # GRPO builds no critic: its section is not read
+        assert recipe.critic == measured.critic
+    assert recipe.algorithm == measured.algorithm
+    assert recipe.data.train_batch_size == measured.data.train_batch_size
