@@ -122,6 +122,7 @@ SERIES = {
     "length": "response_length/mean",
     # groups whose samples all scored the same: no task gradient under GRPO (what dropping them would save)
     "equal_groups": "batch/equal_score_groups",
+    "update_rows_share": "actor/update_rows_share",  # with actor.skip_zero_advantage_rows
     "step_s": "timing_s/step",
     # where a step's time goes (the phases a setting changes: a larger batch, a token budget, one FSDP unit)
     "gen_s": "timing_s/gen",

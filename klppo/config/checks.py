@@ -170,6 +170,10 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is False:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic (values), but critic.enable=False; "
                           "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax)")  # fmt: skip
+    if cfg.actor_rollout_ref.actor.skip_zero_advantage_rows and uses_critic(cfg):
+        raise ConfigError("actor_rollout_ref.actor.skip_zero_advantage_rows=True leaves out samples whose advantage is "
+                          f"exactly 0, which GAE's never are (algorithm.adv_estimator={cfg.algorithm.adv_estimator}, "
+                          "with a critic); use it with grpo or rloo, or set it False")  # fmt: skip
     _check_kl_controller("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, cfg.algorithm.kl_ctrl.kl_coef)
     actor = cfg.actor_rollout_ref.actor
     _check_kl_controller("actor_rollout_ref.actor.kl_loss_ctrl", actor.kl_loss_ctrl, actor.kl_loss_coef)

@@ -149,6 +149,14 @@ class ActorConfig:
         "[klppo] One epoch over one mini-batch (on-policy): no old-log-prob pass, π_old = the update's own "
         "log-probs, detached (ratio 1); not with algorithm.use_kl_in_reward.",
     )
+    skip_zero_advantage_rows: bool = F(
+        False,
+        "[klppo] Leave out of the actor update the samples whose advantage is exactly 0 at every response token "
+        "(under grpo/rloo: the groups whose samples all scored the same), which carry no policy gradient; "
+        "the KL loss and entropy bonus then act on the kept samples only, and token-mean losses average over "
+        "their tokens. The KL metrics and the KL-loss controller still see every sample (docs/training.md). "
+        "Not with a critic (GAE advantages are never exactly 0).",
+    )
     shuffle: bool = F(False, "Shuffle samples between epochs.")
     data_loader_seed: int = F(42, "Seed of that shuffle.")
     checkpoint: CheckpointConfig = F(CheckpointConfig, "Checkpoint contents.")

@@ -174,6 +174,35 @@ def measure_kl_for_control(batch: Batch, actor: ActorConfig) -> dict[str, float]
     return {"actor/kl_loss_ctrl_kl": float(masked_mean(kl, batch.response_mask))}
 
 
+def rows_with_advantage(advantages: torch.Tensor, response_mask: torch.Tensor, multiple: int) -> list[int]:
+    """The rows the actor update keeps with ``actor.skip_zero_advantage_rows``: every row with a nonzero
+    advantage at some response token, then as few zero-advantage rows (in row order) as make the count a
+    positive multiple of ``multiple`` — the data-parallel shares must be equal — at most all rows.
+    Ascending row indices."""
+    nonzero = ((advantages != 0) & response_mask.bool()).any(dim=1).cpu()
+    keep = torch.nonzero(nonzero).flatten().tolist()
+    target = min(len(nonzero), max(multiple, -(-len(keep) // multiple) * multiple))
+    if len(keep) < target:
+        keep = sorted(keep + torch.nonzero(~nonzero).flatten().tolist()[: target - len(keep)])
+    return keep
+
+
+def whole_batch_kl(batch: Batch, actor: ActorConfig) -> dict[str, float]:
+    """The KL metrics of every sample of the global batch when an on-policy update (no old-log-prob pass)
+    left rows out (``actor.skip_zero_advantage_rows``) and so measured its own only: π_old is then the
+    rollout engine's log-probs of the same weights (``rollout/log_prob_diff`` says how close they are).
+    ``actor/ref_kl_k1``, ``actor/ref_kl_k3`` and, with a KL loss, the controller's ``actor/kl_loss_ctrl_kl``."""
+    if batch.ref_log_probs is None or batch.rollout_log_probs is None:
+        return {}
+    old, ref, m = batch.rollout_log_probs, batch.ref_log_probs, batch.response_mask
+    out = {
+        "actor/ref_kl_k1": float(masked_mean(old - ref, m)),
+        "actor/ref_kl_k3": float(masked_mean(kl_mod.kl_penalty(old, ref, "k3"), m)),
+    }
+    out.update(measure_kl_for_control(batch.replace(old_log_probs=old), actor))
+    return out
+
+
 def control_kl_loss(metrics: dict[str, float], kl_loss_ctrl: KLController, num_samples: int) -> None:
     """After the step's actor update: the controller sees this step's KL(π_old‖π_ref) and sets the β of
     the next step's KL loss (β_t depends on KL_1 … KL_{t−1}, as the reward-side controller in verl)."""

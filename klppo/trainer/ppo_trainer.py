@@ -44,7 +44,9 @@ from klppo.trainer.phases import (
     generate,
     measure_kl_for_control,
     rewards_and_advantages,
+    rows_with_advantage,
     sample_seed,
+    whole_batch_kl,
     with_old_log_probs,
     with_reward_baselines,
     with_scores,
@@ -175,13 +177,14 @@ class PPOTrainer:
                 batch = gather_samples(prompts, local, n=run.sampling.train.n, fields=GATHERED)
                 batch, adv_metrics, skipped = self._checked_advantages(batch, step, timer)
                 if skipped is None:  # else what was non-finite: the step updates no model
+                    rows = self._update_rows(batch)
                     share = shard_for_update(
-                        batch, balance=cfg.trainer.balance_batch, sp_size=roles.actor.update.sp_size
+                        rows, balance=cfg.trainer.balance_batch, sp_size=roles.actor.update.sp_size
                     )
                     _align_ranks(timer)
                     update_metrics, skipped = self._update_critic(self._critic_share(batch, share), timer)
             if skipped is None:
-                actor_metrics, skipped = self._update_actor(batch, share, step, timer)
+                actor_metrics, skipped = self._update_actor(batch, share, step, timer, kept=len(rows))
                 update_metrics.update(actor_metrics)
         if cfg.trainer.rollout_data_dir and rank() == 0:
             dump_rollouts(cfg.trainer.rollout_data_dir, step, batch, run.tokenizer, roles.reward)
@@ -274,11 +277,23 @@ class PPOTrainer:
             )
         return metrics, None
 
+    def _update_rows(self, batch: Batch) -> Batch:
+        """The global batch's rows for the actor update: all, or with ``actor.skip_zero_advantage_rows``
+        those with a nonzero advantage (padded to equal data-parallel shares, :func:`rows_with_advantage`)."""
+        actor = self.run.roles.actor
+        if not self.cfg.actor_rollout_ref.actor.skip_zero_advantage_rows:
+            return batch
+        rows = rows_with_advantage(
+            batch.advantages, batch.response_mask, world_size() // actor.update.sp_size
+        )
+        return batch if len(rows) == len(batch) else batch.select(rows)
+
     def _update_actor(
-        self, batch: Batch, share: Batch, step: int, timer: PhaseTimer
+        self, batch: Batch, share: Batch, step: int, timer: PhaseTimer, *, kept: int
     ) -> tuple[dict[str, float], str | None]:
-        """The KL loss's β from the global batch, then the policy update, after ``trainer.critic_warmup``;
-        (metrics, what was non-finite if it skipped an optimizer step)."""
+        """The KL loss's β from the global batch, then the policy update over ``share`` (this rank's part of
+        the ``kept`` rows of the batch), after ``trainer.critic_warmup``; (metrics, what was non-finite if
+        it skipped an optimizer step)."""
         run, roles = self.run, self.run.roles
         if not updates_actor(step, self.cfg.trainer.critic_warmup):
             return {}, None
@@ -295,6 +310,15 @@ class PPOTrainer:
         # them; every rank computes the same β from the same reduced value
         if "actor/kl_loss_ctrl_kl" in metrics and batch.old_log_probs is None:
             metrics["actor/kl_loss_ctrl_kl"] = reduce_metrics({"k": metrics["actor/kl_loss_ctrl_kl"]})["k"]
+        if self.cfg.actor_rollout_ref.actor.skip_zero_advantage_rows:
+            metrics["actor/update_rows_share"] = kept / len(batch)
+            if kept < len(batch) and batch.old_log_probs is None:
+                # the update's forward saw the kept rows only: its KL figures are kept under *_update_rows,
+                # and every sample's (π_old = the engine's log-probs) are reported and controlled instead
+                for key in ("actor/ref_kl_k1", "actor/ref_kl_k3"):
+                    if key in metrics:
+                        metrics[f"{key}_update_rows"] = metrics[key]
+                metrics.update(whole_batch_kl(batch, self.cfg.actor_rollout_ref.actor))
         if roles.actor.num_skipped_updates > skipped_before:  # the KL-loss controller is not moved either
             return metrics, "a non-finite actor loss or gradient norm (actor step skipped)"
         control_kl_loss(metrics, run.kl_loss_ctrl, len(batch))

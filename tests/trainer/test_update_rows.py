@@ -1,0 +1,157 @@
+"""``actor.skip_zero_advantage_rows``: which rows the actor update keeps, that leaving out the zero-advantage
+rows changes the policy gradient only by the token-mean's normaliser, the whole-batch KL metrics that replace
+the update's own, and the trainer end to end (metrics named, the config refused with a critic)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from klppo.batch import Batch
+from klppo.batching.attention import enable_packed_attention
+from klppo.config import ConfigError, load_config
+from klppo.config.schema_arr import ActorConfig
+from klppo.models.tiny import build_tiny_model
+from klppo.roles.actor import Actor, ActorSettings
+from klppo.roles.forward import MicroBatching
+from klppo.roles.optim import OptimSettings
+from klppo.trainer.phases import rows_with_advantage, whole_batch_kl
+from tests.trainer.utils import base_overrides, read_metrics, run_training
+
+
+def test_rows_with_advantage_by_hand():
+    # rows 0 and 4 carry an advantage; row 2's only nonzero entry is on a padding position (not a token)
+    adv = torch.zeros(6, 3)
+    adv[0, 1] = 0.5
+    adv[2, 2] = 1.0
+    adv[4, 0] = -0.25
+    mask = torch.ones(6, 3)
+    mask[2, 2] = 0
+    assert rows_with_advantage(adv, mask, 1) == [0, 4]
+    assert rows_with_advantage(adv, mask, 2) == [0, 4]
+    # padded with zero-advantage rows in row order to a multiple of the data-parallel size
+    assert rows_with_advantage(adv, mask, 4) == [0, 1, 2, 4]
+    assert rows_with_advantage(adv, mask, 3) == [0, 1, 4]
+    # nothing to learn from: still one share per rank; never more rows than there are
+    assert rows_with_advantage(torch.zeros(6, 3), mask, 2) == [0, 1]
+    assert rows_with_advantage(adv, mask, 8) == [0, 1, 2, 3, 4, 5]
+
+
+def _batch() -> Batch:
+    g = torch.Generator().manual_seed(0)
+    B, P, R = 6, 5, 6
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[0, :2] = 0
+    mask = torch.ones(B, R)
+    mask[1, 3:] = 0
+    mask[4, 1:] = 0
+    adv = torch.randn(B, R, generator=g) * mask
+    adv[[2, 3, 5]] = 0.0  # three samples whose group scored the same
+    return Batch(
+        prompts=torch.randint(3, 300, (B, P), generator=g), prompt_mask=prompt_mask,
+        responses=torch.randint(3, 300, (B, R), generator=g), response_mask=mask,
+        rollout_log_probs=-5.0 + 0.1 * torch.randn(B, R, generator=g) * mask,
+        ref_log_probs=-5.0 + 0.1 * torch.randn(B, R, generator=g) * mask,
+        advantages=adv,
+    )  # fmt: skip
+
+
+def _actor() -> Actor:
+    model = build_tiny_model(seed=0, dtype=torch.float64)  # float64: parameter changes compared at 1e-9
+    enable_packed_attention(model)
+    return Actor(
+        model,
+        ActorSettings(
+            mini_batch_size=6, ppo_epochs=1, update_micro=MicroBatching(micro_batch_size=2),
+            log_prob_micro=MicroBatching(micro_batch_size=3), loss_mode="vanilla", entropy_coeff=0.0,
+            use_kl_loss=False, grad_clip=1e9, use_remove_padding=True, skip_old_log_prob_on_policy=True,
+            loss_agg_mode="token-mean",
+        ),
+        OptimSettings(lr=1.0, optimizer="SGD", weight_decay=0.0),  # parameter change = −gradient
+    )  # fmt: skip
+
+
+def test_leaving_out_zero_advantage_rows_only_rescales_the_policy_gradient():
+    """Zero-advantage samples add exactly nothing to the policy term's sum; with token-mean aggregation the
+    update over the kept rows is the full one times (all tokens / kept tokens), to float64 rounding. No KL
+    loss, no entropy bonus here: those are the terms the option does change."""
+    torch.set_num_threads(1)
+    batch = _batch()
+    rows = rows_with_advantage(batch.advantages, batch.response_mask, 1)
+    assert rows == [0, 1, 4]
+    full, kept = _actor(), _actor()
+    before = [p.detach().clone() for p in full.model.parameters()]
+    full.update_policy(batch)
+    kept.update_policy(batch.select(rows))
+    ratio = float(batch.response_mask.sum() / batch.response_mask[rows].sum())
+    d_full = torch.cat(
+        [(b - p.detach()).flatten() for b, p in zip(before, full.model.parameters(), strict=True)]
+    )
+    d_kept = torch.cat(
+        [(b - p.detach()).flatten() for b, p in zip(before, kept.model.parameters(), strict=True)]
+    )
+    assert float(d_full.abs().max()) > 1e-4 and ratio > 1.5
+    # the whole update vector (the float32 LM-head logits round single entries where terms cancel)
+    assert float((d_kept - ratio * d_full).norm() / (ratio * d_full).norm()) < 1e-6
+    assert float((d_kept - d_full).norm() / d_full.norm()) > 0.3  # the normaliser does change
+
+
+def test_whole_batch_kl_by_hand():
+    batch = _batch()
+    actor = load_config(
+        ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=mse"]
+    ).actor_rollout_ref.actor
+    assert isinstance(actor, ActorConfig)
+    out = whole_batch_kl(batch, actor)
+    m = batch.response_mask.double()
+    d = (batch.rollout_log_probs.double() - batch.ref_log_probs.double()) * m  # log π_old − log π_ref
+    n = float(m.sum())
+    k1 = float(d.sum()) / n
+    k3 = float(((torch.exp(-d) - 1 + d) * m).sum()) / n  # r = π_ref/π_old: r − 1 − log r
+    k2 = float((0.5 * d.square() * m).sum()) / n
+    assert out["actor/ref_kl_k1"] == pytest.approx(k1, rel=1e-5, abs=1e-8)
+    assert out["actor/ref_kl_k3"] == pytest.approx(k3, rel=1e-4, abs=1e-8)
+    assert out["actor/kl_loss_ctrl_kl"] == pytest.approx(k2, rel=1e-4, abs=1e-8)
+    assert whole_batch_kl(batch.replace(rollout_log_probs=None), actor) == {}
+
+
+SCORE = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return float(sum(map(ord, solution_str)) % 2)
+"""
+
+
+@pytest.mark.parametrize("reward", ["flexible", "parity"])
+def test_trainer_reports_the_kept_share_and_every_sample_kl(
+    reward, tiny_model_dir, arithmetic_data, tmp_path
+):
+    """GRPO, one on-policy mini-batch of 4 prompts × 2: the flexible reward scores the tiny model's answers
+    all 0 (every group equal: one row kept), a parity score mixes them. The share kept is logged; when rows
+    were left out, the KL figures are every sample's and the update's own move to *_update_rows."""
+    over = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_type=mse",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.skip_zero_advantage_rows=True",
+    ]
+    if reward == "parity":
+        path = tmp_path / "parity.py"
+        path.write_text(SCORE)
+        over.append(f"custom_reward_function.path={path}")
+    run_training(over)
+    (row,) = read_metrics(tmp_path / "run")
+    share = row["actor/update_rows_share"]
+    equal = row["batch/equal_score_groups"]
+    assert 0 < share <= 1 and math.isfinite(row["actor/ref_kl_k3"]) and math.isfinite(row["actor/kl_loss"])
+    if reward == "flexible":
+        assert equal == 1.0 and share == 1 / 8
+    assert (share < 1) == ("actor/ref_kl_k3_update_rows" in row)
+    assert share == pytest.approx(1 - equal, abs=1e-9) or equal == 1.0  # groups of 2: equal ⇔ both rows out
+
+
+def test_refused_with_a_critic():
+    with pytest.raises(ConfigError, match="skip_zero_advantage_rows=True"):
+        load_config(["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.skip_zero_advantage_rows=True"])
