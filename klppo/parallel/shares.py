@@ -70,3 +70,16 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     with phase("reduce_metrics"):
         values = all_reduce_sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64)) / world_size()
     return dict(zip(keys, values.tolist()))
+
+
+def rows_with_advantage(advantages: torch.Tensor, response_mask: torch.Tensor, multiple: int) -> list[int]:
+    """The rows the actor update keeps with ``actor.skip_zero_advantage_rows``: every row with a nonzero
+    advantage at some response token, then as few zero-advantage rows (in row order) as make the count a
+    positive multiple of ``multiple`` — the data-parallel shares must be equal — at most all rows.
+    Ascending row indices."""
+    nonzero = ((advantages != 0) & response_mask.bool()).any(dim=1).cpu()
+    keep = torch.nonzero(nonzero).flatten().tolist()
+    target = min(len(nonzero), max(multiple, -(-len(keep) // multiple) * multiple))
+    if len(keep) < target:
+        keep = sorted(keep + torch.nonzero(~nonzero).flatten().tolist()[: target - len(keep)])
+    return keep

@@ -174,19 +174,6 @@ def measure_kl_for_control(batch: Batch, actor: ActorConfig) -> dict[str, float]
     return {"actor/kl_loss_ctrl_kl": float(masked_mean(kl, batch.response_mask))}
 
 
-def rows_with_advantage(advantages: torch.Tensor, response_mask: torch.Tensor, multiple: int) -> list[int]:
-    """The rows the actor update keeps with ``actor.skip_zero_advantage_rows``: every row with a nonzero
-    advantage at some response token, then as few zero-advantage rows (in row order) as make the count a
-    positive multiple of ``multiple`` — the data-parallel shares must be equal — at most all rows.
-    Ascending row indices."""
-    nonzero = ((advantages != 0) & response_mask.bool()).any(dim=1).cpu()
-    keep = torch.nonzero(nonzero).flatten().tolist()
-    target = min(len(nonzero), max(multiple, -(-len(keep) // multiple) * multiple))
-    if len(keep) < target:
-        keep = sorted(keep + torch.nonzero(~nonzero).flatten().tolist()[: target - len(keep)])
-    return keep
-
-
 def whole_batch_kl(batch: Batch, actor: ActorConfig) -> dict[str, float]:
     """The KL metrics of every sample of the global batch when an on-policy update (no old-log-prob pass)
     left rows out (``actor.skip_zero_advantage_rows``) and so measured its own only: π_old is then the

@@ -23,6 +23,7 @@ from klppo.parallel.shares import (
     gather_samples,
     padded_share,
     reduce_metrics,
+    rows_with_advantage,
     shard_for_update,
     shard_prompts,
 )
@@ -44,7 +45,6 @@ from klppo.trainer.phases import (
     generate,
     measure_kl_for_control,
     rewards_and_advantages,
-    rows_with_advantage,
     sample_seed,
     whole_batch_kl,
     with_old_log_probs,

@@ -14,6 +14,7 @@ from klppo.parallel.shares import (
     gather_samples,
     padded_share,
     reduce_metrics,
+    rows_with_advantage,
     shard_for_update,
     shard_prompts,
 )
@@ -62,7 +63,15 @@ def _worker(rank: int, port: int, out: dict) -> None:
         balanced = shard_for_update(batch, balance=True)
         plain = shard_for_update(batch, balance=False)
         share, real = padded_share(prompts(3))
+        # actor.skip_zero_advantage_rows: rows 1, 2, 5 carry an advantage; the kept rows, padded to a
+        # multiple of the 2 ranks, split into equal shares (rows tagged through old_log_probs)
+        adv = torch.zeros_like(batch.response_mask)
+        adv[[1, 2, 5], 0] = 1.0
+        tagged = batch.replace(advantages=adv, old_log_probs=torch.arange(8.0)[:, None].expand(8, 4).clone())
+        kept = rows_with_advantage(tagged.advantages, tagged.response_mask, dist.get_world_size())
+        update_share = shard_for_update(tagged.select(kept), balance=True)
         out[rank] = dict(
+            kept=kept, update_rows=update_share.old_log_probs[:, 0].long().tolist(),
             mine=mine.uid, batch_responses=batch.responses, batch_uid=batch.uid, plain=plain.uid,
             balanced_tokens=float(balanced.attention_mask.sum()), balanced_rows=balanced.prompts[:, 0].tolist(),
             metrics=reduce_metrics({"x": float(rank), "y": 1.0}), padded=(share.uid, real),
@@ -87,3 +96,6 @@ def test_two_ranks_cover_the_batch_once() -> None:
     assert rows == sorted(whole.prompts[:, 0].tolist())
     assert abs(r0["balanced_tokens"] - r1["balanced_tokens"]) <= 4  # one response's length at most
     assert r0["padded"] == (["p0", "p1"], 2) and r1["padded"] == (["p2", "p0"], 1)
+    assert r0["kept"] == r1["kept"] == [0, 1, 2, 5]  # the same rows on every rank, one zero row added
+    assert len(r0["update_rows"]) == len(r1["update_rows"]) == 2
+    assert sorted(r0["update_rows"] + r1["update_rows"]) == [0, 1, 2, 5]

@@ -14,10 +14,11 @@ from klppo.batching.attention import enable_packed_attention
 from klppo.config import ConfigError, load_config
 from klppo.config.schema_arr import ActorConfig
 from klppo.models.tiny import build_tiny_model
+from klppo.parallel.shares import rows_with_advantage
 from klppo.roles.actor import Actor, ActorSettings
 from klppo.roles.forward import MicroBatching
 from klppo.roles.optim import OptimSettings
-from klppo.trainer.phases import rows_with_advantage, whole_batch_kl
+from klppo.trainer.phases import whole_batch_kl
 from tests.trainer.utils import base_overrides, read_metrics, run_training
 
 
