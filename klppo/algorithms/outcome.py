@@ -44,6 +44,16 @@ def group_stats(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor
     return count, mean, std
 
 
+def equal_groups(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the row's group scored exactly the same on every row (compared, not via the std: the
+    group mean of equal float32 scores can be an ulp off them, which ``(s − mean) / (std + eps)`` turns into
+    advantages of up to ~0.1 when ``std`` is that ulp)."""
+    size = int(index.max()) + 1 if index.numel() else 0
+    hi = scores.new_full((size,), -torch.inf).scatter_reduce(0, index, scores, "amax")
+    lo = scores.new_full((size,), torch.inf).scatter_reduce(0, index, scores, "amin")
+    return (hi == lo)[index]
+
+
 def _scores(token_level_rewards: torch.Tensor, group_ids: GroupIds) -> tuple[torch.Tensor, torch.Tensor]:
     scores = token_level_rewards.to(compute_dtype(token_level_rewards)).sum(dim=-1)
     return scores, group_index(group_ids, scores.shape[0], scores.device)
@@ -71,7 +81,9 @@ def grpo(
 
     A_i = (s_i − mean_g) / (std_g + eps), std unbiased (n − 1), over the rows of group g = group_ids[i];
     with ``norm_by_std=False`` A_i = s_i − mean_g (Dr. GRPO, arXiv:2503.20783;
-    ``algorithm.norm_adv_by_std_in_grpo``). A group of one has mean 0 and std 1 (as verl).
+    ``algorithm.norm_adv_by_std_in_grpo``). A group of one has mean 0 and std 1 (as verl). A group of two or
+    more whose scores are all equal gets exactly 0 (:func:`equal_groups`; verl keeps the mean's rounding
+    noise there, up to ~0.1 with fractional float32 scores).
     """
     scores, index = _scores(token_level_rewards, group_ids)
     count, mean, std = group_stats(scores, index)
@@ -79,6 +91,7 @@ def grpo(
     mean = torch.where(single, 0.0, mean)
     std = torch.where(single, 1.0, std)
     adv = (scores - mean) / (std + eps) if norm_by_std else scores - mean
+    adv = torch.where(equal_groups(scores, index) & ~single, 0.0, adv)
     adv = _broadcast_masked(adv, response_mask)
     return adv, adv
 
@@ -92,12 +105,14 @@ def rloo(
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740).
 
     A_i = s_i − (1/(n−1)) Σ_{j≠i, g_j = g_i} s_j = n/(n−1) · (s_i − mean_g) for a group of n ≥ 2 rows; a
-    group of one keeps A_i = s_i (as verl).
+    group of one keeps A_i = s_i (as verl). A group of two or more whose scores are all equal gets exactly 0
+    (:func:`equal_groups`; the rounding of ``mean`` leaves ~1e-8 otherwise).
     """
     scores, index = _scores(token_level_rewards, group_ids)
     count, mean, _ = group_stats(scores, index)
     scale = count / (count - 1).clamp(min=1)
     adv = torch.where(count > 1, scores * scale - mean * scale, scores)
+    adv = torch.where(equal_groups(scores, index) & (count > 1), 0.0, adv)
     adv = _broadcast_masked(adv, response_mask)
     return adv, adv
 

@@ -176,3 +176,30 @@ def test_low_precision_and_all_masked(dtype: torch.dtype) -> None:
         none = torch.zeros_like(m)
         adv0, ret0 = compute_advantages(name, token_level_rewards=r.to(dtype), response_mask=none, **kwargs)
         assert (adv0 == 0).all() and (ret0 == 0).all()
+
+
+@pytest.mark.parametrize("value", [0.1, 0.2, 0.3, 0.7])
+def test_equal_fractional_groups_get_exactly_zero(value):
+    """A group whose 8 samples all scored ``value``: GRPO and RLOO give exactly 0 (the float32 group mean of
+    0.1 × 8 is an ulp off 0.1, and (s − mean) / (std + 1e-6) made that 0.007–0.1 before); a mixed group
+    beside it keeps its float64-reference advantages; a group of one keeps verl's convention."""
+    from klppo.algorithms.outcome import grpo, rloo
+
+    n = 8
+    rewards = torch.zeros(2 * n + 1, 3)
+    rewards[:n, 2] = value
+    rewards[n : 2 * n, 2] = torch.linspace(0, 1, n)
+    rewards[2 * n, 2] = value
+    mask = torch.ones_like(rewards)
+    ids = [0] * n + [1] * n + [2]
+    g, _ = grpo(rewards, mask, ids)
+    r, _ = rloo(rewards, mask, ids)
+    assert torch.equal(g[:n], torch.zeros(n, 3)) and torch.equal(r[:n], torch.zeros(n, 3))
+    mixed = rewards[n : 2 * n, 2].double()
+    ref_g = (mixed - mixed.mean()) / (mixed.std() + 1e-6)
+    ref_r = mixed * n / (n - 1) - mixed.mean() * n / (n - 1)
+    torch.testing.assert_close(g[n : 2 * n, 0].double(), ref_g, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r[n : 2 * n, 0].double(), ref_r, rtol=1e-5, atol=1e-6)
+    assert float(g[2 * n, 0]) == pytest.approx(value / (1 + 1e-6)) and float(r[2 * n, 0]) == pytest.approx(
+        value
+    )
