@@ -167,13 +167,10 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         raise ConfigError(
             "trainer.resume_mode=resume_path needs trainer.resume_from_path=<global_step_N folder>"
         )
-    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is False:
+    if uses_critic(cfg) and cfg.critic.enable is False:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic (values), but critic.enable=False; "
                           "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax)")  # fmt: skip
-    if cfg.actor_rollout_ref.actor.skip_zero_advantage_rows and uses_critic(cfg):
-        raise ConfigError("actor_rollout_ref.actor.skip_zero_advantage_rows=True leaves out samples whose advantage is "
-                          f"exactly 0, which GAE's never are (algorithm.adv_estimator={cfg.algorithm.adv_estimator}, "
-                          "with a critic); use it with grpo or rloo, or set it False")  # fmt: skip
+    _check_skip_zero_advantage_rows(cfg)
     _check_kl_controller("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, cfg.algorithm.kl_ctrl.kl_coef)
     actor = cfg.actor_rollout_ref.actor
     _check_kl_controller("actor_rollout_ref.actor.kl_loss_ctrl", actor.kl_loss_ctrl, actor.kl_loss_coef)
@@ -192,6 +189,23 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     check_monitor(cfg.monitor)
     check_profiler(cfg.global_profiler.tool, cfg.global_profiler.steps)
     _advice(cfg, notify)
+
+
+def _check_skip_zero_advantage_rows(cfg: KLPPOConfig) -> None:
+    """``actor.skip_zero_advantage_rows``: not with a critic (GAE's advantages are never exactly 0), and only
+    for an update of one mini-batch and one epoch — over several, the kept rows would be cut into fewer,
+    smaller mini-batches, a number of optimizer steps that moves with the share left out."""
+    actor, key = cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor.skip_zero_advantage_rows=True"
+    if not actor.skip_zero_advantage_rows:
+        return
+    if uses_critic(cfg):
+        raise ConfigError(f"{key} leaves out samples whose advantage is exactly 0, which GAE's never are "
+                          f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}, with a critic); use it with "
+                          "grpo or rloo, or set it False")  # fmt: skip
+    if actor.ppo_epochs != 1 or actor.ppo_mini_batch_size < cfg.data.train_batch_size:
+        raise ConfigError(f"{key} is built for one update per step (ppo_epochs=1 and ppo_mini_batch_size = "
+                          f"data.train_batch_size; here {actor.ppo_epochs} and {actor.ppo_mini_batch_size} of "
+                          f"{cfg.data.train_batch_size}): set them so, or set it False")  # fmt: skip
 
 
 def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
@@ -220,6 +234,13 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
             f"algorithm.adv_estimator={est} with actor_rollout_ref.rollout.n=1: every group has one response, "
             "so the group baseline is 0 (as in verl) and the advantages are the raw scores, without the "
             "variance reduction the estimator exists for; set rollout.n ≥ 2"
+        )
+    if actor.skip_zero_advantage_rows and (cfg.algorithm.use_kl_in_reward or est not in ("grpo", "rloo")):
+        why = "the KL penalty is in the rewards" if cfg.algorithm.use_kl_in_reward else f"adv_estimator={est}"
+        notify(
+            f"actor_rollout_ref.actor.skip_zero_advantage_rows=True with {why}: samples rarely have an advantage "
+            "of exactly 0 then (grpo and rloo give it to groups whose scores are all equal), so few or none "
+            "are left out"
         )
     if cfg.critic.enable and not uses_critic(cfg):
         notify(

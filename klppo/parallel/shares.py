@@ -72,14 +72,19 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, values.tolist()))
 
 
-def rows_with_advantage(advantages: torch.Tensor, response_mask: torch.Tensor, multiple: int) -> list[int]:
+def rows_with_advantage(
+    advantages: torch.Tensor, response_mask: torch.Tensor, *, num_shares: int
+) -> list[int]:
     """The rows the actor update keeps with ``actor.skip_zero_advantage_rows``: every row with a nonzero
     advantage at some response token, then as few zero-advantage rows (in row order) as make the count a
-    positive multiple of ``multiple`` — the data-parallel shares must be equal — at most all rows.
+    multiple of ``num_shares`` — the data-parallel shares must be equal. All rows when none has an
+    advantage (the update is then the KL and entropy terms of the whole batch, as without the option).
     Ascending row indices."""
     nonzero = ((advantages != 0) & response_mask.bool()).any(dim=1).cpu()
     keep = torch.nonzero(nonzero).flatten().tolist()
-    target = min(len(nonzero), max(multiple, -(-len(keep) // multiple) * multiple))
+    if not keep:
+        return list(range(len(nonzero)))
+    target = min(len(nonzero), -(-len(keep) // num_shares) * num_shares)
     if len(keep) < target:
         keep = sorted(keep + torch.nonzero(~nonzero).flatten().tolist()[: target - len(keep)])
     return keep

@@ -184,13 +184,16 @@ class PPOTrainer:
                     _align_ranks(timer)
                     update_metrics, skipped = self._update_critic(self._critic_share(batch, share), timer)
             if skipped is None:
-                actor_metrics, skipped = self._update_actor(batch, share, step, timer, kept=len(rows))
+                actor_metrics, skipped = self._update_actor(
+                    batch, share, step, timer, num_update_rows=len(rows)
+                )
                 update_metrics.update(actor_metrics)
         if cfg.trainer.rollout_data_dir and rank() == 0:
             dump_rollouts(cfg.trainer.rollout_data_dir, step, batch, run.tokenizer, roles.reward)
         metrics = self._step_metrics(
-            batch, timer, {**metrics, **adv_metrics, **update_metrics, **rollout_stats}
-        )
+            batch, timer, {**metrics, **adv_metrics, **update_metrics, **rollout_stats},
+            update_batch=rows if skipped is None else None,
+        )  # fmt: skip
         return self._count_skipped(metrics, step, skipped)
 
     def _checked_advantages(
@@ -284,16 +287,16 @@ class PPOTrainer:
         if not self.cfg.actor_rollout_ref.actor.skip_zero_advantage_rows:
             return batch
         rows = rows_with_advantage(
-            batch.advantages, batch.response_mask, world_size() // actor.update.sp_size
+            batch.advantages, batch.response_mask, num_shares=world_size() // actor.update.sp_size
         )
         return batch if len(rows) == len(batch) else batch.select(rows)
 
     def _update_actor(
-        self, batch: Batch, share: Batch, step: int, timer: PhaseTimer, *, kept: int
+        self, batch: Batch, share: Batch, step: int, timer: PhaseTimer, *, num_update_rows: int
     ) -> tuple[dict[str, float], str | None]:
         """The KL loss's β from the global batch, then the policy update over ``share`` (this rank's part of
-        the ``kept`` rows of the batch), after ``trainer.critic_warmup``; (metrics, what was non-finite if
-        it skipped an optimizer step)."""
+        the ``num_update_rows`` rows of the batch it updates on), after ``trainer.critic_warmup``; (metrics,
+        what was non-finite if it skipped an optimizer step)."""
         run, roles = self.run, self.run.roles
         if not updates_actor(step, self.cfg.trainer.critic_warmup):
             return {}, None
@@ -311,10 +314,11 @@ class PPOTrainer:
         if "actor/kl_loss_ctrl_kl" in metrics and batch.old_log_probs is None:
             metrics["actor/kl_loss_ctrl_kl"] = reduce_metrics({"k": metrics["actor/kl_loss_ctrl_kl"]})["k"]
         if self.cfg.actor_rollout_ref.actor.skip_zero_advantage_rows:
-            metrics["actor/update_rows_share"] = kept / len(batch)
-            if kept < len(batch) and batch.old_log_probs is None:
-                # the update's forward saw the kept rows only: its KL figures are kept under *_update_rows,
-                # and every sample's (π_old = the engine's log-probs) are reported and controlled instead
+            metrics["actor/update_rows_share"] = num_update_rows / len(batch)
+            if batch.old_log_probs is None:
+                # the update's forward sees the kept rows only: its KL figures are kept under *_update_rows,
+                # and every sample's (π_old = the engine's log-probs) are reported and controlled instead, on
+                # every step (one source for the controller, whether or not rows were left out)
                 for key in ("actor/ref_kl_k1", "actor/ref_kl_k3"):
                     if key in metrics:
                         metrics[f"{key}_update_rows"] = metrics[key]
@@ -330,8 +334,16 @@ class PPOTrainer:
         return list(source.paths) if source is not None else None
 
     # ------------------------------------------------------------------ metrics
-    def _step_metrics(self, batch: Batch, timer: PhaseTimer, per_rank: dict[str, float]) -> dict[str, float]:
-        """The ``per_rank`` metrics averaged over ranks, then those of the global batch, timings and perf."""
+    def _step_metrics(
+        self,
+        batch: Batch,
+        timer: PhaseTimer,
+        per_rank: dict[str, float],
+        *,
+        update_batch: Batch | None = None,
+    ) -> dict[str, float]:
+        """The ``per_rank`` metrics averaged over ranks, then those of the global batch, timings and perf
+        (the actor's MFU over ``update_batch``, the rows its update ran on)."""
         run = self.run
         metrics = reduce_metrics(per_rank)
         metrics.update(batch_metrics(batch))
@@ -343,6 +355,7 @@ class PPOTrainer:
                 device=run.device,
                 model_config=run.roles.actor.model.config,
                 ppo_epochs=self.cfg.actor_rollout_ref.actor.ppo_epochs,
+                update_batch=update_batch,
             )
         )
         return metrics

@@ -74,11 +74,18 @@ def equal_score_group_share(scores: torch.Tensor, uids: list[Any]) -> float | No
 
 
 def perf_metrics(
-    batch: Batch, timings: dict[str, float], *, device: torch.device, model_config: Any, ppo_epochs: int
+    batch: Batch,
+    timings: dict[str, float],
+    *,
+    device: torch.device,
+    model_config: Any,
+    ppo_epochs: int,
+    update_batch: Batch | None = None,
 ) -> dict[str, float]:
-    """Throughput (tokens/s per device), MFU of the actor update, and the peak memory of the fullest rank:
-    GPU (the allocator's peak is reset after reading, so each step reports its own) and host (the process's
-    peak resident memory so far, ``perf/max_rss_gb``)."""
+    """Throughput (tokens/s per device), MFU of the actor update (over ``update_batch``, the rows it ran on,
+    default the whole batch), and the peak memory of the fullest rank: GPU (the allocator's peak is reset
+    after reading, so each step reports its own) and host (the process's peak resident memory so far,
+    ``perf/max_rss_gb``)."""
     step_s = timings["timing_s/step"]
     total_tokens = float(batch.attention_mask.sum())
     out = {
@@ -87,7 +94,8 @@ def perf_metrics(
         "perf/throughput": total_tokens / max(step_s, 1e-9) / world_size(),
         "perf/world_size": float(world_size()),
     }
-    mfu = actor_mfu(batch, timings.get("timing_s/update_actor"), device, model_config, ppo_epochs)
+    update_rows = batch if update_batch is None else update_batch
+    mfu = actor_mfu(update_rows, timings.get("timing_s/update_actor"), device, model_config, ppo_epochs)
     if mfu is not None:
         out["perf/mfu/actor"] = mfu
     peaks: dict[str, float] = {}

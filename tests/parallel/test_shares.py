@@ -68,7 +68,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
         adv = torch.zeros_like(batch.response_mask)
         adv[[1, 2, 5], 0] = 1.0
         tagged = batch.replace(advantages=adv, old_log_probs=torch.arange(8.0)[:, None].expand(8, 4).clone())
-        kept = rows_with_advantage(tagged.advantages, tagged.response_mask, dist.get_world_size())
+        kept = rows_with_advantage(tagged.advantages, tagged.response_mask, num_shares=dist.get_world_size())
         update_share = shard_for_update(tagged.select(kept), balance=True)
         out[rank] = dict(
             kept=kept, update_rows=update_share.old_log_probs[:, 0].long().tolist(),

@@ -30,14 +30,15 @@ def test_rows_with_advantage_by_hand():
     adv[4, 0] = -0.25
     mask = torch.ones(6, 3)
     mask[2, 2] = 0
-    assert rows_with_advantage(adv, mask, 1) == [0, 4]
-    assert rows_with_advantage(adv, mask, 2) == [0, 4]
+    assert rows_with_advantage(adv, mask, num_shares=1) == [0, 4]
+    assert rows_with_advantage(adv, mask, num_shares=2) == [0, 4]
     # padded with zero-advantage rows in row order to a multiple of the data-parallel size
-    assert rows_with_advantage(adv, mask, 4) == [0, 1, 2, 4]
-    assert rows_with_advantage(adv, mask, 3) == [0, 1, 4]
-    # nothing to learn from: still one share per rank; never more rows than there are
-    assert rows_with_advantage(torch.zeros(6, 3), mask, 2) == [0, 1]
-    assert rows_with_advantage(adv, mask, 8) == [0, 1, 2, 3, 4, 5]
+    assert rows_with_advantage(adv, mask, num_shares=4) == [0, 1, 2, 4]
+    assert rows_with_advantage(adv, mask, num_shares=3) == [0, 1, 4]
+    # nothing to learn from: every row (the KL and entropy terms of the whole batch, as without the
+    # option); never more rows than there are
+    assert rows_with_advantage(torch.zeros(6, 3), mask, num_shares=2) == [0, 1, 2, 3, 4, 5]
+    assert rows_with_advantage(adv, mask, num_shares=8) == [0, 1, 2, 3, 4, 5]
 
 
 def _batch() -> Batch:
@@ -80,7 +81,7 @@ def test_leaving_out_zero_advantage_rows_only_rescales_the_policy_gradient():
     loss, no entropy bonus here: those are the terms the option does change."""
     torch.set_num_threads(1)
     batch = _batch()
-    rows = rows_with_advantage(batch.advantages, batch.response_mask, 1)
+    rows = rows_with_advantage(batch.advantages, batch.response_mask, num_shares=1)
     assert rows == [0, 1, 4]
     full, kept = _actor(), _actor()
     before = [p.detach().clone() for p in full.model.parameters()]
@@ -120,7 +121,9 @@ def test_whole_batch_kl_by_hand():
 
 SCORE = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    return float(sum(map(ord, solution_str)) % 2)
+    if int(str(ground_truth)) % 2 == 0:  # even answers: the whole group scores 1 (equal)
+        return 1.0
+    return float(sum(map(ord, solution_str)) % 2)  # odd answers: the samples' own parity (mixed or not)
 """
 
 
@@ -128,31 +131,59 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 def test_trainer_reports_the_kept_share_and_every_sample_kl(
     reward, tiny_model_dir, arithmetic_data, tmp_path
 ):
-    """GRPO, one on-policy mini-batch of 4 prompts × 2: the flexible reward scores the tiny model's answers
-    all 0 (every group equal: one row kept), a parity score mixes them. The share kept is logged; when rows
-    were left out, the KL figures are every sample's and the update's own move to *_update_rows."""
+    """GRPO, one on-policy mini-batch of 8 prompts × 2, four steps (lr 1e-3: the policy leaves the reference
+    once a step has advantages). The flexible reward scores the tiny model's answers all 0: no sample has an advantage,
+    so every row is updated (share 1). The parity score makes some groups equal and others mixed: the equal
+    ones are left out. Either way the KL figures and the controller's input (k3 here) are every sample's,
+    from the engine's log-probs, and the update's own KL moves to *_update_rows."""
     over = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
         "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.actor.use_kl_loss=True",
-        "actor_rollout_ref.actor.kl_loss_type=mse",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
+        "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.05",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "actor_rollout_ref.actor.skip_zero_advantage_rows=True",
+        "trainer.total_training_steps=4",
     ]
     if reward == "parity":
         path = tmp_path / "parity.py"
         path.write_text(SCORE)
         over.append(f"custom_reward_function.path={path}")
     run_training(over)
-    (row,) = read_metrics(tmp_path / "run")
-    share = row["actor/update_rows_share"]
-    equal = row["batch/equal_score_groups"]
-    assert 0 < share <= 1 and math.isfinite(row["actor/ref_kl_k3"]) and math.isfinite(row["actor/kl_loss"])
-    if reward == "flexible":
-        assert equal == 1.0 and share == 1 / 8
-    assert (share < 1) == ("actor/ref_kl_k3_update_rows" in row)
-    assert share == pytest.approx(1 - equal, abs=1e-9) or equal == 1.0  # groups of 2: equal ⇔ both rows out
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 4
+    for row in rows:
+        share, equal = row["actor/update_rows_share"], row["batch/equal_score_groups"]
+        # groups of 2: an equal group's two rows are left out, unless no group has an advantage
+        assert share == (1.0 if equal == 1.0 else pytest.approx(1 - equal, abs=1e-9))
+        if reward == "flexible":
+            assert equal == 1.0
+        assert math.isfinite(row["actor/ref_kl_k3"]) and "actor/ref_kl_k3_update_rows" in row
+        assert row["actor/kl_loss_ctrl_kl"] == pytest.approx(row["actor/ref_kl_k3"], rel=1e-6, abs=1e-12)
+    if reward == "parity":  # (all-zero advantages and KL 0 leave the flexible run's policy put)
+        # steps where some groups were left out and the policy had left the reference: the every-sample KL
+        # and the kept rows' KL differ, and the controller read the first
+        told = [r for r in rows if 0 < r["actor/update_rows_share"] < 1 and r["actor/ref_kl_k3"] > 1e-6]
+        assert told, rows
+        for r in told:
+            assert r["actor/ref_kl_k3"] != pytest.approx(r["actor/ref_kl_k3_update_rows"], rel=1e-3)
 
 
-def test_refused_with_a_critic():
-    with pytest.raises(ConfigError, match="skip_zero_advantage_rows=True"):
-        load_config(["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.skip_zero_advantage_rows=True"])
+def test_refused_with_a_critic_or_several_updates_and_noted_where_it_does_little():
+    key = "actor_rollout_ref.actor.skip_zero_advantage_rows=True"
+    with pytest.raises(ConfigError, match="which GAE's never are"):
+        load_config(["algorithm.adv_estimator=gae", key])
+    with pytest.raises(ConfigError, match="one update per step"):
+        load_config(["algorithm.adv_estimator=grpo", key, "actor_rollout_ref.actor.ppo_epochs=2"])
+    with pytest.raises(ConfigError, match="one update per step"):
+        load_config(["algorithm.adv_estimator=grpo", key, "data.train_batch_size=8",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=4"])  # fmt: skip
+    one = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+    for over, noted in ((["algorithm.adv_estimator=grpo"], False), (["algorithm.adv_estimator=rloo"], False),
+                        (["algorithm.adv_estimator=reinforce_plus_plus_baseline"], True),
+                        (["algorithm.adv_estimator=rloo", "algorithm.use_kl_in_reward=True"], True)):  # fmt: skip
+        notes: list[str] = []
+        load_config([*over, *one, key], notify=notes.append)
+        assert any("few or none are left out" in m for m in notes) == noted, over
