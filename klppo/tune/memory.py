@@ -31,7 +31,9 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
   — ``klppo.models.lm_head`` — the bf16 logits are no longer made: these terms overestimate by
   ``N·V·c``; kept as they were validated until the next device sweep re-fits them.)
   (c) *head backward* (``reshard_after_forward=True`` only): the root and the window gathered again,
-  the activations, the logits' fp32 gradient ``N·V·4`` and the LM head's weight gradient.
+  the activations, the logits' fp32 gradient ``N·V·4`` (or the first layer's backward workspace, if
+  larger) and the LM head's weight gradient. The root then stays gathered to the end of the backward, so
+  (b) counts ``U_r·c`` more in that case.
   (b) *backward end*: unit gradients ``max(U_r·(c+4), U_r·c + U_max·(c+4))`` (``U_max``: largest
   non-root unit): the root's unsharded grads are reduced last; a unit being reduced holds bf16 grads
   and their fp32 reduce-scatter input; or the all-gather's flat output buffer ``U_max·c``.
@@ -252,8 +254,18 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
         phase.add("unsharded grads (sync per mini-batch)", facts.num_params * 4, "P·4")
     _gathered(phase, facts, point, w, backward=True)
     inner_max = max(units.sizes[:-1], default=0)
-    grads = max(units.root * (c + 4), units.root * c + inner_max * (c + 4), max(inner_max, units.root) * c)
-    phase.add("unit grads / gather buffer", grads, "max(U_r·(c+4), U_r·c + U_max·(c+4), U_max·c)", _END)
+    # with resharding the root, gathered again at the head's backward, stays gathered while the other units
+    # reduce (its post-backward comes last and frees its parameters before its own reduce-scatter)
+    held = units.root * c if point.reshard_after_forward and units.count > 1 else 0
+    grads = max(
+        units.root * (c + 4), units.root * c + held + inner_max * (c + 4), max(inner_max, units.root) * c
+    )
+    text = (
+        "max(U_r·(c+4), 2·U_r·c + U_max·(c+4), U_max·c)"
+        if held
+        else "max(U_r·(c+4), U_r·c + U_max·(c+4), U_max·c)"
+    )
+    phase.add("unit grads / gather buffer", grads, text, _END)
     per_layer = 8 * s.hidden + c * (5 * s.hidden + 2 * kvd + 4 * s.intermediate)
     if w.grad_checkpointing:
         acts, text = s.layers * T * s.hidden * c + T * per_layer, "L·T·h·c + T·A"
@@ -268,7 +280,11 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     phase.add("LM head grad", s.vocab * s.hidden * c, "V·h·c", _START)
     if point.reshard_after_forward:  # the head's backward, the root gathered again (_gathered)
         phase.add("activations (head backward)", acts, text, _HEAD)
-        phase.add("logits grad (head backward)", N * s.vocab * 4, "N·V·4", _HEAD)
+        # the logits' fp32 gradient at the head, or a layer's backward workspace just after it
+        workspace = T * c * (2 * s.hidden + 2 * s.intermediate)
+        phase.add(
+            "logits grad (head backward)", max(N * s.vocab * 4, workspace), "max(N·V·4, T·c·(2h+2I))", _HEAD
+        )
         phase.add("LM head grad (head backward)", s.vocab * s.hidden * c, "V·h·c", _HEAD)
     static = sum(t.bytes for t in phase.terms if t.name in _STATIC)
     if point.offload != "cpu":

@@ -59,20 +59,26 @@ def test_update_terms_by_hand(facts):
     assert t["backward workspace"] == T * c * (2 * H + 2 * FFN)
     assert t["logits"] == (T // 4) * V * (c + 12)
     assert t["LM head grad"] == V * H * c
-    grads = max(ROOT * (c + 4), ROOT * c + LAYER * (c + 4))
-    assert t["unit grads / gather buffer"] == grads
     # reshard_after_forward (default): the root reshards too, so nothing is gathered while the logits are
-    # live; root and window come back at the head's backward with its fp32 logits gradient
+    # live; root and window come back at the head's backward with its fp32 logits gradient (here the
+    # first layer's backward workspace is larger), and the root stays gathered while the layers reduce
+    grads = max(ROOT * (c + 4), 2 * ROOT * c + LAYER * (c + 4))
+    assert t["unit grads / gather buffer"] == grads
     always = shard * 16
     start = t["activations"] + t["backward workspace"] + t["logits"] + t["LM head grad"]
-    head = ROOT * c + 2 * LAYER * c + t["activations"] + (T // 4) * V * 4 + V * H * c
-    assert t["logits grad (head backward)"] == (T // 4) * V * 4
+    workspace = T * c * (2 * H + 2 * FFN)
+    assert workspace > (T // 4) * V * 4
+    assert t["logits grad (head backward)"] == workspace
+    head = ROOT * c + 2 * LAYER * c + t["activations"] + workspace + V * H * c
     assert phase.total == max(always + max(start, head, grads), shard * 20)
     # without resharding every gathered byte is there from the forward to the backward, logits included
     kept = predict(facts, Point(0, reshard_after_forward=False, micro_tokens=T), w)["update"]
     assert "logits grad (head backward)" not in terms(kept)
+    assert terms(kept)["unit grads / gather buffer"] == max(ROOT * (c + 4), ROOT * c + LAYER * (c + 4))
     gathered = ROOT * c + 2 * LAYER * c
-    assert kept.total == max(always + gathered + max(start, grads), shard * 20)
+    assert kept.total == max(
+        always + gathered + max(start, ROOT * (c + 4), ROOT * c + LAYER * (c + 4)), shard * 20
+    )
 
 
 def test_variants_change_the_right_terms(facts):
@@ -166,13 +172,70 @@ def test_grad_sync_per_mini_batch_rule_and_term(facts):
     assert "unsharded grads (sync per mini-batch)" not in terms(predict(facts, point, one_rank)["update"])
 
 
+# bench/RESULTS.md "Tune": one H200, session 2 (2026-11-29), before the root's resharding was modelled
+# (session 11): (shape, min_num_params, offload, forward_prefetch, reshard_after_forward, tokens, GiB)
+ONE_GPU_POINTS = [
+    ("Qwen2.5-0.5B", "whole", "off", 0, 1, 16384, 26.74),
+    ("Qwen2.5-0.5B", "1e+08", "off", 0, 1, 16384, 26.74),
+    ("Qwen2.5-0.5B", "1e+08", "off", 0, 0, 16384, 27.66),
+    ("Qwen2.5-0.5B", "1e+08", "off", 1, 1, 16384, 26.74),
+    ("Qwen2.5-0.5B", "0", "off", 0, 1, 16384, 26.73),
+    ("Qwen2.5-0.5B", "0", "off", 0, 0, 16384, 27.66),
+    ("Qwen2.5-0.5B", "0", "off", 1, 1, 16384, 26.73),
+    ("Qwen2.5-0.5B", "whole", "off", 0, 1, 4096, 12.26),
+    ("Qwen2.5-0.5B", "1e+08", "off", 0, 1, 4096, 12.26),
+    ("Qwen2.5-0.5B", "1e+08", "off", 0, 0, 4096, 13.18),
+    ("Qwen2.5-0.5B", "1e+08", "off", 1, 1, 4096, 12.26),
+    ("Qwen2.5-0.5B", "0", "off", 0, 1, 4096, 12.26),
+    ("Qwen2.5-0.5B", "0", "off", 0, 0, 4096, 13.18),
+    ("Qwen2.5-0.5B", "0", "off", 1, 1, 4096, 12.26),
+    ("Qwen2.5-0.5B", "whole", "idle", 0, 1, 16384, 26.73),
+    ("Qwen2.5-1.5B", "0", "off", 0, 0, 16384, 46.00),
+    ("Qwen2.5-1.5B", "1e+08", "off", 0, 0, 16384, 46.01),
+    ("Qwen2.5-1.5B", "1e+08", "off", 1, 1, 16384, 43.12),
+    ("Qwen2.5-1.5B", "1e+08", "off", 0, 1, 16384, 43.12),
+    ("Qwen2.5-1.5B", "0", "off", 1, 1, 16384, 43.12),
+    ("Qwen2.5-1.5B", "whole", "off", 0, 1, 16384, 43.11),
+    ("Qwen2.5-1.5B", "0", "off", 0, 1, 16384, 43.12),
+    ("Qwen2.5-1.5B", "1e+08", "off", 1, 1, 8192, 33.11),
+    ("Qwen2.5-1.5B", "1e+08", "off", 0, 1, 8192, 33.11),
+    ("Qwen2.5-1.5B", "whole", "off", 0, 1, 8192, 34.57),
+    ("Qwen2.5-1.5B", "1e+08", "off", 0, 0, 8192, 35.98),
+    ("Qwen2.5-1.5B", "0", "off", 0, 0, 8192, 35.98),
+    ("Qwen2.5-1.5B", "0", "off", 1, 1, 8192, 33.10),
+    ("Qwen2.5-1.5B", "0", "off", 0, 1, 8192, 33.10),
+    ("Qwen2.5-1.5B", "1e+08", "idle", 0, 1, 16384, 43.10),
+    ("Qwen2.5-1.5B", "whole", "idle", 0, 1, 16384, 43.10),
+    ("Qwen2.5-1.5B", "0", "idle", 0, 1, 16384, 43.10),
+    ("Qwen2.5-1.5B", "1e+08", "off", 0, 1, 16384, 43.12),
+]
+
+
+def test_one_gpu_points_within_five_percent():
+    """The 33 update peaks of the session-2 run (0.5B and 1.5B, 4k/8k/16k tokens, whole model / 1e8 / per
+    layer, reshard on/off, idle offload), out of sample for the root's resharding: within ±5% (-3.9% to
+    +0.6%; the whole-model points with resharding were +4.6% to +6.8% before it)."""
+    from klppo.tune.shapes import config_from_shape
+
+    facts_of = {}
+    for shape, threshold, offload, prefetch, reshard, tokens, measured in ONE_GPU_POINTS:
+        facts = facts_of.setdefault(shape, ModelFacts.from_config(config_from_shape(shape)))
+        mnp = {"whole": WHOLE_MODEL, "1e+08": 10**8, "0": 0}[threshold]
+        w = Workload(world_size=1, grad_checkpointing=True, device_bytes=int(139.8 * 2**30), compute_bytes=2)
+        point = Point(mnp, offload, bool(prefetch), bool(reshard), tokens)
+        predicted = predict(facts, point, w)["update"].total / 2**30
+        assert abs(predicted / measured - 1) <= 0.05, (shape, threshold, offload, prefetch, reshard, tokens)
+    assert len(ONE_GPU_POINTS) == 33
+
+
 def test_measured_sweeps_within_five_percent():
     """The update peaks measured on two H200s (bench/results: session 8, Qwen2.5-1.5B and 7B at thresholds
-    0 and 1e8; session 11, 1.5B at all four thresholds; each × forward prefetch × reshard_after_forward)
-    against the model as bench/multi_gpu.py calls it. The root's resharding (_gathered) was found on the
-    1.5B points of session 11 (whole model as one unit, resharding: +14.3% when the root was counted as
-    always gathered); the 7B points are out of sample for that change. Every point within ±5% (the
-    issue asks ±10%)."""
+    0 and 1e8; session 11, 1.5B at all four thresholds; each × forward prefetch × reshard_after_forward:
+    32 measurements, 24 distinct points) against the model as bench/multi_gpu.py calls it. The root's
+    resharding (_gathered) was found on the 1.5B points of session 11 (whole model as one unit, resharding:
+    +14.3% when the root was counted as always gathered), so these are in sample for it; the 7B points with
+    resharding sit on the optimizer-step floor and do not test it (the one-GPU points above do). Every
+    point within ±5% (the issue asks ±10%)."""
     import json
     from pathlib import Path
 
