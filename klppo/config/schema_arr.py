@@ -155,7 +155,8 @@ class ActorConfig:
         "(under grpo/rloo: the groups whose samples all scored the same), which carry no policy gradient; "
         "the KL loss and entropy bonus then act on the kept samples only, and token-mean losses average over "
         "their tokens. The KL metrics and the KL-loss controller still see every sample (docs/training.md). "
-        "Not with a critic (GAE advantages are never exactly 0).",
+        "Not with a critic (GAE advantages are never exactly 0), and for one update per step (ppo_epochs 1, "
+        "one mini-batch).",
     )
     shuffle: bool = F(False, "Shuffle samples between epochs.")
     data_loader_seed: int = F(42, "Seed of that shuffle.")
@@ -299,7 +300,8 @@ class RolloutConfig:
         False,
         "[klppo] The klppo engine moves its busy slots down into a smaller decode batch once no sequence "
         "waits, so responses of spread lengths decode at the size of the live batch (K/V and state copied). "
-        "Runs under CUDA graphs (one graph per smaller bucket); measured on an H200, Qwen2.5-0.5B shape, "
+        "Runs under CUDA graphs (one graph per smaller bucket; run so far in the engine's benchmark on one GPU, "
+        "not yet in a trainer run or with a tensor-parallel rollout); measured on an H200, Qwen2.5-0.5B shape, "
         "batch 256, sequences ending every 256th token on average: decode step 2.050 → 1.919 ms (-6.4%) in "
         "the same run (bench/RESULTS.md, session 11). Off by default until a trainer run measures it.",
     )

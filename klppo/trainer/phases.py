@@ -190,6 +190,22 @@ def whole_batch_kl(batch: Batch, actor: ActorConfig) -> dict[str, float]:
     return out
 
 
+def update_rows_metrics(
+    metrics: dict[str, float], batch: Batch, actor: ActorConfig, num_update_rows: int
+) -> dict[str, float]:
+    """With ``actor.skip_zero_advantage_rows``: the share of rows updated, and while the update is on-policy
+    (no old-log-prob pass) its forward's KL figures, which cover the kept rows only, as ``*_update_rows``
+    beside every sample's (:func:`whole_batch_kl`), which replace them and feed the controller on every
+    step — one source whether or not rows were left out."""
+    out = {"actor/update_rows_share": num_update_rows / len(batch)}
+    if batch.old_log_probs is None:
+        out.update(
+            {f"{k}_update_rows": metrics[k] for k in ("actor/ref_kl_k1", "actor/ref_kl_k3") if k in metrics}
+        )
+        out.update(whole_batch_kl(batch, actor))
+    return out
+
+
 def control_kl_loss(metrics: dict[str, float], kl_loss_ctrl: KLController, num_samples: int) -> None:
     """After the step's actor update: the controller sees this step's KL(π_old‖π_ref) and sets the β of
     the next step's KL loss (β_t depends on KL_1 … KL_{t−1}, as the reward-side controller in verl)."""

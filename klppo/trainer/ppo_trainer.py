@@ -46,7 +46,7 @@ from klppo.trainer.phases import (
     measure_kl_for_control,
     rewards_and_advantages,
     sample_seed,
-    whole_batch_kl,
+    update_rows_metrics,
     with_old_log_probs,
     with_reward_baselines,
     with_scores,
@@ -314,15 +314,9 @@ class PPOTrainer:
         if "actor/kl_loss_ctrl_kl" in metrics and batch.old_log_probs is None:
             metrics["actor/kl_loss_ctrl_kl"] = reduce_metrics({"k": metrics["actor/kl_loss_ctrl_kl"]})["k"]
         if self.cfg.actor_rollout_ref.actor.skip_zero_advantage_rows:
-            metrics["actor/update_rows_share"] = num_update_rows / len(batch)
-            if batch.old_log_probs is None:
-                # the update's forward sees the kept rows only: its KL figures are kept under *_update_rows,
-                # and every sample's (π_old = the engine's log-probs) are reported and controlled instead, on
-                # every step (one source for the controller, whether or not rows were left out)
-                for key in ("actor/ref_kl_k1", "actor/ref_kl_k3"):
-                    if key in metrics:
-                        metrics[f"{key}_update_rows"] = metrics[key]
-                metrics.update(whole_batch_kl(batch, self.cfg.actor_rollout_ref.actor))
+            metrics.update(
+                update_rows_metrics(metrics, batch, self.cfg.actor_rollout_ref.actor, num_update_rows)
+            )
         if roles.actor.num_skipped_updates > skipped_before:  # the KL-loss controller is not moved either
             return metrics, "a non-finite actor loss or gradient norm (actor step skipped)"
         control_kl_loss(metrics, run.kl_loss_ctrl, len(batch))
