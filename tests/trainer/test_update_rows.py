@@ -187,3 +187,36 @@ def test_refused_with_a_critic_or_several_updates_and_noted_where_it_does_little
         notes: list[str] = []
         load_config([*over, *one, key], notify=notes.append)
         assert any("few or none are left out" in m for m in notes) == noted, over
+
+
+@pytest.mark.slow
+def test_two_ranks_update_equal_shares_of_the_kept_rows(tiny_model_dir, arithmetic_data, tmp_path):
+    """`klppo train` on 2 gloo ranks with the option, 3 samples per prompt: the kept rows (whole groups of
+    3) padded to an even count split into equal shares, both ranks update (a rank with fewer rows would
+    leave a collective waiting), and the share and the every-sample KL are logged as in one process."""
+    from klppo.trainer.main_ppo import main
+
+    path = tmp_path / "parity.py"
+    path.write_text(SCORE)
+    over = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "two") + [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.skip_zero_advantage_rows=True",
+        "actor_rollout_ref.rollout.n=3",
+        "trainer.total_training_steps=3",
+        "trainer.n_gpus_per_node=2",
+        f"custom_reward_function.path={path}",
+    ]
+    torch.set_num_threads(1)
+    assert main(over) == 0
+    rows = read_metrics(tmp_path / "two")
+    assert len(rows) == 3 and all(r["perf/world_size"] == 2 for r in rows)
+    counts = [round(r["actor/update_rows_share"] * 24) for r in rows]  # rows updated of 8 prompts × 3
+    assert all(n % 2 == 0 and n > 0 for n in counts), counts
+    assert any(n < 24 for n in counts), counts
+    assert any(n % 3 for n in counts), counts  # an odd number of kept groups: one row of padding
+    for r in rows:
+        assert r["actor/kl_loss_ctrl_kl"] == pytest.approx(r["actor/ref_kl_k3"], rel=1e-6, abs=1e-12)
