@@ -132,6 +132,11 @@ SERIES = {
 }
 
 
+SUMMARY_SERIES = ("step_s", "gen_s", "ref_s", "update_actor_s", "length", "equal_groups", "update_rows_share")
+"""Series whose run means ``print_table`` adds (the step's phases, and the share of groups without a task
+gradient and of rows updated: what ``actor.skip_zero_advantage_rows`` saves)."""
+
+
 def parse_setting(text: str) -> tuple[str, list[str], str]:
     """``name=PRESET[,key=value…]`` → (name, overrides, reward method); ``reward=M`` picks the reward."""
     name, _, spec = text.partition("=")
@@ -446,6 +451,15 @@ def print_table(results: list[dict]) -> None:
                 for p in r["trajectory"]
             )
             print(f"{r['name']} along the run (held-out flexible at k3 of the 20 steps before): {points}")
+    for r in results:  # where a step's time went, and how much of the batch carried a task gradient
+        series = r.get("series") or {}
+        values = {k: [x for x in v if x is not None] for k, v in series.items() if k in SUMMARY_SERIES}
+        means = {k: sum(v) / len(v) for k, v in values.items() if v}
+        if means:
+            print(
+                f"{r['name']} means over the run: "
+                + ", ".join(f"{k} {means[k]:.3f}" for k in SUMMARY_SERIES if k in means)
+            )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def test_answer_extraction():
 
 
 @pytest.mark.slow
-def test_learning_bench_runs_and_stops_on_budget(tmp_path):
+def test_learning_bench_runs_and_stops_on_budget(tmp_path, capsys):
     from klppo.models.tiny import save_tiny_model_dir
 
     model = save_tiny_model_dir(tmp_path / "model", num_layers=2, hidden_size=64)
@@ -69,6 +69,10 @@ def test_learning_bench_runs_and_stops_on_budget(tmp_path):
     assert [p["step"] for p in traj] == list(range(1, r["steps"] + 1))
     assert traj[-1]["flexible"] == r["accuracy_after"]["flexible"]
     assert all(p["n"] == 6 and p["kl_k3_20"] is not None for p in traj)
+    # the share of equal-score groups each step, and the run means printed under the table
+    assert len(r["series"]["equal_groups"]) == r["steps"]
+    assert all(0 <= x <= 1 for x in r["series"]["equal_groups"])
+    assert "pi means over the run: step_s " in capsys.readouterr().out
 
 
 def test_response_kl_is_the_mean_of_per_step_products_over_the_last_20_steps():
