@@ -477,11 +477,10 @@ def sweep_ranks(args) -> None:
     import torch.distributed as dist
 
     from klppo.parallel.dist import destroy, init_distributed
+    from klppo.tune.comm import probe_bandwidth
     from klppo.tune.measure import measure_point, safe_measure
     from klppo.tune.memory import Point, Workload, predict
     from klppo.tune.units import ModelFacts
-
-    from klppo.tune.comm import probe_bandwidth
 
     info = init_distributed(args.device, 600.0)
     shapes = ["tiny"] if args.tiny else args.sweep_shapes.split(",")
