@@ -200,3 +200,25 @@ def test_compiled_layers_are_advised_where_they_could_run_and_only_there():
     assert critic.startswith("critic.model.compile_packed_layers=True") and "+16 GiB" in critic
     assert advice(*gae, "critic.model.compile_packed_layers=True") == []
     assert advice(*gae[:-2], "actor_rollout_ref.model.compile_packed_layers=True") == []  # critic unpacked
+
+
+def test_the_critic_is_advised_the_actors_token_budget_where_it_cuts_its_mini_batch_finer():
+    """GAE with token budgets: a critic budget under the actor's, over which its mini-batch runs as several
+    micro-batches, gets the actor's budget advised; not when equal or larger, not when one micro-batch
+    holds the mini-batch, not without a critic or token budgets, not for a critic on another model."""
+    from klppo.config.checks import critic_budget_advice
+
+    gae = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_dynamic_bsz=True",
+           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=65536", "critic.ppo_max_token_len_per_gpu=16384"]  # fmt: skip
+
+    def advice(*over, tokens=200_000):
+        return critic_budget_advice(load_config(list(over), **Q), critic_mini_batch_tokens=tokens)
+
+    line = advice(*gae)
+    assert line.startswith("critic.ppo_max_token_len_per_gpu=16384 cuts") and "up to 13 micro-batches" in line
+    assert "critic.ppo_max_token_len_per_gpu=65536 and critic.forward_max_token_len_per_gpu=65536" in line
+    assert advice(*gae, tokens=16_000) is None  # one micro-batch already
+    assert advice(*gae, "critic.ppo_max_token_len_per_gpu=65536") is None
+    assert advice(*gae, "algorithm.adv_estimator=grpo") is None  # no critic
+    assert advice(*gae, "actor_rollout_ref.actor.use_dynamic_bsz=False") is None
+    assert advice(*gae, "critic.model.path=/elsewhere") is None
