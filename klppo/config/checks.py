@@ -121,6 +121,17 @@ def value_at(cfg: object, key: str) -> object:
     return node
 
 
+_READ_ONLY_COPIES = (
+    ("actor_rollout_ref.actor.rollout_n", "actor_rollout_ref.rollout.n"),
+    ("actor_rollout_ref.ref.rollout_n", "actor_rollout_ref.rollout.n"),
+    ("critic.rollout_n", "actor_rollout_ref.rollout.n"),
+    ("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"),
+    ("actor_rollout_ref.rollout.response_length", "data.max_response_length"),
+)
+"""(copy, source): keys verl derives from another (``${...}``) and klppo never reads; set apart from their
+source they would be ignored, so they must agree."""
+
+
 def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     """Choices, ranges and world-size-free count rules; ConfigError on the first problem, notes via notify."""
     notify = notify or notice
@@ -137,6 +148,11 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         if v < low or (high is not None and v > high):
             bound = f"≥ {low}" if high is None else f"in [{low}, {high}]"
             raise ConfigError(f"{key}={v}: must be {bound}")
+    for copy, source in _READ_ONLY_COPIES:
+        if value_at(cfg, copy) != value_at(cfg, source):
+            raise ConfigError(f"{copy}={value_at(cfg, copy)!r} differs from {source}={value_at(cfg, source)!r}, "
+                              f"which it copies in verl's schema and which is what klppo reads: set {source} "
+                              f"instead, or leave {copy} unset")  # fmt: skip
     n = cfg.trainer.n_gpus_per_node
     if not (n == "auto" or (isinstance(n, int) and n >= 1)):
         raise ConfigError(f"trainer.n_gpus_per_node={n!r}: expected 'auto' or an integer ≥ 1")

@@ -219,3 +219,26 @@ def test_rollout_tp_without_its_engine_is_noted_at_load():
     notes = []
     load_config(tp2, notify=notes.append)
     assert not any("tensor_model_parallel_size" in m for m in notes)
+
+
+@pytest.mark.parametrize(
+    "copy,source,value",
+    [("actor_rollout_ref.actor.rollout_n", "actor_rollout_ref.rollout.n", 4),
+     ("critic.rollout_n", "actor_rollout_ref.rollout.n", 4),
+     ("actor_rollout_ref.ref.rollout_n", "actor_rollout_ref.rollout.n", 4),
+     ("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length", 77),
+     ("actor_rollout_ref.rollout.response_length", "data.max_response_length", 77)],
+)  # fmt: skip
+def test_read_only_copies_must_agree_with_their_source(copy, source, value):
+    """verl derives these keys from another; klppo reads the source only, so a copy set apart from it would
+    be silently ignored: refused, naming both. Set together (as verl scripts sometimes spell both), fine."""
+    with pytest.raises(ConfigError, match=rf"{copy}={value} differs from {source}="):
+        load_config([f"{copy}={value}"])
+    cfg = load_config([f"{copy}={value}", f"{source}={value}"])
+    assert _value(cfg, copy) == _value(cfg, source) == value
+
+
+def _value(cfg, key):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
