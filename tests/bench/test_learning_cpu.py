@@ -101,3 +101,26 @@ def test_a_setting_refused_at_load_shows_the_trainers_message(tmp_path, capsys):
     assert r["exit_code"] != 0
     assert "kl_loss_ctrl.min_coef=0.06" in r["error"] and r["error"].startswith(f"exit {r['exit_code']}:")
     assert f"| bad | failed: exit {r['exit_code']}:" in capsys.readouterr().out
+
+
+def test_gsm8k_task_takes_the_first_rows_of_each_split(tmp_path):
+    """``--task gsm8k``: the held-out items are GSM8K's own test rows (never its train rows), the first
+    ``num_test`` of them, in verl's prompt with the instruction; ground truths are the ``#### N`` numbers."""
+    import pyarrow.parquet as pq
+
+    from bench.learning import TASK_OVERRIDES, make_data
+
+    src = tmp_path / "gsm8k"
+    src.mkdir()
+    for split, n in (("train", 5), ("test", 4)):
+        rows = [{"question": f"{split} q{i}?", "answer": f"work\n#### {1000 * i + 7:,}"} for i in range(n)]
+        (src / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, test = make_data(tmp_path / "data", 3, 2, task="gsm8k", gsm8k_dir=str(src))
+    t, e = pq.read_table(train).to_pylist(), pq.read_table(test).to_pylist()
+    assert [r["extra_info"]["question"] for r in t] == ["train q0?", "train q1?", "train q2?"]
+    assert [r["extra_info"]["question"] for r in e] == ["test q0?", "test q1?"]
+    assert [r["reward_model"]["ground_truth"] for r in e] == ["7", "1007"]  # commas removed
+    assert "####" in e[0]["prompt"][0]["content"]  # the instruction asks for the strict format
+    assert "data.max_response_length=256" in TASK_OVERRIDES["gsm8k"]
+    with pytest.raises(SystemExit, match="--gsm8k-dir"):
+        make_data(tmp_path / "x", 3, 2, task="gsm8k")
