@@ -23,7 +23,9 @@ from klppo.parallel.checkpoint import load_checkpoint  # noqa: E402
 from klppo.parallel.dist import free_port  # noqa: E402
 from klppo.parallel.fsdp import choose_units  # noqa: E402
 
-pytestmark = pytest.mark.slow  # multi-process or long (minutes on 2 busy cores); `-m 'not slow'` skips it
+# slow: multi-process or long (minutes on 2 busy cores), `-m 'not slow'` skips it; one xdist worker runs the
+# module, so its spawned runs (a module fixture) happen once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp_runs")]
 
 LOSS_RTOL, WEIGHT_ATOL, KEY_BIAS_ATOL = 1e-5, 1e-5, 5e-5
 

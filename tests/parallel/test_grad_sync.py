@@ -18,7 +18,8 @@ import grad_sync_worker as W  # noqa: E402
 
 from klppo.parallel.dist import free_port  # noqa: E402
 
-pytestmark = pytest.mark.slow  # two spawned launches (~20 s on 2 busy cores)
+# slow: two spawned launches (~20 s on 2 busy cores), a module fixture that one xdist worker runs once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("grad_sync_runs")]
 
 ROLES = ("actor", "critic")
 UNITS = W.NUM_LAYERS + 1  # one per decoder layer + the root

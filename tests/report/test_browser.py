@@ -16,6 +16,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
+# the runs of the session fixture tiny_runs (conftest.py) are trained once, by the one xdist worker of the group
+pytestmark = pytest.mark.xdist_group("report_runs")
+
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "report.png"
 WIDTH, HEIGHT = 1400, 1800
 BINARIES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")

@@ -9,6 +9,9 @@ import pytest
 
 from tests.report.conftest import STEPS
 
+# the runs of the session fixture tiny_runs (conftest.py) are trained once, by the one xdist worker of the group
+pytestmark = pytest.mark.xdist_group("report_runs")
+
 pytest.importorskip("matplotlib")
 
 # the figures a CPU run with a reference (KL loss), validation and the run monitor (on by default) logs

@@ -17,7 +17,9 @@ import tune_worker as W  # noqa: E402
 
 from klppo.parallel.dist import free_port  # noqa: E402
 
-pytestmark = pytest.mark.slow  # multi-process or long (minutes on 2 busy cores); `-m 'not slow'` skips it
+# slow: multi-process or long (minutes on 2 busy cores), `-m 'not slow'` skips it; one xdist worker runs the
+# module, so its spawned runs (a module fixture) happen once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tune_dist_runs")]
 
 
 @pytest.fixture(scope="module")
