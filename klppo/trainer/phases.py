@@ -28,6 +28,7 @@ from klppo.roles.reward import Reward
 from klppo.rollout.base import SamplingParams
 from klppo.trainer.nonfinite import check_kl
 from klppo.trainer.setup import Run
+from klppo.trainer.step_metrics import ref_kl_metrics
 
 log = logging.getLogger("klppo")
 
@@ -181,11 +182,8 @@ def whole_batch_kl(batch: Batch, actor: ActorConfig) -> dict[str, float]:
     ``actor/ref_kl_k1``, ``actor/ref_kl_k3`` and, with a KL loss, the controller's ``actor/kl_loss_ctrl_kl``."""
     if batch.ref_log_probs is None or batch.rollout_log_probs is None:
         return {}
-    old, ref, m = batch.rollout_log_probs, batch.ref_log_probs, batch.response_mask
-    out = {
-        "actor/ref_kl_k1": float(masked_mean(old - ref, m)),
-        "actor/ref_kl_k3": float(masked_mean(kl_mod.kl_penalty(old, ref, "k3"), m)),
-    }
+    old = batch.rollout_log_probs
+    out = {k: float(v) for k, v in ref_kl_metrics(old, batch.ref_log_probs, batch.response_mask).items()}
     out.update(measure_kl_for_control(batch.replace(old_log_probs=old), actor))
     return out
 

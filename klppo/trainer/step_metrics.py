@@ -9,6 +9,7 @@ import torch
 
 from klppo.algorithms.kl import kl_penalty
 from klppo.algorithms.losses import explained_variance, masked_mean
+from klppo.algorithms.outcome import equal_groups, group_index
 from klppo.batch import Batch
 from klppo.models.flops import device_peak_flops, model_flops_per_token
 from klppo.parallel.collectives import all_reduce_max_values, world_size
@@ -52,10 +53,17 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     if batch.values is not None and batch.returns is not None:
         out["critic/vf_explained_var"] = explained_variance(batch.values, batch.returns, m)
     if batch.ref_log_probs is not None and batch.old_log_probs is not None:  # else the actor reports them
-        # KL(π_old‖π_ref) per response token (π_old = the policy that generated the batch), two estimators
-        out["actor/ref_kl_k1"] = masked_mean(batch.old_log_probs - batch.ref_log_probs, m)
-        out["actor/ref_kl_k3"] = masked_mean(kl_penalty(batch.old_log_probs, batch.ref_log_probs, "k3"), m)
+        out.update(ref_kl_metrics(batch.old_log_probs, batch.ref_log_probs, m))
     return {k: float(v) for k, v in out.items()}
+
+
+def ref_kl_metrics(old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """KL(π_old‖π_ref) per response token (π_old = the policy that generated the batch), two estimators:
+    ``actor/ref_kl_k1`` and ``actor/ref_kl_k3`` (tensors)."""
+    return {
+        "actor/ref_kl_k1": masked_mean(old_log_probs - ref_log_probs, mask),
+        "actor/ref_kl_k3": masked_mean(kl_penalty(old_log_probs, ref_log_probs, "k3"), mask),
+    }
 
 
 def equal_score_group_share(scores: torch.Tensor, uids: list[Any]) -> float | None:
@@ -64,13 +72,13 @@ def equal_score_group_share(scores: torch.Tensor, uids: list[Any]) -> float | No
     update no task gradient (only its KL and entropy terms). None without groups (``rollout.n`` = 1)."""
     if len(uids) != scores.shape[0]:
         return None
-    groups: dict[Any, list[float]] = {}
-    for score, uid in zip(scores.tolist(), uids, strict=True):
-        groups.setdefault(uid, []).append(score)
-    sized = [g for g in groups.values() if len(g) >= 2]
-    if not sized:
+    index = group_index(uids, len(uids), scores.device)
+    sized = torch.bincount(index) >= 2
+    if not sized.any():
         return None
-    return sum(max(g) == min(g) for g in sized) / len(sized)
+    # the same predicate the group estimators zero their advantages on (algorithms.outcome.equal_groups)
+    equal = torch.zeros_like(sized).index_put_((index,), equal_groups(scores, index))
+    return int(equal[sized].sum()) / int(sized.sum())
 
 
 def perf_metrics(

@@ -260,12 +260,8 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     grads = max(
         units.root * (c + 4), units.root * c + held + inner_max * (c + 4), max(inner_max, units.root) * c
     )
-    text = (
-        "max(U_r·(c+4), 2·U_r·c + U_max·(c+4), U_max·c)"
-        if held
-        else "max(U_r·(c+4), U_r·c + U_max·(c+4), U_max·c)"
-    )
-    phase.add("unit grads / gather buffer", grads, text, _END)
+    root_c = "2·U_r·c" if held else "U_r·c"
+    phase.add("unit grads / gather buffer", grads, f"max(U_r·(c+4), {root_c} + U_max·(c+4), U_max·c)", _END)
     per_layer = 8 * s.hidden + c * (5 * s.hidden + 2 * kvd + 4 * s.intermediate)
     if w.grad_checkpointing:
         acts, text = s.layers * T * s.hidden * c + T * per_layer, "L·T·h·c + T·A"
