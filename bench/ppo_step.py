@@ -511,6 +511,8 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, ar
     info = dist.init_distributed(args.device, 600.0)
     device = info.device
     cuda = device.type == "cuda"
+    # what earlier variants of this process left allocated (session 12: ≈ 11.5 GB in the peaks of the second)
+    held_before = torch.cuda.memory_allocated(device) / 2**30 if cuda else 0.0
 
     def now() -> float:
         if cuda:
@@ -550,6 +552,7 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, ar
             "tokens_per_s": tokens / best,
             "perf/max_memory_allocated_gb": max(peaks[1:]),
             "actor/grad_norm": metrics["actor/grad_norm"],
+            "perf/allocated_before_gb": held_before,
         }
         if peak:
             out["perf/mfu/actor"] = flops / (best * peak)
@@ -565,7 +568,7 @@ ROWS = [
     "timing_s/gen", "rollout/graph_capture_s", "rollout/prefill_s", "timing_s/old_log_prob", "timing_s/ref",
     "timing_s/values", "timing_s/reward", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step",
     "train_s (step - gen)", "first_step_s", "first_update_s", "setup_s", "tokens_per_s", "perf/throughput",
-    "perf/mfu/actor", "perf/max_memory_allocated_gb", "rollout/log_prob_diff", "actor/pg_loss",
+    "perf/mfu/actor", "perf/max_memory_allocated_gb", "perf/allocated_before_gb", "rollout/log_prob_diff", "actor/pg_loss",
     "actor/entropy", "actor/grad_norm", "cuda_syncs/passes", "cuda_syncs/other",
 ]  # fmt: skip
 
@@ -636,6 +639,10 @@ def main() -> None:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             continue
+        gc.collect()  # the compiled code caches hold the finished variant's tensors: let them go
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         print(f"== {args.workload} / {name}: " + json.dumps({k: round(v, 4) for k, v in results[name].items()
                                                             if k in ROWS}), flush=True)  # fmt: skip
         for key, top in results[name].items():

@@ -296,14 +296,15 @@ class RolloutConfig:
         "triton package imports, else flash; masked SDPA elsewhere) | flash | flash-plain | sdpa | triton "
         "(split-KV kernels fused with the cache write; 15-22% faster decode steps than flash on an H200).",
     )
-    compact_slots: bool = F(
-        False,
+    compact_slots: bool | str = F(
+        "auto",
         "[klppo] The klppo engine moves its busy slots down into a smaller decode batch once no sequence "
-        "waits, so responses of spread lengths decode at the size of the live batch (K/V and state copied). "
-        "Runs under CUDA graphs (one graph per smaller bucket; run so far in the engine's benchmark on one GPU, "
-        "not yet in a trainer run or with a tensor-parallel rollout); measured on an H200, Qwen2.5-0.5B shape, "
-        "batch 256, sequences ending every 256th token on average: decode step 2.050 → 1.919 ms (-6.4%) in "
-        "the same run (bench/RESULTS.md, session 11). Off by default until a trainer run measures it.",
+        "waits, so responses of spread lengths decode at the size of the live batch (K/V and state copied; "
+        "greedy outputs unchanged): auto | true | false. auto: on, except with a tensor-parallel rollout "
+        "(tensor_model_parallel_size > 1: never measured that way on GPUs; true turns it on there). Measured "
+        "on an H200: Qwen2.5-0.5B shape, batch 256, spread lengths, decode step 2.050 -> 1.919 ms in the same "
+        "run (session 11); SmolLM2-135M learning runs, generation ~25% less per token than session 11's "
+        "runs without it (session 12, bench/RESULTS.md).",
     )
     free_cache_engine: bool = F(
         True,

@@ -274,12 +274,20 @@ def engine_options(rollout: RolloutConfig) -> dict[str, bool | str]:
     eagerly (no torch.compile, no CUDA graph capture), as vLLM's flag does; ``sampler`` picks the sampling
     kernels (``auto``: the one-pass Triton kernels where they run, measured 4–6% off the decode step on an
     H200, bench/RESULTS.md); ``decode_attention`` picks the decode attention kernels; ``compact_slots``
-    moves busy slots into smaller decode batches once nothing waits."""
+    moves busy slots into smaller decode batches once nothing waits (``auto``: unless the rollout is
+    tensor-parallel)."""
     if rollout.name != "klppo":
         return {}
     eager = {"use_cuda_graph": False, "compile_decode": False} if rollout.enforce_eager else {}
     return {**eager, "sampler": rollout.sampler, "decode_attention": rollout.decode_attention,
-            "compact_slots": rollout.compact_slots}  # fmt: skip
+            "compact_slots": compacts_slots(rollout)}  # fmt: skip
+
+
+def compacts_slots(rollout: RolloutConfig) -> bool:
+    """``rollout.compact_slots`` resolved: ``auto`` is on unless the rollout is tensor-parallel."""
+    if rollout.compact_slots == "auto":
+        return rollout.tensor_model_parallel_size == 1
+    return bool(rollout.compact_slots)
 
 
 # ---------------------------------------------------------------------------------------------- data

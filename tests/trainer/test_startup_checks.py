@@ -139,15 +139,22 @@ def test_engine_options_from_enforce_eager_sampler_and_decode_attention():
         "compile_decode": False,
         "sampler": "auto",
         "decode_attention": "auto",
-        "compact_slots": False,
+        "compact_slots": True,
     }
-    assert options() == {"sampler": "auto", "decode_attention": "auto", "compact_slots": False}
+    assert options() == {"sampler": "auto", "decode_attention": "auto", "compact_slots": True}
     assert options("actor_rollout_ref.rollout.sampler=torch") == {
         "sampler": "torch",
         "decode_attention": "auto",
-        "compact_slots": False,
+        "compact_slots": True,
     }
-    assert options("actor_rollout_ref.rollout.compact_slots=true")["compact_slots"] is True
+    assert options("actor_rollout_ref.rollout.compact_slots=false")["compact_slots"] is False
+    # auto: off under a tensor-parallel rollout (never measured so on GPUs), where true turns it on
+    tp2 = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
+    assert options(tp2)["compact_slots"] is False
+    assert options(tp2, "actor_rollout_ref.rollout.compact_slots=true")["compact_slots"] is True
+    assert options("actor_rollout_ref.rollout.name=hf") == {}  # auto is the klppo engine's only
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.compact_slots='sometimes'"):
+        options("actor_rollout_ref.rollout.compact_slots=sometimes")
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.compact_slots=true is klppo's"):
         options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.compact_slots=true")
     assert options("actor_rollout_ref.rollout.decode_attention=triton")["decode_attention"] == "triton"

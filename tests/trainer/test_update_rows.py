@@ -187,6 +187,20 @@ def test_refused_with_a_critic_or_several_updates_and_noted_where_it_does_little
         notes: list[str] = []
         load_config([*over, *one, key], notify=notes.append)
         assert any("few or none are left out" in m for m in notes) == noted, over
+    # advised where it is allowed and pays: group estimators, KL in the loss, one update per step
+    g = [*one, "actor_rollout_ref.rollout.n=4"]
+    advice = "skip_zero_advantage_rows=True would leave"
+    for over, advised in ((["algorithm.adv_estimator=grpo", *g], True), (["algorithm.adv_estimator=rloo", *g], True),
+                          (["algorithm.adv_estimator=grpo", *g, key], False),
+                          (["algorithm.adv_estimator=grpo", *g, "algorithm.use_kl_in_reward=True"], False),
+                          (["algorithm.adv_estimator=grpo", *g, "actor_rollout_ref.actor.ppo_epochs=2"], False),
+                          (["algorithm.adv_estimator=grpo", "data.train_batch_size=8",
+                            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4"], False),
+                          (["algorithm.adv_estimator=gae", *g], False),
+                          (["algorithm.adv_estimator=grpo", *one], False)):  # fmt: skip
+        notes = []
+        load_config(over, notify=notes.append)
+        assert any(advice in m for m in notes) == advised, over
 
 
 @pytest.mark.slow
