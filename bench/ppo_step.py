@@ -635,14 +635,12 @@ def main() -> None:
         except Exception as e:  # record and go on: one failing variant must not lose the others
             traceback.print_exc()
             results[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        finally:  # the compiled code caches hold the finished variant's tensors: let them go, then collect
+            torch._dynamo.reset()
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            continue
-        gc.collect()  # the compiled code caches hold the finished variant's tensors: let them go
-        torch._dynamo.reset()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
         print(f"== {args.workload} / {name}: " + json.dumps({k: round(v, 4) for k, v in results[name].items()
                                                             if k in ROWS}), flush=True)  # fmt: skip
         for key, top in results[name].items():

@@ -212,29 +212,23 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
 
 
 def _check_skip_zero_advantage_rows(cfg: KLPPOConfig) -> None:
-    """``actor.skip_zero_advantage_rows``: not with a critic (GAE's advantages are never exactly 0), and only
-    for an update of one mini-batch and one epoch — over several, the kept rows would be cut into fewer,
-    smaller mini-batches, a number of optimizer steps that moves with the share left out."""
+    """``actor.skip_zero_advantage_rows``: not with a critic (GAE's advantages are never exactly 0)."""
     actor, key = cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor.skip_zero_advantage_rows=True"
-    if not actor.skip_zero_advantage_rows:
-        return
-    if uses_critic(cfg):
+    if actor.skip_zero_advantage_rows and uses_critic(cfg):
         raise ConfigError(f"{key} leaves out samples whose advantage is exactly 0, which GAE's never are "
                           f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}, with a critic); use it with "
                           "grpo or rloo, or set it False")  # fmt: skip
-    if actor.ppo_epochs != 1 or actor.ppo_mini_batch_size < cfg.data.train_batch_size:
-        raise ConfigError(f"{key} is built for one update per step (ppo_epochs=1 and ppo_mini_batch_size = "
-                          f"data.train_batch_size; here {actor.ppo_epochs} and {actor.ppo_mini_batch_size} of "
-                          f"{cfg.data.train_batch_size}): set them so, or set it False")  # fmt: skip
 
 
 def _skip_would_pay(cfg: KLPPOConfig) -> bool:
     """A GRPO/RLOO run with the KL in the loss and one update per step, not leaving out its zero-advantage
-    samples: where ``actor.skip_zero_advantage_rows`` is allowed and does what it is for."""
+    samples: where ``actor.skip_zero_advantage_rows`` was measured to pay (several mini-batches: allowed,
+    not yet measured, so not advised)."""
     actor = cfg.actor_rollout_ref.actor
     return (
         not actor.skip_zero_advantage_rows
         and cfg.algorithm.adv_estimator in ("grpo", "rloo")
+        and actor.use_kl_loss
         and not cfg.algorithm.use_kl_in_reward
         and not uses_critic(cfg)
         and cfg.actor_rollout_ref.rollout.n > 1

@@ -122,21 +122,27 @@ class Actor(TrainedRole):
         *,
         kl_loss_coef: float | None = None,
         ref_logits_fn: Callable[[Batch], torch.Tensor] | None = None,
+        num_mini_batches: int | None = None,
     ) -> dict[str, float]:
-        """``ppo_epochs`` passes over mini-batches; one optimizer step per mini-batch.
+        """``ppo_epochs`` passes over mini-batches; one optimizer step per mini-batch (``num_mini_batches``:
+        that many equal parts of ``batch`` instead of ``mini_batch_size`` rows each, :meth:`run_updates`).
 
         Needs ``old_log_probs``, ``advantages``, ``response_mask`` (and ``ref_log_probs`` for the KL loss;
         ``ref_logits_fn`` giving reference logits [b,R,V] when ``kl_loss_type='full'``). ``kl_loss_coef``
         is this step's β of the KL loss (from the trainer's controller); ``None`` = ``settings.kl_loss_coef``.
         Without ``old_log_probs`` the update must be on-policy (:meth:`skips_old_log_prob`).
         """
-        if batch.old_log_probs is None and not self.skips_old_log_prob(len(batch)):
+        on_policy = self.skips_old_log_prob(len(batch)) and (num_mini_batches or 1) == 1
+        if batch.old_log_probs is None and not on_policy:
             raise ValueError(
                 "actor update: old_log_probs missing, and the update is not on-policy (ppo_epochs="
-                f"{self.settings.ppo_epochs}, {len(batch)} samples, mini-batch {self.settings.mini_batch_size})"
+                f"{self.settings.ppo_epochs}, {len(batch)} samples, mini-batch {self.settings.mini_batch_size}, "
+                f"{num_mini_batches or 'by size'} mini-batches)"
             )
         beta = self.settings.kl_loss_coef if kl_loss_coef is None else float(kl_loss_coef)
-        return self.run_updates(batch, lambda mb: self._micro_loss(mb, ref_logits_fn, beta))
+        return self.run_updates(
+            batch, lambda mb: self._micro_loss(mb, ref_logits_fn, beta), num_mini_batches=num_mini_batches
+        )
 
     def _micro_loss(
         self, mb: Batch, ref_logits_fn, kl_loss_coef: float

@@ -77,9 +77,21 @@ class TrainedRole:
         # the FSDP modules whose reduce-scatter waits for a mini-batch's last micro-batch (found once)
         self._deferred_sync = fsdp_modules(model) if update.grad_sync_per_mini_batch else []
 
-    def run_updates(self, batch: Batch, micro_loss: MicroLoss) -> dict[str, float]:
-        """``ppo_epochs`` passes over mini-batches of ``batch``, one optimizer step each, then one LR step."""
+    def run_updates(
+        self, batch: Batch, micro_loss: MicroLoss, *, num_mini_batches: int | None = None
+    ) -> dict[str, float]:
+        """``ppo_epochs`` passes over mini-batches of ``batch``, one optimizer step each, then one LR step.
+        Mini-batches of ``mini_batch_size`` rows, or with ``num_mini_batches`` that many equal parts of the
+        batch (``actor.skip_zero_advantage_rows``: the optimizer steps of the full batch, over fewer rows;
+        ``len(batch)`` must be a multiple of it)."""
         u = self.update
+        size = u.mini_batch_size
+        if num_mini_batches is not None:
+            if num_mini_batches < 1 or len(batch) % num_mini_batches:
+                raise ValueError(
+                    f"{self.name} update: {len(batch)} rows in {num_mini_batches} equal mini-batches"
+                )
+            size = len(batch) // num_mini_batches
         self.model.train()
         batch = batch.with_host_mask()  # micro-batches planned on the host (one copy per update)
         acc = MetricAccumulator()
@@ -89,8 +101,8 @@ class TrainedRole:
             order = (
                 torch.randperm(len(batch), generator=generator) if u.shuffle else torch.arange(len(batch))
             ).tolist()
-            for start in range(0, len(batch), u.mini_batch_size):
-                mini = batch.select(order[start : start + u.mini_batch_size])
+            for start in range(0, len(batch), size):
+                mini = batch.select(order[start : start + size])
                 applied = self._update_mini_batch(mini, micro_loss, acc)
                 if not applied:  # non-finite: no further optimizer step from this batch
                     break

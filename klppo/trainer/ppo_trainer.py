@@ -177,7 +177,7 @@ class PPOTrainer:
                 batch = gather_samples(prompts, local, n=run.sampling.train.n, fields=GATHERED)
                 batch, adv_metrics, skipped = self._checked_advantages(batch, step, timer)
                 if skipped is None:  # else what was non-finite: the step updates no model
-                    rows = self._update_rows(batch)
+                    rows, num_mini_batches = self._update_rows(batch)
                     share = shard_for_update(
                         rows, balance=cfg.trainer.balance_batch, sp_size=roles.actor.update.sp_size
                     )
@@ -185,7 +185,7 @@ class PPOTrainer:
                     update_metrics, skipped = self._update_critic(self._critic_share(batch, share), timer)
             if skipped is None:
                 actor_metrics, skipped = self._update_actor(
-                    batch, share, step, timer, num_update_rows=len(rows)
+                    batch, share, step, timer, num_update_rows=len(rows), num_mini_batches=num_mini_batches
                 )
                 update_metrics.update(actor_metrics)
         if cfg.trainer.rollout_data_dir and rank() == 0:
@@ -280,19 +280,29 @@ class PPOTrainer:
             )
         return metrics, None
 
-    def _update_rows(self, batch: Batch) -> Batch:
-        """The global batch's rows for the actor update: all, or with ``actor.skip_zero_advantage_rows``
-        those with a nonzero advantage (padded to equal data-parallel shares, :func:`rows_with_advantage`)."""
+    def _update_rows(self, batch: Batch) -> tuple[Batch, int | None]:
+        """The global batch's rows for the actor update, and how many mini-batches to cut them into: all
+        rows (None: mini-batches of ``ppo_mini_batch_size``), or with ``actor.skip_zero_advantage_rows``
+        those with a nonzero advantage, padded to equal data-parallel shares of equal mini-batches
+        (:func:`rows_with_advantage`), in as many mini-batches as the full batch makes (the same number of
+        optimizer steps per step, each over fewer rows)."""
         actor = self.run.roles.actor
         if not self.cfg.actor_rollout_ref.actor.skip_zero_advantage_rows:
-            return batch
-        rows = rows_with_advantage(
-            batch.advantages, batch.response_mask, num_shares=world_size() // actor.update.sp_size
-        )
-        return batch if len(rows) == len(batch) else batch.select(rows)
+            return batch, None
+        num_shares = world_size() // actor.update.sp_size
+        num_mini = -(-(len(batch) // num_shares) // actor.update.mini_batch_size)
+        rows = rows_with_advantage(batch.advantages, batch.response_mask, num_shares=num_shares * num_mini)
+        return (batch, None) if len(rows) == len(batch) else (batch.select(rows), num_mini)
 
     def _update_actor(
-        self, batch: Batch, share: Batch, step: int, timer: PhaseTimer, *, num_update_rows: int
+        self,
+        batch: Batch,
+        share: Batch,
+        step: int,
+        timer: PhaseTimer,
+        *,
+        num_update_rows: int,
+        num_mini_batches: int | None = None,
     ) -> tuple[dict[str, float], str | None]:
         """The KL loss's β from the global batch, then the policy update over ``share`` (this rank's part of
         the ``num_update_rows`` rows of the batch it updates on), after ``trainer.critic_warmup``; (metrics,
@@ -306,7 +316,10 @@ class PPOTrainer:
         with timer.phase("update_actor"), run.offload.on_device(roles.actor, optimizer=True):
             metrics.update(
                 roles.actor.update_policy(
-                    share, kl_loss_coef=run.kl_loss_ctrl.value, ref_logits_fn=ref_logits_fn
+                    share,
+                    kl_loss_coef=run.kl_loss_ctrl.value,
+                    ref_logits_fn=ref_logits_fn,
+                    num_mini_batches=num_mini_batches,
                 )
             )
         # per-rank figures from the actor (on-policy skip) are reduced over ranks before the controller sees

@@ -269,24 +269,28 @@ def sampling_params(rollout: RolloutConfig, *, response_length: int, validation:
     )
 
 
-def engine_options(rollout: RolloutConfig) -> dict[str, bool | str]:
+def engine_options(rollout: RolloutConfig, *, tensor_parallel: bool | None = None) -> dict[str, bool | str]:
     """Options of the klppo engine read from the rollout config: ``enforce_eager`` runs the decode step
     eagerly (no torch.compile, no CUDA graph capture), as vLLM's flag does; ``sampler`` picks the sampling
     kernels (``auto``: the one-pass Triton kernels where they run, measured 4–6% off the decode step on an
     H200, bench/RESULTS.md); ``decode_attention`` picks the decode attention kernels; ``compact_slots``
     moves busy slots into smaller decode batches once nothing waits (``auto``: unless the rollout is
-    tensor-parallel)."""
+    tensor-parallel — ``tensor_parallel``, the built rollout's, else read from the configured size)."""
     if rollout.name != "klppo":
         return {}
     eager = {"use_cuda_graph": False, "compile_decode": False} if rollout.enforce_eager else {}
     return {**eager, "sampler": rollout.sampler, "decode_attention": rollout.decode_attention,
-            "compact_slots": compacts_slots(rollout)}  # fmt: skip
+            "compact_slots": compacts_slots(rollout, tensor_parallel=tensor_parallel)}  # fmt: skip
 
 
-def compacts_slots(rollout: RolloutConfig) -> bool:
-    """``rollout.compact_slots`` resolved: ``auto`` is on unless the rollout is tensor-parallel."""
+def compacts_slots(rollout: RolloutConfig, *, tensor_parallel: bool | None = None) -> bool:
+    """``rollout.compact_slots`` resolved: ``auto`` is on unless the rollout is tensor-parallel
+    (``tensor_parallel``: whether it is, as built — LoRA or another backend leave a configured size > 1
+    data-parallel; None: read from ``tensor_model_parallel_size``)."""
     if rollout.compact_slots == "auto":
-        return rollout.tensor_model_parallel_size == 1
+        if tensor_parallel is None:
+            tensor_parallel = rollout.tensor_model_parallel_size > 1
+        return not tensor_parallel
     return bool(rollout.compact_slots)
 
 

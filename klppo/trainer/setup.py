@@ -277,7 +277,7 @@ def _rollout_engine(cfg: KLPPOConfig, tokenizer: Any, actor_model: torch.nn.Modu
         gpu_memory_utilization=rollout.gpu_memory_utilization,
         free_cache_engine=rollout.free_cache_engine,
         tensor_parallel=tensor_parallel,
-        **engine_options(rollout),
+        **engine_options(rollout, tensor_parallel=tensor_parallel is not None),
         **({} if compiled is None else {"compiled": compiled}),
     )
 

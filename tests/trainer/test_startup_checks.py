@@ -152,6 +152,10 @@ def test_engine_options_from_enforce_eager_sampler_and_decode_attention():
     tp2 = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
     assert options(tp2)["compact_slots"] is False
     assert options(tp2, "actor_rollout_ref.rollout.compact_slots=true")["compact_slots"] is True
+    # as built: a configured size the run cannot build (LoRA) leaves the rollout data-parallel, compacting
+    rollout = load_config([tp2], **Q).actor_rollout_ref.rollout
+    assert engine_options(rollout, tensor_parallel=False)["compact_slots"] is True
+    assert engine_options(rollout, tensor_parallel=True)["compact_slots"] is False
     assert options("actor_rollout_ref.rollout.name=hf") == {}  # auto is the klppo engine's only
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.compact_slots='sometimes'"):
         options("actor_rollout_ref.rollout.compact_slots=sometimes")

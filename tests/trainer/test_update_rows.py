@@ -4,6 +4,7 @@ the update's own, and the trainer end to end (metrics named, the config refused 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -35,6 +36,7 @@ def test_rows_with_advantage_by_hand():
     # padded with zero-advantage rows in row order to a multiple of the data-parallel size
     assert rows_with_advantage(adv, mask, num_shares=4) == [0, 1, 2, 4]
     assert rows_with_advantage(adv, mask, num_shares=3) == [0, 1, 4]
+    # (the trainer passes data-parallel shares × mini-batches: 2 ranks × 2 mini-batches = 4 equal parts)
     # nothing to learn from: every row (the KL and entropy terms of the whole batch, as without the
     # option); never more rows than there are
     assert rows_with_advantage(torch.zeros(6, 3), mask, num_shares=2) == [0, 1, 2, 3, 4, 5]
@@ -100,6 +102,32 @@ def test_leaving_out_zero_advantage_rows_only_rescales_the_policy_gradient():
     assert float((d_kept - d_full).norm() / d_full.norm()) > 0.3  # the normaliser does change
 
 
+def test_kept_rows_in_the_full_batchs_number_of_mini_batches():
+    """``num_mini_batches=M`` over k kept rows is M optimizer steps of k/M rows each: the same parameters as
+    an actor whose mini-batch is k/M rows (float64, SGD)."""
+    torch.set_num_threads(1)
+    batch = _batch()
+    kept = batch.select([0, 1, 4, 5])  # four rows (one of them zero-advantage padding), two mini-batches
+    kept = kept.replace(old_log_probs=kept.rollout_log_probs)  # two steps: not on-policy after the first
+    by_count, by_size = _actor(), _actor()
+    by_size.update = dataclasses.replace(by_size.update, mini_batch_size=2)
+    steps = []
+    by_count.optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    by_count.update_policy(kept, num_mini_batches=2)
+    by_size.update_policy(kept)
+    assert len(steps) == 2
+    for a, b in zip(by_count.model.parameters(), by_size.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # one mini-batch of all four is a different update; uneven parts and a missing π_old are refused
+    one = _actor()
+    one.update_policy(kept, num_mini_batches=1)
+    assert any(not torch.allclose(a, b) for a, b in zip(one.model.parameters(), by_size.model.parameters()))
+    with pytest.raises(ValueError, match="4 rows in 3 equal mini-batches"):
+        _actor().update_policy(kept, num_mini_batches=3)
+    with pytest.raises(ValueError, match="old_log_probs missing"):
+        _actor().update_policy(batch.select([0, 1, 4, 5]), num_mini_batches=2)
+
+
 def test_whole_batch_kl_by_hand():
     batch = _batch()
     actor = load_config(
@@ -127,15 +155,16 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 """
 
 
-@pytest.mark.parametrize("reward", ["flexible", "parity"])
+@pytest.mark.parametrize("reward,mini", [("flexible", 8), ("parity", 8), ("parity", 4)])
 def test_trainer_reports_the_kept_share_and_every_sample_kl(
-    reward, tiny_model_dir, arithmetic_data, tmp_path
+    reward, mini, tiny_model_dir, arithmetic_data, tmp_path
 ):
     """GRPO, one on-policy mini-batch of 8 prompts × 2, four steps (lr 1e-3: the policy leaves the reference
     once a step has advantages). The flexible reward scores the tiny model's answers all 0: no sample has an advantage,
     so every row is updated (share 1). The parity score makes some groups equal and others mixed: the equal
     ones are left out. Either way the KL figures and the controller's input (k3 here) are every sample's,
-    from the engine's log-probs, and the update's own KL moves to *_update_rows."""
+    from the engine's log-probs, and the update's own KL moves to *_update_rows. With two mini-batches
+    (``mini`` 4 prompts) the old-log-prob pass runs and gives every figure over the whole batch."""
     over = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
         "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.actor.use_kl_loss=True",
@@ -143,7 +172,7 @@ def test_trainer_reports_the_kept_share_and_every_sample_kl(
         "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
         "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.05",
         "data.train_batch_size=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
         "actor_rollout_ref.actor.skip_zero_advantage_rows=True",
         "trainer.total_training_steps=4",
     ]
@@ -160,9 +189,13 @@ def test_trainer_reports_the_kept_share_and_every_sample_kl(
         assert share == (1.0 if equal == 1.0 else pytest.approx(1 - equal, abs=1e-9))
         if reward == "flexible":
             assert equal == 1.0
-        assert math.isfinite(row["actor/ref_kl_k3"]) and "actor/ref_kl_k3_update_rows" in row
+        assert math.isfinite(row["actor/ref_kl_k3"])
+        assert ("actor/ref_kl_k3_update_rows" in row) == (mini == 8)  # on-policy: the update's own, beside
+        assert ("timing_s/old_log_prob" in row) == (mini == 4)
         assert row["actor/kl_loss_ctrl_kl"] == pytest.approx(row["actor/ref_kl_k3"], rel=1e-6, abs=1e-12)
-    if reward == "parity":  # (all-zero advantages and KL 0 leave the flexible run's policy put)
+    if mini == 4:
+        assert any(0 < r["actor/update_rows_share"] < 1 for r in rows), rows
+    elif reward == "parity":  # (all-zero advantages and KL 0 leave the flexible run's policy put)
         # steps where some groups were left out and the policy had left the reference: the every-sample KL
         # and the kept rows' KL differ, and the controller read the first
         told = [r for r in rows if 0 < r["actor/update_rows_share"] < 1 and r["actor/ref_kl_k3"] > 1e-6]
@@ -171,15 +204,14 @@ def test_trainer_reports_the_kept_share_and_every_sample_kl(
             assert r["actor/ref_kl_k3"] != pytest.approx(r["actor/ref_kl_k3_update_rows"], rel=1e-3)
 
 
-def test_refused_with_a_critic_or_several_updates_and_noted_where_it_does_little():
+def test_refused_with_a_critic_and_noted_where_it_does_little():
     key = "actor_rollout_ref.actor.skip_zero_advantage_rows=True"
     with pytest.raises(ConfigError, match="which GAE's never are"):
         load_config(["algorithm.adv_estimator=gae", key])
-    with pytest.raises(ConfigError, match="one update per step"):
-        load_config(["algorithm.adv_estimator=grpo", key, "actor_rollout_ref.actor.ppo_epochs=2"])
-    with pytest.raises(ConfigError, match="one update per step"):
-        load_config(["algorithm.adv_estimator=grpo", key, "data.train_batch_size=8",
-                     "actor_rollout_ref.actor.ppo_mini_batch_size=4"])  # fmt: skip
+    # several epochs or mini-batches: allowed (the kept rows in as many mini-batches as the full batch makes)
+    load_config(["algorithm.adv_estimator=grpo", key, "actor_rollout_ref.actor.ppo_epochs=2"])
+    load_config(["algorithm.adv_estimator=grpo", key, "data.train_batch_size=8",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4"])  # fmt: skip
     one = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
     for over, noted in ((["algorithm.adv_estimator=grpo"], False), (["algorithm.adv_estimator=rloo"], False),
                         (["algorithm.adv_estimator=reinforce_plus_plus_baseline"], True),
@@ -188,16 +220,18 @@ def test_refused_with_a_critic_or_several_updates_and_noted_where_it_does_little
         load_config([*over, *one, key], notify=notes.append)
         assert any("few or none are left out" in m for m in notes) == noted, over
     # advised where it is allowed and pays: group estimators, KL in the loss, one update per step
-    g = [*one, "actor_rollout_ref.rollout.n=4"]
+    g = [*one, "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.use_kl_loss=True"]
     advice = "skip_zero_advantage_rows=True would leave"
     for over, advised in ((["algorithm.adv_estimator=grpo", *g], True), (["algorithm.adv_estimator=rloo", *g], True),
                           (["algorithm.adv_estimator=grpo", *g, key], False),
                           (["algorithm.adv_estimator=grpo", *g, "algorithm.use_kl_in_reward=True"], False),
                           (["algorithm.adv_estimator=grpo", *g, "actor_rollout_ref.actor.ppo_epochs=2"], False),
                           (["algorithm.adv_estimator=grpo", "data.train_batch_size=8",
-                            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4"], False),
+                            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                            "actor_rollout_ref.actor.use_kl_loss=True"], False),
                           (["algorithm.adv_estimator=gae", *g], False),
-                          (["algorithm.adv_estimator=grpo", *one], False)):  # fmt: skip
+                          (["algorithm.adv_estimator=grpo", *one], False),
+                          (["algorithm.adv_estimator=grpo", *g, "actor_rollout_ref.actor.use_kl_loss=False"], False)):  # fmt: skip
         notes = []
         load_config(over, notify=notes.append)
         assert any(advice in m for m in notes) == advised, over
