@@ -365,6 +365,13 @@ def test_compacted_slots_match_hf_and_the_float64_reference(tiny_qwen2) -> None:
     assert out.stats["rollout/slot_moves"] > 0
     expected = reference_log_probs(tiny_qwen2, prompts, prompt_mask, out.responses, out.response_mask, 1.2, 2)
     torch.testing.assert_close(out.log_probs.double(), expected, atol=1e-4, rtol=0)
+    # seeded reproducibility with the moves (what exact resume rests on): again, and from a new engine
+    fresh = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True,
+                         compact_min_bucket=2)  # fmt: skip
+    for again in (engine.generate(tiny_qwen2, prompts, prompt_mask, sampled),
+                  fresh.generate(tiny_qwen2, prompts, prompt_mask, sampled)):  # fmt: skip
+        assert torch.equal(again.responses, out.responses) and torch.equal(again.log_probs, out.log_probs)
+        assert again.stats["rollout/slot_moves"] == out.stats["rollout/slot_moves"]
     off = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1)
     assert off.generate(tiny_qwen2, prompts, prompt_mask, greedy).stats["rollout/slot_moves"] == 0
 
