@@ -89,6 +89,18 @@ class EntropyCollapseConfig:
 
 
 @dataclass(frozen=True)
+class LearningSignalConfig:
+    enable: bool = F(
+        True,
+        "Act when most groups of a group estimator (grpo, rloo…) score equally for patience_steps steps: "
+        "their samples carry no policy gradient (batch/equal_score_groups).",
+    )
+    max_equal_share: float = F(0.9, "Share of equal-score groups (0-1] at or above which a step counts.")
+    patience_steps: int = F(10, "Consecutive such steps before the rule acts (again after the share fell).")
+    action: str = F("warn", "warn | stop.")
+
+
+@dataclass(frozen=True)
 class NonFiniteRewardConfig:
     enable: bool = F(True, "Act when the step's mean score is NaN or infinite (a broken reward function).")
     action: str = F("warn", "warn | stop (the step's update was skipped; the last checkpoint is intact).")
@@ -125,6 +137,9 @@ class MonitorConfig:
     )
     entropy_collapse: EntropyCollapseConfig = F(EntropyCollapseConfig, "[klppo] Entropy bonus or stop.")
     nonfinite_reward: NonFiniteRewardConfig = F(NonFiniteRewardConfig, "[klppo] NaN/inf reward.")
+    learning_signal: LearningSignalConfig = F(
+        LearningSignalConfig, "[klppo] Groups without a learning signal (all samples scored the same)."
+    )
     drift: DriftConfig = F(DriftConfig, "[klppo] Drift warnings.")
 
 
@@ -144,6 +159,7 @@ def check_monitor(m: MonitorConfig) -> None:
         ("monitor.validation_drop.action", m.validation_drop.action, ("rollback", "stop", "warn")),
         ("monitor.entropy_collapse.action", m.entropy_collapse.action, ("raise_coeff", "stop")),
         ("monitor.nonfinite_reward.action", m.nonfinite_reward.action, ("warn", "stop")),
+        ("monitor.learning_signal.action", m.learning_signal.action, ("warn", "stop")),
     )
     for key, value, valid in choices:
         if value not in valid:
@@ -155,10 +171,14 @@ def check_monitor(m: MonitorConfig) -> None:
         ("monitor.validation_drop.kl_coef_factor", m.validation_drop.kl_coef_factor),
         ("monitor.kl_explosion.coef_factor", m.kl_explosion.coef_factor),
         ("monitor.entropy_collapse.coeff_factor", m.entropy_collapse.coeff_factor),
+        ("monitor.learning_signal.patience_steps", m.learning_signal.patience_steps),
     )
     for key, value in positive:
         if not value > 0:
             raise ConfigError(f"{key}={value}: must be > 0")
+    if not 0 < m.learning_signal.max_equal_share <= 1:
+        raise ConfigError(f"monitor.learning_signal.max_equal_share={m.learning_signal.max_equal_share}: "
+                          "must be in (0, 1]")  # fmt: skip
     if m.oom_recovery.max_retries < 0:
         raise ConfigError(f"monitor.oom_recovery.max_retries={m.oom_recovery.max_retries}: must be ≥ 0")
     if m.kl_early_stop.target_kl is not None and not m.kl_early_stop.target_kl > 0:

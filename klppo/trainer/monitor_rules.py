@@ -14,6 +14,8 @@ validation_drop     val score < ratio × training reward of that step       roll
 kl_explosion        KL > threshold                                         KL coefficient × coef_factor
 entropy_collapse    entropy < min_entropy                                  raise entropy_coeff | stop
 nonfinite_reward    mean score NaN/inf                                     warn | stop
+learning_signal     equal-score groups ≥ max_equal_share for patience      warn | stop (once, again after
+                    steps (group estimators)                               the share fell below)
 drift               adv std ∉ [low, high], grad norm > max, |rollout −     warn (on entering the range
                     actor| log-prob > max, GPU util < min, exposed         violation only)
                     communication share > max
@@ -32,6 +34,7 @@ from klppo.config.schema_monitor import (
     EntropyCollapseConfig,
     KLEarlyStopConfig,
     KLExplosionConfig,
+    LearningSignalConfig,
     MonitorConfig,
     NonFiniteRewardConfig,
     RewardPlateauConfig,
@@ -230,6 +233,47 @@ class NonFiniteReward(Rule):
                        "step was skipped; check the reward function)", {"score": float(score)})]  # fmt: skip
 
 
+class LearningSignal(Rule):
+    """GRPO/RLOO-style estimators give a group whose samples all scored the same advantage 0: when most
+    groups do so for ``patience_steps`` steps, most of each step's samples teach the policy nothing. Acts
+    once per such stretch; the message says which end of the score range the groups sit at (failing: the
+    prompts are too hard for the policy; succeeding: already solved)."""
+
+    name = "learning_signal"
+
+    def __init__(self, cfg: LearningSignalConfig) -> None:
+        self.cfg = cfg
+        self.steps_equal = 0
+
+    def observe(self, step, metrics, val):
+        share = _finite(metrics, "batch/equal_score_groups")
+        if share is None:  # not a group estimator (or no groups this step): state kept
+            return []
+        c = self.cfg
+        self.steps_equal = self.steps_equal + 1 if share >= c.max_equal_share else 0
+        if self.steps_equal != c.patience_steps:  # acts on reaching the patience, not on every step after
+            return []
+        mean, low, high = (_finite(metrics, f"critic/score/{k}") for k in ("mean", "min", "max"))
+        where = ""
+        if mean is not None and low is not None and high is not None:
+            if high - low <= 1e-12:
+                where = f"; every sample scored {mean:.4g}"
+            elif (mean - low) / (high - low) < 0.5:
+                where = (f"; mean score {mean:.4g} near the lowest ({low:.4g}): the prompts are too hard for the "
+                         "policy — more samples per prompt (rollout.n), easier prompts or a shaped reward")  # fmt: skip
+            else:
+                where = (f"; mean score {mean:.4g} near the highest ({high:.4g}): the prompts are solved — harder "
+                         "prompts, or stop")  # fmt: skip
+        message = (f"batch/equal_score_groups={share:.3g} ≥ {c.max_equal_share:g} for {self.steps_equal} steps: "
+                   f"those groups' samples carry no policy gradient{where}")  # fmt: skip
+        return [
+            Action(self.name, c.action, message, {"equal_score_groups": share, "steps": self.steps_equal})
+        ]
+
+    def metrics(self):
+        return {"monitor/learning_signal/steps_equal": float(self.steps_equal)}
+
+
 class Drift(Rule):
     """Warnings only, once when a value leaves its range (again after it came back)."""
 
@@ -276,6 +320,8 @@ def build_rules(cfg: MonitorConfig, *, default_target_kl: float | TargetSchedule
     rules: list[Rule] = []
     if m.nonfinite_reward.enable:
         rules.append(NonFiniteReward(m.nonfinite_reward))
+    if m.learning_signal.enable:
+        rules.append(LearningSignal(m.learning_signal))
     if m.drift.enable:
         rules.append(Drift(m.drift))
     if m.kl_explosion.enable:

@@ -112,6 +112,22 @@ def test_reward_plateau_stops_early(tiny_model_dir, arithmetic_data, tmp_path):
     assert [rows[s]["monitor/reward_plateau/steps_without_improvement"] for s in (1, 2, 3)] == [0, 1, 2]
 
 
+def test_learning_signal_stops_a_run_whose_groups_all_score_the_same(
+    tiny_model_dir, arithmetic_data, tmp_path
+):
+    run = tmp_path / "run"
+    overrides = (
+        base_overrides(tiny_model_dir, arithmetic_data, run) + GRPO + reward_file(tmp_path, REWARD_CONSTANT)
+    )
+    assert klppo_train(overrides + ["trainer.total_training_steps=6", "monitor.learning_signal.patience_steps=2",
+                                    "monitor.learning_signal.action=stop"]) == 0  # fmt: skip
+    assert max(by_step(run)) == 2
+    (event,) = acted(run, "learning_signal")
+    assert event["step"] == 2 and event["action"] == "stop" and event["equal_score_groups"] == 1.0
+    assert "every sample scored 0.25" in event["message"]
+    assert [by_step(run)[s]["monitor/learning_signal/steps_equal"] for s in (1, 2)] == [1, 2]
+
+
 def test_kl_explosion_doubles_the_coefficient_and_kl_early_stop(tiny_model_dir, arithmetic_data, tmp_path):
     run = tmp_path / "run"
     overrides = (

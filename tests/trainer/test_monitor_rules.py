@@ -3,6 +3,7 @@ The end-to-end runs that fire each rule are in test_monitor.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ from klppo.trainer.monitor_rules import (
     Drift,
     EntropyCollapse,
     KLEarlyStop,
+    LearningSignal,
     RewardPlateau,
     ValidationDrop,
     build_rules,
@@ -78,6 +80,35 @@ def test_validation_drop_keeps_best_then_rolls_back():
     assert rule.observe(2, {"critic/score/mean": 0.75}, val) == []
     (a,) = rule.observe(3, {"critic/score/mean": 0.8}, val)  # 0.7 < 0.72
     assert a.kind == "rollback" and a.values["best_step"] == 0 and a.values["lr_factor"] == 0.5
+
+
+def test_learning_signal_acts_once_per_stretch_and_names_the_end_of_the_score_range():
+    cfg = dataclasses.replace(M.learning_signal, patience_steps=3)
+    rule = LearningSignal(cfg)
+    low = {"critic/score/mean": 0.05, "critic/score/min": 0.0, "critic/score/max": 1.0}
+    shares = [0.95, 0.92, 0.5, 0.9, 0.93, 1.0, 1.0, 0.97, 0.4, 0.91, 0.99, 0.95]
+    out = [rule.observe(i + 1, {"batch/equal_score_groups": s, **low}, None) for i, s in enumerate(shares)]
+    # the dip at step 3 resets; steps 4–6 reach the patience (acts at 6, not again at 7–8); 9 resets; 10–12
+    assert [i + 1 for i, a in enumerate(out) if a] == [6, 12]
+    (a,) = out[5]
+    assert a.rule == "learning_signal" and a.kind == "warn" and a.values["steps"] == 3
+    assert "too hard" in a.message and "rollout.n" in a.message
+    assert rule.metrics() == {"monitor/learning_signal/steps_equal": 3.0}
+    assert rule.observe(13, {"critic/score/mean": 0.5}, None) == []  # no groups (e.g. GAE): state kept
+    assert rule.steps_equal == 3
+    # near the top of the range: solved; one score for every sample: said so; the stop action
+    state = rule.state_dict()
+    solved = LearningSignal(dataclasses.replace(cfg, patience_steps=1, action="stop"))
+    (a,) = solved.observe(1, {"batch/equal_score_groups": 1.0, "critic/score/mean": 0.97,
+                              "critic/score/min": 0.0, "critic/score/max": 1.0}, None)  # fmt: skip
+    assert a.kind == "stop" and "solved" in a.message
+    (a,) = LearningSignal(dataclasses.replace(cfg, patience_steps=1)).observe(
+        1, {"batch/equal_score_groups": 1.0, "critic/score/mean": 0.0, "critic/score/min": 0.0,
+            "critic/score/max": 0.0}, None)  # fmt: skip
+    assert "every sample scored 0" in a.message
+    resumed = LearningSignal(cfg)
+    resumed.load_state_dict(state)
+    assert resumed.steps_equal == 3 and resumed.observe(14, {"batch/equal_score_groups": 0.1}, None) == []
 
 
 def test_drift_warns_on_entering_the_range_violation_only():
