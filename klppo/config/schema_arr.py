@@ -302,7 +302,7 @@ class RolloutConfig:
         "[klppo] The klppo engine moves its busy slots down into a smaller decode batch once no sequence "
         "waits, so responses of spread lengths decode at the size of the live batch (K/V and state copied; "
         "greedy outputs unchanged): auto | true | false. auto: on, except with a tensor-parallel rollout "
-        "(tensor_model_parallel_size > 1: never measured that way on GPUs; true turns it on there). Measured "
+        "(tensor_model_parallel_size > 1: tested on CPU ranks, never run so on GPUs; true turns it on there). Measured "
         "on an H200: Qwen2.5-0.5B shape, batch 256, spread lengths, decode step 2.050 -> 1.919 ms in the same "
         "run (session 11); SmolLM2-135M learning runs, generation ~25% less per token than session 11's "
         "runs without it (session 12, bench/RESULTS.md).",

@@ -33,6 +33,22 @@ def _check_unsupported(out: Path, world: int) -> None:
         assert torch.equal(got["responses"], hf.generate(model, prompts, mask, W.GREEDY).responses)
 
 
+def _check_compacted(out: Path, world: int) -> None:
+    """Slot compaction under tensor parallelism (``rollout.compact_slots=true``): the greedy tokens and
+    log-probs of one process compacting alike, with slots moved (the group decodes its ranks' prompts
+    together, so both ranks count the group's moves)."""
+    model, moves = W.new_model(next(iter(W.CASES))), []
+    for r in range(world):
+        got = torch.load(out / f"compacted_rank{r}.pt", weights_only=False)
+        prompts, mask = W.my_prompts(r, world)
+        want = W.compact_engine().generate(model, prompts, mask, W.GREEDY)
+        assert torch.equal(got["responses"], want.responses) and torch.equal(got["mask"], want.response_mask)
+        torch.testing.assert_close(got["log_probs"], want.log_probs, rtol=0, atol=1e-5)
+        assert want.stats["rollout/slot_moves"] > 0  # the reference compacts too
+        moves.append(got["moves"])
+    assert moves[0] > 0 and len(set(moves)) == 1, moves  # moved, and the same moves on every rank
+
+
 def _check_hsdp(out: Path, world: int, tp_size: int) -> None:
     """Slices resharded from HSDP shards (every rank holds whole parameters) equal the full weights'."""
     from klppo.rollout.tp import TPLayout
@@ -58,6 +74,7 @@ def _launch(tmp_path: Path, world: int, tp_size: int) -> dict[str, list[dict]]:
     if tp_size > 1:
         _check_hsdp(out, world, tp_size)
         _check_unsupported(out, world)
+        _check_compacted(out, world)
     return {case: [torch.load(out / f"{case}_rank{r}.pt", weights_only=False) for r in range(world)]
             for case in W.CASES}  # fmt: skip
 

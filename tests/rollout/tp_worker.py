@@ -51,6 +51,7 @@ def main(rank: int, port: int, world: int, tp_size: int, out_dir: str) -> None:
         if tp is not None:
             _hsdp(rank, world, tp, Path(out_dir))
             _unsupported(rank, world, tp, Path(out_dir))
+            _compacted(rank, world, tp, Path(out_dir))
     finally:
         dist.destroy_process_group()
 
@@ -86,6 +87,24 @@ def _run(rank: int, world: int, tp, case: str, out: Path) -> None:
         results["kept"] = {"first": first.log_probs, "second": second.log_probs}
         results["reshard"] = _measure_reshard(model, tp)
     torch.save(results, out / f"{case}_rank{rank}.pt")
+
+
+COMPACT_EOS = list(range(2, 60))  # many ids end a sequence: lengths spread, slots move
+
+
+def compact_engine(tp=None):
+    return make_rollout("klppo", eos_token_ids=COMPACT_EOS, pad_token_id=2, eos_check_every=1, compact_slots=True,
+                        compact_min_bucket=2, tensor_parallel=tp)  # fmt: skip
+
+
+def _compacted(rank: int, world: int, tp, out: Path) -> None:
+    """Slot compaction under the tensor-parallel rollout: every rank of a group moves the same slots."""
+    model = new_model(next(iter(CASES)))
+    shard_model(model, FSDPSettings(), build_mesh(world, -1, "cpu"))
+    prompts, mask = my_prompts(rank, world)
+    o = compact_engine(tp).generate(model, prompts, mask, GREEDY)
+    torch.save({"responses": o.responses, "mask": o.response_mask, "log_probs": o.log_probs,
+                "moves": o.stats["rollout/slot_moves"]}, out / f"compacted_rank{rank}.pt")  # fmt: skip
 
 
 def unsupported_model() -> torch.nn.Module:
