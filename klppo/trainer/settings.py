@@ -390,6 +390,7 @@ def tune_workload(
         sequence_parallel=actor.ulysses_sequence_parallel_size,
         rollout_tensor_parallel=arr.rollout.tensor_model_parallel_size,
         grad_sync_per_mini_batch=actor.fsdp_config.grad_sync_per_mini_batch,
+        reduce_bytes=fsdp.reduce_dtype.itemsize,
     )
     point = Point(
         fsdp.min_num_params,

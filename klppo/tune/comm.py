@@ -5,10 +5,11 @@ Per micro-batch, for a unit of ``U`` own parameters (per rank of a shard group o
 - all-gathers: ``U·c`` bytes gathered (the unsharded unit in the compute dtype), once in forward and,
   when ``reshard_after_forward``, again in backward (activation recomputation under checkpointing runs
   inside the backward gather, no third one). The root too (counted on FSDP2, torch 2.13).
-- reduce-scatter: ``U·4`` bytes in (fp32 gradients), once per micro-batch in backward — or once per
+- reduce-scatter: ``U·r`` bytes in (gradients in the reduce dtype, ``r`` = 4 for fp32, 2 for
+  ``mixed_precision.reduce_dtype=bf16``), once per micro-batch in backward — or once per
   optimizer step when the role defers it to the mini-batch's last micro-batch
   (``fsdp_config.grad_sync_per_mini_batch``, :func:`klppo.tune.memory.defers_grad_sync`; on by default
-  with more than one rank): per micro-batch that is ``U·4 / num_micro`` on average.
+  with more than one rank): per micro-batch that is ``U·r / num_micro`` on average.
 - bus bytes a rank moves for a collective of ``B`` bytes: ``B·(f − 1)/f`` (ring); time = that / the
   probed bus bandwidth. ``f = 1``: nothing to move.
 
@@ -60,7 +61,7 @@ def unit_bytes(units: UnitSizes, point: Point, w: Workload, num_micro: int = 1) 
     gradient sync deferred the reduce-scatter is the step's one over its ``num_micro`` micro-batches."""
     share = syncs_per_step(units, point, w, num_micro) / num_micro
     return [
-        (gathers_per_micro(units, i, point) * size * w.compute_bytes, size * 4.0 * share)
+        (gathers_per_micro(units, i, point) * size * w.compute_bytes, size * float(w.reduce_bytes) * share)
         for i, size in enumerate(units.sizes)
     ]
 

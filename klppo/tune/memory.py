@@ -111,6 +111,8 @@ class Workload:
     """Rollout tensor-parallel size TP (``rollout.tensor_model_parallel_size``): weights and KV per rank /TP."""
     grad_sync_per_mini_batch: bool | str = False
     """``fsdp_config.grad_sync_per_mini_batch`` (True, False or "auto": :func:`defers_grad_sync`)."""
+    reduce_bytes: int = 4
+    """Bytes per element of the gradient reduce-scatter (``fsdp_config.mixed_precision.reduce_dtype``)."""
 
     def kv_dim(self, facts: ModelFacts) -> int:
         """``kv_heads · head_dim`` as one rank holds K and V: replicated up to S heads under Ulysses."""

@@ -26,6 +26,18 @@ def test_step_bytes_by_hand_per_micro_and_deferred():
     offload = Point(0, offload="cpu", micro_tokens=64)
     assert step_bytes(UNITS, offload, w("auto"), 3)[1] == 3 * 350 * 4  # offload puts memory first
     assert syncs_per_step(UNITS, POINT, w("auto", device_bytes=10_000), 3) == 3  # 1,400 B > 10% of 10,000
+    # gradients reduced in bf16 (mixed_precision.reduce_dtype=bf16): half the reduce-scatter bytes
+    assert step_bytes(UNITS, POINT, w(False, reduce_bytes=2), 3) == (3 * gathered, 3 * 350 * 2)
+
+
+def test_the_workload_reads_the_reduce_dtype():
+    from klppo.config import load_config
+    from klppo.trainer.settings import fsdp_settings, tune_workload
+
+    for dtype, nbytes in (("fp32", 4), ("bf16", 2)):
+        cfg = load_config([f"actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype={dtype}"])
+        fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda", world_size=2)
+        assert tune_workload(cfg, fsdp, world_size=2, device_gib=80).workload.reduce_bytes == nbytes
 
 
 def test_predicted_unit_traffic_averages_a_deferred_sync_over_the_micro_batches():
