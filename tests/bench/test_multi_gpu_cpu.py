@@ -10,6 +10,7 @@ import json
 import pytest
 
 from bench.multi_gpu import compare_steps, main, memory_check, memory_error
+from tests.bench.gate import device_bench_run
 
 pytestmark = pytest.mark.slow  # multi-process or long (minutes on 2 busy cores); `-m 'not slow'` skips it
 
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.slow  # multi-process or long (minutes on 2 busy cores)
 CHECKED = ["actor/grad_norm", "critic/grad_norm", "critic/vf_loss", "critic/returns/mean"]
 
 
+@device_bench_run
 def test_smoke_two_gloo_ranks_match_one(tmp_path):
     argv = ["--run", "smoke", "--device", "cpu", "--tiny", "--gpus", "2", "--smoke-steps", "2"]
     assert main([*argv, "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]) == 0

@@ -4,11 +4,11 @@ cache and compile; a process of the reuse mode loads the graphs from the last fr
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from bench.rollout_cold import main, medians
+from tests.bench.gate import device_bench_run
 
 
 def test_medians_per_mode() -> None:
@@ -18,9 +18,7 @@ def test_medians_per_mode() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("KLPPO_TEST_BENCH_COLD"),
-                    reason="two fresh processes compiling on the CPU: ~65 s of the suite's 6 min budget; "
-                           "KLPPO_TEST_BENCH_COLD=1 runs it (before a device call with bench/rollout_cold.py)")  # fmt: skip
+@device_bench_run
 def test_fresh_then_reused_cache_on_cpu(tmp_path) -> None:
     out = tmp_path / "cold.json"
     main(["--tiny", "--batch", "2", "--modes", "compile,compile-warm-cache", "--out", str(out)])  # fmt: skip

@@ -8,9 +8,11 @@ import json
 import pytest
 
 from bench.tp_rollout import main
+from tests.bench.gate import device_bench_run
 
 
 @pytest.mark.slow
+@device_bench_run
 def test_tiny_tp2_vs_tp1_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "tp.json"
     argv = ["--gpus", "2", "--tiny", "--device", "cpu", "--batch", "4", "--prompt", "8", "--new", "8"]
