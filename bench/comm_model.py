@@ -25,8 +25,11 @@ A = "actor_rollout_ref.actor"
 
 
 def row_overrides(row: dict) -> list[str]:
-    """The actor configuration of one sweep row (one mini-batch of ``num_micro`` micro-batches)."""
+    """The actor configuration of one sweep row (one mini-batch of ``num_micro`` micro-batches). The sweep's
+    step (``klppo.tune.measure.actor_step``) reduce-scatters after every micro-batch's backward: the
+    gradient sync is not deferred to the mini-batch's end, so neither is it here."""
     return [
+        f"{A}.fsdp_config.grad_sync_per_mini_batch=False",
         f"{A}.fsdp_config.wrap_policy.min_num_params={row['min_num_params']}",
         f"{A}.fsdp_config.forward_prefetch={row['forward_prefetch']}",
         f"{A}.fsdp_config.reshard_after_forward={row['reshard_after_forward']}",

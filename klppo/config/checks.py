@@ -39,6 +39,8 @@ GROUP_ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "gpg",
 )
+# group estimators that give a group whose scores are all equal exactly zero advantage (algorithms.outcome)
+ZERO_EQUAL_GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "rloo_vectorized")
 # group estimators that divide by the group's std when algorithm.norm_adv_by_std_in_grpo is true
 STD_GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")

@@ -92,8 +92,9 @@ class EntropyCollapseConfig:
 class LearningSignalConfig:
     enable: bool = F(
         True,
-        "Act when most groups of a group estimator (grpo, rloo…) score equally for patience_steps steps: "
-        "their samples carry no policy gradient (batch/equal_score_groups).",
+        "Act when most groups score equally for patience_steps steps under grpo or rloo (which give such "
+        "groups zero advantage; not watched with other estimators): their samples carry no policy gradient "
+        "(batch/equal_score_groups).",
     )
     max_equal_share: float = F(0.9, "Share of equal-score groups (0-1] at or above which a step counts.")
     patience_steps: int = F(10, "Consecutive such steps before the rule acts (again after the share fell).")

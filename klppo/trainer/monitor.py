@@ -155,7 +155,13 @@ class Monitor:
         self.controls = controls
         self.rank = rank
         self.rules = (
-            build_rules(m, default_target_kl=_reward_target(cfg.algorithm.kl_ctrl)) if m.enable else []
+            build_rules(
+                m,
+                default_target_kl=_reward_target(cfg.algorithm.kl_ctrl),
+                adv_estimator=cfg.algorithm.adv_estimator,
+            )
+            if m.enable
+            else []  # fmt: skip
         )
         self.events = EventLog(run_dir, rank=rank, resume_step=resume_step)
         self.counts: dict[str, int] = {}

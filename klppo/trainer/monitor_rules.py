@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from klppo.algorithms.kl_control import TargetSchedule
+from klppo.config.checks import ZERO_EQUAL_GROUP_ESTIMATORS
 from klppo.config.schema_monitor import (
     DriftConfig,
     EntropyCollapseConfig,
@@ -253,17 +254,7 @@ class LearningSignal(Rule):
         self.steps_equal = self.steps_equal + 1 if share >= c.max_equal_share else 0
         if self.steps_equal != c.patience_steps:  # acts on reaching the patience, not on every step after
             return []
-        mean, low, high = (_finite(metrics, f"critic/score/{k}") for k in ("mean", "min", "max"))
-        where = ""
-        if mean is not None and low is not None and high is not None:
-            if high - low <= 1e-12:
-                where = f"; every sample scored {mean:.4g}"
-            elif (mean - low) / (high - low) < 0.5:
-                where = (f"; mean score {mean:.4g} near the lowest ({low:.4g}): the prompts are too hard for the "
-                         "policy — more samples per prompt (rollout.n), easier prompts or a shaped reward")  # fmt: skip
-            else:
-                where = (f"; mean score {mean:.4g} near the highest ({high:.4g}): the prompts are solved — harder "
-                         "prompts, or stop")  # fmt: skip
+        where = _where_equal_groups_score(metrics)
         message = (f"batch/equal_score_groups={share:.3g} ≥ {c.max_equal_share:g} for {self.steps_equal} steps: "
                    f"those groups' samples carry no policy gradient{where}")  # fmt: skip
         return [
@@ -272,6 +263,26 @@ class LearningSignal(Rule):
 
     def metrics(self):
         return {"monitor/learning_signal/steps_equal": float(self.steps_equal)}
+
+
+def _where_equal_groups_score(metrics: dict[str, float]) -> str:
+    """Where the equal-score groups' own mean score sits in the step's score range: at the low end (the
+    prompts are too hard), the high end (solved), or both (groups at each end); "" when unknown."""
+    group, low, high = (_finite(metrics, k) for k in (
+        "batch/equal_score_groups_score", "critic/score/min", "critic/score/max"))  # fmt: skip
+    if group is None or low is None or high is None:
+        return ""
+    if high - low <= 1e-12:
+        return f"; every sample scored {group:.4g}"
+    position = (group - low) / (high - low)
+    if position <= 0.25:
+        return (f"; those groups score {group:.4g} on average, near the lowest score ({low:.4g}): the prompts are "
+                "too hard for the policy — more samples per prompt (rollout.n), easier prompts or a shaped reward")  # fmt: skip
+    if position >= 0.75:
+        return (f"; those groups score {group:.4g} on average, near the highest score ({high:.4g}): the prompts "
+                "are solved — harder prompts, or stop")  # fmt: skip
+    return (f"; those groups score {group:.4g} on average, between the lowest ({low:.4g}) and the highest "
+            f"({high:.4g}): some too hard, some solved")  # fmt: skip
 
 
 class Drift(Rule):
@@ -313,14 +324,18 @@ class Drift(Rule):
         return {f"monitor/drift/{name}": float(v) for name, v in sorted(self.outside.items())}
 
 
-def build_rules(cfg: MonitorConfig, *, default_target_kl: float | TargetSchedule | None) -> list[Rule]:
+def build_rules(
+    cfg: MonitorConfig, *, default_target_kl: float | TargetSchedule | None, adv_estimator: str | None = None
+) -> list[Rule]:
     """The enabled rules of a ``monitor`` config group, in evaluation order. ``default_target_kl``: the
-    reward-side controller's target (a schedule when annealed), for ``kl_early_stop.target_kl: null``."""
+    reward-side controller's target (a schedule when annealed), for ``kl_early_stop.target_kl: null``;
+    ``adv_estimator``: ``learning_signal`` watches only estimators that zero equal-score groups (GRPO,
+    RLOO: with a critic or a batch baseline such groups still get advantages)."""
     m = cfg
     rules: list[Rule] = []
     if m.nonfinite_reward.enable:
         rules.append(NonFiniteReward(m.nonfinite_reward))
-    if m.learning_signal.enable:
+    if m.learning_signal.enable and adv_estimator in ZERO_EQUAL_GROUP_ESTIMATORS:
         rules.append(LearningSignal(m.learning_signal))
     if m.drift.enable:
         rules.append(Drift(m.drift))

@@ -101,12 +101,13 @@ def grad_sync_per_mini_batch(
     fsdp_cfg: FSDPConfig, fsdp: FSDPSettings, *, num_trainable: int, ranks: int, device_bytes: int | None
 ) -> tuple[bool, str]:
     """A trained role's ``fsdp_config.grad_sync_per_mini_batch`` resolved (auto: :func:`defers_grad_sync`,
-    the rule the memory model applies too), and why; its cost 4 bytes per trainable parameter per rank."""
+    the rule the memory model applies too), and why; its cost one gradient in the reduce dtype (4 bytes in
+    fp32) per trainable parameter per rank."""
     return defers_grad_sync(
         fsdp_cfg.grad_sync_per_mini_batch,
         ranks=ranks,
         offload=offload_mode(fsdp),
-        grad_bytes=4 * num_trainable,
+        grad_bytes=fsdp.reduce_dtype.itemsize * num_trainable,
         device_bytes=device_bytes,
     )
 
@@ -390,7 +391,7 @@ def tune_workload(
         sequence_parallel=actor.ulysses_sequence_parallel_size,
         rollout_tensor_parallel=arr.rollout.tensor_model_parallel_size,
         grad_sync_per_mini_batch=actor.fsdp_config.grad_sync_per_mini_batch,
-        reduce_bytes=fsdp.reduce_dtype.itemsize,
+        reduce_dtype=str(fsdp.reduce_dtype).removeprefix("torch."),
     )
     point = Point(
         fsdp.min_num_params,

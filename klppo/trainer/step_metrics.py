@@ -32,9 +32,11 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "prompt_length/mean": prompt_len.mean(),
         "prompt_length/max": prompt_len.max(),
     }
-    share = equal_score_group_share(scores, batch.uid)
-    if share is not None:
-        out["batch/equal_score_groups"] = share
+    equal = equal_score_groups(scores, batch.uid)
+    if equal is not None:
+        out["batch/equal_score_groups"], group_score = equal
+        if group_score is not None:
+            out["batch/equal_score_groups_score"] = group_score
     if batch.advantages is not None:  # absent when a non-finite input skipped the step before them
         rewards = batch.token_level_rewards.sum(dim=1)
         valid_adv = batch.advantages[m.bool()] if m.any() else torch.zeros(1)
@@ -66,10 +68,11 @@ def ref_kl_metrics(old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mas
     }
 
 
-def equal_score_group_share(scores: torch.Tensor, uids: list[Any]) -> float | None:
+def equal_score_groups(scores: torch.Tensor, uids: list[Any]) -> tuple[float, float | None] | None:
     """Share of the step's prompt groups (the samples of one ``uid``, at least two of them) whose scores are
-    all equal: GRPO, RLOO and the other group estimators give such a group zero advantage, so it brings the
-    update no task gradient (only its KL and entropy terms). None without groups (``rollout.n`` = 1)."""
+    all equal — GRPO and RLOO give such a group zero advantage, so it brings the update no task gradient
+    (only its KL and entropy terms) — and the mean score of those groups' samples (None when there is no
+    such group). None without groups (``rollout.n`` = 1)."""
     if len(uids) != scores.shape[0]:
         return None
     index = group_index(uids, len(uids), scores.device)
@@ -77,8 +80,10 @@ def equal_score_group_share(scores: torch.Tensor, uids: list[Any]) -> float | No
     if not sized.any():
         return None
     # the same predicate the group estimators zero their advantages on (algorithms.outcome.equal_groups)
-    equal = torch.zeros_like(sized).index_put_((index,), equal_groups(scores, index))
-    return int(equal[sized].sum()) / int(sized.sum())
+    equal = torch.zeros_like(sized).index_put_((index,), equal_groups(scores, index)) & sized
+    rows = equal[index]
+    score = float(scores[rows].double().mean()) if bool(rows.any()) else None
+    return int(equal.sum()) / int(sized.sum()), score
 
 
 def perf_metrics(

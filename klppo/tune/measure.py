@@ -120,6 +120,7 @@ def build(config, point: Point, w: Workload, device: torch.device):
         forward_prefetch=point.forward_prefetch,
         backward_prefetch=w.backward_prefetch,
         param_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        reduce_dtype=getattr(torch, w.reduce_dtype),  # the configured one, as the models assume
     )
     shard_model(model, settings, build_mesh(w.world_size, w.fsdp_size, device.type))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)

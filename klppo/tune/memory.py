@@ -36,11 +36,15 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
   (b) counts ``U_r·c`` more in that case.
   (b) *backward end*: unit gradients ``max(U_r·(c+4), U_r·c + U_max·(c+4))`` (``U_max``: largest
   non-root unit): the root's unsharded grads are reduced last; a unit being reduced holds bf16 grads
-  and their fp32 reduce-scatter input; or the all-gather's flat output buffer ``U_max·c``.
+  and their reduce-scatter input in the reduce dtype (fp32: ``c+4``; ``c+r`` in general); or the
+  all-gather's flat output buffer ``U_max·c``.
 - optimizer step (alternative peak): the static state plus one fp32 temporary ``Ps·4`` (foreach sqrt).
 - ``grad_sync_per_mini_batch`` on (:func:`defers_grad_sync`): the unsharded gradients of the whole model
-  accumulate in fp32 over a mini-batch's micro-batches before one reduce-scatter, ``P·4`` more for the
-  whole backward (counted once even with one micro-batch per mini-batch, where nothing is deferred).
+  accumulate in the reduce dtype (``r`` bytes: 4 for fp32, the default; 2 with
+  ``mixed_precision.reduce_dtype=bf16``) over a mini-batch's micro-batches before one reduce-scatter,
+  ``P·r`` more for the whole backward (counted once even with one micro-batch per mini-batch, where
+  nothing is deferred). The reduce-scatter's input is in the reduce dtype too: ``U·(c+r)`` in (b) below
+  reads ``c+4`` at the default.
 
 ``log_prob`` (no grad): resident params (+ AdamW unless offloaded), gathered units as above, one layer's
 forward transient ``T·c·(4h + 2·kvd + 3I)``, logits ``N·V·(c + 8)`` with ``T`` the log-prob budget.
@@ -86,6 +90,9 @@ class Point:
             raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {self.offload!r}")
 
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
 @dataclass(frozen=True)
 class Workload:
     """What does not vary over the grid: ranks, dtypes, sequence layout, rollout budget, device size."""
@@ -111,8 +118,13 @@ class Workload:
     """Rollout tensor-parallel size TP (``rollout.tensor_model_parallel_size``): weights and KV per rank /TP."""
     grad_sync_per_mini_batch: bool | str = False
     """``fsdp_config.grad_sync_per_mini_batch`` (True, False or "auto": :func:`defers_grad_sync`)."""
-    reduce_bytes: int = 4
-    """Bytes per element of the gradient reduce-scatter (``fsdp_config.mixed_precision.reduce_dtype``)."""
+    reduce_dtype: str = "float32"
+    """torch dtype name of the gradient reduce-scatter (``fsdp_config.mixed_precision.reduce_dtype``)."""
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per element of the gradient reduce-scatter (4 for float32, 2 for bfloat16)."""
+        return _DTYPE_BYTES[self.reduce_dtype]
 
     def kv_dim(self, facts: ModelFacts) -> int:
         """``kv_heads · head_dim`` as one rank holds K and V: replicated up to S heads under Ulysses."""
@@ -168,7 +180,7 @@ def point_defers_grad_sync(w: Workload, point: Point, num_params: float) -> bool
         w.grad_sync_per_mini_batch,
         ranks=w.world_size,
         offload=point.offload,
-        grad_bytes=num_params * 4,
+        grad_bytes=num_params * w.reduce_bytes,
         device_bytes=w.device_bytes,
     )
     return deferred
@@ -253,17 +265,21 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
         if point.offload == "idle":
             phase.add("optimizer (AdamW)", 2 * shard * 4, "2·ceil(P/f)·4 (loaded for the update)")
     if point_defers_grad_sync(w, point, facts.num_params):
-        phase.add("unsharded grads (sync per mini-batch)", facts.num_params * 4, "P·4")
+        r = w.reduce_bytes  # FSDP2 accumulates them in the reduce dtype
+        phase.add("unsharded grads (sync per mini-batch)", facts.num_params * r, f"P·{r}")
     _gathered(phase, facts, point, w, backward=True)
     inner_max = max(units.sizes[:-1], default=0)
     # with resharding the root, gathered again at the head's backward, stays gathered while the other units
     # reduce (its post-backward comes last and frees its parameters before its own reduce-scatter)
     held = units.root * c if point.reshard_after_forward and units.count > 1 else 0
+    r = w.reduce_bytes  # the reduce-scatter's input, in the reduce dtype
     grads = max(
-        units.root * (c + 4), units.root * c + held + inner_max * (c + 4), max(inner_max, units.root) * c
+        units.root * (c + r), units.root * c + held + inner_max * (c + r), max(inner_max, units.root) * c
     )
     root_c = "2·U_r·c" if held else "U_r·c"
-    phase.add("unit grads / gather buffer", grads, f"max(U_r·(c+4), {root_c} + U_max·(c+4), U_max·c)", _END)
+    phase.add(
+        "unit grads / gather buffer", grads, f"max(U_r·(c+{r}), {root_c} + U_max·(c+{r}), U_max·c)", _END
+    )
     per_layer = 8 * s.hidden + c * (5 * s.hidden + 2 * kvd + 4 * s.intermediate)
     if w.grad_checkpointing:
         acts, text = s.layers * T * s.hidden * c + T * per_layer, "L·T·h·c + T·A"

@@ -85,7 +85,7 @@ def test_validation_drop_keeps_best_then_rolls_back():
 def test_learning_signal_acts_once_per_stretch_and_names_the_end_of_the_score_range():
     cfg = dataclasses.replace(M.learning_signal, patience_steps=3)
     rule = LearningSignal(cfg)
-    low = {"critic/score/mean": 0.05, "critic/score/min": 0.0, "critic/score/max": 1.0}
+    low = {"batch/equal_score_groups_score": 0.0, "critic/score/min": 0.0, "critic/score/max": 1.0}
     shares = [0.95, 0.92, 0.5, 0.9, 0.93, 1.0, 1.0, 0.97, 0.4, 0.91, 0.99, 0.95]
     out = [rule.observe(i + 1, {"batch/equal_score_groups": s, **low}, None) for i, s in enumerate(shares)]
     # the dip at step 3 resets; steps 4–6 reach the patience (acts at 6, not again at 7–8); 9 resets; 10–12
@@ -99,16 +99,32 @@ def test_learning_signal_acts_once_per_stretch_and_names_the_end_of_the_score_ra
     # near the top of the range: solved; one score for every sample: said so; the stop action
     state = rule.state_dict()
     solved = LearningSignal(dataclasses.replace(cfg, patience_steps=1, action="stop"))
-    (a,) = solved.observe(1, {"batch/equal_score_groups": 1.0, "critic/score/mean": 0.97,
+    (a,) = solved.observe(1, {"batch/equal_score_groups": 1.0, "batch/equal_score_groups_score": 0.97,
                               "critic/score/min": 0.0, "critic/score/max": 1.0}, None)  # fmt: skip
     assert a.kind == "stop" and "solved" in a.message
-    (a,) = LearningSignal(dataclasses.replace(cfg, patience_steps=1)).observe(
-        1, {"batch/equal_score_groups": 1.0, "critic/score/mean": 0.0, "critic/score/min": 0.0,
-            "critic/score/max": 0.0}, None)  # fmt: skip
-    assert "every sample scored 0" in a.message
+
+    def message(group, low, high):
+        (a,) = LearningSignal(dataclasses.replace(cfg, patience_steps=1)).observe(
+            1, {"batch/equal_score_groups": 0.95, "batch/equal_score_groups_score": group, "critic/score/min": low,
+                "critic/score/max": high}, None)  # fmt: skip
+        return a.message
+
+    assert "every sample scored 0" in message(0.0, 0.0, 0.0)
+    # a format penalty below 0: the equal groups at −1 are the failing end, whatever the batch mean
+    assert "too hard" in message(-1.0, -1.0, 1.0) and "solved" in message(1.0, -1.0, 1.0)
+    assert "some too hard, some solved" in message(0.5, 0.0, 1.0)  # all-0 and all-1 groups alike
     resumed = LearningSignal(cfg)
     resumed.load_state_dict(state)
     assert resumed.steps_equal == 3 and resumed.observe(14, {"batch/equal_score_groups": 0.1}, None) == []
+
+
+def test_learning_signal_only_for_estimators_that_zero_equal_groups():
+    names = lambda est: [r.name for r in build_rules(M, default_target_kl=None, adv_estimator=est)]  # noqa: E731
+    assert "learning_signal" in names("grpo") and "learning_signal" in names("rloo")
+    # a critic (gae) or a batch-whitened baseline still gives equal-score groups advantages
+    assert "learning_signal" not in names("gae") and "learning_signal" not in names(
+        "reinforce_plus_plus_baseline"
+    )
 
 
 def test_drift_warns_on_entering_the_range_violation_only():
@@ -170,7 +186,10 @@ def monitor(tmp_path, **groups):
 
     m = dataclasses.replace(MonitorConfig(), **groups)
     cfg = SimpleNamespace(
-        monitor=m, algorithm=SimpleNamespace(kl_ctrl=SimpleNamespace(target_kl=0.1, target_kl_start=None))
+        monitor=m,
+        algorithm=SimpleNamespace(
+            kl_ctrl=SimpleNamespace(target_kl=0.1, target_kl_start=None), adv_estimator="grpo"
+        ),
     )
     controls = FakeControls()
     return Monitor(cfg, controls, run_dir=tmp_path, rank=0, resume_step=None), controls

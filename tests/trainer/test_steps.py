@@ -268,18 +268,22 @@ def test_optimizer_choice_reference_path_and_external_lib(
     assert "my_models_lib" in sys.modules
 
 
-def test_equal_score_group_share_by_hand():
+def test_equal_score_groups_by_hand():
     """Groups by uid: {a: 1, 1} equal, {b: 0, 1} mixed, {c: 0, 0, 0} equal, {d: 0.5} a single sample (not a
-    group) → 2 of 3 groups; no groups at all (rollout.n = 1, or no uids) → None."""
+    group) → 2 of 3 groups, their 5 samples' mean score 2/5; no equal group → no score; no groups at all
+    (rollout.n = 1, or no uids) → None."""
     import torch
 
-    from klppo.trainer.step_metrics import equal_score_group_share
+    from klppo.trainer.step_metrics import equal_score_groups
 
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.5])
     uids = ["a", "b", "a", "b", "c", "c", "c", "d"]
-    assert equal_score_group_share(scores, uids) == 2 / 3
-    assert equal_score_group_share(scores[:2], ["a", "b"]) is None
-    assert equal_score_group_share(scores, []) is None
+    share, score = equal_score_groups(scores, uids)
+    assert share == 2 / 3 and score == pytest.approx(2 / 5)
+    assert equal_score_groups(scores[:4], ["a", "b", "a", "b"]) == (0.5, 1.0)
+    assert equal_score_groups(torch.tensor([0.0, 1.0]), ["b", "b"]) == (0.0, None)
+    assert equal_score_groups(scores[:2], ["a", "b"]) is None
+    assert equal_score_groups(scores, []) is None
 
 
 def test_validation_metrics_by_hand():

@@ -4,6 +4,7 @@ mini-batch's last micro-batch (``fsdp_config.grad_sync_per_mini_batch``)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from klppo.tune.comm import predict_units, step_bytes, syncs_per_step
 from klppo.tune.memory import Point, Workload
@@ -27,7 +28,25 @@ def test_step_bytes_by_hand_per_micro_and_deferred():
     assert step_bytes(UNITS, offload, w("auto"), 3)[1] == 3 * 350 * 4  # offload puts memory first
     assert syncs_per_step(UNITS, POINT, w("auto", device_bytes=10_000), 3) == 3  # 1,400 B > 10% of 10,000
     # gradients reduced in bf16 (mixed_precision.reduce_dtype=bf16): half the reduce-scatter bytes
-    assert step_bytes(UNITS, POINT, w(False, reduce_bytes=2), 3) == (3 * gathered, 3 * 350 * 2)
+    assert step_bytes(UNITS, POINT, w(False, reduce_dtype="bfloat16"), 3) == (3 * gathered, 3 * 350 * 2)
+
+
+def test_bf16_reduction_halves_the_deferred_gradients_in_the_memory_model():
+    from klppo.tune.memory import ModelFacts, predict
+    from klppo.tune.shapes import load_model_config
+
+    facts = ModelFacts.from_config(load_model_config("Qwen2.5-0.5B"))
+    point = Point(0, micro_tokens=1024)
+
+    def term(r):
+        phase = predict(facts, point, Workload(world_size=2, grad_sync_per_mini_batch=True, reduce_dtype=r))[
+            "update"
+        ]
+        return {t.name: t.bytes for t in phase.terms}
+
+    fp32, bf16 = term("float32"), term("bfloat16")
+    key = "unsharded grads (sync per mini-batch)"
+    assert fp32[key] == facts.num_params * 4 and bf16[key] == facts.num_params * 2
 
 
 def test_the_workload_reads_the_reduce_dtype():
@@ -37,7 +56,8 @@ def test_the_workload_reads_the_reduce_dtype():
     for dtype, nbytes in (("fp32", 4), ("bf16", 2)):
         cfg = load_config([f"actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype={dtype}"])
         fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda", world_size=2)
-        assert tune_workload(cfg, fsdp, world_size=2, device_gib=80).workload.reduce_bytes == nbytes
+        workload = tune_workload(cfg, fsdp, world_size=2, device_gib=80).workload
+        assert workload.reduce_bytes == nbytes and getattr(torch, workload.reduce_dtype) == fsdp.reduce_dtype
 
 
 def test_predicted_unit_traffic_averages_a_deferred_sync_over_the_micro_batches():
