@@ -55,7 +55,7 @@ def predicted_share(
     point = tw.point
     units = predict_units(facts.units(point.min_num_params), point, tw.workload, bus_bandwidth=link_gbps * 1e9,
                           flops_per_s=tflops * 1e12, num_micro=int(row["num_micro"]))  # fmt: skip
-    exposed = sum(u.comm_s for u in units if not u.hidden)
+    exposed = sum(u.exposed_s for u in units)
     return exposed / max(sum(u.compute_s for u in units) + exposed, 1e-12)
 
 

@@ -13,8 +13,12 @@ Per micro-batch, for a unit of ``U`` own parameters (per rank of a shard group o
 - bus bytes a rank moves for a collective of ``B`` bytes: ``B·(f − 1)/f`` (ring); time = that / the
   probed bus bandwidth. ``f = 1``: nothing to move.
 
-Hiding: with prefetch, unit ``i+1``'s gather runs while unit ``i`` computes; it is hidden when
-``t_comm(i+1) ≤ t_compute(i)``. Compute time of a unit: ``2·M_i·T`` FLOPs forward (``M_i``: its matmul
+Hiding: with prefetch, unit ``i+1``'s gather runs while unit ``i`` computes: of its communication
+``max(0, t_comm(i+1) − t_compute(i))`` is exposed (the longer neighbour's compute covers it; without
+prefetch all of it), and it is hidden when that is 0. (Until session 12 a unit counted as wholly hidden or
+wholly exposed; at a link where one unit's traffic is about its neighbour's compute — 25–30 GB/s against
+the 1.5B shape's layers — that flipped whole rows of session 11's sweep with a few GB/s; the partial
+overlap follows the measured exposure at 20 GB/s within 12.6 points on average, bench/RESULTS.md.) Compute time of a unit: ``2·M_i·T`` FLOPs forward (``M_i``: its matmul
 parameters, ``T`` tokens) and twice that in backward (plus one forward more under checkpointing),
 divided by a matmul rate (measured with :func:`matmul_rate` or assumed).
 """
@@ -43,6 +47,8 @@ class UnitComm:
     compute_s: float
     hidden: bool
     """Prefetching this unit during the previous unit's compute covers its communication."""
+    exposed_s: float = 0.0
+    """The part of ``comm_s`` no neighbour's compute covers (all of it without prefetch)."""
 
 
 def gathers_per_micro(units: UnitSizes, index: int, point: Point) -> int:
@@ -95,6 +101,7 @@ def predict_units(
         neighbours = [out[j].compute_s for j in (i - 1, i + 1) if 0 <= j < len(out)]
         prefetch = point.forward_prefetch or w.backward_prefetch
         cover = max(neighbours, default=0.0) if prefetch else 0.0
+        exposed = max(0.0, u.comm_s - cover)
         out[i] = UnitComm(
             u.index,
             u.params,
@@ -102,7 +109,8 @@ def predict_units(
             u.reduce_scatter_bytes,
             u.comm_s,
             u.compute_s,
-            hidden=u.comm_s <= cover,
+            hidden=exposed == 0.0,
+            exposed_s=exposed,
         )
     return out
 

@@ -160,7 +160,7 @@ def terms_table(phases: dict[str, PhasePeak], point: Point) -> Table:
 def comm_table(units, point: Point, link_gbps: float, tflops: float) -> Table:
     """Per unit, one micro-batch: bytes all-gathered / reduce-scattered, communication vs compute time,
     and whether prefetching it behind its neighbour's compute hides it (assumed link and matmul rates)."""
-    exposed = sum(u.comm_s for u in units if not u.hidden)
+    exposed = sum(u.exposed_s for u in units)
     total = sum(u.compute_s for u in units) + exposed
     table = Table(
         title=f"communication per micro-batch at {describe(point)} (assumed {link_gbps:.0f} GB/s, {tflops:.0f} "

@@ -69,3 +69,26 @@ def test_predicted_unit_traffic_averages_a_deferred_sync_over_the_micro_batches(
     assert [u.all_gather_bytes for u in deferred] == [u.all_gather_bytes for u in per_micro]
     # ring over 2 ranks: half the bytes cross the link; unit 0: (400 gathered + 100 reduced) / 2 / 1e3 B/s
     assert deferred[0].comm_s == pytest.approx((400 + 100) / 2 / 1e3)
+
+
+def test_partial_overlap_by_hand():
+    """Of a unit's communication, what its longer neighbour's compute does not cover is exposed (with
+    prefetch; all of it without)."""
+    units = UnitSizes(min_num_params=0, sizes=[100, 100, 100], matmul=[100, 100, 100])
+    point = Point(0, micro_tokens=10, reshard_after_forward=False)  # one all-gather per unit
+    # per unit: (200 gathered + 400 reduced) bytes, half over the link at 1e3 B/s → 0.3 s;
+    # compute 3 passes · 2 · 100 · 10 FLOP at 2e4 FLOP/s → 0.3 s, 0.2 s at 3e4
+    eager = w(False, grad_checkpointing=False)  # 3 passes: forward and backward (2×)
+    exact = predict_units(units, point, eager, bus_bandwidth=1e3, flops_per_s=2e4)
+    assert [u.exposed_s for u in exact] == pytest.approx([0.0, 0.0, 0.0]) and all(u.hidden for u in exact)
+    short = predict_units(units, point, eager, bus_bandwidth=1e3, flops_per_s=3e4)
+    assert [u.comm_s for u in short] == pytest.approx([0.3] * 3)
+    assert [u.exposed_s for u in short] == pytest.approx([0.1] * 3) and not any(u.hidden for u in short)
+    none = predict_units(
+        units,
+        point,
+        w(False, grad_checkpointing=False, backward_prefetch=False),
+        bus_bandwidth=1e3,
+        flops_per_s=3e4,
+    )
+    assert [u.exposed_s for u in none] == pytest.approx([0.3] * 3)
