@@ -40,7 +40,7 @@ GROUP_ESTIMATORS = (
     "gpg",
 )
 # group estimators that give a group whose scores are all equal exactly zero advantage (algorithms.outcome)
-ZERO_EQUAL_GROUP_ESTIMATORS = ("grpo", "rloo", "grpo_vectorized", "rloo_vectorized")
+ZERO_EQUAL_GROUP_ESTIMATORS = ("grpo", "rloo")
 # group estimators that divide by the group's std when algorithm.norm_adv_by_std_in_grpo is true
 STD_GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -229,10 +229,9 @@ def _skip_would_pay(cfg: KLPPOConfig) -> bool:
     actor = cfg.actor_rollout_ref.actor
     return (
         not actor.skip_zero_advantage_rows
-        and cfg.algorithm.adv_estimator in ("grpo", "rloo")
+        and cfg.algorithm.adv_estimator in ZERO_EQUAL_GROUP_ESTIMATORS  # neither reads values (no critic)
         and actor.use_kl_loss
         and not cfg.algorithm.use_kl_in_reward
-        and not uses_critic(cfg)
         and cfg.actor_rollout_ref.rollout.n > 1
         and actor.ppo_epochs == 1
         and actor.ppo_mini_batch_size >= cfg.data.train_batch_size
@@ -266,7 +265,9 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
             "so the group baseline is 0 (as in verl) and the advantages are the raw scores, without the "
             "variance reduction the estimator exists for; set rollout.n ≥ 2"
         )
-    if actor.skip_zero_advantage_rows and (cfg.algorithm.use_kl_in_reward or est not in ("grpo", "rloo")):
+    if actor.skip_zero_advantage_rows and (
+        cfg.algorithm.use_kl_in_reward or est not in ZERO_EQUAL_GROUP_ESTIMATORS
+    ):
         why = "the KL penalty is in the rewards" if cfg.algorithm.use_kl_in_reward else f"adv_estimator={est}"
         notify(
             f"actor_rollout_ref.actor.skip_zero_advantage_rows=True with {why}: samples rarely have an advantage "

@@ -45,10 +45,13 @@ class UnitComm:
     reduce_scatter_bytes: float
     comm_s: float
     compute_s: float
-    hidden: bool
-    """Prefetching this unit during the previous unit's compute covers its communication."""
     exposed_s: float = 0.0
     """The part of ``comm_s`` no neighbour's compute covers (all of it without prefetch)."""
+
+    @property
+    def hidden(self) -> bool:
+        """Prefetching this unit during its neighbour's compute covers all of its communication."""
+        return self.exposed_s == 0.0
 
 
 def gathers_per_micro(units: UnitSizes, index: int, point: Point) -> int:
@@ -92,26 +95,16 @@ def predict_units(
     f = w.shard_ranks
     factor = (f - 1) / f if f > 1 else 0.0
     passes = 4.0 if w.grad_checkpointing else 3.0  # forward, backward (2×), recompute
+    sent = unit_bytes(units, point, w, num_micro)
+    compute = [passes * 2.0 * matmul * point.micro_tokens / flops_per_s for matmul in units.matmul]
+    prefetch = point.forward_prefetch or w.backward_prefetch
     out = []
-    for i, ((ag, rs), matmul) in enumerate(zip(unit_bytes(units, point, w, num_micro), units.matmul)):
+    for i, (ag, rs) in enumerate(sent):
         comm = (ag + rs) * factor / bus_bandwidth if factor else 0.0
-        compute = passes * 2.0 * matmul * point.micro_tokens / flops_per_s
-        out.append(UnitComm(i, units.sizes[i], ag, rs, comm, compute, hidden=True))
-    for i, u in enumerate(out):  # unit i's traffic overlaps its neighbour's compute (prefetch)
-        neighbours = [out[j].compute_s for j in (i - 1, i + 1) if 0 <= j < len(out)]
-        prefetch = point.forward_prefetch or w.backward_prefetch
+        # unit i's traffic overlaps its longer neighbour's compute when prefetched
+        neighbours = [compute[j] for j in (i - 1, i + 1) if 0 <= j < len(sent)]
         cover = max(neighbours, default=0.0) if prefetch else 0.0
-        exposed = max(0.0, u.comm_s - cover)
-        out[i] = UnitComm(
-            u.index,
-            u.params,
-            u.all_gather_bytes,
-            u.reduce_scatter_bytes,
-            u.comm_s,
-            u.compute_s,
-            hidden=exposed == 0.0,
-            exposed_s=exposed,
-        )
+        out.append(UnitComm(i, units.sizes[i], ag, rs, comm, compute[i], exposed_s=max(0.0, comm - cover)))
     return out
 
 
