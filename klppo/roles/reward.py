@@ -22,6 +22,17 @@ class Scores(NamedTuple):
     """The decoded responses that were scored."""
 
 
+def decode_batch(tokenizer, rows: list[list[int]]) -> list[str]:
+    """``[tokenizer.decode(r, skip_special_tokens=True) for r in rows]``, in one call of the Rust backend's
+    multi-threaded ``decode_batch`` where that gives the same text: a fast tokenizer with no Python-side
+    clean-up of spaces. Session 13's profile of a SmolLM2 GRPO step (256 responses) found the per-row loop
+    taking ≈ 90 of the reward phase's 128 ms, with the GPU idle."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
+    return backend.decode_batch(rows, skip_special_tokens=True)
+
+
 class Reward:
     """``score(batch) -> Scores`` (token-level scores, per-sequence scores, response texts)."""
 
@@ -49,11 +60,9 @@ class Reward:
         self.max_length = max_length
 
     def decode_responses(self, batch: Batch) -> list[str]:
-        texts = []
-        for ids, mask in zip(batch.responses.tolist(), batch.response_mask.tolist()):
-            n = int(sum(mask))
-            texts.append(self.tokenizer.decode(ids[:n], skip_special_tokens=True))
-        return texts
+        lengths = batch.response_mask.sum(dim=1).long().tolist()
+        rows = [ids[:n] for ids, n in zip(batch.responses.tolist(), lengths)]
+        return decode_batch(self.tokenizer, rows)
 
     def score(self, batch: Batch) -> Scores:
         texts = self.decode_responses(batch)
