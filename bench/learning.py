@@ -129,6 +129,10 @@ SERIES = {
     "ref_s": "timing_s/ref",
     "update_actor_s": "timing_s/update_actor",
     "capture_s": "rollout/graph_capture_s",  # decode graphs captured in the step (0 when the engine kept them)
+    # out-of-memory retries (monitor.oom_recovery): each halves a pass's token budget for the rest of the run,
+    # so more micro-batches per pass from then on (session 13's profile: 4 reference micro-batches where a
+    # 65,536-token budget should have made 1)
+    "oom_retries": "monitor/oom_recovery/retries",
 }
 
 
@@ -486,6 +490,13 @@ def print_table(results: list[dict]) -> None:
             print(f"{r['name']} along the run (held-out flexible at k3 of the 20 steps before): {points}")
     for r in results:  # where a step's time went, and how much of the batch carried a task gradient
         series = r.get("series") or {}
+        retried = [(i + 1, int(n)) for i, n in enumerate(series.get("oom_retries") or []) if n]
+        if retried:
+            print(
+                f"{r['name']}: out-of-memory retries at steps "
+                + ", ".join(f"{s} ({n})" for s, n in retried)
+                + " — each halved a pass's token budget for the rest of the run (the run's log names the pass)"
+            )
         values = {k: [x for x in v if x is not None] for k, v in series.items() if k in SUMMARY_SERIES}
         means = {k: sum(v) / len(v) for k, v in values.items() if v}
         if means:

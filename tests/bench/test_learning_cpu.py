@@ -124,3 +124,16 @@ def test_gsm8k_task_takes_the_first_rows_of_each_split(tmp_path):
     assert "data.max_response_length=256" in TASK_OVERRIDES["gsm8k"]
     with pytest.raises(SystemExit, match="--gsm8k-dir"):
         make_data(tmp_path / "x", 3, 2, task="gsm8k")
+
+
+def test_the_table_names_out_of_memory_retries(capsys):
+    from bench.learning import SERIES, print_table
+
+    assert SERIES["oom_retries"] == "monitor/oom_recovery/retries"
+    base = {"name": "x", "steps": 3, "train_seconds": 3.0, "accuracy_before": None, "accuracy_after": None,
+            "kl_k3_last20_mean": 0.1, "kl_k3_max": 0.2, "entropy_min_after_step10": 1.0}  # fmt: skip
+    print_table([{**base, "series": {"oom_retries": [None, 2.0, None], "step_s": [1.0, 1.0, 1.0]}}])
+    out = capsys.readouterr().out
+    assert "x: out-of-memory retries at steps 2 (2)" in out
+    print_table([{**base, "series": {"oom_retries": [None, None, None], "step_s": [1.0, 1.0, 1.0]}}])
+    assert "out-of-memory" not in capsys.readouterr().out
