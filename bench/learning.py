@@ -133,6 +133,7 @@ SERIES = {
     # so more micro-batches per pass from then on (session 13's profile: 4 reference micro-batches where a
     # 65,536-token budget should have made 1)
     "oom_retries": "monitor/oom_recovery/retries",
+    "peak_gb": "perf/max_memory_allocated_gb",  # the step's peak (GPU): what the halvings would have met
 }
 
 
