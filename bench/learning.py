@@ -129,11 +129,10 @@ SERIES = {
     "ref_s": "timing_s/ref",
     "update_actor_s": "timing_s/update_actor",
     "capture_s": "rollout/graph_capture_s",  # decode graphs captured in the step (0 when the engine kept them)
-    # out-of-memory retries (monitor.oom_recovery): each halves a pass's token budget for the rest of the run,
-    # so more micro-batches per pass from then on (session 13's profile: 4 reference micro-batches where a
-    # 65,536-token budget should have made 1)
+    # out-of-memory retries (monitor.oom_recovery): each halves a pass's token budget for the rest of the run
     "oom_retries": "monitor/oom_recovery/retries",
-    "peak_gb": "perf/max_memory_allocated_gb",  # the step's peak (GPU): what the halvings would have met
+    "peak_gb": "perf/max_memory_allocated_gb",  # the step's peak (GPU): the room for a larger token budget
+    "tokens": "perf/total_num_tokens",  # prompt + response tokens of the step (what the budgets divide)
 }
 
 

@@ -7,9 +7,11 @@ to a run's overrides; the trainer writes ``DIR/torch/step_60_rank_<r>.trace.json
 JSON; plain ``.json`` is read too). Every ``phase/<name>`` range the trainer opens (gen, ref, old_log_prob,
 update_actor, …; ``phase/step`` holds the others) gets one line: its host wall time, the union of its CUDA
 kernel intervals (``kernel_busy_s``; copies and memsets apart as ``memcpy_s``), kernel / launch / CPU-operator
-counts, the time the host waited on the device (``sync_s``: ``*Synchronize*`` and blocking ``*Memcpy*``
-calls), and ``busy`` = kernel_busy_s / wall_s. A low busy share with little sync time means the phase is
-host-bound (Python, dispatch, launches); near 100% it is kernel-bound. Under each line: the kernels with
+counts, the time the host waited on the device (``sync_s``: ``*Synchronize*``, blocking ``*Memcpy*`` calls
+and ``cudaMemcpyAsync`` into pageable memory, which blocks as well), and ``busy`` = kernel_busy_s / wall_s.
+A low busy share with little sync time means the phase is host-bound (Python, dispatch, launches); near
+100% it is kernel-bound. ``busy`` can exceed 100%: a kernel counts where it was launched, and one launched
+late in a phase may run during the next one. Under each line: the kernels with
 the most time, and the CPU operators by count and by self time (own duration less that of the operators
 directly inside it on the same thread). A phase that occurs several times is summed under its name.
 
@@ -101,6 +103,15 @@ def _is_sync(name: str) -> bool:
     return "synchronize" in low or ("memcpy" in low and "async" not in low)
 
 
+def _waits_for_pageable_copy(name: str, device_events) -> bool:
+    """A ``cudaMemcpyAsync`` into pageable host memory (``.item()``, ``.tolist()``, ``.cpu()``) returns only
+    when the copy is done, after all the work queued before it: the host waits there too."""
+    return "memcpy" in name.lower() and any(
+        d.get("cat") == "gpu_memcpy" and "DtoH" in str(d.get("name")) and "Pageable" in str(d.get("name"))
+        for d in device_events
+    )
+
+
 def summarize(events: list[dict], *, top: int = 8) -> dict:
     """The per-phase and whole-trace numbers (see the module docstring); times in seconds."""
     complete = [
@@ -146,9 +157,10 @@ def summarize(events: list[dict], *, top: int = 8) -> dict:
                 continue
             name = str(r.get("name", ""))
             p["launches"] += _is_launch(name)
-            if _is_sync(name):
+            copies = by_corr.get((r.get("args") or {}).get("correlation"), ())
+            if _is_sync(name) or _waits_for_pageable_copy(name, copies):
                 p["sync"] += min(r["ts"] + r["dur"], b) - r["ts"]
-            for d in by_corr.get((r.get("args") or {}).get("correlation"), ()):
+            for d in copies:
                 p["device"][id(d)] = d
         windows = [(g["ts"], g["ts"] + g["dur"]) for g in gpu_ranges.get(ph["name"], []) if a <= g["ts"] <= b]
         for lo, hi in windows or [(a, b)]:

@@ -75,6 +75,8 @@ def gpu_trace() -> list[dict]:
         op("aten::zeros", 455, 90),  # main thread, overlapping: not a parent of aten::mm
         rt("cudaGraphLaunch", 470, 10, corr=6, tid=AUTOGRAD),
         rt("cuLaunchKernel", 500, 5, corr=7, tid=AUTOGRAD, cat="cuda_driver"),
+        rt("cudaMemcpyAsync", 560, 30, corr=11),  # into pageable memory (.item(), .tolist()): it waits
+        kernel("Memcpy DtoH (Device -> Pageable)", 705, 4, corr=11, cat="gpu_memcpy"),
         op("aten::_foreach_add_", 840, 9),
         rt("cudaDeviceSynchronize", 850, 40, corr=8),
         kernel("graph_a", 600, 50, corr=6),
@@ -119,7 +121,10 @@ def test_phases_of_a_gpu_trace(tmp_path, capsys):
     assert gen["wall_s"] == _near(300 * us)
     assert gen["kernel_busy_s"] == _near((130 + 20) * us)  # [130, 260] ∪ [420, 440]
     assert gen["busy_share"] == _near(150 / 300)
-    assert gen["memcpy_s"] == _near(8 * us) and gen["sync_s"] == _near(18 * us)  # not cudaMemcpyAsync
+    assert gen["memcpy_s"] == _near(8 * us) and gen["sync_s"] == _near(
+        18 * us
+    )  # an async copy to pinned memory
+    # does not wait
     assert [(k["name"], k["count"]) for k in gen["top_kernels"]] == [(EW[:70], 2), (GEMM[:70], 1)]
     assert gen["top_kernels"][0]["total_s"] == _near(100 * us) and len(GEMM) > 70
     # self times: linear 100-10-70, addmm 70-10, copy_ 10+30, t 10
@@ -136,8 +141,8 @@ def test_phases_of_a_gpu_trace(tmp_path, capsys):
 
     upd = rows["update_actor"]
     assert (upd["n_kernels"], upd["n_launches"], upd["n_cpu_ops"]) == (4, 2, 4)  # EW at 420 stays in gen
-    assert upd["kernel_busy_s"] == _near((100 + 20 + 10) * us) and upd["sync_s"] == _near(40 * us)
-    assert upd["memcpy_s"] == 0.0
+    assert upd["kernel_busy_s"] == _near((100 + 20 + 10) * us) and upd["sync_s"] == _near((40 + 30) * us)
+    assert upd["memcpy_s"] == _near(4 * us)
     by_self = {o["name"]: o["total_s"] for o in upd["top_ops_by_self"]}
     assert by_self == {"aten::zeros": _near(90 * us), "aten::mm": _near(80 * us),
                        "autograd::engine::evaluate_function: MmBackward0": _near(20 * us),
@@ -156,13 +161,13 @@ def test_phases_of_a_gpu_trace(tmp_path, capsys):
 
     step = rows["step"]
     assert (step["n_kernels"], step["n_launches"], step["n_cpu_ops"]) == (9, 6, 11)
-    assert step["kernel_busy_s"] == _near(365 * us) and step["memcpy_s"] == _near(10 * us)
-    assert step["sync_s"] == _near(68 * us)
+    assert step["kernel_busy_s"] == _near(365 * us) and step["memcpy_s"] == _near(14 * us)
+    assert step["sync_s"] == _near(98 * us)
 
     w = s["whole"]
     assert w["span_s"] == _near(1150 * us) and w["kernel_busy_s"] == _near(375 * us)
     assert (
-        w["outside_phases_s"] == _near(150 * us) and w["n_kernels"] == 10 and w["memcpy_s"] == _near(10 * us)
+        w["outside_phases_s"] == _near(150 * us) and w["n_kernels"] == 10 and w["memcpy_s"] == _near(14 * us)
     )
 
     # the CLI: table on stdout, the same numbers as JSON

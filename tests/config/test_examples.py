@@ -27,7 +27,7 @@ def test_examples_exist():
 @pytest.mark.parametrize(
     "example,setting",
     [
-        # session 13's ramp13_cos_s2 (61.5% at k3 0.092; its seed is the run's, not the recipe's)
+        # session 13's ramp13_cos_s2 (61.5% at k3 0.092), its seed included
         ("arithmetic_grpo_kl_ramp.yaml",
          "ramp13_cos_s2=grpo_pi,{G},{R},{C}.target_kl=0.13,{B},{M},{F},{K}.skip_zero_advantage_rows=True,"
          "trainer.seed=2,{K}.optim.lr=5e-5,{K}.optim.lr_scheduler_type=cosine,{K}.optim.min_lr_ratio=0.1,"
@@ -79,6 +79,7 @@ def test_ramp_recipes_are_the_measured_settings(example, setting):
     if measured.algorithm.adv_estimator == "gae":  # GRPO builds no critic: its section is not read
         assert recipe.critic == measured.critic
     assert recipe.algorithm == measured.algorithm
+    assert recipe.trainer.seed == measured.trainer.seed  # a seed is a different run (session 13)
     if arr_m.actor.optim.lr_scheduler_type == "cosine":  # the schedule's length is the run's step count
         assert recipe.trainer.total_training_steps == measured.trainer.total_training_steps
     paths = ("train_files", "val_files")  # the recipe names none; the bench writes its own

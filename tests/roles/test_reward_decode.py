@@ -17,7 +17,7 @@ def _rows(vocab: int, special: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def test_batched_decode_equals_the_per_row_decode():
+def test_batched_decode_equals_the_per_row_decode(monkeypatch):
     tok = build_tiny_tokenizer()
     special = [tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens][:3]
     assert len(special) >= 1
@@ -28,7 +28,21 @@ def test_batched_decode_equals_the_per_row_decode():
         responses=ids, response_mask=mask,
     )  # fmt: skip
     want = [tok.decode(r[: int(m.sum())].tolist(), skip_special_tokens=True) for r, m in zip(ids, mask)]
+    batched = []
+    backend_decode_batch = tok.backend_tokenizer.decode_batch
+
+    class Spy:  # the Rust tokenizer's attributes are read-only: wrap it to see the batched call
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def decode_batch(self, rows, **kw):
+            batched.append(len(rows))
+            return backend_decode_batch(rows, **kw)
+
+    backend = tok.backend_tokenizer
+    monkeypatch.setattr(tok, "_tokenizer", Spy())  # what the backend_tokenizer property returns
     got = Reward(tok).decode_responses(batch)
+    assert batched == [12]  # one batched call, not a row-by-row fallback
     assert got == want
     assert got[1] == ""  # an empty response
     assert any(w != tok.decode(r.tolist(), skip_special_tokens=True) for w, r in zip(want, ids))  # masks cut
@@ -45,7 +59,7 @@ class _PerRowOnly:
         return ",".join(map(str, ids)) + ("" if skip_special_tokens else "!")
 
 
-def test_tokenizers_without_a_backend_or_with_space_clean_up_decode_row_by_row():
+def test_tokenizers_without_a_backend_with_space_clean_up_or_their_own_decode_go_row_by_row():
     slow = _PerRowOnly()
     assert decode_batch(slow, [[1, 2], [], [3]]) == ["1,2", "", "3"]
     assert slow.calls == 3
@@ -55,3 +69,13 @@ def test_tokenizers_without_a_backend_or_with_space_clean_up_decode_row_by_row()
     tok.decode = lambda ids, skip_special_tokens=False: calls.append(ids) or "x"
     assert decode_batch(tok, [[5], [6, 7]]) == ["x", "x"]
     assert calls == [[5], [6, 7]]
+
+    class OwnDecode(type(build_tiny_tokenizer())):  # e.g. Whisper's or CodeGen's decode: post-processing
+        def _decode(self, token_ids, **kwargs):
+            return "own:" + super()._decode(token_ids, **kwargs)
+
+    own = build_tiny_tokenizer()
+    own.__class__ = OwnDecode
+    ids = [[5, 6], [7]]
+    assert decode_batch(own, ids) == [own.decode(r, skip_special_tokens=True) for r in ids]
+    assert all(t.startswith("own:") for t in decode_batch(own, ids))
