@@ -22,7 +22,8 @@ over bucket-padded packed micro-batches; compilation falls in the first, unmeasu
 (``wrap_policy.min_num_params`` auto, the default: one FSDP unit per model when one process trains; off:
 0, one unit per decoder layer); and settings that are not candidates: ``+critic_compile`` (the critic packed,
 ``critic.model.use_remove_padding``, and compiled likewise; the ``trl`` critic runs padded otherwise),
-``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing).
+``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing), ``+traced_attention``
+(packed attention traced into the compiled layers: one compiled region per layer instead of five).
 E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
 process; the trainer workloads report the median of the steps after the first (which includes warm-up:
 allocator growth, CUDA-graph capture, compilation).
@@ -88,6 +89,9 @@ SETTINGS = {
         f"{ARR}.model.enable_gradient_checkpointing=True",
         "critic.model.enable_gradient_checkpointing=True",
     ],
+    # packed attention traced into the compiled layers (klppo.batching.attention.set_traced_packed_attention):
+    # one compiled region per layer instead of five; with the compiled layers (the `compile` candidate)
+    "traced_attention": ["@traced_attention=on"],
 }
 
 
@@ -96,9 +100,11 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     """``@shared_plan=off``: the reference ignores the old-log-prob pass's plan (cuts and packs its own).
     ``@host_plan=off``: the host syncs per micro-batch of the code before the host-planned passes: no host
     mask (trimming, packing and loss weights read the device masks), every statistic read one by one, and
-    transformers' packed-sequence detection in every packed forward."""
+    transformers' packed-sequence detection in every packed forward.
+    ``@traced_attention=on``: packed attention traced into the compiled decoder layers."""
     from klppo.batch import Batch
     from klppo.batching import packing
+    from klppo.batching.attention import set_traced_packed_attention
     from klppo.models.compiled_layers import pad_packed_call
     from klppo.roles.metrics import MetricAccumulator
     from klppo.roles.reference import Reference
@@ -113,9 +119,12 @@ def bench_switches(items: list[str]) -> Iterator[None]:
         MetricAccumulator.add = lambda self, stats, weight=1.0: add(
             self, {k: float(v) for k, v in stats.items()}, weight=weight
         )
+    if "@traced_attention=on" in items:
+        set_traced_packed_attention(True)
     try:
         yield
     finally:
+        set_traced_packed_attention(False)
         Reference.compute_ref_log_prob = original
         Batch.with_host_mask, MetricAccumulator.add, packing._packed_call = with_host_mask, add, packed_call
 

@@ -153,10 +153,17 @@ def _flex(q, k, v, cu_seqlens, scaling):
     return out.squeeze(0)
 
 
-def _torch_varlen_call(q, k, v, cu_seqlens, max_len, scaling):
-    """q [T, Hq, D], k/v [T, Hkv, D] → [T, Hq, D] through PyTorch's varlen FlashAttention."""
-    fn = _torch_varlen()
-    params = inspect.signature(fn).parameters
+@functools.cache
+def _torch_varlen_params() -> frozenset[str]:
+    """The keyword names of this torch's ``varlen_attn`` (they changed across releases)."""
+    return frozenset(inspect.signature(_torch_varlen()).parameters)
+
+
+def _torch_varlen_call(q, k, v, cu_seqlens, max_len, scaling, fn=None, params=None):
+    """q [T, Hq, D], k/v [T, Hkv, D] → [T, Hq, D] through PyTorch's varlen FlashAttention (``fn`` and its
+    ``params`` given by the traced path, which may not call the caches)."""
+    fn = _torch_varlen() if fn is None else fn
+    params = _torch_varlen_params() if params is None else params
     kwargs = {"scale": scaling}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
@@ -172,11 +179,69 @@ def _torch_varlen_call(q, k, v, cu_seqlens, max_len, scaling):
     return fn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
+_traced: dict[str, object] = {}
+"""Filled by :func:`set_traced_packed_attention`: what the traced path reads instead of the caches."""
+
+
+def set_traced_packed_attention(on: bool) -> None:
+    """Inside compiled decoder layers (:mod:`klppo.models.compiled_layers`), trace packed attention into
+    the layer's graph instead of leaving it to eager code between compiled parts. Off by default: the
+    eager path breaks each compiled layer in five regions (the layer, its attention module and the
+    attention function, each resumed after the call), each with its guard checks and wrappers — session
+    13's profile of a SmolLM2 step counted 600 such checks in one reference pass. On: one region per layer
+    where the backend can be traced (``torch_varlen`` on CUDA, ``sdpa_block`` elsewhere); ``flash_attn``
+    and ``flex`` keep the eager path. Measured with ``bench/ppo_step.py --variants after after+traced_attention``
+    before it may become the default (bench/PENDING.md)."""
+    _traced.clear()
+    if not on:
+        return
+    _traced["flash_attn"] = _flash_attn_varlen() is not None  # probed here, eagerly, not in a trace
+    if _torch_varlen() is not None:
+        _traced["varlen"] = (_torch_varlen(), _torch_varlen_params())
+
+
+def _traced_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """:func:`packed_attention_backend` from the values :func:`set_traced_packed_attention` probed."""
+    if _forced_backend is not None:
+        return _forced_backend
+    if device.type == "cuda":
+        if dtype in (torch.float16, torch.bfloat16):
+            if _traced["flash_attn"]:
+                return "flash_attn"
+            if "varlen" in _traced:
+                return "torch_varlen"
+        return "flex"
+    return "sdpa_block"
+
+
+def _traced_attention(q, k, v, cu_seqlens, max_len: int, scaling: float) -> torch.Tensor | None:
+    """As :func:`_varlen_attention`, traceable by ``torch.compile`` (no caches, no signature reads); None for
+    the backends it does not trace (the caller takes the eager path)."""
+    backend = _traced_backend(q.device, q.dtype)
+    if backend == "torch_varlen":
+        fn, params = _traced["varlen"]
+        qt, kt, vt = (x.squeeze(0).transpose(0, 1) for x in (q, k, v))  # [T, H, D]
+        return _torch_varlen_call(qt, kt, vt, cu_seqlens, max_len, scaling, fn, params).unsqueeze(0)
+    if backend == "sdpa_block":
+        q0, k0, v0 = q.squeeze(0), k.squeeze(0), v.squeeze(0)
+        total = q0.shape[1]
+        doc = _document_ids(cu_seqlens, total)
+        pos = torch.arange(total, device=q.device)
+        mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])  # per layer: CPU tests only
+        out = F.scaled_dot_product_attention(
+            q0.unsqueeze(0), k0.unsqueeze(0), v0.unsqueeze(0), attn_mask=mask, scale=scaling,
+            enable_gqa=q0.shape[0] != k0.shape[0],
+        ).squeeze(0)  # fmt: skip
+        return out.transpose(0, 1).unsqueeze(0)
+    return None
+
+
 @torch.compiler.disable
 def _varlen_attention(q, k, v, cu_seqlens, max_len: int, scaling: float) -> torch.Tensor:
     """q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D] block-diagonal causal attention. Opaque to
     ``torch.compile`` (compiled decoder layers, :mod:`klppo.models.compiled_layers`, run it eager between
-    their compiled parts): the kernels are the same, and the backend choice and mask cache stay Python."""
+    their compiled parts): the kernels are the same, and the backend choice and mask cache stay Python.
+    :func:`set_traced_packed_attention` gives the compiled layers a traceable path instead."""
     backend = packed_attention_backend(q.device, q.dtype)
     if backend in ("flash_attn", "torch_varlen"):
         qt, kt, vt = (x.squeeze(0).transpose(0, 1) for x in (q, k, v))  # [T, H, D]
@@ -230,6 +295,10 @@ def packed_attention_forward(
     max_len = kwargs.get("max_length_q")
     if max_len is None:
         max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if _traced and torch.compiler.is_compiling():
+        out = _traced_attention(query, key, value, cu_seqlens, int(max_len), scaling)
+        if out is not None:
+            return out, None
     return _varlen_attention(query, key, value, cu_seqlens, int(max_len), scaling), None
 
 

@@ -48,3 +48,15 @@ def test_kernel_seconds_leave_out_the_ranges_around_the_kernels() -> None:
         E(key="aten::mm", self_device_time_total=0.0),
     ]
     assert kernel_seconds(events) == 500e-6
+
+
+def test_the_traced_attention_switch_is_on_inside_and_off_after():
+    from bench.ppo_step import SETTINGS, bench_switches, variant_overrides
+    from klppo.batching import attention
+
+    assert variant_overrides("after+traced_attention")[-1] == "@traced_attention=on"
+    assert SETTINGS["traced_attention"] == ["@traced_attention=on"]
+    assert not attention._traced
+    with bench_switches(["@traced_attention=on"]):
+        assert "flash_attn" in attention._traced  # probed eagerly, for the traced path to read
+    assert not attention._traced

@@ -126,3 +126,33 @@ def test_config_checks_and_roles_build(tmp_path):
         cfg.actor_rollout_ref.model, str(path), torch.float32, torch.device("cpu"), train=True
     )
     assert model.klppo_packed_buckets and len(decoder_layers(model)) == 2
+
+
+def test_traced_attention_compiles_each_layer_whole_with_the_same_results():
+    """set_traced_packed_attention(True): the packed attention traced into the compiled layer (here the
+    sdpa_block backend, the CPU's): no graph break in the layers (one region per layer call instead of
+    five), and log-probs, entropy, values and gradients as the eager model's."""
+    from torch._dynamo.utils import counters
+
+    from klppo.batching.attention import set_traced_packed_attention
+
+    torch.set_num_threads(1)
+    eager = _run(_policy(), _critic(), host=True)
+
+    def compiled_run() -> tuple[list[torch.Tensor], int, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        out = _run(_policy(compiled=True), _critic(compiled=True), host=True)
+        return out, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+    untraced, breaks_before, graphs_before = compiled_run()
+    try:
+        set_traced_packed_attention(True)
+        traced, breaks_after, graphs_after = compiled_run()
+    finally:
+        set_traced_packed_attention(False)
+    assert breaks_before > 0 and breaks_after == 0  # the eager attention broke every compiled layer
+    assert graphs_after < graphs_before
+    for a, b, c in zip(eager, untraced, traced, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
