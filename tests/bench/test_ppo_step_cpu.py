@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench.ppo_step import OpCount, kernel_seconds
@@ -60,3 +61,13 @@ def test_the_traced_attention_switch_is_on_inside_and_off_after():
     with bench_switches(["@traced_attention=on"]):
         assert "flash_attn" in attention._traced  # probed eagerly, for the traced path to read
     assert not attention._traced
+    with pytest.raises(RuntimeError), bench_switches(["@traced_attention=on"]):
+        raise RuntimeError("a variant fails")
+    assert not attention._traced  # restored on errors too
+    attention.set_traced_packed_attention(True)  # on before: on after (were it the default)
+    try:
+        with bench_switches([]):
+            pass
+        assert attention._traced
+    finally:
+        attention.set_traced_packed_attention(False)

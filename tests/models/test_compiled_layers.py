@@ -97,6 +97,7 @@ def test_compiled_layers_equal_eager():
         policy.zero_grad(), critic.zero_grad()
     graphs = counters["stats"]["unique_graphs"] - before
     assert graphs > 0  # the compiled code ran
+    assert sum(counters["graph_break"].values()) > 0  # at the compile-disabled attention (not traced here)
     # same shapes again: nothing recompiled; a padded (non-packed) forward runs the eager layers
     _run(policy, critic, host=True)
     ids, mask = _inputs()
@@ -130,29 +131,94 @@ def test_config_checks_and_roles_build(tmp_path):
 
 def test_traced_attention_compiles_each_layer_whole_with_the_same_results():
     """set_traced_packed_attention(True): the packed attention traced into the compiled layer (here the
-    sdpa_block backend, the CPU's): no graph break in the layers (one region per layer call instead of
-    five), and log-probs, entropy, values and gradients as the eager model's."""
+    sdpa_block backend, the CPU's): no graph break in the layers (the eager path breaks each one, as
+    test_compiled_layers_equal_eager shows), and log-probs, entropy, values and gradients as the eager
+    model's."""
     from torch._dynamo.utils import counters
 
     from klppo.batching.attention import set_traced_packed_attention
 
     torch.set_num_threads(1)
     eager = _run(_policy(), _critic(), host=True)
-
-    def compiled_run() -> tuple[list[torch.Tensor], int, int]:
-        torch._dynamo.reset()
-        counters.clear()
-        out = _run(_policy(compiled=True), _critic(compiled=True), host=True)
-        return out, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
-
-    untraced, breaks_before, graphs_before = compiled_run()
+    torch._dynamo.reset()
+    counters.clear()
     try:
         set_traced_packed_attention(True)
-        traced, breaks_after, graphs_after = compiled_run()
+        traced = _run(_policy(compiled=True), _critic(compiled=True), host=True)
     finally:
         set_traced_packed_attention(False)
-    assert breaks_before > 0 and breaks_after == 0  # the eager attention broke every compiled layer
-    assert graphs_after < graphs_before
-    for a, b, c in zip(eager, untraced, traced, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] > 0 and sum(counters["graph_break"].values()) == 0
+    for a, c in zip(eager, traced, strict=True):
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
+
+
+def _packed_qkv(dtype, device, requires_grad=False):
+    T, Hq, Hkv, D = 16, 8, 2, 16
+    g = torch.Generator().manual_seed(3)
+    make = lambda h: torch.randn(1, h, T, D, generator=g, dtype=torch.float32).to(device, dtype)  # noqa: E731
+    q, k, v = make(Hq), make(Hkv), make(Hkv)
+    for x in (q, k, v):
+        x.requires_grad_(requires_grad)
+    return q, k, v, torch.tensor([0, 5, 9, 16], device=device)
+
+
+def test_traced_attention_equals_eager_at_a_non_default_scale():
+    """sdpa_block, grouped-query heads, scaling 0.3 (not head_dim^-0.5, so a dropped scale would show)."""
+    from klppo.batching.attention import packed_attention_forward, set_traced_packed_attention
+
+    q, k, v, cu = _packed_qkv(torch.float32, "cpu")
+
+    def attend(q, k, v, cu):
+        return packed_attention_forward(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=8)[0]
+
+    want = attend(q, k, v, cu)  # eager: the compile-disabled path
+    try:
+        set_traced_packed_attention(True)
+        got = torch.compile(attend, backend="eager", fullgraph=True)(q, k, v, cu)  # traced: no break
+    finally:
+        set_traced_packed_attention(False)
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_traced_torch_varlen_is_one_causal_op_forward_and_backward():
+    """The CUDA path (torch_varlen), traced on meta tensors: one torch_attn._varlen_attn with the causal
+    window and the given scale, its registered backward likewise, gradients with the key heads' shape."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
+
+    from klppo.batching import attention
+    from klppo.batching.attention import packed_attention_forward, set_packed_attention_backend
+
+    if attention._torch_varlen() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    def attend(q, k, v, cu):
+        return packed_attention_forward(None, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=8)[0]
+
+    q, k, v, cu = _packed_qkv(torch.bfloat16, "meta", requires_grad=True)
+    try:
+        set_packed_attention_backend("torch_varlen")
+        attention.set_traced_packed_attention(True)
+        fn = torch.compile(attend, fullgraph=True,
+                           backend=lambda gm, ex: aot_function(gm, fw_compiler=record, bw_compiler=record))  # fmt: skip
+        fn(q, k, v, cu).sum().backward()
+    finally:
+        attention.set_traced_packed_attention(False)
+        set_packed_attention_backend(None)
+        torch._dynamo.reset()
+    ops = [
+        [n for n in g.graph.nodes if n.op == "call_function" and "varlen" in str(n.target)] for g in graphs
+    ]
+    (fwd,), (bwd,) = ops
+    assert "_varlen_attn" in str(fwd.target) and "backward" in str(bwd.target)
+    fwd_args = [a for a in fwd.args if not isinstance(a, torch.fx.Node)]
+    assert 8 in fwd_args and 0.3 in fwd_args and [-1, 0] in fwd_args  # max length, scale, causal window
+    assert 0.3 in [a for a in bwd.args if not isinstance(a, torch.fx.Node)]
+    assert k.grad.shape == k.shape and v.grad.shape == v.shape
