@@ -436,13 +436,25 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
+def code_commit(root: Path) -> str:
+    """The checkout's short commit, with "+modified" when files under klppo/ or bench/ differ from it (a
+    device's copied tree can carry a stale .git: session 13's results all read the session's first commit;
+    ``source_sha256`` names the code either way); "" without git."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root)
+    changed = subprocess.run(["git", "status", "--porcelain", "--", "klppo", "bench"], capture_output=True,
+                             text=True, cwd=root)  # fmt: skip
+    head = commit.stdout.strip() if commit.returncode == 0 else ""
+    if head and changed.returncode == 0 and changed.stdout.strip():
+        head += "+modified"
+    return head
+
+
 def environment(args: argparse.Namespace) -> dict:
     import torch
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": os.environ.get("KLPPO_COMMIT") or commit.stdout.strip() or "unknown",
+        "commit": os.environ.get("KLPPO_COMMIT") or code_commit(HERE.parent) or "unknown",
         # the code itself, whatever git says on the machine (a copied tree's .git can lag its files):
         # `python bench/learning.py --source-hash` on a checkout prints the same value for the same code
         "source_sha256": source_hash(),

@@ -137,3 +137,24 @@ def test_the_table_names_out_of_memory_retries(capsys):
     assert "x: out-of-memory retries at steps 2 (2)" in out
     print_table([{**base, "series": {"oom_retries": [None, None, None], "step_s": [1.0, 1.0, 1.0]}}])
     assert "out-of-memory" not in capsys.readouterr().out
+
+
+def test_the_recorded_commit_says_when_the_code_differs_from_it(tmp_path):
+    import subprocess
+
+    from bench.learning import code_commit
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    assert code_commit(tmp_path) == ""  # no repository
+    git("init", "-q")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "x.py").write_text("a = 1\n")
+    (tmp_path / "notes.txt").write_text("not code\n")
+    git("add", "bench/x.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head = code_commit(tmp_path)
+    assert len(head) >= 7 and "+" not in head  # an untracked file outside klppo/ and bench/ is not code
+    (tmp_path / "bench" / "x.py").write_text("a = 2\n")
+    assert code_commit(tmp_path) == head + "+modified"
