@@ -31,6 +31,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from klppo.tune.intervals import union_length
+
 US = 1e-6  # Chrome-trace timestamps and durations are microseconds
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
 COPY_CATS = ("gpu_memcpy", "gpu_memset")
@@ -44,17 +46,6 @@ def load_events(path: Path) -> list[dict]:
         data = json.load(f)
     events = data.get("traceEvents", []) if isinstance(data, dict) else data
     return [e for e in events if isinstance(e, dict)]
-
-
-def union_length(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of (start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
 
 
 def self_times(cpu_ops: list[dict]) -> dict[int, float]:

@@ -36,7 +36,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from klppo.config.schema import GlobalProfilerConfig
-from klppo.tune.measure import _COLLECTIVE_WORDS, _CPU_COMPUTE, exposed_time
+from klppo.tune.intervals import exposed_time
+from klppo.tune.measure import _COLLECTIVE_WORDS, _CPU_COMPUTE
 
 log = logging.getLogger("klppo")
 TOOLS = (None, "torch", "torch_memory", "nsys")

@@ -27,9 +27,8 @@ from klppo.batching.attention import enable_packed_attention
 from klppo.batching.packing import forward_log_probs
 from klppo.parallel.fsdp import FSDPSettings, build_mesh, clip_grad_norm_, shard_model
 from klppo.parallel.offload import load_optimizer, load_params, offload_optimizer, offload_params
+from klppo.tune.intervals import Interval, exposed_time
 from klppo.tune.memory import Point, Workload
-
-Interval = tuple[float, float]
 
 
 @dataclass
@@ -45,28 +44,6 @@ class Measurement:
     comm_s: float = math.nan
     predicted_bytes: float = math.nan
     note: str = ""
-
-
-def _union(intervals: list[Interval]) -> list[Interval]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def exposed_time(comm: list[Interval], compute: list[Interval]) -> tuple[float, float]:
-    """(total, exposed): length of the union of ``comm`` intervals, and the part of it that no
-    ``compute`` interval covers — communication the step waits for instead of hiding it."""
-    comm_u, compute_u = _union(comm), _union(compute)
-    total = sum(b - a for a, b in comm_u)
-    covered = 0.0
-    for a, b in comm_u:
-        for c, d in compute_u:
-            covered += max(0.0, min(b, d) - max(a, c))
-    return total, total - covered
 
 
 _COLLECTIVE_WORDS = (

@@ -9,7 +9,8 @@ import torch
 
 from klppo.tune import measure
 from klppo.tune.grid import build_grid, order, run_sweep
-from klppo.tune.measure import Measurement, exposed_time, safe_measure
+from klppo.tune.intervals import exposed_time
+from klppo.tune.measure import Measurement, safe_measure
 from klppo.tune.memory import Point, Workload
 from klppo.tune.report import best, pareto, rank
 from klppo.tune.shapes import ModelShape, config_from_shape
