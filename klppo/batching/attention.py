@@ -73,13 +73,21 @@ def _torch_varlen():
 
 def packed_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
     """The backend that packed attention uses for tensors on ``device`` of ``dtype``."""
+    return _choose_backend(
+        device, dtype, lambda: _flash_attn_varlen() is not None, lambda: _torch_varlen() is not None
+    )
+
+
+def _choose_backend(device: torch.device, dtype: torch.dtype, has_flash_attn, has_torch_varlen) -> str:
+    """The rule of :func:`packed_attention_backend`, given how to learn whether each varlen kernel is
+    there (the caches eagerly; what :func:`set_traced_packed_attention` probed in a trace)."""
     if _forced_backend is not None:
         return _forced_backend
     if device.type == "cuda":
         if dtype in (torch.float16, torch.bfloat16):
-            if _flash_attn_varlen() is not None:
+            if has_flash_attn():
                 return "flash_attn"
-            if _torch_varlen() is not None:
+            if has_torch_varlen():
                 return "torch_varlen"
         return "flex"
     return "sdpa_block"
@@ -105,8 +113,9 @@ def _cached(kind: str, cu_seqlens: torch.Tensor, total: int, build):
     return value
 
 
-def _sdpa_block(q, k, v, cu_seqlens, scaling):
-    """q [Hq, T, D], k/v [Hkv, T, D] → [Hq, T, D] with a dense block-causal mask."""
+def _sdpa_block(q, k, v, cu_seqlens, scaling, *, cached: bool = True):
+    """q [Hq, T, D], k/v [Hkv, T, D] → [Hq, T, D] with a dense block-causal mask (built once per forward
+    with ``cached``; per call without, as a trace must: CPU tests only)."""
     total = q.shape[1]
 
     def build():
@@ -114,7 +123,7 @@ def _sdpa_block(q, k, v, cu_seqlens, scaling):
         pos = torch.arange(total, device=q.device)
         return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
 
-    mask = _cached("sdpa", cu_seqlens, total, build)
+    mask = _cached("sdpa", cu_seqlens, total, build) if cached else build()
     return F.scaled_dot_product_attention(
         q.unsqueeze(0),
         k.unsqueeze(0),
@@ -202,40 +211,13 @@ def set_traced_packed_attention(on: bool) -> None:
         _traced["varlen"] = (_torch_varlen(), _torch_varlen_params())
 
 
-def _traced_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """:func:`packed_attention_backend` from the values :func:`set_traced_packed_attention` probed."""
-    if _forced_backend is not None:
-        return _forced_backend
-    if device.type == "cuda":
-        if dtype in (torch.float16, torch.bfloat16):
-            if _traced["flash_attn"]:
-                return "flash_attn"
-            if "varlen" in _traced:
-                return "torch_varlen"
-        return "flex"
-    return "sdpa_block"
-
-
 def _traced_attention(q, k, v, cu_seqlens, max_len: int, scaling: float) -> torch.Tensor | None:
     """As :func:`_varlen_attention`, traceable by ``torch.compile`` (no caches, no signature reads); None for
     the backends it does not trace (the caller takes the eager path)."""
-    backend = _traced_backend(q.device, q.dtype)
-    if backend == "torch_varlen":
-        fn, params = _traced["varlen"]
-        qt, kt, vt = (x.squeeze(0).transpose(0, 1) for x in (q, k, v))  # [T, H, D]
-        return _torch_varlen_call(qt, kt, vt, cu_seqlens, max_len, scaling, fn, params).unsqueeze(0)
-    if backend == "sdpa_block":
-        q0, k0, v0 = q.squeeze(0), k.squeeze(0), v.squeeze(0)
-        total = q0.shape[1]
-        doc = _document_ids(cu_seqlens, total)
-        pos = torch.arange(total, device=q.device)
-        mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])  # per layer: CPU tests only
-        out = F.scaled_dot_product_attention(
-            q0.unsqueeze(0), k0.unsqueeze(0), v0.unsqueeze(0), attn_mask=mask, scale=scaling,
-            enable_gqa=q0.shape[0] != k0.shape[0],
-        ).squeeze(0)  # fmt: skip
-        return out.transpose(0, 1).unsqueeze(0)
-    return None
+    backend = _choose_backend(q.device, q.dtype, lambda: _traced["flash_attn"], lambda: "varlen" in _traced)
+    if backend not in ("torch_varlen", "sdpa_block"):
+        return None
+    return _attend(q, k, v, cu_seqlens, max_len, scaling, backend, varlen=_traced.get("varlen"), cached=False)
 
 
 @torch.compiler.disable
@@ -244,7 +226,12 @@ def _varlen_attention(q, k, v, cu_seqlens, max_len: int, scaling: float) -> torc
     ``torch.compile`` (compiled decoder layers, :mod:`klppo.models.compiled_layers`, run it eager between
     their compiled parts): the kernels are the same, and the backend choice and mask cache stay Python.
     :func:`set_traced_packed_attention` gives the compiled layers a traceable path instead."""
-    backend = packed_attention_backend(q.device, q.dtype)
+    return _attend(q, k, v, cu_seqlens, max_len, scaling, packed_attention_backend(q.device, q.dtype))
+
+
+def _attend(q, k, v, cu_seqlens, max_len: int, scaling: float, backend: str, *, varlen=None, cached=True):
+    """Both paths' attention through ``backend``; ``varlen``: (varlen_attn, its keyword names) when the
+    caller may not read the caches, ``cached``: the sdpa_block mask built once per forward."""
     if backend in ("flash_attn", "torch_varlen"):
         qt, kt, vt = (x.squeeze(0).transpose(0, 1) for x in (q, k, v))  # [T, H, D]
         if backend == "flash_attn":
@@ -253,10 +240,13 @@ def _varlen_attention(q, k, v, cu_seqlens, max_len: int, scaling: float) -> torc
                 qt, kt, vt, cu, cu, max_len, max_len, softmax_scale=scaling, causal=True
             )
         else:
-            out = _torch_varlen_call(qt, kt, vt, cu_seqlens, max_len, scaling)
+            out = _torch_varlen_call(qt, kt, vt, cu_seqlens, max_len, scaling, *(varlen or ()))
         return out.unsqueeze(0)
-    fn = _flex if backend == "flex" else _sdpa_block
-    out = fn(q.squeeze(0), k.squeeze(0), v.squeeze(0), cu_seqlens, scaling)  # [Hq, T, D]
+    q0, k0, v0 = q.squeeze(0), k.squeeze(0), v.squeeze(0)
+    if backend == "flex":
+        out = _flex(q0, k0, v0, cu_seqlens, scaling)
+    else:
+        out = _sdpa_block(q0, k0, v0, cu_seqlens, scaling, cached=cached)  # [Hq, T, D]
     return out.transpose(0, 1).unsqueeze(0)
 
 
