@@ -47,6 +47,12 @@ def reward_file(tmp_path: Path, source: str) -> list[str]:
     return [f"custom_reward_function.path={path}"]
 
 
+def grpo_run(model_dir: Path, data, tmp_path: Path, reward_source: str) -> tuple[Path, list[str]]:
+    """(run directory, overrides) of a GRPO run of the tiny model scored by ``reward_source``."""
+    run = tmp_path / "run"
+    return run, base_overrides(model_dir, data, run) + GRPO + reward_file(tmp_path, reward_source)
+
+
 def events(run_dir: Path) -> list[dict]:
     path = run_dir / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -73,10 +79,7 @@ def by_step(run_dir: Path) -> dict[int, dict]:
 
 
 def test_nonfinite_reward_stops_with_checkpoints_intact(tiny_model_dir, arithmetic_data, tmp_path):
-    run = tmp_path / "run"
-    overrides = (
-        base_overrides(tiny_model_dir, arithmetic_data, run) + GRPO + reward_file(tmp_path, REWARD_TURNS_NAN)
-    )
+    run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_TURNS_NAN)
     # through `klppo train`'s entry point: a stop by a rule is a normal end (exit 0)
     assert klppo_train(overrides + ["trainer.total_training_steps=4", "trainer.save_freq=1",
                                     "monitor.nonfinite_reward.action=stop"]) == 0  # fmt: skip
@@ -99,10 +102,7 @@ def test_nonfinite_reward_stops_with_checkpoints_intact(tiny_model_dir, arithmet
 
 
 def test_reward_plateau_stops_early(tiny_model_dir, arithmetic_data, tmp_path):
-    run = tmp_path / "run"
-    overrides = (
-        base_overrides(tiny_model_dir, arithmetic_data, run) + GRPO + reward_file(tmp_path, REWARD_CONSTANT)
-    )
+    run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_CONSTANT)
     assert klppo_train(overrides + ["trainer.total_training_steps=8", "monitor.reward_plateau.enable=True",
                                     "monitor.reward_plateau.patience_steps=2"]) == 0  # fmt: skip
     assert max(by_step(run)) == 3  # step 1 sets the best; steps 2 and 3 do not beat it
@@ -115,10 +115,7 @@ def test_reward_plateau_stops_early(tiny_model_dir, arithmetic_data, tmp_path):
 def test_learning_signal_stops_a_run_whose_groups_all_score_the_same(
     tiny_model_dir, arithmetic_data, tmp_path
 ):
-    run = tmp_path / "run"
-    overrides = (
-        base_overrides(tiny_model_dir, arithmetic_data, run) + GRPO + reward_file(tmp_path, REWARD_CONSTANT)
-    )
+    run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_CONSTANT)
     assert klppo_train(overrides + ["trainer.total_training_steps=6", "monitor.learning_signal.patience_steps=2",
                                     "monitor.learning_signal.action=stop"]) == 0  # fmt: skip
     assert max(by_step(run)) == 2
@@ -129,10 +126,7 @@ def test_learning_signal_stops_a_run_whose_groups_all_score_the_same(
 
 
 def test_kl_explosion_doubles_the_coefficient_and_kl_early_stop(tiny_model_dir, arithmetic_data, tmp_path):
-    run = tmp_path / "run"
-    overrides = (
-        base_overrides(tiny_model_dir, arithmetic_data, run) + GRPO + reward_file(tmp_path, REWARD_VARIED)
-    )
+    run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_VARIED)
     state, _ = run_training(overrides + [
         "trainer.total_training_steps=6", "actor_rollout_ref.actor.optim.lr=0.05",
         "monitor.kl_explosion.enable=True", "monitor.kl_explosion.threshold=0.1",
@@ -154,10 +148,7 @@ def test_kl_explosion_doubles_the_coefficient_and_kl_early_stop(tiny_model_dir, 
 
 
 def test_entropy_collapse_raises_the_entropy_bonus(tiny_model_dir, arithmetic_data, tmp_path):
-    run = tmp_path / "run"
-    overrides = (
-        base_overrides(tiny_model_dir, arithmetic_data, run) + GRPO + reward_file(tmp_path, REWARD_VARIED)
-    )
+    run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_VARIED)
     # the tiny model starts at ~5.9 nats per token; lr 0.05 pulls it to ~3.6 by step 2
     run_training(overrides + ["trainer.total_training_steps=3", "actor_rollout_ref.actor.optim.lr=0.05",
                               "monitor.entropy_collapse.enable=True", "monitor.entropy_collapse.min_entropy=4.5"])  # fmt: skip
@@ -180,10 +171,7 @@ def test_validation_drop_rolls_back_and_changes_lr_and_kl(tiny_model_dir, arithm
 
     from klppo.trainer.export import main as export_main
 
-    run = tmp_path / "run"
-    overrides = (
-        base_overrides(tiny_model_dir, arithmetic_data, run) + GRPO + reward_file(tmp_path, REWARD_VAL_DROPS)
-    )
+    run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_VAL_DROPS)
     run_training(overrides + [
         "trainer.total_training_steps=2", "trainer.val_before_train=True", "trainer.test_freq=1",
         "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1", "monitor.validation_drop.enable=True",
