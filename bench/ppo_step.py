@@ -104,7 +104,6 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     ``@traced_attention=on``: packed attention traced into the compiled decoder layers."""
     from klppo.batch import Batch
     from klppo.batching import attention, packing
-    from klppo.batching.attention import set_traced_packed_attention
     from klppo.models.compiled_layers import pad_packed_call
     from klppo.roles.metrics import MetricAccumulator
     from klppo.roles.reference import Reference
@@ -122,14 +121,14 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     traced_before = bool(attention._traced)
     try:
         if "@traced_attention=on" in items:
-            set_traced_packed_attention(True)
+            attention.set_traced_packed_attention(True)
             if attention._traced.get("flash_attn"):
                 print(
                     "@traced_attention: flash-attn is installed and is not traced: this variant is the other"
                 )
         yield
     finally:
-        set_traced_packed_attention(traced_before)
+        attention.set_traced_packed_attention(traced_before)
         Reference.compute_ref_log_prob = original
         Batch.with_host_mask, MetricAccumulator.add, packing._packed_call = with_host_mask, add, packed_call
 
