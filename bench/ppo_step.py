@@ -30,6 +30,9 @@ allocator growth, CUDA-graph capture, compilation).
 
     PYTHONPATH=$PWD python3 bench/ppo_step.py --workload trl --variants before after --out $OUT/trl.json
     PYTHONPATH=$PWD python3 bench/ppo_step.py --device cpu --tiny --workload grpo135m --steps 2   # smoke test
+    # bench/learning.py's batch (256 prompts × 8) with a setting A/B'd through --set, one invocation per value:
+    PYTHONPATH=$PWD python3 bench/ppo_step.py --workload grpo135m --prompts 256 --steps 4 --variants after \
+        --set actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=262144 --out $OUT/ref262144.json
 
 ``--count-ops`` adds ``ops/<phase>``: aten operators dispatched per step in each trainer phase (host work of a
 launch-bound step; not a timing run). ``--count-syncs`` (CUDA) adds ``cuda_syncs/passes`` and ``cuda_syncs/other``: host-device synchronisations
@@ -210,6 +213,21 @@ def tiny_workload(w: Workload) -> Workload:
         return o
 
     return Workload({**w.shape, **TINY}, w.arch, 4, 2, 16, 8, [shrink(o) for o in w.overrides])
+
+
+def scaled_workload(w: Workload, prompts: int) -> Workload:
+    """``--prompts N``: the workload with N prompts per step, its mini-batch sizes scaled alike (the same
+    number of mini-batches; grpo135m at 256 is bench/learning.py's batch, 256 × 8 samples)."""
+
+    def scale(o: str) -> str:
+        key, value = o.split("=", 1)
+        if key.endswith("ppo_mini_batch_size"):
+            return f"{key}={max(1, int(value) * prompts // w.prompts)}"
+        return o
+
+    return Workload(
+        w.shape, w.arch, prompts, w.n, w.prompt_len, w.response_len, [scale(o) for o in w.overrides]
+    )
 
 
 def make_model_dir(root: Path, shape: dict, arch: str, dtype) -> Path:
@@ -442,7 +460,7 @@ class OpCount:
 
 class Profile:
     """With ``--profile DIR``: torch.profiler over one step (after ``skip`` calls of :meth:`step`); prints the
-    top operators by device time and the device-busy share of the step, writes a Chrome trace to DIR."""
+    top operators by device time and the device-busy share of the step, writes a gzipped Chrome trace to DIR (``bench/trace_phases.py`` reads it)."""
 
     def __init__(self, args, label: str, *, skip: int) -> None:
         self.args, self.label, self.prof = args, label, None
@@ -473,7 +491,9 @@ class Profile:
     def _report(self, prof) -> None:
         out = Path(self.args.profile)
         out.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(out / f"{self.args.workload}_{self.label}.json"))
+        prof.export_chrome_trace(
+            str(out / f"{self.args.workload}_{self.label}.json.gz")
+        )  # gzip: 139 → ~15 MB, fits a device call's return
         events = prof.key_averages()
         device_s = kernel_seconds(events)
         wall_s = sum(e.cpu_time_total for e in events if e.key.startswith("ProfilerStep")) / 1e6
@@ -606,6 +626,9 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every variant")
     parser.add_argument("--rollouts", nargs="+", default=["klppo"], help="klppo | hf (each × each variant)")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--prompts", type=int, default=None, help="prompts per step (mini-batches scaled alike)"
+    )
     parser.add_argument("--grad-ckpt", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", default="cuda")
@@ -626,6 +649,8 @@ def main() -> None:
     w = WORKLOADS[args.workload]
     if args.tiny:
         w = tiny_workload(w)
+    if args.prompts:
+        w = scaled_workload(w, args.prompts)
     variants = {name: variant_overrides(name) for name in args.variants}  # bad names fail before any work
     root = Path(tempfile.mkdtemp(prefix="klppo_bench_"))
     dtype = torch.bfloat16 if args.workload == "update15b" and not args.tiny else torch.float32

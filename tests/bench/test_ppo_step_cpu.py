@@ -71,3 +71,17 @@ def test_the_traced_attention_switch_is_on_inside_and_off_after():
         assert attention._traced
     finally:
         attention.set_traced_packed_attention(False)
+
+
+def test_prompts_scales_the_batch_and_keeps_the_number_of_mini_batches():
+    from bench.ppo_step import WORKLOADS, scaled_workload, tiny_workload
+
+    w = scaled_workload(WORKLOADS["grpo135m"], 256)  # bench/learning.py's batch: 256 prompts × 8
+    assert (w.prompts, w.n) == (256, 8)
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size=256" in w.overrides  # one mini-batch, as before
+    trl = scaled_workload(WORKLOADS["trl"], 64)
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size=16" in trl.overrides  # 4 mini-batches, as before
+    assert [o for o in trl.overrides if "mini" not in o] == [
+        o for o in WORKLOADS["trl"].overrides if "mini" not in o
+    ]
+    assert scaled_workload(tiny_workload(WORKLOADS["grpo135m"]), 16).overrides[0].endswith("=16")
