@@ -199,8 +199,9 @@ def set_traced_packed_attention(on: bool) -> None:
     attention function, each resumed after the call), each with its guard checks and wrappers — session
     13's profile of a SmolLM2 step counted 600 such checks in one reference pass. On: one region per layer
     where the backend can be traced (``torch_varlen`` on CUDA, ``sdpa_block`` elsewhere); ``flash_attn``
-    and ``flex`` keep the eager path. Measured with ``bench/ppo_step.py --variants after after+traced_attention``
-    before it may become the default (bench/PENDING.md). Set it before the first compiled forward: layers
+    and ``flex`` keep the eager path. Measured on an H200 (session 14, ``bench/ppo_step.py --workload grpo135m
+    --variants after after+traced_attention``, bench/RESULTS.md): the same step (0.454 against 0.468 s; the
+    update 8% faster, the reference 3% slower), so it stays off. Set it before the first compiled forward: layers
     compiled with it off keep their regions when it is turned on later (until ``torch._dynamo.reset()``;
     turning it off recompiles, the guards see that)."""
     _traced.clear()
