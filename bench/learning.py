@@ -128,6 +128,11 @@ SERIES = {
     "gen_s": "timing_s/gen",
     "ref_s": "timing_s/ref",
     "update_actor_s": "timing_s/update_actor",
+    "values_s": "timing_s/values",  # with a critic: its forward and its update
+    "update_critic_s": "timing_s/update_critic",
+    # how well the critic predicts the returns (1: perfectly; ≤ 0: no better than their mean) — with λ = 1
+    # GAE's advantage is the return minus the value, so a critic near 0 leaves GAE a REINFORCE without baseline
+    "vf_explained_var": "critic/vf_explained_var",
     "capture_s": "rollout/graph_capture_s",  # decode graphs captured in the step (0 when the engine kept them)
     # out-of-memory retries (monitor.oom_recovery): each halves a pass's token budget for the rest of the run
     "oom_retries": "monitor/oom_recovery/retries",
@@ -136,7 +141,10 @@ SERIES = {
 }
 
 
-SUMMARY_SERIES = ("step_s", "gen_s", "ref_s", "update_actor_s", "length", "equal_groups", "update_rows_share")
+SUMMARY_SERIES = (
+    "step_s", "gen_s", "ref_s", "update_actor_s", "values_s", "update_critic_s", "vf_explained_var", "length",
+    "equal_groups", "update_rows_share",
+)  # fmt: skip
 """Series whose run means ``print_table`` adds (the step's phases, and the share of groups without a task
 gradient and of rows updated: what ``actor.skip_zero_advantage_rows`` saves)."""
 

@@ -139,6 +139,24 @@ def test_the_table_names_out_of_memory_retries(capsys):
     assert "out-of-memory" not in capsys.readouterr().out
 
 
+def test_the_run_means_add_the_critic_phases_and_its_explained_variance_only_with_a_critic(capsys):
+    from bench.learning import SERIES, print_table
+    from klppo.trainer.timer import _OOM_ADVICE
+
+    assert {"values", "update_critic"} <= set(_OOM_ADVICE)  # the trainer's phase names, as timing_s/<phase>
+    assert SERIES["values_s"] == "timing_s/values" and SERIES["update_critic_s"] == "timing_s/update_critic"
+    assert SERIES["vf_explained_var"] == "critic/vf_explained_var"
+    base = {"name": "x", "steps": 2, "train_seconds": 2.0, "accuracy_before": None, "accuracy_after": None,
+            "kl_k3_last20_mean": 0.1, "kl_k3_max": 0.2, "entropy_min_after_step10": 1.0}  # fmt: skip
+    critic = {"step_s": [1.0, 3.0], "values_s": [0.1, 0.3], "update_critic_s": [0.2, 0.4],
+              "vf_explained_var": [-0.5, 0.25]}  # fmt: skip
+    print_table([{**base, "series": critic}])
+    out = capsys.readouterr().out
+    assert "step_s 2.000, values_s 0.200, update_critic_s 0.300, vf_explained_var -0.125" in out
+    print_table([{**base, "series": {"step_s": [1.0, 3.0], "values_s": [None, None]}}])  # GRPO: no critic
+    assert "values_s" not in capsys.readouterr().out
+
+
 def test_the_recorded_commit_says_when_the_code_differs_from_it(tmp_path):
     import subprocess
 
