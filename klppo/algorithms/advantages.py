@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from klppo.algorithms.masked import as_bool_mask, compute_dtype, masked_whiten
 from klppo.algorithms.outcome import (
@@ -32,6 +33,7 @@ from klppo.algorithms.outcome import (
     reinforce_plus_plus_baseline,
     rloo,
 )
+from klppo.algorithms.scan import reverse_linear_scan
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -52,6 +54,19 @@ __all__ = [
 ]
 
 
+def _compaction_index(mask: torch.Tensor) -> torch.Tensor:
+    """Where each position of a row goes when its set positions are moved to the left, in order.
+
+    dest_t = #{set positions before t} for a set t, n + #{unset positions before t} for an unset t (n = the
+    row's set count): a permutation of 0 … T−1 per row ([B, T] int64). ``compact.scatter(-1, dest, x)``
+    packs a row, ``compact.gather(-1, dest)`` unpacks it.
+    """
+    kept = mask.long()
+    rank_kept = kept.cumsum(-1) - 1
+    rank_dropped = (1 - kept).cumsum(-1) - 1
+    return torch.where(mask, rank_kept, kept.sum(-1, keepdim=True) + rank_dropped)
+
+
 @torch.no_grad()
 def gae(
     token_level_rewards: torch.Tensor,
@@ -69,24 +84,25 @@ def gae(
         returns_t = A_t + V_t
     Advantages are then whitened over all response tokens of the batch (``masked_whiten``).
 
+    Each row's response tokens are packed to the left (``_compaction_index``), so t' = t + 1 there and
+    A = ``reverse_linear_scan(δ, γλ)``; the result is unpacked to the original positions.
+
     Args:
         token_level_rewards, values, response_mask: [B, T].
         gamma, lam: ``algorithm.gamma``, ``algorithm.lam``.
     """
     dtype = compute_dtype(token_level_rewards, values)
-    rewards, vals = token_level_rewards.to(dtype), values.to(dtype)
     mask = as_bool_mask(response_mask)
-    batch, length = rewards.shape
-    next_value = torch.zeros(batch, dtype=dtype, device=rewards.device)
-    last_gae = torch.zeros_like(next_value)
-    adv = torch.zeros_like(rewards)
-    for t in reversed(range(length)):
-        delta = rewards[:, t] + gamma * next_value - vals[:, t]
-        candidate = delta + gamma * lam * last_gae
-        next_value = torch.where(mask[:, t], vals[:, t], next_value)
-        last_gae = torch.where(mask[:, t], candidate, last_gae)
-        adv[:, t] = last_gae
-    returns = torch.where(mask, adv + vals, 0.0)
+    rewards = torch.where(mask, token_level_rewards.to(dtype), 0.0)  # masked garbage never enters
+    vals = torch.where(mask, values.to(dtype), 0.0)
+    dest = _compaction_index(mask)
+    packed_r = torch.zeros_like(rewards).scatter_(-1, dest, rewards)
+    packed_v = torch.zeros_like(vals).scatter_(-1, dest, vals)  # 0 past the row's last token
+    next_v = F.pad(packed_v[:, 1:], (0, 1))
+    delta = packed_r + gamma * next_v - packed_v  # 0 on the packed padding
+    adv = reverse_linear_scan(delta, gamma * lam).gather(-1, dest)
+    adv = torch.where(mask, adv, 0.0)
+    returns = adv + vals  # both 0 at masked positions
     return masked_whiten(adv, mask), returns
 
 
@@ -101,17 +117,14 @@ def reinforce_plus_plus(
     G_t = r_t + γ G_{t+1}, restarted (G = 0) after each masked position, so a row's return never leaks in
     from padding; the per-token KL penalty enters through ``token_level_rewards`` (use_kl_in_reward).
     advantages = masked_whiten(G) over all response tokens; returns = G (both 0 outside the mask).
+
+    One segmented scan: G_t = r_t + a_t G_{t+1} with a_t = γ·m_{t+1} (``reverse_linear_scan``).
     """
     dtype = compute_dtype(token_level_rewards)
-    rewards = token_level_rewards.to(dtype)
     mask = as_bool_mask(response_mask)
-    returns = torch.zeros_like(rewards)
-    running = torch.zeros(rewards.shape[0], dtype=dtype, device=rewards.device)
-    for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = torch.where(mask[:, t], running, 0.0)
-    returns = torch.where(mask, returns, 0.0)
+    rewards = torch.where(mask, token_level_rewards.to(dtype), 0.0)
+    coef = F.pad(mask[:, 1:].to(dtype) * gamma, (0, 1))  # a_{T−1} is never used
+    returns = torch.where(mask, reverse_linear_scan(rewards, coef), 0.0)
     return masked_whiten(returns, mask), returns
 
 
