@@ -296,6 +296,11 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
         )
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         notify("both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL is penalized twice")
+    if cfg.reward_model.launch_reward_fn_async and cfg.reward_model.enable:
+        notify(
+            "reward_model.launch_reward_fn_async=True has no effect with reward_model.enable=True: the reward "
+            "model scores on the device in the step (the background process runs reward functions only)"
+        )
     if (
         cfg.algorithm.use_kl_in_reward
         and est in STD_GROUP_ESTIMATORS

@@ -206,7 +206,12 @@ class RewardModelConfig:
     reward_loop_source: str = F("register", "verl reward loop: register | importlib (a user class).")
     reward_loop_module_path: str | None = F(None, "File of a user reward-loop class.")
     reward_loop_class_name: str | None = F(None, "Name of that class.")
-    launch_reward_fn_async: bool = F(False, "Score in the background.")
+    launch_reward_fn_async: bool = F(
+        False,
+        "Decode and score the responses (built-in scorer or custom_reward_function) in a worker process "
+        "while the old-log-prob, reference and value passes run; the step collects the scores at its reward "
+        "phase. Not with a reward model (reward_model.enable), which scores on the device in the step.",
+    )
     sandbox_fusion: SandboxFusionConfig = F(SandboxFusionConfig, "Code execution sandbox.")
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
     ulysses_sequence_parallel_size: int = F(1, "Ulysses group size.")

@@ -139,7 +139,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.rollout.multi_turn.*", "warn", "multi-turn rollout is not built"),
     ("actor_rollout_ref.rollout.agent.*", "warn", "agent loops are not built"),
     ("actor_rollout_ref.rollout.trace.*", "warn", "rollout tracing is not built"),
-    ("reward_model.launch_reward_fn_async", "warn", "scoring runs in the step"),
     ("reward_model.sandbox_fusion.*", "warn", "no code-execution sandbox"),
     ("algorithm.pf_ppo.*", "warn", "PF-PPO is not built"),
     ("trainer.esi_redundant_time", "warn", "preemption is handled by SIGTERM (checkpoint, then exit)"),

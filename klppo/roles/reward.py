@@ -3,13 +3,16 @@ reward model; scores land on each response's last token (``token_level_scores``)
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple
 
 import torch
-from transformers import PreTrainedTokenizerFast  # transformers 5: TokenizersBackend, the same class
 
 from klppo.batch import Batch
 from klppo.rewards import RewardManager, place_scores
+from klppo.roles.decoding import decode_batch
+from klppo.roles.reward_worker import ScoringWorker, broken_message
 
 
 class Scores(NamedTuple):
@@ -23,33 +26,25 @@ class Scores(NamedTuple):
     """The decoded responses that were scored."""
 
 
-def decode_batch(tokenizer, rows: list[list[int]]) -> list[str]:
-    """``[tokenizer.decode(r, skip_special_tokens=True) for r in rows]``, in one call of the Rust backend's
-    multi-threaded ``decode_batch`` where that gives the same text: a fast tokenizer class that overrides
-    neither ``decode`` nor ``_decode`` (Whisper, CodeGen, … do) and cleans up no spaces in Python. The
-    per-row loop took ≈ 90 ms of a SmolLM2 GRPO step's reward phase (2,048 responses, session 13's
-    profile), the GPU idle meanwhile."""
-    if _backend_decodes_alike(tokenizer):
-        return tokenizer.backend_tokenizer.decode_batch(rows, skip_special_tokens=True)
-    return [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
+class PendingScores:
+    """Scores being computed in the background (:meth:`Reward.submit`); :meth:`result` waits for them."""
 
+    def __init__(self, future: Future, response_mask: torch.Tensor) -> None:
+        self._future, self._mask = future, response_mask
 
-def _backend_decodes_alike(tokenizer) -> bool:
-    """Whether ``tokenizer.decode`` is the Rust backend's decode and nothing more (see :func:`decode_batch`)."""
-    if getattr(tokenizer, "backend_tokenizer", None) is None or getattr(
-        tokenizer, "clean_up_tokenization_spaces", True
-    ):
-        return False
-    cls = type(tokenizer)
-    return (
-        isinstance(tokenizer, PreTrainedTokenizerFast)
-        and cls._decode is PreTrainedTokenizerFast._decode
-        and cls.decode is PreTrainedTokenizerFast.decode
-    )
+    def result(self) -> Scores:
+        try:
+            values, texts = self._future.result()
+        except BrokenProcessPool as exc:
+            raise RuntimeError(broken_message(exc)) from exc
+        seq_scores = torch.tensor(values, dtype=torch.float32).to(self._mask.device)
+        return Scores(place_scores(seq_scores, self._mask), seq_scores, texts)
 
 
 class Reward:
-    """``score(batch) -> Scores`` (token-level scores, per-sequence scores, response texts)."""
+    """``score(batch) -> Scores`` (token-level scores, per-sequence scores, response texts); with
+    ``background`` and no reward model, :meth:`submit` scores in a worker process instead
+    (:mod:`klppo.roles.reward_worker`)."""
 
     def __init__(
         self,
@@ -62,17 +57,38 @@ class Reward:
         reward_model: torch.nn.Module | None = None,
         reward_tokenizer=None,
         max_length: int | None = None,
+        background: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
-        self.manager = RewardManager(
+        manager_kwargs = dict(
             custom_fn_path=custom_fn_path,
             custom_fn_name=custom_fn_name,
             reward_kwargs=dict(reward_kwargs or {}),
             reward_manager=reward_manager,
         )
+        self.manager = RewardManager(**manager_kwargs)  # here first: a bad function fails before the worker
         self.reward_model = reward_model
         self.reward_tokenizer = reward_tokenizer or tokenizer
         self.max_length = max_length
+        # the reward model scores in the step (on the device); the config checks say so when both are set
+        self.worker = (
+            ScoringWorker(tokenizer, manager_kwargs) if background and reward_model is None else None
+        )
+
+    def submit(self, batch: Batch) -> PendingScores | None:
+        """Start scoring ``batch`` in the worker process; None when this reward scores in the step."""
+        if self.worker is None:
+            return None
+        lengths = [int(n) for n in batch.response_mask.sum(dim=1).tolist()]
+        rows = [ids[:n] for ids, n in zip(batch.responses.tolist(), lengths)]
+        future = self.worker.submit(rows, batch.data_source, batch.ground_truth, batch.extra_info, lengths)
+        return PendingScores(future, batch.response_mask)
+
+    def close(self) -> None:
+        """Stop the worker process (if any)."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
 
     def decode_responses(self, batch: Batch) -> list[str]:
         lengths = batch.response_mask.sum(dim=1).long().tolist()

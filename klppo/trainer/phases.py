@@ -24,7 +24,7 @@ from klppo.config.schema_arr import ActorConfig
 from klppo.parallel.collectives import rank
 from klppo.roles.actor import Actor
 from klppo.roles.forward import ForwardPlan
-from klppo.roles.reward import Reward
+from klppo.roles.reward import PendingScores, Reward
 from klppo.rollout.base import SamplingParams
 from klppo.trainer.nonfinite import check_kl
 from klppo.trainer.setup import Run
@@ -97,9 +97,11 @@ def with_old_log_probs(
     return samples, metrics
 
 
-def with_scores(reward: Reward, samples: Batch) -> Batch:
-    """``token_level_scores``: each sample's score on its last response token."""
-    return samples.replace(token_level_scores=reward.score(samples).token_level)
+def with_scores(reward: Reward, samples: Batch, pending: PendingScores | None = None) -> Batch:
+    """``token_level_scores``: each sample's score on its last response token (from ``pending``, the
+    background scoring of these samples, when given)."""
+    scores = pending.result() if pending is not None else reward.score(samples)
+    return samples.replace(token_level_scores=scores.token_level)
 
 
 def rewards_and_advantages(

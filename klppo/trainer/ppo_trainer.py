@@ -28,6 +28,7 @@ from klppo.parallel.shares import (
     shard_prompts,
 )
 from klppo.roles.forward import ForwardPlan
+from klppo.roles.reward import PendingScores
 from klppo.roles.trained import TrainedRole
 from klppo.trainer.checkpoint import load_checkpoint, save_checkpoint
 from klppo.trainer.dumps import chat_text, dump_rollouts, dump_samples
@@ -106,6 +107,7 @@ class PPOTrainer:
         finally:
             self.monitor.finish(self.state.global_step)  # the summary also when a step failed
             self.run.trackers.metrics.close()  # flushed also when a step fails (TensorBoard, W&B, …)
+            self.run.roles.reward.close()  # the background scoring process, if any
             self._stop.restore()
 
     def _fit(self) -> TrainerState:
@@ -161,19 +163,13 @@ class PPOTrainer:
         roles, timer = run.roles, PhaseTimer(run.device)
         update_metrics: dict[str, float] = {}
         with timer.phase("step"), run.offload.on_device(roles.actor):
-            mine = shard_prompts(prompts)
-            with timer.phase("gen"):
-                seed = sample_seed(cfg.trainer.seed, step)
-                local, rollout_stats = generate(run, mine, run.sampling.train, seed=seed)
-            if run.sampling.greedy is not None:
-                with timer.phase("gen_max"):
-                    local = with_reward_baselines(run, local, mine, run.sampling.greedy)
+            local, rollout_stats, pending = self._rollout(shard_prompts(prompts), step, timer)
             local, metrics, plan = self._old_log_probs(local, timer)
             local = self._reference_log_probs(local, timer, plan)
             with self._critic_on_device():  # from its values to its update
                 local = self._values(local, timer)
                 with timer.phase("reward"):
-                    local = with_scores(roles.reward, local)
+                    local = with_scores(roles.reward, local, pending)
                 batch = gather_samples(prompts, local, n=run.sampling.train.n, fields=GATHERED)
                 batch, adv_metrics, skipped = self._checked_advantages(batch, step, timer)
                 if skipped is None:  # else what was non-finite: the step updates no model
@@ -195,6 +191,19 @@ class PPOTrainer:
             update_batch=rows if skipped is None else None,
         )  # fmt: skip
         return self._count_skipped(metrics, step, skipped)
+
+    def _rollout(self, mine: Batch, step: int, timer: PhaseTimer) -> tuple[Batch, dict, PendingScores | None]:
+        """This rank's samples (with the greedy baselines ReMax-like estimators need), the engine's figures,
+        and their scores when they are computed in the background (``launch_reward_fn_async``), started
+        here so that they overlap the log-prob, reference and value passes."""
+        run = self.run
+        with timer.phase("gen"):
+            seed = sample_seed(self.cfg.trainer.seed, step)
+            local, rollout_stats = generate(run, mine, run.sampling.train, seed=seed)
+        if run.sampling.greedy is not None:
+            with timer.phase("gen_max"):
+                local = with_reward_baselines(run, local, mine, run.sampling.greedy)
+        return local, rollout_stats, run.roles.reward.submit(local)
 
     def _checked_advantages(
         self, batch: Batch, step: int, timer: PhaseTimer

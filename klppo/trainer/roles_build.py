@@ -265,6 +265,7 @@ def build_reward(
         reward_model=reward_model,
         reward_tokenizer=reward_tokenizer,
         max_length=rm.max_length,
+        background=rm.launch_reward_fn_async,
     )
 
 

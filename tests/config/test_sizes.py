@@ -242,3 +242,25 @@ def _value(cfg, key):
     for part in key.split("."):
         cfg = getattr(cfg, part)
     return cfg
+
+
+def test_background_scoring_is_acted_on_and_said_to_do_nothing_beside_a_reward_model():
+    """reward_model.launch_reward_fn_async is built (no 'no effect yet' warning); with a reward model, which
+    scores on the device in the step, load says by name that the key does nothing there."""
+    from klppo.config import warn_unimplemented
+
+    notes: list[str] = []
+    cfg = load_config(["reward_model.launch_reward_fn_async=True"], notify=notes.append)
+    assert warn_unimplemented(cfg, notify=lambda _m: None) == []
+    assert not [m for m in notes if "launch_reward_fn_async" in m]
+    load_config(
+        [
+            "reward_model.launch_reward_fn_async=True",
+            "reward_model.enable=True",
+            "reward_model.model.path=/rm",
+        ],
+        notify=notes.append,
+    )
+    assert [
+        m for m in notes if "launch_reward_fn_async=True has no effect with reward_model.enable=True" in m
+    ]
