@@ -1,5 +1,6 @@
 """2 gloo processes (started by `klppo train`, through torchrun) give the same step metrics as 1
-process, their checkpoint resumes in 1 process, and greedy rollout does not depend on the rank count.
+process, their checkpoint resumes in 1 process, and greedy rollout does not depend on the rank count. The
+2-process run scores in the background (``reward_model.launch_reward_fn_async``: a spawned scorer per rank).
 
 One mini-batch per step and greedy rollouts: then every quantity is independent of how samples are laid
 out over ranks, and the remaining differences are float summation order (tolerance 1e-4 relative).
@@ -61,6 +62,8 @@ def test_two_processes_match_one(tiny_model_dir, arithmetic_data, tmp_path):
         "trainer.total_training_steps=2",
         "trainer.save_freq=2",
         "trainer.test_freq=2",
+        # each rank scores its samples in its own background process; the 1-process run scores in the step
+        "reward_model.launch_reward_fn_async=True",
     ]
     assert main(argv) == 0
     rows_two = read_metrics(two)
