@@ -12,7 +12,7 @@ import torch
 from klppo.batch import Batch
 from klppo.rewards import RewardManager, place_scores
 from klppo.roles.decoding import decode_batch
-from klppo.roles.reward_worker import ScoringWorker, broken_message
+from klppo.roles.reward_worker import ScoringWorker
 
 
 class Scores(NamedTuple):
@@ -27,18 +27,22 @@ class Scores(NamedTuple):
 
 
 class PendingScores:
-    """Scores being computed in the background (:meth:`Reward.submit`); :meth:`result` waits for them."""
+    """Scores being computed in the background (:meth:`Reward.submit`); :meth:`result` waits for them, or
+    computes them in the step if the worker process died meanwhile."""
 
-    def __init__(self, future: Future, response_mask: torch.Tensor) -> None:
-        self._future, self._mask = future, response_mask
+    def __init__(self, future: Future, reward: Reward, batch: Batch) -> None:
+        self._future, self._reward, self._batch = future, reward, batch
 
     def result(self) -> Scores:
         try:
             values, texts = self._future.result()
         except BrokenProcessPool as exc:
-            raise RuntimeError(broken_message(exc)) from exc
-        seq_scores = torch.tensor(values, dtype=torch.float32).to(self._mask.device)
-        return Scores(place_scores(seq_scores, self._mask), seq_scores, texts)
+            if self._reward.worker is not None:
+                self._reward.worker.mark_broken(exc)
+            return self._reward.score(self._batch)
+        mask = self._batch.response_mask
+        seq_scores = torch.tensor(values, dtype=torch.float32).to(mask.device)
+        return Scores(place_scores(seq_scores, mask), seq_scores, texts)
 
 
 class Reward:
@@ -77,12 +81,12 @@ class Reward:
 
     def submit(self, batch: Batch) -> PendingScores | None:
         """Start scoring ``batch`` in the worker process; None when this reward scores in the step."""
-        if self.worker is None:
+        if self.worker is None or not self.worker.alive:
             return None
         lengths = [int(n) for n in batch.response_mask.sum(dim=1).tolist()]
         rows = [ids[:n] for ids, n in zip(batch.responses.tolist(), lengths)]
         future = self.worker.submit(rows, batch.data_source, batch.ground_truth, batch.extra_info, lengths)
-        return PendingScores(future, batch.response_mask)
+        return None if future is None else PendingScores(future, self, batch)
 
     def close(self) -> None:
         """Stop the worker process (if any)."""

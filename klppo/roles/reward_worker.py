@@ -10,11 +10,23 @@ verifiers) work only in a process's main thread.
 The worker builds its own :class:`~klppo.rewards.RewardManager` from the same arguments (a user's function
 loaded from its file cannot be pickled across), and receives the tokenizer once, at start. Spawned, not
 forked: the trainer has CUDA state a fork would copy.
+
+Lifetime: the worker lives as long as the trainer process, whatever signals arrive. It ignores SIGINT and
+SIGTERM (a Ctrl-C or a scheduler's SIGTERM to the whole process group must not take it down in the middle
+of the step the trainer is finishing before it saves), and exits by itself within a second once its parent
+is gone (a trainer killed outright leaves no orphan). If it dies all the same (killed, out of memory, a
+crash in the function's native code), the step scores in the trainer and so does every later step
+(:meth:`ScoringWorker.mark_broken`, one warning): the run goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
+import os
+import signal
+import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -23,18 +35,28 @@ from klppo.rewards import RewardManager
 from klppo.roles.decoding import decode_batch
 
 KEY = "reward_model.launch_reward_fn_async"
+log = logging.getLogger("klppo")
 
 _manager: RewardManager | None = None  # the worker process's own, set by _start_worker
 _tokenizer: Any = None
 
 
-def _start_worker(manager_kwargs: dict[str, Any], tokenizer: Any) -> None:
+def _start_worker(manager_kwargs: dict[str, Any], tokenizer: Any, parent: int) -> None:
     global _manager, _tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     _manager, _tokenizer = RewardManager(**manager_kwargs), tokenizer
 
 
-def _ready() -> bool:
-    return _manager is not None
+def _exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    os._exit(0)
+
+
+def _pid() -> int:
+    return os.getpid()
 
 
 def _score(
@@ -50,13 +72,17 @@ class ScoringWorker:
     and the user's module load overlap the trainer's set-up), shut down by :meth:`close`."""
 
     def __init__(self, tokenizer: Any, manager_kwargs: dict[str, Any]) -> None:
-        self._pool = ProcessPoolExecutor(
+        self._pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
             max_workers=1,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_worker,
-            initargs=(manager_kwargs, tokenizer),
+            initargs=(manager_kwargs, tokenizer, os.getpid()),
         )
-        self._started = self._pool.submit(_ready)
+        self.pid_future = self._pool.submit(_pid)  # starts the process now; its pid, for tests and logs
+
+    @property
+    def alive(self) -> bool:
+        return self._pool is not None
 
     def submit(
         self,
@@ -65,19 +91,30 @@ class ScoringWorker:
         ground_truths: list,
         extra_infos: list,
         lengths: list[int],
-    ) -> Future:
-        """Score in the background; the future gives ``(scores, texts)`` or raises what the function raised."""
+    ) -> Future | None:
+        """Score in the background: a future of ``(scores, texts)`` (or of what the function raised); None
+        when the worker is gone (then the caller scores in the step)."""
+        if self._pool is None:
+            return None
         try:
             return self._pool.submit(_score, rows, data_sources, ground_truths, extra_infos, lengths)
         except BrokenProcessPool as exc:
-            raise RuntimeError(broken_message(exc)) from exc
+            self.mark_broken(exc)
+            return None
+
+    def mark_broken(self, exc: BaseException) -> None:
+        """The process died: say so once; from now on every step scores in the trainer."""
+        if self._pool is None:
+            return
+        log.warning(
+            "%s=True: the scoring process stopped (%s); this step and the following ones score in the "
+            "trainer. If the reward function crashed the interpreter, set %s=False to see its error.",
+            KEY, exc, KEY,
+        )  # fmt: skip
+        pool, self._pool = self._pool, None
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def broken_message(exc: BaseException) -> str:
-    return (
-        f"{KEY}=True: the scoring process stopped ({exc}); the reward function may have crashed the "
-        f"interpreter or run out of memory — set {KEY}=False to score in the step and see its error"
-    )
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

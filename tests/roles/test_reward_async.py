@@ -84,3 +84,82 @@ def test_the_worker_is_a_separate_process_where_signal_timeouts_work(tmp_path):
         reward.close()
     pids = set(scores.sequence.tolist())
     assert len(pids) == 1 and pids != {float(os.getpid())}
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped — by a container's init that reaps nothing — is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "\tZ" not in next(
+            line for line in status.read_text().splitlines() if line.startswith("State:")
+        )
+    except (OSError, StopIteration):
+        return True
+
+
+def test_the_worker_ignores_sigint_and_sigterm_and_a_killed_worker_leaves_scoring_to_the_step(
+    tmp_path, caplog
+):
+    """A Ctrl-C or a scheduler's SIGTERM to the process group must not take the scorer down in the step the
+    trainer finishes before saving; a worker that dies all the same (killed here) costs no step: its pending
+    scores are computed in the step, and so are the next steps', with one warning."""
+    import signal
+    import time
+
+    tok = build_tiny_tokenizer()
+    batch = _batch(tok, ["a", "b", "c"])
+    reward = _reward(tmp_path, WHERE_AND_ALARM, background=True)
+    try:
+        pid = reward.worker.pid_future.result(timeout=60)
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert set(reward.submit(batch).result().sequence.tolist()) == {float(pid)}  # still the worker
+        pending = reward.submit(batch)
+        os.kill(pid, signal.SIGKILL)
+        with caplog.at_level("WARNING", logger="klppo"):
+            scores = pending.result()  # computed in the step (or by the worker, had it finished first)
+            deadline = time.monotonic() + 10
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            later = reward.submit(batch)
+            if later is not None:  # the pool may learn of the death only at this call's result
+                later.result()
+            assert reward.submit(batch) is None  # from now on: in the step
+        assert set(scores.sequence.tolist()) <= {float(pid), float(os.getpid())}
+        assert reward.score(batch).sequence.tolist() == [float(os.getpid())] * 3
+        warned = [r.message for r in caplog.records if "scoring process stopped" in r.getMessage()]
+        assert len(warned) == 1
+    finally:
+        reward.close()
+
+
+ORPHAN = """
+import os, sys
+from klppo.models.tiny import build_tiny_tokenizer
+from klppo.roles.reward import Reward
+reward = Reward(build_tiny_tokenizer(), custom_fn_path=sys.argv[1], background=True)
+print(reward.worker.pid_future.result(timeout=60), flush=True)
+os._exit(0)  # no shutdown, no atexit: as if killed
+"""
+
+
+def test_a_trainer_that_dies_outright_leaves_no_scoring_process(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    fn = tmp_path / "fn.py"
+    fn.write_text(SCORE_BY_TEXT)
+    out = subprocess.run([sys.executable, "-c", ORPHAN, str(fn)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
