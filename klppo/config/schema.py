@@ -210,7 +210,9 @@ class RewardModelConfig:
         False,
         "Decode and score the responses (built-in scorer or custom_reward_function) in a worker process "
         "while the old-log-prob, reference and value passes run; the step collects the scores at its reward "
-        "phase. Not with a reward model (reward_model.enable), which scores on the device in the step.",
+        "phase. The process ignores SIGINT/SIGTERM and ends with the trainer; if it dies, the trainer scores "
+        "in the step from then on (one warning). Not with a reward model (reward_model.enable), which scores "
+        "on the device in the step.",
     )
     sandbox_fusion: SandboxFusionConfig = F(SandboxFusionConfig, "Code execution sandbox.")
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
