@@ -92,6 +92,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", 0, 1),
     ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", 1, None),
     ("actor_rollout_ref.rollout.n", 1, None),
+    ("reward_model.num_workers", 1, None),
     ("actor_rollout_ref.rollout.temperature", 0, None),
     ("actor_rollout_ref.rollout.top_p", 0, 1),
     ("actor_rollout_ref.rollout.gpu_memory_utilization", 0.01, 1),
@@ -296,6 +297,12 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
         )
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         notify("both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL is penalized twice")
+    if cfg.reward_model.num_workers != 1 and not cfg.reward_model.launch_reward_fn_async:
+        notify(
+            f"reward_model.num_workers={cfg.reward_model.num_workers} acts with "
+            "reward_model.launch_reward_fn_async=True only (that many scoring processes per rank); without it "
+            "the trainer scores in the step, in its own process"
+        )
     if cfg.reward_model.launch_reward_fn_async and cfg.reward_model.enable:
         notify(
             "reward_model.launch_reward_fn_async=True has no effect with reward_model.enable=True: the reward "

@@ -218,7 +218,12 @@ class RewardModelConfig:
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
     ulysses_sequence_parallel_size: int = F(1, "Ulysses group size.")
     use_reward_loop: bool = F(True, "verl: score through the asynchronous reward loop.")
-    num_workers: int = F(1, "verl reward-loop workers.")
+    num_workers: int = F(
+        1,
+        "With launch_reward_fn_async: scoring processes per rank, each given a contiguous slice of the "
+        "rank's rows (a batched compute_score is called once per slice). Without it scores are computed "
+        "in the step, in the trainer (a note says so).",
+    )
     rollout: RewardRolloutConfig = F(RewardRolloutConfig, "verl: serving of the reward model in the loop.")
     reward_kwargs: dict[str, Any] = F(
         {}, "[klppo] Passed to the scorer, e.g. {method: flexible, format_score: 0.1} for GSM8K."

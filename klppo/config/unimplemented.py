@@ -153,7 +153,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("data.tool_config_path", "warn", "multi-turn / tool rollout is not built"),
     ("data.image_patch_size", "warn", "text only"),
     ("reward_model.use_reward_loop", "warn", "scores are computed in the step, in process (same scores)"),
-    ("reward_model.num_workers", "warn", "scores are computed in the step, in process"),
 )  # fmt: skip
 
 

@@ -30,12 +30,17 @@ class PendingScores:
     """Scores being computed in the background (:meth:`Reward.submit`); :meth:`result` waits for them, or
     computes them in the step if the worker process died meanwhile."""
 
-    def __init__(self, future: Future, reward: Reward, batch: Batch) -> None:
-        self._future, self._reward, self._batch = future, reward, batch
+    def __init__(self, futures: list[Future], reward: Reward, batch: Batch) -> None:
+        self._futures, self._reward, self._batch = futures, reward, batch
 
     def result(self) -> Scores:
+        values: list[float] = []
+        texts: list[str] = []
         try:
-            values, texts = self._future.result()
+            for future in self._futures:  # the slices in row order
+                part_values, part_texts = future.result()
+                values += part_values
+                texts += part_texts
         except BrokenProcessPool as exc:
             if self._reward.worker is not None:
                 self._reward.worker.mark_broken(exc)
@@ -62,6 +67,7 @@ class Reward:
         reward_tokenizer=None,
         max_length: int | None = None,
         background: bool = False,
+        num_workers: int = 1,
     ) -> None:
         self.tokenizer = tokenizer
         manager_kwargs = dict(
@@ -75,9 +81,8 @@ class Reward:
         self.reward_tokenizer = reward_tokenizer or tokenizer
         self.max_length = max_length
         # the reward model scores in the step (on the device); the config checks say so when both are set
-        self.worker = (
-            ScoringWorker(tokenizer, manager_kwargs) if background and reward_model is None else None
-        )
+        background = background and reward_model is None
+        self.worker = ScoringWorker(tokenizer, manager_kwargs, num_workers) if background else None
 
     def submit(self, batch: Batch) -> PendingScores | None:
         """Start scoring ``batch`` in the worker process; None when this reward scores in the step."""
@@ -85,8 +90,8 @@ class Reward:
             return None
         lengths = [int(n) for n in batch.response_mask.sum(dim=1).tolist()]
         rows = [ids[:n] for ids, n in zip(batch.responses.tolist(), lengths)]
-        future = self.worker.submit(rows, batch.data_source, batch.ground_truth, batch.extra_info, lengths)
-        return None if future is None else PendingScores(future, self, batch)
+        futures = self.worker.submit(rows, batch.data_source, batch.ground_truth, batch.extra_info, lengths)
+        return None if futures is None else PendingScores(futures, self, batch)
 
     def close(self) -> None:
         """Stop the worker process (if any)."""

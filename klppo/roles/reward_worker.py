@@ -1,7 +1,9 @@
 """Scoring in a worker process while the step goes on (verl's ``reward_model.launch_reward_fn_async``).
 
 The reward function (a built-in scorer or the user's ``custom_reward_function``) and the decoding of the
-responses run in one spawned process per rank. The trainer hands it a batch's response token ids right after
+responses run in spawned processes: ``reward_model.num_workers`` per rank (default 1), each given a
+contiguous slice of the rank's rows (a batched ``compute_score``, ``reward_manager=batch``, is then called
+once per slice). The trainer hands it a batch's response token ids right after
 generation and collects the scores at its reward phase, so the scoring overlaps the old-log-prob,
 reference and value passes. A process, not a thread: a Python reward function would hold the GIL against the
 trainer's own host work, and functions that time themselves out with ``signal.alarm`` (common in math
@@ -67,13 +69,25 @@ def _score(
     return _manager.score(texts, data_sources, ground_truths, extra_infos, lengths), texts
 
 
+def slices(num_rows: int, num_parts: int) -> list[tuple[int, int]]:
+    """``num_rows`` rows cut into at most ``num_parts`` contiguous (start, end) slices of sizes differing by
+    at most one (none empty; one empty slice for no rows, so that every batch gets a result)."""
+    parts = max(1, min(num_parts, num_rows))
+    base, extra = divmod(num_rows, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 class ScoringWorker:
     """One spawned process that decodes and scores batches in the background; started at once (its imports
     and the user's module load overlap the trainer's set-up), shut down by :meth:`close`."""
 
-    def __init__(self, tokenizer: Any, manager_kwargs: dict[str, Any]) -> None:
+    def __init__(self, tokenizer: Any, manager_kwargs: dict[str, Any], num_workers: int = 1) -> None:
+        self.num_workers = num_workers
         self._pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
-            max_workers=1,
+            max_workers=num_workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_worker,
             initargs=(manager_kwargs, tokenizer, os.getpid()),
@@ -91,16 +105,27 @@ class ScoringWorker:
         ground_truths: list,
         extra_infos: list,
         lengths: list[int],
-    ) -> Future | None:
-        """Score in the background: a future of ``(scores, texts)`` (or of what the function raised); None
-        when the worker is gone (then the caller scores in the step)."""
+    ) -> list[Future] | None:
+        """Score in the background: one future of ``(scores, texts)`` (or of what the function raised) per
+        contiguous slice of the rows, in row order; None when the workers are gone (then the caller scores
+        in the step)."""
         if self._pool is None:
             return None
+        futures = []
         try:
-            return self._pool.submit(_score, rows, data_sources, ground_truths, extra_infos, lengths)
+            for lo, hi in slices(len(rows), self.num_workers):
+                args = (
+                    rows[lo:hi],
+                    data_sources[lo:hi],
+                    ground_truths[lo:hi],
+                    extra_infos[lo:hi],
+                    lengths[lo:hi],
+                )
+                futures.append(self._pool.submit(_score, *args))
         except BrokenProcessPool as exc:
             self.mark_broken(exc)
             return None
+        return futures
 
     def mark_broken(self, exc: BaseException) -> None:
         """The process died: say so once; from now on every step scores in the trainer."""

@@ -266,6 +266,7 @@ def build_reward(
         reward_tokenizer=reward_tokenizer,
         max_length=rm.max_length,
         background=rm.launch_reward_fn_async,
+        num_workers=rm.num_workers,
     )
 
 

@@ -163,3 +163,26 @@ def test_a_trainer_that_dies_outright_leaves_no_scoring_process(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid)
+
+
+def test_several_workers_score_contiguous_slices_in_row_order(tmp_path):
+    from klppo.roles.reward_worker import slices
+
+    assert slices(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert slices(2, 4) == [(0, 1), (1, 2)]  # no empty slice
+    assert slices(0, 4) == [(0, 0)]  # an empty batch still gets its (empty) result
+    tok = build_tiny_tokenizer()
+    batch = _batch(tok, ["12 + 30 = 42", "", "the answer is 7", "9", "x", "yy", "zzz"])
+    path = tmp_path / "fn.py"
+    path.write_text(SCORE_BY_TEXT)
+    reward = Reward(tok, custom_fn_path=str(path), background=True, num_workers=3)
+    try:
+        pending = reward.submit(batch)
+        assert len(pending._futures) == 3
+        got = pending.result()
+    finally:
+        reward.close()
+    want = Reward(tok, custom_fn_path=str(path)).score(batch)
+    assert got.texts == want.texts
+    torch.testing.assert_close(got.sequence, want.sequence, rtol=0, atol=0)  # extra_info["row"]: the order
+    torch.testing.assert_close(got.token_level, want.token_level, rtol=0, atol=0)
