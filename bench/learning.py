@@ -471,6 +471,10 @@ def environment(args: argparse.Namespace) -> dict:
         "parallel": args.parallel,
         "task": args.task,
         "argv": sys.argv,
+        # klppo's environment switches the runs inherited (e.g. KLPPO_COMPILE_DYNAMIC_TOKENS=1)
+        "env": {
+            k: v for k, v in sorted(os.environ.items()) if k.startswith("KLPPO_") and k != "KLPPO_COMMIT"
+        },
     }
 
 

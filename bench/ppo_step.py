@@ -23,7 +23,8 @@ over bucket-padded packed micro-batches; compilation falls in the first, unmeasu
 0, one unit per decoder layer); and settings that are not candidates: ``+critic_compile`` (the critic packed,
 ``critic.model.use_remove_padding``, and compiled likewise; the ``trl`` critic runs padded otherwise),
 ``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing), ``+traced_attention``
-(packed attention traced into the compiled layers: one compiled region per layer instead of five).
+(packed attention traced into the compiled layers: one compiled region per layer instead of five),
+``+dynamic_tokens`` (the compiled layers unpadded with dynamic token dims: one graph per grad mode).
 E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
 process; the trainer workloads report the median of the steps after the first (which includes warm-up:
 allocator growth, CUDA-graph capture, compilation).
@@ -95,6 +96,9 @@ SETTINGS = {
     # packed attention traced into the compiled layers (klppo.batching.attention.set_traced_packed_attention):
     # one compiled region per layer instead of five; with the compiled layers (the `compile` candidate)
     "traced_attention": ["@traced_attention=on"],
+    # the compiled layers unpadded, token and sequence dims dynamic (klppo.models.compiled_layers.DYNAMIC_TOKENS):
+    # one graph per grad mode instead of one per token bucket, no bucket padding; with the `compile` candidate
+    "dynamic_tokens": ["@dynamic_tokens=on"],
 }
 
 
@@ -104,9 +108,11 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     ``@host_plan=off``: the host syncs per micro-batch of the code before the host-planned passes: no host
     mask (trimming, packing and loss weights read the device masks), every statistic read one by one, and
     transformers' packed-sequence detection in every packed forward.
-    ``@traced_attention=on``: packed attention traced into the compiled decoder layers."""
+    ``@traced_attention=on``: packed attention traced into the compiled decoder layers.
+    ``@dynamic_tokens=on``: the compiled layers unpadded, with dynamic token and sequence dims."""
     from klppo.batch import Batch
     from klppo.batching import attention, packing
+    from klppo.models import compiled_layers
     from klppo.models.compiled_layers import pad_packed_call
     from klppo.roles.metrics import MetricAccumulator
     from klppo.roles.reference import Reference
@@ -121,7 +127,8 @@ def bench_switches(items: list[str]) -> Iterator[None]:
         MetricAccumulator.add = lambda self, stats, weight=1.0: add(
             self, {k: float(v) for k, v in stats.items()}, weight=weight
         )
-    traced_before = bool(attention._traced)
+    traced_before, dynamic_before = bool(attention._traced), compiled_layers.DYNAMIC_TOKENS
+    compiled_layers.DYNAMIC_TOKENS = "@dynamic_tokens=on" in items or dynamic_before
     try:
         if "@traced_attention=on" in items:
             attention.set_traced_packed_attention(True)
@@ -132,6 +139,7 @@ def bench_switches(items: list[str]) -> Iterator[None]:
         yield
     finally:
         attention.set_traced_packed_attention(traced_before)
+        compiled_layers.DYNAMIC_TOKENS = dynamic_before
         Reference.compute_ref_log_prob = original
         Batch.with_host_mask, MetricAccumulator.add, packing._packed_call = with_host_mask, add, packed_call
 

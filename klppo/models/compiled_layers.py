@@ -17,6 +17,14 @@ few shapes, each compiled once (forward and backward) and reused; static shapes 
 kernels for the size. Symbolic shapes (``mark_dynamic``) would compile once but give every kernel a
 runtime size and still specialise on ``max_length``; the buckets keep the guards simple.
 
+A candidate, not the default (``compile_packed_layers(model, dynamic_tokens=True)``, or
+``KLPPO_COMPILE_DYNAMIC_TOKENS=1`` in the environment; to measure with ``bench/ppo_step.py --variants after
+after+dynamic_tokens`` and ``bench/learning.py``): no padding, the token and sequence dims
+marked dynamic (``maybe_mark_dynamic``, as the rollout engine marks its batch dim), so one graph per grad
+mode serves every micro-batch — no bucket padding (≤ 25%, ≈ 12% on average) and no compilation per new
+bucket (20–33 s of a 300 s SmolLM2 learning run on a cold cache, session 14), against kernels that inductor
+tunes for a size hint instead of the exact size.
+
 The padding is one extra sequence after the real ones (token id 0, positions from 0) plus zero-length
 sequences: attention is block-diagonal over ``cu_seq_lens``, every other op of a layer is per token, so
 real tokens never see it, and no log-prob or value is read at a padding position — outputs and gradients
@@ -25,6 +33,7 @@ are those of the unpadded row (``tests/models/test_compiled_layers.py``).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -32,7 +41,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 MIN_TOKEN_BUCKET = 64
 RECOMPILE_LIMIT = 64  # distinct (tokens, sequences, max length, grad mode) shapes per layer class
-_COMPILED: dict[type, Any] = {}
+# compile_packed_layers' default for dynamic_tokens, until a GPU measurement decides: the environment variable
+# KLPPO_COMPILE_DYNAMIC_TOKENS=1 turns it on for a whole run (bench/learning.py's A/B), ppo_step's switch per variant
+DYNAMIC_TOKENS = os.environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS", "0") == "1"
+_COMPILED: dict[tuple[type, bool], Any] = {}
 _SUBCLASSES: dict[type, type] = {}
 
 
@@ -77,9 +89,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def compile_packed_layers(model: torch.nn.Module) -> int:
+def compile_packed_layers(model: torch.nn.Module, dynamic_tokens: bool | None = None) -> int:
     """Compile ``model``'s decoder layers for packed calls (module docstring); returns how many. Raises
-    ValueError when the model has none (the key names it)."""
+    ValueError when the model has none (the key names it). ``dynamic_tokens`` (default
+    :data:`DYNAMIC_TOKENS`): unpadded calls with dynamic token and sequence dims instead of the buckets."""
+    dynamic = DYNAMIC_TOKENS if dynamic_tokens is None else dynamic_tokens
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(
@@ -91,8 +105,30 @@ def compile_packed_layers(model: torch.nn.Module) -> int:
         torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     for layer in layers:
         layer.__class__ = _packed_subclass(type(layer))
-    model.klppo_packed_buckets = True
+        layer.klppo_dynamic_tokens = dynamic
+    model.klppo_packed_buckets = not dynamic
     return len(layers)
+
+
+def _compiled(cls: type, dynamic: bool) -> Any:
+    """The compiled ``cls.forward``: static shapes (the buckets), or dynamic where the dims are marked."""
+    key = (cls, dynamic)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(cls.forward, dynamic=None if dynamic else False)
+    return _COMPILED[key]
+
+
+def _mark_token_dims(args: tuple, kwargs: dict[str, Any]) -> None:
+    """Mark the packed row's token dim (hidden states, rotary cos/sin, position ids: dim 1) and the
+    sequence-boundary vectors (dim 0) dynamic for the unpadded calls."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    tokens = [hidden, kwargs.get("position_ids"), *(kwargs.get("position_embeddings") or ())]
+    for t in tokens:
+        if isinstance(t, torch.Tensor) and t.dim() > 1:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(kwargs[name], 0)
 
 
 def _packed_subclass(cls: type) -> type:
@@ -100,12 +136,14 @@ def _packed_subclass(cls: type) -> type:
     if cls in _SUBCLASSES.values():
         return cls
     if cls not in _SUBCLASSES:
-        compiled = _COMPILED.setdefault(cls, torch.compile(cls.forward, dynamic=False))
 
         def forward(self, *args, **kwargs):
             if kwargs.get("cu_seq_lens_q") is None:
                 return cls.forward(self, *args, **kwargs)
-            return compiled(self, *args, **kwargs)
+            dynamic = self.klppo_dynamic_tokens
+            if dynamic:
+                _mark_token_dims(args, kwargs)
+            return _compiled(cls, dynamic)(self, *args, **kwargs)
 
         # same name as ``cls``: lookups by class name (FSDP units from _no_split_modules) still find it
         namespace = {"forward": forward, "klppo_compiled": True, "__qualname__": cls.__qualname__}

@@ -85,3 +85,15 @@ def test_prompts_scales_the_batch_and_keeps_the_number_of_mini_batches():
         o for o in WORKLOADS["trl"].overrides if "mini" not in o
     ]
     assert scaled_workload(tiny_workload(WORKLOADS["grpo135m"]), 16).overrides[0].endswith("=16")
+
+
+def test_the_dynamic_tokens_switch_is_on_inside_and_restored_after():
+    from bench.ppo_step import bench_switches, variant_overrides
+    from klppo.models import compiled_layers
+
+    assert variant_overrides("after+dynamic_tokens")[-1] == "@dynamic_tokens=on"
+    assert compiled_layers.DYNAMIC_TOKENS is False
+    with pytest.raises(RuntimeError), bench_switches(["@dynamic_tokens=on"]):
+        assert compiled_layers.DYNAMIC_TOKENS is True
+        raise RuntimeError("a variant fails")
+    assert compiled_layers.DYNAMIC_TOKENS is False
