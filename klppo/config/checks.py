@@ -239,6 +239,21 @@ def _skip_would_pay(cfg: KLPPOConfig) -> bool:
     )
 
 
+def _reward_notes(cfg: KLPPOConfig, notify: Notify) -> None:
+    """The background-scoring keys where they do nothing."""
+    rm = cfg.reward_model
+    if rm.num_workers != 1 and not rm.launch_reward_fn_async:
+        notify(
+            f"reward_model.num_workers={rm.num_workers} acts with reward_model.launch_reward_fn_async=True only "
+            "(that many scoring processes per rank); without it the trainer scores in the step, in its own process"
+        )
+    if rm.launch_reward_fn_async and rm.enable:
+        notify(
+            "reward_model.launch_reward_fn_async=True has no effect with reward_model.enable=True: the reward "
+            "model scores on the device in the step (the background processes run reward functions only)"
+        )
+
+
 def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
     """Settings that run but rarely do what their author wants: one note each, naming the keys and what to
     set (the GRPO and PI notes rest on measured runs, bench/RESULTS.md 'Learning')."""
@@ -297,17 +312,7 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
         )
     if cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
         notify("both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL is penalized twice")
-    if cfg.reward_model.num_workers != 1 and not cfg.reward_model.launch_reward_fn_async:
-        notify(
-            f"reward_model.num_workers={cfg.reward_model.num_workers} acts with "
-            "reward_model.launch_reward_fn_async=True only (that many scoring processes per rank); without it "
-            "the trainer scores in the step, in its own process"
-        )
-    if cfg.reward_model.launch_reward_fn_async and cfg.reward_model.enable:
-        notify(
-            "reward_model.launch_reward_fn_async=True has no effect with reward_model.enable=True: the reward "
-            "model scores on the device in the step (the background process runs reward functions only)"
-        )
+    _reward_notes(cfg, notify)
     if (
         cfg.algorithm.use_kl_in_reward
         and est in STD_GROUP_ESTIMATORS

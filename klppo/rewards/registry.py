@@ -11,9 +11,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -51,18 +53,29 @@ def get_scorer(data_source: str) -> Scorer:
 
 
 def load_custom_reward_fn(path: str, name: str = "compute_score") -> Scorer:
-    """Import the Python file at ``path`` and return its callable ``name``."""
+    """Import the Python file at ``path`` and return its callable ``name``.
+
+    The module is registered in ``sys.modules`` under a name derived from the file's absolute path (the same
+    in every process), so what it defines — an exception class its function raises — pickles by reference
+    between the trainer and a background scoring process (:mod:`klppo.roles.reward_worker`). Each call
+    imports the file afresh."""
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(full):
         raise FileNotFoundError(f"custom_reward_function.path: file not found: {path!r} (resolved to {full})")
-    module_name = f"klppo_custom_reward_{abs(hash(full))}"
+    module_name = "klppo_custom_reward_" + hashlib.sha256(full.encode()).hexdigest()[:16]
     spec = importlib.util.spec_from_file_location(module_name, full)
     if spec is None or spec.loader is None:
         raise ValueError(f"custom_reward_function.path: cannot import {full} as a Python module")
     module = importlib.util.module_from_spec(spec)
+    previous = sys.modules.get(module_name)
+    sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
+        if previous is None:
+            sys.modules.pop(module_name, None)
+        else:
+            sys.modules[module_name] = previous
         raise RuntimeError(f"custom_reward_function.path: importing {full} failed: {exc!r}") from exc
     fn = getattr(module, name, None)
     if fn is None:

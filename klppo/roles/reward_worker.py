@@ -13,22 +13,33 @@ The worker builds its own :class:`~klppo.rewards.RewardManager` from the same ar
 loaded from its file cannot be pickled across), and receives the tokenizer once, at start. Spawned, not
 forked: the trainer has CUDA state a fork would copy.
 
-Lifetime: the worker lives as long as the trainer process, whatever signals arrive. It ignores SIGINT and
-SIGTERM (a Ctrl-C or a scheduler's SIGTERM to the whole process group must not take it down in the middle
-of the step the trainer is finishing before it saves), and exits by itself within a second once its parent
-is gone (a trainer killed outright leaves no orphan). If it dies all the same (killed, out of memory, a
-crash in the function's native code), the step scores in the trainer and so does every later step
-(:meth:`ScoringWorker.mark_broken`, one warning): the run goes on.
+Lifetime: the workers live as long as the trainer process, whatever signals arrive. They ignore SIGINT and
+SIGTERM (a Ctrl-C or a scheduler's SIGTERM to the whole process group must not take them down in the middle
+of the step the trainer is finishing before it saves); the kernel kills them when the trainer process ends
+(``PR_SET_PDEATHSIG`` on Linux, whatever the worker is doing; elsewhere a thread polls the parent, which a
+function holding the GIL can delay), and :meth:`ScoringWorker.close` kills them at the end of ``fit`` —
+without waiting for a batch still being scored after a failed or interrupted step. If a worker dies (killed,
+out of memory, a crash in the function's native code), the step scores in the trainer and so does every
+later step (:meth:`ScoringWorker.mark_broken`, one warning): the run goes on.
+
+What the function raises reaches the trainer's reward phase as itself when it pickles (a class from the
+user's file does: :func:`~klppo.rewards.registry.load_custom_reward_fn` registers the module under a name
+that is the same in every process), else as :class:`RewardFunctionError` carrying its type, message and
+traceback text.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
+import sys
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -43,12 +54,31 @@ _manager: RewardManager | None = None  # the worker process's own, set by _start
 _tokenizer: Any = None
 
 
+class RewardFunctionError(RuntimeError):
+    """What a reward function raised in a scoring process, when that exception itself does not pickle."""
+
+
 def _start_worker(manager_kwargs: dict[str, Any], tokenizer: Any, parent: int) -> None:
     global _manager, _tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    if not _die_with_parent():
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent ended before the line above took effect
+        os._exit(0)
     _manager, _tokenizer = RewardManager(**manager_kwargs), tokenizer
+
+
+def _die_with_parent() -> bool:
+    """Linux: the kernel sends this process SIGKILL when its parent ends (``prctl(PR_SET_PDEATHSIG)``; strictly,
+    when the parent's thread that started it ends: the trainer's main thread, which submits every batch)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
 
 
 def _exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
@@ -66,7 +96,15 @@ def _score(
 ) -> tuple[list[float], list[str]]:
     """In the worker: decode ``rows`` (response token ids, padding cut) and score them."""
     texts = decode_batch(_tokenizer, rows)
-    return _manager.score(texts, data_sources, ground_truths, extra_infos, lengths), texts
+    try:
+        return _manager.score(texts, data_sources, ground_truths, extra_infos, lengths), texts
+    except Exception as exc:
+        try:
+            pickle.loads(pickle.dumps(exc))
+        except Exception:
+            detail = "".join(traceback.format_exception(exc))
+            raise RewardFunctionError(f"{type(exc).__qualname__}: {exc}\n{detail}") from None
+        raise
 
 
 def slices(num_rows: int, num_parts: int) -> list[tuple[int, int]]:
@@ -92,7 +130,9 @@ class ScoringWorker:
             initializer=_start_worker,
             initargs=(manager_kwargs, tokenizer, os.getpid()),
         )
-        self.pid_future = self._pool.submit(_pid)  # starts the process now; its pid, for tests and logs
+        # one task per worker while none is idle yet: all of them start now (a spawn pool starts them on
+        # demand), so their imports overlap the set-up, not step 1
+        self.pids = [self._pool.submit(_pid) for _ in range(num_workers)]
 
     @property
     def alive(self) -> bool:
@@ -131,15 +171,31 @@ class ScoringWorker:
         """The process died: say so once; from now on every step scores in the trainer."""
         if self._pool is None:
             return
+        codes = sorted({p.exitcode for p in self._processes() if p.exitcode is not None})
+        why = f"exit code {', '.join(map(str, codes))}" if codes else str(exc)
+        if -signal.SIGKILL in codes:
+            why += ": killed (the out-of-memory killer?)"
         log.warning(
-            "%s=True: the scoring process stopped (%s); this step and the following ones score in the "
+            "%s=True: a scoring process stopped (%s); this step and the following ones score in the "
             "trainer. If the reward function crashed the interpreter, set %s=False to see its error.",
-            KEY, exc, KEY,
+            KEY, why, KEY,
         )  # fmt: skip
-        pool, self._pool = self._pool, None
-        pool.shutdown(wait=False, cancel_futures=True)
+        self._stop()
 
     def close(self) -> None:
+        """End the workers now: nothing is pending after a finished step, and a batch still being scored
+        after a failed or interrupted one (a hung verifier) is not waited for."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+            self._stop()
+
+    def _processes(self) -> list:
+        return list((getattr(self._pool, "_processes", None) or {}).values())
+
+    def _stop(self) -> None:
+        processes, pool, self._pool = self._processes(), self._pool, None
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+        for p in processes:
+            p.join(timeout=5)

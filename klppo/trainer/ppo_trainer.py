@@ -105,10 +105,12 @@ class PPOTrainer:
         try:
             return self._fit()
         finally:
-            self.monitor.finish(self.state.global_step)  # the summary also when a step failed
-            self.run.trackers.metrics.close()  # flushed also when a step fails (TensorBoard, W&B, …)
-            self.run.roles.reward.close()  # the background scoring process, if any
-            self._stop.restore()
+            try:
+                self.monitor.finish(self.state.global_step)  # the summary also when a step failed
+                self.run.trackers.metrics.close()  # flushed also when a step fails (TensorBoard, W&B, …)
+            finally:
+                self.run.roles.reward.close()  # the background scoring processes, if any
+                self._stop.restore()
 
     def _fit(self) -> TrainerState:
         run, tcfg = self.run, self.cfg.trainer
@@ -203,7 +205,10 @@ class PPOTrainer:
         if run.sampling.greedy is not None:
             with timer.phase("gen_max"):
                 local = with_reward_baselines(run, local, mine, run.sampling.greedy)
-        return local, rollout_stats, run.roles.reward.submit(local)
+        if run.roles.reward.worker is None:
+            return local, rollout_stats, None
+        with timer.phase("reward"):  # the host's share of background scoring: token ids read and sent
+            return local, rollout_stats, run.roles.reward.submit(local)
 
     def _checked_advantages(
         self, batch: Batch, step: int, timer: PhaseTimer

@@ -114,7 +114,7 @@ def test_the_worker_ignores_sigint_and_sigterm_and_a_killed_worker_leaves_scorin
     batch = _batch(tok, ["a", "b", "c"])
     reward = _reward(tmp_path, WHERE_AND_ALARM, background=True)
     try:
-        pid = reward.worker.pid_future.result(timeout=60)
+        pid = reward.worker.pids[0].result(timeout=60)
         os.kill(pid, signal.SIGTERM)
         os.kill(pid, signal.SIGINT)
         time.sleep(0.5)
@@ -132,8 +132,8 @@ def test_the_worker_ignores_sigint_and_sigterm_and_a_killed_worker_leaves_scorin
             assert reward.submit(batch) is None  # from now on: in the step
         assert set(scores.sequence.tolist()) <= {float(pid), float(os.getpid())}
         assert reward.score(batch).sequence.tolist() == [float(os.getpid())] * 3
-        warned = [r.message for r in caplog.records if "scoring process stopped" in r.getMessage()]
-        assert len(warned) == 1
+        warned = [r.getMessage() for r in caplog.records if "scoring process stopped" in r.getMessage()]
+        assert len(warned) == 1 and "exit code -9: killed" in warned[0]
     finally:
         reward.close()
 
@@ -143,7 +143,7 @@ import os, sys
 from klppo.models.tiny import build_tiny_tokenizer
 from klppo.roles.reward import Reward
 reward = Reward(build_tiny_tokenizer(), custom_fn_path=sys.argv[1], background=True)
-print(reward.worker.pid_future.result(timeout=60), flush=True)
+print(reward.worker.pids[0].result(timeout=60), flush=True)
 os._exit(0)  # no shutdown, no atexit: as if killed
 """
 
@@ -186,3 +186,114 @@ def test_several_workers_score_contiguous_slices_in_row_order(tmp_path):
     assert got.texts == want.texts
     torch.testing.assert_close(got.sequence, want.sequence, rtol=0, atol=0)  # extra_info["row"]: the order
     torch.testing.assert_close(got.token_level, want.token_level, rtol=0, atol=0)
+
+
+SLOW_OR_STUCK = """
+import re, time
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    if solution_str == "sleep":
+        time.sleep(120)
+    if solution_str == "regex":  # catastrophic backtracking: minutes in C, the GIL held throughout
+        re.fullmatch(r"(a+)+$", "a" * 64 + "b")
+    return 0.0
+"""
+
+
+def test_close_does_not_wait_for_a_batch_still_being_scored(tmp_path):
+    """After a failed or interrupted step a batch may still be in a worker (a hung verifier): the end of the
+    run kills the workers instead of waiting for it."""
+    import time
+
+    tok = build_tiny_tokenizer()
+    reward = _reward(tmp_path, SLOW_OR_STUCK, background=True)
+    pid = reward.worker.pids[0].result(timeout=60)
+    reward.submit(_batch(tok, ["sleep"]))
+    time.sleep(0.5)
+    start = time.monotonic()
+    reward.close()
+    assert time.monotonic() - start < 10 and not _alive(pid)
+
+
+ORPHAN_BUSY = """
+import os, sys, time
+from klppo.models.tiny import build_tiny_tokenizer
+from klppo.roles.reward import Reward
+from tests.roles.test_reward_async import _batch
+tok = build_tiny_tokenizer()
+reward = Reward(tok, custom_fn_path=sys.argv[1], background=True)
+print(reward.worker.pids[0].result(timeout=60), flush=True)
+reward.submit(_batch(tok, ["regex"]))
+time.sleep(1.0)  # the worker is inside the regex now, holding its GIL
+os._exit(0)
+"""
+
+
+def test_a_trainer_that_dies_while_its_worker_holds_the_gil_leaves_no_scoring_process(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    fn = tmp_path / "fn.py"
+    fn.write_text(SLOW_OR_STUCK)
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", ORPHAN_BUSY, str(fn)], capture_output=True, text=True,
+                         timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, 9)
+        pytest.fail("the scoring process outlived its trainer")
+
+
+RAISES = """
+class VerifierError(Exception):
+    pass
+
+class TwoArgError(Exception):  # does not unpickle: its __init__ takes two arguments
+    def __init__(self, row, why):
+        super().__init__(f"row {row}: {why}")
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    if solution_str == "own":
+        raise VerifierError("cannot parse")
+    if solution_str == "two":
+        raise TwoArgError(3, "cannot parse")
+    return 1.0
+"""
+
+
+def test_the_functions_exceptions_reach_the_reward_phase_and_the_worker_survives_them(tmp_path):
+    from klppo.roles.reward_worker import RewardFunctionError
+
+    tok = build_tiny_tokenizer()
+    reward = _reward(tmp_path, RAISES, background=True)
+    try:
+        with pytest.raises(Exception) as own:
+            reward.submit(_batch(tok, ["own"])).result()
+        assert type(own.value).__name__ == "VerifierError" and "cannot parse" in str(own.value)
+        with pytest.raises(RewardFunctionError, match="TwoArgError: row 3: cannot parse") as two:
+            reward.submit(_batch(tok, ["two"])).result()
+        assert "compute_score" in str(two.value)  # the traceback text of the function's frames
+        assert reward.submit(_batch(tok, ["fine"])).result().sequence.tolist() == [1.0]
+        assert reward.worker.alive
+    finally:
+        reward.close()
+
+
+def test_every_worker_starts_with_the_reward(tmp_path):
+    """A spawn pool starts its processes on demand; the reward asks for all of them at once, so that their
+    imports overlap the trainer's set-up instead of step 1's reward phase."""
+    path = tmp_path / "fn.py"
+    path.write_text(SCORE_BY_TEXT)
+    reward = Reward(build_tiny_tokenizer(), custom_fn_path=str(path), background=True, num_workers=3)
+    try:
+        processes = reward.worker._processes()
+        assert len(processes) == 3
+        [f.result(timeout=60) for f in reward.worker.pids]
+        assert all(p.is_alive() for p in processes)
+    finally:
+        reward.close()
+    assert not any(p.is_alive() for p in processes)

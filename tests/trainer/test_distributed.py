@@ -31,8 +31,23 @@ COMPARED = [
 ]
 
 
+# the built-in GSM8K scorer, and the name of the process that ran it (a background scorer is a SpawnProcess)
+LOGGED_GSM8K = """
+import multiprocessing
+from klppo.rewards.gsm8k import compute_score as gsm8k
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, log=None, **kwargs):
+    with open(log, "a") as f:
+        f.write(f"{multiprocessing.current_process().name} {extra_info['split']}\\n")
+    return gsm8k(solution_str, ground_truth, **kwargs)
+"""
+
+
 def _overrides(model_dir, data, run_dir):
+    fn = run_dir.parent / "logged_gsm8k.py"
+    fn.write_text(LOGGED_GSM8K)
     return base_overrides(model_dir, data, run_dir) + [
+        f"custom_reward_function.path={fn}",
+        f"reward_model.reward_kwargs={{method: flexible, log: {run_dir}.log}}",
         "algorithm.adv_estimator=gae",
         "algorithm.use_kl_in_reward=True",
         "algorithm.kl_ctrl.type=adaptive",
@@ -67,6 +82,10 @@ def test_two_processes_match_one(tiny_model_dir, arithmetic_data, tmp_path):
     ]
     assert main(argv) == 0
     rows_two = read_metrics(two)
+    where = [line.split() for line in (tmp_path / "two.log").read_text().splitlines()]
+    train_where = {name for name, split in where if split == "train"}
+    assert train_where and all(n.startswith("SpawnProcess") for n in train_where)  # scored in the background
+    assert {name for name, split in where if split != "train"} == {"MainProcess"}  # validation: in the step
     assert all(r["perf/world_size"] == 2 for r in rows_two if "perf/world_size" in r)
     assert any("perf/world_size" in r for r in rows_two)
 
