@@ -133,6 +133,8 @@ class ScoringWorker:
         # one task per worker while none is idle yet: all of them start now (a spawn pool starts them on
         # demand), so their imports overlap the set-up, not step 1
         self.pids = [self._pool.submit(_pid) for _ in range(num_workers)]
+        # kept here: the pool forgets its processes once it finds one dead (their exit codes are wanted then)
+        self._spawned = list((getattr(self._pool, "_processes", None) or {}).values())
 
     @property
     def alive(self) -> bool:
@@ -189,7 +191,9 @@ class ScoringWorker:
             self._stop()
 
     def _processes(self) -> list:
-        return list((getattr(self._pool, "_processes", None) or {}).values())
+        """The worker processes: those started with the pool, and any it started since."""
+        current = list((getattr(self._pool, "_processes", None) or {}).values())
+        return self._spawned + [p for p in current if p not in self._spawned]
 
     def _stop(self) -> None:
         processes, pool, self._pool = self._processes(), self._pool, None

@@ -133,7 +133,9 @@ def test_the_worker_ignores_sigint_and_sigterm_and_a_killed_worker_leaves_scorin
         assert set(scores.sequence.tolist()) <= {float(pid), float(os.getpid())}
         assert reward.score(batch).sequence.tolist() == [float(os.getpid())] * 3
         warned = [r.getMessage() for r in caplog.records if "scoring process stopped" in r.getMessage()]
-        assert len(warned) == 1 and "exit code -9: killed" in warned[0]
+        assert len(warned) == 1
+        # the exit code where the process could be waited for (not where SIGCHLD is ignored, as under xdist)
+        assert "exit code -9: killed" in warned[0] or "terminated abruptly" in warned[0]
     finally:
         reward.close()
 
@@ -293,7 +295,8 @@ def test_every_worker_starts_with_the_reward(tmp_path):
         processes = reward.worker._processes()
         assert len(processes) == 3
         [f.result(timeout=60) for f in reward.worker.pids]
-        assert all(p.is_alive() for p in processes)
+        assert all(_alive(p.pid) for p in processes)
     finally:
         reward.close()
-    assert not any(p.is_alive() for p in processes)
+    assert not any(_alive(p.pid) for p in processes)  # by pid: under xdist SIGCHLD is ignored, so
+    # multiprocessing cannot wait for its children and is_alive() stays True
