@@ -16,10 +16,25 @@ from klppo.models.tiny import build_tiny_tokenizer
 from klppo.roles.reward import Reward
 
 SCORE_BY_TEXT = """
-import os
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return (sum(map(ord, solution_str)) % 7) / 6.0 + extra_info["row"]
+"""
+# scores by text and row; raises a ValueError, an exception class of its own, or one that does not unpickle
+SCORE_OR_RAISE = """
+class VerifierError(Exception):
+    pass
+
+class TwoArgError(Exception):  # does not unpickle: its __init__ takes two arguments
+    def __init__(self, row, why):
+        super().__init__(f"row {row}: {why}")
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     if solution_str == "RAISE":
         raise ValueError(f"cannot score row {extra_info['row']}")
+    if solution_str == "own":
+        raise VerifierError("cannot parse")
+    if solution_str == "two":
+        raise TwoArgError(3, "cannot parse")
     return (sum(map(ord, solution_str)) % 7) / 6.0 + extra_info["row"]
 """
 WHERE_AND_ALARM = """
@@ -53,37 +68,71 @@ def _reward(tmp_path: Path, source: str, *, background: bool) -> Reward:
     return Reward(build_tiny_tokenizer(), custom_fn_path=str(path), background=background)
 
 
-def test_background_scores_equal_the_in_step_scores_and_errors_reach_the_reward_phase(tmp_path):
-    tok = build_tiny_tokenizer()
-    batch = _batch(tok, ["12 + 30 = 42", "", "the answer is 7", "9"])
-    sync = _reward(tmp_path, SCORE_BY_TEXT, background=False)
-    background = _reward(tmp_path, SCORE_BY_TEXT, background=True)
-    try:
-        assert sync.submit(batch) is None  # scores in the step
-        want, got = sync.score(batch), background.submit(batch).result()
-        assert got.texts == want.texts and got.texts[0] != ""
-        torch.testing.assert_close(got.sequence, want.sequence, rtol=0, atol=0)
-        torch.testing.assert_close(got.token_level, want.token_level, rtol=0, atol=0)
-        assert want.sequence[3] >= 3  # the row's own extra_info reached the function
-        pending = background.submit(_batch(tok, ["fine", "RAISE"]))
-        with pytest.raises(ValueError, match="cannot score row 1"):
-            pending.result()
-        again = background.submit(batch).result()  # the worker survives a function's error
-        torch.testing.assert_close(again.sequence, want.sequence, rtol=0, atol=0)
-    finally:
-        background.close()
-    assert background.submit(batch) is None  # closed: back to scoring in the step
+@pytest.fixture(scope="module")
+def background(tmp_path_factory):
+    """One background reward of 3 workers shared by the tests that leave it working (spawning costs seconds)."""
+    path = tmp_path_factory.mktemp("fn") / "score_or_raise.py"
+    path.write_text(SCORE_OR_RAISE)
+    reward = Reward(build_tiny_tokenizer(), custom_fn_path=str(path), background=True, num_workers=3)
+    yield reward, Reward(build_tiny_tokenizer(), custom_fn_path=str(path))
+    reward.close()
 
 
-def test_the_worker_is_a_separate_process_where_signal_timeouts_work(tmp_path):
+@pytest.mark.xdist_group("reward_background")
+def test_every_worker_starts_with_the_reward(background):
+    """A spawn pool starts its processes on demand; the reward asks for all of them at once, so that their
+    imports overlap the trainer's set-up instead of step 1's reward phase."""
+    reward, _ = background
+    processes = reward.worker._processes()
+    assert len(processes) == 3
+    [f.result(timeout=60) for f in reward.worker.pids]
+    assert all(_alive(p.pid) for p in processes)
+
+
+@pytest.mark.xdist_group("reward_background")
+def test_background_scores_equal_the_in_step_scores_in_row_order_over_the_workers(background):
+    from klppo.roles.reward_worker import slices
+
+    assert slices(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert slices(2, 4) == [(0, 1), (1, 2)]  # no empty slice
+    assert slices(0, 4) == [(0, 0)]  # an empty batch still gets its (empty) result
+    reward, sync = background
     tok = build_tiny_tokenizer()
-    reward = _reward(tmp_path, WHERE_AND_ALARM, background=True)
-    try:
-        scores = reward.submit(_batch(tok, ["a", "b"])).result()
-    finally:
-        reward.close()
-    pids = set(scores.sequence.tolist())
-    assert len(pids) == 1 and pids != {float(os.getpid())}
+    batch = _batch(tok, ["12 + 30 = 42", "", "the answer is 7", "9", "x", "yy", "zzz"])
+    assert sync.submit(batch) is None  # scores in the step
+    pending = reward.submit(batch)
+    assert len(pending._futures) == 3  # three slices, one per worker
+    want, got = sync.score(batch), pending.result()
+    assert got.texts == want.texts and got.texts[0] != ""
+    torch.testing.assert_close(got.sequence, want.sequence, rtol=0, atol=0)  # extra_info["row"]: the order
+    torch.testing.assert_close(got.token_level, want.token_level, rtol=0, atol=0)
+    assert want.sequence[3] >= 3  # the row's own extra_info reached the function
+
+
+@pytest.mark.xdist_group("reward_background")
+def test_the_functions_exceptions_reach_the_reward_phase_and_the_workers_survive_them(background):
+    from klppo.roles.reward_worker import RewardFunctionError
+
+    reward, _ = background
+    tok = build_tiny_tokenizer()
+    with pytest.raises(ValueError, match="cannot score row 1"):
+        reward.submit(_batch(tok, ["fine", "RAISE"])).result()
+    with pytest.raises(Exception) as own:  # a class from the user's file: pickled by reference
+        reward.submit(_batch(tok, ["own"])).result()
+    assert type(own.value).__name__ == "VerifierError" and "cannot parse" in str(own.value)
+    with pytest.raises(RewardFunctionError, match="TwoArgError: row 3: cannot parse") as two:
+        reward.submit(_batch(tok, ["two"])).result()
+    assert "compute_score" in str(two.value)  # the traceback text of the function's frames
+    fine = reward.submit(_batch(tok, ["fine"])).result().sequence  # and the workers still score
+    assert fine.tolist() == pytest.approx([(sum(map(ord, "fine")) % 7) / 6.0])
+    assert reward.worker.alive
+
+
+def test_a_closed_reward_scores_in_the_step(tmp_path):
+    tok = build_tiny_tokenizer()
+    reward = _reward(tmp_path, SCORE_BY_TEXT, background=True)
+    reward.close()
+    assert reward.submit(_batch(tok, ["a"])) is None
 
 
 def _alive(pid: int) -> bool:
@@ -118,6 +167,7 @@ def test_the_worker_ignores_sigint_and_sigterm_and_a_killed_worker_leaves_scorin
         os.kill(pid, signal.SIGTERM)
         os.kill(pid, signal.SIGINT)
         time.sleep(0.5)
+        assert pid != os.getpid()  # a separate process, where signal.alarm worked (its main thread)
         assert set(reward.submit(batch).result().sequence.tolist()) == {float(pid)}  # still the worker
         pending = reward.submit(batch)
         os.kill(pid, signal.SIGKILL)
@@ -138,56 +188,6 @@ def test_the_worker_ignores_sigint_and_sigterm_and_a_killed_worker_leaves_scorin
         assert "exit code -9: killed" in warned[0] or "terminated abruptly" in warned[0]
     finally:
         reward.close()
-
-
-ORPHAN = """
-import os, sys
-from klppo.models.tiny import build_tiny_tokenizer
-from klppo.roles.reward import Reward
-reward = Reward(build_tiny_tokenizer(), custom_fn_path=sys.argv[1], background=True)
-print(reward.worker.pids[0].result(timeout=60), flush=True)
-os._exit(0)  # no shutdown, no atexit: as if killed
-"""
-
-
-def test_a_trainer_that_dies_outright_leaves_no_scoring_process(tmp_path):
-    import subprocess
-    import sys
-    import time
-
-    fn = tmp_path / "fn.py"
-    fn.write_text(SCORE_BY_TEXT)
-    out = subprocess.run([sys.executable, "-c", ORPHAN, str(fn)], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    pid = int(out.stdout.strip())
-    deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(pid)
-
-
-def test_several_workers_score_contiguous_slices_in_row_order(tmp_path):
-    from klppo.roles.reward_worker import slices
-
-    assert slices(7, 3) == [(0, 3), (3, 5), (5, 7)]
-    assert slices(2, 4) == [(0, 1), (1, 2)]  # no empty slice
-    assert slices(0, 4) == [(0, 0)]  # an empty batch still gets its (empty) result
-    tok = build_tiny_tokenizer()
-    batch = _batch(tok, ["12 + 30 = 42", "", "the answer is 7", "9", "x", "yy", "zzz"])
-    path = tmp_path / "fn.py"
-    path.write_text(SCORE_BY_TEXT)
-    reward = Reward(tok, custom_fn_path=str(path), background=True, num_workers=3)
-    try:
-        pending = reward.submit(batch)
-        assert len(pending._futures) == 3
-        got = pending.result()
-    finally:
-        reward.close()
-    want = Reward(tok, custom_fn_path=str(path)).score(batch)
-    assert got.texts == want.texts
-    torch.testing.assert_close(got.sequence, want.sequence, rtol=0, atol=0)  # extra_info["row"]: the order
-    torch.testing.assert_close(got.token_level, want.token_level, rtol=0, atol=0)
 
 
 SLOW_OR_STUCK = """
@@ -248,55 +248,3 @@ def test_a_trainer_that_dies_while_its_worker_holds_the_gil_leaves_no_scoring_pr
     if _alive(pid):
         os.kill(pid, 9)
         pytest.fail("the scoring process outlived its trainer")
-
-
-RAISES = """
-class VerifierError(Exception):
-    pass
-
-class TwoArgError(Exception):  # does not unpickle: its __init__ takes two arguments
-    def __init__(self, row, why):
-        super().__init__(f"row {row}: {why}")
-
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    if solution_str == "own":
-        raise VerifierError("cannot parse")
-    if solution_str == "two":
-        raise TwoArgError(3, "cannot parse")
-    return 1.0
-"""
-
-
-def test_the_functions_exceptions_reach_the_reward_phase_and_the_worker_survives_them(tmp_path):
-    from klppo.roles.reward_worker import RewardFunctionError
-
-    tok = build_tiny_tokenizer()
-    reward = _reward(tmp_path, RAISES, background=True)
-    try:
-        with pytest.raises(Exception) as own:
-            reward.submit(_batch(tok, ["own"])).result()
-        assert type(own.value).__name__ == "VerifierError" and "cannot parse" in str(own.value)
-        with pytest.raises(RewardFunctionError, match="TwoArgError: row 3: cannot parse") as two:
-            reward.submit(_batch(tok, ["two"])).result()
-        assert "compute_score" in str(two.value)  # the traceback text of the function's frames
-        assert reward.submit(_batch(tok, ["fine"])).result().sequence.tolist() == [1.0]
-        assert reward.worker.alive
-    finally:
-        reward.close()
-
-
-def test_every_worker_starts_with_the_reward(tmp_path):
-    """A spawn pool starts its processes on demand; the reward asks for all of them at once, so that their
-    imports overlap the trainer's set-up instead of step 1's reward phase."""
-    path = tmp_path / "fn.py"
-    path.write_text(SCORE_BY_TEXT)
-    reward = Reward(build_tiny_tokenizer(), custom_fn_path=str(path), background=True, num_workers=3)
-    try:
-        processes = reward.worker._processes()
-        assert len(processes) == 3
-        [f.result(timeout=60) for f in reward.worker.pids]
-        assert all(_alive(p.pid) for p in processes)
-    finally:
-        reward.close()
-    assert not any(_alive(p.pid) for p in processes)  # by pid: under xdist SIGCHLD is ignored, so
-    # multiprocessing cannot wait for its children and is_alive() stays True
