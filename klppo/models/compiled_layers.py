@@ -43,7 +43,12 @@ MIN_TOKEN_BUCKET = 64
 RECOMPILE_LIMIT = 64  # distinct (tokens, sequences, max length, grad mode) shapes per layer class
 # compile_packed_layers' default for dynamic_tokens, until a GPU measurement decides: the environment variable
 # KLPPO_COMPILE_DYNAMIC_TOKENS=1 turns it on for a whole run (bench/learning.py's A/B), ppo_step's switch per variant
-DYNAMIC_TOKENS = os.environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS", "0") == "1"
+DYNAMIC_TOKENS = os.environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS", "0").strip().lower() in (
+    "1",
+    "true",
+    "yes",
+    "on",
+)
 _COMPILED: dict[tuple[type, bool], Any] = {}
 _SUBCLASSES: dict[type, type] = {}
 

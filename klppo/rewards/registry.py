@@ -70,12 +70,20 @@ def load_custom_reward_fn(path: str, name: str = "compute_score") -> Scorer:
     previous = sys.modules.get(module_name)
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
+        fn = _exec_and_get(spec, module, full, name)
+    except Exception:  # the module that worked before stays registered
         if previous is None:
             sys.modules.pop(module_name, None)
         else:
             sys.modules[module_name] = previous
+        raise
+    return fn
+
+
+def _exec_and_get(spec, module, full: str, name: str) -> Scorer:
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
         raise RuntimeError(f"custom_reward_function.path: importing {full} failed: {exc!r}") from exc
     fn = getattr(module, name, None)
     if fn is None:

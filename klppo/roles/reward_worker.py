@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -101,9 +102,12 @@ def _score(
     except Exception as exc:
         try:
             pickle.loads(pickle.dumps(exc))
-        except Exception:
+        except Exception as why:
             detail = "".join(traceback.format_exception(exc))
-            raise RewardFunctionError(f"{type(exc).__qualname__}: {exc}\n{detail}") from None
+            raise RewardFunctionError(
+                f"{type(exc).__qualname__}: {exc}\n(raised as RewardFunctionError: it does not pickle: {why!r})\n"
+                f"{detail}"
+            ) from None
         raise
 
 
@@ -199,7 +203,9 @@ class ScoringWorker:
         processes, pool, self._pool = self._processes(), self._pool, None
         pool.shutdown(wait=False, cancel_futures=True)
         for p in processes:
-            if p.is_alive():
+            # the sentinel is readable once the process has exited, whoever reaped it (is_alive() cannot
+            # tell where SIGCHLD is ignored, and the pid may then belong to another process)
+            if not multiprocessing.connection.wait([p.sentinel], 0):
                 p.kill()
         for p in processes:
             p.join(timeout=5)

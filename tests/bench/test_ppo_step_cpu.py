@@ -87,9 +87,11 @@ def test_prompts_scales_the_batch_and_keeps_the_number_of_mini_batches():
     assert scaled_workload(tiny_workload(WORKLOADS["grpo135m"]), 16).overrides[0].endswith("=16")
 
 
-def test_the_dynamic_tokens_switch_is_on_inside_and_restored_after():
+def test_the_dynamic_tokens_switch_is_on_inside_and_restored_after(monkeypatch):
     from bench.ppo_step import bench_switches, variant_overrides
     from klppo.models import compiled_layers
+
+    monkeypatch.setattr(compiled_layers, "DYNAMIC_TOKENS", False)  # whatever the shell exported
 
     assert variant_overrides("after+dynamic_tokens")[-1] == "@dynamic_tokens=on"
     assert compiled_layers.DYNAMIC_TOKENS is False
