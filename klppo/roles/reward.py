@@ -26,6 +26,12 @@ class Scores(NamedTuple):
     """The decoded responses that were scored."""
 
 
+def response_rows(batch: Batch) -> tuple[list[list[int]], list[int]]:
+    """Each response's token ids cut at its mask, and their lengths (one host read of the batch)."""
+    lengths = batch.response_mask.sum(dim=1).long().tolist()
+    return [ids[:n] for ids, n in zip(batch.responses.tolist(), lengths)], lengths
+
+
 class PendingScores:
     """Scores being computed in the background (:meth:`Reward.submit`); :meth:`result` waits for them, or
     computes them in the step if the worker process died meanwhile."""
@@ -88,8 +94,7 @@ class Reward:
         """Start scoring ``batch`` in the worker process; None when this reward scores in the step."""
         if self.worker is None or not self.worker.alive:
             return None
-        lengths = [int(n) for n in batch.response_mask.sum(dim=1).tolist()]
-        rows = [ids[:n] for ids, n in zip(batch.responses.tolist(), lengths)]
+        rows, lengths = response_rows(batch)
         futures = self.worker.submit(rows, batch.data_source, batch.ground_truth, batch.extra_info, lengths)
         return None if futures is None else PendingScores(futures, self, batch)
 
@@ -100,16 +105,14 @@ class Reward:
             self.worker = None
 
     def decode_responses(self, batch: Batch) -> list[str]:
-        lengths = batch.response_mask.sum(dim=1).long().tolist()
-        rows = [ids[:n] for ids, n in zip(batch.responses.tolist(), lengths)]
-        return decode_batch(self.tokenizer, rows)
+        return decode_batch(self.tokenizer, response_rows(batch)[0])
 
     def score(self, batch: Batch) -> Scores:
-        texts = self.decode_responses(batch)
+        rows, lengths = response_rows(batch)
+        texts = decode_batch(self.tokenizer, rows)
         if self.reward_model is not None:
             seq_scores = self._model_scores(batch, texts)
         else:
-            lengths = [int(n) for n in batch.response_mask.sum(dim=1).tolist()]
             seq_scores = torch.tensor(
                 self.manager.score(texts, batch.data_source, batch.ground_truth, batch.extra_info, lengths),
                 dtype=torch.float32,
