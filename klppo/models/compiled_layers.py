@@ -22,7 +22,7 @@ A candidate, not the default (``compile_packed_layers(model, dynamic_tokens=True
 after+dynamic_tokens`` and ``bench/learning.py``): no padding, the token and sequence dims
 marked dynamic (``maybe_mark_dynamic``, as the rollout engine marks its batch dim), so one graph per grad
 mode serves every micro-batch — no bucket padding (≤ 25%, ≈ 12% on average) and no compilation per new
-bucket (20–33 s of a 300 s SmolLM2 learning run on a cold cache, session 14), against kernels that inductor
+bucket (19–33 s of a 300 s SmolLM2 learning run's first ten steps on a cold cache, session 14), against kernels that inductor
 tunes for a size hint instead of the exact size.
 
 The padding is one extra sequence after the real ones (token id 0, positions from 0) plus zero-length
