@@ -24,7 +24,8 @@ over bucket-padded packed micro-batches; compilation falls in the first, unmeasu
 ``critic.model.use_remove_padding``, and compiled likewise; the ``trl`` critic runs padded otherwise),
 ``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing), ``+traced_attention``
 (packed attention traced into the compiled layers: one compiled region per layer instead of five),
-``+dynamic_tokens`` (the compiled layers unpadded with dynamic token dims: one graph per grad mode).
+``+dynamic_tokens`` (the compiled layers unpadded with dynamic token dims: one graph per grad mode),
+``+async_reward`` (background scoring: ``reward_model.launch_reward_fn_async``).
 E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
 process; the trainer workloads report the median of the steps after the first (which includes warm-up:
 allocator growth, CUDA-graph capture, compilation).
@@ -99,6 +100,9 @@ SETTINGS = {
     # the compiled layers unpadded, token and sequence dims dynamic (klppo.models.compiled_layers.DYNAMIC_TOKENS):
     # one graph per grad mode instead of one per token bucket, no bucket padding; with the `compile` candidate
     "dynamic_tokens": ["@dynamic_tokens=on"],
+    # background scoring (reward_model.launch_reward_fn_async): decoding and the reward function in spawned
+    # workers while the log-prob, reference and value passes run
+    "async_reward": ["reward_model.launch_reward_fn_async=True"],
 }
 
 
