@@ -20,11 +20,11 @@ host copy of the masks, statistics summed on the device: no host sync per micro-
 (``actor_rollout_ref.model.compile_packed_layers``: the actor's and the reference's decoder layers compiled
 over bucket-padded packed micro-batches; compilation falls in the first, unmeasured step), ``one_unit``
 (``wrap_policy.min_num_params`` auto, the default: one FSDP unit per model when one process trains; off:
-0, one unit per decoder layer); and settings that are not candidates: ``+critic_compile`` (the critic packed,
+0, one unit per decoder layer), ``dynamic_tokens`` (the compiled layers unpadded with dynamic token dims,
+one graph per grad mode — the default; off: the static token buckets); and settings that are not candidates: ``+critic_compile`` (the critic packed,
 ``critic.model.use_remove_padding``, and compiled likewise; the ``trl`` critic runs padded otherwise),
 ``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing), ``+traced_attention``
 (packed attention traced into the compiled layers: one compiled region per layer instead of five),
-``+dynamic_tokens`` (the compiled layers unpadded with dynamic token dims: one graph per grad mode),
 ``+async_reward`` (background scoring: ``reward_model.launch_reward_fn_async``).
 E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
 process; the trainer workloads report the median of the steps after the first (which includes warm-up:
@@ -82,6 +82,9 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
         [],
         [f"{r}.fsdp_config.wrap_policy.min_num_params=0" for r in FSDP_ROLES],
     ),
+    # the compiled layers unpadded, token and sequence dims dynamic (the default since session 15; off: the
+    # static token buckets, klppo.models.compiled_layers); with the `compile` candidate
+    "dynamic_tokens": (["@dynamic_tokens=on"], ["@dynamic_tokens=off"]),
     "fused_adamw": (
         [],  # the default on CUDA (klppo.roles.optim.build_optimizer)
         [f"{role}.optim.override_optimizer_config={{fused: false}}" for role in (f"{ARR}.actor", "critic")],
@@ -97,9 +100,6 @@ SETTINGS = {
     # packed attention traced into the compiled layers (klppo.batching.attention.set_traced_packed_attention):
     # one compiled region per layer instead of five; with the compiled layers (the `compile` candidate)
     "traced_attention": ["@traced_attention=on"],
-    # the compiled layers unpadded, token and sequence dims dynamic (klppo.models.compiled_layers.DYNAMIC_TOKENS):
-    # one graph per grad mode instead of one per token bucket, no bucket padding; with the `compile` candidate
-    "dynamic_tokens": ["@dynamic_tokens=on"],
     # background scoring (reward_model.launch_reward_fn_async): decoding and the reward function in spawned
     # workers while the log-prob, reference and value passes run
     "async_reward": ["reward_model.launch_reward_fn_async=True"],
@@ -113,7 +113,8 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     mask (trimming, packing and loss weights read the device masks), every statistic read one by one, and
     transformers' packed-sequence detection in every packed forward.
     ``@traced_attention=on``: packed attention traced into the compiled decoder layers.
-    ``@dynamic_tokens=on``: the compiled layers unpadded, with dynamic token and sequence dims."""
+    ``@dynamic_tokens=on|off``: the compiled layers unpadded with dynamic token and sequence dims, or padded to
+    the static token buckets (neither: the environment's choice, KLPPO_COMPILE_DYNAMIC_TOKENS)."""
     from klppo.batch import Batch
     from klppo.batching import attention, packing
     from klppo.models import compiled_layers
@@ -132,7 +133,8 @@ def bench_switches(items: list[str]) -> Iterator[None]:
             self, {k: float(v) for k, v in stats.items()}, weight=weight
         )
     traced_before, dynamic_before = bool(attention._traced), compiled_layers.DYNAMIC_TOKENS
-    compiled_layers.DYNAMIC_TOKENS = "@dynamic_tokens=on" in items or dynamic_before
+    if "@dynamic_tokens=on" in items or "@dynamic_tokens=off" in items:  # else the environment's choice
+        compiled_layers.DYNAMIC_TOKENS = "@dynamic_tokens=on" in items
     try:
         if "@traced_attention=on" in items:
             attention.set_traced_packed_attention(True)

@@ -93,7 +93,8 @@ class CriticModelConfig:
     compile_packed_layers: bool = F(
         False,
         "[klppo] torch.compile the critic's decoder layers for packed forwards (values and update), "
-        "micro-batches padded to bucket sizes; needs use_remove_padding, not with Ulysses.",
+        "dynamic token dims (KLPPO_COMPILE_DYNAMIC_TOKENS=0: static token buckets); needs use_remove_padding, "
+        "not with Ulysses.",
     )
     fsdp_config: FSDPConfig = F(FSDPConfig, "FSDP2 sharding of the critic.")
     lora_rank: int = F(0, "LoRA rank; 0 = full fine-tuning.")

@@ -70,8 +70,8 @@ class ModelConfig:
     compile_packed_layers: bool = F(
         False,
         "[klppo] torch.compile the decoder layers for packed forwards (actor and reference: log-probs and "
-        "update), each packed micro-batch padded to a bucket size so compiled graphs are reused; needs "
-        "use_remove_padding, not with Ulysses (klppo.models.compiled_layers).",
+        "update) with dynamic token dims, one graph per grad mode (KLPPO_COMPILE_DYNAMIC_TOKENS=0: padded to "
+        "static token buckets); needs use_remove_padding, not with Ulysses (klppo.models.compiled_layers).",
     )
     trust_remote_code: bool = F(False, "Allow model code from the model directory.")
     hf_config_path: str | None = F(

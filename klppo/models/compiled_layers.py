@@ -9,21 +9,21 @@ forward only: FSDP2's hooks and gradient checkpointing stay around it, eager. On
 layer class serves all layers of the model (and the reference's copy): the layers differ only by their
 parameters, which are inputs of the graph.
 
-Shapes are static (``dynamic=False``): a packed micro-batch of ``T`` real tokens is padded up by
-:func:`pad_packed_call` to a bucket of :func:`token_bucket` (``T`` rounded up to its 3 leading bits: 4, 5,
-6 or 7 × 2^k, at most 25% padding, four sizes per octave), ``cu_seq_lens`` to a power-of-two number of
-sequences, and the longest-sequence bound to a power of two. A workload's micro-batches then fall into a
-few shapes, each compiled once (forward and backward) and reused; static shapes also let inductor pick its
-kernels for the size. Symbolic shapes (``mark_dynamic``) would compile once but give every kernel a
-runtime size and still specialise on ``max_length``; the buckets keep the guards simple.
+By default the token and sequence dims are dynamic: a packed micro-batch runs unpadded, its token dim
+(hidden states, positions, rotary cos/sin) and ``cu_seq_lens`` marked dynamic (``maybe_mark_dynamic``, as
+the rollout engine marks its batch dim), so one graph per grad mode serves every micro-batch after the
+first two shapes (the second turns the changed sizes symbolic). Measured on one H200 (session 15,
+bench/RESULTS.md): the SmolLM2-135M learning shape (2,048 samples, 65,536-token budgets) 11.5% and 9.2% less
+per step than the buckets below, in both orders (actor update −11…−14%, reference −12%); the TRL workload
+(fixed 16 × 512-token micro-batches, which the buckets never pad) equal within noise (2.544 against 2.585 s).
 
-A candidate, not the default (``compile_packed_layers(model, dynamic_tokens=True)``, or
-``KLPPO_COMPILE_DYNAMIC_TOKENS=1`` in the environment; to measure with ``bench/ppo_step.py --variants after
-after+dynamic_tokens`` and ``bench/learning.py``): no padding, the token and sequence dims
-marked dynamic (``maybe_mark_dynamic``, as the rollout engine marks its batch dim), so one graph per grad
-mode serves every micro-batch — no bucket padding (≤ 25%, ≈ 12% on average) and no compilation per new
-bucket (19–33 s of a 300 s SmolLM2 learning run's first ten steps on a cold cache, session 14), against kernels that inductor
-tunes for a size hint instead of the exact size.
+``KLPPO_COMPILE_DYNAMIC_TOKENS=0`` (or ``compile_packed_layers(model, dynamic_tokens=False)``) selects the
+static buckets instead: a packed micro-batch of ``T`` real tokens is padded up by :func:`pad_packed_call` to
+a bucket of :func:`token_bucket` (``T`` rounded up to its 3 leading bits: 4, 5, 6 or 7 × 2^k, at most 25%
+padding, four sizes per octave), ``cu_seq_lens`` to a power-of-two number of sequences, and the
+longest-sequence bound to a power of two; each bucket is compiled once (forward and backward, exact sizes
+for inductor's kernel choice) — and each new bucket costs a compilation (19–33 s of a 300 s SmolLM2 learning
+run's first ten steps on a cold cache, session 14).
 
 The padding is one extra sequence after the real ones (token id 0, positions from 0) plus zero-length
 sequences: attention is block-diagonal over ``cu_seq_lens``, every other op of a layer is per token, so
@@ -41,14 +41,27 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 MIN_TOKEN_BUCKET = 64
 RECOMPILE_LIMIT = 64  # distinct (tokens, sequences, max length, grad mode) shapes per layer class
-# compile_packed_layers' default for dynamic_tokens, until a GPU measurement decides: the environment variable
-# KLPPO_COMPILE_DYNAMIC_TOKENS=1 turns it on for a whole run (bench/learning.py's A/B), ppo_step's switch per variant
-DYNAMIC_TOKENS = os.environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS", "0").strip().lower() in (
-    "1",
-    "true",
-    "yes",
-    "on",
-)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def dynamic_tokens_from_env(environ: Any = os.environ) -> bool:
+    """``KLPPO_COMPILE_DYNAMIC_TOKENS``: unset → dynamic token dims (the default since session 15's
+    measurement); ``0/false/no/off`` → the static buckets; ``1/true/yes/on`` → dynamic; anything else is an
+    error naming the variable."""
+    raw = environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS")
+    if raw is None or raw.strip().lower() in _TRUE:
+        return True
+    if raw.strip().lower() in _FALSE:
+        return False
+    raise ValueError(
+        f"KLPPO_COMPILE_DYNAMIC_TOKENS={raw!r}: expected 1/true/yes/on (dynamic token dims, the default) or "
+        "0/false/no/off (the static token buckets)"
+    )
+
+
+# compile_packed_layers' default for dynamic_tokens (None: read KLPPO_COMPILE_DYNAMIC_TOKENS when a model is
+# compiled); bench/ppo_step.py's dynamic_tokens switch sets it per variant
+DYNAMIC_TOKENS: bool | None = None
 _COMPILED: dict[tuple[type, bool], Any] = {}
 _SUBCLASSES: dict[type, type] = {}
 
@@ -96,9 +109,12 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def compile_packed_layers(model: torch.nn.Module, dynamic_tokens: bool | None = None) -> int:
     """Compile ``model``'s decoder layers for packed calls (module docstring); returns how many. Raises
-    ValueError when the model has none (the key names it). ``dynamic_tokens`` (default
-    :data:`DYNAMIC_TOKENS`): unpadded calls with dynamic token and sequence dims instead of the buckets."""
-    dynamic = DYNAMIC_TOKENS if dynamic_tokens is None else dynamic_tokens
+    ValueError when the model has none (the key names it). ``dynamic_tokens`` (default: :data:`DYNAMIC_TOKENS`,
+    else the environment, :func:`dynamic_tokens_from_env`): unpadded calls with dynamic token and sequence
+    dims; False: the static token buckets."""
+    if dynamic_tokens is None:
+        dynamic_tokens = DYNAMIC_TOKENS if DYNAMIC_TOKENS is not None else dynamic_tokens_from_env()
+    dynamic = bool(dynamic_tokens)
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(

@@ -91,11 +91,14 @@ def test_the_dynamic_tokens_switch_is_on_inside_and_restored_after(monkeypatch):
     from bench.ppo_step import bench_switches, variant_overrides
     from klppo.models import compiled_layers
 
-    monkeypatch.setattr(compiled_layers, "DYNAMIC_TOKENS", False)  # whatever the shell exported
+    monkeypatch.setattr(compiled_layers, "DYNAMIC_TOKENS", None)  # the environment decides outside a switch
 
-    assert variant_overrides("after+dynamic_tokens")[-1] == "@dynamic_tokens=on"
-    assert compiled_layers.DYNAMIC_TOKENS is False
-    with pytest.raises(RuntimeError), bench_switches(["@dynamic_tokens=on"]):
-        assert compiled_layers.DYNAMIC_TOKENS is True
-        raise RuntimeError("a variant fails")
-    assert compiled_layers.DYNAMIC_TOKENS is False
+    assert "@dynamic_tokens=on" in variant_overrides("after")  # a candidate, on by default
+    assert "@dynamic_tokens=off" in variant_overrides("after-dynamic_tokens")
+    assert "@dynamic_tokens=off" in variant_overrides("before")
+    assert "@dynamic_tokens=on" in variant_overrides("before+dynamic_tokens")
+    for items, inside in ((["@dynamic_tokens=on"], True), (["@dynamic_tokens=off"], False), ([], None)):
+        with pytest.raises(RuntimeError), bench_switches(items):
+            assert compiled_layers.DYNAMIC_TOKENS is inside
+            raise RuntimeError("a variant fails")
+        assert compiled_layers.DYNAMIC_TOKENS is None

@@ -106,8 +106,12 @@ def test_compiled_layers_equal_eager():
     assert all(getattr(layer, "klppo_compiled", False) for layer in decoder_layers(policy))
 
 
-def test_config_checks_and_roles_build(tmp_path):
+def test_config_checks_and_roles_build(tmp_path, monkeypatch):
     from klppo.config import load_config
+    from klppo.models import compiled_layers
+
+    monkeypatch.setattr(compiled_layers, "DYNAMIC_TOKENS", None)  # the environment decides
+    monkeypatch.delenv("KLPPO_COMPILE_DYNAMIC_TOKENS", raising=False)
     from klppo.config.errors import ConfigError
 
     key = "actor_rollout_ref.model.compile_packed_layers=True"
@@ -123,10 +127,25 @@ def test_config_checks_and_roles_build(tmp_path):
     from klppo.trainer.roles_build import load_policy_model
 
     path = save_tiny_model_dir(tmp_path / "tiny")
-    model = load_policy_model(
-        cfg.actor_rollout_ref.model, str(path), torch.float32, torch.device("cpu"), train=True
-    )
-    assert model.klppo_packed_buckets and len(decoder_layers(model)) == 2
+
+    def load():
+        return load_policy_model(
+            cfg.actor_rollout_ref.model, str(path), torch.float32, torch.device("cpu"), train=True
+        )
+
+    model = load()  # the default: dynamic token dims, no padding to the buckets
+    assert not model.klppo_packed_buckets and len(decoder_layers(model)) == 2
+    assert all(layer.klppo_dynamic_tokens for layer in decoder_layers(model))
+    monkeypatch.setenv("KLPPO_COMPILE_DYNAMIC_TOKENS", " Off")
+    model = load()  # the static buckets
+    assert model.klppo_packed_buckets and not any(layer.klppo_dynamic_tokens for layer in decoder_layers(model))
+    monkeypatch.setenv("KLPPO_COMPILE_DYNAMIC_TOKENS", "yes")
+    assert not load().klppo_packed_buckets
+    # a value that is neither: refused at load, naming the variable and the key, before any model is built
+    monkeypatch.setenv("KLPPO_COMPILE_DYNAMIC_TOKENS", "2")
+    with pytest.raises(ConfigError, match=r"compile_packed_layers=True: KLPPO_COMPILE_DYNAMIC_TOKENS='2'"):
+        load_config([key])
+    load_config([])  # not compiling: the variable is not read
 
 
 def test_traced_attention_compiles_each_layer_whole_with_the_same_results():
