@@ -378,7 +378,7 @@ def _compiled_layers(cfg: KLPPOConfig) -> None:
         if sp > 1:
             raise ConfigError(f"{prefix}.compile_packed_layers=True is not built with Ulysses sequence "
                               f"parallelism (ulysses_sequence_parallel_size={sp}); set it to False")  # fmt: skip
-        from klppo.models.compiled_layers import dynamic_tokens_from_env  # torch: only when asked
+        from klppo.models.compiled_layers import dynamic_tokens_from_env  # noqa: PLC0415  torch: only when compiling
 
         try:  # a wrong value of the switch is said at load, not when the first model is compiled
             dynamic_tokens_from_env()

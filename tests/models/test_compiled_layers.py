@@ -138,7 +138,9 @@ def test_config_checks_and_roles_build(tmp_path, monkeypatch):
     assert all(layer.klppo_dynamic_tokens for layer in decoder_layers(model))
     monkeypatch.setenv("KLPPO_COMPILE_DYNAMIC_TOKENS", " Off")
     model = load()  # the static buckets
-    assert model.klppo_packed_buckets and not any(layer.klppo_dynamic_tokens for layer in decoder_layers(model))
+    assert model.klppo_packed_buckets and not any(
+        layer.klppo_dynamic_tokens for layer in decoder_layers(model)
+    )
     monkeypatch.setenv("KLPPO_COMPILE_DYNAMIC_TOKENS", "yes")
     assert not load().klppo_packed_buckets
     # a value that is neither: refused at load, naming the variable and the key, before any model is built
