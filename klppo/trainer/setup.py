@@ -17,7 +17,12 @@ from transformers import AutoConfig
 from klppo.algorithms.advantages import get_advantage_estimator
 from klppo.algorithms.kl_control import KLController, make_kl_controller
 from klppo.config import KLPPOConfig, config_to_yaml, derive_sizes
-from klppo.config.checks import compiled_layers_advice, critic_budget_advice, tp_rollout_unbuilt
+from klppo.config.checks import (
+    background_scoring_advice,
+    compiled_layers_advice,
+    critic_budget_advice,
+    tp_rollout_unbuilt,
+)
 from klppo.config.schema import KLControlConfig
 from klppo.config.schema_arr import KLLossControlConfig
 from klppo.config.sizes import Sizes
@@ -169,7 +174,10 @@ def _before_weights(
                  rollout_seqs=sizes.samples_per_rank if could_keep_workspace(cfg, hf_config) else None)  # fmt: skip
     critic_tokens = (sizes.critic_mini_batch_samples_per_rank or 0) * workload.seq_len
     critic_advice = critic_budget_advice(cfg, critic_mini_batch_tokens=critic_tokens)
-    for line in [*compiled_layers_advice(cfg), *filter(None, [critic_advice])]:
+    for line in [
+        *compiled_layers_advice(cfg),
+        *filter(None, [critic_advice, background_scoring_advice(cfg)]),
+    ]:
         log.info("advice: %s", line)
     if compiled is not None and not rollout.enforce_eager:
         _start_precompile(cfg, hf_config, device, compiled)

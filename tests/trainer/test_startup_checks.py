@@ -213,6 +213,18 @@ def test_compiled_layers_are_advised_where_they_could_run_and_only_there():
     assert advice(*gae[:-2], "actor_rollout_ref.model.compile_packed_layers=True") == []  # critic unpacked
 
 
+def test_background_scoring_is_advised_where_reward_functions_score_in_the_step():
+    """verl's default (the reward function in the step) gets the key named with its measurement; not when
+    it is set, not with a reward model (which scores on the device in the step)."""
+    from klppo.config.checks import background_scoring_advice
+
+    line = background_scoring_advice(load_config([], **Q))
+    assert line.startswith("reward_model.launch_reward_fn_async=True decodes") and "0.105 -> 0.020 s" in line
+    assert background_scoring_advice(load_config(["reward_model.launch_reward_fn_async=True"], **Q)) is None
+    rm = ["reward_model.enable=True", "reward_model.model.path=/some/rm"]
+    assert background_scoring_advice(load_config(rm, **Q)) is None
+
+
 def test_the_critic_is_advised_the_actors_token_budget_where_it_cuts_its_mini_batch_finer():
     """GAE with token budgets: a critic budget under the actor's, over which its mini-batch runs as several
     micro-batches, gets the actor's budget advised; not when equal or larger, not when one micro-batch

@@ -247,6 +247,7 @@ def test_the_gpu_preflight_runs_end_to_end_and_logs_its_advice(monkeypatch, tmp_
         logger.setLevel(level)
     assert any(line.startswith("predicted peak memory per GPU") for line in records.lines)
     advice = [line for line in records.lines if line.startswith("advice:")]
-    assert len(advice) == 3, advice
+    assert len(advice) == 4, advice
     assert "ppo_max_token_len_per_gpu=" in advice[0] and "2048 sequences × 256 positions" in advice[1]
     assert advice[2].startswith("advice: actor_rollout_ref.model.compile_packed_layers=True")
+    assert advice[3].startswith("advice: reward_model.launch_reward_fn_async=True")  # verl's default: off
