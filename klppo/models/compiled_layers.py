@@ -14,16 +14,17 @@ By default the token and sequence dims are dynamic: a packed micro-batch runs un
 the rollout engine marks its batch dim), so one graph per grad mode serves every micro-batch after the
 first two shapes (the second turns the changed sizes symbolic). Measured on one H200 (session 15,
 bench/RESULTS.md): the SmolLM2-135M learning shape (2,048 samples, 65,536-token budgets) 11.5% and 9.2% less
-per step than the buckets below, in both orders (actor update −11…−14%, reference −12%); the TRL workload
-(fixed 16 × 512-token micro-batches, which the buckets never pad) equal within noise (2.544 against 2.585 s).
+per step than the buckets below, in both orders (actor update −10.5% and −13.8%, reference −11.5% and
+−12.6%); the TRL workload (fixed 16 × 512-token micro-batches, which the buckets never pad) equal within
+noise (2.544 against 2.585 s). The compile time of a run's first steps was not smaller than the buckets'
+(GAE learning runs: 10–17 s above the median in the first ten steps, against 7–33 s).
 
 ``KLPPO_COMPILE_DYNAMIC_TOKENS=0`` (or ``compile_packed_layers(model, dynamic_tokens=False)``) selects the
 static buckets instead: a packed micro-batch of ``T`` real tokens is padded up by :func:`pad_packed_call` to
 a bucket of :func:`token_bucket` (``T`` rounded up to its 3 leading bits: 4, 5, 6 or 7 × 2^k, at most 25%
 padding, four sizes per octave), ``cu_seq_lens`` to a power-of-two number of sequences, and the
 longest-sequence bound to a power of two; each bucket is compiled once (forward and backward, exact sizes
-for inductor's kernel choice) — and each new bucket costs a compilation (19–33 s of a 300 s SmolLM2 learning
-run's first ten steps on a cold cache, session 14).
+for inductor's kernel choice), each new bucket one more compilation.
 
 The padding is one extra sequence after the real ones (token id 0, positions from 0) plus zero-length
 sequences: attention is block-diagonal over ``cu_seq_lens``, every other op of a layer is per token, so
