@@ -18,10 +18,12 @@ pass), ``fused_head`` (``model.use_fused_kernels``: chunked log-prob/entropy fro
 ``fused_adamw`` (fused AdamW on CUDA), ``host_plan`` (micro-batches trimmed, packed and weighted from a
 host copy of the masks, statistics summed on the device: no host sync per micro-batch), ``compile``
 (``actor_rollout_ref.model.compile_packed_layers``: the actor's and the reference's decoder layers compiled
-over bucket-padded packed micro-batches; compilation falls in the first, unmeasured step), ``one_unit``
+over the packed micro-batches, their token dims as the ``dynamic_tokens`` candidate says; compilation falls
+in the first, unmeasured step), ``one_unit``
 (``wrap_policy.min_num_params`` auto, the default: one FSDP unit per model when one process trains; off:
 0, one unit per decoder layer), ``dynamic_tokens`` (the compiled layers unpadded with dynamic token dims,
-one graph per grad mode — the default; off: the static token buckets); and settings that are not candidates: ``+critic_compile`` (the critic packed,
+one graph per grad mode — the default; off: the static token buckets; every variant sets it, whatever
+``KLPPO_COMPILE_DYNAMIC_TOKENS`` says: A/B them as ``after-dynamic_tokens after``); and settings that are not candidates: ``+critic_compile`` (the critic packed,
 ``critic.model.use_remove_padding``, and compiled likewise; the ``trl`` critic runs padded otherwise),
 ``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing), ``+traced_attention``
 (packed attention traced into the compiled layers: one compiled region per layer instead of five),
@@ -47,6 +49,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import re
 import statistics
 import tempfile
@@ -666,6 +669,9 @@ def main() -> None:
     if args.prompts:
         w = scaled_workload(w, args.prompts)
     variants = {name: variant_overrides(name) for name in args.variants}  # bad names fail before any work
+    if os.environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS", "").strip():
+        print("note: KLPPO_COMPILE_DYNAMIC_TOKENS is not read here: each variant sets the token dims itself "
+              "(the dynamic_tokens candidate: on in after, off in before)")  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="klppo_bench_"))
     dtype = torch.bfloat16 if args.workload == "update15b" and not args.tiny else torch.float32
     model_dir = make_model_dir(root, w.shape, w.arch, dtype)

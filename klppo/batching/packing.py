@@ -10,8 +10,9 @@ at each sequence (gathered from the padded position ids), ``cu_seqlens`` [B+1] s
 ``indices`` [T] (flat positions in ``B × L``) to scatter per-token results back. The attention is
 block-diagonal causal (see :mod:`klppo.batching.attention`), so each sequence sees exactly the tokens it
 sees in the padded forward and results agree up to float rounding. A model whose decoder layers are
-compiled (:mod:`klppo.models.compiled_layers`) gets its packed row padded to a bucket size at the call
-(one more sequence, never read).
+compiled (:mod:`klppo.models.compiled_layers`) runs its packed row unpadded (dynamic token dims, the
+default) or, with ``KLPPO_COMPILE_DYNAMIC_TOKENS=0``, padded to a bucket size at the call (one more
+sequence, never read).
 
 Both paths return zeros at masked response positions. Log-probs and entropy are float32 (logits are
 upcast before the softmax); gradients flow through them.
@@ -211,7 +212,8 @@ def _check_attention(model: torch.nn.Module) -> None:
 
 def _packed_call(model: torch.nn.Module, kwargs: dict) -> dict:
     """A packed forward's keyword arguments as ``model`` runs them: padded to the compiled layers' buckets
-    (:func:`klppo.models.compiled_layers.pad_packed_call`), and with the klppo_packed attention an empty
+    where the model uses them (:func:`klppo.models.compiled_layers.pad_packed_call`; not with the default
+    dynamic token dims), and with the klppo_packed attention an empty
     4-D ``attention_mask``, which transformers passes through as "prepared" (its packed-sequence detection
     from ``position_ids`` reads one device scalar per forward); the attention reads ``cu_seq_lens`` only."""
     kwargs = pad_packed_call(model, kwargs)

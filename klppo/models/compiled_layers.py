@@ -46,11 +46,11 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def dynamic_tokens_from_env(environ: Any = os.environ) -> bool:
-    """``KLPPO_COMPILE_DYNAMIC_TOKENS``: unset → dynamic token dims (the default since session 15's
+    """``KLPPO_COMPILE_DYNAMIC_TOKENS``: unset or empty → dynamic token dims (the default since session 15's
     measurement); ``0/false/no/off`` → the static buckets; ``1/true/yes/on`` → dynamic; anything else is an
     error naming the variable."""
     raw = environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS")
-    if raw is None or raw.strip().lower() in _TRUE:
+    if raw is None or not raw.strip() or raw.strip().lower() in _TRUE:  # empty: as unset
         return True
     if raw.strip().lower() in _FALSE:
         return False

@@ -76,6 +76,7 @@ def test_ramp_recipes_are_the_measured_settings(example, setting):
     assert arr_r.actor == arr_m.actor
     assert arr_r.rollout == arr_m.rollout
     assert arr_r.model == arr_m.model
+    assert arr_r.ref == arr_m.ref
     if measured.algorithm.adv_estimator == "gae":  # GRPO builds no critic: its section is not read
         assert recipe.critic == measured.critic
     assert recipe.algorithm == measured.algorithm

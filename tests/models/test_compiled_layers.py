@@ -1,6 +1,7 @@
-"""Compiled decoder layers over bucket-padded packed rows (klppo.models.compiled_layers): log-probs, entropy,
-values and gradients equal the eager unpadded ones (fp32, 1e-5); the padding changes nothing; padded and
-generation calls stay eager; the config key is checked and applied."""
+"""Compiled decoder layers over packed rows (klppo.models.compiled_layers), padded to the static token buckets
+or unpadded with dynamic token dims (the default): log-probs, entropy, values and gradients equal the eager
+unpadded ones (fp32, 1e-5); the padding changes nothing; padded and generation calls stay eager; the config
+key and the KLPPO_COMPILE_DYNAMIC_TOKENS switch are checked and applied."""
 
 from __future__ import annotations
 
@@ -141,8 +142,9 @@ def test_config_checks_and_roles_build(tmp_path, monkeypatch):
     assert model.klppo_packed_buckets and not any(
         layer.klppo_dynamic_tokens for layer in decoder_layers(model)
     )
-    monkeypatch.setenv("KLPPO_COMPILE_DYNAMIC_TOKENS", "yes")
-    assert not load().klppo_packed_buckets
+    for unset_or_on in ("yes", "", "  "):  # an empty value reads as unset
+        monkeypatch.setenv("KLPPO_COMPILE_DYNAMIC_TOKENS", unset_or_on)
+        assert not load().klppo_packed_buckets
     # a value that is neither: refused at load, naming the variable and the key, before any model is built
     monkeypatch.setenv("KLPPO_COMPILE_DYNAMIC_TOKENS", "2")
     with pytest.raises(ConfigError, match=r"compile_packed_layers=True: KLPPO_COMPILE_DYNAMIC_TOKENS='2'"):
