@@ -284,3 +284,27 @@ def test_dynamic_tokens_compile_once_for_every_micro_batch_size_with_the_eager_r
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] > 0
     assert graphs[-1] == graphs[1]  # the third and fourth shapes: no new graph
+
+
+@pytest.mark.slow
+def test_dynamic_tokens_under_gradient_checkpointing_equal_eager():
+    """verl's default enable_gradient_checkpointing=True with the compiled layers (dynamic token dims, the
+    default): the checkpointed layer's recomputation in backward runs the compiled code again; log-probs,
+    entropy and gradients equal the eager checkpointed model's (fp32, 1e-5), and a third shape compiles
+    nothing new."""
+    torch.set_num_threads(1)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    eager_policy, policy = _policy(), _policy()
+    for m in (eager_policy, policy):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    compile_packed_layers(policy, dynamic_tokens=True)
+    graphs = []
+    for lengths in ([11, 9, 7, 10], [10, 8], [6, 11, 11, 9, 8]):
+        want, got = _run_lengths(eager_policy, lengths), _run_lengths(policy, lengths)
+        for a, b in zip(want, got, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[2] == graphs[1]
