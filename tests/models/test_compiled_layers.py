@@ -255,7 +255,7 @@ def _run_lengths(policy, lengths: list[int]):
     lp, ent = forward_log_probs(policy, ids, mask, None, response_length=R, use_remove_padding=True,
                                 calculate_entropy=True, host_mask=mask.bool().numpy())  # fmt: skip
     (lp.sum() + 0.1 * ent.sum()).backward()
-    out = [lp.detach(), ent.detach(), *(p.grad.clone() for p in policy.parameters())]
+    out = [lp.detach(), ent.detach(), *(p.grad.clone() for p in policy.parameters() if p.requires_grad)]
     policy.zero_grad()
     return out
 
@@ -287,23 +287,37 @@ def test_dynamic_tokens_compile_once_for_every_micro_batch_size_with_the_eager_r
 
 
 @pytest.mark.slow
-def test_dynamic_tokens_under_gradient_checkpointing_equal_eager():
-    """verl's default enable_gradient_checkpointing=True with the compiled layers (dynamic token dims, the
-    default): the checkpointed layer's recomputation in backward runs the compiled code again; log-probs,
-    entropy and gradients equal the eager checkpointed model's (fp32, 1e-5), and a third shape compiles
-    nothing new."""
-    torch.set_num_threads(1)
+def test_dynamic_tokens_with_lora_and_gradient_checkpointing_equal_eager():
+    """The compiled layers (dynamic token dims, the default) under verl's default
+    enable_gradient_checkpointing=True and with LoRA adapters on every linear (peft wraps the modules inside
+    the compiled layers; compile comes first, as roles_build does): the checkpointed recomputation in
+    backward runs the compiled code again, and log-probs, entropy and the adapters' gradients equal the
+    eager model's with the same adapters (fp32, 1e-5); a third shape compiles nothing new."""
+    pytest.importorskip("peft")
     from torch._dynamo.utils import counters
 
+    from klppo.models.lora import apply_lora
+
+    torch.set_num_threads(1)
     torch._dynamo.reset()
-    eager_policy, policy = _policy(), _policy()
-    for m in (eager_policy, policy):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        m.train()
-    compile_packed_layers(policy, dynamic_tokens=True)
+    models = []
+    for compiled in (False, True):
+        model = _policy()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        if compiled:
+            compile_packed_layers(model, dynamic_tokens=True)
+        model = apply_lora(model, rank=4, alpha=8, target_modules="all-linear")
+        g = torch.Generator().manual_seed(3)  # the same non-zero adapters in both (B = 0 would hide them)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        models.append(model)
     graphs = []
     for lengths in ([11, 9, 7, 10], [10, 8], [6, 11, 11, 9, 8]):
-        want, got = _run_lengths(eager_policy, lengths), _run_lengths(policy, lengths)
+        want, got = _run_lengths(models[0], lengths), _run_lengths(models[1], lengths)
+        assert len(want) == 2 + 2 * 2 * 7  # log-probs, entropy, A and B of 7 linears in each of 2 layers
         for a, b in zip(want, got, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         graphs.append(counters["stats"]["unique_graphs"])
