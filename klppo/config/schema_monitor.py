@@ -112,8 +112,16 @@ class DriftConfig:
     enable: bool = F(
         True, "Warn (console, events.jsonl, monitor/drift/*) when a watched value leaves its range."
     )
-    adv_std_low: float = F(0.8, "Advantage std below this warns (critic/advantages/std).")
-    adv_std_high: float = F(1.2, "Advantage std above this warns.")
+    adv_std_low: float | None = F(
+        None,
+        "critic/advantages/std below this warns; null: 0.8 where the estimator whitens the advantages over the "
+        "batch (gae, reinforce_plus_plus, reinforce_plus_plus_baseline: std 1 by construction), not watched "
+        "for the others (grpo's std follows the share of equal-score groups: monitor.learning_signal).",
+    )
+    adv_std_high: float | None = F(
+        None,
+        "critic/advantages/std above this warns; null: 1.2 where the estimator whitens, else not watched.",
+    )
     max_grad_norm: float = F(1.0, "actor/grad_norm (before clipping) above this warns.")
     max_log_prob_gap: float = F(0.1, "rollout/log_prob_diff (|rollout − actor| log-prob) above this warns.")
     min_gpu_util: float = F(85.0, "perf/gpu_util (percent, GPU with nvidia-ml-py) below this warns.")
@@ -184,7 +192,8 @@ def check_monitor(m: MonitorConfig) -> None:
         raise ConfigError(f"monitor.oom_recovery.max_retries={m.oom_recovery.max_retries}: must be ≥ 0")
     if m.kl_early_stop.target_kl is not None and not m.kl_early_stop.target_kl > 0:
         raise ConfigError(f"monitor.kl_early_stop.target_kl={m.kl_early_stop.target_kl}: must be > 0 or null")
-    if m.drift.adv_std_low > m.drift.adv_std_high:
+    low, high = m.drift.adv_std_low, m.drift.adv_std_high
+    if low is not None and high is not None and low > high:
         raise ConfigError(
             f"monitor.drift.adv_std_low={m.drift.adv_std_low} > adv_std_high={m.drift.adv_std_high}"
         )

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from klppo.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from klppo.algorithms.kl_control import TargetSchedule
 from klppo.config.checks import ZERO_EQUAL_GROUP_ESTIMATORS
 from klppo.config.schema_monitor import (
@@ -286,19 +287,26 @@ def _where_equal_groups_score(metrics: dict[str, float]) -> str:
 
 
 class Drift(Rule):
-    """Warnings only, once when a value leaves its range (again after it came back)."""
+    """Warnings only, once when a value leaves its range (again after it came back). ``whitened``: the
+    advantage estimator whitens over the batch, so ``adv_std_low/high`` left null mean 0.8 / 1.2; otherwise
+    null leaves the advantage std unwatched (a set bound applies to any estimator)."""
 
     name = "drift"
 
-    def __init__(self, cfg: DriftConfig) -> None:
+    def __init__(self, cfg: DriftConfig, *, whitened: bool = True) -> None:
         self.cfg = cfg
         self.outside: dict[str, bool] = {}
+        default_low, default_high = (0.8, 1.2) if whitened else (None, None)
+        self.adv_std = (
+            default_low if cfg.adv_std_low is None else cfg.adv_std_low,
+            default_high if cfg.adv_std_high is None else cfg.adv_std_high,
+        )
 
     def _ranges(self) -> list[tuple[str, str, float | None, float | None]]:
         """(name, metric, lowest fine value or None, highest or None)."""
         c = self.cfg
         return [
-            ("adv_std", "critic/advantages/std", c.adv_std_low, c.adv_std_high),
+            ("adv_std", "critic/advantages/std", *self.adv_std),
             ("grad_norm", "actor/grad_norm", None, c.max_grad_norm),
             ("log_prob_gap", "rollout/log_prob_diff", None, c.max_log_prob_gap),
             ("gpu_util", "perf/gpu_util", c.min_gpu_util, None),
@@ -309,8 +317,8 @@ class Drift(Rule):
         actions = []
         for name, key, low, high in self._ranges():
             value = _finite(metrics, key)
-            if value is None:  # not measured this step (no critic, CPU, not a profiled step): state kept
-                continue
+            if value is None or (low is None and high is None):
+                continue  # not measured this step (no critic, CPU, not a profiled step) or not watched
             bad = (low is not None and value < low) or (high is not None and value > high)
             if bad and not self.outside.get(name, False):
                 where = f"below {low:g}" if low is not None and value < low else f"above {high:g}"
@@ -338,7 +346,8 @@ def build_rules(
     if m.learning_signal.enable and adv_estimator in ZERO_EQUAL_GROUP_ESTIMATORS:
         rules.append(LearningSignal(m.learning_signal))
     if m.drift.enable:
-        rules.append(Drift(m.drift))
+        estimator = ADVANTAGE_ESTIMATORS.get(adv_estimator) if adv_estimator else None
+        rules.append(Drift(m.drift, whitened=estimator.whitened if estimator else True))
     if m.kl_explosion.enable:
         rules.append(KLExplosion(m.kl_explosion))
     if m.entropy_collapse.enable:

@@ -142,6 +142,35 @@ def test_drift_warns_on_entering_the_range_violation_only():
     assert a.rule == "drift/exposed_comm" and a.message.endswith("above 0.1")
 
 
+def test_the_advantage_std_is_watched_where_the_estimator_whitens_or_where_a_bound_is_set():
+    """null bounds: [0.8, 1.2] for estimators that whiten over the batch (std 1 unless the batch is
+    degenerate); unwatched for grpo, whose std follows the share of equal-score groups (the quickstart's
+    std 0.67 with half its groups equal is no drift); a bound the user sets applies to any estimator."""
+    from klppo.config import load_config
+
+    def adv_std_actions(est, std, *over):
+        cfg = load_config([f"algorithm.adv_estimator={est}", *over])
+        (drift,) = [r for r in build_rules(cfg.monitor, default_target_kl=None, adv_estimator=est)
+                    if isinstance(r, Drift)]  # fmt: skip
+        return [a.message for a in drift.observe(1, {"critic/advantages/std": std}, None)]
+
+    assert adv_std_actions("gae", 0.5) == ["critic/advantages/std=0.5 below 0.8"]
+    assert adv_std_actions("reinforce_plus_plus", 1.5) == ["critic/advantages/std=1.5 above 1.2"]
+    assert adv_std_actions("reinforce_plus_plus_baseline", 0.0) == ["critic/advantages/std=0 below 0.8"]
+    assert adv_std_actions("gae", 1.0) == []
+    for est in ("grpo", "rloo", "remax", "opo", "gpg", "grpo_passk"):
+        assert adv_std_actions(est, 0.0) == [] and adv_std_actions(est, 5.0) == []
+    assert adv_std_actions("grpo", 0.2, "monitor.drift.adv_std_low=0.3") == [
+        "critic/advantages/std=0.2 below 0.3"
+    ]
+    assert adv_std_actions("grpo", 5.0, "monitor.drift.adv_std_low=0.3") == []  # the unset side stays off
+    assert adv_std_actions("gae", 1.1, "monitor.drift.adv_std_high=1.05") == [
+        "critic/advantages/std=1.1 above 1.05"
+    ]
+    with pytest.raises(Exception, match="adv_std_low=0.9 > adv_std_high=0.5"):
+        load_config(["monitor.drift.adv_std_low=0.9", "monitor.drift.adv_std_high=0.5"])
+
+
 class FakeControls:
     def __init__(self, best_step=None):
         self.coefs = {"kl_ctrl": 0.01, "kl_loss_coef": 0.001}
