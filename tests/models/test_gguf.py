@@ -132,3 +132,35 @@ def test_smollm2_gguf_conversion(smollm2_conversion, monkeypatch):
     assert tokenizer.decode(ids[0, -1]) == "5"
     assert predicted[-2].item() == ids[0, -1].item()
     assert predicted[-1].item() == tokenizer.eos_token_id == 2
+
+
+def test_parse_once_shares_one_reader_per_file_and_restores_gguf(tmp_path):
+    """Inside the conversion's block: one GGUFReader per file (read mode) and one tensor-name map per
+    (architecture, blocks); outside it, gguf's own functions again. (The real conversion's files were
+    byte-identical with and without it: 33.7 → 13.9 s, bench/gguf_convert.py, bench/RESULTS.md session 15.)"""
+    import gguf as gguf_pkg
+    import numpy as np
+
+    paths = []
+    for name in ("a", "b"):
+        writer = gguf_pkg.GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        writer.add_block_count(2)
+        writer.add_tensor("token_embd.weight", np.ones((4, 3), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(str(tmp_path / f"{name}.gguf"))
+    reader_cls, name_map = gguf_pkg.GGUFReader, gguf_pkg.get_tensor_name_map
+    with gguf._parse_once():
+        first = gguf_pkg.GGUFReader(paths[0])
+        assert gguf_pkg.GGUFReader(paths[0]) is first  # the same file: parsed once
+        assert gguf_pkg.GGUFReader(str(tmp_path / "." / "a.gguf")) is first  # by its real path
+        other = gguf_pkg.GGUFReader(paths[1])
+        assert other is not first and isinstance(other, reader_cls)
+        assert gguf_pkg.GGUFReader(paths[0], "r+") is not first  # a writable map is never shared
+        assert first.tensors[0].name == "token_embd.weight"
+        arch = gguf_pkg.MODEL_ARCH.LLAMA
+        assert gguf_pkg.get_tensor_name_map(arch, 2) is gguf_pkg.get_tensor_name_map(arch, 2)
+    assert gguf_pkg.GGUFReader is reader_cls and gguf_pkg.get_tensor_name_map is name_map
+    assert gguf_pkg.get_tensor_name_map(arch, 2) is not gguf_pkg.get_tensor_name_map(arch, 2)
