@@ -207,15 +207,14 @@ class AdvantageEstimator:
     needs_critic: bool = False  # values from a critic, and a critic update
     needs_group_ids: bool = False  # several samples per prompt (rollout.n > 1), grouped by uid
     needs_reward_baselines: bool = False  # one extra greedy sample per prompt, scored
-    whitened: bool = False  # advantages whitened over the batch's response tokens (std 1 by construction)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "gae": AdvantageEstimator("gae", gae, _run_gae, needs_critic=True, whitened=True),
+    "gae": AdvantageEstimator("gae", gae, _run_gae, needs_critic=True),
     "grpo": AdvantageEstimator("grpo", grpo, _run_grpo, needs_group_ids=True),
     "rloo": AdvantageEstimator("rloo", rloo, _run_rloo, needs_group_ids=True),
     "reinforce_plus_plus": AdvantageEstimator(
-        "reinforce_plus_plus", reinforce_plus_plus, _run_reinforce_plus_plus, whitened=True
+        "reinforce_plus_plus", reinforce_plus_plus, _run_reinforce_plus_plus
     ),
     "remax": AdvantageEstimator("remax", remax, _run_remax, needs_reward_baselines=True),
     "reinforce_plus_plus_baseline": AdvantageEstimator(
@@ -223,7 +222,6 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         reinforce_plus_plus_baseline,
         _run_reinforce_plus_plus_baseline,
         needs_group_ids=True,
-        whitened=True,
     ),
     "opo": AdvantageEstimator("opo", opo, _run_opo, needs_group_ids=True),
     "grpo_passk": AdvantageEstimator("grpo_passk", grpo_passk, _run_grpo_passk, needs_group_ids=True),

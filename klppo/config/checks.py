@@ -41,6 +41,9 @@ GROUP_ESTIMATORS = (
 )
 # group estimators that give a group whose scores are all equal exactly zero advantage (algorithms.outcome)
 ZERO_EQUAL_GROUP_ESTIMATORS = ("grpo", "rloo")
+# estimators whose advantages are whitened over the batch's response tokens (mean 0, std 1 by construction;
+# tests/algorithms/test_advantages.py checks every estimator against this list)
+WHITENED_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 # group estimators that divide by the group's std when algorithm.norm_adv_by_std_in_grpo is true
 STD_GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -209,6 +212,7 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     check_prompt_counts(cfg)
     _token_budgets(cfg)
     _compiled_layers(cfg)
+    _check_drift_range(cfg)
     check_monitor(cfg.monitor)
     check_profiler(cfg.global_profiler.tool, cfg.global_profiler.steps)
     _advice(cfg, notify)
@@ -251,6 +255,29 @@ def _reward_notes(cfg: KLPPOConfig, notify: Notify) -> None:
         notify(
             "reward_model.launch_reward_fn_async=True has no effect with reward_model.enable=True: the reward "
             "model scores on the device in the step (the background processes run reward functions only)"
+        )
+
+
+def drift_adv_std_range(drift, *, whitened: bool) -> tuple[float | None, float | None]:
+    """``monitor.drift``'s advantage-std bounds as the rule applies them: a bound left null is 0.8 / 1.2
+    where the estimator whitens over the batch, unwatched (None) otherwise."""
+    low, high = (0.8, 1.2) if whitened else (None, None)
+    return (
+        low if drift.adv_std_low is None else drift.adv_std_low,
+        high if drift.adv_std_high is None else drift.adv_std_high,
+    )
+
+
+def _check_drift_range(cfg: KLPPOConfig) -> None:
+    """One bound set against the other's default can invert the range: every step would warn."""
+    est = cfg.algorithm.adv_estimator
+    low, high = drift_adv_std_range(cfg.monitor.drift, whitened=est in WHITENED_ESTIMATORS)
+    if low is not None and high is not None and low > high:
+        raise ConfigError(
+            f"monitor.drift: the advantage-std range [{low}, {high}] is empty (adv_std_low="
+            f"{cfg.monitor.drift.adv_std_low}, adv_std_high={cfg.monitor.drift.adv_std_high}; a null bound is "
+            f"{'0.8 / 1.2' if est in WHITENED_ESTIMATORS else 'unwatched'} with adv_estimator={est}): set "
+            "adv_std_low ≤ adv_std_high"
         )
 
 

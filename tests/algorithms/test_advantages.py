@@ -155,6 +155,26 @@ def test_registry_dispatch_and_requirements() -> None:
         compute_advantages("ppo2", token_level_rewards=r, response_mask=m)
 
 
+def test_the_whitened_estimators_are_exactly_those_the_drift_monitor_expects() -> None:
+    """klppo.config.checks.WHITENED_ESTIMATORS (the monitor's advantage-std range applies to them by
+    default) lists exactly the estimators whose advantages come out with masked mean 0 and unbiased std 1
+    over the batch's response tokens, on random float64 inputs (groups of 3)."""
+    from klppo.algorithms.masked import masked_mean, masked_var
+    from klppo.config.checks import WHITENED_ESTIMATORS
+
+    r, v, m = _inputs(90, b=12, t=9)
+    ids = [i // 3 for i in range(12)]
+    base = torch.randn(12, dtype=F64, generator=torch.Generator().manual_seed(91))
+    whitened = set()
+    for name in ADVANTAGE_ESTIMATORS:
+        adv, _ = compute_advantages(name, token_level_rewards=r, response_mask=m, values=v, group_ids=ids,
+                                    reward_baselines=base, gamma=0.9, lam=0.8)  # fmt: skip
+        mean, var = masked_mean(adv, m).item(), masked_var(adv, m, unbiased=True).item()
+        if abs(mean) < 1e-6 and abs(var - 1) < 1e-4:
+            whitened.add(name)
+    assert whitened == set(WHITENED_ESTIMATORS)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_and_all_masked(dtype: torch.dtype) -> None:
     r, v, m = _inputs(80, b=4)

@@ -164,3 +164,36 @@ def test_parse_once_shares_one_reader_per_file_and_restores_gguf(tmp_path):
         assert gguf_pkg.get_tensor_name_map(arch, 2) is gguf_pkg.get_tensor_name_map(arch, 2)
     assert gguf_pkg.GGUFReader is reader_cls and gguf_pkg.get_tensor_name_map is name_map
     assert gguf_pkg.get_tensor_name_map(arch, 2) is not gguf_pkg.get_tensor_name_map(arch, 2)
+
+
+def test_parse_once_restores_gguf_on_error_and_serialises_threads():
+    """An exception inside the block restores gguf's functions; a second thread's block waits for the
+    first one's to end (the patch is process-wide), so neither leaves the other's wrapper behind."""
+    import threading
+
+    import gguf as gguf_pkg
+
+    reader_cls, name_map = gguf_pkg.GGUFReader, gguf_pkg.get_tensor_name_map
+    with pytest.raises(RuntimeError), gguf._parse_once():
+        assert gguf_pkg.GGUFReader is not reader_cls
+        raise RuntimeError("a conversion fails")
+    assert gguf_pkg.GGUFReader is reader_cls and gguf_pkg.get_tensor_name_map is name_map
+
+    order = []
+    inside = threading.Event()
+
+    def second():
+        inside.wait()
+        with gguf._parse_once():
+            order.append("second in")
+        order.append("second out")
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with gguf._parse_once():
+        inside.set()
+        thread.join(timeout=0.3)  # blocked on the lock while this block holds it
+        order.append("first out")
+    thread.join(timeout=10)
+    assert order == ["first out", "second in", "second out"]
+    assert gguf_pkg.GGUFReader is reader_cls and gguf_pkg.get_tensor_name_map is name_map

@@ -3,6 +3,7 @@ The end-to-end runs that fire each rule are in test_monitor.py."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from types import SimpleNamespace
@@ -167,8 +168,37 @@ def test_the_advantage_std_is_watched_where_the_estimator_whitens_or_where_a_bou
     assert adv_std_actions("gae", 1.1, "monitor.drift.adv_std_high=1.05") == [
         "critic/advantages/std=1.1 above 1.05"
     ]
-    with pytest.raises(Exception, match="adv_std_low=0.9 > adv_std_high=0.5"):
+    with pytest.raises(Exception, match=r"range \[0.9, 0.5\] is empty"):
         load_config(["monitor.drift.adv_std_low=0.9", "monitor.drift.adv_std_high=0.5"])
+    # one bound against the other's default: an empty range is refused where the default applies
+    with pytest.raises(Exception, match=r"range \[1.5, 1.2\] is empty .*adv_estimator=gae"):
+        load_config(["algorithm.adv_estimator=gae", "monitor.drift.adv_std_low=1.5"])
+    load_config(["algorithm.adv_estimator=grpo", "monitor.drift.adv_std_low=1.5"])  # no default high there
+
+
+def test_the_drift_bounds_come_from_the_config_not_from_a_checkpoint():
+    """A resumed run's rule keeps its own config's bounds (a checkpoint holds only what the rule
+    observed): bounds set at resume apply, and a run resumed under another estimator uses its default."""
+    from klppo.config import load_config
+
+    def drift(est, *over):
+        cfg = load_config([f"algorithm.adv_estimator={est}", *over])
+        (rule,) = [r for r in build_rules(cfg.monitor, default_target_kl=None, adv_estimator=est)
+                   if isinstance(r, Drift)]  # fmt: skip
+        return rule
+
+    saved = drift("grpo")
+    saved.observe(1, {"actor/grad_norm": 5.0}, None)
+    state = copy.deepcopy(saved.state_dict())  # as a checkpoint holds it
+    resumed = drift("grpo", "monitor.drift.adv_std_low=0.3")
+    resumed.load_state_dict(copy.deepcopy(state))
+    assert resumed.outside == {"grad_norm": True}  # what was observed comes back
+    assert [a.message for a in resumed.observe(2, {"critic/advantages/std": 0.1}, None)] == [
+        "critic/advantages/std=0.1 below 0.3"
+    ]
+    resumed = drift("gae")
+    resumed.load_state_dict(copy.deepcopy(state))
+    assert resumed.observe(3, {"critic/advantages/std": 0.1}, None)[0].message.endswith("below 0.8")
 
 
 class FakeControls:
