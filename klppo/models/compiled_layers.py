@@ -50,9 +50,10 @@ def dynamic_tokens_from_env(environ: Any = os.environ) -> bool:
     measurement); ``0/false/no/off`` → the static buckets; ``1/true/yes/on`` → dynamic; anything else is an
     error naming the variable."""
     raw = environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS")
-    if raw is None or not raw.strip() or raw.strip().lower() in _TRUE:  # empty: as unset
+    value = (raw or "").strip().lower()
+    if not value or value in _TRUE:  # unset or empty: the default
         return True
-    if raw.strip().lower() in _FALSE:
+    if value in _FALSE:
         return False
     raise ValueError(
         f"KLPPO_COMPILE_DYNAMIC_TOKENS={raw!r}: expected 1/true/yes/on (dynamic token dims, the default) or "
@@ -115,7 +116,7 @@ def compile_packed_layers(model: torch.nn.Module, dynamic_tokens: bool | None = 
     dims; False: the static token buckets."""
     if dynamic_tokens is None:
         dynamic_tokens = DYNAMIC_TOKENS if DYNAMIC_TOKENS is not None else dynamic_tokens_from_env()
-    dynamic = bool(dynamic_tokens)
+    dynamic = bool(dynamic_tokens)  # a stored attribute and a compile-cache key: exactly True or False
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(

@@ -86,30 +86,25 @@ def _parse_once() -> Iterator[None]:
     block, so a second thread's conversion waits for the first one's to end (and nested blocks nest)."""
     import gguf  # noqa: PLC0415  the gguf package: only when a file is converted
 
-    with _PARSE_ONCE_LOCK:
-        yield from _patched(gguf)
-
-
-def _patched(gguf) -> Iterator[None]:
-    """The body of :func:`_parse_once`, under its lock."""
-    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[tuple[str, str], Any] = {}
+    readers: dict[str, Any] = {}
 
     def reader(path, mode="r"):
         if mode != "r":
             return reader_cls(path, mode)
-        key = (os.path.realpath(path), mode)
+        key = os.path.realpath(path)
         if key not in readers:
             readers[key] = reader_cls(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = reader
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
-        readers.clear()
+    with _PARSE_ONCE_LOCK:  # the originals read under the lock: never another block's wrappers
+        reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        gguf.GGUFReader = reader
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+            readers.clear()
 
 
 def _load_dense_from_gguf(gguf_path: Path):

@@ -51,9 +51,13 @@ class PendingScores:
             if self._reward.worker is not None:
                 self._reward.worker.mark_broken(exc)
             return self._reward.score(self._batch)
-        mask = self._batch.response_mask
-        seq_scores = torch.tensor(values, dtype=torch.float32).to(mask.device)
-        return Scores(place_scores(seq_scores, mask), seq_scores, texts)
+        return _scores(self._batch, torch.tensor(values, dtype=torch.float32), texts)
+
+
+def _scores(batch: Batch, seq_scores: torch.Tensor, texts: list[str]) -> Scores:
+    """Per-sequence scores on the batch's device, placed on each response's last token."""
+    seq_scores = seq_scores.to(batch.response_mask.device)
+    return Scores(place_scores(seq_scores, batch.response_mask), seq_scores, texts)
 
 
 class Reward:
@@ -117,8 +121,7 @@ class Reward:
                 self.manager.score(texts, batch.data_source, batch.ground_truth, batch.extra_info, lengths),
                 dtype=torch.float32,
             )
-        seq_scores = seq_scores.to(batch.response_mask.device)
-        return Scores(place_scores(seq_scores, batch.response_mask), seq_scores, texts)
+        return _scores(batch, seq_scores, texts)
 
     @torch.no_grad()
     def _model_scores(self, batch: Batch, texts: list[str], micro_batch_size: int = 16) -> torch.Tensor:
