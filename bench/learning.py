@@ -282,7 +282,20 @@ def summarize(name: str, run_dir: Path, overrides: list[str], reward: str, code:
     }
     out.update(target_stats(series, overrides))
     out["trajectory"] = points
+    out["monitor_events"] = monitor_events(run_dir)
     return out
+
+
+def monitor_events(run_dir: Path) -> list[dict]:
+    """What the run's operating rules did (``events.jsonl``: rule, action, step, message), the end-of-run
+    summary line left out: the trainer's console is not kept, so this is where a run shows that, e.g.,
+    ``monitor.learning_signal`` warned."""
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    keys = ("step", "rule", "action", "message")
+    return [{k: e.get(k) for k in keys} for e in records if e.get("rule") != "summary"]
 
 
 def response_kl(series: dict) -> float | None:
@@ -521,6 +534,11 @@ def print_table(results: list[dict]) -> None:
                 + ", ".join(f"{s} ({n})" for s, n in retried)
                 + " — each halved a pass's token budget for the rest of the run (the run's log names the pass)"
             )
+        events = r.get("monitor_events")
+        if events is not None:
+            fired = ", ".join(f"{e['rule']}/{e['action']} at step {e['step']}" for e in events[:8])
+            more = f" and {len(events) - 8} more" if len(events) > 8 else ""
+            print(f"{r['name']} monitor: {fired + more if events else 'no rule fired'}")
         values = {k: [x for x in v if x is not None] for k, v in series.items() if k in SUMMARY_SERIES}
         means = {k: sum(v) / len(v) for k, v in values.items() if v}
         if means:

@@ -44,7 +44,9 @@ def test_learning_bench_runs_and_stops_on_budget(tmp_path, capsys):
 
     model = save_tiny_model_dir(tmp_path / "model", num_layers=2, hidden_size=64)
     out = tmp_path / "learning.json"
-    argv = ["--settings", "pi=grpo_pi,actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.01",
+    # every group of the tiny model scores 0: the learning-signal rule warns at step 1 with a patience of 1
+    argv = ["--settings", "pi=grpo_pi,actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.01,"
+            "monitor.learning_signal.patience_steps=1",
             "--train-seconds", "1", "--model", str(model), "--num-train", "64", "--num-test", "6",
             "--eval-every", "1",
             "--workdir", str(tmp_path / "work"), "--out", str(out), "--extra", *TINY]  # fmt: skip
@@ -72,7 +74,12 @@ def test_learning_bench_runs_and_stops_on_budget(tmp_path, capsys):
     # the share of equal-score groups each step, and the run means printed under the table
     assert len(r["series"]["equal_groups"]) == r["steps"]
     assert all(0 <= x <= 1 for x in r["series"]["equal_groups"])
-    assert "pi means over the run: step_s " in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "pi means over the run: step_s " in printed
+    # the operating rules' events reach the results (the trainer's console is not kept)
+    assert r["series"]["equal_groups"][0] == 1.0  # else the rule has no reason to fire
+    assert {"step": 1, "rule": "learning_signal", "action": "warn"}.items() <= r["monitor_events"][0].items()
+    assert "pi monitor: learning_signal/warn at step 1" in printed
 
 
 def test_response_kl_is_the_mean_of_per_step_products_over_the_last_20_steps():

@@ -25,21 +25,27 @@ def test_examples_exist():
 
 
 @pytest.mark.parametrize(
-    "example,setting",
+    "example,setting,task",
     [
-        # session 13's ramp13_cos_s2 (61.5% at k3 0.092), its seed included
+        # session 16's cos_async_s2 (60.0% at k3 0.092), its seed included
         ("arithmetic_grpo_kl_ramp.yaml",
-         "ramp13_cos_s2=grpo_pi,{G},{R},{C}.target_kl=0.13,{B},{M},{F},{K}.skip_zero_advantage_rows=True,"
+         "cos_async_s2=grpo_pi,{G},{R},{C}.target_kl=0.13,{B},{M},{F},{K}.skip_zero_advantage_rows=True,"
          "trainer.seed=2,{K}.optim.lr=5e-5,{K}.optim.lr_scheduler_type=cosine,{K}.optim.min_lr_ratio=0.1,"
-         "trainer.total_training_steps=165"),
+         "trainer.total_training_steps=185,reward_model.launch_reward_fn_async=True", "arithmetic"),
         # session 15's gae_p256 (58.0% at k3 0.094; 56.5% at 0.082 with trainer.seed=2)
         ("arithmetic_gae_kl_ramp.yaml",
          "gae_p256=gae_pi,{G},{R},{C}.target_kl=0.13,{K}.optim.lr=3e-5,{K}.entropy_coeff=0.001,"
          "data.train_batch_size=256,actor_rollout_ref.rollout.n=4,{K}.ppo_mini_batch_size=256,"
-         "critic.ppo_mini_batch_size=256,critic.optim.lr=5e-5,{M},{F},{V},reward_model.launch_reward_fn_async=True"),
+         "critic.ppo_mini_batch_size=256,critic.optim.lr=5e-5,{M},{F},{V},reward_model.launch_reward_fn_async=True",
+         "arithmetic"),
+        # session 16's gsm_ramp (bench/learning.py --task gsm8k: strict 0.5% -> 2.0% on SmolLM2-135M)
+        ("gsm8k_grpo_kl_target.yaml",
+         "gsm_ramp=grpo_pi,{G},{R},{C}.target_kl=0.13,{K}.optim.lr=4e-5,data.train_batch_size=128,"
+         "{K}.ppo_mini_batch_size=128,{M},{F},{K}.skip_zero_advantage_rows=True,"
+         "reward_model.launch_reward_fn_async=True,reward=strict", "gsm8k"),
     ],
 )  # fmt: skip
-def test_ramp_recipes_are_the_measured_settings(example, setting):
+def test_ramp_recipes_are_the_measured_settings(example, setting, task):
     """The recipe file trains what bench/learning.py measured (its presets and the setting's overrides, as
     written in bench/RESULTS.md): the actor, rollout, critic, algorithm and batch sections agree."""
     import importlib.util
@@ -55,7 +61,7 @@ def test_ramp_recipes_are_the_measured_settings(example, setting):
         spec.loader.exec_module(learning)
     finally:
         sys.path.pop(0)
-    COMMON, parse_setting = learning.COMMON, learning.parse_setting
+    COMMON, parse_setting, task_overrides = learning.COMMON, learning.parse_setting, learning.TASK_OVERRIDES
 
     K = "actor_rollout_ref.actor"
     C = f"{K}.kl_loss_ctrl"
@@ -69,8 +75,8 @@ def test_ramp_recipes_are_the_measured_settings(example, setting):
         V="critic.model.use_remove_padding=True,critic.model.compile_packed_layers=True,"
           "critic.ppo_max_token_len_per_gpu=65536,critic.forward_max_token_len_per_gpu=65536",
     )  # fmt: skip
-    _, overrides, _ = parse_setting(setting.format(**parts))
-    measured = load_config([*COMMON, *overrides])
+    _, overrides, method = parse_setting(setting.format(**parts))
+    measured = load_config([*COMMON, *task_overrides[task], *overrides])
     recipe = load_config([str(Path(__file__).resolve().parents[2] / "examples" / example)])
     arr_m, arr_r = measured.actor_rollout_ref, recipe.actor_rollout_ref
     assert arr_r.actor == arr_m.actor
@@ -82,6 +88,8 @@ def test_ramp_recipes_are_the_measured_settings(example, setting):
     assert recipe.algorithm == measured.algorithm
     for key in ("enable", "launch_reward_fn_async", "num_workers", "reward_manager"):  # background scoring
         assert getattr(recipe.reward_model, key) == getattr(measured.reward_model, key), key
+    if method != "flexible":  # the bench's reward method (the arithmetic recipes use the default scorer)
+        assert dict(recipe.reward_model.reward_kwargs)["method"] == method
     assert recipe.trainer.seed == measured.trainer.seed  # a seed is a different run (session 13)
     if arr_m.actor.optim.lr_scheduler_type == "cosine":  # the schedule's length is the run's step count
         assert recipe.trainer.total_training_steps == measured.trainer.total_training_steps
