@@ -199,9 +199,15 @@ class RewardModelConfig:
     strategy: str = F("fsdp2", "Backend (fsdp is read as fsdp2).")
     model: RewardModelModelConfig = F(RewardModelModelConfig, "Reward model.")
     micro_batch_size: int | None = F(None, "Deprecated global micro-batch.")
-    micro_batch_size_per_gpu: int | None = F(None, "SAMPLES per reward forward on one GPU.")
+    micro_batch_size_per_gpu: int | None = F(
+        None, "SAMPLES per reward-model forward on one GPU (null: 16); not with use_dynamic_bsz."
+    )
     max_length: int | None = F(None, "Max tokens scored.")
-    use_dynamic_bsz: bool = F(II("critic.use_dynamic_bsz"), "Follows critic.")
+    use_dynamic_bsz: bool = F(
+        II("critic.use_dynamic_bsz"),
+        "Follows critic. Reward-model forwards in micro-batches of forward_max_token_len_per_gpu tokens "
+        "(consecutive samples padded to the longest) instead of micro_batch_size_per_gpu samples.",
+    )
     forward_max_token_len_per_gpu: int = F(II("critic.forward_max_token_len_per_gpu"), "Follows critic.")
     reward_manager: str = F("naive", "How scores are computed over a batch (naive | batch | prime | dapo).")
     reward_loop_source: str = F("register", "verl reward loop: register | importlib (a user class).")
@@ -211,7 +217,8 @@ class RewardModelConfig:
         False,
         "Decode and score the responses (built-in scorer or custom_reward_function) in a worker process "
         "while the old-log-prob, reference and value passes run; the step collects the scores at its reward "
-        "phase. The process ignores SIGINT/SIGTERM and ends with the trainer; if it dies, the trainer scores "
+        "phase. SIGINT/SIGTERM do nothing to the process (nor are they blocked for what the reward function "
+        "starts); it ends with the trainer; if it dies, the trainer scores "
         "in the step from then on (one warning). Not with a reward model (reward_model.enable), which scores "
         "on the device in the step.",
     )
@@ -222,8 +229,8 @@ class RewardModelConfig:
     num_workers: int = F(
         1,
         "With launch_reward_fn_async: scoring processes per rank, each given a contiguous slice of the "
-        "rank's rows (a batched compute_score is called once per slice). Without it scores are computed "
-        "in the step, in the trainer (a note says so).",
+        "rank's rows (with reward_manager=batch only 1: the batched compute_score sees the whole batch). "
+        "Without it scores are computed in the step, in the trainer (a note says so).",
     )
     rollout: RewardRolloutConfig = F(RewardRolloutConfig, "verl: serving of the reward model in the loop.")
     reward_kwargs: dict[str, Any] = F(

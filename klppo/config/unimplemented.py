@@ -240,6 +240,12 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         problems.append(
             "reward_model.reward_manager='batch' calls a batched custom_reward_function: set its path"
         )
+    if rm.reward_manager == "batch" and rm.launch_reward_fn_async and not rm.enable and rm.num_workers > 1:
+        problems.append(
+            f"reward_model.num_workers={rm.num_workers} with reward_manager='batch': the batched compute_score "
+            "would see a slice of the batch per process, not the whole batch as in the step (a function that "
+            "ranks, normalises or groups within the batch would score differently); set num_workers=1"
+        )
     if rm.enable and rm.strategy not in ("fsdp", "fsdp2"):
         problems.append(f"reward_model.strategy={rm.strategy!r}: the reward model runs with FSDP2 only")
     if problems:

@@ -35,8 +35,14 @@ SCORERS: dict[str, Scorer] = {
 }
 
 
+BUILTIN_SCORERS: dict[str, Scorer] = dict(SCORERS)
+"""The table as shipped: what :func:`register_scorer` added is what differs from it."""
+
+
 def register_scorer(data_source: str, fn: Scorer) -> None:
-    """Register ``fn(solution_str, ground_truth, **kwargs)`` for rows whose ``data_source`` matches."""
+    """Register ``fn(solution_str, ground_truth, **kwargs)`` for rows whose ``data_source`` matches (with
+    ``reward_model.launch_reward_fn_async`` the scoring processes get it too: a function defined at a
+    module's top level)."""
     SCORERS[data_source] = fn
 
 
@@ -108,12 +114,21 @@ def _accepted_kwargs(fn: Scorer) -> set[str] | None:
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def _as_float(value: Any) -> float:
+def _as_float(value: Any, where: str) -> float:
+    """A scorer's result as a float; ``where`` names the function and the row for the one-line error."""
     if isinstance(value, dict):
         if "score" not in value:
-            raise ValueError(f"reward function returned a dict without a 'score' key: keys {sorted(value)}")
+            raise ValueError(f"{where} returned a dict without a 'score' key: keys {sorted(value)}")
         value = value["score"]
-    return float(value)
+    try:
+        if isinstance(value, (str, bytes)):  # float("1") would pass: a string is a bug, not a score
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{where} returned {value!r} ({type(value).__name__}): a score must be a number or a dict "
+            "with a numeric 'score'"
+        ) from None
 
 
 REWARD_MANAGERS = ("naive", "batch", "dapo")
@@ -165,6 +180,7 @@ class RewardManager:
                     )
                 self.overlong = (int(max_resp_len), int(cfg["len"]), float(cfg.get("penalty_factor", 1.0)))
         self.custom_fn = load_custom_reward_fn(custom_fn_path, custom_fn_name) if custom_fn_path else None
+        self._custom_name = f"custom_reward_function {custom_fn_path}:{custom_fn_name}"
         if self.custom_fn is None and self.reward_kwargs:
             accepted: set[str] = set()
             for fn in set(SCORERS.values()):
@@ -178,7 +194,7 @@ class RewardManager:
                     f"reward_kwargs {unknown} are accepted by no built-in scorer; accepted: {sorted(accepted)}"
                 )
 
-    def _builtin(self, data_source: str, response: str, ground_truth: Any) -> float:
+    def _builtin(self, data_source: str, response: str, ground_truth: Any, row: int) -> float:
         fn = get_scorer(data_source)
         names = _accepted_kwargs(fn)
         kwargs = (
@@ -186,7 +202,8 @@ class RewardManager:
             if names is None
             else {k: v for k, v in self.reward_kwargs.items() if k in names}
         )
-        return _as_float(fn(response, ground_truth, **kwargs))
+        where = f"the scorer for data_source {data_source!r} ({getattr(fn, '__qualname__', fn)}), row {row},"
+        return _as_float(fn(response, ground_truth, **kwargs), where)
 
     def score(
         self,
@@ -211,13 +228,15 @@ class RewardManager:
                 raise ValueError(
                     f"batched compute_score returned {len(values)} scores for {len(responses)} responses"
                 )
-            return [_as_float(v) for v in values]
+            return [_as_float(v, f"{self._custom_name} (batched), row {i},") for i, v in enumerate(values)]
         out = []
-        for response, source, truth, extra in zip(responses, data_sources, ground_truths, extra_infos):
+        rows = zip(responses, data_sources, ground_truths, extra_infos)
+        for i, (response, source, truth, extra) in enumerate(rows):
             if self.custom_fn is not None:
-                out.append(_as_float(self.custom_fn(source, response, truth, extra, **self.reward_kwargs)))
+                value = self.custom_fn(source, response, truth, extra, **self.reward_kwargs)
+                out.append(_as_float(value, f"{self._custom_name}, row {i},"))
             else:
-                out.append(self._builtin(source, response, truth))
+                out.append(self._builtin(source, response, truth, i))
         if self.overlong is not None:
             if response_lengths is None:
                 raise ValueError("reward_manager=dapo with an overlong buffer needs the response lengths")

@@ -78,6 +78,8 @@ class Reward:
         max_length: int | None = None,
         background: bool = False,
         num_workers: int = 1,
+        micro_batch_size: int | None = None,
+        max_token_len: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         manager_kwargs = dict(
@@ -90,16 +92,21 @@ class Reward:
         self.reward_model = reward_model
         self.reward_tokenizer = reward_tokenizer or tokenizer
         self.max_length = max_length
+        # the reward model's micro-batches: a token budget (use_dynamic_bsz) or a number of samples
+        self.micro_batch_size, self.max_token_len = micro_batch_size or 16, max_token_len
         # the reward model scores in the step (on the device); the config checks say so when both are set
         background = background and reward_model is None
         self.worker = ScoringWorker(tokenizer, manager_kwargs, num_workers) if background else None
 
-    def submit(self, batch: Batch) -> PendingScores | None:
-        """Start scoring ``batch`` in the worker process; None when this reward scores in the step."""
+    def submit(self, batch: Batch, seed: int | None = None) -> PendingScores | None:
+        """Start scoring ``batch`` in the worker process (the generators there seeded from ``seed``); None
+        when this reward scores in the step."""
         if self.worker is None or not self.worker.alive:
             return None
         rows, lengths = response_rows(batch)
-        futures = self.worker.submit(rows, batch.data_source, batch.ground_truth, batch.extra_info, lengths)
+        futures = self.worker.submit(
+            rows, batch.data_source, batch.ground_truth, batch.extra_info, lengths, seed=seed
+        )
         return None if futures is None else PendingScores(futures, self, batch)
 
     def close(self) -> None:
@@ -123,8 +130,23 @@ class Reward:
             )
         return _scores(batch, seq_scores, texts)
 
+    def _micro_batches(self, chats: list[str]) -> list[tuple[int, int]]:
+        """(start, end) of each micro-batch of ``chats``: ``micro_batch_size`` samples, or with a token
+        budget as many consecutive samples as fit padded to the longest (one at least)."""
+        if self.max_token_len is None:
+            step = self.micro_batch_size
+            return [(i, min(i + step, len(chats))) for i in range(0, len(chats), step)]
+        enc = self.reward_tokenizer(chats, truncation=self.max_length is not None, max_length=self.max_length)
+        bounds, start, longest = [], 0, 0
+        for i, ids in enumerate(enc["input_ids"]):
+            longest = max(longest, len(ids))
+            if i > start and longest * (i - start + 1) > self.max_token_len:
+                bounds.append((start, i))
+                start, longest = i, len(ids)
+        return [*bounds, (start, len(chats))] if chats else []
+
     @torch.no_grad()
-    def _model_scores(self, batch: Batch, texts: list[str], micro_batch_size: int = 16) -> torch.Tensor:
+    def _model_scores(self, batch: Batch, texts: list[str]) -> torch.Tensor:
         """Re-tokenize (chat prompt + response) with the reward model's own template and score it, in
         right-padded micro-batches (the model reads its score at the last non-pad token)."""
         tok = self.reward_tokenizer
@@ -137,9 +159,9 @@ class Reward:
             else:
                 chats.append("\n".join(m["content"] for m in chat))
         scores = []
-        for start in range(0, len(chats), micro_batch_size):
+        for start, end in self._micro_batches(chats):
             enc = tok(
-                chats[start : start + micro_batch_size],
+                chats[start:end],
                 return_tensors="pt",
                 padding=True,
                 padding_side="right",

@@ -2,8 +2,8 @@
 
 The reward function (a built-in scorer or the user's ``custom_reward_function``) and the decoding of the
 responses run in spawned processes: ``reward_model.num_workers`` per rank (default 1), each given a
-contiguous slice of the rank's rows (a batched ``compute_score``, ``reward_manager=batch``, is then called
-once per slice). The trainer hands it a batch's response token ids right after
+contiguous slice of the rank's rows (a batched ``compute_score``, ``reward_manager=batch``, is allowed one
+process only, so that it sees the whole batch as in the step: ``klppo train`` refuses more). The trainer hands it a batch's response token ids right after
 generation and collects the scores at its reward phase, so the scoring overlaps the old-log-prob,
 reference and value passes. A process, not a thread: a Python reward function would hold the GIL against the
 trainer's own host work, and functions that time themselves out with ``signal.alarm`` (common in math
@@ -13,14 +13,22 @@ The worker builds its own :class:`~klppo.rewards.RewardManager` from the same ar
 loaded from its file cannot be pickled across), and receives the tokenizer once, at start. Spawned, not
 forked: the trainer has CUDA state a fork would copy.
 
-Lifetime: the workers live as long as the trainer process, whatever signals arrive. They ignore SIGINT and
-SIGTERM (a Ctrl-C or a scheduler's SIGTERM to the whole process group must not take them down in the middle
-of the step the trainer is finishing before it saves); the kernel kills them when the trainer process ends
+Lifetime: the workers live as long as the trainer process, whatever signals arrive. SIGINT and SIGTERM do
+nothing to them (a Ctrl-C or a scheduler's SIGTERM to the whole process group must not take them down in the
+middle of the step the trainer is finishing before it saves): a Python handler that does nothing, not
+``SIG_IGN``, which a process the reward function starts (a sandbox, a verifier) would inherit through
+``exec`` and then could not be stopped with ``terminate()``; the kernel kills them when the trainer process ends
 (``PR_SET_PDEATHSIG`` on Linux, whatever the worker is doing; elsewhere a thread polls the parent, which a
 function holding the GIL can delay), and :meth:`ScoringWorker.close` kills them at the end of ``fit`` —
 without waiting for a batch still being scored after a failed or interrupted step. If a worker dies (killed,
 out of memory, a crash in the function's native code), the step scores in the trainer and so does every
 later step (:meth:`ScoringWorker.mark_broken`, one warning): the run goes on.
+
+Scorers added with :func:`~klppo.rewards.registry.register_scorer` in the trainer's process are sent to the
+workers at start (by reference: functions defined at a module's top level). Each batch's slices are scored
+with the torch, ``random`` and NumPy generators seeded from the step's sampling seed and the slice, so a
+reward function that draws random numbers scores the same in a repeated or resumed run (not the same draws
+as in the step, whose generators are the trainer's).
 
 What the function raises reaches the trainer's reward phase as itself when it pickles (a class from the
 user's file does: :func:`~klppo.rewards.registry.load_custom_reward_fn` registers the module under a name
@@ -36,6 +44,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import random
 import signal
 import sys
 import threading
@@ -45,7 +54,10 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+import torch
+
 from klppo.rewards import RewardManager
+from klppo.rewards.registry import BUILTIN_SCORERS, SCORERS
 from klppo.roles.decoding import decode_batch
 
 KEY = "reward_model.launch_reward_fn_async"
@@ -59,15 +71,49 @@ class RewardFunctionError(RuntimeError):
     """What a reward function raised in a scoring process, when that exception itself does not pickle."""
 
 
-def _start_worker(manager_kwargs: dict[str, Any], tokenizer: Any, parent: int) -> None:
+def _start_worker(
+    manager_kwargs: dict[str, Any], tokenizer: Any, parent: int, scorers: dict[str, Any] | None = None
+) -> None:
     global _manager, _tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # not SIG_IGN: exec'd children would inherit it
+        signal.signal(sig, _ignore_signal)
     if not _die_with_parent():
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     if os.getppid() != parent:  # the parent ended before the line above took effect
         os._exit(0)
+    SCORERS.update(scorers or {})  # before the manager, which checks reward_kwargs against them
     _manager, _tokenizer = RewardManager(**manager_kwargs), tokenizer
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    """SIGINT/SIGTERM in a scoring process: nothing (module docstring, "Lifetime")."""
+
+
+def registered_scorers() -> dict[str, Any]:
+    """The scorers the trainer's process registered beyond the built-in table (sent to the workers);
+    ValueError naming the data source and the key when one cannot be sent (a lambda, a local function)."""
+    added = {k: fn for k, fn in SCORERS.items() if BUILTIN_SCORERS.get(k) is not fn}
+    for source, fn in added.items():
+        try:
+            pickle.dumps(fn)
+        except Exception as why:
+            raise ValueError(
+                f"{KEY}=True: the scorer registered for data_source {source!r} ({fn!r}) cannot be sent to the "
+                f"scoring process ({why}); register a function defined at a module's top level, or set "
+                f"{KEY}=False"
+            ) from None
+    return added
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy  # noqa: PLC0415  optional here: seeded where installed
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
 
 
 def _die_with_parent() -> bool:
@@ -93,9 +139,17 @@ def _pid() -> int:
 
 
 def _score(
-    rows: list[list[int]], data_sources: list, ground_truths: list, extra_infos: list, lengths: list[int]
+    rows: list[list[int]],
+    data_sources: list,
+    ground_truths: list,
+    extra_infos: list,
+    lengths: list[int],
+    seed: int | None = None,
 ) -> tuple[list[float], list[str]]:
-    """In the worker: decode ``rows`` (response token ids, padding cut) and score them."""
+    """In the worker: decode ``rows`` (response token ids, padding cut) and score them (the generators
+    seeded with ``seed`` first, when given)."""
+    if seed is not None:
+        _seed_all(seed)
     texts = decode_batch(_tokenizer, rows)
     try:
         return _manager.score(texts, data_sources, ground_truths, extra_infos, lengths), texts
@@ -132,7 +186,7 @@ class ScoringWorker:
             max_workers=num_workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_worker,
-            initargs=(manager_kwargs, tokenizer, os.getpid()),
+            initargs=(manager_kwargs, tokenizer, os.getpid(), registered_scorers()),
         )
         # one task per worker while none is idle yet: all of them start now (a spawn pool starts them on
         # demand), so their imports overlap the set-up, not step 1
@@ -151,21 +205,23 @@ class ScoringWorker:
         ground_truths: list,
         extra_infos: list,
         lengths: list[int],
+        seed: int | None = None,
     ) -> list[Future] | None:
         """Score in the background: one future of ``(scores, texts)`` (or of what the function raised) per
-        contiguous slice of the rows, in row order; None when the workers are gone (then the caller scores
-        in the step)."""
+        contiguous slice of the rows, in row order, slice ``i`` with the generators seeded ``seed + i``;
+        None when the workers are gone (then the caller scores in the step)."""
         if self._pool is None:
             return None
         futures = []
         try:
-            for lo, hi in slices(len(rows), self.num_workers):
+            for i, (lo, hi) in enumerate(slices(len(rows), self.num_workers)):
                 args = (
                     rows[lo:hi],
                     data_sources[lo:hi],
                     ground_truths[lo:hi],
                     extra_infos[lo:hi],
                     lengths[lo:hi],
+                    None if seed is None else seed + i,
                 )
                 futures.append(self._pool.submit(_score, *args))
         except BrokenProcessPool as exc:

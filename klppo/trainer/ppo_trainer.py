@@ -208,7 +208,7 @@ class PPOTrainer:
         if run.roles.reward.worker is None:
             return local, rollout_stats, None
         with timer.phase("reward"):  # the host's share of background scoring: token ids read and sent
-            return local, rollout_stats, run.roles.reward.submit(local)
+            return local, rollout_stats, run.roles.reward.submit(local, seed=seed)
 
     def _checked_advantages(
         self, batch: Batch, step: int, timer: PhaseTimer

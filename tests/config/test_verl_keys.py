@@ -256,3 +256,17 @@ def test_a_hydra_composed_file_adds_keys_a_plain_file_may_not(tmp_path):
 def test_npu_values_are_refused_by_name(key):
     with pytest.raises(ConfigError, match=rf"^{key}='npu': .*NPU.* not supported"):
         load_config([f"{key}=npu"], **Q)
+
+
+def test_a_batched_reward_function_is_refused_several_scoring_processes():
+    """reward_manager=batch scores the whole batch in one call; background slices would split it."""
+    base = ["reward_model.reward_manager=batch", "custom_reward_function.path=f.py",
+            "reward_model.launch_reward_fn_async=True"]  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"reward_model.num_workers=2 with reward_manager='batch'.*num_workers=1"
+    ):
+        check_trainable(load_config([*base, "reward_model.num_workers=2"]), notify=lambda _m: None)
+    check_trainable(load_config(base), notify=lambda _m: None)  # one process: the whole batch
+    check_trainable(load_config([*base[:2], "reward_model.launch_reward_fn_async=True",
+                                 "reward_model.reward_manager=naive", "reward_model.num_workers=2"]),
+                    notify=lambda _m: None)  # fmt: skip

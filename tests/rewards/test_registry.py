@@ -107,3 +107,22 @@ def test_batch_and_dapo_reward_managers(tmp_path):
         dapo.score(answers, ["openai/gsm8k"] * 3, ["7"] * 3, [{}] * 3)
     with pytest.raises(ValueError, match="built are"):
         RewardManager(reward_manager="prime")
+
+
+def test_a_score_that_is_not_a_number_names_the_function_and_row(tmp_path, monkeypatch):
+    from klppo.rewards import registry
+
+    fn = tmp_path / "bad.py"
+    fn.write_text(
+        "def compute_score(ds, s, gt, extra=None, **kw):\n    return {'ok': 1.0, 'x': None}.get(s, '1')\n"
+    )
+    mgr = RewardManager(custom_fn_path=str(fn))
+    with pytest.raises(ValueError, match=rf"custom_reward_function {fn}:compute_score, row 1, returned None"):
+        mgr.score(["ok", "x"], ["d", "d"], ["1", "1"], [{}, {}])
+    with pytest.raises(ValueError, match=r"row 0, returned '1' \(str\)"):  # a string is a bug, not a score
+        mgr.score(["str"], ["d"], ["1"], [{}])
+    monkeypatch.setitem(registry.SCORERS, "mine", lambda s, g: {"score": [1]})
+    with pytest.raises(ValueError, match=r"the scorer for data_source 'mine' .*row 0, returned \[1\]"):
+        RewardManager().score(["a"], ["mine"], ["1"], [{}])
+    monkeypatch.setitem(registry.SCORERS, "ok", lambda s, g: {"score": True})
+    assert RewardManager().score(["a"], ["ok"], ["1"], [{}]) == [1.0]

@@ -248,3 +248,82 @@ def test_a_trainer_that_dies_while_its_worker_holds_the_gil_leaves_no_scoring_pr
     if _alive(pid):
         os.kill(pid, 9)
         pytest.fail("the scoring process outlived its trainer")
+
+
+STOPS_ITS_CHILD = """
+import subprocess, sys
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child.terminate()  # a verifier stopping its sandbox on a timeout
+    try:
+        return float(child.wait(timeout=20))
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise RuntimeError("the child ignored SIGTERM")
+"""
+
+
+def test_processes_the_function_starts_are_stopped_by_sigterm(tmp_path):
+    """The worker shrugs off SIGINT/SIGTERM with a handler, not SIG_IGN, which a process it starts would
+    inherit: the function's own subprocess dies on terminate() as in the step."""
+    import signal
+
+    tok = build_tiny_tokenizer()
+    reward = _reward(tmp_path, STOPS_ITS_CHILD, background=True)
+    try:
+        got = reward.submit(_batch(tok, ["a"])).result().sequence.tolist()
+    finally:
+        reward.close()
+    assert got == [-float(signal.SIGTERM)] == reward.score(_batch(tok, ["a"])).sequence.tolist()
+
+
+def length_scorer(solution_str, ground_truth, **kwargs):  # module level: sent to the workers by reference
+    return float(len(solution_str)) * kwargs.get("scale", 1.0)
+
+
+def test_scorers_registered_in_the_trainer_score_in_the_workers(monkeypatch):
+    """``register_scorer`` in the trainer's process reaches the scoring processes (with reward_kwargs that
+    only it accepts); one that cannot be sent (a lambda) is refused at once, naming the key."""
+    from klppo.rewards import registry
+
+    monkeypatch.setitem(registry.SCORERS, "mine", length_scorer)
+    tok = build_tiny_tokenizer()
+    batch = _batch(tok, ["abc", "de"]).replace(data_source=["mine", "mine"])
+    reward = Reward(tok, background=True, reward_kwargs={"scale": 2.0})
+    try:
+        got = reward.submit(batch).result().sequence.tolist()
+    finally:
+        reward.close()
+    assert got == Reward(tok, reward_kwargs={"scale": 2.0}).score(batch).sequence.tolist()
+    assert got[0] > 0
+    monkeypatch.setitem(registry.SCORERS, "lambda", lambda s, g, **k: 1.0)
+    with pytest.raises(
+        ValueError, match=r"launch_reward_fn_async=True: the scorer registered for data_source 'lambda'"
+    ):
+        Reward(tok, background=True)
+
+
+RANDOM_SCORE = """
+import random, torch
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return torch.rand(()).item() + random.random()
+"""
+
+
+def test_a_random_reward_function_scores_the_same_for_the_same_seed(tmp_path):
+    """The workers' generators are seeded per batch and slice (the step's sampling seed): a repeated or
+    resumed run scores alike, a different step differently."""
+    tok = build_tiny_tokenizer()
+    batch = _batch(tok, ["a", "b", "c"])
+    path = tmp_path / "rnd.py"
+    path.write_text(RANDOM_SCORE)
+    runs = []
+    for _ in range(2):
+        reward = Reward(tok, custom_fn_path=str(path), background=True, num_workers=2)
+        try:
+            runs.append([reward.submit(batch, seed=s).result().sequence.tolist() for s in (5, 5, 9)])
+        finally:
+            reward.close()
+    assert runs[0] == runs[1]
+    assert runs[0][0] == runs[0][1] != runs[0][2]
+    assert runs[0][0][0] != runs[0][0][2]  # the second slice has its own seed

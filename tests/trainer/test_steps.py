@@ -234,8 +234,55 @@ def test_reward_model_scores_the_responses(tiny_model_dir, arithmetic_data, tmp_
     messages = [[{"role": "user", "content": "What is 1 plus 2?"}]] * 3
     b = Batch(prompts=torch.zeros(3, 1, dtype=torch.long), prompt_mask=torch.ones(3, 1), raw_prompt=messages)
     texts = ["The answer is 3", "3", "I think it is 12 plus 7 which is 19 #### 19"]
-    one_by_one = built.roles.reward._model_scores(b, texts, micro_batch_size=1)
-    assert torch.allclose(built.roles.reward._model_scores(b, texts), one_by_one, atol=1e-5)
+    reward = built.roles.reward
+    assert (reward.micro_batch_size, reward.max_token_len) == (16, None)  # the keys' defaults
+    reward.micro_batch_size = 1
+    one_by_one = reward._model_scores(b, texts)
+    reward.micro_batch_size = 16
+    assert torch.allclose(reward._model_scores(b, texts), one_by_one, atol=1e-5)
+    reward.max_token_len = 1  # use_dynamic_bsz: a budget below any one sample's length, one sample each
+    assert reward._micro_batches(texts) == [(0, 1), (1, 2), (2, 3)]
+    assert torch.allclose(reward._model_scores(b, texts), one_by_one, atol=1e-5)
+
+
+def test_reward_model_micro_batches_follow_the_keys(tiny_model_dir):
+    """reward_model.micro_batch_size_per_gpu (samples) and, with use_dynamic_bsz,
+    forward_max_token_len_per_gpu (consecutive samples padded to the longest, at least one)."""
+    from transformers import AutoTokenizer
+
+    from klppo.roles.reward import Reward
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = ["a b c d e f", "a", "a b", "a b c d e f g h i j k l", "a b c"]
+    lengths = [len(tok(t)["input_ids"]) for t in texts]
+    assert Reward(tok, micro_batch_size=2)._micro_batches(texts) == [(0, 2), (2, 4), (4, 5)]
+    budget = 2 * max(lengths[:3])
+    bounds = Reward(tok, max_token_len=budget)._micro_batches(texts)
+    assert [i for b in bounds for i in range(*b)] == list(range(5))  # every sample once, in order
+    for lo, hi in bounds:
+        assert hi - lo == 1 or (hi - lo) * max(lengths[lo:hi]) <= budget
+        if hi < len(texts):  # maximal: the next sample would not have fitted
+            assert (hi - lo + 1) * max(lengths[lo : hi + 1]) > budget
+    assert len(bounds) < 5  # some grouping happened
+
+
+def test_build_reward_reads_the_micro_batch_keys(tiny_model_dir):
+    import torch
+    from transformers import AutoTokenizer
+
+    from klppo.config import load_config
+    from klppo.trainer.roles_build import build_reward
+
+    tok_overrides = ["reward_model.micro_batch_size_per_gpu=3", "reward_model.use_dynamic_bsz=True",
+                     "reward_model.forward_max_token_len_per_gpu=77"]  # fmt: skip
+    cfg = load_config(tok_overrides)
+    reward = build_reward(cfg.reward_model, cfg.custom_reward_function,
+                          AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"))  # fmt: skip
+    assert (reward.micro_batch_size, reward.max_token_len) == (3, 77)
+    cfg = load_config(["reward_model.micro_batch_size_per_gpu=3"])
+    reward = build_reward(cfg.reward_model, cfg.custom_reward_function,
+                          AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"))  # fmt: skip
+    assert (reward.micro_batch_size, reward.max_token_len) == (3, None)
 
 
 def test_optimizer_choice_reference_path_and_external_lib(
