@@ -198,7 +198,10 @@ class RewardModelConfig:
     nnodes: int = F(0, "Nodes of that pool.")
     strategy: str = F("fsdp2", "Backend (fsdp is read as fsdp2).")
     model: RewardModelModelConfig = F(RewardModelModelConfig, "Reward model.")
-    micro_batch_size: int | None = F(None, "Deprecated global micro-batch.")
+    micro_batch_size: int | None = F(
+        None,
+        "Deprecated: SAMPLES per reward-model forward over all GPUs (divided by the data-parallel size).",
+    )
     micro_batch_size_per_gpu: int | None = F(
         None, "SAMPLES per reward-model forward on one GPU (null: 16); not with use_dynamic_bsz."
     )

@@ -267,7 +267,8 @@ def build_reward(
         max_length=rm.max_length,
         background=rm.launch_reward_fn_async,
         num_workers=rm.num_workers,
-        micro_batch_size=rm.micro_batch_size_per_gpu,
+        micro_batch_size=rm.micro_batch_size_per_gpu
+        or (max(1, rm.micro_batch_size // world_size()) if rm.micro_batch_size else None),
         max_token_len=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
     )
 

@@ -283,6 +283,10 @@ def test_build_reward_reads_the_micro_batch_keys(tiny_model_dir):
     reward = build_reward(cfg.reward_model, cfg.custom_reward_function,
                           AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"))  # fmt: skip
     assert (reward.micro_batch_size, reward.max_token_len) == (3, None)
+    cfg = load_config(["reward_model.micro_batch_size=6"])  # verl's deprecated global size, one rank here
+    reward = build_reward(cfg.reward_model, cfg.custom_reward_function,
+                          AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"))  # fmt: skip
+    assert reward.micro_batch_size == 6
 
 
 def test_optimizer_choice_reference_path_and_external_lib(
