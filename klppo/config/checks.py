@@ -319,8 +319,8 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
         )
     if _skip_would_pay(cfg):
         notify(
-            f"actor_rollout_ref.actor.skip_zero_advantage_rows=True would leave the samples of {est}'s equal-score "
-            "groups (advantage exactly 0: no policy gradient) out of this one-update-per-step actor update; the "
+            f"tip (not set): actor_rollout_ref.actor.skip_zero_advantage_rows=True would leave the samples of "
+            f"{est}'s equal-score groups (advantage exactly 0: no policy gradient) out of this one-update-per-step actor update; the "
             "KL and entropy terms then act on the kept samples, the KL metrics and controller still see all. "
             "Measured (SmolLM2-135M arithmetic, 54-57% of groups equal): the update halved, 167-182 steps in "
             "300 s against 124, the same accuracy per step (bench/RESULTS.md, session 12)"

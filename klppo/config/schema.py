@@ -59,7 +59,9 @@ class DataConfig:
     truncation: str = F("error", "Overlong prompt not filtered: error | left | right | middle.")
     image_key: str = F("images", "Image column: a file that has it is refused (text-only models).")
     video_key: str = F("videos", "Video column: a file that has it is refused (text-only models).")
-    trust_remote_code: bool = F(False, "Allow tokenizer code from its directory.")
+    trust_remote_code: bool = F(
+        False, "Allow tokenizer code from its directory (as actor_rollout_ref.model.trust_remote_code does)."
+    )
     custom_cls: ClassRefConfig = F(ClassRefConfig, "Custom dataset class.")
     return_multi_modal_inputs: bool = F(True, "Multimodal inputs.")
     sampler: SamplerConfig = F(SamplerConfig, "Custom sampler.")
@@ -147,15 +149,24 @@ class CriticConfig:
 
 @dataclass(frozen=True)
 class RewardModelModelConfig:
-    input_tokenizer: str | None = F(II("actor_rollout_ref.model.path"), "Tokenizer of the policy's text.")
+    input_tokenizer: str | None = F(
+        II("actor_rollout_ref.model.path"),
+        "Tokenizer of the policy's text (verl). klppo decodes the responses with the policy's tokenizer and "
+        "re-encodes them with the reward model's own (its path), whatever this says.",
+    )
     path: str = F("~/models/FsfairX-LLaMA3-RM-v0.1", "Sequence-classification reward model.")
     external_lib: str | None = F(SEL("actor_rollout_ref.model.external_lib", "null"), "Follows actor's.")
-    trust_remote_code: bool = F(False, "Allow model code.")
+    trust_remote_code: bool = F(False, "Allow the reward model's and its tokenizer's code.")
     override_config: dict[str, Any] = F({}, "Keys overriding the reward model's config.json.")
     use_shm: bool = F(False, "Shared-memory copy.")
     use_remove_padding: bool = F(False, "Pack sequences.")
     use_fused_kernels: bool = F(SEL("actor_rollout_ref.model.use_fused_kernels", "false"), "Follows model.")
-    fsdp_config: FSDPConfig = F(None, "FSDP2 sharding.", factory=lambda: FSDPConfig(model_dtype="bf16"))
+    fsdp_config: FSDPConfig = F(
+        None,
+        "model_dtype: the reward model's weights on GPU (fp32 on CPU); the sharding and offload keys are not "
+        "acted on (loaded whole on each rank: a notice says so).",
+        factory=lambda: FSDPConfig(model_dtype="bf16"),
+    )
 
 
 @dataclass(frozen=True)

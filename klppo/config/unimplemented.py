@@ -30,6 +30,11 @@ from klppo.config.sizes import uses_critic
 Notify = Callable[[str], None]
 _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
 
+RM_WHOLE = (
+    "the reward model is loaded whole on each rank in reward_model.model.fsdp_config.model_dtype (on GPU) and "
+    "scores in the step: not sharded, not offloaded"
+)
+
 UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     # changes results: refused by `klppo train`
     ("reward_model.ulysses_sequence_parallel_size", "refuse", "the reward model runs without sequence parallelism"),
@@ -76,8 +81,19 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("reward_model.n_gpus_per_node", "notice", "the reward model shares the training ranks"),
     ("reward_model.nnodes", "notice", "the reward model shares the training ranks"),
     ("reward_model.rollout.*", "notice",
-     "klppo runs the reward model in the step with FSDP2 (reward_model.max_length bounds its input); "
-     "serving options do not apply"),
+     "klppo runs the reward model in the step, loaded whole on each rank (reward_model.max_length bounds "
+     "its input); serving options do not apply"),
+    ("reward_model.model.fsdp_config.wrap_policy.*", "notice", RM_WHOLE),
+    ("reward_model.model.fsdp_config.param_offload", "notice", RM_WHOLE),
+    ("reward_model.model.fsdp_config.optimizer_offload", "notice", RM_WHOLE),
+    ("reward_model.model.fsdp_config.offload_policy", "notice", RM_WHOLE),
+    ("reward_model.model.fsdp_config.reshard_after_forward", "notice", RM_WHOLE),
+    ("reward_model.model.fsdp_config.fsdp_size", "notice", RM_WHOLE),
+    ("reward_model.model.fsdp_config.forward_prefetch", "notice", RM_WHOLE),
+    ("reward_model.model.fsdp_config.backward_prefetch", "notice", RM_WHOLE),
+    ("reward_model.model.fsdp_config.grad_sync_per_mini_batch", "notice", RM_WHOLE),
+    ("reward_model.model.fsdp_config.mixed_precision.*", "notice", RM_WHOLE),
+    ("reward_model.model.use_remove_padding", "notice", "the reward model scores right-padded micro-batches"),
     ("transfer_queue.enable", "notice", "batches move between phases in process memory"),
     # accepted, no effect yet
     ("actor_rollout_ref.hybrid_engine", "warn", "klppo always generates on the actor's own weights"),
@@ -193,12 +209,56 @@ def _short(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# verl's defaults for the global_tool_config entries klppo does not act on (a verl YAML carries them)
+_NSIGHT = {"trace": "cuda,nvtx,cublas,ucx", "cuda-memory-usage": "true", "cuda-graph-trace": "graph"}
+_VERL_PROFILER_DEFAULTS: dict[tuple[str, ...], object] = {
+    ("nsys", "discrete"): False,
+    ("nsys", "controller_nsight_options"): _NSIGHT,
+    ("nsys", "worker_nsight_options"): {
+        **_NSIGHT,
+        "capture-range": "cudaProfilerApi",
+        "capture-range-end": None,
+        "kill": "none",
+    },
+    ("torch_memory", "stack_depth"): 32,
+    ("torch_memory", "kw_args"): {},
+}
+_NSIGHT_OPTIONS = ("controller_nsight_options", "worker_nsight_options")
+_PROFILER_READ = {("torch", "contents"), ("torch_memory", "trace_alloc_max_entries"),
+                  ("torch_memory", "context"), ("torch_memory", "stacks")}  # fmt: skip
+
+
+def profiler_option_lines(tool_config: dict) -> list[str]:
+    """``global_profiler.global_tool_config`` (a free-form dict, so not in the table): one line per entry
+    klppo does not act on, set away from verl's default."""
+    lines = []
+    for tool, options in dict(tool_config or {}).items():
+        for key, value in (dict(options) if isinstance(options, dict) else {"": options}).items():
+            path = (tool, key) if key else (tool,)
+            name = "global_profiler.global_tool_config." + ".".join(path)
+            if path in _PROFILER_READ or path[-1].startswith("_"):  # read, or a marker such as _target_
+                continue
+            if _VERL_PROFILER_DEFAULTS.get(path, _MISSING) == value:
+                continue
+            if tool == "nsys" and key in _NSIGHT_OPTIONS:
+                lines.append(f"{name}={_short(value)} is not used: klppo does not start Nsight Systems; run it "
+                             "as `nsys profile --capture-range=cudaProfilerApi <your options> klppo train …`")  # fmt: skip
+            else:
+                lines.append(f"{name}={_short(value)} is accepted but has no effect (klppo reads torch.contents "
+                             "and torch_memory.trace_alloc_max_entries/context/stacks)")  # fmt: skip
+    return lines
+
+
+_MISSING = object()
+
+
 def warn_unimplemented(cfg: KLPPOConfig, notify: Notify | None = None) -> list[str]:
     """One line per key set away from its default that klppo accepts but does not act on; returns them."""
     notify = notify or notice
     lines = [
         f"{k}={_short(v)} is accepted but has no effect yet ({r})" for k, v, r in _set_entries(cfg, "warn")
     ]
+    lines += profiler_option_lines(cfg.global_profiler.global_tool_config)
     for line in lines:
         notify(line)
     return lines
@@ -247,7 +307,10 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
             "ranks, normalises or groups within the batch would score differently); set num_workers=1"
         )
     if rm.enable and rm.strategy not in ("fsdp", "fsdp2"):
-        problems.append(f"reward_model.strategy={rm.strategy!r}: the reward model runs with FSDP2 only")
+        problems.append(
+            f"reward_model.strategy={rm.strategy!r}: klppo's reward model runs in PyTorch (fsdp/fsdp2 configs), "
+            "loaded whole on each rank"
+        )
     if problems:
         raise ConfigError(
             "klppo train cannot honour these settings (they would change results):\n  - "

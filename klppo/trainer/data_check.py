@@ -61,10 +61,19 @@ def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
     return loaders
 
 
+def tokenizer_trusts_code(cfg: KLPPOConfig) -> bool:
+    """The policy's tokenizer may run code from its directory: ``data.trust_remote_code`` (what verl's
+    launcher passes to it) or ``actor_rollout_ref.model.trust_remote_code`` (what its workers pass)."""
+    return bool(cfg.data.trust_remote_code or cfg.actor_rollout_ref.model.trust_remote_code)
+
+
 def check_data_at_startup(cfg: KLPPOConfig, model_path: str) -> dict[str, Any]:
     """:func:`check_data` with the run's tokenizer (no model weights are read)."""
     mcfg = cfg.actor_rollout_ref.model
-    tokenizer = load_tokenizer(model_dir(mcfg.tokenizer_path) if mcfg.tokenizer_path else model_path)
+    tokenizer = load_tokenizer(
+        model_dir(mcfg.tokenizer_path) if mcfg.tokenizer_path else model_path,
+        trust_remote_code=tokenizer_trusts_code(cfg),
+    )
     if mcfg.custom_chat_template:
         tokenizer.chat_template = mcfg.custom_chat_template
     return check_data(cfg, tokenizer)

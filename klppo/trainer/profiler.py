@@ -17,7 +17,10 @@ On GPU, every step gets ``perf/gpu_util`` (mean NVML utilisation in percent over
 ``nvidia-ml-py`` is installed (``pip install nvidia-ml-py``; optional, no metric without it).
 ``global_tool_config`` (verl's): ``torch.contents`` ⊆ [cpu, cuda, memory, shapes, stack] (default
 [cpu, cuda]; memory/shapes/stack make traces much larger), ``torch_memory.trace_alloc_max_entries``
-(default 100000); other entries are ignored. ``npu`` is refused.
+(default 100000), ``torch_memory.context`` (alloc | state | all) and ``torch_memory.stacks`` (python | cpp |
+all), both default all, as torch's allocator history takes them; the other entries are not acted on and
+``klppo train`` names each one set away from verl's default
+(:func:`klppo.config.unimplemented.profiler_option_lines`). ``npu`` is refused.
 """
 
 from __future__ import annotations
@@ -67,6 +70,14 @@ class StepProfiler:
             )
         memory = dict(options.get("torch_memory") or {})
         self.max_entries = int(memory.get("trace_alloc_max_entries", 100_000))
+        self.memory_context = memory.get("context", "all")
+        self.memory_stacks = memory.get("stacks", "all")
+        for key, value, valid in (("context", self.memory_context, ("alloc", "state", "all")),
+                                  ("stacks", self.memory_stacks, ("python", "cpp", "all"))):  # fmt: skip
+            if value not in valid:
+                raise ValueError(
+                    f"global_profiler.global_tool_config.torch_memory.{key}={value!r}: expected one of {valid}"
+                )
         if self.tool == "torch_memory" and device.type != "cuda":
             log.warning("global_profiler.tool=torch_memory records the CUDA allocator: nothing to record on %s",
                         device.type)  # fmt: skip
@@ -102,7 +113,9 @@ class StepProfiler:
             self._prof.__enter__()
             self._first = step
         elif self.tool == "torch_memory" and self.device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+            torch.cuda.memory._record_memory_history(
+                context=self.memory_context, stacks=self.memory_stacks, max_entries=self.max_entries
+            )
         elif self.tool == "nsys" and self.device.type == "cuda":
             torch.cuda.profiler.start()
 

@@ -208,6 +208,8 @@ def build_critic(inputs: RoleInputs) -> Critic | None:
         model_dir(ccfg.model.path or inputs.model_path),
         dtype=to_dtype(ccfg.model.fsdp_config.model_dtype),
         gradient_checkpointing=ccfg.model.enable_gradient_checkpointing,
+        trust_remote_code=ccfg.model.trust_remote_code,
+        override_config=dict(ccfg.model.override_config or {}),
     )
     enable_packed_attention(model)
     sp = inputs.sp.critic
@@ -252,10 +254,15 @@ def build_reward(
     """Rule scorers / the user's function by ``data_source``, or a sequence-classification reward model."""
     reward_model = reward_tokenizer = None
     if rm.enable:
-        path = model_dir(rm.model.path)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        reward_model = load_reward_model(path, dtype=dtype).to(device).eval()
-        reward_tokenizer = load_tokenizer(model_dir(rm.model.input_tokenizer or path))
+        path, trust = model_dir(rm.model.path), rm.model.trust_remote_code
+        dtype = to_dtype(rm.model.fsdp_config.model_dtype) if device.type == "cuda" else torch.float32
+        reward_model = load_reward_model(
+            path, dtype=dtype, trust_remote_code=trust, override_config=dict(rm.model.override_config or {})
+        )
+        reward_model = reward_model.to(device).eval()
+        # the responses are decoded with the policy's tokenizer (reward_model.model.input_tokenizer's role
+        # in verl) and re-encoded in the reward model's own chat template and vocabulary
+        reward_tokenizer = load_tokenizer(path, trust_remote_code=trust)
     return Reward(
         tokenizer,
         custom_fn_path=crf.path,

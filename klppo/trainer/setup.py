@@ -45,6 +45,7 @@ from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
 from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
+from klppo.trainer.data_check import tokenizer_trusts_code
 from klppo.trainer.roles_build import HFAssets, RoleInputs, Roles, SequenceGroups, build_roles, role_fsdp
 from klppo.trainer.settings import (
     LoaderSettings,
@@ -298,7 +299,8 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     torch.manual_seed(tcfg.seed)
     model_path = model_dir(arr.model.path)  # a .gguf file → its cached Hugging Face directory
     tokenizer = load_tokenizer(
-        model_dir(arr.model.tokenizer_path) if arr.model.tokenizer_path else model_path
+        model_dir(arr.model.tokenizer_path) if arr.model.tokenizer_path else model_path,
+        trust_remote_code=tokenizer_trusts_code(cfg),
     )
     if arr.model.custom_chat_template:
         tokenizer.chat_template = arr.model.custom_chat_template

@@ -105,3 +105,40 @@ def test_comm_shares_by_hand():
     assert shares["perf/comm_share"] == pytest.approx(0.10) and shares[
         "perf/exposed_comm_share"
     ] == pytest.approx(0.05)
+
+
+def test_global_tool_config_entries_are_read_or_named():
+    """global_tool_config is a free-form dict (verl's): the entries klppo reads act, the others are named
+    when set away from verl's defaults (a verl YAML's defaults say nothing)."""
+    from klppo.config import load_config, warn_unimplemented
+    from klppo.config.schema import GlobalProfilerConfig
+    from klppo.config.unimplemented import profiler_option_lines
+    from klppo.trainer.profiler import StepProfiler
+
+    nsight = {"trace": "cuda,nvtx,cublas,ucx", "cuda-memory-usage": "true", "cuda-graph-trace": "graph"}
+    verl = {
+        "nsys": {"_target_": "verl.utils.profiler.config.NsightToolConfig", "discrete": False,
+                 "controller_nsight_options": nsight,
+                 "worker_nsight_options": {**nsight, "capture-range": "cudaProfilerApi",
+                                           "capture-range-end": None, "kill": "none"}},
+        "torch_memory": {"trace_alloc_max_entries": 100_000, "stack_depth": 32, "context": "all",
+                         "stacks": "all", "kw_args": {}},
+    }  # fmt: skip
+    assert profiler_option_lines(verl) == []
+    changed = {"nsys": {**verl["nsys"], "discrete": True, "worker_nsight_options": {"trace": "cuda"}},
+               "torch_memory": {**verl["torch_memory"], "stack_depth": 8, "context": "alloc"}}  # fmt: skip
+    lines = profiler_option_lines(changed)
+    assert len(lines) == 3
+    assert lines[0].startswith(
+        "global_profiler.global_tool_config.nsys.discrete=True is accepted but has no effect"
+    )
+    assert "nsys.worker_nsight_options" in lines[1] and "--capture-range=cudaProfilerApi" in lines[1]
+    assert lines[2].startswith("global_profiler.global_tool_config.torch_memory.stack_depth=8")
+    cfg = load_config(["+global_profiler.global_tool_config.nsys.discrete=True"])
+    assert any("nsys.discrete=True" in line for line in warn_unimplemented(cfg, notify=lambda _m: None))
+    # the read entries: context and stacks reach torch's allocator history, checked at start
+    prof = StepProfiler(GlobalProfilerConfig(global_tool_config=changed), device=torch.device("cpu"), rank=0)
+    assert (prof.memory_context, prof.memory_stacks, prof.max_entries) == ("alloc", "all", 100_000)
+    bad = {"torch_memory": {"stacks": "java"}}
+    with pytest.raises(ValueError, match=r"torch_memory.stacks='java': expected one of"):
+        StepProfiler(GlobalProfilerConfig(global_tool_config=bad), device=torch.device("cpu"), rank=0)

@@ -415,3 +415,59 @@ def test_old_log_probs_needed_before_the_update_keep_the_pass():
         )
     off = ["actor_rollout_ref.actor.skip_old_log_prob_on_policy=False"]
     assert not skips_old_log_prob_pass(load_config(off))
+
+
+def test_reward_model_keys_act_or_are_named(tiny_model_dir, tmp_path):
+    """The reward model's own tokenizer (not the policy's), trust_remote_code and override_config reach
+    its load; its sharding/offload keys, which klppo does not act on (loaded whole), get a notice."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from klppo.config import check_trainable, load_config
+    from klppo.models.tiny import build_tiny_tokenizer
+    from klppo.trainer import roles_build
+
+    rm_dir = tmp_path / "rm"
+    config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
+    rm_tok = build_tiny_tokenizer()
+    rm_tok.save_pretrained(rm_dir)
+    cfg = load_config(["reward_model.enable=True", f"reward_model.model.path={rm_dir}",
+                       f"actor_rollout_ref.model.path={tiny_model_dir}",
+                       "+reward_model.model.override_config.num_hidden_layers=1"])  # fmt: skip
+    reward = roles_build.build_reward(cfg.reward_model, cfg.custom_reward_function, None, torch.device("cpu"))
+    assert reward.reward_tokenizer.name_or_path == str(rm_dir)  # its own, whatever input_tokenizer says
+    assert reward.reward_model.config.num_hidden_layers == 1
+    notes: list[str] = []
+    cfg = load_config(["reward_model.model.fsdp_config.param_offload=True",
+                       "reward_model.model.use_remove_padding=True"])  # fmt: skip
+    check_trainable(cfg, notify=notes.append)
+    assert any(n.startswith("reward_model.model.fsdp_config.param_offload=True: the reward model is loaded whole")
+               for n in notes)  # fmt: skip
+    assert any(n.startswith("reward_model.model.use_remove_padding=True") for n in notes)
+
+
+def test_critic_and_tokenizer_loads_get_trust_remote_code_and_override_config(tiny_model_dir, monkeypatch):
+    from types import SimpleNamespace
+
+    from klppo.config import load_config
+    from klppo.trainer import roles_build
+    from klppo.trainer.data_check import tokenizer_trusts_code
+
+    seen = {}
+
+    def fake_load_critic(path, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(roles_build, "load_critic", fake_load_critic)
+    cfg = load_config(["algorithm.adv_estimator=gae", "critic.model.trust_remote_code=True",
+                       f"critic.model.path={tiny_model_dir}",
+                       "+critic.model.override_config.attention_dropout=0.1"])  # fmt: skip
+    inputs = SimpleNamespace(cfg=cfg, device=None, model_path=str(tiny_model_dir))
+    with pytest.raises(RuntimeError, match="stop here"):
+        roles_build.build_critic(inputs)
+    assert seen["trust_remote_code"] is True and seen["override_config"] == {"attention_dropout": 0.1}
+    assert not tokenizer_trusts_code(load_config([]))
+    assert tokenizer_trusts_code(load_config(["data.trust_remote_code=True"]))
+    assert tokenizer_trusts_code(load_config(["actor_rollout_ref.model.trust_remote_code=True"]))
