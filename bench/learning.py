@@ -293,7 +293,12 @@ def monitor_events(run_dir: Path) -> list[dict]:
     path = run_dir / "events.jsonl"
     if not path.exists():
         return []
-    records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # blank, or cut by a run killed mid-write
+            continue
     keys = ("step", "rule", "action", "message")
     return [{k: e.get(k) for k in keys} for e in records if e.get("rule") != "summary"]
 

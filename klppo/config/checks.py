@@ -79,6 +79,9 @@ UNBUILT_VALUES: dict[tuple[str, str], str] = {
 # (key, lowest allowed, highest allowed or None); None values are skipped (optional keys).
 _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("data.train_batch_size", 1, None),
+    ("reward_model.micro_batch_size", 1, None),
+    ("reward_model.micro_batch_size_per_gpu", 1, None),
+    ("reward_model.forward_max_token_len_per_gpu", 1, None),
     ("data.max_prompt_length", 1, None),
     ("data.max_response_length", 1, None),
     ("actor_rollout_ref.actor.ppo_mini_batch_size", 1, None),
@@ -243,8 +246,42 @@ def _skip_would_pay(cfg: KLPPOConfig) -> bool:
     )
 
 
+RM_WHOLE = (
+    "the reward model is loaded whole on each rank in reward_model.model.fsdp_config.model_dtype (on GPU) and "
+    "scores in the step: not sharded, not offloaded"
+)
+# the reward model's keys klppo does not act on (it is loaded whole), with the values that say nothing:
+# klppo's defaults and verl's (min_num_params 0 in verl's YAML)
+_RM_INERT_KEYS = (
+    "fsdp_config.param_offload", "fsdp_config.optimizer_offload", "fsdp_config.offload_policy",
+    "fsdp_config.reshard_after_forward", "fsdp_config.fsdp_size", "fsdp_config.forward_prefetch",
+    "fsdp_config.backward_prefetch", "fsdp_config.grad_sync_per_mini_batch",
+    "fsdp_config.wrap_policy.min_num_params", "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap",
+    "fsdp_config.mixed_precision.param_dtype", "fsdp_config.mixed_precision.reduce_dtype",
+    "fsdp_config.mixed_precision.buffer_dtype", "use_remove_padding",
+)  # fmt: skip
+_RM_SILENT_VALUES = {"fsdp_config.wrap_policy.min_num_params": (0,)}
+
+
+def _reward_model_notes(cfg: KLPPOConfig, notify: Notify) -> None:
+    """With ``reward_model.enable``: one line per key of its sharding that klppo does not act on."""
+    if not cfg.reward_model.enable:
+        return
+    default = type(cfg.reward_model.model)()
+    for key in _RM_INERT_KEYS:
+        value = value_at(cfg.reward_model.model, key)
+        if value != value_at(default, key) and value not in _RM_SILENT_VALUES.get(key, ()):
+            why = (
+                "the reward model scores right-padded micro-batches"
+                if key == "use_remove_padding"
+                else RM_WHOLE
+            )
+            notify(f"reward_model.model.{key}={value!r}: {why}")
+
+
 def _reward_notes(cfg: KLPPOConfig, notify: Notify) -> None:
-    """The background-scoring keys where they do nothing."""
+    """The background-scoring keys where they do nothing, and the reward model's inert ones."""
+    _reward_model_notes(cfg, notify)
     rm = cfg.reward_model
     if rm.num_workers != 1 and not rm.launch_reward_fn_async:
         notify(

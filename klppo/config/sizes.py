@@ -41,6 +41,7 @@ class Sizes:
     critic_micro_batch_size_per_gpu: int | None
     critic_forward_micro_batch_size_per_gpu: int | None
     num_critic_updates_per_step: int | None
+    reward_micro_batch_size_per_gpu: int | None = None  # the reward model's forwards (None: token budget)
 
 
 def uses_critic(cfg: KLPPOConfig) -> bool:
@@ -138,6 +139,16 @@ def derive_sizes(cfg: KLPPOConfig, world_size: int) -> Sizes:
         critic_micro_batch_size_per_gpu=c_micro,
         critic_forward_micro_batch_size_per_gpu=c_fwd,
         num_critic_updates_per_step=c_updates,
+        reward_micro_batch_size_per_gpu=_micro(
+            "reward_model.",
+            rm.micro_batch_size,
+            rm.micro_batch_size_per_gpu,
+            world_size,
+            rm.use_dynamic_bsz,
+            16,
+        )
+        if (rm := cfg.reward_model).enable
+        else None,
     )
 
 
@@ -177,21 +188,25 @@ def _role(
 def _micro(
     prefix: str, global_size: int | None, per_gpu: int | None, dp: int, dynamic: bool, fallback: int | None
 ) -> int | None:
-    """Micro-batch samples per GPU: per_gpu, else deprecated global size / dp, else `fallback`."""
+    """Micro-batch samples per GPU: per_gpu, else deprecated global size / dp, else `fallback`. ``prefix``
+    ends the key before ``micro_batch_size`` (``critic.forward_`` style is written ``critic.forward``; the
+    reward model's ``reward_model.``)."""
+    if not prefix.endswith("."):
+        prefix += "_"
     if dynamic:
         return None
     if global_size is not None and per_gpu is not None and global_size // dp != per_gpu:
         raise ConfigError(
-            f"{prefix}_micro_batch_size={global_size} (samples over all GPUs, deprecated) and "
-            f"{prefix}_micro_batch_size_per_gpu={per_gpu} are both set; set only the _per_gpu one"
+            f"{prefix}micro_batch_size={global_size} (samples over all GPUs, deprecated) and "
+            f"{prefix}micro_batch_size_per_gpu={per_gpu} are both set; set only the _per_gpu one"
         )
     if per_gpu is not None:
         return per_gpu
     if global_size is not None:
         if global_size % dp:
             raise ConfigError(
-                f"{prefix}_micro_batch_size={global_size} samples over all GPUs is not divisible by {dp} "
-                f"data-parallel ranks; set {prefix}_micro_batch_size_per_gpu instead"
+                f"{prefix}micro_batch_size={global_size} samples over all GPUs is not divisible by {dp} "
+                f"data-parallel ranks; set {prefix}micro_batch_size_per_gpu instead"
             )
         return global_size // dp
     return fallback

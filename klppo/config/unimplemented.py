@@ -30,11 +30,6 @@ from klppo.config.sizes import uses_critic
 Notify = Callable[[str], None]
 _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")
 
-RM_WHOLE = (
-    "the reward model is loaded whole on each rank in reward_model.model.fsdp_config.model_dtype (on GPU) and "
-    "scores in the step: not sharded, not offloaded"
-)
-
 UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     # changes results: refused by `klppo train`
     ("reward_model.ulysses_sequence_parallel_size", "refuse", "the reward model runs without sequence parallelism"),
@@ -83,17 +78,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("reward_model.rollout.*", "notice",
      "klppo runs the reward model in the step, loaded whole on each rank (reward_model.max_length bounds "
      "its input); serving options do not apply"),
-    ("reward_model.model.fsdp_config.wrap_policy.*", "notice", RM_WHOLE),
-    ("reward_model.model.fsdp_config.param_offload", "notice", RM_WHOLE),
-    ("reward_model.model.fsdp_config.optimizer_offload", "notice", RM_WHOLE),
-    ("reward_model.model.fsdp_config.offload_policy", "notice", RM_WHOLE),
-    ("reward_model.model.fsdp_config.reshard_after_forward", "notice", RM_WHOLE),
-    ("reward_model.model.fsdp_config.fsdp_size", "notice", RM_WHOLE),
-    ("reward_model.model.fsdp_config.forward_prefetch", "notice", RM_WHOLE),
-    ("reward_model.model.fsdp_config.backward_prefetch", "notice", RM_WHOLE),
-    ("reward_model.model.fsdp_config.grad_sync_per_mini_batch", "notice", RM_WHOLE),
-    ("reward_model.model.fsdp_config.mixed_precision.*", "notice", RM_WHOLE),
-    ("reward_model.model.use_remove_padding", "notice", "the reward model scores right-padded micro-batches"),
     ("transfer_queue.enable", "notice", "batches move between phases in process memory"),
     # accepted, no effect yet
     ("actor_rollout_ref.hybrid_engine", "warn", "klppo always generates on the actor's own weights"),

@@ -268,7 +268,9 @@ def load_reward_model(
         config_kwargs=extra,
     )
     if model.config.pad_token_id is None:  # the score is read at the last non-pad token
-        model.config.pad_token_id = load_tokenizer(model_dir(path)).pad_token_id
+        model.config.pad_token_id = load_tokenizer(
+            model_dir(path), trust_remote_code=trust_remote_code
+        ).pad_token_id
     if missing:
         raise ModelLoadError(
             f"{path!r} is not a trained reward model: weights {sorted(missing)[:5]} are missing "

@@ -212,8 +212,11 @@ class RewardManager:
         ground_truths: list,
         extra_infos: list,
         response_lengths: list[int] | None = None,
+        *,
+        first_row: int = 0,
     ) -> list[float]:
-        """One float per response (lists aligned by row); ``response_lengths`` (tokens) for ``dapo``."""
+        """One float per response (lists aligned by row); ``response_lengths`` (tokens) for ``dapo``;
+        ``first_row``: the batch row of the first response (errors name the batch's row)."""
         if not (len(responses) == len(data_sources) == len(ground_truths) == len(extra_infos)):
             raise ValueError(
                 f"score(): lists differ in length: responses {len(responses)}, data_sources "
@@ -228,10 +231,13 @@ class RewardManager:
                 raise ValueError(
                     f"batched compute_score returned {len(values)} scores for {len(responses)} responses"
                 )
-            return [_as_float(v, f"{self._custom_name} (batched), row {i},") for i, v in enumerate(values)]
+            return [
+                _as_float(v, f"{self._custom_name} (batched), row {i},")
+                for i, v in enumerate(values, first_row)
+            ]
         out = []
         rows = zip(responses, data_sources, ground_truths, extra_infos)
-        for i, (response, source, truth, extra) in enumerate(rows):
+        for i, (response, source, truth, extra) in enumerate(rows, first_row):
             if self.custom_fn is not None:
                 value = self.custom_fn(source, response, truth, extra, **self.reward_kwargs)
                 out.append(_as_float(value, f"{self._custom_name}, row {i},"))

@@ -12,7 +12,7 @@ import torch
 from klppo.batch import Batch
 from klppo.rewards import RewardManager, place_scores
 from klppo.roles.decoding import decode_batch
-from klppo.roles.reward_worker import ScoringWorker
+from klppo.roles.reward_worker import ScoringWorker, WorkerStartError
 
 
 class Scores(NamedTuple):
@@ -47,7 +47,7 @@ class PendingScores:
                 part_values, part_texts = future.result()
                 values += part_values
                 texts += part_texts
-        except BrokenProcessPool as exc:
+        except (BrokenProcessPool, WorkerStartError) as exc:
             if self._reward.worker is not None:
                 self._reward.worker.mark_broken(exc)
             return self._reward.score(self._batch)

@@ -25,10 +25,12 @@ out of memory, a crash in the function's native code), the step scores in the tr
 later step (:meth:`ScoringWorker.mark_broken`, one warning): the run goes on.
 
 Scorers added with :func:`~klppo.rewards.registry.register_scorer` in the trainer's process are sent to the
-workers at start (by reference: functions defined at a module's top level). Each batch's slices are scored
-with the torch, ``random`` and NumPy generators seeded from the step's sampling seed and the slice, so a
-reward function that draws random numbers scores the same in a repeated or resumed run (not the same draws
-as in the step, whose generators are the trainer's).
+workers at start (by reference: functions defined at a module's top level; one that does not load there —
+defined under ``if __name__ == "__main__":`` — makes the first batch score in the step, with a warning
+naming the error). Each batch's slices are scored with the torch, ``random`` and NumPy generators seeded
+from the step's sampling seed and the slice (:func:`slice_seed`), so a reward function that draws random
+numbers scores the same in a repeated or resumed run (not the same draws as in the step, whose generators
+are the trainer's). Processes the function starts get the default SIGINT/SIGTERM, as in the step.
 
 What the function raises reaches the trainer's reward phase as itself when it pickles (a class from the
 user's file does: :func:`~klppo.rewards.registry.load_custom_reward_fn` registers the module under a name
@@ -39,6 +41,7 @@ traceback text.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -65,6 +68,7 @@ log = logging.getLogger("klppo")
 
 _manager: RewardManager | None = None  # the worker process's own, set by _start_worker
 _tokenizer: Any = None
+_start_error: str | None = None  # why _start_worker could not set the process up
 
 
 class RewardFunctionError(RuntimeError):
@@ -72,26 +76,48 @@ class RewardFunctionError(RuntimeError):
 
 
 def _start_worker(
-    manager_kwargs: dict[str, Any], tokenizer: Any, parent: int, scorers: dict[str, Any] | None = None
+    manager_kwargs: dict[str, Any], tokenizer: Any, parent: int, scorers: bytes | None = None
 ) -> None:
-    global _manager, _tokenizer
+    global _manager, _tokenizer, _start_error
     for sig in (signal.SIGINT, signal.SIGTERM):  # not SIG_IGN: exec'd children would inherit it
         signal.signal(sig, _ignore_signal)
+    os.register_at_fork(after_in_child=_default_signals)  # and forked ones the handler
     if not _die_with_parent():
         threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     if os.getppid() != parent:  # the parent ended before the line above took effect
         os._exit(0)
-    SCORERS.update(scorers or {})  # before the manager, which checks reward_kwargs against them
-    _manager, _tokenizer = RewardManager(**manager_kwargs), tokenizer
+    try:  # what fails here is said at the first batch (WorkerStartError), not lost with the process
+        SCORERS.update(pickle.loads(scorers) if scorers else {})  # before the manager, which checks kwargs
+        _manager, _tokenizer = RewardManager(**manager_kwargs), tokenizer
+    except Exception as exc:
+        _start_error = f"{type(exc).__qualname__}: {exc}"
 
 
 def _ignore_signal(signum: int, frame: Any) -> None:
     """SIGINT/SIGTERM in a scoring process: nothing (module docstring, "Lifetime")."""
 
 
-def registered_scorers() -> dict[str, Any]:
-    """The scorers the trainer's process registered beyond the built-in table (sent to the workers);
-    ValueError naming the data source and the key when one cannot be sent (a lambda, a local function)."""
+def _default_signals() -> None:
+    """In a process the reward function forks: SIGINT/SIGTERM act as usual again."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+class WorkerStartError(RuntimeError):
+    """The scoring process could not set itself up (a registered scorer that does not load there, …)."""
+
+
+def slice_seed(seed: int, index: int) -> int:
+    """Slice ``index``'s seed from a batch's ``seed``: hashed, so that no slice of one rank or step meets
+    another's (``seed + index`` would: the sampling seeds of neighbouring ranks differ by 1)."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def registered_scorers() -> bytes:
+    """The scorers the trainer's process registered beyond the built-in table, pickled for the workers
+    (loaded inside :func:`_start_worker`, where a failure is caught); ValueError naming the data source and
+    the key when one cannot be pickled (a lambda, a local function)."""
     added = {k: fn for k, fn in SCORERS.items() if BUILTIN_SCORERS.get(k) is not fn}
     for source, fn in added.items():
         try:
@@ -102,7 +128,7 @@ def registered_scorers() -> dict[str, Any]:
                 f"scoring process ({why}); register a function defined at a module's top level, or set "
                 f"{KEY}=False"
             ) from None
-    return added
+    return pickle.dumps(added)
 
 
 def _seed_all(seed: int) -> None:
@@ -145,14 +171,19 @@ def _score(
     extra_infos: list,
     lengths: list[int],
     seed: int | None = None,
+    first_row: int = 0,
 ) -> tuple[list[float], list[str]]:
-    """In the worker: decode ``rows`` (response token ids, padding cut) and score them (the generators
-    seeded with ``seed`` first, when given)."""
+    """In the worker: decode ``rows`` (response token ids, padding cut; the batch's rows from
+    ``first_row``) and score them (the generators seeded with ``seed`` first, when given)."""
+    if _start_error is not None:
+        raise WorkerStartError(f"the scoring process could not start: {_start_error}")
     if seed is not None:
         _seed_all(seed)
     texts = decode_batch(_tokenizer, rows)
     try:
-        return _manager.score(texts, data_sources, ground_truths, extra_infos, lengths), texts
+        return _manager.score(
+            texts, data_sources, ground_truths, extra_infos, lengths, first_row=first_row
+        ), texts
     except Exception as exc:
         try:
             pickle.loads(pickle.dumps(exc))
@@ -186,7 +217,13 @@ class ScoringWorker:
             max_workers=num_workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_worker,
-            initargs=(manager_kwargs, tokenizer, os.getpid(), registered_scorers()),
+            # a user's function replaces the table: its scorers are neither sent nor checked then
+            initargs=(
+                manager_kwargs,
+                tokenizer,
+                os.getpid(),
+                None if manager_kwargs.get("custom_fn_path") else registered_scorers(),
+            ),  # fmt: skip
         )
         # one task per worker while none is idle yet: all of them start now (a spawn pool starts them on
         # demand), so their imports overlap the set-up, not step 1
@@ -208,8 +245,8 @@ class ScoringWorker:
         seed: int | None = None,
     ) -> list[Future] | None:
         """Score in the background: one future of ``(scores, texts)`` (or of what the function raised) per
-        contiguous slice of the rows, in row order, slice ``i`` with the generators seeded ``seed + i``;
-        None when the workers are gone (then the caller scores in the step)."""
+        contiguous slice of the rows, in row order, slice ``i`` with the generators seeded
+        ``slice_seed(seed, i)``; None when the workers are gone (then the caller scores in the step)."""
         if self._pool is None:
             return None
         futures = []
@@ -221,7 +258,8 @@ class ScoringWorker:
                     ground_truths[lo:hi],
                     extra_infos[lo:hi],
                     lengths[lo:hi],
-                    None if seed is None else seed + i,
+                    None if seed is None else slice_seed(seed, i),
+                    lo,
                 )
                 futures.append(self._pool.submit(_score, *args))
         except BrokenProcessPool as exc:
@@ -230,8 +268,12 @@ class ScoringWorker:
         return futures
 
     def mark_broken(self, exc: BaseException) -> None:
-        """The process died: say so once; from now on every step scores in the trainer."""
+        """The process died or could not start: say so once; from now on every step scores in the trainer."""
         if self._pool is None:
+            return
+        if isinstance(exc, WorkerStartError):
+            log.warning("%s=True: %s; this step and the following ones score in the trainer", KEY, exc)
+            self._stop()
             return
         codes = sorted({p.exitcode for p in self._processes() if p.exitcode is not None})
         why = f"exit code {', '.join(map(str, codes))}" if codes else str(exc)

@@ -17,7 +17,7 @@ On GPU, every step gets ``perf/gpu_util`` (mean NVML utilisation in percent over
 ``nvidia-ml-py`` is installed (``pip install nvidia-ml-py``; optional, no metric without it).
 ``global_tool_config`` (verl's): ``torch.contents`` ⊆ [cpu, cuda, memory, shapes, stack] (default
 [cpu, cuda]; memory/shapes/stack make traces much larger), ``torch_memory.trace_alloc_max_entries``
-(default 100000), ``torch_memory.context`` (alloc | state | all) and ``torch_memory.stacks`` (python | cpp |
+(default 100000), ``torch_memory.context`` (null | alloc | state | all) and ``torch_memory.stacks`` (python |
 all), both default all, as torch's allocator history takes them; the other entries are not acted on and
 ``klppo train`` names each one set away from verl's default
 (:func:`klppo.config.unimplemented.profiler_option_lines`). ``npu`` is refused.
@@ -72,8 +72,8 @@ class StepProfiler:
         self.max_entries = int(memory.get("trace_alloc_max_entries", 100_000))
         self.memory_context = memory.get("context", "all")
         self.memory_stacks = memory.get("stacks", "all")
-        for key, value, valid in (("context", self.memory_context, ("alloc", "state", "all")),
-                                  ("stacks", self.memory_stacks, ("python", "cpp", "all"))):  # fmt: skip
+        for key, value, valid in (("context", self.memory_context, (None, "alloc", "state", "all")),
+                                  ("stacks", self.memory_stacks, ("python", "all"))):  # fmt: skip
             if value not in valid:
                 raise ValueError(
                     f"global_profiler.global_tool_config.torch_memory.{key}={value!r}: expected one of {valid}"

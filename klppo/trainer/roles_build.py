@@ -98,8 +98,12 @@ def build_roles(inputs: RoleInputs, actor_fsdp: FSDPSettings) -> Roles:
         reference=build_reference(inputs, actor),
         critic=build_critic(inputs),
         reward=build_reward(
-            inputs.cfg.reward_model, inputs.cfg.custom_reward_function, inputs.tokenizer, inputs.device
-        ),
+            inputs.cfg.reward_model,
+            inputs.cfg.custom_reward_function,
+            inputs.tokenizer,
+            inputs.device,
+            micro_batch_size=inputs.sizes.reward_micro_batch_size_per_gpu,
+        ),  # fmt: skip
     )
 
 
@@ -249,9 +253,15 @@ def build_critic(inputs: RoleInputs) -> Critic | None:
 
 
 def build_reward(
-    rm: RewardModelConfig, crf: CustomRewardFunctionConfig, tokenizer: Any, device: torch.device
+    rm: RewardModelConfig,
+    crf: CustomRewardFunctionConfig,
+    tokenizer: Any,
+    device: torch.device,
+    *,
+    micro_batch_size: int | None = None,
 ) -> Reward:
-    """Rule scorers / the user's function by ``data_source``, or a sequence-classification reward model."""
+    """Rule scorers / the user's function by ``data_source``, or a sequence-classification reward model
+    (``micro_batch_size``: samples per forward, ``Sizes.reward_micro_batch_size_per_gpu``)."""
     reward_model = reward_tokenizer = None
     if rm.enable:
         path, trust = model_dir(rm.model.path), rm.model.trust_remote_code
@@ -262,7 +272,7 @@ def build_reward(
         reward_model = reward_model.to(device).eval()
         # the responses are decoded with the policy's tokenizer (reward_model.model.input_tokenizer's role
         # in verl) and re-encoded in the reward model's own chat template and vocabulary
-        reward_tokenizer = load_tokenizer(path, trust_remote_code=trust)
+        reward_tokenizer = load_tokenizer(_reward_tokenizer_dir(rm, path), trust_remote_code=trust)
     return Reward(
         tokenizer,
         custom_fn_path=crf.path,
@@ -274,10 +284,29 @@ def build_reward(
         max_length=rm.max_length,
         background=rm.launch_reward_fn_async,
         num_workers=rm.num_workers,
-        micro_batch_size=rm.micro_batch_size_per_gpu
-        or (max(1, rm.micro_batch_size // world_size()) if rm.micro_batch_size else None),
+        micro_batch_size=micro_batch_size,
         max_token_len=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
     )
+
+
+def _reward_tokenizer_dir(rm: RewardModelConfig, path: str) -> str:
+    """The reward model's own tokenizer; where its directory has none, ``input_tokenizer``'s (the policy's
+    by default), with a note."""
+    if any((Path(path) / f).exists() for f in ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")):
+        return path
+    fallback = model_dir(rm.model.input_tokenizer) if rm.model.input_tokenizer else None
+    if fallback is None:
+        raise ValueError(
+            f"reward_model.model.path={path}: no tokenizer files there, and reward_model.model.input_tokenizer "
+            "is null; put the reward model's tokenizer in its directory"
+        )
+    logging.getLogger("klppo").info(
+        "reward_model.model.path=%s has no tokenizer files: its input is encoded with "
+        "reward_model.model.input_tokenizer's (%s)",
+        path,
+        fallback,
+    )
+    return fallback
 
 
 def load_policy_model(

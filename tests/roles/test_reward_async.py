@@ -327,3 +327,98 @@ def test_a_random_reward_function_scores_the_same_for_the_same_seed(tmp_path):
     assert runs[0] == runs[1]
     assert runs[0][0] == runs[0][1] != runs[0][2]
     assert runs[0][0][0] != runs[0][0][2]  # the second slice has its own seed
+
+
+STOPS_ITS_FORKED_CHILD = """
+import multiprocessing, time
+def _work(ready):
+    ready.set()
+    time.sleep(60)
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    child = ctx.Process(target=_work, args=(ready,))
+    child.start()
+    ready.wait(20)  # running its own code (a signal before the fork hooks ran would meet the parent's)
+    child.terminate()  # a verifier stopping a forked worker on a timeout
+    child.join(timeout=20)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    return float(alive)
+"""
+
+
+def test_processes_the_function_forks_are_stopped_by_sigterm(tmp_path):
+    """A forked child inherits Python's signal handlers: the worker resets them to the defaults in it."""
+    tok = build_tiny_tokenizer()
+    reward = _reward(tmp_path, STOPS_ITS_FORKED_CHILD, background=True)
+    try:
+        got = reward.submit(_batch(tok, ["a"])).result().sequence.tolist()
+    finally:
+        reward.close()
+    assert got == [0.0] == reward.score(_batch(tok, ["a"])).sequence.tolist()  # the child died
+
+
+def test_slice_seeds_do_not_meet_across_ranks_steps_or_slices():
+    """Neighbouring ranks' sampling seeds differ by 1: slice seeds are hashed, not seed + slice."""
+    from klppo.roles.reward_worker import slice_seed
+    from klppo.trainer.phases import sample_seed
+
+    seeds = [
+        slice_seed(sample_seed(1, step) + rank, i)
+        for step in range(20)
+        for rank in range(4)
+        for i in range(4)
+    ]
+    assert len(set(seeds)) == len(seeds)
+    assert slice_seed(7, 1) == slice_seed(7, 1) and all(0 <= s < 2**64 for s in seeds)
+
+
+NONE_AT_ROW_3 = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return None if extra_info["row"] == 3 else 1.0
+"""
+
+
+def test_an_error_names_the_batchs_row_whichever_slice_it_is_in(tmp_path):
+    tok = build_tiny_tokenizer()
+    path = tmp_path / "none3.py"
+    path.write_text(NONE_AT_ROW_3)
+    batch = _batch(tok, ["a", "b", "c", "d", "e"])
+    reward = Reward(tok, custom_fn_path=str(path), background=True, num_workers=2)  # slices [0, 3), [3, 5)
+    try:
+        with pytest.raises(ValueError, match=r", row 3, returned None"):
+            reward.submit(batch).result()
+    finally:
+        reward.close()
+    with pytest.raises(ValueError, match=r", row 3, returned None"):
+        Reward(tok, custom_fn_path=str(path)).score(batch)
+
+
+def test_a_scorer_that_does_not_load_in_the_worker_leaves_scoring_to_the_step(monkeypatch, caplog):
+    """A registered scorer pickles in the trainer but its module is not importable in the spawned process
+    (as one defined under ``if __name__ == "__main__":``): the first batch scores in the step, and the
+    warning names the error."""
+    import sys
+    import types
+
+    from klppo.rewards import registry
+
+    module = types.ModuleType("klppo_test_only_in_this_process")
+    module.length_scorer = types.FunctionType(length_scorer.__code__, {}, "length_scorer")
+    module.length_scorer.__module__ = module.__name__
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(registry.SCORERS, "here-only", module.length_scorer)
+    tok = build_tiny_tokenizer()
+    batch = _batch(tok, ["abc", "de"]).replace(data_source=["here-only"] * 2)
+    reward = Reward(tok, background=True)
+    try:
+        with caplog.at_level("WARNING", logger="klppo"):
+            got = reward.submit(batch).result().sequence.tolist()
+        assert got == [3.0, 2.0]  # scored in the step
+        assert reward.submit(batch) is None  # and from now on
+    finally:
+        reward.close()
+    warned = [r.getMessage() for r in caplog.records if "could not start" in r.getMessage()]
+    assert len(warned) == 1 and "klppo_test_only_in_this_process" in warned[0]

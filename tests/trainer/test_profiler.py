@@ -139,6 +139,10 @@ def test_global_tool_config_entries_are_read_or_named():
     # the read entries: context and stacks reach torch's allocator history, checked at start
     prof = StepProfiler(GlobalProfilerConfig(global_tool_config=changed), device=torch.device("cpu"), rank=0)
     assert (prof.memory_context, prof.memory_stacks, prof.max_entries) == ("alloc", "all", 100_000)
-    bad = {"torch_memory": {"stacks": "java"}}
-    with pytest.raises(ValueError, match=r"torch_memory.stacks='java': expected one of"):
-        StepProfiler(GlobalProfilerConfig(global_tool_config=bad), device=torch.device("cpu"), rank=0)
+    for bad in ("java", "cpp"):  # torch's allocator history takes python or all
+        with pytest.raises(ValueError, match=rf"torch_memory.stacks='{bad}': expected one of"):
+            StepProfiler(GlobalProfilerConfig(global_tool_config={"torch_memory": {"stacks": bad}}),
+                         device=torch.device("cpu"), rank=0)  # fmt: skip
+    quiet = StepProfiler(GlobalProfilerConfig(global_tool_config={"torch_memory": {"context": None}}),
+                         device=torch.device("cpu"), rank=0)  # fmt: skip
+    assert quiet.memory_context is None  # no tracebacks recorded

@@ -266,27 +266,41 @@ def test_reward_model_micro_batches_follow_the_keys(tiny_model_dir):
     assert len(bounds) < 5  # some grouping happened
 
 
-def test_build_reward_reads_the_micro_batch_keys(tiny_model_dir):
+def test_reward_model_micro_batch_sizes(tiny_model_dir):
+    """reward_model.micro_batch_size_per_gpu, or verl's deprecated global micro_batch_size over the ranks
+    (checked with the other sizes, before weights load), or a token budget with use_dynamic_bsz."""
     import torch
     from transformers import AutoTokenizer
 
-    from klppo.config import load_config
+    from klppo.config import ConfigError, load_config
+    from klppo.config.sizes import derive_sizes
     from klppo.trainer.roles_build import build_reward
 
-    tok_overrides = ["reward_model.micro_batch_size_per_gpu=3", "reward_model.use_dynamic_bsz=True",
-                     "reward_model.forward_max_token_len_per_gpu=77"]  # fmt: skip
-    cfg = load_config(tok_overrides)
+    def micro(overrides, ranks=1):
+        cfg = load_config(["reward_model.enable=True", *overrides])
+        return derive_sizes(cfg, ranks).reward_micro_batch_size_per_gpu
+
+    assert micro([]) == 16
+    assert micro(["reward_model.micro_batch_size_per_gpu=3"], 4) == 3
+    assert micro(["reward_model.micro_batch_size=8"], 4) == 2
+    with pytest.raises(
+        ConfigError, match=r"reward_model.micro_batch_size=6 samples over all GPUs is not divisible by 4"
+    ):
+        micro(["reward_model.micro_batch_size=6"], 4)
+    with pytest.raises(
+        ConfigError,
+        match=r"reward_model.micro_batch_size=8 .*reward_model.micro_batch_size_per_gpu=3 are both set",
+    ):
+        micro(["reward_model.micro_batch_size=8", "reward_model.micro_batch_size_per_gpu=3"], 4)
+    assert micro(["reward_model.use_dynamic_bsz=True"]) is None
+    assert derive_sizes(load_config([]), 1).reward_micro_batch_size_per_gpu is None  # no reward model
+    for key in ("micro_batch_size_per_gpu", "micro_batch_size", "forward_max_token_len_per_gpu"):
+        with pytest.raises(ConfigError, match=rf"reward_model.{key}=0: must be ≥ 1"):
+            load_config([f"reward_model.{key}=0"])
+    cfg = load_config(["reward_model.use_dynamic_bsz=True", "reward_model.forward_max_token_len_per_gpu=77"])
     reward = build_reward(cfg.reward_model, cfg.custom_reward_function,
-                          AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"))  # fmt: skip
+                          AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"), micro_batch_size=3)  # fmt: skip
     assert (reward.micro_batch_size, reward.max_token_len) == (3, 77)
-    cfg = load_config(["reward_model.micro_batch_size_per_gpu=3"])
-    reward = build_reward(cfg.reward_model, cfg.custom_reward_function,
-                          AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"))  # fmt: skip
-    assert (reward.micro_batch_size, reward.max_token_len) == (3, None)
-    cfg = load_config(["reward_model.micro_batch_size=6"])  # verl's deprecated global size, one rank here
-    reward = build_reward(cfg.reward_model, cfg.custom_reward_function,
-                          AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"))  # fmt: skip
-    assert reward.micro_batch_size == 6
 
 
 def test_optimizer_choice_reference_path_and_external_lib(
@@ -423,7 +437,7 @@ def test_reward_model_keys_act_or_are_named(tiny_model_dir, tmp_path):
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from klppo.config import check_trainable, load_config
+    from klppo.config import load_config
     from klppo.models.tiny import build_tiny_tokenizer
     from klppo.trainer import roles_build
 
@@ -438,13 +452,16 @@ def test_reward_model_keys_act_or_are_named(tiny_model_dir, tmp_path):
     reward = roles_build.build_reward(cfg.reward_model, cfg.custom_reward_function, None, torch.device("cpu"))
     assert reward.reward_tokenizer.name_or_path == str(rm_dir)  # its own, whatever input_tokenizer says
     assert reward.reward_model.config.num_hidden_layers == 1
+    inert = ["reward_model.model.fsdp_config.param_offload=True", "reward_model.model.use_remove_padding=True",
+             "reward_model.model.fsdp_config.wrap_policy.min_num_params=0"]  # the last: verl's default  # fmt: skip
     notes: list[str] = []
-    cfg = load_config(["reward_model.model.fsdp_config.param_offload=True",
-                       "reward_model.model.use_remove_padding=True"])  # fmt: skip
-    check_trainable(cfg, notify=notes.append)
-    assert any(n.startswith("reward_model.model.fsdp_config.param_offload=True: the reward model is loaded whole")
-               for n in notes)  # fmt: skip
-    assert any(n.startswith("reward_model.model.use_remove_padding=True") for n in notes)
+    load_config(["reward_model.enable=True", *inert], notify=notes.append)
+    assert [n.split(":")[0] for n in notes if n.startswith("reward_model.model.")] == [
+        "reward_model.model.fsdp_config.param_offload=True", "reward_model.model.use_remove_padding=True"]  # fmt: skip
+    assert "the reward model is loaded whole on each rank" in notes[0]
+    notes.clear()
+    load_config(inert, notify=notes.append)  # no reward model: nothing to say about its keys
+    assert not [n for n in notes if n.startswith("reward_model.model.")]
 
 
 def test_critic_and_tokenizer_loads_get_trust_remote_code_and_override_config(tiny_model_dir, monkeypatch):
