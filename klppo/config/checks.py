@@ -79,9 +79,6 @@ UNBUILT_VALUES: dict[tuple[str, str], str] = {
 # (key, lowest allowed, highest allowed or None); None values are skipped (optional keys).
 _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("data.train_batch_size", 1, None),
-    ("reward_model.micro_batch_size", 1, None),
-    ("reward_model.micro_batch_size_per_gpu", 1, None),
-    ("reward_model.forward_max_token_len_per_gpu", 1, None),
     ("data.max_prompt_length", 1, None),
     ("data.max_response_length", 1, None),
     ("actor_rollout_ref.actor.ppo_mini_batch_size", 1, None),
@@ -141,6 +138,22 @@ _READ_ONLY_COPIES = (
 source they would be ignored, so they must agree."""
 
 
+def _check_reward_model_sizes(rm) -> None:
+    """The reward model's sizes ≥ 1, only where they act: with the model on, the token budget with
+    ``use_dynamic_bsz`` (it follows the critic's, which a run without a critic never reads)."""
+    if not rm.enable:
+        return
+    sizes = [
+        ("micro_batch_size", rm.micro_batch_size),
+        ("micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu),
+    ]
+    if rm.use_dynamic_bsz:
+        sizes.append(("forward_max_token_len_per_gpu", rm.forward_max_token_len_per_gpu))
+    for key, v in sizes:
+        if v is not None and v < 1:
+            raise ConfigError(f"reward_model.{key}={v}: must be ≥ 1")
+
+
 def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     """Choices, ranges and world-size-free count rules; ConfigError on the first problem, notes via notify."""
     notify = notify or notice
@@ -157,6 +170,7 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         if v < low or (high is not None and v > high):
             bound = f"≥ {low}" if high is None else f"in [{low}, {high}]"
             raise ConfigError(f"{key}={v}: must be {bound}")
+    _check_reward_model_sizes(cfg.reward_model)
     for copy, source in _READ_ONLY_COPIES:
         if value_at(cfg, copy) != value_at(cfg, source):
             raise ConfigError(f"{copy}={value_at(cfg, copy)!r} differs from {source}={value_at(cfg, source)!r}, "
@@ -258,7 +272,7 @@ _RM_INERT_KEYS = (
     "fsdp_config.backward_prefetch", "fsdp_config.grad_sync_per_mini_batch",
     "fsdp_config.wrap_policy.min_num_params", "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap",
     "fsdp_config.mixed_precision.param_dtype", "fsdp_config.mixed_precision.reduce_dtype",
-    "fsdp_config.mixed_precision.buffer_dtype", "use_remove_padding",
+    "use_remove_padding",
 )  # fmt: skip
 _RM_SILENT_VALUES = {"fsdp_config.wrap_policy.min_num_params": (0,)}
 

@@ -30,7 +30,8 @@ defined under ``if __name__ == "__main__":`` — makes the first batch score in 
 naming the error). Each batch's slices are scored with the torch, ``random`` and NumPy generators seeded
 from the step's sampling seed and the slice (:func:`slice_seed`), so a reward function that draws random
 numbers scores the same in a repeated or resumed run (not the same draws as in the step, whose generators
-are the trainer's). Processes the function starts get the default SIGINT/SIGTERM, as in the step.
+are the trainer's). Processes the function starts get the default SIGINT/SIGTERM (``terminate()`` stops
+them; in the step a forked child would inherit the trainer's own stop handler instead).
 
 What the function raises reaches the trainer's reward phase as itself when it pickles (a class from the
 user's file does: :func:`~klppo.rewards.registry.load_custom_reward_fn` registers the module under a name
@@ -114,15 +115,21 @@ def slice_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def registered_scorers() -> bytes:
+def registered_scorers(*, required: bool = True) -> bytes:
     """The scorers the trainer's process registered beyond the built-in table, pickled for the workers
     (loaded inside :func:`_start_worker`, where a failure is caught); ValueError naming the data source and
-    the key when one cannot be pickled (a lambda, a local function)."""
+    the key when one cannot be pickled (a lambda, a local function) and ``required`` (no user function
+    replaces the table), else that one is left out with a note."""
     added = {k: fn for k, fn in SCORERS.items() if BUILTIN_SCORERS.get(k) is not fn}
-    for source, fn in added.items():
+    for source, fn in list(added.items()):
         try:
             pickle.dumps(fn)
         except Exception as why:
+            if not required:  # a user's function that calls get_scorer() would miss it in the worker
+                log.info("%s=True: the scorer registered for data_source %r is not sent to the scoring "
+                         "process (%s)", KEY, source, why)  # fmt: skip
+                del added[source]
+                continue
             raise ValueError(
                 f"{KEY}=True: the scorer registered for data_source {source!r} ({fn!r}) cannot be sent to the "
                 f"scoring process ({why}); register a function defined at a module's top level, or set "
@@ -217,13 +224,13 @@ class ScoringWorker:
             max_workers=num_workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_worker,
-            # a user's function replaces the table: its scorers are neither sent nor checked then
+            # with a user's function the table is read only if that function calls get_scorer()
             initargs=(
                 manager_kwargs,
                 tokenizer,
                 os.getpid(),
-                None if manager_kwargs.get("custom_fn_path") else registered_scorers(),
-            ),  # fmt: skip
+                registered_scorers(required=not manager_kwargs.get("custom_fn_path")),
+            ),
         )
         # one task per worker while none is idle yet: all of them start now (a spawn pool starts them on
         # demand), so their imports overlap the set-up, not step 1

@@ -265,14 +265,16 @@ def build_reward(
     reward_model = reward_tokenizer = None
     if rm.enable:
         path, trust = model_dir(rm.model.path), rm.model.trust_remote_code
+        # the responses are decoded with the policy's tokenizer (reward_model.model.input_tokenizer's role
+        # in verl) and re-encoded in the reward model's own chat template and vocabulary; the model reads
+        # its score at the last token that is not that tokenizer's pad
+        reward_tokenizer = _reward_tokenizer(rm, path, trust)
         dtype = to_dtype(rm.model.fsdp_config.model_dtype) if device.type == "cuda" else torch.float32
         reward_model = load_reward_model(
-            path, dtype=dtype, trust_remote_code=trust, override_config=dict(rm.model.override_config or {})
-        )
+            path, dtype=dtype, trust_remote_code=trust, override_config=dict(rm.model.override_config or {}),
+            pad_token_id=reward_tokenizer.pad_token_id,
+        )  # fmt: skip
         reward_model = reward_model.to(device).eval()
-        # the responses are decoded with the policy's tokenizer (reward_model.model.input_tokenizer's role
-        # in verl) and re-encoded in the reward model's own chat template and vocabulary
-        reward_tokenizer = load_tokenizer(_reward_tokenizer_dir(rm, path), trust_remote_code=trust)
     return Reward(
         tokenizer,
         custom_fn_path=crf.path,
@@ -289,24 +291,29 @@ def build_reward(
     )
 
 
-def _reward_tokenizer_dir(rm: RewardModelConfig, path: str) -> str:
-    """The reward model's own tokenizer; where its directory has none, ``input_tokenizer``'s (the policy's
-    by default), with a note."""
-    if any((Path(path) / f).exists() for f in ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")):
-        return path
+def _reward_tokenizer(rm: RewardModelConfig, path: str, trust: bool) -> Any:
+    """The reward model's own tokenizer; where its directory has none (nothing loads, or an empty
+    vocabulary), ``input_tokenizer``'s (the policy's by default), with a note."""
+    try:
+        tokenizer = load_tokenizer(path, trust_remote_code=trust)
+        if len(tokenizer) > 1:
+            return tokenizer
+        why = "its tokenizer has an empty vocabulary"
+    except (OSError, ValueError) as exc:
+        why = f"no tokenizer loads from it ({type(exc).__name__})"
     fallback = model_dir(rm.model.input_tokenizer) if rm.model.input_tokenizer else None
     if fallback is None:
         raise ValueError(
-            f"reward_model.model.path={path}: no tokenizer files there, and reward_model.model.input_tokenizer "
-            "is null; put the reward model's tokenizer in its directory"
+            f"reward_model.model.path={path}: {why}, and reward_model.model.input_tokenizer is null; put the "
+            "reward model's tokenizer in its directory"
         )
     logging.getLogger("klppo").info(
-        "reward_model.model.path=%s has no tokenizer files: its input is encoded with "
-        "reward_model.model.input_tokenizer's (%s)",
+        "reward_model.model.path=%s: %s; its input is encoded with reward_model.model.input_tokenizer's (%s)",
         path,
+        why,
         fallback,
     )
-    return fallback
+    return load_tokenizer(fallback, trust_remote_code=trust)
 
 
 def load_policy_model(

@@ -422,3 +422,26 @@ def test_a_scorer_that_does_not_load_in_the_worker_leaves_scoring_to_the_step(mo
         reward.close()
     warned = [r.getMessage() for r in caplog.records if "could not start" in r.getMessage()]
     assert len(warned) == 1 and "klppo_test_only_in_this_process" in warned[0]
+
+
+DELEGATES = """
+from klppo.rewards import get_scorer
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return get_scorer(data_source)(solution_str, ground_truth)
+"""
+
+
+def test_a_custom_function_may_hand_rows_to_registered_scorers(tmp_path, monkeypatch):
+    """With custom_reward_function the registered scorers still reach the workers (the function may call
+    get_scorer); one that cannot be pickled is then left out instead of refused."""
+    from klppo.rewards import registry
+
+    monkeypatch.setitem(registry.SCORERS, "mine", length_scorer)
+    monkeypatch.setitem(registry.SCORERS, "lambda", lambda s, g, **k: 1.0)
+    tok = build_tiny_tokenizer()
+    batch = _batch(tok, ["abc", "de"]).replace(data_source=["mine", "mine"])
+    reward = _reward(tmp_path, DELEGATES, background=True)
+    try:
+        assert reward.submit(batch).result().sequence.tolist() == [3.0, 2.0]
+    finally:
+        reward.close()

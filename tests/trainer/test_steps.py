@@ -296,7 +296,12 @@ def test_reward_model_micro_batch_sizes(tiny_model_dir):
     assert derive_sizes(load_config([]), 1).reward_micro_batch_size_per_gpu is None  # no reward model
     for key in ("micro_batch_size_per_gpu", "micro_batch_size", "forward_max_token_len_per_gpu"):
         with pytest.raises(ConfigError, match=rf"reward_model.{key}=0: must be ≥ 1"):
-            load_config([f"reward_model.{key}=0"])
+            load_config(
+                ["reward_model.enable=True", "reward_model.use_dynamic_bsz=True", f"reward_model.{key}=0"]
+            )
+        load_config([f"reward_model.{key}=0"])  # no reward model: not read, not checked
+    # the budget follows the critic's: a GRPO run's unread critic budget is not blamed on the reward model
+    load_config(["critic.ppo_max_token_len_per_gpu=0", "algorithm.adv_estimator=grpo"])
     cfg = load_config(["reward_model.use_dynamic_bsz=True", "reward_model.forward_max_token_len_per_gpu=77"])
     reward = build_reward(cfg.reward_model, cfg.custom_reward_function,
                           AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"), micro_batch_size=3)  # fmt: skip
@@ -488,3 +493,34 @@ def test_critic_and_tokenizer_loads_get_trust_remote_code_and_override_config(ti
     assert not tokenizer_trusts_code(load_config([]))
     assert tokenizer_trusts_code(load_config(["data.trust_remote_code=True"]))
     assert tokenizer_trusts_code(load_config(["actor_rollout_ref.model.trust_remote_code=True"]))
+
+
+def test_a_reward_model_without_tokenizer_files_uses_input_tokenizers_pad(tiny_model_dir, tmp_path):
+    """A reward-model directory with weights only: its input is encoded with input_tokenizer's tokenizer,
+    and the model reads its score at that tokenizer's pad (so a row scores the same in any batch)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from klppo.batch import Batch
+    from klppo.config import load_config
+    from klppo.trainer import roles_build
+
+    rm_dir = tmp_path / "rm_weights_only"
+    config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1, pad_token_id=None)
+    torch.manual_seed(3)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
+    cfg = load_config(["reward_model.enable=True", f"reward_model.model.path={rm_dir}",
+                       f"actor_rollout_ref.model.path={tiny_model_dir}"])  # fmt: skip
+    reward = roles_build.build_reward(cfg.reward_model, cfg.custom_reward_function, None, torch.device("cpu"))
+    assert reward.reward_tokenizer.name_or_path == str(tiny_model_dir)
+    assert reward.reward_model.config.pad_token_id == reward.reward_tokenizer.pad_token_id is not None
+    messages = [[{"role": "user", "content": "What is 1 plus 2?"}]] * 2
+    b = Batch(prompts=torch.zeros(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1), raw_prompt=messages)
+    texts = ["3", "I think it is 12 plus 7 which is 19"]
+    together = reward._model_scores(b, texts)
+    reward.micro_batch_size = 1
+    torch.testing.assert_close(reward._model_scores(b, texts), together, atol=1e-5, rtol=0)
+    cfg = load_config(["reward_model.enable=True", f"reward_model.model.path={rm_dir}",
+                       "reward_model.model.input_tokenizer=null"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"reward_model.model.path=.*input_tokenizer is null"):
+        roles_build.build_reward(cfg.reward_model, cfg.custom_reward_function, None, torch.device("cpu"))
