@@ -290,17 +290,14 @@ def monitor_events(run_dir: Path) -> list[dict]:
     """What the run's operating rules did (``events.jsonl``: rule, action, step, message), the end-of-run
     summary line left out: the trainer's console is not kept, so this is where a run shows that, e.g.,
     ``monitor.learning_signal`` warned."""
-    path = run_dir / "events.jsonl"
+    from klppo.report.runs import EVENTS_FILE, is_run_summary, json_lines  # noqa: PLC0415  as the other klppo imports here
+
+    path = run_dir / EVENTS_FILE
     if not path.exists():
         return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # blank, or cut by a run killed mid-write
-            continue
+    records, _ = json_lines(path)  # a line cut by a run killed mid-write is skipped
     keys = ("step", "rule", "action", "message")
-    return [{k: e.get(k) for k in keys} for e in records if e.get("rule") != "summary"]
+    return [{k: e.get(k) for k in keys} for e in records if not is_run_summary(e)]
 
 
 def response_kl(series: dict) -> float | None:

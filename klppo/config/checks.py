@@ -150,8 +150,16 @@ def _check_reward_model_sizes(rm) -> None:
     if rm.use_dynamic_bsz:
         sizes.append(("forward_max_token_len_per_gpu", rm.forward_max_token_len_per_gpu))
     for key, v in sizes:
-        if v is not None and v < 1:
-            raise ConfigError(f"reward_model.{key}={v}: must be ≥ 1")
+        _check_range(f"reward_model.{key}", v, 1, None)
+
+
+def _check_range(key: str, v: float | None, low: float, high: float | None) -> None:
+    """ConfigError naming ``key`` when ``v`` (None: unset, not checked) lies outside [low, high]."""
+    if v is None:
+        return
+    if v < low or (high is not None and v > high):
+        bound = f"≥ {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"{key}={v}: must be {bound}")
 
 
 def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
@@ -164,12 +172,7 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         if value_at(cfg, key) not in valid:
             raise choice_error(key, value_at(cfg, key), valid)
     for key, low, high in _RANGES:
-        v = value_at(cfg, key)
-        if v is None:
-            continue
-        if v < low or (high is not None and v > high):
-            bound = f"≥ {low}" if high is None else f"in [{low}, {high}]"
-            raise ConfigError(f"{key}={v}: must be {bound}")
+        _check_range(key, value_at(cfg, key), low, high)
     _check_reward_model_sizes(cfg.reward_model)
     for copy, source in _READ_ONLY_COPIES:
         if value_at(cfg, copy) != value_at(cfg, source):

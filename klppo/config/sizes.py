@@ -120,6 +120,10 @@ def derive_sizes(cfg: KLPPOConfig, world_size: int) -> Sizes:
             f"{_ranks_src(cfg, world_size)}: the rollout's tensor-parallel groups are {tp} consecutive ranks; "
             f"choose a divisor of {world_size}"
         )
+    rm, rm_micro = cfg.reward_model, None
+    if rm.enable:
+        rm_micro = _micro("reward_model.", rm.micro_batch_size, rm.micro_batch_size_per_gpu, world_size,
+                          rm.use_dynamic_bsz, 16)  # fmt: skip
     return Sizes(
         world_size=world_size,
         actor_dp_size=a_dp,
@@ -139,16 +143,7 @@ def derive_sizes(cfg: KLPPOConfig, world_size: int) -> Sizes:
         critic_micro_batch_size_per_gpu=c_micro,
         critic_forward_micro_batch_size_per_gpu=c_fwd,
         num_critic_updates_per_step=c_updates,
-        reward_micro_batch_size_per_gpu=_micro(
-            "reward_model.",
-            rm.micro_batch_size,
-            rm.micro_batch_size_per_gpu,
-            world_size,
-            rm.use_dynamic_bsz,
-            16,
-        )
-        if (rm := cfg.reward_model).enable
-        else None,
+        reward_micro_batch_size_per_gpu=rm_micro,
     )
 
 

@@ -96,7 +96,7 @@ def to_float(value: Any) -> float | None:
     return None
 
 
-def _json_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
+def json_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The JSON objects of a JSON-lines file, and the number of lines that were not one."""
     records, bad = [], 0
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
@@ -147,11 +147,11 @@ def load_run(run_dir: str | Path, *, name: str | None = None) -> RunData:
             "`jsonl` in trainer.logger (the default)"
         )
     run = RunData(name=name or root.resolve().name, path=root)
-    records, run.num_bad_lines = _json_lines(metrics)
+    records, run.num_bad_lines = json_lines(metrics)
     for record in records:
         run.add_record(record)
     if (root / EVENTS_FILE).is_file():
-        events, bad = _json_lines(root / EVENTS_FILE)
+        events, bad = json_lines(root / EVENTS_FILE)
         parsed = [parse_event(r) for r in events if not is_run_summary(r)]
         run.events = sorted((e for e in parsed if e is not None), key=lambda e: e.step)
         run.num_bad_lines += bad + sum(e is None for e in parsed)
