@@ -524,10 +524,19 @@ RANGES = ("ProfilerStep", "phase/")  # record_function ranges: on CUDA they carr
 
 
 def kernel_seconds(events) -> float:
-    """Device time of the kernels of a profile's ``key_averages()``: the ranges this bench and the trainer
-    open (the profiler step, ``phase/*``) are left out, else every kernel is counted once per range around it
-    (session 8's first profile read "256% busy")."""
-    return sum(e.self_device_time_total for e in events if not e.key.startswith(RANGES)) / 1e6
+    """Device time of the kernels and copies of a profile's ``key_averages()``: device-side events only (a
+    CPU operator's self device time is its kernels' time, which the kernels' own events carry again), and no
+    annotated range (the profiler step, ``phase/*``, ``FSDP::*``, ``Optimizer.step``: each spans kernels
+    already counted). Summed, not unioned: concurrent streams can exceed the wall time (session 8 read
+    "256% busy" with the ranges in; session 14's "80%" counted every kernel twice — the union of kernel
+    intervals per phase is ``bench/trace_phases.py``'s)."""
+    from torch.autograd import DeviceType
+
+    return sum(
+        e.self_device_time_total for e in events
+        if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+        and not e.key.startswith(RANGES)
+    ) / 1e6  # fmt: skip
 
 
 def synthetic_batch(w: Workload, vocab: int, device):

@@ -36,18 +36,25 @@ def test_op_count_attributes_forward_and_backward_operators_to_the_phase():
     assert OpCount(False).summary() == {} and ops.current == {}
 
 
-def test_kernel_seconds_leave_out_the_ranges_around_the_kernels() -> None:
-    """A profile of one step: two kernels (300 + 200 µs) inside ``phase/update_actor`` inside the profiler
-    step; on CUDA both ranges report the device time they span, which must not be counted again."""
+def test_kernel_seconds_count_each_kernel_once() -> None:
+    """A profile of one step as ``key_averages()`` gives it on CUDA: two kernels (300 + 200 µs) inside
+    ``phase/update_actor`` inside the profiler step, launched by ``aten::mm`` and a compiled region under
+    an FSDP range. Every range and every CPU operator reports the device time it spans or launched (as
+    torch.profiler's table shows: ``aten::mm`` with the GEMM's self CUDA time); only the kernels count."""
     from types import SimpleNamespace as E
 
+    from torch.autograd import DeviceType
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
     events = [
-        E(key="ProfilerStep#3", self_device_time_total=500.0),
-        E(key="phase/update_actor", self_device_time_total=500.0),
-        E(key="void gemm_kernel", self_device_time_total=300.0),
-        E(key="triton_poi_fused_mul_silu_1", self_device_time_total=200.0),
-        E(key="aten::mm", self_device_time_total=0.0),
-    ]
+        E(key="ProfilerStep#3", self_device_time_total=500.0, device_type=cpu, is_user_annotation=False),
+        E(key="phase/update_actor", self_device_time_total=500.0, device_type=cuda, is_user_annotation=True),
+        E(key="FSDP::pre_forward", self_device_time_total=500.0, device_type=cuda, is_user_annotation=True),
+        E(key="aten::mm", self_device_time_total=300.0, device_type=cpu, is_user_annotation=False),
+        E(key="void gemm_kernel", self_device_time_total=300.0, device_type=cuda, is_user_annotation=False),
+        E(key="triton_poi_fused_mul_silu_1", self_device_time_total=200.0, device_type=cuda,
+          is_user_annotation=False),
+    ]  # fmt: skip
     assert kernel_seconds(events) == 500e-6
 
 
