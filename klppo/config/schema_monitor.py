@@ -124,7 +124,16 @@ class DriftConfig:
     )
     max_grad_norm: float = F(1.0, "actor/grad_norm (before clipping) above this warns.")
     max_log_prob_gap: float = F(0.1, "rollout/log_prob_diff (|rollout − actor| log-prob) above this warns.")
-    min_gpu_util: float = F(85.0, "perf/gpu_util (percent, GPU with nvidia-ml-py) below this warns.")
+    min_gpu_util: float = F(
+        85.0,
+        "perf/gpu_util (percent, GPU with nvidia-ml-py) below this for gpu_util_patience_steps consecutive steps "
+        "warns; each process's first step (compilation, allocator growth, CUDA-graph capture) is not judged.",
+    )
+    gpu_util_patience_steps: int = F(
+        5,
+        "[klppo] Consecutive steps under min_gpu_util before the warning (one step's utilisation dips with an "
+        "evaluation, a checkpoint or a slow reward batch).",
+    )
     max_exposed_comm_share: float = F(
         0.1, "perf/exposed_comm_share (profiled steps) above this warns: communication the step waits for."
     )
@@ -181,6 +190,7 @@ def check_monitor(m: MonitorConfig) -> None:
         ("monitor.kl_explosion.coef_factor", m.kl_explosion.coef_factor),
         ("monitor.entropy_collapse.coeff_factor", m.entropy_collapse.coeff_factor),
         ("monitor.learning_signal.patience_steps", m.learning_signal.patience_steps),
+        ("monitor.drift.gpu_util_patience_steps", m.drift.gpu_util_patience_steps),
     )
     for key, value in positive:
         if not value > 0:

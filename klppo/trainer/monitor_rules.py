@@ -285,44 +285,68 @@ def _where_equal_groups_score(metrics: dict[str, float]) -> str:
             f"({high:.4g}): some too hard, some solved")  # fmt: skip
 
 
+GPU_UTIL_ADVICE = (
+    "the GPU idles part of each step (the timing_s/* phases say where): most often micro-batches too small "
+    "for the GPU — actor_rollout_ref.actor.use_dynamic_bsz=True with a larger ppo_max_token_len_per_gpu "
+    "(`klppo tune` sizes it), actor_rollout_ref.model.compile_packed_layers=True; with a large "
+    "timing_s/reward, reward_model.launch_reward_fn_async=True"
+)
+
+
 class Drift(Rule):
     """Warnings only, once when a value leaves its range (again after it came back). ``whitened``: the
     advantage estimator whitens over the batch, so ``adv_std_low/high`` left null mean 0.8 / 1.2; otherwise
-    null leaves the advantage std unwatched (a set bound applies to any estimator)."""
+    null leaves the advantage std unwatched (a set bound applies to any estimator). The GPU utilisation
+    warns only after ``gpu_util_patience_steps`` steps in a row under its floor, and each process's first
+    step (compilation, allocator growth, graph capture) is not judged."""
 
     name = "drift"
 
     def __init__(self, cfg: DriftConfig, *, whitened: bool = True) -> None:
         self.cfg = cfg
         self.outside: dict[str, bool] = {}
-        # cfg_*: from the config, never from a checkpoint (Rule.state_dict leaves cfg* attributes out)
+        self.streak: dict[str, int] = {}  # consecutive steps out of range
+        # cfg_*: from the config or this process, never from a checkpoint (Rule.state_dict leaves them out)
         self.cfg_adv_std = drift_adv_std_range(cfg, whitened=whitened)
+        self.cfg_warmed: set[str] = set()  # values already seen once in this process
 
-    def _ranges(self) -> list[tuple[str, str, float | None, float | None]]:
-        """(name, metric, lowest fine value or None, highest or None)."""
+    def _ranges(self) -> list[tuple[str, str, float | None, float | None, int]]:
+        """(name, metric, lowest fine value or None, highest or None, steps out of range before a warning)."""
         c = self.cfg
         return [
-            ("adv_std", "critic/advantages/std", *self.cfg_adv_std),
-            ("grad_norm", "actor/grad_norm", None, c.max_grad_norm),
-            ("log_prob_gap", "rollout/log_prob_diff", None, c.max_log_prob_gap),
-            ("gpu_util", "perf/gpu_util", c.min_gpu_util, None),
-            ("exposed_comm", "perf/exposed_comm_share", None, c.max_exposed_comm_share),
+            ("adv_std", "critic/advantages/std", *self.cfg_adv_std, 1),
+            ("grad_norm", "actor/grad_norm", None, c.max_grad_norm, 1),
+            ("log_prob_gap", "rollout/log_prob_diff", None, c.max_log_prob_gap, 1),
+            ("gpu_util", "perf/gpu_util", c.min_gpu_util, None, c.gpu_util_patience_steps),
+            ("exposed_comm", "perf/exposed_comm_share", None, c.max_exposed_comm_share, 1),
         ]
 
     def observe(self, step, metrics, val):
         actions = []
-        for name, key, low, high in self._ranges():
+        for name, key, low, high, patience in self._ranges():
             value = _finite(metrics, key)
             if value is None or (low is None and high is None):
                 continue  # not measured this step (no critic, CPU, not a profiled step) or not watched
+            if name == "gpu_util" and name not in self.cfg_warmed:
+                self.cfg_warmed.add(name)  # the process's first step: compilation and warm-up, not drift
+                continue
             bad = (low is not None and value < low) or (high is not None and value > high)
-            if bad and not self.outside.get(name, False):
+            self.streak[name] = self.streak.get(name, 0) + 1 if bad else 0
+            if self.streak[name] == patience:
                 where = f"below {low:g}" if low is not None and value < low else f"above {high:g}"
+                if patience > 1:
+                    where += f" for {patience} steps"
+                advice = f"; {GPU_UTIL_ADVICE}" if name == "gpu_util" else ""
                 actions.append(
-                    Action(f"drift/{name}", "warn", f"{key}={value:.4g} {where}", {"value": value})
+                    Action(f"drift/{name}", "warn", f"{key}={value:.4g} {where}{advice}", {"value": value})
                 )
-            self.outside[name] = bad
+            self.outside[name] = self.streak[name] >= patience
         return actions
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for name, out in self.outside.items():  # a checkpoint from before the streaks: outside = one step out
+            self.streak.setdefault(name, 1 if out else 0)
 
     def metrics(self):
         return {f"monitor/drift/{name}": float(v) for name, v in sorted(self.outside.items())}

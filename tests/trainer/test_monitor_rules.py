@@ -134,13 +134,39 @@ def test_drift_warns_on_entering_the_range_violation_only():
     out = [[a.rule for a in rule.observe(i, {"actor/grad_norm": g}, None)] for i, g in enumerate(grads)]
     assert out == [[], ["drift/grad_norm"], [], [], ["drift/grad_norm"]]
     assert rule.metrics() == {"monitor/drift/grad_norm": 1.0}  # only what was measured
-    # below a lower bound; a step without the metric (not profiled) keeps the state
-    assert [a.message for a in rule.observe(5, {"perf/gpu_util": 40.0}, None)] == [
-        "perf/gpu_util=40 below 85"
-    ]
-    assert rule.observe(6, {}, None) == [] and rule.observe(7, {"perf/gpu_util": 50.0}, None) == []
     (a,) = rule.observe(8, {"perf/exposed_comm_share": 0.3}, None)
     assert a.rule == "drift/exposed_comm" and a.message.endswith("above 0.1")
+
+
+def test_gpu_utilisation_warns_after_patience_steps_and_not_on_the_first_step():
+    """Session 17's learning runs warned at step 1 (7.8–14.9%: compilation) and on single steps at 55–84%
+    between steps at 85–95%: each process's first value is not judged, and only gpu_util_patience_steps
+    (5) steps in a row under the floor warn — once, with what to set; a step without the value (CPU, NVML
+    missing) keeps the streak."""
+    rule = Drift(M.drift)
+    util = [8.0, 90, 60, 91, 80, 84, 70, 55]  # step 1 compiles; then single dips, then four in a row
+    assert [a for i, u in enumerate(util, 1) for a in rule.observe(i, {"perf/gpu_util": u}, None)] == []
+    assert rule.observe(9, {}, None) == [] and rule.metrics() == {"monitor/drift/gpu_util": 0.0}
+    (a,) = rule.observe(10, {"perf/gpu_util": 40.0}, None)  # the fifth step in a row under 85
+    assert a.rule == "drift/gpu_util" and a.message.startswith("perf/gpu_util=40 below 85 for 5 steps; ")
+    assert "ppo_max_token_len_per_gpu" in a.message and "compile_packed_layers=True" in a.message
+    assert rule.observe(11, {"perf/gpu_util": 30.0}, None) == []  # once per excursion
+    assert rule.metrics() == {"monitor/drift/gpu_util": 1.0}
+    assert (
+        rule.observe(12, {"perf/gpu_util": 95.0}, None) == []
+        and rule.metrics()["monitor/drift/gpu_util"] == 0
+    )
+    # a resumed process does not judge its own first step either; the streak comes back from the checkpoint
+    state = copy.deepcopy(rule.state_dict())
+    assert "cfg_warmed" not in state and state["streak"] == {"gpu_util": 0}
+    resumed = Drift(M.drift)
+    resumed.load_state_dict(state)
+    assert resumed.observe(13, {"perf/gpu_util": 5.0}, None) == [] and resumed.streak == {"gpu_util": 0}
+    one = Drift(load_config(["monitor.drift.gpu_util_patience_steps=1"]).monitor.drift)
+    one.observe(1, {"perf/gpu_util": 5.0}, None)
+    assert [a.message.split(";")[0] for a in one.observe(2, {"perf/gpu_util": 50.0}, None)] == [
+        "perf/gpu_util=50 below 85"
+    ]
 
 
 def test_the_advantage_std_is_watched_where_the_estimator_whitens_or_where_a_bound_is_set():
