@@ -234,6 +234,7 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     _compiled_layers(cfg)
     _check_drift_range(cfg)
     check_monitor(cfg.monitor)
+    _check_kl_early_stop_target(cfg)
     check_profiler(cfg.global_profiler.tool, cfg.global_profiler.steps)
     _advice(cfg, notify)
 
@@ -332,6 +333,23 @@ def _check_drift_range(cfg: KLPPOConfig) -> None:
             f"{cfg.monitor.drift.adv_std_low}, adv_std_high={cfg.monitor.drift.adv_std_high}; a null bound is "
             f"{'0.8 / 1.2' if est in WHITENED_ESTIMATORS else 'unwatched'} with adv_estimator={est}): set "
             "adv_std_low ≤ adv_std_high"
+        )
+
+
+def _check_kl_early_stop_target(cfg: KLPPOConfig) -> None:
+    """A null monitor.kl_early_stop.target_kl reads the reward-side controller's target: only where that
+    controller runs and has one (else a KL-loss-only run was stopped against an unused default)."""
+    stop = cfg.monitor.kl_early_stop
+    if not (cfg.monitor.enable and stop.enable) or stop.target_kl is not None:
+        return
+    if not cfg.algorithm.use_kl_in_reward or cfg.algorithm.kl_ctrl.target_kl is None:
+        why = (
+            "algorithm.use_kl_in_reward is off" if not cfg.algorithm.use_kl_in_reward
+            else "algorithm.kl_ctrl.target_kl is null"
+        )  # fmt: skip
+        raise ConfigError(
+            f"monitor.kl_early_stop.target_kl is null and {why}: set monitor.kl_early_stop.target_kl (in the units "
+            f"of monitor.kl_early_stop.kl_metric={stop.kl_metric})"
         )
 
 

@@ -22,7 +22,8 @@ class KLEarlyStopConfig:
     kl_metric: str = F("actor/ref_kl_k1", "Metric read as the KL to the reference.")
     target_kl: float | None = F(
         None,
-        "KL target (null: algorithm.kl_ctrl.target_kl, following its anneal when target_kl_start is set).",
+        "KL target (null: algorithm.kl_ctrl.target_kl, following its anneal when target_kl_start is set; "
+        "required when the KL is not in the reward, or that target is null).",
     )
     patience_steps: int = F(10, "Consecutive steps above the target before the run stops.")
 
@@ -39,7 +40,11 @@ class RewardPlateauConfig:
 class ValidationDropConfig:
     enable: bool = F(False, "Act when a validation score falls below ratio × the training reward.")
     metric: str = F("critic/score/mean", "Training metric the validation score is compared with.")
-    ratio: float = F(0.9, "The rule fires when val score < ratio × training metric of the same step.")
+    ratio: float = F(
+        0.9,
+        "The rule fires when the validation score is not a new best and falls below ratio × the training "
+        "metric of the same step (for a negative training metric: below it by (1 − ratio) × its size).",
+    )
     action: str = F(
         "rollback",
         "rollback (best-validation checkpoint, then lr × lr_factor and KL coefficient × kl_coef_factor) | "
@@ -72,7 +77,12 @@ class KLExplosionConfig:
     kl_metric: str = F("actor/ref_kl_k1", "Metric read as the KL to the reference.")
     threshold: float = F(1.0, "KL (nats per token) above which the coefficient is raised.")
     coef_factor: float = F(2.0, "Multiplier of the KL coefficient (in-reward β and/or KL-loss coefficient).")
-    max_coef: float = F(10.0, "The coefficient is never raised above this.")
+    max_coef: float = F(10.0, "The coefficient is never raised above this (nor lowered when it already is).")
+    cooldown_steps: int = F(
+        3,
+        "[klppo] Steps after a raise before the next one (the KL read is the rollout policy's: a raise shows "
+        "about two steps later).",
+    )
 
 
 @dataclass(frozen=True)
@@ -85,7 +95,11 @@ class EntropyCollapseConfig:
         0.001, "raise_coeff: entropy_coeff set to this when lower, else multiplied by coeff_factor."
     )
     coeff_factor: float = F(2.0, "raise_coeff: multiplier when entropy_coeff is already ≥ entropy_coeff.")
-    max_coeff: float = F(0.1, "entropy_coeff is never raised above this.")
+    max_coeff: float = F(0.1, "entropy_coeff is never raised above this (nor lowered when it already is).")
+    cooldown_steps: int = F(
+        3,
+        "[klppo] raise_coeff: steps after a raise before the next one (its effect shows about two steps later).",
+    )
 
 
 @dataclass(frozen=True)
@@ -126,13 +140,13 @@ class DriftConfig:
     max_log_prob_gap: float = F(0.1, "rollout/log_prob_diff (|rollout − actor| log-prob) above this warns.")
     min_gpu_util: float = F(
         85.0,
-        "perf/gpu_util (percent, GPU with nvidia-ml-py) below this for gpu_util_patience_steps consecutive steps "
-        "warns; each process's first step (compilation, allocator growth, CUDA-graph capture) is not judged.",
+        "perf/gpu_util (percent, GPU with nvidia-ml-py) below this warns; each process's first step "
+        "(compilation, allocator growth, CUDA-graph capture) is not judged.",
     )
-    gpu_util_patience_steps: int = F(
+    patience_steps: int = F(
         5,
-        "[klppo] Consecutive steps under min_gpu_util before the warning (one step's utilisation dips with an "
-        "evaluation, a checkpoint or a slow reward batch).",
+        "[klppo] Consecutive steps out of range before a warning, for every value but the exposed "
+        "communication (profiled steps only): one step's grad norm or GPU utilisation is noisy.",
     )
     max_exposed_comm_share: float = F(
         0.1, "perf/exposed_comm_share (profiled steps) above this warns: communication the step waits for."
@@ -190,7 +204,9 @@ def check_monitor(m: MonitorConfig) -> None:
         ("monitor.kl_explosion.coef_factor", m.kl_explosion.coef_factor),
         ("monitor.entropy_collapse.coeff_factor", m.entropy_collapse.coeff_factor),
         ("monitor.learning_signal.patience_steps", m.learning_signal.patience_steps),
-        ("monitor.drift.gpu_util_patience_steps", m.drift.gpu_util_patience_steps),
+        ("monitor.drift.patience_steps", m.drift.patience_steps),
+        ("monitor.kl_explosion.cooldown_steps", m.kl_explosion.cooldown_steps),
+        ("monitor.entropy_collapse.cooldown_steps", m.entropy_collapse.cooldown_steps),
     )
     for key, value in positive:
         if not value > 0:
@@ -198,6 +214,12 @@ def check_monitor(m: MonitorConfig) -> None:
     if not 0 < m.learning_signal.max_equal_share <= 1:
         raise ConfigError(f"monitor.learning_signal.max_equal_share={m.learning_signal.max_equal_share}: "
                           "must be in (0, 1]")  # fmt: skip
+    v = m.validation_drop
+    if v.enable and v.action == "rollback" and not v.keep_best:
+        raise ConfigError(
+            "monitor.validation_drop.action=rollback needs monitor.validation_drop.keep_best=True (the rollback "
+            "returns to the best-validation weights it keeps); or set action=warn or stop"
+        )
     if m.oom_recovery.max_retries < 0:
         raise ConfigError(f"monitor.oom_recovery.max_retries={m.oom_recovery.max_retries}: must be ≥ 0")
     if m.kl_early_stop.target_kl is not None and not m.kl_early_stop.target_kl > 0:

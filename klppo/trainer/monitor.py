@@ -45,6 +45,10 @@ def _reward_target(ctrl: Any) -> float | TargetSchedule | None:
     return TargetSchedule(ctrl.target_kl, ctrl.target_kl_start, ctrl.anneal_begin, ctrl.anneal_steps)
 
 
+KL_COEF_KEYS = {"kl_ctrl": "algorithm.kl_ctrl β", "kl_loss_coef": "actor_rollout_ref.actor.kl_loss_coef"}
+"""The config key behind each coefficient ``RunControls.kl_coefs`` names, for the monitor's messages."""
+
+
 class RunControls:
     """The knobs the rules turn: KL coefficients, the entropy bonus, learning rates, best-validation
     weights. ``save_best(step)`` and ``rollback() -> step or None`` are the trainer's (collective)."""
@@ -230,17 +234,25 @@ class Monitor:
             coefs = c.kl_coefs()
             if not coefs:
                 a.message += " — no KL coefficient in use (use_kl_in_reward and use_kl_loss are off)"
+            changes = []
             for name, old in coefs.items():
-                new = min(old * v["factor"], v["max_coef"])
+                new = max(old, min(old * v["factor"], v["max_coef"]))  # never lowered, never over the cap
                 c.set_kl_coef(name, new)
                 v[f"{name}_old"], v[f"{name}_new"] = old, new
+                changes.append(
+                    f"{KL_COEF_KEYS[name]} {old:.4g} → {new:.4g}" + (" (at its cap)" if new == old else "")
+                )
+            if changes:
+                a.message += f" ({'; '.join(changes)})"
         elif a.kind == "raise_entropy_coeff":
             old = c.entropy_coeff
             new = v["entropy_coeff"] if old < v["entropy_coeff"] else old * v["factor"]
-            new = min(new, v["max_coeff"])
+            new = max(old, min(new, v["max_coeff"]))  # never lowered, never over the cap
             c.set_entropy_coeff(new)
             v["entropy_coeff_old"], v["entropy_coeff_new"] = old, new
-            a.message += f" ({old:g} → {new:g})"
+            a.message += f" (actor_rollout_ref.actor.entropy_coeff {old:g} → {new:g}" + (
+                ": at its cap, monitor.entropy_collapse.max_coeff)" if new == old else ")"
+            )
         elif a.kind != "warn":
             raise AssertionError(f"unknown monitor action {a.kind!r}")
         self._record(step, a)

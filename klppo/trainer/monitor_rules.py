@@ -159,29 +159,38 @@ class ValidationDrop(Rule):
         score = validation_score(val or {})
         if score is None:
             return []
-        train = _finite(metrics, self.cfg.metric)
-        if train is not None and score < self.cfg.ratio * train:
-            c = self.cfg
-            values = {"val_score": score, "train_reward": train, "ratio": c.ratio}
-            message = f"validation score {score:.4g} < {c.ratio:g} × training {c.metric} {train:.4g}"
-            if c.action == "rollback":
-                values.update(lr_factor=c.lr_factor, kl_coef_factor=c.kl_coef_factor,
-                              best_step=-1 if self.best_step is None else self.best_step)  # fmt: skip
-                message += (
-                    f": back to the best validation (step {self.best_step}, score {self.best}), "
-                    f"lr × {c.lr_factor:g}, KL coefficient × {c.kl_coef_factor:g}"
-                )
-            return [Action(self.name, c.action, message, values)]
-        if self.best is None or score > self.best:
+        if self.best is None or score > self.best:  # a new best is never a drop (nor rolled back from)
             self.best, self.best_step = score, step
             if self.cfg.keep_best:
                 return [
                     Action(self.name, "save_best", f"best validation score {score:.4g}", {"val_score": score})
                 ]
-        return []
+            return []
+        train = _finite(metrics, self.cfg.metric)
+        c = self.cfg
+        if train is None or not score < train - (1.0 - c.ratio) * abs(train):  # ratio × train when train ≥ 0
+            return []
+        values = {"val_score": score, "train_reward": train, "ratio": c.ratio}
+        message = (
+            f"validation score {score:.4g} (best {self.best:.4g} at step {self.best_step}) below {c.ratio:g} × "
+            f"training {c.metric} {train:.4g}"
+        )
+        if c.action == "rollback":
+            values.update(lr_factor=c.lr_factor, kl_coef_factor=c.kl_coef_factor, best_step=self.best_step)
+            message += (
+                f": back to the best validation's weights, lr × {c.lr_factor:g}, KL coefficient × "
+                f"{c.kl_coef_factor:g}"
+            )
+        return [Action(self.name, c.action, message + " (monitor.validation_drop.ratio; action=warn only warns)",
+                       values)]  # fmt: skip
 
     def metrics(self):
         return {} if self.best is None else {"monitor/validation_drop/best_val_score": self.best}
+
+
+def _cooling(last_step: int | None, step: int, cooldown: int) -> bool:
+    """True while fewer than ``cooldown`` steps have passed since the rule last acted."""
+    return last_step is not None and int(step) - last_step < cooldown
 
 
 class KLExplosion(Rule):
@@ -189,11 +198,13 @@ class KLExplosion(Rule):
 
     def __init__(self, cfg: KLExplosionConfig) -> None:
         self.cfg = cfg
+        self.last_step: int | None = None  # the step of the last raise (cooldown_steps before the next)
 
     def observe(self, step, metrics, val):
         kl = _finite(metrics, self.cfg.kl_metric)
-        if kl is None or kl <= self.cfg.threshold:
+        if kl is None or kl <= self.cfg.threshold or _cooling(self.last_step, step, self.cfg.cooldown_steps):
             return []
+        self.last_step = int(step)
         return [Action(self.name, "scale_kl_coef",
                        f"{self.cfg.kl_metric}={kl:.4g} above {self.cfg.threshold:g}: KL coefficient × "
                        f"{self.cfg.coef_factor:g} (at most {self.cfg.max_coef:g})",
@@ -205,6 +216,7 @@ class EntropyCollapse(Rule):
 
     def __init__(self, cfg: EntropyCollapseConfig) -> None:
         self.cfg = cfg
+        self.last_step: int | None = None  # the step of the last raise (cooldown_steps before the next)
 
     def observe(self, step, metrics, val):
         entropy = _finite(metrics, self.cfg.metric)
@@ -214,6 +226,9 @@ class EntropyCollapse(Rule):
         message = f"{c.metric}={entropy:.4g} below {c.min_entropy:g}"
         if c.action == "stop":
             return [Action(self.name, "stop", message, {"entropy": entropy})]
+        if _cooling(self.last_step, step, c.cooldown_steps):
+            return []
+        self.last_step = int(step)
         return [Action(self.name, "raise_entropy_coeff", message + ": entropy bonus raised",
                        {"entropy": entropy, "entropy_coeff": c.entropy_coeff, "factor": c.coeff_factor,
                         "max_coeff": c.max_coeff})]  # fmt: skip
@@ -277,7 +292,8 @@ def _where_equal_groups_score(metrics: dict[str, float]) -> str:
     position = (group - low) / (high - low)
     if position <= 0.25:
         return (f"; those groups score {group:.4g} on average, near the lowest score ({low:.4g}): the prompts are "
-                "too hard for the policy — more samples per prompt (rollout.n), easier prompts or a shaped reward")  # fmt: skip
+                "too hard for the policy — more samples per prompt (actor_rollout_ref.rollout.n), easier prompts or a "
+                "shaped reward")  # fmt: skip
     if position >= 0.75:
         return (f"; those groups score {group:.4g} on average, near the highest score ({high:.4g}): the prompts "
                 "are solved — harder prompts, or stop")  # fmt: skip
@@ -285,6 +301,14 @@ def _where_equal_groups_score(metrics: dict[str, float]) -> str:
             f"({high:.4g}): some too hard, some solved")  # fmt: skip
 
 
+GRAD_NORM_ADVICE = (
+    "the gradient clip (actor_rollout_ref.actor.grad_clip) cuts update after update: lower "
+    "actor_rollout_ref.actor.optim.lr, or raise monitor.drift.max_grad_norm where such norms are expected"
+)
+LOG_PROB_GAP_ADVICE = (
+    "the rollout's log-probs of its own tokens differ from the actor's: a rollout in another precision "
+    "(actor_rollout_ref.rollout.dtype) or weights out of sync; algorithm.rollout_correction weighs for it"
+)
 GPU_UTIL_ADVICE = (
     "the GPU idles part of each step (the timing_s/* phases say where): most often micro-batches too small "
     "for the GPU — actor_rollout_ref.actor.use_dynamic_bsz=True with a larger ppo_max_token_len_per_gpu "
@@ -293,12 +317,20 @@ GPU_UTIL_ADVICE = (
 )
 
 
+DRIFT_ADVICE = {
+    "grad_norm": GRAD_NORM_ADVICE,
+    "log_prob_gap": LOG_PROB_GAP_ADVICE,
+    "gpu_util": GPU_UTIL_ADVICE,
+}
+
+
 class Drift(Rule):
     """Warnings only, once when a value leaves its range (again after it came back). ``whitened``: the
     advantage estimator whitens over the batch, so ``adv_std_low/high`` left null mean 0.8 / 1.2; otherwise
-    null leaves the advantage std unwatched (a set bound applies to any estimator). The GPU utilisation
-    warns only after ``gpu_util_patience_steps`` steps in a row under its floor, and each process's first
-    step (compilation, allocator growth, graph capture) is not judged."""
+    null leaves the advantage std unwatched (a set bound applies to any estimator). A value warns after
+    ``patience_steps`` steps in a row out of range (the exposed communication, read on profiled steps only,
+    at once); each process's first GPU utilisation (compilation, allocator growth, graph capture) is not
+    judged."""
 
     name = "drift"
 
@@ -313,11 +345,12 @@ class Drift(Rule):
     def _ranges(self) -> list[tuple[str, str, float | None, float | None, int]]:
         """(name, metric, lowest fine value or None, highest or None, steps out of range before a warning)."""
         c = self.cfg
+        n = c.patience_steps
         return [
-            ("adv_std", "critic/advantages/std", *self.cfg_adv_std, 1),
-            ("grad_norm", "actor/grad_norm", None, c.max_grad_norm, 1),
-            ("log_prob_gap", "rollout/log_prob_diff", None, c.max_log_prob_gap, 1),
-            ("gpu_util", "perf/gpu_util", c.min_gpu_util, None, c.gpu_util_patience_steps),
+            ("adv_std", "critic/advantages/std", *self.cfg_adv_std, n),
+            ("grad_norm", "actor/grad_norm", None, c.max_grad_norm, n),
+            ("log_prob_gap", "rollout/log_prob_diff", None, c.max_log_prob_gap, n),
+            ("gpu_util", "perf/gpu_util", c.min_gpu_util, None, n),
             ("exposed_comm", "perf/exposed_comm_share", None, c.max_exposed_comm_share, 1),
         ]
 
@@ -336,7 +369,8 @@ class Drift(Rule):
                 where = f"below {low:g}" if low is not None and value < low else f"above {high:g}"
                 if patience > 1:
                     where += f" for {patience} steps"
-                advice = f"; {GPU_UTIL_ADVICE}" if name == "gpu_util" else ""
+                advice = DRIFT_ADVICE.get(name, "")
+                advice = f"; {advice}" if advice else ""
                 actions.append(
                     Action(f"drift/{name}", "warn", f"{key}={value:.4g} {where}{advice}", {"value": value})
                 )

@@ -46,7 +46,7 @@ def test_kl_early_stop_follows_an_annealed_reward_target():
     from klppo.algorithms.kl_control import TargetSchedule
     from klppo.trainer.monitor import _reward_target
 
-    cfg = load_config(["algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.target_kl=0.1",
+    cfg = load_config(["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.target_kl=0.1",
                        "algorithm.kl_ctrl.target_kl_start=0.3", "algorithm.kl_ctrl.anneal_begin=3",
                        "algorithm.kl_ctrl.anneal_steps=2", "monitor.kl_early_stop.enable=True",
                        "monitor.kl_early_stop.patience_steps=2"])  # fmt: skip
@@ -57,6 +57,23 @@ def test_kl_early_stop_follows_an_annealed_reward_target():
     # targets by step: 0.3, 0.3, 0.3, 0.3, √0.03 ≈ 0.173, 0.1, 0.1: over from step 5, stop at step 6
     assert fired == [[], [], [], [], [], ["stop"], ["stop"]]
     assert rule.cfg_target == 0.1 and set(rule.state_dict()) == {"steps_over"}
+
+
+def test_kl_early_stop_needs_a_target_where_the_reward_controller_has_none():
+    """A null target reads algorithm.kl_ctrl's: a GRPO run with only a KL loss was stopped against that
+    unused controller's default 0.1 (and a null one crashed the monitor's construction)."""
+    on = ["monitor.kl_early_stop.enable=True"]
+    with pytest.raises(
+        Exception, match=r"monitor.kl_early_stop.target_kl is null and algorithm.use_kl_in_reward is off"
+    ):
+        load_config(on)
+    with pytest.raises(
+        Exception, match=r"algorithm.kl_ctrl.target_kl is null: set monitor.kl_early_stop.target_kl"
+    ):
+        load_config([*on, "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.target_kl=null"])
+    load_config([*on, "monitor.kl_early_stop.target_kl=0.5"])
+    load_config([*on, "algorithm.use_kl_in_reward=True"])
+    load_config(["monitor.kl_early_stop.enable=False"])  # off: no target needed
 
 
 def test_reward_plateau_counts_from_the_best():
@@ -129,13 +146,45 @@ def test_learning_signal_only_for_estimators_that_zero_equal_groups():
 
 
 def test_drift_warns_on_entering_the_range_violation_only():
-    rule = Drift(M.drift)
+    rule = Drift(dataclasses.replace(M.drift, patience_steps=1))
     grads = [0.5, 1.5, 2.0, 0.5, 3.0]
     out = [[a.rule for a in rule.observe(i, {"actor/grad_norm": g}, None)] for i, g in enumerate(grads)]
     assert out == [[], ["drift/grad_norm"], [], [], ["drift/grad_norm"]]
     assert rule.metrics() == {"monitor/drift/grad_norm": 1.0}  # only what was measured
     (a,) = rule.observe(8, {"perf/exposed_comm_share": 0.3}, None)
     assert a.rule == "drift/exposed_comm" and a.message.endswith("above 0.1")
+
+
+def test_drift_waits_patience_steps_and_names_what_to_set():
+    """A healthy quickstart run printed "grad_norm above 1" 41 times (session 5): single steps over the
+    bound no longer warn, five in a row do — once, naming the keys."""
+    rule = Drift(M.drift)
+    grads = [1.5, 0.5, 2.0, 3.0, 1.2, 0.9, 1.1, 1.3, 1.4, 1.6, 1.7, 1.8]
+    fired = [i for i, g in enumerate(grads, 1) for a in rule.observe(i, {"actor/grad_norm": g}, None)]
+    assert fired == [11]  # steps 7–11: the fifth in a row
+    gap = Drift(dataclasses.replace(M.drift, patience_steps=1))
+    (g,) = gap.observe(1, {"actor/grad_norm": 2.0}, None)
+    assert (
+        g.message.startswith("actor/grad_norm=2 above 1; ")
+        and "actor_rollout_ref.actor.optim.lr" in g.message
+    )
+    (lp,) = gap.observe(1, {"rollout/log_prob_diff": 0.5}, None)
+    assert "actor_rollout_ref.rollout.dtype" in lp.message
+    from klppo.config.checks import value_at
+    from klppo.config.schema import KLPPOConfig  # every key an advice names exists
+
+    for key in (
+        "actor_rollout_ref.actor.grad_clip",
+        "actor_rollout_ref.actor.optim.lr",
+        "monitor.drift.max_grad_norm",
+        "actor_rollout_ref.rollout.dtype",
+        "algorithm.rollout_correction",
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        "actor_rollout_ref.model.compile_packed_layers",
+        "reward_model.launch_reward_fn_async",
+    ):
+        value_at(KLPPOConfig(), key)
 
 
 def test_gpu_utilisation_warns_after_patience_steps_and_not_on_the_first_step():
@@ -162,7 +211,7 @@ def test_gpu_utilisation_warns_after_patience_steps_and_not_on_the_first_step():
     resumed = Drift(M.drift)
     resumed.load_state_dict(state)
     assert resumed.observe(13, {"perf/gpu_util": 5.0}, None) == [] and resumed.streak == {"gpu_util": 0}
-    one = Drift(load_config(["monitor.drift.gpu_util_patience_steps=1"]).monitor.drift)
+    one = Drift(load_config(["monitor.drift.patience_steps=1"]).monitor.drift)
     one.observe(1, {"perf/gpu_util": 5.0}, None)
     assert [a.message.split(";")[0] for a in one.observe(2, {"perf/gpu_util": 50.0}, None)] == [
         "perf/gpu_util=50 below 85"
@@ -176,7 +225,7 @@ def test_the_advantage_std_is_watched_where_the_estimator_whitens_or_where_a_bou
     from klppo.config import load_config
 
     def adv_std_actions(est, std, *over):
-        cfg = load_config([f"algorithm.adv_estimator={est}", *over])
+        cfg = load_config([f"algorithm.adv_estimator={est}", "monitor.drift.patience_steps=1", *over])
         (drift,) = [r for r in build_rules(cfg.monitor, default_target_kl=None, adv_estimator=est)
                     if isinstance(r, Drift)]  # fmt: skip
         return [a.message for a in drift.observe(1, {"critic/advantages/std": std}, None)]
@@ -208,7 +257,7 @@ def test_the_drift_bounds_come_from_the_config_not_from_a_checkpoint():
     from klppo.config import load_config
 
     def drift(est, *over):
-        cfg = load_config([f"algorithm.adv_estimator={est}", *over])
+        cfg = load_config([f"algorithm.adv_estimator={est}", "monitor.drift.patience_steps=1", *over])
         (rule,) = [r for r in build_rules(cfg.monitor, default_target_kl=None, adv_estimator=est)
                    if isinstance(r, Drift)]  # fmt: skip
         return rule
@@ -283,7 +332,10 @@ def monitor(tmp_path, **groups):
 def test_kl_explosion_doubles_up_to_the_cap(tmp_path):
     import dataclasses
 
-    mon, c = monitor(tmp_path, kl_explosion=dataclasses.replace(M.kl_explosion, enable=True, max_coef=0.03))
+    mon, c = monitor(
+        tmp_path,
+        kl_explosion=dataclasses.replace(M.kl_explosion, enable=True, max_coef=0.03, cooldown_steps=1),
+    )
     for step in (1, 2, 3):
         mon.observe(step, {"actor/ref_kl_k1": 5.0}, None)
     assert c.coefs == {"kl_ctrl": 0.03, "kl_loss_coef": 0.008}  # 0.01 → 0.02 → 0.03 (cap); 0.001 → 0.008
@@ -295,7 +347,7 @@ def test_kl_explosion_doubles_up_to_the_cap(tmp_path):
 def test_entropy_bonus_set_then_doubled_then_capped(tmp_path):
     import dataclasses
 
-    rule_cfg = dataclasses.replace(M.entropy_collapse, enable=True, max_coeff=0.003)
+    rule_cfg = dataclasses.replace(M.entropy_collapse, enable=True, max_coeff=0.003, cooldown_steps=1)
     mon, c = monitor(tmp_path, entropy_collapse=rule_cfg)
     seen = []
     for step in (1, 2, 3):
@@ -303,6 +355,77 @@ def test_entropy_bonus_set_then_doubled_then_capped(tmp_path):
         seen.append(c.entropy_coeff)
     assert seen == [0.001, 0.002, 0.003]
     assert isinstance(EntropyCollapse(rule_cfg).observe(1, {"actor/entropy": 1.0}, None), list)
+
+
+def test_kl_and_entropy_raises_wait_their_cooldown_and_never_lower(tmp_path):
+    """The KL read lags a raise by about two steps: the default cooldown (3) raises at steps 1 and 4 of a
+    run over the threshold, not at every step (β 0.001 → 10 in 14 steps before); a coefficient already over
+    the cap is not lowered to it, and the message names the key and the change."""
+    import dataclasses
+
+    mon, c = monitor(tmp_path, kl_explosion=dataclasses.replace(M.kl_explosion, enable=True))
+    raised = [
+        s
+        for s in range(1, 8)
+        if "monitor/kl_explosion/scale_kl_coef" in _observe(mon, s, {"actor/ref_kl_k1": 5.0})
+    ]
+    assert raised == [1, 4, 7] and c.coefs == {"kl_ctrl": 0.08, "kl_loss_coef": 0.008}
+    (event,) = [e for e in mon.events.read() if e["step"] == 1]
+    assert "algorithm.kl_ctrl β 0.01 → 0.02" in event["message"]
+    assert "actor_rollout_ref.actor.kl_loss_coef 0.001 → 0.002" in event["message"]
+    over, c2 = monitor(
+        tmp_path / "o", kl_explosion=dataclasses.replace(M.kl_explosion, enable=True, max_coef=0.005)
+    )
+    c2.coefs["kl_ctrl"] = 20.0  # e.g. an uncapped adaptive controller's β
+    _observe(over, 1, {"actor/ref_kl_k1": 5.0})
+    assert c2.coefs == {"kl_ctrl": 20.0, "kl_loss_coef": 0.002}
+    ent, c3 = monitor(tmp_path / "e", entropy_collapse=dataclasses.replace(M.entropy_collapse, enable=True))
+    c3.entropy_coeff = 0.2  # the user's bonus, above max_coeff 0.1
+    _observe(ent, 1, {"actor/entropy": 0.01})
+    (e,) = ent.events.read()
+    assert (
+        c3.entropy_coeff == 0.2
+        and "actor_rollout_ref.actor.entropy_coeff 0.2 → 0.2: at its cap" in e["message"]
+    )
+    assert [s for s in range(2, 8) if "monitor/entropy_collapse/raise_entropy_coeff" in
+            _observe(ent, s, {"actor/entropy": 0.01})] == [4, 7]  # fmt: skip
+
+
+def _observe(mon, step, metrics):
+    m = dict(metrics)
+    mon.observe(step, m, None)
+    return m
+
+
+def test_validation_drop_never_rolls_back_from_a_new_best_and_reads_negative_rewards():
+    """It fired on validation 0.65 → 0.70 rising behind a training reward of 0.8–0.85 (rolled back to
+    the 0.52 weights, lr halved twice), and with negative rewards on validation equal to training."""
+    rule = ValidationDrop(M.validation_drop.__class__(enable=True))
+    trace = [(10, 0.30, 0.55), (20, 0.52, 0.80), (30, 0.65, 0.85), (40, 0.70, 0.85)]
+    acts = [
+        kinds(rule.observe(s, {"critic/score/mean": t}, {"val-core/a/reward/mean@1": v})) for s, v, t in trace
+    ]
+    assert acts == [["save_best"]] * 4 and rule.best_step == 40
+    (drop,) = rule.observe(50, {"critic/score/mean": 0.9}, {"val-core/a/reward/mean@1": 0.6})
+    assert (
+        drop.kind == "rollback"
+        and drop.values["best_step"] == 40
+        and "monitor.validation_drop.ratio" in drop.message
+    )
+    neg = ValidationDrop(M.validation_drop.__class__(enable=True))
+    assert kinds(neg.observe(1, {"critic/score/mean": -0.5}, {"val-core/a/reward/mean@1": -0.5})) == [
+        "save_best"
+    ]
+    assert (
+        neg.observe(2, {"critic/score/mean": -0.5}, {"val-core/a/reward/mean@1": -0.52}) == []
+    )  # above −0.55
+    assert kinds(neg.observe(3, {"critic/score/mean": -0.5}, {"val-core/a/reward/mean@1": -0.6})) == [
+        "rollback"
+    ]
+    with pytest.raises(Exception, match="action=rollback needs monitor.validation_drop.keep_best=True"):
+        load_config(["monitor.validation_drop.enable=True", "monitor.validation_drop.keep_best=False"])
+    load_config(["monitor.validation_drop.enable=True", "monitor.validation_drop.keep_best=False",
+                 "monitor.validation_drop.action=warn"])  # fmt: skip
 
 
 def test_rollback_scales_lr_and_kl_and_state_round_trips(tmp_path):
