@@ -30,10 +30,17 @@ class KLEarlyStopConfig:
 
 @dataclass(frozen=True)
 class RewardPlateauConfig:
-    enable: bool = F(False, "Stop when the reward has not improved for patience_steps steps.")
+    enable: bool = F(False, "Stop when the reward's moving mean has not improved for patience_steps steps.")
     metric: str = F("critic/score/mean", "Metric read as the reward.")
-    patience_steps: int = F(3, "Steps without an improvement of more than min_delta over the best so far.")
-    min_delta: float = F(0.01, "Smallest rise over the best reward that counts as an improvement.")
+    window: int = F(
+        10,
+        "[klppo] Steps in the moving mean that is compared with its best (judged once the window is full): "
+        "the best of a noisy per-step reward outruns a slow rise.",
+    )
+    patience_steps: int = F(
+        20, "Steps without an improvement of the moving mean by more than min_delta over its best so far."
+    )
+    min_delta: float = F(0.01, "Smallest rise over the best moving mean that counts as an improvement.")
 
 
 @dataclass(frozen=True)
@@ -199,6 +206,7 @@ def check_monitor(m: MonitorConfig) -> None:
     positive = (
         ("monitor.kl_early_stop.patience_steps", m.kl_early_stop.patience_steps),
         ("monitor.reward_plateau.patience_steps", m.reward_plateau.patience_steps),
+        ("monitor.reward_plateau.window", m.reward_plateau.window),
         ("monitor.validation_drop.lr_factor", m.validation_drop.lr_factor),
         ("monitor.validation_drop.kl_coef_factor", m.validation_drop.kl_coef_factor),
         ("monitor.kl_explosion.coef_factor", m.kl_explosion.coef_factor),

@@ -9,7 +9,8 @@ makes its rule a no-op for that step. Rules and their defaults (``monitor.*`` ke
 rule                fires when                                             action
 ==================  =====================================================  ===============================
 kl_early_stop       KL > target_kl for patience_steps consecutive steps    stop
-reward_plateau      reward not above best + min_delta for patience_steps   stop
+reward_plateau      reward's moving mean not above best + min_delta for    stop
+                    patience_steps
 validation_drop     val score < ratio × training reward of that step       rollback | stop | warn
 kl_explosion        KL > threshold                                         KL coefficient × coef_factor
 entropy_collapse    entropy < min_entropy                                  raise entropy_coeff | stop
@@ -121,24 +122,30 @@ class RewardPlateau(Rule):
 
     def __init__(self, cfg: RewardPlateauConfig) -> None:
         self.cfg = cfg
-        self.best: float | None = None
+        self.best: float | None = None  # the best moving mean
         self.steps_flat = 0
+        self.recent: list[float] = []  # the last `window` rewards
 
     def observe(self, step, metrics, val):
         reward = _finite(metrics, self.cfg.metric)
         if reward is None:
             return []
-        if self.best is None or reward > self.best + self.cfg.min_delta:
-            self.best, self.steps_flat = reward, 0
+        c = self.cfg
+        self.recent = [*self.recent, reward][-c.window :]
+        if len(self.recent) < c.window:
+            return []
+        mean = sum(self.recent) / len(self.recent)
+        if self.best is None or mean > self.best + c.min_delta:
+            self.best, self.steps_flat = mean, 0
             return []
         self.steps_flat += 1
-        if self.steps_flat < self.cfg.patience_steps:
+        if self.steps_flat < c.patience_steps:
             return []
         return [Action(self.name, "stop",
-                       f"{self.cfg.metric} has not risen above its best {self.best:.4g} by more than "
-                       f"{self.cfg.min_delta:g} for {self.steps_flat} steps "
-                       f"(monitor.reward_plateau.patience_steps={self.cfg.patience_steps})",
-                       {"reward": reward, "best": self.best, "steps_flat": self.steps_flat})]  # fmt: skip
+                       f"the {c.window}-step mean of {c.metric} ({mean:.4g}) has not risen above its best "
+                       f"{self.best:.4g} by more than {c.min_delta:g} for {self.steps_flat} steps "
+                       f"(monitor.reward_plateau.patience_steps={c.patience_steps}, min_delta, window)",
+                       {"reward": reward, "mean": mean, "best": self.best, "steps_flat": self.steps_flat})]  # fmt: skip
 
     def metrics(self):
         return {"monitor/reward_plateau/steps_without_improvement": float(self.steps_flat)}

@@ -104,7 +104,7 @@ def test_nonfinite_reward_stops_with_checkpoints_intact(tiny_model_dir, arithmet
 def test_reward_plateau_stops_early(tiny_model_dir, arithmetic_data, tmp_path):
     run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_CONSTANT)
     assert klppo_train(overrides + ["trainer.total_training_steps=8", "monitor.reward_plateau.enable=True",
-                                    "monitor.reward_plateau.patience_steps=2"]) == 0  # fmt: skip
+                                    "monitor.reward_plateau.patience_steps=2", "monitor.reward_plateau.window=1"]) == 0  # fmt: skip
     assert max(by_step(run)) == 3  # step 1 sets the best; steps 2 and 3 do not beat it
     (event,) = acted(run, "reward_plateau")
     assert event["step"] == 3 and event["action"] == "stop" and event["steps_flat"] == 2

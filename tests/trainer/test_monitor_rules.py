@@ -76,8 +76,25 @@ def test_kl_early_stop_needs_a_target_where_the_reward_controller_has_none():
     load_config(["monitor.kl_early_stop.enable=False"])  # off: no target needed
 
 
+def test_reward_plateau_waits_for_a_flat_moving_mean():
+    """A 0/1 reward on 512 samples whose pass rate rises 0.30 → 0.70 over 200 steps: the old rule (raw
+    reward against its best, patience 3) stopped such runs near step 5; the 10-step mean with patience 20
+    lets it run, and stops the same run once its rate has stayed flat."""
+    import random
+
+    rng = random.Random(0)
+    rule = RewardPlateau(dataclasses.replace(M.reward_plateau, enable=True))
+    rising = [sum(rng.random() < 0.3 + 0.4 * t / 200 for _ in range(512)) / 512 for t in range(200)]
+    assert [s for s, r in enumerate(rising, 1) for _ in rule.observe(s, {"critic/score/mean": r}, None)] == []
+    flat = [sum(rng.random() < 0.7 for _ in range(512)) / 512 for _ in range(60)]
+    stops = [s for s, r in enumerate(flat, 201) for _ in rule.observe(s, {"critic/score/mean": r}, None)]
+    assert stops and stops[0] <= 240
+    old = RewardPlateau(dataclasses.replace(M.reward_plateau, enable=True, window=1, patience_steps=3))
+    assert any(old.observe(s, {"critic/score/mean": r}, None) for s, r in enumerate(rising[:40], 1))
+
+
 def test_reward_plateau_counts_from_the_best():
-    rule = RewardPlateau(M.reward_plateau.__class__(enable=True, patience_steps=2, min_delta=0.1))
+    rule = RewardPlateau(M.reward_plateau.__class__(enable=True, patience_steps=2, min_delta=0.1, window=1))
     seq = [0.5, 0.55, 0.7, 0.75, 0.79]  # 0.55 is not > 0.5 + 0.1; 0.7 is; then two flat steps
     out = [kinds(rule.observe(i + 1, {"critic/score/mean": r}, None)) for i, r in enumerate(seq)]
     assert out == [[], [], [], [], ["stop"]] and rule.best == 0.7
