@@ -1,0 +1,18 @@
+"""The out-of-memory retry's message names the key that starts a new run at the halved micro-batch."""
+
+from klppo.config.checks import value_at
+from klppo.config.schema import KLPPOConfig
+from klppo.roles.oom import OOM_KEYS, config_key
+
+
+def test_every_pass_names_a_key_of_the_schema():
+    cfg = KLPPOConfig()
+    for role, phase in OOM_KEYS:
+        for field in ("micro_batch_size", "max_token_len"):
+            value_at(cfg, config_key(role, phase, field))  # raises on a key the schema lacks
+    assert config_key("critic", "values", "max_token_len") == "critic.forward_max_token_len_per_gpu"
+    assert (
+        config_key("actor", "update", "micro_batch_size")
+        == "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    )
+    assert config_key("reward", "score", "micro_batch_size") is None
