@@ -29,6 +29,25 @@ def halved(micro: MicroBatching) -> tuple[str, int, int] | None:
     return (key, old, old // 2) if old > 1 else None
 
 
+OOM_KEYS = {
+    ("actor", "update"): "actor_rollout_ref.actor.ppo",
+    ("actor", "log_prob"): "actor_rollout_ref.rollout.log_prob",
+    ("ref", "log_prob"): "actor_rollout_ref.ref.log_prob",
+    ("critic", "update"): "critic.ppo",
+    ("critic", "values"): "critic.forward",
+}
+"""(role, phase) → the prefix of the config keys of that pass's micro-batching (``_micro_batch_size_per_gpu``
+or ``_max_token_len_per_gpu`` follows)."""
+
+
+def config_key(role: str, phase: str, field: str) -> str | None:
+    """The config key a user sets to start a run at the micro-batching ``field`` names; None if unknown."""
+    prefix = OOM_KEYS.get((role, phase))
+    if prefix is None:
+        return None
+    return prefix + ("_max_token_len_per_gpu" if field == "max_token_len" else "_micro_batch_size_per_gpu")
+
+
 class OOMRecovery:
     def __init__(self, role: str) -> None:
         self.role = role
@@ -60,7 +79,7 @@ class OOMRecovery:
             self.events.append({
                 "role": self.role, "phase": phase, key + "_old": old, key + "_new": new,
                 "message": f"out of memory in the {self.role} {phase} pass ({error}): redone with {key} "
-                           f"{old} → {new}",
+                           f"{old} → {new}" + _start_there(self.role, phase, key, new),
             })  # fmt: skip
             retries += 1
 
@@ -76,3 +95,12 @@ def _reset(model: torch.nn.Module) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _start_there(role: str, phase: str, field: str, new: int) -> str:
+    key = config_key(role, phase, field)
+    return (
+        ""
+        if key is None
+        else f" (kept for this run and its resumes; a new run starts there with {key}={new})"
+    )

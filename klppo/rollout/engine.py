@@ -113,6 +113,7 @@ class KLPPORollout:
         self.compact_min_bucket = compact_min_bucket
         self.compiled = compiled if compiled is not None else CompiledFunctions()
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+        self._fallback_said = False
         self._ws: Workspace | None = None
 
     # ---- public ---------------------------------------------------------------------------------
@@ -129,7 +130,11 @@ class KLPPORollout:
         lengths = prompt_mask.sum(dim=1).tolist()
         reason = unsupported_reason(model, max(lengths) + params.max_new_tokens)
         if reason is not None:
-            warnings.warn(f"klppo rollout cannot run this model ({reason}): using hf", stacklevel=2)
+            if not self._fallback_said:  # once: a reason that names the step's length would repeat every step
+                self._fallback_said = True
+                warnings.warn(f"klppo rollout cannot run this model ({reason}): using hf for such steps "
+                              "(said once; actor_rollout_ref.rollout.name=hf chooses it for every step)",
+                              stacklevel=2)  # fmt: skip
             out = self._fallback.generate(model, prompts, prompt_mask, params)
             return dataclasses.replace(out, stats={**out.stats, "rollout/fallback_hf": 1.0})
         return self.generate_from(LlamaWeights.read(model), prompts, prompt_mask, params)

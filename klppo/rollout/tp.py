@@ -175,6 +175,7 @@ class TPRollout:
         self.engine = engine
         self.tp = tp
         self._tensors: dict[str, torch.Tensor] | None = None  # kept when the engine keeps its cache
+        self._fallback_said = False
 
     @torch.no_grad()
     def generate(
@@ -186,8 +187,10 @@ class TPRollout:
         max_len = all_reduce_max(int(prompt_mask.sum(dim=1).max())) + params.max_new_tokens
         reason = unsupported_reason(model, max_len)
         if reason is not None:
-            warnings.warn(f"{KEY}={self.tp.size}: the klppo engine cannot run this model ({reason}); "
-                          "this rollout runs data-parallel on gathered weights", stacklevel=2)  # fmt: skip
+            if not self._fallback_said:  # once: a reason that names the step's length would repeat every step
+                self._fallback_said = True
+                warnings.warn(f"{KEY}={self.tp.size}: the klppo engine cannot run this model ({reason}); such "
+                              "rollouts run data-parallel on gathered weights (said once)", stacklevel=2)  # fmt: skip
             with gathered_params(model):
                 return self.engine.generate(model, prompts, prompt_mask, params)
         device = prompts.device

@@ -55,7 +55,9 @@ def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
         log.info("%s prompts: %s", split, loader.summary())
         if loader.stats.num_truncated:
             log.warning(
-                "%s prompts: %d longer than data.max_prompt_length=%d are cut (data.truncation=%s)",
+                "%s prompts: %d longer than data.max_prompt_length=%d are cut (data.truncation=%s): raise "
+                "data.max_prompt_length to keep them whole, or set data.filter_overlong_prompts=True to leave "
+                "them out",
                 split, loader.stats.num_truncated, loader.max_prompt_length, loader.truncation,
             )  # fmt: skip
     return loaders

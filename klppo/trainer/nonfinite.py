@@ -113,6 +113,7 @@ def record_skipped_step(step: int, reason: str, *, count: int, limit: int) -> in
         raise TrainingStopped(
             f"{count} steps had non-finite values (limit trainer.max_nan_steps={limit}; the last: {reason}); "
             "those steps' updates were skipped and the last checkpoint is intact. Check the reward function "
-            "and the data named above, lower the learning rate, or raise the limit."
+            "and the data named above, lower actor_rollout_ref.actor.optim.lr (and critic.optim.lr), or raise the "
+            "limit."
         )
     return count

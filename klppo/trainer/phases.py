@@ -128,7 +128,8 @@ def rewards_and_advantages(
         share = penalty_share(batch.token_level_scores, rewards)
         metrics["actor/reward_kl_penalty_share"] = share
         if watch.update(share) and rank() == 0:
-            _warn_penalty_share(step, watch.streak, share, kl_ctrl.value, algo)
+            score = float(batch.token_level_scores.sum(dim=-1).abs().mean())
+            log.warning(penalty_share_message(step, watch.streak, share, kl_ctrl.value, algo, score))
         kl_ctrl.update(current_kl, len(batch))
     else:
         rewards = batch.token_level_scores
@@ -155,14 +156,25 @@ def penalty_share(scores: torch.Tensor, rewards: torch.Tensor) -> float:
     return float(penalty) / max(float(score), 1e-6)
 
 
-def _warn_penalty_share(step: int, streak: int, share: float, beta: float, algo: AlgorithmConfig) -> None:
-    log.warning(
-        "step %d: the KL penalty in the reward outweighs the task score for %d steps (share %.2f, "
-        "β=%.4g): the policy is pulled back toward the reference instead of learning. Lower "
-        "algorithm.kl_ctrl.kl_coef, raise target_kl (now %s, type %s) or move the KL into the loss "
-        "(actor_rollout_ref.actor.use_kl_loss with kl_loss_ctrl)",
-        step, streak, share, beta, algo.kl_ctrl.target_kl, algo.kl_ctrl.type,
-    )  # fmt: skip
+def penalty_share_message(
+    step: int, streak: int, share: float, beta: float, algo: AlgorithmConfig, score: float
+) -> str:
+    """The warning when the KL penalty outweighs the task score (``score``: mean |Σ_t score|), with the
+    setting that acts for the controller in use — a fixed β is set by kl_coef; an adaptive or PI one moves
+    β toward target_kl, so kl_coef only sets where it starts."""
+    head = f"step {step}: the KL penalty in the reward outweighs the task score for {streak} steps"
+    if score < 1e-6:
+        return (f"{head}: every sample scored 0 — there is no task signal for the penalty to outweigh; check "
+                "the reward function and whether the prompts are within the policy's reach (β need not change)")  # fmt: skip
+    ctrl = algo.kl_ctrl
+    if ctrl.type == "fixed":
+        act = f"lower algorithm.kl_ctrl.kl_coef (β={beta:.4g}, fixed)"
+    else:
+        act = (f"raise algorithm.kl_ctrl.target_kl (now {ctrl.target_kl}; the {ctrl.type} controller moves "
+               f"β={beta:.4g} toward it — kl_coef only sets where β starts)")  # fmt: skip
+    return (f"{head} (share {share:.2f}): the policy is pulled back toward the reference instead of learning. "
+            f"{act[0].upper()}{act[1:]}, or move the KL into the loss (actor_rollout_ref.actor.use_kl_loss with "
+            "kl_loss_ctrl)")  # fmt: skip
 
 
 def measure_kl_for_control(batch: Batch, actor: ActorConfig) -> dict[str, float]:

@@ -132,13 +132,23 @@ def check_memory(
     if over:
         worst = max(over, key=over.get)
         log.warning(
-            "the %s phase is predicted to need %.1f GiB of this GPU's %.0f GiB: it may run out of memory. "
-            "`klppo tune <same arguments> --dry-run` shows each term and the settings that fit "
-            "(min_num_params, offload, micro-batch tokens, gradient checkpointing).",
-            worst, over[worst], device_gib,
+            "the %s phase is predicted to need %.1f GiB of this GPU's %.0f GiB: it may run out of memory. %s",
+            worst, over[worst], device_gib, _over_budget_advice(worst, workload),
         )  # fmt: skip
     else:
         advice = [micro_batch_advice(workload, model_config, mini_batch_tokens) if mini_batch_tokens else None,
                   workspace_advice(workload, model_config, rollout_seqs) if rollout_seqs else None]  # fmt: skip
         for line in filter(None, advice):
             log.info("advice: %s", line)
+
+
+def _over_budget_advice(phase: str, workload: Any) -> str:
+    """What to set when ``phase`` is predicted over the device: the rollout's peak is mostly the KV-cache
+    budget it is given (``gpu_memory_utilization`` × the device), which `klppo tune` does not vary."""
+    if phase.startswith("rollout"):
+        util = getattr(getattr(workload, "workload", None), "gpu_memory_utilization", None)
+        now = f" (now {util:g})" if isinstance(util, float) else ""
+        return (f"Lower actor_rollout_ref.rollout.gpu_memory_utilization{now}: the rollout takes that share of the "
+                "device for its KV cache whatever the model needs.")  # fmt: skip
+    return ("`klppo tune <same arguments> --dry-run` shows each term and the settings that fit "
+            "(min_num_params, offload, micro-batch tokens, gradient checkpointing).")  # fmt: skip

@@ -142,6 +142,12 @@ def test_fallback_and_cache_lifecycle(tiny_qwen2) -> None:
     with pytest.warns(UserWarning, match="unsupported-arch"):
         out = free.generate(gpt2_like, prompts, prompt_mask, params)
     assert out.stats["rollout/fallback_hf"] == 1.0 and out.responses.shape == (2, 6)
+    import warnings
+
+    with warnings.catch_warnings():  # said once per engine: a reason naming the step's length repeated
+        warnings.simplefilter("error")
+        again = free.generate(gpt2_like, prompts, prompt_mask, dataclasses.replace(params, max_new_tokens=5))
+    assert again.stats["rollout/fallback_hf"] == 1.0
     with pytest.raises(ValueError, match="unknown rollout"):
         make_rollout("vllm", eos_token_ids=[2], pad_token_id=2)
 

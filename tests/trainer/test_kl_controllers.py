@@ -100,3 +100,21 @@ def test_reward_penalty_share_metric_and_warning(tiny_model_dir, arithmetic_data
     assert all(row["actor/reward_kl_penalty_share"] > 1.0 for row in rows[1:])
     warnings = [r.getMessage() for r in caplog.records if "outweighs the task score" in r.getMessage()]
     assert len(warnings) == 1 and "step 6" in warnings[0], warnings
+
+
+def test_the_penalty_share_warning_names_the_setting_that_acts_for_the_controller():
+    """A fixed β is set by kl_coef; an adaptive or PI controller moves β toward target_kl (it advised
+    raising target_kl under a fixed controller, which ignores it); all-zero scores are no task signal."""
+    from klppo.config import load_config
+    from klppo.trainer.phases import penalty_share_message
+
+    def message(score, *over):
+        algo = load_config(["algorithm.use_kl_in_reward=True", *over]).algorithm
+        return penalty_share_message(6, 5, 2.5, 0.2, algo, score)
+
+    fixed = message(0.5)
+    assert "Lower algorithm.kl_ctrl.kl_coef (β=0.2, fixed)" in fixed and "target_kl" not in fixed
+    adaptive = message(0.5, "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.05")
+    assert "Raise algorithm.kl_ctrl.target_kl (now 0.05; the adaptive controller moves β=0.2" in adaptive
+    zero = message(0.0)
+    assert "every sample scored 0" in zero and "kl_coef" not in zero

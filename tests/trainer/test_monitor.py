@@ -308,6 +308,9 @@ def test_oom_in_the_log_prob_pass_is_retried_with_the_same_log_probs(
         event["micro_batch_size_new"],
     ) == (4, 2)
     assert parts.roles.actor.oom.micro["log_prob"].micro_batch_size == 2
+    assert event["message"].endswith(
+        "a new run starts there with actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2)"
+    )
     clean, retried = by_step(tmp_path / "clean"), by_step(run)
     for key in ("actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/ref_kl_k1", "critic/score/mean"):
         for step in (1, 2):

@@ -251,3 +251,25 @@ def test_the_gpu_preflight_runs_end_to_end_and_logs_its_advice(monkeypatch, tmp_
     assert "ppo_max_token_len_per_gpu=" in advice[0] and "2048 sequences × 256 positions" in advice[1]
     assert advice[2].startswith("advice: actor_rollout_ref.model.compile_packed_layers=True")
     assert advice[3].startswith("advice: reward_model.launch_reward_fn_async=True")  # verl's default: off
+
+
+def test_a_rollout_over_the_device_is_told_to_lower_its_cache_share():
+    """The rollout's predicted peak is mostly its KV-cache share of the device (gpu_memory_utilization × D):
+    the advice names that key and its value, not the update's settings `klppo tune` varies."""
+    model = load_model_config("Qwen2.5-0.5B")
+    cfg = load_config(["actor_rollout_ref.rollout.gpu_memory_utilization=0.97"])
+    logger, records = logging.getLogger("klppo"), _Records()
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        check_memory(workload(cfg, world_size=1, device_gib=141), model)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    (line,) = [t for t in records.lines if "may run out of memory" in t]
+    assert line.startswith("the rollout phase")
+    assert (
+        "Lower actor_rollout_ref.rollout.gpu_memory_utilization (now 0.97)" in line
+        and "min_num_params" not in line
+    )
