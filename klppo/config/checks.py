@@ -342,10 +342,12 @@ def _check_kl_early_stop_target(cfg: KLPPOConfig) -> None:
     stop = cfg.monitor.kl_early_stop
     if not (cfg.monitor.enable and stop.enable) or stop.target_kl is not None:
         return
-    if not cfg.algorithm.use_kl_in_reward or cfg.algorithm.kl_ctrl.target_kl is None:
+    ctrl = cfg.algorithm.kl_ctrl
+    if not cfg.algorithm.use_kl_in_reward or ctrl.target_kl is None or ctrl.type == "fixed":
         why = (
             "algorithm.use_kl_in_reward is off" if not cfg.algorithm.use_kl_in_reward
-            else "algorithm.kl_ctrl.target_kl is null"
+            else "algorithm.kl_ctrl.target_kl is null" if ctrl.target_kl is None
+            else "algorithm.kl_ctrl.type=fixed does not use its target_kl"
         )  # fmt: skip
         raise ConfigError(
             f"monitor.kl_early_stop.target_kl is null and {why}: set monitor.kl_early_stop.target_kl (in the units "

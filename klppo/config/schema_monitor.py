@@ -223,7 +223,7 @@ def check_monitor(m: MonitorConfig) -> None:
         raise ConfigError(f"monitor.learning_signal.max_equal_share={m.learning_signal.max_equal_share}: "
                           "must be in (0, 1]")  # fmt: skip
     v = m.validation_drop
-    if v.enable and v.action == "rollback" and not v.keep_best:
+    if m.enable and v.enable and v.action == "rollback" and not v.keep_best:
         raise ConfigError(
             "monitor.validation_drop.action=rollback needs monitor.validation_drop.keep_best=True (the rollback "
             "returns to the best-validation weights it keeps); or set action=warn or stop"

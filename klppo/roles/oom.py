@@ -49,8 +49,9 @@ def config_key(role: str, phase: str, field: str) -> str | None:
 
 
 class OOMRecovery:
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, *, sp_size: int = 1) -> None:
         self.role = role
+        self.sp_size = sp_size  # a Ulysses group's token budget is the config's × its size
         self.max_retries = 0  # set by the trainer's monitor from monitor.oom_recovery
         self.micro: dict[str, MicroBatching] = {}
         self.events: list[dict[str, Any]] = []
@@ -79,9 +80,13 @@ class OOMRecovery:
             self.events.append({
                 "role": self.role, "phase": phase, key + "_old": old, key + "_new": new,
                 "message": f"out of memory in the {self.role} {phase} pass ({error}): redone with {key} "
-                           f"{old} → {new}" + _start_there(self.role, phase, key, new),
+                           f"{old} → {new}" + _start_there(self.role, phase, key, self._config_value(key, new)),
             })  # fmt: skip
             retries += 1
+
+    def _config_value(self, field: str, value: int) -> int:
+        """The config's value for an in-run ``value``: a Ulysses group's token budget is the key's × its size."""
+        return max(1, value // self.sp_size) if field == "max_token_len" else value
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         return {phase: dataclasses.asdict(m) for phase, m in self.micro.items()}

@@ -49,6 +49,15 @@ KL_COEF_KEYS = {"kl_ctrl": "algorithm.kl_ctrl β", "kl_loss_coef": "actor_rollou
 """The config key behind each coefficient ``RunControls.kl_coefs`` names, for the monitor's messages."""
 
 
+def _unchanged(old: float, new: float, cap: float) -> str:
+    """Why a raise left a coefficient where it was ("" when it moved)."""
+    if new != old:
+        return ""
+    return (
+        ", at its cap" if old >= cap else ", unchanged: a coefficient of 0 (or a factor of 1) is not raised"
+    )
+
+
 class RunControls:
     """The knobs the rules turn: KL coefficients, the entropy bonus, learning rates, best-validation
     weights. ``save_best(step)`` and ``rollback() -> step or None`` are the trainer's (collective)."""
@@ -240,7 +249,7 @@ class Monitor:
                 c.set_kl_coef(name, new)
                 v[f"{name}_old"], v[f"{name}_new"] = old, new
                 changes.append(
-                    f"{KL_COEF_KEYS[name]} {old:.4g} → {new:.4g}" + (" (at its cap)" if new == old else "")
+                    f"{KL_COEF_KEYS[name]} {old:.4g} → {new:.4g}" + _unchanged(old, new, v["max_coef"])
                 )
             if changes:
                 a.message += f" ({'; '.join(changes)})"
@@ -250,9 +259,8 @@ class Monitor:
             new = max(old, min(new, v["max_coeff"]))  # never lowered, never over the cap
             c.set_entropy_coeff(new)
             v["entropy_coeff_old"], v["entropy_coeff_new"] = old, new
-            a.message += f" (actor_rollout_ref.actor.entropy_coeff {old:g} → {new:g}" + (
-                ": at its cap, monitor.entropy_collapse.max_coeff)" if new == old else ")"
-            )
+            cap = _unchanged(old, new, v["max_coeff"])
+            a.message += f" (actor_rollout_ref.actor.entropy_coeff {old:g} → {new:g}{cap})"
         elif a.kind != "warn":
             raise AssertionError(f"unknown monitor action {a.kind!r}")
         self._record(step, a)
@@ -293,7 +301,7 @@ class Monitor:
         for rule in self.rules:
             if rule.name in state["rules"]:
                 rule.load_state_dict(state["rules"][rule.name])
-            if rule.name == "validation_drop" and rule.best_step != best_step_on_disk:
+            if rule.name == "validation_drop" and rule.cfg.keep_best and rule.best_step != best_step_on_disk:
                 # the best-validation checkpoint on disk is not the one this state remembers (written
                 # after the checkpoint by the interrupted run): forget it, the next validation starts anew
                 rule.best, rule.best_step = None, None

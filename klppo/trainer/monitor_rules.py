@@ -17,9 +17,9 @@ entropy_collapse    entropy < min_entropy                                  raise
 nonfinite_reward    mean score NaN/inf                                     warn | stop
 learning_signal     equal-score groups ≥ max_equal_share for patience      warn | stop (once, again after
                     steps (group estimators)                               the share fell below)
-drift               adv std ∉ [low, high], grad norm > max, |rollout −     warn (on entering the range
-                    actor| log-prob > max, GPU util < min, exposed         violation only)
-                    communication share > max
+drift               adv std ∉ [low, high], grad norm > max, |rollout −     warn (once per excursion,
+                    actor| log-prob > max, GPU util < min for patience     after patience_steps out)
+                    steps; exposed communication share > max
 ==================  =====================================================  ===============================
 """
 
@@ -126,6 +126,11 @@ class RewardPlateau(Rule):
         self.steps_flat = 0
         self.recent: list[float] = []  # the last `window` rewards
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "recent" not in state:  # a checkpoint from before the moving mean: its best is one step's reward
+            return
+        super().load_state_dict(state)
+
     def observe(self, step, metrics, val):
         reward = _finite(metrics, self.cfg.metric)
         if reward is None:
@@ -188,8 +193,10 @@ class ValidationDrop(Rule):
                 f": back to the best validation's weights, lr × {c.lr_factor:g}, KL coefficient × "
                 f"{c.kl_coef_factor:g}"
             )
-        return [Action(self.name, c.action, message + " (monitor.validation_drop.ratio; action=warn only warns)",
-                       values)]  # fmt: skip
+        hint = " (monitor.validation_drop.ratio" + (
+            "; action=warn only warns)" if c.action != "warn" else ")"
+        )
+        return [Action(self.name, c.action, message + hint, values)]
 
     def metrics(self):
         return {} if self.best is None else {"monitor/validation_drop/best_val_score": self.best}
@@ -372,7 +379,7 @@ class Drift(Rule):
                 continue
             bad = (low is not None and value < low) or (high is not None and value > high)
             self.streak[name] = self.streak.get(name, 0) + 1 if bad else 0
-            if self.streak[name] == patience:
+            if self.streak[name] >= patience and not self.outside.get(name, False):
                 where = f"below {low:g}" if low is not None and value < low else f"above {high:g}"
                 if patience > 1:
                     where += f" for {patience} steps"
@@ -386,8 +393,12 @@ class Drift(Rule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        for name, out in self.outside.items():  # a checkpoint from before the streaks: outside = one step out
-            self.streak.setdefault(name, 1 if out else 0)
+        patience = {r[0]: r[4] for r in self._ranges()}
+        for (
+            name,
+            out,
+        ) in self.outside.items():  # a checkpoint from before the streaks: already warned if outside
+            self.streak.setdefault(name, patience.get(name, 1) if out else 0)
 
     def metrics(self):
         return {f"monitor/drift/{name}": float(v) for name, v in sorted(self.outside.items())}

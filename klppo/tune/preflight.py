@@ -133,7 +133,7 @@ def check_memory(
         worst = max(over, key=over.get)
         log.warning(
             "the %s phase is predicted to need %.1f GiB of this GPU's %.0f GiB: it may run out of memory. %s",
-            worst, over[worst], device_gib, _over_budget_advice(worst, workload),
+            worst, over[worst], device_gib, _over_budget_advice(worst, over[worst], workload),
         )  # fmt: skip
     else:
         advice = [micro_batch_advice(workload, model_config, mini_batch_tokens) if mini_batch_tokens else None,
@@ -142,13 +142,18 @@ def check_memory(
             log.info("advice: %s", line)
 
 
-def _over_budget_advice(phase: str, workload: Any) -> str:
-    """What to set when ``phase`` is predicted over the device: the rollout's peak is mostly the KV-cache
-    budget it is given (``gpu_memory_utilization`` × the device), which `klppo tune` does not vary."""
-    if phase.startswith("rollout"):
-        util = getattr(getattr(workload, "workload", None), "gpu_memory_utilization", None)
-        now = f" (now {util:g})" if isinstance(util, float) else ""
-        return (f"Lower actor_rollout_ref.rollout.gpu_memory_utilization{now}: the rollout takes that share of the "
-                "device for its KV cache whatever the model needs.")  # fmt: skip
+def _over_budget_advice(phase: str, peak_gib: float, workload: Any) -> str:
+    """What to set when ``phase`` is predicted over the device. The rollout's peak is max(its KV-cache share
+    of the device, ``gpu_memory_utilization`` × D; what stays resident + the gathered weights): only in the
+    first case does a lower share help (`klppo tune` does not vary it)."""
+    w = getattr(workload, "workload", None)
+    util, device = getattr(w, "gpu_memory_utilization", None), getattr(w, "device_bytes", None)
+    if phase.startswith("rollout") and isinstance(util, float) and device:
+        if abs(peak_gib - util * device / 2**30) <= 0.02 * peak_gib:
+            return (f"Lower actor_rollout_ref.rollout.gpu_memory_utilization (now {util:g}): the rollout takes "
+                    "that share of the device for its weights and KV cache.")  # fmt: skip
+        return ("The rollout's weights and what stays resident exceed it whatever its cache share: shard the "
+                "rollout (actor_rollout_ref.rollout.tensor_model_parallel_size), offload the roles that wait "
+                "(fsdp_config.param_offload/optimizer_offload), or see `klppo tune <same arguments> --dry-run`.")  # fmt: skip
     return ("`klppo tune <same arguments> --dry-run` shows each term and the settings that fit "
             "(min_num_params, offload, micro-batch tokens, gradient checkpointing).")  # fmt: skip

@@ -16,3 +16,13 @@ def test_every_pass_names_a_key_of_the_schema():
         == "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
     )
     assert config_key("reward", "score", "micro_batch_size") is None
+
+
+def test_the_named_token_budget_is_the_config_value_under_sequence_parallelism():
+    """A Ulysses group's budget is the key's value × the group's size: 16384 → 8192 in the run is
+    ppo_max_token_len_per_gpu=4096 with a group of 2."""
+    from klppo.roles.oom import OOMRecovery
+
+    assert OOMRecovery("actor", sp_size=2)._config_value("max_token_len", 8192) == 4096
+    assert OOMRecovery("actor", sp_size=2)._config_value("micro_batch_size", 4) == 4
+    assert OOMRecovery("actor")._config_value("max_token_len", 8192) == 8192

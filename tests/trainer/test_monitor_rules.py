@@ -72,7 +72,9 @@ def test_kl_early_stop_needs_a_target_where_the_reward_controller_has_none():
     ):
         load_config([*on, "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.target_kl=null"])
     load_config([*on, "monitor.kl_early_stop.target_kl=0.5"])
-    load_config([*on, "algorithm.use_kl_in_reward=True"])
+    with pytest.raises(Exception, match=r"algorithm.kl_ctrl.type=fixed does not use its target_kl"):
+        load_config([*on, "algorithm.use_kl_in_reward=True"])
+    load_config([*on, "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive"])
     load_config(["monitor.kl_early_stop.enable=False"])  # off: no target needed
 
 
@@ -402,7 +404,7 @@ def test_kl_and_entropy_raises_wait_their_cooldown_and_never_lower(tmp_path):
     (e,) = ent.events.read()
     assert (
         c3.entropy_coeff == 0.2
-        and "actor_rollout_ref.actor.entropy_coeff 0.2 → 0.2: at its cap" in e["message"]
+        and "actor_rollout_ref.actor.entropy_coeff 0.2 → 0.2, at its cap" in e["message"]
     )
     assert [s for s in range(2, 8) if "monitor/entropy_collapse/raise_entropy_coeff" in
             _observe(ent, s, {"actor/entropy": 0.01})] == [4, 7]  # fmt: skip
@@ -475,3 +477,51 @@ def test_monitor_off_fires_nothing(tmp_path):
     mon, c = monitor(tmp_path, enable=False, kl_explosion=dataclasses.replace(M.kl_explosion, enable=True))
     m: dict = {"actor/ref_kl_k1": 5.0, "critic/score/mean": math.nan}
     assert not mon.observe(1, m, None) and c.coefs["kl_ctrl"] == 0.01 and mon.events.read() == []
+
+
+def test_rule_state_from_older_checkpoints_and_changed_settings():
+    """Drift: a checkpoint from before the streaks that was outside has already warned (no second warning
+    for the same excursion); a patience lowered at resume below the saved streak warns at once. The
+    plateau: a best from before the moving mean (one step's reward) is not compared with a mean."""
+    old = Drift(M.drift)
+    old.load_state_dict({"outside": {"grad_norm": True}})
+    assert old.streak == {"grad_norm": 5}
+    assert [old.observe(s, {"actor/grad_norm": 2.0}, None) for s in (1, 2, 3)] == [[], [], []]
+    assert old.metrics() == {"monitor/drift/grad_norm": 1.0}
+    saved = Drift(M.drift)
+    for s in (1, 2, 3):
+        saved.observe(s, {"actor/grad_norm": 2.0}, None)
+    lower = Drift(dataclasses.replace(M.drift, patience_steps=2))
+    lower.load_state_dict(copy.deepcopy(saved.state_dict()))
+    assert kinds(lower.observe(4, {"actor/grad_norm": 2.0}, None)) == ["warn"]
+    assert lower.observe(5, {"actor/grad_norm": 2.0}, None) == []
+    plateau = RewardPlateau(dataclasses.replace(M.reward_plateau, enable=True))
+    plateau.load_state_dict({"best": 0.62, "steps_flat": 2})
+    assert plateau.best is None and plateau.steps_flat == 0 and plateau.recent == []
+
+
+def test_the_rollback_check_and_the_cap_message_follow_what_runs(tmp_path):
+    load_config(["monitor.enable=False", "monitor.validation_drop.enable=True",
+                 "monitor.validation_drop.keep_best=False"])  # fmt: skip  # no rule runs: nothing to refuse
+    import dataclasses as dc
+
+    mon, c = monitor(tmp_path, kl_explosion=dc.replace(M.kl_explosion, enable=True))
+    c.coefs["kl_loss_coef"] = 0.0
+    mon.observe(1, {"actor/ref_kl_k1": 5.0}, None)
+    (e,) = mon.events.read()
+    assert "actor_rollout_ref.actor.kl_loss_coef 0 → 0, unchanged: a coefficient of 0" in e["message"]
+    assert "at its cap" not in e["message"]
+
+
+def test_a_resumed_validation_drop_without_kept_weights_keeps_its_best(tmp_path):
+    """With keep_best=False there is never a best-validation checkpoint on disk: the remembered best stays
+    (it was forgotten on every resume, so the first validation after it could never be a drop)."""
+    import dataclasses as dc
+
+    cfg = dc.replace(M.validation_drop, enable=True, keep_best=False, action="stop")
+    mon, _ = monitor(tmp_path, validation_drop=cfg)
+    mon.observe_validation(0, {"val-core/a/reward/mean@1": 0.8})
+    again, _ = monitor(tmp_path / "b", validation_drop=cfg)
+    again.load_state_dict(mon.state_dict(), best_step_on_disk=None)
+    assert again.rules[-1].best == 0.8
+    assert again.observe(5, {"critic/score/mean": 0.8}, {"val-core/a/reward/mean@1": 0.4})  # stops

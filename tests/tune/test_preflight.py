@@ -273,3 +273,15 @@ def test_a_rollout_over_the_device_is_told_to_lower_its_cache_share():
         "Lower actor_rollout_ref.rollout.gpu_memory_utilization (now 0.97)" in line
         and "min_num_params" not in line
     )
+
+
+def test_a_rollout_over_the_device_by_its_weights_is_not_told_to_lower_its_cache_share():
+    from types import SimpleNamespace
+
+    from klppo.tune.preflight import _over_budget_advice
+
+    w = SimpleNamespace(workload=SimpleNamespace(gpu_memory_utilization=0.2, device_bytes=80 * 2**30))
+    weights = _over_budget_advice("rollout", 169.3, w)  # resident + gathered weights: util × D is 16 GiB
+    assert "tensor_model_parallel_size" in weights and "gpu_memory_utilization" not in weights
+    assert "gpu_memory_utilization (now 0.2)" in _over_budget_advice("rollout", 16.0, w)
+    assert "klppo tune" in _over_budget_advice("update", 90.0, w)
