@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from klppo.config._walk import all_keys
 from klppo.config.aliases import choice_error
 from klppo.config.errors import ConfigError, notice
 from klppo.config.schema import KLPPOConfig
@@ -116,6 +117,9 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("trainer.max_nan_steps", 0, None),
     ("trainer.collective_timeout_s", 1, None),
     ("trainer.stop_grace_s", 0, None),
+    ("trainer.seed", 0, None),
+    ("data.seed", 0, None),
+    ("data.val_batch_size", 1, None),
 )
 
 
@@ -153,13 +157,35 @@ def _check_reward_model_sizes(rm) -> None:
         _check_range(f"reward_model.{key}", v, 1, None)
 
 
+def _check_no_nan(cfg: KLPPOConfig) -> None:
+    """NaN is no setting: a ``gamma=nan`` run skipped every step for non-finite advantages and exited 0."""
+    for key in all_keys(type(cfg)):
+        v = value_at(cfg, key)
+        if isinstance(v, float) and math.isnan(v):
+            raise ConfigError(f"{key}=nan: must be a number")
+
+
+def _check_file_lists(cfg: KLPPOConfig) -> None:
+    for key in ("data.train_files", "data.val_files"):
+        v = value_at(cfg, key)
+        if (
+            v is None
+            or isinstance(v, str)
+            or (isinstance(v, (list, tuple)) and all(isinstance(f, str) for f in v))
+        ):
+            continue
+        raise ConfigError(f"{key}={v!r}: must be a Parquet path or a list of paths")
+
+
 def _check_range(key: str, v: float | None, low: float, high: float | None) -> None:
     """ConfigError naming ``key`` when ``v`` (None: unset, not checked) lies outside [low, high]."""
     if v is None:
         return
-    if v < low or (high is not None and v > high):
+    if (
+        not (v >= low) or (high is not None and not (v <= high)) or v in (float("inf"), float("-inf"))
+    ):  # NaN too
         bound = f"≥ {low}" if high is None else f"in [{low}, {high}]"
-        raise ConfigError(f"{key}={v}: must be {bound}")
+        raise ConfigError(f"{key}={v}: must be {'a finite number ' if math.isinf(v) else ''}{bound}")
 
 
 def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
@@ -173,6 +199,8 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
             raise choice_error(key, value_at(cfg, key), valid)
     for key, low, high in _RANGES:
         _check_range(key, value_at(cfg, key), low, high)
+    _check_no_nan(cfg)
+    _check_file_lists(cfg)
     _check_reward_model_sizes(cfg.reward_model)
     for copy, source in _READ_ONLY_COPIES:
         if value_at(cfg, copy) != value_at(cfg, source):
@@ -235,6 +263,8 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     _check_drift_range(cfg)
     check_monitor(cfg.monitor)
     _check_kl_early_stop_target(cfg)
+    if cfg.trainer.val_only and not cfg.data.val_files:
+        raise ConfigError("trainer.val_only=True validates data.val_files, which is null: set data.val_files")
     check_profiler(cfg.global_profiler.tool, cfg.global_profiler.steps)
     _advice(cfg, notify)
 

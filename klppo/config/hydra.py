@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -59,8 +60,11 @@ def parse_override(text: str) -> Override:
         return Override(op, key, None, text)
     try:
         value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]), resolve=False)["v"]
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{text!r}: cannot parse the value ({e})") from None
+    except (OmegaConfBaseException, yaml.YAMLError) as e:  # an unclosed [ or { is YAML's error
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"{text!r}: cannot parse the value ({first}; quote it, or close its brackets)"
+        ) from None
     return Override(op, key, value, text)
 
 

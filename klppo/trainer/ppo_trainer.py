@@ -125,10 +125,12 @@ class PPOTrainer:
                 run.run_dir, self.state.global_step, total, run.resume_path,
             )  # fmt: skip
         tracker.set_total_steps(total)
-        if self.state.global_step == 0 and tcfg.val_before_train and val_loader is not None:
+        at_start = self.state.global_step == 0 and tcfg.val_before_train
+        if val_loader is not None and (at_start or tcfg.val_only):  # val_only: the resumed model too, never trained
+            step = self.state.global_step
             val = self.validate()
-            self.monitor.observe_validation(0, val)
-            tracker.log(val, step=0)
+            self.monitor.observe_validation(step, val)
+            tracker.log(val, step=step)
             if tcfg.val_only:
                 return self.state
         while self.state.global_step < total:
