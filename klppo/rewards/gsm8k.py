@@ -52,4 +52,6 @@ def compute_score(
     answer = extract_solution(solution_str, method=method)
     if answer is None:
         return 0
-    return score if answer == ground_truth else format_score
+    if isinstance(ground_truth, float) and ground_truth.is_integer():
+        ground_truth = int(ground_truth)  # a number column: 25.0 is "25", as the math scorer reads it
+    return score if answer == str(ground_truth) else format_score

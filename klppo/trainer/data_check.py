@@ -41,6 +41,39 @@ def check_ground_truth_columns(cfg: KLPPOConfig, loaders: dict[str, Any]) -> Non
                     "row's reward_model.ground_truth (every score would be 0); add the column (`klppo data "
                     "gsm8k` writes it), or set custom_reward_function.path or reward_model.enable=True"
                 )
+        _check_rule_reward_rows(loader, split)
+
+
+def _check_rule_reward_rows(loader: Any, split: str) -> None:
+    """Every row has a ground truth and a data source with a built-in scorer: a row without the one scored
+    0 in silence, one without the other stopped the run with a traceback at its first scoring."""
+    from klppo.rewards.registry import SCORERS  # noqa: PLC0415  the scorers' modules: not for a bad key
+
+    key, source = loader.reward_fn_key, loader.source
+    missing: dict[int, list[int]] = {}
+    unknown: dict[str, tuple[int, int]] = {}
+    for f, _, first, table in source.iter_row_groups([GROUND_TRUTH_COLUMN, key]):
+        truths = table.column(GROUND_TRUTH_COLUMN).to_pylist()
+        names = table.column(key).to_pylist() if key in table.column_names else [None] * len(truths)
+        for i, (truth, name) in enumerate(zip(truths, names, strict=True)):
+            if not isinstance(truth, dict) or truth.get("ground_truth") is None:
+                missing.setdefault(f, []).append(source.locate(first + i)[1])
+            if (name or "") not in SCORERS:
+                unknown.setdefault(name or "", (f, source.locate(first + i)[1]))
+    if missing:
+        f, rows = next(iter(missing.items()))
+        raise DataError(
+            f"{source.paths[f]} ({split} data): {len(rows)} row(s) without reward_model.ground_truth (first: row "
+            f"{rows[0]}): the rule reward would score them 0; fill them in, or set custom_reward_function.path"
+        )
+    if unknown:
+        name, (f, row) = next(iter(unknown.items()))
+        what = (f"no {key!r} column (data.reward_fn_key)" if key not in source.column_names(f)
+                else f"{key} (data.reward_fn_key) {sorted(unknown)[:5]!r} (first: row {row})")  # fmt: skip
+        raise DataError(
+            f"{source.paths[f]} ({split} data): {what} — no built-in scorer for it (registered: "
+            f"{', '.join(sorted(SCORERS))}); set custom_reward_function.path/name to score other data sources"
+        )
 
 
 def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:

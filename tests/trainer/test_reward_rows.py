@@ -1,0 +1,76 @@
+"""With the rule reward every row needs a ground truth and a data source with a built-in scorer, checked
+at start-up: a row without a ground truth scored 0 in silence, an unknown data source stopped the run with
+a traceback at its first scoring (after both models loaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from klppo.config import load_config
+from klppo.data.parquet_rows import DataError
+from klppo.models.loading import load_tokenizer
+from klppo.rewards.gsm8k import compute_score
+from klppo.trainer.data_check import check_ground_truth_columns
+from klppo.trainer.setup import build_loaders
+
+
+def _variant(src: Path, dst: Path, change) -> Path:
+    rows = pq.read_table(src).to_pylist()
+    for i, row in enumerate(rows):
+        change(i, row)
+    pq.write_table(pa.Table.from_pylist(rows), dst)
+    return dst
+
+
+def _check(tiny_model_dir, train: Path, val: Path, *over: str) -> None:
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={train}",
+                       f"data.val_files={val}", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", *over])  # fmt: skip
+    train_loader, val_loader = build_loaders(cfg, load_tokenizer(str(tiny_model_dir)))
+    check_ground_truth_columns(cfg, {"train": train_loader, "validation": val_loader})
+
+
+def test_rows_without_ground_truth_or_scorer_are_refused_at_start(tiny_model_dir, arithmetic_data, tmp_path):
+    train, val = arithmetic_data
+    _check(tiny_model_dir, train, val)  # the generator's files pass
+
+    def no_truth(i, row):
+        if i in (3, 7):
+            row["reward_model"] = None if i == 3 else {"style": "rule", "ground_truth": None}
+
+    bad = _variant(train, tmp_path / "no_truth.parquet", no_truth)
+    with pytest.raises(
+        DataError,
+        match=r"no_truth.parquet \(train data\): 2 row\(s\) without reward_model.ground_truth \(first: row 3\)",
+    ):
+        _check(tiny_model_dir, bad, val)
+    _check(
+        tiny_model_dir, bad, val, f"custom_reward_function.path={tmp_path / 'fn.py'}"
+    )  # not the rule reward
+
+    def source(i, row):
+        row["data_source"] = "my/unknown" if i == 5 else row["data_source"]
+
+    odd = _variant(val, tmp_path / "odd.parquet", source)
+    with pytest.raises(
+        DataError,
+        match=r"odd.parquet \(validation data\): data_source \(data.reward_fn_key\) \['my/unknown'\] \(first: row 5\) — no built-in scorer",
+    ):
+        _check(tiny_model_dir, train, odd)
+
+    def drop(i, row):
+        del row["data_source"]
+
+    none = _variant(val, tmp_path / "none.parquet", drop)
+    with pytest.raises(
+        DataError, match=r"none.parquet \(validation data\): no 'data_source' column \(data.reward_fn_key\)"
+    ):
+        _check(tiny_model_dir, train, none)
+
+
+def test_a_number_ground_truth_scores_as_its_text():
+    assert compute_score("#### 25", 25) == 1.0 and compute_score("#### 25", 25.0) == 1.0
+    assert compute_score("#### 25", "25") == 1.0 and compute_score("#### 26", 25) == 0.0
