@@ -58,6 +58,11 @@ def get_scorer(data_source: str) -> Scorer:
         ) from None
 
 
+class RewardFunctionError(ValueError):
+    """A reward function that does not import, or raised while scoring: one line naming the function, the
+    batch row and the phase (the original exception chained)."""
+
+
 def load_custom_reward_fn(path: str, name: str = "compute_score") -> Scorer:
     """Import the Python file at ``path`` and return its callable ``name``.
 
@@ -90,7 +95,7 @@ def _exec_and_get(spec, module, full: str, name: str) -> Scorer:
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
-        raise RuntimeError(f"custom_reward_function.path: importing {full} failed: {exc!r}") from exc
+        raise RewardFunctionError(f"custom_reward_function.path: importing {full} failed: {exc!r}") from exc
     fn = getattr(module, name, None)
     if fn is None:
         available = sorted(
@@ -104,6 +109,19 @@ def _exec_and_get(spec, module, full: str, name: str) -> Scorer:
     if not callable(fn):
         raise ValueError(f"custom_reward_function.name: {name!r} in {full} is not callable")
     return fn
+
+
+def _called(where: str, fn: Scorer, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``; what it raises becomes one line naming ``where`` (the function and row)."""
+    try:
+        return fn(*args, **kwargs)
+    except RewardFunctionError:
+        raise
+    except Exception as exc:
+        first = (str(exc).splitlines() or [""])[0][:300]
+        raise RewardFunctionError(
+            f"{where.rstrip(',')} raised {type(exc).__name__}: {first} (while scoring the step's responses)"
+        ) from exc
 
 
 def _accepted_kwargs(fn: Scorer) -> set[str] | None:
@@ -203,7 +221,7 @@ class RewardManager:
             else {k: v for k, v in self.reward_kwargs.items() if k in names}
         )
         where = f"the scorer for data_source {data_source!r} ({getattr(fn, '__qualname__', fn)}), row {row},"
-        return _as_float(fn(response, ground_truth, **kwargs), where)
+        return _as_float(_called(where, fn, response, ground_truth, **kwargs), where)
 
     def score(
         self,
@@ -223,7 +241,8 @@ class RewardManager:
                 f"{len(data_sources)}, ground_truths {len(ground_truths)}, extra_infos {len(extra_infos)}"
             )
         if self.reward_manager == "batch":
-            values = self.custom_fn(
+            values = _called(
+                f"{self._custom_name} (batched, rows {first_row}–{first_row + len(responses) - 1})", self.custom_fn,
                 data_sources=data_sources, solution_strs=responses, ground_truths=ground_truths,
                 extra_infos=extra_infos, **self.reward_kwargs,
             )  # fmt: skip
@@ -239,8 +258,9 @@ class RewardManager:
         rows = zip(responses, data_sources, ground_truths, extra_infos)
         for i, (response, source, truth, extra) in enumerate(rows, first_row):
             if self.custom_fn is not None:
-                value = self.custom_fn(source, response, truth, extra, **self.reward_kwargs)
-                out.append(_as_float(value, f"{self._custom_name}, row {i},"))
+                where = f"{self._custom_name}, row {i},"
+                value = _called(where, self.custom_fn, source, response, truth, extra, **self.reward_kwargs)
+                out.append(_as_float(value, where))
             else:
                 out.append(self._builtin(source, response, truth, i))
         if self.overlong is not None:

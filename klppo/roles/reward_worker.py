@@ -33,10 +33,11 @@ numbers scores the same in a repeated or resumed run (not the same draws as in t
 are the trainer's). Processes the function starts get the default SIGINT/SIGTERM (``terminate()`` stops
 them; in the step a forked child would inherit the trainer's own stop handler instead).
 
-What the function raises reaches the trainer's reward phase as itself when it pickles (a class from the
-user's file does: :func:`~klppo.rewards.registry.load_custom_reward_fn` registers the module under a name
-that is the same in every process), else as :class:`RewardFunctionError` carrying its type, message and
-traceback text.
+What the function raises reaches the trainer's reward phase as
+:class:`klppo.rewards.registry.RewardFunctionError`, one line naming the function, the batch row and the
+exception (raised in the scoring process by :meth:`RewardManager.score`); anything else that fails there
+reaches it as itself when it pickles, else as this module's :class:`RewardFunctionError` carrying its type,
+message and traceback text.
 """
 
 from __future__ import annotations

@@ -81,6 +81,11 @@ def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
     :class:`DataError` (or ``FileNotFoundError``) with one line on the first problem."""
     from klppo.trainer.setup import build_loaders  # noqa: PLC0415  heavy (the whole trainer): not for a bad key
 
+    fn = cfg.custom_reward_function
+    if fn.path:  # imported here, before any weights: a bad file is one line, not a traceback after loading
+        from klppo.rewards.registry import load_custom_reward_fn  # noqa: PLC0415  the scorers' modules
+
+        load_custom_reward_fn(fn.path, fn.name)
     train, val = build_loaders(cfg, tokenizer)
     loaders = {"train": train} if val is None else {"train": train, "validation": val}
     check_ground_truth_columns(cfg, loaders)

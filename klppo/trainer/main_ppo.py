@@ -17,6 +17,7 @@ from klppo.data import DataError
 from klppo.models.loading import ModelLoadError, model_dir
 from klppo.parallel import dist
 from klppo.parallel.launch import maybe_relaunch, record_errors
+from klppo.rewards.registry import RewardFunctionError
 from klppo.tracking.run_dir import RunDirError, claim_run_files
 from klppo.trainer import quickstart
 from klppo.trainer.data_check import check_data_at_startup
@@ -194,7 +195,7 @@ def run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> int:
     except (DataError, RunDirError) as exc:  # found by the ranks when no checked `klppo train` started them
         print(f"klppo: {exc}", file=sys.stderr)
         return 2
-    except (TrainingStopped, CheckpointError, ModelLoadError, PhaseOutOfMemory) as exc:
+    except (TrainingStopped, CheckpointError, ModelLoadError, PhaseOutOfMemory, RewardFunctionError) as exc:
         print(f"klppo: {exc}", file=sys.stderr)
         return 1
     finally:

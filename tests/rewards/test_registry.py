@@ -8,6 +8,7 @@ import torch
 from klppo.rewards import RewardManager, get_scorer, load_custom_reward_fn, place_scores
 from klppo.rewards import gsm8k as gsm8k_scorer
 from klppo.rewards import math as math_scorer
+from klppo.rewards.registry import RewardFunctionError
 
 
 def test_routing_by_data_source():
@@ -61,7 +62,7 @@ def test_custom_function_verl_style(tmp_path):
         load_custom_reward_fn(str(path), "VALUE")
     bad = tmp_path / "broken.py"
     bad.write_text("import does_not_exist_xyz\n")
-    with pytest.raises(RuntimeError, match="importing"):
+    with pytest.raises(RewardFunctionError, match="importing"):  # a ValueError: one line at start-up
         load_custom_reward_fn(str(bad), "compute_score")
 
 
@@ -126,3 +127,35 @@ def test_a_score_that_is_not_a_number_names_the_function_and_row(tmp_path, monke
         RewardManager().score(["a"], ["mine"], ["1"], [{}])
     monkeypatch.setitem(registry.SCORERS, "ok", lambda s, g: {"score": True})
     assert RewardManager().score(["a"], ["ok"], ["1"], [{}]) == [1.0]
+
+
+def test_what_a_reward_function_raises_is_one_line_naming_it_and_the_row(tmp_path):
+    path = tmp_path / "fn.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+        "    return extra_info['oops']\n"
+        "def two(a, b):\n    return 1.0\n"
+    )
+    raising = RewardManager(custom_fn_path=str(path))
+    with pytest.raises(RewardFunctionError) as err:
+        raising.score(["a", "b"], ["s", "s"], [None, None], [{"oops": 1.0}, {}], first_row=4)
+    assert str(err.value).startswith(
+        f"custom_reward_function {path}:compute_score, row 5 raised KeyError: 'oops'"
+    )
+    assert isinstance(err.value.__cause__, KeyError) and "\n" not in str(err.value)
+    with pytest.raises(
+        RewardFunctionError, match=r"two, row 0 raised TypeError: .*takes 2 positional arguments"
+    ):
+        RewardManager(custom_fn_path=str(path), custom_fn_name="two").score(["a"], ["s"], [None], [None])
+    with pytest.raises(
+        RewardFunctionError, match=r"the scorer for data_source 'openai/gsm8k' .*row 0 raised"
+    ):
+        RewardManager().score(["#### 1"], ["openai/gsm8k"], [object.__new__(_Unprintable)], [None])
+
+
+class _Unprintable:
+    def __eq__(self, other):
+        raise RuntimeError("cannot compare")
+
+    def __str__(self):
+        raise RuntimeError("cannot print")

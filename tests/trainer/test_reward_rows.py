@@ -74,3 +74,26 @@ def test_rows_without_ground_truth_or_scorer_are_refused_at_start(tiny_model_dir
 def test_a_number_ground_truth_scores_as_its_text():
     assert compute_score("#### 25", 25) == 1.0 and compute_score("#### 25", 25.0) == 1.0
     assert compute_score("#### 25", "25") == 1.0 and compute_score("#### 26", 25) == 0.0
+
+
+def test_the_custom_reward_function_is_imported_before_any_weights(tiny_model_dir, arithmetic_data, tmp_path):
+    """A missing file or one that does not import failed only after both models loaded (a traceback)."""
+    from klppo.rewards.registry import RewardFunctionError
+    from klppo.trainer.data_check import check_data
+
+    train, val = arithmetic_data
+    tok = load_tokenizer(str(tiny_model_dir))
+
+    def cfg(path):
+        return load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={train}",
+                            f"data.val_files={val}", "data.train_batch_size=4",
+                            "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"custom_reward_function.path={path}"])  # fmt: skip
+
+    with pytest.raises(FileNotFoundError, match="custom_reward_function.path: file not found"):
+        check_data(cfg(tmp_path / "missing.py"), tok)
+    broken = tmp_path / "broken.py"
+    broken.write_text("def compute_score(:\n")
+    with pytest.raises(
+        RewardFunctionError, match="custom_reward_function.path: importing .*broken.py failed"
+    ):
+        check_data(cfg(broken), tok)
