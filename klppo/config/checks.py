@@ -241,6 +241,9 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         raise ConfigError(
             "trainer.resume_mode=resume_path needs trainer.resume_from_path=<global_step_N folder>"
         )
+    if cfg.trainer.resume_from_path and cfg.trainer.resume_mode != "resume_path":
+        notify(f"trainer.resume_from_path={cfg.trainer.resume_from_path} is read only with "
+               f"trainer.resume_mode=resume_path (now {cfg.trainer.resume_mode}): not used")  # fmt: skip
     if uses_critic(cfg) and cfg.critic.enable is False:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic (values), but critic.enable=False; "
                           "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax)")  # fmt: skip

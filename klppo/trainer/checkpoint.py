@@ -410,10 +410,28 @@ def _prune(root: Path, max_to_keep: int | None) -> None:
 
 
 # -------------------------------------------------------------------------------------------- resume
+def other_setup(path: Path, roles: list[str] | None) -> str | None:
+    """A finished checkpoint without a trained role's state at all was saved by a run of another set-up (a
+    GRPO checkpoint resumed with a critic): not damage, and older checkpoints of that run lack it too."""
+    if not (path / "COMPLETE").is_file():
+        return None
+    for role in roles or ["actor"]:
+        if not (path / role).exists():
+            return (
+                f"checkpoint {path} holds no {role} state: it was saved by a run without a {role} (another "
+                "algorithm.adv_estimator?); resume with that run's settings, or start over with "
+                "trainer.resume_mode=disable or another trainer.default_local_dir"
+            )
+    return None
+
+
 def _newest_intact(root: Path, roles: list[str] | None) -> Path | None:
     """Rank 0's choice: the newest intact checkpoint, each damaged newer one reported in one line."""
     damaged = []
     for path in _candidates(root):
+        other = other_setup(path, roles)
+        if other is not None:
+            raise CheckpointError(other)
         problem = validate_checkpoint(path, roles=roles)
         if problem is None:
             if damaged:
@@ -466,6 +484,16 @@ def resolve_resume(
         path = Path(resume_from_path).expanduser()
 
         def check() -> Path:
+            if not path.exists():
+                raise CheckpointError(f"trainer.resume_from_path={path} does not exist")
+            if not (path / "COMPLETE").exists() and _candidates(path):
+                raise CheckpointError(
+                    f"trainer.resume_from_path={path} is a run directory: name one of its checkpoints (the newest: "
+                    f"{_candidates(path)[0]}), or set trainer.resume_mode=auto with trainer.default_local_dir={path}"
+                )
+            other = other_setup(path, roles)
+            if other is not None:
+                raise CheckpointError(other)
             problem = validate_checkpoint(path, roles=roles)
             if problem is not None:
                 raise CheckpointError(f"trainer.resume_from_path={path} is damaged: {problem}")

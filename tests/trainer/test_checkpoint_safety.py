@@ -265,3 +265,37 @@ def test_run_directory_keeps_the_users_config(tiny_model_dir, arithmetic_data, t
     run_training(base_overrides(tiny_model_dir, arithmetic_data, run_dir))
     assert (run_dir / "config.yaml").read_text() == "# my settings\n"
     assert "actor_rollout_ref" in (run_dir / "resolved_config.yaml").read_text()
+
+
+def test_resume_messages_say_what_the_checkpoint_is(tiny_model_dir, arithmetic_data, tmp_path):
+    """A GRPO checkpoint resumed with a critic, a resume_from_path that does not exist or names the run
+    directory: each was reported as a damaged checkpoint."""
+    from klppo.trainer.checkpoint import CheckpointError, resolve_resume
+
+    run_dir = tmp_path / "grpo"
+    grpo = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + ["algorithm.adv_estimator=grpo",
+                                                                      "trainer.save_freq=1"]  # fmt: skip
+    run_training(grpo)
+    with pytest.raises(
+        CheckpointError, match=r"global_step_1 holds no critic state: it was saved by a run without a critic"
+    ):
+        run_training(
+            base_overrides(tiny_model_dir, arithmetic_data, run_dir) + ["trainer.total_training_steps=2"]
+        )
+    with pytest.raises(CheckpointError, match=r"trainer.resume_from_path=.*nope does not exist"):
+        resolve_resume("resume_path", tmp_path / "new", str(tmp_path / "nope"), roles=["actor"])
+    with pytest.raises(
+        CheckpointError,
+        match=r"is a run directory: name one of its checkpoints \(the newest: .*global_step_1\)",
+    ):
+        resolve_resume("resume_path", tmp_path / "new", str(run_dir), roles=["actor"])
+    assert resolve_resume("resume_path", tmp_path / "new", str(run_dir / "global_step_1"), roles=["actor"])
+
+
+def test_resume_from_path_outside_its_mode_is_named():
+    from klppo.config import load_config
+
+    notes: list[str] = []
+    load_config(["trainer.resume_from_path=/x/global_step_3"], notify=notes.append)
+    assert any("trainer.resume_from_path=/x/global_step_3 is read only with trainer.resume_mode=resume_path" in n
+               for n in notes)  # fmt: skip
