@@ -103,7 +103,7 @@ class PromptLoader:
         if bad_row_policy not in ("skip", "error"):
             raise ValueError(f"bad_row_policy must be 'skip' or 'error', got {bad_row_policy!r}")
         if shuffle_buffer_rows is not None and shuffle_buffer_rows <= 0:
-            raise ValueError(f"shuffle_buffer_rows must be positive or None, got {shuffle_buffer_rows}")
+            raise ValueError(f"data.shuffle_buffer_rows must be positive or null, got {shuffle_buffer_rows}")
         if max_samples > 0 and shuffle_buffer_rows is not None:
             raise ValueError(
                 "max_samples (data.*_max_samples) needs the exact-order mode (shuffle_buffer_rows=None)"
@@ -222,7 +222,9 @@ class PromptLoader:
             raise DataError(f"no usable prompts in {', '.join(self.source.paths)}: {why}")
         if self.drop_last and s.num_rows < self.batch_size:
             raise DataError(
-                f"only {s.num_rows} usable prompts, fewer than batch_size={self.batch_size} with drop_last: {why}"
+                f"only {s.num_rows} usable prompts in {', '.join(self.source.paths)}, fewer than one batch of "
+                f"{self.batch_size} (data.train_batch_size; data.train_max_samples and data.val_max_samples cap "
+                f"the rows read): {why}"
             )
 
     # ---- text → ids ----------------------------------------------------------------------------

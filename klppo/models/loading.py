@@ -49,9 +49,15 @@ __all__ = [
 ]
 
 
-def model_dir(path: str) -> str:
-    """`resolve_model_path`, then a `.gguf` file → its cached HF directory (converted on first use)."""
-    resolved = resolve_model_path(path)
+def model_dir(path: str, *, key: str | None = None) -> str:
+    """`resolve_model_path`, then a `.gguf` file → its cached HF directory (converted on first use).
+    ``key``: the config key that gave ``path``, put before the message of a path that does not resolve."""
+    try:
+        resolved = resolve_model_path(path)
+    except ModelLoadError as exc:
+        if key is None:
+            raise
+        raise ModelLoadError(f"{key}: {exc}") from None
     if Path(resolved).is_file():
         return convert_gguf_to_hf_dir(resolved)
     return resolved

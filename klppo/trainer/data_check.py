@@ -111,7 +111,9 @@ def check_data_at_startup(cfg: KLPPOConfig, model_path: str) -> dict[str, Any]:
     """:func:`check_data` with the run's tokenizer (no model weights are read)."""
     mcfg = cfg.actor_rollout_ref.model
     tokenizer = load_tokenizer(
-        model_dir(mcfg.tokenizer_path) if mcfg.tokenizer_path else model_path,
+        model_dir(mcfg.tokenizer_path, key="actor_rollout_ref.model.tokenizer_path")
+        if mcfg.tokenizer_path
+        else model_path,
         trust_remote_code=tokenizer_trusts_code(cfg),
     )
     if mcfg.custom_chat_template:

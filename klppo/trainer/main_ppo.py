@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
         device, nproc = resolve_machine(cfg)
         # resolve (and for a .gguf file convert, once) the model before any process is started
-        model_path = model_dir(cfg.actor_rollout_ref.model.path)
+        model_path = model_dir(cfg.actor_rollout_ref.model.path, key="actor_rollout_ref.model.path")
         plan = check_before_weights(cfg, model_path)  # loggers, text-only data, run directory and disk
         loaders: dict = {}
         if os.environ.get(STARTUP_CHECKED_ENV) != "1":  # prompt data and run-directory files

@@ -190,7 +190,9 @@ def build_reference(inputs: RoleInputs, actor: Actor) -> Reference | None:
     # between the actor and its reference from the first step
     dtype = to_dtype(arr.ref.fsdp_config.model_dtype) if device.type == "cuda" else torch.float32
     ref_path = (arr.ref.model or {}).get("path")  # verl: a different reference model, else the actor's start
-    model_path = model_dir(ref_path) if ref_path else inputs.model_path
+    model_path = (
+        model_dir(ref_path, key="actor_rollout_ref.ref.model.path") if ref_path else inputs.model_path
+    )
     model = load_policy_model(arr.model, model_path, dtype, device, train=False, sp=s.sp)
     fsdp = role_fsdp("reference", arr.ref.fsdp_config, device)
     shard(model, fsdp, device)
@@ -209,7 +211,7 @@ def build_critic(inputs: RoleInputs) -> Critic | None:
         return None
     ccfg = cfg.critic
     model = load_critic(
-        model_dir(ccfg.model.path or inputs.model_path),
+        model_dir(ccfg.model.path or inputs.model_path, key="critic.model.path"),
         dtype=to_dtype(ccfg.model.fsdp_config.model_dtype),
         gradient_checkpointing=ccfg.model.enable_gradient_checkpointing,
         trust_remote_code=ccfg.model.trust_remote_code,
@@ -264,7 +266,7 @@ def build_reward(
     (``micro_batch_size``: samples per forward, ``Sizes.reward_micro_batch_size_per_gpu``)."""
     reward_model = reward_tokenizer = None
     if rm.enable:
-        path, trust = model_dir(rm.model.path), rm.model.trust_remote_code
+        path, trust = model_dir(rm.model.path, key="reward_model.model.path"), rm.model.trust_remote_code
         # the responses are decoded with the policy's tokenizer (reward_model.model.input_tokenizer's role
         # in verl) and re-encoded in the reward model's own chat template and vocabulary; the model reads
         # its score at the last token that is not that tokenizer's pad
@@ -301,7 +303,11 @@ def _reward_tokenizer(rm: RewardModelConfig, path: str, trust: bool) -> Any:
         why = "its tokenizer has an empty vocabulary"
     except (OSError, ValueError) as exc:
         why = f"no tokenizer loads from it ({type(exc).__name__})"
-    fallback = model_dir(rm.model.input_tokenizer) if rm.model.input_tokenizer else None
+    fallback = (
+        model_dir(rm.model.input_tokenizer, key="reward_model.model.input_tokenizer")
+        if rm.model.input_tokenizer
+        else None
+    )
     if fallback is None:
         raise ValueError(
             f"reward_model.model.path={path}: {why}, and reward_model.model.input_tokenizer is null; put the "

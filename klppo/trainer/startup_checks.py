@@ -150,6 +150,6 @@ def check_before_weights(cfg: KLPPOConfig, model_path: str) -> list[str]:
     actor_config = AutoConfig.from_pretrained(model_path)
     critic_config = None
     if uses_critic(cfg):
-        critic_path = model_dir(cfg.critic.model.path)
+        critic_path = model_dir(cfg.critic.model.path, key="critic.model.path")
         critic_config = actor_config if critic_path == model_path else AutoConfig.from_pretrained(critic_path)
     return [check_run_dir(cfg, actor_config, critic_config)]

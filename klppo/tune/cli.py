@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from klppo.config import KLPPOConfig, load_config
+from klppo.config import ConfigError, KLPPOConfig, load_config
 from klppo.parallel.dist import init_distributed
 from klppo.trainer.settings import fsdp_settings, tune_workload
 from klppo.tune import report
@@ -91,21 +91,34 @@ def _world_size(cfg: KLPPOConfig, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`klppo tune`: a mistake in the arguments (a key, a value, a model) is one line and exit 2."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return _main(args)
+    except (ConfigError, ValueError, FileNotFoundError, OSError) as exc:
+        print(f"klppo tune: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     console = Console(width=200)
     cfg = load_config(args.config)
-    model_config = load_model_config(args.model_shape or cfg.actor_rollout_ref.model.path)
+    try:
+        model_config = load_model_config(args.model_shape or cfg.actor_rollout_ref.model.path)
+    except ValueError as exc:
+        where = "--model-shape" if args.model_shape else "actor_rollout_ref.model.path"
+        raise ValueError(f"{where}: not a model directory (config.json) nor a known shape: {exc}") from None
     tw = workload_from(cfg, args.device_gb, _world_size(cfg, args))
     w, current, seq_len = tw.workload, tw.point, tw.seq_len
     facts = ModelFacts.from_config(model_config)
     tokens = (
-        [int(t) for t in args.micro_tokens.split(",")]
+        _numbers("--micro-tokens", args.micro_tokens)
         if args.micro_tokens
         else sorted({max(1024, current.micro_tokens // 2), current.micro_tokens})
     )
     points = build_grid(
         facts,
-        thresholds=[int(float(t)) for t in args.thresholds.split(",")],
+        thresholds=_numbers("--thresholds", args.thresholds),
         offloads=args.offload.split(","),
         micro_tokens=tokens,
     )
@@ -120,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             console.print(report.comm_table(units, current, args.link_gbps, args.tflops))
         return 0
     return _sweep(args, console, facts, points, w, current, args.seq_len or seq_len)
+
+
+def _numbers(option: str, text: str) -> list[int]:
+    try:
+        return [int(float(t)) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: expected comma-separated numbers") from None
 
 
 def _sweep(

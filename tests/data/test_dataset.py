@@ -201,7 +201,9 @@ def test_empty_after_filtering_is_a_clear_error(tmp_path, tok):
         ValueError, match=r"no usable prompts.*6 rows.*1 bad.*5 longer than max_prompt_length=3"
     ):
         PromptLoader(path, tok, batch_size=2, max_prompt_length=3)
-    with pytest.raises(ValueError, match=r"only 5 usable prompts, fewer than batch_size=8"):
+    with pytest.raises(
+        ValueError, match=r"only 5 usable prompts in .*, fewer than one batch of 8 \(data.train_batch_size"
+    ):
         PromptLoader(path, tok, batch_size=8, max_prompt_length=512)
 
 
