@@ -121,7 +121,9 @@ def summary_lines(
     where = f" in {run.path}" if run.path is not None else ""
     lines = [f"run summary: {len(steps)} training step{'s' if len(steps) != 1 else ''}{where}"]
     lines += [line for line in (score_line(run),) if line]
-    lines += validation_lines(run) or ["validation: none (data.val_files, trainer.val_before_train, trainer.test_freq)"]
+    lines += validation_lines(run) or [
+        "validation: none (data.val_files, trainer.val_before_train, trainer.test_freq)"
+    ]
     lines += [line for line in (kl_line(run), time_line(run, wall_s), events_line(run)) if line]
     lines.append(f"checkpoint: {checkpoint}" if checkpoint else "checkpoint: none saved (trainer.save_freq)")
     if report is not None:
