@@ -157,6 +157,15 @@ def _check_reward_model_sizes(rm) -> None:
         _check_range(f"reward_model.{key}", v, 1, None)
 
 
+def _check_trainer_keys(cfg: KLPPOConfig, notify: Notify) -> None:
+    t = cfg.trainer
+    if t.val_only and not cfg.data.val_files:
+        raise ConfigError("trainer.val_only=True validates data.val_files, which is null: set data.val_files")
+    if t.resume_from_path and t.resume_mode != "resume_path":
+        notify(f"trainer.resume_from_path={t.resume_from_path} is read only with trainer.resume_mode=resume_path "
+               f"(now {t.resume_mode}): not used")  # fmt: skip
+
+
 def _check_no_nan(cfg: KLPPOConfig) -> None:
     """NaN is no setting: a ``gamma=nan`` run skipped every step for non-finite advantages and exited 0."""
     for key in all_keys(type(cfg)):
@@ -241,9 +250,6 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         raise ConfigError(
             "trainer.resume_mode=resume_path needs trainer.resume_from_path=<global_step_N folder>"
         )
-    if cfg.trainer.resume_from_path and cfg.trainer.resume_mode != "resume_path":
-        notify(f"trainer.resume_from_path={cfg.trainer.resume_from_path} is read only with "
-               f"trainer.resume_mode=resume_path (now {cfg.trainer.resume_mode}): not used")  # fmt: skip
     if uses_critic(cfg) and cfg.critic.enable is False:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic (values), but critic.enable=False; "
                           "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax)")  # fmt: skip
@@ -266,8 +272,7 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     _check_drift_range(cfg)
     check_monitor(cfg.monitor)
     _check_kl_early_stop_target(cfg)
-    if cfg.trainer.val_only and not cfg.data.val_files:
-        raise ConfigError("trainer.val_only=True validates data.val_files, which is null: set data.val_files")
+    _check_trainer_keys(cfg, notify)
     check_profiler(cfg.global_profiler.tool, cfg.global_profiler.steps)
     _advice(cfg, notify)
 

@@ -18,6 +18,7 @@ from typing import Any
 from klppo.config import KLPPOConfig
 from klppo.data.parquet_rows import DataError
 from klppo.models.loading import load_tokenizer, model_dir
+from klppo.rewards.registry import SCORERS, load_custom_reward_fn
 
 log = logging.getLogger("klppo")
 GROUND_TRUTH_COLUMN = "reward_model"
@@ -47,8 +48,6 @@ def check_ground_truth_columns(cfg: KLPPOConfig, loaders: dict[str, Any]) -> Non
 def _check_rule_reward_rows(loader: Any, split: str) -> None:
     """Every row has a ground truth and a data source with a built-in scorer: a row without the one scored
     0 in silence, one without the other stopped the run with a traceback at its first scoring."""
-    from klppo.rewards.registry import SCORERS  # noqa: PLC0415  the scorers' modules: not for a bad key
-
     key, source = loader.reward_fn_key, loader.source
     missing: dict[int, list[int]] = {}
     unknown: dict[str, tuple[int, int]] = {}
@@ -83,8 +82,6 @@ def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
 
     fn = cfg.custom_reward_function
     if fn.path:  # imported here, before any weights: a bad file is one line, not a traceback after loading
-        from klppo.rewards.registry import load_custom_reward_fn  # noqa: PLC0415  the scorers' modules
-
         load_custom_reward_fn(fn.path, fn.name)
     train, val = build_loaders(cfg, tokenizer)
     loaders = {"train": train} if val is None else {"train": train, "validation": val}
