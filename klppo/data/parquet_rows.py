@@ -41,6 +41,9 @@ class RowGroupSource:
         self._files: list[pq.ParquetFile] = []
         rows_per_file, self.rg_starts = [], []
         for path in self.paths:
+            if os.path.isdir(path):
+                raise DataError(f"{path} is a directory: name its Parquet files (data.train_files / "
+                                "data.val_files take a path or a list of paths)")  # fmt: skip
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"Parquet file not found: {path}")
             if os.path.getsize(path) == 0:

@@ -35,6 +35,8 @@ def export_checkpoint(
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     check_target(out_dir, overwrite=overwrite)
     hf_dir = ckpt_dir / role / "huggingface"
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"{ckpt_dir} does not exist (pass a global_step_N folder of a run directory)")
     if not hf_dir.is_dir():
         raise FileNotFoundError(
             f"{ckpt_dir} holds no {role!r} model (expected {hf_dir}); pass a global_step_N folder"
