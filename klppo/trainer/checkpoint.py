@@ -425,6 +425,32 @@ def other_setup(path: Path, roles: list[str] | None) -> str | None:
     return None
 
 
+def _cheap_path_checks(path: Path, roles: list[str] | None) -> None:
+    """What ``trainer.resume_from_path`` is, before any checksum: missing, a run directory, another set-up."""
+    if not path.exists():
+        raise CheckpointError(f"trainer.resume_from_path={path} does not exist")
+    if not (path / "COMPLETE").exists() and _candidates(path):
+        raise CheckpointError(
+            f"trainer.resume_from_path={path} is a run directory: name one of its checkpoints (the newest: "
+            f"{_candidates(path)[0]}), or set trainer.resume_mode=auto with trainer.default_local_dir={path}"
+        )
+    other = other_setup(path, roles)
+    if other is not None:
+        raise CheckpointError(other)
+
+
+def precheck_resume(mode: str, root: str | Path, resume_from_path: str | None, *, roles: list[str]) -> None:
+    """The checks of :func:`resolve_resume` that need no checksums, at start-up before any weights load
+    (one process): the path's kind, and whether the checkpoint to resume was saved with these roles."""
+    if mode == "resume_path" and resume_from_path:
+        _cheap_path_checks(Path(resume_from_path).expanduser(), roles)
+    elif mode == "auto":
+        candidates = _candidates(Path(root).expanduser())
+        other = other_setup(candidates[0], roles) if candidates else None
+        if other is not None:
+            raise CheckpointError(other)
+
+
 def _newest_intact(root: Path, roles: list[str] | None) -> Path | None:
     """Rank 0's choice: the newest intact checkpoint, each damaged newer one reported in one line."""
     damaged = []
@@ -484,16 +510,7 @@ def resolve_resume(
         path = Path(resume_from_path).expanduser()
 
         def check() -> Path:
-            if not path.exists():
-                raise CheckpointError(f"trainer.resume_from_path={path} does not exist")
-            if not (path / "COMPLETE").exists() and _candidates(path):
-                raise CheckpointError(
-                    f"trainer.resume_from_path={path} is a run directory: name one of its checkpoints (the newest: "
-                    f"{_candidates(path)[0]}), or set trainer.resume_mode=auto with trainer.default_local_dir={path}"
-                )
-            other = other_setup(path, roles)
-            if other is not None:
-                raise CheckpointError(other)
+            _cheap_path_checks(path, roles)
             problem = validate_checkpoint(path, roles=roles)
             if problem is not None:
                 raise CheckpointError(f"trainer.resume_from_path={path} is damaged: {problem}")

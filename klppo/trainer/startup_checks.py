@@ -30,6 +30,7 @@ from klppo.config import ConfigError, KLPPOConfig, uses_critic
 from klppo.models.flops import num_params
 from klppo.models.loading import model_dir
 from klppo.tracking.tracker import BACKENDS, PACKAGES
+from klppo.trainer.checkpoint import CheckpointError, precheck_resume
 from klppo.tune.shapes import meta_model
 
 _PLACEHOLDERS = ("<image>", "<video>")
@@ -152,4 +153,10 @@ def check_before_weights(cfg: KLPPOConfig, model_path: str) -> list[str]:
     if uses_critic(cfg):
         critic_path = model_dir(cfg.critic.model.path, key="critic.model.path")
         critic_config = actor_config if critic_path == model_path else AutoConfig.from_pretrained(critic_path)
+    t = cfg.trainer
+    roles = ["actor"] + (["critic"] if uses_critic(cfg) else [])
+    try:
+        precheck_resume(t.resume_mode, t.default_local_dir, t.resume_from_path, roles=roles)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None  # one line at start-up, as the other checks here
     return [check_run_dir(cfg, actor_config, critic_config)]

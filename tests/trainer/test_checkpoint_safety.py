@@ -290,6 +290,17 @@ def test_resume_messages_say_what_the_checkpoint_is(tiny_model_dir, arithmetic_d
     ):
         resolve_resume("resume_path", tmp_path / "new", str(run_dir), roles=["actor"])
     assert resolve_resume("resume_path", tmp_path / "new", str(run_dir / "global_step_1"), roles=["actor"])
+    # and before any weights load: `klppo train`'s start-up checks say the same in one line
+    from klppo.config import ConfigError, load_config
+    from klppo.trainer.startup_checks import check_before_weights
+
+    gae = load_config(base_overrides(tiny_model_dir, arithmetic_data, run_dir))
+    with pytest.raises(ConfigError, match="holds no critic state"):
+        check_before_weights(gae, str(tiny_model_dir))
+    missing = load_config(base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "other")
+                          + ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'nope'}"])  # fmt: skip
+    with pytest.raises(ConfigError, match="nope does not exist"):
+        check_before_weights(missing, str(tiny_model_dir))
 
 
 def test_resume_from_path_outside_its_mode_is_named():
