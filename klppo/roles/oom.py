@@ -49,9 +49,12 @@ def config_key(role: str, phase: str, field: str) -> str | None:
 
 
 class OOMRecovery:
-    def __init__(self, role: str, *, sp_size: int = 1) -> None:
+    def __init__(self, role: str, *, sp_size: int = 1, update_rows: int | None = None) -> None:
         self.role = role
         self.sp_size = sp_size  # a Ulysses group's token budget is the config's × its size
+        self.update_rows = (
+            update_rows  # samples per rank in an update's mini-batch: its micro-batch divides it
+        )
         self.max_retries = 0  # set by the trainer's monitor from monitor.oom_recovery
         self.micro: dict[str, MicroBatching] = {}
         self.events: list[dict[str, Any]] = []
@@ -80,13 +83,19 @@ class OOMRecovery:
             self.events.append({
                 "role": self.role, "phase": phase, key + "_old": old, key + "_new": new,
                 "message": f"out of memory in the {self.role} {phase} pass ({error}): redone with {key} "
-                           f"{old} → {new}" + _start_there(self.role, phase, key, self._config_value(key, new)),
+                           f"{old} → {new}" + _start_there(self.role, phase, key, self._config_value(key, new, phase)),
             })  # fmt: skip
             retries += 1
 
-    def _config_value(self, field: str, value: int) -> int:
-        """The config's value for an in-run ``value``: a Ulysses group's token budget is the key's × its size."""
-        return max(1, value // self.sp_size) if field == "max_token_len" else value
+    def _config_value(self, field: str, value: int, phase: str = "") -> int:
+        """The config's value for an in-run ``value``: a Ulysses group's token budget is the key's × its
+        size; an update's micro-batch the largest divisor of its mini-batch up to ``value`` (the size check
+        refuses others)."""
+        if field == "max_token_len":
+            return max(1, value // self.sp_size)
+        if phase == "update" and self.update_rows:
+            return max(d for d in range(1, max(1, value) + 1) if self.update_rows % d == 0)
+        return value
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         return {phase: dataclasses.asdict(m) for phase, m in self.micro.items()}

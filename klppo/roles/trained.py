@@ -73,9 +73,8 @@ class TrainedRole:
         self.optimizer = build_optimizer(model.parameters(), optim)
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.num_skipped_updates = 0  # optimizer steps skipped for a non-finite loss or grad norm
-        self.oom = OOMRecovery(
-            self.name, sp_size=update.sp_size
-        )  # out-of-memory retries with smaller micro-batches
+        # out-of-memory retries with smaller micro-batches
+        self.oom = OOMRecovery(self.name, sp_size=update.sp_size, update_rows=update.mini_batch_size)
         # the FSDP modules whose reduce-scatter waits for a mini-batch's last micro-batch (found once)
         self._deferred_sync = fsdp_modules(model) if update.grad_sync_per_mini_batch else []
 

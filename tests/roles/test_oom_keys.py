@@ -26,3 +26,14 @@ def test_the_named_token_budget_is_the_config_value_under_sequence_parallelism()
     assert OOMRecovery("actor", sp_size=2)._config_value("max_token_len", 8192) == 4096
     assert OOMRecovery("actor", sp_size=2)._config_value("micro_batch_size", 4) == 4
     assert OOMRecovery("actor")._config_value("max_token_len", 8192) == 8192
+
+
+def test_the_named_update_micro_batch_divides_the_mini_batch():
+    """5 samples per GPU halved to 2 in the run: a new run must start at a divisor of 5 (1), else the size
+    check refuses the value the message suggested."""
+    from klppo.roles.oom import OOMRecovery
+
+    assert OOMRecovery("actor", update_rows=5)._config_value("micro_batch_size", 2, "update") == 1
+    assert OOMRecovery("actor", update_rows=8)._config_value("micro_batch_size", 4, "update") == 4
+    assert OOMRecovery("actor", update_rows=12)._config_value("micro_batch_size", 5, "update") == 4
+    assert OOMRecovery("actor", update_rows=5)._config_value("micro_batch_size", 2, "log_prob") == 2
