@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import inspect
@@ -61,6 +62,36 @@ def get_scorer(data_source: str) -> Scorer:
 class RewardFunctionError(ValueError):
     """A reward function that does not import, or raised while scoring: one line naming the function, the
     batch row and the phase (the original exception chained)."""
+
+
+def check_custom_reward_file(path: str, name: str = "compute_score") -> None:
+    """What can be known of ``custom_reward_function`` without running the user's file (its top-level code
+    may load a judge or bind a port, and the trainer imports it later): the file exists, its source
+    compiles, and it defines ``name`` at its top level (a def, an assignment or an import). One line each."""
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"custom_reward_function.path: file not found: {path!r} (resolved to {full})")
+    try:
+        with open(full, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), filename=full)
+    except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
+        raise RewardFunctionError(f"custom_reward_function.path: {full} does not compile: {exc}") from None
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif not isinstance(node, (ast.Expr, ast.Pass, ast.AugAssign)):  # if/try/with blocks may define it
+            return
+    if name not in defined:
+        raise RewardFunctionError(
+            f"custom_reward_function.name: {full} defines no {name!r} at its top level; defined there: "
+            f"{', '.join(sorted(defined)) or 'nothing'}"
+        )
 
 
 def load_custom_reward_fn(path: str, name: str = "compute_score") -> Scorer:
@@ -136,14 +167,14 @@ def _as_float(value: Any, where: str) -> float:
     """A scorer's result as a float; ``where`` names the function and the row for the one-line error."""
     if isinstance(value, dict):
         if "score" not in value:
-            raise ValueError(f"{where} returned a dict without a 'score' key: keys {sorted(value)}")
+            raise RewardFunctionError(f"{where} returned a dict without a 'score' key: keys {sorted(value)}")
         value = value["score"]
     try:
         if isinstance(value, (str, bytes)):  # float("1") would pass: a string is a bug, not a score
             raise TypeError
         return float(value)
     except (TypeError, ValueError):
-        raise ValueError(
+        raise RewardFunctionError(
             f"{where} returned {value!r} ({type(value).__name__}): a score must be a number or a dict "
             "with a numeric 'score'"
         ) from None

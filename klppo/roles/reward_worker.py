@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from klppo.rewards import RewardManager
+from klppo.rewards import RewardManager, registry
 from klppo.rewards.registry import BUILTIN_SCORERS, SCORERS
 from klppo.roles.decoding import decode_batch
 
@@ -73,8 +73,9 @@ _tokenizer: Any = None
 _start_error: str | None = None  # why _start_worker could not set the process up
 
 
-class RewardFunctionError(RuntimeError):
-    """What a reward function raised in a scoring process, when that exception itself does not pickle."""
+class RewardFunctionError(registry.RewardFunctionError):
+    """What failed in a scoring process, when that exception itself does not pickle (a
+    :class:`klppo.rewards.registry.RewardFunctionError`: the trainer ends the run on it with one line)."""
 
 
 def _start_worker(

@@ -413,10 +413,15 @@ def _prune(root: Path, max_to_keep: int | None) -> None:
 def other_setup(path: Path, roles: list[str] | None) -> str | None:
     """A finished checkpoint without a trained role's state at all was saved by a run of another set-up (a
     GRPO checkpoint resumed with a critic): not damage, and older checkpoints of that run lack it too."""
-    if not (path / "COMPLETE").is_file():
-        return None
+    manifest = path / MANIFEST
+    if not (path / "COMPLETE").is_file() or not manifest.is_file():
+        return None  # without the list of what was written, a missing role folder may be damage
+    try:
+        written = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # validate_checkpoint names an unreadable manifest
     for role in roles or ["actor"]:
-        if not (path / role).exists():
+        if not any(name.startswith(f"{role}/") for name in written):
             return (
                 f"checkpoint {path} holds no {role} state: it was saved by a run without a {role} (another "
                 "algorithm.adv_estimator?); resume with that run's settings, or start over with "

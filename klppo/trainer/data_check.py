@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from klppo.config import KLPPOConfig
 from klppo.data.parquet_rows import DataError
 from klppo.models.loading import load_tokenizer, model_dir
-from klppo.rewards.registry import SCORERS, load_custom_reward_fn
+from klppo.rewards.registry import SCORERS, check_custom_reward_file
 
 log = logging.getLogger("klppo")
 GROUND_TRUTH_COLUMN = "reward_model"
@@ -46,19 +48,30 @@ def check_ground_truth_columns(cfg: KLPPOConfig, loaders: dict[str, Any]) -> Non
 
 
 def _check_rule_reward_rows(loader: Any, split: str) -> None:
-    """Every row has a ground truth and a data source with a built-in scorer: a row without the one scored
-    0 in silence, one without the other stopped the run with a traceback at its first scoring."""
+    """Every row the loader uses has a ground truth and a data source with a built-in scorer: a row without
+    the one scored 0 in silence, one without the other stopped the run with a traceback at its first
+    scoring. Rows the loader leaves out (bad, filtered, past ``*_max_samples``) are not judged; in the
+    streaming mode (``data.shuffle_buffer_rows``) the loader keeps no list of its rows, and this check
+    does not run."""
+    kept = getattr(loader, "_valid_ids", None)
+    if kept is None:
+        return
     key, source = loader.reward_fn_key, loader.source
+    kept = np.sort(np.asarray(kept))
     missing: dict[int, list[int]] = {}
     unknown: dict[str, tuple[int, int]] = {}
     for f, _, first, table in source.iter_row_groups([GROUND_TRUTH_COLUMN, key]):
+        used = np.isin(np.arange(first, first + table.num_rows), kept)
+        if not used.any():
+            continue
         truths = table.column(GROUND_TRUTH_COLUMN).to_pylist()
         names = table.column(key).to_pylist() if key in table.column_names else [None] * len(truths)
-        for i, (truth, name) in enumerate(zip(truths, names, strict=True)):
+        for i in np.flatnonzero(used):
+            truth, name = truths[i], names[i] or ""
             if not isinstance(truth, dict) or truth.get("ground_truth") is None:
-                missing.setdefault(f, []).append(source.locate(first + i)[1])
-            if (name or "") not in SCORERS:
-                unknown.setdefault(name or "", (f, source.locate(first + i)[1]))
+                missing.setdefault(f, []).append(source.locate(first + int(i))[1])
+            if name not in SCORERS and name not in unknown:
+                unknown[name] = (f, source.locate(first + int(i))[1])
     if missing:
         f, rows = next(iter(missing.items()))
         raise DataError(
@@ -81,8 +94,8 @@ def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
     from klppo.trainer.setup import build_loaders  # noqa: PLC0415  heavy (the whole trainer): not for a bad key
 
     fn = cfg.custom_reward_function
-    if fn.path:  # imported here, before any weights: a bad file is one line, not a traceback after loading
-        load_custom_reward_fn(fn.path, fn.name)
+    if fn.path:  # before any weights: a bad file is one line, not a traceback after loading
+        check_custom_reward_file(fn.path, fn.name)
     train, val = build_loaders(cfg, tokenizer)
     loaders = {"train": train} if val is None else {"train": train, "validation": val}
     check_ground_truth_columns(cfg, loaders)

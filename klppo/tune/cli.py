@@ -94,20 +94,25 @@ def main(argv: list[str] | None = None) -> int:
     """`klppo tune`: a mistake in the arguments (a key, a value, a model) is one line and exit 2."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        return _main(args)
-    except (ConfigError, ValueError, FileNotFoundError, OSError) as exc:
+        cfg = load_config(args.config)
+        try:
+            model_config = load_model_config(args.model_shape or cfg.actor_rollout_ref.model.path)
+        except ValueError as exc:
+            where = "--model-shape" if args.model_shape else "actor_rollout_ref.model.path"
+            raise ValueError(
+                f"{where}: not a model directory (config.json) nor a known shape: {exc}"
+            ) from None
+        _numbers("--thresholds", args.thresholds)  # the options' values, before any work
+        if args.micro_tokens:
+            _numbers("--micro-tokens", args.micro_tokens)
+    except (ConfigError, ValueError, OSError) as exc:  # the arguments: one line (a sweep's errors are not)
         print(f"klppo tune: {exc}", file=sys.stderr)
         return 2
+    return _main(args, cfg, model_config)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, cfg: KLPPOConfig, model_config) -> int:
     console = Console(width=200)
-    cfg = load_config(args.config)
-    try:
-        model_config = load_model_config(args.model_shape or cfg.actor_rollout_ref.model.path)
-    except ValueError as exc:
-        where = "--model-shape" if args.model_shape else "actor_rollout_ref.model.path"
-        raise ValueError(f"{where}: not a model directory (config.json) nor a known shape: {exc}") from None
     tw = workload_from(cfg, args.device_gb, _world_size(cfg, args))
     w, current, seq_len = tw.workload, tw.point, tw.seq_len
     facts = ModelFacts.from_config(model_config)
@@ -138,7 +143,7 @@ def _main(args: argparse.Namespace) -> int:
 def _numbers(option: str, text: str) -> list[int]:
     try:
         return [int(float(t)) for t in text.split(",")]
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ValueError(f"{option} {text!r}: expected comma-separated numbers") from None
 
 

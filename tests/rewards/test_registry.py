@@ -159,3 +159,17 @@ class _Unprintable:
 
     def __str__(self):
         raise RuntimeError("cannot print")
+
+
+def test_a_score_that_is_no_number_is_a_reward_function_error(tmp_path):
+    """The trainer ends the run on RewardFunctionError with one line: a bad return value is one too (it
+    was a plain ValueError, a traceback), and so is the scoring processes' own class."""
+    from klppo.roles.reward_worker import RewardFunctionError as WorkerError
+
+    path = tmp_path / "fn.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n    return 'x'\n"
+    )
+    with pytest.raises(RewardFunctionError, match="returned 'x' \\(str\\)"):
+        RewardManager(custom_fn_path=str(path)).score(["a"], ["s"], [None], [None])
+    assert issubclass(WorkerError, RewardFunctionError)

@@ -71,13 +71,33 @@ def test_rows_without_ground_truth_or_scorer_are_refused_at_start(tiny_model_dir
         _check(tiny_model_dir, train, none)
 
 
+def test_rows_the_loader_leaves_out_are_not_judged(tiny_model_dir, arithmetic_data, tmp_path):
+    """Past data.train_max_samples, or a bad row the loader skips: never scored, so not refused."""
+    train, val = arithmetic_data
+
+    def tail_elsewhere(i, row):
+        if i >= 32:
+            row["data_source"], row["reward_model"] = "my/other", None
+        if i == 5:
+            row["prompt"], row["reward_model"] = [], None  # a bad row (empty prompt), skipped by the loader
+
+    mixed = _variant(train, tmp_path / "mixed.parquet", tail_elsewhere)
+    _check(tiny_model_dir, mixed, val, "data.train_max_samples=31")  # rows 0–31 without the bad row 5
+    with pytest.raises(DataError, match=r"mixed.parquet \(train data\): 32 row\(s\) without"):
+        _check(tiny_model_dir, mixed, val)
+
+
 def test_a_number_ground_truth_scores_as_its_text():
     assert compute_score("#### 25", 25) == 1.0 and compute_score("#### 25", 25.0) == 1.0
     assert compute_score("#### 25", "25") == 1.0 and compute_score("#### 26", 25) == 0.0
 
 
-def test_the_custom_reward_function_is_imported_before_any_weights(tiny_model_dir, arithmetic_data, tmp_path):
-    """A missing file or one that does not import failed only after both models loaded (a traceback)."""
+def test_the_custom_reward_file_is_checked_before_any_weights_without_running_it(
+    tiny_model_dir, arithmetic_data, tmp_path
+):
+    """A missing file, one that does not compile or lacks the function failed only after both models
+    loaded (a traceback). The check does not run the file: its top-level code (a judge model, a port) runs
+    once, where the trainer imports it."""
     from klppo.rewards.registry import RewardFunctionError
     from klppo.trainer.data_check import check_data
 
@@ -94,6 +114,16 @@ def test_the_custom_reward_function_is_imported_before_any_weights(tiny_model_di
     broken = tmp_path / "broken.py"
     broken.write_text("def compute_score(:\n")
     with pytest.raises(
-        RewardFunctionError, match="custom_reward_function.path: importing .*broken.py failed"
+        RewardFunctionError, match=r"custom_reward_function.path: .*broken.py does not compile"
     ):
         check_data(cfg(broken), tok)
+    other = tmp_path / "other.py"
+    other.write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\ndef score(*a):\n    return 0.0\n")
+    with pytest.raises(
+        RewardFunctionError, match=r"defines no 'compute_score' at its top level; defined there: score"
+    ):
+        check_data(cfg(other), tok)
+    fine = tmp_path / "fine.py"
+    fine.write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\ndef compute_score(*a, **k):\n    return 0.0\n")
+    check_data(cfg(fine), tok)
+    assert not (tmp_path / "ran").exists()  # never executed by the check

@@ -21,3 +21,8 @@ def test_a_mistake_is_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("klppo tune: ") and message in err and "\n" not in err
+
+
+def test_an_infinite_threshold_is_one_line(capsys):
+    assert main(["--dry-run", "--thresholds", "inf", "actor_rollout_ref.model.path=Qwen2.5-0.5B"]) == 2
+    assert "--thresholds 'inf': expected comma-separated numbers" in capsys.readouterr().err
