@@ -102,6 +102,13 @@ def test_every_checkpoint_damaged_stops_with_one_line(tiny_model_dir, arithmetic
 
     run_dir = tmp_path / "run"
     overrides = _two_checkpoints(tiny_model_dir, arithmetic_data, run_dir)
+    # the newest lost its critic folder: its manifest lists the files, so it is damage (not "saved by a run
+    # without a critic", as a review found it refused) and the older intact checkpoint is the one to resume
+    from klppo.trainer.checkpoint import other_setup, resolve_resume
+
+    shutil.rmtree(run_dir / "global_step_2" / "critic")
+    assert other_setup(run_dir / "global_step_2", ["actor", "critic"]) is None
+    assert resolve_resume("auto", run_dir, None, roles=["actor", "critic"]) == run_dir / "global_step_1"
     for step in (1, 2):
         (run_dir / f"global_step_{step}" / "trainer_state.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match="no intact checkpoint") as info:
@@ -310,17 +317,3 @@ def test_resume_from_path_outside_its_mode_is_named():
     load_config(["trainer.resume_from_path=/x/global_step_3"], notify=notes.append)
     assert any("trainer.resume_from_path=/x/global_step_3 is read only with trainer.resume_mode=resume_path" in n
                for n in notes)  # fmt: skip
-
-
-def test_a_newest_checkpoint_that_lost_a_role_folder_is_damage_not_another_setup(
-    tiny_model_dir, arithmetic_data, tmp_path
-):
-    """Its manifest lists the critic's files: the folder's loss is damage, and the older intact checkpoint is
-    resumed (a review found it refused as "saved by a run without a critic")."""
-    from klppo.trainer.checkpoint import other_setup, resolve_resume
-
-    run_dir = tmp_path / "run"
-    _two_checkpoints(tiny_model_dir, arithmetic_data, run_dir)
-    shutil.rmtree(run_dir / "global_step_2" / "critic")
-    assert other_setup(run_dir / "global_step_2", ["actor", "critic"]) is None
-    assert resolve_resume("auto", run_dir, None, roles=["actor", "critic"]) == run_dir / "global_step_1"
