@@ -67,31 +67,58 @@ class RewardFunctionError(ValueError):
 def check_custom_reward_file(path: str, name: str = "compute_score") -> None:
     """What can be known of ``custom_reward_function`` without running the user's file (its top-level code
     may load a judge or bind a port, and the trainer imports it later): the file exists, its source
-    compiles, and it defines ``name`` at its top level (a def, an assignment or an import). One line each."""
+    compiles, and it binds ``name`` outside an ``if __name__ == "__main__"`` block. A file that binds names
+    the parser cannot see (``from x import *``, ``globals()``, ``setattr``, ``exec``) is not judged."""
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(full):
         raise FileNotFoundError(f"custom_reward_function.path: file not found: {path!r} (resolved to {full})")
     try:
-        with open(full, encoding="utf-8") as fh:
+        with open(full, "rb") as fh:  # bytes: the parser honours a BOM and a coding cookie
             tree = ast.parse(fh.read(), filename=full)
     except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
         raise RewardFunctionError(f"custom_reward_function.path: {full} does not compile: {exc}") from None
-    defined = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            defined |= {t.id for t in targets if isinstance(t, ast.Name)}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif not isinstance(node, (ast.Expr, ast.Pass, ast.AugAssign)):  # if/try/with blocks may define it
-            return
-    if name not in defined:
+    bound = _bound_names(tree.body)
+    if bound is not None and name not in bound:
         raise RewardFunctionError(
             f"custom_reward_function.name: {full} defines no {name!r} at its top level; defined there: "
-            f"{', '.join(sorted(defined)) or 'nothing'}"
+            f"{', '.join(sorted(bound)) or 'nothing'}"
         )
+
+
+_DYNAMIC_BINDERS = frozenset({"globals", "setattr", "exec", "vars", "locals"})
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.If)
+        and "__main__" in ast.unparse(node.test)
+        and "__name__" in ast.unparse(node.test)
+    )
+
+
+def _bound_names(body: list[ast.stmt]) -> set[str] | None:
+    """Names a module body binds (over-approximated: any name stored anywhere in it), None when it binds
+    names the parser cannot see."""
+    names: set[str] = set()
+    for stmt in body:
+        if _is_main_guard(stmt):
+            stmt = ast.Module(body=stmt.orelse, type_ignores=[])  # only the else branch runs on import
+        for node in ast.walk(stmt):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                if any(alias.name == "*" for alias in node.names):
+                    return None
+                names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in _DYNAMIC_BINDERS
+            ):
+                return None
+    return names
 
 
 def load_custom_reward_fn(path: str, name: str = "compute_score") -> Scorer:
@@ -134,11 +161,11 @@ def _exec_and_get(spec, module, full: str, name: str) -> Scorer:
             for k, v in vars(module).items()
             if callable(v) and not k.startswith("_") and not inspect.isclass(v)
         )
-        raise ValueError(
+        raise RewardFunctionError(
             f"custom_reward_function.name: {full} defines no {name!r}; callables there: {available or 'none'}"
         )
     if not callable(fn):
-        raise ValueError(f"custom_reward_function.name: {name!r} in {full} is not callable")
+        raise RewardFunctionError(f"custom_reward_function.name: {name!r} in {full} is not callable")
     return fn
 
 
@@ -277,9 +304,10 @@ class RewardManager:
                 data_sources=data_sources, solution_strs=responses, ground_truths=ground_truths,
                 extra_infos=extra_infos, **self.reward_kwargs,
             )  # fmt: skip
-            if len(values) != len(responses):
-                raise ValueError(
-                    f"batched compute_score returned {len(values)} scores for {len(responses)} responses"
+            if not hasattr(values, "__len__") or len(values) != len(responses):
+                got = f"{len(values)} scores" if hasattr(values, "__len__") else f"{type(values).__name__}"
+                raise RewardFunctionError(
+                    f"{self._custom_name} (batched) returned {got} for {len(responses)} responses: one score each"
                 )
             return [
                 _as_float(v, f"{self._custom_name} (batched), row {i},")

@@ -414,12 +414,15 @@ def other_setup(path: Path, roles: list[str] | None) -> str | None:
     """A finished checkpoint without a trained role's state at all was saved by a run of another set-up (a
     GRPO checkpoint resumed with a critic): not damage, and older checkpoints of that run lack it too."""
     manifest = path / MANIFEST
-    if not (path / "COMPLETE").is_file() or not manifest.is_file():
-        return None  # without the list of what was written, a missing role folder may be damage
-    try:
-        written = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # validate_checkpoint names an unreadable manifest
+    if not (path / "COMPLETE").is_file():
+        return None
+    if manifest.is_file():
+        try:
+            written = list(json.loads(manifest.read_text())["files"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # validate_checkpoint names an unreadable manifest
+    else:  # a checkpoint from before the manifests: what is on disk is all there is to go by
+        written = [p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()]
     for role in roles or ["actor"]:
         if not any(name.startswith(f"{role}/") for name in written):
             return (

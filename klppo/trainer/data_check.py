@@ -61,12 +61,12 @@ def _check_rule_reward_rows(loader: Any, split: str) -> None:
     missing: dict[int, list[int]] = {}
     unknown: dict[str, tuple[int, int]] = {}
     for f, _, first, table in source.iter_row_groups([GROUND_TRUTH_COLUMN, key]):
-        used = np.isin(np.arange(first, first + table.num_rows), kept)
-        if not used.any():
+        lo, hi = np.searchsorted(kept, [first, first + table.num_rows])  # kept is sorted: this group's slice
+        if lo == hi:
             continue
         truths = table.column(GROUND_TRUTH_COLUMN).to_pylist()
         names = table.column(key).to_pylist() if key in table.column_names else [None] * len(truths)
-        for i in np.flatnonzero(used):
+        for i in kept[lo:hi] - first:
             truth, name = truths[i], names[i] or ""
             if not isinstance(truth, dict) or truth.get("ground_truth") is None:
                 missing.setdefault(f, []).append(source.locate(first + int(i))[1])

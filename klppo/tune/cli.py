@@ -91,42 +91,16 @@ def _world_size(cfg: KLPPOConfig, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`klppo tune`: a mistake in the arguments (a key, a value, a model) is one line and exit 2."""
+    """`klppo tune`: a mistake in the arguments (a key, a value, a model, an option) is one line and exit 2;
+    what fails during a sweep is not reported as one."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        cfg = load_config(args.config)
-        try:
-            model_config = load_model_config(args.model_shape or cfg.actor_rollout_ref.model.path)
-        except ValueError as exc:
-            where = "--model-shape" if args.model_shape else "actor_rollout_ref.model.path"
-            raise ValueError(
-                f"{where}: not a model directory (config.json) nor a known shape: {exc}"
-            ) from None
-        _numbers("--thresholds", args.thresholds)  # the options' values, before any work
-        if args.micro_tokens:
-            _numbers("--micro-tokens", args.micro_tokens)
-    except (ConfigError, ValueError, OSError) as exc:  # the arguments: one line (a sweep's errors are not)
+        plan = _plan(args)
+    except (ConfigError, ValueError, OSError) as exc:
         print(f"klppo tune: {exc}", file=sys.stderr)
         return 2
-    return _main(args, cfg, model_config)
-
-
-def _main(args: argparse.Namespace, cfg: KLPPOConfig, model_config) -> int:
+    facts, points, w, current, seq_len = plan
     console = Console(width=200)
-    tw = workload_from(cfg, args.device_gb, _world_size(cfg, args))
-    w, current, seq_len = tw.workload, tw.point, tw.seq_len
-    facts = ModelFacts.from_config(model_config)
-    tokens = (
-        _numbers("--micro-tokens", args.micro_tokens)
-        if args.micro_tokens
-        else sorted({max(1024, current.micro_tokens // 2), current.micro_tokens})
-    )
-    points = build_grid(
-        facts,
-        thresholds=_numbers("--thresholds", args.thresholds),
-        offloads=args.offload.split(","),
-        micro_tokens=tokens,
-    )
     if args.dry_run:
         console.print(report.memory_table(facts, points, w, args.headroom))
         console.print(report.terms_table(predict(facts, current, w), current))
@@ -138,6 +112,32 @@ def _main(args: argparse.Namespace, cfg: KLPPOConfig, model_config) -> int:
             console.print(report.comm_table(units, current, args.link_gbps, args.tflops))
         return 0
     return _sweep(args, console, facts, points, w, current, args.seq_len or seq_len)
+
+
+def _plan(args: argparse.Namespace):
+    """The config, the model and the grid of points from the arguments; ValueError/ConfigError on a mistake."""
+    cfg = load_config(args.config)
+    try:
+        model_config = load_model_config(args.model_shape or cfg.actor_rollout_ref.model.path)
+    except ValueError as exc:
+        where = "--model-shape" if args.model_shape else "actor_rollout_ref.model.path"
+        raise ValueError(f"{where}: not a model directory (config.json) nor a known shape: {exc}") from None
+    tw = workload_from(cfg, args.device_gb, _world_size(cfg, args))
+    w, current, seq_len = tw.workload, tw.point, tw.seq_len
+    facts = ModelFacts.from_config(model_config)
+    tokens = (
+        _numbers("--micro-tokens", args.micro_tokens)
+        if args.micro_tokens
+        else sorted({max(1024, current.micro_tokens // 2), current.micro_tokens})
+    )
+    try:
+        points = build_grid(
+            facts, thresholds=_numbers("--thresholds", args.thresholds), offloads=args.offload.split(","),
+            micro_tokens=tokens,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise ValueError(f"--thresholds/--offload/--micro-tokens: {exc}") from None
+    return facts, points, w, current, seq_len
 
 
 def _numbers(option: str, text: str) -> list[int]:

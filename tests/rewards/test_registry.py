@@ -173,3 +173,37 @@ def test_a_score_that_is_no_number_is_a_reward_function_error(tmp_path):
     with pytest.raises(RewardFunctionError, match="returned 'x' \\(str\\)"):
         RewardManager(custom_fn_path=str(path)).score(["a"], ["s"], [None], [None])
     assert issubclass(WorkerError, RewardFunctionError)
+
+
+def test_the_static_check_of_a_reward_file(tmp_path):
+    """Refused only when the name is surely unbound on import; files that bind names the parser cannot see
+    are not judged; a __main__ block binds nothing on import; a BOM or coding cookie parses."""
+    from klppo.rewards.registry import check_custom_reward_file
+
+    def check(text: str | bytes, name: str = "compute_score") -> None:
+        path = tmp_path / "fn.py"
+        (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+        check_custom_reward_file(str(path), name)
+
+    body = "def compute_score(*a, **k):\n    return 0.0\n"
+    check(body + "if __name__ == '__main__':\n    print(compute_score())\n")
+    with pytest.raises(RewardFunctionError, match="defines no 'compute_scores'"):
+        check(body + "if __name__ == '__main__':\n    compute_scores = 1\n", "compute_scores")
+    check("from os.path import *\n", "anything")  # not judged
+    check("globals()['compute_score'] = len\n")  # not judged
+    check("compute_score, other = len, 1\n")
+    check("if True:\n    (compute_score := len)\n")
+    check("try:\n    from fast import compute_score\nexcept ImportError:\n    compute_score = len\n")
+    check(b"\xef\xbb\xbf" + body.encode())
+    check("# -*- coding: latin-1 -*-\n# caf\xe9\n".encode("latin-1") + body.encode())
+
+
+def test_a_batched_function_that_returns_the_wrong_count_is_one_line(tmp_path):
+    path = tmp_path / "fn.py"
+    path.write_text(
+        "def compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kw):\n    return None\n"
+    )
+    with pytest.raises(RewardFunctionError, match=r"\(batched\) returned NoneType for 2 responses"):
+        RewardManager(custom_fn_path=str(path), reward_manager="batch").score(
+            ["a", "b"], ["s"] * 2, [0, 0], [{}, {}]
+        )

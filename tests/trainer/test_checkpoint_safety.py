@@ -317,3 +317,14 @@ def test_resume_from_path_outside_its_mode_is_named():
     load_config(["trainer.resume_from_path=/x/global_step_3"], notify=notes.append)
     assert any("trainer.resume_from_path=/x/global_step_3 is read only with trainer.resume_mode=resume_path" in n
                for n in notes)  # fmt: skip
+
+
+def test_a_checkpoint_from_before_the_manifests_without_a_role_is_another_setup(tmp_path):
+    from klppo.trainer.checkpoint import other_setup
+
+    ckpt = tmp_path / "global_step_1"
+    for name in ("COMPLETE", "trainer_state.pt", "rng/rank_0.pt", "actor/.metadata"):
+        (ckpt / name).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / name).write_bytes(b"x")
+    assert "holds no critic state" in other_setup(ckpt, ["actor", "critic"])
+    assert other_setup(ckpt, ["actor"]) is None

@@ -26,3 +26,10 @@ def test_a_mistake_is_one_line(argv, message, capsys):
 def test_an_infinite_threshold_is_one_line(capsys):
     assert main(["--dry-run", "--thresholds", "inf", "actor_rollout_ref.model.path=Qwen2.5-0.5B"]) == 2
     assert "--thresholds 'inf': expected comma-separated numbers" in capsys.readouterr().err
+
+
+def test_bad_grid_options_are_one_line(capsys):
+    for option in ("--offload=bogus", "--thresholds=-5"):
+        assert main(["--dry-run", "actor_rollout_ref.model.path=Qwen2.5-0.5B", option]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("klppo tune: --thresholds/--offload/--micro-tokens: ") and err.count("\n") == 1
