@@ -89,11 +89,30 @@ _DYNAMIC_BINDERS = frozenset({"globals", "setattr", "exec", "vars", "locals"})
 
 
 def _is_main_guard(node: ast.AST) -> bool:
-    return (
-        isinstance(node, ast.If)
-        and "__main__" in ast.unparse(node.test)
-        and "__name__" in ast.unparse(node.test)
+    """Exactly ``if __name__ == "__main__":`` (either side): its body does not run on import."""
+    test = getattr(node, "test", None)
+    if not isinstance(node, ast.If) or not isinstance(test, ast.Compare) or len(test.ops) != 1:
+        return False
+    if not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = (test.left, test.comparators[0])
+    return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and any(
+        isinstance(s, ast.Constant) and s.value == "__main__" for s in sides
     )
+
+
+def _binds_invisibly(node: ast.AST) -> bool:
+    """``globals()``/``setattr``/``exec`` (also as ``builtins.exec``), ``sys.modules``, ``__dict__``, or a
+    module ``__getattr__``: names the parser cannot see."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        called = (
+            func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        )
+        return called in _DYNAMIC_BINDERS
+    if isinstance(node, ast.Attribute) and node.attr in ("modules", "__dict__"):
+        return True
+    return isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
 
 
 def _bound_names(body: list[ast.stmt]) -> set[str] | None:
@@ -112,11 +131,7 @@ def _bound_names(body: list[ast.stmt]) -> set[str] | None:
                 if any(alias.name == "*" for alias in node.names):
                     return None
                 names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
-            elif (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id in _DYNAMIC_BINDERS
-            ):
+            if _binds_invisibly(node):
                 return None
     return names
 

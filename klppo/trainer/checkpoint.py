@@ -421,7 +421,9 @@ def other_setup(path: Path, roles: list[str] | None) -> str | None:
             written = list(json.loads(manifest.read_text())["files"])
         except (OSError, ValueError, KeyError, TypeError):
             return None  # validate_checkpoint names an unreadable manifest
-    else:  # a checkpoint from before the manifests: what is on disk is all there is to go by
+    else:  # from before the manifests: judged by its folders only where the actor's is there (else damage)
+        if not (path / "actor").is_dir():
+            return None
         written = [p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()]
     for role in roles or ["actor"]:
         if not any(name.startswith(f"{role}/") for name in written):

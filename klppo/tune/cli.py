@@ -130,11 +130,11 @@ def _plan(args: argparse.Namespace):
         if args.micro_tokens
         else sorted({max(1024, current.micro_tokens // 2), current.micro_tokens})
     )
+    thresholds = _numbers("--thresholds", args.thresholds)
     try:
         points = build_grid(
-            facts, thresholds=_numbers("--thresholds", args.thresholds), offloads=args.offload.split(","),
-            micro_tokens=tokens,
-        )  # fmt: skip
+            facts, thresholds=thresholds, offloads=args.offload.split(","), micro_tokens=tokens
+        )
     except ValueError as exc:
         raise ValueError(f"--thresholds/--offload/--micro-tokens: {exc}") from None
     return facts, points, w, current, seq_len

@@ -207,3 +207,21 @@ def test_a_batched_function_that_returns_the_wrong_count_is_one_line(tmp_path):
         RewardManager(custom_fn_path=str(path), reward_manager="batch").score(
             ["a", "b"], ["s"] * 2, [0, 0], [{}, {}]
         )
+
+
+def test_only_the_exact_main_guard_hides_a_binding_and_invisible_binders_are_not_judged(tmp_path):
+    from klppo.rewards.registry import check_custom_reward_file
+
+    def check(text: str) -> None:
+        path = tmp_path / "fn.py"
+        path.write_text(text)
+        check_custom_reward_file(str(path), "compute_score")
+
+    check("if __name__ != '__main__':\n    def compute_score(*a):\n        return 0.0\n")
+    check("if not __name__ == '__main__':\n    compute_score = len\n")
+    check("if __name__ == '__main__' or True:\n    compute_score = len\n")
+    check("import sys\nsys.modules[__name__].compute_score = len\n")
+    check("import builtins\nbuiltins.exec('def compute_score(*a): return 0.0')\n")
+    check("def __getattr__(name):\n    return len\n")
+    with pytest.raises(RewardFunctionError, match="defines no 'compute_score'"):
+        check("if '__main__' == __name__:\n    compute_score = len\n")

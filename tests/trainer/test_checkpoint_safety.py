@@ -328,3 +328,7 @@ def test_a_checkpoint_from_before_the_manifests_without_a_role_is_another_setup(
         (ckpt / name).write_bytes(b"x")
     assert "holds no critic state" in other_setup(ckpt, ["actor", "critic"])
     assert other_setup(ckpt, ["actor"]) is None
+    import shutil as sh
+
+    sh.rmtree(ckpt / "actor")  # an actor folder lost: damage (every run has an actor), not another set-up
+    assert other_setup(ckpt, ["actor", "critic"]) is None

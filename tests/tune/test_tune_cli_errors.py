@@ -25,7 +25,7 @@ def test_a_mistake_is_one_line(argv, message, capsys):
 
 def test_an_infinite_threshold_is_one_line(capsys):
     assert main(["--dry-run", "--thresholds", "inf", "actor_rollout_ref.model.path=Qwen2.5-0.5B"]) == 2
-    assert "--thresholds 'inf': expected comma-separated numbers" in capsys.readouterr().err
+    assert capsys.readouterr().err == "klppo tune: --thresholds 'inf': expected comma-separated numbers\n"
 
 
 def test_bad_grid_options_are_one_line(capsys):
