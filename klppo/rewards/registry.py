@@ -64,14 +64,20 @@ class RewardFunctionError(ValueError):
     batch row and the phase (the original exception chained)."""
 
 
+def _reward_file(path: str) -> str:
+    """``custom_reward_function.path`` as an absolute path to an existing file; FileNotFoundError otherwise."""
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"custom_reward_function.path: file not found: {path!r} (resolved to {full})")
+    return full
+
+
 def check_custom_reward_file(path: str, name: str = "compute_score") -> None:
     """What can be known of ``custom_reward_function`` without running the user's file (its top-level code
     may load a judge or bind a port, and the trainer imports it later): the file exists, its source
     compiles, and it binds ``name`` outside an ``if __name__ == "__main__"`` block. A file that binds names
     the parser cannot see (``from x import *``, ``globals()``, ``setattr``, ``exec``) is not judged."""
-    full = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(full):
-        raise FileNotFoundError(f"custom_reward_function.path: file not found: {path!r} (resolved to {full})")
+    full = _reward_file(path)
     try:
         with open(full, "rb") as fh:  # bytes: the parser honours a BOM and a coding cookie
             tree = ast.parse(fh.read(), filename=full)
@@ -143,9 +149,7 @@ def load_custom_reward_fn(path: str, name: str = "compute_score") -> Scorer:
     in every process), so what it defines — an exception class its function raises — pickles by reference
     between the trainer and a background scoring process (:mod:`klppo.roles.reward_worker`). Each call
     imports the file afresh."""
-    full = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isfile(full):
-        raise FileNotFoundError(f"custom_reward_function.path: file not found: {path!r} (resolved to {full})")
+    full = _reward_file(path)
     module_name = "klppo_custom_reward_" + hashlib.sha256(full.encode()).hexdigest()[:16]
     spec = importlib.util.spec_from_file_location(module_name, full)
     if spec is None or spec.loader is None:

@@ -439,10 +439,11 @@ def _cheap_path_checks(path: Path, roles: list[str] | None) -> None:
     """What ``trainer.resume_from_path`` is, before any checksum: missing, a run directory, another set-up."""
     if not path.exists():
         raise CheckpointError(f"trainer.resume_from_path={path} does not exist")
-    if not (path / "COMPLETE").exists() and _candidates(path):
+    inside = [] if (path / "COMPLETE").exists() else _candidates(path)
+    if inside:
         raise CheckpointError(
             f"trainer.resume_from_path={path} is a run directory: name one of its checkpoints (the newest: "
-            f"{_candidates(path)[0]}), or set trainer.resume_mode=auto with trainer.default_local_dir={path}"
+            f"{inside[0]}), or set trainer.resume_mode=auto with trainer.default_local_dir={path}"
         )
     other = other_setup(path, roles)
     if other is not None:
