@@ -147,8 +147,12 @@ class DriftConfig:
     max_log_prob_gap: float = F(0.1, "rollout/log_prob_diff (|rollout − actor| log-prob) above this warns.")
     min_gpu_util: float = F(
         85.0,
-        "perf/gpu_util (percent, GPU with nvidia-ml-py) below this warns; each process's first step "
-        "(compilation, allocator growth, CUDA-graph capture) is not judged.",
+        "perf/gpu_util (percent, GPU with nvidia-ml-py) below this warns, after gpu_util_warmup_steps.",
+    )
+    gpu_util_warmup_steps: int = F(
+        10,
+        "[klppo] Each process's first readings of perf/gpu_util not judged: compilation at new shapes, "
+        "allocator growth and CUDA-graph capture (learning runs read < 85% through their 6th step).",
     )
     patience_steps: int = F(
         5,
@@ -228,6 +232,8 @@ def check_monitor(m: MonitorConfig) -> None:
             "monitor.validation_drop.action=rollback needs monitor.validation_drop.keep_best=True (the rollback "
             "returns to the best-validation weights it keeps); or set action=warn or stop"
         )
+    if m.drift.gpu_util_warmup_steps < 0:
+        raise ConfigError(f"monitor.drift.gpu_util_warmup_steps={m.drift.gpu_util_warmup_steps}: must be ≥ 0")
     if m.oom_recovery.max_retries < 0:
         raise ConfigError(f"monitor.oom_recovery.max_retries={m.oom_recovery.max_retries}: must be ≥ 0")
     if m.kl_early_stop.target_kl is not None and not m.kl_early_stop.target_kl > 0:

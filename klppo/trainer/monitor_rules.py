@@ -343,8 +343,8 @@ class Drift(Rule):
     advantage estimator whitens over the batch, so ``adv_std_low/high`` left null mean 0.8 / 1.2; otherwise
     null leaves the advantage std unwatched (a set bound applies to any estimator). A value warns after
     ``patience_steps`` steps in a row out of range (the exposed communication, read on profiled steps only,
-    at once); each process's first GPU utilisation (compilation, allocator growth, graph capture) is not
-    judged."""
+    at once); each process's first ``gpu_util_warmup_steps`` GPU utilisation readings (compilation at new
+    shapes, allocator growth, graph capture) are not judged."""
 
     name = "drift"
 
@@ -354,7 +354,7 @@ class Drift(Rule):
         self.streak: dict[str, int] = {}  # consecutive steps out of range
         # cfg_*: from the config or this process, never from a checkpoint (Rule.state_dict leaves them out)
         self.cfg_adv_std = drift_adv_std_range(cfg, whitened=whitened)
-        self.cfg_warmed: set[str] = set()  # values already seen once in this process
+        self.cfg_seen: dict[str, int] = {}  # readings of a warmed-up value in this process
 
     def _ranges(self) -> list[tuple[str, str, float | None, float | None, int]]:
         """(name, metric, lowest fine value or None, highest or None, steps out of range before a warning)."""
@@ -374,8 +374,8 @@ class Drift(Rule):
             value = _finite(metrics, key)
             if value is None or (low is None and high is None):
                 continue  # not measured this step (no critic, CPU, not a profiled step) or not watched
-            if name == "gpu_util" and name not in self.cfg_warmed:
-                self.cfg_warmed.add(name)  # the process's first step: compilation and warm-up, not drift
+            if name == "gpu_util" and self.cfg_seen.get(name, 0) < self.cfg.gpu_util_warmup_steps:
+                self.cfg_seen[name] = self.cfg_seen.get(name, 0) + 1  # compilation and warm-up, not drift
                 continue
             bad = (low is not None and value < low) or (high is not None and value > high)
             self.streak[name] = self.streak.get(name, 0) + 1 if bad else 0

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from klppo.config import load_config
+from klppo.config import ConfigError, load_config
 from klppo.config.schema_monitor import MonitorConfig
 from klppo.trainer.monitor import Monitor
 from klppo.trainer.monitor_rules import (
@@ -206,12 +206,26 @@ def test_drift_waits_patience_steps_and_names_what_to_set():
         value_at(KLPPOConfig(), key)
 
 
+def test_gpu_utilisation_is_not_judged_during_each_process_warm_up():
+    """Session 18's learning runs warned at step 6 (steps 2–6 under 85%: compilation at new shapes, graph
+    capture): the first gpu_util_warmup_steps (10) readings of each process are not judged."""
+    rule = Drift(M.drift)
+    assert M.drift.gpu_util_warmup_steps == 10
+    quiet = [a for step in range(1, 15) for a in rule.observe(step, {"perf/gpu_util": 20.0}, None)]
+    assert quiet == []  # ten warm-up readings, then four out of range: under the patience of 5
+    (a,) = rule.observe(15, {"perf/gpu_util": 20.0}, None)
+    assert a.rule == "drift/gpu_util" and "below 85 for 5 steps" in a.message
+    with pytest.raises(ConfigError, match="monitor.drift.gpu_util_warmup_steps=-1"):
+        load_config(["monitor.drift.gpu_util_warmup_steps=-1"])
+
+
 def test_gpu_utilisation_warns_after_patience_steps_and_not_on_the_first_step():
     """Session 17's learning runs warned at step 1 (7.8–14.9%: compilation) and on single steps at 55–84%
-    between steps at 85–95%: each process's first value is not judged, and only gpu_util_patience_steps
-    (5) steps in a row under the floor warn — once, with what to set; a step without the value (CPU, NVML
-    missing) keeps the streak."""
-    rule = Drift(M.drift)
+    between steps at 85–95%: a process's first values are not judged (here one: gpu_util_warmup_steps=1),
+    and only patience_steps (5) steps in a row under the floor warn — once, with what to set; a step
+    without the value (CPU, NVML missing) keeps the streak."""
+    W1 = load_config(["monitor.drift.gpu_util_warmup_steps=1"]).monitor.drift
+    rule = Drift(W1)
     util = [8.0, 90, 60, 91, 80, 84, 70, 55]  # step 1 compiles; then single dips, then four in a row
     assert [a for i, u in enumerate(util, 1) for a in rule.observe(i, {"perf/gpu_util": u}, None)] == []
     assert rule.observe(9, {}, None) == [] and rule.metrics() == {"monitor/drift/gpu_util": 0.0}
@@ -226,11 +240,13 @@ def test_gpu_utilisation_warns_after_patience_steps_and_not_on_the_first_step():
     )
     # a resumed process does not judge its own first step either; the streak comes back from the checkpoint
     state = copy.deepcopy(rule.state_dict())
-    assert "cfg_warmed" not in state and state["streak"] == {"gpu_util": 0}
-    resumed = Drift(M.drift)
+    assert "cfg_seen" not in state and state["streak"] == {"gpu_util": 0}
+    resumed = Drift(W1)
     resumed.load_state_dict(state)
     assert resumed.observe(13, {"perf/gpu_util": 5.0}, None) == [] and resumed.streak == {"gpu_util": 0}
-    one = Drift(load_config(["monitor.drift.patience_steps=1"]).monitor.drift)
+    one = Drift(
+        load_config(["monitor.drift.patience_steps=1", "monitor.drift.gpu_util_warmup_steps=1"]).monitor.drift
+    )
     one.observe(1, {"perf/gpu_util": 5.0}, None)
     assert [a.message.split(";")[0] for a in one.observe(2, {"perf/gpu_util": 50.0}, None)] == [
         "perf/gpu_util=50 below 85"
