@@ -130,24 +130,23 @@ class Reward:
             )
         return _scores(batch, seq_scores, texts)
 
-    def _micro_batches(self, chats: list[str]) -> list[tuple[int, int]]:
-        """(start, end) of each micro-batch of ``chats``: ``micro_batch_size`` samples, or with a token
-        budget as many consecutive samples as fit padded to the longest (one at least)."""
+    def _micro_batches(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """(start, end) of each micro-batch of samples of token ``lengths``: ``micro_batch_size`` samples, or
+        with a token budget as many consecutive samples as fit padded to the longest (one at least)."""
         if self.max_token_len is None:
             step = self.micro_batch_size
-            return [(i, min(i + step, len(chats))) for i in range(0, len(chats), step)]
-        enc = self.reward_tokenizer(chats, truncation=self.max_length is not None, max_length=self.max_length)
+            return [(i, min(i + step, len(lengths))) for i in range(0, len(lengths), step)]
         bounds, start, longest = [], 0, 0
-        for i, ids in enumerate(enc["input_ids"]):
-            longest = max(longest, len(ids))
+        for i, length in enumerate(lengths):
+            longest = max(longest, length)
             if i > start and longest * (i - start + 1) > self.max_token_len:
                 bounds.append((start, i))
-                start, longest = i, len(ids)
-        return [*bounds, (start, len(chats))] if chats else []
+                start, longest = i, length
+        return [*bounds, (start, len(lengths))] if lengths else []
 
     @torch.no_grad()
     def _model_scores(self, batch: Batch, texts: list[str]) -> torch.Tensor:
-        """Re-tokenize (chat prompt + response) with the reward model's own template and score it, in
+        """Re-tokenize (chat prompt + response) with the reward model's own template, once, and score it in
         right-padded micro-batches (the model reads its score at the last non-pad token)."""
         tok = self.reward_tokenizer
         device = next(self.reward_model.parameters()).device
@@ -158,16 +157,11 @@ class Reward:
                 chats.append(tok.apply_chat_template(chat, tokenize=False))
             else:
                 chats.append("\n".join(m["content"] for m in chat))
+        enc = tok(chats, truncation=self.max_length is not None, max_length=self.max_length)
         scores = []
-        for start, end in self._micro_batches(chats):
-            enc = tok(
-                chats[start:end],
-                return_tensors="pt",
-                padding=True,
-                padding_side="right",
-                truncation=self.max_length is not None,
-                max_length=self.max_length,
-            )
-            out = self.reward_model(**{k: v.to(device) for k, v in enc.items()})
+        for start, end in self._micro_batches([len(ids) for ids in enc["input_ids"]]):
+            part = {key: values[start:end] for key, values in enc.items()}
+            padded = tok.pad(part, padding=True, padding_side="right", return_tensors="pt")
+            out = self.reward_model(**{k: v.to(device) for k, v in padded.items()})
             scores.append(out.logits[:, 0].float().cpu())
         return torch.cat(scores)

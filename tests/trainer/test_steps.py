@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 
@@ -241,8 +242,13 @@ def test_reward_model_scores_the_responses(tiny_model_dir, arithmetic_data, tmp_
     reward.micro_batch_size = 16
     assert torch.allclose(reward._model_scores(b, texts), one_by_one, atol=1e-5)
     reward.max_token_len = 1  # use_dynamic_bsz: a budget below any one sample's length, one sample each
-    assert reward._micro_batches(texts) == [(0, 1), (1, 2), (2, 3)]
-    assert torch.allclose(reward._model_scores(b, texts), one_by_one, atol=1e-5)
+    assert reward._micro_batches([5, 6, 7]) == [(0, 1), (1, 2), (2, 3)]
+    calls = []
+    tokenize = type(reward.reward_tokenizer).__call__
+    with mock.patch.object(type(reward.reward_tokenizer), "__call__",
+                           lambda self, *a, **k: calls.append(a) or tokenize(self, *a, **k)):  # fmt: skip
+        assert torch.allclose(reward._model_scores(b, texts), one_by_one, atol=1e-5)
+    assert len(calls) == 1  # tokenized once, whatever the number of micro-batches (three here)
 
 
 def test_reward_model_micro_batches_follow_the_keys(tiny_model_dir):
@@ -255,9 +261,9 @@ def test_reward_model_micro_batches_follow_the_keys(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     texts = ["a b c d e f", "a", "a b", "a b c d e f g h i j k l", "a b c"]
     lengths = [len(tok(t)["input_ids"]) for t in texts]
-    assert Reward(tok, micro_batch_size=2)._micro_batches(texts) == [(0, 2), (2, 4), (4, 5)]
+    assert Reward(tok, micro_batch_size=2)._micro_batches(lengths) == [(0, 2), (2, 4), (4, 5)]
     budget = 2 * max(lengths[:3])
-    bounds = Reward(tok, max_token_len=budget)._micro_batches(texts)
+    bounds = Reward(tok, max_token_len=budget)._micro_batches(lengths)
     assert [i for b in bounds for i in range(*b)] == list(range(5))  # every sample once, in order
     for lo, hi in bounds:
         assert hi - lo == 1 or (hi - lo) * max(lengths[lo:hi]) <= budget
