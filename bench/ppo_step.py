@@ -15,8 +15,10 @@ Variants (``--variants``): ``before`` (every issue-18 candidate off) or ``after`
 ``+name`` / ``-name`` to switch one candidate on or off: ``skip`` (on-policy skip of the old-log-prob
 pass), ``fused_head`` (``model.use_fused_kernels``: chunked log-prob/entropy from the LM head),
 ``shared_plan`` (the reference pass reuses the old-log-prob pass's micro-batches, packed once),
-``fused_adamw`` (fused AdamW on CUDA), ``host_plan`` (micro-batches trimmed, packed and weighted from a
-host copy of the masks, statistics summed on the device: no host sync per micro-batch), ``compile``
+``fused_adamw`` (fused AdamW on CUDA), ``local_optim`` (``fsdp_config.local_shard_optim``: the trained
+roles' AdamW step and gradient clip on the DTensors' local shards; off: through DTensor dispatch),
+``host_plan`` (micro-batches trimmed, packed and weighted from a host copy of the masks, statistics summed
+on the device: no host sync per micro-batch), ``compile``
 (``actor_rollout_ref.model.compile_packed_layers``: the actor's and the reference's decoder layers compiled
 over the packed micro-batches, their token dims as the ``dynamic_tokens`` candidate says; compilation falls
 in the first, unmeasured step), ``one_unit``
@@ -91,6 +93,10 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
     "fused_adamw": (
         [],  # the default on CUDA (klppo.roles.optim.build_optimizer)
         [f"{role}.optim.override_optimizer_config={{fused: false}}" for role in (f"{ARR}.actor", "critic")],
+    ),
+    "local_optim": (  # the default: AdamW step and clip on the DTensors' local shards (parallel/local_shards.py)
+        [],
+        [f"{role}.fsdp_config.local_shard_optim=False" for role in (f"{ARR}.actor", "critic.model")],
     ),
 }
 SETTINGS = {

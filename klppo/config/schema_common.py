@@ -59,6 +59,14 @@ class FSDPConfig:
         "most 10% of the device's memory (measured on 2 H200s: PPO step −4%, bench/RESULTS.md session 7). "
         "Read by the trained roles (actor, critic).",
     )
+    local_shard_optim: bool = F(
+        True,
+        "[klppo] Run the optimizer step (torch's Adam/AdamW) and the gradient-norm clip on the local shards "
+        "of FSDP2's DTensor parameters (the same storage) instead of through DTensor dispatch: the same "
+        "state dicts and checkpoints, the same results (bit for bit on CPU; the fused kernel on the same "
+        "shards on CUDA), the norm's squares summed over the shard group in one all-reduce. false: the "
+        "DTensor path (an A/B switch). Read by the trained roles (actor, critic).",
+    )
     model_dtype: str = F("fp32", "[klppo default per role] dtype the role's weights are stored in.")
     mixed_precision: MixedPrecisionConfig = F(MixedPrecisionConfig, "[klppo] FSDP2 mixed-precision policy.")
     use_orig_params: bool = F(False, "FSDP1 option; FSDP2 always keeps original parameters.")

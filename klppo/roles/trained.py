@@ -52,12 +52,15 @@ class UpdateSettings:
     sp_size: int = 1  # ranks of a Ulysses group: they hold the same rows
     grad_sync_per_mini_batch: bool = False
     """Reduce-scatter gradients once per mini-batch (after its last micro-batch), not per micro-batch."""
+    local_shard_optim: bool = True
+    """Optimizer step and gradient clip on the DTensor parameters' local shards (same state and results,
+    :mod:`klppo.parallel.local_shards`); False: through DTensor dispatch."""
 
     @classmethod
     def of(cls, settings: object, *, seed_offset: int = 0) -> UpdateSettings:
         """The update fields of a role's settings (same names), the shuffle seed shifted by ``seed_offset``."""
         fields = {f: getattr(settings, f) for f in ("ppo_epochs", "mini_batch_size", "update_micro", "grad_clip",
-                                                      "shuffle", "grad_sync_per_mini_batch")}  # fmt: skip
+                                                      "shuffle", "grad_sync_per_mini_batch", "local_shard_optim")}  # fmt: skip
         sp = getattr(settings, "sp", None)
         return cls(**fields, seed=settings.seed + seed_offset, sp_size=1 if sp is None else sp.size)
 
@@ -70,7 +73,7 @@ class TrainedRole:
     def __init__(self, model: torch.nn.Module, update: UpdateSettings, optim: OptimSettings) -> None:
         self.model = model
         self.update = update
-        self.optimizer = build_optimizer(model.parameters(), optim)
+        self.optimizer = build_optimizer(model.parameters(), optim, local_shards=update.local_shard_optim)
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.num_skipped_updates = 0  # optimizer steps skipped for a non-finite loss or grad norm
         # out-of-memory retries with smaller micro-batches
@@ -127,7 +130,8 @@ class TrainedRole:
             return self._accumulate(mini, micro_loss, local, micro), local
 
         finite, local = self.oom.run("update", self.update.update_micro, attempt, self.model)
-        grad_norm, all_finite = _host_floats(clip_grad_norm_(self.model, self.update.grad_clip), finite)
+        norm = clip_grad_norm_(self.model, self.update.grad_clip, local_shards=self.update.local_shard_optim)
+        grad_norm, all_finite = _host_floats(norm, finite)
         acc.merge(local)
         acc.add({f"{self.name}/grad_norm": grad_norm})
         if all_finite and math.isfinite(grad_norm):

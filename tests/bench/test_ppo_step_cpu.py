@@ -109,3 +109,12 @@ def test_the_dynamic_tokens_switch_is_on_inside_and_restored_after(monkeypatch):
             assert compiled_layers.DYNAMIC_TOKENS is inside
             raise RuntimeError("a variant fails")
         assert compiled_layers.DYNAMIC_TOKENS is None
+
+
+def test_the_local_optim_candidate_turns_the_key_off_for_both_trained_roles():
+    from bench.ppo_step import variant_overrides
+
+    off = [f"{r}.fsdp_config.local_shard_optim=False" for r in ("actor_rollout_ref.actor", "critic.model")]
+    assert all(o in variant_overrides("after+critic_compile-local_optim") for o in off)
+    assert all(o in variant_overrides("before") for o in off)
+    assert not any("local_shard_optim" in o for o in variant_overrides("after+critic_compile"))

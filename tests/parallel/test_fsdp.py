@@ -14,33 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fsdp_worker as W  # noqa: E402
 
 from klppo.parallel.checkpoint import load_checkpoint  # noqa: E402
-from klppo.parallel.dist import free_port  # noqa: E402
 from klppo.parallel.fsdp import choose_units  # noqa: E402
 
 # slow: multi-process or long (minutes on 2 busy cores), `-m 'not slow'` skips it; one xdist worker runs the
-# module, so its spawned runs (a module fixture) happen once
+# group (this module and test_local_shards.py), so the spawned runs (conftest's session fixture) happen once
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp_runs")]
 
 LOSS_RTOL, WEIGHT_ATOL, KEY_BIAS_ATOL = 1e-5, 1e-5, 5e-5
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("fsdp")
-    mp.start_processes(W.main_one, args=(free_port(), str(out)), nprocs=1, start_method="spawn")
-    ckpt_in = str(out / "ckpt_from_1")
-    mp.start_processes(W.main_two, args=(free_port(), str(out), ckpt_in), nprocs=2, start_method="spawn")
-    return {
-        "one": torch.load(out / "one.pt", weights_only=False),
-        "two": torch.load(out / "two.pt", weights_only=False),
-        "out": out,
-    }
+def runs(fsdp_runs) -> dict:
+    return fsdp_runs
 
 
 @pytest.fixture(scope="module")

@@ -217,9 +217,13 @@ def _last_layer(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _record_grads(monkeypatch) -> list[list[torch.Tensor]]:
-    """Every optimizer step's gradients (actor and critic), cloned before the step."""
+    """Every optimizer step's gradients (actor and critic), cloned before the step. Patched on the class the
+    roles build (``fsdp_config.local_shard_optim``, the default): torch's first construction of a class
+    stores its profiler-wrapped ``step`` on that class, so a patch of ``torch.optim.AdamW`` would miss it."""
+    from klppo.parallel.local_shards import LocalShardAdamW
+
     recorded: list[list[torch.Tensor]] = []
-    real_step = torch.optim.AdamW.step
+    real_step = LocalShardAdamW.step
 
     def step(self, *a, **k):
         recorded.append(
@@ -227,7 +231,7 @@ def _record_grads(monkeypatch) -> list[list[torch.Tensor]]:
         )
         return real_step(self, *a, **k)
 
-    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    monkeypatch.setattr(LocalShardAdamW, "step", step)
     return recorded
 
 
