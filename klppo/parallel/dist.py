@@ -46,6 +46,8 @@ _current_phase = "startup"
 _phase_stack: list[str] = []  # enclosing phases, outermost first: an error names the whole path
 _phase_since = time.monotonic()  # when the innermost phase was entered or returned to
 
+RENDEZVOUS_MIN_S = 300.0
+"""Least time the start-up rendezvous waits for every rank to join (trainer.collective_timeout_s when longer)."""
 COLLECTIVE_STALL_EXIT = 75  # a rank ended by its PhaseWatch: it waited in one collective past the timeout
 # the Python files whose functions enter the backends' collectives (dist.all_reduce, FSDP's all-gathers
 # and reduce-scatters, barrier, new_group, destroy_process_group; functional collectives and DTensor)
@@ -139,7 +141,9 @@ def init_distributed(device: str, timeout_s: float) -> DistInfo:
     """Join (or create) the default process group.
 
     ``device`` is "cuda" (NCCL, one GPU per local rank) or "cpu" (gloo). ``timeout_s`` bounds every
-    collective: a rank waiting longer fails instead of hanging forever. Idempotent.
+    collective: a rank waiting longer fails instead of hanging forever. The start-up rendezvous (torchrun's
+    ``MASTER_ADDR``/``MASTER_PORT`` store) waits at least :data:`RENDEZVOUS_MIN_S` for every rank to join,
+    so a short collective timeout does not fail a start whose ranks import slowly. Idempotent.
     """
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
@@ -155,7 +159,20 @@ def init_distributed(device: str, timeout_s: float) -> DistInfo:
         kwargs = {"device_id": dev}
     else:
         backend, dev, kwargs = "gloo", torch.device("cpu"), {}
-    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s), **kwargs)
+    # the rendezvous waits for late ranks (slow imports, nodes that start late) at least RENDEZVOUS_MIN_S,
+    # whatever the collective timeout; then the store and the collectives use timeout_s
+    store, rank, world_size = next(
+        dist.rendezvous("env://", timeout=timedelta(seconds=max(timeout_s, RENDEZVOUS_MIN_S)))
+    )
+    store.set_timeout(timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),  # as init_method="env://" does
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
     result = DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend)
     setup_rank_logging(result.rank)
     if backend == "nccl" and result.rank == 0:

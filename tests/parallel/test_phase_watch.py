@@ -198,9 +198,10 @@ def test_two_ranks_collective_past_the_timeout_ends_the_rank(tmp_path: Path):
 
 
 BUSY_WORKER = """
-import sys, time
+import os, sys, time
 import torch, torch.distributed as dist
 from klppo.parallel.dist import destroy, init_distributed, phase
+time.sleep(3.0 if os.environ["RANK"] == "1" else 0.0)  # a rank that joins late (a slow import)
 info = init_distributed("cpu", timeout_s=1.0)
 end = time.monotonic() + float(sys.argv[1])
 t = torch.ones(1)
@@ -222,7 +223,8 @@ print("done", file=sys.stderr, flush=True)
 def test_two_ranks_busy_with_collectives_past_the_bound_run_to_the_end(tmp_path: Path):
     """A normal run: rank 0 spends 5 s (more than the 3 s at which a stuck call is ended: 1 s timeout + 2 s
     grace) waiting in short all-reduces, each shorter than the 1 s timeout: both ranks finish, exit 0, and
-    nothing is ended."""
+    nothing is ended. Rank 1 joins 3 s late: the rendezvous waits for it whatever the collective timeout
+    (it failed at start-up with the 1 s timeout on a loaded 2-core machine)."""
     assert 1 + stall_grace_s(1) < 5
     procs = _launch_two(tmp_path, BUSY_WORKER, ["5"])
     errs = [p.communicate(timeout=120)[1] for p in procs]
