@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fsdp_worker as W  # noqa: E402
@@ -23,19 +22,19 @@ from klppo.parallel.checkpoint import load_checkpoint  # noqa: E402
 from klppo.parallel.dist import free_port  # noqa: E402
 from klppo.parallel.fsdp import choose_units  # noqa: E402
 
-# slow: multi-process or long (minutes on 2 busy cores), `-m 'not slow'` skips it; one xdist worker runs the
-# module, so its spawned runs (a module fixture) happen once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp_runs")]
+# slow: multi-process or long (minutes on 2 busy cores), `-m 'not slow'` skips it; its runs (a module fixture)
+# happen once, in the session's rank pool (tests/rank_pool.py) of the xdist worker that runs the group
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rank_pool")]
 
 LOSS_RTOL, WEIGHT_ATOL, KEY_BIAS_ATOL = 1e-5, 1e-5, 5e-5
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory, rank_pool) -> dict:
     out = tmp_path_factory.mktemp("fsdp")
-    mp.start_processes(W.main_one, args=(free_port(), str(out)), nprocs=1, start_method="spawn")
+    rank_pool.run(W.main_one, free_port(), str(out), nprocs=1)
     ckpt_in = str(out / "ckpt_from_1")
-    mp.start_processes(W.main_two, args=(free_port(), str(out), ckpt_in), nprocs=2, start_method="spawn")
+    rank_pool.run(W.main_two, free_port(), str(out), ckpt_in)
     return {
         "one": torch.load(out / "one.pt", weights_only=False),
         "two": torch.load(out / "two.pt", weights_only=False),
