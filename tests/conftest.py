@@ -35,3 +35,14 @@ def smollm2_conversion(tmp_path_factory) -> tuple[str, str, float]:
         start = time.perf_counter()
         directory = quickstart_model_path(verbose=False)
         return cache, directory, time.perf_counter() - start
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """Two spawned processes for the session's multi-process checks (tests/rank_pool.py); the tests that use
+    it carry ``xdist_group("rank_pool")``, so one xdist worker starts them once."""
+    from tests.rank_pool import RankPool
+
+    pool = RankPool(2)
+    yield pool
+    pool.close()

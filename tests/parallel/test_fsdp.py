@@ -22,8 +22,8 @@ from klppo.parallel.checkpoint import load_checkpoint  # noqa: E402
 from klppo.parallel.fsdp import choose_units  # noqa: E402
 
 # slow: multi-process or long (minutes on 2 busy cores), `-m 'not slow'` skips it; one xdist worker runs the
-# group (this module and test_local_shards.py), so the spawned runs (conftest's session fixture) happen once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp_runs")]
+# rank_pool group, so the runs (conftest's session fixture fsdp_runs, in the session's rank pool) happen once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rank_pool")]
 
 LOSS_RTOL, WEIGHT_ATOL, KEY_BIAS_ATOL = 1e-5, 1e-5, 5e-5
 

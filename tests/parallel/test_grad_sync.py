@@ -11,25 +11,25 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import grad_sync_worker as W  # noqa: E402
 
 from klppo.parallel.dist import free_port  # noqa: E402
 
-# slow: two spawned launches (~20 s on 2 busy cores), a module fixture that one xdist worker runs once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("grad_sync_runs")]
+# slow: two launches (~20 s on 2 busy cores), a module fixture run once in the session's rank pool
+# (tests/rank_pool.py) of the xdist worker that runs the group
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rank_pool")]
 
 ROLES = ("actor", "critic")
 UNITS = W.NUM_LAYERS + 1  # one per decoder layer + the root
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, dict]:
+def runs(tmp_path_factory, rank_pool) -> dict[int, dict]:
     out = tmp_path_factory.mktemp("grad_sync")
     for world in (1, 2):
-        mp.start_processes(W.main, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
+        rank_pool.run(W.main, world, free_port(), str(out), nprocs=world)
     return {world: torch.load(out / f"grad_sync_{world}.pt", weights_only=False) for world in (1, 2)}
 
 

@@ -25,7 +25,7 @@ from klppo.parallel.local_shards import LocalShardAdam, LocalShardAdamW  # noqa:
 from klppo.roles.optim import OptimSettings, build_optimizer  # noqa: E402
 
 # the checks run inside test_fsdp.py's launches (conftest's fsdp_runs: a world of 1, then of 2)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp_runs")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rank_pool")]
 WORLDS = (1, 2)
 
 

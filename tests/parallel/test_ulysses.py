@@ -22,9 +22,13 @@ from klppo.parallel.dist import free_port  # noqa: E402
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _launch(tmp_path, world: int, kv_heads: tuple[int, ...]) -> dict[int, dict]:
-    mp.start_processes(W.main, args=(free_port(), world, str(tmp_path), kv_heads), nprocs=world,
-                       start_method="spawn")  # fmt: skip
+def _launch(tmp_path, world: int, kv_heads: tuple[int, ...], rank_pool=None) -> dict[int, dict]:
+    """The ranks in the session's rank pool (2), or spawned for this launch (4)."""
+    args = (free_port(), world, str(tmp_path), kv_heads)
+    if rank_pool is not None and world <= rank_pool.size:
+        rank_pool.run(W.main, *args, nprocs=world)
+    else:
+        mp.start_processes(W.main, args=args, nprocs=world, start_method="spawn")
     return {kv: torch.load(tmp_path / f"sp{world}_kv{kv}.pt", weights_only=False) for kv in kv_heads}
 
 
@@ -85,9 +89,10 @@ def _check_model(got: dict, want: dict) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_process(tmp_path):
+@pytest.mark.xdist_group("rank_pool")
+def test_two_ranks_match_one_process(tmp_path, rank_pool):
     """2 KV heads: one per rank; 1 KV head: replicated over the 2 ranks (and the fused LM head)."""
-    runs = _launch(tmp_path, 2, (2, 1))
+    runs = _launch(tmp_path, 2, (2, 1), rank_pool)
     for num_kv_heads, got in runs.items():
         _check_all_to_all(got["a2a"], 2)
         _check_local_tokens(got, 2)

@@ -66,12 +66,15 @@ def _check_hsdp(out: Path, world: int, tp_size: int) -> None:
             assert torch.equal(got[name], want.detach()), name
 
 
-def _launch(tmp_path: Path, world: int, tp_size: int) -> dict[str, list[dict]]:
+def _launch(tmp_path: Path, world: int, tp_size: int, rank_pool=None) -> dict[str, list[dict]]:
+    """The ranks in the session's rank pool (2), or spawned for this launch (4)."""
     out = tmp_path / f"w{world}_tp{tp_size}"
     out.mkdir()
-    mp.start_processes(
-        W.main, args=(free_port(), world, tp_size, str(out)), nprocs=world, start_method="spawn"
-    )
+    args = (free_port(), world, tp_size, str(out))
+    if rank_pool is not None and world <= rank_pool.size:
+        rank_pool.run(W.main, *args, nprocs=world)
+    else:
+        mp.start_processes(W.main, args=args, nprocs=world, start_method="spawn")
     if tp_size > 1:
         _check_hsdp(out, world, tp_size)
         _check_unsupported(out, world)
@@ -85,8 +88,9 @@ def _cat(ranks: list[dict], run: str, field: str) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_tp2_matches_one_process(tmp_path):
-    runs = _launch(tmp_path, 2, 2)
+@pytest.mark.xdist_group("rank_pool")
+def test_tp2_matches_one_process(tmp_path, rank_pool):
+    runs = _launch(tmp_path, 2, 2, rank_pool)
     for case, ranks in runs.items():
         model = W.new_model(case)
         engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2)

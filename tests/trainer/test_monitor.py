@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainer.utils import base_overrides, read_metrics, run_training
+from tests.trainer.utils import base_overrides, read_metrics, run_training, train_two_ranks
 
 # scores that vary with the response text, so that advantages (and policy gradients) are non-zero
 REWARD_VARIED = """
@@ -397,7 +397,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 @pytest.mark.slow
-def test_two_processes_take_the_same_actions_as_one(tiny_model_dir, arithmetic_data, tmp_path):
+@pytest.mark.xdist_group("rank_pool")
+def test_two_processes_take_the_same_actions_as_one(tiny_model_dir, arithmetic_data, tmp_path, rank_pool):
     """Rollback (collective save and load of the best-validation checkpoint) and KL-coefficient changes
     with 2 gloo ranks under `klppo train`: the same events, coefficients and lr as 1 process."""
     from tests.trainer.test_distributed import _overrides
@@ -408,10 +409,8 @@ def test_two_processes_take_the_same_actions_as_one(tiny_model_dir, arithmetic_d
         "monitor.kl_explosion.enable=True", "monitor.kl_explosion.threshold=-1.0",  # fires every step
     ]  # fmt: skip
     two, one = tmp_path / "two", tmp_path / "one"
-    assert (
-        klppo_train(_overrides(tiny_model_dir, arithmetic_data, two) + rules + ["trainer.n_gpus_per_node=2"])
-        == 0
-    )
+    argv = _overrides(tiny_model_dir, arithmetic_data, two) + rules + ["trainer.n_gpus_per_node=2"]
+    assert train_two_ranks(rank_pool, argv) == 0
     run_training(_overrides(tiny_model_dir, arithmetic_data, one) + rules)
 
     def actions(run_dir):

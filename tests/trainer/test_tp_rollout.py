@@ -11,7 +11,7 @@ import pytest
 from tests.trainer.test_distributed import COMPARED, ZERO_BY_CONSTRUCTION
 from tests.trainer.test_distributed import _overrides as distributed_overrides
 from tests.trainer.test_ulysses import REWARD
-from tests.trainer.utils import read_metrics, run_training
+from tests.trainer.utils import read_metrics, run_training, train_two_ranks
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +47,14 @@ def _overrides(model_dir, data, run_dir):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_rollout_matches_one_process(sharp_model_dir, arithmetic_data, tmp_path):
-    from klppo.trainer.main_ppo import main
-
+@pytest.mark.xdist_group("rank_pool")
+def test_tensor_parallel_rollout_matches_one_process(sharp_model_dir, arithmetic_data, tmp_path, rank_pool):
     two = tmp_path / "tp2"
     argv = _overrides(sharp_model_dir, arithmetic_data, two) + [
         "trainer.n_gpus_per_node=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
     ]
-    assert main(argv) == 0
+    assert train_two_ranks(rank_pool, argv) == 0
     one = tmp_path / "one"
     run_training(_overrides(sharp_model_dir, arithmetic_data, one))
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.trainer.test_distributed import COMPARED, ZERO_BY_CONSTRUCTION
 from tests.trainer.test_distributed import _overrides as distributed_overrides
-from tests.trainer.utils import read_metrics, run_training
+from tests.trainer.utils import read_metrics, run_training, train_two_ranks
 
 SP = [
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
@@ -49,13 +49,11 @@ def by_step(run_dir) -> dict[int, dict]:
 
 
 @pytest.mark.slow
-def test_sequence_parallel_matches_one_process(tiny_model_dir, arithmetic_data, tmp_path):
-    from klppo.trainer.main_ppo import main
-
+@pytest.mark.xdist_group("rank_pool")
+def test_sequence_parallel_matches_one_process(tiny_model_dir, arithmetic_data, tmp_path, rank_pool):
     two = tmp_path / "sp2"
-    assert (
-        main(_overrides(tiny_model_dir, arithmetic_data, two, 80) + SP + ["trainer.n_gpus_per_node=2"]) == 0
-    )
+    argv = _overrides(tiny_model_dir, arithmetic_data, two, 80) + SP + ["trainer.n_gpus_per_node=2"]
+    assert train_two_ranks(rank_pool, argv) == 0
     one = tmp_path / "one"
     run_training(_overrides(tiny_model_dir, arithmetic_data, one, 160))
 

@@ -20,7 +20,7 @@ from klppo.roles.actor import Actor, ActorSettings
 from klppo.roles.forward import MicroBatching
 from klppo.roles.optim import OptimSettings
 from klppo.trainer.phases import whole_batch_kl
-from tests.trainer.utils import base_overrides, read_metrics, run_training
+from tests.trainer.utils import base_overrides, read_metrics, run_training, train_two_ranks
 
 
 def test_rows_with_advantage_by_hand():
@@ -238,12 +238,11 @@ def test_refused_with_a_critic_and_noted_where_it_does_little():
 
 
 @pytest.mark.slow
-def test_two_ranks_update_equal_shares_of_the_kept_rows(tiny_model_dir, arithmetic_data, tmp_path):
+@pytest.mark.xdist_group("rank_pool")
+def test_two_ranks_update_equal_shares_of_the_kept_rows(tiny_model_dir, arithmetic_data, tmp_path, rank_pool):
     """`klppo train` on 2 gloo ranks with the option, 3 samples per prompt: the kept rows (whole groups of
     3) padded to an even count split into equal shares, both ranks update (a rank with fewer rows would
     leave a collective waiting), and the share and the every-sample KL are logged as in one process."""
-    from klppo.trainer.main_ppo import main
-
     path = tmp_path / "parity.py"
     path.write_text(SCORE)
     over = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "two") + [
@@ -258,8 +257,7 @@ def test_two_ranks_update_equal_shares_of_the_kept_rows(tiny_model_dir, arithmet
         "trainer.n_gpus_per_node=2",
         f"custom_reward_function.path={path}",
     ]
-    torch.set_num_threads(1)
-    assert main(over) == 0
+    assert train_two_ranks(rank_pool, over) == 0
     rows = read_metrics(tmp_path / "two")
     assert len(rows) == 3 and all(r["perf/world_size"] == 2 for r in rows)
     counts = [round(r["actor/update_rows_share"] * 24) for r in rows]  # rows updated of 8 prompts × 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -63,3 +64,31 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_rank(rank: int, port: int, argv: list[str]) -> int:
+    """Rank ``rank`` of `klppo train ARGV` on 2 gloo processes, as torchrun starts it under `klppo train`
+    (rank environment, data checked and run directory locked by the launcher): a task of the rank pool."""
+    from klppo.parallel import dist
+    from klppo.trainer.main_ppo import STARTUP_CHECKED_ENV, main
+    from klppo.trainer.run_lock import HELD_ENV
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      **{STARTUP_CHECKED_ENV: "1", HELD_ENV: "1"})  # fmt: skip
+    torch.set_num_threads(1)
+    try:
+        return main(argv)
+    finally:
+        dist.destroy()
+
+
+def train_two_ranks(rank_pool, argv: list[str]) -> int:
+    """`klppo train ARGV` with ``trainer.n_gpus_per_node=2`` on the rank pool's two processes (the launcher's
+    own part, torchrun and signals, is tested by test_distributed.py and test_signals.py): 0 when both
+    ranks returned 0, else the first non-zero exit status."""
+    from klppo.parallel.dist import free_port
+
+    assert "trainer.n_gpus_per_node=2" in argv
+    codes = rank_pool.run(train_rank, free_port(), argv)
+    return next((c for c in codes if c), 0)

@@ -10,22 +10,21 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tune_worker as W  # noqa: E402
 
 from klppo.parallel.dist import free_port  # noqa: E402
 
-# slow: multi-process or long (minutes on 2 busy cores), `-m 'not slow'` skips it; one xdist worker runs the
-# module, so its spawned runs (a module fixture) happen once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tune_dist_runs")]
+# slow: multi-process or long (minutes on 2 busy cores), `-m 'not slow'` skips it; its launch (a module
+# fixture) happens once, in the session's rank pool (tests/rank_pool.py) of the xdist worker running the group
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rank_pool")]
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory) -> dict:
+def result(tmp_path_factory, rank_pool) -> dict:
     out = tmp_path_factory.mktemp("tune")
-    mp.start_processes(W.run, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
+    rank_pool.run(W.run, free_port(), str(out))
     return json.loads((out / "result.json").read_text())
 
 
