@@ -224,9 +224,3 @@ def micro_weight(mode: str, micro_mask, counts: tuple[float, float, float], hori
     return world_size() * micro_batch_loss_weight(
         mode, micro_mask, tokens, seqs, horizon=horizon, mini_num_rows=rows
     )
-
-
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Global gradient norm (sharded grads included), clipped to ``max_norm``; inf/nan returned as is."""
-
-    return float(clip_grad_norm_(model, max_norm))

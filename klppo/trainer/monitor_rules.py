@@ -376,6 +376,7 @@ class Drift(Rule):
                 continue  # not measured this step (no critic, CPU, not a profiled step) or not watched
             if name == "gpu_util" and self.cfg_seen.get(name, 0) < self.cfg.gpu_util_warmup_steps:
                 self.cfg_seen[name] = self.cfg_seen.get(name, 0) + 1  # compilation and warm-up, not drift
+                self.streak[name] = 0  # nor a streak a checkpoint carried: counted again after the warm-up
                 continue
             bad = (low is not None and value < low) or (high is not None and value > high)
             self.streak[name] = self.streak.get(name, 0) + 1 if bad else 0

@@ -15,9 +15,11 @@ from torch.distributed.tensor import DTensor
 
 from klppo.parallel.checkpoint import load_checkpoint, save_checkpoint
 from klppo.parallel.fsdp import build_mesh, clip_grad_norm_
+from klppo.parallel.local_shards import local_total_norm
 from klppo.roles.optim import OptimSettings, build_optimizer, build_scheduler
 
-STEPS, ROWS, MAX_NORM = 3, 8, 0.05
+STEPS, ROWS, MAX_NORM = 4, 8, 0.05
+SMALL_STEP = STEPS - 1  # its loss scaled by 1e-4: a norm under MAX_NORM, so the clip must leave it as it is
 # a warm-up of 2 steps: the scheduler changes the lr at every step
 OPTIM = OptimSettings(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), warmup_steps=2, total_steps=STEPS)
 PATHS = {"dtensor": False, "local": True}
@@ -44,7 +46,8 @@ def batch(step: int, rank: int, world: int) -> torch.Tensor:
 
 def backward(model: nn.Module, step: int) -> None:
     """The gradient of the global mean of out² (FSDP2 averages over ranks holding equal rows)."""
-    (model(batch(step, dist.get_rank(), dist.get_world_size())) ** 2).mean().backward()
+    scale = 1e-4 if step == SMALL_STEP else 1.0
+    (scale * (model(batch(step, dist.get_rank(), dist.get_world_size())) ** 2).mean()).backward()
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -73,8 +76,19 @@ def train(mesh, local: bool) -> dict:
     opt = build_optimizer(model.parameters(), OPTIM, local_shards=local)
     scheduler = build_scheduler(opt, OPTIM)
     out = {"initial": {k: full(p) for k, p in model.named_parameters()}, "grads": [], "norms": [], "lrs": []}
+    out["step_lists"] = seen = []  # per step: did the functional update get any DTensor?
+    init_group = opt._init_group
+
+    def recording(group, *lists):
+        has_complex = init_group(group, *lists)
+        seen.append(any(isinstance(t, DTensor) for items in lists if isinstance(items, list) for t in items))
+        return has_complex
+
+    opt._init_group = recording
     for step in range(STEPS):
         backward(model, step)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        out.setdefault("clip_local", []).append(local_total_norm(grads) is not None)
         out["grads"].append({k: full(p.grad) for k, p in model.named_parameters() if p.grad is not None})
         out["norms"].append(clip_grad_norm_(model, MAX_NORM, local_shards=local))
         out["lrs"].append(opt.param_groups[0]["lr"])
@@ -83,6 +97,7 @@ def train(mesh, local: bool) -> dict:
         opt.zero_grad(set_to_none=True)
     out["class"] = type(opt).__name__
     out["state"] = full_state(model, opt)
+    del opt._init_group  # the instance attribute (pickling and later use see the class's method)
     out["model"], out["opt"] = model, opt
     return out
 

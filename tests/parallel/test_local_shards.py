@@ -2,11 +2,11 @@
 against the DTensor path and a float64 AdamW + clip, FSDP2 on gloo worlds of 1 and 2 processes (the checks,
 local_shards_worker.py, run inside test_fsdp.py's two launches: no spawn of their own).
 
-Bitwise, not a tolerance, against the DTensor path: on CPU both run torch's single-tensor AdamW (DTensors
-have no foreach path, and torch picks none for CPU tensors) on the same shard values, and the norm is the
+Bitwise, not a tolerance, against the DTensor path: on CPU both run torch's single-tensor AdamW (torch's
+default picks foreach only for CUDA tensors) on the same shard values, and the norm is the
 same arithmetic (per-tensor norms of the shards, their norm, squared, summed over the group, square root),
 so any difference is a bug. The float64 reference (AdamW's formula written out, fed the recorded fp32 full
-gradients) agrees to rtol 1e-6: fp32 rounding of three steps.
+gradients) agrees to rtol 1e-6: fp32 rounding of four steps.
 """
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ def float64_adamw(run: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
 def test_local_shards_equal_the_dtensor_path_bit_for_bit(runs, world):
     local, dtensor = runs[world]["runs"]["local"], runs[world]["runs"]["dtensor"]
     assert (local["class"], dtensor["class"]) == ("LocalShardAdamW", "AdamW")
+    # the fast path was taken (equal results alone would not say so: a fallback gives them too)
+    assert local["step_lists"] == [False] * W.STEPS and dtensor["step_lists"] == [True] * W.STEPS
+    assert local["clip_local"] == [True] * W.STEPS
     assert local["lrs"] == dtensor["lrs"] and len(set(local["lrs"])) == 2  # the scheduler acted
     assert_same(local["norms"], dtensor["norms"])
     assert_same(local["grads"], dtensor["grads"])
@@ -90,6 +93,7 @@ def test_clip_and_adamw_match_float64(runs, world):
     norms, want = float64_adamw(run)
     assert [float(n) for n in run["norms"]] == pytest.approx(norms, rel=1e-6)
     assert norms[0] > W.MAX_NORM  # clipping acted
+    assert norms[W.SMALL_STEP] < W.MAX_NORM  # and a step under the bound was left as it was (coefficient 1)
     model = run["state"]["model"]
     for k, w in want.items():
         got = model[k][2]

@@ -244,6 +244,12 @@ def test_gpu_utilisation_warns_after_patience_steps_and_not_on_the_first_step():
     resumed = Drift(W1)
     resumed.load_state_dict(state)
     assert resumed.observe(13, {"perf/gpu_util": 5.0}, None) == [] and resumed.streak == {"gpu_util": 0}
+    # a streak the checkpoint carried does not survive the resumed process's warm-up (it would warn after
+    # one low reading): the warm-up resets it
+    carried = Drift(W1)
+    carried.load_state_dict({**state, "streak": {"gpu_util": 4}})
+    assert carried.observe(14, {"perf/gpu_util": 95.0}, None) == []  # the warm-up reading
+    assert carried.observe(15, {"perf/gpu_util": 20.0}, None) == [] and carried.streak == {"gpu_util": 1}
     one = Drift(
         load_config(["monitor.drift.patience_steps=1", "monitor.drift.gpu_util_warmup_steps=1"]).monitor.drift
     )
