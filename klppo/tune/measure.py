@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM
 from klppo.batching.attention import enable_packed_attention
 from klppo.batching.packing import forward_log_probs
 from klppo.parallel.fsdp import FSDPSettings, build_mesh, clip_grad_norm_, shard_model
-from klppo.parallel.local_shards import local_shard_class
 from klppo.parallel.offload import load_optimizer, load_params, offload_optimizer, offload_params
+from klppo.roles.optim import OptimSettings, build_optimizer
 from klppo.tune.intervals import Interval, exposed_time
 from klppo.tune.memory import Point, Workload
 
@@ -101,9 +101,8 @@ def build(config, point: Point, w: Workload, device: torch.device):
         reduce_dtype=getattr(torch, w.reduce_dtype),  # the configured one, as the models assume
     )
     shard_model(model, settings, build_mesh(w.world_size, w.fsdp_size, device.type))
-    # the trainer's optimizer (roles/optim.build_optimizer): AdamW on the local shards, fused on CUDA
-    fused = {"fused": True} if all(p.is_cuda for p in model.parameters()) else {}
-    optimizer = local_shard_class(torch.optim.AdamW)(model.parameters(), lr=1e-6, weight_decay=0.01, **fused)
+    # the trainer's optimizer: AdamW (lr 1e-6, weight decay 0.01) on the local shards, fused on CUDA
+    optimizer = build_optimizer(model.parameters(), OptimSettings())
     return model, optimizer
 
 
