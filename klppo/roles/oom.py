@@ -52,9 +52,8 @@ class OOMRecovery:
     def __init__(self, role: str, *, sp_size: int = 1, update_rows: int | None = None) -> None:
         self.role = role
         self.sp_size = sp_size  # a Ulysses group's token budget is the config's × its size
-        self.update_rows = (
-            update_rows  # samples per rank in an update's mini-batch: its micro-batch divides it
-        )
+        # samples per rank in an update's mini-batch: its micro-batch divides it
+        self.update_rows = update_rows
         self.max_retries = 0  # set by the trainer's monitor from monitor.oom_recovery
         self.micro: dict[str, MicroBatching] = {}
         self.events: list[dict[str, Any]] = []

@@ -42,9 +42,8 @@ class Reference:
             for p in self.model.parameters():
                 p.requires_grad_(False)
         self.micro = micro
-        self.oom = OOMRecovery(
-            "ref", sp_size=1 if sp is None else sp.size
-        )  # out-of-memory retries with smaller micro-batches
+        # out-of-memory retries with smaller micro-batches
+        self.oom = OOMRecovery("ref", sp_size=1 if sp is None else sp.size)
         self.temperature = temperature
         self.use_remove_padding = use_remove_padding
         self.use_fused_kernels = use_fused_kernels

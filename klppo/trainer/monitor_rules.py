@@ -395,10 +395,8 @@ class Drift(Rule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         patience = {r[0]: r[4] for r in self._ranges()}
-        for (
-            name,
-            out,
-        ) in self.outside.items():  # a checkpoint from before the streaks: already warned if outside
+        # a checkpoint from before the streaks: already warned where it was outside
+        for name, out in self.outside.items():
             self.streak.setdefault(name, patience.get(name, 1) if out else 0)
 
     def metrics(self):

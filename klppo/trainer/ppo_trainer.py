@@ -126,9 +126,8 @@ class PPOTrainer:
             )  # fmt: skip
         tracker.set_total_steps(total)
         at_start = self.state.global_step == 0 and tcfg.val_before_train
-        if val_loader is not None and (
-            at_start or tcfg.val_only
-        ):  # val_only: the resumed model too, never trained
+        # val_only: the resumed model too, never trained
+        if val_loader is not None and (at_start or tcfg.val_only):
             step = self.state.global_step
             val = self.validate()
             self.monitor.observe_validation(step, val)

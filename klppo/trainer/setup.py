@@ -297,9 +297,8 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     sizes = derive_sizes(cfg, world_size())
     use_persistent_cache()  # before anything compiles: every compiled part of the run, whatever the engine
     torch.manual_seed(tcfg.seed)
-    model_path = model_dir(
-        arr.model.path, key="actor_rollout_ref.model.path"
-    )  # a .gguf file → its cached Hugging Face directory
+    # a .gguf file → its cached Hugging Face directory
+    model_path = model_dir(arr.model.path, key="actor_rollout_ref.model.path")
     tokenizer = load_tokenizer(
         model_dir(arr.model.tokenizer_path, key="actor_rollout_ref.model.tokenizer_path")
         if arr.model.tokenizer_path
