@@ -332,6 +332,7 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
     prof = Profile(args, run_dir.name, skip=args.steps - 1)
     syncs = SyncCount(args.count_syncs and args.device == "cuda")
     ops = OpCount(args.count_ops)
+    host = HostProbe()
 
     class Trainer(PPOTrainer):
         def train_step(self, prompts, step):
@@ -340,13 +341,14 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
             prof.step()
             syncs.step()
             ops.step()
+            host.step()
             return out
 
     try:
         start = time.perf_counter()
         built = build_run(cfg, device=info.device, argv=overrides)
         setup_s = time.perf_counter() - start  # with rollout=klppo the decode functions compile meanwhile
-        with prof, syncs:
+        with prof, syncs, host:
             Trainer(built).fit()
     finally:
         dist.destroy()
@@ -361,11 +363,56 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
     }
     summary.update(syncs.summary())
     summary.update(ops.summary())
+    summary.update(host.summary())
+    summary["steps_s"] = [r["timing_s/step"] for r in rows]
     summary["setup_s"] = setup_s
     summary["first_step_s"] = rows[0]["timing_s/step"]
     if "timing_s/gen" in summary:
         summary["train_s (step - gen)"] = summary["timing_s/step"] - summary["timing_s/gen"]
     return summary
+
+
+class HostProbe:
+    """Host time that no trainer phase names: Python's garbage collector per step (``host/gc_s``, the time
+    inside collections through ``gc.callbacks``; ``host/gc_full``, full collections), the objects it tracks
+    at the end (``host/gc_objects``: compilation leaves many), and a fixed pure-Python loop timed when the run
+    starts (``host/python_loop_s``: tells a slow host from slow code between calls and machines)."""
+
+    def __init__(self) -> None:
+        self.per_step: list[tuple[float, int]] = []
+        self.gc_s, self.full, self._t0, self.loop_s, self.objects = 0.0, 0, 0.0, 0.0, 0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._t0
+            self.full += info.get("generation") == 2
+
+    def __enter__(self) -> HostProbe:
+        start = time.perf_counter()
+        total = 0
+        for i in range(2_000_000):
+            total += i % 7
+        self.loop_s = time.perf_counter() - start
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+        self.objects = len(gc.get_objects())
+
+    def step(self) -> None:
+        self.per_step.append((self.gc_s, self.full))
+        self.gc_s, self.full = 0.0, 0
+
+    def summary(self) -> dict[str, float]:
+        later = self.per_step[1:] or self.per_step
+        out = {"host/python_loop_s": self.loop_s, "host/gc_objects": float(self.objects)}
+        if later:
+            out["host/gc_s"] = statistics.median(s for s, _ in later)
+            out["host/gc_full"] = statistics.median(f for _, f in later)
+        return out
 
 
 class SyncCount:
@@ -634,7 +681,8 @@ ROWS = [
     "timing_s/values", "timing_s/reward", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step",
     "train_s (step - gen)", "first_step_s", "first_update_s", "setup_s", "tokens_per_s", "perf/throughput",
     "perf/mfu/actor", "perf/max_memory_allocated_gb", "perf/allocated_before_gb", "rollout/log_prob_diff", "actor/pg_loss",
-    "actor/entropy", "actor/grad_norm", "cuda_syncs/passes", "cuda_syncs/other",
+    "actor/entropy", "actor/grad_norm", "cuda_syncs/passes", "cuda_syncs/other", "host/python_loop_s", "host/gc_s",
+    "host/gc_full", "host/gc_objects",
 ]  # fmt: skip
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
-from bench.ppo_step import OpCount, kernel_seconds
+from bench.ppo_step import HostProbe, OpCount, kernel_seconds
 from klppo.parallel.dist import phase
 
 
@@ -34,6 +36,25 @@ def test_op_count_attributes_forward_and_backward_operators_to_the_phase():
         pass
     torch.ones(2) * 3
     assert OpCount(False).summary() == {} and ops.current == {}
+
+
+def test_host_probe_times_the_collections_of_each_step_and_stops_after():
+    probe = HostProbe()
+    with probe:
+        probe.step()  # the first step is left out of the medians (compilation, warm-up)
+        for _ in range(3):
+            gc.collect()  # one full collection per step
+            gc.collect(0)
+            probe.step()
+        assert probe.loop_s > 0
+    summary = probe.summary()
+    assert summary["host/gc_full"] == 1
+    assert 0 < summary["host/gc_s"] < 5
+    assert summary["host/gc_objects"] > 1000  # this process tracks at least the test's modules
+    calls = len(probe.per_step)
+    gc.collect()  # after the run the callback is gone
+    probe.step()
+    assert probe.per_step[-1] == (0.0, 0) and len(probe.per_step) == calls + 1
 
 
 def test_kernel_seconds_count_each_kernel_once() -> None:
