@@ -362,24 +362,56 @@ def forward_values(
     ``logits[:, -R-1:-1]``); zeros at masked response positions. ``host_mask`` as in
     :func:`forward_log_probs`.
     """
-    target = _response_columns(attention_mask, response_length)
     if use_remove_padding:
         _check_attention(model)
-        packed = pack(input_ids, attention_mask, position_ids, host_mask=host_mask)
-        index = None
-        if host_mask is None:
-            src = _packed_sources(packed, target)
-        else:
-            src, index = _host_sources(host_mask, response_length, input_ids.device)
-        kwargs = dict(
-            input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
-            **packed.attention_kwargs(),
-        )  # fmt: skip
-        out = model(**_packed_call(model, kwargs))
-        values = out.logits[0, :, 0].float()[src]
-        return _scatter_response(values, target, index)
+        inputs = prepare_values(
+            input_ids, attention_mask, position_ids, response_length=response_length, host_mask=host_mask
+        )
+        return values_of(model, inputs)
+    target = _response_columns(attention_mask, response_length)
     out = model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
     )
     values = out.logits[:, -response_length - 1 : -1, 0].float()
     return torch.where(target, values, 0.0)
+
+
+@dataclasses.dataclass
+class ValueInputs:
+    """A packed micro-batch's inputs to :func:`values_of`, prepared by :func:`prepare_values` (the packing and
+    the positions to read, planned on the host when a ``host_mask`` is given)."""
+
+    model_kwargs: dict  # input_ids, position_ids, attention_mask=None, use_cache (+ packed boundaries)
+    source: torch.Tensor  # [N] packed position whose output is each real response token's value
+    target: torch.Tensor  # [B, R] bool: real response tokens
+    target_index: torch.Tensor | None = None  # [N] flat positions of target's True entries (host-planned)
+
+
+def prepare_values(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    *,
+    response_length: int,
+    host_mask: np.ndarray | None = None,
+) -> ValueInputs:
+    """The packed inputs of :func:`forward_values` (same arguments), without running a model."""
+    target = _response_columns(attention_mask, response_length)
+    packed = pack(input_ids, attention_mask, position_ids, host_mask=host_mask)
+    index = None
+    if host_mask is None:
+        src = _packed_sources(packed, target)
+    else:
+        src, index = _host_sources(host_mask, response_length, input_ids.device)
+    kwargs = dict(
+        input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
+        **packed.attention_kwargs(),
+    )  # fmt: skip
+    return ValueInputs(kwargs, src, target, index)
+
+
+def values_of(model: torch.nn.Module, inputs: ValueInputs) -> torch.Tensor:
+    """:func:`forward_values` (packed) on prepared inputs: values [B, R] float32, zeros off the target."""
+    out = model(**_packed_call(model, inputs.model_kwargs))
+    values = out.logits[0, :, 0].float()[inputs.source]
+    return _scatter_response(values, inputs.target, inputs.target_index)

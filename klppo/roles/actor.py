@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
 from klppo.algorithms import kl as kl_mod
 from klppo.algorithms import losses
 from klppo.batch import Batch
+from klppo.batching.packing import log_probs_of, prepare_log_probs
 from klppo.parallel.mesh import SequenceParallel
 from klppo.roles.forward import (
     ForwardPlan,
@@ -27,7 +29,10 @@ from klppo.roles.forward import (
     log_prob_pass,
     no_grad_pass,
     policy_forward,
+    split_inputs,
+    trim_left_padding,
 )
+from klppo.roles.graphed import MicroParts
 from klppo.roles.optim import OptimSettings
 from klppo.roles.trained import LossTerms, TrainedRole, UpdateSettings
 
@@ -162,6 +167,60 @@ class Actor(TrainedRole):
             fused=s.use_fused_kernels,
             sp=s.sp,
         )
+        ref_logits = None
+        if need_logits:
+            with torch.no_grad():
+                ref_logits = ref_logits_fn(mb)
+        return self._loss_terms(mb, log_prob, entropy, kl_loss_coef, logits=logits, ref_logits=ref_logits)
+
+    def term_modes(self) -> list[str]:
+        """The aggregation mode of each term :meth:`_loss_terms` returns, in order."""
+        s = self.settings
+        modes = [losses.policy_loss_agg_mode(s.loss_mode, s.loss_agg_mode)]
+        modes += [s.loss_agg_mode] * ((s.entropy_coeff != 0) + s.use_kl_loss)
+        return modes
+
+    def graph_parts(self, mb: Batch, kl_loss_coef: float) -> MicroParts:
+        """:meth:`_micro_loss` split for capture (:mod:`klppo.roles.graphed`): the packing planned here, on the
+        host; the forward, the LM head and the loss a function of device tensors, the KL coefficient one of
+        them. Packed rows only, no sequence parallelism, no ``full`` KL (the trainer's checks)."""
+        s = self.settings
+        mb = trim_left_padding(mb)
+        inputs = prepare_log_probs(
+            mb.input_ids, mb.attention_mask, mb.position_ids, response_length=mb.response_length,
+            use_remove_padding=True, host_mask=mb.host_mask,
+        )  # fmt: skip
+        model_tensors, key, rebuild = split_inputs(inputs)
+        present = tuple(f for f in LOSS_FIELDS if getattr(mb, f) is not None)
+        beta = torch.full((), kl_loss_coef, dtype=torch.float32, device=mb.response_mask.device)
+        n, m = len(model_tensors), len(present)
+
+        def loss(ts):
+            fields = SimpleNamespace(
+                **dict.fromkeys(LOSS_FIELDS), **dict(zip(present, ts[n : n + m], strict=True))
+            )
+            log_prob, entropy = log_probs_of(
+                self.model, rebuild(ts[:n]), temperature=s.temperature, calculate_entropy=True,
+                fused=s.use_fused_kernels,
+            )  # fmt: skip
+            return self._loss_terms(fields, log_prob, entropy, ts[n + m])
+
+        tensors = [*model_tensors, *(getattr(mb, f) for f in present), beta]
+        return MicroParts(tensors, (key, present), self.term_modes(), loss)
+
+    def _loss_terms(
+        self,
+        mb: Batch | SimpleNamespace,
+        log_prob: torch.Tensor,
+        entropy: torch.Tensor,
+        kl_loss_coef: float | torch.Tensor,
+        *,
+        logits: torch.Tensor | None = None,
+        ref_logits: torch.Tensor | None = None,
+    ) -> tuple[LossTerms, dict[str, float | torch.Tensor]]:
+        """The loss terms and statistics of a micro-batch from its log-probs and entropy (and, for the
+        ``full`` KL, its logits and the reference's); ``mb`` gives the fields of ``LOSS_FIELDS``."""
+        s = self.settings
         mask = mb.response_mask
         stats = {}
         old_log_prob = mb.old_log_probs
@@ -191,9 +250,7 @@ class Actor(TrainedRole):
             entropy_loss = losses.agg_loss(entropy.detach(), mask, s.loss_agg_mode, s.loss_scale_factor)
         stats["actor/entropy"] = entropy_loss.detach()
         if s.use_kl_loss:
-            if need_logits:
-                with torch.no_grad():
-                    ref_logits = ref_logits_fn(mb)
+            if logits is not None:
                 kl_mat = kl_mod.kl_penalty_full(logits, ref_logits, mask)
             else:
                 kl_mat = kl_mod.kl_penalty(log_prob, mb.ref_log_probs, s.kl_loss_type)
@@ -202,6 +259,10 @@ class Actor(TrainedRole):
             stats["actor/kl_loss"] = kl_loss.detach()
             stats["actor/kl_coef"] = kl_loss_coef
         return terms, stats  # on the device: one transfer per update (roles/metrics.py)
+
+
+LOSS_FIELDS = ("old_log_probs", "advantages", "response_mask", "ref_log_probs", "rollout_log_probs")
+"""The batch fields the actor's loss reads besides the model inputs."""
 
 
 def _skipped_pass_stats(log_prob: torch.Tensor, mb: Batch, s: ActorSettings) -> dict[str, torch.Tensor]:

@@ -8,8 +8,10 @@ import torch
 
 from klppo.algorithms import losses
 from klppo.batch import Batch
+from klppo.batching.packing import prepare_values, values_of
 from klppo.parallel.mesh import SequenceParallel
-from klppo.roles.forward import MicroBatching, no_grad_pass, value_forward
+from klppo.roles.forward import MicroBatching, no_grad_pass, split_inputs, trim_left_padding, value_forward
+from klppo.roles.graphed import MicroParts
 from klppo.roles.optim import OptimSettings
 from klppo.roles.trained import LossTerms, TrainedRole, UpdateSettings
 
@@ -68,11 +70,39 @@ class Critic(TrainedRole):
     def _micro_loss(self, mb: Batch) -> tuple[LossTerms, dict[str, float | torch.Tensor]]:
         s = self.settings
         vpreds = value_forward(self.model, mb, use_remove_padding=s.use_remove_padding, sp=s.sp)
+        return self._loss_terms(mb.returns, mb.values, mb.response_mask, vpreds)
+
+    def term_modes(self) -> list[str]:
+        """The aggregation mode of the one loss term."""
+        return [self.settings.loss_agg_mode]
+
+    def graph_parts(self, mb: Batch) -> MicroParts:
+        """:meth:`_micro_loss` split for capture (:mod:`klppo.roles.graphed`): the packing planned here, the
+        forward and the value loss a function of device tensors. Packed rows only, no sequence parallelism."""
+        mb = trim_left_padding(mb)
+        inputs = prepare_values(
+            mb.input_ids, mb.attention_mask, mb.position_ids, response_length=mb.response_length,
+            host_mask=mb.host_mask,
+        )  # fmt: skip
+        model_tensors, key, rebuild = split_inputs(inputs)
+        n = len(model_tensors)
+
+        def loss(ts):
+            returns, values, mask = ts[n:]
+            return self._loss_terms(returns, values, mask, values_of(self.model, rebuild(ts[:n])))
+
+        tensors = [*model_tensors, mb.returns, mb.values, mb.response_mask]
+        return MicroParts(tensors, key, self.term_modes(), loss)
+
+    def _loss_terms(
+        self, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, vpreds: torch.Tensor
+    ) -> tuple[LossTerms, dict[str, float | torch.Tensor]]:
+        s = self.settings
         loss, stats = losses.value_loss(
             vpreds=vpreds,
-            returns=mb.returns,
-            values=mb.values,
-            response_mask=mb.response_mask,
+            returns=returns,
+            values=values,
+            response_mask=mask,
             cliprange_value=s.cliprange_value,
             loss_agg_mode=s.loss_agg_mode,
         )

@@ -3,7 +3,8 @@ over micro-batches formed by a fixed count or a token budget, with the outputs r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,3 +225,25 @@ def no_grad_pass(
             partitions.append(idx)
             chunks.append(fn(mb))
     return restore_order(chunks, partitions)
+
+
+def split_inputs(inputs: Any) -> tuple[list[torch.Tensor], tuple, Callable[[Sequence[torch.Tensor]], Any]]:
+    """A prepared micro-batch (:class:`klppo.batching.packing.LogProbInputs` or ``ValueInputs``) as its device
+    tensors (model arguments first, then the other fields, in a fixed order), a hashable key of the rest (the
+    model arguments that are not tensors — the packed maximum lengths —, the fields that are not tensors) and
+    how to rebuild it around other tensors of the same shapes (a CUDA graph's static copies,
+    :mod:`klppo.roles.graphed`)."""
+    cls, kwargs = type(inputs), inputs.model_kwargs
+    kw_names = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    kw_rest = tuple((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))
+    names = [f.name for f in dataclasses.fields(inputs) if f.name != "model_kwargs"]
+    tensor_fields = tuple(f for f in names if isinstance(getattr(inputs, f), torch.Tensor))
+    rest = tuple((f, getattr(inputs, f)) for f in names if f not in tensor_fields)
+    tensors = [kwargs[k] for k in kw_names] + [getattr(inputs, f) for f in tensor_fields]
+    n = len(kw_names)
+
+    def rebuild(ts: Sequence[torch.Tensor]) -> Any:
+        model_kwargs = dict(kw_rest) | dict(zip(kw_names, ts[:n], strict=True))
+        return cls(model_kwargs=model_kwargs, **dict(rest), **dict(zip(tensor_fields, ts[n:], strict=True)))
+
+    return tensors, (cls.__name__, kw_names, kw_rest, tensor_fields, rest), rebuild

@@ -1,0 +1,155 @@
+"""An update's micro-batches replayed as CUDA graphs (``*.cuda_graph_update``, a klppo extension of verl's
+configuration; issue 18).
+
+On one GPU the update's forward, loss and backward are host-bound: thousands of small kernels, each launched
+by Python (bench/RESULTS.md, session 19: the GPU busy 18–32% of the TRL workload's updates). Captured once
+as a CUDA graph, a micro-batch's ≈ 2,500 kernels are one launch: ``bench/graphed_update.py`` measured that
+update 0.575 → 0.328 s, the kernels' own time.
+
+:class:`MicroGraphs` keys each micro-batch by its *signature* — the shapes and dtypes of every tensor the
+step reads, and the Python values the step's code branches on — and
+
+1. the first time a signature is met, runs the step eagerly (compilation, allocator growth, lazy set-up);
+2. the second time, warms it up once more on a side stream, captures it into a CUDA graph (inputs copied
+   into static tensors the graph owns, gradients allocated inside the graph's memory pool) and replays it;
+3. every later time, copies the micro-batch into the static inputs and replays.
+
+A replay writes the same output tensors and the same gradient tensors every time: the caller reads the
+outputs before the next step (the update accumulates them at once), and the parameters' ``.grad`` are set
+to the graph's gradient tensors after each replay (the plain path then adds them into the master gradients
+and drops the attribute; the tensors stay alive here). The step therefore has to start from no gradients
+(``.grad`` None), as the plain path's micro-batches do, and its parameters must keep their storage between
+steps (updated in place — the plain path's copy from the masters — never re-gathered or offloaded).
+
+What a step may not do inside: synchronise with the host (``.item()``, ``.tolist()``, a device tensor's
+truth value), copy from host memory, or branch on device values — the graph keeps one branch. Everything a
+step reads that changes between micro-batches must be one of its input tensors (the loss weights and the KL
+coefficient included, as 0-dim tensors), everything else part of its signature. Graphs share one memory
+pool per role; at most ``max_graphs`` signatures are captured (each holds one micro-batch's activations
+for the run's duration), later ones run eagerly.
+
+Knows nothing about PPO or roles: it takes the parameters, a key, the input tensors and the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Step = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+"""A micro-batch's forward, loss and backward on its input tensors; returns the tensors the caller reads."""
+
+
+class Graph(Protocol):
+    """What :class:`MicroGraphs` needs of a captured graph (``torch.cuda.CUDAGraph``'s methods)."""
+
+    def replay(self) -> None: ...
+
+
+@dataclass
+class MicroParts:
+    """A micro-batch's loss split for capture (the roles build it; :class:`klppo.roles.trained.TrainedRole`
+    runs it): the device tensors it reads, what else its code depends on (hashable), the aggregation mode of
+    each loss term (their weights are computed on the host, then passed in as tensors), and the loss as a
+    function of the tensors: ``loss(tensors) -> (terms, statistics)``, terms as (tensor, mode) pairs in
+    ``modes``' order, every statistic a tensor."""
+
+    tensors: list[torch.Tensor]
+    key: Any
+    modes: list[str]
+    loss: Callable[[Sequence[torch.Tensor]], tuple[list[tuple[torch.Tensor, str]], dict[str, torch.Tensor]]]
+
+
+def signature(tensors: Sequence[torch.Tensor], extra: Any = ()) -> tuple:
+    """The key of a step: shape, dtype and device of each input, then ``extra`` (hashable)."""
+    return (tuple((tuple(t.shape), t.dtype, t.device) for t in tensors), extra)
+
+
+@dataclass
+class _Captured:
+    graph: Graph
+    inputs: list[torch.Tensor]  # the graph's static inputs
+    outputs: list[torch.Tensor]  # its static outputs
+    grads: list[torch.Tensor | None]  # the gradient it writes, per parameter (None: the step gives it none)
+
+
+class MicroGraphs:
+    """The captured steps of one role (module docstring). ``capture``: how a step is captured — by default
+    :func:`capture_cuda`; the CPU tests pass one that records the step and re-runs it on its static tensors."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        *,
+        max_graphs: int = 4,
+        capture: Callable[..., tuple[Graph, list[torch.Tensor]]] | None = None,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.max_graphs = max_graphs
+        self._capture = capture or capture_cuda
+        self._seen: set[tuple] = set()
+        self._graphs: dict[tuple, _Captured] = {}
+        self.pool: Any = None  # the memory pool the role's graphs share (set by the first capture)
+        self.num_replays = 0
+        self.num_eager = 0
+
+    def run(self, key: tuple, inputs: Sequence[torch.Tensor], step: Step) -> Sequence[torch.Tensor]:
+        """``step(inputs)`` for this micro-batch, eagerly or by replaying its graph (module docstring). The
+        outputs of a replay are the graph's own tensors: read them before the next call."""
+        captured = self._graphs.get(key)
+        if captured is None:
+            if key not in self._seen or len(self._graphs) >= self.max_graphs:
+                self._seen.add(key)
+                self.num_eager += 1
+                return step(inputs)
+            captured = self._new_graph(key, inputs, step)
+        with torch.no_grad():
+            torch._foreach_copy_(captured.inputs, list(inputs))
+        captured.graph.replay()
+        for p, g in zip(self.params, captured.grads, strict=True):
+            p.grad = g
+        self.num_replays += 1
+        return captured.outputs
+
+    def _new_graph(self, key: tuple, inputs: Sequence[torch.Tensor], step: Step) -> _Captured:
+        for p in self.params:
+            if p.grad is not None:
+                raise RuntimeError("a captured update step must start from no gradients (.grad None)")
+        static = [t.detach().clone() for t in inputs]
+        graph, outputs = self._capture(step, static, self.params, pool=self.pool)
+        if self.pool is None:
+            self.pool = getattr(graph, "pool", lambda: None)()
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        captured = _Captured(graph, static, list(outputs), grads)
+        self._graphs[key] = captured
+        logger.info("update step captured as CUDA graph %d of at most %d", len(self._graphs), self.max_graphs)
+        return captured
+
+
+def capture_cuda(
+    step: Step, static: list[torch.Tensor], params: Sequence[torch.nn.Parameter], *, pool: Any = None
+) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+    """One warm-up of ``step`` on a side stream (its gradients dropped), then its capture into a CUDA graph
+    that shares ``pool`` (None: a new pool); returns the graph and its static outputs. Nothing is computed
+    by the capture itself: the caller replays it."""
+    device = static[0].device
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        step(static)
+    current.wait_stream(side)
+    for p in params:
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = list(step(static))
+    return graph, outputs
