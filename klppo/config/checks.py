@@ -229,6 +229,11 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         value = value_at(cfg, key)
         if not (isinstance(value, bool) or value == "auto"):
             raise ConfigError(f"{key}={value!r}: expected auto, true or false")
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model"):
+        key = f"{role}.fsdp_config.plain_single_gpu"
+        value = value_at(cfg, key)
+        if not (isinstance(value, bool) or value == "auto"):
+            raise ConfigError(f"{key}={value!r}: expected auto, true or false")
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.sampler == "triton" and rollout.name != "klppo":
         raise ConfigError(f"actor_rollout_ref.rollout.sampler=triton is klppo's engine's; rollout.name={rollout.name} "
@@ -312,6 +317,7 @@ _RM_INERT_KEYS = (
     "fsdp_config.param_offload", "fsdp_config.optimizer_offload", "fsdp_config.offload_policy",
     "fsdp_config.reshard_after_forward", "fsdp_config.fsdp_size", "fsdp_config.forward_prefetch",
     "fsdp_config.backward_prefetch", "fsdp_config.grad_sync_per_mini_batch", "fsdp_config.local_shard_optim",
+    "fsdp_config.plain_single_gpu",
     "fsdp_config.wrap_policy.min_num_params", "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap",
     "fsdp_config.mixed_precision.param_dtype", "fsdp_config.mixed_precision.reduce_dtype",
     "use_remove_padding",

@@ -9,6 +9,7 @@ import torch
 from klppo.algorithms import losses
 from klppo.batch import Batch
 from klppo.parallel.mesh import SequenceParallel
+from klppo.parallel.plain import MasterWeights
 from klppo.roles.forward import MicroBatching, no_grad_pass, value_forward
 from klppo.roles.optim import OptimSettings
 from klppo.roles.trained import LossTerms, TrainedRole, UpdateSettings
@@ -38,11 +39,19 @@ class Critic(TrainedRole):
 
     name = "critic"
 
-    def __init__(self, model: torch.nn.Module, settings: CriticSettings, optim: OptimSettings) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        settings: CriticSettings,
+        optim: OptimSettings,
+        *,
+        masters: MasterWeights | None = None,
+    ) -> None:
         super().__init__(
             model,
             UpdateSettings.of(settings, seed_offset=1),
             optim,
+            masters=masters,
         )
         self.settings = settings
 
