@@ -45,7 +45,11 @@ def test_lora_trains_adapters_only_and_exports_merged(engine, tiny_model_dir, ar
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     optimized = {id(p) for g in built.roles.actor.optimizer.param_groups for p in g["params"]}
-    assert optimized == {id(p) for p in model.parameters() if p.requires_grad}
+    masters = (
+        built.roles.actor.state_model
+    )  # one process: the plain path's fp32 masters, by the model's names
+    assert optimized == {id(p) for p in masters.parameters() if p.requires_grad}
+    assert {n for n, p in masters.named_parameters() if p.requires_grad} == trainable
 
     # base weights are untouched by training and by the merge/restore around each rollout
     from klppo.parallel.fsdp import gathered_params
@@ -187,8 +191,8 @@ def gpu_mixed_precision(monkeypatch):
 
     real = settings.fsdp_settings
 
-    def as_on_gpu(fsdp, *, device_type, world_size):
-        return real(fsdp, device_type="cuda", world_size=world_size)
+    def as_on_gpu(fsdp, *, device_type, world_size, **kwargs):
+        return real(fsdp, device_type="cuda", world_size=world_size, **kwargs)
 
     monkeypatch.setattr(roles_build, "fsdp_settings", as_on_gpu)  # every role's, the actor's included
 
@@ -212,6 +216,7 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one mini-batch: on-policy, the reference runs first
         # a unit per decoder layer, as with several GPUs (one process's default is one unit): the crash's layout
         "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
+        "actor_rollout_ref.actor.fsdp_config.plain_single_gpu=false",  # FSDP2 (auto: the plain path)
     ]
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     _, built = run_training(
