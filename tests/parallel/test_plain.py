@@ -24,9 +24,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import plain_worker as W  # noqa: E402
 
 from klppo.parallel.checkpoint import load_checkpoint  # noqa: E402
+from klppo.roles.forward import MicroBatching  # noqa: E402
 
-# the checks run inside test_fsdp.py's launches (conftest's fsdp_runs: a world of 1, then of 2)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rank_pool")]
+# the checks marked slow run inside test_fsdp.py's launches (conftest's fsdp_runs: a world of 1, then of 2);
+# the others here, in this process (the plain path needs no process group)
+pytestmark = [pytest.mark.xdist_group("rank_pool")]
 MEAN_TOL, LOG_PROB_TOL = 5e-3, 3e-2  # across world sizes (module docstring)
 
 
@@ -60,6 +62,7 @@ def assert_near(got: dict, want: dict) -> None:
         assert (got[k] - want[k]).abs().mean() <= MEAN_TOL, k
 
 
+@pytest.mark.slow
 def test_plain_equals_fsdp2_on_one_rank_bit_for_bit(runs):
     fsdp, plain = runs[1]["fsdp"], runs[1]["plain"]
     # losses, statistics, gradient norms, learning rates and the next rows' log-probs of every update call
@@ -69,6 +72,7 @@ def test_plain_equals_fsdp2_on_one_rank_bit_for_bit(runs):
     assert plain["skipped"] == fsdp["skipped"] == 1
 
 
+@pytest.mark.slow
 def test_the_run_clips_skips_and_computes_in_bf16(runs):
     """What the equality above covers: steps the clip scales, a step skipped for a nan, bf16 compute."""
     plain = runs[1]["plain"]
@@ -80,12 +84,14 @@ def test_the_run_clips_skips_and_computes_in_bf16(runs):
     assert plain["state"]["model"]["model.embed_tokens.weight"].dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_default_config_takes_the_plain_path_on_one_process_and_fsdp2_on_two(runs):
     assert runs[1]["path_taken"] == {"plain": True, "masters": True, "fsdp_modules": 0, "dtensor_params": 0}
     two = runs[2]["path_taken"]
     assert not two["plain"] and not two["masters"] and two["fsdp_modules"] > 0 and two["dtensor_params"] > 0
 
 
+@pytest.mark.slow
 def test_plain_checkpoint_resumes_under_fsdp2_on_two_ranks(runs):
     one, two = runs[1], runs[2]
     # loaded on 2 ranks: the state the plain path saved, bit for bit; and the same as FSDP2's own (world 1)
@@ -100,6 +106,7 @@ def test_plain_checkpoint_resumes_under_fsdp2_on_two_ranks(runs):
     torch.testing.assert_close(got, want[rows], rtol=0, atol=LOG_PROB_TOL)
 
 
+@pytest.mark.slow
 def test_fsdp2_checkpoint_of_two_ranks_resumes_on_the_plain_path(runs):
     """Back: the 2-rank FSDP2 checkpoint loaded here, on the plain path with no process group."""
     ckpts, two = runs["out"] / "plain", runs[2]["from_plain"]
@@ -112,3 +119,50 @@ def test_fsdp2_checkpoint_of_two_ranks_resumes_on_the_plain_path(runs):
     assert_near(W.state(actor)["model"], two["second"]["state"]["model"])
     want = two["second"]["calls"][0]["log_probs"]
     torch.testing.assert_close(calls[0]["log_probs"][W.rank_rows(0, 2)], want, rtol=0, atol=LOG_PROB_TOL)
+
+
+def _oom_once_after_a_backward(actor) -> dict:
+    """The actor's 2nd micro-batch of its first update raises out of memory after a backward of its own loss
+    (the compute-dtype gradients an aborted backward leaves behind), once."""
+    real, seen = actor._micro_loss, {"calls": 0}
+
+    def micro_loss(mb, *args):
+        seen["calls"] += 1
+        terms, stats = real(mb, *args)
+        if seen["calls"] == 2:
+            sum(term for term, _ in terms).backward()
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return terms, stats
+
+    actor._micro_loss = micro_loss
+    actor.oom.max_retries = 1
+    return seen
+
+
+def test_a_retry_after_out_of_memory_starts_from_no_gradients():
+    """The retried mini-batch (micro-batches halved to 1 row) gives the update of a run that had micro-batches
+    of 1 row from the start: the aborted pass's gradients, on the model and on the masters, are dropped."""
+    torch.set_num_threads(1)
+    retried = W.new_actor("plain", 1)
+    seen = _oom_once_after_a_backward(retried)
+    W.run_calls(retried, range(2), 0, 1)
+    assert seen["calls"] > 2 and retried.oom.micro["update"].micro_batch_size == 1
+    clean = W.new_actor("plain", 1)
+    clean.oom.micro["update"] = MicroBatching(micro_batch_size=1)
+    W.run_calls(clean, range(2), 0, 1)
+    assert_same(W.state(retried), W.state(clean))
+
+
+def test_masters_are_the_optimizers_and_the_checkpoints_parameters():
+    """The optimizer steps the masters; the checkpoint's model state is theirs, under the model's names (the
+    tied embedding and LM head once each, as in the model's state dict); the model computes in bf16."""
+    actor = W.new_actor("plain", 1)
+    model, masters = actor.model, actor.masters
+    optimized = [p for g in actor.optimizer.param_groups for p in g["params"]]
+    assert [id(p) for p in optimized] == [id(m) for m in masters.masters]
+    assert actor.state_model.state_dict().keys() == model.state_dict().keys()
+    names = dict(actor.state_model.named_parameters())
+    assert names.keys() == dict(model.named_parameters()).keys()
+    assert all(m.dtype == torch.float32 for m in names.values())
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert actor.resident is masters and actor.state_model is masters.module
