@@ -37,6 +37,7 @@ from klppo.roles.reference import Reference
 from klppo.roles.reward import Reward
 from klppo.roles.trained import TrainedRole
 from klppo.trainer.settings import (
+    ROLE_KEYS,
     actor_settings,
     critic_settings,
     describe_min_num_params,
@@ -48,12 +49,6 @@ from klppo.trainer.settings import (
 )
 
 HFAssets = dict[str, Callable[[Path], None]]
-ROLE_KEYS = {
-    "actor": "actor_rollout_ref.actor",
-    "reference": "actor_rollout_ref.ref",
-    "critic": "critic.model",
-}
-"""Where each role's configuration group is (``<key>.fsdp_config``), for error messages."""
 
 
 @dataclass(frozen=True)

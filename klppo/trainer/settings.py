@@ -51,6 +51,14 @@ def to_dtype(name: str) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------------- parallel
+ROLE_KEYS = {
+    "actor": "actor_rollout_ref.actor",
+    "reference": "actor_rollout_ref.ref",
+    "critic": "critic.model",
+}
+"""Where each FSDP-wrapped role's configuration group is (``<key>.fsdp_config``), for messages."""
+
+
 def fsdp_settings(
     fsdp: FSDPConfig, *, device_type: str, world_size: int, key: str = "fsdp_config"
 ) -> FSDPSettings:

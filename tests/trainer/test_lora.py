@@ -100,8 +100,8 @@ def test_the_dry_run_lists_no_fsdp_layout_for_the_lora_reference(
 
     assert main(["--dry-run", *base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run"), *LORA]) == 0
     out = capsys.readouterr().out
-    assert "reference (= actor, adapters off)" in out and "FSDP2 actor: one unit for the whole model" in out
-    assert "FSDP2 reference" not in out
+    assert "reference (= actor, adapters off)" in out and "actor: no FSDP2, one process" in out
+    assert "reference: no FSDP2" not in out and "FSDP2 reference" not in out
 
 
 def test_rollout_on_merged_lora_equals_the_merged_model():
