@@ -198,14 +198,16 @@ def gpu_mixed_precision(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", ["fsdp2", "plain"])
 def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
-    gpu_mixed_precision, tiny_model_dir, arithmetic_data, tmp_path
+    path, gpu_mixed_precision, tiny_model_dir, arithmetic_data, tmp_path
 ):
     """Issue 16's crash (bf16 gradients assigned to the fp32 adapters in the first update, when the
     reference with adapters off ran first) on CPU with the GPU's FSDP settings, through the trainer: GRPO +
     MSE KL loss (old-log-prob pass skipped), the klppo engine on merged gathered weights; adapters, their
     gradients and AdamW state in fp32; base weights untouched; a checkpoint resumes to the uninterrupted
-    run's step-2 metrics; the checkpoint exports merged."""
+    run's step-2 metrics; the checkpoint exports merged. Under FSDP2, and on the plain path (one process's
+    default: the model in bf16, the fp32 adapters and base weights its masters)."""
     from transformers import AutoModelForCausalLM
 
     from klppo.parallel.fsdp import gathered_params
@@ -216,7 +218,7 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one mini-batch: on-policy, the reference runs first
         # a unit per decoder layer, as with several GPUs (one process's default is one unit): the crash's layout
         "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
-        "actor_rollout_ref.actor.fsdp_config.plain_single_gpu=false",  # FSDP2 (auto: the plain path)
+        f"actor_rollout_ref.actor.fsdp_config.plain_single_gpu={path == 'plain'}",
     ]
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     _, built = run_training(
@@ -226,12 +228,17 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
     model, optimizer = built.roles.actor.model, built.roles.actor.optimizer
     assert built.roles.reference.model is model
     assert "old_log_prob" not in " ".join(full[0])  # no old-log-prob pass (π_old = the update's own)
-    group = model.get_base_model().model.layers[0]._get_fsdp_state()._fsdp_param_group
-    assert group.mp_policy.param_dtype == torch.bfloat16  # the GPU's settings were in force
+    if path == "fsdp2":
+        group = model.get_base_model().model.layers[0]._get_fsdp_state()._fsdp_param_group
+        assert group.mp_policy.param_dtype == torch.bfloat16  # the GPU's settings were in force
+    else:
+        assert built.roles.actor.masters is not None
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the GPU's compute dtype
+    weights = built.roles.actor.state_model  # FSDP2: the model's sharded parameters; plain: the masters
     assert all(
         row["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(row["actor/pg_loss"])) for row in full
     )
-    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    adapters = [p for n, p in weights.named_parameters() if "lora_" in n]
     assert adapters and all(p.requires_grad and p.dtype == torch.float32 for p in adapters)
     assert all(p.grad.dtype == torch.float32 for p in adapters)
     for p in adapters:
@@ -241,7 +248,7 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
     with gathered_params(model):
         q = model.get_base_model().model.layers[0].self_attn.q_proj
         assert q.lora_B["default"].weight.abs().max() > 0  # the adapter learned something
-    masters = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    masters = {n: getattr(p, "full_tensor", p.detach)() for n, p in weights.named_parameters()}
     base_key = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
     assert torch.equal(masters[base_key], original["model.layers.0.self_attn.q_proj.weight"])
 
