@@ -27,8 +27,9 @@ from klppo.trainer.settings import fsdp_settings
 
 # per update call, global: 2 mini-batches of 4 rows, 2 micro-batches of 2 rows each (world of 1)
 ROWS, MINI = 8, 4
-CALLS = 4  # update calls before the checkpoint (8 optimizer steps, one call skipped)
+CALLS = 5  # update calls before the checkpoint (10 optimizer steps, two calls skipped)
 NAN_CALL = 2  # this call's advantages hold a nan: its first optimizer step is skipped, and the rest of it
+INF_CALL = 3  # this call's first loss is finite, its gradient infinite: the step skipped for the grad norm
 GRAD_CLIP = 0.3  # under most steps' norm: the clip scales them
 SETTINGS = FSDPSettings(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 OPTIM = OptimSettings(lr=2e-2, weight_decay=0.1, betas=(0.9, 0.99), warmup_steps=2, total_steps=10)
@@ -97,12 +98,28 @@ def state(actor: Actor) -> dict:
     return {"model": walk(model_sd), "optim": walk(optim_sd)}
 
 
+def _infinite_gradient(actor: Actor):
+    """The actor's micro-batch loss with its first term's gradient made infinite (the loss stays finite)."""
+    real = actor._micro_loss
+
+    def micro_loss(mb, *args):
+        terms, stats = real(mb, *args)
+        (first, mode), *rest = terms
+        first.register_hook(lambda grad: grad * float("inf"))
+        return [(first, mode), *rest], stats
+
+    return micro_loss
+
+
 def run_calls(actor: Actor, calls: range, rank: int, world: int) -> list[dict]:
     """Update calls; per call the metrics and the log-probs of the next call's rows under the new weights
     (the forward on the compute copy)."""
     out = []
     for call in calls:
+        if call == INF_CALL:
+            actor._micro_loss = _infinite_gradient(actor)
         metrics = actor.update_policy(batch(call, rank, world))
+        actor.__dict__.pop("_micro_loss", None)
         log_probs = actor.compute_log_prob(batch(call + 1, rank, world))
         out.append({"metrics": metrics, "log_probs": log_probs, "lr": actor.scheduler.get_last_lr()[0]})
     return out

@@ -14,6 +14,7 @@ optimizer state lost on resume gives 1.5e-2), hence the tolerances there.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -69,17 +70,21 @@ def test_plain_equals_fsdp2_on_one_rank_bit_for_bit(runs):
     assert_same(plain["calls"], fsdp["calls"])
     # the checkpointed state: fp32 weights under the model's names, AdamW's moments and step
     assert_same(plain["state"], fsdp["state"])
-    assert plain["skipped"] == fsdp["skipped"] == 1
+    assert plain["skipped"] == fsdp["skipped"] == 2
 
 
 @pytest.mark.slow
 def test_the_run_clips_skips_and_computes_in_bf16(runs):
-    """What the equality above covers: steps the clip scales, a step skipped for a nan, bf16 compute."""
+    """What the equality above covers: steps the clip scales, a step skipped for a nan loss and one for an
+    infinite gradient norm (finite loss), bf16 compute."""
     plain = runs[1]["plain"]
     norms = [c["metrics"]["actor/grad_norm"] for c in plain["calls"]]
     assert sum(n > W.GRAD_CLIP for n in norms if n == n) >= 2  # clipped (grad_norm: the mean over 2 steps)
     assert norms[W.NAN_CALL] != norms[W.NAN_CALL]  # the nan call: its step skipped (counted above)
-    assert plain["calls"][W.NAN_CALL + 1]["metrics"]["actor/num_skipped_updates"] == 1.0
+    assert plain["calls"][W.NAN_CALL]["metrics"]["actor/num_skipped_updates"] == 1.0
+    inf_call = plain["calls"][W.INF_CALL]["metrics"]  # a finite loss, a non-finite gradient norm: skipped
+    assert math.isfinite(inf_call["actor/pg_loss"]) and not math.isfinite(inf_call["actor/grad_norm"])
+    assert inf_call["actor/num_skipped_updates"] == 2.0
     assert plain["dtypes"] == ["torch.bfloat16"] and plain["compute_is_master_cast"]
     assert plain["state"]["model"]["model.embed_tokens.weight"].dtype == torch.float32
 
