@@ -98,6 +98,10 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
         [],
         [f"{role}.fsdp_config.local_shard_optim=False" for role in (f"{ARR}.actor", "critic.model")],
     ),
+    "plain": (  # plain_single_gpu auto, the default: no FSDP2 on one process, fp32 masters (parallel/plain.py)
+        [],
+        [f"{role}.fsdp_config.plain_single_gpu=false" for role in (f"{ARR}.actor", "critic.model")],
+    ),
 }
 SETTINGS = {
     "critic_compile": ["critic.model.use_remove_padding=True", "critic.model.compile_packed_layers=True"],

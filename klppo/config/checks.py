@@ -197,6 +197,16 @@ def _check_range(key: str, v: float | None, low: float, high: float | None) -> N
         raise ConfigError(f"{key}={v}: must be {'a finite number ' if math.isinf(v) else ''}{bound}")
 
 
+_AUTO_BOOL_KEYS = (
+    "actor_rollout_ref.actor.fsdp_config.grad_sync_per_mini_batch",
+    "critic.model.fsdp_config.grad_sync_per_mini_batch",
+    "actor_rollout_ref.actor.fsdp_config.plain_single_gpu",
+    "actor_rollout_ref.ref.fsdp_config.plain_single_gpu",
+    "critic.model.fsdp_config.plain_single_gpu",
+)
+"""Keys whose value is auto, true or false."""
+
+
 def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     """Choices, ranges and world-size-free count rules; ConfigError on the first problem, notes via notify."""
     notify = notify or notice
@@ -224,8 +234,7 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         value = value_at(cfg, key)
         if not (value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)):
             raise ConfigError(f"{key}={value!r}: expected auto or an integer ≥ 0")
-    for role in ("actor_rollout_ref.actor", "critic.model"):
-        key = f"{role}.fsdp_config.grad_sync_per_mini_batch"
+    for key in _AUTO_BOOL_KEYS:
         value = value_at(cfg, key)
         if not (isinstance(value, bool) or value == "auto"):
             raise ConfigError(f"{key}={value!r}: expected auto, true or false")
@@ -312,6 +321,7 @@ _RM_INERT_KEYS = (
     "fsdp_config.param_offload", "fsdp_config.optimizer_offload", "fsdp_config.offload_policy",
     "fsdp_config.reshard_after_forward", "fsdp_config.fsdp_size", "fsdp_config.forward_prefetch",
     "fsdp_config.backward_prefetch", "fsdp_config.grad_sync_per_mini_batch", "fsdp_config.local_shard_optim",
+    "fsdp_config.plain_single_gpu",
     "fsdp_config.wrap_policy.min_num_params", "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap",
     "fsdp_config.mixed_precision.param_dtype", "fsdp_config.mixed_precision.reduce_dtype",
     "use_remove_padding",

@@ -67,6 +67,15 @@ class FSDPConfig:
         "shards on CUDA), the norm's squares summed over the shard group in one all-reduce. false: the "
         "DTensor path (an A/B switch). Read by the trained roles (actor, critic).",
     )
+    plain_single_gpu: bool | str = F(
+        "auto",
+        "[klppo] One process without FSDP2: the parameters in mixed_precision.param_dtype, fp32 master weights "
+        "beside them for the optimizer, each micro-batch's gradients added into fp32 master gradients (FSDP2's "
+        "arithmetic on one rank: the same results, bit for bit on CPU), no per-unit copies, hooks or DTensor "
+        "dispatch; checkpoints keyed as under FSDP2 (they resume on any world size). false | true | auto. "
+        "auto: on with one process and offload_policy off; true elsewhere is an error. Read by the actor, "
+        "the critic and the reference (no masters: the compute copy alone).",
+    )
     model_dtype: str = F("fp32", "[klppo default per role] dtype the role's weights are stored in.")
     mixed_precision: MixedPrecisionConfig = F(MixedPrecisionConfig, "[klppo] FSDP2 mixed-precision policy.")
     use_orig_params: bool = F(False, "FSDP1 option; FSDP2 always keeps original parameters.")

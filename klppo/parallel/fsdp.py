@@ -60,6 +60,10 @@ class FSDPSettings:
     """Compute dtype of gathered weights (bf16); None: no mixed precision (e.g. CPU fp32)."""
     reduce_dtype: torch.dtype = torch.float32
     """Dtype of gradient reduce-scatter; master weights stay in their loaded dtype."""
+    plain: bool = False
+    """One process, no FSDP2: compute-dtype parameters and masters beside them (:mod:`klppo.parallel.plain`,
+    ``fsdp_config.plain_single_gpu`` resolved); the fields above about units, prefetch and resharding
+    then do not apply."""
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,15 @@ def local_total_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
     tensors = [_local(g) for g in grads]
     if not isinstance(grads[0], DTensor):
         return torch.nn.utils.get_total_norm(tensors, norm_type=2.0)
+    return norm_of_shards(tensors, groups)
+
+
+@torch.no_grad()
+def norm_of_shards(tensors: list[torch.Tensor], groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    """The DTensor path's norm arithmetic on plain (local) tensors: per-tensor norms, squared, summed over
+    each of ``groups`` (none: a one-rank mesh, or the plain path of :mod:`klppo.parallel.plain`), square
+    root, then the norm of that vector — not ``get_total_norm``'s (``sqrt(n²)`` may differ from ``n`` in
+    the last bit)."""
     norms: list[torch.Tensor] = []  # torch's get_total_norm order: grouped by device and dtype
     for (device, _), ([group_tensors], _) in _group_tensors_by_device_and_dtype([tensors]).items():
         if _has_foreach_support(group_tensors, device):

@@ -22,6 +22,7 @@ from klppo.algorithms import losses
 from klppo.batch import Batch
 from klppo.batching.packing import log_probs_of, prepare_log_probs
 from klppo.parallel.mesh import SequenceParallel
+from klppo.parallel.plain import MasterWeights
 from klppo.roles.forward import (
     ForwardPlan,
     MicroBatching,
@@ -74,11 +75,19 @@ class Actor(TrainedRole):
 
     name = "actor"
 
-    def __init__(self, model: torch.nn.Module, settings: ActorSettings, optim: OptimSettings) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        settings: ActorSettings,
+        optim: OptimSettings,
+        *,
+        masters: MasterWeights | None = None,
+    ) -> None:
         super().__init__(
             model,
             UpdateSettings.of(settings),
             optim,
+            masters=masters,
         )
         self.settings = settings
         if settings.use_fused_kernels:

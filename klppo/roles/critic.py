@@ -10,6 +10,7 @@ from klppo.algorithms import losses
 from klppo.batch import Batch
 from klppo.batching.packing import prepare_values, values_of
 from klppo.parallel.mesh import SequenceParallel
+from klppo.parallel.plain import MasterWeights
 from klppo.roles.forward import MicroBatching, no_grad_pass, split_inputs, trim_left_padding, value_forward
 from klppo.roles.graphed import MicroParts
 from klppo.roles.optim import OptimSettings
@@ -40,11 +41,19 @@ class Critic(TrainedRole):
 
     name = "critic"
 
-    def __init__(self, model: torch.nn.Module, settings: CriticSettings, optim: OptimSettings) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        settings: CriticSettings,
+        optim: OptimSettings,
+        *,
+        masters: MasterWeights | None = None,
+    ) -> None:
         super().__init__(
             model,
             UpdateSettings.of(settings, seed_offset=1),
             optim,
+            masters=masters,
         )
         self.settings = settings
 

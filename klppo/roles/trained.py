@@ -11,6 +11,11 @@ With ``grad_sync_per_mini_batch`` the FSDP modules skip it (``set_requires_gradi
 every micro-batch but the last of a mini-batch: the unsharded gradients accumulate on each rank (in the
 reduce dtype, fp32: 4 bytes per trainable parameter, whole model, per rank) and one reduce-scatter per
 unit and mini-batch sums them; the update is the same (docs/sharding.md, "Gradient sync").
+
+On one process without FSDP2 (``fsdp_config.plain_single_gpu``, :mod:`klppo.parallel.plain`) each
+micro-batch's compute-dtype gradients are added into the fp32 master gradients after its backward, and the
+clip and the optimizer step work on the masters, copied back to the model after the step: FSDP2's
+arithmetic on one rank, the same update.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from klppo.batch import Batch
 from klppo.batching.dynamic import micro_batch_loss_weight
 from klppo.parallel.collectives import all_reduce_sum_values, world_size
 from klppo.parallel.fsdp import clip_grad_norm_, fsdp_modules
+from klppo.parallel.plain import MasterWeights
 from klppo.roles.forward import MicroBatching, iter_micro
 from klppo.roles.metrics import MetricAccumulator
 from klppo.roles.oom import OOMRecovery
@@ -70,16 +76,39 @@ class TrainedRole:
 
     name = "role"
 
-    def __init__(self, model: torch.nn.Module, update: UpdateSettings, optim: OptimSettings) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        update: UpdateSettings,
+        optim: OptimSettings,
+        *,
+        masters: MasterWeights | None = None,
+    ) -> None:
+        """``masters``: the plain path's (:func:`klppo.parallel.plain.plain_model`, one process without
+        FSDP2): the optimizer, the clip and the checkpoint work on the masters, the model computes."""
         self.model = model
         self.update = update
-        self.optimizer = build_optimizer(model.parameters(), optim, local_shards=update.local_shard_optim)
+        self.masters = masters
+        self.optimizer = build_optimizer(
+            self.state_model.parameters(), optim, local_shards=update.local_shard_optim
+        )
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.num_skipped_updates = 0  # optimizer steps skipped for a non-finite loss or grad norm
         # out-of-memory retries with smaller micro-batches
         self.oom = OOMRecovery(self.name, sp_size=update.sp_size, update_rows=update.mini_batch_size)
         # the FSDP modules whose reduce-scatter waits for a mini-batch's last micro-batch (found once)
         self._deferred_sync = fsdp_modules(model) if update.grad_sync_per_mini_batch else []
+
+    @property
+    def state_model(self) -> torch.nn.Module:
+        """The module whose state dict is the checkpoint's model state: the model (under FSDP2: its sharded
+        master weights), or on the plain path the masters under the model's names."""
+        return self.model if self.masters is None else self.masters.module
+
+    @property
+    def resident(self) -> torch.nn.Module | MasterWeights:
+        """What ``param_offload`` moves: the model, on the plain path both copies."""
+        return self.model if self.masters is None else self.masters
 
     def run_updates(
         self, batch: Batch, micro_loss: MicroLoss, *, num_mini_batches: int | None = None
@@ -126,16 +155,25 @@ class TrainedRole:
 
         def attempt(micro: MicroBatching) -> tuple[torch.Tensor, MetricAccumulator]:
             self.optimizer.zero_grad(set_to_none=True)
+            if self.masters is not None:  # a retry after out of memory: the aborted backward's gradients
+                self.masters.drop_model_grads()
             local = MetricAccumulator()
             return self._accumulate(mini, micro_loss, local, micro), local
 
         finite, local = self.oom.run("update", self.update.update_micro, attempt, self.model)
-        norm = clip_grad_norm_(self.model, self.update.grad_clip, local_shards=self.update.local_shard_optim)
+        if self.masters is None:
+            norm = clip_grad_norm_(
+                self.model, self.update.grad_clip, local_shards=self.update.local_shard_optim
+            )
+        else:
+            norm = self.masters.clip_grad_norm_(self.update.grad_clip)
         grad_norm, all_finite = _host_floats(norm, finite)
         acc.merge(local)
         acc.add({f"{self.name}/grad_norm": grad_norm})
         if all_finite and math.isfinite(grad_norm):
             self.optimizer.step()
+            if self.masters is not None:
+                self.masters.copy_to_model()
             return True
         self.optimizer.zero_grad(set_to_none=True)
         self.num_skipped_updates += 1
@@ -160,6 +198,8 @@ class TrainedRole:
                 loss = sum(term * micro_weight(mode, mask, counts, horizon) for term, mode in terms)
                 finite = finite & torch.isfinite(loss)
                 loss.backward()
+                if self.masters is not None:  # FSDP2's reduce into the master gradients, on one process
+                    self.masters.accumulate_grads()
                 acc.add(stats, weight=float(mask.sum()))
         finally:  # FSDP2's default again (also after an out-of-memory error mid-mini-batch)
             for module in deferred:

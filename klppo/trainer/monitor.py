@@ -332,7 +332,7 @@ def save_best_checkpoint(run: Run, step: int, trainer_state: dict[str, Any]) -> 
     save_checkpoint(
         Path(run.run_dir) / BEST_DIR,
         step,
-        models={name: (role.model, role.optimizer) for name, role in run.roles.trained().items()},
+        models={name: (role.state_model, role.optimizer) for name, role in run.roles.trained().items()},
         hf_assets=run.hf_assets,
         trainer_state=trainer_state,
         max_to_keep=1,
@@ -347,5 +347,5 @@ def load_best_weights(run: Run) -> int | None:
     if path is None:
         return None
     for name, role in run.roles.trained().items():
-        load_checkpoint(path / name, role.model, role.optimizer)
+        load_checkpoint(path / name, role.state_model, role.optimizer)
     return checkpoint_step(path)

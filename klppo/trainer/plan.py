@@ -11,7 +11,13 @@ import torch
 from transformers import AutoConfig
 
 from klppo.config import KLPPOConfig, derive_sizes, uses_critic, uses_lora
-from klppo.trainer.settings import describe_min_num_params, fsdp_settings, tune_workload
+from klppo.trainer.settings import (
+    ROLE_KEYS,
+    describe_min_num_params,
+    fsdp_settings,
+    resolve_plain,
+    tune_workload,
+)
 from klppo.trainer.startup_checks import check_before_weights
 from klppo.tune.preflight import predicted_peaks_gib
 
@@ -54,7 +60,10 @@ def dry_run(
     print(f"processes: {nproc} per node × {cfg.trainer.nnodes} node(s) on {device.type}")
     print(f"roles: {', '.join(roles)}; rollout engine: {arr.rollout.name}")
     for role, fsdp_cfg in sharded:
-        print(f"FSDP2 {role}: {describe_min_num_params(fsdp_cfg, world_size=world)}")
+        if resolve_plain(fsdp_cfg, world_size=world, key=f"{ROLE_KEYS[role]}.fsdp_config"):
+            print(f"{role}: no FSDP2, one process (fsdp_config.plain_single_gpu={fsdp_cfg.plain_single_gpu})")
+        else:
+            print(f"FSDP2 {role}: {describe_min_num_params(fsdp_cfg, world_size=world)}")
     print("sizes per rank (samples unless named prompts):")
     for field in dataclasses.fields(sizes):
         print(f"  {field.name}: {getattr(sizes, field.name)}")

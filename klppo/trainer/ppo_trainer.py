@@ -483,4 +483,4 @@ class PPOTrainer:
 
 def _models(roles: dict[str, TrainedRole]) -> dict[str, tuple]:
     """(model, optimizer) of each trained role, for the checkpoint."""
-    return {name: (role.model, role.optimizer) for name, role in roles.items()}
+    return {name: (role.state_model, role.optimizer) for name, role in roles.items()}

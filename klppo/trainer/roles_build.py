@@ -29,6 +29,7 @@ from klppo.parallel.collectives import world_size
 from klppo.parallel.fsdp import FSDPSettings, build_mesh, shard_model
 from klppo.parallel.mesh import SequenceParallel
 from klppo.parallel.offload import OffloadSchedule
+from klppo.parallel.plain import MasterWeights, cast_params, plain_model
 from klppo.parallel.ulysses import enable_ulysses_attention
 from klppo.roles.actor import Actor
 from klppo.roles.critic import Critic
@@ -36,6 +37,7 @@ from klppo.roles.reference import Reference
 from klppo.roles.reward import Reward
 from klppo.roles.trained import TrainedRole
 from klppo.trainer.settings import (
+    ROLE_KEYS,
     actor_settings,
     critic_settings,
     describe_min_num_params,
@@ -125,17 +127,17 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
             adapter_path=arr.model.lora_adapter_path,
         )
     inputs.hf_assets["actor"] = hf_writer(model, tokenizer)
-    shard(model, fsdp, inputs.device)
+    masters = shard(model, fsdp, inputs.device)
     get_policy_loss(acfg.policy_loss.loss_mode)  # ValueError naming the built modes
     settings = actor_settings(cfg, inputs.sizes, sp=sp)
     settings = dataclasses.replace(
         settings, grad_sync_per_mini_batch=_grad_sync("actor", acfg.fsdp_config, fsdp, model, inputs.device)
     )
-    actor = Actor(model, settings, optim_settings(acfg.optim, inputs.total_steps))
+    actor = Actor(model, settings, optim_settings(acfg.optim, inputs.total_steps), masters=masters)
     inputs.offload.add(
         actor,
         name="actor",
-        model=actor.model,
+        model=actor.resident,
         optimizer=actor.optimizer,
         params=fsdp.param_offload,
         optimizer_state=fsdp.optimizer_offload,
@@ -145,9 +147,14 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
 
 def role_fsdp(role: str, fsdp_cfg: FSDPConfig, device: torch.device) -> FSDPSettings:
     """A role's FSDP2 settings for this run, with the resolved ``min_num_params`` logged (auto: why)."""
-    layout = describe_min_num_params(fsdp_cfg, world_size=world_size())
-    logging.getLogger("klppo").info("%s: FSDP2 %s", role, layout)
-    return fsdp_settings(fsdp_cfg, device_type=device.type, world_size=world_size())
+    key = f"{ROLE_KEYS[role]}.fsdp_config"
+    settings = fsdp_settings(fsdp_cfg, device_type=device.type, world_size=world_size(), key=key)
+    if settings.plain:
+        logging.getLogger("klppo").info("%s: no FSDP2, one process (fsdp_config.plain_single_gpu)", role)
+    else:
+        layout = describe_min_num_params(fsdp_cfg, world_size=world_size())
+        logging.getLogger("klppo").info("%s: FSDP2 %s", role, layout)
+    return settings
 
 
 def _grad_sync(
@@ -195,7 +202,10 @@ def build_reference(inputs: RoleInputs, actor: Actor) -> Reference | None:
     )
     model = load_policy_model(arr.model, model_path, dtype, device, train=False, sp=s.sp)
     fsdp = role_fsdp("reference", arr.ref.fsdp_config, device)
-    shard(model, fsdp, device)
+    if fsdp.plain:  # no gradients: the compute copy alone, no masters
+        cast_params(model, fsdp.param_dtype)
+    else:
+        shard(model, fsdp, device)
     reference = Reference(model, **settings)
     inputs.offload.add(
         reference, name="reference", model=model, params=fsdp.param_offload, optimizer_state=False
@@ -236,17 +246,17 @@ def build_critic(inputs: RoleInputs) -> Critic | None:
         )
     inputs.hf_assets["critic"] = hf_writer(model, inputs.tokenizer)
     fsdp = role_fsdp("critic", ccfg.model.fsdp_config, device)
-    shard(model, fsdp, device)
+    masters = shard(model, fsdp, device)
     settings = critic_settings(cfg, inputs.sizes, sp=sp)
     settings = dataclasses.replace(
         settings,
         grad_sync_per_mini_batch=_grad_sync("critic", ccfg.model.fsdp_config, fsdp, model, device),
     )
-    critic = Critic(model, settings, optim_settings(ccfg.optim, inputs.total_steps))
+    critic = Critic(model, settings, optim_settings(ccfg.optim, inputs.total_steps), masters=masters)
     inputs.offload.add(
         critic,
         name="critic",
-        model=critic.model,
+        model=critic.resident,
         optimizer=critic.optimizer,
         params=fsdp.param_offload,
         optimizer_state=fsdp.optimizer_offload,
@@ -356,12 +366,16 @@ def load_policy_model(
     return model.to(device)
 
 
-def shard(model: torch.nn.Module, settings: FSDPSettings, device: torch.device) -> None:
-    """FSDP2 over all ranks (or HSDP groups of ``fsdp_size``); logs the units chosen."""
+def shard(model: torch.nn.Module, settings: FSDPSettings, device: torch.device) -> MasterWeights | None:
+    """FSDP2 over all ranks (or HSDP groups of ``fsdp_size``; logs the units chosen), or with
+    ``settings.plain`` (one process) no FSDP2: the model in the compute dtype, its masters returned."""
+    if settings.plain:
+        return plain_model(model, settings)
     # with LoRA the FSDP root is the Hugging Face model inside the PeftModel: generate() and the adapter
     # wrappers call it directly, and FSDP2 needs every forward to enter through its root
     root = model.get_base_model() if is_lora(model) else model
     shard_model(root, settings, build_mesh(world_size(), settings.fsdp_size, device.type))
+    return None
 
 
 def hf_writer(model: torch.nn.Module, tokenizer: Any) -> Callable[[Path], None]:

@@ -51,10 +51,20 @@ def to_dtype(name: str) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------------- parallel
-def fsdp_settings(fsdp: FSDPConfig, *, device_type: str, world_size: int) -> FSDPSettings:
-    """FSDP2 settings of one role (``*.fsdp_config``) in a run of ``world_size`` processes; mixed
-    precision (bf16 compute) only on GPU; ``wrap_policy.min_num_params`` auto resolved
-    (:func:`resolve_min_num_params`)."""
+ROLE_KEYS = {
+    "actor": "actor_rollout_ref.actor",
+    "reference": "actor_rollout_ref.ref",
+    "critic": "critic.model",
+}
+"""Where each FSDP-wrapped role's configuration group is (``<key>.fsdp_config``), for messages."""
+
+
+def fsdp_settings(
+    fsdp: FSDPConfig, *, device_type: str, world_size: int, key: str = "fsdp_config"
+) -> FSDPSettings:
+    """FSDP2 settings of one role (``*.fsdp_config``, at ``key`` in the config for errors) in a run of
+    ``world_size`` processes; mixed precision (bf16 compute) only on GPU; ``wrap_policy.min_num_params``
+    auto resolved (:func:`resolve_min_num_params`), ``plain_single_gpu`` too (:func:`resolve_plain`)."""
     policy, mp = fsdp.wrap_policy, fsdp.mixed_precision
     min_num_params, _ = resolve_min_num_params(fsdp, world_size=world_size)
     return FSDPSettings(
@@ -69,7 +79,21 @@ def fsdp_settings(fsdp: FSDPConfig, *, device_type: str, world_size: int) -> FSD
         backward_prefetch=fsdp.backward_prefetch,
         param_dtype=to_dtype(mp.param_dtype) if device_type == "cuda" else None,
         reduce_dtype=to_dtype(mp.reduce_dtype),
+        plain=resolve_plain(fsdp, world_size=world_size, key=key),
     )
+
+
+def resolve_plain(fsdp: FSDPConfig, *, world_size: int, key: str = "fsdp_config") -> bool:
+    """``fsdp_config.plain_single_gpu`` resolved: auto is on when one process trains and FSDP2's
+    ``offload_policy`` is off (:mod:`klppo.parallel.plain`); true where that does not hold is a ValueError
+    naming the key (``key``: the role's ``fsdp_config`` path)."""
+    value = fsdp.plain_single_gpu
+    possible = world_size == 1 and not fsdp.offload_policy
+    if value is True and not possible:
+        why = f"{world_size} processes" if world_size > 1 else "offload_policy=true"
+        raise ValueError(f"{key}.plain_single_gpu=true needs one process and no offload_policy ({why}): "
+                         "set it to auto or false")  # fmt: skip
+    return possible if value == "auto" else bool(value)
 
 
 def resolve_min_num_params(fsdp: FSDPConfig, *, world_size: int) -> tuple[int, str]:

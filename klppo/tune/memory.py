@@ -58,6 +58,11 @@ Ulysses (``sequence_parallel = S > 1``): ``T`` stays the tokens *one rank* runs 
 so a sequence of length ``ℓ`` costs each rank ``ℓ/S`` of every term above); KV heads fewer than ``S``
 are replicated (``kvd = max(kv_heads, S)·head_dim`` in ``A``), and around attention the all-to-alls
 hold q, k, v and the output once more, ``T·c·(2h + 2·kvd)`` (transient, backward start and log-prob).
+One process with ``fsdp_config.plain_single_gpu`` (auto; :mod:`klppo.parallel.plain`, no FSDP2): read as
+FSDP2 with one unit for the whole model, ``f = 1`` — the same masters ``P·m``, master gradients ``P·m``,
+AdamW and compute copy ``P·c`` (resident in every phase, where FSDP2 gathers it for each pass); at the
+backward's end the bf16 gradients ``P·c`` without the reduce-scatter's fp32 buffers, so (b) is an upper
+bound there by ``P·4`` (not re-fitted on a device yet).
 Not modelled: the reference / critic models (add them with ``reference=True``), allocator fragmentation
 (``torch.cuda.max_memory_allocated`` does not count it either), CUDA context and library workspaces.
 """

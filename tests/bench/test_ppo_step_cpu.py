@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from bench.ppo_step import HostProbe, OpCount, kernel_seconds
+from bench.ppo_step import HostProbe, OpCount, kernel_seconds, variant_overrides
 from klppo.parallel.dist import phase
 
 
@@ -139,3 +139,9 @@ def test_the_local_optim_candidate_turns_the_key_off_for_both_trained_roles():
     assert all(o in variant_overrides("after+critic_compile-local_optim") for o in off)
     assert all(o in variant_overrides("before") for o in off)
     assert not any("local_shard_optim" in o for o in variant_overrides("after+critic_compile"))
+
+
+def test_the_plain_candidate_turns_the_key_off_for_both_trained_roles():
+    off = [f"{r}.fsdp_config.plain_single_gpu=false" for r in ("actor_rollout_ref.actor", "critic.model")]
+    assert all(o in variant_overrides("after+critic_compile-plain") for o in off)
+    assert not any("plain_single_gpu" in o for o in variant_overrides("after+critic_compile"))

@@ -1,6 +1,7 @@
-"""The FSDP2 launches shared by test_fsdp.py and test_local_shards.py: one spawn of 1 rank, then one of 2
-(gloo on CPU, in the session's rank pool: tests/rank_pool.py), every check of both modules inside them; both
-modules are in the ``rank_pool`` xdist group so that one worker runs them and the launches happen once."""
+"""The FSDP2 launches shared by test_fsdp.py, test_local_shards.py and test_plain.py: one spawn of 1 rank,
+then one of 2 (gloo on CPU, in the session's rank pool: tests/rank_pool.py), every check of these modules
+inside them; the modules are in the ``rank_pool`` xdist group so that one worker runs them and the launches
+happen once."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rank programs for tests/parallel/test_fsdp.py (and test_local_shards.py's checks): started by torch.multiprocessing (spawn), gloo on CPU.
+"""Rank programs for tests/parallel/test_fsdp.py (and the checks of test_local_shards.py and test_plain.py): started by torch.multiprocessing (spawn), gloo on CPU.
 
 Each launch runs many checks (one factor at a time) and rank 0 writes its results to ``out_dir``; the
 assertions are made in the pytest process against a plain single-process reference.
@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import local_shards_worker
+import plain_worker
 import torch
 import torch.distributed as dist
 
@@ -193,6 +194,7 @@ def main_two(rank: int, port: int, out_dir: str, ckpt_in: str) -> None:
     save_after_two_steps(Path(out_dir) / "ckpt_from_2", 2, rank)
     results["timeout_message"] = timeout_check(rank)
     results["local_shards"] = local_shards_worker.checks(2, out_dir)  # test_local_shards.py
+    results["plain"] = plain_worker.checks(2, out_dir)  # test_plain.py
     if rank == 0:
         torch.save(results, Path(out_dir) / "two.pt")
     destroy()
@@ -207,6 +209,7 @@ def main_one(rank: int, port: int, out_dir: str) -> None:
     result = {"step3_loss": loss, "step3_weights": full_model_state_dict(model)}
     result["overhead"] = overhead_1proc()
     result["local_shards"] = local_shards_worker.checks(1, out_dir)  # test_local_shards.py
+    result["plain"] = plain_worker.checks(1, out_dir)  # test_plain.py
     torch.save(result, Path(out_dir) / "one.pt")
     destroy()
 

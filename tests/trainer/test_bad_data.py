@@ -108,11 +108,10 @@ def test_truncation_is_counted_and_reported(tiny_model_dir, arithmetic_data, tmp
         "train prompts: 64 rows, 64 usable, 0 bad, 2 longer than max_prompt_length=64 (truncated, left)"
         in out
     )
-    # the plan also states each role's FSDP layout and why (min_num_params auto on one process)
-    assert (
-        "FSDP2 actor: one unit for the whole model (auto: one process, one unit for the whole model)" in out
-    )
-    assert "FSDP2 critic: one unit for the whole model" in out  # verl's default estimator: GAE, a critic
+    # the plan also states each role's layout and why (plain_single_gpu auto on one process: no FSDP2)
+    assert "actor: no FSDP2, one process (fsdp_config.plain_single_gpu=auto)" in out
+    assert "critic: no FSDP2, one process" in out  # verl's default estimator: GAE, a critic
+    assert "FSDP2 actor" not in out
 
 
 def test_users_file_in_the_run_directory_is_refused_at_start(

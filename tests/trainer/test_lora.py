@@ -45,7 +45,11 @@ def test_lora_trains_adapters_only_and_exports_merged(engine, tiny_model_dir, ar
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     optimized = {id(p) for g in built.roles.actor.optimizer.param_groups for p in g["params"]}
-    assert optimized == {id(p) for p in model.parameters() if p.requires_grad}
+    masters = (
+        built.roles.actor.state_model
+    )  # one process: the plain path's fp32 masters, by the model's names
+    assert optimized == {id(p) for p in masters.parameters() if p.requires_grad}
+    assert {n for n, p in masters.named_parameters() if p.requires_grad} == trainable
 
     # base weights are untouched by training and by the merge/restore around each rollout
     from klppo.parallel.fsdp import gathered_params
@@ -96,8 +100,8 @@ def test_the_dry_run_lists_no_fsdp_layout_for_the_lora_reference(
 
     assert main(["--dry-run", *base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run"), *LORA]) == 0
     out = capsys.readouterr().out
-    assert "reference (= actor, adapters off)" in out and "FSDP2 actor: one unit for the whole model" in out
-    assert "FSDP2 reference" not in out
+    assert "reference (= actor, adapters off)" in out and "actor: no FSDP2, one process" in out
+    assert "reference: no FSDP2" not in out and "FSDP2 reference" not in out
 
 
 def test_rollout_on_merged_lora_equals_the_merged_model():
@@ -187,21 +191,23 @@ def gpu_mixed_precision(monkeypatch):
 
     real = settings.fsdp_settings
 
-    def as_on_gpu(fsdp, *, device_type, world_size):
-        return real(fsdp, device_type="cuda", world_size=world_size)
+    def as_on_gpu(fsdp, *, device_type, world_size, **kwargs):
+        return real(fsdp, device_type="cuda", world_size=world_size, **kwargs)
 
     monkeypatch.setattr(roles_build, "fsdp_settings", as_on_gpu)  # every role's, the actor's included
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", ["fsdp2", "plain"])
 def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
-    gpu_mixed_precision, tiny_model_dir, arithmetic_data, tmp_path
+    path, gpu_mixed_precision, tiny_model_dir, arithmetic_data, tmp_path
 ):
     """Issue 16's crash (bf16 gradients assigned to the fp32 adapters in the first update, when the
     reference with adapters off ran first) on CPU with the GPU's FSDP settings, through the trainer: GRPO +
     MSE KL loss (old-log-prob pass skipped), the klppo engine on merged gathered weights; adapters, their
     gradients and AdamW state in fp32; base weights untouched; a checkpoint resumes to the uninterrupted
-    run's step-2 metrics; the checkpoint exports merged."""
+    run's step-2 metrics; the checkpoint exports merged. Under FSDP2, and on the plain path (one process's
+    default: the model in bf16, the fp32 adapters and base weights its masters)."""
     from transformers import AutoModelForCausalLM
 
     from klppo.parallel.fsdp import gathered_params
@@ -212,6 +218,7 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one mini-batch: on-policy, the reference runs first
         # a unit per decoder layer, as with several GPUs (one process's default is one unit): the crash's layout
         "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
+        f"actor_rollout_ref.actor.fsdp_config.plain_single_gpu={path == 'plain'}",
     ]
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     _, built = run_training(
@@ -221,12 +228,17 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
     model, optimizer = built.roles.actor.model, built.roles.actor.optimizer
     assert built.roles.reference.model is model
     assert "old_log_prob" not in " ".join(full[0])  # no old-log-prob pass (π_old = the update's own)
-    group = model.get_base_model().model.layers[0]._get_fsdp_state()._fsdp_param_group
-    assert group.mp_policy.param_dtype == torch.bfloat16  # the GPU's settings were in force
+    if path == "fsdp2":
+        group = model.get_base_model().model.layers[0]._get_fsdp_state()._fsdp_param_group
+        assert group.mp_policy.param_dtype == torch.bfloat16  # the GPU's settings were in force
+    else:
+        assert built.roles.actor.masters is not None
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the GPU's compute dtype
+    weights = built.roles.actor.state_model  # FSDP2: the model's sharded parameters; plain: the masters
     assert all(
         row["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(row["actor/pg_loss"])) for row in full
     )
-    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    adapters = [p for n, p in weights.named_parameters() if "lora_" in n]
     assert adapters and all(p.requires_grad and p.dtype == torch.float32 for p in adapters)
     assert all(p.grad.dtype == torch.float32 for p in adapters)
     for p in adapters:
@@ -236,7 +248,7 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
     with gathered_params(model):
         q = model.get_base_model().model.layers[0].self_attn.q_proj
         assert q.lora_B["default"].weight.abs().max() > 0  # the adapter learned something
-    masters = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    masters = {n: getattr(p, "full_tensor", p.detach)() for n, p in weights.named_parameters()}
     base_key = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
     assert torch.equal(masters[base_key], original["model.layers.0.self_attn.q_proj.weight"])
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from klppo.config import derive_sizes, load_config
+from klppo.config.errors import ConfigError
 from klppo.parallel.mesh import SequenceParallel
 from klppo.trainer.settings import (
     actor_settings,
@@ -281,18 +282,50 @@ def test_min_num_params_auto_is_one_unit_on_one_process_without_offload() -> Non
 def test_one_process_shards_each_role_as_one_unit_unless_set(
     tiny_model_dir, arithmetic_data, tmp_path
 ) -> None:
-    """Through the trainer on one process: the actor and the reference (min_num_params auto) are one FSDP
-    unit each, the critic set to 0 gets one unit per decoder layer plus the root."""
+    """Through the trainer on one process with FSDP2 (plain_single_gpu=false; auto takes the plain path
+    there, test_plain.py): the actor and the reference (min_num_params auto) are one FSDP unit each, the
+    critic set to 0 gets one unit per decoder layer plus the root."""
     from klppo.parallel.fsdp import fsdp_modules
     from tests.trainer.utils import base_overrides, run_training
 
-    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
-        "algorithm.adv_estimator=gae",
-        "actor_rollout_ref.actor.use_kl_loss=True",
-        "critic.model.fsdp_config.wrap_policy.min_num_params=0",
-    ]
+    overrides = (
+        base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run")
+        + [
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.use_kl_loss=True",
+            "critic.model.fsdp_config.wrap_policy.min_num_params=0",
+        ]
+        + [
+            f"{r}.fsdp_config.plain_single_gpu=false"
+            for r in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model")
+        ]
+    )
     _, run = run_training(overrides)
     roles = run.roles
+    assert roles.actor.masters is None and roles.critic.masters is None
     assert [len(fsdp_modules(r.model)) for r in (roles.actor, roles.reference)] == [1, 1]
     layers = roles.critic.model.config.num_hidden_layers
     assert len(fsdp_modules(roles.critic.model)) == layers + 1
+
+
+def test_plain_single_gpu_key_is_validated_and_resolved() -> None:
+    """auto (the default): the plain path on one process without offload_policy, FSDP2 otherwise; true
+    where it cannot hold: a one-line error naming the key; a value other than auto/true/false refused."""
+    key = "critic.model.fsdp_config"
+    default = load_config([])
+    for fsdp in (default.actor_rollout_ref.actor.fsdp_config, default.critic.model.fsdp_config):
+        assert fsdp.plain_single_gpu == "auto"
+        assert fsdp_settings(fsdp, device_type="cuda", world_size=1).plain
+        assert not fsdp_settings(fsdp, device_type="cuda", world_size=2).plain
+    policy = load_config([f"{key}.offload_policy=true"]).critic.model.fsdp_config
+    assert not fsdp_settings(policy, device_type="cuda", world_size=1).plain
+    off = load_config([f"{key}.plain_single_gpu=false"]).critic.model.fsdp_config
+    assert not fsdp_settings(off, device_type="cuda", world_size=1).plain
+    on = load_config([f"{key}.plain_single_gpu=true"]).critic.model.fsdp_config
+    assert fsdp_settings(on, device_type="cuda", world_size=1, key=key).plain
+    with pytest.raises(
+        ValueError, match=r"critic\.model\.fsdp_config\.plain_single_gpu=true needs one process"
+    ):
+        fsdp_settings(on, device_type="cuda", world_size=2, key=key)
+    with pytest.raises(ConfigError, match="plain_single_gpu"):
+        load_config([f"{key}.plain_single_gpu=sometimes"])
