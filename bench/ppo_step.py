@@ -29,7 +29,9 @@ one graph per grad mode — the default; off: the static token buckets; every va
 ``critic.model.use_remove_padding``, and compiled likewise; the ``trl`` critic runs padded otherwise),
 ``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing), ``+traced_attention``
 (packed attention traced into the compiled layers: one compiled region per layer instead of five),
-``+async_reward`` (background scoring: ``reward_model.launch_reward_fn_async``).
+``+async_reward`` (background scoring: ``reward_model.launch_reward_fn_async``), ``+graphs`` (the actor's and the
+critic's update micro-batches replayed as CUDA graphs, ``fsdp_config.cuda_graph_update``; the critic needs
+``+critic_compile`` for packed rows).
 E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
 process; the trainer workloads report the median of the steps after the first (which includes warm-up:
 allocator growth, CUDA-graph capture, compilation).
@@ -113,6 +115,8 @@ SETTINGS = {
     # packed attention traced into the compiled layers (klppo.batching.attention.set_traced_packed_attention):
     # one compiled region per layer instead of five; with the compiled layers (the `compile` candidate)
     "traced_attention": ["@traced_attention=on"],
+    # the update micro-batches replayed as CUDA graphs (fsdp_config.cuda_graph_update; the plain path, packed rows)
+    "graphs": [f"{role}.fsdp_config.cuda_graph_update=True" for role in (f"{ARR}.actor", "critic.model")],
     # background scoring (reward_model.launch_reward_fn_async): decoding and the reward function in spawned
     # workers while the log-prob, reference and value passes run
     "async_reward": ["reward_model.launch_reward_fn_async=True"],

@@ -321,7 +321,7 @@ _RM_INERT_KEYS = (
     "fsdp_config.param_offload", "fsdp_config.optimizer_offload", "fsdp_config.offload_policy",
     "fsdp_config.reshard_after_forward", "fsdp_config.fsdp_size", "fsdp_config.forward_prefetch",
     "fsdp_config.backward_prefetch", "fsdp_config.grad_sync_per_mini_batch", "fsdp_config.local_shard_optim",
-    "fsdp_config.plain_single_gpu",
+    "fsdp_config.plain_single_gpu", "fsdp_config.cuda_graph_update",
     "fsdp_config.wrap_policy.min_num_params", "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap",
     "fsdp_config.mixed_precision.param_dtype", "fsdp_config.mixed_precision.reduce_dtype",
     "use_remove_padding",

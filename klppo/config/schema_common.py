@@ -76,6 +76,17 @@ class FSDPConfig:
         "auto: on with one process and offload_policy off; true elsewhere is an error. Read by the actor, "
         "the critic and the reference (no masters: the compute copy alone).",
     )
+    cuda_graph_update: bool = F(
+        False,
+        "[klppo] Replay each update micro-batch's forward, loss and backward as a CUDA graph: a micro-batch "
+        "shape runs eagerly the first time, is captured the second, replayed after (at most 4 shapes per "
+        "role; each holds one micro-batch's activations for the run). Removes the update's per-kernel "
+        "launch cost (one H200, the TRL-shape actor update: 0.575 -> 0.328 s, bench/RESULTS.md session 19). "
+        "Needs a GPU, the plain path (plain_single_gpu on: one process), packed rows (use_remove_padding), "
+        "param_offload off and, for the actor, kl_loss_type other than full. Pays off when micro-batch "
+        "shapes repeat (fixed-length responses, or rows padded alike); other shapes run eagerly. Same "
+        "results as eager (bit for bit on CPU with a stand-in capture). Read by the actor and the critic.",
+    )
     model_dtype: str = F("fp32", "[klppo default per role] dtype the role's weights are stored in.")
     mixed_precision: MixedPrecisionConfig = F(MixedPrecisionConfig, "[klppo] FSDP2 mixed-precision policy.")
     use_orig_params: bool = F(False, "FSDP1 option; FSDP2 always keeps original parameters.")

@@ -87,14 +87,14 @@ class MasterWeights:
         has none yet, else one foreach add), and drop them (the next backward starts from none)."""
         into, grads = [], []
         for p, m in self._trained:
-            g = p.grad
+            g = own = p.grad
             if g is None:
                 continue
             p.grad = None
             if g.dtype != self.reduce_dtype and m.dtype != self.reduce_dtype:
                 g = g.to(self.reduce_dtype)
-            if m.grad is None:
-                m.grad = g.to(m.dtype)
+            if m.grad is None:  # never p's own tensor: a CUDA graph's replay writes into it again
+                m.grad = g.to(m.dtype, copy=g is own)
             else:
                 into.append(m.grad)
                 grads.append(g)

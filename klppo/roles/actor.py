@@ -68,6 +68,7 @@ class ActorSettings:
     sp: SequenceParallel | None = None  # Ulysses group (needs use_remove_padding); None: no sequence split
     grad_sync_per_mini_batch: bool = False  # one reduce-scatter per mini-batch (roles/trained.py)
     local_shard_optim: bool = True  # optimizer step and clip on the DTensors' local shards (trained.py)
+    cuda_graph_update: bool = False  # micro-batches replayed as CUDA graphs (roles/graphed.py; plain path)
 
 
 class Actor(TrainedRole):
@@ -92,6 +93,14 @@ class Actor(TrainedRole):
         self.settings = settings
         if settings.use_fused_kernels:
             check_fused(model, "actor_rollout_ref.actor.use_fused_kernels")
+        if self.graphs is not None:
+            full = settings.use_kl_loss and settings.kl_loss_type == "full"
+            if not settings.use_remove_padding or settings.sp is not None or full:
+                raise ValueError(
+                    "actor_rollout_ref.actor.fsdp_config.cuda_graph_update=true needs packed rows "
+                    "(actor_rollout_ref.model.use_remove_padding=true), no sequence parallelism and not "
+                    "kl_loss_type=full: set it to false"
+                )
 
     def log_prob_plan(self, batch: Batch) -> ForwardPlan:
         """The micro-batches of :meth:`compute_log_prob`, packed (shareable with the reference)."""
@@ -156,7 +165,10 @@ class Actor(TrainedRole):
             )
         beta = self.settings.kl_loss_coef if kl_loss_coef is None else float(kl_loss_coef)
         return self.run_updates(
-            batch, lambda mb: self._micro_loss(mb, ref_logits_fn, beta), num_mini_batches=num_mini_batches
+            batch,
+            lambda mb: self._micro_loss(mb, ref_logits_fn, beta),
+            num_mini_batches=num_mini_batches,
+            graph_parts=None if self.graphs is None else lambda mb: self.graph_parts(mb, beta),
         )
 
     def _micro_loss(
@@ -206,16 +218,19 @@ class Actor(TrainedRole):
 
         def loss(ts):
             fields = SimpleNamespace(
-                **dict.fromkeys(LOSS_FIELDS), **dict(zip(present, ts[n : n + m], strict=True))
+                **(dict.fromkeys(LOSS_FIELDS) | dict(zip(present, ts[n : n + m], strict=True)))
             )
             log_prob, entropy = log_probs_of(
                 self.model, rebuild(ts[:n]), temperature=s.temperature, calculate_entropy=True,
                 fused=s.use_fused_kernels,
             )  # fmt: skip
-            return self._loss_terms(fields, log_prob, entropy, ts[n + m])
+            terms, stats = self._loss_terms(fields, log_prob, entropy, ts[n + m])
+            stats.pop("actor/kl_coef", None)  # the host's float (host_stats), not the fp32 input
+            return terms, stats
 
         tensors = [*model_tensors, *(getattr(mb, f) for f in present), beta]
-        return MicroParts(tensors, (key, present), self.term_modes(), loss)
+        host = {"actor/kl_coef": kl_loss_coef} if s.use_kl_loss else {}
+        return MicroParts(tensors, (key, present), self.term_modes(), loss, host)
 
     def _loss_terms(
         self,

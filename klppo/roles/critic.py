@@ -34,6 +34,7 @@ class CriticSettings:
     sp: SequenceParallel | None = None  # Ulysses group (needs use_remove_padding); None: no sequence split
     grad_sync_per_mini_batch: bool = False  # one reduce-scatter per mini-batch (roles/trained.py)
     local_shard_optim: bool = True  # optimizer step and clip on the DTensors' local shards (trained.py)
+    cuda_graph_update: bool = False  # micro-batches replayed as CUDA graphs (roles/graphed.py; plain path)
 
 
 class Critic(TrainedRole):
@@ -56,6 +57,11 @@ class Critic(TrainedRole):
             masters=masters,
         )
         self.settings = settings
+        if self.graphs is not None and (not settings.use_remove_padding or settings.sp is not None):
+            raise ValueError(
+                "critic.model.fsdp_config.cuda_graph_update=true needs packed rows (critic.model.use_remove_padding"
+                "=true) and no sequence parallelism: set it to false"
+            )
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """Values [B,R] (zero on masked positions)."""
@@ -74,7 +80,8 @@ class Critic(TrainedRole):
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value regression; needs ``values`` (old), ``returns``, ``response_mask``."""
-        return self.run_updates(batch, self._micro_loss)
+        graph_parts = None if self.graphs is None else self.graph_parts
+        return self.run_updates(batch, self._micro_loss, graph_parts=graph_parts)
 
     def _micro_loss(self, mb: Batch) -> tuple[LossTerms, dict[str, float | torch.Tensor]]:
         s = self.settings

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -58,12 +58,14 @@ class MicroParts:
     runs it): the device tensors it reads, what else its code depends on (hashable), the aggregation mode of
     each loss term (their weights are computed on the host, then passed in as tensors), and the loss as a
     function of the tensors: ``loss(tensors) -> (terms, statistics)``, terms as (tensor, mode) pairs in
-    ``modes``' order, every statistic a tensor."""
+    ``modes``' order, every statistic a tensor (one the host knows goes to ``host_stats``)."""
 
     tensors: list[torch.Tensor]
     key: Any
     modes: list[str]
     loss: Callable[[Sequence[torch.Tensor]], tuple[list[tuple[torch.Tensor, str]], dict[str, torch.Tensor]]]
+    host_stats: dict[str, float] = field(default_factory=dict)
+    """Statistics known on the host (not outputs of the step), reported as they are."""
 
 
 def signature(tensors: Sequence[torch.Tensor], extra: Any = ()) -> tuple:

@@ -33,6 +33,7 @@ from klppo.parallel.collectives import all_reduce_sum_values, world_size
 from klppo.parallel.fsdp import clip_grad_norm_, fsdp_modules
 from klppo.parallel.plain import MasterWeights
 from klppo.roles.forward import MicroBatching, iter_micro
+from klppo.roles.graphed import MicroGraphs, MicroParts, signature
 from klppo.roles.metrics import MetricAccumulator
 from klppo.roles.oom import OOMRecovery
 from klppo.roles.optim import OptimSettings, build_optimizer, build_scheduler
@@ -41,6 +42,8 @@ T = TypeVar("T")
 LossTerms = list[tuple[torch.Tensor, str]]
 """A micro-batch's loss as (term, loss_agg_mode) pairs: each term is weighted by its own aggregation."""
 MicroLoss = Callable[[Batch], tuple[LossTerms, dict[str, float | torch.Tensor]]]
+GraphParts = Callable[[Batch], MicroParts]
+"""A micro-batch's loss split for capture (:class:`klppo.roles.graphed.MicroParts`), built by the role."""
 """Loss terms and statistics of a micro-batch; statistics may stay on the device (0-dim tensors): the
 update brings them to the host once per update (:class:`klppo.roles.metrics.MetricAccumulator`)."""
 
@@ -61,12 +64,16 @@ class UpdateSettings:
     local_shard_optim: bool = True
     """Optimizer step and gradient clip on the DTensor parameters' local shards (same state and results,
     :mod:`klppo.parallel.local_shards`); False: through DTensor dispatch."""
+    cuda_graph_update: bool = False
+    """Each micro-batch's forward, loss and backward replayed as a CUDA graph after its shape's first two
+    (:mod:`klppo.roles.graphed`); needs the plain path (``masters``)."""
 
     @classmethod
     def of(cls, settings: object, *, seed_offset: int = 0) -> UpdateSettings:
         """The update fields of a role's settings (same names), the shuffle seed shifted by ``seed_offset``."""
         fields = {f: getattr(settings, f) for f in ("ppo_epochs", "mini_batch_size", "update_micro", "grad_clip",
-                                                      "shuffle", "grad_sync_per_mini_batch", "local_shard_optim")}  # fmt: skip
+                                                      "shuffle", "grad_sync_per_mini_batch", "local_shard_optim",
+                                                      "cuda_graph_update")}  # fmt: skip
         sp = getattr(settings, "sp", None)
         return cls(**fields, seed=settings.seed + seed_offset, sp_size=1 if sp is None else sp.size)
 
@@ -98,6 +105,14 @@ class TrainedRole:
         self.oom = OOMRecovery(self.name, sp_size=update.sp_size, update_rows=update.mini_batch_size)
         # the FSDP modules whose reduce-scatter waits for a mini-batch's last micro-batch (found once)
         self._deferred_sync = fsdp_modules(model) if update.grad_sync_per_mini_batch else []
+        self.graphs: MicroGraphs | None = None
+        if update.cuda_graph_update:
+            if masters is None:
+                raise ValueError(
+                    f"{self.name}: cuda_graph_update needs the plain path (one process, no FSDP2)"
+                )
+            self.graphs = MicroGraphs(list(model.parameters()))
+        self._stat_names: dict[tuple, list[str]] = {}  # per captured signature: the names of its statistics
 
     @property
     def state_model(self) -> torch.nn.Module:
@@ -111,12 +126,18 @@ class TrainedRole:
         return self.model if self.masters is None else self.masters
 
     def run_updates(
-        self, batch: Batch, micro_loss: MicroLoss, *, num_mini_batches: int | None = None
+        self,
+        batch: Batch,
+        micro_loss: MicroLoss,
+        *,
+        num_mini_batches: int | None = None,
+        graph_parts: GraphParts | None = None,
     ) -> dict[str, float]:
         """``ppo_epochs`` passes over mini-batches of ``batch``, one optimizer step each, then one LR step.
         Mini-batches of ``mini_batch_size`` rows, or with ``num_mini_batches`` that many equal parts of the
         batch (``actor.skip_zero_advantage_rows``: the optimizer steps of the full batch, over fewer rows;
-        ``len(batch)`` must be a multiple of it)."""
+        ``len(batch)`` must be a multiple of it). With CUDA graphs on (``self.graphs``) and ``graph_parts``
+        (``micro_loss`` split for capture) each micro-batch runs through :meth:`_graphed_backward`."""
         u = self.update
         size = u.mini_batch_size
         if num_mini_batches is not None:
@@ -136,7 +157,7 @@ class TrainedRole:
             ).tolist()
             for start in range(0, len(batch), size):
                 mini = batch.select(order[start : start + size])
-                applied = self._update_mini_batch(mini, micro_loss, acc)
+                applied = self._update_mini_batch(mini, micro_loss, acc, graph_parts)
                 if not applied:  # non-finite: no further optimizer step from this batch
                     break
             if not applied:
@@ -147,7 +168,13 @@ class TrainedRole:
         metrics[f"{self.name}/num_skipped_updates"] = float(self.num_skipped_updates)
         return metrics
 
-    def _update_mini_batch(self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator) -> bool:
+    def _update_mini_batch(
+        self,
+        mini: Batch,
+        micro_loss: MicroLoss,
+        acc: MetricAccumulator,
+        graph_parts: GraphParts | None = None,
+    ) -> bool:
         """One optimizer step on ``mini``; False (step skipped, counted) when a loss or the global gradient
         norm is not finite. Out of memory in a micro-batch (forward or backward): the
         mini-batch's gradients are dropped and it is redone with half the micro-batch (`klppo.roles.oom`);
@@ -158,7 +185,7 @@ class TrainedRole:
             if self.masters is not None:  # a retry after out of memory: the aborted backward's gradients
                 self.masters.drop_model_grads()
             local = MetricAccumulator()
-            return self._accumulate(mini, micro_loss, local, micro), local
+            return self._accumulate(mini, micro_loss, local, micro, graph_parts), local
 
         finite, local = self.oom.run("update", self.update.update_micro, attempt, self.model)
         if self.masters is None:
@@ -180,7 +207,12 @@ class TrainedRole:
         return False
 
     def _accumulate(
-        self, mini: Batch, micro_loss: MicroLoss, acc: MetricAccumulator, micro: MicroBatching
+        self,
+        mini: Batch,
+        micro_loss: MicroLoss,
+        acc: MetricAccumulator,
+        micro: MicroBatching,
+        graph_parts: GraphParts | None = None,
     ) -> torch.Tensor:
         """Backward of every micro-batch of ``mini`` (gradients summed); a bool tensor on the device: every
         loss was finite. Loss weights and metric weights come from the host mask: no device sync here.
@@ -194,10 +226,16 @@ class TrainedRole:
                 for module in deferred:
                     module.set_requires_gradient_sync(last, recurse=False)
                 mask = _host_response_mask(mb)
-                terms, stats = micro_loss(mb)
-                loss = sum(term * micro_weight(mode, mask, counts, horizon) for term, mode in terms)
-                finite = finite & torch.isfinite(loss)
-                loss.backward()
+                if self.graphs is not None and graph_parts is not None:
+                    parts = graph_parts(mb)
+                    weights = [micro_weight(mode, mask, counts, horizon) for mode in parts.modes]
+                    loss_finite, stats = self._graphed_backward(parts, weights)
+                    finite = finite & loss_finite
+                else:
+                    terms, stats = micro_loss(mb)
+                    loss = sum(term * micro_weight(mode, mask, counts, horizon) for term, mode in terms)
+                    finite = finite & torch.isfinite(loss)
+                    loss.backward()
                 if self.masters is not None:  # FSDP2's reduce into the master gradients, on one process
                     self.masters.accumulate_grads()
                 acc.add(stats, weight=float(mask.sum()))
@@ -205,6 +243,35 @@ class TrainedRole:
             for module in deferred:
                 module.set_requires_gradient_sync(True, recurse=False)
         return finite
+
+    def _graphed_backward(
+        self, parts: MicroParts, weights: list[float]
+    ) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+        """One micro-batch's forward, weighted loss and backward through :attr:`graphs` (eager, captured or
+        replayed): the loss's terms weighted as in :meth:`_accumulate`, the weights 0-dim float32 tensors (the
+        same products as the Python floats give). Returns (loss finite, statistics) read at once, as a
+        replay's outputs must be; ``parts.host_stats`` added as they are."""
+        device = parts.tensors[0].device
+        scales = [torch.full((), w, dtype=torch.float32, device=device) for w in weights]
+        n, names = len(parts.tensors), []
+
+        def step(ts):
+            terms, stats = parts.loss(ts[:n])
+            if [mode for _, mode in terms] != parts.modes:
+                raise AssertionError(
+                    f"{self.name}: loss terms {[m for _, m in terms]}, declared {parts.modes}"
+                )
+            loss = sum(term * scale for (term, _), scale in zip(terms, ts[n:], strict=True))
+            loss.backward()
+            names[:] = sorted(stats)
+            return [torch.isfinite(loss), *(stats[k] for k in names)]
+
+        key = signature(parts.tensors, extra=(parts.key, tuple(parts.modes)))
+        outputs = self.graphs.run(key, [*parts.tensors, *scales], step)
+        if names:
+            self._stat_names[key] = list(names)
+        stats = dict(zip(self._stat_names[key], outputs[1:], strict=True))
+        return outputs[0], {**stats, **parts.host_stats}
 
     # ---- checkpoint state ---------------------------------------------------------------------
     def extra_state(self) -> dict:

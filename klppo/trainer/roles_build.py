@@ -39,6 +39,7 @@ from klppo.roles.trained import TrainedRole
 from klppo.trainer.settings import (
     ROLE_KEYS,
     actor_settings,
+    check_cuda_graph_update,
     critic_settings,
     describe_min_num_params,
     fsdp_settings,
@@ -149,6 +150,13 @@ def role_fsdp(role: str, fsdp_cfg: FSDPConfig, device: torch.device) -> FSDPSett
     """A role's FSDP2 settings for this run, with the resolved ``min_num_params`` logged (auto: why)."""
     key = f"{ROLE_KEYS[role]}.fsdp_config"
     settings = fsdp_settings(fsdp_cfg, device_type=device.type, world_size=world_size(), key=key)
+    if role == "reference":
+        if fsdp_cfg.cuda_graph_update:
+            logging.getLogger("klppo").warning(
+                "%s.cuda_graph_update is not read: the reference has no update", key
+            )
+    else:
+        check_cuda_graph_update(fsdp_cfg, settings, device_type=device.type, key=key)
     if settings.plain:
         logging.getLogger("klppo").info("%s: no FSDP2, one process (fsdp_config.plain_single_gpu)", role)
     else:

@@ -96,6 +96,22 @@ def resolve_plain(fsdp: FSDPConfig, *, world_size: int, key: str = "fsdp_config"
     return possible if value == "auto" else bool(value)
 
 
+def check_cuda_graph_update(fsdp: FSDPConfig, settings: FSDPSettings, *, device_type: str, key: str) -> None:
+    """ValueError naming ``key.cuda_graph_update`` when it is on and the run cannot capture the update
+    (:mod:`klppo.roles.graphed`): no GPU, not the plain path, or parameters offloaded between phases."""
+    if not fsdp.cuda_graph_update:
+        return
+    if device_type != "cuda":
+        need = f"a GPU (trainer.device={device_type})"
+    elif not settings.plain:
+        need = "the plain path (plain_single_gpu on: one process, no offload_policy)"
+    elif fsdp.param_offload:
+        need = "parameters that stay on the device (param_offload=false)"
+    else:
+        return
+    raise ValueError(f"{key}.cuda_graph_update=true needs {need}: set it to false")
+
+
 def resolve_min_num_params(fsdp: FSDPConfig, *, world_size: int) -> tuple[int, str]:
     """``wrap_policy.min_num_params`` as an integer, and why. ``auto``: one unit for the whole model
     (:data:`~klppo.tune.units.WHOLE_MODEL`) when one process trains and the role offloads nothing —
@@ -213,6 +229,7 @@ def actor_settings(cfg: KLPPOConfig, sizes: Sizes, *, sp: SequenceParallel | Non
         use_fused_kernels=actor.use_fused_kernels,
         sp=sp,
         local_shard_optim=actor.fsdp_config.local_shard_optim,
+        cuda_graph_update=actor.fsdp_config.cuda_graph_update,
     )
 
 
@@ -277,6 +294,7 @@ def critic_settings(cfg: KLPPOConfig, sizes: Sizes, *, sp: SequenceParallel | No
         seed=cfg.trainer.seed,
         sp=sp,
         local_shard_optim=critic.model.fsdp_config.local_shard_optim,
+        cuda_graph_update=critic.model.fsdp_config.cuda_graph_update,
     )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from klppo.parallel.fsdp import FSDPSettings
+from klppo.roles.forward import MicroBatching
 from klppo.roles.graphed import MicroGraphs, signature
 from tests.roles.graph_fakes import FakeCapture
 
@@ -93,3 +95,155 @@ def test_signature_tells_shapes_dtypes_and_the_extra_key_apart():
     assert signature([a]) != signature([torch.zeros(3, 2)])
     assert signature([a]) != signature([a.double()])
     assert signature([a], extra=(1,)) != signature([a], extra=(2,))
+
+
+# ---- the trained roles: graphed update == eager update, bit for bit (the capture replaced by the CPU stand-in)
+
+
+def _graph_actor(graphed: bool, *, kl: bool = True, compute_dtype=torch.bfloat16, device: str = "cpu"):
+    from klppo.batching.attention import enable_packed_attention
+    from klppo.models.tiny import build_tiny_model
+    from klppo.parallel.plain import plain_model
+    from klppo.roles.actor import Actor, ActorSettings
+    from tests.parallel import plain_worker as W  # the plain path's tiny actor (bf16 compute, fp32 masters)
+
+    model = build_tiny_model(seed=0).to(device)
+    enable_packed_attention(model)
+    masters = plain_model(model, FSDPSettings(param_dtype=compute_dtype, reduce_dtype=torch.float32))
+    settings = ActorSettings(
+        mini_batch_size=4, update_micro=MicroBatching(micro_batch_size=2), grad_clip=W.GRAD_CLIP,
+        use_kl_loss=kl, kl_loss_type="low_var_kl", entropy_coeff=0.01, use_remove_padding=True,
+        cuda_graph_update=graphed,
+    )  # fmt: skip
+    actor = Actor(model, settings, W.OPTIM, masters=masters)
+    capture = FakeCapture()
+    if graphed and device == "cpu":  # on CUDA the role's own MicroGraphs captures for real
+        actor.graphs = MicroGraphs(list(model.parameters()), capture=capture)
+    return actor, capture
+
+
+def _batch(call: int, device: str = "cpu"):
+    from tests.parallel import plain_worker as W
+
+    b = W.batch(call).to(device)
+    if call == W.NAN_CALL:  # a finite batch here: the nan step is the plain path's test
+        b.advantages = torch.nan_to_num(b.advantages)
+    if call >= 2:  # every response full: both micro-batches of a mini-batch replay the same graph
+        b.response_mask = torch.ones_like(b.response_mask)
+    return b
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
+def test_the_graphed_actor_update_equals_the_eager_one_bit_for_bit(compute_dtype):
+    """Four update calls of 2 mini-batches × 2 micro-batches in bf16 compute with fp32 masters, a KL
+    coefficient that changes every call (an input of the graph, not a constant): metrics, log-probs after
+    each call and the masters equal. In fp32 (no compute copy) the first micro-batch's gradient must be
+    copied into the master's, not taken: the graph writes that tensor again."""
+
+    torch.set_num_threads(1)
+    runs = {}
+    for graphed in (False, True):
+        actor, capture = _graph_actor(graphed, compute_dtype=compute_dtype)
+        out = []
+        for call in range(4):
+            metrics = actor.update_policy(_batch(call), kl_loss_coef=0.05 * (call + 1))
+            out.append((metrics, actor.compute_log_prob(_batch(call + 1))))
+        runs[graphed] = (out, [m.detach().clone() for m in actor.masters.masters], actor, capture)
+    (eager, w_eager, _, _), (graphed, w_graphed, actor, capture) = runs[False], runs[True]
+    for (m_e, lp_e), (m_g, lp_g) in zip(eager, graphed, strict=True):
+        assert m_g == m_e
+        assert torch.equal(lp_g, lp_e)
+    assert all(torch.equal(a, b) for a, b in zip(w_graphed, w_eager, strict=True))
+    # 16 micro-batches of three shapes: rows 0-1 and 4-5 of calls 0-1 (one short response each) and the full
+    # ones (the other 12); each shape eager once, the rest replays
+    assert len(capture.graphs) == 3 and actor.graphs.num_eager == 3 and actor.graphs.num_replays == 13
+    assert eager[0][0]["actor/kl_coef"] == 0.05 and "actor/kl_loss" in eager[0][0]
+
+
+def _graph_critic(graphed: bool):
+    from transformers import AutoModelForTokenClassification
+
+    from klppo.batching.attention import enable_packed_attention
+    from klppo.models.tiny import build_tiny_model
+    from klppo.parallel.plain import plain_model
+    from klppo.roles.critic import Critic, CriticSettings
+    from klppo.roles.optim import OptimSettings
+
+    config = build_tiny_model(seed=0).config
+    config.num_labels, config.classifier_dropout = 1, 0.0  # as klppo's loader builds the critic
+    torch.manual_seed(1)
+    model = AutoModelForTokenClassification.from_config(config)
+    enable_packed_attention(model)
+    masters = plain_model(model, FSDPSettings(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    settings = CriticSettings(mini_batch_size=4, update_micro=MicroBatching(micro_batch_size=2),
+                              use_remove_padding=True, cuda_graph_update=graphed)  # fmt: skip
+    critic = Critic(model, settings, OptimSettings(lr=1e-2, warmup_steps=1, total_steps=10), masters=masters)
+    if graphed:
+        critic.graphs = MicroGraphs(list(model.parameters()), capture=FakeCapture())
+    return critic
+
+
+def test_the_graphed_critic_update_equals_the_eager_one_bit_for_bit():
+    torch.set_num_threads(1)
+    runs = {}
+    for graphed in (False, True):
+        critic = _graph_critic(graphed)
+        out = []
+        for call in range(3):
+            b = _batch(call)
+            g = torch.Generator().manual_seed(call)
+            b.values = torch.randn(b.response_mask.shape, generator=g) * b.response_mask
+            b.returns = b.values + torch.randn(b.response_mask.shape, generator=g) * b.response_mask
+            out.append((critic.update_critic(b), critic.compute_values(_batch(call + 1))))
+        runs[graphed] = (out, [m.detach().clone() for m in critic.masters.masters], critic)
+    (eager, w_eager, _), (graphed, w_graphed, critic) = runs[False], runs[True]
+    for (m_e, v_e), (m_g, v_g) in zip(eager, graphed, strict=True):
+        assert m_g == m_e and torch.equal(v_g, v_e)
+    assert all(torch.equal(a, b) for a, b in zip(w_graphed, w_eager, strict=True))
+    assert critic.graphs.num_replays == 12 - 3 and "critic/vf_loss" in eager[0][0]
+
+
+def test_cuda_graph_update_refuses_what_it_cannot_capture():
+    with pytest.raises(ValueError, match="use_remove_padding"):
+        _graph_actor_settings(use_remove_padding=False)
+    with pytest.raises(ValueError, match="kl_loss_type=full"):
+        _graph_actor_settings(use_kl_loss=True, kl_loss_type="full")
+    with pytest.raises(ValueError, match="plain path"):
+        _graph_actor_settings(masters=False)
+
+
+def _graph_actor_settings(*, masters: bool = True, **kwargs):
+    from klppo.models.tiny import build_tiny_model
+    from klppo.parallel.plain import plain_model
+    from klppo.roles.actor import Actor, ActorSettings
+    from klppo.roles.optim import OptimSettings
+
+    model = build_tiny_model(seed=0)
+    m = plain_model(model, FSDPSettings()) if masters else None
+    settings = ActorSettings(**{"use_remove_padding": True, "cuda_graph_update": True, **kwargs})
+    return Actor(model, settings, OptimSettings(lr=1e-3), masters=m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_actor_update_captured_on_cuda_matches_eager():
+    """Real CUDA-graph capture and replay (bf16 compute, fp32 masters, packed rows): the metrics, log-probs
+    and masters of four update calls against the eager run — equal up to the GPU kernels' own
+    run-to-run differences (atomics in the attention backward), stated as tolerances."""
+    runs = {}
+    for graphed in (False, True):
+        actor, _ = _graph_actor(graphed, device="cuda")
+        out = []
+        for call in range(4):
+            metrics = actor.update_policy(_batch(call, "cuda"), kl_loss_coef=0.05 * (call + 1))
+            out.append((metrics, actor.compute_log_prob(_batch(call + 1, "cuda"))))
+        runs[graphed] = (out, [m.detach().clone() for m in actor.masters.masters], actor)
+    (eager, w_eager, _), (graphed, w_graphed, actor) = runs[False], runs[True]
+    assert actor.graphs.num_replays == 13 and actor.graphs.num_eager == 3
+    for (m_e, lp_e), (m_g, lp_g) in zip(eager, graphed, strict=True):
+        assert m_g.keys() == m_e.keys()
+        for k in m_e:
+            assert m_g[k] == pytest.approx(m_e[k], rel=1e-3, abs=1e-5), k
+        torch.testing.assert_close(lp_g, lp_e, rtol=0, atol=2e-2)
+    for a, b in zip(w_graphed, w_eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3)

@@ -329,3 +329,36 @@ def test_plain_single_gpu_key_is_validated_and_resolved() -> None:
         fsdp_settings(on, device_type="cuda", world_size=2, key=key)
     with pytest.raises(ConfigError, match="plain_single_gpu"):
         load_config([f"{key}.plain_single_gpu=sometimes"])
+
+
+def test_cuda_graph_update_reaches_the_roles_and_is_refused_where_it_cannot_capture() -> None:
+    from klppo.config import derive_sizes
+    from klppo.trainer.settings import actor_settings, check_cuda_graph_update, critic_settings
+
+    a, c = "actor_rollout_ref.actor.fsdp_config", "critic.model.fsdp_config"
+    cfg = load_config([f"{a}.cuda_graph_update=true", f"{c}.cuda_graph_update=true"])
+    sizes = derive_sizes(cfg, 1)
+    assert actor_settings(cfg, sizes).cuda_graph_update and critic_settings(cfg, sizes).cuda_graph_update
+    default = load_config([])
+    assert not actor_settings(default, derive_sizes(default, 1)).cuda_graph_update
+    fsdp = cfg.critic.model.fsdp_config
+    check_cuda_graph_update(
+        fsdp, fsdp_settings(fsdp, device_type="cuda", world_size=1), device_type="cuda", key=c
+    )
+    cases = [
+        ([], "cpu", 1, r"needs a GPU \(trainer\.device=cpu\)"),
+        ([], "cuda", 2, "needs the plain path"),
+        (
+            [f"{c}.param_offload=true"],
+            "cuda",
+            1,
+            r"needs parameters that stay on the device \(param_offload=false\)",
+        ),
+    ]
+    for extra, device, world, message in cases:
+        f = load_config([f"{c}.cuda_graph_update=true", *extra]).critic.model.fsdp_config
+        settings = fsdp_settings(f, device_type=device, world_size=world, key=c)
+        with pytest.raises(
+            ValueError, match=rf"critic\.model\.fsdp_config\.cuda_graph_update=true {message}"
+        ):
+            check_cuda_graph_update(f, settings, device_type=device, key=c)
