@@ -75,6 +75,7 @@ class Actor(TrainedRole):
     """Policy role: ``compute_log_prob(batch)`` and ``update_policy(batch) -> metrics``."""
 
     name = "actor"
+    graph_key = "actor_rollout_ref.actor.fsdp_config"
 
     def __init__(
         self,
@@ -93,14 +94,19 @@ class Actor(TrainedRole):
         self.settings = settings
         if settings.use_fused_kernels:
             check_fused(model, "actor_rollout_ref.actor.use_fused_kernels")
-        if self.graphs is not None:
-            full = settings.use_kl_loss and settings.kl_loss_type == "full"
-            if not settings.use_remove_padding or settings.sp is not None or full:
-                raise ValueError(
-                    "actor_rollout_ref.actor.fsdp_config.cuda_graph_update=true needs packed rows "
-                    "(actor_rollout_ref.model.use_remove_padding=true), no sequence parallelism and not "
-                    "kl_loss_type=full: set it to false"
-                )
+        if self.graphs is not None and not self.graph_capable():
+            raise ValueError(
+                "actor_rollout_ref.actor.fsdp_config.cuda_graph_update=true needs packed rows "
+                "(actor_rollout_ref.model.use_remove_padding=true), no sequence parallelism and not "
+                "kl_loss_type=full: set it to false"
+            )
+
+    def graph_capable(self) -> bool:
+        """Packed rows, no sequence parallelism, not the ``full`` KL (its reference logits come from a
+        callback outside the step): what :meth:`graph_parts` serves."""
+        s = self.settings
+        full = s.use_kl_loss and s.kl_loss_type == "full"
+        return s.use_remove_padding and s.sp is None and not full
 
     def log_prob_plan(self, batch: Batch) -> ForwardPlan:
         """The micro-batches of :meth:`compute_log_prob`, packed (shareable with the reference)."""

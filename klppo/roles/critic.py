@@ -41,6 +41,7 @@ class Critic(TrainedRole):
     """Value role: ``compute_values(batch)`` and ``update_critic(batch) -> metrics``."""
 
     name = "critic"
+    graph_key = "critic.model.fsdp_config"
 
     def __init__(
         self,
@@ -57,11 +58,15 @@ class Critic(TrainedRole):
             masters=masters,
         )
         self.settings = settings
-        if self.graphs is not None and (not settings.use_remove_padding or settings.sp is not None):
+        if self.graphs is not None and not self.graph_capable():
             raise ValueError(
                 "critic.model.fsdp_config.cuda_graph_update=true needs packed rows (critic.model.use_remove_padding"
                 "=true) and no sequence parallelism: set it to false"
             )
+
+    def graph_capable(self) -> bool:
+        """Packed rows and no sequence parallelism: what :meth:`graph_parts` serves."""
+        return self.settings.use_remove_padding and self.settings.sp is None
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         """Values [B,R] (zero on masked positions)."""

@@ -20,6 +20,7 @@ arithmetic on one rank, the same update.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -113,6 +114,10 @@ class TrainedRole:
                 )
             self.graphs = MicroGraphs(list(model.parameters()))
         self._stat_names: dict[tuple, list[str]] = {}  # per captured signature: the names of its statistics
+        # graphs off: the micro-batch shapes met, to advise cuda_graph_update once when they all repeat
+        self._shapes_seen: set[tuple] = set()
+        self._shape_repeats = [0, 0]  # micro-batches of the current update whose shape was met before, all
+        self._advised_graphs = False
 
     @property
     def state_model(self) -> torch.nn.Module:
@@ -148,6 +153,7 @@ class TrainedRole:
             size = len(batch) // num_mini_batches
         self.model.train()
         batch = batch.with_host_mask()  # micro-batches planned on the host (one copy per update)
+        self._shape_repeats = [0, 0]
         acc = MetricAccumulator()
         generator = torch.Generator().manual_seed(u.seed)
         applied = True
@@ -163,6 +169,7 @@ class TrainedRole:
             if not applied:
                 break
         self.scheduler.step()
+        self._advise_graphs(batch)
         metrics = acc.means()
         metrics[f"{self.name}/lr"] = self.scheduler.get_last_lr()[0]
         metrics[f"{self.name}/num_skipped_updates"] = float(self.num_skipped_updates)
@@ -232,6 +239,7 @@ class TrainedRole:
                     loss_finite, stats = self._graphed_backward(parts, weights)
                     finite = finite & loss_finite
                 else:
+                    self._note_shape(mb)
                     terms, stats = micro_loss(mb)
                     loss = sum(term * micro_weight(mode, mask, counts, horizon) for term, mode in terms)
                     finite = finite & torch.isfinite(loss)
@@ -243,6 +251,38 @@ class TrainedRole:
             for module in deferred:
                 module.set_requires_gradient_sync(True, recurse=False)
         return finite
+
+    graph_key = "fsdp_config"
+    """Where the role's ``cuda_graph_update`` is, for the advice (the roles set their config path)."""
+
+    def graph_capable(self) -> bool:
+        """Whether the role's settings allow its updates as CUDA graphs (packed rows, …): the roles say."""
+        return False
+
+    def _note_shape(self, mb: Batch) -> None:
+        """Graphs off on the plain path: count whether this micro-batch's shape (rows, columns, real tokens:
+        what its packing's shapes follow) was met before."""
+        if self.graphs is not None or self.masters is None or mb.host_mask is None or self._advised_graphs:
+            return
+        shape = (*mb.host_mask.shape, int(mb.host_mask.sum()))
+        self._shape_repeats[0] += shape in self._shapes_seen
+        self._shape_repeats[1] += 1
+        self._shapes_seen.add(shape)
+
+    def _advise_graphs(self, batch: Batch) -> None:
+        """Once per run, on a GPU: every micro-batch of this update had a shape met before — the case
+        ``cuda_graph_update`` serves (docs/sharding.md)."""
+        repeated, total = self._shape_repeats
+        if self._advised_graphs or not total or repeated < total or not _on_gpu(batch):
+            return
+        if not self.graph_capable():
+            return
+        self._advised_graphs = True
+        logging.getLogger("klppo").info(
+            "advice: %s: every update micro-batch repeats a shape met before: %s.cuda_graph_update=true "
+            "replays them as CUDA graphs (docs/sharding.md; one H200, the TRL workload: training phases "
+            "1.44 -> 0.87 s, bench/RESULTS.md session 19)", self.name, self.graph_key,
+        )  # fmt: skip
 
     def _graphed_backward(
         self, parts: MicroParts, weights: list[float]
@@ -312,6 +352,10 @@ def _host_response_mask(mb: Batch):
     if mb.host_mask is None:
         return mb.response_mask
     return mb.host_mask[:, mb.host_mask.shape[1] - mb.response_length :]
+
+
+def _on_gpu(batch: Batch) -> bool:
+    return batch.response_mask.is_cuda
 
 
 def _host_floats(grad_norm: torch.Tensor, finite: torch.Tensor) -> tuple[float, bool]:

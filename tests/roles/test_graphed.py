@@ -247,3 +247,35 @@ def test_the_actor_update_captured_on_cuda_matches_eager():
         torch.testing.assert_close(lp_g, lp_e, rtol=0, atol=2e-2)
     for a, b in zip(w_graphed, w_eager, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+
+
+def test_a_plain_eager_update_whose_shapes_repeat_advises_cuda_graph_update_once(monkeypatch, caplog):
+    """On a GPU (faked) with graphs off: the first update meets its shapes, the second repeats every one of
+    them (full-length responses) and logs the advice naming the key; no second time. A micro-batch whose
+    shape changes every call keeps the advice away; so does a CPU run."""
+    import logging
+
+    from klppo.roles import trained
+
+    monkeypatch.setattr(trained, "_on_gpu", lambda batch: True)
+    torch.set_num_threads(1)
+    actor, _ = _graph_actor(False)
+    caplog.set_level(logging.INFO, logger="klppo")
+    advice = []
+    for call in (2, 3, 4):
+        actor.update_policy(_batch(call))
+        advice.append([r.getMessage() for r in caplog.records if "cuda_graph_update=true" in r.getMessage()])
+    assert [len(a) for a in advice] == [0, 1, 1]
+    assert "actor_rollout_ref.actor.fsdp_config.cuda_graph_update=true" in advice[1][0]
+    varied, _ = _graph_actor(False)
+    caplog.clear()
+    for call in (2, 3, 4):  # row 0's response a different length each call: its micro-batch never repeats
+        b = _batch(call)
+        b.response_mask[0, call:] = 0
+        varied.update_policy(b)
+    assert varied._shape_repeats == [3, 4] and not varied._advised_graphs
+    monkeypatch.setattr(trained, "_on_gpu", lambda batch: False)
+    cpu, _ = _graph_actor(False)
+    for call in (2, 3):
+        cpu.update_policy(_batch(call))
+    assert not cpu._advised_graphs
