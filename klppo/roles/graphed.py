@@ -26,7 +26,9 @@ truth value), copy from host memory, or branch on device values — the graph ke
 step reads that changes between micro-batches must be one of its input tensors (the loss weights and the KL
 coefficient included, as 0-dim tensors), everything else part of its signature. Graphs share one memory
 pool per role; at most ``max_graphs`` signatures are captured (each holds one micro-batch's activations
-for the run's duration), later ones run eagerly.
+for the run's duration), later ones run eagerly. A capture that fails (an operation a graph cannot hold)
+is logged once with the key and the update goes on eagerly; out of memory during a capture propagates to
+the role's out-of-memory recovery.
 
 Knows nothing about PPO or roles: it takes the parameters, a key, the input tensors and the step.
 """
@@ -91,8 +93,11 @@ class MicroGraphs:
         *,
         max_graphs: int = 4,
         capture: Callable[..., tuple[Graph, list[torch.Tensor]]] | None = None,
+        key_name: str = "cuda_graph_update",
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.key_name = key_name  # the config key, for the message when a capture fails
+        self.failed: str | None = None  # why a capture failed: no more captures, eager from then on
         self.max_graphs = max_graphs
         self._capture = capture or capture_cuda
         self._seen: set[tuple] = set()
@@ -106,11 +111,20 @@ class MicroGraphs:
         outputs of a replay are the graph's own tensors: read them before the next call."""
         captured = self._graphs.get(key)
         if captured is None:
-            if key not in self._seen or len(self._graphs) >= self.max_graphs:
+            if key not in self._seen or len(self._graphs) >= self.max_graphs or self.failed:
                 self._seen.add(key)
                 self.num_eager += 1
                 return step(inputs)
-            captured = self._new_graph(key, inputs, step)
+            if any(p.grad is not None for p in self.params):  # the caller's contract, not a capture failure
+                raise RuntimeError("a captured update step must start from no gradients (.grad None)")
+            try:
+                captured = self._new_graph(key, inputs, step)
+            except torch.OutOfMemoryError:
+                raise  # the role's out-of-memory recovery halves the micro-batch (a smaller shape)
+            except Exception as e:  # a step that cannot be captured runs eagerly; the run goes on
+                self._capture_failed(e)
+                self.num_eager += 1
+                return step(inputs)
         with torch.no_grad():
             torch._foreach_copy_(captured.inputs, list(inputs))
         captured.graph.replay()
@@ -119,10 +133,16 @@ class MicroGraphs:
         self.num_replays += 1
         return captured.outputs
 
+    def _capture_failed(self, error: Exception) -> None:
+        self.failed = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        for p in self.params:  # what the warm-up or the aborted capture left
+            p.grad = None
+        logger.warning(
+            "%s: capturing an update step failed (%s); the update runs eagerly from here, the graphs captured "
+            "so far still replay — set it to false to skip the attempt", self.key_name, self.failed,
+        )  # fmt: skip
+
     def _new_graph(self, key: tuple, inputs: Sequence[torch.Tensor], step: Step) -> _Captured:
-        for p in self.params:
-            if p.grad is not None:
-                raise RuntimeError("a captured update step must start from no gradients (.grad None)")
         static = [t.detach().clone() for t in inputs]
         graph, outputs = self._capture(step, static, self.params, pool=self.pool)
         if self.pool is None:

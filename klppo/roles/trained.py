@@ -112,7 +112,9 @@ class TrainedRole:
                 raise ValueError(
                     f"{self.name}: cuda_graph_update needs the plain path (one process, no FSDP2)"
                 )
-            self.graphs = MicroGraphs(list(model.parameters()))
+            self.graphs = MicroGraphs(
+                list(model.parameters()), key_name=f"{self.graph_key}.cuda_graph_update"
+            )
         self._stat_names: dict[tuple, list[str]] = {}  # per captured signature: the names of its statistics
         # graphs off: the micro-batch shapes met, to advise cuda_graph_update once when they all repeat
         self._shapes_seen: set[tuple] = set()

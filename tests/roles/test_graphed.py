@@ -89,6 +89,48 @@ def test_a_capture_refuses_accumulated_gradients():
         graphs.run(key, [x, w], _step(model))
 
 
+def test_a_failed_capture_falls_back_to_eager_once_and_says_so(caplog):
+    import logging
+
+    model = _model()
+    calls = []
+
+    def failing(step, static, params, *, pool=None):
+        calls.append(1)
+        step(static)  # the warm-up ran and left gradients, then the capture failed
+        raise RuntimeError("operation not permitted when stream is capturing\nmore lines")
+
+    graphs = MicroGraphs(
+        list(model.parameters()), capture=failing, key_name="critic.model.fsdp_config.cuda_graph_update"
+    )
+    caplog.set_level(logging.WARNING, logger="klppo")
+    x, w = torch.randn(3, 4), torch.randn(3)
+    for _ in range(4):
+        expected, grads = _eager(model, x, w)
+        out = graphs.run(signature([x, w]), [x, w], _step(model))
+        assert [float(o) for o in out] == [float(o) for o in expected]
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+        for p in model.parameters():
+            p.grad = None
+    assert len(calls) == 1 and graphs.num_eager == 4 and graphs.num_replays == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and messages[0].startswith(
+        "critic.model.fsdp_config.cuda_graph_update: capturing"
+    )
+    assert "operation not permitted when stream is capturing)" in messages[0]
+
+    def out_of_memory(step, static, params, *, pool=None):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    graphs = MicroGraphs(list(model.parameters()), capture=out_of_memory)
+    graphs.run(signature([x, w]), [x, w], _step(model))
+    for p in model.parameters():
+        p.grad = None
+    with pytest.raises(torch.OutOfMemoryError):  # to the role's recovery
+        graphs.run(signature([x, w]), [x, w], _step(model))
+    assert graphs.failed is None
+
+
 def test_signature_tells_shapes_dtypes_and_the_extra_key_apart():
     a = torch.zeros(2, 3)
     assert signature([a]) == signature([torch.ones(2, 3)])
