@@ -436,6 +436,7 @@ def tune_workload(
         rollout_tensor_parallel=arr.rollout.tensor_model_parallel_size,
         grad_sync_per_mini_batch=actor.fsdp_config.grad_sync_per_mini_batch,
         reduce_dtype=str(fsdp.reduce_dtype).removeprefix("torch."),
+        graph_update=actor.fsdp_config.cuda_graph_update,
     )
     point = Point(
         fsdp.min_num_params,

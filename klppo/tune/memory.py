@@ -125,6 +125,9 @@ class Workload:
     """``fsdp_config.grad_sync_per_mini_batch`` (True, False or "auto": :func:`defers_grad_sync`)."""
     reduce_dtype: str = "float32"
     """torch dtype name of the gradient reduce-scatter (``fsdp_config.mixed_precision.reduce_dtype``)."""
+    graph_update: bool = False
+    """``fsdp_config.cuda_graph_update``: the update's captured step keeps its memory pool through the other
+    phases (:func:`graph_pool_bytes`)."""
 
     @property
     def reduce_bytes(self) -> int:
@@ -236,6 +239,12 @@ def _resident(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *,
         phase.add("reference shards", shard * w.compute_bytes, "ceil(P/f)·c")
 
 
+def _graph_pool(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload) -> None:
+    if w.graph_update:
+        pool = graph_pool_bytes(facts, point, w)
+        phase.add("update graph pool", pool, "update peak − resident (cuda_graph_update)")
+
+
 def _gathered(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *, backward: bool) -> None:
     units = facts.units(point.min_num_params)
     c = w.compute_bytes
@@ -315,6 +324,17 @@ _START, _HEAD, _END = "backward start", "head backward", "backward end"
 _STATIC = {"sharded params", "sharded grads", "optimizer (AdamW)", "reference shards"}
 
 
+def graph_pool_bytes(facts: ModelFacts, point: Point, w: Workload) -> float:
+    """What a captured update step holds between updates (``cuda_graph_update``, :mod:`klppo.roles.graphed`):
+    its memory pool, the update's peak above the resident state (the step's activations, logits, workspace and
+    gradients of one micro-batch of ``point.micro_tokens``). An estimate from the update's own terms, not yet
+    checked against a measured pool; 0 with graphs off."""
+    if not w.graph_update:
+        return 0.0
+    update = update_peak(facts, point, w)
+    return max(0.0, update.total - sum(t.bytes for t in update.terms if t.name in _STATIC))
+
+
 def log_prob_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     s, c = facts.shape, w.compute_bytes
     T = w.log_prob_tokens or point.micro_tokens
@@ -322,6 +342,7 @@ def log_prob_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     kvd = w.kv_dim(facts)
     phase = PhasePeak("log_prob")
     _resident(phase, facts, point, w, optimizer=True)
+    _graph_pool(phase, facts, point, w)
     _gathered(phase, facts, point, w, backward=False)
     phase.add("activations", T * c * (4 * s.hidden + 2 * kvd + 3 * s.intermediate), "T·c·(4h+2kvd+3I)")
     if w.sequence_parallel > 1:
@@ -333,6 +354,7 @@ def log_prob_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
 def rollout_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     phase = PhasePeak("rollout")
     _resident(phase, facts, point, w, optimizer=True)
+    _graph_pool(phase, facts, point, w)
     c, tp = w.compute_bytes, w.rollout_tensor_parallel
     if tp <= 1:
         phase.add("gathered model", facts.num_params * c, "P·c")

@@ -254,3 +254,26 @@ def test_measured_sweeps_within_five_percent():
         )
         predicted = predict(facts, p, w)["update"].total / 2**30
         assert abs(predicted / r["peak_gib"] - 1) <= 0.05, (r, predicted)
+
+
+def test_the_update_graph_pool_stays_through_the_other_phases(facts):
+    """cuda_graph_update: the captured step's pool — the update's peak above the resident state — is held
+    in the log-prob and rollout phases (less KV-cache room), and is the same memory during the update."""
+    from klppo.tune.memory import graph_pool_bytes
+
+    w = Workload(world_size=1, compute_bytes=2, gpu_memory_utilization=0.5, device_bytes=2**26)
+    g = replace(w, graph_update=True)
+    point = Point(WHOLE_MODEL, micro_tokens=512)
+    eager, graphed = predict(facts, point, w), predict(facts, point, g)
+    update = eager["update"]
+    resident = sum(
+        t.bytes for t in update.terms if t.name in ("sharded params", "sharded grads", "optimizer (AdamW)")
+    )
+    pool = graph_pool_bytes(facts, point, g)
+    assert (
+        pool == pytest.approx(update.total - resident) and pool > 0 and graph_pool_bytes(facts, point, w) == 0
+    )
+    assert graphed["update"].total == update.total
+    assert terms(graphed["log_prob"])["update graph pool"] == pool
+    assert graphed["log_prob"].total == pytest.approx(eager["log_prob"].total + pool)
+    assert kv_cache_room(facts, point, w) - kv_cache_room(facts, point, g) == pytest.approx(pool)
