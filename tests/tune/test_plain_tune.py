@@ -22,7 +22,7 @@ from klppo.tune.cli import main
 from klppo.tune.grid import build_grid
 from klppo.tune.measure import actor_step, build, measure_point, micro_batch
 from klppo.tune.memory import Point, Workload, predict
-from klppo.tune.preflight import predicted_peaks_gib
+from klppo.tune.preflight import _over_budget_advice, predicted_peaks_gib
 from klppo.tune.report import PLAIN_NOTE, overrides
 from klppo.tune.shapes import ModelShape, config_from_shape, load_model_config
 from klppo.tune.units import WHOLE_MODEL, ModelFacts
@@ -184,7 +184,9 @@ def test_the_preflight_predicts_the_path_the_trainer_runs():
         assert not tw.workload.runs_plain(tw.update_point), (overrides_, world)
         fsdp2 = dataclasses.replace(tw, workload=dataclasses.replace(tw.workload, plain=False))
         assert predicted_peaks_gib(tw, model) == predicted_peaks_gib(fsdp2, model)
+        assert "(min_num_params, offload" in _over_budget_advice("update", 90.0, tw)
     tw = _tune_workload([], 1)
     assert tw.workload.plain and tw.workload.runs_plain(tw.update_point)
     phases = predict(ModelFacts.from_config(model), tw.update_point, tw.workload)
     assert "compute copy" in terms(phases["update"]) and "gathered root" not in terms(phases["log_prob"])
+    assert "min_num_params" not in _over_budget_advice("update", 90.0, tw)
