@@ -57,6 +57,11 @@ def test_the_grid_keeps_one_plain_point_per_offload_and_tokens(facts):
     # offload_policy needs FSDP2: its points are FSDP2's, every variant kept
     assert [p for p in plain if p.offload == "cpu"] == [p for p in fsdp2 if p.offload == "cpu"]
     assert len([p for p in fsdp2 if p.offload == "off"]) > 2
+    # the configured point (what `klppo tune` measures first) is the grid's, whatever its FSDP2 keys
+    key = "actor_rollout_ref.actor.fsdp_config"
+    tw = _tune_workload([f"{key}.wrap_policy.min_num_params=0", f"{key}.forward_prefetch=true"], 1)
+    current = tw.workload.as_run(tw.point)
+    assert current in build_grid(facts, **dict(kw, micro_tokens=[tw.point.micro_tokens]), plain=True)
 
 
 def test_plain_update_terms_by_hand(facts):
