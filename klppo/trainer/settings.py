@@ -437,6 +437,8 @@ def tune_workload(
         grad_sync_per_mini_batch=actor.fsdp_config.grad_sync_per_mini_batch,
         reduce_dtype=str(fsdp.reduce_dtype).removeprefix("torch."),
         graph_update=actor.fsdp_config.cuda_graph_update,
+        # as resolve_plain, for every point without offload_policy (a configured offload_policy aside)
+        plain=fsdp.plain or (world_size == 1 and actor.fsdp_config.plain_single_gpu is not False),
     )
     point = Point(
         fsdp.min_num_params,

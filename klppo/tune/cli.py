@@ -101,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     facts, points, w, current, seq_len = plan
     console = Console(width=200)
+    if w.plain:
+        console.print(report.PLAIN_NOTE)
     if args.dry_run:
         console.print(report.memory_table(facts, points, w, args.headroom))
-        console.print(report.terms_table(predict(facts, current, w), current))
+        console.print(report.terms_table(predict(facts, current, w), current, w.runs_plain(current)))
         if w.shard_ranks > 1:
             units = predict_units(
                 facts.units(current.min_num_params), current, w,
@@ -123,7 +125,8 @@ def _plan(args: argparse.Namespace):
         where = "--model-shape" if args.model_shape else "actor_rollout_ref.model.path"
         raise ValueError(f"{where}: not a model directory (config.json) nor a known shape: {exc}") from None
     tw = workload_from(cfg, args.device_gb, _world_size(cfg, args))
-    w, current, seq_len = tw.workload, tw.point, tw.seq_len
+    w, seq_len = tw.workload, tw.seq_len
+    current = w.as_run(tw.point)  # on the plain path the grid's one point per (offload, tokens)
     facts = ModelFacts.from_config(model_config)
     tokens = (
         _numbers("--micro-tokens", args.micro_tokens)
@@ -133,7 +136,7 @@ def _plan(args: argparse.Namespace):
     thresholds = _numbers("--thresholds", args.thresholds)
     try:
         points = build_grid(
-            facts, thresholds=thresholds, offloads=args.offload.split(","), micro_tokens=tokens
+            facts, thresholds=thresholds, offloads=args.offload.split(","), micro_tokens=tokens, plain=w.plain
         )
     except ValueError as exc:
         raise ValueError(f"--thresholds/--offload/--micro-tokens: {exc}") from None
@@ -190,7 +193,7 @@ def _sweep(
     if not is_main:
         return 0
     ranked = report.rank(facts, results, w, args.headroom, args.num_micro)
-    console.print(report.results_table(ranked, args.num_micro, w.device_bytes))
+    console.print(report.results_table(ranked, args.num_micro, w.device_bytes, w))
     console.print(f"link bus bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {rate / 1e12:.1f} TFLOP/s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -211,6 +214,7 @@ def _sweep(
     if pick is None:
         console.print("[red]no measured point fits the device with the headroom asked[/red]")
         return 1
-    console.print(f"best point that fits ({describe(pick.point)}); paste these overrides:")
-    print(" \\\n".join(report.overrides(pick.point)))
+    plain = w.runs_plain(pick.point)
+    console.print(f"best point that fits ({describe(pick.point, plain)}); paste these overrides:")
+    print(" \\\n".join(report.overrides(pick.point, plain)))
     return 0

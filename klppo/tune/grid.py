@@ -2,6 +2,9 @@
 
 Points differ in threshold × offload × (forward_prefetch, reshard_after_forward) × micro-batch tokens.
 Points whose units are identical (e.g. every prefetch variant of the root-only threshold) are kept once.
+On the plain path (one process, no FSDP2: :meth:`Workload.runs_plain`) thresholds and prefetch / reshard
+variants do nothing: every point without ``offload="cpu"`` is kept once per (offload, micro-batch tokens),
+as :func:`~klppo.tune.memory.plain_point`.
 A point is skipped, not run, when the memory model predicts more than ``headroom × device`` in any
 phase. The sweep measures the configuration's own point first, then the others in an order that puts
 likely-fast points early (no offload, large micro-batches, few units), and stops when the budget is
@@ -29,8 +32,11 @@ def build_grid(
     thresholds: Iterable[int],
     offloads: Iterable[str],
     micro_tokens: Iterable[int],
+    plain: bool = False,
 ) -> list[Point]:
-    """All distinct points (duplicates by identical units and behaviour removed)."""
+    """All distinct points (duplicates by identical units and behaviour removed); ``plain``
+    (``Workload.plain``): points the plain path runs, one per (offload, tokens)."""
+    w = Workload(plain=plain)
     seen: set[tuple] = set()
     points = []
     for threshold in thresholds:
@@ -40,10 +46,11 @@ def build_grid(
                 if len(sizes) == 1:  # root only: prefetch and resharding change nothing
                     fwd, reshard = False, True
                 for tokens in micro_tokens:
-                    key = (sizes, offload, fwd, reshard, tokens)
+                    point = w.as_run(Point(threshold, offload, fwd, reshard, tokens))
+                    key = (offload, tokens) if w.runs_plain(point) else (sizes, offload, fwd, reshard, tokens)
                     if key not in seen:
                         seen.add(key)
-                        points.append(Point(threshold, offload, fwd, reshard, tokens))
+                        points.append(point)
     return points
 
 
@@ -124,13 +131,16 @@ def run_sweep(
         spent.append(time.perf_counter() - t0)
         results.append(replace(m, predicted_bytes=phases["update"].total))
         log(
-            f"[{i + 1}/{len(points)}] {describe(point)}: {m.status} "
+            f"[{i + 1}/{len(points)}] {describe(point, w.runs_plain(point))}: {m.status} "
             f"{'' if m.status != 'ok' else f'{m.step_s:.3f}s {m.peak_bytes / 2**30:.2f} GiB'}"
         )
     return results
 
 
-def describe(p: Point) -> str:
+def describe(p: Point, plain: bool = False) -> str:
+    """One line naming the point; ``plain``: the plain path's (no FSDP2 fields)."""
+    if plain:
+        return f"plain (no FSDP2) offload={p.offload} tokens={p.micro_tokens}"
     threshold = "whole" if p.min_num_params >= WHOLE_MODEL else f"{p.min_num_params:g}"
     return (
         f"min_num_params={threshold} offload={p.offload} fwd_prefetch={int(p.forward_prefetch)} "

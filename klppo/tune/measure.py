@@ -3,7 +3,12 @@
 One *step* is what the actor does per optimizer step: (``offload="idle"``: load the parameter shards
 and AdamW state to the device) → ``num_micro`` micro-batches of ``micro_tokens`` tokens, each a packed
 forward to response-token log-probs (:func:`klppo.batching.packing.forward_log_probs`) and a backward
-of their mean → gradient clipping → AdamW step → (``idle``: offload both again). Weights are random
+of their mean → gradient clipping → AdamW step → (``idle``: offload both again). On the plain path
+(:meth:`Workload.runs_plain`: one process, no FSDP2) the trainer's arithmetic
+(:class:`klppo.roles.trained.TrainedRole`): each micro-batch's backward is added into the master gradients
+(:meth:`MasterWeights.accumulate_grads`), the clip and AdamW work on the masters, which are copied back
+into the compute copy after the step; ``idle`` moves both copies (what the trainer's offload schedule
+moves, ``TrainedRole.resident``) and the AdamW state. Weights are random
 (timing and memory do not depend on their values). Each point starts from a fresh model and optimizer;
 after it, everything is freed. An out-of-memory error is caught and reported as ``"oom"`` (the sweep
 goes on). Exposed communication comes from a profiled step: the time of collective kernels (NCCL on
@@ -27,6 +32,7 @@ from klppo.batching.attention import enable_packed_attention
 from klppo.batching.packing import forward_log_probs
 from klppo.parallel.fsdp import FSDPSettings, build_mesh, clip_grad_norm_, shard_model
 from klppo.parallel.offload import load_optimizer, load_params, offload_optimizer, offload_params
+from klppo.parallel.plain import MasterWeights, plain_model
 from klppo.roles.optim import OptimSettings, build_optimizer
 from klppo.tune.intervals import Interval, exposed_time
 from klppo.tune.memory import Point, Workload
@@ -80,7 +86,9 @@ def split_profile(events, device_type: str) -> tuple[list[Interval], list[Interv
 
 
 def build(config, point: Point, w: Workload, device: torch.device):
-    """A random actor sharded for ``point`` (fp32 master weights) and its AdamW."""
+    """A random actor sharded for ``point`` (fp32 master weights) and its AdamW; on the plain path
+    (:meth:`Workload.runs_plain`) the actor's :class:`MasterWeights` (the model: ``.model``) instead of
+    an FSDP2 model, the AdamW over its masters, as the trainer builds them."""
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -99,7 +107,11 @@ def build(config, point: Point, w: Workload, device: torch.device):
         backward_prefetch=w.backward_prefetch,
         param_dtype=torch.bfloat16 if device.type == "cuda" else None,
         reduce_dtype=getattr(torch, w.reduce_dtype),  # the configured one, as the models assume
+        plain=w.runs_plain(point),
     )
+    if settings.plain:
+        masters = plain_model(model, settings)
+        return masters, build_optimizer(masters.module.parameters(), OptimSettings())
     shard_model(model, settings, build_mesh(w.world_size, w.fsdp_size, device.type))
     # the trainer's optimizer: AdamW (lr 1e-6, weight decay 0.01) on the local shards, fused on CUDA
     optimizer = build_optimizer(model.parameters(), OptimSettings())
@@ -119,18 +131,27 @@ def micro_batch(config, point: Point, w: Workload, seq_len: int, device: torch.d
 
 
 def actor_step(model, optimizer, batches, point: Point, device: torch.device) -> None:
-    """One optimizer step over ``batches`` (the module docstring's sequence)."""
-
+    """One optimizer step over ``batches`` (the module docstring's sequence); ``model`` as :func:`build`
+    returns it: an FSDP2 model, or the plain path's :class:`MasterWeights`."""
+    masters = model if isinstance(model, MasterWeights) else None
     if point.offload == "idle":
-        load_params(model, device)
+        load_params(model, device)  # on the plain path both copies (MasterWeights.to)
         load_optimizer(optimizer, device)
     for input_ids, mask, positions, response in batches:
         log_probs, _ = forward_log_probs(
-            model, input_ids, mask, positions, response_length=response, use_remove_padding=True
-        )
+            model if masters is None else masters.model,
+            input_ids, mask, positions, response_length=response, use_remove_padding=True,
+        )  # fmt: skip
         (-log_probs.mean() / len(batches)).backward()
-    clip_grad_norm_(model, 1.0)
-    optimizer.step()
+        if masters is not None:  # FSDP2's one-rank reduce into the master gradients
+            masters.accumulate_grads()
+    if masters is None:
+        clip_grad_norm_(model, 1.0)
+        optimizer.step()
+    else:
+        masters.clip_grad_norm_(1.0)
+        optimizer.step()
+        masters.copy_to_model()
     optimizer.zero_grad(set_to_none=True)
     if point.offload == "idle":
         offload_optimizer(optimizer)

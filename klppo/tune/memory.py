@@ -58,11 +58,14 @@ Ulysses (``sequence_parallel = S > 1``): ``T`` stays the tokens *one rank* runs 
 so a sequence of length ``ℓ`` costs each rank ``ℓ/S`` of every term above); KV heads fewer than ``S``
 are replicated (``kvd = max(kv_heads, S)·head_dim`` in ``A``), and around attention the all-to-alls
 hold q, k, v and the output once more, ``T·c·(2h + 2·kvd)`` (transient, backward start and log-prob).
-One process with ``fsdp_config.plain_single_gpu`` (auto; :mod:`klppo.parallel.plain`, no FSDP2): read as
-FSDP2 with one unit for the whole model, ``f = 1`` — the same masters ``P·m``, master gradients ``P·m``,
-AdamW and compute copy ``P·c`` (resident in every phase, where FSDP2 gathers it for each pass); at the
-backward's end the bf16 gradients ``P·c`` without the reduce-scatter's fp32 buffers, so (b) is an upper
-bound there by ``P·4`` (not re-fitted on a device yet).
+One process with ``fsdp_config.plain_single_gpu`` (auto; :mod:`klppo.parallel.plain`, no FSDP2;
+``Workload.plain`` and a point without ``offload="cpu"``, :meth:`Workload.runs_plain`): no units, so no
+gathered units, all-gather buffers or reduce-scatter inputs; resident in every phase the masters ``P·m``
+and the compute copy ``P·c`` (+ AdamW unless offloaded; in the rollout the engine reads the compute copy:
+``P·c`` once); in the update the master gradients ``P·m``, at the backward's start the terms of (a), at
+its end the compute-dtype gradients ``P·c`` (:meth:`MasterWeights.accumulate_grads` drops them after
+each micro-batch); no deferred gradient sync. The points' FSDP2 fields are ignored there. Not re-fitted on
+a device yet (the one-GPU points above are FSDP2 measurements: ``plain=False``).
 Not modelled: the reference / critic models (add them with ``reference=True``), allocator fragmentation
 (``torch.cuda.max_memory_allocated`` does not count it either), CUDA context and library workspaces.
 """
@@ -74,7 +77,7 @@ import math
 from dataclasses import dataclass, field
 
 from klppo.tune.shapes import head_dim
-from klppo.tune.units import ModelFacts
+from klppo.tune.units import WHOLE_MODEL, ModelFacts
 
 OFFLOAD_MODES = ("off", "idle", "cpu")
 
@@ -93,6 +96,15 @@ class Point:
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_MODES:
             raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {self.offload!r}")
+
+
+def plain_point(point: Point) -> Point:
+    """``point`` as the plain path runs it (:meth:`Workload.runs_plain`): its FSDP2 fields, which do nothing
+    there, at one fixed value (one unit, no forward prefetch, reshard), so that points differing only by
+    them are one."""
+    return dataclasses.replace(
+        point, min_num_params=WHOLE_MODEL, forward_prefetch=False, reshard_after_forward=True
+    )
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -128,6 +140,19 @@ class Workload:
     graph_update: bool = False
     """``fsdp_config.cuda_graph_update``: the update's captured step keeps its memory pool through the other
     phases (:func:`graph_pool_bytes`)."""
+    plain: bool = False
+    """The actor trains without FSDP2 (:mod:`klppo.parallel.plain`) at points without ``offload_policy``: one
+    process and ``fsdp_config.plain_single_gpu`` not false, resolved as the trainer does
+    (:meth:`runs_plain`)."""
+
+    def runs_plain(self, point: Point) -> bool:
+        """Whether the trainer runs ``point`` on the plain path: :attr:`plain` and no ``offload_policy``
+        (``offload="cpu"`` needs FSDP2)."""
+        return self.plain and point.offload != "cpu"
+
+    def as_run(self, point: Point) -> Point:
+        """``point`` as the trainer runs it: :func:`plain_point` on the plain path, else itself."""
+        return plain_point(point) if self.runs_plain(point) else point
 
     @property
     def reduce_bytes(self) -> int:
@@ -233,6 +258,8 @@ def _resident(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *,
         phase.add("sharded params", 0, "0 (offload_policy: shards on host)")
     else:
         phase.add("sharded params", shard * w.master_bytes, "ceil(P/f)·m")
+    if w.runs_plain(point) and phase.phase != "rollout":  # the rollout reads it as its gathered model
+        phase.add("compute copy", facts.num_params * w.compute_bytes, "P·c (plain path)")
     if optimizer and point.offload == "off":
         phase.add("optimizer (AdamW)", 2 * shard * 4, "2·ceil(P/f)·4")
     if w.reference:
@@ -267,10 +294,6 @@ def _gathered(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *,
 
 
 def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
-    s, c = facts.shape, w.compute_bytes
-    T, N = point.micro_tokens, point.micro_tokens * w.response_fraction
-    kvd = w.kv_dim(facts)
-    units = facts.units(point.min_num_params)
     shard = math.ceil(facts.num_params / w.shard_ranks)
     phase = PhasePeak("update")
     _resident(phase, facts, point, w, optimizer=True)
@@ -278,10 +301,25 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
         phase.add("sharded grads", shard * w.master_bytes, "ceil(P/f)·m")
         if point.offload == "idle":
             phase.add("optimizer (AdamW)", 2 * shard * 4, "2·ceil(P/f)·4 (loaded for the update)")
-    if point_defers_grad_sync(w, point, facts.num_params):
+    plain = w.runs_plain(point)
+    if point_defers_grad_sync(w, point, facts.num_params) and not plain:
         r = w.reduce_bytes  # FSDP2 accumulates them in the reduce dtype
         phase.add("unsharded grads (sync per mini-batch)", facts.num_params * r, f"P·{r}")
-    _gathered(phase, facts, point, w, backward=True)
+    if plain:
+        phase.add("compute-dtype grads", facts.num_params * w.compute_bytes, "P·c (plain path)", _END)
+    else:
+        _gathered(phase, facts, point, w, backward=True)
+        _unit_grads(phase, facts, point, w)
+    _backward_start(phase, facts, point, w)
+    static = sum(t.bytes for t in phase.terms if t.name in _STATIC)
+    if point.offload != "cpu":
+        phase.floor = static + shard * 4  # optimizer step: state + one fp32 temporary
+    return phase
+
+
+def _unit_grads(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload) -> None:
+    """FSDP2's backward end, (b): a unit's gradients and their reduce-scatter input."""
+    c, units = w.compute_bytes, facts.units(point.min_num_params)
     inner_max = max(units.sizes[:-1], default=0)
     # with resharding the root, gathered again at the head's backward, stays gathered while the other units
     # reduce (its post-backward comes last and frees its parameters before its own reduce-scatter)
@@ -294,6 +332,13 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     phase.add(
         "unit grads / gather buffer", grads, f"max(U_r·(c+{r}), {root_c} + U_max·(c+{r}), U_max·c)", _END
     )
+
+
+def _backward_start(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload) -> None:
+    """(a) the backward's start and, with FSDP2 resharding the root, (c) the head's backward."""
+    s, c = facts.shape, w.compute_bytes
+    T, N = point.micro_tokens, point.micro_tokens * w.response_fraction
+    kvd = w.kv_dim(facts)
     per_layer = 8 * s.hidden + c * (5 * s.hidden + 2 * kvd + 4 * s.intermediate)
     if w.grad_checkpointing:
         acts, text = s.layers * T * s.hidden * c + T * per_layer, "L·T·h·c + T·A"
@@ -306,7 +351,7 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     logit_bytes = c + 12 + (8 if w.calculate_entropy else 0)
     phase.add("logits", N * s.vocab * logit_bytes, f"N·V·{logit_bytes}", _START)
     phase.add("LM head grad", s.vocab * s.hidden * c, "V·h·c", _START)
-    if point.reshard_after_forward:  # the head's backward, the root gathered again (_gathered)
+    if point.reshard_after_forward and not w.runs_plain(point):  # the root gathered again (_gathered)
         phase.add("activations (head backward)", acts, text, _HEAD)
         # the logits' fp32 gradient at the head, or a layer's backward workspace just after it
         workspace = T * c * (2 * s.hidden + 2 * s.intermediate)
@@ -314,14 +359,10 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
             "logits grad (head backward)", max(N * s.vocab * 4, workspace), "max(N·V·4, T·c·(2h+2I))", _HEAD
         )
         phase.add("LM head grad (head backward)", s.vocab * s.hidden * c, "V·h·c", _HEAD)
-    static = sum(t.bytes for t in phase.terms if t.name in _STATIC)
-    if point.offload != "cpu":
-        phase.floor = static + shard * 4  # optimizer step: state + one fp32 temporary
-    return phase
 
 
 _START, _HEAD, _END = "backward start", "head backward", "backward end"
-_STATIC = {"sharded params", "sharded grads", "optimizer (AdamW)", "reference shards"}
+_STATIC = {"sharded params", "sharded grads", "optimizer (AdamW)", "reference shards", "compute copy"}
 
 
 def graph_pool_bytes(facts: ModelFacts, point: Point, w: Workload) -> float:
@@ -343,7 +384,8 @@ def log_prob_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     phase = PhasePeak("log_prob")
     _resident(phase, facts, point, w, optimizer=True)
     _graph_pool(phase, facts, point, w)
-    _gathered(phase, facts, point, w, backward=False)
+    if not w.runs_plain(point):
+        _gathered(phase, facts, point, w, backward=False)
     phase.add("activations", T * c * (4 * s.hidden + 2 * kvd + 3 * s.intermediate), "T·c·(4h+2kvd+3I)")
     if w.sequence_parallel > 1:
         phase.add("all-to-all buffers", w.all_to_all_bytes(facts, T), "T·c·(2h+2kvd)")

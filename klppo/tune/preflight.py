@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from klppo.rollout.workspace import slot_bytes
-from klppo.tune.memory import TuneWorkload, predict
+from klppo.tune.memory import Point, TuneWorkload, Workload, predict
 from klppo.tune.shapes import head_dim
 from klppo.tune.units import ModelFacts
 
@@ -155,5 +155,7 @@ def _over_budget_advice(phase: str, peak_gib: float, workload: Any) -> str:
         return ("The rollout's weights and what stays resident exceed it whatever its cache share: shard the "
                 "rollout (actor_rollout_ref.rollout.tensor_model_parallel_size), offload the roles that wait "
                 "(fsdp_config.param_offload/optimizer_offload), or see `klppo tune <same arguments> --dry-run`.")  # fmt: skip
+    point = getattr(workload, "update_point", None)
+    plain = isinstance(w, Workload) and isinstance(point, Point) and w.runs_plain(point)  # no FSDP2 units
     return ("`klppo tune <same arguments> --dry-run` shows each term and the settings that fit "
-            "(min_num_params, offload, micro-batch tokens, gradient checkpointing).")  # fmt: skip
+            f"({'' if plain else 'min_num_params, '}offload, micro-batch tokens, gradient checkpointing).")  # fmt: skip

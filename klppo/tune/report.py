@@ -19,6 +19,10 @@ from klppo.tune.units import WHOLE_MODEL, ModelFacts
 
 GiB = 2**30
 FSDP_KEY = "actor_rollout_ref.actor.fsdp_config"
+PLAIN_NOTE = (
+    "one process: no FSDP2 (fsdp_config.plain_single_gpu); min_num_params, prefetch and reshard do not apply"
+)
+"""Said once when the workload runs the plain path (``Workload.plain``; offload=cpu points stay FSDP2)."""
 
 
 def throughput(m: Measurement, num_micro: int) -> float:
@@ -54,7 +58,14 @@ def best(ranked: list[tuple[Measurement, float, bool]], num_micro: int) -> Measu
     return max((m for m, need in near if need <= 1.01 * least), key=lambda m: throughput(m, num_micro))
 
 
-def results_table(ranked, num_micro: int, device_bytes: float) -> Table:
+def _fsdp_cells(p: Point, plain: bool) -> tuple[str, str, str]:
+    """min_num_params, forward_prefetch and reshard cells; "-" on the plain path, where they do not apply."""
+    if plain:
+        return "plain", "-", "-"
+    return _threshold(p.min_num_params), _yn(p.forward_prefetch), _yn(p.reshard_after_forward)
+
+
+def results_table(ranked, num_micro: int, device_bytes: float, w: Workload | None = None) -> Table:
     t = Table(
         title=f"klppo tune: actor update, {num_micro} micro-batches per step "
         f"(device {device_bytes / GiB:.0f} GiB)"
@@ -85,12 +96,13 @@ def results_table(ranked, num_micro: int, device_bytes: float) -> Table:
             if m.status == "ok" and m.peak_bytes
             else math.nan
         )
+        threshold, prefetch, reshard = _fsdp_cells(p, w is not None and w.runs_plain(p))
         t.add_row(
             str(i),
-            _threshold(p.min_num_params),
+            threshold,
             p.offload,
-            _yn(p.forward_prefetch),
-            _yn(p.reshard_after_forward),
+            prefetch,
+            reshard,
             str(p.micro_tokens),
             _f(m.step_s, 3),
             _f(throughput(m, num_micro), 0),
@@ -126,12 +138,13 @@ def memory_table(facts: ModelFacts, points: list[Point], w: Workload, headroom: 
         t.add_column(col, justify="left" if col == "offload" else "right")
     for p in points:
         ph = predict(facts, p, w)
+        threshold, prefetch, reshard = _fsdp_cells(p, w.runs_plain(p))
         t.add_row(
-            _threshold(p.min_num_params),
-            str(facts.units(p.min_num_params).count),
+            threshold,
+            "-" if w.runs_plain(p) else str(facts.units(p.min_num_params).count),
             p.offload,
-            _yn(p.forward_prefetch),
-            _yn(p.reshard_after_forward),
+            prefetch,
+            reshard,
             str(p.micro_tokens),
             *(f"{ph[k].total / GiB:.1f}" for k in ("rollout", "log_prob", "update")),
             f"{kv_cache_room(facts, p, w) / GiB:.1f}",
@@ -140,8 +153,8 @@ def memory_table(facts: ModelFacts, points: list[Point], w: Workload, headroom: 
     return t
 
 
-def terms_table(phases: dict[str, PhasePeak], point: Point) -> Table:
-    t = Table(title=f"memory terms at {describe(point)}")
+def terms_table(phases: dict[str, PhasePeak], point: Point, plain: bool = False) -> Table:
+    t = Table(title=f"memory terms at {describe(point, plain)}")
     for col in ("phase", "term", "GiB", "formula"):
         t.add_column(col, justify="right" if col == "GiB" else "left")
     for phase in phases.values():
@@ -177,15 +190,21 @@ def comm_table(units, point: Point, link_gbps: float, tflops: float) -> Table:
     return table
 
 
-def overrides(p: Point) -> list[str]:
-    """verl keys that select ``p`` for the actor (use_dynamic_bsz so the token budget applies)."""
-    return [
+def overrides(p: Point, plain: bool = False) -> list[str]:
+    """verl keys that select ``p`` for the actor (use_dynamic_bsz so the token budget applies); ``plain``
+    (the plain path runs ``p``): no FSDP2 knob (units, prefetch, resharding), offload_policy off (which the
+    plain path needs) and the offload between phases, which moves both copies there."""
+    fsdp2 = [
         f"{FSDP_KEY}.wrap_policy.min_num_params={p.min_num_params}",
+        f"{FSDP_KEY}.forward_prefetch={_tf(p.forward_prefetch)}",
+        f"{FSDP_KEY}.reshard_after_forward={_tf(p.reshard_after_forward)}",
+    ]
+    return [
+        *([] if plain else fsdp2[:1]),
         f"{FSDP_KEY}.param_offload={_tf(p.offload == 'idle')}",
         f"{FSDP_KEY}.optimizer_offload={_tf(p.offload == 'idle')}",
         f"{FSDP_KEY}.offload_policy={_tf(p.offload == 'cpu')}",
-        f"{FSDP_KEY}.forward_prefetch={_tf(p.forward_prefetch)}",
-        f"{FSDP_KEY}.reshard_after_forward={_tf(p.reshard_after_forward)}",
+        *([] if plain else fsdp2[1:]),
         "actor_rollout_ref.actor.use_dynamic_bsz=true",
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={p.micro_tokens}",
     ]
