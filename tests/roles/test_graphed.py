@@ -247,3 +247,29 @@ def test_the_actor_update_captured_on_cuda_matches_eager():
         torch.testing.assert_close(lp_g, lp_e, rtol=0, atol=2e-2)
     for a, b in zip(w_graphed, w_eager, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+
+
+def test_an_entropy_coefficient_changed_after_capture_reaches_the_replays():
+    """The monitor's ``set_entropy_coeff`` replaces the actor's settings between updates; the graphs captured
+    before must use the new coefficient (an input tensor, not the float read at capture). The capture here
+    replays recorded aten calls (RecordingCapture), so a float baked in at capture would stay baked in."""
+    import dataclasses
+
+    from tests.roles.graph_fakes import RecordingCapture
+
+    torch.set_num_threads(1)
+    runs = {}
+    for graphed in (False, True):
+        actor, _ = _graph_actor(graphed)
+        if graphed:
+            actor.graphs = MicroGraphs(list(actor.model.parameters()), capture=RecordingCapture())
+        metrics = []
+        for call in range(4):
+            if call == 2:  # as RunControls.set_entropy_coeff does
+                actor.settings = dataclasses.replace(actor.settings, entropy_coeff=5.0)
+            metrics.append(actor.update_policy(_batch(call), kl_loss_coef=0.05 * (call + 1)))
+        runs[graphed] = (metrics, [m.detach().clone() for m in actor.masters.masters], actor)
+    (m_e, w_e, _), (m_g, w_g, actor) = runs[False], runs[True]
+    assert actor.graphs.num_replays == 13
+    assert m_g == m_e
+    assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))
