@@ -83,7 +83,8 @@ class FSDPConfig:
         "role; each holds one micro-batch's activations for the run). Removes the update's per-kernel "
         "launch cost (one H200, the TRL-shape actor update: 0.575 -> 0.328 s, bench/RESULTS.md session 19). "
         "Needs a GPU, the plain path (plain_single_gpu on: one process), packed rows (use_remove_padding), "
-        "param_offload off and, for the actor, kl_loss_type other than full. Pays off when micro-batch "
+        "param_offload off and, for the actor, kl_loss_type other than full and policy_loss.loss_mode other "
+        "than clip_cov and kl_cov (they read token counts on the host). Pays off when micro-batch "
         "shapes repeat (fixed-length responses, or rows padded alike); other shapes run eagerly. Same "
         "results as eager (bit for bit on CPU with a stand-in capture). Read by the actor and the critic.",
     )

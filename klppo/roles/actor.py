@@ -101,6 +101,12 @@ class Actor(TrainedRole):
                     "(actor_rollout_ref.model.use_remove_padding=true), no sequence parallelism and not "
                     "kl_loss_type=full: set it to false"
                 )
+            if settings.loss_mode in HOST_SYNC_LOSS_MODES:  # they read the token count on the host
+                raise ValueError(
+                    "actor_rollout_ref.actor.fsdp_config.cuda_graph_update=true cannot capture "
+                    f"policy_loss.loss_mode={settings.loss_mode} (it reads the micro-batch's token count on "
+                    "the host): set it to false"
+                )
 
     def log_prob_plan(self, batch: Batch) -> ForwardPlan:
         """The micro-batches of :meth:`compute_log_prob`, packed (shareable with the reference)."""
@@ -292,6 +298,9 @@ class Actor(TrainedRole):
             stats["actor/kl_coef"] = kl_loss_coef
         return terms, stats  # on the device: one transfer per update (roles/metrics.py)
 
+
+HOST_SYNC_LOSS_MODES = ("clip_cov", "kl_cov")
+"""Policy losses that read device values on the host (the number of tokens to clip): not capturable."""
 
 LOSS_FIELDS = ("old_log_probs", "advantages", "response_mask", "ref_log_probs", "rollout_log_probs")
 """The batch fields the actor's loss reads besides the model inputs."""

@@ -210,6 +210,9 @@ def test_cuda_graph_update_refuses_what_it_cannot_capture():
         _graph_actor_settings(use_kl_loss=True, kl_loss_type="full")
     with pytest.raises(ValueError, match="plain path"):
         _graph_actor_settings(masters=False)
+    for mode in ("clip_cov", "kl_cov"):  # a host read of the token count: a capture error mid-run otherwise
+        with pytest.raises(ValueError, match=f"loss_mode={mode}"):
+            _graph_actor_settings(loss_mode=mode)
 
 
 def _graph_actor_settings(*, masters: bool = True, **kwargs):
