@@ -114,3 +114,25 @@ class RecordingCapture:
         graph = RecordedGraph(recorder.ops)
         self.graphs.append(graph)
         return graph, outputs
+
+
+class WarmupRecordingCapture(RecordingCapture):
+    """:class:`RecordingCapture` preceded by one unrecorded run of the step on the static inputs (its
+    gradients dropped), as :func:`klppo.roles.graphed.capture_cuda` warms up before capturing; during the
+    recorded run packed attention is told that a capture is under way (``attention._capturing``), as on CUDA."""
+
+    def __call__(self, step, static: list[torch.Tensor], params: Sequence[torch.nn.Parameter], *, pool=None):
+        from klppo.batching import attention
+
+        step(static)
+        for p in params:
+            p.grad = None
+        real = getattr(attention, "_capturing", None)
+        attention._capturing = lambda: True
+        try:
+            return super().__call__(step, static, params, pool=pool)
+        finally:
+            if real is None:
+                del attention._capturing
+            else:
+                attention._capturing = real

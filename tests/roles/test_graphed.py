@@ -276,3 +276,34 @@ def test_an_entropy_coefficient_changed_after_capture_reaches_the_replays():
     assert actor.graphs.num_replays == 13
     assert m_g == m_e
     assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))
+
+
+def test_a_replay_attends_within_its_own_sequence_boundaries():
+    """Micro-batches of the same shapes but other sequence lengths (other cu_seqlens values) replay one graph.
+    The packed attention's block mask (sdpa_block on CPU, flex on CUDA in fp32) is cached per cu_seqlens
+    tensor; the capture, after a warm-up on the same static tensor (WarmupRecordingCapture, as capture_cuda),
+    must build the mask inside the graph rather than read the warm-up's: the graphed update equals the eager."""
+    from tests.roles.graph_fakes import WarmupRecordingCapture
+
+    torch.set_num_threads(1)
+    lengths = [(6, 4), (5, 5), (4, 6), (3, 7)]  # per micro-batch of 2 rows: 10 tokens, other boundaries
+
+    def batch(call):
+        b = _batch(call)
+        mask = torch.zeros_like(b.response_mask)
+        for row in range(len(b)):
+            mask[row, : lengths[(call + row // 2) % 4][row % 2]] = 1
+        b.response_mask = mask
+        return b
+
+    runs = {}
+    for graphed in (False, True):
+        actor, _ = _graph_actor(graphed)
+        if graphed:
+            actor.graphs = MicroGraphs(list(actor.model.parameters()), capture=WarmupRecordingCapture())
+        metrics = [actor.update_policy(batch(call), kl_loss_coef=0.05) for call in range(4)]
+        runs[graphed] = (metrics, [m.detach().clone() for m in actor.masters.masters], actor)
+    (m_e, w_e, _), (m_g, w_g, actor) = runs[False], runs[True]
+    assert actor.graphs.num_replays == 13
+    assert m_g == m_e
+    assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))
