@@ -180,10 +180,16 @@ class TrainedRole:
         mini-batch's gradients are dropped and it is redone with half the micro-batch (`klppo.roles.oom`);
         the accumulated gradient is the mini-batch's either way."""
 
+        tries = 0
+
         def attempt(micro: MicroBatching) -> tuple[torch.Tensor, MetricAccumulator]:
+            nonlocal tries
             self.optimizer.zero_grad(set_to_none=True)
             if self.masters is not None:  # a retry after out of memory: the aborted backward's gradients
                 self.masters.drop_model_grads()
+            if tries and self.graphs is not None:  # a retry: the larger micro-batches' graphs recur no more
+                self.graphs.clear()
+            tries += 1
             local = MetricAccumulator()
             return self._accumulate(mini, micro_loss, local, micro, graph_parts), local
 

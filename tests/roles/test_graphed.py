@@ -307,3 +307,34 @@ def test_a_replay_attends_within_its_own_sequence_boundaries():
     assert actor.graphs.num_replays == 13
     assert m_g == m_e
     assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))
+
+
+def test_an_out_of_memory_retry_drops_the_graphs_of_the_larger_micro_batches():
+    """Out of memory mid-update halves the micro-batch for the rest of the run: the graphs captured for the
+    old shapes never replay again and would hold their gradients, outputs and pool (and their slots of
+    ``max_graphs``) for the run. The retry drops them; the update still equals the eager one."""
+    torch.set_num_threads(1)
+    runs = {}
+    for graphed in (False, True):
+        actor, _ = _graph_actor(graphed)
+        actor.oom.max_retries = 1
+        real, failed = actor._accumulate, []
+
+        def accumulate(*args, real=real, failed=failed, actor=actor, **kwargs):
+            if len(failed) == 0 and args[3].micro_batch_size == 2 and actor.scheduler.last_epoch == 2:
+                failed.append(1)
+                raise torch.OutOfMemoryError("simulated")
+            return real(*args, **kwargs)
+
+        actor._accumulate = accumulate
+        metrics = []
+        for call in range(4):
+            metrics.append(actor.update_policy(_batch(call), kl_loss_coef=0.05))
+            if call == 1 and graphed:
+                before = list(actor.graphs._graphs.values())
+        runs[graphed] = (metrics, [m.detach().clone() for m in actor.masters.masters], actor)
+    (m_e, w_e, _), (m_g, w_g, actor) = runs[False], runs[True]
+    assert actor.oom.micro["update"].micro_batch_size == 1 and len(before) == 3
+    assert not any(g in before for g in actor.graphs._graphs.values())
+    assert m_g == m_e
+    assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))
