@@ -74,7 +74,9 @@ class FSDPConfig:
         "arithmetic on one rank: the same results, bit for bit on CPU), no per-unit copies, hooks or DTensor "
         "dispatch; checkpoints keyed as under FSDP2 (they resume on any world size). false | true | auto. "
         "auto: on with one process and offload_policy off; true elsewhere is an error. Read by the actor, "
-        "the critic and the reference (no masters: the compute copy alone).",
+        "the critic and the reference (no masters: the compute copy alone). On this path FSDP2's own keys "
+        "have no effect: wrap_policy, reshard_after_forward, forward_prefetch, backward_prefetch, "
+        "fsdp_size, grad_sync_per_mini_batch (off: no reduce-scatter) and local_shard_optim (no DTensors).",
     )
     cuda_graph_update: bool = F(
         False,
