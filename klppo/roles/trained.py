@@ -42,10 +42,10 @@ T = TypeVar("T")
 LossTerms = list[tuple[torch.Tensor, str]]
 """A micro-batch's loss as (term, loss_agg_mode) pairs: each term is weighted by its own aggregation."""
 MicroLoss = Callable[[Batch], tuple[LossTerms, dict[str, float | torch.Tensor]]]
-GraphParts = Callable[[Batch], MicroParts]
-"""A micro-batch's loss split for capture (:class:`klppo.roles.graphed.MicroParts`), built by the role."""
 """Loss terms and statistics of a micro-batch; statistics may stay on the device (0-dim tensors): the
 update brings them to the host once per update (:class:`klppo.roles.metrics.MetricAccumulator`)."""
+GraphParts = Callable[[Batch], MicroParts]
+"""A micro-batch's loss split for capture (:class:`klppo.roles.graphed.MicroParts`), built by the role."""
 
 
 @dataclass(frozen=True)
