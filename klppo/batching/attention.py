@@ -101,9 +101,17 @@ def _document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     )
 
 
+def _capturing() -> bool:
+    """A CUDA graph is being captured on this thread's stream (:mod:`klppo.roles.graphed`)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _cached(kind: str, cu_seqlens: torch.Tensor, total: int, build):
-    # All layers of one forward receive the same cu_seqlens tensor: build the mask once per forward.
-    key = (kind, cu_seqlens.data_ptr(), cu_seqlens.numel(), total, cu_seqlens.device)
+    # All layers of one forward receive the same cu_seqlens tensor: build the mask once per forward. A CUDA
+    # graph's capture (klppo.roles.graphed) finds no mask built outside it (capture in the key): a mask from
+    # the warm-up on the same static tensor would be read by every replay, whatever cu_seqlens holds then,
+    # and freed at the cache's next clear; the capture's first layer builds it inside the graph.
+    key = (kind, cu_seqlens.data_ptr(), cu_seqlens.numel(), total, cu_seqlens.device, _capturing())
     hit = _mask_cache.get(key)
     if hit is not None and hit[0] is cu_seqlens:
         return hit[1]

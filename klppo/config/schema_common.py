@@ -74,7 +74,9 @@ class FSDPConfig:
         "arithmetic on one rank: the same results, bit for bit on CPU), no per-unit copies, hooks or DTensor "
         "dispatch; checkpoints keyed as under FSDP2 (they resume on any world size). false | true | auto. "
         "auto: on with one process and offload_policy off; true elsewhere is an error. Read by the actor, "
-        "the critic and the reference (no masters: the compute copy alone).",
+        "the critic and the reference (no masters: the compute copy alone). On this path FSDP2's own keys "
+        "have no effect: wrap_policy, reshard_after_forward, forward_prefetch, backward_prefetch, "
+        "fsdp_size, grad_sync_per_mini_batch (off: no reduce-scatter) and local_shard_optim (no DTensors).",
     )
     cuda_graph_update: bool = F(
         False,
@@ -84,7 +86,8 @@ class FSDPConfig:
         "launch cost (one H200, the TRL workload: training phases 1.44 -> 0.87 s, bench/RESULTS.md session 19; "
         "a run whose update shapes all repeat logs this advice). "
         "Needs a GPU, the plain path (plain_single_gpu on: one process), packed rows (use_remove_padding), "
-        "param_offload off and, for the actor, kl_loss_type other than full. Pays off when micro-batch "
+        "param_offload off and, for the actor, kl_loss_type other than full and policy_loss.loss_mode other "
+        "than clip_cov and kl_cov (they read token counts on the host). Pays off when micro-batch "
         "shapes repeat (fixed-length responses, or rows padded alike); other shapes run eagerly. Same "
         "results as eager (bit for bit on CPU with a stand-in capture). Read by the actor and the critic.",
     )

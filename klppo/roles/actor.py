@@ -95,6 +95,12 @@ class Actor(TrainedRole):
         if settings.use_fused_kernels:
             check_fused(model, "actor_rollout_ref.actor.use_fused_kernels")
         if self.graphs is not None and not self.graph_capable():
+            if settings.loss_mode in HOST_SYNC_LOSS_MODES:  # they read the token count on the host
+                raise ValueError(
+                    "actor_rollout_ref.actor.fsdp_config.cuda_graph_update=true cannot capture "
+                    f"policy_loss.loss_mode={settings.loss_mode} (it reads the micro-batch's token count on "
+                    "the host): set it to false"
+                )
             raise ValueError(
                 "actor_rollout_ref.actor.fsdp_config.cuda_graph_update=true needs packed rows "
                 "(actor_rollout_ref.model.use_remove_padding=true), no sequence parallelism and not "
@@ -103,10 +109,10 @@ class Actor(TrainedRole):
 
     def graph_capable(self) -> bool:
         """Packed rows, no sequence parallelism, not the ``full`` KL (its reference logits come from a
-        callback outside the step): what :meth:`graph_parts` serves."""
+        callback outside the step), a loss mode that stays on the device: what :meth:`graph_parts` serves."""
         s = self.settings
         full = s.use_kl_loss and s.kl_loss_type == "full"
-        return s.use_remove_padding and s.sp is None and not full
+        return s.use_remove_padding and s.sp is None and not full and s.loss_mode not in HOST_SYNC_LOSS_MODES
 
     def log_prob_plan(self, batch: Batch) -> ForwardPlan:
         """The micro-batches of :meth:`compute_log_prob`, packed (shareable with the reference)."""
@@ -219,7 +225,10 @@ class Actor(TrainedRole):
         )  # fmt: skip
         model_tensors, key, rebuild = split_inputs(inputs)
         present = tuple(f for f in LOSS_FIELDS if getattr(mb, f) is not None)
-        beta = torch.full((), kl_loss_coef, dtype=torch.float32, device=mb.response_mask.device)
+        device = mb.response_mask.device
+        beta = torch.full((), kl_loss_coef, dtype=torch.float32, device=device)
+        # an input, not a constant: the monitor may change it (RunControls.set_entropy_coeff) after capture
+        entropy_coeff = torch.full((), s.entropy_coeff, dtype=torch.float32, device=device)
         n, m = len(model_tensors), len(present)
 
         def loss(ts):
@@ -230,11 +239,11 @@ class Actor(TrainedRole):
                 self.model, rebuild(ts[:n]), temperature=s.temperature, calculate_entropy=True,
                 fused=s.use_fused_kernels,
             )  # fmt: skip
-            terms, stats = self._loss_terms(fields, log_prob, entropy, ts[n + m])
+            terms, stats = self._loss_terms(fields, log_prob, entropy, ts[n + m], entropy_coeff=ts[n + m + 1])
             stats.pop("actor/kl_coef", None)  # the host's float (host_stats), not the fp32 input
             return terms, stats
 
-        tensors = [*model_tensors, *(getattr(mb, f) for f in present), beta]
+        tensors = [*model_tensors, *(getattr(mb, f) for f in present), beta, entropy_coeff]
         host = {"actor/kl_coef": kl_loss_coef} if s.use_kl_loss else {}
         return MicroParts(tensors, (key, present), self.term_modes(), loss, host)
 
@@ -247,10 +256,15 @@ class Actor(TrainedRole):
         *,
         logits: torch.Tensor | None = None,
         ref_logits: torch.Tensor | None = None,
+        entropy_coeff: float | torch.Tensor | None = None,
     ) -> tuple[LossTerms, dict[str, float | torch.Tensor]]:
         """The loss terms and statistics of a micro-batch from its log-probs and entropy (and, for the
-        ``full`` KL, its logits and the reference's); ``mb`` gives the fields of ``LOSS_FIELDS``."""
+        ``full`` KL, its logits and the reference's); ``mb`` gives the fields of ``LOSS_FIELDS``.
+        ``entropy_coeff``: the bonus's coefficient (a graph's input tensor); None: ``settings.entropy_coeff``
+        (whether there is a bonus term is always the settings' value, part of the graph's signature)."""
         s = self.settings
+        if entropy_coeff is None:
+            entropy_coeff = s.entropy_coeff
         mask = mb.response_mask
         stats = {}
         old_log_prob = mb.old_log_probs
@@ -275,7 +289,7 @@ class Actor(TrainedRole):
         stats.update({f"actor/{k}": v for k, v in pg_stats.items()})
         if s.entropy_coeff != 0:
             entropy_loss = losses.agg_loss(entropy, mask, s.loss_agg_mode, s.loss_scale_factor)
-            terms.append((-s.entropy_coeff * entropy_loss, s.loss_agg_mode))
+            terms.append((-entropy_coeff * entropy_loss, s.loss_agg_mode))
         else:
             entropy_loss = losses.agg_loss(entropy.detach(), mask, s.loss_agg_mode, s.loss_scale_factor)
         stats["actor/entropy"] = entropy_loss.detach()
@@ -290,6 +304,9 @@ class Actor(TrainedRole):
             stats["actor/kl_coef"] = kl_loss_coef
         return terms, stats  # on the device: one transfer per update (roles/metrics.py)
 
+
+HOST_SYNC_LOSS_MODES = ("clip_cov", "kl_cov")
+"""Policy losses that read device values on the host (the number of tokens to clip): not capturable."""
 
 LOSS_FIELDS = ("old_log_probs", "advantages", "response_mask", "ref_log_probs", "rollout_log_probs")
 """The batch fields the actor's loss reads besides the model inputs."""

@@ -106,6 +106,13 @@ class MicroGraphs:
         self.num_replays = 0
         self.num_eager = 0
 
+    def clear(self) -> None:
+        """Drop every graph and what they hold (their gradients, outputs and memory pool), and forget the
+        signatures seen: after an out-of-memory retry halved the micro-batch, the old shapes recur no more."""
+        self._seen.clear()
+        self._graphs.clear()
+        self.pool = None
+
     def run(self, key: tuple, inputs: Sequence[torch.Tensor], step: Step) -> Sequence[torch.Tensor]:
         """``step(inputs)`` for this micro-batch, eagerly or by replaying its graph (module docstring). The
         outputs of a replay are the graph's own tensors: read them before the next call."""

@@ -43,10 +43,10 @@ T = TypeVar("T")
 LossTerms = list[tuple[torch.Tensor, str]]
 """A micro-batch's loss as (term, loss_agg_mode) pairs: each term is weighted by its own aggregation."""
 MicroLoss = Callable[[Batch], tuple[LossTerms, dict[str, float | torch.Tensor]]]
-GraphParts = Callable[[Batch], MicroParts]
-"""A micro-batch's loss split for capture (:class:`klppo.roles.graphed.MicroParts`), built by the role."""
 """Loss terms and statistics of a micro-batch; statistics may stay on the device (0-dim tensors): the
 update brings them to the host once per update (:class:`klppo.roles.metrics.MetricAccumulator`)."""
+GraphParts = Callable[[Batch], MicroParts]
+"""A micro-batch's loss split for capture (:class:`klppo.roles.graphed.MicroParts`), built by the role."""
 
 
 @dataclass(frozen=True)
@@ -189,10 +189,16 @@ class TrainedRole:
         mini-batch's gradients are dropped and it is redone with half the micro-batch (`klppo.roles.oom`);
         the accumulated gradient is the mini-batch's either way."""
 
+        tries = 0
+
         def attempt(micro: MicroBatching) -> tuple[torch.Tensor, MetricAccumulator]:
+            nonlocal tries
             self.optimizer.zero_grad(set_to_none=True)
             if self.masters is not None:  # a retry after out of memory: the aborted backward's gradients
                 self.masters.drop_model_grads()
+            if tries and self.graphs is not None:  # a retry: the larger micro-batches' graphs recur no more
+                self.graphs.clear()
+            tries += 1
             local = MetricAccumulator()
             return self._accumulate(mini, micro_loss, local, micro, graph_parts), local
 

@@ -252,6 +252,9 @@ def test_cuda_graph_update_refuses_what_it_cannot_capture():
         _graph_actor_settings(use_kl_loss=True, kl_loss_type="full")
     with pytest.raises(ValueError, match="plain path"):
         _graph_actor_settings(masters=False)
+    for mode in ("clip_cov", "kl_cov"):  # a host read of the token count: a capture error mid-run otherwise
+        with pytest.raises(ValueError, match=f"loss_mode={mode}"):
+            _graph_actor_settings(loss_mode=mode)
 
 
 def _graph_actor_settings(*, masters: bool = True, **kwargs):
@@ -321,3 +324,91 @@ def test_a_plain_eager_update_whose_shapes_repeat_advises_cuda_graph_update_once
     for call in (2, 3):
         cpu.update_policy(_batch(call))
     assert not cpu._advised_graphs
+
+
+def test_an_entropy_coefficient_changed_after_capture_reaches_the_replays():
+    """The monitor's ``set_entropy_coeff`` replaces the actor's settings between updates; the graphs captured
+    before must use the new coefficient (an input tensor, not the float read at capture). The capture here
+    replays recorded aten calls (RecordingCapture), so a float baked in at capture would stay baked in."""
+    import dataclasses
+
+    from tests.roles.graph_fakes import RecordingCapture
+
+    torch.set_num_threads(1)
+    runs = {}
+    for graphed in (False, True):
+        actor, _ = _graph_actor(graphed)
+        if graphed:
+            actor.graphs = MicroGraphs(list(actor.model.parameters()), capture=RecordingCapture())
+        metrics = []
+        for call in range(4):
+            if call == 2:  # as RunControls.set_entropy_coeff does
+                actor.settings = dataclasses.replace(actor.settings, entropy_coeff=5.0)
+            metrics.append(actor.update_policy(_batch(call), kl_loss_coef=0.05 * (call + 1)))
+        runs[graphed] = (metrics, [m.detach().clone() for m in actor.masters.masters], actor)
+    (m_e, w_e, _), (m_g, w_g, actor) = runs[False], runs[True]
+    assert actor.graphs.num_replays == 13
+    assert m_g == m_e
+    assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))
+
+
+def test_a_replay_attends_within_its_own_sequence_boundaries():
+    """Micro-batches of the same shapes but other sequence lengths (other cu_seqlens values) replay one graph.
+    The packed attention's block mask (sdpa_block on CPU, flex on CUDA in fp32) is cached per cu_seqlens
+    tensor; the capture, after a warm-up on the same static tensor (WarmupRecordingCapture, as capture_cuda),
+    must build the mask inside the graph rather than read the warm-up's: the graphed update equals the eager."""
+    from tests.roles.graph_fakes import WarmupRecordingCapture
+
+    torch.set_num_threads(1)
+    lengths = [(6, 4), (5, 5), (4, 6), (3, 7)]  # per micro-batch of 2 rows: 10 tokens, other boundaries
+
+    def batch(call):
+        b = _batch(call)
+        mask = torch.zeros_like(b.response_mask)
+        for row in range(len(b)):
+            mask[row, : lengths[(call + row // 2) % 4][row % 2]] = 1
+        b.response_mask = mask
+        return b
+
+    runs = {}
+    for graphed in (False, True):
+        actor, _ = _graph_actor(graphed)
+        if graphed:
+            actor.graphs = MicroGraphs(list(actor.model.parameters()), capture=WarmupRecordingCapture())
+        metrics = [actor.update_policy(batch(call), kl_loss_coef=0.05) for call in range(4)]
+        runs[graphed] = (metrics, [m.detach().clone() for m in actor.masters.masters], actor)
+    (m_e, w_e, _), (m_g, w_g, actor) = runs[False], runs[True]
+    assert actor.graphs.num_replays == 13
+    assert m_g == m_e
+    assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))
+
+
+def test_an_out_of_memory_retry_drops_the_graphs_of_the_larger_micro_batches():
+    """Out of memory mid-update halves the micro-batch for the rest of the run: the graphs captured for the
+    old shapes never replay again and would hold their gradients, outputs and pool (and their slots of
+    ``max_graphs``) for the run. The retry drops them; the update still equals the eager one."""
+    torch.set_num_threads(1)
+    runs = {}
+    for graphed in (False, True):
+        actor, _ = _graph_actor(graphed)
+        actor.oom.max_retries = 1
+        real, failed = actor._accumulate, []
+
+        def accumulate(*args, real=real, failed=failed, actor=actor, **kwargs):
+            if len(failed) == 0 and args[3].micro_batch_size == 2 and actor.scheduler.last_epoch == 2:
+                failed.append(1)
+                raise torch.OutOfMemoryError("simulated")
+            return real(*args, **kwargs)
+
+        actor._accumulate = accumulate
+        metrics = []
+        for call in range(4):
+            metrics.append(actor.update_policy(_batch(call), kl_loss_coef=0.05))
+            if call == 1 and graphed:
+                before = list(actor.graphs._graphs.values())
+        runs[graphed] = (metrics, [m.detach().clone() for m in actor.masters.masters], actor)
+    (m_e, w_e, _), (m_g, w_g, actor) = runs[False], runs[True]
+    assert actor.oom.micro["update"].micro_batch_size == 1 and len(before) == 3
+    assert not any(g in before for g in actor.graphs._graphs.values())
+    assert m_g == m_e
+    assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))

@@ -362,3 +362,16 @@ def test_cuda_graph_update_reaches_the_roles_and_is_refused_where_it_cannot_capt
             ValueError, match=rf"critic\.model\.fsdp_config\.cuda_graph_update=true {message}"
         ):
             check_cuda_graph_update(f, settings, device_type=device, key=c)
+
+
+def test_grad_sync_per_mini_batch_is_off_and_said_so_on_the_plain_path():
+    """grad_sync_per_mini_batch=true on the plain path (one process, no FSDP2) defers nothing: resolved off,
+    and the reason logged says why, not 'once per mini-batch'."""
+    from klppo.trainer.settings import fsdp_settings, grad_sync_per_mini_batch
+
+    cfg = load_config(["actor_rollout_ref.actor.fsdp_config.grad_sync_per_mini_batch=true"])
+    fsdp_cfg = cfg.actor_rollout_ref.actor.fsdp_config
+    plain = fsdp_settings(fsdp_cfg, device_type="cpu", world_size=1)
+    assert plain.plain
+    on, why = grad_sync_per_mini_batch(fsdp_cfg, plain, num_trainable=10, ranks=1, device_bytes=None)
+    assert not on and "plain_single_gpu" in why
