@@ -73,7 +73,9 @@ class FSDPConfig:
         "beside them for the optimizer, each micro-batch's gradients added into fp32 master gradients (FSDP2's "
         "arithmetic on one rank: the same results, bit for bit on CPU), no per-unit copies, hooks or DTensor "
         "dispatch; checkpoints keyed as under FSDP2 (they resume on any world size). false | true | auto. "
-        "auto: on with one process and offload_policy off; true elsewhere is an error. Read by the actor, "
+        "auto: on with one process that offloads nothing (offload_policy, param_offload and optimizer_offload off: "
+        "the plain path's offload has not yet run on a GPU; true takes it with param_offload/optimizer_offload); "
+        "true with several processes or offload_policy is an error. Read by the actor, "
         "the critic and the reference (no masters: the compute copy alone). On this path FSDP2's own keys "
         "have no effect: wrap_policy, reshard_after_forward, forward_prefetch, backward_prefetch, "
         "fsdp_size, grad_sync_per_mini_batch (off: no reduce-scatter) and local_shard_optim (no DTensors).",

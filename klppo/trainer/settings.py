@@ -84,16 +84,19 @@ def fsdp_settings(
 
 
 def resolve_plain(fsdp: FSDPConfig, *, world_size: int, key: str = "fsdp_config") -> bool:
-    """``fsdp_config.plain_single_gpu`` resolved: auto is on when one process trains and FSDP2's
-    ``offload_policy`` is off (:mod:`klppo.parallel.plain`); true where that does not hold is a ValueError
-    naming the key (``key``: the role's ``fsdp_config`` path)."""
+    """``fsdp_config.plain_single_gpu`` resolved: auto is on when one process trains and offloads nothing
+    (``offload_policy``, ``param_offload``, ``optimizer_offload`` off; :mod:`klppo.parallel.plain`); true
+    needs one process and no ``offload_policy``, else a ValueError naming the key (``key``: the role's
+    ``fsdp_config`` path)."""
     value = fsdp.plain_single_gpu
     possible = world_size == 1 and not fsdp.offload_policy
     if value is True and not possible:
         why = f"{world_size} processes" if world_size > 1 else "offload_policy=true"
         raise ValueError(f"{key}.plain_single_gpu=true needs one process and no offload_policy ({why}): "
                          "set it to auto or false")  # fmt: skip
-    return possible if value == "auto" else bool(value)
+    # auto leaves offloading roles on FSDP2 until the plain path's offload has run on a GPU (bench/PENDING.md)
+    offloads = fsdp.param_offload or fsdp.optimizer_offload
+    return possible and not offloads if value == "auto" else bool(value)
 
 
 def check_cuda_graph_update(fsdp: FSDPConfig, settings: FSDPSettings, *, device_type: str, key: str) -> None:
@@ -104,7 +107,7 @@ def check_cuda_graph_update(fsdp: FSDPConfig, settings: FSDPSettings, *, device_
     if device_type != "cuda":
         need = f"a GPU (trainer.device={device_type})"
     elif not settings.plain:
-        need = "the plain path (plain_single_gpu on: one process, no offload_policy)"
+        need = "the plain path (plain_single_gpu: auto on one process that offloads nothing, or true)"
     elif fsdp.param_offload:
         need = "parameters that stay on the device (param_offload=false)"
     else:
@@ -441,6 +444,7 @@ def tune_workload(
         graph_update=actor.fsdp_config.cuda_graph_update,
         # as resolve_plain, for every point without offload_policy (a configured offload_policy aside)
         plain=fsdp.plain or (world_size == 1 and actor.fsdp_config.plain_single_gpu is not False),
+        plain_offload=actor.fsdp_config.plain_single_gpu is True,
     )
     point = Point(
         fsdp.min_num_params,

@@ -136,7 +136,12 @@ def _plan(args: argparse.Namespace):
     thresholds = _numbers("--thresholds", args.thresholds)
     try:
         points = build_grid(
-            facts, thresholds=thresholds, offloads=args.offload.split(","), micro_tokens=tokens, plain=w.plain
+            facts,
+            thresholds=thresholds,
+            offloads=args.offload.split(","),
+            micro_tokens=tokens,
+            plain=w.plain,
+            plain_offload=w.plain_offload,
         )
     except ValueError as exc:
         raise ValueError(f"--thresholds/--offload/--micro-tokens: {exc}") from None

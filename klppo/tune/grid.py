@@ -33,10 +33,11 @@ def build_grid(
     offloads: Iterable[str],
     micro_tokens: Iterable[int],
     plain: bool = False,
+    plain_offload: bool = False,
 ) -> list[Point]:
     """All distinct points (duplicates by identical units and behaviour removed); ``plain``
-    (``Workload.plain``): points the plain path runs, one per (offload, tokens)."""
-    w = Workload(plain=plain)
+    (``Workload.plain``, ``plain_offload``): points the plain path runs, one per (offload, tokens)."""
+    w = Workload(plain=plain, plain_offload=plain_offload)
     seen: set[tuple] = set()
     points = []
     for threshold in thresholds:

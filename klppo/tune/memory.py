@@ -145,10 +145,14 @@ class Workload:
     process and ``fsdp_config.plain_single_gpu`` not false, resolved as the trainer does
     (:meth:`runs_plain`)."""
 
+    plain_offload: bool = False
+    """The plain path also at points that offload between phases (``offload="idle"``): only with
+    ``plain_single_gpu=true`` — auto leaves offloading roles on FSDP2 (:func:`klppo.trainer.settings.resolve_plain`)."""
+
     def runs_plain(self, point: Point) -> bool:
-        """Whether the trainer runs ``point`` on the plain path: :attr:`plain` and no ``offload_policy``
-        (``offload="cpu"`` needs FSDP2)."""
-        return self.plain and point.offload != "cpu"
+        """Whether the trainer runs ``point`` on the plain path: :attr:`plain`, no ``offload_policy``
+        (``offload="cpu"`` needs FSDP2), and ``offload="idle"`` only with :attr:`plain_offload`."""
+        return self.plain and (point.offload == "off" or (point.offload == "idle" and self.plain_offload))
 
     def as_run(self, point: Point) -> Point:
         """``point`` as the trainer runs it: :func:`plain_point` on the plain path, else itself."""

@@ -309,7 +309,7 @@ def test_one_process_shards_each_role_as_one_unit_unless_set(
 
 
 def test_plain_single_gpu_key_is_validated_and_resolved() -> None:
-    """auto (the default): the plain path on one process without offload_policy, FSDP2 otherwise; true
+    """auto (the default): the plain path on one process that offloads nothing, FSDP2 otherwise; true
     where it cannot hold: a one-line error naming the key; a value other than auto/true/false refused."""
     key = "critic.model.fsdp_config"
     default = load_config([])
@@ -319,6 +319,16 @@ def test_plain_single_gpu_key_is_validated_and_resolved() -> None:
         assert not fsdp_settings(fsdp, device_type="cuda", world_size=2).plain
     policy = load_config([f"{key}.offload_policy=true"]).critic.model.fsdp_config
     assert not fsdp_settings(policy, device_type="cuda", world_size=1).plain
+    for offload in (
+        "param_offload",
+        "optimizer_offload",
+    ):  # auto: offloading stays on FSDP2 (not GPU-run yet)
+        idle = load_config([f"{key}.{offload}=true"]).critic.model.fsdp_config
+        assert not fsdp_settings(idle, device_type="cuda", world_size=1).plain
+        forced = load_config(
+            [f"{key}.{offload}=true", f"{key}.plain_single_gpu=true"]
+        ).critic.model.fsdp_config
+        assert fsdp_settings(forced, device_type="cuda", world_size=1).plain
     off = load_config([f"{key}.plain_single_gpu=false"]).critic.model.fsdp_config
     assert not fsdp_settings(off, device_type="cuda", world_size=1).plain
     on = load_config([f"{key}.plain_single_gpu=true"]).critic.model.fsdp_config
@@ -348,8 +358,9 @@ def test_cuda_graph_update_reaches_the_roles_and_is_refused_where_it_cannot_capt
     cases = [
         ([], "cpu", 1, r"needs a GPU \(trainer\.device=cpu\)"),
         ([], "cuda", 2, "needs the plain path"),
+        ([f"{c}.param_offload=true"], "cuda", 1, "needs the plain path"),  # auto: offloading roles on FSDP2
         (
-            [f"{c}.param_offload=true"],
+            [f"{c}.param_offload=true", f"{c}.plain_single_gpu=true"],
             "cuda",
             1,
             r"needs parameters that stay on the device \(param_offload=false\)",

@@ -46,7 +46,7 @@ def terms(phase) -> dict[str, float]:
 def test_the_grid_keeps_one_plain_point_per_offload_and_tokens(facts):
     kw = dict(thresholds=[0, 40_000, WHOLE_MODEL], offloads=["off", "idle", "cpu"], micro_tokens=[64, 128])
     fsdp2 = build_grid(facts, **kw)
-    plain = build_grid(facts, **kw, plain=True)
+    plain = build_grid(facts, **kw, plain=True, plain_offload=True)  # plain_single_gpu=true
     plain_points = [p for p in plain if p.offload != "cpu"]
     assert [(p.offload, p.micro_tokens) for p in plain_points] == [
         ("off", 64), ("off", 128), ("idle", 64), ("idle", 128)
@@ -57,6 +57,10 @@ def test_the_grid_keeps_one_plain_point_per_offload_and_tokens(facts):
     # offload_policy needs FSDP2: its points are FSDP2's, every variant kept
     assert [p for p in plain if p.offload == "cpu"] == [p for p in fsdp2 if p.offload == "cpu"]
     assert len([p for p in fsdp2 if p.offload == "off"]) > 2
+    # auto leaves offloading roles on FSDP2: the idle points keep their variants
+    auto = build_grid(facts, **kw, plain=True)
+    assert [p for p in auto if p.offload == "idle"] == [p for p in fsdp2 if p.offload == "idle"]
+    assert [p for p in auto if p.offload == "off"] == [p for p in plain if p.offload == "off"]
     # the configured point (what `klppo tune` measures first) is the grid's, whatever its FSDP2 keys
     key = "actor_rollout_ref.actor.fsdp_config"
     tw = _tune_workload([f"{key}.wrap_policy.min_num_params=0", f"{key}.forward_prefetch=true"], 1)
@@ -126,7 +130,7 @@ def _reference_step(config, batches, lr_settings: OptimSettings) -> list[torch.T
 @pytest.mark.parametrize("offload", ["off", "idle"])
 def test_a_plain_measured_step_is_the_trainers_step(offload):
     config = config_from_shape(TINY)
-    w = Workload(world_size=1, compute_bytes=4, plain=True)
+    w = Workload(world_size=1, compute_bytes=4, plain=True, plain_offload=True)
     point = Point(WHOLE_MODEL, offload, micro_tokens=64)
     batches = [micro_batch(config, point, w, 32, CPU, seed=i) for i in range(2)]
     torch.manual_seed(0)
