@@ -84,7 +84,8 @@ class FSDPConfig:
         False,
         "[klppo] Replay each update micro-batch's forward, loss and backward as a CUDA graph: a micro-batch "
         "shape runs eagerly the first time, is captured the second, replayed after (at most 4 shapes per "
-        "role; each holds one micro-batch's activations for the run). Removes the update's per-kernel "
+        "role; the role's graphs share one memory pool — a micro-batch step's activations — and one set of "
+        "compute-dtype gradients, held for the run and counted by the memory pre-flight). Removes the update's per-kernel "
         "launch cost (one H200, the TRL workload: training phases 1.44 -> 0.87 s, bench/RESULTS.md session 19; "
         "a run whose update shapes all repeat logs this advice). "
         "Needs a GPU, the plain path (plain_single_gpu on: one process), packed rows (use_remove_padding), "

@@ -17,7 +17,8 @@ step reads, and the Python values the step's code branches on — and
 A replay writes the same output tensors and the same gradient tensors every time: the caller reads the
 outputs before the next step (the update accumulates them at once), and the parameters' ``.grad`` are set
 to the graph's gradient tensors after each replay (the plain path then adds them into the master gradients
-and drops the attribute; the tensors stay alive here). The step therefore has to start from no gradients
+and drops the attribute; the tensors stay alive here). The role's graphs write one set of gradient tensors:
+the first capture allocates it, later captures zero it at their start and accumulate into it in place. The step therefore has to start from no gradients
 (``.grad`` None), as the plain path's micro-batches do, and its parameters must keep their storage between
 steps (updated in place — the plain path's copy from the masters — never re-gathered or offloaded).
 
@@ -103,6 +104,7 @@ class MicroGraphs:
         self._seen: set[tuple] = set()
         self._graphs: dict[tuple, _Captured] = {}
         self.pool: Any = None  # the memory pool the role's graphs share (set by the first capture)
+        self._shared_grads: list[torch.Tensor | None] | None = None  # the gradients the graphs write
         self.num_replays = 0
         self.num_eager = 0
 
@@ -112,6 +114,7 @@ class MicroGraphs:
         self._seen.clear()
         self._graphs.clear()
         self.pool = None
+        self._shared_grads = None
 
     def run(self, key: tuple, inputs: Sequence[torch.Tensor], step: Step) -> Sequence[torch.Tensor]:
         """``step(inputs)`` for this micro-batch, eagerly or by replaying its graph (module docstring). The
@@ -151,10 +154,23 @@ class MicroGraphs:
 
     def _new_graph(self, key: tuple, inputs: Sequence[torch.Tensor], step: Step) -> _Captured:
         static = [t.detach().clone() for t in inputs]
-        graph, outputs = self._capture(step, static, self.params, pool=self.pool)
+        shared = self._shared_grads
+
+        def attached(ts: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+            """The first graph allocates the gradients; a later one writes into the same tensors (zeroed at
+            its start, then accumulated in place by the backward), so the graphs hold one set between them."""
+            if shared is not None:
+                for p, g in zip(self.params, shared, strict=True):
+                    p.grad = g
+                torch._foreach_zero_([g for g in shared if g is not None])
+            return step(ts)
+
+        graph, outputs = self._capture(attached, static, self.params, pool=self.pool)
         if self.pool is None:
             self.pool = getattr(graph, "pool", lambda: None)()
         grads = [p.grad for p in self.params]
+        if shared is None:
+            self._shared_grads = grads
         for p in self.params:
             p.grad = None
         captured = _Captured(graph, static, list(outputs), grads)

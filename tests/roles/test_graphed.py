@@ -142,7 +142,9 @@ def test_signature_tells_shapes_dtypes_and_the_extra_key_apart():
 # ---- the trained roles: graphed update == eager update, bit for bit (the capture replaced by the CPU stand-in)
 
 
-def _graph_actor(graphed: bool, *, kl: bool = True, compute_dtype=torch.bfloat16, device: str = "cpu"):
+def _graph_actor(
+    graphed: bool, *, kl: bool = True, compute_dtype=torch.bfloat16, device: str = "cpu", capture=None
+):
     from klppo.batching.attention import enable_packed_attention
     from klppo.models.tiny import build_tiny_model
     from klppo.parallel.plain import plain_model
@@ -158,7 +160,7 @@ def _graph_actor(graphed: bool, *, kl: bool = True, compute_dtype=torch.bfloat16
         cuda_graph_update=graphed,
     )  # fmt: skip
     actor = Actor(model, settings, W.OPTIM, masters=masters)
-    capture = FakeCapture()
+    capture = capture or FakeCapture()
     if graphed and device == "cpu":  # on CUDA the role's own MicroGraphs captures for real
         actor.graphs = MicroGraphs(list(model.parameters()), capture=capture)
     return actor, capture
@@ -175,17 +177,22 @@ def _batch(call: int, device: str = "cpu"):
     return b
 
 
+@pytest.mark.parametrize("recorded", [False, True], ids=["rerun", "recorded"])
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
-def test_the_graphed_actor_update_equals_the_eager_one_bit_for_bit(compute_dtype):
+def test_the_graphed_actor_update_equals_the_eager_one_bit_for_bit(compute_dtype, recorded):
     """Four update calls of 2 mini-batches × 2 micro-batches in bf16 compute with fp32 masters, a KL
     coefficient that changes every call (an input of the graph, not a constant): metrics, log-probs after
     each call and the masters equal. In fp32 (no compute copy) the first micro-batch's gradient must be
-    copied into the master's, not taken: the graph writes that tensor again."""
+    copied into the master's, not taken: the graph writes that tensor again. ``recorded``: the capture
+    replays recorded aten calls (as a CUDA graph, Python values frozen) after a warm-up; the three graphs
+    then write one set of gradient tensors (the first allocates it, the others zero it and accumulate)."""
+    from tests.roles.graph_fakes import WarmupRecordingCapture
 
     torch.set_num_threads(1)
     runs = {}
     for graphed in (False, True):
-        actor, capture = _graph_actor(graphed, compute_dtype=compute_dtype)
+        capture = WarmupRecordingCapture() if recorded else None
+        actor, capture = _graph_actor(graphed, compute_dtype=compute_dtype, capture=capture)
         out = []
         for call in range(4):
             metrics = actor.update_policy(_batch(call), kl_loss_coef=0.05 * (call + 1))
@@ -199,6 +206,10 @@ def test_the_graphed_actor_update_equals_the_eager_one_bit_for_bit(compute_dtype
     # 16 micro-batches of three shapes: rows 0-1 and 4-5 of calls 0-1 (one short response each) and the full
     # ones (the other 12); each shape eager once, the rest replays
     assert len(capture.graphs) == 3 and actor.graphs.num_eager == 3 and actor.graphs.num_replays == 13
+    if recorded:  # one set of gradient tensors for the three graphs
+        first, *others = actor.graphs._graphs.values()
+        assert all(g is not None for g in first.grads)
+        assert all(a is b for c in others for a, b in zip(c.grads, first.grads, strict=True))
     assert eager[0][0]["actor/kl_coef"] == 0.05 and "actor/kl_loss" in eager[0][0]
 
 
