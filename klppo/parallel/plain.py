@@ -97,7 +97,8 @@ class MasterWeights:
                 m.grad = g.to(m.dtype, copy=g is own)
             else:
                 into.append(m.grad)
-                grads.append(g)
+                # masters narrower than the gradient (e.g. fp32 compute over bf16 masters): FSDP2 casts first
+                grads.append(g.to(m.dtype) if g.element_size() > m.element_size() else g)
         if into:
             torch._foreach_add_(into, grads)
 

@@ -171,3 +171,21 @@ def test_masters_are_the_optimizers_and_the_checkpoints_parameters():
     assert all(m.dtype == torch.float32 for m in names.values())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert actor.resident is masters and actor.state_model is masters.module
+
+
+def test_a_gradient_wider_than_its_master_is_cast_before_it_is_added():
+    """FSDP2's one-rank reduce casts to the master dtype, then adds: fp32 compute over bf16 masters rounds
+    each micro-batch's gradient to bf16 before the sum (not the sum after an fp32 add)."""
+    from klppo.parallel.plain import MasterWeights
+
+    model = torch.nn.Linear(64, 1, bias=False).to(torch.bfloat16)  # the loaded (master) dtype: bf16
+    masters = MasterWeights(model, param_dtype=torch.float32, reduce_dtype=torch.float32)
+    (p,), (m,) = masters.params, masters.masters
+    # 1 + 2⁻⁸·(1 + 2⁻¹⁰): cast first, 2⁻⁸ lands on the tie between two bf16 neighbours of 1 and rounds to
+    # even (1.0); added in fp32 first, it lies above the tie and rounds up (1 + 2⁻⁷)
+    first, second = torch.ones(1, 64), torch.full((1, 64), 2.0**-8 * (1 + 2.0**-10))
+    for grad in (first, second):
+        p.grad = grad.clone()
+        masters.accumulate_grads()
+    assert m.grad.dtype == torch.bfloat16
+    assert torch.equal(m.grad, first.to(torch.bfloat16) + second.to(torch.bfloat16))
