@@ -97,8 +97,10 @@ class MasterWeights:
                 m.grad = g.to(m.dtype, copy=g is own)
             else:
                 into.append(m.grad)
-                # masters narrower than the gradient (e.g. fp32 compute over bf16 masters): FSDP2 casts first
-                grads.append(g.to(m.dtype) if g.element_size() > m.element_size() else g)
+                # masters not wider than the gradient (fp32 compute over bf16 masters, fp16 over bf16): FSDP2
+                # casts first; a wider master (bf16 into fp32) takes the exact promotion of the foreach add
+                cast = g.dtype != m.dtype and g.element_size() >= m.element_size()
+                grads.append(g.to(m.dtype) if cast else g)
         if into:
             torch._foreach_add_(into, grads)
 

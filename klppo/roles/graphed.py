@@ -155,20 +155,31 @@ class MicroGraphs:
     def _new_graph(self, key: tuple, inputs: Sequence[torch.Tensor], step: Step) -> _Captured:
         static = [t.detach().clone() for t in inputs]
         shared = self._shared_grads
+        reached: set[int] = set()  # the parameters the captured backward gives a gradient
 
         def attached(ts: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
             """The first graph allocates the gradients; a later one writes into the same tensors (zeroed at
             its start, then accumulated in place by the backward), so the graphs hold one set between them."""
+            reached.clear()  # the warm-up's run, then the capture's
             if shared is not None:
                 for p, g in zip(self.params, shared, strict=True):
                     p.grad = g
                 torch._foreach_zero_([g for g in shared if g is not None])
             return step(ts)
 
-        graph, outputs = self._capture(attached, static, self.params, pool=self.pool)
+        # a parameter this step does not reach keeps the attached (zeroed) tensor: no gradient, as eagerly
+        hooks = [
+            p.register_post_accumulate_grad_hook(lambda _, i=i: reached.add(i))
+            for i, p in enumerate(self.params)
+        ]
+        try:
+            graph, outputs = self._capture(attached, static, self.params, pool=self.pool)
+        finally:
+            for h in hooks:
+                h.remove()
         if self.pool is None:
             self.pool = getattr(graph, "pool", lambda: None)()
-        grads = [p.grad for p in self.params]
+        grads = [p.grad if i in reached else None for i, p in enumerate(self.params)]
         if shared is None:
             self._shared_grads = grads
         for p in self.params:

@@ -189,3 +189,20 @@ def test_a_gradient_wider_than_its_master_is_cast_before_it_is_added():
         masters.accumulate_grads()
     assert m.grad.dtype == torch.bfloat16
     assert torch.equal(m.grad, first.to(torch.bfloat16) + second.to(torch.bfloat16))
+
+
+def test_a_gradient_as_wide_as_its_master_in_another_dtype_is_cast_before_it_is_added():
+    """fp16 compute and reduce over bf16 masters: FSDP2 casts each reduced gradient to bf16, then adds;
+    a foreach add of fp16 into bf16 would add in fp32 and round once (the tie below rounds the other way)."""
+    from klppo.parallel.plain import MasterWeights
+
+    model = torch.nn.Linear(64, 1, bias=False).to(torch.bfloat16)
+    masters = MasterWeights(model, param_dtype=torch.float16, reduce_dtype=torch.float16)
+    (p,), (m,) = masters.params, masters.masters
+    first, second = torch.ones(1, 64), torch.full((1, 64), 2.0**-8 * (1 + 2.0**-10))
+    for grad in (first, second):
+        p.grad = grad.to(torch.float16)
+        masters.accumulate_grads()
+    assert m.grad.dtype == torch.bfloat16
+    expected = first.to(torch.float16).to(torch.bfloat16) + second.to(torch.float16).to(torch.bfloat16)
+    assert torch.equal(m.grad, expected)
