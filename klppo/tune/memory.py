@@ -59,7 +59,8 @@ so a sequence of length ``ℓ`` costs each rank ``ℓ/S`` of every term above); 
 are replicated (``kvd = max(kv_heads, S)·head_dim`` in ``A``), and around attention the all-to-alls
 hold q, k, v and the output once more, ``T·c·(2h + 2·kvd)`` (transient, backward start and log-prob).
 One process with ``fsdp_config.plain_single_gpu`` (auto; :mod:`klppo.parallel.plain`, no FSDP2;
-``Workload.plain`` and a point without ``offload="cpu"``, :meth:`Workload.runs_plain`): no units, so no
+``Workload.plain`` and a point with ``offload="off"``, or ``"idle"`` with ``plain_single_gpu=true``:
+:meth:`Workload.runs_plain`): no units, so no
 gathered units, all-gather buffers or reduce-scatter inputs; resident in every phase the masters ``P·m``
 and the compute copy ``P·c`` (+ AdamW unless offloaded; in the rollout the engine reads the compute copy:
 ``P·c`` once); in the update the master gradients ``P·m``, at the backward's start the terms of (a), at
@@ -271,8 +272,8 @@ def _resident(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *,
 
 
 def _graph_pool(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload) -> None:
-    if w.graph_update:
-        pool = graph_pool_bytes(facts, point, w)
+    pool = graph_pool_bytes(facts, point, w)
+    if pool:
         phase.add("update graph pool", pool, "update peak − resident (cuda_graph_update)")
 
 
@@ -373,8 +374,9 @@ def graph_pool_bytes(facts: ModelFacts, point: Point, w: Workload) -> float:
     """What a captured update step holds between updates (``cuda_graph_update``, :mod:`klppo.roles.graphed`):
     its memory pool, the update's peak above the resident state (the step's activations, logits, workspace and
     gradients of one micro-batch of ``point.micro_tokens``). An estimate from the update's own terms, not yet
-    checked against a measured pool; 0 with graphs off."""
-    if not w.graph_update:
+    checked against a measured pool; 0 with graphs off, and at points where the trainer refuses them (graphs
+    need the plain path and parameters that stay on the device: ``offload="off"``)."""
+    if not (w.graph_update and w.runs_plain(point) and point.offload == "off"):
         return 0.0
     update = update_peak(facts, point, w)
     return max(0.0, update.total - sum(t.bytes for t in update.terms if t.name in _STATIC))

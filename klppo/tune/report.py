@@ -22,7 +22,8 @@ FSDP_KEY = "actor_rollout_ref.actor.fsdp_config"
 PLAIN_NOTE = (
     "one process: no FSDP2 (fsdp_config.plain_single_gpu); min_num_params, prefetch and reshard do not apply"
 )
-"""Said once when the workload runs the plain path (``Workload.plain``; offload=cpu points stay FSDP2)."""
+"""Said once when the workload runs the plain path (``Workload.plain``; offload=cpu points stay FSDP2, and so do
+offload=idle points unless plain_single_gpu=true: ``Workload.runs_plain``)."""
 
 
 def throughput(m: Measurement, num_micro: int) -> float:
