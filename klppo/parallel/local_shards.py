@@ -77,7 +77,9 @@ def _shard_groups(grads: list[torch.Tensor]) -> list[dist.ProcessGroup] | None:
         return [] if not any(isinstance(g, DTensor) for g in grads) else None
     mesh, placements = first.device_mesh, first.placements
     for g in grads:
-        if not isinstance(g, DTensor) or g.device_mesh is not mesh or g.placements != placements:
+        if not isinstance(g, DTensor) or (g.device_mesh is not mesh and g.device_mesh != mesh):
+            return None
+        if g.placements != placements:
             return None
     if not all(p.is_shard() or p.is_replicate() for p in placements):
         return None
