@@ -198,6 +198,31 @@ def _host_sources(host_mask: np.ndarray, response_length: int, device: torch.dev
     return to_device(src, device), to_device(np.flatnonzero(target).astype(np.int64), device)
 
 
+def _packed_model_inputs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    target: torch.Tensor,
+    *,
+    response_length: int,
+    host_mask: np.ndarray | None,
+) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
+    """The rows packed into one: the model's keyword arguments, the packed position before each real
+    response token (``src``, row-major over ``target``) and, planned on the host from ``host_mask``, those
+    tokens' flat positions in [B, R] (``index``; None without a host mask)."""
+    packed = pack(input_ids, attention_mask, position_ids, host_mask=host_mask)
+    index = None
+    if host_mask is None:
+        src = _packed_sources(packed, target)
+    else:
+        src, index = _host_sources(host_mask, response_length, input_ids.device)
+    kwargs = dict(
+        input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
+        **packed.attention_kwargs(),
+    )  # fmt: skip
+    return kwargs, src, index
+
+
 def _check_attention(model: torch.nn.Module) -> None:
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in (PACKED_ATTENTION, "flash_attention_2", "flash_attention_3", "flex_attention"):
@@ -249,17 +274,16 @@ def prepare_log_probs(
     target = _response_columns(attention_mask, response_length)
     labels = input_ids[:, input_ids.shape[1] - response_length :]
     if use_remove_padding:
-        packed = pack(input_ids, attention_mask, position_ids, host_mask=host_mask)
-        index = None
-        if host_mask is None:
-            src, kept = _packed_sources(packed, target), labels[target]
-        else:
-            src, index = _host_sources(host_mask, response_length, input_ids.device)
-            kept = labels.reshape(-1)[index]
-        kwargs = dict(
-            input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None,
-            logits_to_keep=src, use_cache=False, **packed.attention_kwargs(),
-        )  # fmt: skip
+        kwargs, src, index = _packed_model_inputs(
+            input_ids,
+            attention_mask,
+            position_ids,
+            target,
+            response_length=response_length,
+            host_mask=host_mask,
+        )
+        kept = labels[target] if index is None else labels.reshape(-1)[index]
+        kwargs["logits_to_keep"] = src
         return LogProbInputs(kwargs, target, kept, kept.unsqueeze(0), packed=True, target_index=index)
     kwargs = dict(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -397,16 +421,9 @@ def prepare_values(
 ) -> ValueInputs:
     """The packed inputs of :func:`forward_values` (same arguments), without running a model."""
     target = _response_columns(attention_mask, response_length)
-    packed = pack(input_ids, attention_mask, position_ids, host_mask=host_mask)
-    index = None
-    if host_mask is None:
-        src = _packed_sources(packed, target)
-    else:
-        src, index = _host_sources(host_mask, response_length, input_ids.device)
-    kwargs = dict(
-        input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
-        **packed.attention_kwargs(),
-    )  # fmt: skip
+    kwargs, src, index = _packed_model_inputs(
+        input_ids, attention_mask, position_ids, target, response_length=response_length, host_mask=host_mask
+    )
     return ValueInputs(kwargs, src, target, index)
 
 
