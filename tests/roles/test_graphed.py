@@ -177,6 +177,19 @@ def _batch(call: int, device: str = "cpu"):
     return b
 
 
+def _graphed_equals_eager(run, capture):
+    """``run(actor) -> metrics`` on the eager actor and on a graphed one (``capture()``: the stand-in for
+    capture); metrics and masters equal bit for bit; returns the graphed actor."""
+    runs = {}
+    for graphed in (False, True):
+        actor, _ = _graph_actor(graphed, capture=capture() if graphed else None)
+        runs[graphed] = (run(actor), [m.detach().clone() for m in actor.masters.masters], actor)
+    (m_e, w_e, _), (m_g, w_g, actor) = runs[False], runs[True]
+    assert m_g == m_e
+    assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))
+    return actor
+
+
 @pytest.mark.parametrize("recorded", [False, True], ids=["rerun", "recorded"])
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, None], ids=["bf16", "fp32"])
 def test_the_graphed_actor_update_equals_the_eager_one_bit_for_bit(compute_dtype, recorded):
@@ -346,21 +359,16 @@ def test_an_entropy_coefficient_changed_after_capture_reaches_the_replays():
     from tests.roles.graph_fakes import RecordingCapture
 
     torch.set_num_threads(1)
-    runs = {}
-    for graphed in (False, True):
-        actor, _ = _graph_actor(graphed)
-        if graphed:
-            actor.graphs = MicroGraphs(list(actor.model.parameters()), capture=RecordingCapture())
+
+    def run(actor):
         metrics = []
         for call in range(4):
             if call == 2:  # as RunControls.set_entropy_coeff does
                 actor.settings = dataclasses.replace(actor.settings, entropy_coeff=5.0)
             metrics.append(actor.update_policy(_batch(call), kl_loss_coef=0.05 * (call + 1)))
-        runs[graphed] = (metrics, [m.detach().clone() for m in actor.masters.masters], actor)
-    (m_e, w_e, _), (m_g, w_g, actor) = runs[False], runs[True]
-    assert actor.graphs.num_replays == 13
-    assert m_g == m_e
-    assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))
+        return metrics
+
+    assert _graphed_equals_eager(run, RecordingCapture).graphs.num_replays == 13
 
 
 def test_a_replay_attends_within_its_own_sequence_boundaries():
@@ -381,17 +389,10 @@ def test_a_replay_attends_within_its_own_sequence_boundaries():
         b.response_mask = mask
         return b
 
-    runs = {}
-    for graphed in (False, True):
-        actor, _ = _graph_actor(graphed)
-        if graphed:
-            actor.graphs = MicroGraphs(list(actor.model.parameters()), capture=WarmupRecordingCapture())
-        metrics = [actor.update_policy(batch(call), kl_loss_coef=0.05) for call in range(4)]
-        runs[graphed] = (metrics, [m.detach().clone() for m in actor.masters.masters], actor)
-    (m_e, w_e, _), (m_g, w_g, actor) = runs[False], runs[True]
-    assert actor.graphs.num_replays == 13
-    assert m_g == m_e
-    assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))
+    def run(actor):
+        return [actor.update_policy(batch(call), kl_loss_coef=0.05) for call in range(4)]
+
+    assert _graphed_equals_eager(run, WarmupRecordingCapture).graphs.num_replays == 13
 
 
 def test_an_out_of_memory_retry_drops_the_graphs_of_the_larger_micro_batches():
@@ -399,13 +400,13 @@ def test_an_out_of_memory_retry_drops_the_graphs_of_the_larger_micro_batches():
     old shapes never replay again and would hold their gradients, outputs and pool (and their slots of
     ``max_graphs``) for the run. The retry drops them; the update still equals the eager one."""
     torch.set_num_threads(1)
-    runs = {}
-    for graphed in (False, True):
-        actor, _ = _graph_actor(graphed)
+    before = []
+
+    def run(actor):
         actor.oom.max_retries = 1
         real, failed = actor._accumulate, []
 
-        def accumulate(*args, real=real, failed=failed, actor=actor, **kwargs):
+        def accumulate(*args, **kwargs):
             if len(failed) == 0 and args[3].micro_batch_size == 2 and actor.scheduler.last_epoch == 2:
                 failed.append(1)
                 raise torch.OutOfMemoryError("simulated")
@@ -415,11 +416,10 @@ def test_an_out_of_memory_retry_drops_the_graphs_of_the_larger_micro_batches():
         metrics = []
         for call in range(4):
             metrics.append(actor.update_policy(_batch(call), kl_loss_coef=0.05))
-            if call == 1 and graphed:
-                before = list(actor.graphs._graphs.values())
-        runs[graphed] = (metrics, [m.detach().clone() for m in actor.masters.masters], actor)
-    (m_e, w_e, _), (m_g, w_g, actor) = runs[False], runs[True]
+            if call == 1 and actor.graphs is not None:
+                before.extend(actor.graphs._graphs.values())
+        return metrics
+
+    actor = _graphed_equals_eager(run, FakeCapture)
     assert actor.oom.micro["update"].micro_batch_size == 1 and len(before) == 3
     assert not any(g in before for g in actor.graphs._graphs.values())
-    assert m_g == m_e
-    assert all(torch.equal(a, b) for a, b in zip(w_g, w_e, strict=True))
