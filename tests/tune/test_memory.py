@@ -9,24 +9,9 @@ import pytest
 
 from klppo.parallel.fsdp import choose_units, unit_report
 from klppo.tune.memory import Point, Workload, kv_cache_room, predict
-from klppo.tune.shapes import ModelShape, config_from_shape, meta_model
+from klppo.tune.shapes import config_from_shape, meta_model
 from klppo.tune.units import WHOLE_MODEL, ModelFacts, unit_sizes
-
-# h=64, 2 layers, 4 heads (head_dim 16), 2 kv heads (kvd 32), FFN=128, V=256, tied
-TINY = ModelShape("tiny", "qwen2", 64, 2, 4, 2, 128, 256, True)
-H, L, KVD, FFN, V = 64, 2, 32, 128, 256
-LAYER = (H * H + H) + 2 * (H * KVD + KVD) + H * H + 3 * H * FFN + 2 * H  # q(+b), k,v(+b), o, mlp, 2 norms
-ROOT = V * H + H  # tied embedding + final norm
-P = L * LAYER + ROOT
-
-
-@pytest.fixture(scope="module")
-def facts() -> ModelFacts:
-    return ModelFacts.from_config(config_from_shape(TINY))
-
-
-def terms(phase) -> dict[str, float]:
-    return {t.name: t.bytes for t in phase.terms}
+from tests.tune.tiny_shape import FFN, KVD, LAYER, ROOT, H, L, P, V, terms
 
 
 def test_param_count_and_units(facts):
@@ -215,7 +200,6 @@ def test_one_gpu_points_within_five_percent():
     """The 33 update peaks of the session-2 run (0.5B and 1.5B, 4k/8k/16k tokens, whole model / 1e8 / per
     layer, reshard on/off, idle offload), out of sample for the root's resharding: within ±5% (-3.9% to
     +0.6%; the whole-model points with resharding were +4.6% to +6.8% before it)."""
-    from klppo.tune.shapes import config_from_shape
 
     facts_of = {}
     for shape, threshold, offload, prefetch, reshard, tokens, measured in ONE_GPU_POINTS:
@@ -238,8 +222,6 @@ def test_measured_sweeps_within_five_percent():
     point within ±5% (the issue asks ±10%)."""
     import json
     from pathlib import Path
-
-    from klppo.tune.shapes import config_from_shape
 
     results = Path(__file__).parents[2] / "bench/results"
     rows = []

@@ -24,23 +24,11 @@ from klppo.tune.measure import actor_step, build, measure_point, micro_batch
 from klppo.tune.memory import Point, Workload, predict
 from klppo.tune.preflight import _over_budget_advice, predicted_peaks_gib
 from klppo.tune.report import PLAIN_NOTE, overrides
-from klppo.tune.shapes import ModelShape, config_from_shape, load_model_config
+from klppo.tune.shapes import config_from_shape, load_model_config
 from klppo.tune.units import WHOLE_MODEL, ModelFacts
+from tests.tune.tiny_shape import FFN, KVD, TINY, H, L, P, V, terms
 
-# the tiny shape of test_memory.py: h=64, 2 layers, kvd 32, FFN 128, V 256, tied
-TINY = ModelShape("tiny", "qwen2", 64, 2, 4, 2, 128, 256, True, max_position=512)
-H, L, KVD, FFN, V = 64, 2, 32, 128, 256
-P = 90688
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def facts() -> ModelFacts:
-    return ModelFacts.from_config(config_from_shape(TINY))
-
-
-def terms(phase) -> dict[str, float]:
-    return {t.name: t.bytes for t in phase.terms}
 
 
 def test_the_grid_keeps_one_plain_point_per_offload_and_tokens(facts):
