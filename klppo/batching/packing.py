@@ -29,8 +29,9 @@ import torch
 
 from klppo.algorithms.losses import entropy_from_logits
 from klppo.batching.attention import PACKED_ATTENTION
+from klppo.models import lm_head
 from klppo.models.compiled_layers import pad_packed_call
-from klppo.models.lm_head import token_stats_head
+from klppo.models.lm_head import chunk_stats, compiled, stats_compiled, token_stats_head
 
 
 @dataclasses.dataclass
@@ -144,9 +145,19 @@ def trim_padding_columns(
 
 
 def log_probs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, calculate_entropy: bool = False
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    *,
+    compile_stats: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(z / temperature)[label] as gather − logsumexp (no [N, V] log-softmax kept), and H."""
+    """log softmax(z / temperature)[label] as gather − logsumexp (no [N, V] log-softmax kept), and H.
+    ``compile_stats``: without autograd (the no-grad passes), by the compiled
+    :func:`klppo.models.lm_head.chunk_stats` (one or two passes over the logits instead of eight)."""
+    if compile_stats and not (torch.is_grad_enabled() and logits.requires_grad):
+        _, log_probs, entropy = compiled(chunk_stats)(logits, labels, temperature, calculate_entropy)
+        return log_probs, entropy if calculate_entropy else None
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
@@ -363,7 +374,10 @@ def _head(model: torch.nn.Module, head_labels: torch.Tensor, temperature: float,
     """Runs the forward with the fused head when ``fused``; yields how to read (log-prob, entropy) from
     the model's ``logits`` output: ``read(out, labels)``."""
     if not fused:
-        yield lambda logits, labels: log_probs_from_logits(logits, labels, temperature, entropy)
+        fast = stats_compiled(model)
+        yield lambda logits, labels: log_probs_from_logits(
+            logits, labels, temperature, entropy, compile_stats=fast and lm_head.compiles_on(logits)
+        )
         return
 
     with token_stats_head(model, head_labels, temperature=temperature, with_entropy=entropy):

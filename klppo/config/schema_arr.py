@@ -137,7 +137,14 @@ class ActorConfig:
     use_prefix_grouper: bool = F(
         False, "Forward a prompt once for all its responses (shared-prefix attention)."
     )
-    use_torch_compile: bool = F(True, "torch.compile the log-prob/entropy helpers.")
+    use_torch_compile: bool = F(
+        True,
+        "torch.compile the log-prob/entropy statistics of the LM head (on CUDA): the fused head's "
+        "(use_fused_kernels) per-chunk statistics and gradient, and the unfused head's no-grad passes "
+        "(old log-probs; the update keeps them eager). One or two passes over the float32 logits instead of "
+        "eight (klppo/models/lm_head.py). Read by the actor; the reference follows it "
+        "(actor_rollout_ref.ref.use_torch_compile).",
+    )
     kl_loss_coef: float = F(0.001, "β of the KL loss (the initial β when kl_loss_ctrl.type is not fixed).")
     kl_loss_ctrl: KLLossControlConfig = F(KLLossControlConfig, "Controller of the KL loss coefficient.")
     kl_loss_type: str = F(
@@ -184,7 +191,11 @@ def _ref_fsdp() -> FSDPConfig:
 @dataclass(frozen=True)
 class RefConfig:
     strategy: str = F(II("actor_rollout_ref.actor.strategy"), "Follows actor.strategy.")
-    use_torch_compile: bool = F(SEL("actor_rollout_ref.actor.use_torch_compile", "true"), "Follows actor.")
+    use_torch_compile: bool = F(
+        SEL("actor_rollout_ref.actor.use_torch_compile", "true"),
+        "Follows actor: the reference's log-prob statistics compiled on CUDA (with LoRA the reference is "
+        "the actor's model and follows actor.use_torch_compile).",
+    )
     log_prob_micro_batch_size: int | None = F(None, "Deprecated: SAMPLES per micro-batch over all GPUs.")
     log_prob_micro_batch_size_per_gpu: int | None = F(None, "SAMPLES per reference forward on one GPU.")
     log_prob_use_dynamic_bsz: bool = F(

@@ -97,7 +97,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("*.data_loader_seed", "warn", "mini-batch shuffling is seeded from trainer.seed"),
     ("data.validation_shuffle", "warn", "validation order does not change its metrics"),
     ("trainer.max_critic_ckpt_to_keep", "warn", "the critic is kept with the actor's checkpoints"),
-    ("*.use_torch_compile", "warn", "torch.compile of the log-prob helpers is not used"),
     ("*.entropy_from_logits_with_chunking", "warn", "entropy is computed by klppo.algorithms (memory-bounded)"),
     ("*.entropy_checkpointing", "warn", "not built"),
     ("actor_rollout_ref.actor.calculate_entropy", "warn", "entropy is always logged"),

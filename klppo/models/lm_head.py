@@ -15,12 +15,22 @@ instead of logits, the log-prob of a given label and the entropy of each row, ``
 computed chunk by chunk of rows (:func:`token_log_probs_entropy`): the float32 [rows, vocabulary] logits
 exist for one chunk at a time, in the forward and again (recomputed) in the backward, never for all rows.
 The head still runs inside the model's forward, so FSDP2 sees its weight gathered as usual.
+
+Compiled statistics (``actor.use_torch_compile``, verl's key for its compiled log-prob/entropy helpers; on
+CUDA): the per-chunk softmax statistics and their gradient as ``torch.compile``-d pure functions
+(:func:`chunk_stats`, :func:`chunk_grad`) instead of eager in-place operations. Eagerly, each operation is
+a pass over the float32 [rows, V] chunk (logsumexp, subtract, gather, exp, multiply, sum: ≈ 8 reads and
+writes of 4 bytes per logit; the backward ≈ 10); compiled, the forward reads the chunk in one or two fused
+reductions and the backward is one pointwise kernel that reads it and writes the bf16 gradient. The same
+function serves the unfused head's no-grad passes (:func:`klppo.batching.packing.log_probs_from_logits`),
+whose [rows, V] logits exist anyway. Same formulas; results equal to float32 rounding (tests).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +71,64 @@ def fp32_logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _FP32Logits.apply(x, weight)
 
 
+def chunk_stats(
+    z: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For logits ``z`` [..., V] (any float dtype, computed in float32) and ``labels`` [...]: per row
+    logsumexp(z/T), log softmax(z/T)[label] and the entropy −Σ p log p (zeros unless ``with_entropy``).
+    Pure, for ``torch.compile`` (:func:`compiled`); the eager :class:`_TokenStats` computes the same."""
+    z = z.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    log_prob = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return lse, log_prob, torch.zeros_like(lse)
+    logp = z - lse.unsqueeze(-1)
+    return lse, log_prob, -(logp.exp() * logp).sum(dim=-1)  # a sum of non-negative terms
+
+
+def chunk_grad(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    g_lp: torch.Tensor,
+    g_h: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """∂(g_lp·log p_label + g_h·H)/∂z for float32 logits ``z`` [r, V] (the formula of
+    :meth:`_TokenStats.backward`), in ``dtype``. Pure, for ``torch.compile``."""
+    if temperature != 1.0:
+        z = z / temperature
+    logp = z - lse.unsqueeze(-1)
+    if with_entropy:
+        coef = (logp + entropy.unsqueeze(-1)) * g_h.unsqueeze(-1) + g_lp.unsqueeze(-1)
+    else:
+        coef = g_lp.unsqueeze(-1)
+    dz = -(logp.exp() * coef)
+    vocab = torch.arange(z.shape[-1], device=z.device)
+    dz = dz + torch.where(vocab == labels.unsqueeze(-1), g_lp.unsqueeze(-1), 0.0)
+    if temperature != 1.0:
+        dz = dz / temperature
+    return dz.to(dtype)
+
+
+def compiles_on(t: torch.Tensor) -> bool:
+    """Whether a tensor's device runs the compiled statistics: CUDA (on CPU, Inductor's C++ compilation
+    would cost more than it saves in a test-sized run)."""
+    return t.is_cuda
+
+
+@functools.cache
+def compiled(fn: Callable) -> Callable:
+    """``torch.compile(fn)`` with symbolic sizes (chunks and micro-batches of any row count share one
+    compilation), created once per function."""
+    return torch.compile(fn, dynamic=True)
+
+
 class _TokenStats(torch.autograd.Function):
     """(log softmax(x Wᵀ / T)[label], entropy) per row, chunk by chunk; backward recomputes each chunk.
 
@@ -69,7 +137,7 @@ class _TokenStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, labels, temperature: float, chunk_rows: int, with_entropy: bool):
+    def forward(ctx, x, weight, labels, temperature: float, chunk_rows: int, with_entropy: bool, fast: bool):
         flat = x.reshape(-1, x.shape[-1])
         lab = labels.reshape(-1)
         n = flat.shape[0]
@@ -79,6 +147,11 @@ class _TokenStats(torch.autograd.Function):
         for start in range(0, n, chunk_rows):
             rows = slice(start, start + chunk_rows)
             z = _fp32_mm(flat[rows], weight.t())
+            if fast:
+                lse[rows], log_probs[rows], entropy[rows] = compiled(chunk_stats)(
+                    z, lab[rows], temperature, with_entropy
+                )
+                continue
             if temperature != 1.0:
                 z.div_(temperature)
             lse[rows] = torch.logsumexp(z, dim=-1)
@@ -87,7 +160,13 @@ class _TokenStats(torch.autograd.Function):
             if with_entropy:  # −Σ p log p: a sum of non-negative terms (no cancellation in float32)
                 entropy[rows] = -(logp.exp() * logp).sum(dim=-1)
         ctx.save_for_backward(x, weight, lab, lse, entropy)
-        ctx.temperature, ctx.chunk_rows, ctx.with_entropy = temperature, chunk_rows, with_entropy
+        ctx.temperature, ctx.chunk_rows, ctx.with_entropy, ctx.fast = (
+            temperature,
+            chunk_rows,
+            with_entropy,
+            fast,
+        )
+        ctx.weight_dtype = weight.dtype
         return torch.stack([log_probs, entropy], dim=-1).view(*x.shape[:-1], 2)
 
     @staticmethod
@@ -103,22 +182,13 @@ class _TokenStats(torch.autograd.Function):
         for start in range(0, flat.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             z = _fp32_mm(flat[rows], weight.t())
-            if temperature != 1.0:
-                z.div_(temperature)
-            logp = z.sub_(lse[rows].unsqueeze(-1))
-            p = logp.exp()
-            # ∂/∂z = g_lp·(onehot − p) − g_h·p·(log p + H) = −p·(g_lp + g_h·(log p + H)) + g_lp·onehot
-            coef = logp
-            if ctx.with_entropy:
-                coef.add_(entropy[rows].unsqueeze(-1)).mul_(g_h[rows].unsqueeze(-1))
-                coef.add_(g_lp[rows].unsqueeze(-1))
+            if ctx.fast:
+                dz = compiled(chunk_grad)(
+                    z, lse[rows], entropy[rows], g_lp[rows], g_h[rows], lab[rows], temperature,
+                    ctx.with_entropy, weight.dtype,
+                )  # fmt: skip
             else:
-                coef.copy_(g_lp[rows].unsqueeze(-1).expand_as(coef))
-            dz = p.mul_(coef).neg_()
-            dz.scatter_add_(-1, lab[rows].unsqueeze(-1), g_lp[rows].unsqueeze(-1))
-            if temperature != 1.0:
-                dz.div_(temperature)
-            dz = dz.to(weight.dtype)  # as a bf16 layer's backward: the output gradient in the weight dtype
+                dz = _eager_chunk_grad(z, lse[rows], entropy[rows], g_lp[rows], g_h[rows], lab[rows], ctx)
             if need_x:
                 grad_x[rows] = (dz @ weight).to(grad_x.dtype)
             if need_w:
@@ -130,7 +200,28 @@ class _TokenStats(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def _eager_chunk_grad(z, lse, entropy, g_lp, g_h, lab, ctx) -> torch.Tensor:
+    """:func:`chunk_grad`, eager and in place on the chunk ``z`` (no second [r, V] float32 tensor)."""
+    if ctx.temperature != 1.0:
+        z.div_(ctx.temperature)
+    logp = z.sub_(lse.unsqueeze(-1))
+    p = logp.exp()
+    # ∂/∂z = g_lp·(onehot − p) − g_h·p·(log p + H) = −p·(g_lp + g_h·(log p + H)) + g_lp·onehot
+    coef = logp
+    if ctx.with_entropy:
+        coef.add_(entropy.unsqueeze(-1)).mul_(g_h.unsqueeze(-1))
+        coef.add_(g_lp.unsqueeze(-1))
+    else:
+        coef.copy_(g_lp.unsqueeze(-1).expand_as(coef))
+    dz = p.mul_(coef).neg_()
+    dz.scatter_add_(-1, lab.unsqueeze(-1), g_lp.unsqueeze(-1))
+    if ctx.temperature != 1.0:
+        dz.div_(ctx.temperature)
+    return dz.to(ctx.weight_dtype)  # as a bf16 layer's backward: the output gradient in the weight dtype
 
 
 def token_log_probs_entropy(
@@ -141,15 +232,19 @@ def token_log_probs_entropy(
     temperature: float = 1.0,
     with_entropy: bool = True,
     chunk_rows: int | None = None,
+    compile_stats: bool = False,
 ) -> torch.Tensor:
     """``[..., 2]`` float32: log softmax(x Wᵀ / T)[label] and the entropy of softmax(x Wᵀ / T) (0 unless
     ``with_entropy``), for hidden states ``x`` [..., H], ``weight`` [V, H], ``labels`` [...] int64.
     Logits as :func:`fp32_logits_linear` computes them; ``chunk_rows`` rows at a time (default
-    ``CHUNK_ELEMENTS // V``). Differentiable in ``x`` and ``weight``."""
+    ``CHUNK_ELEMENTS // V``); ``compile_stats``: each chunk's statistics and gradient by the compiled
+    :func:`chunk_stats` / :func:`chunk_grad`. Differentiable in ``x`` and ``weight``."""
     rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
     if labels.shape != x.shape[:-1]:
         raise ValueError(f"fused LM head: labels {tuple(labels.shape)} for hidden states {tuple(x.shape)}")
-    return _TokenStats.apply(x, weight, labels, float(temperature), int(rows), bool(with_entropy))
+    return _TokenStats.apply(
+        x, weight, labels, float(temperature), int(rows), bool(with_entropy), bool(compile_stats)
+    )
 
 
 @dataclass(frozen=True)
@@ -165,13 +260,14 @@ class FP32LogitsLinear(nn.Linear):
     inside :func:`token_stats_head`, the fused token statistics ``[..., 2]``."""
 
     token_stats: TokenStatsRequest | None = None
+    compile_stats: bool = False  # on CUDA, the softmax statistics compiled (set by compile_token_stats)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.token_stats is not None:
             r = self.token_stats
             return token_log_probs_entropy(
                 x, self.weight, r.labels, temperature=r.temperature, with_entropy=r.with_entropy,
-                chunk_rows=r.chunk_rows,
+                chunk_rows=r.chunk_rows, compile_stats=self.compile_stats and compiles_on(x),
             )  # fmt: skip
         if self.bias is None and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
             return fp32_logits_linear(x, self.weight)
@@ -187,6 +283,25 @@ def fp32_lm_head(model: nn.Module) -> bool:
         return False
     head.__class__ = FP32LogitsLinear
     return True
+
+
+def compile_token_stats(model: nn.Module, on: bool) -> bool:
+    """Whether ``model``'s log-prob/entropy statistics run compiled on CUDA (``use_torch_compile``), for the
+    fused head and the unfused head's no-grad passes; False (nothing set) when the head is not a
+    :class:`FP32LogitsLinear`."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, FP32LogitsLinear):
+        return False
+    head.compile_stats = bool(on)
+    return True
+
+
+def stats_compiled(model: nn.Module) -> bool:
+    """``model``'s head was set to compiled statistics by :func:`compile_token_stats`."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return bool(getattr(head, "compile_stats", False))
 
 
 def fused_head(model: nn.Module) -> FP32LogitsLinear | None:

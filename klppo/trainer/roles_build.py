@@ -22,7 +22,7 @@ from klppo.config.schema_arr import ModelConfig
 from klppo.config.schema_common import FSDPConfig
 from klppo.config.sizes import Sizes
 from klppo.models.compiled_layers import compile_packed_layers
-from klppo.models.lm_head import fp32_lm_head
+from klppo.models.lm_head import compile_token_stats, fp32_lm_head
 from klppo.models.loading import load_causal_lm, load_critic, load_reward_model, load_tokenizer, model_dir
 from klppo.models.lora import apply_lora, is_lora
 from klppo.parallel.collectives import world_size
@@ -118,6 +118,7 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
     dtype = to_dtype(acfg.fsdp_config.model_dtype)
     sp = inputs.sp.actor
     model = load_policy_model(arr.model, inputs.model_path, dtype, inputs.device, train=True, sp=sp)
+    compile_token_stats(model, acfg.use_torch_compile)
     if uses_lora(arr.model):
         model = apply_lora(
             model,
@@ -196,6 +197,11 @@ def build_reference(inputs: RoleInputs, actor: Actor) -> Reference | None:
         sp=s.sp,
     )
     if is_lora(actor.model):
+        if arr.ref.use_torch_compile != arr.actor.use_torch_compile:
+            logging.getLogger("klppo").warning(
+                "actor_rollout_ref.ref.use_torch_compile is not read with LoRA: the reference is the actor's "
+                "model, compiled as actor_rollout_ref.actor.use_torch_compile says"
+            )
         reference = Reference(actor.model, adapters_off=True, **settings)
         inputs.offload.add(
             reference, name="reference", model=actor.model, params=False, optimizer_state=False
@@ -209,6 +215,7 @@ def build_reference(inputs: RoleInputs, actor: Actor) -> Reference | None:
         model_dir(ref_path, key="actor_rollout_ref.ref.model.path") if ref_path else inputs.model_path
     )
     model = load_policy_model(arr.model, model_path, dtype, device, train=False, sp=s.sp)
+    compile_token_stats(model, arr.ref.use_torch_compile)
     fsdp = role_fsdp("reference", arr.ref.fsdp_config, device)
     if fsdp.plain:  # no gradients: the compute copy alone, no masters
         cast_params(model, fsdp.param_dtype)

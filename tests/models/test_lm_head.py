@@ -167,3 +167,113 @@ def test_fused_forward_log_probs_equal_unfused(packed) -> None:
     assert (lp1[1, 3:] == 0).all() and (h1[1, 3:] == 0).all()
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_statistics_equal_eager_values_and_gradients() -> None:
+    """``use_torch_compile``: the compiled chunk statistics and gradient (Inductor on CPU here) = the eager
+    in-place ones within float32 rounding — log-prob and entropy within 1e-6, gradients of x and W as
+    close to the float64 truth — over several chunks with a partial last one (one compilation for every
+    row count), with a temperature; bf16 operands without entropy give bf16 gradients equal to eager's."""
+    from klppo.models.lm_head import token_log_probs_entropy
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 7, 32, generator=g).requires_grad_()
+    w = (0.3 * torch.randn(97, 32, generator=g)).requires_grad_()
+    labels = torch.randint(0, 97, (2, 7), generator=g)
+    up = torch.randn(2, 7, 2, generator=g)
+    runs = []
+    for fast in (False, True):
+        stats = token_log_probs_entropy(x, w, labels, temperature=0.7, chunk_rows=3, compile_stats=fast)
+        (stats * up).sum().backward()
+        runs.append((stats.detach(), x.grad.clone(), w.grad.clone()))
+        x.grad = w.grad = None
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    lp64, h64 = _stats64(x64, w64, labels, 0.7)
+    (lp64 * up[..., 0].double() + h64 * up[..., 1].double()).sum().backward()
+    (eager, fast) = runs
+    torch.testing.assert_close(fast[0], eager[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fast[0].double(), torch.stack([lp64, h64], -1), rtol=1e-6, atol=1e-6)
+    for ours, plain, exact in zip(fast[1:], eager[1:], (x64.grad, w64.grad)):
+        torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-6)
+        err, err_plain = (ours.double() - exact).abs().max(), (plain.double() - exact).abs().max()
+        assert err <= 2 * err_plain + 1e-6, (err, err_plain)
+
+    xb = x.detach()[0].to(torch.bfloat16).requires_grad_()
+    wb = w.detach().to(torch.bfloat16).requires_grad_()
+    grads = []
+    for fast in (False, True):
+        stats = token_log_probs_entropy(
+            xb, wb, labels[0], with_entropy=False, chunk_rows=4, compile_stats=fast
+        )
+        assert (stats[:, 1] == 0).all()
+        stats[:, 0].sum().backward()
+        grads.append((stats.detach(), xb.grad.clone(), wb.grad.clone()))
+        xb.grad = wb.grad = None
+    assert grads[1][1].dtype == grads[1][2].dtype == torch.bfloat16
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads[1][1:], grads[0][1:]):  # one bf16 rounding of dz apart at most
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=1e-3)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_compiled_statistics_in_the_model_path(monkeypatch, fused) -> None:
+    """A head set by ``compile_token_stats`` runs the compiled statistics where ``compiles_on`` says so
+    (CUDA in a run; forced on CPU here): the fused head in forward and backward, the unfused head in
+    no-grad passes only (with autograd the eager path) — the same log-probs and entropy as without, and
+    the same gradients; not on CPU by default; a head that is not FP32LogitsLinear is left alone."""
+    from klppo.batching.attention import enable_packed_attention
+    from klppo.batching.packing import forward_log_probs
+    from klppo.models import lm_head
+
+    calls = []
+    real = lm_head.compiled
+
+    def counting(fn):
+        calls.append(fn.__name__)
+        return real(fn)
+
+    monkeypatch.setattr(lm_head, "compiled", counting)
+    import klppo.batching.packing as packing
+
+    monkeypatch.setattr(packing, "compiled", counting)
+    g = torch.Generator().manual_seed(4)
+    B, P, R = 2, 4, 5
+    ids = torch.randint(3, 300, (B, P + R), generator=g)
+    mask = torch.ones(B, P + R, dtype=torch.long)
+    mask[1, P + 3 :] = 0
+    model = build_tiny_model(arch="qwen2", seed=0)
+    enable_packed_attention(model)
+    assert fp32_lm_head(model) and lm_head.compile_token_stats(model, True) and lm_head.stats_compiled(model)
+
+    def run(grad: bool):
+        with torch.set_grad_enabled(grad):
+            lp, h = forward_log_probs(
+                model, ids, mask, None, response_length=R, temperature=0.9, use_remove_padding=True,
+                calculate_entropy=True, fused=fused,
+            )  # fmt: skip
+        if grad:
+            (lp + 0.5 * h).sum().backward()
+        out = (
+            lp.detach(),
+            h.detach(),
+            [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        )
+        model.zero_grad(set_to_none=True)
+        return out
+
+    eager = [run(False), run(True)]
+    assert calls == []  # CPU: compiled only where compiles_on says so
+    monkeypatch.setattr(lm_head, "compiles_on", lambda t: True)
+    fast = [run(False), run(True)]
+    expected = ["chunk_stats"] * 2 + ["chunk_grad"] if fused else ["chunk_stats"]
+    assert calls == expected, calls
+    for a, b in zip(fast, eager):
+        torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a[1], b[1], rtol=1e-6, atol=1e-6)
+        for ga, gb in zip(a[2], b[2]):
+            assert (ga is None) == (gb is None)
+            if ga is not None:
+                torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
+    plain = torch.nn.Module()
+    plain.get_output_embeddings = lambda: torch.nn.Linear(4, 4, bias=False)
+    assert not lm_head.compile_token_stats(plain, True) and not lm_head.stats_compiled(plain)

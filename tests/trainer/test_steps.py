@@ -335,8 +335,12 @@ def test_optimizer_choice_reference_path_and_external_lib(
         "actor_rollout_ref.actor.optim.override_optimizer_config={momentum: 0.9}",
         f"+actor_rollout_ref.ref.model={{path: {other_ref}}}",
         "actor_rollout_ref.model.external_lib=my_models_lib",
+        "actor_rollout_ref.ref.use_torch_compile=False",  # the actor's stays true (default)
     ]
     _, built = run_training(overrides)
+    from klppo.models.lm_head import stats_compiled
+
+    assert stats_compiled(built.roles.actor.model) and not stats_compiled(built.roles.reference.model)
     (row,) = read_metrics(tmp_path / "run")
     opt = built.roles.actor.optimizer
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["momentum"] == 0.9
