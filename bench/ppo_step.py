@@ -14,6 +14,8 @@ Workloads (random weights, responses forced to full length with ``rollout.ignore
 Variants (``--variants``): ``before`` (every issue-18 candidate off) or ``after`` (all on), then
 ``+name`` / ``-name`` to switch one candidate on or off: ``skip`` (on-policy skip of the old-log-prob
 pass), ``fused_head`` (``model.use_fused_kernels``: chunked log-prob/entropy from the LM head),
+``compiled_stats`` (``actor.use_torch_compile``, the reference following: the head's softmax statistics
+compiled on CUDA),
 ``shared_plan`` (the reference pass reuses the old-log-prob pass's micro-batches, packed once),
 ``fused_adamw`` (fused AdamW on CUDA), ``local_optim`` (``fsdp_config.local_shard_optim``: the trained
 roles' AdamW step and gradient clip on the DTensors' local shards; off: through DTensor dispatch),
@@ -82,6 +84,8 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
         [f"{ARR}.actor.skip_old_log_prob_on_policy=False"],
     ),
     "fused_head": ([f"{ARR}.model.use_fused_kernels=True"], [f"{ARR}.model.use_fused_kernels=False"]),
+    # the default: the LM head's log-prob/entropy statistics compiled on CUDA (actor.use_torch_compile)
+    "compiled_stats": ([f"{ARR}.actor.use_torch_compile=True"], [f"{ARR}.actor.use_torch_compile=False"]),
     "shared_plan": (["@shared_plan=on"], ["@shared_plan=off"]),  # "@": a bench switch, not a config key
     "host_plan": (["@host_plan=on"], ["@host_plan=off"]),
     "compile": ([f"{ARR}.model.compile_packed_layers=True"], [f"{ARR}.model.compile_packed_layers=False"]),
