@@ -277,3 +277,35 @@ def test_compiled_statistics_in_the_model_path(monkeypatch, fused) -> None:
     plain = torch.nn.Module()
     plain.get_output_embeddings = lambda: torch.nn.Linear(4, 4, bias=False)
     assert not lm_head.compile_token_stats(plain, True) and not lm_head.stats_compiled(plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_statistics_on_cuda(dtype) -> None:
+    """On CUDA (the path runs use): the compiled chunk statistics and gradient against the eager ones,
+    several chunks with a partial last one, and the unfused no-grad path against eager."""
+    from klppo.batching.packing import log_probs_from_logits
+    from klppo.models.lm_head import token_log_probs_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(3000, 64, device="cuda", generator=g).to(dtype).requires_grad_()
+    w = (0.3 * torch.randn(5003, 64, device="cuda", generator=g)).to(dtype).requires_grad_()
+    labels = torch.randint(0, 5003, (3000,), device="cuda", generator=g)
+    up = torch.randn(3000, 2, device="cuda", generator=g)
+    runs = []
+    for fast in (False, True):
+        stats = token_log_probs_entropy(x, w, labels, temperature=0.9, chunk_rows=1024, compile_stats=fast)
+        (stats * up).sum().backward()
+        runs.append((stats.detach(), x.grad.float(), w.grad.float()))
+        x.grad = w.grad = None
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(runs[1][1:], runs[0][1:]):
+        torch.testing.assert_close(a, b, **tol)
+    with torch.no_grad():
+        logits = fp32_logits_linear(x, w)
+        eager = log_probs_from_logits(logits, labels, 0.9, calculate_entropy=True)
+        fast = log_probs_from_logits(logits, labels, 0.9, calculate_entropy=True, compile_stats=True)
+    for a, b in zip(fast, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
