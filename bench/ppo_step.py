@@ -32,8 +32,11 @@ one graph per grad mode — the default; off: the static token buckets; every va
 ``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing), ``+traced_attention``
 (packed attention traced into the compiled layers: one compiled region per layer instead of five),
 ``+async_reward`` (background scoring: ``reward_model.launch_reward_fn_async``), ``+graphs`` (the actor's and the
-critic's update micro-batches replayed as CUDA graphs, ``fsdp_config.cuda_graph_update``; the critic needs
-``+critic_compile`` for packed rows).
+critic's update micro-batches and the no-grad forward micro-batches — old log-probs, values, the reference's
+log-probs — replayed as CUDA graphs, ``fsdp_config.cuda_graph_update`` of the actor, the critic and the
+reference; the critic needs ``+critic_compile`` for packed rows); with it the candidate ``fwd_graphs`` (on in
+``after``, a bench switch: ``-fwd_graphs`` leaves the no-grad passes eager, the updates still graphed — A/B
+them as ``after+critic_compile+graphs-fwd_graphs after+critic_compile+graphs``; ``before`` has it off).
 E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
 process; the trainer workloads report the median of the steps after the first (which includes warm-up:
 allocator growth, CUDA-graph capture, compilation).
@@ -88,6 +91,8 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
     "compiled_stats": ([f"{ARR}.actor.use_torch_compile=True"], [f"{ARR}.actor.use_torch_compile=False"]),
     "shared_plan": (["@shared_plan=on"], ["@shared_plan=off"]),  # "@": a bench switch, not a config key
     "host_plan": (["@host_plan=on"], ["@host_plan=off"]),
+    # with +graphs: the no-grad passes' micro-batches as CUDA graphs too (off: only the updates' are)
+    "fwd_graphs": ([], ["@fwd_graphs=off"]),
     "compile": ([f"{ARR}.model.compile_packed_layers=True"], [f"{ARR}.model.compile_packed_layers=False"]),
     "one_unit": (  # min_num_params auto, the default: one FSDP unit per model on one process
         [],
@@ -119,8 +124,9 @@ SETTINGS = {
     # packed attention traced into the compiled layers (klppo.batching.attention.set_traced_packed_attention):
     # one compiled region per layer instead of five; with the compiled layers (the `compile` candidate)
     "traced_attention": ["@traced_attention=on"],
-    # the update micro-batches replayed as CUDA graphs (fsdp_config.cuda_graph_update; the plain path, packed rows)
-    "graphs": [f"{role}.fsdp_config.cuda_graph_update=True" for role in (f"{ARR}.actor", "critic.model")],
+    # the update and no-grad forward micro-batches replayed as CUDA graphs (fsdp_config.cuda_graph_update; the
+    # plain path, packed rows); -fwd_graphs: the updates' only
+    "graphs": [f"{role}.fsdp_config.cuda_graph_update=True" for role in FSDP_ROLES],
     # background scoring (reward_model.launch_reward_fn_async): decoding and the reward function in spawned
     # workers while the log-prob, reference and value passes run
     "async_reward": ["reward_model.launch_reward_fn_async=True"],
@@ -135,15 +141,22 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     transformers' packed-sequence detection in every packed forward.
     ``@traced_attention=on``: packed attention traced into the compiled decoder layers.
     ``@dynamic_tokens=on|off``: the compiled layers unpadded with dynamic token and sequence dims, or padded to
-    the static token buckets (neither: the environment's choice, KLPPO_COMPILE_DYNAMIC_TOKENS)."""
+    the static token buckets (neither: the environment's choice, KLPPO_COMPILE_DYNAMIC_TOKENS).
+    ``@fwd_graphs=off``: the roles built without CUDA graphs for their no-grad passes (``cuda_graph_update``
+    then graphs the updates only)."""
     from klppo.batch import Batch
     from klppo.batching import attention, packing
     from klppo.models import compiled_layers
     from klppo.models.compiled_layers import pad_packed_call
     from klppo.roles.metrics import MetricAccumulator
     from klppo.roles.reference import Reference
+    from klppo.roles.trained import TrainedRole
 
     original = Reference.compute_ref_log_prob
+    inits = {Reference: Reference.__init__, TrainedRole: TrainedRole.__init__}
+    if "@fwd_graphs=off" in items:
+        Reference.__init__ = _then(inits[Reference], graphs=None)
+        TrainedRole.__init__ = _then(inits[TrainedRole], forward_graphs=None)
     with_host_mask, add, packed_call = Batch.with_host_mask, MetricAccumulator.add, packing._packed_call
     if "@shared_plan=off" in items:
         Reference.compute_ref_log_prob = lambda self, batch, plan=None: original(self, batch)
@@ -168,7 +181,19 @@ def bench_switches(items: list[str]) -> Iterator[None]:
         attention.set_traced_packed_attention(traced_before)
         compiled_layers.DYNAMIC_TOKENS = dynamic_before
         Reference.compute_ref_log_prob = original
+        Reference.__init__, TrainedRole.__init__ = inits[Reference], inits[TrainedRole]
         Batch.with_host_mask, MetricAccumulator.add, packing._packed_call = with_host_mask, add, packed_call
+
+
+def _then(init, **attributes):
+    """``init``, then ``attributes`` set on the object it built."""
+
+    def run(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+    return run
 
 
 def variant_overrides(name: str) -> list[str]:

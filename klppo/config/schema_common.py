@@ -82,17 +82,22 @@ class FSDPConfig:
     )
     cuda_graph_update: bool = F(
         False,
-        "[klppo] Replay each update micro-batch's forward, loss and backward as a CUDA graph: a micro-batch "
-        "shape runs eagerly the first time, is captured the second, replayed after (at most 4 shapes per "
-        "role; the role's graphs share one memory pool — a micro-batch step's activations — and one set of "
-        "compute-dtype gradients, held for the run and counted by the memory pre-flight). Removes the update's per-kernel "
-        "launch cost (one H200, the TRL workload: training phases 1.44 -> 0.87 s, bench/RESULTS.md session 19; "
-        "a run whose update shapes all repeat logs this advice). "
-        "Needs a GPU, the plain path (plain_single_gpu on: one process), packed rows (use_remove_padding), "
-        "param_offload off and, for the actor, kl_loss_type other than full and policy_loss.loss_mode other "
-        "than clip_cov and kl_cov (they read token counts on the host). Pays off when micro-batch "
-        "shapes repeat (fixed-length responses, or rows padded alike); other shapes run eagerly. Same "
-        "results as eager (bit for bit on CPU with a stand-in capture). Read by the actor and the critic.",
+        "[klppo] Replay the role's micro-batches as CUDA graphs: each update micro-batch's forward, loss and "
+        "backward, and each micro-batch of the role's no-grad forward pass — the actor's old log-probs, the "
+        "critic's values, the reference's log-probs (actor_rollout_ref.ref.fsdp_config.cuda_graph_update: the "
+        "reference's one pass). A micro-batch shape runs eagerly the first time, is captured the second, "
+        "replayed after (at most 4 shapes per role and pass; a role's graphs share one memory pool — the "
+        "larger of an update step's and a forward's activations — and the update's one set of compute-dtype "
+        "gradients, held for the run and counted by the memory pre-flight; the reference has a pool of its "
+        "own). Removes the per-kernel launch cost (one H200, the TRL workload: training phases 1.44 -> 0.87 s "
+        "with the updates graphed, bench/RESULTS.md session 19; a run whose update shapes all repeat logs this "
+        "advice). Needs a GPU, the plain path (the role's plain_single_gpu on: one process), packed rows "
+        "(use_remove_padding), param_offload off, no sequence parallelism and, for the actor, kl_loss_type "
+        "other than full and policy_loss.loss_mode other than clip_cov and kl_cov (they read token counts on "
+        "the host); the reference also a model of its own (not LoRA's adapters-off actor). Pays off when "
+        "micro-batch shapes repeat (fixed-length responses, or rows padded alike); other shapes run eagerly; "
+        "a capture that fails leaves that pass eager with a warning naming this key. Same results as eager "
+        "(bit for bit on CPU with a stand-in capture). Read by the actor, the critic and the reference.",
     )
     model_dtype: str = F("fp32", "[klppo default per role] dtype the role's weights are stored in.")
     mixed_precision: MixedPrecisionConfig = F(MixedPrecisionConfig, "[klppo] FSDP2 mixed-precision policy.")

@@ -33,7 +33,7 @@ from klppo.roles.forward import (
     split_inputs,
     trim_left_padding,
 )
-from klppo.roles.graphed import MicroParts
+from klppo.roles.graphed import MicroParts, cleared_on_retry
 from klppo.roles.optim import OptimSettings
 from klppo.roles.trained import LossTerms, TrainedRole, UpdateSettings
 
@@ -131,8 +131,16 @@ class Actor(TrainedRole):
                 return no_grad_pass(batch, micro, self._sp_log_probs, sp=s.sp)
             served = plan is not None and plan.serves(micro, s.use_remove_padding)
             use = plan if served else ForwardPlan.build(batch, micro, use_remove_padding=s.use_remove_padding)
-            return log_prob_pass(self.model, use, temperature=s.temperature, fused=s.use_fused_kernels)
+            return log_prob_pass(
+                self.model,
+                use,
+                temperature=s.temperature,
+                fused=s.use_fused_kernels,
+                graphs=self.forward_graphs,
+            )
 
+        # out of memory: the role's graphs go with the larger micro-batches (one pool with the update's)
+        attempt = cleared_on_retry(attempt, self.graphs, self.forward_graphs)
         return self.oom.run("log_prob", s.log_prob_micro, attempt, self.model)
 
     def _sp_log_probs(self, mb: Batch) -> torch.Tensor:

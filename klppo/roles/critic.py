@@ -8,11 +8,18 @@ import torch
 
 from klppo.algorithms import losses
 from klppo.batch import Batch
-from klppo.batching.packing import prepare_values, values_of
+from klppo.batching.packing import ValueInputs, prepare_values, values_of
 from klppo.parallel.mesh import SequenceParallel
 from klppo.parallel.plain import MasterWeights
-from klppo.roles.forward import MicroBatching, no_grad_pass, split_inputs, trim_left_padding, value_forward
-from klppo.roles.graphed import MicroParts
+from klppo.roles.forward import (
+    MicroBatching,
+    graphed_forward,
+    no_grad_pass,
+    split_inputs,
+    trim_left_padding,
+    value_forward,
+)
+from klppo.roles.graphed import MicroParts, cleared_on_retry
 from klppo.roles.optim import OptimSettings
 from klppo.roles.trained import LossTerms, TrainedRole, UpdateSettings
 
@@ -74,14 +81,29 @@ class Critic(TrainedRole):
         rmpad, sp = self.settings.use_remove_padding, self.settings.sp
 
         def forward(mb: Batch) -> torch.Tensor:
+            if (
+                self.forward_graphs is not None
+            ):  # packed rows, no sequence parallelism (the constructor's check)
+                return graphed_forward(
+                    self.forward_graphs, self._value_inputs(mb), self._values, extra="values"
+                )
             return value_forward(self.model, mb, use_remove_padding=rmpad, sp=sp)
 
-        return self.oom.run(
-            "values",
-            self.settings.forward_micro,
-            lambda micro: no_grad_pass(batch, micro, forward, sp=sp),
-            self.model,
-        )
+        # out of memory: the role's graphs go with the larger micro-batches (one pool with the update's)
+        attempt = cleared_on_retry(lambda micro: no_grad_pass(batch, micro, forward, sp=sp), self.graphs,
+                                   self.forward_graphs)  # fmt: skip
+        return self.oom.run("values", self.settings.forward_micro, attempt, self.model)
+
+    def _value_inputs(self, mb: Batch) -> ValueInputs:
+        """A micro-batch's packed value inputs, planned on the host (its ``host_mask``)."""
+        mb = trim_left_padding(mb)
+        return prepare_values(
+            mb.input_ids, mb.attention_mask, mb.position_ids, response_length=mb.response_length,
+            host_mask=mb.host_mask,
+        )  # fmt: skip
+
+    def _values(self, inputs: ValueInputs) -> torch.Tensor:
+        return values_of(self.model, inputs)
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """Clipped value regression; needs ``values`` (old), ``returns``, ``response_mask``."""
@@ -100,12 +122,7 @@ class Critic(TrainedRole):
     def graph_parts(self, mb: Batch) -> MicroParts:
         """:meth:`_micro_loss` split for capture (:mod:`klppo.roles.graphed`): the packing planned here, the
         forward and the value loss a function of device tensors. Packed rows only, no sequence parallelism."""
-        mb = trim_left_padding(mb)
-        inputs = prepare_values(
-            mb.input_ids, mb.attention_mask, mb.position_ids, response_length=mb.response_length,
-            host_mask=mb.host_mask,
-        )  # fmt: skip
-        model_tensors, key, rebuild = split_inputs(inputs)
+        model_tensors, key, rebuild = split_inputs(self._value_inputs(mb))
         n = len(model_tensors)
 
         def loss(ts):

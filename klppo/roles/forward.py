@@ -18,6 +18,7 @@ from klppo.models.lm_head import fused_head
 from klppo.parallel import ulysses
 from klppo.parallel.collectives import all_reduce_max
 from klppo.parallel.mesh import SequenceParallel
+from klppo.roles.graphed import MicroGraphs, signature
 
 
 @dataclass(frozen=True)
@@ -198,12 +199,40 @@ class ForwardPlan:
 
 
 def log_prob_pass(
-    model: torch.nn.Module, plan: ForwardPlan, *, temperature: float, fused: bool
+    model: torch.nn.Module,
+    plan: ForwardPlan,
+    *,
+    temperature: float,
+    fused: bool,
+    graphs: MicroGraphs | None = None,
 ) -> torch.Tensor:
-    """Log-probs [B, R] (batch order) of the plan's micro-batches under ``model``, without gradients."""
+    """Log-probs [B, R] (batch order) of the plan's micro-batches under ``model``, without gradients; with
+    ``graphs`` (packed plans only) each micro-batch through them (:func:`graphed_forward`)."""
+
+    def log_probs(x: Any) -> torch.Tensor:
+        return log_probs_of(model, x, temperature=temperature, fused=fused)[0]
+
     with torch.no_grad():
-        chunks = [log_probs_of(model, x, temperature=temperature, fused=fused)[0] for x in plan.inputs]
+        if graphs is None:
+            chunks = [log_probs(x) for x in plan.inputs]
+        else:
+            chunks = [
+                graphed_forward(graphs, x, log_probs, extra=("log_prob", temperature, fused))
+                for x in plan.inputs
+            ]
     return restore_order(chunks, plan.partitions)
+
+
+def graphed_forward(
+    graphs: MicroGraphs, inputs: Any, fn: Callable[[Any], torch.Tensor], *, extra: Any
+) -> torch.Tensor:
+    """``fn(inputs)`` — one no-grad forward of a prepared micro-batch (``LogProbInputs`` or ``ValueInputs``,
+    :func:`split_inputs`) — through ``graphs`` (:mod:`klppo.roles.graphed`: eager the first time its signature
+    is met, captured the second, replayed after); ``extra``: the Python values ``fn`` reads (its signature).
+    The result is a copy: a replay writes the graph's output tensor again."""
+    tensors, key, rebuild = split_inputs(inputs)
+    out = graphs.run(signature(tensors, extra=(key, extra)), tensors, lambda ts: [fn(rebuild(ts))])
+    return out[0].clone()
 
 
 def no_grad_pass(

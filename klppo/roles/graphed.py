@@ -31,6 +31,13 @@ for the run's duration), later ones run eagerly. A capture that fails (an operat
 is logged once with the key and the update goes on eagerly; out of memory during a capture propagates to
 the role's out-of-memory recovery.
 
+The no-grad forward passes (the actor's old log-probs, the reference's log-probs, the critic's values) run
+through a :class:`MicroGraphs` of their own, built with no parameters (``params=()``): a step without
+gradients, so nothing here reads or sets a ``.grad``. The old-log-prob and values graphs share the memory
+pool of their role's update graphs (``shares_pool_with``): the passes never overlap, and every replay's
+outputs are read (copied) before the next replay of any graph of the pool, so one pool holds the larger of
+the two working sets rather than both (the reference, with no update, has a pool of its own).
+
 Knows nothing about PPO or roles: it takes the parameters, a key, the input tensors and the step.
 """
 
@@ -39,11 +46,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Step = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 """A micro-batch's forward, loss and backward on its input tensors; returns the tensors the caller reads."""
@@ -95,18 +103,33 @@ class MicroGraphs:
         max_graphs: int = 4,
         capture: Callable[..., tuple[Graph, list[torch.Tensor]]] | None = None,
         key_name: str = "cuda_graph_update",
+        what: str = "an update step",
+        shares_pool_with: MicroGraphs | None = None,
     ) -> None:
+        """``what`` names the step in the log (``"an update step"``, ``"a no-grad forward"``);
+        ``shares_pool_with``: another role's graphs whose memory pool these capture into (module docstring);
+        :meth:`clear` on either drops the pool for both — clear the other too."""
         self.params = [p for p in params if p.requires_grad]
         self.key_name = key_name  # the config key, for the message when a capture fails
+        self.what = what
         self.failed: str | None = None  # why a capture failed: no more captures, eager from then on
         self.max_graphs = max_graphs
         self._capture = capture or capture_cuda
         self._seen: set[tuple] = set()
         self._graphs: dict[tuple, _Captured] = {}
-        self.pool: Any = None  # the memory pool the role's graphs share (set by the first capture)
+        # the memory pool the role's graphs share (set by the first capture), in a box other graphs may share
+        self._pool_box: list[Any] = [None] if shares_pool_with is None else shares_pool_with._pool_box
         self._shared_grads: list[torch.Tensor | None] | None = None  # the gradients the graphs write
         self.num_replays = 0
         self.num_eager = 0
+
+    @property
+    def pool(self) -> Any:
+        return self._pool_box[0]
+
+    @pool.setter
+    def pool(self, value: Any) -> None:
+        self._pool_box[0] = value
 
     def clear(self) -> None:
         """Drop every graph and what they hold (their gradients, outputs and memory pool), and forget the
@@ -148,8 +171,8 @@ class MicroGraphs:
         for p in self.params:  # what the warm-up or the aborted capture left
             p.grad = None
         logger.warning(
-            "%s: capturing an update step failed (%s); the update runs eagerly from here, the graphs captured "
-            "so far still replay — set it to false to skip the attempt", self.key_name, self.failed,
+            "%s: capturing %s failed (%s); its pass runs eagerly from here, the graphs captured so far still "
+            "replay — set it to false to skip the attempt", self.key_name, self.what, self.failed,
         )  # fmt: skip
 
     def _new_graph(self, key: tuple, inputs: Sequence[torch.Tensor], step: Step) -> _Captured:
@@ -164,7 +187,9 @@ class MicroGraphs:
             if shared is not None:
                 for p, g in zip(self.params, shared, strict=True):
                     p.grad = g
-                torch._foreach_zero_([g for g in shared if g is not None])
+                written = [g for g in shared if g is not None]
+                if written:  # a forward-only step (no parameters) has none
+                    torch._foreach_zero_(written)
             return step(ts)
 
         # a parameter this step does not reach keeps the attached (zeroed) tensor: no gradient, as eagerly
@@ -186,8 +211,28 @@ class MicroGraphs:
             p.grad = None
         captured = _Captured(graph, static, list(outputs), grads)
         self._graphs[key] = captured
-        logger.info("update step captured as CUDA graph %d of at most %d", len(self._graphs), self.max_graphs)
+        logger.info(
+            "%s captured as CUDA graph %d of at most %d", self.what, len(self._graphs), self.max_graphs
+        )
         return captured
+
+
+def cleared_on_retry(attempt: Callable[[Any], T], *graphs: MicroGraphs | None) -> Callable[[Any], T]:
+    """``attempt`` for :meth:`klppo.roles.oom.OOMRecovery.run` with ``graphs`` cleared before every call but the
+    first: a retry after out of memory runs halved micro-batches, whose shapes are new, and the graphs of the
+    old ones would hold their pool (and their slots of ``max_graphs``) for the run."""
+    calls = 0
+
+    def run(micro: Any) -> T:
+        nonlocal calls
+        if calls:
+            for g in graphs:
+                if g is not None:
+                    g.clear()
+        calls += 1
+        return attempt(micro)
+
+    return run
 
 
 def capture_cuda(

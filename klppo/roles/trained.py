@@ -67,7 +67,8 @@ class UpdateSettings:
     :mod:`klppo.parallel.local_shards`); False: through DTensor dispatch."""
     cuda_graph_update: bool = False
     """Each micro-batch's forward, loss and backward replayed as a CUDA graph after its shape's first two
-    (:mod:`klppo.roles.graphed`); needs the plain path (``masters``)."""
+    (:mod:`klppo.roles.graphed`), and so are the micro-batches of the role's no-grad pass (the actor's old
+    log-probs, the critic's values; :attr:`TrainedRole.forward_graphs`); needs the plain path (``masters``)."""
 
     @classmethod
     def of(cls, settings: object, *, seed_offset: int = 0) -> UpdateSettings:
@@ -107,13 +108,16 @@ class TrainedRole:
         # the FSDP modules whose reduce-scatter waits for a mini-batch's last micro-batch (found once)
         self._deferred_sync = fsdp_modules(model) if update.grad_sync_per_mini_batch else []
         self.graphs: MicroGraphs | None = None
+        self.forward_graphs: MicroGraphs | None = None  # the no-grad pass's (old log-probs, values)
         if update.cuda_graph_update:
             if masters is None:
                 raise ValueError(
                     f"{self.name}: cuda_graph_update needs the plain path (one process, no FSDP2)"
                 )
-            self.graphs = MicroGraphs(
-                list(model.parameters()), key_name=f"{self.graph_key}.cuda_graph_update"
+            key = f"{self.graph_key}.cuda_graph_update"
+            self.graphs = MicroGraphs(list(model.parameters()), key_name=key)
+            self.forward_graphs = MicroGraphs(
+                (), key_name=key, what="a no-grad forward", shares_pool_with=self.graphs
             )
         self._stat_names: dict[tuple, list[str]] = {}  # per captured signature: the names of its statistics
         # graphs off: the micro-batch shapes met, to advise cuda_graph_update once when they all repeat
@@ -196,8 +200,8 @@ class TrainedRole:
             self.optimizer.zero_grad(set_to_none=True)
             if self.masters is not None:  # a retry after out of memory: the aborted backward's gradients
                 self.masters.drop_model_grads()
-            if tries and self.graphs is not None:  # a retry: the larger micro-batches' graphs recur no more
-                self.graphs.clear()
+            if tries:  # a retry: the larger micro-batches' graphs recur no more
+                self.drop_graphs()
             tries += 1
             local = MetricAccumulator()
             return self._accumulate(mini, micro_loss, local, micro, graph_parts), local
@@ -259,6 +263,12 @@ class TrainedRole:
             for module in deferred:
                 module.set_requires_gradient_sync(True, recurse=False)
         return finite
+
+    def drop_graphs(self) -> None:
+        """Drop the update's and the no-grad pass's graphs: one memory pool between them."""
+        for graphs in (self.graphs, self.forward_graphs):
+            if graphs is not None:
+                graphs.clear()
 
     graph_key = "fsdp_config"
     """Where the role's ``cuda_graph_update`` is, for the advice (the roles set their config path)."""

@@ -151,13 +151,7 @@ def role_fsdp(role: str, fsdp_cfg: FSDPConfig, device: torch.device) -> FSDPSett
     """A role's FSDP2 settings for this run, with the resolved ``min_num_params`` logged (auto: why)."""
     key = f"{ROLE_KEYS[role]}.fsdp_config"
     settings = fsdp_settings(fsdp_cfg, device_type=device.type, world_size=world_size(), key=key)
-    if role == "reference":
-        if fsdp_cfg.cuda_graph_update:
-            logging.getLogger("klppo").warning(
-                "%s.cuda_graph_update is not read: the reference has no update", key
-            )
-    else:
-        check_cuda_graph_update(fsdp_cfg, settings, device_type=device.type, key=key)
+    check_cuda_graph_update(fsdp_cfg, settings, device_type=device.type, key=key)  # the reference's: its pass
     if settings.plain:
         logging.getLogger("klppo").info("%s: no FSDP2, one process (fsdp_config.plain_single_gpu)", role)
     else:
@@ -195,6 +189,7 @@ def build_reference(inputs: RoleInputs, actor: Actor) -> Reference | None:
         use_remove_padding=s.use_remove_padding,
         use_fused_kernels=s.use_fused_kernels,
         sp=s.sp,
+        cuda_graph=s.cuda_graph,
     )
     if is_lora(actor.model):
         if arr.ref.use_torch_compile != arr.actor.use_torch_compile:

@@ -100,8 +100,9 @@ def resolve_plain(fsdp: FSDPConfig, *, world_size: int, key: str = "fsdp_config"
 
 
 def check_cuda_graph_update(fsdp: FSDPConfig, settings: FSDPSettings, *, device_type: str, key: str) -> None:
-    """ValueError naming ``key.cuda_graph_update`` when it is on and the run cannot capture the update
-    (:mod:`klppo.roles.graphed`): no GPU, not the plain path, or parameters offloaded between phases."""
+    """ValueError naming ``key.cuda_graph_update`` when it is on and the run cannot capture the role's graphs
+    (:mod:`klppo.roles.graphed`: the update and the no-grad pass; the reference's log-prob pass): no GPU, not
+    the plain path, or parameters offloaded between phases."""
     if not fsdp.cuda_graph_update:
         return
     if device_type != "cuda":
@@ -255,6 +256,8 @@ class ReferenceSettings:
     use_fused_kernels: bool
     sp: SequenceParallel | None = None
     """Its Ulysses group (``ref.ulysses_sequence_parallel_size``)."""
+    cuda_graph: bool = False
+    """``ref.fsdp_config.cuda_graph_update``: the log-prob micro-batches replayed as CUDA graphs."""
 
 
 def reference_settings(
@@ -271,6 +274,7 @@ def reference_settings(
         use_remove_padding=arr.model.use_remove_padding,
         use_fused_kernels=arr.model.use_fused_kernels,
         sp=sp,
+        cuda_graph=arr.ref.fsdp_config.cuda_graph_update,
     )
 
 
@@ -442,6 +446,7 @@ def tune_workload(
         grad_sync_per_mini_batch=actor.fsdp_config.grad_sync_per_mini_batch,
         reduce_dtype=str(fsdp.reduce_dtype).removeprefix("torch."),
         graph_update=actor.fsdp_config.cuda_graph_update,
+        graph_reference=arr.ref.fsdp_config.cuda_graph_update,
         # as resolve_plain, for every point without offload_policy (a configured offload_policy aside)
         plain=fsdp.plain or (world_size == 1 and actor.fsdp_config.plain_single_gpu is not False),
         plain_offload=actor.fsdp_config.plain_single_gpu is True,

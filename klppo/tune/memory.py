@@ -67,6 +67,10 @@ and the compute copy ``P·c`` (+ AdamW unless offloaded; in the rollout the engi
 its end the compute-dtype gradients ``P·c`` (:meth:`MasterWeights.accumulate_grads` drops them after
 each micro-batch); no deferred gradient sync. The points' FSDP2 fields are ignored there. Not re-fitted on
 a device yet (the one-GPU points above are FSDP2 measurements: ``plain=False``).
+CUDA graphs (``cuda_graph_update``, :mod:`klppo.roles.graphed`; plain-path points with ``offload="off"``): the
+actor's update and old-log-prob graphs share one pool, the larger of the two working sets, held in every phase
+(the update and the old-log-prob pass run inside it; the reference's pass outside); the reference's graphs
+(``graph_reference``) a pool of one log-prob working set of their own. Not measured on a device yet.
 Not modelled: the reference / critic models (add them with ``reference=True``), allocator fragmentation
 (``torch.cuda.max_memory_allocated`` does not count it either), CUDA context and library workspaces.
 """
@@ -139,8 +143,11 @@ class Workload:
     reduce_dtype: str = "float32"
     """torch dtype name of the gradient reduce-scatter (``fsdp_config.mixed_precision.reduce_dtype``)."""
     graph_update: bool = False
-    """``fsdp_config.cuda_graph_update``: the update's captured step keeps its memory pool through the other
-    phases (:func:`graph_pool_bytes`)."""
+    """``fsdp_config.cuda_graph_update``: the actor's captured update step and old-log-prob forward keep their
+    one memory pool through every phase (:func:`graph_pool_bytes`)."""
+    graph_reference: bool = False
+    """``ref.fsdp_config.cuda_graph_update`` (with :attr:`reference`): the reference's captured log-prob
+    forward keeps a pool of its own through every phase (:func:`reference_graph_pool_bytes`)."""
     plain: bool = False
     """The actor trains without FSDP2 (:mod:`klppo.parallel.plain`) at points without ``offload_policy``: one
     process and ``fsdp_config.plain_single_gpu`` not false, resolved as the trainer does
@@ -271,10 +278,19 @@ def _resident(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *,
         phase.add("reference shards", shard * w.compute_bytes, "ceil(P/f)·c")
 
 
-def _graph_pool(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload) -> None:
+def _graph_pools(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *, own: float = 0.0) -> None:
+    """The graph pools held in ``phase``: the actor's beyond ``own`` (what the phase's own step, running in
+    that pool, already counts) and the reference's."""
     pool = graph_pool_bytes(facts, point, w)
-    if pool:
-        phase.add("update graph pool", pool, "update peak − resident (cuda_graph_update)")
+    if pool > own:
+        phase.add(
+            "actor graph pool",
+            pool - own,
+            "max(update, log-prob pass) working set" + " − this phase's" * (own > 0),
+        )
+    ref_pool = reference_graph_pool_bytes(facts, point, w)
+    if ref_pool:
+        phase.add("reference graph pool", ref_pool, "log-prob pass working set (ref cuda_graph_update)")
 
 
 def _gathered(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *, backward: bool) -> None:
@@ -319,6 +335,8 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     static = sum(t.bytes for t in phase.terms if t.name in _STATIC)
     if point.offload != "cpu":
         phase.floor = static + shard * 4  # optimizer step: state + one fp32 temporary
+    if w.graph_update or w.graph_reference:  # the update runs in the actor's pool: what it holds beyond
+        _graph_pools(phase, facts, point, w, own=phase.total - static)
     return phase
 
 
@@ -370,39 +388,73 @@ _START, _HEAD, _END = "backward start", "head backward", "backward end"
 _STATIC = {"sharded params", "sharded grads", "optimizer (AdamW)", "reference shards", "compute copy"}
 
 
+def _graphs_run(point: Point, w: Workload) -> bool:
+    """Where the trainer captures graphs: the plain path, parameters that stay on the device."""
+    return w.runs_plain(point) and point.offload == "off"
+
+
 def graph_pool_bytes(facts: ModelFacts, point: Point, w: Workload) -> float:
-    """What a captured update step holds between updates (``cuda_graph_update``, :mod:`klppo.roles.graphed`):
-    its memory pool, the update's peak above the resident state (the step's activations, logits, workspace and
-    gradients of one micro-batch of ``point.micro_tokens``). An estimate from the update's own terms, not yet
-    checked against a measured pool; 0 with graphs off, and at points where the trainer refuses them (graphs
-    need the plain path and parameters that stay on the device: ``offload="off"``)."""
-    if not (w.graph_update and w.runs_plain(point) and point.offload == "off"):
+    """What the actor's captured steps hold between their passes (``cuda_graph_update``,
+    :mod:`klppo.roles.graphed`): one memory pool for the update's graphs and the old-log-prob pass's, the
+    larger of their working sets — the update's peak above the resident state (activations, logits, workspace
+    and gradients of one micro-batch of ``point.micro_tokens``) and :func:`forward_pool_bytes`. An estimate
+    from the phases' own terms, not yet checked against a measured pool; 0 with graphs off, and at points
+    where the trainer refuses them (graphs need the plain path and parameters that stay on the device:
+    ``offload="off"``)."""
+    if not (w.graph_update and _graphs_run(point, w)):
         return 0.0
-    update = update_peak(facts, point, w)
-    return max(0.0, update.total - sum(t.bytes for t in update.terms if t.name in _STATIC))
+    update = update_peak(facts, point, dataclasses.replace(w, graph_update=False, graph_reference=False))
+    working = update.total - sum(t.bytes for t in update.terms if t.name in _STATIC)
+    return max(0.0, working, forward_pool_bytes(facts, point, w))
+
+
+def reference_graph_pool_bytes(facts: ModelFacts, point: Point, w: Workload) -> float:
+    """The reference's captured log-prob pass's pool (``ref.fsdp_config.cuda_graph_update``):
+    :func:`forward_pool_bytes`, held through every phase; 0 without graphs, a reference or where the trainer
+    refuses them (the reference's plain path taken as the actor's)."""
+    if not (w.graph_reference and w.reference and _graphs_run(point, w)):
+        return 0.0
+    return forward_pool_bytes(facts, point, w)
+
+
+def forward_pool_bytes(facts: ModelFacts, point: Point, w: Workload) -> float:
+    """One no-grad log-prob micro-batch's working set (its activations and logits: the log-prob phase's
+    terms above the resident state), what a captured forward's pool holds."""
+    phase = PhasePeak("log_prob")
+    _log_prob_work(phase, facts, point, w)
+    return phase.total
 
 
 def log_prob_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
+    """The no-grad passes' peak. With the actor's graphs their pool is held; the old-log-prob pass runs
+    inside it, the reference's pass (eager, or in its own pool) outside: a pass's working set on top of the
+    actor's pool with a reference, none without."""
+    phase = PhasePeak("log_prob")
+    _resident(phase, facts, point, w, optimizer=True)
+    _graph_pools(phase, facts, point, w)
+    if not w.runs_plain(point):
+        _gathered(phase, facts, point, w, backward=False)
+    if not graph_pool_bytes(facts, point, w) or w.reference:
+        _log_prob_work(phase, facts, point, w)
+    return phase
+
+
+def _log_prob_work(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload) -> None:
+    """One log-prob micro-batch's activations (all-to-all buffers) and logits."""
     s, c = facts.shape, w.compute_bytes
     T = w.log_prob_tokens or point.micro_tokens
     N = T * w.response_fraction
     kvd = w.kv_dim(facts)
-    phase = PhasePeak("log_prob")
-    _resident(phase, facts, point, w, optimizer=True)
-    _graph_pool(phase, facts, point, w)
-    if not w.runs_plain(point):
-        _gathered(phase, facts, point, w, backward=False)
     phase.add("activations", T * c * (4 * s.hidden + 2 * kvd + 3 * s.intermediate), "T·c·(4h+2kvd+3I)")
     if w.sequence_parallel > 1:
         phase.add("all-to-all buffers", w.all_to_all_bytes(facts, T), "T·c·(2h+2kvd)")
     phase.add("logits", N * s.vocab * (c + 8), f"N·V·{c + 8}")
-    return phase
 
 
 def rollout_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     phase = PhasePeak("rollout")
     _resident(phase, facts, point, w, optimizer=True)
-    _graph_pool(phase, facts, point, w)
+    _graph_pools(phase, facts, point, w)
     c, tp = w.compute_bytes, w.rollout_tensor_parallel
     if tp <= 1:
         phase.add("gathered model", facts.num_params * c, "P·c")

@@ -145,3 +145,29 @@ def test_the_plain_candidate_turns_the_key_off_for_both_trained_roles():
     off = [f"{r}.fsdp_config.plain_single_gpu=false" for r in ("actor_rollout_ref.actor", "critic.model")]
     assert all(o in variant_overrides("after+critic_compile-plain") for o in off)
     assert not any("plain_single_gpu" in o for o in variant_overrides("after+critic_compile"))
+
+
+def test_fwd_graphs_switches_only_the_no_grad_pass_graphs_off():
+    """``+graphs`` sets the actor's, the reference's and the critic's cuda_graph_update (updates and no-grad
+    passes); ``-fwd_graphs`` adds the bench switch that builds the roles without the no-grad passes' graphs
+    (the updates' stay), restored after the variant."""
+    from bench.ppo_step import bench_switches, variant_overrides
+    from klppo.roles.reference import Reference
+    from klppo.roles.trained import TrainedRole
+    from tests.roles.test_graphed import _graph_actor_settings
+    from tests.roles.test_graphed_forward import _reference
+
+    on = variant_overrides("after+critic_compile+graphs")
+    off = variant_overrides("after+critic_compile+graphs-fwd_graphs")
+    assert sorted(off) == sorted([*on, "@fwd_graphs=off"])
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model"):
+        assert f"{role}.fsdp_config.cuda_graph_update=True" in on
+    assert "@fwd_graphs=off" in variant_overrides("before+graphs")  # before: every candidate off
+    inits = Reference.__init__, TrainedRole.__init__
+    with pytest.raises(RuntimeError), bench_switches(["@fwd_graphs=off"]):
+        actor = _graph_actor_settings()
+        assert actor.graphs is not None and actor.forward_graphs is None
+        assert _reference(True).graphs is None
+        raise RuntimeError("a variant fails")
+    assert (Reference.__init__, TrainedRole.__init__) == inits
+    assert _graph_actor_settings().forward_graphs is not None and _reference(True).graphs is not None

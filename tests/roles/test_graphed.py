@@ -143,7 +143,13 @@ def test_signature_tells_shapes_dtypes_and_the_extra_key_apart():
 
 
 def _graph_actor(
-    graphed: bool, *, kl: bool = True, compute_dtype=torch.bfloat16, device: str = "cpu", capture=None
+    graphed: bool,
+    *,
+    kl: bool = True,
+    compute_dtype=torch.bfloat16,
+    device: str = "cpu",
+    capture=None,
+    forward_capture=None,
 ):
     from klppo.batching.attention import enable_packed_attention
     from klppo.models.tiny import build_tiny_model
@@ -163,7 +169,17 @@ def _graph_actor(
     capture = capture or FakeCapture()
     if graphed and device == "cpu":  # on CUDA the role's own MicroGraphs captures for real
         actor.graphs = MicroGraphs(list(model.parameters()), capture=capture)
+        with_forward_capture(actor, forward_capture or FakeCapture())
     return actor, capture
+
+
+def with_forward_capture(role, capture):
+    """The role's no-grad pass graphs with the CPU stand-in ``capture``, in its update graphs' pool (as the
+    role builds them)."""
+    role.forward_graphs = MicroGraphs(
+        (), capture=capture, key_name=role.forward_graphs.key_name, what="a no-grad forward",
+        shares_pool_with=role.graphs,
+    )  # fmt: skip
 
 
 def _batch(call: int, device: str = "cpu"):
@@ -226,7 +242,7 @@ def test_the_graphed_actor_update_equals_the_eager_one_bit_for_bit(compute_dtype
     assert eager[0][0]["actor/kl_coef"] == 0.05 and "actor/kl_loss" in eager[0][0]
 
 
-def _graph_critic(graphed: bool):
+def _graph_critic(graphed: bool, *, forward_micro: int = 8):
     from transformers import AutoModelForTokenClassification
 
     from klppo.batching.attention import enable_packed_attention
@@ -242,10 +258,12 @@ def _graph_critic(graphed: bool):
     enable_packed_attention(model)
     masters = plain_model(model, FSDPSettings(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     settings = CriticSettings(mini_batch_size=4, update_micro=MicroBatching(micro_batch_size=2),
+                              forward_micro=MicroBatching(micro_batch_size=forward_micro),
                               use_remove_padding=True, cuda_graph_update=graphed)  # fmt: skip
     critic = Critic(model, settings, OptimSettings(lr=1e-2, warmup_steps=1, total_steps=10), masters=masters)
     if graphed:
         critic.graphs = MicroGraphs(list(model.parameters()), capture=FakeCapture())
+        with_forward_capture(critic, FakeCapture())
     return critic
 
 

@@ -239,25 +239,42 @@ def test_measured_sweeps_within_five_percent():
 
 
 def test_the_update_graph_pool_stays_through_the_other_phases(facts):
-    """cuda_graph_update: the captured step's pool — the update's peak above the resident state — is held
-    in the log-prob and rollout phases (less KV-cache room), and is the same memory during the update."""
-    from klppo.tune.memory import graph_pool_bytes
+    """cuda_graph_update: the actor's update and old-log-prob graphs share one pool — the larger of the update's
+    peak above the resident state and a log-prob micro-batch's working set — held in the rollout; the update and
+    (without a reference) the old-log-prob pass run inside it; a reference's pass runs beside it."""
+    from klppo.tune.memory import forward_pool_bytes, graph_pool_bytes
 
-    w = Workload(world_size=1, compute_bytes=2, gpu_memory_utilization=0.5, device_bytes=2**26, plain=True)
+    w = Workload(world_size=1, compute_bytes=2, gpu_memory_utilization=0.5, device_bytes=2**28, plain=True)
     g = replace(w, graph_update=True)
-    point = Point(WHOLE_MODEL, micro_tokens=512)
-    eager, graphed = predict(facts, point, w), predict(facts, point, g)
-    update = eager["update"]
-    static = ("sharded params", "sharded grads", "optimizer (AdamW)", "compute copy")
-    resident = sum(t.bytes for t in update.terms if t.name in static)
-    pool = graph_pool_bytes(facts, point, g)
-    assert (
-        pool == pytest.approx(update.total - resident) and pool > 0 and graph_pool_bytes(facts, point, w) == 0
-    )
-    assert graphed["update"].total == update.total
-    assert terms(graphed["log_prob"])["update graph pool"] == pool
-    assert graphed["log_prob"].total == pytest.approx(eager["log_prob"].total + pool)
-    assert kv_cache_room(facts, point, w) - kv_cache_room(facts, point, g) == pytest.approx(pool)
+    for log_prob_tokens in (None, 16384):  # the update's working set the larger, then the log-prob pass's
+        w, g = replace(w, log_prob_tokens=log_prob_tokens), replace(g, log_prob_tokens=log_prob_tokens)
+        point = Point(WHOLE_MODEL, micro_tokens=512)
+        eager, graphed = predict(facts, point, w), predict(facts, point, g)
+        update = eager["update"]
+        static = ("sharded params", "sharded grads", "optimizer (AdamW)", "compute copy")
+        resident = sum(t.bytes for t in update.terms if t.name in static)
+        log_prob = forward_pool_bytes(facts, point, w)
+        assert log_prob == terms(eager["log_prob"])["activations"] + terms(eager["log_prob"])["logits"]
+        pool = graph_pool_bytes(facts, point, g)
+        assert (
+            pool == pytest.approx(max(update.total - resident, log_prob))
+            and graph_pool_bytes(facts, point, w) == 0
+        )
+        assert (update.total - resident > log_prob) == (log_prob_tokens is None)
+        # each phase holds the pool once: the update and the old-log-prob pass inside it
+        assert graphed["update"].total == pytest.approx(resident + pool)
+        assert graphed["log_prob"].total == pytest.approx(eager["log_prob"].total - log_prob + pool)
+        assert terms(graphed["rollout"])["actor graph pool"] == pool
+        assert kv_cache_room(facts, point, w) - kv_cache_room(facts, point, g) == pytest.approx(pool)
+        # with a reference its pass runs beside the actor's pool: eager, or in a pool of its own (held throughout)
+        r, rg = replace(g, reference=True), replace(g, reference=True, graph_reference=True)
+        with_ref, ref_pool = predict(facts, point, r), predict(facts, point, rg)
+        assert with_ref["log_prob"].total == pytest.approx(
+            predict(facts, point, replace(w, reference=True))["log_prob"].total + pool
+        )
+        assert ref_pool["log_prob"].total == pytest.approx(with_ref["log_prob"].total + log_prob)
+        for phase in ("rollout", "update"):
+            assert terms(ref_pool[phase])["reference graph pool"] == log_prob
     # where the trainer refuses graphs (FSDP2, offloaded parameters) there is no pool to count
     assert graph_pool_bytes(facts, point, replace(g, plain=False)) == 0
     assert graph_pool_bytes(facts, replace(point, offload="idle"), replace(g, plain_offload=True)) == 0
