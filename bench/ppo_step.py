@@ -93,6 +93,9 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
     "host_plan": (["@host_plan=on"], ["@host_plan=off"]),
     # with +graphs: the no-grad passes' micro-batches as CUDA graphs too (off: only the updates' are)
     "fwd_graphs": ([], ["@fwd_graphs=off"]),
+    # the plain path's parameters, masters and master gradients in flat buffers (a few kernels per step; off:
+    # per-tensor copies and adds, one kernel per parameter: klppo.parallel.plain.MasterWeights.flat)
+    "flat_masters": ([], ["@flat_masters=off"]),
     "compile": ([f"{ARR}.model.compile_packed_layers=True"], [f"{ARR}.model.compile_packed_layers=False"]),
     "one_unit": (  # min_num_params auto, the default: one FSDP unit per model on one process
         [],
@@ -143,11 +146,13 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     ``@dynamic_tokens=on|off``: the compiled layers unpadded with dynamic token and sequence dims, or padded to
     the static token buckets (neither: the environment's choice, KLPPO_COMPILE_DYNAMIC_TOKENS).
     ``@fwd_graphs=off``: the roles built without CUDA graphs for their no-grad passes (``cuda_graph_update``
-    then graphs the updates only)."""
+    then graphs the updates only).
+    ``@flat_masters=off``: the plain path's parameters each in storage of their own (``MasterWeights.flat``)."""
     from klppo.batch import Batch
     from klppo.batching import attention, packing
     from klppo.models import compiled_layers
     from klppo.models.compiled_layers import pad_packed_call
+    from klppo.parallel.plain import MasterWeights
     from klppo.roles.metrics import MetricAccumulator
     from klppo.roles.reference import Reference
     from klppo.roles.trained import TrainedRole
@@ -167,6 +172,7 @@ def bench_switches(items: list[str]) -> Iterator[None]:
             self, {k: float(v) for k, v in stats.items()}, weight=weight
         )
     traced_before, dynamic_before = bool(attention._traced), compiled_layers.DYNAMIC_TOKENS
+    MasterWeights.flat = "@flat_masters=off" not in items
     if "@dynamic_tokens=on" in items or "@dynamic_tokens=off" in items:  # else the environment's choice
         compiled_layers.DYNAMIC_TOKENS = "@dynamic_tokens=on" in items
     try:
@@ -180,6 +186,7 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     finally:
         attention.set_traced_packed_attention(traced_before)
         compiled_layers.DYNAMIC_TOKENS = dynamic_before
+        MasterWeights.flat = True
         Reference.compute_ref_log_prob = original
         Reference.__init__, TrainedRole.__init__ = inits[Reference], inits[TrainedRole]
         Batch.with_host_mask, MetricAccumulator.add, packing._packed_call = with_host_mask, add, packed_call

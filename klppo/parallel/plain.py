@@ -8,11 +8,17 @@ instead (tests/parallel/test_plain.py requires the two to agree bit for bit on C
 
 - forward: FSDP2 casts each master shard to ``param_dtype`` (``Tensor.to``: round to nearest even) into its
   unsharded parameter before every forward. Here the model's parameters *are* that copy, refreshed once
-  per optimizer step (:meth:`MasterWeights.copy_to_model`: one foreach copy, the same rounding).
+  per optimizer step (:meth:`MasterWeights.copy_to_model`: one copy of a flat buffer, the same rounding).
 - backward: FSDP2 copies each unsharded gradient into a ``reduce_dtype`` buffer, casts it to the master
   dtype and adds it to the sharded gradient (assigns it on the first micro-batch), then drops the
   unsharded gradient. :meth:`MasterWeights.accumulate_grads` does that arithmetic after each micro-batch's
-  backward (one foreach add) and drops the compute-dtype gradients.
+  backward (on the gradients concatenated, a chunk of :data:`CHUNK_BYTES` at a time: an add per chunk into
+  a flat master gradient) and drops the compute-dtype gradients.
+- flat storage: the parameters of one kind (device, compute dtype, master dtype, trained or not) are views
+  into one buffer per copy, laid out alike, so the per-step elementwise work is a few kernels whatever the
+  number of parameters (a copy or add across dtypes takes no foreach fast path: one kernel per parameter,
+  ~1,200 launches per update of Qwen2.5-0.5B). The compute copy keeps its storage (updated in place), as
+  CUDA graphs of the update need; a non-contiguous parameter keeps its own storage and the per-tensor ops.
 - clip and optimizer step: on the masters (the optimizer is built over them), the norm in the arithmetic of
   FSDP2's DTensor path (:func:`klppo.parallel.local_shards.norm_of_shards`).
 - checkpoints: :attr:`MasterWeights.module` holds the masters under the model's parameter names (and the
@@ -20,12 +26,16 @@ instead (tests/parallel/test_plain.py requires the two to agree bit for bit on C
   this path and FSDP2 on any world size. Loading into it refreshes the compute copy.
 
 Memory: one master (the model's dtype, fp32) and one compute copy (bf16) of every parameter, the fp32
-master gradients, and the bf16 gradients of one backward; no all-gather buffers.
+master gradients, and the bf16 gradients of one backward (and, while they are added, one chunk's
+concatenation: :data:`CHUNK_BYTES`); no all-gather buffers.
 Leaves out: several processes (sharding is what FSDP2 is for), FSDP2's ``offload_policy`` (parameters on
 the host during compute). Knows nothing about roles or the config: it takes :class:`FSDPSettings`.
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -55,12 +65,74 @@ def _mirror(model: nn.Module, master_of: dict[int, nn.Parameter]) -> nn.Module:
     return root
 
 
+CHUNK_BYTES = 64 * 2**20
+"""The gradients added to the flat master gradient per concatenation: bounds the concatenation's memory (a
+parameter larger than this is added by itself) while a chunk's kernel still outlasts its launch."""
+
+
+@dataclass(eq=False)
+class _Flat:
+    """Parameters of one kind (device, compute dtype, master dtype, trained or not) end to end: each
+    parameter's ``.data`` is a view of ``compute`` and its master's of ``master``, at the same offsets."""
+
+    params: list[nn.Parameter]
+    masters: list[nn.Parameter]
+    compute: torch.Tensor
+    master: torch.Tensor
+    grad: weakref.ref | None = None
+    """The flat master gradient whose views the masters' ``.grad`` are (dies with them: ``zero_grad``)."""
+
+    def __post_init__(self) -> None:
+        sizes = [p.numel() for p in self.params]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        # consecutive parameters (i, j) of at most CHUNK_BYTES in the compute dtype, or one larger
+        self.chunks: list[tuple[int, int]] = []
+        limit, i = CHUNK_BYTES // self.compute.element_size(), 0
+        for j in range(1, len(sizes) + 1):
+            if j == len(sizes) or self.offsets[j + 1] - self.offsets[i] > limit:
+                self.chunks.append((i, j))
+                i = j
+
+    def master_grad(self) -> torch.Tensor | None:
+        """The flat master gradient if every master's ``.grad`` is still its view, else None."""
+        flat = None if self.grad is None else self.grad()
+        if flat is None or any(m.grad is None or m.grad._base is not flat for m in self.masters):
+            return None
+        return flat
+
+
+def _point_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as ``tensors``, end to end in their order."""
+    views = flat.split([t.numel() for t in tensors])
+    return [v.view(t.shape) for v, t in zip(views, tensors)]
+
+
+def _lay_out(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """Each of ``params``' ``.data`` made its view of ``flat`` (values as they are there)."""
+    for p, v in zip(params, _point_into(params, flat)):
+        p.data = v
+
+
+def _flatten(params: list[nn.Parameter], dtype: torch.dtype) -> torch.Tensor:
+    """One buffer of ``dtype`` holding ``params`` end to end (each ``Tensor.to``'s rounding), their storage
+    from now on; a parameter's old storage goes as it is copied."""
+    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+    for p, v in zip(params, _point_into(params, flat)):
+        v.copy_(p.data)
+        p.data = v
+    return flat
+
+
 class MasterWeights:
     """The masters of a model trained on one process without FSDP2 (built by :func:`plain_model`).
 
     ``model``'s parameters are in the compute dtype (``param_dtype``); ``masters[i]`` is the master of
     ``params[i]`` (``model.parameters()``, a tied weight once), a leaf ``nn.Parameter`` in the model's loaded
-    dtype with the same ``requires_grad``. The optimizer, the clip and the checkpoint work on ``module``."""
+    dtype with the same ``requires_grad``. The optimizer, the clip and the checkpoint work on ``module``.
+    Both copies live in flat buffers (module docstring); ``flat = False`` (the class attribute, a benchmark
+    switch: ``bench/ppo_step.py``'s ``@flat_masters=off``) keeps every parameter's own storage instead."""
+
+    flat = True
 
     def __init__(
         self, model: nn.Module, *, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype
@@ -70,23 +142,102 @@ class MasterWeights:
         self.params = list(model.parameters())
         with torch.no_grad():
             self.masters = [
-                nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in self.params
+                nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
+                for p in self.params
             ]
-        cast_params(model, param_dtype)
+            self._flats, loose = self._build_flats(param_dtype)
+            for p, m in loose:
+                m.data = p.detach().clone()
+                if param_dtype is not None:
+                    p.data = p.data.to(param_dtype)
+        self._loose = loose  # parameters with storage of their own (not contiguous, or ``flat`` off)
         self.module = _mirror(model, {id(p): m for p, m in zip(self.params, self.masters)})
         # DCP's set_state_dict ends in module.load_state_dict: the loaded masters reach the compute copy
-        self.module.register_load_state_dict_post_hook(
-            lambda module, keys: self.copy_to_model(trained_only=False)
-        )
-        self._trained = [(p, m) for p, m in zip(self.params, self.masters) if p.requires_grad]
+        self.module.register_load_state_dict_post_hook(lambda module, keys: self._loaded())
+        self._loose_trained = [(p, m) for p, m in loose if p.requires_grad]
+        self._flats_trained = [f for f in self._flats if f.params[0].requires_grad]
+
+    def _build_flats(self, param_dtype: torch.dtype | None) -> tuple[list[_Flat], list[tuple]]:
+        """The flat buffers per kind, in ``params``' order within each: masters first (the parameters'
+        values, the model then pointing into them, so that its old storage goes before the compute buffer
+        is allocated: the peak of building is the per-tensor one), then the compute copy cast from them."""
+        kinds: dict[tuple, list[int]] = {}
+        loose = []
+        for i, p in enumerate(self.params):
+            if not self.flat or not p.is_contiguous() or p.numel() == 0:
+                loose.append((p, self.masters[i]))
+                continue
+            kind = (p.device, p.dtype, param_dtype or p.dtype, p.requires_grad)
+            kinds.setdefault(kind, []).append(i)
+        flats = []
+        for (_, master_dtype, compute_dtype, _), idx in kinds.items():
+            params, masters = [self.params[i] for i in idx], [self.masters[i] for i in idx]
+            master = _flatten(params, master_dtype)
+            for m, v in zip(masters, _point_into(params, master)):
+                m.data = v
+            compute = _flatten(params, compute_dtype)  # round to nearest even, as FSDP2's cast
+            flats.append(_Flat(params, masters, compute, master))
+        return flats, loose
+
+    def _loaded(self) -> None:
+        """After a load into ``module``: the layout unbroken (the load copied in place), the compute copy
+        refreshed."""
+        for f in self._flats:
+            ptr, mptr = f.compute.untyped_storage().data_ptr(), f.master.untyped_storage().data_ptr()
+            assert all(p.untyped_storage().data_ptr() == ptr for p in f.params), "compute views re-pointed"
+            assert all(m.untyped_storage().data_ptr() == mptr for m in f.masters), "masters re-pointed"
+        self.copy_to_model(trained_only=False)
 
     @torch.no_grad()
     def accumulate_grads(self) -> None:
         """Add the compute-dtype gradients of the last backward into the master gradients, as FSDP2's
         one-rank reduce does (cast to ``reduce_dtype``, then to the master dtype; assigned when the master
-        has none yet, else one foreach add), and drop them (the next backward starts from none)."""
+        has none yet, else added), and drop them (the next backward starts from none). Per flat buffer, when
+        the backward reached all its parameters and their masters' gradients are all none or all its
+        views: an add per chunk of concatenated gradients (the same arithmetic element by element); else per
+        tensor."""
+        rest = list(self._loose_trained)
+        for f in self._flats_trained:
+            if not self._accumulate_flat(f):
+                rest.extend(zip(f.params, f.masters))
+        self._accumulate_each(rest)
+
+    def _accumulate_flat(self, f: _Flat) -> bool:
+        """:meth:`accumulate_grads` of one flat buffer, a chunk of gradients at a time (:data:`CHUNK_BYTES`:
+        concatenated, each dropped once in the concatenation); False (nothing done) where it does not apply."""
+        grads = [p.grad for p in f.params]
+        if any(g is None for g in grads):
+            return False
+        into = f.master_grad()
+        fresh = into is None
+        if fresh and any(m.grad is not None for m in f.masters):
+            return False
+        for p in f.params:
+            p.grad = None
+        if fresh:
+            into = torch.empty_like(f.master)
+        dtype, reduce = into.dtype, self.reduce_dtype
+        for i, j in f.chunks:
+            g = grads[i].reshape(-1) if j == i + 1 else torch.cat([g.reshape(-1) for g in grads[i:j]])
+            grads[i:j] = [None] * (j - i)  # a graph's gradients stay alive in the graph, eager ones go now
+            if g.dtype != reduce and dtype != reduce:
+                g = g.to(reduce)
+            out = into[f.offsets[i] : f.offsets[j]]
+            if fresh:  # Tensor.to's cast, into the flat gradient
+                out.copy_(g)
+            else:  # the cast rule of _accumulate_each
+                cast = g.dtype != dtype and g.element_size() >= into.element_size()
+                out.add_(g.to(dtype) if cast else g)
+        if fresh:
+            for m, v in zip(f.masters, _point_into(f.masters, into)):
+                m.grad = v
+            f.grad = weakref.ref(into)
+        return True
+
+    def _accumulate_each(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+        """:meth:`accumulate_grads` per tensor (one foreach add)."""
         into, grads = [], []
-        for p, m in self._trained:
+        for p, m in pairs:
             g = own = p.grad
             if g is None:
                 continue
@@ -123,9 +274,12 @@ class MasterWeights:
 
     @torch.no_grad()
     def copy_to_model(self, *, trained_only: bool = True) -> None:
-        """The masters into the compute-dtype parameters (one foreach copy, round to nearest even); only the
-        trained ones after an optimizer step, all after a checkpoint load."""
-        pairs = self._trained if trained_only else list(zip(self.params, self.masters))
+        """The masters into the compute-dtype parameters (round to nearest even: one copy per flat buffer, one
+        foreach copy of the rest); only the trained ones after an optimizer step, all after a checkpoint
+        load."""
+        for f in self._flats_trained if trained_only else self._flats:
+            f.compute.copy_(f.master)
+        pairs = self._loose_trained if trained_only else self._loose
         if pairs:
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
@@ -137,15 +291,33 @@ class MasterWeights:
     def to(self, device: torch.device) -> MasterWeights:
         """Both copies (and their gradients, the optimizer state aside) to ``device``: what
         :class:`klppo.parallel.offload.OffloadSchedule` calls for ``param_offload``; the mirror's buffers
-        follow the model's."""
-        self.model.to(device)
+        follow the model's. A flat buffer moves whole, its views pointed into the moved one (the model's
+        ``to`` then leaves them: already there)."""
         with torch.no_grad():
-            for m in self.masters:
+            for f in self._flats:
+                grad = f.master_grad()
+                f.compute, f.master = f.compute.to(device), f.master.to(device)
+                _lay_out(f.params, f.compute)
+                _lay_out(f.masters, f.master)
+                if grad is not None:  # the master gradients still one buffer's views: moved as one
+                    grad = grad.to(device)
+                    for m, v in zip(f.masters, _point_into(f.masters, grad)):
+                        m.grad = v
+                    f.grad = weakref.ref(grad)
+                else:
+                    _move_grads(f.masters, device)
+            for _, m in self._loose:
                 m.data = m.data.to(device)
-                if m.grad is not None:
-                    m.grad = m.grad.to(device)
+            _move_grads([m for _, m in self._loose], device)
+        self.model.to(device)
         self.module = _relink_buffers(self.module, self.model)
         return self
+
+
+def _move_grads(params: list[nn.Parameter], device: torch.device) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad = p.grad.to(device)
 
 
 def _relink_buffers(mirror: nn.Module, model: nn.Module) -> nn.Module:

@@ -171,3 +171,16 @@ def test_fwd_graphs_switches_only_the_no_grad_pass_graphs_off():
         raise RuntimeError("a variant fails")
     assert (Reference.__init__, TrainedRole.__init__) == inits
     assert _graph_actor_settings().forward_graphs is not None and _reference(True).graphs is not None
+
+
+def test_flat_masters_off_builds_the_plain_path_per_tensor_for_the_variant():
+    from bench.ppo_step import bench_switches, variant_overrides
+    from klppo.parallel.plain import MasterWeights
+    from tests.parallel.test_plain_flat import Net
+
+    assert "@flat_masters=off" in variant_overrides("after+graphs-flat_masters")
+    assert "@flat_masters=off" not in variant_overrides("after+graphs")
+    with pytest.raises(RuntimeError), bench_switches(["@flat_masters=off"]):
+        assert not MasterWeights(Net(), param_dtype=None, reduce_dtype=torch.float32)._flats
+        raise RuntimeError("a variant fails")
+    assert MasterWeights(Net(), param_dtype=None, reduce_dtype=torch.float32)._flats
