@@ -15,7 +15,8 @@ Variants (``--variants``): ``before`` (every issue-18 candidate off) or ``after`
 ``+name`` / ``-name`` to switch one candidate on or off: ``skip`` (on-policy skip of the old-log-prob
 pass), ``fused_head`` (``model.use_fused_kernels``: chunked log-prob/entropy from the LM head),
 ``compiled_stats`` (``actor.use_torch_compile``, the reference following: the head's softmax statistics
-compiled on CUDA),
+compiled on CUDA), ``static_vocab`` (their kernels with the vocabulary a constant, rows symbolic; off: every
+size symbolic),
 ``shared_plan`` (the reference pass reuses the old-log-prob pass's micro-batches, packed once),
 ``fused_adamw`` (fused AdamW on CUDA), ``local_optim`` (``fsdp_config.local_shard_optim``: the trained
 roles' AdamW step and gradient clip on the DTensors' local shards; off: through DTensor dispatch),
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -89,6 +91,10 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
     "fused_head": ([f"{ARR}.model.use_fused_kernels=True"], [f"{ARR}.model.use_fused_kernels=False"]),
     # the default: the LM head's log-prob/entropy statistics compiled on CUDA (actor.use_torch_compile)
     "compiled_stats": ([f"{ARR}.actor.use_torch_compile=True"], [f"{ARR}.actor.use_torch_compile=False"]),
+    "static_vocab": (
+        [],
+        ["@static_vocab=off"],
+    ),  # the compiled statistics' vocabulary a constant (the default)
     "shared_plan": (["@shared_plan=on"], ["@shared_plan=off"]),  # "@": a bench switch, not a config key
     "host_plan": (["@host_plan=on"], ["@host_plan=off"]),
     # with +graphs: the no-grad passes' micro-batches as CUDA graphs too (off: only the updates' are)
@@ -147,10 +153,14 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     the static token buckets (neither: the environment's choice, KLPPO_COMPILE_DYNAMIC_TOKENS).
     ``@fwd_graphs=off``: the roles built without CUDA graphs for their no-grad passes (``cuda_graph_update``
     then graphs the updates only).
-    ``@flat_masters=off``: the plain path's parameters each in storage of their own (``MasterWeights.flat``)."""
+    ``@flat_masters=off``: the plain path's parameters each in storage of their own (``MasterWeights.flat``).
+    ``@static_vocab=off``: the compiled head statistics with every size symbolic (``torch.compile(dynamic=True)``,
+    session 20's first version) instead of the vocabulary static."""
+    import torch
+
     from klppo.batch import Batch
     from klppo.batching import attention, packing
-    from klppo.models import compiled_layers
+    from klppo.models import compiled_layers, lm_head
     from klppo.models.compiled_layers import pad_packed_call
     from klppo.parallel.plain import MasterWeights
     from klppo.roles.metrics import MetricAccumulator
@@ -172,6 +182,9 @@ def bench_switches(items: list[str]) -> Iterator[None]:
             self, {k: float(v) for k, v in stats.items()}, weight=weight
         )
     traced_before, dynamic_before = bool(attention._traced), compiled_layers.DYNAMIC_TOKENS
+    compiled_stats = lm_head.compiled
+    if "@static_vocab=off" in items:
+        lm_head.compiled = packing.compiled = functools.cache(lambda fn: torch.compile(fn, dynamic=True))  # noqa: B023
     MasterWeights.flat = "@flat_masters=off" not in items
     if "@dynamic_tokens=on" in items or "@dynamic_tokens=off" in items:  # else the environment's choice
         compiled_layers.DYNAMIC_TOKENS = "@dynamic_tokens=on" in items
@@ -187,6 +200,7 @@ def bench_switches(items: list[str]) -> Iterator[None]:
         attention.set_traced_packed_attention(traced_before)
         compiled_layers.DYNAMIC_TOKENS = dynamic_before
         MasterWeights.flat = True
+        lm_head.compiled = packing.compiled = compiled_stats
         Reference.compute_ref_log_prob = original
         Reference.__init__, TrainedRole.__init__ = inits[Reference], inits[TrainedRole]
         Batch.with_host_mask, MetricAccumulator.add, packing._packed_call = with_host_mask, add, packed_call

@@ -32,6 +32,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -124,9 +125,25 @@ def compiles_on(t: torch.Tensor) -> bool:
 
 @functools.cache
 def compiled(fn: Callable) -> Callable:
-    """``torch.compile(fn)`` with symbolic sizes (chunks and micro-batches of any row count share one
-    compilation), created once per function."""
-    return torch.compile(fn, dynamic=True)
+    """``torch.compile(fn)`` for ``fn(z, *args)`` with ``z`` [..., V] first: every row dim symbolic (chunks and
+    micro-batches of any row count share one compilation), the vocabulary static (the kernels index
+    [rows, V] with a constant V: no division by a runtime size per element); created once per function."""
+    inner = torch.compile(fn)
+
+    def call(z: torch.Tensor, *args: Any) -> Any:
+        _rows_dynamic(z, z.dim() - 1)
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                _rows_dynamic(a, a.dim())
+        return inner(z, *args)
+
+    return call
+
+
+def _rows_dynamic(t: torch.Tensor, num_dims: int) -> None:
+    """Mark ``t``'s first ``num_dims`` dims symbolic for ``torch.compile`` (a size-1 dim stays specialised)."""
+    for dim in range(num_dims):
+        torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 class _TokenStats(torch.autograd.Function):

@@ -309,3 +309,34 @@ def test_compiled_statistics_on_cuda(dtype) -> None:
         fast = log_probs_from_logits(logits, labels, 0.9, calculate_entropy=True, compile_stats=True)
     for a, b in zip(fast, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_statistics_compile_once_for_any_row_count_and_per_vocabulary() -> None:
+    """``compiled``: chunks of 3, 4 and 5 rows (and 3-D padded logits of any batch and length) share one
+    compilation; another vocabulary size compiles again (V is a constant of the kernels, not a symbol)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from klppo.models import lm_head
+
+    counter = CompileCounter()
+    real_compile = torch.compile
+    torch._dynamo.reset()  # earlier tests' compilations of chunk_stats would otherwise be found
+    try:
+        torch.compile = lambda fn, **kw: real_compile(fn, backend=counter, **kw)
+        lm_head.compiled.cache_clear()
+        fast = lm_head.compiled(lm_head.chunk_stats)
+        g = torch.Generator().manual_seed(6)
+        for rows in (3, 4, 5):
+            z = torch.randn(rows, 97, generator=g)
+            labels = torch.randint(0, 97, (rows,), generator=g)
+            lse, lp, h = fast(z, labels, 1.0, True)
+            torch.testing.assert_close(lp, torch.log_softmax(z, -1).gather(-1, labels[:, None])[:, 0])
+        assert counter.frame_count == 1
+        fast(torch.randn(6, 101, generator=g), torch.randint(0, 101, (6,), generator=g), 1.0, True)
+        assert counter.frame_count == 2
+        for b, r in ((2, 5), (3, 7)):
+            fast(torch.randn(b, r, 97, generator=g), torch.randint(0, 97, (b, r), generator=g), 1.0, True)
+        assert counter.frame_count == 3
+    finally:
+        torch.compile = real_compile
+        lm_head.compiled.cache_clear()
