@@ -118,7 +118,7 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
     dtype = to_dtype(acfg.fsdp_config.model_dtype)
     sp = inputs.sp.actor
     model = load_policy_model(arr.model, inputs.model_path, dtype, inputs.device, train=True, sp=sp)
-    compile_token_stats(model, acfg.use_torch_compile)
+    _compile_stats(model, acfg.use_torch_compile, "actor_rollout_ref.actor.use_torch_compile")
     if uses_lora(arr.model):
         model = apply_lora(
             model,
@@ -145,6 +145,17 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
         optimizer_state=fsdp.optimizer_offload,
     )
     return actor
+
+
+def _compile_stats(model: torch.nn.Module, on: bool, key: str) -> None:
+    """The model's LM-head statistics compiled as ``key`` says; said when the key is on and the head cannot
+    take it (not a bias-free linear layer: its log-probs stay eager)."""
+    if not compile_token_stats(model, on) and on:
+        logging.getLogger("klppo").warning(
+            "%s=true is not applied: the model's LM head is not a bias-free linear layer "
+            "(its log-prob statistics run eagerly)",
+            key,
+        )
 
 
 def role_fsdp(role: str, fsdp_cfg: FSDPConfig, device: torch.device) -> FSDPSettings:
@@ -210,7 +221,7 @@ def build_reference(inputs: RoleInputs, actor: Actor) -> Reference | None:
         model_dir(ref_path, key="actor_rollout_ref.ref.model.path") if ref_path else inputs.model_path
     )
     model = load_policy_model(arr.model, model_path, dtype, device, train=False, sp=s.sp)
-    compile_token_stats(model, arr.ref.use_torch_compile)
+    _compile_stats(model, arr.ref.use_torch_compile, "actor_rollout_ref.ref.use_torch_compile")
     fsdp = role_fsdp("reference", arr.ref.fsdp_config, device)
     if fsdp.plain:  # no gradients: the compute copy alone, no masters
         cast_params(model, fsdp.param_dtype)

@@ -68,9 +68,11 @@ its end the compute-dtype gradients ``P·c`` (:meth:`MasterWeights.accumulate_gr
 each micro-batch); no deferred gradient sync. The points' FSDP2 fields are ignored there. Not re-fitted on
 a device yet (the one-GPU points above are FSDP2 measurements: ``plain=False``).
 CUDA graphs (``cuda_graph_update``, :mod:`klppo.roles.graphed`; plain-path points with ``offload="off"``): the
-actor's update and old-log-prob graphs share one pool, the larger of the two working sets, held in every phase
-(the update and the old-log-prob pass run inside it; the reference's pass outside); the reference's graphs
-(``graph_reference``) a pool of one log-prob working set of their own. Not measured on a device yet.
+actor's update and old-log-prob graphs share one pool, the larger of the two working sets, held in every phase;
+the reference's graphs (``graph_reference``) a pool of one log-prob working set of their own; each phase's
+own pass is counted beside the pools (an upper bound: a shape met the first time, past ``max_graphs`` or after
+a failed capture runs eagerly while the pools stay held; with every shape captured the peak is lower by
+that working set). Not measured on a device yet.
 Not modelled: the reference / critic models (add them with ``reference=True``), allocator fragmentation
 (``torch.cuda.max_memory_allocated`` does not count it either), CUDA context and library workspaces.
 """
@@ -278,16 +280,13 @@ def _resident(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *,
         phase.add("reference shards", shard * w.compute_bytes, "ceil(P/f)·c")
 
 
-def _graph_pools(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *, own: float = 0.0) -> None:
-    """The graph pools held in ``phase``: the actor's beyond ``own`` (what the phase's own step, running in
-    that pool, already counts) and the reference's."""
+def _graph_pools(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload) -> None:
+    """The graph pools held in ``phase``, the actor's and the reference's, in full: the phase's own pass is
+    counted beside them (a micro-batch shape met the first time, one past ``max_graphs`` or after a failed
+    capture runs eagerly while the pools stay held)."""
     pool = graph_pool_bytes(facts, point, w)
-    if pool > own:
-        phase.add(
-            "actor graph pool",
-            pool - own,
-            "max(update, log-prob pass) working set" + " − this phase's" * (own > 0),
-        )
+    if pool:
+        phase.add("actor graph pool", pool, "max(update, log-prob pass) working set")
     ref_pool = reference_graph_pool_bytes(facts, point, w)
     if ref_pool:
         phase.add("reference graph pool", ref_pool, "log-prob pass working set (ref cuda_graph_update)")
@@ -335,8 +334,8 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     static = sum(t.bytes for t in phase.terms if t.name in _STATIC)
     if point.offload != "cpu":
         phase.floor = static + shard * 4  # optimizer step: state + one fp32 temporary
-    if w.graph_update or w.graph_reference:  # the update runs in the actor's pool: what it holds beyond
-        _graph_pools(phase, facts, point, w, own=phase.total - static)
+    if w.graph_update or w.graph_reference:  # held beside the update's own (possibly eager) micro-batch
+        _graph_pools(phase, facts, point, w)
     return phase
 
 
@@ -426,16 +425,14 @@ def forward_pool_bytes(facts: ModelFacts, point: Point, w: Workload) -> float:
 
 
 def log_prob_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
-    """The no-grad passes' peak. With the actor's graphs their pool is held; the old-log-prob pass runs
-    inside it, the reference's pass (eager, or in its own pool) outside: a pass's working set on top of the
-    actor's pool with a reference, none without."""
+    """The no-grad passes' peak: one pass's working set, beside the graph pools held (a shape run eagerly
+    allocates outside them)."""
     phase = PhasePeak("log_prob")
     _resident(phase, facts, point, w, optimizer=True)
     _graph_pools(phase, facts, point, w)
     if not w.runs_plain(point):
         _gathered(phase, facts, point, w, backward=False)
-    if not graph_pool_bytes(facts, point, w) or w.reference:
-        _log_prob_work(phase, facts, point, w)
+    _log_prob_work(phase, facts, point, w)
     return phase
 
 

@@ -534,3 +534,27 @@ def test_a_reward_model_without_tokenizer_files_uses_input_tokenizers_pad(tiny_m
                        "reward_model.model.input_tokenizer=null"])  # fmt: skip
     with pytest.raises(ValueError, match=r"reward_model.model.path=.*input_tokenizer is null"):
         roles_build.build_reward(cfg.reward_model, cfg.custom_reward_function, None, torch.device("cpu"))
+
+
+def test_use_torch_compile_on_a_head_that_cannot_take_it_is_said(caplog):
+    """``use_torch_compile=true`` on a model whose LM head is not a bias-free linear layer: a warning naming
+    the key (the statistics stay eager); a bias-free head takes it silently; false says nothing."""
+    import logging
+
+    import torch
+
+    from klppo.models.lm_head import fp32_lm_head, stats_compiled
+    from klppo.models.tiny import build_tiny_model
+    from klppo.trainer.roles_build import _compile_stats
+
+    biased = torch.nn.Module()
+    biased.get_output_embeddings = lambda: torch.nn.Linear(4, 4)
+    good = build_tiny_model(arch="qwen2", seed=0)
+    assert fp32_lm_head(good)
+    key = "actor_rollout_ref.ref.use_torch_compile"
+    with caplog.at_level(logging.WARNING, logger="klppo"):
+        _compile_stats(good, True, key)
+        _compile_stats(biased, False, key)
+        assert stats_compiled(good) and not caplog.records
+        _compile_stats(biased, True, key)
+    assert [r.getMessage().split("=")[0] for r in caplog.records] == [key]
