@@ -298,8 +298,9 @@ class TrainedRole:
         self._advised_graphs = True
         logging.getLogger("klppo").info(
             "advice: %s: every update micro-batch repeats a shape met before: %s.cuda_graph_update=true "
-            "replays them as CUDA graphs (docs/sharding.md; one H200, the TRL workload: training phases "
-            "1.44 -> 0.87 s, bench/RESULTS.md session 19)", self.name, self.graph_key,
+            "replays them and the role's no-grad pass as CUDA graphs (docs/sharding.md; the reference's "
+            "pass with actor_rollout_ref.ref.fsdp_config.cuda_graph_update; one H200, the TRL workload: "
+            "training phases 1.44 -> 0.72 s, bench/RESULTS.md sessions 19-20)", self.name, self.graph_key,
         )  # fmt: skip
 
     def _graphed_backward(
