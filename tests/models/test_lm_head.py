@@ -228,12 +228,13 @@ def test_compiled_statistics_equal_eager_values_and_gradients(aot_eager) -> None
         torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=1e-3)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_compiled_statistics_in_the_model_path(monkeypatch, aot_eager, fused) -> None:
+@pytest.mark.parametrize("fused, packed", [(True, True), (False, True), (False, False)])
+def test_compiled_statistics_in_the_model_path(monkeypatch, aot_eager, fused, packed) -> None:
     """A head set by ``compile_token_stats`` runs the compiled statistics where ``compiles_on`` says so
     (CUDA in a run; forced on CPU here): the fused head in forward and backward, the unfused head in
-    no-grad passes only (with autograd the eager path) — the same log-probs and entropy as without, and
-    the same gradients; not on CPU by default; a head that is not FP32LogitsLinear is left alone."""
+    no-grad passes only (with autograd the eager path), packed rows and padded ones (3-D logits, a strided
+    slice) — the same log-probs and entropy as without, and the same gradients; not on CPU by default; a
+    head that is not FP32LogitsLinear is left alone."""
     from klppo.batching.attention import enable_packed_attention
     from klppo.batching.packing import forward_log_probs
     from klppo.models import lm_head
@@ -261,7 +262,7 @@ def test_compiled_statistics_in_the_model_path(monkeypatch, aot_eager, fused) ->
     def run(grad: bool):
         with torch.set_grad_enabled(grad):
             lp, h = forward_log_probs(
-                model, ids, mask, None, response_length=R, temperature=0.9, use_remove_padding=True,
+                model, ids, mask, None, response_length=R, temperature=0.9, use_remove_padding=packed,
                 calculate_entropy=True, fused=fused,
             )  # fmt: skip
         if grad:
