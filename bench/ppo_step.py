@@ -184,7 +184,7 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     traced_before, dynamic_before = bool(attention._traced), compiled_layers.DYNAMIC_TOKENS
     compiled_stats = lm_head.compiled
     if "@static_vocab=off" in items:
-        lm_head.compiled = packing.compiled = functools.cache(lambda fn: torch.compile(fn, dynamic=True))  # noqa: B023
+        lm_head.compiled = functools.cache(lambda fn: torch.compile(fn, dynamic=True))
     MasterWeights.flat = "@flat_masters=off" not in items
     if "@dynamic_tokens=on" in items or "@dynamic_tokens=off" in items:  # else the environment's choice
         compiled_layers.DYNAMIC_TOKENS = "@dynamic_tokens=on" in items
@@ -200,7 +200,7 @@ def bench_switches(items: list[str]) -> Iterator[None]:
         attention.set_traced_packed_attention(traced_before)
         compiled_layers.DYNAMIC_TOKENS = dynamic_before
         MasterWeights.flat = True
-        lm_head.compiled = packing.compiled = compiled_stats
+        lm_head.compiled = compiled_stats
         Reference.compute_ref_log_prob = original
         Reference.__init__, TrainedRole.__init__ = inits[Reference], inits[TrainedRole]
         Batch.with_host_mask, MetricAccumulator.add, packing._packed_call = with_host_mask, add, packed_call

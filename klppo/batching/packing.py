@@ -31,7 +31,7 @@ from klppo.algorithms.losses import entropy_from_logits
 from klppo.batching.attention import PACKED_ATTENTION
 from klppo.models import lm_head
 from klppo.models.compiled_layers import pad_packed_call
-from klppo.models.lm_head import chunk_stats, compiled, stats_compiled, token_stats_head
+from klppo.models.lm_head import stats_compiled, token_stats_head
 
 
 @dataclasses.dataclass
@@ -156,7 +156,9 @@ def log_probs_from_logits(
     ``compile_stats``: without autograd (the no-grad passes), by the compiled
     :func:`klppo.models.lm_head.chunk_stats` (one or two passes over the logits instead of eight)."""
     if compile_stats and not (torch.is_grad_enabled() and logits.requires_grad):
-        _, log_probs, entropy = compiled(chunk_stats)(logits, labels, temperature, calculate_entropy)
+        _, log_probs, entropy = lm_head.compiled(lm_head.chunk_stats)(
+            logits, labels, temperature, calculate_entropy
+        )
         return log_probs, entropy if calculate_entropy else None
     z = logits.float()
     if temperature != 1.0:

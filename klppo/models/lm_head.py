@@ -291,11 +291,16 @@ class FP32LogitsLinear(nn.Linear):
         return super().forward(x)
 
 
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """``model.get_output_embeddings()``, None for a model without that method."""
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
 def fp32_lm_head(model: nn.Module) -> bool:
     """Make ``model``'s output embeddings return float32 logits (in place: same parameters, same state
     dict, tying kept). False when the head is not a bias-free ``nn.Linear`` (left as it is)."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    head = _output_embeddings(model)
     if type(head) is not nn.Linear or head.bias is not None:
         return False
     head.__class__ = FP32LogitsLinear
@@ -306,8 +311,7 @@ def compile_token_stats(model: nn.Module, on: bool) -> bool:
     """Whether ``model``'s log-prob/entropy statistics run compiled on CUDA (``use_torch_compile``), for the
     fused head and the unfused head's no-grad passes; False (nothing set) when the head is not a
     :class:`FP32LogitsLinear`."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    head = _output_embeddings(model)
     if not isinstance(head, FP32LogitsLinear):
         return False
     head.compile_stats = bool(on)
@@ -316,16 +320,14 @@ def compile_token_stats(model: nn.Module, on: bool) -> bool:
 
 def stats_compiled(model: nn.Module) -> bool:
     """``model``'s head was set to compiled statistics by :func:`compile_token_stats`."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    head = _output_embeddings(model)
     return bool(getattr(head, "compile_stats", False))
 
 
 def fused_head(model: nn.Module) -> FP32LogitsLinear | None:
     """The model's output embeddings when :func:`token_stats_head` can use them: an
     :class:`FP32LogitsLinear` whose output the model returns as it is (no final-logit soft-capping)."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
+    head = _output_embeddings(model)
     config = getattr(model, "config", None)
     if not isinstance(head, FP32LogitsLinear) or getattr(config, "final_logit_softcapping", None):
         return None
