@@ -169,6 +169,20 @@ def test_fused_forward_log_probs_equal_unfused(packed) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _eager_and_compiled(x, w, labels, up, **kwargs) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``token_log_probs_entropy(x, w, labels, **kwargs)`` eager then compiled: each run's statistics and the
+    gradients of x and W of ``(stats * up).sum()``."""
+    from klppo.models.lm_head import token_log_probs_entropy
+
+    runs = []
+    for fast in (False, True):
+        stats = token_log_probs_entropy(x, w, labels, compile_stats=fast, **kwargs)
+        (stats * up).sum().backward()
+        runs.append((stats.detach(), x.grad.clone(), w.grad.clone()))
+        x.grad = w.grad = None
+    return runs
+
+
 @pytest.fixture
 def aot_eager(monkeypatch):
     """The statistics compiled with the ``aot_eager`` backend: traced, marked and partitioned as Inductor gets
@@ -189,20 +203,13 @@ def test_compiled_statistics_equal_eager_values_and_gradients(aot_eager) -> None
     """``use_torch_compile``: the compiled chunk statistics and gradient (``aot_eager`` on CPU) = the eager
     in-place ones within float32 rounding — log-prob and entropy within 1e-6, gradients of x and W as
     close to the float64 truth — over several chunks with a partial last one (one compilation for every
-    row count), with a temperature; bf16 operands without entropy give bf16 gradients equal to eager's."""
-    from klppo.models.lm_head import token_log_probs_entropy
-
+    row count), with a temperature; bf16 operands give bf16 gradients equal to eager's."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 7, 32, generator=g).requires_grad_()
     w = (0.3 * torch.randn(97, 32, generator=g)).requires_grad_()
     labels = torch.randint(0, 97, (2, 7), generator=g)
     up = torch.randn(2, 7, 2, generator=g)
-    runs = []
-    for fast in (False, True):
-        stats = token_log_probs_entropy(x, w, labels, temperature=0.7, chunk_rows=3, compile_stats=fast)
-        (stats * up).sum().backward()
-        runs.append((stats.detach(), x.grad.clone(), w.grad.clone()))
-        x.grad = w.grad = None
+    runs = _eager_and_compiled(x, w, labels, up, temperature=0.7, chunk_rows=3)
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     lp64, h64 = _stats64(x64, w64, labels, 0.7)
     (lp64 * up[..., 0].double() + h64 * up[..., 1].double()).sum().backward()
@@ -216,12 +223,7 @@ def test_compiled_statistics_equal_eager_values_and_gradients(aot_eager) -> None
 
     xb = x.detach()[0].to(torch.bfloat16).requires_grad_()
     wb = w.detach().to(torch.bfloat16).requires_grad_()
-    grads = []
-    for fast in (False, True):
-        stats = token_log_probs_entropy(xb, wb, labels[0], temperature=0.7, chunk_rows=4, compile_stats=fast)
-        (stats * up[0]).sum().backward()
-        grads.append((stats.detach(), xb.grad.clone(), wb.grad.clone()))
-        xb.grad = wb.grad = None
+    grads = _eager_and_compiled(xb, wb, labels[0], up[0], temperature=0.7, chunk_rows=4)
     assert grads[1][1].dtype == grads[1][2].dtype == torch.bfloat16
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-6, atol=1e-6)
     for a, b in zip(grads[1][1:], grads[0][1:]):  # one bf16 rounding of dz apart at most
@@ -297,23 +299,17 @@ def test_compiled_statistics_on_cuda(dtype) -> None:
     """On CUDA (the path runs use): the compiled chunk statistics and gradient against the eager ones,
     several chunks with a partial last one, and the unfused no-grad path against eager."""
     from klppo.batching.packing import log_probs_from_logits
-    from klppo.models.lm_head import token_log_probs_entropy
 
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(3000, 64, device="cuda", generator=g).to(dtype).requires_grad_()
     w = (0.3 * torch.randn(5003, 64, device="cuda", generator=g)).to(dtype).requires_grad_()
     labels = torch.randint(0, 5003, (3000,), device="cuda", generator=g)
     up = torch.randn(3000, 2, device="cuda", generator=g)
-    runs = []
-    for fast in (False, True):
-        stats = token_log_probs_entropy(x, w, labels, temperature=0.9, chunk_rows=1024, compile_stats=fast)
-        (stats * up).sum().backward()
-        runs.append((stats.detach(), x.grad.float(), w.grad.float()))
-        x.grad = w.grad = None
+    runs = _eager_and_compiled(x, w, labels, up, temperature=0.9, chunk_rows=1024)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(runs[1][1:], runs[0][1:]):
-        torch.testing.assert_close(a, b, **tol)
+        torch.testing.assert_close(a.float(), b.float(), **tol)
     with torch.no_grad():
         logits = fp32_logits_linear(x, w)
         eager = log_probs_from_logits(logits, labels, 0.9, calculate_entropy=True)
