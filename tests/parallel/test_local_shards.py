@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import local_shards_worker as W  # noqa: E402
+from tree_compare import assert_same  # noqa: E402
 
 from klppo.parallel.local_shards import LocalShardAdam, LocalShardAdamW  # noqa: E402
 from klppo.roles.optim import OptimSettings, build_optimizer  # noqa: E402
@@ -32,22 +33,6 @@ WORLDS = (1, 2)
 @pytest.fixture(scope="module")
 def runs(fsdp_runs) -> dict:
     return {1: fsdp_runs["one"]["local_shards"], 2: fsdp_runs["two"]["local_shards"]}
-
-
-def assert_same(got, want, path: str = "") -> None:
-    """Equal trees; tensors bit for bit (nan equal to nan), with the same type and placements."""
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), path
-        for k in want:
-            assert_same(got[k], want[k], f"{path}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}[{i}]")
-    elif isinstance(want, torch.Tensor):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=path)
-    else:
-        assert got == want, path
 
 
 def float64_adamw(run: dict) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import plain_worker as W  # noqa: E402
+from tree_compare import assert_same as _assert_same  # noqa: E402
 
 from klppo.parallel.checkpoint import load_checkpoint  # noqa: E402
 from klppo.roles.forward import MicroBatching  # noqa: E402
@@ -38,22 +39,9 @@ def runs(fsdp_runs) -> dict:
     return {1: fsdp_runs["one"]["plain"], 2: fsdp_runs["two"]["plain"], "out": fsdp_runs["out"]}
 
 
-def assert_same(got, want, path: str = "") -> None:
-    """Equal trees; tensors bit for bit (nan equal to nan), floats equal (nan equal to nan)."""
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), path
-        for k in want:
-            assert_same(got[k], want[k], f"{path}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}[{i}]")
-    elif isinstance(want, torch.Tensor):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=path)
-    elif isinstance(want, float) and want != want:
-        assert got != got, path
-    else:
-        assert got == want, path
+def assert_same(got, want) -> None:
+    """Equal trees, tensors bit for bit; nan floats equal (the runs record a nan-skipped step's loss)."""
+    _assert_same(got, want, nan_floats=True)
 
 
 def assert_near(got: dict, want: dict) -> None:
