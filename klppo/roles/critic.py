@@ -81,9 +81,8 @@ class Critic(TrainedRole):
         rmpad, sp = self.settings.use_remove_padding, self.settings.sp
 
         def forward(mb: Batch) -> torch.Tensor:
-            if (
-                self.forward_graphs is not None
-            ):  # packed rows, no sequence parallelism (the constructor's check)
+            # packed rows, no sequence parallelism when there are graphs (the constructor's check)
+            if self.forward_graphs is not None:
                 return graphed_forward(
                     self.forward_graphs, self._value_inputs(mb), self._values, extra="values"
                 )
