@@ -16,7 +16,9 @@ Variants (``--variants``): ``before`` (every issue-18 candidate off) or ``after`
 pass), ``fused_head`` (``model.use_fused_kernels``: chunked log-prob/entropy from the LM head),
 ``compiled_stats`` (``actor.use_torch_compile``, the reference following: the head's softmax statistics
 compiled on CUDA), ``static_vocab`` (their kernels with the vocabulary a constant, rows symbolic; off: every
-size symbolic),
+size symbolic), ``async_phases`` (the phase timer's CUDA events, no device synchronisation at phase edges;
+off: a synchronisation at each edge, the timer before session 21), ``device_skip`` (fused AdamW skips a
+non-finite step on the device, no host read per mini-batch; off: the host decides per mini-batch),
 ``shared_plan`` (the reference pass reuses the old-log-prob pass's micro-batches, packed once),
 ``fused_adamw`` (fused AdamW on CUDA), ``local_optim`` (``fsdp_config.local_shard_optim``: the trained
 roles' AdamW step and gradient clip on the DTensors' local shards; off: through DTensor dispatch),
@@ -102,6 +104,12 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
     # the plain path's parameters, masters and master gradients in flat buffers (a few kernels per step; off:
     # per-tensor copies and adds, one kernel per parameter: klppo.parallel.plain.MasterWeights.flat)
     "flat_masters": ([], ["@flat_masters=off"]),
+    # the phase timer's CUDA events instead of a device synchronisation at every phase edge (the host
+    # prepares a phase while the device runs the previous one; klppo.trainer.timer.PhaseTimer.sync_edges)
+    "async_phases": ([], ["@async_phases=off"]),
+    # fused AdamW skips a non-finite step on the device (found_inf): no host read of the gradient norm per
+    # mini-batch (off: the host reads it and decides; klppo.roles.trained.TrainedRole.skip_on_device)
+    "device_skip": ([], ["@device_skip=off"]),
     "compile": ([f"{ARR}.model.compile_packed_layers=True"], [f"{ARR}.model.compile_packed_layers=False"]),
     "one_unit": (  # min_num_params auto, the default: one FSDP unit per model on one process
         [],
@@ -155,7 +163,10 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     then graphs the updates only).
     ``@flat_masters=off``: the plain path's parameters each in storage of their own (``MasterWeights.flat``).
     ``@static_vocab=off``: the compiled head statistics with every size symbolic (``torch.compile(dynamic=True)``,
-    session 20's first version) instead of the vocabulary static."""
+    session 20's first version) instead of the vocabulary static.
+    ``@async_phases=off``: the phase timer synchronises the device at every phase edge (``PhaseTimer.sync_edges``).
+    ``@device_skip=off``: the host reads each mini-batch's gradient norm and decides the skip
+    (``TrainedRole.skip_on_device``)."""
     import torch
 
     from klppo.batch import Batch
@@ -166,6 +177,7 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     from klppo.roles.metrics import MetricAccumulator
     from klppo.roles.reference import Reference
     from klppo.roles.trained import TrainedRole
+    from klppo.trainer.timer import PhaseTimer
 
     original = Reference.compute_ref_log_prob
     inits = {Reference: Reference.__init__, TrainedRole: TrainedRole.__init__}
@@ -186,6 +198,8 @@ def bench_switches(items: list[str]) -> Iterator[None]:
     if "@static_vocab=off" in items:
         lm_head.compiled = functools.cache(lambda fn: torch.compile(fn, dynamic=True))
     MasterWeights.flat = "@flat_masters=off" not in items
+    PhaseTimer.sync_edges = "@async_phases=off" in items
+    TrainedRole.skip_on_device = "@device_skip=off" not in items
     if "@dynamic_tokens=on" in items or "@dynamic_tokens=off" in items:  # else the environment's choice
         compiled_layers.DYNAMIC_TOKENS = "@dynamic_tokens=on" in items
     try:
@@ -200,6 +214,8 @@ def bench_switches(items: list[str]) -> Iterator[None]:
         attention.set_traced_packed_attention(traced_before)
         compiled_layers.DYNAMIC_TOKENS = dynamic_before
         MasterWeights.flat = True
+        PhaseTimer.sync_edges = False
+        TrainedRole.skip_on_device = True
         lm_head.compiled = compiled_stats
         Reference.compute_ref_log_prob = original
         Reference.__init__, TrainedRole.__init__ = inits[Reference], inits[TrainedRole]
@@ -394,8 +410,14 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
 
     class Trainer(PPOTrainer):
         def train_step(self, prompts, step):
+            _device_sync()
+            start = time.perf_counter()
             with ops:
                 out = super().train_step(prompts, step)
+            _device_sync()
+            out["bench/wall_step_s"] = (
+                time.perf_counter() - start
+            )  # the host's clock, whatever the timer does
             prof.step()
             syncs.step()
             ops.step()
@@ -427,7 +449,15 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
     summary["first_step_s"] = rows[0]["timing_s/step"]
     if "timing_s/gen" in summary:
         summary["train_s (step - gen)"] = summary["timing_s/step"] - summary["timing_s/gen"]
+        summary["wall train_s (wall step - gen)"] = summary["bench/wall_step_s"] - summary["timing_s/gen"]
     return summary
+
+
+def _device_sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class HostProbe:
@@ -737,7 +767,7 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, ar
 ROWS = [
     "timing_s/gen", "rollout/graph_capture_s", "rollout/prefill_s", "timing_s/old_log_prob", "timing_s/ref",
     "timing_s/values", "timing_s/reward", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step",
-    "train_s (step - gen)", "first_step_s", "first_update_s", "setup_s", "tokens_per_s", "perf/throughput",
+    "train_s (step - gen)", "wall train_s (wall step - gen)", "bench/wall_step_s", "first_step_s", "first_update_s", "setup_s", "tokens_per_s", "perf/throughput",
     "perf/mfu/actor", "perf/max_memory_allocated_gb", "perf/allocated_before_gb", "rollout/log_prob_diff", "actor/pg_loss",
     "actor/entropy", "actor/grad_norm", "cuda_syncs/passes", "cuda_syncs/other", "host/python_loop_s", "host/gc_s",
     "host/gc_full", "host/gc_objects",

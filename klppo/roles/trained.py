@@ -84,6 +84,9 @@ class TrainedRole:
     """Base of the roles that own an optimizer (actor, critic). ``name`` prefixes the metrics."""
 
     name = "role"
+    skip_on_device = True
+    """A fused Adam/AdamW skips a non-finite step itself (``_skips_on_device``); False (a benchmark
+    switch, ``bench/ppo_step.py``'s ``-device_skip``): the host reads the norm and decides per mini-batch."""
 
     def __init__(
         self,
@@ -103,6 +106,7 @@ class TrainedRole:
         )
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.num_skipped_updates = 0  # optimizer steps skipped for a non-finite loss or grad norm
+        self._stopped: torch.Tensor | None = None  # this update's device-side skip flag (_step_on_device)
         # out-of-memory retries with smaller micro-batches
         self.oom = OOMRecovery(self.name, sp_size=update.sp_size, update_rows=update.mini_batch_size)
         # the FSDP modules whose reduce-scatter waits for a mini-batch's last micro-batch (found once)
@@ -160,6 +164,7 @@ class TrainedRole:
         self.model.train()
         batch = batch.with_host_mask()  # micro-batches planned on the host (one copy per update)
         self._shape_repeats = [0, 0]
+        self._stopped = None
         acc = MetricAccumulator()
         generator = torch.Generator().manual_seed(u.seed)
         applied = True
@@ -174,6 +179,10 @@ class TrainedRole:
                     break
             if not applied:
                 break
+        if self._stopped is not None and bool(self._stopped):  # the one host read of the device's skips
+            self.optimizer.zero_grad(set_to_none=True)
+            self.num_skipped_updates += 1
+        self._stopped = None
         self.scheduler.step()
         self._advise_graphs(batch)
         metrics = acc.means()
@@ -213,6 +222,11 @@ class TrainedRole:
             )
         else:
             norm = self.masters.clip_grad_norm_(self.update.grad_clip)
+        if self._skips_on_device():
+            self._step_on_device(norm, finite)
+            acc.merge(local)
+            acc.add({f"{self.name}/grad_norm": norm})
+            return True
         grad_norm, all_finite = _host_floats(norm, finite)
         acc.merge(local)
         acc.add({f"{self.name}/grad_norm": grad_norm})
@@ -224,6 +238,33 @@ class TrainedRole:
         self.optimizer.zero_grad(set_to_none=True)
         self.num_skipped_updates += 1
         return False
+
+    def _skips_on_device(self) -> bool:
+        """Whether the optimizer step decides the skip on the device: torch's fused Adam/AdamW read a
+        ``found_inf`` tensor (GradScaler's protocol) and leave the parameters, moments and step count
+        untouched when it is 1, so no host read of the gradient norm is needed per mini-batch — the host
+        goes on to the next mini-batch while the device finishes this one."""
+        opt = self.optimizer
+        return (
+            self.skip_on_device
+            and getattr(opt, "_step_supports_amp_scaling", False)
+            and all(group.get("fused") for group in opt.param_groups)
+        )
+
+    def _step_on_device(self, norm: torch.Tensor, finite: torch.Tensor) -> None:
+        """The optimizer step, skipped on the device when a loss or the norm is not finite or an earlier
+        mini-batch of this update was skipped (sticky: no further optimizer step from this batch, as on the
+        host path; the later mini-batches still run their passes). :meth:`run_updates` reads the flag once
+        at its end and counts one skip."""
+        bad = ~(finite.reshape(()) & torch.isfinite(norm.detach().reshape(()).to(finite.device)))
+        self._stopped = bad if self._stopped is None else self._stopped | bad
+        self.optimizer.found_inf = self._stopped.float()
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        if self.masters is not None:
+            self.masters.copy_to_model()  # unchanged masters after a skipped step: the same values
 
     def _accumulate(
         self,

@@ -99,8 +99,12 @@ def decode_attention_triton(
     positions: torch.Tensor,
     *,
     splits: int | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """The kernels (module docstring); ``splits`` overrides :func:`num_splits` (tests)."""
+    """The kernels (module docstring); ``splits`` overrides :func:`num_splits` (tests); ``block_n``,
+    ``num_warps``, ``num_stages``: the launch configuration (benchmarks; None: Triton's default stages)."""
     batch, num_heads, head_dim = q.shape
     max_len, num_kv_heads = cache.shape[2], cache.shape[3]
     if q.stride(-1) != 1:
@@ -121,7 +125,7 @@ def decode_attention_triton(
     _partial_kernel[(batch, num_kv_heads, splits)](
         q, kv_new, cache, positions, out, part, lse, *strides, 1.0 / math.sqrt(head_dim), head_dim, group,
         SPLITS=splits, GP=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=BLOCK_N, num_warps=4,
+        BLOCK_N=block_n, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(batch, num_heads)](part, lse, out, head_dim, SPLITS=splits,

@@ -1,5 +1,15 @@
-"""Phase timing for ``timing_s/<phase>`` metrics (synchronizes the device at phase edges), and the
-out-of-memory report that names the phase and what to change."""
+"""Phase timing for ``timing_s/<phase>`` metrics, and the out-of-memory report that names the phase and
+what to change.
+
+On CUDA a phase's time is its span on the device's timeline: a CUDA event is recorded on the current
+stream at each edge, and :meth:`PhaseTimer.metrics` reads them once, after one synchronisation. Nothing
+synchronises at the edges, so the host prepares the next phase (packing, planning, launches) while the
+device still runs the previous one; the events still time each phase from the moment the device reaches
+its start to the moment it finishes its last kernel, the device's idle time inside the phase (waiting for
+the host) included. A phase of host work only (scoring, planning) counts the time it keeps the device
+waiting: from the later of its start and the end of the device's earlier work, to its end. The phases
+still sum to at most the step (``timing_s/step``, itself a phase around them all).
+Off CUDA the host's clock times each phase (the host is the device)."""
 
 from __future__ import annotations
 
@@ -35,27 +45,53 @@ class PhaseOutOfMemory(RuntimeError):
 
 
 class PhaseTimer:
+    """``timing_s/<phase>`` of one step (module docstring): device events on CUDA, the host's clock off it.
+
+    ``sync_edges = True`` (class attribute; a benchmark switch, ``bench/ppo_step.py``'s
+    ``-async_phases``): synchronise the device at every phase edge and time on the host's clock, as
+    klppo did before (each phase then starts on an idle device)."""
+
+    sync_edges = False
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.seconds: dict[str, float] = {}
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     @contextmanager
     def phase(self, name: str):
-        self._sync()
-        start = time.perf_counter()
+        on_device = self.device.type == "cuda" and not self.sync_edges
+        if on_device:
+            first = self._event()
+        else:
+            self._sync()
+            start = time.perf_counter()
         try:
             with dist_phase(name), _ranges(name, self.device):
                 yield
         except torch.OutOfMemoryError as exc:
             raise PhaseOutOfMemory(out_of_memory_message(name, self.device)) from exc
+        if on_device:
+            self._events.append((name, first, self._event()))
+            return
         self._sync()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
+        """Every phase so far, in seconds (waits for the device's events of the phases not yet read)."""
+        for name, first, last in self._events:
+            last.synchronize()
+            self.seconds[name] = self.seconds.get(name, 0.0) + first.elapsed_time(last) / 1e3
+        self._events.clear()
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}
 
 

@@ -1,0 +1,82 @@
+"""The non-finite skip decided on the device (klppo/roles/trained.py ``_step_on_device``): with a fused
+Adam/AdamW the optimizer reads a ``found_inf`` flag instead of the host reading the gradient norm per
+mini-batch. Against the host's decision, on the plain path with fused AdamW on CPU, over update calls with
+a nan advantage (a non-finite loss) and an infinite gradient (a finite loss): the same weights, AdamW
+moments and step counts bit for bit after every call, the same skip counts, learning rates and next-row
+log-probs; the metrics of calls without a skip are equal too (a skipped call's differ: the device path
+still runs the mini-batches after the skipped one, without stepping)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "parallel"))
+import plain_worker as W  # noqa: E402
+from tree_compare import assert_same  # noqa: E402
+
+from klppo.models.tiny import build_tiny_model  # noqa: E402
+from klppo.parallel.plain import plain_model  # noqa: E402
+from klppo.roles.actor import Actor  # noqa: E402
+
+FUSED = dataclasses.replace(W.OPTIM, extra=(("fused", True),))
+SKIPPED_CALLS = (W.NAN_CALL, W.INF_CALL)
+
+
+def _run(on_device: bool, monkeypatch) -> tuple[list[dict], list[dict], Actor]:
+    monkeypatch.setattr(Actor, "skip_on_device", on_device)
+    model = build_tiny_model(seed=0)
+    actor = Actor(model, W.actor_settings(1), FUSED, masters=plain_model(model, W.SETTINGS))
+    assert actor._skips_on_device() == on_device
+    states = []
+    calls = []
+    for call in range(W.CALLS):
+        calls += W.run_calls(actor, range(call, call + 1), 0, 1)
+        states.append(W.state(actor))
+    return calls, states, actor
+
+
+def test_device_skip_equals_the_host_decision(monkeypatch):
+    host_calls, host_states, host = _run(False, monkeypatch)
+    dev_calls, dev_states, dev = _run(True, monkeypatch)
+    assert host.num_skipped_updates == dev.num_skipped_updates == 2
+    for call, (h, d) in enumerate(zip(host_calls, dev_calls, strict=True)):
+        assert_same(d["log_probs"], h["log_probs"])
+        assert d["lr"] == h["lr"]
+        assert_same(dev_states[call], host_states[call])
+        if call in SKIPPED_CALLS:
+            skipped = d["metrics"]["actor/num_skipped_updates"]
+            assert skipped == h["metrics"]["actor/num_skipped_updates"]
+            assert not math.isfinite(d["metrics"]["actor/grad_norm"])
+        else:
+            assert_same(d["metrics"], h["metrics"], nan_floats=True)
+    # the skips did happen: the steps between the calls moved the weights, the skipped calls did not
+    moved = [not torch.equal(a["model"]["model.embed_tokens.weight"], b["model"]["model.embed_tokens.weight"])
+             for a, b in zip(dev_states, dev_states[1:])]  # fmt: skip
+    assert moved == [call + 1 not in SKIPPED_CALLS for call in range(W.CALLS - 1)]
+
+
+def test_non_fused_optimizers_keep_the_host_decision():
+    model = build_tiny_model(seed=0)
+    actor = Actor(model, W.actor_settings(1), W.OPTIM, masters=plain_model(model, W.SETTINGS))
+    assert not actor._skips_on_device()  # foreach AdamW (CPU default) takes no found_inf
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fused_adamw_on_cuda_skips_with_found_inf():
+    p = torch.nn.Parameter(torch.ones(4, device="cuda"))
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
+    p.grad = torch.full_like(p, float("nan"))
+    opt.found_inf = torch.ones((), device="cuda")
+    opt.step()
+    del opt.found_inf
+    assert torch.equal(p.detach(), torch.ones_like(p)) and opt.state[p]["step"].item() == 0
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.state[p]["step"].item() == 1 and (p.detach() < 1).all()
