@@ -179,9 +179,10 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
 
 
 def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str = "cuda",
-            decode_attention: str = "auto") -> None:  # fmt: skip
+            decode_attention: str = "auto", stack: bool = False) -> None:  # fmt: skip
     """CUDA kernel time of ``steps`` eager decode steps alone (no prefill; no graphs, so kernel times and
-    not launch gaps), at context ``PROMPT`` and up. Reaches into the engine's step function on purpose."""
+    not launch gaps), at context ``PROMPT`` and up. Reaches into the engine's step function on purpose.
+    ``stack``: also the host operators by their Python call sites (which line launches each copy)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -199,7 +200,7 @@ def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str 
     step = engine._decode_step(call, call.ws.kv.shape[2])
     step()
     activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, with_stack=stack) as prof:
         for _ in range(steps):
             step()
         if device == "cuda":
@@ -208,6 +209,9 @@ def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str 
     print(f"decode-only profile: batch {batch}, decode_attention={decode_attention}, {steps} steps (divide totals "
           f"by {steps} for per step)")  # fmt: skip
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70))
+    if stack:
+        print(prof.key_averages(group_by_stack_n=6).table(sort_by="cpu_time_total", row_limit=30,
+                                                           max_name_column_width=40))  # fmt: skip
 
 
 def recompute(model, prompts, mask, out, mode: str) -> torch.Tensor:
@@ -301,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--old-engine", default=None)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-batches", default="256", help="batches of the --profile kernel tables")
+    ap.add_argument("--profile-stack", action="store_true", help="--profile: host operators by call site too")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (batch = prompts × n sequences)")
     ap.add_argument("--samplers", default="torch", help="torch,triton: the engine once per sampler")
     ap.add_argument("--decode-attention", default="auto",
@@ -355,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         for attention in args.decode_attention.split(","):
             for batch in [int(b) for b in args.profile_batches.split(",")]:
-                profile(batch, device=args.device, decode_attention=attention)
+                profile(batch, device=args.device, decode_attention=attention, stack=args.profile_stack)
 
 
 if __name__ == "__main__":
