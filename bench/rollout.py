@@ -60,7 +60,35 @@ VARIANTS = {
     "compact": dict(compact_slots=True),
     # inductor's Triton GEMM templates tuned per shape for the decode blocks (a compile mode; made per run)
     "autotune": dict(compiled=lambda: CompiledFunctions(mode="max-autotune-no-cudagraphs")),
+    # the layer back before session 21: the O projection's residual folded into cuBLAS addmm (a copy a layer)
+    "addmm-residual": dict(compiled=lambda: _AddmmResidual()),
 }
+
+
+def _addmm_residual_back(x, attn, lw, eps):
+    """``klppo.rollout.llama.attn_out_mlp`` as it was before session 21 (``x + linear``, which Inductor
+    folds into ``addmm`` with ``x`` as C on CUDA)."""
+    from klppo.rollout.llama import _mlp, rms_norm
+
+    x = x + torch.nn.functional.linear(attn, lw.o, lw.o_bias)
+    return x + _mlp(lw, rms_norm(x, lw.post_norm, eps))
+
+
+class _AddmmResidual(CompiledFunctions):
+    """The engine's compiled functions with :func:`_addmm_residual_back` as the layer back."""
+
+    def get(self, name):
+        if name == "attn_out_mlp":
+            with self._lock:
+                if name not in self._fns:
+                    from klppo.rollout.compiled import _batch_dynamic
+
+                    self._fns[name] = _batch_dynamic(
+                        torch.compile(_addmm_residual_back, backend=self.backend)
+                    )
+        return super().get(name)
+
+
 PROMPT, NEW = 256, 256
 
 

@@ -392,8 +392,14 @@ def attn_in(
 
 
 def attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
-    """Decode-step layer back: output projection, residual, norm, SwiGLU MLP, residual."""
-    x = x + F.linear(attn, lw.o, lw.o_bias)
+    """Decode-step layer back: output projection, residual, norm, SwiGLU MLP, residual.
+
+    The first residual is added in float32 and rounded once — what ``x + y`` computes for bf16/fp16 in
+    eager — written so that Inductor does not fold it into cuBLAS ``addmm`` with ``x`` as its C matrix,
+    which copies ``x`` into the output first (one device copy per layer, bench/RESULTS.md session 21); the
+    add then fuses into the norm kernel that reads its result anyway."""
+    y = F.linear(attn, lw.o, lw.o_bias)
+    x = (x.float() + y.float()).to(x.dtype)
     return x + _mlp(lw, rms_norm(x, lw.post_norm, eps))
 
 
