@@ -243,10 +243,12 @@ class TrainedRole:
         """Whether the optimizer step decides the skip on the device: torch's fused Adam/AdamW read a
         ``found_inf`` tensor (GradScaler's protocol) and leave the parameters, moments and step count
         untouched when it is 1, so no host read of the gradient norm is needed per mini-batch — the host
-        goes on to the next mini-batch while the device finishes this one."""
+        goes on to the next mini-batch while the device finishes this one. Not other fused optimizers: torch's
+        SGD with momentum stores uninitialised momentum buffers when its first step is skipped."""
         opt = self.optimizer
         return (
             self.skip_on_device
+            and isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
             and getattr(opt, "_step_supports_amp_scaling", False)
             and all(group.get("fused") for group in opt.param_groups)
         )

@@ -23,6 +23,7 @@ from tree_compare import assert_same  # noqa: E402
 from klppo.models.tiny import build_tiny_model  # noqa: E402
 from klppo.parallel.plain import plain_model  # noqa: E402
 from klppo.roles.actor import Actor  # noqa: E402
+from klppo.roles.optim import OptimSettings  # noqa: E402
 
 FUSED = dataclasses.replace(W.OPTIM, extra=(("fused", True),))
 SKIPPED_CALLS = (W.NAN_CALL, W.INF_CALL)
@@ -80,3 +81,13 @@ def test_fused_adamw_on_cuda_skips_with_found_inf():
     p.grad = torch.ones_like(p)
     opt.step()
     assert opt.state[p]["step"].item() == 1 and (p.detach() < 1).all()
+
+
+def test_fused_sgd_keeps_the_host_decision():
+    """torch's fused SGD takes ``found_inf`` too, but a skipped first step stores its momentum buffers
+    uninitialised (``torch.empty_like``) and the next step reads them: only Adam/AdamW skip on the device."""
+    model = build_tiny_model(seed=0)
+    sgd = OptimSettings(lr=0.1, optimizer="SGD", extra=(("fused", True), ("momentum", 0.9)))
+    actor = Actor(model, W.actor_settings(1), sgd, masters=plain_model(model, W.SETTINGS))
+    assert actor.optimizer._step_supports_amp_scaling
+    assert not actor._skips_on_device()

@@ -4,11 +4,13 @@ host leaves the phase at once)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
 import torch
 
+from klppo.trainer import timer as timer_module
 from klppo.trainer.timer import PhaseOutOfMemory, PhaseTimer
 
 
@@ -23,6 +25,38 @@ def test_host_clock_off_cuda_sums_repeated_phases():
     assert first["timing_s/reward"] >= 0.03
     assert first["timing_s/step"] >= first["timing_s/reward"]
     assert timer.metrics() == first  # read twice (the trainer does): the same figures
+
+
+class _Event:
+    """The part of a CUDA event the timer uses; ``ms``: its time on the device's timeline."""
+
+    def __init__(self, ms: float, synced: list) -> None:
+        self.ms, self.synced = ms, synced
+
+    def synchronize(self) -> None:
+        self.synced.append(self.ms)
+
+    def elapsed_time(self, end: _Event) -> float:
+        return end.ms - self.ms
+
+
+def test_cuda_events_summed_once_without_a_gpu(monkeypatch):
+    """The CUDA path's bookkeeping on any machine (events faked, one per edge 1 ms apart; a synchronisation
+    at an edge would raise without CUDA): repeated phases summed, nesting, and a second ``metrics()`` (the
+    trainer reads it twice) the same figures, not the events counted again."""
+    ticks, synced = iter(range(100)), []
+    monkeypatch.setattr(PhaseTimer, "_event", lambda self: _Event(float(next(ticks)), synced))
+    monkeypatch.setattr(timer_module, "_ranges", lambda name, device: contextlib.nullcontext())
+    timer = PhaseTimer(torch.device("cuda"))
+    with timer.phase("step"):  # events 0 and 5
+        with timer.phase("reward"):  # 1, 2
+            pass
+        with timer.phase("reward"):  # 3, 4
+            pass
+    assert not synced  # nothing waited for the device at the edges
+    first = timer.metrics()
+    assert first == pytest.approx({"timing_s/reward": 0.002, "timing_s/step": 0.005})
+    assert timer.metrics() == first
 
 
 def test_out_of_memory_names_the_phase():
