@@ -222,7 +222,7 @@ class TrainedRole:
             )
         else:
             norm = self.masters.clip_grad_norm_(self.update.grad_clip)
-        if self._skips_on_device():
+        if self._skips_on_device(finite.device):
             self._step_on_device(norm, finite)
             acc.merge(local)
             acc.add({f"{self.name}/grad_norm": norm})
@@ -239,18 +239,22 @@ class TrainedRole:
         self.num_skipped_updates += 1
         return False
 
-    def _skips_on_device(self) -> bool:
+    def _skips_on_device(self, device: torch.device) -> bool:
         """Whether the optimizer step decides the skip on the device: torch's fused Adam/AdamW read a
         ``found_inf`` tensor (GradScaler's protocol) and leave the parameters, moments and step count
         untouched when it is 1, so no host read of the gradient norm is needed per mini-batch — the host
         goes on to the next mini-batch while the device finishes this one. Not other fused optimizers: torch's
-        SGD with momentum stores uninitialised momentum buffers when its first step is skipped."""
+        SGD with momentum stores uninitialised momentum buffers when its first step is skipped. Not with
+        parameters off ``device``, where the flag lives (FSDP2's CPU offload policy with a fused CPU AdamW
+        forced by ``override_optimizer_config``): torch copies the flag to the parameters' device without
+        waiting for the copy, and a CPU kernel could read it before it arrives."""
         opt = self.optimizer
         return (
             self.skip_on_device
             and isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
             and getattr(opt, "_step_supports_amp_scaling", False)
             and all(group.get("fused") for group in opt.param_groups)
+            and all(p.device == device for group in opt.param_groups for p in group["params"])
         )
 
     def _step_on_device(self, norm: torch.Tensor, finite: torch.Tensor) -> None:

@@ -26,17 +26,34 @@ from klppo.roles.actor import Actor  # noqa: E402
 from klppo.roles.optim import OptimSettings  # noqa: E402
 
 FUSED = dataclasses.replace(W.OPTIM, extra=(("fused", True),))
-SKIPPED_CALLS = (W.NAN_CALL, W.INF_CALL)
+INF_LOSS_CALL = (
+    4  # this call's losses are infinite by a constant, their gradients finite: skipped for the loss
+)
+SKIPPED_CALLS = (W.NAN_CALL, W.INF_CALL, INF_LOSS_CALL)
+CPU = torch.device("cpu")
+
+
+def _infinite_loss(actor: Actor):
+    """The actor's micro-batch loss plus an infinite constant (no gradient): the gradient norm stays finite."""
+    real = actor._micro_loss
+
+    def micro_loss(mb, *args):
+        (first, mode), *rest = (terms := real(mb, *args))[0]
+        return [(first + torch.tensor(float("inf")), mode), *rest], terms[1]
+
+    return micro_loss
 
 
 def _run(on_device: bool, monkeypatch) -> tuple[list[dict], list[dict], Actor]:
     monkeypatch.setattr(Actor, "skip_on_device", on_device)
     model = build_tiny_model(seed=0)
     actor = Actor(model, W.actor_settings(1), FUSED, masters=plain_model(model, W.SETTINGS))
-    assert actor._skips_on_device() == on_device
+    assert actor._skips_on_device(CPU) == on_device
     states = []
     calls = []
     for call in range(W.CALLS):
+        if call == INF_LOSS_CALL:
+            actor._micro_loss = _infinite_loss(actor)  # run_calls drops it after the update
         calls += W.run_calls(actor, range(call, call + 1), 0, 1)
         states.append(W.state(actor))
     return calls, states, actor
@@ -45,7 +62,7 @@ def _run(on_device: bool, monkeypatch) -> tuple[list[dict], list[dict], Actor]:
 def test_device_skip_equals_the_host_decision(monkeypatch):
     host_calls, host_states, host = _run(False, monkeypatch)
     dev_calls, dev_states, dev = _run(True, monkeypatch)
-    assert host.num_skipped_updates == dev.num_skipped_updates == 2
+    assert host.num_skipped_updates == dev.num_skipped_updates == 3
     for call, (h, d) in enumerate(zip(host_calls, dev_calls, strict=True)):
         assert_same(d["log_probs"], h["log_probs"])
         assert d["lr"] == h["lr"]
@@ -53,7 +70,8 @@ def test_device_skip_equals_the_host_decision(monkeypatch):
         if call in SKIPPED_CALLS:
             skipped = d["metrics"]["actor/num_skipped_updates"]
             assert skipped == h["metrics"]["actor/num_skipped_updates"]
-            assert not math.isfinite(d["metrics"]["actor/grad_norm"])
+            # a non-finite norm, or (the infinite-loss call) a finite norm with a non-finite loss
+            assert math.isfinite(d["metrics"]["actor/grad_norm"]) == (call == INF_LOSS_CALL)
         else:
             assert_same(d["metrics"], h["metrics"], nan_floats=True)
     # the skips did happen: the steps between the calls moved the weights, the skipped calls did not
@@ -65,7 +83,7 @@ def test_device_skip_equals_the_host_decision(monkeypatch):
 def test_non_fused_optimizers_keep_the_host_decision():
     model = build_tiny_model(seed=0)
     actor = Actor(model, W.actor_settings(1), W.OPTIM, masters=plain_model(model, W.SETTINGS))
-    assert not actor._skips_on_device()  # foreach AdamW (CPU default) takes no found_inf
+    assert not actor._skips_on_device(CPU)  # foreach AdamW (CPU default) takes no found_inf
 
 
 @pytest.mark.gpu
@@ -90,4 +108,13 @@ def test_fused_sgd_keeps_the_host_decision():
     sgd = OptimSettings(lr=0.1, optimizer="SGD", extra=(("fused", True), ("momentum", 0.9)))
     actor = Actor(model, W.actor_settings(1), sgd, masters=plain_model(model, W.SETTINGS))
     assert actor.optimizer._step_supports_amp_scaling
-    assert not actor._skips_on_device()
+    assert not actor._skips_on_device(CPU)
+
+
+def test_parameters_off_the_flags_device_keep_the_host_decision():
+    """Parameters on the CPU while the batch (and the flag) is on the GPU — FSDP2's CPU offload policy with
+    a fused AdamW forced: torch would copy the flag without waiting, so the host decides."""
+    model = build_tiny_model(seed=0)
+    actor = Actor(model, W.actor_settings(1), FUSED, masters=plain_model(model, W.SETTINGS))
+    assert actor._skips_on_device(CPU)
+    assert not actor._skips_on_device(torch.device("cuda", 0))
