@@ -61,6 +61,11 @@ _LOCAL_SHARD_CLASSES: dict[type, type] = {
 }
 
 
+def steps_on_local_shards(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step runs on the local shards (one of this module's classes)."""
+    return isinstance(optimizer, _LocalShardStep)
+
+
 def local_shard_class(cls: type) -> type:
     """The local-shard variant of optimizer class ``cls`` (torch's Adam, AdamW), else ``cls`` itself."""
     return _LOCAL_SHARD_CLASSES.get(cls, cls)

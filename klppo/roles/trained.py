@@ -27,11 +27,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from klppo.batch import Batch
 from klppo.batching.dynamic import micro_batch_loss_weight
 from klppo.parallel.collectives import all_reduce_sum_values, world_size
 from klppo.parallel.fsdp import clip_grad_norm_, fsdp_modules
+from klppo.parallel.local_shards import steps_on_local_shards
 from klppo.parallel.plain import MasterWeights
 from klppo.roles.forward import MicroBatching, iter_micro
 from klppo.roles.graphed import MicroGraphs, MicroParts, signature
@@ -247,7 +249,9 @@ class TrainedRole:
         SGD with momentum stores uninitialised momentum buffers when its first step is skipped. Not with
         parameters off ``device``, where the flag lives (FSDP2's CPU offload policy with a fused CPU AdamW
         forced by ``override_optimizer_config``): torch copies the flag to the parameters' device without
-        waiting for the copy, and a CPU kernel could read it before it arrives."""
+        waiting for the copy, and a CPU kernel could read it before it arrives. On DTensor parameters only
+        through the local-shard step (``fsdp_config.local_shard_optim``, the default), which runs torch's
+        kernel on plain local tensors; DTensor's own dispatch of the fused step with a flag is not used."""
         opt = self.optimizer
         return (
             self.skip_on_device
@@ -255,6 +259,10 @@ class TrainedRole:
             and getattr(opt, "_step_supports_amp_scaling", False)
             and all(group.get("fused") for group in opt.param_groups)
             and all(p.device == device for group in opt.param_groups for p in group["params"])
+            and (
+                steps_on_local_shards(opt)
+                or not any(isinstance(p, DTensor) for group in opt.param_groups for p in group["params"])
+            )
         )
 
     def _step_on_device(self, norm: torch.Tensor, finite: torch.Tensor) -> None:

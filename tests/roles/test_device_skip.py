@@ -118,3 +118,20 @@ def test_parameters_off_the_flags_device_keep_the_host_decision():
     actor = Actor(model, W.actor_settings(1), FUSED, masters=plain_model(model, W.SETTINGS))
     assert actor._skips_on_device(CPU)
     assert not actor._skips_on_device(torch.device("cuda", 0))
+
+
+def test_dtensor_parameters_skip_on_the_device_only_through_the_local_shard_step(monkeypatch):
+    """DTensor parameters (FSDP2): the device path only with the local-shard step, which runs torch's fused
+    kernel on plain local tensors; DTensor's own dispatch of the fused step with a flag is not relied on.
+    Every parameter stands in for a DTensor here (no process group needed)."""
+    from klppo.parallel.local_shards import LocalShardAdamW
+    from klppo.roles import trained
+
+    monkeypatch.setattr(trained, "DTensor", torch.nn.Parameter)
+    model = build_tiny_model(seed=0)
+    actor = Actor(model, W.actor_settings(1), FUSED, masters=plain_model(model, W.SETTINGS))
+    assert isinstance(actor.optimizer, LocalShardAdamW)  # the default (local_shard_optim)
+    assert actor._skips_on_device(CPU)
+    plain = Actor(build_tiny_model(seed=0), W.actor_settings(1), FUSED, masters=None)
+    plain.optimizer = torch.optim.AdamW(plain.model.parameters(), lr=1e-3, fused=True)
+    assert not plain._skips_on_device(CPU)
