@@ -129,8 +129,7 @@ class Actor(TrainedRole):
         def attempt(micro: MicroBatching) -> torch.Tensor:
             if s.sp is not None:  # Ulysses: the group's rows, split along the tokens (no shared plan)
                 return no_grad_pass(batch, micro, self._sp_log_probs, sp=s.sp)
-            served = plan is not None and plan.serves(micro, s.use_remove_padding)
-            use = plan if served else ForwardPlan.build(batch, micro, use_remove_padding=s.use_remove_padding)
+            use = ForwardPlan.reused_or_built(plan, batch, micro, use_remove_padding=s.use_remove_padding)
             return log_prob_pass(
                 self.model,
                 use,

@@ -197,6 +197,16 @@ class ForwardPlan:
     def serves(self, micro: MicroBatching, use_remove_padding: bool) -> bool:
         return self.micro == micro and self.use_remove_padding == use_remove_padding
 
+    @classmethod
+    def reused_or_built(
+        cls, plan: ForwardPlan | None, batch: Batch, micro: MicroBatching, *, use_remove_padding: bool
+    ) -> ForwardPlan:
+        """``plan`` when it has this micro-batching and padding removal (another pass's, over the same
+        ``batch``), else a plan built for them."""
+        if plan is not None and plan.serves(micro, use_remove_padding):
+            return plan
+        return cls.build(batch, micro, use_remove_padding=use_remove_padding)
+
 
 def log_prob_pass(
     model: torch.nn.Module,

@@ -70,15 +70,13 @@ class Reference:
     def compute_ref_log_prob(self, batch: Batch, *, plan: ForwardPlan | None = None) -> torch.Tensor:
         """Reference log-probs [B,R] (no gradient), over ``plan`` (e.g. the actor's old-log-prob plan) when
         it has this role's micro-batching and padding removal."""
-        rmpad = self.use_remove_padding
 
         def attempt(micro: MicroBatching) -> torch.Tensor:
             if self.sp is not None:
                 with self._context():
                     self.model.eval()
                     return no_grad_pass(batch, micro, self._sp_log_probs, sp=self.sp)
-            served = plan is not None and plan.serves(micro, rmpad)
-            use = plan if served else ForwardPlan.build(batch, micro, use_remove_padding=rmpad)
+            use = ForwardPlan.reused_or_built(plan, batch, micro, use_remove_padding=self.use_remove_padding)
             with self._context():
                 self.model.eval()
                 return log_prob_pass(
