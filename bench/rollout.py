@@ -77,16 +77,7 @@ def _addmm_residual_back(x, attn, lw, eps):
 class _AddmmResidual(CompiledFunctions):
     """The engine's compiled functions with :func:`_addmm_residual_back` as the layer back."""
 
-    def get(self, name):
-        if name == "attn_out_mlp":
-            with self._lock:
-                if name not in self._fns:
-                    from klppo.rollout.compiled import _batch_dynamic
-
-                    self._fns[name] = _batch_dynamic(
-                        torch.compile(_addmm_residual_back, backend=self.backend)
-                    )
-        return super().get(name)
+    functions = {**CompiledFunctions.functions, "attn_out_mlp": _addmm_residual_back}
 
 
 PROMPT, NEW = 256, 256

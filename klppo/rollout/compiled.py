@@ -68,8 +68,11 @@ class CompiledFunctions:
     inductor's default; e.g. ``"max-autotune-no-cudagraphs"``: Triton GEMM templates tuned per shape — the
     engine captures its own CUDA graphs, so never a mode that adds them). Engines given the same object
     share its wrappers; with the default backend and mode, dynamo's own cache also serves a second object's
-    calls without compiling again.
+    calls without compiling again. ``functions`` (class attribute): what is compiled, by name (a subclass
+    may replace one, e.g. ``bench/rollout.py``'s variants).
     """
+
+    functions: dict[str, Callable] = FUNCTIONS
 
     def __init__(self, *, backend: Any = "inductor", mode: str | None = None) -> None:
         if mode in ("reduce-overhead", "max-autotune"):  # the modes that capture CUDA graphs themselves
@@ -85,10 +88,10 @@ class CompiledFunctions:
         self._thread: threading.Thread | None = None
 
     def get(self, name: str) -> Callable:
-        """The compiled version of ``FUNCTIONS[name]`` (made on first use)."""
+        """The compiled version of ``functions[name]`` (made on first use)."""
         with self._lock:
             if name not in self._fns:
-                compiled = torch.compile(FUNCTIONS[name], backend=self.backend, mode=self.mode)
+                compiled = torch.compile(self.functions[name], backend=self.backend, mode=self.mode)
                 self._fns[name] = _batch_dynamic(compiled)
             return self._fns[name]
 
