@@ -23,7 +23,6 @@ import dataclasses
 import itertools
 import json
 import sys
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -174,10 +173,6 @@ def timed(fn) -> float:
 
 
 def mlp_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
-    tm = SimpleNamespace(
-        silu_mul_down_reference=silu_mul_down_reference, silu_mul_down_triton=silu_mul_down_triton,
-        choose_tiles=choose_tiles, Tiles=Tiles,
-    )  # fmt: skip
     hidden, _, _, _, inner = SHAPES[shape]
     dev, dt = "cuda", torch.bfloat16
     gu = torch.randn(batch, 2 * inner, device=dev, dtype=dt)
@@ -191,21 +186,21 @@ def mlp_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     compiled = torch.compile(tail)
     torch._dynamo.maybe_mark_dynamic(gu, 0)
     torch._dynamo.maybe_mark_dynamic(res, 0)
-    ref = tm.silu_mul_down_reference(gu, w, res)
-    err = (tm.silu_mul_down_triton(gu, w, res).float() - ref.float()).abs().max().item()
+    ref = silu_mul_down_reference(gu, w, res)
+    err = (silu_mul_down_triton(gu, w, res).float() - ref.float()).abs().max().item()
     floor = (gu.numel() + w.numel() + 2 * res.numel()) * 2 / HBM * 1e6
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     base = dict(part="mlp", shape=shape, batch=batch, floor_us=round(floor, 2), max_abs_err_vs_reference=err)
     rows = [dict(base, impl="inductor (engine today)", us=round(timed(lambda: compiled(gu, w, res)), 2)),
             dict(base, impl="eager torch", us=round(timed(lambda: tail(gu, w, res)), 2)),
-            dict(base, impl=f"triton {tm.choose_tiles(batch, hidden, inner, sms)}",
-                 us=round(timed(lambda: tm.silu_mul_down_triton(gu, w, res)), 2))]  # fmt: skip
+            dict(base, impl=f"triton {choose_tiles(batch, hidden, inner, sms)}",
+                 us=round(timed(lambda: silu_mul_down_triton(gu, w, res)), 2))]  # fmt: skip
     if sweep:
         found = []
         for bm, bn, bk, sp, ns in itertools.product((16, 32, 64), (64, 128), (64, 128), (1, 2, 4, 8), (3, 4)):
-            tiles = tm.Tiles(bm, bn, bk, sp, 4, ns)
+            tiles = Tiles(bm, bn, bk, sp, 4, ns)
             try:
-                found.append((timed(lambda t=tiles: tm.silu_mul_down_triton(gu, w, res, tiles=t)), tiles))
+                found.append((timed(lambda t=tiles: silu_mul_down_triton(gu, w, res, tiles=t)), tiles))
             except Exception as e:  # noqa: BLE001  a configuration out of resources is skipped
                 print(f"skip {tiles}: {type(e).__name__}", file=sys.stderr)
         for us, tiles in sorted(found, key=lambda f: f[0])[:5]:
