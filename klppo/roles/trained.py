@@ -224,13 +224,12 @@ class TrainedRole:
             )
         else:
             norm = self.masters.clip_grad_norm_(self.update.grad_clip)
+        acc.merge(local)
         if self._skips_on_device(finite.device):
             self._step_on_device(norm, finite)
-            acc.merge(local)
             acc.add({f"{self.name}/grad_norm": norm})
             return True
         grad_norm, all_finite = _host_floats(norm, finite)
-        acc.merge(local)
         acc.add({f"{self.name}/grad_norm": grad_norm})
         if all_finite and math.isfinite(grad_norm):
             self.optimizer.step()
@@ -253,15 +252,16 @@ class TrainedRole:
         through the local-shard step (``fsdp_config.local_shard_optim``, the default), which runs torch's
         kernel on plain local tensors; DTensor's own dispatch of the fused step with a flag is not used."""
         opt = self.optimizer
+        local = steps_on_local_shards(opt)
         return (
             self.skip_on_device
             and isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
             and getattr(opt, "_step_supports_amp_scaling", False)
             and all(group.get("fused") for group in opt.param_groups)
-            and all(p.device == device for group in opt.param_groups for p in group["params"])
-            and (
-                steps_on_local_shards(opt)
-                or not any(isinstance(p, DTensor) for group in opt.param_groups for p in group["params"])
+            and all(
+                p.device == device and (local or not isinstance(p, DTensor))
+                for group in opt.param_groups
+                for p in group["params"]
             )
         )
 
