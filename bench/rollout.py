@@ -15,7 +15,8 @@ correctness checks: fp32 greedy vs hf, bf16 greedy token match rate, bf16 log-pr
 forward, seeded reproducibility with graphs, bf16 flash vs masked-SDPA decode. ``--variants`` re-runs the
 engine at ``--compile-batch`` with one optimisation off (ablation, with the last of ``--samplers``;
 ``autotune``: the decode blocks compiled in inductor's ``max-autotune-no-cudagraphs`` mode, Triton GEMM
-templates tuned per shape); ``--old-engine`` times another
+templates tuned per shape; ``rope-outside``: RoPE in the compiled layer front and the unsplit layers, the
+engine before session 22; ``same``: the default engine again, to see the order's effect); ``--old-engine`` times another
 ``KLPPORollout`` class (e.g. a copy of a previous commit's package) in the same process; ``--profile``
 prints the CUDA kernel-time table of a few eager (graph-less) decode steps. ``--samplers`` times the
 engine once per sampler (``KLPPORollout(sampler=...)``: ``torch``, the default path, rows ``klppo-*``;
@@ -62,6 +63,9 @@ VARIANTS = {
     "autotune": dict(compiled=lambda: CompiledFunctions(mode="max-autotune-no-cudagraphs")),
     # the layer back before session 21: the O projection's residual folded into cuBLAS addmm (a copy a layer)
     "addmm-residual": dict(compiled=lambda: _AddmmResidual()),
+    # the unsplit layers with RoPE in the compiled front (before session 22; an engine attribute)
+    "rope-outside": dict(_attributes=dict(rope_in_attention=False)),
+    "same": dict(),  # the default engine again: after another variant, the order's effect shows
 }
 
 
@@ -190,7 +194,10 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
                     "sampler": sampler,
                     **{k: v() if callable(v) else v for k, v in VARIANTS[name].items()},
                 }
+                attributes = options.pop("_attributes", {})
                 engine = make_rollout("klppo", **kw, **options)
+                for attribute, value in attributes.items():
+                    setattr(engine, attribute, value)
                 row = f"klppo-{name}" if sampler == "torch" else f"klppo-{sampler}-{name}"
                 run_klppo(engine, row, shape, model, prompts, mask, params, emit)
         if torch.cuda.is_available():

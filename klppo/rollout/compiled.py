@@ -1,8 +1,10 @@
 """The engine's compiled decode functions, and their compilation in the background during start-up.
 
-Three functions are compiled (``torch.compile``, batch dimension dynamic: one graph serves every batch
-size from 2, and batch 1 has its own): the two per-layer blocks of a decode step (``attn_in``, ``attn_out_mlp``) and the
-untruncated sampler (one graph per temperature; greedy decoding runs it eagerly). They live on a
+The functions compiled (``torch.compile``, batch dimension dynamic: one graph serves every batch size
+from 2, and batch 1 has its own): the per-layer blocks of a decode step — ``attn_in`` and
+``attn_out_mlp``, or with the Triton attention the split layers ``attn_in_qkv``, ``attn_out_mlp_split``
+and ``final_norm`` (:func:`klppo.rollout.llama.decode_rope_in_attention`) — and the untruncated sampler
+(one graph per temperature; greedy decoding runs it eagerly). They live on a
 :class:`CompiledFunctions` object, no module state: the trainer's set-up creates one and hands it to the
 engine (``KLPPORollout(compiled=...)``); an engine given none makes its own. With the default backend, dynamo's cache (keyed on the functions' code) serves
 every object of the process, so a compilation done once serves all engines.
@@ -49,7 +51,15 @@ from transformers import AutoModelForCausalLM
 from klppo.models.flops import attention_dims
 from klppo.models.gguf import klppo_cache_dir
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
-from klppo.rollout.llama import LayerWeights, attn_in, attn_out_mlp, unsupported_reason
+from klppo.rollout.llama import (
+    LayerWeights,
+    attn_in,
+    attn_in_qkv,
+    attn_out_mlp,
+    attn_out_mlp_split,
+    final_norm,
+    unsupported_reason,
+)
 from klppo.rollout.sampling import sample_untruncated
 
 logger = logging.getLogger(__name__)
@@ -57,6 +67,9 @@ logger = logging.getLogger(__name__)
 FUNCTIONS: dict[str, Callable] = {
     "attn_in": attn_in,
     "attn_out_mlp": attn_out_mlp,
+    "attn_in_qkv": attn_in_qkv,  # the split layers (llama.decode_rope_in_attention), Triton attention
+    "attn_out_mlp_split": attn_out_mlp_split,
+    "final_norm": final_norm,
     "sample": sample_untruncated,
 }
 
@@ -104,10 +117,13 @@ class CompiledFunctions:
         temperatures: Iterable[float] = (1.0,),
         fuse_projections: bool = True,
         fp32_logits: bool = True,
+        split_layers: bool = False,
     ) -> threading.Thread | None:
         """Compile the decode functions for a model of Hugging Face ``config`` (see the module docstring).
 
         ``temperatures``: the sampling temperatures the rollout will use (greedy decoding needs no graph).
+        ``split_layers``: the layer functions of the Triton attention with RoPE inside
+        (``attn_in_qkv``, ``attn_out_mlp_split``, ``final_norm``) instead of ``attn_in``/``attn_out_mlp``.
         Returns the thread (None when the engine cannot run this config: nothing to compile).
         """
         self.wait()
@@ -119,7 +135,8 @@ class CompiledFunctions:
         layer = _meta_layer(config, dtype)
         if layer is None:
             return None
-        args = (config, layer, device, tuple(float(t) for t in temperatures), fuse_projections, fp32_logits)
+        flags = (fuse_projections, fp32_logits, split_layers)
+        args = (config, layer, device, tuple(float(t) for t in temperatures), flags)
         self._thread = threading.Thread(
             target=self._precompile, args=args, name="klppo-precompile", daemon=True
         )
@@ -133,13 +150,13 @@ class CompiledFunctions:
             thread.join()
             self._thread = None
 
-    def _precompile(self, config, layer, device, temperatures, fuse_projections, fp32_logits) -> None:
+    def _precompile(self, config, layer, device, temperatures, flags) -> None:
         start = time.perf_counter()
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             with torch.no_grad():
-                _run_once(self, config, layer, device, temperatures, fuse_projections, fp32_logits)
+                _run_once(self, config, layer, device, temperatures, *flags)
             self.last_precompile_s = time.perf_counter() - start
             logger.info("rollout decode functions pre-compiled in %.1f s", self.last_precompile_s)
         except Exception as err:  # the first generate compiles instead; say why this did not
@@ -229,7 +246,14 @@ def _meta_layer(config: Any, dtype: torch.dtype) -> LayerWeights | None:
 
 
 def _run_once(
-    fns: CompiledFunctions, config, layer: LayerWeights, device, temperatures, fuse_projections, fp32_logits
+    fns: CompiledFunctions,
+    config,
+    layer: LayerWeights,
+    device,
+    temperatures,
+    fuse_projections: bool,
+    fp32_logits: bool,
+    split_layers: bool = False,
 ) -> None:
     """Call each compiled function once with the rollout's shapes, dtypes and flags (values irrelevant)."""
     lw = layer.allocated_like(device)
@@ -244,9 +268,15 @@ def _run_once(
         cos, sin = (torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))  # not aliased
         attn = torch.zeros(batch, num_heads * head_dim, dtype=dtype, device=device)
         logits = torch.zeros(batch, config.vocab_size, dtype=logits_dtype, device=device)
+        spec = (num_heads, num_kv_heads, head_dim, eps)
+        if split_layers:  # the first layer's front (no MLP output yet) is a graph of its own
+            m = torch.zeros_like(x)
+            layers = [("attn_in_qkv", (x, None, lw, spec)), ("attn_in_qkv", (x, m, lw, spec)),
+                      ("attn_out_mlp_split", (x, attn, lw, eps)), ("final_norm", (x, m, (lw.input_norm, eps)))]  # fmt: skip
+        else:
+            layers = [("attn_in", (x, lw, cos, sin, spec)), ("attn_out_mlp", (x, attn, lw, eps))]
         calls = [
-            ("attn_in", (x, lw, cos, sin, (num_heads, num_kv_heads, head_dim, eps))),
-            ("attn_out_mlp", (x, attn, lw, eps)),
+            *layers,
             *[("sample", (logits, t, False)) for t in dict.fromkeys(temperatures)],  # greedy: not compiled
         ]
         for name, args in calls:

@@ -54,7 +54,14 @@ from klppo.rollout import triton_attention
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.hf import HFRollout
-from klppo.rollout.llama import LlamaWeights, attn_in, attn_out_mlp, layer_back, unsupported_reason
+from klppo.rollout.llama import (
+    SPLIT_LAYER_FNS,
+    LlamaWeights,
+    attn_in,
+    attn_out_mlp,
+    layer_back,
+    unsupported_reason,
+)
 from klppo.rollout.sampling import is_untruncated, sample, sample_untruncated, vocab_parallel_sampler
 from klppo.rollout.scheduler import SlotScheduler
 from klppo.rollout.steps import Call, assemble_output, decode_step, move_slots, prefill_chunk
@@ -64,11 +71,23 @@ from klppo.rollout.triton_sampling import supports as triton_supports
 from klppo.rollout.workspace import CacheBudget, Workspace, num_slots
 
 DECODE_ATTENTION = ("auto", "flash", "flash-plain", "sdpa", "triton")
+SPLIT_LAYER_NAMES = (
+    "attn_in_qkv",
+    "attn_out_mlp_split",
+    "final_norm",
+)  # CompiledFunctions names of SPLIT_LAYER_FNS
 SAMPLERS = ("torch", "triton", "auto")
 
 
 class KLPPORollout:
-    """Our engine (see the module docstring). Each output's ``stats`` reports that call's figures."""
+    """Our engine (see the module docstring). Each output's ``stats`` reports that call's figures.
+
+    ``rope_in_attention`` (class attribute, a bench switch): with the Triton attention and no tensor
+    parallelism, decode on split layers whose attention kernel applies RoPE
+    (:func:`klppo.rollout.llama.decode_rope_in_attention`); False: the rotations in the compiled front and
+    the unsplit back (the engine before session 22)."""
+
+    rope_in_attention = True
 
     def __init__(
         self,
@@ -294,14 +313,31 @@ class KLPPORollout:
     def _decode_step(self, call: Call, bucket: int) -> Callable[[], None]:
         """One eager decode step on slots [0, bucket) (:func:`~klppo.rollout.steps.decode_step`) with this
         engine's layer functions, attention and sampler."""
-        layer_fns = (attn_in, attn_out_mlp)
+        flash = self._use_flash(call.ws.kv)
+        if flash == "triton" and call.w.tp is None and self.rope_in_attention:
+            flash = "triton-rope"
+        names = SPLIT_LAYER_NAMES if flash == "triton-rope" else ("attn_in", "attn_out_mlp")
+        layer_fns = SPLIT_LAYER_FNS if flash == "triton-rope" else (attn_in, attn_out_mlp)
         if self._compiles(call.cuda):
-            layer_fns = (self.compiled.get("attn_in"), self.compiled.get("attn_out_mlp"))
+            layer_fns = tuple(self.compiled.get(name) for name in names)
         if call.w.tp is not None:  # the row-parallel all-reduces run eagerly (captured in the graph on CUDA)
             layer_fns = (layer_fns[0], layer_back(call.w))
-        flash = self._use_flash(call.ws.kv)
         sampler = self._sampler(call.params, call.cuda, call.w)
         return decode_step(call, bucket, layer_fns, flash, sampler, self.fp32_logits)
+
+    @classmethod
+    def decodes_split(
+        cls, decode_attention: str, device: torch.device, dtype: torch.dtype, tensor_parallel: bool
+    ) -> bool:
+        """Whether an engine with ``decode_attention`` decodes a ``dtype`` cache on ``device`` on the split
+        layers (``flash="triton-rope"`` in :meth:`_decode_step`): what the background pre-compile makes."""
+        device = torch.device(device)
+        ok = (
+            device.type == "cuda"
+            and dtype in (torch.bfloat16, torch.float16)
+            and triton_attention.available(device)
+        )
+        return cls.rope_in_attention and ok and not tensor_parallel and decode_attention in ("auto", "triton")
 
     def _use_flash(self, kv: torch.Tensor) -> str | None:
         """The ``flash`` argument of ``decode``: "packed", "plain", "triton" or None (masked SDPA)."""

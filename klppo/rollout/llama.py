@@ -391,6 +391,67 @@ def attn_in(
     return apply_rope(q, cos, sin), torch.stack((apply_rope(k, cos, sin), v))
 
 
+def attn_in_qkv(
+    x: torch.Tensor,
+    m: torch.Tensor | None,
+    lw: LayerWeights,
+    spec: tuple[int, int, int, float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer front of the split decode layers (``decode(flash="triton-rope")``): the previous layer's MLP
+    output ``m`` added to the residual ``x`` (None: the first layer), norm, q/k/v, Qwen3's q/k norms — no
+    RoPE, which the attention kernel applies. ``spec`` = (H, H_kv, D, eps).
+
+    x, m [T, hidden] → (x + m [T, hidden], qkv [T, (H + 2·H_kv)·D]: q, k, v side by side, unrotated).
+    The add is :func:`residual_add`, so it fuses into the norm kernel that reads its result."""
+    num_heads, num_kv_heads, head_dim, eps = spec
+    num_tokens = x.shape[0]
+    if m is not None:
+        x = residual_add(x, m)
+    h = rms_norm(x, lw.input_norm, eps)
+    if lw.qkv is not None:
+        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+    else:
+        qkv = torch.cat(
+            [F.linear(h, lw.q, lw.q_bias), F.linear(h, lw.k, lw.k_bias), F.linear(h, lw.v, lw.v_bias)], -1
+        )
+    if lw.q_norm is None and lw.k_norm is None:
+        return x, qkv
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    if lw.q_norm is not None:
+        q = rms_norm(q.reshape(num_tokens, num_heads, head_dim), lw.q_norm, eps).reshape(num_tokens, -1)
+    if lw.k_norm is not None:
+        k = rms_norm(k.reshape(num_tokens, num_kv_heads, head_dim), lw.k_norm, eps).reshape(num_tokens, -1)
+    return x, torch.cat([q, k, v], dim=-1)
+
+
+def attn_out_mlp_split(
+    x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer back of the split decode layers: ``attn_out_mlp`` without its last residual add —
+    (x + o(attn), mlp(norm(·))), whose sum is the layer's output, added by the next layer's front
+    (:func:`attn_in_qkv`) or by :func:`final_norm`. Inductor would otherwise fold that add into cuBLAS
+    ``addmm`` with the residual as C, which copies it into the output first (a device copy per layer)."""
+    x = residual_add(x, F.linear(attn, lw.o, lw.o_bias))
+    return x, _mlp(lw, rms_norm(x, lw.post_norm, eps))
+
+
+def final_norm(
+    x: torch.Tensor, m: torch.Tensor | None, weight_eps: tuple[torch.Tensor, float]
+) -> torch.Tensor:
+    """The last layer's output ``x + m`` (:func:`residual_add`) through the final RMSNorm; ``weight_eps`` =
+    (its weight, eps), in a tuple so that the weight's first dimension is not marked as a batch dimension
+    (:func:`klppo.rollout.compiled._batch_dynamic` marks the top-level tensor arguments)."""
+    weight, eps = weight_eps
+    return rms_norm(x if m is None else residual_add(x, m), weight, eps)
+
+
+def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + y`` computed in float32 and rounded once — bit for bit what ``x + y`` computes for bf16/fp16
+    in eager — written so that Inductor fuses it into the kernel that reads the sum instead of folding it
+    into a cuBLAS ``addmm`` with ``x`` as C (bench/RESULTS.md, session 21)."""
+    return (x.float() + y.float()).to(x.dtype)
+
+
 def attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
     """Decode-step layer back: output projection, residual, norm, SwiGLU MLP, residual.
 
@@ -398,8 +459,7 @@ def attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: flo
     eager — written so that Inductor does not fold it into cuBLAS ``addmm`` with ``x`` as its C matrix,
     which copies ``x`` into the output first (one device copy per layer, bench/RESULTS.md session 21); the
     add then fuses into the norm kernel that reads its result anyway."""
-    y = F.linear(attn, lw.o, lw.o_bias)
-    x = (x.float() + y.float()).to(x.dtype)
+    x = residual_add(x, F.linear(attn, lw.o, lw.o_bias))
     return x + _mlp(lw, rms_norm(x, lw.post_norm, eps))
 
 
@@ -462,7 +522,10 @@ def decode(
     :mod:`klppo.rollout.triton_attention`, which also do the cache write (their torch reference off CUDA);
     None: SDPA over the whole length ``S`` with a mask.
     ``layer_fns`` may be compiled versions of (``attn_in``, ``attn_out_mlp``). Logits: see ``logits_of``.
+    "triton-rope": the split layers of :func:`decode_rope_in_attention` (``layer_fns`` then its three).
     """
+    if flash == "triton-rope":
+        return decode_rope_in_attention(w, kv, tokens, positions, layer_fns, fp32_logits)
     front, back = layer_fns
     num_slots = tokens.shape[0]
     x = embed_tokens(w, tokens)
@@ -474,6 +537,41 @@ def decode(
         attn = attend(i, q, kv_new)
         x = back(x, attn.reshape(num_slots, -1), lw, w.eps)
     return logits_of(w, rms_norm(x, w.final_norm, w.eps), fp32_logits)
+
+
+SPLIT_LAYER_FNS = (attn_in_qkv, attn_out_mlp_split, final_norm)
+
+
+def decode_rope_in_attention(
+    w: LlamaWeights,
+    kv: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    layer_fns: tuple = SPLIT_LAYER_FNS,
+    fp32_logits: bool = False,
+) -> torch.Tensor:
+    """``decode`` with the split-KV attention kernels applying RoPE and writing the cache, on split layers:
+    the front (:func:`attn_in_qkv`) hands the unrotated q/k/v projection to the kernel, and each layer's
+    MLP output goes to the next layer's front (or :func:`final_norm`) to be added to the residual there —
+    two kernels (the rotations) and a device copy (the residual in ``addmm``) fewer per layer than
+    ``flash="triton"``; the same arithmetic as eager (the residual adds) and as the compiled unsplit
+    layers (the rotations, in float32, rounded once). ``layer_fns``: (front, back, final) or compiled
+    versions. Not for tensor-parallel slices (the unsplit back all-reduces)."""
+    front, back, final = layer_fns
+    num_slots = tokens.shape[0]
+    heads, kv_heads, head_dim = w.num_heads, w.num_kv_heads, w.head_dim
+    x = embed_tokens(w, tokens)
+    rope = rope_cos_sin(w, positions, x.dtype)
+    splits = triton_attention.device_splits(positions.device, num_slots, kv_heads, kv.shape[3])
+    spec = (heads, kv_heads, head_dim, w.eps)
+    m = None
+    for i, lw in enumerate(w.layers):
+        x, qkv = front(x, m, lw, spec)
+        q = qkv[:, : heads * head_dim].view(num_slots, heads, head_dim)
+        kv_new = qkv[:, heads * head_dim :].view(num_slots, 2, kv_heads, head_dim).transpose(0, 1)
+        attn = triton_attention.decode_attention(q, kv_new, kv[i], positions, splits=splits, rope=rope)
+        x, m = back(x, attn.reshape(num_slots, -1), lw, w.eps)
+    return logits_of(w, final(x, m, (w.final_norm, w.eps)), fp32_logits)
 
 
 def _decode_attention(w: LlamaWeights, kv: torch.Tensor, positions: torch.Tensor, flash: str | None):

@@ -5,6 +5,9 @@ The contract (one layer, one new token per slot, slots ``0..B-1``), shared by th
 
 - ``cache`` [2, num_slots, S, H_kv, D] (one layer of the engine's ``kv``): K and V of the new token,
   ``kv_new`` [2, B, H_kv, D], are written at ``cache[:, b, positions[b]]``;
+- with ``rope`` = (``cos``, ``sin``) [B, D], ``q`` and the new K are first rotated (RoPE, Hugging Face's
+  rotate-half convention) in float32 and rounded once to their dtype — what the compiled layer front
+  computed before it moved here (:func:`rope_reference`); without it they arrive rotated;
 - then each query head ``h`` of ``q`` [B, H, D] attends, with scale ``1/sqrt(D)``, to its KV head
   ``h // (H / H_kv)`` over cache positions ``0..positions[b]`` (inclusive, the new token too); the result
   [B, H, D] has ``q``'s dtype, computed in float32.
@@ -53,17 +56,35 @@ def decode_attention(
     positions: torch.Tensor,
     *,
     splits: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The contract of the module docstring: the kernels where they run, else the torch reference."""
     if available(q.device):
-        return decode_attention_triton(q, kv_new, cache, positions, splits=splits)
-    return decode_attention_reference(q, kv_new, cache, positions)
+        return decode_attention_triton(q, kv_new, cache, positions, splits=splits, rope=rope)
+    return decode_attention_reference(q, kv_new, cache, positions, rope=rope)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, H, D] rotated by ``cos``/``sin`` [B, D] (rotate-half), in float32, rounded once to ``x``'s dtype."""
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    return (x32 * cos.float()[:, None, :] + rotated * sin.float()[:, None, :]).to(x.dtype)
 
 
 def decode_attention_reference(
-    q: torch.Tensor, kv_new: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor
+    q: torch.Tensor,
+    kv_new: torch.Tensor,
+    cache: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Pure torch (module docstring): write ``kv_new`` at ``positions``, then masked softmax in float32."""
+    """Pure torch (module docstring): rotate (``rope``), write ``kv_new`` at ``positions``, then masked
+    softmax in float32."""
+    if rope is not None:
+        q = rope_reference(q, *rope)
+        kv_new = torch.stack((rope_reference(kv_new[0], *rope), kv_new[1]))
     batch, num_heads, head_dim = q.shape
     max_len, num_kv_heads = cache.shape[2], cache.shape[3]
     slots = torch.arange(batch, device=q.device)
@@ -102,10 +123,13 @@ def decode_attention_triton(
     block_n: int = BLOCK_N,
     num_warps: int = 4,
     num_stages: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The kernels (module docstring); ``splits`` overrides :func:`num_splits` (tests); ``block_n``,
     ``num_warps``, ``num_stages``: the launch configuration (benchmarks; None: Triton's default stages)."""
     batch, num_heads, head_dim = q.shape
+    if rope is not None and head_dim % 2:
+        raise ValueError(f"decode attention's RoPE needs an even head dimension, got {head_dim}")
     max_len, num_kv_heads = cache.shape[2], cache.shape[3]
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -121,10 +145,13 @@ def decode_attention_triton(
     if splits > 1:
         part = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    cos, sin = rope if rope is not None else (q, q)  # unused without rope
+    if rope is not None and (cos.stride() != (head_dim, 1) or sin.stride() != (head_dim, 1)):
+        cos, sin = cos.contiguous(), sin.contiguous()
     strides = (*q.stride()[:2], *kv_new.stride()[:3], *cache.stride()[:4])
     _partial_kernel[(batch, num_kv_heads, splits)](
-        q, kv_new, cache, positions, out, part, lse, *strides, 1.0 / math.sqrt(head_dim), head_dim, group,
-        SPLITS=splits, GP=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        q, kv_new, cache, positions, cos, sin, out, part, lse, *strides, 1.0 / math.sqrt(head_dim), head_dim,
+        group, ROPE=rope is not None, SPLITS=splits, GP=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=block_n, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     if splits > 1:
@@ -163,11 +190,24 @@ if triton is not None:
         return m, den, acc
 
     @triton.jit
-    def _partial_kernel(q_ptr, new_ptr, cache_ptr, pos_ptr, out_ptr, part_ptr, lse_ptr, sq_b, sq_h, sn_kv,
-                        sn_b, sn_h, sc_kv, sc_b, sc_s, sc_h, scale, D, GROUP, SPLITS: tl.constexpr,
-                        GP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-        """Program (slot b, KV head j, chunk s): write the new K/V if the chunk holds ``positions[b]``,
-        attend its ``GROUP`` query heads over the chunk; the output (one split) or a partial."""
+    def _rotated(ptrs, d, D, c, s, mask):
+        """RoPE of the vectors at ``ptrs + d`` (last axis ``d``, ``D`` entries) by ``c``/``s`` [BLOCK_D],
+        in float32, rounded once to the element type: ``x·c + rotate_half(x)·s``."""
+        half = D // 2
+        partner = tl.where(d < half, d + half, d - half)
+        x = tl.load(ptrs + d, mask=mask, other=0.0)
+        other = tl.load(ptrs + partner, mask=mask, other=0.0).to(tl.float32)
+        rotated = tl.where(d < half, -other, other)
+        return (x.to(tl.float32) * c + rotated * s).to(x.dtype)
+
+    @triton.jit
+    def _partial_kernel(q_ptr, new_ptr, cache_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, lse_ptr, sq_b,
+                        sq_h, sn_kv, sn_b, sn_h, sc_kv, sc_b, sc_s, sc_h, scale, D, GROUP, ROPE: tl.constexpr,
+                        SPLITS: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_N: tl.constexpr):  # fmt: skip
+        """Program (slot b, KV head j, chunk s): rotate q and the new K (``ROPE``), write the new K/V if
+        the chunk holds ``positions[b]``, attend its ``GROUP`` query heads over the chunk; the output (one
+        split) or a partial."""
         b = tl.program_id(0)
         j = tl.program_id(1)
         s = tl.program_id(2)
@@ -180,10 +220,16 @@ if triton is not None:
         g = tl.arange(0, GP)
         heads = j * GROUP + g
         hm = (g < GROUP)[:, None] & dm[None, :]
-        q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=hm, other=0.0)
-        new = new_ptr + b * sn_b + j * sn_h + d
-        k_new = tl.load(new, mask=dm, other=0.0)
-        v_new = tl.load(new + sn_kv, mask=dm, other=0.0)
+        new = new_ptr + b * sn_b + j * sn_h
+        v_new = tl.load(new + sn_kv + d, mask=dm, other=0.0)
+        if ROPE:
+            c = tl.load(cos_ptr + b * D + d, mask=dm, other=0.0).to(tl.float32)
+            sn = tl.load(sin_ptr + b * D + d, mask=dm, other=0.0).to(tl.float32)
+            q = _rotated(q_ptr + b * sq_b + heads[:, None] * sq_h, d[None, :], D, c[None, :], sn[None, :], hm)
+            k_new = _rotated(new, d, D, c, sn, dm)
+        else:
+            q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=hm, other=0.0)
+            k_new = tl.load(new + d, mask=dm, other=0.0)
         cache = cache_ptr + b.to(tl.int64) * sc_b + j * sc_h
         wm = d < tl.where((pos >= start) & (pos < start + per), D, 0)  # this chunk holds the new position
         tl.store(cache + pos * sc_s + d, k_new, mask=wm)

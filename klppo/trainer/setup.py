@@ -41,6 +41,7 @@ from klppo.parallel.mesh import (
 from klppo.parallel.offload import OffloadSchedule
 from klppo.rollout.base import RolloutEngine, SamplingParams, make_rollout
 from klppo.rollout.compiled import CompiledFunctions, use_persistent_cache
+from klppo.rollout.engine import KLPPORollout
 from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
@@ -145,11 +146,14 @@ def _start_precompile(
         for s in (sampling_params(rollout, response_length=1, validation=v) for v in (False, True))
         if s.do_sample
     ]
+    dtype = to_dtype(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype)
+    tensor_parallel = rollout.tensor_model_parallel_size > 1
     compiled.start_precompile(
         hf_config,
-        dtype=to_dtype(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype),
+        dtype=dtype,
         device=device,
         temperatures=temperatures,
+        split_layers=KLPPORollout.decodes_split(rollout.decode_attention, device, dtype, tensor_parallel),
     )
 
 

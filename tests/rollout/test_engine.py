@@ -223,6 +223,35 @@ def test_precompile_leaves_nothing_to_compile_and_matches_eager() -> None:
     torch._dynamo.reset()
 
 
+def test_split_layers_precompiled_and_equal_to_the_unsplit_engine(monkeypatch) -> None:
+    """The split layers of the Triton attention (``decode(flash="triton-rope")``; on the CPU the attention's
+    torch reference), driven by the engine: a pre-compile with ``split_layers`` makes every graph they
+    need (the first layer's front its own: no MLP output yet), and the tokens and log-probs equal the
+    engine on the unsplit layers with RoPE outside the attention (``rope_in_attention`` off)."""
+    monkeypatch.setattr(KLPPORollout, "_use_flash", lambda self, kv: "triton")
+    assert KLPPORollout.rope_in_attention
+    model = build_tiny_model(arch="qwen2").eval()
+    fns, graphs = recording_functions()
+    fns.start_precompile(
+        model.config, dtype=torch.float32, device="cpu", temperatures=(0.7,), split_layers=True
+    )
+    fns.wait()
+    made = len(graphs)
+    assert made == 10  # front with and without an MLP output, back, final norm, sampler; × (batches ≥ 2, 1)
+    params = SamplingParams(max_new_tokens=9, n=2, temperature=0.7, seed=3)
+    prompts, prompt_mask = left_padded(PROMPTS)
+    split = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3,
+                         compiled=fns)  # fmt: skip
+    out = split.generate(model, prompts, prompt_mask, params)
+    assert len(graphs) == made, "the rollout compiled graphs the pre-compile had not made"
+    monkeypatch.setattr(KLPPORollout, "rope_in_attention", False)
+    unsplit = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=False, max_num_seqs=3)
+    want = unsplit.generate(model, prompts, prompt_mask, params)
+    assert torch.equal(out.responses, want.responses)
+    torch.testing.assert_close(out.log_probs, want.log_probs, atol=1e-5, rtol=0)
+    torch._dynamo.reset()
+
+
 def test_decode_buckets_from_one() -> None:
     from klppo.rollout.scheduler import buckets as _buckets
 

@@ -6,6 +6,7 @@ interpreter (fp16 and fp32: the interpreter's ``tl.dot`` mishandles bf16) and on
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from klppo.models.tiny import build_tiny_model
 from klppo.rollout.base import SamplingParams
 from klppo.rollout.engine import KLPPORollout
-from klppo.rollout.llama import LlamaWeights, decode, prefill
+from klppo.rollout.llama import SPLIT_LAYER_FNS, LlamaWeights, decode, prefill
 from klppo.rollout.triton_attention import decode_attention_reference, num_splits
 from tests.rollout.conftest import HAS_TRITON, left_padded, run_triton_interpreted
 
@@ -30,6 +31,7 @@ CASES = [
 ]
 # bf16/fp16 output: the result rounded once (≤ 2⁻⁸ relative, bf16) plus P rounded to bf16 before P·V
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+ROUNDING = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}  # one unit in the last place
 
 
 def _inputs(case, dtype, device="cpu", seed=0):
@@ -43,9 +45,33 @@ def _inputs(case, dtype, device="cpu", seed=0):
     return (*(t.to(device, dtype) for t in (q, kv_new, cache)), torch.tensor(positions, device=device))
 
 
-def naive(q, kv_new, cache, positions):
-    """float64 loops: the expected cache (new K/V written) and attention [B, H, D]."""
+def _rope(case, dtype, device="cpu", seed=1):
+    """cos, sin [B, D] of random angles, one per slot and dimension (each of the D entries differs, so a
+    wrong partner or sign in the rotation shows)."""
+    batch, dim = case[0], case[3]
+    angles = torch.rand(batch, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 6.3
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
+def _rotated64(x, cos, sin):
+    """float64, one dimension at a time: x[d]·cos[d] − x[d + D/2]·sin[d] (first half), x[d]·cos[d] +
+    x[d − D/2]·sin[d] (second half), for x [B, H, D] and cos/sin [B, D]."""
+    x, cos, sin = x.double(), cos.double(), sin.double()
+    half = x.shape[-1] // 2
+    out = torch.empty_like(x)
+    for d in range(x.shape[-1]):
+        other = -x[..., d + half] if d < half else x[..., d - half]
+        out[..., d] = x[..., d] * cos[:, None, d] + other * sin[:, None, d]
+    return out
+
+
+def naive(q, kv_new, cache, positions, rope=None):
+    """float64 loops: the expected cache (new K/V written) and attention [B, H, D]; ``rope``: q and the
+    new K rotated first."""
     q, kv_new, cache = q.double(), kv_new.double(), cache.double().clone()
+    if rope is not None:
+        q = _rotated64(q, *rope)
+        kv_new = torch.stack((_rotated64(kv_new[0], *rope), kv_new[1]))
     batch, heads, dim = q.shape
     group = heads // cache.shape[3]
     out = torch.zeros_like(q)
@@ -60,13 +86,16 @@ def naive(q, kv_new, cache, positions):
     return cache, out
 
 
+@pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_reference_equals_float64_loops(case) -> None:
+def test_reference_equals_float64_loops(case, rope) -> None:
     q, kv_new, cache, positions = _inputs(case, torch.float32)
-    want_cache, want = naive(q, kv_new, cache, positions)
-    out = decode_attention_reference(q, kv_new, cache, positions)
+    cos_sin = _rope(case, torch.float32) if rope else None
+    want_cache, want = naive(q, kv_new, cache, positions, cos_sin)
+    out = decode_attention_reference(q, kv_new, cache, positions, rope=cos_sin)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
-    assert torch.equal(cache.double().nan_to_num(7.0), want_cache.nan_to_num(7.0))  # written, rest unchanged
+    # written (the rotated K rounded to float32 once), the rest unchanged
+    torch.testing.assert_close(cache.double().nan_to_num(7.0), want_cache.nan_to_num(7.0), atol=1e-6, rtol=0)
 
 
 def test_num_splits_fill_the_device_and_stop_at_one_when_the_batch_does() -> None:
@@ -81,20 +110,24 @@ def check_kernels(device: str, dtypes) -> None:
     """The kernels against the reference on every case (both from the same inputs; the cache written)."""
     from klppo.rollout.triton_attention import decode_attention_triton  # needs triton (skipped without)
 
-    for case in CASES:
-        for dtype in dtypes:
-            q, kv_new, cache, positions = _inputs(case, dtype, device)
-            want_cache = cache.clone()
-            want = decode_attention_reference(q, kv_new, want_cache, positions)
-            out = decode_attention_triton(q, kv_new, cache, positions, splits=case[-1])
-            torch.testing.assert_close(
-                out.float(), want.float(), atol=TOLERANCE[dtype], rtol=0, msg=str(case)
-            )
-            assert torch.equal(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0)), case
-            if device == "cuda":  # the default split count of this GPU, and a strided q (the fused front's)
-                wide = torch.cat([q, q], dim=-1)[..., : q.shape[-1]]
-                again = decode_attention_triton(wide, kv_new, cache.clone(), positions)
-                torch.testing.assert_close(again.float(), want.float(), atol=TOLERANCE[dtype], rtol=0)
+    for case, dtype, rope in itertools.product(CASES, dtypes, (False, True)):
+        q, kv_new, cache, positions = _inputs(case, dtype, device)
+        cos_sin = _rope(case, dtype, device) if rope else None
+        want_cache = cache.clone()
+        want = decode_attention_reference(q, kv_new, want_cache, positions, rope=cos_sin)
+        out = decode_attention_triton(q, kv_new, cache, positions, splits=case[-1], rope=cos_sin)
+        msg = f"{case} {dtype} rope={rope}"
+        torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=0, msg=msg)
+        # the new K rotated in float32 and rounded once on both sides (an FMA may differ in the last bit)
+        torch.testing.assert_close(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0), atol=ROUNDING[dtype],
+                                   rtol=ROUNDING[dtype], msg=msg)  # fmt: skip
+        if device == "cuda":  # the default split count of this GPU, and q/K/V as views of one qkv row
+            qkv = torch.cat([q.flatten(1), kv_new.transpose(0, 1).flatten(1)], dim=-1)
+            heads, kv_heads, dim = q.shape[1], kv_new.shape[2], q.shape[2]
+            q_view = qkv[:, : heads * dim].view_as(q)
+            kv_view = qkv[:, heads * dim :].view(q.shape[0], 2, kv_heads, dim).transpose(0, 1)
+            again = decode_attention_triton(q_view, kv_view, cache.clone(), positions, rope=cos_sin)
+            torch.testing.assert_close(again.float(), want.float(), atol=TOLERANCE[dtype], rtol=0, msg=msg)
 
 
 CHILD = """
@@ -131,6 +164,29 @@ def test_decode_with_the_fused_write_equals_masked_sdpa() -> None:
         want = decode(w, kv_sdpa, tokens, positions, flash=None)
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(kv, kv_sdpa, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("arch", "fuse"), [("qwen2", True), ("qwen2", False), ("llama", True), ("qwen3", True)]
+)
+def test_decode_with_rope_in_attention_equals_masked_sdpa(arch, fuse) -> None:
+    """``llama.decode(flash="triton-rope")`` — split layers, the attention (here its reference) rotating q
+    and K — gives the logits and the cache of the unsplit SDPA path over three steps: q/k/v biases
+    (qwen2), none (llama), per-head q/k norms (qwen3), fused and separate projections."""
+    model = build_tiny_model(arch=arch, num_heads=4, num_kv_heads=2, num_layers=3).eval()
+    w = LlamaWeights.read(model)
+    w = w.fuse() if fuse else w
+    kv = torch.zeros(len(w.layers), 2, 3, 16, w.num_kv_heads, w.head_dim)
+    prefill(w, kv, torch.tensor([1, 5, 9, 3, 4, 2]), torch.tensor([0, 1, 2]), [3, 1, 2])
+    kv_sdpa = kv.clone()
+    tokens, positions = torch.tensor([7, 8, 9]), torch.tensor([3, 1, 2])
+    with torch.no_grad():
+        for _ in range(3):
+            logits = decode(w, kv, tokens, positions, SPLIT_LAYER_FNS, flash="triton-rope")
+            want = decode(w, kv_sdpa, tokens, positions, flash=None)
+            torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(kv, kv_sdpa, atol=1e-6, rtol=0)
+            tokens, positions = want.argmax(-1), positions + 1
 
 
 def test_triton_decode_attention_needs_cuda_and_triton() -> None:
@@ -172,15 +228,16 @@ def test_decode_attention_choice(monkeypatch, setting, device, dtype, has_triton
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
 def test_engine_greedy_tokens_equal_flash_on_gpu() -> None:
     """fp16 greedy, CUDA graphs and compiled layers, 40 steps: the same tokens as the flash path, log-probs
-    within fp16 rounding."""
+    within fp16 rounding — on the split layers with RoPE in the attention kernel (the default) and on the
+    unsplit ones (``rope_in_attention`` off)."""
     model = build_tiny_model(arch="qwen2").to("cuda", torch.float16).eval()
     prompts, mask = (t.cuda() for t in left_padded([[1, 10, 20, 30, 40, 50], [1, 7, 8], [5], [1, 99, 100]]))
     params = SamplingParams(max_new_tokens=40, do_sample=False, ignore_eos=True)
-    outs = [
-        KLPPORollout(eos_token_ids=[2], pad_token_id=2, decode_attention=a).generate(
-            model, prompts, mask, params
-        )
-        for a in ("flash", "triton")
-    ]
-    assert torch.equal(outs[0].responses, outs[1].responses)
-    torch.testing.assert_close(outs[0].log_probs, outs[1].log_probs, atol=1e-2, rtol=0)
+    outs = []
+    for attention, rope_inside in (("flash", True), ("triton", True), ("triton", False)):
+        engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, decode_attention=attention)
+        engine.rope_in_attention = rope_inside
+        outs.append(engine.generate(model, prompts, mask, params))
+    for other in outs[1:]:
+        assert torch.equal(outs[0].responses, other.responses)
+        torch.testing.assert_close(outs[0].log_probs, other.log_probs, atol=1e-2, rtol=0)
