@@ -1,6 +1,7 @@
-"""The decode step's kernels alone (issue 19): the MLP tail and the split-KV attention, graph-replayed.
+"""The decode step's kernels alone (issue 19): the MLP tail, the gate/up GEMM with its activation, and the
+split-KV attention, graph-replayed.
 
-    PYTHONPATH=$PWD python3 bench/decode_kernels.py [--parts mlp,attention] [--shapes 0.5b,1.5b]
+    PYTHONPATH=$PWD python3 bench/decode_kernels.py [--parts mlp,attention,gateup] [--shapes 0.5b,1.5b]
         [--batches 64,256] [--sweep] [--out kernels.json]
 
 ``mlp``: ``residual + down(silu(gate) * up)`` from the fused ``[gate; up]`` output, per layer, as the
@@ -9,11 +10,18 @@ the residual) against a Triton kernel written here (session 21; not adopted: slo
 at every shape, bench/RESULTS.md) that computes the activation where its split-K GEMM loads ``gate_up``
 (no [M, I] intermediate) and sums the float32 partials with the residual in a second, deterministic
 kernel, with its chosen tiles, and with ``--sweep`` every tile configuration of a grid (the best five
-printed). ``attention``: :func:`klppo.rollout.triton_attention.decode_attention_triton` at the engine's
-configuration and, with ``--sweep``, over splits × ``BLOCK_N`` × warps × stages. Context: each slot at a
-random position in [256, 512) (the bench's prompt 256 + 256 new tokens). Times: microseconds per call,
-``triton.testing.do_bench_cudagraph`` (a CUDA graph of the call replayed: kernel time and launch gaps as
-inside the engine's graph). The floor: the bytes read and written once at 4.8 TB/s (H200).
+printed). ``gateup``: ``silu(h W_gateᵀ) · (h W_upᵀ)`` from the norm's output ``h`` and the fused
+``[gate; up]`` weight, as the engine runs it (cuBLAS's GEMM writing ``gate_up`` in bf16, then Inductor's
+SiLU·mul kernel reading it back) against one Triton kernel written here that keeps both products of an
+output tile in float32 registers and writes only the activation (no [M, 2I] intermediate, one rounding
+instead of two), with its chosen tiles and with ``--sweep`` a grid of tiles (compiled in parallel first,
+timed briefly, the best five again in full; a setting compiles once per process, every shape and batch
+here specialising alike). ``attention``: :func:`klppo.rollout.triton_attention.decode_attention_triton`
+at the engine's configuration and, with ``--sweep``, over splits × ``BLOCK_N`` × warps × stages. Context:
+each slot at a random position in [256, 512) (the bench's prompt 256 + 256 new tokens). Times:
+microseconds per call, ``triton.testing.do_bench_cudagraph`` (a CUDA graph of the call replayed: kernel
+time and launch gaps as inside the engine's graph). The floor: the bytes read and written once at 4.8 TB/s
+(H200). The rows print as JSON lines, then as a table.
 """
 
 from __future__ import annotations
@@ -22,7 +30,10 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -166,10 +177,176 @@ if triton is not None:
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def timed(fn) -> float:
+def choose_gate_up_tiles(rows: int, cols: int, sms: int) -> Tiles:
+    """Tiles for :func:`silu_mul_gate_up_triton`'s [rows, cols] output: row tiles of the batch rounded up to
+    a power of two (16 to 64), reduction blocks of 64, the widest column tile of 128, 64 and 32 that still
+    gives every SM a program (else 32), 4 warps, 3 stages (at most 3 × (64 + 2·128) × 64 × 2 B = 120 KiB of
+    shared memory); no split of the reduction."""
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    tiles_m = -(-rows // block_m)
+    block_n = next((n for n in (128, 64) if tiles_m * -(-cols // n) >= sms), 32)
+    return Tiles(block_m, block_n, 64, 1, num_warps=4, num_stages=3)
+
+
+def gate_up_sweep(rows: int, smem: int, elem: int = 2) -> list[Tiles]:
+    """The ``--sweep`` grid for a batch of ``rows``: ``BLOCK_M`` 16–128 from an eighth of the batch up to the
+    batch rounded up to a power of two (more row tiles re-read every weight tile once more), ``BLOCK_N``
+    and ``BLOCK_K`` 32/64/128, 4 or 8 warps, 2–4 stages; 8 warps only on tiles of at least 64 × 64, 4 only
+    where the two float32 accumulators take at most 128 registers a thread (2·BLOCK_M·BLOCK_N ≤ 128 × 128
+    threads), and none whose pipeline buffers (stages × (BLOCK_M + 2 BLOCK_N) × BLOCK_K × ``elem`` bytes)
+    exceed ``smem``. At 227 KiB (H100, H200) and bf16: 101 settings at batch 64, 116 at 256, 142 for both."""
+    top = max(16, 1 << (rows - 1).bit_length())
+    grid = itertools.product((16, 32, 64, 128), (32, 64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+    return [
+        Tiles(bm, bn, bk, 1, num_warps=nw, num_stages=ns)
+        for bm, bn, bk, nw, ns in grid
+        if rows <= 8 * bm <= 8 * top
+        and (bm * bn <= 64 * 128 if nw == 4 else bm * bn >= 64 * 64)
+        and ns * (bm + 2 * bn) * bk * elem <= smem
+    ]
+
+
+def silu_mul_gate_up_reference(
+    h: torch.Tensor, gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[M, I] ``silu(g) · u`` for ``h`` [M, H] and ``gate_up_weight`` [2I, H] (rows 0..I-1 the gate's, I..2I-1
+    the up projection's; ``bias`` [2I] likewise): ``g = float(h) @ float(W_gate)ᵀ (+ float(b_gate))``, ``u``
+    likewise with the up rows, ``silu(g) = g · sigmoid(g)``, every step in float32 from the inputs converted
+    exactly, rounded to ``h.dtype`` once at the end — ``(F.silu(g) * u).to(h.dtype)`` on float32 ``g`` and
+    ``u``. The engine differs by one rounding: its GEMM writes ``g`` and ``u`` in ``h.dtype`` before the
+    activation (computed in float32 by Inductor) reads them."""
+    b = None if bias is None else bias.float()
+    g, u = F.linear(h.float(), gate_up_weight.float(), b).chunk(2, dim=-1)
+    return (F.silu(g) * u).to(h.dtype)
+
+
+def silu_mul_gate_up_triton(
+    h: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """:func:`silu_mul_gate_up_reference` in one kernel (the same up to float32 summation order; float32 inputs
+    multiply in IEEE float32, not TF32); ``tiles`` (``splits`` 1) overrides :func:`choose_gate_up_tiles`."""
+    rows, inner = h.shape
+    cols = gate_up_weight.shape[0] // 2
+    if (
+        gate_up_weight.shape != (2 * cols, inner)
+        or gate_up_weight.dtype != h.dtype
+        or (bias is not None and bias.shape != (2 * cols,))
+    ):
+        raise ValueError(
+            f"silu_mul_gate_up: h {tuple(h.shape)} {h.dtype}, gate_up_weight {tuple(gate_up_weight.shape)} "
+            f"{gate_up_weight.dtype}, bias {None if bias is None else tuple(bias.shape)}"
+        )
+    h, gate_up_weight = h.contiguous(), gate_up_weight.contiguous()
+    if tiles is None:
+        sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+        tiles = choose_gate_up_tiles(rows, cols, sms)
+    if tiles.splits != 1:
+        raise ValueError(f"silu_mul_gate_up: no split of the reduction ({tiles})")
+    out = torch.empty(rows, cols, dtype=h.dtype, device=h.device)
+    _gate_up_launch(h, gate_up_weight, None if bias is None else bias.contiguous(), out, tiles)
+    return out
+
+
+def _gate_up_launch(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    tiles: Tiles,
+    warmup: bool = False,
+) -> None:
+    """``_gate_up_kernel`` on contiguous operands into ``out`` (``kernel[grid](...)`` is ``kernel.run(...,
+    grid=grid, warmup=False)``); ``warmup``: compile only, no launch."""
+    (rows, inner), cols = h.shape, out.shape[1]
+    has_bias = bias is not None
+    grid = (triton.cdiv(rows, tiles.block_m) * triton.cdiv(cols, tiles.block_n),)
+    _gate_up_kernel.run(
+        h, w, bias if has_bias else h, out, rows, cols, inner, HAS_BIAS=has_bias, EVEN_K=inner % tiles.block_k == 0,
+        PRECISION="ieee" if h.dtype == torch.float32 else "tf32", BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=grid, warmup=warmup,
+    )  # fmt: skip
+
+
+def precompile_gate_up(h: torch.Tensor, w: torch.Tensor, grid: list[Tiles]) -> float:
+    """Compile ``_gate_up_kernel`` for every setting of ``grid`` at the specialisation of ``h`` and ``w`` (no
+    bias) on a thread per CPU (``triton.AsyncCompileMode``; Triton's compiler releases the GIL), so that the
+    sweep finds each one compiled; what fails here compiles (or fails) again at its first call in the sweep.
+    The seconds taken (0 where this Triton lacks ``AsyncCompileMode``)."""
+    if not hasattr(triton, "AsyncCompileMode"):
+        return 0.0
+    out = torch.empty(h.shape[0], w.shape[0] // 2, dtype=h.dtype, device=h.device)
+    start = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(os.cpu_count()) as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
+            for tiles in grid:
+                _gate_up_launch(h, w, None, out, tiles, warmup=True)
+    except Exception as e:  # noqa: BLE001  the sweep compiles what is missing, one by one
+        print(f"precompile stopped: {type(e).__name__}: {e}", file=sys.stderr)
+    return time.perf_counter() - start
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(h_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):  # fmt: skip
+        """Program p: output tile (p mod ⌈M/BLOCK_M⌉, p div ⌈M/BLOCK_M⌉) — the row tiles of one column tile
+        adjacent, so its gate and up weight rows come from memory once and then from L2. Two float32
+        accumulators, ``h`` against the gate rows ``cols`` and the up rows ``N + cols``, over ``K`` in
+        ``BLOCK_K`` steps; rows and columns past the end are read wrapped (``% M``, ``% N``: in bounds) and
+        not stored, the reduction's tail masked to zero unless ``EVEN_K``."""
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        rows = (pid % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (pid // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + (rows % M)[:, None].to(tl.int64) * K + k[None, :]
+        g_ptrs = w_ptr + (cols % N)[None, :].to(tl.int64) * K + k[:, None]  # [BLOCK_K, BLOCK_N]: W_gateᵀ
+        u_ptrs = g_ptrs + N.to(tl.int64) * K
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(h_ptrs)
+                wg = tl.load(g_ptrs)
+                wu = tl.load(u_ptrs)
+            else:
+                km = k < K - k0
+                a = tl.load(h_ptrs, mask=km[None, :], other=0.0)
+                wg = tl.load(g_ptrs, mask=km[:, None], other=0.0)
+                wu = tl.load(u_ptrs, mask=km[:, None], other=0.0)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+            h_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc_g += tl.load(bias_ptr + cols % N).to(tl.float32)[None, :]
+            acc_u += tl.load(bias_ptr + N + cols % N).to(tl.float32)[None, :]
+        act = acc_g * tl.sigmoid(acc_g) * acc_u  # Inductor's order: (g · sigmoid(g)) · u
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def timed(fn, rep: int = 50) -> float:
     import triton.testing
 
-    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3  # µs
+    return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3  # µs
+
+
+def ulps(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest ``|x - ref|`` in units of ``ref.dtype``'s spacing at ``|ref|`` (that of the smallest
+    normal number below it)."""
+    info = torch.finfo(ref.dtype)
+    _, exponent = torch.frexp(ref.float().abs().clamp_min(info.tiny))
+    spacing = torch.ldexp(torch.full_like(exponent, info.eps, dtype=torch.float32), exponent - 1)
+    return ((x.float() - ref.float()).abs() / spacing).max().item()
 
 
 def mlp_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
@@ -238,23 +415,82 @@ def attention_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     return rows
 
 
+def gateup_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
+    hidden, _, _, _, inner = SHAPES[shape]
+    dev, dt = "cuda", torch.bfloat16
+    h = torch.randn(batch, hidden, device=dev, dtype=dt)
+    w = torch.randn(2 * inner, hidden, device=dev, dtype=dt) / hidden**0.5
+
+    def engine(h, w):  # klppo/rollout/llama.py's _mlp up to the down projection (fused weight, no bias)
+        gate, up = F.linear(h, w).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    compiled = torch.compile(engine)  # as CompiledFunctions: default mode, the batch dim dynamic
+    torch._dynamo.maybe_mark_dynamic(h, 0)
+    want, ref = compiled(h, w), silu_mul_gate_up_reference(h, w)
+
+    def errors(out: torch.Tensor) -> dict:
+        return dict(max_abs_diff_vs_engine=(out.float() - want.float()).abs().max().item(),
+                    max_ulps_vs_engine=ulps(out, want), max_ulps_vs_reference=ulps(out, ref))  # fmt: skip
+
+    floor = (h.numel() + w.numel() + batch * inner) * 2 / HBM * 1e6
+    props = torch.cuda.get_device_properties(0)
+    default = choose_gate_up_tiles(batch, inner, props.multi_processor_count)
+    base = dict(part="gateup", shape=shape, batch=batch, floor_us=round(floor, 2))
+    rows = [dict(base, impl="inductor (engine today)", us=round(timed(lambda: compiled(h, w)), 2),
+                 max_ulps_vs_reference=ulps(want, ref)),
+            dict(base, impl=f"triton {default}", us=round(timed(lambda: silu_mul_gate_up_triton(h, w)), 2),
+                 **errors(silu_mul_gate_up_triton(h, w)))]  # fmt: skip
+    if sweep:
+        smem = getattr(props, "shared_memory_per_block_optin", 232448)
+        grid = gate_up_sweep(batch, smem)
+        compile_s = precompile_gate_up(h, w, grid)
+        found, start = [], time.perf_counter()
+        for tiles in grid:
+            try:  # a short first pass (rep 10 ms); the best five re-timed as every other row
+                found.append((timed(lambda t=tiles: silu_mul_gate_up_triton(h, w, tiles=t), rep=10), tiles))
+            except Exception as e:  # noqa: BLE001  a configuration out of resources is skipped
+                print(f"skip {tiles}: {type(e).__name__}", file=sys.stderr)
+        print(f"gateup {shape} b{batch}: {len(found)} of {len(grid)} tile settings timed, compiled in "
+              f"{compile_s:.0f} s, timed in {time.perf_counter() - start:.0f} s", file=sys.stderr)  # fmt: skip
+        for _, tiles in sorted(found, key=lambda f: f[0])[:5]:
+            us = timed(lambda t=tiles: silu_mul_gate_up_triton(h, w, tiles=t))
+            out = silu_mul_gate_up_triton(h, w, tiles=tiles)
+            rows.append(dict(base, impl=f"triton sweep {tiles}", us=round(us, 2), **errors(out)))
+    return rows
+
+
+PARTS = {"mlp": mlp_rows, "attention": attention_rows, "gateup": gateup_rows}
+
+
+def print_table(rows: list[dict]) -> None:
+    """The rows again, one line each: part, shape, batch, µs, floor, the error columns present, impl."""
+    for r in rows:
+        err = " ".join(f"{k}={v:.3g}" for k, v in r.items() if k.startswith("max_"))
+        print(f"{r['part']:9} {r['shape']:4} {r['batch']:4} {r['us']:8.2f} us  floor {r['floor_us']:6.2f}  "
+              f"{err:64} {r['impl']}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="mlp,attention")
+    ap.add_argument("--parts", default="mlp,attention", help=f"comma-separated, of {','.join(PARTS)}")
     ap.add_argument("--shapes", default="0.5b,1.5b")
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    unknown = [p for p in args.parts.split(",") if p not in PARTS]
+    if unknown:
+        ap.error(f"--parts: unknown {unknown}; the parts are {list(PARTS)}")
     torch.manual_seed(0)
     rows = []
     for part in args.parts.split(","):
         for shape in args.shapes.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
-                fn = mlp_rows if part == "mlp" else attention_rows
-                for row in fn(shape, batch, args.sweep):
+                for row in PARTS[part](shape, batch, args.sweep):
                     print(json.dumps(row), flush=True)
                     rows.append(row)
+    print_table(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
