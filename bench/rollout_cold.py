@@ -20,7 +20,10 @@ Modes:
   from the model's config before the model is built, on the object then handed to the engine (as the
   trainer does before loading weights), so compilation overlaps the build; the first call waits for what
   is left of it;
-- ``eager``: ``compile_decode=False`` (CUDA graphs of uncompiled kernels), empty caches.
+- ``eager``: ``compile_decode=False`` (CUDA graphs of uncompiled kernels), empty caches;
+- ``compile-rope-outside``, ``precompile-rope-outside``: as ``compile`` and ``precompile`` with
+  ``KLPPORollout.rope_in_attention`` off (RoPE in the compiled front, unsplit layers: the engine before
+  session 22, two graphs fewer to compile).
 
 ``--profile-first N`` puts each process's first ``generate`` under cProfile and adds its N costliest
 functions by cumulative and by own time to the row (``first_call_top_cumulative`` / ``_tottime``: where
@@ -51,6 +54,11 @@ MODES = {
     "compile-1thread": dict(engine={}, fresh_cache=True, env=dict(TORCHINDUCTOR_COMPILE_THREADS="1")),
     "precompile": dict(engine={}, fresh_cache=True, precompile=True),
     "eager": dict(engine=dict(compile_decode=False), fresh_cache=True),
+    # RoPE in the compiled front and the unsplit layers (the engine before session 22), empty caches
+    "compile-rope-outside": dict(engine={}, fresh_cache=True, attributes=dict(rope_in_attention=False)),
+    "precompile-rope-outside": dict(
+        engine={}, fresh_cache=True, precompile=True, attributes=dict(rope_in_attention=False)
+    ),  # fmt: skip
 }
 
 
@@ -75,6 +83,10 @@ def child(mode: str, batch: int, tiny: bool, profile_first: int = 0) -> None:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t_import = time.perf_counter() - t_start
     t_setup = time.perf_counter()
+    from klppo.rollout.engine import KLPPORollout
+
+    for attribute, value in MODES[mode].get("attributes", {}).items():  # class-wide, before the pre-compile
+        setattr(KLPPORollout, attribute, value)
     compiled = CompiledFunctions()
     if MODES[mode].get("precompile"):
         compiled.start_precompile(qwen_config(shape), dtype=dtype, device=torch.device(device))

@@ -117,19 +117,25 @@ class CompiledFunctions:
         temperatures: Iterable[float] = (1.0,),
         fuse_projections: bool = True,
         fp32_logits: bool = True,
-        split_layers: bool = False,
+        split_layers: bool | None = None,
     ) -> threading.Thread | None:
         """Compile the decode functions for a model of Hugging Face ``config`` (see the module docstring).
 
         ``temperatures``: the sampling temperatures the rollout will use (greedy decoding needs no graph).
         ``split_layers``: the layer functions of the Triton attention with RoPE inside
-        (``attn_in_qkv``, ``attn_out_mlp_split``, ``final_norm``) instead of ``attn_in``/``attn_out_mlp``.
+        (``attn_in_qkv``, ``attn_out_mlp_split``, ``final_norm``) instead of ``attn_in``/``attn_out_mlp``;
+        None: what an engine with ``decode_attention="auto"`` and no tensor parallelism uses
+        (``KLPPORollout.decodes_split``).
         Returns the thread (None when the engine cannot run this config: nothing to compile).
         """
         self.wait()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # the thread must target this thread's device
             device = torch.device("cuda", torch.cuda.current_device())
+        if split_layers is None:
+            from klppo.rollout.engine import KLPPORollout  # noqa: PLC0415  the engine imports this module
+
+            split_layers = KLPPORollout.decodes_split("auto", device, dtype, tensor_parallel=False)
         # The model structure is made here, on the meta device: building a Hugging Face model sets the
         # process-wide default dtype for a while, which must not happen beside the caller's own model loading.
         layer = _meta_layer(config, dtype)
