@@ -305,7 +305,16 @@ def checks(emit, dtypes=(torch.float32, torch.bfloat16)) -> None:
             emit(dict(check="bf16 recompute (model) vs fp32 copy",
                       **{f"{stat}": logprob_gap(model, prompts, mask, recomputed, "fp32", stat)
                          for stat in ("max", "mean")}))  # fmt: skip
-        if dtype == torch.bfloat16:
+        if (
+            dtype == torch.bfloat16
+        ):  # the split layers (RoPE in the attention kernel) against the engine before
+            for rope_inside in (True, False):
+                eng = make_rollout("klppo", eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9)
+                eng.rope_in_attention = rope_inside
+                out = eng.generate(model, prompts, mask, SamplingParams(max_new_tokens=32, seed=1))
+                emit(dict(check=f"bf16 log-prob gap vs model, rope_in_attention={rope_inside}",
+                          **{f"{stat}_vs_model": logprob_gap(model, prompts, mask, out, "model", stat)
+                             for stat in ("max", "mean")}))  # fmt: skip
             sdpa = make_rollout("klppo", eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9,
                                 decode_attention="sdpa")  # fmt: skip
             ref = sdpa.generate(model, prompts, mask, SamplingParams(max_new_tokens=32, seed=1))
@@ -363,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.device == "cuda":
         print(torch.cuda.get_device_name(), torch.__version__, file=sys.stderr)
-    for shape in args.shapes.split(","):
+    for shape in [s for s in args.shapes.split(",") if s]:  # --shapes "": the checks or profiles only
         compile_batch = args.compile_batch if shape == args.compile_shape else None
         bench_shape(
             shape,
