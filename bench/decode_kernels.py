@@ -1,7 +1,8 @@
-"""The decode step's kernels alone (issue 19): the MLP tail, the gate/up GEMM with its activation, and the
-split-KV attention, graph-replayed.
+"""The decode step's kernels alone (issue 19): the MLP tail, the gate/up GEMM with its activation, the
+split-KV attention, the seam between layers (``down``: the down projection and the next norm, written
+several ways) and the step's end (``head``: LM head and sampler), graph-replayed.
 
-    PYTHONPATH=$PWD python3 bench/decode_kernels.py [--parts mlp,attention,gateup] [--shapes 0.5b,1.5b]
+    PYTHONPATH=$PWD python3 bench/decode_kernels.py [--parts mlp,attention,gateup,down,head] [--shapes 0.5b,1.5b]
         [--batches 64,256] [--sweep] [--out kernels.json]
 
 ``mlp``: ``residual + down(silu(gate) * up)`` from the fused ``[gate; up]`` output, per layer, as the
@@ -385,6 +386,76 @@ def mlp_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     return rows
 
 
+def down_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
+    """The seam between two decode layers as the split layers run it (session 22): the down projection
+    ``m = act W_downᵀ`` (one compiled function, the back's end), then ``rms_norm(x + m)`` (the next
+    front's start, compiled apart), against other ways to write the GEMM — its transpose ``W_down actᵀ``
+    (cuBLAS picks kernels by shape: the transposed problem has ``hidden`` rows, so it may not split the
+    reduction), and ``m`` kept in float32 (``out_dtype``: the next norm adds it in float32 anyway, one
+    rounding fewer than eager) — and the layers before session 22 (the residual folded into ``addmm``).
+    ``sweep`` is unused (no tile grid)."""
+    from klppo.rollout.llama import residual_add, rms_norm
+
+    hidden, _, _, _, inner = SHAPES[shape]
+    dev, dt = "cuda", torch.bfloat16
+    act = torch.randn(batch, inner, device=dev, dtype=dt)
+    w = torch.randn(hidden, inner, device=dev, dtype=dt) / inner**0.5
+    x = torch.randn(batch, hidden, device=dev, dtype=dt)
+    nw = torch.rand(hidden, device=dev, dtype=dt) + 0.5
+    for t in (act, x):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    seam = torch.compile(lambda x, m: rms_norm(residual_add(x, m), nw, 1e-6))
+    seam_t = torch.compile(lambda x, m_t: rms_norm(residual_add(x, m_t.t()), nw, 1e-6))
+    folded = torch.compile(lambda act, w, x: x + F.linear(act, w))
+    norm_only = torch.compile(lambda y: rms_norm(y, nw, 1e-6))
+    down = torch.compile(lambda act, w: F.linear(act, w))
+    down_t = torch.compile(lambda act, w: torch.mm(w, act.t()))
+    variants = {
+        "split layers (engine today): compiled F.linear, then norm(x + m)": lambda: seam(x, down(act, w)),
+        "transposed GEMM, compiled: W actᵀ, then norm(x + mᵀ)": lambda: seam_t(x, down_t(act, w)),
+        "transposed GEMM, eager cuBLAS": lambda: seam_t(x, torch.mm(w, act.t())),
+        "float32 m (out_dtype)": lambda: seam(x, torch.mm(act, w.t(), out_dtype=torch.float32)),
+        "float32 m, transposed": lambda: seam_t(x, torch.mm(w, act.t(), out_dtype=torch.float32)),
+        "before session 22: x + linear folded into addmm, then norm": lambda: norm_only(folded(act, w, x)),
+    }
+    want = rms_norm(residual_add(x, F.linear(act, w)), nw, 1e-6)
+    floor = (act.numel() + w.numel() + 2 * x.numel()) * 2 / HBM * 1e6
+    rows = []
+    for name, fn in variants.items():
+        try:
+            err = (fn().float() - want.float()).abs().max().item()
+            rows.append(dict(part="down", shape=shape, batch=batch, floor_us=round(floor, 2), impl=name,
+                             us=round(timed(fn), 2), max_abs_diff_vs_engine=err))  # fmt: skip
+        except Exception as e:  # noqa: BLE001  a variant this torch lacks (out_dtype) is reported and skipped
+            print(f"down {shape} b{batch} {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    return rows
+
+
+def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
+    """A decode step's end as the engine runs it: the final norm's output through the LM head with float32
+    logits (``klppo.rollout.llama.lm_head_logits``), then the one-pass Triton sampler (temperature 1,
+    untruncated) — each alone and the two together; the floor counts the head's weight read and the
+    logits written and read once. Vocabulary 151,936 (Qwen2.5). ``sweep`` is unused."""
+    from klppo.rollout.base import SamplingParams
+    from klppo.rollout.llama import lm_head_logits
+    from klppo.rollout.triton_sampling import sample_triton
+
+    hidden, vocab = SHAPES[shape][0], 151936
+    dev, dt = "cuda", torch.bfloat16
+    h = torch.randn(batch, hidden, device=dev, dtype=dt)
+    w = torch.randn(vocab, hidden, device=dev, dtype=dt) / hidden**0.5
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=1.0, top_k=-1, seed=0)
+    logits = lm_head_logits(h, w, True)
+    parts = {
+        "LM head, float32 logits": (lambda: lm_head_logits(h, w, True), (w.numel() * 2 + logits.numel() * 4)),
+        "Triton sampler": (lambda: sample_triton(logits, params), logits.numel() * 4),
+        "LM head + sampler": (lambda: sample_triton(lm_head_logits(h, w, True), params),
+                              w.numel() * 2 + logits.numel() * 8),
+    }  # fmt: skip
+    return [dict(part="head", shape=shape, batch=batch, floor_us=round(nbytes / HBM * 1e6, 2), impl=name,
+                 us=round(timed(fn), 2)) for name, (fn, nbytes) in parts.items()]  # fmt: skip
+
+
 def attention_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     from klppo.rollout import triton_attention as ta
 
@@ -460,7 +531,13 @@ def gateup_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     return rows
 
 
-PARTS = {"mlp": mlp_rows, "attention": attention_rows, "gateup": gateup_rows}
+PARTS = {
+    "mlp": mlp_rows,
+    "attention": attention_rows,
+    "gateup": gateup_rows,
+    "down": down_rows,
+    "head": head_rows,
+}
 
 
 def print_table(rows: list[dict]) -> None:
