@@ -78,10 +78,23 @@ def _addmm_residual_back(x, attn, lw, eps):
     return x + _mlp(lw, rms_norm(x, lw.post_norm, eps))
 
 
-class _AddmmResidual(CompiledFunctions):
-    """The engine's compiled functions with :func:`_addmm_residual_back` as the layer back."""
+def _addmm_residual_back_split(x, attn, lw, eps):
+    """``klppo.rollout.llama.attn_out_mlp_split`` with the same ``x + linear`` (the split layers' back)."""
+    from klppo.rollout.llama import _mlp, rms_norm
 
-    functions = {**CompiledFunctions.functions, "attn_out_mlp": _addmm_residual_back}
+    x = x + torch.nn.functional.linear(attn, lw.o, lw.o_bias)
+    return x, _mlp(lw, rms_norm(x, lw.post_norm, eps))
+
+
+class _AddmmResidual(CompiledFunctions):
+    """The engine's compiled functions with :func:`_addmm_residual_back` as the layer back (and its split
+    form as the split layers' back, which the default engine decodes on with the Triton attention)."""
+
+    functions = {
+        **CompiledFunctions.functions,
+        "attn_out_mlp": _addmm_residual_back,
+        "attn_out_mlp_split": _addmm_residual_back_split,
+    }
 
 
 PROMPT, NEW = 256, 256

@@ -89,7 +89,11 @@ def child(mode: str, batch: int, tiny: bool, profile_first: int = 0) -> None:
         setattr(KLPPORollout, attribute, value)
     compiled = CompiledFunctions()
     if MODES[mode].get("precompile"):
-        compiled.start_precompile(qwen_config(shape), dtype=dtype, device=torch.device(device))
+        # the layers of an engine with the attributes set above
+        split = KLPPORollout.decodes_split("auto", device, dtype, tensor_parallel=False)
+        compiled.start_precompile(
+            qwen_config(shape), dtype=dtype, device=torch.device(device), split_layers=split
+        )
     model = build(shape, dtype, device)
     params = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True)
     engine = make_rollout("klppo", eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,

@@ -51,6 +51,7 @@ from transformers import AutoModelForCausalLM
 from klppo.models.flops import attention_dims
 from klppo.models.gguf import klppo_cache_dir
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
+from klppo.rollout import triton_attention
 from klppo.rollout.llama import (
     LayerWeights,
     attn_in,
@@ -124,8 +125,8 @@ class CompiledFunctions:
         ``temperatures``: the sampling temperatures the rollout will use (greedy decoding needs no graph).
         ``split_layers``: the layer functions of the Triton attention with RoPE inside
         (``attn_in_qkv``, ``attn_out_mlp_split``, ``final_norm``) instead of ``attn_in``/``attn_out_mlp``;
-        None: what an engine with ``decode_attention="auto"`` and no tensor parallelism uses
-        (``KLPPORollout.decodes_split``).
+        None: what an engine with ``decode_attention="auto"``, no tensor parallelism and
+        ``rope_in_attention`` on (the default) uses (:func:`decodes_split`).
         Returns the thread (None when the engine cannot run this config: nothing to compile).
         """
         self.wait()
@@ -133,9 +134,7 @@ class CompiledFunctions:
         if device.type == "cuda" and device.index is None:  # the thread must target this thread's device
             device = torch.device("cuda", torch.cuda.current_device())
         if split_layers is None:
-            from klppo.rollout.engine import KLPPORollout  # noqa: PLC0415  the engine imports this module
-
-            split_layers = KLPPORollout.decodes_split("auto", device, dtype, tensor_parallel=False)
+            split_layers = decodes_split("auto", device, dtype, tensor_parallel=False)
         # The model structure is made here, on the meta device: building a Hugging Face model sets the
         # process-wide default dtype for a while, which must not happen beside the caller's own model loading.
         layer = _meta_layer(config, dtype)
@@ -206,6 +205,27 @@ def _torch_default(var: str) -> str | None:
     except ImportError:
         return None
     return os.path.abspath(default_cache_dir())
+
+
+def decodes_split(
+    decode_attention: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    tensor_parallel: bool,
+    rope_in_attention: bool = True,
+) -> bool:
+    """Whether an engine with ``decode_attention`` decodes a ``dtype`` cache on ``device`` on the split
+    layers (the Triton attention applying RoPE: CUDA, bf16/fp16, triton importable, ``decode_attention``
+    auto or triton, no tensor parallelism; ``rope_in_attention``: the engine's switch) — the layer set
+    the pre-compile must make (``KLPPORollout.decodes_split`` passes its class's switch)."""
+    device = torch.device(device)
+    ok = (
+        device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and triton_attention.available(device)
+    )
+    return rope_in_attention and ok and not tensor_parallel and decode_attention in ("auto", "triton")
 
 
 def _batch_dynamic(fn: Callable) -> Callable:

@@ -52,7 +52,7 @@ import torch
 
 from klppo.rollout import triton_attention
 from klppo.rollout.base import RolloutOutput, SamplingParams
-from klppo.rollout.compiled import CompiledFunctions
+from klppo.rollout.compiled import CompiledFunctions, decodes_split
 from klppo.rollout.hf import HFRollout
 from klppo.rollout.llama import (
     SPLIT_LAYER_FNS,
@@ -330,14 +330,15 @@ class KLPPORollout:
         cls, decode_attention: str, device: torch.device, dtype: torch.dtype, tensor_parallel: bool
     ) -> bool:
         """Whether an engine with ``decode_attention`` decodes a ``dtype`` cache on ``device`` on the split
-        layers (``flash="triton-rope"`` in :meth:`_decode_step`): what the background pre-compile makes."""
-        device = torch.device(device)
-        ok = (
-            device.type == "cuda"
-            and dtype in (torch.bfloat16, torch.float16)
-            and triton_attention.available(device)
+        layers (``flash="triton-rope"`` in :meth:`_decode_step`): what the background pre-compile makes
+        (:func:`klppo.rollout.compiled.decodes_split` with this class's ``rope_in_attention``)."""
+        return decodes_split(
+            decode_attention,
+            device,
+            dtype,
+            tensor_parallel=tensor_parallel,
+            rope_in_attention=cls.rope_in_attention,
         )
-        return cls.rope_in_attention and ok and not tensor_parallel and decode_attention in ("auto", "triton")
 
     def _use_flash(self, kv: torch.Tensor) -> str | None:
         """The ``flash`` argument of ``decode``: "packed", "plain", "triton" or None (masked SDPA)."""

@@ -13,8 +13,10 @@ Cache layout: one tensor ``kv`` [L, 2, num_slots, S, H_kv, D]; sequence ``s`` li
 
 Decode attention: on CUDA in bf16/fp16, flash attention (varlen, ``seqused_k`` = position + 1) reads only
 each slot's occupied prefix, with the query heads of one KV head packed as rows of one query (GQA
-packing: each K/V block read once per KV head); elsewhere (CPU, fp32) SDPA over the whole length ``S``
-with a mask.
+packing: each K/V block read once per KV head), or the split-KV kernels of
+:mod:`klppo.rollout.triton_attention` (fused with the cache write; the engine's default where triton
+imports), which on the full model also apply RoPE, on split layers (:func:`decode_rope_in_attention`);
+elsewhere (CPU, fp32) SDPA over the whole length ``S`` with a mask.
 
 Optional fused projections (``LlamaWeights.fuse``): ``[q; k; v]`` and ``[gate; up]`` concatenated into
 temporary tensors (one matmul instead of three / two); the caller owns and frees them.

@@ -147,7 +147,8 @@ def _start_precompile(
         if s.do_sample
     ]
     dtype = to_dtype(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype)
-    tensor_parallel = rollout.tensor_model_parallel_size > 1
+    # as built (rollout_tensor_parallel): LoRA runs a configured TP size data-parallel, on the split layers
+    tensor_parallel = rollout.tensor_model_parallel_size > 1 and tp_rollout_unbuilt(cfg) is None
     compiled.start_precompile(
         hf_config,
         dtype=dtype,

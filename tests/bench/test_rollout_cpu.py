@@ -51,3 +51,29 @@ def test_one_engine_run_per_decode_attention_on_cpu(tmp_path) -> None:
     with pytest.raises(ValueError, match="decode_attention=triton .* needs a CUDA"):  # the kernels: CUDA only
         main(["--shapes", "tiny", "--batches", "4", "--hf-batches", "", "--compile-batch", "0", "--device", "cpu",
               "--decode-attention", "triton", "--prompt", "8", "--new", "6"])  # fmt: skip
+
+
+def test_addmm_residual_variant_replaces_the_back_of_split_and_unsplit_layers() -> None:
+    """``--variants addmm-residual`` times the O projection's residual folded into ``addmm`` whichever
+    layers the engine decodes on: the split layers' back too (the default with the Triton attention),
+    else the variant would time the default engine under another name."""
+    import torch
+
+    from bench.rollout import VARIANTS
+    from klppo.rollout.compiled import CompiledFunctions
+    from klppo.rollout.engine import SPLIT_LAYER_NAMES
+
+    variant = VARIANTS["addmm-residual"]["compiled"]()
+    for name in ("attn_out_mlp", SPLIT_LAYER_NAMES[1]):
+        assert variant.functions[name] is not CompiledFunctions.functions[name], name
+    g = torch.Generator().manual_seed(0)
+
+    class Layer:  # no biases, unfused gate/up
+        o, post_norm = torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
+        gate, up, down = (torch.randn(*shape, generator=g) for shape in ((16, 8), (16, 8), (8, 16)))
+        o_bias = gate_up = gate_bias = up_bias = down_bias = None
+
+    x, attn = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    want = CompiledFunctions.functions[SPLIT_LAYER_NAMES[1]](x, attn, Layer, 1e-6)
+    for got, expected in zip(variant.functions[SPLIT_LAYER_NAMES[1]](x, attn, Layer, 1e-6), want):
+        torch.testing.assert_close(got, expected)

@@ -166,14 +166,45 @@ def test_decode_with_the_fused_write_equals_masked_sdpa() -> None:
     torch.testing.assert_close(kv, kv_sdpa, atol=1e-6, rtol=0)
 
 
+def _random_norms_and_biases(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every norm weight and bias random (Hugging Face makes them ones and zeros, under
+    which a dropped bias or a swapped norm weight changes nothing)."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _tiny(arch: str) -> torch.nn.Module:
+    """A three-layer tiny model; ``llama-bias``: Llama with every projection's bias (o, gate/up, down too)."""
+    model = build_tiny_model(arch=arch.removesuffix("-bias"), num_heads=4, num_kv_heads=2, num_layers=3)
+    if arch.endswith("-bias"):
+        config = model.config
+        config.attention_bias = config.mlp_bias = True
+        torch.manual_seed(0)
+        model = type(model)(config)
+    return _random_norms_and_biases(model).eval()
+
+
 @pytest.mark.parametrize(
-    ("arch", "fuse"), [("qwen2", True), ("qwen2", False), ("llama", True), ("qwen3", True)]
+    ("arch", "fuse"),
+    [
+        ("qwen2", True),
+        ("qwen2", False),
+        ("llama", True),
+        ("llama-bias", True),
+        ("llama-bias", False),
+        ("qwen3", True),
+    ],
 )
 def test_decode_with_rope_in_attention_equals_masked_sdpa(arch, fuse) -> None:
     """``llama.decode(flash="triton-rope")`` — split layers, the attention (here its reference) rotating q
     and K — gives the logits and the cache of the unsplit SDPA path over three steps: q/k/v biases
-    (qwen2), none (llama), per-head q/k norms (qwen3), fused and separate projections."""
-    model = build_tiny_model(arch=arch, num_heads=4, num_kv_heads=2, num_layers=3).eval()
+    (qwen2), none (llama), every bias (llama-bias: o, gate/up, down too), per-head q/k norms (qwen3),
+    fused and separate projections; norm weights and biases random."""
+    model = _tiny(arch)
     w = LlamaWeights.read(model)
     w = w.fuse() if fuse else w
     kv = torch.zeros(len(w.layers), 2, 3, 16, w.num_kv_heads, w.head_dim)
