@@ -449,6 +449,8 @@ def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     parts = {
         "LM head, float32 logits": (lambda: lm_head_logits(h, w, True), (w.numel() * 2 + logits.numel() * 4)),
         "Triton sampler": (lambda: sample_triton(logits, params), logits.numel() * 4),
+        "Triton sampler, one uniform per Philox call (before session 22)": (
+            lambda: sample_triton(logits, params, four_per_philox=False), logits.numel() * 4),
         "LM head + sampler": (lambda: sample_triton(lm_head_logits(h, w, True), params),
                               w.numel() * 2 + logits.numel() * 8),
     }  # fmt: skip

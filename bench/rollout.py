@@ -65,6 +65,8 @@ VARIANTS = {
     "addmm-residual": dict(compiled=lambda: _AddmmResidual()),
     # the unsplit layers with RoPE in the compiled front (before session 22; an engine attribute)
     "rope-outside": dict(_attributes=dict(rope_in_attention=False)),
+    # the Triton sampler with one uniform per Philox call (before session 22; an engine attribute)
+    "rand-one-per-philox": dict(_attributes=dict(sampler_four_per_philox=False)),
     "same": dict(),  # the default engine again: after another variant, the order's effect shows
 }
 

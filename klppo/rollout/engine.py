@@ -88,6 +88,9 @@ class KLPPORollout:
     the unsplit back (the engine before session 22)."""
 
     rope_in_attention = True
+    sampler_four_per_philox = True
+    """Bench switch: the Triton sampler's untruncated kernel draws four uniforms per Philox call
+    (:func:`klppo.rollout.triton_sampling.sample_triton`); False: one (before session 22)."""
 
     def __init__(
         self,
@@ -367,8 +370,11 @@ class KLPPORollout:
             return vocab_parallel_sampler(params, w.tp, w.vocab_size)
         if self._uses_triton(cuda, params):
             # the torch path past the kernels' int32 offsets (batch × vocab ≥ 2**31), decided per shape
+            four = self.sampler_four_per_philox
             return lambda x: (
-                sample_triton(x, params) if triton_supports(params, *x.shape) else sample(x, params)
+                sample_triton(x, params, four_per_philox=four)
+                if triton_supports(params, *x.shape)
+                else sample(x, params)
             )
         if not is_untruncated(params):
             return lambda logits: sample(logits, params)

@@ -7,7 +7,9 @@ The law is that of :mod:`klppo.rollout.sampling` (the pure-torch path: the refer
 - Untruncated (no top-k, top-p = 1; greedy too): one read of the logits. Each row's vocabulary is cut into
   chunks spread over several programs (enough to fill the GPU at small batches); a program keeps per lane
   a running max and sum of ``exp`` (the log-normaliser, online) and the Gumbel race: the largest
-  ``x + G`` (``G = −log(−log U)``, ``U`` from ``tl.rand``; greedy: ``x``), with its id and ``x``. A small
+  ``x + G`` (``G = −log(−log U)``, ``U`` from ``tl.rand4x``: the four words of one Philox call serve four
+  ids — the Philox rounds were most of this kernel's time with one uniform per call; greedy: ``x``), with
+  its id and ``x``. A small
   second kernel combines the chunks: the log-sum of their normalisers, and the best race value's token
   (the lowest id on ties, as ``argmax``) — a categorical draw from ``softmax(x)``.
 - Top-k alone or top-p alone: the kept set is an upper set of the values: token ``i`` is kept iff fewer
@@ -55,12 +57,19 @@ def supports(params: SamplingParams, batch: int, vocab: int) -> bool:
 
 
 def sample_triton(
-    logits: torch.Tensor, params: SamplingParams, *, splits: int | None = None, block: int = 2048
+    logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    splits: int | None = None,
+    block: int = 2048,
+    four_per_philox: bool = True,
 ):
     """Tokens [B] int64 and log-probs [B] float32 drawn from ``logits`` [B, V] (module docstring).
 
     ``splits``: programs per row of the untruncated kernel (default: enough to fill the device);
-    ``block``: ids a program reads at once (a power of two; tests make it small to split short rows)."""
+    ``block``: ids a program reads at once (a power of two ≥ 4; tests make it small to split short rows);
+    ``four_per_philox``: the untruncated kernel's uniforms four to a Philox call (``tl.rand4x``) instead of
+    one (``tl.rand``, which keeps one of the four words each call computes) — a bench switch."""
     batch, vocab = logits.shape
     if not supports(params, batch, vocab):
         raise ValueError(f"the Triton sampler does not take top_k={params.top_k} with top_p={params.top_p}")
@@ -76,12 +85,13 @@ def sample_triton(
     log_probs = torch.empty(batch, dtype=torch.float32, device=device)
     top_k = params.top_k if 0 < params.top_k < vocab and not greedy else 0
     top_p = params.top_p if params.top_p < 1.0 and not greedy else 1.0
-    block = min(block, triton.next_power_of_2(vocab))
+    block = max(4, min(block, triton.next_power_of_2(vocab)))
     if top_k == 0 and top_p >= 1.0:
         chunk, splits = chunking(vocab, splits or _splits(device, batch, vocab, block), block)
         part = torch.empty(batch, splits, 4, dtype=torch.float32, device=device)
-        _race_chunk_kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, seed, part,
-                                            splits, GREEDY=greedy, BLOCK=block, num_warps=8)  # fmt: skip
+        kernel = _race_chunk_kernel4 if four_per_philox else _race_chunk_kernel
+        kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, seed, part, splits,
+                                GREEDY=greedy, BLOCK=block, num_warps=8)  # fmt: skip
         _race_combine_kernel[(batch,)](part, splits, tokens, log_probs, SP=triton.next_power_of_2(splits))
     else:
         _truncated_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, seed, top_k, top_p, tokens,
@@ -161,6 +171,62 @@ if triton is not None:
             if not GREEDY:
                 r = tl.where(ok, x + _gumbel(seed, row * V + idx), NEG_INF)
             best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
+        top, idx, x_win = _race_winner(best_r, best_i, best_x, V)
+        out = part_ptr + (row * S + split) * 4
+        tl.store(out, _lse_of_lanes(m, s))
+        tl.store(out + 1, top)
+        tl.store(out + 2, idx.to(tl.float32))  # ids < 2**24: exact in float32
+        tl.store(out + 3, x_win)
+
+    @triton.jit
+    def _race_step(base, idx, end, temperature, u, m, s, best_r, best_i, best_x, GREEDY: tl.constexpr):
+        """One block of ids ``idx`` (< ``end``) into the lanes' normaliser and race, ``u`` their uniforms."""
+        ok = idx < end
+        x = tl.load(base + idx, mask=ok, other=NEG_INF).to(tl.float32) / temperature
+        m, s = _online(m, s, x)
+        r = x
+        if not GREEDY:  # u = 0 gives -inf (never wins); the clamp: u rounding to 1
+            r = tl.where(ok, x - tl.log(tl.maximum(-tl.log(u), 1e-30)), NEG_INF)
+        best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
+        return m, s, best_r, best_i, best_x
+
+    @triton.jit
+    def _race_chunk_kernel4(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S,
+                            GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """``_race_chunk_kernel`` with four uniforms per Philox call (``tl.rand4x``): each block of ``BLOCK``
+        ids is four quarters of ``Q = BLOCK / 4`` consecutive ids, lane ``i`` of quarter ``q`` taking word
+        ``q`` of the call at counter ``row · G + off / 4 + i`` (``G``: the counters of a row, distinct over
+        rows and blocks). A lane meets its ids in increasing order, so ties still go to the lowest id."""
+        Q: tl.constexpr = BLOCK // 4
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        base = logits_ptr + row.to(tl.int64) * stride
+        seed = tl.load(seed_ptr)
+        start = split * chunk
+        end = tl.minimum(start + chunk, V)
+        counters = row * (tl.cdiv(V, BLOCK) * Q)
+        i = tl.arange(0, Q)
+        m = tl.full([Q], NEG_INF, tl.float32)
+        s = tl.zeros([Q], tl.float32)
+        best_r = tl.full([Q], NEG_INF, tl.float32)
+        best_i = tl.full([Q], V, tl.int32)
+        best_x = tl.full([Q], NEG_INF, tl.float32)
+        for off in range(start, end, BLOCK):
+            if GREEDY:
+                u0 = tl.zeros([Q], tl.float32)  # unused: the race is on x
+                u1 = u0
+                u2 = u0
+                u3 = u0
+            else:
+                u0, u1, u2, u3 = tl.rand4x(seed, counters + off // 4 + i)
+            m, s, best_r, best_i, best_x = _race_step(base, off + i, end, temperature, u0, m, s, best_r, best_i,
+                                                      best_x, GREEDY)  # fmt: skip
+            m, s, best_r, best_i, best_x = _race_step(base, off + Q + i, end, temperature, u1, m, s, best_r, best_i,
+                                                      best_x, GREEDY)  # fmt: skip
+            m, s, best_r, best_i, best_x = _race_step(base, off + 2 * Q + i, end, temperature, u2, m, s, best_r,
+                                                      best_i, best_x, GREEDY)  # fmt: skip
+            m, s, best_r, best_i, best_x = _race_step(base, off + 3 * Q + i, end, temperature, u3, m, s, best_r,
+                                                      best_i, best_x, GREEDY)  # fmt: skip
         top, idx, x_win = _race_winner(best_r, best_i, best_x, V)
         out = part_ptr + (row * S + split) * 4
         tl.store(out, _lse_of_lanes(m, s))

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -117,15 +118,21 @@ def _triton_checks(draws: int, device: str) -> None:
 
     settings = [s for s in SETTINGS if not (s[1] > 0 and s[2] < 1.0)]  # both at once: the torch path
     _check(sample_triton, draws, device, settings)
-    for splits in (1, 3):  # the chunked untruncated kernel, one and several programs per row
+    fours = (True, False) if device == "cuda" else (True,)  # the interpreter: the default kernel only (time)
+    for splits, four in itertools.product((1, 3), fours):  # the chunked untruncated kernel, one and
+        # several programs per row, four uniforms per Philox call (the default) and one
         params = SamplingParams(max_new_tokens=1, temperature=0.9)
         x = _logits().to(device).expand(draws // 4, -1).contiguous()
-        tokens, _ = sample_triton(x, params, splits=splits, block=16)  # 40 ids: 1 or 3 chunks of 16
-        assert chi_square_p(tokens, reference(_logits(), 0.9, -1, 1.0)[0]) > 0.01, splits
-    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 3.0]], device=device)
-    tokens, log_probs = sample_triton(logits, SamplingParams(do_sample=False), splits=2, block=2)
-    assert tokens.tolist() == [1, 0]  # ties (2.0 at ids 1, 2; 3.0 at 0, 3) across two chunks: the lowest id
-    torch.testing.assert_close(log_probs.cpu(), torch.log_softmax(logits.cpu(), -1)[[0, 1], [1, 0]])
+        tokens, _ = sample_triton(x, params, splits=splits, block=16, four_per_philox=four)  # 1 or 3 chunks
+        assert chi_square_p(tokens, reference(_logits(), 0.9, -1, 1.0)[0]) > 0.01, (splits, four)
+    # ties: 2.0 at ids 1 and 5 (two chunks of 4); 3.0 at ids 0 and 3 (one chunk, two quarters) and 4 (the next)
+    logits = torch.tensor([[0.5, 2.0, -1.0, -1.0, -1.0, 2.0, 0.0, 0.0], [3.0, 1.0, 0.0, 3.0, 3.0, 0.0, 0.0, 0.0]],
+                          device=device)  # fmt: skip
+    for four in fours:
+        tokens, log_probs = sample_triton(logits, SamplingParams(do_sample=False), splits=2, block=4,
+                                          four_per_philox=four)  # fmt: skip
+        assert tokens.tolist() == [1, 0], four  # the lowest id
+        torch.testing.assert_close(log_probs.cpu(), torch.log_softmax(logits.cpu(), -1)[[0, 1], [1, 0]])
 
 
 @pytest.mark.gpu
