@@ -179,16 +179,20 @@ if triton is not None:
         tl.store(out + 3, x_win)
 
     @triton.jit
-    def _race_step(base, idx, end, temperature, u, m, s, best_r, best_i, best_x, GREEDY: tl.constexpr):
-        """One block of ids ``idx`` (< ``end``) into the lanes' normaliser and race, ``u`` their uniforms."""
-        ok = idx < end
-        x = tl.load(base + idx, mask=ok, other=NEG_INF).to(tl.float32) / temperature
-        m, s = _online(m, s, x)
+    def _race_quarter(x, idx, ok, u, best_r, best_i, best_x, GREEDY: tl.constexpr):
+        """The Gumbel race over one quarter's ids ``idx`` (``x`` already scaled), ``u`` their uniforms."""
         r = x
         if not GREEDY:  # u = 0 gives -inf (never wins); the clamp: u rounding to 1
             r = tl.where(ok, x - tl.log(tl.maximum(-tl.log(u), 1e-30)), NEG_INF)
-        best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
-        return m, s, best_r, best_i, best_x
+        return _race_update(best_r, best_i, best_x, r, idx, x)
+
+    @triton.jit
+    def _online4(m, s, x0, x1, x2, x3):
+        """``_online`` for four values a lane: one rescale of the running sum instead of four."""
+        m_new = tl.maximum(tl.maximum(m, tl.maximum(x0, x1)), tl.maximum(x2, x3))
+        ref = tl.where(m_new > NEG_INF, m_new, 0.0)
+        total = (tl.exp(x0 - ref) + tl.exp(x1 - ref)) + (tl.exp(x2 - ref) + tl.exp(x3 - ref))
+        return m_new, s * tl.exp(m - ref) + total
 
     @triton.jit
     def _race_chunk_kernel4(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S,
@@ -196,7 +200,8 @@ if triton is not None:
         """``_race_chunk_kernel`` with four uniforms per Philox call (``tl.rand4x``): each block of ``BLOCK``
         ids is four quarters of ``Q = BLOCK / 4`` consecutive ids, lane ``i`` of quarter ``q`` taking word
         ``q`` of the call at counter ``row · G + off / 4 + i`` (``G``: the counters of a row, distinct over
-        rows and blocks). A lane meets its ids in increasing order, so ties still go to the lowest id."""
+        rows and blocks), and the running sum of ``exp`` rescaled once per four ids (``_online4``). A lane meets
+        its ids in increasing order, so ties still go to the lowest id."""
         Q: tl.constexpr = BLOCK // 4
         row = tl.program_id(0)
         split = tl.program_id(1)
@@ -219,14 +224,17 @@ if triton is not None:
                 u3 = u0
             else:
                 u0, u1, u2, u3 = tl.rand4x(seed, counters + off // 4 + i)
-            m, s, best_r, best_i, best_x = _race_step(base, off + i, end, temperature, u0, m, s, best_r, best_i,
-                                                      best_x, GREEDY)  # fmt: skip
-            m, s, best_r, best_i, best_x = _race_step(base, off + Q + i, end, temperature, u1, m, s, best_r, best_i,
-                                                      best_x, GREEDY)  # fmt: skip
-            m, s, best_r, best_i, best_x = _race_step(base, off + 2 * Q + i, end, temperature, u2, m, s, best_r,
-                                                      best_i, best_x, GREEDY)  # fmt: skip
-            m, s, best_r, best_i, best_x = _race_step(base, off + 3 * Q + i, end, temperature, u3, m, s, best_r,
-                                                      best_i, best_x, GREEDY)  # fmt: skip
+            i0, i1, i2, i3 = off + i, off + Q + i, off + 2 * Q + i, off + 3 * Q + i
+            ok0, ok1, ok2, ok3 = i0 < end, i1 < end, i2 < end, i3 < end
+            x0 = tl.load(base + i0, mask=ok0, other=NEG_INF).to(tl.float32) / temperature
+            x1 = tl.load(base + i1, mask=ok1, other=NEG_INF).to(tl.float32) / temperature
+            x2 = tl.load(base + i2, mask=ok2, other=NEG_INF).to(tl.float32) / temperature
+            x3 = tl.load(base + i3, mask=ok3, other=NEG_INF).to(tl.float32) / temperature
+            m, s = _online4(m, s, x0, x1, x2, x3)
+            best_r, best_i, best_x = _race_quarter(x0, i0, ok0, u0, best_r, best_i, best_x, GREEDY)
+            best_r, best_i, best_x = _race_quarter(x1, i1, ok1, u1, best_r, best_i, best_x, GREEDY)
+            best_r, best_i, best_x = _race_quarter(x2, i2, ok2, u2, best_r, best_i, best_x, GREEDY)
+            best_r, best_i, best_x = _race_quarter(x3, i3, ok3, u3, best_r, best_i, best_x, GREEDY)
         top, idx, x_win = _race_winner(best_r, best_i, best_x, V)
         out = part_ptr + (row * S + split) * 4
         tl.store(out, _lse_of_lanes(m, s))
