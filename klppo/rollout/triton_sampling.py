@@ -67,12 +67,15 @@ def sample_triton(
     """Tokens [B] int64 and log-probs [B] float32 drawn from ``logits`` [B, V] (module docstring).
 
     ``splits``: programs per row of the untruncated kernel (default: enough to fill the device);
-    ``block``: ids a program reads at once (a power of two ≥ 4; tests make it small to split short rows);
+    ``block``: ids a program reads at once (a power of two, 4 at least: smaller is taken as 4; tests make it
+    small to split short rows);
     ``four_per_philox``: the untruncated kernel's uniforms four to a Philox call (``tl.rand4x``) instead of
     one (``tl.rand``, which keeps one of the four words each call computes) — a bench switch."""
     batch, vocab = logits.shape
     if not supports(params, batch, vocab):
         raise ValueError(f"the Triton sampler does not take top_k={params.top_k} with top_p={params.top_p}")
+    if block < 1 or block & (block - 1):  # the four-per-Philox kernel covers 4·(block // 4) ids a block
+        raise ValueError(f"the Triton sampler's block must be a power of two, got {block}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     device = logits.device

@@ -97,6 +97,16 @@ def test_chunking_of_the_untruncated_kernel() -> None:
     assert chunk % 2048 == 0 and (splits - 1) * chunk < 151936 <= splits * chunk
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
+def test_triton_sampler_block_is_a_power_of_two() -> None:
+    """A block of 6 made the four-per-Philox kernel read quarters of one id: ids 4 and 5 of each block of 6
+    skipped, no error (the one-per-call kernel fails to compile)."""
+    from klppo.rollout.triton_sampling import sample_triton
+
+    with pytest.raises(ValueError, match="power of two, got 6"):
+        sample_triton(torch.zeros(1, 8), SamplingParams(do_sample=False), block=6)
+
+
 def test_engine_sampler_option_is_checked(tiny_qwen2) -> None:
     from klppo.rollout.engine import KLPPORollout
 
