@@ -7,11 +7,9 @@ The law is that of :mod:`klppo.rollout.sampling` (the pure-torch path: the refer
 - Untruncated (no top-k, top-p = 1; greedy too): one read of the logits. Each row's vocabulary is cut into
   chunks spread over several programs (enough to fill the GPU at small batches); a program keeps per lane
   a running max and sum of ``exp`` (the log-normaliser, online) and the Gumbel race: the largest
-  ``x + G`` (``G = −log(−log U)``, ``U`` from ``tl.rand4x``: the four words of one Philox call serve four
-  ids — the Philox rounds were most of this kernel's time with one uniform per call; greedy: ``x``), with
-  its id and ``x``. A small
-  second kernel combines the chunks: the log-sum of their normalisers, and the best race value's token
-  (the lowest id on ties, as ``argmax``) — a categorical draw from ``softmax(x)``.
+  ``x + G`` (``G = −log(−log U)``; greedy: ``x``), with its id and ``x``. A small second kernel combines
+  the chunks: the log-sum of their normalisers, and the best race value's token (the lowest id on ties, as
+  ``argmax``) — a categorical draw from ``softmax(x)``.
 - Top-k alone or top-p alone: the kept set is an upper set of the values: token ``i`` is kept iff fewer
   than ``k`` tokens have a larger ``x`` (top-k: ``x_i`` ≥ the k-th largest, ties kept, as
   ``truncate_logits``), or iff the probability mass of the tokens with a larger ``x`` is below ``p``
@@ -27,7 +25,12 @@ The law is that of :mod:`klppo.rollout.sampling` (the pure-torch path: the refer
   engine uses the torch path.
 
 Randomness: one int64 seed per call drawn from the current default generator on the device (so seeded
-generation is reproducible, and a CUDA graph replays fresh noise); ``tl.rand(seed + round, row·V + id)``.
+generation is reproducible, and a CUDA graph replays fresh noise). Untruncated: four uniforms per Philox
+call (``tl.rand4x``; the Philox rounds were most of this kernel's time with one uniform per call): a block
+of ``BLOCK`` ids is four quarters of ``Q = BLOCK / 4``, and id ``off + q·Q + i`` (``off`` the block's first
+id) takes word ``q`` of the call at counter ``row·G + off / 4 + i`` (``G = ⌈V / BLOCK⌉·Q``), so every
+(row, id) has its own word; ``sample_triton(four_per_philox=False)``: ``tl.rand(seed, row·V + id)``.
+Truncated: ``tl.rand(seed + round, row·V + id)``.
 Float32 sums in another order than torch's: a top-p boundary token whose mass above lies within rounding
 of ``p`` may be kept by one path and not the other.
 """
@@ -67,12 +70,15 @@ def sample_triton(
     """Tokens [B] int64 and log-probs [B] float32 drawn from ``logits`` [B, V] (module docstring).
 
     ``splits``: programs per row of the untruncated kernel (default: enough to fill the device);
-    ``block``: ids a program reads at once (a power of two ≥ 4; tests make it small to split short rows);
+    ``block``: ids a program reads at once (a power of two, 4 at least: smaller is taken as 4; tests make it
+    small to split short rows);
     ``four_per_philox``: the untruncated kernel's uniforms four to a Philox call (``tl.rand4x``) instead of
     one (``tl.rand``, which keeps one of the four words each call computes) — a bench switch."""
     batch, vocab = logits.shape
     if not supports(params, batch, vocab):
         raise ValueError(f"the Triton sampler does not take top_k={params.top_k} with top_p={params.top_p}")
+    if block < 1 or block & (block - 1):  # the four-per-Philox kernel covers 4·(block // 4) ids a block
+        raise ValueError(f"the Triton sampler's block must be a power of two, got {block}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     device = logits.device

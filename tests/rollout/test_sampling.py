@@ -97,6 +97,16 @@ def test_chunking_of_the_untruncated_kernel() -> None:
     assert chunk % 2048 == 0 and (splits - 1) * chunk < 151936 <= splits * chunk
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
+def test_triton_sampler_block_is_a_power_of_two() -> None:
+    """A block of 6 made the four-per-Philox kernel read quarters of one id: ids 4 and 5 of each block of 6
+    skipped, no error (the one-per-call kernel fails to compile)."""
+    from klppo.rollout.triton_sampling import sample_triton
+
+    with pytest.raises(ValueError, match="power of two, got 6"):
+        sample_triton(torch.zeros(1, 8), SamplingParams(do_sample=False), block=6)
+
+
 def test_engine_sampler_option_is_checked(tiny_qwen2) -> None:
     from klppo.rollout.engine import KLPPORollout
 
@@ -111,6 +121,31 @@ def test_engine_sampler_option_is_checked(tiny_qwen2) -> None:
         tiny_qwen2, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=2, seed=0)
     )
     assert out.responses.shape == (1, 2)
+
+
+def _race_noise(device: str, four: bool) -> torch.Tensor:
+    """[3, 20] the Gumbel noise the untruncated kernel gives each (row, id), read off one program's race value
+    with ``x = 0`` at a single id of each chunk (``-inf`` elsewhere): blocks of 8 (four quarters of two ids),
+    chunks of 8 over 3 splits (the last one ending mid-block), the same seed in every launch."""
+    from klppo.rollout.triton_sampling import _race_chunk_kernel, _race_chunk_kernel4, chunking
+
+    rows, vocab, block = 3, 20, 8
+    chunk, splits = chunking(vocab, 3, block)
+    seed = torch.tensor([12345], dtype=torch.int64, device=device)
+    noise = torch.full((rows, vocab), float("nan"))
+    ids = torch.arange(vocab)
+    for position in range(chunk):
+        logits = torch.where(ids % chunk == position, 0.0, float("-inf")).expand(rows, -1).contiguous()
+        part = torch.empty(rows, splits, 4, device=device)
+        kernel = _race_chunk_kernel4 if four else _race_chunk_kernel
+        kernel[(rows, splits)](logits.to(device), vocab, vocab, chunk, 1.0, seed, part, splits, GREEDY=False,
+                               BLOCK=block)  # fmt: skip
+        part = part.cpu()
+        for row, split in itertools.product(range(rows), range(splits)):
+            if split * chunk + position < vocab:
+                assert part[row, split, 2] == split * chunk + position
+                noise[row, split * chunk + position] = part[row, split, 1]
+    return noise
 
 
 def _triton_checks(draws: int, device: str) -> None:
@@ -133,6 +168,10 @@ def _triton_checks(draws: int, device: str) -> None:
                                           four_per_philox=four)  # fmt: skip
         assert tokens.tolist() == [1, 0], four  # the lowest id
         torch.testing.assert_close(log_probs.cpu(), torch.log_softmax(logits.cpu(), -1)[[0, 1], [1, 0]])
+    for four in fours:  # no uniform serves two (row, id): a reuse keeps each row's law (χ² blind to it across
+        # rows) and needs many draws to show within one
+        noise = _race_noise(device, four)
+        assert noise.isfinite().all() and noise.unique().numel() == noise.numel(), four
 
 
 @pytest.mark.gpu
