@@ -259,9 +259,10 @@ if triton is not None:
         r = tl.load(p + 1, mask=ok, other=NEG_INF)
         ids = tl.load(p + 2, mask=ok, other=2.0**30)
         x = tl.load(p + 3, mask=ok, other=NEG_INF)
-        _, idx, x_win = _race_winner(r, ids, x, 2.0**30)
+        top, idx, x_win = _race_winner(r, ids, x, 2.0**30)
+        idx = tl.where(top > NEG_INF, idx, 0.0)  # no winner (a row of -inf or NaN): id 0, as torch's argmax
         tl.store(tokens_ptr + row, idx.to(tl.int64))
-        tl.store(logp_ptr + row, x_win - lse)
+        tl.store(logp_ptr + row, x_win - lse)  # NaN for such a row
 
     @triton.jit
     def _row_first(base, V, temperature, seed, row, BLOCK: tl.constexpr):
@@ -324,5 +325,6 @@ if triton is not None:
             token = tl.where(keep, token, next_token)
             x_s = tl.where(keep, x_s, next_x)
             rnd += 1
+        token = tl.where(token < V, token, 0)  # no winner (a row of -inf or NaN): id 0, as torch's argmax
         tl.store(tokens_ptr + row, token.to(tl.int64))
         tl.store(logp_ptr + row, x_s - lse)

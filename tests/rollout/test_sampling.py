@@ -168,10 +168,32 @@ def _triton_checks(draws: int, device: str) -> None:
                                           four_per_philox=four)  # fmt: skip
         assert tokens.tolist() == [1, 0], four  # the lowest id
         torch.testing.assert_close(log_probs.cpu(), torch.log_softmax(logits.cpu(), -1)[[0, 1], [1, 0]])
+    _no_winner_checks(sample_triton, device, fours)
     for four in fours:  # no uniform serves two (row, id): a reuse keeps each row's law (χ² blind to it across
         # rows) and needs many draws to show within one
         noise = _race_noise(device, four)
         assert noise.isfinite().all() and noise.unique().numel() == noise.numel(), four
+
+
+def _no_winner_checks(sampler, device: str, fours=(None,)) -> None:
+    """A row of -inf or NaN logits (a model gone non-finite) draws id 0 — in range, what torch's argmax
+    gives — with a NaN log-prob (the trainer's non-finite checks see it), beside a normal row, for every
+    sampling law; an out-of-range id would fail the next step's embedding lookup on the device."""
+    logits = torch.tensor([[float("-inf")] * 8, [float("nan")] * 8, [0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0]],
+                          device=device)  # fmt: skip
+    for params, four in itertools.product((SamplingParams(), SamplingParams(do_sample=False),
+                                           SamplingParams(top_k=2), SamplingParams(top_p=0.5)), fours):  # fmt: skip
+        kwargs = {} if four is None else dict(splits=2, block=4, four_per_philox=four)
+        if four is not None and not (params.top_k < 0 and params.top_p >= 1.0):
+            kwargs = dict(block=4)  # the truncated kernel: no splits, one kernel
+        torch.manual_seed(0)
+        tokens, log_probs = sampler(logits, params, **kwargs)
+        assert tokens[:2].tolist() == [0, 0], (params, four, tokens.tolist())
+        assert log_probs[:2].isnan().all() and log_probs[2].isfinite(), (params, four, log_probs.tolist())
+
+
+def test_torch_sampler_draws_id_zero_from_a_row_without_a_winner() -> None:
+    _no_winner_checks(sample, "cpu")
 
 
 @pytest.mark.gpu
