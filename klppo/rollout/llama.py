@@ -510,7 +510,7 @@ def decode(
     kv: torch.Tensor,
     tokens: torch.Tensor,
     positions: torch.Tensor,
-    layer_fns: tuple = (attn_in, attn_out_mlp),
+    layer_fns: tuple | None = None,
     flash: str | None = None,
     fp32_logits: bool = False,
 ) -> torch.Tensor:
@@ -523,12 +523,17 @@ def decode(
     once per KV head instead of once per query head; "triton": the split-KV kernels of
     :mod:`klppo.rollout.triton_attention`, which also do the cache write (their torch reference off CUDA);
     None: SDPA over the whole length ``S`` with a mask.
-    ``layer_fns`` may be compiled versions of (``attn_in``, ``attn_out_mlp``). Logits: see ``logits_of``.
-    "triton-rope": the split layers of :func:`decode_rope_in_attention` (``layer_fns`` then its three).
+    ``layer_fns`` may be compiled versions of (``attn_in``, ``attn_out_mlp``) (None: those two). Logits: see
+    ``logits_of``. "triton-rope": the split layers of :func:`decode_rope_in_attention` (``layer_fns`` then
+    its three; None: ``SPLIT_LAYER_FNS``).
     """
     if flash == "triton-rope":
-        return decode_rope_in_attention(w, kv, tokens, positions, layer_fns, fp32_logits)
-    front, back = layer_fns
+        fns = SPLIT_LAYER_FNS if layer_fns is None else layer_fns
+        if len(fns) != 3:
+            raise ValueError(f"decode(flash='triton-rope') takes the three split layer functions "
+                             f"(llama.SPLIT_LAYER_FNS or compiled versions), got {len(fns)}")  # fmt: skip
+        return decode_rope_in_attention(w, kv, tokens, positions, fns, fp32_logits)
+    front, back = (attn_in, attn_out_mlp) if layer_fns is None else layer_fns
     num_slots = tokens.shape[0]
     x = embed_tokens(w, tokens)
     cos, sin = rope_cos_sin(w, positions, x.dtype)

@@ -15,7 +15,7 @@ import torch
 from klppo.models.tiny import build_tiny_model
 from klppo.rollout.base import SamplingParams
 from klppo.rollout.engine import KLPPORollout
-from klppo.rollout.llama import SPLIT_LAYER_FNS, LlamaWeights, decode, prefill
+from klppo.rollout.llama import LlamaWeights, attn_in, attn_out_mlp, decode, prefill
 from klppo.rollout.triton_attention import decode_attention_reference, num_splits
 from tests.rollout.conftest import HAS_TRITON, left_padded, run_triton_interpreted
 
@@ -213,11 +213,18 @@ def test_decode_with_rope_in_attention_equals_masked_sdpa(arch, fuse) -> None:
     tokens, positions = torch.tensor([7, 8, 9]), torch.tensor([3, 1, 2])
     with torch.no_grad():
         for _ in range(3):
-            logits = decode(w, kv, tokens, positions, SPLIT_LAYER_FNS, flash="triton-rope")
+            logits = decode(w, kv, tokens, positions, flash="triton-rope")  # SPLIT_LAYER_FNS by default
             want = decode(w, kv_sdpa, tokens, positions, flash=None)
             torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
             torch.testing.assert_close(kv, kv_sdpa, atol=1e-6, rtol=0)
             tokens, positions = want.argmax(-1), positions + 1
+
+
+def test_decode_with_rope_in_attention_refuses_two_layer_functions() -> None:
+    w = LlamaWeights.read(build_tiny_model().eval())
+    kv = torch.zeros(len(w.layers), 2, 1, 8, w.num_kv_heads, w.head_dim)
+    with pytest.raises(ValueError, match="three split layer functions"):
+        decode(w, kv, torch.tensor([1]), torch.tensor([0]), (attn_in, attn_out_mlp), flash="triton-rope")
 
 
 def test_triton_decode_attention_needs_cuda_and_triton() -> None:
