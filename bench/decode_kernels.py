@@ -435,7 +435,8 @@ def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     """A decode step's end as the engine runs it: the final norm's output through the LM head with float32
     logits (``klppo.rollout.llama.lm_head_logits``), then the one-pass Triton sampler (temperature 1,
     untruncated) — each alone and the two together; the floor counts the head's weight read and the
-    logits written and read once. Vocabulary 151,936 (Qwen2.5). ``sweep`` is unused."""
+    logits written and read once. Vocabulary 151,936 (Qwen2.5). ``sweep``: the sampler's launch settings
+    (ids per block, warps, programs per row; 45), the best five."""
     from klppo.rollout.base import SamplingParams
     from klppo.rollout.llama import lm_head_logits
     from klppo.rollout.triton_sampling import sample_triton
@@ -454,8 +455,20 @@ def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
         "LM head + sampler": (lambda: sample_triton(lm_head_logits(h, w, True), params),
                               w.numel() * 2 + logits.numel() * 8),
     }  # fmt: skip
-    return [dict(part="head", shape=shape, batch=batch, floor_us=round(nbytes / HBM * 1e6, 2), impl=name,
+    rows = [dict(part="head", shape=shape, batch=batch, floor_us=round(nbytes / HBM * 1e6, 2), impl=name,
                  us=round(timed(fn), 2)) for name, (fn, nbytes) in parts.items()]  # fmt: skip
+    if sweep:  # the untruncated sampler's launch: ids per block, warps, programs per row (None: its default)
+        found = []
+        for block, warps, splits in itertools.product((1024, 2048, 4096), (4, 8, 16), (None, 1, 2, 4, 8)):
+            kw = dict(block=block, num_warps=warps, splits=splits)
+            try:
+                found.append((timed(lambda kw=kw: sample_triton(logits, params, **kw)), kw))
+            except Exception as e:  # noqa: BLE001  a setting out of resources is skipped
+                print(f"skip sampler {kw}: {type(e).__name__}", file=sys.stderr)
+        for us, kw in sorted(found, key=lambda f: f[0])[:5]:
+            rows.append(dict(part="head", shape=shape, batch=batch, floor_us=round(logits.numel() * 4 / HBM * 1e6, 2),
+                             impl=f"Triton sampler sweep {kw}", us=round(us, 2)))  # fmt: skip
+    return rows
 
 
 def attention_rows(shape: str, batch: int, sweep: bool) -> list[dict]:

@@ -66,6 +66,7 @@ def sample_triton(
     splits: int | None = None,
     block: int = 2048,
     four_per_philox: bool = True,
+    num_warps: int = 8,
 ):
     """Tokens [B] int64 and log-probs [B] float32 drawn from ``logits`` [B, V] (module docstring).
 
@@ -73,7 +74,8 @@ def sample_triton(
     ``block``: ids a program reads at once (a power of two, 4 at least: smaller is taken as 4; tests make it
     small to split short rows);
     ``four_per_philox``: the untruncated kernel's uniforms four to a Philox call (``tl.rand4x``) instead of
-    one (``tl.rand``, which keeps one of the four words each call computes) — a bench switch."""
+    one (``tl.rand``, which keeps one of the four words each call computes) — a bench switch;
+    ``num_warps``: the kernels' launch setting (benchmarks)."""
     batch, vocab = logits.shape
     if not supports(params, batch, vocab):
         raise ValueError(f"the Triton sampler does not take top_k={params.top_k} with top_p={params.top_p}")
@@ -97,11 +99,12 @@ def sample_triton(
         part = torch.empty(batch, splits, 4, dtype=torch.float32, device=device)
         kernel = _race_chunk_kernel4 if four_per_philox else _race_chunk_kernel
         kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, seed, part, splits,
-                                GREEDY=greedy, BLOCK=block, num_warps=8)  # fmt: skip
+                                GREEDY=greedy, BLOCK=block, num_warps=num_warps)  # fmt: skip
         _race_combine_kernel[(batch,)](part, splits, tokens, log_probs, SP=triton.next_power_of_2(splits))
     else:
         _truncated_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, seed, top_k, top_p, tokens,
-                                    log_probs, USE_K=top_k > 0, USE_P=top_p < 1.0, BLOCK=block, num_warps=8)  # fmt: skip
+                                    log_probs, USE_K=top_k > 0, USE_P=top_p < 1.0, BLOCK=block,
+                                    num_warps=num_warps)  # fmt: skip
     return tokens, log_probs
 
 
