@@ -149,6 +149,14 @@ def _start_precompile(
     dtype = to_dtype(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype)
     # as built (rollout_tensor_parallel): LoRA runs a configured TP size data-parallel, on the split layers
     tensor_parallel = rollout.tensor_model_parallel_size > 1 and tp_rollout_unbuilt(cfg) is None
+    if tensor_parallel:
+        # the TP engine's layer front runs on this rank's slices (other shapes than a whole layer's) and its
+        # back and sampler eagerly: graphs of a whole layer would go unused, and their failed shape guards
+        # make dynamo recompile the front with symbolic weight sizes at the first step
+        log.info(
+            "rollout pre-compile skipped: a tensor-parallel rollout compiles its layer front on its slices"
+        )
+        return
     compiled.start_precompile(
         hf_config,
         dtype=dtype,

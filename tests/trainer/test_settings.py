@@ -214,7 +214,7 @@ def test_setup_precompile_makes_the_sampler_graphs_of_every_temperature_on_the_g
     [
         ([], True),
         (["actor_rollout_ref.rollout.decode_attention=flash"], False),
-        (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], False),  # the unsplit TP layers
+        (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], None),  # TP: no pre-compile (slices)
         # LoRA: the configured TP size runs data-parallel on gathered weights, on the split layers
         (
             ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.model.lora_rank=8"],
@@ -224,19 +224,22 @@ def test_setup_precompile_makes_the_sampler_graphs_of_every_temperature_on_the_g
 )
 def test_setup_precompile_makes_the_layers_the_built_engine_decodes_on(monkeypatch, overrides, split) -> None:
     """On CUDA with triton (faked: only the arguments are recorded) the pre-compile makes the split layers
-    exactly when the engine the trainer builds decodes on them: not for flash or a tensor-parallel rollout,
-    but for a LoRA actor whose configured TP size is run data-parallel (``rollout_tensor_parallel``)."""
+    exactly when the engine the trainer builds decodes on them: not for flash, but for a LoRA actor whose
+    configured TP size is run data-parallel (``rollout_tensor_parallel``); a tensor-parallel rollout gets
+    none (``split`` None: its front runs on slices of other shapes, its back and sampler eagerly)."""
     from klppo.rollout import triton_attention
     from klppo.trainer.setup import _start_precompile
 
     class Recording:
+        kwargs = None
+
         def start_precompile(self, config, **kwargs):
             self.kwargs = kwargs
 
     monkeypatch.setattr(triton_attention, "available", lambda device: True)
     fns = Recording()
     _start_precompile(load_config(overrides), None, torch.device("cuda", 0), fns)
-    assert fns.kwargs["split_layers"] is split
+    assert (None if fns.kwargs is None else fns.kwargs["split_layers"]) is split
 
 
 def test_grad_sync_per_mini_batch_key_is_validated_and_resolved() -> None:
