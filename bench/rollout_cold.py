@@ -183,6 +183,22 @@ def medians(runs: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _cache_for(mode: str, caches: dict[str, str]) -> str:
+    """The cache directory of ``mode``'s process: a new empty one for a fresh-cache mode (recorded for its
+    engine configuration), else the one the last fresh process *of the same engine configuration* filled
+    (engine options and class attributes: a cache filled by other compiled functions would be a miss, not
+    a warm start — session 22's warm row reused the ``compile-rope-outside`` cache that way)."""
+    key = json.dumps([MODES[mode]["engine"], MODES[mode].get("attributes", {})], sort_keys=True)
+    if MODES[mode]["fresh_cache"] or key not in caches:
+        if not MODES[mode]["fresh_cache"]:
+            print(
+                f"{mode}: no fresh process of its engine ran before it; its cache starts empty",
+                file=sys.stderr,
+            )
+        caches[key] = tempfile.mkdtemp(prefix="klppo-cold-")
+    return caches[key]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="compile,compile-warm-cache,eager")
@@ -198,12 +214,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         child(args.child, args.batch, args.tiny, args.profile_first)
         return
-    cache = tempfile.mkdtemp(prefix="klppo-cold-")  # filled by the last fresh process
+    caches: dict[str, str] = {}  # per engine configuration: the cache its last fresh process filled
     runs = []
     for mode in args.modes.split(","):
         for _ in range(args.repeat):
-            if MODES[mode]["fresh_cache"]:
-                cache = tempfile.mkdtemp(prefix="klppo-cold-")
+            cache = _cache_for(mode, caches)
             row = run_child(mode, args.batch, cache, args.tiny, args.profile_first)
             if row is None:
                 continue

@@ -31,6 +31,23 @@ def test_fresh_then_reused_cache_on_cpu(tmp_path) -> None:
     assert result["median"]["compile"]["to_first_result_s"] == fresh["to_first_result_s"]
 
 
+def test_the_reuse_mode_gets_the_cache_of_its_own_engine() -> None:
+    """``compile-warm-cache`` reuses the cache of the last fresh process with its engine configuration,
+    not of one with other compiled functions run after it (``compile-rope-outside``)."""
+    from bench.rollout_cold import _cache_for
+
+    caches: dict[str, str] = {}
+    fresh = _cache_for("compile", caches)
+    other = _cache_for("compile-rope-outside", caches)
+    assert other != fresh and _cache_for("compile-warm-cache", caches) == fresh
+    later = _cache_for("precompile", caches)  # fresh, the same engine: the next reuse takes it
+    assert later not in (fresh, other) and _cache_for("compile-warm-cache", caches) == later
+    alone: dict[str, str] = {}
+    assert _cache_for("compile-warm-cache", alone) == _cache_for(
+        "compile-warm-cache", alone
+    )  # empty, then kept
+
+
 def test_the_first_call_profile_lists_functions_by_both_times() -> None:
     """``--profile-first``'s summary (in-process: the child process wraps its first call the same way)."""
     from bench.rollout_cold import _start_profile, _top_functions
