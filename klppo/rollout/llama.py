@@ -375,9 +375,17 @@ def attn_in(
 
     x [T, hidden] → q [T, H, D], kv_new [2, T, H_kv, D] (roped K stacked with V, ready for one cache write).
     """
+    q, k, v = _qkv_heads(rms_norm(x, lw.input_norm, spec[3]), lw, spec)
+    return apply_rope(q, cos, sin), torch.stack((apply_rope(k, cos, sin), v))
+
+
+def _qkv_heads(
+    h: torch.Tensor, lw: LayerWeights, spec: tuple[int, int, int, float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The normed states ``h`` [T, hidden] → q [T, H, D], k and v [T, H_kv, D]: the projections (fused if
+    ``lw.qkv``) and Qwen3's per-head q/k norms."""
     num_heads, num_kv_heads, head_dim, eps = spec
-    num_tokens = x.shape[0]
-    h = rms_norm(x, lw.input_norm, eps)
+    num_tokens = h.shape[0]
     if lw.qkv is not None:
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         q, k, v = F.linear(h, lw.qkv, lw.qkv_bias).split(sizes, dim=-1)
@@ -390,7 +398,7 @@ def attn_in(
         q = rms_norm(q, lw.q_norm, eps)
     if lw.k_norm is not None:
         k = rms_norm(k, lw.k_norm, eps)
-    return apply_rope(q, cos, sin), torch.stack((apply_rope(k, cos, sin), v))
+    return q, k, v
 
 
 def attn_in_qkv(
@@ -405,25 +413,12 @@ def attn_in_qkv(
 
     x, m [T, hidden] → (x + m [T, hidden], qkv [T, (H + 2·H_kv)·D]: q, k, v side by side, unrotated).
     The add is :func:`residual_add`, so it fuses into the norm kernel that reads its result."""
-    num_heads, num_kv_heads, head_dim, eps = spec
-    num_tokens = x.shape[0]
     if m is not None:
         x = residual_add(x, m)
-    h = rms_norm(x, lw.input_norm, eps)
-    if lw.qkv is not None:
-        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
-    else:
-        qkv = torch.cat(
-            [F.linear(h, lw.q, lw.q_bias), F.linear(h, lw.k, lw.k_bias), F.linear(h, lw.v, lw.v_bias)], -1
-        )
-    if lw.q_norm is None and lw.k_norm is None:
-        return x, qkv
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    if lw.q_norm is not None:
-        q = rms_norm(q.reshape(num_tokens, num_heads, head_dim), lw.q_norm, eps).reshape(num_tokens, -1)
-    if lw.k_norm is not None:
-        k = rms_norm(k.reshape(num_tokens, num_kv_heads, head_dim), lw.k_norm, eps).reshape(num_tokens, -1)
-    return x, torch.cat([q, k, v], dim=-1)
+    h = rms_norm(x, lw.input_norm, spec[3])
+    if lw.qkv is not None and lw.q_norm is None and lw.k_norm is None:
+        return x, F.linear(h, lw.qkv, lw.qkv_bias)  # the GEMM's output as it is: no copy
+    return x, torch.cat([t.flatten(1) for t in _qkv_heads(h, lw, spec)], dim=-1)
 
 
 def attn_out_mlp_split(
