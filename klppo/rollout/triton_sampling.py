@@ -139,9 +139,14 @@ if triton is not None:
         return ref + tl.log(tl.sum(s * tl.exp(m - ref), axis=0))
 
     @triton.jit
-    def _gumbel(seed, offsets):
-        u = tl.rand(seed, offsets)  # u = 0 gives -inf (never wins); the clamp: u rounding to 1
+    def _gumbel_of(u):
+        """Gumbel noise ``−log(−log u)`` of uniforms ``u`` (u = 0 gives −inf: never wins; the clamp: u
+        rounding to 1)."""
         return -tl.log(tl.maximum(-tl.log(u), 1e-30))
+
+    @triton.jit
+    def _gumbel(seed, offsets):
+        return _gumbel_of(tl.rand(seed, offsets))
 
     @triton.jit
     def _race_update(best_r, best_i, best_x, r, idx, x):
@@ -155,6 +160,15 @@ if triton is not None:
         top = tl.max(best_r, axis=0)
         idx = tl.min(tl.where(best_r == top, best_i, sentinel), axis=0)
         return top, idx, tl.max(tl.where(best_i == idx, best_x, NEG_INF), axis=0)
+
+    @triton.jit
+    def _store_partial(out, m, s, best_r, best_i, best_x, V):
+        """A chunk's result at ``out[0:4]``: its log-normaliser, best race value, that id and its ``x``."""
+        top, idx, x_win = _race_winner(best_r, best_i, best_x, V)
+        tl.store(out, _lse_of_lanes(m, s))
+        tl.store(out + 1, top)
+        tl.store(out + 2, idx.to(tl.float32))  # ids < 2**24: exact in float32
+        tl.store(out + 3, x_win)
 
     @triton.jit
     def _race_chunk_kernel(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S,
@@ -180,19 +194,14 @@ if triton is not None:
             if not GREEDY:
                 r = tl.where(ok, x + _gumbel(seed, row * V + idx), NEG_INF)
             best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
-        top, idx, x_win = _race_winner(best_r, best_i, best_x, V)
-        out = part_ptr + (row * S + split) * 4
-        tl.store(out, _lse_of_lanes(m, s))
-        tl.store(out + 1, top)
-        tl.store(out + 2, idx.to(tl.float32))  # ids < 2**24: exact in float32
-        tl.store(out + 3, x_win)
+        _store_partial(part_ptr + (row * S + split) * 4, m, s, best_r, best_i, best_x, V)
 
     @triton.jit
     def _race_quarter(x, idx, ok, u, best_r, best_i, best_x, GREEDY: tl.constexpr):
         """The Gumbel race over one quarter's ids ``idx`` (``x`` already scaled), ``u`` their uniforms."""
         r = x
-        if not GREEDY:  # u = 0 gives -inf (never wins); the clamp: u rounding to 1
-            r = tl.where(ok, x - tl.log(tl.maximum(-tl.log(u), 1e-30)), NEG_INF)
+        if not GREEDY:
+            r = tl.where(ok, x + _gumbel_of(u), NEG_INF)
         return _race_update(best_r, best_i, best_x, r, idx, x)
 
     @triton.jit
@@ -244,12 +253,7 @@ if triton is not None:
             best_r, best_i, best_x = _race_quarter(x1, i1, ok1, u1, best_r, best_i, best_x, GREEDY)
             best_r, best_i, best_x = _race_quarter(x2, i2, ok2, u2, best_r, best_i, best_x, GREEDY)
             best_r, best_i, best_x = _race_quarter(x3, i3, ok3, u3, best_r, best_i, best_x, GREEDY)
-        top, idx, x_win = _race_winner(best_r, best_i, best_x, V)
-        out = part_ptr + (row * S + split) * 4
-        tl.store(out, _lse_of_lanes(m, s))
-        tl.store(out + 1, top)
-        tl.store(out + 2, idx.to(tl.float32))  # ids < 2**24: exact in float32
-        tl.store(out + 3, x_win)
+        _store_partial(part_ptr + (row * S + split) * 4, m, s, best_r, best_i, best_x, V)
 
     @triton.jit
     def _race_combine_kernel(part_ptr, S, tokens_ptr, logp_ptr, SP: tl.constexpr):
