@@ -341,6 +341,18 @@ def timed(fn, rep: int = 50) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3  # µs
 
 
+def best_five(settings: list, call) -> list[tuple[float, object]]:
+    """(µs, setting) of the five fastest ``call(setting)`` (graph-replayed, ``timed``); a setting that fails
+    (out of resources) is named on stderr and skipped."""
+    found = []
+    for setting in settings:
+        try:
+            found.append((timed(lambda setting=setting: call(setting)), setting))
+        except Exception as e:  # noqa: BLE001  a configuration out of resources is skipped
+            print(f"skip {setting}: {type(e).__name__}", file=sys.stderr)
+    return sorted(found, key=lambda f: f[0])[:5]
+
+
 def ulps(x: torch.Tensor, ref: torch.Tensor) -> float:
     """The largest ``|x - ref|`` in units of ``ref.dtype``'s spacing at ``|ref|`` (that of the smallest
     normal number below it)."""
@@ -374,14 +386,9 @@ def mlp_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
             dict(base, impl=f"triton {choose_tiles(batch, hidden, inner, sms)}",
                  us=round(timed(lambda: silu_mul_down_triton(gu, w, res)), 2))]  # fmt: skip
     if sweep:
-        found = []
-        for bm, bn, bk, sp, ns in itertools.product((16, 32, 64), (64, 128), (64, 128), (1, 2, 4, 8), (3, 4)):
-            tiles = Tiles(bm, bn, bk, sp, 4, ns)
-            try:
-                found.append((timed(lambda t=tiles: silu_mul_down_triton(gu, w, res, tiles=t)), tiles))
-            except Exception as e:  # noqa: BLE001  a configuration out of resources is skipped
-                print(f"skip {tiles}: {type(e).__name__}", file=sys.stderr)
-        for us, tiles in sorted(found, key=lambda f: f[0])[:5]:
+        grid = [Tiles(bm, bn, bk, sp, 4, ns) for bm, bn, bk, sp, ns in
+                itertools.product((16, 32, 64), (64, 128), (64, 128), (1, 2, 4, 8), (3, 4))]  # fmt: skip
+        for us, tiles in best_five(grid, lambda t: silu_mul_down_triton(gu, w, res, tiles=t)):
             rows.append(dict(base, impl=f"triton sweep {tiles}", us=round(us, 2)))
     return rows
 
@@ -458,14 +465,9 @@ def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     rows = [dict(part="head", shape=shape, batch=batch, floor_us=round(nbytes / HBM * 1e6, 2), impl=name,
                  us=round(timed(fn), 2)) for name, (fn, nbytes) in parts.items()]  # fmt: skip
     if sweep:  # the untruncated sampler's launch: ids per block, warps, programs per row (None: its default)
-        found = []
-        for block, warps, splits in itertools.product((1024, 2048, 4096), (4, 8, 16), (None, 1, 2, 4, 8)):
-            kw = dict(block=block, num_warps=warps, splits=splits)
-            try:
-                found.append((timed(lambda kw=kw: sample_triton(logits, params, **kw)), kw))
-            except Exception as e:  # noqa: BLE001  a setting out of resources is skipped
-                print(f"skip sampler {kw}: {type(e).__name__}", file=sys.stderr)
-        for us, kw in sorted(found, key=lambda f: f[0])[:5]:
+        grid = [dict(block=block, num_warps=warps, splits=splits) for block, warps, splits in
+                itertools.product((1024, 2048, 4096), (4, 8, 16), (None, 1, 2, 4, 8))]  # fmt: skip
+        for us, kw in best_five(grid, lambda kw: sample_triton(logits, params, **kw)):
             rows.append(dict(part="head", shape=shape, batch=batch, floor_us=round(logits.numel() * 4 / HBM * 1e6, 2),
                              impl=f"Triton sampler sweep {kw}", us=round(us, 2)))  # fmt: skip
     return rows
@@ -487,16 +489,9 @@ def attention_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     rows = [dict(base, impl=f"engine (splits {splits}, BLOCK_N {ta.BLOCK_N}, 4 warps)",
                  us=round(timed(lambda: ta.decode_attention_triton(q, kv_new, cache, pos, splits=splits)), 2))]  # fmt: skip
     if sweep:
-        found = []
-        for sp, bn, nw, ns in itertools.product((1, 2, 4), (32, 64, 128), (4, 8), (2, 3)):
-            kw = dict(splits=sp, block_n=bn, num_warps=nw, num_stages=ns)
-            try:
-                found.append(
-                    (timed(lambda kw=kw: ta.decode_attention_triton(q, kv_new, cache, pos, **kw)), kw)
-                )
-            except Exception as e:  # noqa: BLE001  a configuration out of resources is skipped
-                print(f"skip {kw}: {type(e).__name__}", file=sys.stderr)
-        for us, kw in sorted(found, key=lambda f: f[0])[:5]:
+        grid = [dict(splits=sp, block_n=bn, num_warps=nw, num_stages=ns) for sp, bn, nw, ns in
+                itertools.product((1, 2, 4), (32, 64, 128), (4, 8), (2, 3))]  # fmt: skip
+        for us, kw in best_five(grid, lambda kw: ta.decode_attention_triton(q, kv_new, cache, pos, **kw)):
             rows.append(dict(base, impl=f"sweep {kw}", us=round(us, 2)))
     return rows
 
