@@ -219,13 +219,9 @@ def decodes_split(
     layers (the Triton attention applying RoPE: CUDA, bf16/fp16, triton importable, ``decode_attention``
     auto or triton, no tensor parallelism; ``rope_in_attention``: the engine's switch) — the layer set
     the pre-compile must make (``KLPPORollout.decodes_split`` passes its class's switch)."""
-    device = torch.device(device)
-    ok = (
-        device.type == "cuda"
-        and dtype in (torch.bfloat16, torch.float16)
-        and triton_attention.available(device)
+    return (
+        rope_in_attention and not tensor_parallel and triton_attention.chosen(decode_attention, device, dtype)
     )
-    return rope_in_attention and ok and not tensor_parallel and decode_attention in ("auto", "triton")
 
 
 def _batch_dynamic(fn: Callable) -> Callable:

@@ -359,9 +359,12 @@ class KLPPORollout:
             )
         if not ok:
             return None
-        if self.decode_attention == "auto":  # split-KV measured faster than flash at every shape and batch
-            return "triton" if triton_attention.available(kv.device) else "packed"  # (bench/RESULTS.md, s8)
-        return {"flash-plain": "plain", "triton": "triton"}.get(self.decode_attention, "packed")
+        # auto: split-KV measured faster than flash at every shape and batch (bench/RESULTS.md, s8)
+        if triton_attention.chosen(self.decode_attention, kv.device, kv.dtype):
+            return "triton"
+        return (
+            "plain" if self.decode_attention == "flash-plain" else "packed"
+        )  # flash, or auto without triton
 
     def _sampler(self, params: SamplingParams, cuda: bool, w: LlamaWeights):
         """``logits -> (tokens, log_probs)`` for ``params``: compiled and fused on GPU when untruncated;

@@ -49,6 +49,15 @@ def available(device: torch.device) -> bool:
     return triton is not None and torch.device(device).type == "cuda"
 
 
+def chosen(decode_attention: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an engine's ``decode_attention`` setting runs these kernels on a ``dtype`` cache on ``device``:
+    "auto" or "triton", a CUDA bf16/fp16 cache, triton importable (where "triton" cannot run, the engine
+    raises instead)."""
+    device = torch.device(device)
+    cuda_half = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return decode_attention in ("auto", "triton") and cuda_half and available(device)
+
+
 def decode_attention(
     q: torch.Tensor,
     kv_new: torch.Tensor,
