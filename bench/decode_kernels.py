@@ -459,6 +459,10 @@ def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
         "Triton sampler": (lambda: sample_triton(logits, params), logits.numel() * 4),
         "Triton sampler, one uniform per Philox call (before session 22)": (
             lambda: sample_triton(logits, params, four_per_philox=False), logits.numel() * 4),
+        "Triton sampler, noise of float uniforms, precise logs (before session 23)": (
+            lambda: sample_triton(logits, params, noise_of_bits=False), logits.numel() * 4),
+        "Triton sampler, temperature 0.7": (
+            lambda: sample_triton(logits, SamplingParams(max_new_tokens=1, temperature=0.7)), logits.numel() * 4),
         "LM head + sampler": (lambda: sample_triton(lm_head_logits(h, w, True), params),
                               w.numel() * 2 + logits.numel() * 8),
     }  # fmt: skip

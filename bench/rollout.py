@@ -67,6 +67,8 @@ VARIANTS = {
     "rope-outside": dict(_attributes=dict(rope_in_attention=False)),
     # the Triton sampler with one uniform per Philox call (before session 22; an engine attribute)
     "rand-one-per-philox": dict(_attributes=dict(sampler_four_per_philox=False)),
+    # its Gumbel noise from float uniforms with precise logarithms (before session 23; an engine attribute)
+    "noise-of-floats": dict(_attributes=dict(sampler_noise_of_bits=False)),
     "same": dict(),  # the default engine again: after another variant, the order's effect shows
 }
 

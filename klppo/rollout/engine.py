@@ -91,6 +91,10 @@ class KLPPORollout:
     sampler_four_per_philox = True
     """Bench switch: the Triton sampler's untruncated kernel draws four uniforms per Philox call
     (:func:`klppo.rollout.triton_sampling.sample_triton`); False: one (before session 22)."""
+    sampler_noise_of_bits = True
+    """Bench switch: the Triton sampler's Gumbel noise from Philox's words with fast logarithms
+    (:func:`klppo.rollout.triton_sampling._gumbel_of_bits`); False: from float uniforms with precise ones
+    (before session 23)."""
 
     def __init__(
         self,
@@ -373,9 +377,9 @@ class KLPPORollout:
             return vocab_parallel_sampler(params, w.tp, w.vocab_size)
         if self._uses_triton(cuda, params):
             # the torch path past the kernels' int32 offsets (batch × vocab ≥ 2**31), decided per shape
-            four = self.sampler_four_per_philox
+            four, bits = self.sampler_four_per_philox, self.sampler_noise_of_bits
             return lambda x: (
-                sample_triton(x, params, four_per_philox=four)
+                sample_triton(x, params, four_per_philox=four, noise_of_bits=bits)
                 if triton_supports(params, *x.shape)
                 else sample(x, params)
             )

@@ -37,6 +37,8 @@ of ``p`` may be kept by one path and not the other.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from klppo.rollout.base import SamplingParams
@@ -66,6 +68,7 @@ def sample_triton(
     splits: int | None = None,
     block: int = 2048,
     four_per_philox: bool = True,
+    noise_of_bits: bool = True,
     num_warps: int = 8,
 ):
     """Tokens [B] int64 and log-probs [B] float32 drawn from ``logits`` [B, V] (module docstring).
@@ -75,6 +78,8 @@ def sample_triton(
     small to split short rows);
     ``four_per_philox``: the untruncated kernel's uniforms four to a Philox call (``tl.rand4x``) instead of
     one (``tl.rand``, which keeps one of the four words each call computes) — a bench switch;
+    ``noise_of_bits``: the Gumbel noise from Philox's words by ``_gumbel_of_bits`` (two fast ``log2``);
+    False: from ``tl.rand``'s float uniforms with precise logarithms (before session 23) — a bench switch;
     ``num_warps``: the kernels' launch setting (benchmarks)."""
     batch, vocab = logits.shape
     if not supports(params, batch, vocab):
@@ -99,12 +104,13 @@ def sample_triton(
         part = torch.empty(batch, splits, 4, dtype=torch.float32, device=device)
         kernel = _race_chunk_kernel4 if four_per_philox else _race_chunk_kernel
         kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, seed, part, splits,
-                                GREEDY=greedy, BLOCK=block, num_warps=num_warps)  # fmt: skip
+                                GREEDY=greedy, BLOCK=block, SCALE=temperature != 1.0, BITS=noise_of_bits,
+                                num_warps=num_warps)  # fmt: skip
         _race_combine_kernel[(batch,)](part, splits, tokens, log_probs, SP=triton.next_power_of_2(splits))
     else:
         _truncated_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, seed, top_k, top_p, tokens,
                                     log_probs, USE_K=top_k > 0, USE_P=top_p < 1.0, BLOCK=block,
-                                    num_warps=num_warps)  # fmt: skip
+                                    SCALE=temperature != 1.0, BITS=noise_of_bits, num_warps=num_warps)  # fmt: skip
     return tokens, log_probs
 
 
@@ -122,7 +128,45 @@ def _splits(device: torch.device, batch: int, vocab: int, block: int) -> int:
 
 
 if triton is not None:
+    from triton.language.extra import libdevice
+
     NEG_INF = tl.constexpr(float("-inf"))
+    LN2 = tl.constexpr(0.6931471805599453)
+    # Triton's CPU interpreter has no libdevice fast-math: there the noise's two logarithms are tl.log2
+    INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+    @triton.jit
+    def _log2(x):
+        """``log2 x``: one special-function instruction on the GPU (``lg2.approx``: absolute error ≤ 2⁻²² on
+        [0.5, 2], 2 ulp elsewhere; subnormal inputs flush to zero)."""
+        if INTERPRETED:
+            return tl.log2(x)
+        else:
+            return libdevice.fast_log2f(x)
+
+    @triton.jit
+    def _gumbel_of_bits(k):
+        """Gumbel noise ``−ln E`` of 32 random bits ``k`` (uint32): ``E = −ln(1 − w)`` is exponential, ``w = (k
+        + ½)·2⁻³²`` uniform, all in float32 to its rounding: below ``w = 2⁻⁴`` (the small ``E``, the race's
+        winners) from ``w`` by its series (truncation < 10⁻⁸ of ``E``), above from ``1 − w = (~k + ½)·2⁻³²`` (no
+        cancellation; ``log2``'s absolute error < 3·10⁻⁶ of ``E`` ≥ 0.0645). Never infinite or NaN: ``E`` lies
+        in (2⁻³³, 22.9). Two fast ``log2`` and six FMAs: the precise ``logf`` of ``_gumbel_of`` was most of
+        the sampler's arithmetic."""
+        w = (k.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+        small = w * (
+            1.0 + w * (0.5 + w * (0.3333333333333333 + w * (0.25 + w * (0.2 + w * 0.16666666666666666))))
+        )
+        one_minus = ((~k).to(tl.float32) + 0.5) * 2.3283064365386963e-10
+        e = tl.where(k < 268435456, small, _log2(one_minus) * -LN2)  # k < 2**28: w < 2**-4
+        return _log2(e) * -LN2
+
+    @triton.jit
+    def _scaled(x, temperature, SCALE: tl.constexpr):
+        """``x / temperature`` in float32 (``SCALE`` False: temperature 1, the division skipped: exact)."""
+        x = x.to(tl.float32)
+        if SCALE:
+            x = x / temperature
+        return x
 
     @triton.jit
     def _online(m, s, x):
@@ -145,8 +189,13 @@ if triton is not None:
         return -tl.log(tl.maximum(-tl.log(u), 1e-30))
 
     @triton.jit
-    def _gumbel(seed, offsets):
-        return _gumbel_of(tl.rand(seed, offsets))
+    def _gumbel(seed, offsets, BITS: tl.constexpr):
+        """Gumbel noise at Philox counters ``offsets`` (one call each): ``_gumbel_of_bits`` (``BITS``) or
+        ``_gumbel_of`` of ``tl.rand``'s uniforms (before session 23)."""
+        if BITS:
+            return _gumbel_of_bits(tl.randint(seed, offsets))
+        else:
+            return _gumbel_of(tl.rand(seed, offsets))
 
     @triton.jit
     def _race_update(best_r, best_i, best_x, r, idx, x):
@@ -171,8 +220,8 @@ if triton is not None:
         tl.store(out + 3, x_win)
 
     @triton.jit
-    def _race_chunk_kernel(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S,
-                           GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    def _race_chunk_kernel(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S, GREEDY: tl.constexpr,
+                           BLOCK: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
         """Program (row, split): normaliser and race winner of ``chunk`` ids → part[row, split, 0:4]."""
         row = tl.program_id(0)
         split = tl.program_id(1)
@@ -188,21 +237,32 @@ if triton is not None:
         for off in range(start, end, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             ok = idx < end
-            x = tl.load(base + idx, mask=ok, other=NEG_INF).to(tl.float32) / temperature
+            x = _scaled(tl.load(base + idx, mask=ok, other=NEG_INF), temperature, SCALE)
             m, s = _online(m, s, x)
             r = x
             if not GREEDY:
-                r = tl.where(ok, x + _gumbel(seed, row * V + idx), NEG_INF)
+                r = tl.where(ok, x + _gumbel(seed, row * V + idx, BITS), NEG_INF)
             best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
         _store_partial(part_ptr + (row * S + split) * 4, m, s, best_r, best_i, best_x, V)
 
     @triton.jit
-    def _race_quarter(x, idx, ok, u, best_r, best_i, best_x, GREEDY: tl.constexpr):
-        """The Gumbel race over one quarter's ids ``idx`` (``x`` already scaled), ``u`` their uniforms."""
+    def _race_quarter(x, idx, ok, g, best_r, best_i, best_x, GREEDY: tl.constexpr):
+        """The Gumbel race over one quarter's ids ``idx`` (``x`` already scaled), ``g`` their noise."""
         r = x
         if not GREEDY:
-            r = tl.where(ok, x + _gumbel_of(u), NEG_INF)
+            r = tl.where(ok, x + g, NEG_INF)
         return _race_update(best_r, best_i, best_x, r, idx, x)
+
+    @triton.jit
+    def _gumbel4(seed, offsets, BITS: tl.constexpr):
+        """Four Gumbel noises per Philox call at counters ``offsets``: of its four words (``BITS``) or of
+        ``tl.rand4x``'s uniforms (before session 23)."""
+        if BITS:
+            k0, k1, k2, k3 = tl.randint4x(seed, offsets)
+            return _gumbel_of_bits(k0), _gumbel_of_bits(k1), _gumbel_of_bits(k2), _gumbel_of_bits(k3)
+        else:
+            u0, u1, u2, u3 = tl.rand4x(seed, offsets)
+            return _gumbel_of(u0), _gumbel_of(u1), _gumbel_of(u2), _gumbel_of(u3)
 
     @triton.jit
     def _online4(m, s, x0, x1, x2, x3):
@@ -213,8 +273,8 @@ if triton is not None:
         return m_new, s * tl.exp(m - ref) + total
 
     @triton.jit
-    def _race_chunk_kernel4(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S,
-                            GREEDY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    def _race_chunk_kernel4(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S, GREEDY: tl.constexpr,
+                            BLOCK: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
         """``_race_chunk_kernel`` with four uniforms per Philox call (``tl.rand4x``): each block of ``BLOCK``
         ids is four quarters of ``Q = BLOCK / 4`` consecutive ids, lane ``i`` of quarter ``q`` taking word
         ``q`` of the call at counter ``row · G + off / 4 + i`` (``G``: the counters of a row, distinct over
@@ -236,23 +296,23 @@ if triton is not None:
         best_x = tl.full([Q], NEG_INF, tl.float32)
         for off in range(start, end, BLOCK):
             if GREEDY:
-                u0 = tl.zeros([Q], tl.float32)  # unused: the race is on x
-                u1 = u0
-                u2 = u0
-                u3 = u0
+                g0 = tl.zeros([Q], tl.float32)  # unused: the race is on x
+                g1 = g0
+                g2 = g0
+                g3 = g0
             else:
-                u0, u1, u2, u3 = tl.rand4x(seed, counters + off // 4 + i)
+                g0, g1, g2, g3 = _gumbel4(seed, counters + off // 4 + i, BITS)
             i0, i1, i2, i3 = off + i, off + Q + i, off + 2 * Q + i, off + 3 * Q + i
             ok0, ok1, ok2, ok3 = i0 < end, i1 < end, i2 < end, i3 < end
-            x0 = tl.load(base + i0, mask=ok0, other=NEG_INF).to(tl.float32) / temperature
-            x1 = tl.load(base + i1, mask=ok1, other=NEG_INF).to(tl.float32) / temperature
-            x2 = tl.load(base + i2, mask=ok2, other=NEG_INF).to(tl.float32) / temperature
-            x3 = tl.load(base + i3, mask=ok3, other=NEG_INF).to(tl.float32) / temperature
+            x0 = _scaled(tl.load(base + i0, mask=ok0, other=NEG_INF), temperature, SCALE)
+            x1 = _scaled(tl.load(base + i1, mask=ok1, other=NEG_INF), temperature, SCALE)
+            x2 = _scaled(tl.load(base + i2, mask=ok2, other=NEG_INF), temperature, SCALE)
+            x3 = _scaled(tl.load(base + i3, mask=ok3, other=NEG_INF), temperature, SCALE)
             m, s = _online4(m, s, x0, x1, x2, x3)
-            best_r, best_i, best_x = _race_quarter(x0, i0, ok0, u0, best_r, best_i, best_x, GREEDY)
-            best_r, best_i, best_x = _race_quarter(x1, i1, ok1, u1, best_r, best_i, best_x, GREEDY)
-            best_r, best_i, best_x = _race_quarter(x2, i2, ok2, u2, best_r, best_i, best_x, GREEDY)
-            best_r, best_i, best_x = _race_quarter(x3, i3, ok3, u3, best_r, best_i, best_x, GREEDY)
+            best_r, best_i, best_x = _race_quarter(x0, i0, ok0, g0, best_r, best_i, best_x, GREEDY)
+            best_r, best_i, best_x = _race_quarter(x1, i1, ok1, g1, best_r, best_i, best_x, GREEDY)
+            best_r, best_i, best_x = _race_quarter(x2, i2, ok2, g2, best_r, best_i, best_x, GREEDY)
+            best_r, best_i, best_x = _race_quarter(x3, i3, ok3, g3, best_r, best_i, best_x, GREEDY)
         _store_partial(part_ptr + (row * S + split) * 4, m, s, best_r, best_i, best_x, V)
 
     @triton.jit
@@ -272,7 +332,9 @@ if triton is not None:
         tl.store(logp_ptr + row, x_win - lse)  # NaN for such a row
 
     @triton.jit
-    def _row_first(base, V, temperature, seed, row, BLOCK: tl.constexpr):
+    def _row_first(
+        base, V, temperature, seed, row, BLOCK: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr
+    ):
         """One pass over the row: its log-normaliser, and the Gumbel race among all ids (round 0)."""
         m = tl.full([BLOCK], NEG_INF, tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
@@ -281,16 +343,17 @@ if triton is not None:
         best_x = tl.full([BLOCK], NEG_INF, tl.float32)
         for off in range(0, V, BLOCK):
             idx = off + tl.arange(0, BLOCK)
-            x = tl.load(base + idx, mask=idx < V, other=NEG_INF).to(tl.float32) / temperature
+            x = _scaled(tl.load(base + idx, mask=idx < V, other=NEG_INF), temperature, SCALE)
             m, s = _online(m, s, x)
             best_r, best_i, best_x = _race_update(
-                best_r, best_i, best_x, x + _gumbel(seed, row * V + idx), idx, x
+                best_r, best_i, best_x, x + _gumbel(seed, row * V + idx, BITS), idx, x
             )
         _, idx, x_win = _race_winner(best_r, best_i, best_x, V)
         return _lse_of_lanes(m, s), idx, x_win
 
     @triton.jit
-    def _row_check_and_race(base, V, temperature, x_s, lse, seed, row, BLOCK: tl.constexpr):
+    def _row_check_and_race(base, V, temperature, x_s, lse, seed, row, BLOCK: tl.constexpr, SCALE: tl.constexpr,
+                            BITS: tl.constexpr):  # fmt: skip
         """One pass over the row: how many ids have ``x > x_s`` and their probability mass (the check of
         the candidate ``x_s``), and the Gumbel race among those ids (the next candidate, used if this one
         is rejected; ``seed``: this round's noise)."""
@@ -301,28 +364,29 @@ if triton is not None:
         best_x = tl.full([BLOCK], NEG_INF, tl.float32)
         for off in range(0, V, BLOCK):
             idx = off + tl.arange(0, BLOCK)
-            x = tl.load(base + idx, mask=idx < V, other=NEG_INF).to(tl.float32) / temperature
+            x = _scaled(tl.load(base + idx, mask=idx < V, other=NEG_INF), temperature, SCALE)
             above = x > x_s
             count += above.to(tl.int32)
             mass += tl.where(above, tl.exp(x - lse), 0.0)
-            r = tl.where(above, x + _gumbel(seed, row * V + idx), NEG_INF)
+            r = tl.where(above, x + _gumbel(seed, row * V + idx, BITS), NEG_INF)
             best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
         _, idx, x_win = _race_winner(best_r, best_i, best_x, V)
         return tl.sum(count, axis=0), tl.sum(mass, axis=0), idx, x_win
 
     @triton.jit
     def _truncated_kernel(logits_ptr, stride, V, temperature, seed_ptr, top_k, top_p, tokens_ptr, logp_ptr,
-                          USE_K: tl.constexpr, USE_P: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                          USE_K: tl.constexpr, USE_P: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr,
+                          BITS: tl.constexpr):  # fmt: skip
         """Program row: top-k or top-p sampling by rejection (module docstring), one pass per round."""
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * stride
         seed = tl.load(seed_ptr)
-        lse, token, x_s = _row_first(base, V, temperature, seed, row, BLOCK)
+        lse, token, x_s = _row_first(base, V, temperature, seed, row, BLOCK, SCALE, BITS)
         rnd = row * 0 + 1
         searching = row * 0 + 1
         while searching > 0:
             count, mass, next_token, next_x = _row_check_and_race(base, V, temperature, x_s, lse, seed + rnd, row,
-                                                                  BLOCK)  # fmt: skip
+                                                                  BLOCK, SCALE, BITS)  # fmt: skip
             keep = count >= 0
             if USE_K:
                 keep = keep & (count < top_k)

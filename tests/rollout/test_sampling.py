@@ -123,7 +123,7 @@ def test_engine_sampler_option_is_checked(tiny_qwen2) -> None:
     assert out.responses.shape == (1, 2)
 
 
-def _race_noise(device: str, four: bool) -> torch.Tensor:
+def _race_noise(device: str, four: bool, bits: bool = True) -> torch.Tensor:
     """[3, 20] the Gumbel noise the untruncated kernel gives each (row, id), read off one program's race value
     with ``x = 0`` at a single id of each chunk (``-inf`` elsewhere): blocks of 8 (four quarters of two ids),
     chunks of 8 over 3 splits (the last one ending mid-block), the same seed in every launch."""
@@ -139,7 +139,7 @@ def _race_noise(device: str, four: bool) -> torch.Tensor:
         part = torch.empty(rows, splits, 4, device=device)
         kernel = _race_chunk_kernel4 if four else _race_chunk_kernel
         kernel[(rows, splits)](logits.to(device), vocab, vocab, chunk, 1.0, seed, part, splits, GREEDY=False,
-                               BLOCK=block)  # fmt: skip
+                               BLOCK=block, SCALE=False, BITS=bits)  # fmt: skip
         part = part.cpu()
         for row, split in itertools.product(range(rows), range(splits)):
             if split * chunk + position < vocab:
@@ -154,12 +154,19 @@ def _triton_checks(draws: int, device: str) -> None:
     settings = [s for s in SETTINGS if not (s[1] > 0 and s[2] < 1.0)]  # both at once: the torch path
     _check(sample_triton, draws, device, settings)
     fours = (True, False) if device == "cuda" else (True,)  # the interpreter: the default kernel only (time)
-    for splits, four in itertools.product((1, 3), fours):  # the chunked untruncated kernel, one and
-        # several programs per row, four uniforms per Philox call (the default) and one
-        params = SamplingParams(max_new_tokens=1, temperature=0.9)
+    for splits, four, bits, t in itertools.product(
+        (1, 3), fours, fours, (0.9, 1.0)
+    ):  # the chunked untruncated
+        # kernel, one and several programs per row, four uniforms per Philox call (the default) and one, the
+        # noise of Philox's bits (the default) and of float uniforms, a temperature and none
+        if device != "cuda" and (splits == 1) != (t < 1.0):
+            continue  # the interpreter's time: one program per row with a temperature, three without
+        params = SamplingParams(max_new_tokens=1, temperature=t)
         x = _logits().to(device).expand(draws // 4, -1).contiguous()
-        tokens, _ = sample_triton(x, params, splits=splits, block=16, four_per_philox=four)  # 1 or 3 chunks
-        assert chi_square_p(tokens, reference(_logits(), 0.9, -1, 1.0)[0]) > 0.01, (splits, four)
+        tokens, _ = sample_triton(
+            x, params, splits=splits, block=16, four_per_philox=four, noise_of_bits=bits
+        )
+        assert chi_square_p(tokens, reference(_logits(), t, -1, 1.0)[0]) > 0.01, (splits, four, bits, t)
     # ties: 2.0 at ids 1 and 5 (two chunks of 4); 3.0 at ids 0 and 3 (one chunk, two quarters) and 4 (the next)
     logits = torch.tensor([[0.5, 2.0, -1.0, -1.0, -1.0, 2.0, 0.0, 0.0], [3.0, 1.0, 0.0, 3.0, 3.0, 0.0, 0.0, 0.0]],
                           device=device)  # fmt: skip
@@ -169,10 +176,37 @@ def _triton_checks(draws: int, device: str) -> None:
         assert tokens.tolist() == [1, 0], four  # the lowest id
         torch.testing.assert_close(log_probs.cpu(), torch.log_softmax(logits.cpu(), -1)[[0, 1], [1, 0]])
     _no_winner_checks(sample_triton, device, fours)
-    for four in fours:  # no uniform serves two (row, id): a reuse keeps each row's law (χ² blind to it across
-        # rows) and needs many draws to show within one
-        noise = _race_noise(device, four)
-        assert noise.isfinite().all() and noise.unique().numel() == noise.numel(), four
+    for four, bits in itertools.product(fours, fours):  # no uniform serves two (row, id): a reuse keeps each
+        # row's law (χ² blind to it across rows) and needs many draws to show within one
+        noise = _race_noise(device, four, bits)
+        assert noise.isfinite().all() and noise.unique().numel() == noise.numel(), (four, bits)
+    _noise_of_bits_check(device)
+
+
+def _noise_of_bits_check(device: str) -> None:
+    """``_gumbel_of_bits`` against ``−ln(−ln(1 − w))``, ``w = (k + ½)·2⁻³²``, in float64: at both ends of
+    the 32 bits, around its series' threshold (2²⁸) and at random bits; finite everywhere. The GPU's fast
+    ``log2`` (absolute error 2⁻²² near 1) is allowed more than the interpreter's."""
+    edges = [0, 1, 2, 3, 1000, 2**28 - 2, 2**28 - 1, 2**28, 2**28 + 1, 2**31, 2**32 - 2, 2**32 - 1]
+    g = torch.Generator().manual_seed(0)
+    k = torch.cat([torch.tensor(edges), torch.randint(0, 2**32, (1024 - len(edges),), generator=g)])
+    out = torch.empty(1024, device=device)
+    _noise_kernel[(1,)]((k - (k >= 2**31).long() * 2**32).int().to(device), out, N=1024)
+    w = (k.double() + 0.5) / 2**32
+    torch.testing.assert_close(out.cpu().double(), -torch.log(-torch.log1p(-w)), rtol=0,
+                               atol=1e-5 if device == "cuda" else 2e-6)  # fmt: skip
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from klppo.rollout.triton_sampling import _gumbel_of_bits
+
+    @triton.jit
+    def _noise_kernel(k_ptr, g_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(g_ptr + i, _gumbel_of_bits(tl.load(k_ptr + i).to(tl.uint32, bitcast=True)))
 
 
 def _no_winner_checks(sampler, device: str, fours=(None,)) -> None:
