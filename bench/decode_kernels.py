@@ -341,16 +341,16 @@ def timed(fn, rep: int = 50) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3  # µs
 
 
-def best_five(settings: list, call) -> list[tuple[float, object]]:
-    """(µs, setting) of the five fastest ``call(setting)`` (graph-replayed, ``timed``); a setting that fails
-    (out of resources) is named on stderr and skipped."""
+def best_five(settings: list, call, keep: int | None = 5) -> list[tuple[float, object]]:
+    """(µs, setting) of the five (``keep``; None: all) fastest ``call(setting)`` (graph-replayed, ``timed``),
+    fastest first; a setting that fails (out of resources) is named on stderr and skipped."""
     found = []
     for setting in settings:
         try:
             found.append((timed(lambda setting=setting: call(setting)), setting))
         except Exception as e:  # noqa: BLE001  a configuration out of resources is skipped
             print(f"skip {setting}: {type(e).__name__}", file=sys.stderr)
-    return sorted(found, key=lambda f: f[0])[:5]
+    return sorted(found, key=lambda f: f[0])[:keep]
 
 
 def ulps(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -443,7 +443,7 @@ def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     logits (``klppo.rollout.llama.lm_head_logits``), then the one-pass Triton sampler (temperature 1,
     untruncated) — each alone and the two together; the floor counts the head's weight read and the
     logits written and read once. Vocabulary 151,936 (Qwen2.5). ``sweep``: the sampler's launch settings
-    (ids per block, warps, programs per row; 45), the best five."""
+    (ids per block, warps, programs per row; 45), all of them, fastest first."""
     from klppo.rollout.base import SamplingParams
     from klppo.rollout.llama import lm_head_logits
     from klppo.rollout.triton_sampling import sample_triton
@@ -471,7 +471,7 @@ def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     if sweep:  # the untruncated sampler's launch: ids per block, warps, programs per row (None: its default)
         grid = [dict(block=block, num_warps=warps, splits=splits) for block, warps, splits in
                 itertools.product((1024, 2048, 4096), (4, 8, 16), (None, 1, 2, 4, 8))]  # fmt: skip
-        for us, kw in best_five(grid, lambda kw: sample_triton(logits, params, **kw)):
+        for us, kw in best_five(grid, lambda kw: sample_triton(logits, params, **kw), keep=None):
             rows.append(dict(part="head", shape=shape, batch=batch, floor_us=round(logits.numel() * 4 / HBM * 1e6, 2),
                              impl=f"Triton sampler sweep {kw}", us=round(us, 2)))  # fmt: skip
     return rows

@@ -73,6 +73,20 @@ VARIANTS = {
 }
 
 
+def variant(name: str) -> dict:
+    """The engine options of ``--variants`` entry ``name``: one of ``VARIANTS``, or ``launch:B:W:S``, the Triton
+    sampler's untruncated launch (ids per block, warps, programs per row; ``KLPPORollout.sampler_launch``)."""
+    if name.startswith("launch:"):
+        try:
+            block, warps, splits = (int(v) for v in name.split(":")[1:])
+        except ValueError:
+            raise SystemExit(f"--variants {name}: expected launch:BLOCK:WARPS:SPLITS (integers)") from None
+        return dict(_attributes=dict(sampler_launch=dict(block=block, num_warps=warps, splits=splits)))
+    if name not in VARIANTS:
+        raise SystemExit(f"--variants {name}: not one of {', '.join(VARIANTS)} or launch:B:W:S")
+    return VARIANTS[name]
+
+
 def _addmm_residual_back(x, attn, lw, eps):
     """``klppo.rollout.llama.attn_out_mlp`` as it was before session 21 (``x + linear``, which Inductor
     folds into ``addmm`` with ``x`` as C on CUDA)."""
@@ -209,7 +223,7 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
             for name in variants:
                 options = {
                     "sampler": sampler,
-                    **{k: v() if callable(v) else v for k, v in VARIANTS[name].items()},
+                    **{k: v() if callable(v) else v for k, v in variant(name).items()},
                 }
                 attributes = options.pop("_attributes", {})
                 engine = make_rollout("klppo", **kw, **options)
@@ -389,6 +403,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.device == "cuda":
         print(torch.cuda.get_device_name(), torch.__version__, file=sys.stderr)
+    for name in [v for v in args.variants.split(",") if v]:
+        variant(name)  # a wrong name fails before any model is built
     for shape in [s for s in args.shapes.split(",") if s]:  # --shapes "": the checks or profiles only
         compile_batch = args.compile_batch if shape == args.compile_shape else None
         bench_shape(

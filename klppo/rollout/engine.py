@@ -95,6 +95,9 @@ class KLPPORollout:
     """Bench switch: the Triton sampler's Gumbel noise from Philox's words with fast logarithms
     (:func:`klppo.rollout.triton_sampling._gumbel_of_bits`); False: from float uniforms with precise ones
     (before session 23)."""
+    sampler_launch: dict = {}
+    """Bench switch: the Triton sampler's untruncated launch (``block``, ``num_warps``, ``splits`` of
+    :func:`klppo.rollout.triton_sampling.sample_triton`); empty: its defaults."""
 
     def __init__(
         self,
@@ -377,9 +380,13 @@ class KLPPORollout:
             return vocab_parallel_sampler(params, w.tp, w.vocab_size)
         if self._uses_triton(cuda, params):
             # the torch path past the kernels' int32 offsets (batch × vocab ≥ 2**31), decided per shape
-            four, bits = self.sampler_four_per_philox, self.sampler_noise_of_bits
+            four, bits, launch = (
+                self.sampler_four_per_philox,
+                self.sampler_noise_of_bits,
+                dict(self.sampler_launch),
+            )
             return lambda x: (
-                sample_triton(x, params, four_per_philox=four, noise_of_bits=bits)
+                sample_triton(x, params, four_per_philox=four, noise_of_bits=bits, **launch)
                 if triton_supports(params, *x.shape)
                 else sample(x, params)
             )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.rollout import main
+from bench.rollout import main, variant
 
 
 def test_tiny_engine_rows_on_cpu(tmp_path) -> None:
@@ -77,3 +77,17 @@ def test_addmm_residual_variant_replaces_the_back_of_split_and_unsplit_layers() 
     want = CompiledFunctions.functions[SPLIT_LAYER_NAMES[1]](x, attn, Layer, 1e-6)
     for got, expected in zip(variant.functions[SPLIT_LAYER_NAMES[1]](x, attn, Layer, 1e-6), want):
         torch.testing.assert_close(got, expected)
+
+
+def test_variant_names_and_the_sampler_launch() -> None:
+    """``--variants launch:B:W:S`` sets the engine's Triton-sampler launch; a wrong name or a malformed launch
+    stops before any model is built, naming the entry."""
+    assert variant("launch:1024:8:4") == dict(
+        _attributes=dict(sampler_launch=dict(block=1024, num_warps=8, splits=4))
+    )
+    assert variant("noise-of-floats") == dict(_attributes=dict(sampler_noise_of_bits=False))
+    for bad in ("launch:1024:8", "launch:a:8:4", "no-such-variant"):
+        with pytest.raises(SystemExit, match=bad):
+            variant(bad)
+    with pytest.raises(SystemExit, match="no-such"):
+        main(["--shapes", "tiny", "--device", "cpu", "--variants", "same,no-such"])
