@@ -66,7 +66,7 @@ def sample_triton(
     params: SamplingParams,
     *,
     splits: int | None = None,
-    block: int = 2048,
+    block: int | None = None,
     four_per_philox: bool = True,
     noise_of_bits: bool = True,
     num_warps: int = 8,
@@ -75,7 +75,8 @@ def sample_triton(
 
     ``splits``: programs per row of the untruncated kernel (default: enough to fill the device);
     ``block``: ids a program reads at once (a power of two, 4 at least: smaller is taken as 4; tests make it
-    small to split short rows);
+    small to split short rows; default 1024 untruncated, 2048 truncated — the untruncated launch from
+    ``bench/decode_kernels.py --parts head --sweep``, bench/RESULTS.md "Session 23");
     ``four_per_philox``: the untruncated kernel's uniforms four to a Philox call (``tl.rand4x``) instead of
     one (``tl.rand``, which keeps one of the four words each call computes) — a bench switch;
     ``noise_of_bits``: the Gumbel noise from Philox's words by ``_gumbel_of_bits`` (two fast ``log2``);
@@ -83,8 +84,13 @@ def sample_triton(
     ``num_warps``: the kernels' launch setting (benchmarks)."""
     batch, vocab = logits.shape
     if not supports(params, batch, vocab):
+        if batch * vocab >= 2**31 or vocab >= 2**24:
+            raise ValueError(f"the Triton sampler takes fewer than 2**31 logits a call and a vocabulary below "
+                             f"2**24 (int32 offsets, float32 ids), got {batch} rows × {vocab}")  # fmt: skip
         raise ValueError(f"the Triton sampler does not take top_k={params.top_k} with top_p={params.top_p}")
-    if block < 1 or block & (block - 1):  # the four-per-Philox kernel covers 4·(block // 4) ids a block
+    if block is not None and (
+        block < 1 or block & (block - 1)
+    ):  # the four-per-Philox kernel covers 4·(block // 4) ids a block
         raise ValueError(f"the Triton sampler's block must be a power of two, got {block}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -98,8 +104,9 @@ def sample_triton(
     log_probs = torch.empty(batch, dtype=torch.float32, device=device)
     top_k = params.top_k if 0 < params.top_k < vocab and not greedy else 0
     top_p = params.top_p if params.top_p < 1.0 and not greedy else 1.0
-    block = max(4, min(block, triton.next_power_of_2(vocab)))
-    if top_k == 0 and top_p >= 1.0:
+    untruncated = top_k == 0 and top_p >= 1.0
+    block = max(4, min(block or (1024 if untruncated else 2048), triton.next_power_of_2(vocab)))
+    if untruncated:
         chunk, splits = chunking(vocab, splits or _splits(device, batch, vocab, block), block)
         part = torch.empty(batch, splits, 4, dtype=torch.float32, device=device)
         kernel = _race_chunk_kernel4 if four_per_philox else _race_chunk_kernel
@@ -122,9 +129,10 @@ def chunking(vocab: int, splits: int, block: int) -> tuple[int, int]:
 
 
 def _splits(device: torch.device, batch: int, vocab: int, block: int) -> int:
-    """Programs per row: about four per SM over the batch, each with at least a few blocks of work."""
+    """Programs per row: about four per SM over the batch and at least 8 (measured faster from batch 128 on
+    an H200, bench/RESULTS.md "Session 23"), each with at least four blocks of work, at most 64."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(-(-4 * sms // batch), vocab // (4 * block), 64))
+    return max(1, min(max(-(-4 * sms // batch), 8), vocab // (4 * block), 64))
 
 
 if triton is not None:
