@@ -4,6 +4,7 @@ step's measured KL and resumes exactly; the reward-side penalty share is reporte
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,8 @@ PI = [
     "actor_rollout_ref.actor.kl_loss_ctrl.anneal_steps=2",
     "actor_rollout_ref.actor.optim.lr=3e-3",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one mini-batch: on-policy
+    # a score every group varies in: the policy must move for the KL to rise (not luck with the arithmetic scorer)
+    f"custom_reward_function.path={Path(__file__).with_name('length_reward.py')}",
 ]
 
 

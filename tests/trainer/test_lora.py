@@ -4,6 +4,8 @@ resumes, and `klppo export` folds the adapters into a plain Hugging Face model."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,6 +21,8 @@ LORA = [
     "actor_rollout_ref.actor.use_kl_loss=True",
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
     "actor_rollout_ref.actor.optim.lr=1e-2",
+    # a score every group varies in: the tests need a policy gradient, not luck with the arithmetic scorer
+    f"custom_reward_function.path={Path(__file__).with_name('length_reward.py')}",
 ]
 
 
