@@ -217,7 +217,7 @@ def test_decode_with_rope_in_attention_equals_masked_sdpa(arch, fuse) -> None:
             want = decode(w, kv_sdpa, tokens, positions, flash=None)
             torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
             # the third layer's K carries two layers of float32 rounding in another order: 1.01e-6 at 0.53 in
-            # a CI run (2 threads per process); a dropped bias or rotation is ≥ 1e-2
+            # the CI of 2026-12-02; a dropped bias or rotation is ≥ 1e-2
             torch.testing.assert_close(kv, kv_sdpa, atol=5e-6, rtol=0)
             tokens, positions = want.argmax(-1), positions + 1
 
