@@ -185,13 +185,16 @@ def _triton_checks(draws: int, device: str) -> None:
     for splits, four, bits, t in combos:
         params = SamplingParams(max_new_tokens=1, temperature=t)
         x = _logits().to(device).expand(draws // 4, -1).contiguous()
-        tokens, _ = sample_triton(
+        tokens, log_probs = sample_triton(
             x, params, splits=splits, block=16, four_per_philox=four, noise_of_bits=bits
         )
         # Bonferroni: 1% for the family together (16 tests at 1% each fail by chance for one seed in seven; on
         # the GPU one gave p = 0.0022 in session 23, and every setting 0.05–0.84 at 10⁶ draws × 3 seeds: RESULTS)
-        p = chi_square_p(tokens, reference(_logits(), t, -1, 1.0)[0])
+        law, log_p = reference(_logits(), t, -1, 1.0)
+        p = chi_square_p(tokens, law)
         assert p > 0.01 / len(combos), (splits, four, bits, t, p)
+        # the temperature is seen in the log-probs (χ² at the interpreter's 75 draws passed without it, p = 0.35)
+        torch.testing.assert_close(log_probs.cpu().double(), log_p[tokens.cpu()], atol=1e-5, rtol=0)
     # ties: 2.0 at ids 1 and 5 (two chunks of 4); 3.0 at ids 0 and 3 (one chunk, two quarters) and 4 (the next)
     logits = torch.tensor([[0.5, 2.0, -1.0, -1.0, -1.0, 2.0, 0.0, 0.0], [3.0, 1.0, 0.0, 3.0, 3.0, 0.0, 0.0, 0.0]],
                           device=device)  # fmt: skip
