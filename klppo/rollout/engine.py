@@ -46,7 +46,8 @@ import dataclasses
 import itertools
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -95,9 +96,10 @@ class KLPPORollout:
     """Bench switch: the Triton sampler's Gumbel noise from Philox's words with fast logarithms
     (:func:`klppo.rollout.triton_sampling._gumbel_of_bits`); False: from float uniforms with precise ones
     (before session 23)."""
-    sampler_launch: dict = {}
-    """Bench switch: the Triton sampler's untruncated launch (``block``, ``num_warps``, ``splits`` of
-    :func:`klppo.rollout.triton_sampling.sample_triton`); empty: its defaults."""
+    sampler_launch: Mapping[str, int] = MappingProxyType({})
+    """Bench switch: the Triton sampler's launch (``block``, ``num_warps``, ``splits`` of
+    :func:`klppo.rollout.triton_sampling.sample_triton`; ``block`` and ``num_warps`` reach the truncated kernel
+    too); empty: its defaults. Read-only: set a new mapping on an engine, never change the class's in place."""
 
     def __init__(
         self,

@@ -146,6 +146,26 @@ def test_engine_sampler_option_is_checked(tiny_qwen2) -> None:
     assert out.responses.shape == (1, 2)
 
 
+def test_engine_bench_switches_reach_the_triton_sampler(monkeypatch) -> None:
+    """``KLPPORollout.sampler_four_per_philox``, ``sampler_noise_of_bits`` and ``sampler_launch`` are what the
+    engine hands ``sample_triton``; the class's launch cannot be changed in place (every engine's would)."""
+    import types
+
+    import klppo.rollout.engine as engine_module
+
+    seen = {}
+    monkeypatch.setattr(engine_module, "sample_triton", lambda x, params, **kw: seen.update(kw))
+    monkeypatch.setattr(engine_module.KLPPORollout, "_uses_triton", lambda self, cuda, params: True)
+    engine = engine_module.KLPPORollout(eos_token_ids=[2], pad_token_id=2)
+    engine._sampler(SamplingParams(), True, types.SimpleNamespace(tp=None))(torch.zeros(2, 8))
+    assert seen == dict(four_per_philox=True, noise_of_bits=True)
+    engine.sampler_noise_of_bits, engine.sampler_launch = False, dict(block=1024, num_warps=4, splits=8)
+    engine._sampler(SamplingParams(), True, types.SimpleNamespace(tp=None))(torch.zeros(2, 8))
+    assert seen == dict(four_per_philox=True, noise_of_bits=False, block=1024, num_warps=4, splits=8)
+    with pytest.raises(TypeError):
+        engine_module.KLPPORollout.sampler_launch["block"] = 512
+
+
 def _race_noise(device: str, four: bool, bits: bool = True) -> torch.Tensor:
     """[3, 20] the Gumbel noise the untruncated kernel gives each (row, id), read off one program's race value
     with ``x = 0`` at a single id of each chunk (``-inf`` elsewhere): blocks of 8 (four quarters of two ids),
