@@ -25,12 +25,13 @@ The law is that of :mod:`klppo.rollout.sampling` (the pure-torch path: the refer
   engine uses the torch path.
 
 Randomness: one int64 seed per call drawn from the current default generator on the device (so seeded
-generation is reproducible, and a CUDA graph replays fresh noise). Untruncated: four uniforms per Philox
-call (``tl.rand4x``; the Philox rounds were most of this kernel's time with one uniform per call): a block
+generation is reproducible, and a CUDA graph replays fresh noise). Untruncated: four words per Philox
+call (``tl.randint4x``; the Philox rounds were most of this kernel's time with one word per call): a block
 of ``BLOCK`` ids is four quarters of ``Q = BLOCK / 4``, and id ``off + q·Q + i`` (``off`` the block's first
 id) takes word ``q`` of the call at counter ``row·G + off / 4 + i`` (``G = ⌈V / BLOCK⌉·Q``), so every
-(row, id) has its own word; ``sample_triton(four_per_philox=False)``: ``tl.rand(seed, row·V + id)``.
-Truncated: ``tl.rand(seed + round, row·V + id)``.
+(row, id) has its own word; ``sample_triton(four_per_philox=False)``: ``tl.randint(seed, row·V + id)``.
+Truncated: ``tl.randint(seed + round, row·V + id)``. A word becomes Gumbel noise by ``_gumbel_of_bits``
+(``sample_triton(noise_of_bits=False)``: ``tl.rand``'s float uniform of it by ``_gumbel_of``).
 Float32 sums in another order than torch's: a top-p boundary token whose mass above lies within rounding
 of ``p`` may be kept by one path and not the other.
 """
@@ -158,7 +159,7 @@ if triton is not None:
         + ½)·2⁻³²`` uniform, all in float32 to its rounding: below ``w = 2⁻⁴`` (the small ``E``, the race's
         winners) from ``w`` by its series (truncation < 10⁻⁸ of ``E``), above from ``1 − w = (~k + ½)·2⁻³²`` (no
         cancellation; ``log2``'s absolute error < 3·10⁻⁶ of ``E`` ≥ 0.0645). Never infinite or NaN: ``E`` lies
-        in (2⁻³³, 22.9). Two fast ``log2`` and six FMAs: the precise ``logf`` of ``_gumbel_of`` was most of
+        in [2⁻³³, 22.9). Two fast ``log2`` and six FMAs: the precise ``logf`` of ``_gumbel_of`` was most of
         the sampler's arithmetic."""
         w = (k.to(tl.float32) + 0.5) * 2.3283064365386963e-10
         small = w * (
@@ -283,7 +284,7 @@ if triton is not None:
     @triton.jit
     def _race_chunk_kernel4(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S, GREEDY: tl.constexpr,
                             BLOCK: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
-        """``_race_chunk_kernel`` with four uniforms per Philox call (``tl.rand4x``): each block of ``BLOCK``
+        """``_race_chunk_kernel`` with four noises per Philox call (``_gumbel4``): each block of ``BLOCK``
         ids is four quarters of ``Q = BLOCK / 4`` consecutive ids, lane ``i`` of quarter ``q`` taking word
         ``q`` of the call at counter ``row · G + off / 4 + i`` (``G``: the counters of a row, distinct over
         rows and blocks), and the running sum of ``exp`` rescaled once per four ids (``_online4``). A lane meets
