@@ -457,7 +457,7 @@ def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     parts = {
         "LM head, float32 logits": (lambda: lm_head_logits(h, w, True), (w.numel() * 2 + logits.numel() * 4)),
         "Triton sampler": (lambda: sample_triton(logits, params), logits.numel() * 4),
-        "Triton sampler, one uniform per Philox call (before session 22)": (
+        "Triton sampler, one Philox call per id (four_per_philox=False; noise of bits)": (
             lambda: sample_triton(logits, params, four_per_philox=False), logits.numel() * 4),
         "Triton sampler, noise of float uniforms, precise logs (before session 23)": (
             lambda: sample_triton(logits, params, noise_of_bits=False), logits.numel() * 4),
