@@ -207,6 +207,13 @@ if triton is not None:
             return _gumbel_of(tl.rand(seed, offsets))
 
     @triton.jit
+    def _race_start(N: tl.constexpr, V):
+        """Empty per-lane state of ``N`` lanes: running max and sum of ``exp`` (``_online``) and the race's best
+        value, its id (``V``: none yet) and its ``x``."""
+        m = tl.full([N], NEG_INF, tl.float32)
+        return m, tl.zeros([N], tl.float32), m, tl.full([N], V, tl.int32), m
+
+    @triton.jit
     def _race_update(best_r, best_i, best_x, r, idx, x):
         """Per lane, keep the larger race value (the first one on ties: the lower id), its id and ``x``."""
         win = r > best_r
@@ -238,11 +245,7 @@ if triton is not None:
         seed = tl.load(seed_ptr)
         start = split * chunk
         end = tl.minimum(start + chunk, V)
-        m = tl.full([BLOCK], NEG_INF, tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
-        best_r = tl.full([BLOCK], NEG_INF, tl.float32)
-        best_i = tl.full([BLOCK], V, tl.int32)
-        best_x = tl.full([BLOCK], NEG_INF, tl.float32)
+        m, s, best_r, best_i, best_x = _race_start(BLOCK, V)
         for off in range(start, end, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             ok = idx < end
@@ -298,11 +301,7 @@ if triton is not None:
         end = tl.minimum(start + chunk, V)
         counters = row * (tl.cdiv(V, BLOCK) * Q)
         i = tl.arange(0, Q)
-        m = tl.full([Q], NEG_INF, tl.float32)
-        s = tl.zeros([Q], tl.float32)
-        best_r = tl.full([Q], NEG_INF, tl.float32)
-        best_i = tl.full([Q], V, tl.int32)
-        best_x = tl.full([Q], NEG_INF, tl.float32)
+        m, s, best_r, best_i, best_x = _race_start(Q, V)
         for off in range(start, end, BLOCK):
             if GREEDY:
                 g0 = tl.zeros([Q], tl.float32)  # unused: the race is on x
@@ -345,11 +344,7 @@ if triton is not None:
         base, V, temperature, seed, row, BLOCK: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr
     ):
         """One pass over the row: its log-normaliser, and the Gumbel race among all ids (round 0)."""
-        m = tl.full([BLOCK], NEG_INF, tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
-        best_r = tl.full([BLOCK], NEG_INF, tl.float32)
-        best_i = tl.full([BLOCK], V, tl.int32)
-        best_x = tl.full([BLOCK], NEG_INF, tl.float32)
+        m, s, best_r, best_i, best_x = _race_start(BLOCK, V)
         for off in range(0, V, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             x = _scaled(tl.load(base + idx, mask=idx < V, other=NEG_INF), temperature, SCALE)
@@ -367,10 +362,7 @@ if triton is not None:
         the candidate ``x_s``), and the Gumbel race among those ids (the next candidate, used if this one
         is rejected; ``seed``: this round's noise)."""
         count = tl.zeros([BLOCK], tl.int32)
-        mass = tl.zeros([BLOCK], tl.float32)
-        best_r = tl.full([BLOCK], NEG_INF, tl.float32)
-        best_i = tl.full([BLOCK], V, tl.int32)
-        best_x = tl.full([BLOCK], NEG_INF, tl.float32)
+        _, mass, best_r, best_i, best_x = _race_start(BLOCK, V)
         for off in range(0, V, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             x = _scaled(tl.load(base + idx, mask=idx < V, other=NEG_INF), temperature, SCALE)
