@@ -89,9 +89,8 @@ def sample_triton(
             raise ValueError(f"the Triton sampler takes fewer than 2**31 logits a call and a vocabulary below "
                              f"2**24 (int32 offsets, float32 ids), got {batch} rows × {vocab}")  # fmt: skip
         raise ValueError(f"the Triton sampler does not take top_k={params.top_k} with top_p={params.top_p}")
-    if block is not None and (
-        block < 1 or block & (block - 1)
-    ):  # the four-per-Philox kernel covers 4·(block // 4) ids a block
+    # the four-per-Philox kernel covers 4·(block // 4) ids a block: a block of 6 would skip ids
+    if block is not None and (block < 1 or block & (block - 1)):
         raise ValueError(f"the Triton sampler's block must be a power of two, got {block}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
