@@ -69,6 +69,8 @@ VARIANTS = {
     "rand-one-per-philox": dict(_attributes=dict(sampler_four_per_philox=False)),
     # its Gumbel noise from float uniforms with precise logarithms (before session 23; an engine attribute)
     "noise-of-floats": dict(_attributes=dict(sampler_noise_of_bits=False)),
+    # the split layers' elementwise work compiled by Inductor (before session 24) instead of Triton kernels
+    "compiled-layers": dict(layer_kernels="compile"),
     "same": dict(),  # the default engine again: after another variant, the order's effect shows
 }
 

@@ -12,7 +12,11 @@ second call of the same shape (warm). The compile caches are klppo's own (``klpp
 Modes:
 
 - ``compile``: the default engine, each process with a new empty cache directory (a machine's very first
-  run);
+  run); since session 24 its split layers run on Triton kernels (``layer_kernels="auto"``), so with the
+  Triton sampler nothing is compiled by Inductor (``inductor_imported`` says whether Inductor's compiler
+  was imported at all);
+- ``compiled-layers``, ``compiled-layers-warm-cache``: as ``compile`` and ``compile-warm-cache`` with the
+  split layers compiled by Inductor (``layer_kernels="compile"``, the engine before session 24);
 - ``compile-warm-cache``: the default engine, reusing the cache directory the last fresh process filled
   (every later process on that machine: a resumed run, the next job);
 - ``compile-1thread``: as ``compile`` with inductor's compile-worker pool off (in-process compiles);
@@ -28,7 +32,10 @@ Modes:
 ``--profile-first N`` puts each process's first ``generate`` under cProfile and adds its N costliest
 functions by cumulative and by own time to the row (``first_call_top_cumulative`` / ``_tottime``: where
 the first call's seconds go — tracing, cache loads, kernel loading, device initialisation);
+``--profile-dump DIR`` also writes each of those profiles to ``DIR/MODE-PID.prof`` (``pstats``);
 ``import_torch_s`` is the ``import torch`` part of ``import_s``.
+``--sampler`` (default ``auto``, the trainer's default: the Triton kernels on CUDA; ``torch``: the
+compiled torch sampler, the engine's own default).
 ``setup_to_first_s`` = model build + engine + first call (+ the pre-compile start): the start-up a user
 sees after the imports; ``to_first_result_s`` = the same from the child's first line (imports included);
 ``process_s`` = the child process's wall time, interpreter start and exit included;
@@ -51,6 +58,9 @@ import time
 MODES = {
     "compile": dict(engine={}, fresh_cache=True),
     "compile-warm-cache": dict(engine={}, fresh_cache=False),
+    # the split layers compiled by Inductor (the engine before session 24; default: Triton kernels, no compile)
+    "compiled-layers": dict(engine=dict(layer_kernels="compile"), fresh_cache=True),
+    "compiled-layers-warm-cache": dict(engine=dict(layer_kernels="compile"), fresh_cache=False),
     "compile-1thread": dict(engine={}, fresh_cache=True, env=dict(TORCHINDUCTOR_COMPILE_THREADS="1")),
     "precompile": dict(engine={}, fresh_cache=True, precompile=True),
     "eager": dict(engine=dict(compile_decode=False), fresh_cache=True),
@@ -62,7 +72,14 @@ MODES = {
 }
 
 
-def child(mode: str, batch: int, tiny: bool, profile_first: int = 0) -> None:
+def child(
+    mode: str,
+    batch: int,
+    tiny: bool,
+    profile_first: int = 0,
+    profile_dump: str | None = None,
+    sampler: str = "auto",
+) -> None:
     t_start = time.perf_counter()
     import logging
 
@@ -83,7 +100,7 @@ def child(mode: str, batch: int, tiny: bool, profile_first: int = 0) -> None:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t_import = time.perf_counter() - t_start
     t_setup = time.perf_counter()
-    from klppo.rollout.engine import KLPPORollout
+    from klppo.rollout.engine import KLPPORollout, runs_triton_layers
 
     for attribute, value in MODES[mode].get("attributes", {}).items():  # class-wide, before the pre-compile
         setattr(KLPPORollout, attribute, value)
@@ -91,17 +108,20 @@ def child(mode: str, batch: int, tiny: bool, profile_first: int = 0) -> None:
     if MODES[mode].get("precompile"):
         # the layers of an engine with the attributes set above
         split = KLPPORollout.decodes_split("auto", device, dtype, tensor_parallel=False)
-        compiled.start_precompile(
-            qwen_config(shape), dtype=dtype, device=torch.device(device), split_layers=split
+        on_triton = runs_triton_layers(
+            MODES[mode]["engine"].get("layer_kernels", "auto"), split, device == "cuda"
         )
+        temperatures = () if sampler != "torch" and device == "cuda" else (1.0,)  # the Triton sampler: none
+        compiled.start_precompile(qwen_config(shape), dtype=dtype, device=torch.device(device), split_layers=split,
+                                  layers_on_triton=on_triton, temperatures=temperatures)  # fmt: skip
     model = build(shape, dtype, device)
     params = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True)
     engine = make_rollout("klppo", eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
-                          free_cache_engine=False, compiled=compiled,
+                          free_cache_engine=False, compiled=compiled, sampler=sampler,
                           **{"compile_decode": True, **MODES[mode]["engine"]})  # fmt: skip
     prompts = torch.randint(0, 151000, (batch, prompt), device=device)
     mask = torch.ones_like(prompts)
-    row = dict(mode=mode, batch=batch, import_s=t_import, import_torch_s=t_torch)
+    row = dict(mode=mode, batch=batch, sampler=sampler, import_s=t_import, import_torch_s=t_torch)
     for phase in ("cold", "warm"):
         sync()
         t0 = time.perf_counter()
@@ -110,6 +130,8 @@ def child(mode: str, batch: int, tiny: bool, profile_first: int = 0) -> None:
         sync()
         if profiler is not None:
             row.update(_top_functions(profiler, profile_first))
+            if profile_dump:
+                profiler.dump_stats(os.path.join(profile_dump, f"{mode}-{os.getpid()}.prof"))
         decode_s = s["rollout/time_s"] - s["rollout/prefill_s"] - s["rollout/graph_capture_s"]
         if phase == "cold":
             row["setup_to_first_s"] = time.perf_counter() - t_setup
@@ -120,6 +142,7 @@ def child(mode: str, batch: int, tiny: bool, profile_first: int = 0) -> None:
     from torch._dynamo.utils import counters
 
     row.update({k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")})
+    row["inductor_imported"] = "torch._inductor.compile_fx" in sys.modules
     if os.environ.get("KLPPO_COLD_BREAKDOWN"):
         print(torch._dynamo.utils.compile_times(repr="str"), file=sys.stderr)
     print(
@@ -155,13 +178,22 @@ def _top_functions(profiler, n: int) -> dict[str, list[str]]:
     return out
 
 
-def run_child(mode: str, batch: int, cache: str, tiny: bool = False, profile_first: int = 0) -> dict | None:
+def run_child(
+    mode: str,
+    batch: int,
+    cache: str,
+    tiny: bool = False,
+    profile_first: int = 0,
+    profile_dump: str | None = None,
+    sampler: str = "auto",
+) -> dict | None:
     """One child process of ``mode`` with ``KLPPO_CACHE=cache``: its row (None when it printed none)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env.update(KLPPO_CACHE=cache, **MODES[mode].get("env", {}))
     t0 = time.perf_counter()
     argv = [sys.executable, __file__, "--child", mode, "--batch", str(batch), *(["--tiny"] if tiny else []),
-            "--profile-first", str(profile_first)]  # fmt: skip
+            "--profile-first", str(profile_first), *(["--profile-dump", profile_dump] if profile_dump else []),
+            "--sampler", sampler]  # fmt: skip
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
     if proc.returncode or not rows or os.environ.get("KLPPO_COLD_BREAKDOWN"):
@@ -210,16 +242,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-first", type=int, default=0,
                     help="N > 0: each process's first generate under cProfile; its N costliest functions by "
                          "cumulative and own time go into the row")  # fmt: skip
+    ap.add_argument("--profile-dump", default=None,
+                    help="with --profile-first: also write each first call's cProfile to DIR/MODE-PID.prof")  # fmt: skip
+    ap.add_argument("--sampler", default="auto", choices=("auto", "triton", "torch"),
+                    help="the engine's sampler (auto: the trainer's default)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.batch, args.tiny, args.profile_first)
+        child(args.child, args.batch, args.tiny, args.profile_first, args.profile_dump, args.sampler)
         return
     caches: dict[str, str] = {}  # per engine configuration: the cache its last fresh process filled
     runs = []
     for mode in args.modes.split(","):
         for _ in range(args.repeat):
             cache = _cache_for(mode, caches)
-            row = run_child(mode, args.batch, cache, args.tiny, args.profile_first)
+            row = run_child(
+                mode, args.batch, cache, args.tiny, args.profile_first, args.profile_dump, args.sampler
+            )
             if row is None:
                 continue
             runs.append(row)

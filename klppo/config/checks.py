@@ -60,6 +60,7 @@ _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("actor_rollout_ref.rollout.mode", ("sync", "async")),
     ("actor_rollout_ref.rollout.sampler", ("auto", "triton", "torch")),
     ("actor_rollout_ref.rollout.decode_attention", ("auto", "flash", "flash-plain", "sdpa", "triton")),
+    ("actor_rollout_ref.rollout.layer_kernels", ("auto", "triton", "compile")),
     ("actor_rollout_ref.actor.optim.lr_scheduler_type", ("constant", "cosine")),
     ("critic.optim.lr_scheduler_type", ("constant", "cosine")),
     ("data.truncation", ("error", "left", "right", "middle")),
@@ -245,6 +246,9 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     if rollout.decode_attention != "auto" and rollout.name != "klppo":
         raise ConfigError(f"actor_rollout_ref.rollout.decode_attention={rollout.decode_attention} is klppo's engine's; "
                           f"rollout.name={rollout.name}: set decode_attention=auto or rollout.name=klppo")  # fmt: skip
+    if rollout.layer_kernels != "auto" and rollout.name != "klppo":
+        raise ConfigError(f"actor_rollout_ref.rollout.layer_kernels={rollout.layer_kernels} is klppo's engine's; "
+                          f"rollout.name={rollout.name}: set layer_kernels=auto or rollout.name=klppo")  # fmt: skip
     if not (isinstance(rollout.compact_slots, bool) or rollout.compact_slots == "auto"):
         raise ConfigError(
             f"actor_rollout_ref.rollout.compact_slots={rollout.compact_slots!r}: expected auto, true or false"

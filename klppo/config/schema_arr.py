@@ -308,6 +308,14 @@ class RolloutConfig:
         "triton package imports, else flash; masked SDPA elsewhere) | flash | flash-plain | sdpa | triton "
         "(split-KV kernels fused with the cache write; 15-22% faster decode steps than flash on an H200).",
     )
+    layer_kernels: str = F(
+        "auto",
+        "[klppo] What runs the klppo engine's decode layers between their GEMMs and attention (residual adds, "
+        "RMSNorms, SwiGLU): auto (two small Triton kernels where the decode layers are split, i.e. with the Triton "
+        "attention on a CUDA GPU in bf16/fp16; torch.compile elsewhere) | triton (an error elsewhere) | compile "
+        "(torch.compile, which costs a new process Inductor's start-up and a compile or cache load before the "
+        "first rollout).",
+    )
     compact_slots: bool | str = F(
         "auto",
         "[klppo] The klppo engine moves its busy slots down into a smaller decode batch once no sequence "

@@ -51,7 +51,7 @@ from transformers import AutoModelForCausalLM
 from klppo.models.flops import attention_dims
 from klppo.models.gguf import klppo_cache_dir
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
-from klppo.rollout import triton_attention
+from klppo.rollout import triton_attention, triton_layers
 from klppo.rollout.llama import (
     LayerWeights,
     attn_in,
@@ -73,6 +73,11 @@ FUNCTIONS: dict[str, Callable] = {
     "final_norm": final_norm,
     "sample": sample_untruncated,
 }
+
+
+TRITON_LAYERS: dict[str, Callable] = dict(
+    zip(("attn_in_qkv", "attn_out_mlp_split", "final_norm"), triton_layers.SPLIT_LAYER_FNS, strict=True)
+)  # the split layers without torch.compile (engine layer_kernels)
 
 
 class CompiledFunctions:
@@ -119,6 +124,7 @@ class CompiledFunctions:
         fuse_projections: bool = True,
         fp32_logits: bool = True,
         split_layers: bool | None = None,
+        layers_on_triton: bool = False,
     ) -> threading.Thread | None:
         """Compile the decode functions for a model of Hugging Face ``config`` (see the module docstring).
 
@@ -126,7 +132,10 @@ class CompiledFunctions:
         ``split_layers``: the layer functions of the Triton attention with RoPE inside
         (``attn_in_qkv``, ``attn_out_mlp_split``, ``final_norm``) instead of ``attn_in``/``attn_out_mlp``;
         None: what an engine with ``decode_attention="auto"``, no tensor parallelism and
-        ``rope_in_attention`` on (the default) uses (:func:`decodes_split`).
+        ``rope_in_attention`` on (the default) uses (:func:`decodes_split`). ``layers_on_triton``: the
+        split layers run on :mod:`klppo.rollout.triton_layers` (the engine's ``layer_kernels``): nothing of
+        them is compiled; the thread runs them once instead, so that Triton loads (or compiles) their kernels
+        beside the weight loading. ``temperatures``: empty when the Triton sampler samples.
         Returns the thread (None when the engine cannot run this config: nothing to compile).
         """
         self.wait()
@@ -140,7 +149,7 @@ class CompiledFunctions:
         layer = _meta_layer(config, dtype)
         if layer is None:
             return None
-        flags = (fuse_projections, fp32_logits, split_layers)
+        flags = (fuse_projections, fp32_logits, split_layers, bool(layers_on_triton and split_layers))
         args = (config, layer, device, tuple(float(t) for t in temperatures), flags)
         self._thread = threading.Thread(
             target=self._precompile, args=args, name="klppo-precompile", daemon=True
@@ -276,8 +285,10 @@ def _run_once(
     fuse_projections: bool,
     fp32_logits: bool,
     split_layers: bool = False,
+    on_triton: bool = False,
 ) -> None:
-    """Call each compiled function once with the rollout's shapes, dtypes and flags (values irrelevant)."""
+    """Call each compiled function once with the rollout's shapes, dtypes and flags (values irrelevant);
+    ``on_triton``: the split layers' :mod:`klppo.rollout.triton_layers` functions instead of compiled ones."""
     lw = layer.allocated_like(device)
     if fuse_projections:
         lw = lw.fused()
@@ -302,6 +313,9 @@ def _run_once(
             *[("sample", (logits, t, False)) for t in dict.fromkeys(temperatures)],  # greedy: not compiled
         ]
         for name, args in calls:
+            if on_triton and name in TRITON_LAYERS:
+                TRITON_LAYERS[name](*args)  # Triton's kernels: no dynamo, no default-dtype guard
+                continue
             # one function at a time under the lock: the caller's model loading may not switch the default
             # dtype meanwhile (dynamo guards on it), and waits for one function at most
             with DEFAULT_DTYPE_LOCK:

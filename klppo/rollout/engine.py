@@ -23,7 +23,9 @@ One ``generate`` call:
    split-KV kernels of :mod:`klppo.rollout.triton_attention`, fused with the cache write, measured 15–22%
    faster per step). The per-layer blocks and the sampler are the compiled functions of the engine's
    :class:`~klppo.rollout.compiled.CompiledFunctions` (``compiled``: handed in by the trainer, which
-   starts pre-compiling them in the background before the weights load; else the engine's own). A step samples on the device (untruncated sampling: one
+   starts pre-compiling them in the background before the weights load; else the engine's own) — except
+   on the split layers of the Triton attention, whose elementwise work runs on two Triton kernels
+   (:mod:`klppo.rollout.triton_layers`, ``layer_kernels``; no ``torch.compile``, no Inductor start-up). A step samples on the device (untruncated sampling: one
    compiled fused kernel pair, no [B, V] tensors written; logits in float32 with ``fp32_logits``; with
    ``sampler="triton"`` the one-pass kernels of :mod:`klppo.rollout.triton_sampling`) and
    records tokens/log-probs into the output buffers without any host synchronisation;
@@ -51,7 +53,7 @@ from types import MappingProxyType
 
 import torch
 
-from klppo.rollout import triton_attention
+from klppo.rollout import triton_attention, triton_layers
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.compiled import CompiledFunctions, decodes_split
 from klppo.rollout.hf import HFRollout
@@ -78,6 +80,7 @@ SPLIT_LAYER_NAMES = (
     "final_norm",
 )  # CompiledFunctions names of SPLIT_LAYER_FNS
 SAMPLERS = ("torch", "triton", "auto")
+LAYER_KERNELS = ("auto", "triton", "compile")
 
 
 class KLPPORollout:
@@ -120,6 +123,7 @@ class KLPPORollout:
         sampler: str = "torch",
         compact_slots: bool = False,
         compact_min_bucket: int = 16,
+        layer_kernels: str = "auto",
     ) -> None:
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -127,6 +131,8 @@ class KLPPORollout:
             raise ValueError(f"decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        if layer_kernels not in LAYER_KERNELS:
+            raise ValueError(f"layer_kernels must be one of {LAYER_KERNELS}, got {layer_kernels!r}")
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = int(pad_token_id)
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -142,6 +148,7 @@ class KLPPORollout:
         self.sampler = sampler
         self.compact_slots = compact_slots
         self.compact_min_bucket = compact_min_bucket
+        self.layer_kernels = layer_kernels
         self.compiled = compiled if compiled is not None else CompiledFunctions()
         self._fallback = HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self._fallback_said = False
@@ -331,7 +338,10 @@ class KLPPORollout:
         names = SPLIT_LAYER_NAMES if flash == "triton-rope" else ("attn_in", "attn_out_mlp")
         layer_fns = SPLIT_LAYER_FNS if flash == "triton-rope" else (attn_in, attn_out_mlp)
         if self._compiles(call.cuda):
-            layer_fns = tuple(self.compiled.get(name) for name in names)
+            if self._triton_layers(flash == "triton-rope", call.cuda):
+                layer_fns = triton_layers.SPLIT_LAYER_FNS
+            else:
+                layer_fns = tuple(self.compiled.get(name) for name in names)
         if call.w.tp is not None:  # the row-parallel all-reduces run eagerly (captured in the graph on CUDA)
             layer_fns = (layer_fns[0], layer_back(call.w))
         sampler = self._sampler(call.params, call.cuda, call.w)
@@ -402,19 +412,44 @@ class KLPPORollout:
         return lambda logits: fn(logits, temperature, params.greedy)
 
     def _uses_triton(self, cuda: bool, params: SamplingParams) -> bool:
-        """Whether to sample with the Triton kernels (:mod:`klppo.rollout.triton_sampling`): ``sampler``
-        "triton" (CUDA with triton, else an error) or "auto" (when available), for the parameters they
-        take (not top-k with top-p: the torch path)."""
-        if self.sampler == "torch":
-            return False
-        ok = cuda and triton_available(torch.device("cuda"))
-        if self.sampler == "triton" and not ok:
-            raise ValueError("rollout sampler='triton' needs a CUDA device and the triton package")
-        return ok and triton_supports(params, 1, 1)
+        """Whether to sample with the Triton kernels (:func:`samples_on_triton`)."""
+        return samples_on_triton(self.sampler, cuda, params)
+
+    def _triton_layers(self, split: bool, cuda: bool) -> bool:
+        """Whether the split decode layers run on :mod:`klppo.rollout.triton_layers` (:func:`runs_triton_layers`)."""
+        return runs_triton_layers(self.layer_kernels, split, cuda)
 
     def _compiles(self, cuda: bool) -> bool:
         """Whether decode runs the compiled functions: ``compile_decode`` None = on GPU only."""
         return cuda if self.compile_decode is None else bool(self.compile_decode)
+
+
+def samples_on_triton(sampler: str, cuda: bool, params: SamplingParams) -> bool:
+    """Whether an engine with ``sampler`` samples ``params`` with the Triton kernels
+    (:mod:`klppo.rollout.triton_sampling`): "triton" (CUDA with triton, else an error) or "auto" (when
+    available), for the parameters they take (not top-k with top-p: the torch path)."""
+    if sampler == "torch":
+        return False
+    ok = cuda and triton_available(torch.device("cuda"))
+    if sampler == "triton" and not ok:
+        raise ValueError("rollout sampler='triton' needs a CUDA device and the triton package")
+    return ok and triton_supports(params, 1, 1)
+
+
+def runs_triton_layers(layer_kernels: str, split: bool, cuda: bool) -> bool:
+    """Whether an engine with ``layer_kernels`` runs its split decode layers (``split``: it decodes on them)
+    on :mod:`klppo.rollout.triton_layers` instead of their compiled versions: "auto" (where the kernels
+    run) or "triton" (an error where they cannot: they are the split layers' — a CUDA bf16/fp16 cache with
+    the Triton attention, no tensor parallelism); "compile": never."""
+    if layer_kernels == "compile":
+        return False
+    ok = split and cuda and triton_layers.available(torch.device("cuda"))
+    if layer_kernels == "triton" and not ok:
+        raise ValueError(
+            "actor_rollout_ref.rollout.layer_kernels=triton (engine layer_kernels='triton') needs the split decode "
+            "layers: a CUDA bf16/fp16 cache, decode_attention auto or triton, no tensor parallelism, triton installed"
+        )
+    return ok
 
 
 def _require_gathered(w: LlamaWeights) -> None:

@@ -327,13 +327,15 @@ def engine_options(rollout: RolloutConfig, *, tensor_parallel: bool | None = Non
     """Options of the klppo engine read from the rollout config: ``enforce_eager`` runs the decode step
     eagerly (no torch.compile, no CUDA graph capture), as vLLM's flag does; ``sampler`` picks the sampling
     kernels (``auto``: the one-pass Triton kernels where they run, measured 4–6% off the decode step on an
-    H200, bench/RESULTS.md); ``decode_attention`` picks the decode attention kernels; ``compact_slots``
+    H200, bench/RESULTS.md); ``decode_attention`` picks the decode attention kernels; ``layer_kernels`` what
+    runs the split decode layers' elementwise work (Triton kernels or torch.compile); ``compact_slots``
     moves busy slots into smaller decode batches once nothing waits (``auto``: unless the rollout is
     tensor-parallel — ``tensor_parallel``, the built rollout's, else read from the configured size)."""
     if rollout.name != "klppo":
         return {}
     eager = {"use_cuda_graph": False, "compile_decode": False} if rollout.enforce_eager else {}
     return {**eager, "sampler": rollout.sampler, "decode_attention": rollout.decode_attention,
+            "layer_kernels": rollout.layer_kernels,
             "compact_slots": compacts_slots(rollout, tensor_parallel=tensor_parallel)}  # fmt: skip
 
 

@@ -41,7 +41,7 @@ from klppo.parallel.mesh import (
 from klppo.parallel.offload import OffloadSchedule
 from klppo.rollout.base import RolloutEngine, SamplingParams, make_rollout
 from klppo.rollout.compiled import CompiledFunctions, use_persistent_cache
-from klppo.rollout.engine import KLPPORollout
+from klppo.rollout.engine import KLPPORollout, runs_triton_layers, samples_on_triton
 from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
@@ -141,10 +141,11 @@ def _start_precompile(
 ) -> None:
     """Start compiling the klppo engine's decode functions in the background (see rollout.compiled)."""
     rollout = cfg.actor_rollout_ref.rollout
-    temperatures = [
+    cuda = device.type == "cuda"
+    temperatures = [  # the compiled sampler's: none where the Triton kernels sample
         s.temperature
         for s in (sampling_params(rollout, response_length=1, validation=v) for v in (False, True))
-        if s.do_sample
+        if s.do_sample and not samples_on_triton(rollout.sampler, cuda, s)
     ]
     dtype = to_dtype(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype)
     # as built (rollout_tensor_parallel): LoRA runs a configured TP size data-parallel, on the split layers
@@ -157,12 +158,14 @@ def _start_precompile(
             "rollout pre-compile skipped: a tensor-parallel rollout compiles its layer front on its slices"
         )
         return
+    split = KLPPORollout.decodes_split(rollout.decode_attention, device, dtype, tensor_parallel)
     compiled.start_precompile(
         hf_config,
         dtype=dtype,
         device=device,
         temperatures=temperatures,
-        split_layers=KLPPORollout.decodes_split(rollout.decode_attention, device, dtype, tensor_parallel),
+        split_layers=split,
+        layers_on_triton=runs_triton_layers(rollout.layer_kernels, split, cuda),
     )
 
 

@@ -1,0 +1,165 @@
+"""The split decode layers' elementwise work as two small Triton kernels: no ``torch.compile`` on the path.
+
+The engine's split decode layers (:func:`klppo.rollout.llama.decode_rope_in_attention`) are, per layer,
+GEMMs (cuBLAS) and the Triton attention with the elementwise work between them: the residual add with
+the RMSNorm that reads it (twice a layer, and once before the LM head), and SwiGLU's ``silu(gate) · up``.
+Compiled by Inductor, those are the same fused kernels as here; but compiling them costs a new process
+Inductor's import and operator registration, dynamo's trace and the graphs' compilation or cache load
+(6–14 s on an H200 before the first token, bench/RESULTS.md session 24), where two Triton kernels load
+from Triton's cache in milliseconds (or compile in about a second each on an empty one).
+
+The arithmetic is eager PyTorch's, rounding for rounding (:func:`klppo.rollout.llama.residual_add`,
+:func:`~klppo.rollout.llama.rms_norm`, ``F.silu(gate) * up``):
+
+- ``add_rms_norm(x, m, w, eps)``: ``s = round(x + m)`` (float32, rounded once to the dtype; ``m`` None: ``s
+  = x``), ``h = round(w · round(s · rsqrt(mean(s²) + eps)))``, the mean and the product in float32;
+- ``silu_mul(gate_up)``: ``round(round(g / (1 + exp(−g))) · u)`` for ``gate_up`` = [gate | up], in float32.
+
+Only the reduction's order (and the exponential's last bits) can differ from eager. The layer functions
+(``attn_in_qkv``, ``attn_out_mlp_split``, ``final_norm``) have the signatures and results of
+:mod:`klppo.rollout.llama`'s; what the kernels do not take (Qwen3's per-head q/k norms, unfused gate/up)
+runs as eager torch inside them. Off CUDA (or without triton) the functions compute the same eagerly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from klppo.rollout.llama import LayerWeights, _qkv_heads, rms_norm
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: the torch path only
+    triton = None
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the CPU tests' kernels (CPU tensors)
+MAX_HIDDEN = 16384  # one row per program in registers: the RMSNorm kernel's limit (the torch path above it)
+SILU_BLOCK = 1024  # columns per program of the SwiGLU kernel
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels can run on ``device`` (CUDA with triton importable)."""
+    return triton is not None and torch.device(device).type == "cuda"
+
+
+def _kernels_take(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether the kernels run on ``x`` (rows of the last dim, contiguous) with ``others`` of its dtype;
+    CPU tests reach the kernels through Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors)."""
+    if triton is None or x.dim() != 2 or x.stride(-1) != 1 or x.shape[-1] > MAX_HIDDEN:
+        return False
+    if not (x.is_cuda or _INTERPRETED):
+        return False
+    return all(t is None or (t.dtype == x.dtype and t.stride(-1) == 1) for t in others)
+
+
+def add_rms_norm(
+    x: torch.Tensor, m: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x + m`` rounded once, its RMSNorm with ``weight``) — ``m`` None: (``x``, the norm of ``x``); see
+    the module docstring. ``x``, ``m`` [T, hidden], ``weight`` [hidden]."""
+    if not _kernels_take(x, m, weight) or (m is not None and m.shape != x.shape):
+        s = x if m is None else (x.float() + m.float()).to(x.dtype)
+        return s, rms_norm(s, weight, eps)
+    rows, hidden = x.shape
+    s = x if m is None else torch.empty_like(x)
+    h = torch.empty_like(x)
+    if rows:
+        block = triton.next_power_of_2(hidden)
+        _add_rms_norm_kernel[(rows,)](
+            x, x if m is None else m, weight, s, h, hidden, float(eps),
+            x.stride(0), 0 if m is None else m.stride(0), s.stride(0), h.stride(0),
+            HAS_M=m is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        )  # fmt: skip
+    return s, h
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) · up`` for ``gate_up`` [T, 2·I] = [gate | up] (see the module docstring) → [T, I]."""
+    rows, width = gate_up.shape
+    inter = width // 2
+    if not _kernels_take(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        grid = (rows, triton.cdiv(inter, SILU_BLOCK))
+        _silu_mul_kernel[grid](
+            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4
+        )
+    return out
+
+
+def attn_in_qkv(
+    x: torch.Tensor, m: torch.Tensor | None, lw: LayerWeights, spec: tuple[int, int, int, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`klppo.rollout.llama.attn_in_qkv` with :func:`add_rms_norm`: (x + m, q/k/v side by side)."""
+    x, h = add_rms_norm(x, m, lw.input_norm, spec[3])
+    if lw.qkv is not None and lw.q_norm is None and lw.k_norm is None:
+        return x, F.linear(h, lw.qkv, lw.qkv_bias)
+    return x, torch.cat([t.flatten(1) for t in _qkv_heads(h, lw, spec)], dim=-1)
+
+
+def attn_out_mlp_split(
+    x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`klppo.rollout.llama.attn_out_mlp_split` with :func:`add_rms_norm` and :func:`silu_mul`:
+    (x + o(attn), the MLP's output), whose sum the next layer's front adds."""
+    x, h = add_rms_norm(x, F.linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
+    if lw.gate_up is not None:
+        act = silu_mul(F.linear(h, lw.gate_up, lw.gate_up_bias))
+    else:
+        act = F.silu(F.linear(h, lw.gate, lw.gate_bias)) * F.linear(h, lw.up, lw.up_bias)
+    return x, F.linear(act, lw.down, lw.down_bias)
+
+
+def final_norm(
+    x: torch.Tensor, m: torch.Tensor | None, weight_eps: tuple[torch.Tensor, float]
+) -> torch.Tensor:
+    """:func:`klppo.rollout.llama.final_norm` with :func:`add_rms_norm`: the final RMSNorm of ``x + m``."""
+    weight, eps = weight_eps
+    return add_rms_norm(x, m, weight, eps)[1]
+
+
+SPLIT_LAYER_FNS = (attn_in_qkv, attn_out_mlp_split, final_norm)
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr, m_ptr, w_ptr, s_ptr, h_ptr, n_cols, eps,
+        stride_x, stride_m, stride_s, stride_h,
+        HAS_M: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Row ``program_id(0)``: s = round(x + m) (stored when HAS_M), h = round(w · round(s · rsqrt(mean(s²) + eps)))."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        dtype = x.dtype
+        if HAS_M:
+            m = tl.load(m_ptr + row * stride_m + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + m.to(tl.float32)).to(dtype)
+            tl.store(s_ptr + row * stride_s + cols, x, mask=mask)
+        x32 = x.to(tl.float32)
+        mean = tl.sum(x32 * x32, axis=0) / n_cols
+        normed = (x32 * (1.0 / tl.sqrt(mean + eps))).to(dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        h = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+        tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr):
+        """Row ``program_id(0)``, columns block ``program_id(1)``: round(round(silu(gate)) · up)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+        up = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0)
+        g32 = gate.to(tl.float32)
+        act = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+        out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+        tl.store(out_ptr + row * stride_out + cols, out, mask=mask)

@@ -1,0 +1,237 @@
+"""The split decode layers on two Triton kernels (:mod:`klppo.rollout.triton_layers`): the arithmetic against
+float64 with eager's roundings (CPU, the torch path); the kernels against eager torch in Triton's CPU
+interpreter (fp32: its bf16 casts are wrong) and on CUDA (bf16, fp16, fp32); the layer functions against
+:mod:`klppo.rollout.llama`'s; the engine's ``layer_kernels`` choice and the pre-compile's use of it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from klppo.models.tiny import build_tiny_model
+from klppo.rollout import llama, triton_layers
+from klppo.rollout.base import SamplingParams
+from klppo.rollout.compiled import CompiledFunctions
+from klppo.rollout.engine import KLPPORollout, runs_triton_layers
+from tests.rollout.conftest import HAS_TRITON, left_padded, run_triton_interpreted
+
+# rows (0: nothing launched; 1; a few; more than a warp's worth), hidden (a power of two, not one, Qwen 0.5B's)
+SHAPES = [(0, 64), (1, 100), (3, 64), (37, 896), (5, 1536)]
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def _rows(rows, hidden, dtype, device, seed, scale=1.0, row_stride=0):
+    """[rows, hidden] of ``dtype``; ``row_stride`` > hidden: a column slice of a wider tensor (rows not adjacent)."""
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, max(hidden, row_stride), generator=g) * scale
+    return wide.to(device, dtype)[:, :hidden]
+
+
+def _rounded(t64, dtype):
+    return t64.to(dtype).double()
+
+
+def test_torch_path_equals_float64_with_eager_roundings() -> None:
+    """``add_rms_norm`` / ``silu_mul`` off the kernels: the sum rounded once, the norm in float32 rounded
+    before the weight, the product rounded — against the same steps in float64 (a float32 mean differs
+    from float64's in its last bits, so a rounding may land one unit away: ≤ 1 ulp, rarely)."""
+    for (rows, hidden), dtype in itertools.product(SHAPES[1:], (torch.float32, torch.bfloat16)):
+        x, m = _rows(rows, hidden, dtype, "cpu", 0), _rows(rows, hidden, dtype, "cpu", 1)
+        w = (1 + 0.3 * torch.randn(hidden, generator=torch.Generator().manual_seed(2))).to(dtype)
+        s, h = triton_layers.add_rms_norm(x, m, w, 1e-6)
+        s64 = _rounded(x.double() + m.double(), dtype)
+        normed = _rounded(s64 / torch.sqrt((s64**2).mean(-1, keepdim=True) + 1e-6), dtype)
+        h64 = _rounded(w.double() * normed, dtype)
+        assert torch.equal(s.double(), s64)
+        # float32: each step rounds (mean, rsqrt, products: a few ulp); bf16: one rounding, rarely moved
+        torch.testing.assert_close(h.double(), h64, rtol=8 * ULP[dtype], atol=0)
+        if dtype == torch.bfloat16:
+            assert (h.double() != h64).float().mean() < 0.02
+        gu = _rows(rows, 2 * hidden, dtype, "cpu", 3, scale=3.0)
+        g64, u64 = gu.double().chunk(2, dim=-1)
+        want = _rounded(_rounded(g64 / (1 + torch.exp(-g64)), dtype) * u64, dtype)
+        torch.testing.assert_close(triton_layers.silu_mul(gu).double(), want, rtol=8 * ULP[dtype], atol=0)
+
+
+def check_kernels(device: str, dtypes) -> None:
+    """The kernels (they run: CUDA, or CPU under the interpreter) against eager torch on every shape, with
+    and without ``m``, rows adjacent and not; a weight of another dtype takes the torch path."""
+    assert triton_layers._kernels_take(torch.zeros(2, 8, device=device))
+    for (rows, hidden), dtype, stride in itertools.product(SHAPES, dtypes, (0, 2000)):
+        msg = f"{rows}x{hidden} {dtype} row stride {stride}"
+        x, m = _rows(rows, hidden, dtype, device, 0, row_stride=stride), _rows(rows, hidden, dtype, device, 1)
+        w = (1 + 0.3 * torch.randn(hidden, generator=torch.Generator().manual_seed(2))).to(device, dtype)
+        s, h = triton_layers.add_rms_norm(x, m, w, 1e-6)
+        want_s = llama.residual_add(x, m)
+        assert torch.equal(s, want_s), msg
+        want_h = llama.rms_norm(want_s, w, 1e-6)
+        torch.testing.assert_close(h.float(), want_h.float(), rtol=8 * ULP[dtype], atol=0, msg=msg)
+        if rows and dtype != torch.float32:
+            assert (h != want_h).float().mean() < 0.02, msg  # a rounding tie moved by the sum's order, rarely
+        s, h = triton_layers.add_rms_norm(x, None, w, 1e-6)
+        assert s is x
+        torch.testing.assert_close(h.float(), llama.rms_norm(x, w, 1e-6).float(), rtol=8 * ULP[dtype], atol=0)
+        gu = _rows(rows, 2 * hidden + 6, dtype, device, 3, scale=3.0, row_stride=stride)
+        gate, up = gu.chunk(2, dim=-1)
+        out = triton_layers.silu_mul(gu)
+        torch.testing.assert_close(
+            out.float(), (F.silu(gate) * up).float(), rtol=8 * ULP[dtype], atol=0, msg=msg
+        )
+    x = torch.randn(3, 64, device=device).to(dtypes[0])
+    w32 = torch.rand(64, device=device)
+    if dtypes[0] != torch.float32:  # another dtype's weight: eager's promotion, on the torch path
+        assert not triton_layers._kernels_take(x, None, w32)
+        torch.testing.assert_close(
+            triton_layers.add_rms_norm(x, None, w32, 1e-6)[1], llama.rms_norm(x, w32, 1e-6)
+        )
+
+
+def check_layers(device: str, dtype: torch.dtype) -> None:
+    """The three split layer functions against :mod:`klppo.rollout.llama`'s, on a Qwen2 layer (fused and
+    unfused projections) and a Qwen3 one (per-head q/k norms: eager inside)."""
+    spec_of = lambda model: (  # noqa: E731
+        model.config.num_attention_heads, model.config.num_key_value_heads,
+        model.config.hidden_size // model.config.num_attention_heads, model.config.rms_norm_eps,
+    )  # fmt: skip
+    tol = dict(rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+    for arch, fuse in (("qwen2", True), ("qwen2", False), ("qwen3", True)):
+        model = build_tiny_model(arch=arch).to(device, dtype)
+        lw = llama.LayerWeights.read(model.model.layers[0])
+        lw = lw.fused() if fuse else lw
+        spec, hidden = spec_of(model), model.config.hidden_size
+        x, m = _rows(4, hidden, dtype, device, 5), _rows(4, hidden, dtype, device, 6)
+        for mm in (None, m):
+            got, want = triton_layers.attn_in_qkv(x, mm, lw, spec), llama.attn_in_qkv(x, mm, lw, spec)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a.float(), b.float(), **tol, msg=f"{arch} fuse={fuse}")
+        attn = _rows(4, spec[0] * spec[2], dtype, device, 7)
+        got = triton_layers.attn_out_mlp_split(x, attn, lw, spec[3])
+        want = llama.attn_out_mlp_split(x, attn, lw, spec[3])
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), **tol, msg=f"{arch} fuse={fuse}")
+        w = (model.model.norm.weight.detach(), spec[3])
+        torch.testing.assert_close(
+            triton_layers.final_norm(x, m, w).float(), llama.final_norm(x, m, w).float(), **tol
+        )
+
+
+def test_layer_functions_on_the_torch_path_equal_llamas() -> None:
+    check_layers("cpu", torch.float32)
+
+
+CHILD = """
+import torch
+from tests.rollout.test_triton_layers import check_kernels, check_layers
+check_kernels("cpu", [torch.float32])
+check_layers("cpu", torch.float32)
+print("OK")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package (its CPU interpreter)")
+def test_kernels_in_the_interpreter() -> None:
+    run_triton_interpreted(CHILD, timeout=600)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_kernels_on_gpu() -> None:
+    check_kernels("cuda", [torch.bfloat16, torch.float16, torch.float32])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        check_layers("cuda", dtype)
+
+
+@pytest.mark.parametrize(
+    ("setting", "split", "cuda", "kernels", "want"),
+    [
+        ("auto", True, True, True, True),
+        ("auto", True, True, False, False),  # no triton: compiled
+        ("auto", False, True, True, False),  # unsplit layers (fp32, flash, tensor parallel): compiled
+        ("auto", True, False, True, False),  # CPU
+        ("compile", True, True, True, False),
+        ("triton", True, True, True, True),
+        ("triton", False, True, True, ValueError),
+        ("triton", True, False, True, ValueError),
+    ],
+)
+def test_layer_kernels_choice(monkeypatch, setting, split, cuda, kernels, want) -> None:
+    monkeypatch.setattr(triton_layers, "available", lambda device: kernels)
+    if want is ValueError:
+        with pytest.raises(ValueError, match="layer_kernels=triton"):
+            runs_triton_layers(setting, split, cuda)
+    else:
+        assert runs_triton_layers(setting, split, cuda) is want
+
+
+def test_engine_refuses_an_unknown_layer_kernels_and_triton_layers_on_cpu() -> None:
+    with pytest.raises(ValueError, match="layer_kernels must be one of"):
+        KLPPORollout(eos_token_ids=[2], pad_token_id=2, layer_kernels="inductor")
+    model = build_tiny_model(arch="qwen2").eval()
+    engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, layer_kernels="triton", compile_decode=True)
+    prompts, mask = left_padded([[1, 5, 6]])
+    with pytest.raises(ValueError, match="layer_kernels=triton"):
+        engine.generate(model, prompts, mask, SamplingParams(max_new_tokens=3, do_sample=False))
+
+
+def test_precompile_on_triton_layers_compiles_no_layer(monkeypatch) -> None:
+    """With ``layers_on_triton`` the pre-compile runs the Triton layer functions (here their torch path) and
+    compiles only the sampler; the engine then decodes on them (``_triton_layers`` faked on for the CPU),
+    compiling nothing more, with the same tokens as the engine on the compiled split layers."""
+    from tests.rollout.test_engine import PROMPTS, recording_functions
+
+    monkeypatch.setattr(KLPPORollout, "_use_flash", lambda self, kv: "triton")
+    model = build_tiny_model(arch="qwen2").eval()
+    fns, graphs = recording_functions()
+    fns.start_precompile(
+        model.config,
+        dtype=torch.float32,
+        device="cpu",
+        temperatures=(0.7,),
+        split_layers=True,
+        layers_on_triton=True,
+    )
+    fns.wait()
+    assert len(graphs) == 2  # the sampler, for batches from 2 and a batch of 1
+    params = SamplingParams(max_new_tokens=9, n=2, temperature=0.7, seed=3)
+    prompts, prompt_mask = left_padded(PROMPTS)
+    monkeypatch.setattr(
+        KLPPORollout, "_triton_layers", lambda self, split, cuda: split and self.layer_kernels == "auto"
+    )
+    on_triton = KLPPORollout(
+        eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3, compiled=fns
+    )
+    out = on_triton.generate(model, prompts, prompt_mask, params)
+    assert len(graphs) == 2, "the rollout compiled a layer"
+    compiled = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3,
+                            compiled=fns, layer_kernels="compile")  # fmt: skip
+    want = compiled.generate(model, prompts, prompt_mask, params)
+    assert len(graphs) > 2  # and that one compiled its layers
+    assert torch.equal(out.responses, want.responses)
+    torch.testing.assert_close(out.log_probs, want.log_probs, atol=1e-5, rtol=0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_engine_on_triton_layers_equals_compiled_layers_on_gpu() -> None:
+    """bf16 greedy, CUDA graphs, 40 steps: the Triton layers give the compiled split layers' tokens, log-probs
+    within bf16 rounding; no layer was compiled for them."""
+    model = build_tiny_model(arch="qwen2").to("cuda", torch.bfloat16).eval()
+    prompts, mask = (t.cuda() for t in left_padded([[1, 10, 20, 30, 40, 50], [1, 7, 8], [5], [1, 99, 100]]))
+    params = SamplingParams(max_new_tokens=40, do_sample=False, ignore_eos=True)
+    outs = {}
+    for kernels in ("triton", "compile"):
+        fns = CompiledFunctions()
+        engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, layer_kernels=kernels, compiled=fns)
+        outs[kernels] = engine.generate(model, prompts, mask, params)
+        assert bool(fns._fns) is (kernels == "compile")
+    agree = (outs["triton"].responses == outs["compile"].responses).float().mean()
+    assert agree > 0.9
+    same = (outs["triton"].responses == outs["compile"].responses).all(dim=1)
+    torch.testing.assert_close(
+        outs["triton"].log_probs[same], outs["compile"].log_probs[same], atol=3e-2, rtol=0
+    )
