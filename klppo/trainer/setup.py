@@ -43,6 +43,7 @@ from klppo.rollout.base import RolloutEngine, SamplingParams, make_rollout
 from klppo.rollout.compiled import CompiledFunctions, use_persistent_cache
 from klppo.rollout.engine import KLPPORollout, runs_triton_layers, samples_on_triton
 from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
+from klppo.rollout.sampling import is_untruncated
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
 from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
@@ -142,10 +143,10 @@ def _start_precompile(
     """Start compiling the klppo engine's decode functions in the background (see rollout.compiled)."""
     rollout = cfg.actor_rollout_ref.rollout
     cuda = device.type == "cuda"
-    temperatures = [  # the compiled sampler's: none where the Triton kernels sample
+    temperatures = [  # the compiled sampler's: untruncated sampling, where the Triton kernels do not sample
         s.temperature
         for s in (sampling_params(rollout, response_length=1, validation=v) for v in (False, True))
-        if s.do_sample and not samples_on_triton(rollout.sampler, cuda, s)
+        if s.do_sample and is_untruncated(s) and not samples_on_triton(rollout.sampler, cuda, s)
     ]
     dtype = to_dtype(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype)
     # as built (rollout_tensor_parallel): LoRA runs a configured TP size data-parallel, on the split layers

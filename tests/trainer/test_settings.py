@@ -242,6 +242,42 @@ def test_setup_precompile_makes_the_layers_the_built_engine_decodes_on(monkeypat
     assert (None if fns.kwargs is None else fns.kwargs["split_layers"]) is split
 
 
+@pytest.mark.parametrize(
+    ("overrides", "temperatures", "on_triton"),
+    [
+        ([], [], True),  # the Triton sampler and layers: nothing for Inductor to compile
+        (["actor_rollout_ref.rollout.sampler=torch"], [1.0], True),
+        (["actor_rollout_ref.rollout.layer_kernels=compile"], [], False),
+        # truncated sampling (top-k with top-p: the torch path) runs eagerly: no compiled sampler either
+        (["actor_rollout_ref.rollout.top_k=5", "actor_rollout_ref.rollout.top_p=0.9"], [], True),
+        (["actor_rollout_ref.rollout.sampler=torch", "actor_rollout_ref.rollout.top_k=5"], [], True),
+    ],
+)
+def test_setup_precompile_leaves_out_what_triton_kernels_run(
+    monkeypatch, overrides, temperatures, on_triton
+) -> None:
+    """On CUDA with triton (faked), the pre-compile compiles the untruncated sampler only where the torch
+    sampler runs it (``sampler=torch``; truncated sampling is eager), and runs the split layers on the Triton
+    kernels unless ``layer_kernels=compile``."""
+    from klppo.rollout import engine as engine_module
+    from klppo.rollout import triton_attention, triton_layers, triton_sampling
+    from klppo.trainer.setup import _start_precompile
+
+    class Recording:
+        kwargs = None
+
+        def start_precompile(self, config, **kwargs):
+            self.kwargs = kwargs
+
+    for module in (triton_attention, triton_layers, triton_sampling):
+        monkeypatch.setattr(module, "available", lambda device: True)
+    monkeypatch.setattr(engine_module, "triton_available", lambda device: True)
+    fns = Recording()
+    _start_precompile(load_config(overrides), None, torch.device("cuda", 0), fns)
+    assert list(fns.kwargs["temperatures"]) == temperatures
+    assert fns.kwargs["layers_on_triton"] is on_triton
+
+
 def test_grad_sync_per_mini_batch_key_is_validated_and_resolved() -> None:
     """The klppo key takes auto / true / false (one-line error naming the key otherwise); the trainer's
     resolution is the memory model's rule, with its cost 4 bytes per trainable parameter."""

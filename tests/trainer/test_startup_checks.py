@@ -139,14 +139,22 @@ def test_engine_options_from_enforce_eager_sampler_and_decode_attention():
         "compile_decode": False,
         "sampler": "auto",
         "decode_attention": "auto",
+        "layer_kernels": "auto",
         "compact_slots": True,
     }
-    assert options() == {"sampler": "auto", "decode_attention": "auto", "compact_slots": True}
+    assert options() == {
+        "sampler": "auto",
+        "decode_attention": "auto",
+        "layer_kernels": "auto",
+        "compact_slots": True,
+    }
     assert options("actor_rollout_ref.rollout.sampler=torch") == {
         "sampler": "torch",
         "decode_attention": "auto",
+        "layer_kernels": "auto",
         "compact_slots": True,
     }
+    assert options("actor_rollout_ref.rollout.layer_kernels=compile")["layer_kernels"] == "compile"
     assert options("actor_rollout_ref.rollout.compact_slots=false")["compact_slots"] is False
     # auto: off under a tensor-parallel rollout (never measured so on GPUs), where true turns it on
     tp2 = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
@@ -171,6 +179,10 @@ def test_engine_options_from_enforce_eager_sampler_and_decode_attention():
         options("actor_rollout_ref.rollout.sampler=cuda")
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.sampler=triton"):
         options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.sampler=triton")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.layer_kernels"):
+        options("actor_rollout_ref.rollout.layer_kernels=inductor")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.layer_kernels=compile is klppo's"):
+        options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.layer_kernels=compile")
 
 
 def test_critic_warmup_as_verl(tiny_model_dir, arithmetic_data, tmp_path):
