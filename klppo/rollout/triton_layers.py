@@ -57,10 +57,11 @@ def _kernels_take(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
 
 
 def add_rms_norm(
-    x: torch.Tensor, m: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, m: torch.Tensor | None, weight: torch.Tensor, eps: float, *, num_warps: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``x + m`` rounded once, its RMSNorm with ``weight``) — ``m`` None: (``x``, the norm of ``x``); see
-    the module docstring. ``x``, ``m`` [T, hidden], ``weight`` [hidden]."""
+    the module docstring. ``x``, ``m`` [T, hidden], ``weight`` [hidden]; ``num_warps``: the launch's
+    (None: 4 up to 2048 columns, else 8)."""
     if not _kernels_take(x, m, weight) or (m is not None and m.shape != x.shape):
         s = x if m is None else (x.float() + m.float()).to(x.dtype)
         return s, rms_norm(s, weight, eps)
@@ -72,13 +73,14 @@ def add_rms_norm(
         _add_rms_norm_kernel[(rows,)](
             x, x if m is None else m, weight, s, h, hidden, float(eps),
             x.stride(0), 0 if m is None else m.stride(0), s.stride(0), h.stride(0),
-            HAS_M=m is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+            HAS_M=m is not None, BLOCK=block, num_warps=num_warps or (4 if block <= 2048 else 8),
         )  # fmt: skip
     return s, h
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) · up`` for ``gate_up`` [T, 2·I] = [gate | up] (see the module docstring) → [T, I]."""
+def silu_mul(gate_up: torch.Tensor, *, block: int = SILU_BLOCK, num_warps: int = 4) -> torch.Tensor:
+    """``silu(gate) · up`` for ``gate_up`` [T, 2·I] = [gate | up] (see the module docstring) → [T, I];
+    ``block``, ``num_warps``: the launch's (columns per program, warps)."""
     rows, width = gate_up.shape
     inter = width // 2
     if not _kernels_take(gate_up):
