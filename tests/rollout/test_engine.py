@@ -263,7 +263,7 @@ def test_decode_buckets_from_one() -> None:
 
 
 def _batch_of_one_then_three(
-    model, fns, graphs: list, device: str = "cpu", eager_rng: bool = True
+    model, fns, graphs: list, device: str = "cpu", eager_rng: bool = True, layer_kernels: str = "auto"
 ) -> list[int]:
     """Generate for 1 prompt (n = 1), then 3, with ``fns`` (compile_decode): greedy equals hf (fp32) or
     the eager engine (bf16: most tokens); tempered sampling's log-probs equal a float64 recomputation, and
@@ -275,7 +275,9 @@ def _batch_of_one_then_three(
     counts = []
     for batch in (PROMPTS[:1], PROMPTS[:3]):
         prompts, prompt_mask = (t.to(device) for t in left_padded(batch))
-        ours = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=True, compiled=fns)
+        ours = KLPPORollout(
+            eos_token_ids=[2], pad_token_id=2, compile_decode=True, compiled=fns, layer_kernels=layer_kernels
+        )
         eager = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=False)
         hf = make_rollout("hf", eos_token_ids=[2], pad_token_id=2) if fp32 else eager
         a, b = (e.generate(model, prompts, prompt_mask, greedy) for e in (ours, hf))
@@ -312,20 +314,27 @@ def test_batch_of_one_and_larger_batches_compile_once_each() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batch_of_one_with_inductor_and_cuda_graphs(dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "layer_kernels"),
+    [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.bfloat16, "compile")],
+)
+def test_batch_of_one_with_inductor_and_cuda_graphs(dtype, layer_kernels) -> None:
     """The same with inductor kernels (their own random numbers) and CUDA graphs (bucket 1 captured; bf16:
     the Triton attention on the split layers — front with and without the previous MLP output, back,
-    final norm — else flash decode)."""
+    final norm — compiled with ``layer_kernels="compile"``, on the Triton layer kernels by default (then
+    only the sampler is compiled) — else flash decode)."""
     from torch._inductor.compile_fx import compile_fx
 
-    from klppo.rollout import triton_attention
+    from klppo.rollout import triton_attention, triton_layers
 
     model = build_tiny_model(arch="qwen2").to("cuda", dtype).eval()
     fns, graphs = recording_functions(compile=compile_fx)
-    one, three = _batch_of_one_then_three(model, fns, graphs, device="cuda", eager_rng=False)
+    one, three = _batch_of_one_then_three(
+        model, fns, graphs, device="cuda", eager_rng=False, layer_kernels=layer_kernels
+    )
     split = dtype == torch.bfloat16 and triton_attention.available(torch.device("cuda"))
-    per_batch = 5 if split else 3  # the layer functions and the sampler
+    on_triton = split and layer_kernels == "auto" and triton_layers.available(torch.device("cuda"))
+    per_batch = 1 if on_triton else 5 if split else 3  # the layer functions and the sampler
     assert (one, three) == (per_batch, 2 * per_batch), graphs
     torch._dynamo.reset()
 
