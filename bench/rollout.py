@@ -238,10 +238,12 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
 
 
 def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str = "cuda",
-            decode_attention: str = "auto", stack: bool = False) -> None:  # fmt: skip
+            decode_attention: str = "auto", stack: bool = False, layer_kernels: str = "auto",
+            sampler: str = "torch") -> None:  # fmt: skip
     """CUDA kernel time of ``steps`` eager decode steps alone (no prefill; no graphs, so kernel times and
     not launch gaps), at context ``PROMPT`` and up. Reaches into the engine's step function on purpose.
-    ``stack``: also the host operators by their Python call sites (which line launches each copy)."""
+    ``stack``: also the host operators by their Python call sites (which line launches each copy);
+    ``layer_kernels``, ``sampler``: the engine's."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -252,7 +254,8 @@ def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str 
     prompts = torch.randint(0, 1000, (batch, PROMPT), device=device)
     params = SamplingParams(max_new_tokens=2 * steps, seed=0, ignore_eos=True)
     engine = KLPPORollout(eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
-                          use_cuda_graph=False, free_cache_engine=False, decode_attention=decode_attention)  # fmt: skip
+                          use_cuda_graph=False, free_cache_engine=False, decode_attention=decode_attention,
+                          layer_kernels=layer_kernels, sampler=sampler)  # fmt: skip
     engine.generate(model, prompts, torch.ones_like(prompts), params)  # compile, keep the workspace
     call = engine._call(LlamaWeights.read(model), prompts, torch.ones_like(prompts), [PROMPT] * batch, params)
     call.ws.position.fill_(PROMPT)  # the kept workspace (same shape), fused copies refreshed
@@ -265,8 +268,8 @@ def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str 
         if device == "cuda":
             torch.cuda.synchronize()
     sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-    print(f"decode-only profile: batch {batch}, decode_attention={decode_attention}, {steps} steps (divide totals "
-          f"by {steps} for per step)")  # fmt: skip
+    print(f"decode-only profile: {shape} batch {batch}, decode_attention={decode_attention}, layer_kernels="
+          f"{layer_kernels}, sampler={sampler}, {steps} steps (divide totals by {steps} for per step)")  # fmt: skip
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70))
     if stack:
         print(prof.key_averages(group_by_stack_n=6).table(sort_by="cpu_time_total", row_limit=30,
@@ -374,6 +377,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-batches", default="256", help="batches of the --profile kernel tables")
     ap.add_argument("--profile-stack", action="store_true", help="--profile: host operators by call site too")
+    ap.add_argument("--profile-shape", default="0.5b", help="the shape of the --profile kernel tables")
+    ap.add_argument("--profile-layer-kernels", default="auto",
+                    help="auto,compile: one --profile table per engine layer_kernels")  # fmt: skip
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (batch = prompts × n sequences)")
     ap.add_argument("--samplers", default="torch", help="torch,triton: the engine once per sampler")
     ap.add_argument("--decode-attention", default="auto",
@@ -428,9 +434,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.check:
         checks(emit, [getattr(torch, d) for d in args.check_dtypes.split(",")])
     if args.profile:
+        sampler = args.samplers.split(",")[-1]
         for attention in args.decode_attention.split(","):
             for batch in [int(b) for b in args.profile_batches.split(",")]:
-                profile(batch, device=args.device, decode_attention=attention, stack=args.profile_stack)
+                for kernels in args.profile_layer_kernels.split(","):
+                    profile(batch, shape=args.profile_shape, device=args.device, decode_attention=attention,
+                            stack=args.profile_stack, layer_kernels=kernels, sampler=sampler)  # fmt: skip
 
 
 if __name__ == "__main__":

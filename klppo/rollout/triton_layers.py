@@ -46,10 +46,16 @@ def available(device: torch.device) -> bool:
     return triton is not None and torch.device(device).type == "cuda"
 
 
-def _kernels_take(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    """Whether the kernels run on ``x`` (rows of the last dim, contiguous) with ``others`` of its dtype;
-    CPU tests reach the kernels through Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors)."""
-    if triton is None or x.dim() != 2 or x.stride(-1) != 1 or x.shape[-1] > MAX_HIDDEN:
+def _kernels_take(x: torch.Tensor, *others: torch.Tensor | None, max_cols: int | None = MAX_HIDDEN) -> bool:
+    """Whether the kernels run on ``x`` (rows of the last dim, contiguous; at most ``max_cols`` columns: the
+    norm's row in registers; None: no limit) with ``others`` of its dtype; CPU tests reach the kernels
+    through Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors)."""
+    if (
+        triton is None
+        or x.dim() != 2
+        or x.stride(-1) != 1
+        or (max_cols is not None and x.shape[-1] > max_cols)
+    ):
         return False
     if not (x.is_cuda or _INTERPRETED):
         return False
@@ -83,7 +89,7 @@ def silu_mul(gate_up: torch.Tensor, *, block: int = SILU_BLOCK, num_warps: int =
     ``block``, ``num_warps``: the launch's (columns per program, warps)."""
     rows, width = gate_up.shape
     inter = width // 2
-    if not _kernels_take(gate_up):
+    if not _kernels_take(gate_up, max_cols=None):  # blocks of columns: any width
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)

@@ -235,3 +235,29 @@ def test_engine_on_triton_layers_equals_compiled_layers_on_gpu() -> None:
     torch.testing.assert_close(
         outs["triton"].log_probs[same], outs["compile"].log_probs[same], atol=3e-2, rtol=0
     )
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
+def test_which_widths_launch_the_kernels(monkeypatch) -> None:
+    """The SwiGLU kernel takes any width (blocks of columns; the 1.5B shape's [gate | up] is 17,920 wide:
+    session 24 found it on two eager kernels at 8% of the decode step), the norm up to ``MAX_HIDDEN`` (a
+    row in registers), wider rows the torch path. Launches recorded, nothing run."""
+    launched = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((self.name, grid))
+
+    monkeypatch.setattr(triton_layers, "_INTERPRETED", True)  # CPU tensors count as the kernels' own
+    monkeypatch.setattr(triton_layers, "_silu_mul_kernel", Kernel("silu"))
+    monkeypatch.setattr(triton_layers, "_add_rms_norm_kernel", Kernel("norm"))
+    triton_layers.silu_mul(torch.zeros(2, 2 * 8960, dtype=torch.bfloat16))
+    assert launched == [("silu", (2, 9))]
+    width = triton_layers.MAX_HIDDEN
+    triton_layers.add_rms_norm(torch.zeros(2, width), None, torch.ones(width), 1e-6)
+    assert launched[-1] == ("norm", (2,))
+    triton_layers.add_rms_norm(torch.ones(2, width + 1), None, torch.ones(width + 1), 1e-6)  # torch path
+    assert len(launched) == 2
