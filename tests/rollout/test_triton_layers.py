@@ -266,3 +266,26 @@ def test_which_widths_launch_the_kernels(monkeypatch) -> None:
     assert launched[-1] == ("norm", (2,))
     triton_layers.add_rms_norm(torch.ones(2, width + 1), None, torch.ones(width + 1), 1e-6)  # torch path
     assert len(launched) == 2
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
+def test_launch_settings_reach_the_launch(monkeypatch) -> None:
+    """``silu_mul(block=, num_warps=)`` and ``add_rms_norm(num_warps=)`` launch with the settings given (the
+    micro-benchmarks sweep them). Launches recorded, nothing run."""
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid, kwargs))
+
+    monkeypatch.setattr(triton_layers, "_INTERPRETED", True)
+    monkeypatch.setattr(triton_layers, "_silu_mul_kernel", Kernel())
+    monkeypatch.setattr(triton_layers, "_add_rms_norm_kernel", Kernel())
+    triton_layers.silu_mul(torch.zeros(2, 2 * 1000), block=256, num_warps=2)
+    grid, kwargs = launched[-1]
+    assert grid == (2, 4) and kwargs["BLOCK"] == 256 and kwargs["num_warps"] == 2
+    triton_layers.silu_mul(torch.zeros(2, 2 * 1000))
+    grid, kwargs = launched[-1]
+    assert grid == (2, 1) and kwargs["BLOCK"] == triton_layers.SILU_BLOCK and kwargs["num_warps"] == 4
+    triton_layers.add_rms_norm(torch.zeros(2, 64), None, torch.ones(64), 1e-6, num_warps=1)
+    assert launched[-1][1]["num_warps"] == 1
