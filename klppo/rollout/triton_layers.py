@@ -94,9 +94,9 @@ def silu_mul(gate_up: torch.Tensor, *, block: int = SILU_BLOCK, num_warps: int =
         return F.silu(gate) * up
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     if rows:
-        grid = (rows, triton.cdiv(inter, SILU_BLOCK))
+        grid = (rows, triton.cdiv(inter, block))
         _silu_mul_kernel[grid](
-            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=SILU_BLOCK, num_warps=4
+            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=num_warps
         )
     return out
 
