@@ -312,7 +312,8 @@ class RolloutConfig:
         "auto",
         "[klppo] What runs the klppo engine's decode layers between their GEMMs and attention (residual adds, "
         "RMSNorms, SwiGLU): auto (two small Triton kernels where the decode layers are split, i.e. with the Triton "
-        "attention on a CUDA GPU in bf16/fp16; torch.compile elsewhere) | triton (an error elsewhere) | compile "
+        "attention on a CUDA GPU in bf16/fp16; torch.compile elsewhere) | triton (an error elsewhere; enforce_eager still "
+        "runs everything eagerly) | compile "
         "(torch.compile, which costs a new process Inductor's start-up and a compile or cache load before the "
         "first rollout).",
     )

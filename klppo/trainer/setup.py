@@ -143,11 +143,6 @@ def _start_precompile(
     """Start compiling the klppo engine's decode functions in the background (see rollout.compiled)."""
     rollout = cfg.actor_rollout_ref.rollout
     cuda = device.type == "cuda"
-    temperatures = [  # the compiled sampler's: untruncated sampling, where the Triton kernels do not sample
-        s.temperature
-        for s in (sampling_params(rollout, response_length=1, validation=v) for v in (False, True))
-        if s.do_sample and is_untruncated(s) and not samples_on_triton(rollout.sampler, cuda, s)
-    ]
     dtype = to_dtype(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype)
     # as built (rollout_tensor_parallel): LoRA runs a configured TP size data-parallel, on the split layers
     tensor_parallel = rollout.tensor_model_parallel_size > 1 and tp_rollout_unbuilt(cfg) is None
@@ -159,6 +154,11 @@ def _start_precompile(
             "rollout pre-compile skipped: a tensor-parallel rollout compiles its layer front on its slices"
         )
         return
+    temperatures = [  # the compiled sampler's: untruncated sampling, where the Triton kernels do not sample
+        s.temperature
+        for s in (sampling_params(rollout, response_length=1, validation=v) for v in (False, True))
+        if s.do_sample and is_untruncated(s) and not samples_on_triton(rollout.sampler, cuda, s)
+    ]
     split = KLPPORollout.decodes_split(rollout.decode_attention, device, dtype, tensor_parallel)
     compiled.start_precompile(
         hf_config,

@@ -289,3 +289,12 @@ def test_launch_settings_reach_the_launch(monkeypatch) -> None:
     assert grid == (2, 1) and kwargs["BLOCK"] == triton_layers.SILU_BLOCK and kwargs["num_warps"] == 4
     triton_layers.add_rms_norm(torch.zeros(2, 64), None, torch.ones(64), 1e-6, num_warps=1)
     assert launched[-1][1]["num_warps"] == 1
+
+
+def test_silu_mul_takes_what_eager_takes() -> None:
+    """Any leading shape gives eager's result (the kernel takes 2-D rows only); an odd width fails as eager does."""
+    gu = torch.randn(2, 3, 8)
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(triton_layers.silu_mul(gu), F.silu(gate) * up, rtol=0, atol=0)
+    with pytest.raises(RuntimeError):
+        triton_layers.silu_mul(torch.randn(2, 7))

@@ -278,6 +278,28 @@ def test_setup_precompile_leaves_out_what_triton_kernels_run(
     assert fns.kwargs["layers_on_triton"] is on_triton
 
 
+def test_setup_precompile_of_a_tensor_parallel_rollout_asks_nothing_of_the_sampler(monkeypatch) -> None:
+    """A tensor-parallel rollout gets no pre-compile, and its set-up does not ask whether the Triton sampler
+    could run (``sampler=triton`` on a CUDA machine without triton raised there before)."""
+    from klppo.rollout import engine as engine_module
+    from klppo.trainer.setup import _start_precompile
+
+    class Recording:
+        called = False
+
+        def start_precompile(self, config, **kwargs):
+            self.called = True
+
+    monkeypatch.setattr(engine_module, "triton_available", lambda device: False)
+    overrides = [
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.sampler=triton",
+    ]
+    fns = Recording()
+    _start_precompile(load_config(overrides), None, torch.device("cuda", 0), fns)
+    assert not fns.called
+
+
 def test_grad_sync_per_mini_batch_key_is_validated_and_resolved() -> None:
     """The klppo key takes auto / true / false (one-line error naming the key otherwise); the trainer's
     resolution is the memory model's rule, with its cost 4 bytes per trainable parameter."""
