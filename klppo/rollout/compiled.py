@@ -3,8 +3,10 @@
 The functions compiled (``torch.compile``, batch dimension dynamic: one graph serves every batch size
 from 2, and batch 1 has its own): the per-layer blocks of a decode step — ``attn_in`` and
 ``attn_out_mlp``, or with the Triton attention the split layers ``attn_in_qkv``, ``attn_out_mlp_split``
-and ``final_norm`` (:func:`klppo.rollout.llama.decode_rope_in_attention`) — and the untruncated sampler
-(one graph per temperature; greedy decoding runs it eagerly). They live on a
+and ``final_norm`` (:func:`klppo.rollout.llama.decode_rope_in_attention`; by default those run on the
+Triton kernels of :mod:`klppo.rollout.triton_layers` instead, engine ``layer_kernels``, and are compiled
+only with ``layer_kernels="compile"``) — and the untruncated sampler of the torch sampler (one graph per
+temperature; greedy decoding runs it eagerly; the Triton sampler needs none). They live on a
 :class:`CompiledFunctions` object, no module state: the trainer's set-up creates one and hands it to the
 engine (``KLPPORollout(compiled=...)``); an engine given none makes its own. With the default backend, dynamo's cache (keyed on the functions' code) serves
 every object of the process, so a compilation done once serves all engines.
