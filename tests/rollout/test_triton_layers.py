@@ -298,3 +298,22 @@ def test_silu_mul_takes_what_eager_takes() -> None:
     torch.testing.assert_close(triton_layers.silu_mul(gu), F.silu(gate) * up, rtol=0, atol=0)
     with pytest.raises(RuntimeError):
         triton_layers.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
+def test_what_the_kernels_cannot_index_goes_to_eager(monkeypatch) -> None:
+    """An ``m`` of another shape (broadcast) and a last dim that is not contiguous are not launched: eager
+    computes them (its broadcast and strides), equal to ``llama``'s functions. Launches recorded."""
+    launched = []
+    monkeypatch.setattr(triton_layers, "_INTERPRETED", True)
+    monkeypatch.setattr(
+        triton_layers, "_add_rms_norm_kernel", type("K", (), {"__getitem__": lambda s, g: launched.append})
+    )
+    x, w = torch.randn(3, 8), torch.rand(8)
+    m = torch.randn(1, 8)
+    s, h = triton_layers.add_rms_norm(x, m, w, 1e-6)
+    torch.testing.assert_close(s, llama.residual_add(x, m))
+    torch.testing.assert_close(h, llama.rms_norm(llama.residual_add(x, m), w, 1e-6))
+    xt = torch.randn(8, 3).t()  # [3, 8], last dim strided
+    torch.testing.assert_close(triton_layers.add_rms_norm(xt, None, w, 1e-6)[1], llama.rms_norm(xt, w, 1e-6))
+    assert launched == []
