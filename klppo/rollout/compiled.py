@@ -77,8 +77,9 @@ FUNCTIONS: dict[str, Callable] = {
 }
 
 
+SPLIT_LAYER_NAMES = ("attn_in_qkv", "attn_out_mlp_split", "final_norm")  # the names of llama.SPLIT_LAYER_FNS
 TRITON_LAYERS: dict[str, Callable] = dict(
-    zip(("attn_in_qkv", "attn_out_mlp_split", "final_norm"), triton_layers.SPLIT_LAYER_FNS, strict=True)
+    zip(SPLIT_LAYER_NAMES, triton_layers.SPLIT_LAYER_FNS, strict=True)
 )  # the split layers without torch.compile (engine layer_kernels)
 
 

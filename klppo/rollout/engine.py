@@ -55,7 +55,7 @@ import torch
 
 from klppo.rollout import triton_attention, triton_layers
 from klppo.rollout.base import RolloutOutput, SamplingParams
-from klppo.rollout.compiled import CompiledFunctions, decodes_split
+from klppo.rollout.compiled import SPLIT_LAYER_NAMES, CompiledFunctions, decodes_split
 from klppo.rollout.hf import HFRollout
 from klppo.rollout.llama import (
     SPLIT_LAYER_FNS,
@@ -74,11 +74,6 @@ from klppo.rollout.triton_sampling import supports as triton_supports
 from klppo.rollout.workspace import CacheBudget, Workspace, num_slots
 
 DECODE_ATTENTION = ("auto", "flash", "flash-plain", "sdpa", "triton")
-SPLIT_LAYER_NAMES = (
-    "attn_in_qkv",
-    "attn_out_mlp_split",
-    "final_norm",
-)  # CompiledFunctions names of SPLIT_LAYER_FNS
 SAMPLERS = ("torch", "triton", "auto")
 LAYER_KERNELS = ("auto", "triton", "compile")
 

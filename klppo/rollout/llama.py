@@ -28,6 +28,7 @@ dynamic RoPE, MoE, cross-attention.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -319,12 +320,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def _mlp(lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) · up`` for ``gate_up`` = [gate | up] (the last dim's halves)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _mlp(
+    lw: LayerWeights, h: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] = swiglu
+) -> torch.Tensor:
+    """The SwiGLU MLP of normed states ``h``; ``act``: ``[gate | up] -> silu(gate) · up`` on the fused
+    projection (:func:`swiglu`, or a kernel computing the same)."""
     if lw.gate_up is not None:
-        gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+        act_out = act(F.linear(h, lw.gate_up, lw.gate_up_bias))
     else:
-        gate, up = F.linear(h, lw.gate, lw.gate_bias), F.linear(h, lw.up, lw.up_bias)
-    return F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
+        act_out = F.silu(F.linear(h, lw.gate, lw.gate_bias)) * F.linear(h, lw.up, lw.up_bias)
+    return F.linear(act_out, lw.down, lw.down_bias)
 
 
 def prefill(
@@ -415,10 +426,15 @@ def attn_in_qkv(
     The add is :func:`residual_add`, so it fuses into the norm kernel that reads its result."""
     if m is not None:
         x = residual_add(x, m)
-    h = rms_norm(x, lw.input_norm, spec[3])
+    return x, qkv_projection(rms_norm(x, lw.input_norm, spec[3]), lw, spec)
+
+
+def qkv_projection(h: torch.Tensor, lw: LayerWeights, spec: tuple[int, int, int, float]) -> torch.Tensor:
+    """The normed states ``h`` [T, hidden] → q/k/v side by side [T, (H + 2·H_kv)·D], unrotated: the fused
+    GEMM's output as it is (no copy) unless Qwen3's q/k norms apply (:func:`_qkv_heads`, concatenated)."""
     if lw.qkv is not None and lw.q_norm is None and lw.k_norm is None:
-        return x, F.linear(h, lw.qkv, lw.qkv_bias)  # the GEMM's output as it is: no copy
-    return x, torch.cat([t.flatten(1) for t in _qkv_heads(h, lw, spec)], dim=-1)
+        return F.linear(h, lw.qkv, lw.qkv_bias)
+    return torch.cat([t.flatten(1) for t in _qkv_heads(h, lw, spec)], dim=-1)
 
 
 def attn_out_mlp_split(

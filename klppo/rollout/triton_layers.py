@@ -31,7 +31,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from klppo.rollout.llama import LayerWeights, _qkv_heads, rms_norm
+from klppo.rollout.llama import LayerWeights, _mlp, qkv_projection, residual_add, rms_norm, swiglu
 
 try:
     import triton
@@ -72,7 +72,7 @@ def add_rms_norm(
     the module docstring. ``x``, ``m`` [T, hidden], ``weight`` [hidden]; ``num_warps``: the launch's
     (None: 4 up to 2048 columns, else 8)."""
     if not _kernels_take(x, m, weight) or (m is not None and m.shape != x.shape):
-        s = x if m is None else (x.float() + m.float()).to(x.dtype)
+        s = x if m is None else residual_add(x, m)
         return s, rms_norm(s, weight, eps)
     rows, hidden = x.shape
     s = x if m is None else torch.empty_like(x)
@@ -91,8 +91,7 @@ def silu_mul(gate_up: torch.Tensor, *, block: int = SILU_BLOCK, num_warps: int =
     """``silu(gate) · up`` for ``gate_up`` [T, 2·I] = [gate | up] (see the module docstring) → [T, I];
     ``block``, ``num_warps``: the launch's (columns per program, warps)."""
     if gate_up.dim() != 2 or gate_up.shape[-1] % 2 or not _kernels_take(gate_up, max_cols=None):
-        gate, up = gate_up.chunk(2, dim=-1)  # eager's result (and eager's error for an odd width)
-        return F.silu(gate) * up
+        return swiglu(gate_up)  # eager's result (and eager's error for an odd width)
     rows, width = gate_up.shape  # blocks of columns: any width
     inter = width // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
@@ -109,9 +108,7 @@ def attn_in_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`klppo.rollout.llama.attn_in_qkv` with :func:`add_rms_norm`: (x + m, q/k/v side by side)."""
     x, h = add_rms_norm(x, m, lw.input_norm, spec[3])
-    if lw.qkv is not None and lw.q_norm is None and lw.k_norm is None:
-        return x, F.linear(h, lw.qkv, lw.qkv_bias)
-    return x, torch.cat([t.flatten(1) for t in _qkv_heads(h, lw, spec)], dim=-1)
+    return x, qkv_projection(h, lw, spec)
 
 
 def attn_out_mlp_split(
@@ -120,11 +117,7 @@ def attn_out_mlp_split(
     """:func:`klppo.rollout.llama.attn_out_mlp_split` with :func:`add_rms_norm` and :func:`silu_mul`:
     (x + o(attn), the MLP's output), whose sum the next layer's front adds."""
     x, h = add_rms_norm(x, F.linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
-    if lw.gate_up is not None:
-        act = silu_mul(F.linear(h, lw.gate_up, lw.gate_up_bias))
-    else:
-        act = F.silu(F.linear(h, lw.gate, lw.gate_bias)) * F.linear(h, lw.up, lw.up_bias)
-    return x, F.linear(act, lw.down, lw.down_bias)
+    return x, _mlp(lw, h, silu_mul)
 
 
 def final_norm(
