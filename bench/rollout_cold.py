@@ -100,22 +100,23 @@ def child(
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t_import = time.perf_counter() - t_start
     t_setup = time.perf_counter()
-    from klppo.rollout.engine import KLPPORollout, runs_triton_layers
+    from klppo.rollout.engine import KLPPORollout, runs_triton_layers, samples_on_triton
 
     for attribute, value in MODES[mode].get("attributes", {}).items():  # class-wide, before the pre-compile
         setattr(KLPPORollout, attribute, value)
     compiled = CompiledFunctions()
+    params = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True)
     if MODES[mode].get("precompile"):
         # the layers of an engine with the attributes set above
         split = KLPPORollout.decodes_split("auto", device, dtype, tensor_parallel=False)
         on_triton = runs_triton_layers(
             MODES[mode]["engine"].get("layer_kernels", "auto"), split, device == "cuda"
         )
-        temperatures = () if sampler != "torch" and device == "cuda" else (1.0,)  # the Triton sampler: none
+        # the compiled sampler's temperature, where the torch sampler samples (the Triton sampler needs none)
+        temperatures = () if samples_on_triton(sampler, device == "cuda", params) else (params.temperature,)
         compiled.start_precompile(qwen_config(shape), dtype=dtype, device=torch.device(device), split_layers=split,
                                   layers_on_triton=on_triton, temperatures=temperatures)  # fmt: skip
     model = build(shape, dtype, device)
-    params = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True)
     engine = make_rollout("klppo", eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
                           free_cache_engine=False, compiled=compiled, sampler=sampler,
                           **{"compile_decode": True, **MODES[mode]["engine"]})  # fmt: skip
