@@ -17,7 +17,8 @@ engine at ``--compile-batch`` with one optimisation off (ablation, with the last
 ``autotune``: the decode blocks compiled in inductor's ``max-autotune-no-cudagraphs`` mode, Triton GEMM
 templates tuned per shape; ``rope-outside``: RoPE in the compiled layer front and the unsplit layers, the
 engine before session 22; ``same``: the default engine again, to see the order's effect); ``--old-engine`` times another
-``KLPPORollout`` class (e.g. a copy of a previous commit's package) in the same process; ``--profile``
+``KLPPORollout`` class (e.g. a copy of a previous commit's package) in the same process, with the last of
+``--samplers``; ``--profile``
 prints the CUDA kernel-time table of a few eager (graph-less) decode steps. ``--samplers`` times the
 engine once per sampler (``KLPPORollout(sampler=...)``: ``torch``, the default path, rows ``klppo-*``;
 ``triton``, the one-pass kernels, rows ``klppo-triton-*``) with the sampling of ``--temperature``,
@@ -219,7 +220,7 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
             if old_engine:
                 import importlib
 
-                old = importlib.import_module(old_engine).KLPPORollout(**kw)
+                old = importlib.import_module(old_engine).KLPPORollout(**kw, sampler=samplers[-1])
                 run_klppo(old, "klppo-old", shape, model, prompts, mask, params, emit)
             sampler = samplers[-1]  # the ablations beside the last sampler's full row
             for name in variants:

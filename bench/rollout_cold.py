@@ -23,7 +23,8 @@ Modes:
 - ``precompile``: empty caches, ``CompiledFunctions.start_precompile`` (``klppo.rollout.compiled``) started
   from the model's config before the model is built, on the object then handed to the engine (as the
   trainer does before loading weights), so compilation overlaps the build; the first call waits for what
-  is left of it;
+  is left of it (since session 25 it also runs the attention and sampler kernels once: Triton compiles
+  them there on empty caches);
 - ``eager``: ``compile_decode=False`` (CUDA graphs of uncompiled kernels), empty caches;
 - ``compile-rope-outside``, ``precompile-rope-outside``: as ``compile`` and ``precompile`` with
   ``KLPPORollout.rope_in_attention`` off (RoPE in the compiled front, unsplit layers: the engine before
@@ -112,10 +113,12 @@ def child(
         on_triton = runs_triton_layers(
             MODES[mode]["engine"].get("layer_kernels", "auto"), split, device == "cuda"
         )
-        # the compiled sampler's temperature, where the torch sampler samples (the Triton sampler needs none)
-        temperatures = () if samples_on_triton(sampler, device == "cuda", params) else (params.temperature,)
+        # the compiled sampler's temperature where the torch sampler samples, else the Triton sampler's setting
+        triton_sampling = (params,) if samples_on_triton(sampler, device == "cuda", params) else ()
+        temperatures = () if triton_sampling else (params.temperature,)
         compiled.start_precompile(qwen_config(shape), dtype=dtype, device=torch.device(device), split_layers=split,
-                                  layers_on_triton=on_triton, temperatures=temperatures)  # fmt: skip
+                                  layers_on_triton=on_triton, temperatures=temperatures,
+                                  triton_sampling=triton_sampling)  # fmt: skip
     model = build(shape, dtype, device)
     engine = make_rollout("klppo", eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
                           free_cache_engine=False, compiled=compiled, sampler=sampler,

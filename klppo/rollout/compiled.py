@@ -54,6 +54,7 @@ from klppo.models.flops import attention_dims
 from klppo.models.gguf import klppo_cache_dir
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
 from klppo.rollout import triton_attention, triton_layers
+from klppo.rollout.base import SamplingParams
 from klppo.rollout.llama import (
     LayerWeights,
     attn_in,
@@ -61,9 +62,11 @@ from klppo.rollout.llama import (
     attn_out_mlp,
     attn_out_mlp_split,
     final_norm,
+    split_attention,
     unsupported_reason,
 )
 from klppo.rollout.sampling import sample_untruncated
+from klppo.rollout.triton_sampling import sample_triton
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +131,7 @@ class CompiledFunctions:
         fp32_logits: bool = True,
         split_layers: bool | None = None,
         layers_on_triton: bool = False,
+        triton_sampling: Iterable[SamplingParams] = (),
     ) -> threading.Thread | None:
         """Compile the decode functions for a model of Hugging Face ``config`` (see the module docstring).
 
@@ -139,6 +143,12 @@ class CompiledFunctions:
         split layers run on :mod:`klppo.rollout.triton_layers` (the engine's ``layer_kernels``): nothing of
         them is compiled; the thread runs them once instead, so that Triton loads (or compiles) their kernels
         beside the weight loading. ``temperatures``: empty when the Triton sampler samples.
+        On the split layers the thread also runs the split-KV attention kernels
+        (:mod:`klppo.rollout.triton_attention`) once per compiled variant (one split and several: every
+        batch size launches one of the two), and ``triton_sampling`` — the sampling settings the Triton
+        sampler will run (:mod:`klppo.rollout.triton_sampling`; one variant each, whatever the batch) — once
+        each, so that on empty caches their Triton compilation overlaps the weight loading too instead of
+        the first call's prefill and graph capture.
         Returns the thread (None when the engine cannot run this config: nothing to compile).
         """
         self.wait()
@@ -153,7 +163,8 @@ class CompiledFunctions:
         if layer is None:
             return None
         flags = (fuse_projections, fp32_logits, split_layers, bool(layers_on_triton and split_layers))
-        args = (config, layer, device, tuple(float(t) for t in temperatures), flags)
+        sampling = tuple(triton_sampling) if device.type == "cuda" else ()
+        args = (config, layer, device, tuple(float(t) for t in temperatures), flags, sampling)
         self._thread = threading.Thread(
             target=self._precompile, args=args, name="klppo-precompile", daemon=True
         )
@@ -167,13 +178,14 @@ class CompiledFunctions:
             thread.join()
             self._thread = None
 
-    def _precompile(self, config, layer, device, temperatures, flags) -> None:
+    def _precompile(self, config, layer, device, temperatures, flags, sampling) -> None:
         start = time.perf_counter()
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             with torch.no_grad():
                 _run_once(self, config, layer, device, temperatures, *flags)
+                _warm_kernels(config, layer.input_norm.dtype, device, flags, sampling)
             self.last_precompile_s = time.perf_counter() - start
             logger.info("rollout decode functions pre-compiled in %.1f s", self.last_precompile_s)
         except Exception as err:  # the first generate compiles instead; say why this did not
@@ -323,5 +335,34 @@ def _run_once(
             # dtype meanwhile (dynamo guards on it), and waits for one function at most
             with DEFAULT_DTYPE_LOCK:
                 fns.get(name)(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _warm_kernels(
+    config, dtype: torch.dtype, device, flags: tuple, sampling: tuple[SamplingParams, ...]
+) -> None:
+    """Run the Triton kernels the rollout launches besides the layers' once each per compiled variant, on
+    tensors of the rollout's dtypes and layouts (values irrelevant): the split-KV attention with one split
+    and with two (``flags``: :meth:`CompiledFunctions.start_precompile`'s, the split layers' only) and the
+    sampler for each of ``sampling``. Their variants do not depend on the batch size (the split counts are
+    runtime arguments), so a batch of 4 stands for every bucket."""
+    _, fp32_logits, split_layers, _ = flags
+    batch = 4
+    if split_layers:
+        dims = attention_dims(config)
+        num_heads, num_kv_heads, head_dim = dims
+        max_len = 2 * triton_attention.BLOCK_N
+        qkv = torch.zeros(batch, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
+        cache = torch.zeros(2, batch, max_len, num_kv_heads, head_dim, dtype=dtype, device=device)
+        positions = torch.full((batch,), max_len - 1, dtype=torch.long, device=device)
+        rope = tuple(torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))
+        for splits in (1, 2):
+            split_attention(qkv, cache, positions, splits, rope, dims)
+    logits_dtype = torch.float32 if fp32_logits else dtype
+    logits = torch.zeros(batch, config.vocab_size, dtype=logits_dtype, device=device) if sampling else None
+    generator = torch.Generator(device=device) if sampling else None  # the run's generator stays untouched
+    for params in sampling:
+        sample_triton(logits, params, generator=generator)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -585,11 +585,27 @@ def decode_rope_in_attention(
     m = None
     for i, lw in enumerate(w.layers):
         x, qkv = front(x, m, lw, spec)
-        q = qkv[:, : heads * head_dim].view(num_slots, heads, head_dim)
-        kv_new = qkv[:, heads * head_dim :].view(num_slots, 2, kv_heads, head_dim).transpose(0, 1)
-        attn = triton_attention.decode_attention(q, kv_new, kv[i], positions, splits=splits, rope=rope)
+        attn = split_attention(qkv, kv[i], positions, splits, rope, (heads, kv_heads, head_dim))
         x, m = back(x, attn.reshape(num_slots, -1), lw, w.eps)
     return logits_of(w, final(x, m, (w.final_norm, w.eps)), fp32_logits)
+
+
+def split_attention(
+    qkv: torch.Tensor,
+    cache: torch.Tensor,
+    positions: torch.Tensor,
+    splits: int,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    dims: tuple[int, int, int],
+) -> torch.Tensor:
+    """One layer's attention on the split layers: q [B, H, D] and the new K/V [2, B, H_kv, D] as views of the
+    front's unrotated projection ``qkv`` [B, (H + 2·H_kv)·D] (``dims`` = (H, H_kv, D)), handed to the
+    split-KV kernels with ``splits`` chunks, which rotate them by ``rope`` and write ``cache`` (one layer's)."""
+    heads, kv_heads, head_dim = dims
+    num_slots = qkv.shape[0]
+    q = qkv[:, : heads * head_dim].view(num_slots, heads, head_dim)
+    kv_new = qkv[:, heads * head_dim :].view(num_slots, 2, kv_heads, head_dim).transpose(0, 1)
+    return triton_attention.decode_attention(q, kv_new, cache, positions, splits=splits, rope=rope)
 
 
 def _decode_attention(w: LlamaWeights, kv: torch.Tensor, positions: torch.Tensor, flash: str | None):

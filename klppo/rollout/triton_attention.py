@@ -42,6 +42,7 @@ except ImportError:  # CPU installs: the torch reference only
 
 BLOCK_N = 64  # cache rows per iteration
 MAX_SPLITS = 32
+COMBINE_LANES = MAX_SPLITS  # the combine's lanes (a power of two ≥ any split count: one compiled variant)
 
 
 def available(device: torch.device) -> bool:
@@ -148,6 +149,8 @@ def decode_attention_triton(
         raise ValueError("decode attention needs a cache with contiguous head dimension")
     if splits is None:
         splits = device_splits(q.device, batch, num_kv_heads, max_len)
+    if not 1 <= splits <= COMBINE_LANES:
+        raise ValueError(f"decode attention takes 1 to {COMBINE_LANES} splits, got {splits}")
     group = num_heads // num_kv_heads
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     part = lse = out  # unused with one split
@@ -160,12 +163,11 @@ def decode_attention_triton(
     strides = (*q.stride()[:2], *kv_new.stride()[:3], *cache.stride()[:4])
     _partial_kernel[(batch, num_kv_heads, splits)](
         q, kv_new, cache, positions, cos, sin, out, part, lse, *strides, 1.0 / math.sqrt(head_dim), head_dim,
-        group, ROPE=rope is not None, SPLITS=splits, GP=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        group, splits, ROPE=rope is not None, ONE=splits == 1, GP=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=block_n, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     if splits > 1:
-        _combine_kernel[(batch, num_heads)](part, lse, out, head_dim, SPLITS=splits,
-                                            SP=triton.next_power_of_2(splits),
+        _combine_kernel[(batch, num_heads)](part, lse, out, head_dim, splits, SP=COMBINE_LANES,
                                             BLOCK_D=triton.next_power_of_2(head_dim))  # fmt: skip
     return out
 
@@ -209,10 +211,10 @@ if triton is not None:
         rotated = tl.where(d < half, -other, other)
         return (x.to(tl.float32) * c + rotated * s).to(x.dtype)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["SPLITS"])
     def _partial_kernel(q_ptr, new_ptr, cache_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, lse_ptr, sq_b,
-                        sq_h, sn_kv, sn_b, sn_h, sc_kv, sc_b, sc_s, sc_h, scale, D, GROUP, ROPE: tl.constexpr,
-                        SPLITS: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr,
+                        sq_h, sn_kv, sn_b, sn_h, sc_kv, sc_b, sc_s, sc_h, scale, D, GROUP, SPLITS,
+                        ROPE: tl.constexpr, ONE: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_N: tl.constexpr):  # fmt: skip
         """Program (slot b, KV head j, chunk s): rotate q and the new K (``ROPE``), write the new K/V if
         the chunk holds ``positions[b]``, attend its ``GROUP`` query heads over the chunk; the output (one
@@ -247,16 +249,15 @@ if triton is not None:
                            BLOCK_N)  # fmt: skip
         row = b * (GROUP * tl.num_programs(1)) + heads  # output row (slot, query head)
         o = acc / tl.where(den > 0, den, 1.0)[:, None]  # an empty chunk: zeros
-        if SPLITS == 1:
+        if ONE:
             tl.store(out_ptr + row[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty), mask=hm)
         else:
             tl.store(part_ptr + (row[:, None] * SPLITS + s) * D + d[None, :], o, mask=hm)
             lse = tl.where(den > 0, m + tl.log(tl.where(den > 0, den, 1.0)), NEG_INF)
             tl.store(lse_ptr + row * SPLITS + s, lse, mask=g < GROUP)
 
-    @triton.jit
-    def _combine_kernel(part_ptr, lse_ptr, out_ptr, D, SPLITS: tl.constexpr, SP: tl.constexpr,
-                        BLOCK_D: tl.constexpr):  # fmt: skip
+    @triton.jit(do_not_specialize=["SPLITS"])
+    def _combine_kernel(part_ptr, lse_ptr, out_ptr, D, SPLITS, SP: tl.constexpr, BLOCK_D: tl.constexpr):
         """Program (slot, head): the chunks' outputs weighted by ``exp(lse − max lse)`` (chunk 0 is never
         empty, so the max is finite and empty chunks weigh 0)."""
         row = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)

@@ -50,6 +50,8 @@ try:
 except ImportError:  # CPU installs: the torch path only
     triton = None
 
+MAX_SPLITS = 64  # programs per row of the untruncated kernel, at most (the default launch)
+
 
 def available(device: torch.device) -> bool:
     """Whether the Triton sampler can run on ``device`` (CUDA with triton importable)."""
@@ -71,6 +73,7 @@ def sample_triton(
     four_per_philox: bool = True,
     noise_of_bits: bool = True,
     num_warps: int = 8,
+    generator: torch.Generator | None = None,
 ):
     """Tokens [B] int64 and log-probs [B] float32 drawn from ``logits`` [B, V] (module docstring).
 
@@ -82,7 +85,8 @@ def sample_triton(
     one (``tl.rand``, which keeps one of the four words each call computes) — a bench switch;
     ``noise_of_bits``: the Gumbel noise from Philox's words by ``_gumbel_of_bits`` (two fast ``log2``);
     False: from ``tl.rand``'s float uniforms with precise logarithms (before session 23) — a bench switch;
-    ``num_warps``: the kernels' launch setting (benchmarks)."""
+    ``num_warps``: the kernels' launch setting (benchmarks); ``generator``: draws the call's seed (None: the
+    device's default generator; the start-up warm-up passes its own, so as not to move the run's)."""
     batch, vocab = logits.shape
     if not supports(params, batch, vocab):
         if batch * vocab >= 2**31 or vocab >= 2**24:
@@ -99,7 +103,7 @@ def sample_triton(
     temperature = 1.0 if greedy else float(params.temperature)
     seed = torch.zeros(1, dtype=torch.int64, device=device)
     if not greedy:
-        seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+        seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device, generator=generator)
     tokens = torch.empty(batch, dtype=torch.int64, device=device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=device)
     top_k = params.top_k if 0 < params.top_k < vocab and not greedy else 0
@@ -113,7 +117,7 @@ def sample_triton(
         kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, seed, part, splits,
                                 GREEDY=greedy, BLOCK=block, SCALE=temperature != 1.0, BITS=noise_of_bits,
                                 num_warps=num_warps)  # fmt: skip
-        _race_combine_kernel[(batch,)](part, splits, tokens, log_probs, SP=triton.next_power_of_2(splits))
+        _race_combine_kernel[(batch,)](part, splits, tokens, log_probs, SP=combine_lanes(splits))
     else:
         _truncated_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, seed, top_k, top_p, tokens,
                                     log_probs, USE_K=top_k > 0, USE_P=top_p < 1.0, BLOCK=block,
@@ -128,11 +132,17 @@ def chunking(vocab: int, splits: int, block: int) -> tuple[int, int]:
     return chunk, -(-vocab // chunk)
 
 
+def combine_lanes(splits: int) -> int:
+    """The combine kernel's lanes: ``MAX_SPLITS`` for every default split count, so that one compiled variant
+    serves every batch size (a power of two above for a larger ``splits`` override)."""
+    return max(MAX_SPLITS, triton.next_power_of_2(splits))
+
+
 def _splits(device: torch.device, batch: int, vocab: int, block: int) -> int:
     """Programs per row: about four per SM over the batch and at least 8 (measured faster from batch 128 on
     an H200, bench/RESULTS.md "Session 23"), each with at least four blocks of work, at most 64."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(max(-(-4 * sms // batch), 8), vocab // (4 * block), 64))
+    return max(1, min(max(-(-4 * sms // batch), 8), vocab // (4 * block), MAX_SPLITS))
 
 
 if triton is not None:
@@ -234,7 +244,7 @@ if triton is not None:
         tl.store(out + 2, idx.to(tl.float32))  # ids < 2**24: exact in float32
         tl.store(out + 3, x_win)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])  # the split count: one variant for every batch
     def _race_chunk_kernel(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S, GREEDY: tl.constexpr,
                            BLOCK: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
         """Program (row, split): normaliser and race winner of ``chunk`` ids → part[row, split, 0:4]."""
@@ -283,7 +293,7 @@ if triton is not None:
         total = (tl.exp(x0 - ref) + tl.exp(x1 - ref)) + (tl.exp(x2 - ref) + tl.exp(x3 - ref))
         return m_new, s * tl.exp(m - ref) + total
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])  # the split count: one variant for every batch
     def _race_chunk_kernel4(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S, GREEDY: tl.constexpr,
                             BLOCK: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
         """``_race_chunk_kernel`` with four noises per Philox call (``_gumbel4``): each block of ``BLOCK``
@@ -322,7 +332,7 @@ if triton is not None:
             best_r, best_i, best_x = _race_quarter(x3, i3, ok3, g3, best_r, best_i, best_x, GREEDY)
         _store_partial(part_ptr + (row * S + split) * 4, m, s, best_r, best_i, best_x, V)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])
     def _race_combine_kernel(part_ptr, S, tokens_ptr, logp_ptr, SP: tl.constexpr):
         """Program row: combine the row's ``S`` chunks into its token and log-prob."""
         row = tl.program_id(0)

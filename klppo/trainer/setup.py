@@ -154,10 +154,10 @@ def _start_precompile(
             "rollout pre-compile skipped: a tensor-parallel rollout compiles its layer front on its slices"
         )
         return
+    settings = [sampling_params(rollout, response_length=1, validation=v) for v in (False, True)]
+    on_triton = [s for s in settings if samples_on_triton(rollout.sampler, cuda, s)]
     temperatures = [  # the compiled sampler's: untruncated sampling, where the Triton kernels do not sample
-        s.temperature
-        for s in (sampling_params(rollout, response_length=1, validation=v) for v in (False, True))
-        if s.do_sample and is_untruncated(s) and not samples_on_triton(rollout.sampler, cuda, s)
+        s.temperature for s in settings if s.do_sample and is_untruncated(s) and s not in on_triton
     ]
     split = KLPPORollout.decodes_split(rollout.decode_attention, device, dtype, tensor_parallel)
     compiled.start_precompile(
@@ -167,6 +167,7 @@ def _start_precompile(
         temperatures=temperatures,
         split_layers=split,
         layers_on_triton=runs_triton_layers(rollout.layer_kernels, split, cuda),
+        triton_sampling=on_triton,
     )
 
 

@@ -243,22 +243,23 @@ def test_setup_precompile_makes_the_layers_the_built_engine_decodes_on(monkeypat
 
 
 @pytest.mark.parametrize(
-    ("overrides", "temperatures", "on_triton"),
+    ("overrides", "temperatures", "on_triton", "triton_sampled"),
     [
-        ([], [], True),  # the Triton sampler and layers: nothing for Inductor to compile
-        (["actor_rollout_ref.rollout.sampler=torch"], [1.0], True),
-        (["actor_rollout_ref.rollout.layer_kernels=compile"], [], False),
+        ([], [], True, [True, False]),  # the Triton sampler and layers: nothing for Inductor to compile
+        (["actor_rollout_ref.rollout.sampler=torch"], [1.0], True, []),
+        (["actor_rollout_ref.rollout.layer_kernels=compile"], [], False, [True, False]),
         # truncated sampling (top-k with top-p: the torch path) runs eagerly: no compiled sampler either
-        (["actor_rollout_ref.rollout.top_k=5", "actor_rollout_ref.rollout.top_p=0.9"], [], True),
-        (["actor_rollout_ref.rollout.sampler=torch", "actor_rollout_ref.rollout.top_k=5"], [], True),
+        (["actor_rollout_ref.rollout.top_k=5", "actor_rollout_ref.rollout.top_p=0.9"], [], True, [False]),
+        (["actor_rollout_ref.rollout.sampler=torch", "actor_rollout_ref.rollout.top_k=5"], [], True, []),
     ],
 )
 def test_setup_precompile_leaves_out_what_triton_kernels_run(
-    monkeypatch, overrides, temperatures, on_triton
+    monkeypatch, overrides, temperatures, on_triton, triton_sampled
 ) -> None:
     """On CUDA with triton (faked), the pre-compile compiles the untruncated sampler only where the torch
-    sampler runs it (``sampler=torch``; truncated sampling is eager), and runs the split layers on the Triton
-    kernels unless ``layer_kernels=compile``."""
+    sampler runs it (``sampler=torch``; truncated sampling is eager), runs the split layers on the Triton
+    kernels unless ``layer_kernels=compile``, and warms the Triton sampler for the settings it will run
+    (``triton_sampled``: their ``do_sample``, training's then validation's greedy one)."""
     from klppo.rollout import engine as engine_module
     from klppo.rollout import triton_attention, triton_layers, triton_sampling
     from klppo.trainer.setup import _start_precompile
@@ -276,6 +277,7 @@ def test_setup_precompile_leaves_out_what_triton_kernels_run(
     _start_precompile(load_config(overrides), None, torch.device("cuda", 0), fns)
     assert list(fns.kwargs["temperatures"]) == temperatures
     assert fns.kwargs["layers_on_triton"] is on_triton
+    assert [s.do_sample for s in fns.kwargs["triton_sampling"]] == triton_sampled
 
 
 def test_setup_precompile_of_a_tensor_parallel_rollout_asks_nothing_of_the_sampler(monkeypatch) -> None:

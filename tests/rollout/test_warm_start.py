@@ -1,0 +1,141 @@
+"""The start-up warm-up of the Triton kernels: one compiled variant per kernel for every batch size, and the
+background pre-compile (``CompiledFunctions.start_precompile``) leaving the first rollout nothing to compile."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from klppo.models.tiny import build_tiny_model
+from klppo.rollout import compiled as compiled_module
+from klppo.rollout.base import SamplingParams
+from tests.rollout.conftest import HAS_TRITON
+
+
+def test_warm_kernels_runs_both_attention_variants_and_each_sampling_setting(monkeypatch) -> None:
+    """The warm-up runs the split attention with one split and with two (the two compiled variants) on the
+    engine's layouts — a cache written at the given positions on the CPU reference path — and the sampler
+    once per setting with its own generator, on float32 logits with ``fp32_logits``."""
+    config = build_tiny_model(arch="qwen2").config
+    attention, samples = [], []
+    real = compiled_module.split_attention
+
+    def recording_attention(qkv, cache, positions, splits, rope, dims):
+        attention.append((splits, positions.dtype, qkv.shape, cache.shape, dims))
+        return real(qkv, cache, positions, splits, rope, dims)
+
+    def recording_sampler(logits, params, *, generator=None):
+        samples.append((logits.dtype, logits.shape, params, generator))
+
+    monkeypatch.setattr(compiled_module, "split_attention", recording_attention)
+    monkeypatch.setattr(compiled_module, "sample_triton", recording_sampler)
+    sampled, greedy = SamplingParams(temperature=0.7), SamplingParams(do_sample=False)
+    flags = (True, True, True, True)  # fuse, fp32 logits, split layers, layers on Triton
+    compiled_module._warm_kernels(config, torch.float32, torch.device("cpu"), flags, (sampled, greedy))
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    assert [a[0] for a in attention] == [1, 2]
+    assert all(a[1] == torch.long and a[4] == (heads, kv_heads, dim) for a in attention)
+    assert attention[0][2] == (4, (heads + 2 * kv_heads) * dim) and attention[0][3][1:] == (
+        4,
+        128,
+        kv_heads,
+        dim,
+    )
+    assert [s[2] for s in samples] == [sampled, greedy]
+    assert all(s[0] == torch.float32 and s[1] == (4, config.vocab_size) for s in samples)
+    assert samples[0][3] is not None and samples[0][3] is samples[1][3]  # a private generator
+    attention.clear()
+    samples.clear()
+    compiled_module._warm_kernels(config, torch.float32, torch.device("cpu"), (True, False, False, False), ())
+    assert attention == [] and samples == []  # unsplit layers, no Triton sampling: nothing to warm
+
+
+VARIANTS_CHILD = """
+import collections, os, pathlib, torch
+from klppo.rollout import triton_attention as ta, triton_sampling as ts
+from klppo.rollout.base import SamplingParams
+
+def compiled():
+    return collections.Counter(p.stem for p in pathlib.Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin"))
+
+dev, dt = "cuda", torch.bfloat16
+heads, kv_heads, dim, max_len, vocab = 14, 2, 64, 512, 151936
+sampled = SamplingParams(temperature=0.7)
+for batch in (1, 2, 3, 8, 17, 64, 100, 256):
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, device=dev, dtype=dt)
+    cache = torch.zeros(2, batch, max_len, kv_heads, dim, device=dev, dtype=dt)
+    pos = torch.randint(0, max_len, (batch,), device=dev)
+    rope = tuple(torch.randn(batch, dim, device=dev, dtype=dt) for _ in range(2))
+    from klppo.rollout.llama import split_attention
+    split_attention(qkv, cache, pos, ta.device_splits(pos.device, batch, kv_heads, max_len), rope, (heads, kv_heads, dim))
+    ts.sample_triton(torch.randn(batch, vocab, device=dev), sampled)
+torch.cuda.synchronize()
+print("COUNTS", dict(compiled()))
+assert compiled() == {"_partial_kernel": 2, "_combine_kernel": 1, "_race_chunk_kernel4": 1,
+                      "_race_combine_kernel": 1}, compiled()
+print("OK")
+"""
+
+ENGINE_CHILD = """
+import collections, os, pathlib, torch
+from klppo.models.tiny import build_tiny_model
+from klppo.rollout.base import SamplingParams
+from klppo.rollout.compiled import CompiledFunctions
+from klppo.rollout.engine import KLPPORollout
+from tests.rollout.conftest import left_padded
+
+def compiled():
+    return collections.Counter(p.stem for p in pathlib.Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.cubin"))
+
+model = build_tiny_model(arch="qwen2").to("cuda", torch.bfloat16).eval()
+sampled = SamplingParams(max_new_tokens=140, temperature=0.7, seed=1, ignore_eos=True)
+greedy = SamplingParams(max_new_tokens=140, do_sample=False, ignore_eos=True)
+fns = CompiledFunctions()
+fns.start_precompile(model.config, dtype=torch.bfloat16, device="cuda", temperatures=(), layers_on_triton=True,
+                     triton_sampling=(sampled, greedy))
+fns.wait()
+warmed = compiled()
+engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compiled=fns, sampler="triton", compile_decode=True)
+for batch in (1, 3, 17, 64):
+    prompts, mask = left_padded([[1, 5 + i, 6, 7] for i in range(batch)])
+    for params in (sampled, greedy):
+        out = engine.generate(model, prompts.cuda(), mask.cuda(), params)
+        assert out.stats["rollout/cuda_graphs"] == 1.0
+print("WARMED", dict(warmed))
+assert warmed["_partial_kernel"] == 2 and warmed["_race_chunk_kernel4"] == 2, warmed
+assert compiled() == warmed, (compiled() - warmed)
+print("OK")
+"""
+
+
+def _run_fresh(source: str, tmp_path) -> str:
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), KLPPO_CACHE=str(tmp_path / "klppo"))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (
+        proc.stdout[-2000:] + proc.stderr[-3000:]
+    )
+    return proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_attention_and_sampler_compile_one_variant_for_every_batch(tmp_path) -> None:
+    """Eight batch sizes (split counts 1 to 32 for the attention, 8 to 64 programs a row for the sampler) on a
+    fresh Triton cache: two attention variants (one split, several), one combine, one sampler pair."""
+    _run_fresh(VARIANTS_CHILD, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_precompile_leaves_the_rollout_no_triton_kernel_to_compile(tmp_path) -> None:
+    """After the background pre-compile (Triton layers, attention, sampled and greedy sampling) on a fresh
+    cache, rollouts of four batch sizes with CUDA graphs compile no further kernel."""
+    _run_fresh(ENGINE_CHILD, tmp_path)
