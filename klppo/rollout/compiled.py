@@ -53,7 +53,7 @@ from transformers import AutoModelForCausalLM
 from klppo.models.flops import attention_dims
 from klppo.models.gguf import klppo_cache_dir
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
-from klppo.rollout import triton_attention, triton_layers
+from klppo.rollout import triton_attention, triton_layers, triton_sampling
 from klppo.rollout.base import SamplingParams
 from klppo.rollout.llama import (
     LayerWeights,
@@ -342,11 +342,12 @@ def _run_once(
 def _warm_kernels(
     config, dtype: torch.dtype, device, flags: tuple, sampling: tuple[SamplingParams, ...]
 ) -> None:
-    """Run the Triton kernels the rollout launches besides the layers' once each per compiled variant, on
-    tensors of the rollout's dtypes and layouts (values irrelevant): the split-KV attention with one split
-    and with two (``flags``: :meth:`CompiledFunctions.start_precompile`'s, the split layers' only) and the
-    sampler for each of ``sampling``. Their variants do not depend on the batch size (the split counts are
-    runtime arguments), so a batch of 4 stands for every bucket."""
+    """Run the Triton kernels the rollout launches besides the layers' once per compiled variant, on tensors
+    of the rollout's dtypes and layouts (values irrelevant): the split-KV attention (``flags``:
+    :meth:`CompiledFunctions.start_precompile`'s; the split layers' only) and the sampler for each of
+    ``sampling``, each with one split count per variant a batch size can need (``warm_splits`` of
+    :mod:`~klppo.rollout.triton_attention` and :mod:`~klppo.rollout.triton_sampling`: the split counts are
+    runtime arguments, the combines' widths constexprs), so a batch of 4 stands for every bucket."""
     _, fp32_logits, split_layers, _ = flags
     batch = 4
     if split_layers:
@@ -357,12 +358,14 @@ def _warm_kernels(
         cache = torch.zeros(2, batch, max_len, num_kv_heads, head_dim, dtype=dtype, device=device)
         positions = torch.full((batch,), max_len - 1, dtype=torch.long, device=device)
         rope = tuple(torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))
-        for splits in (1, 2):
+        for splits in triton_attention.warm_splits():
             split_attention(qkv, cache, positions, splits, rope, dims)
     logits_dtype = torch.float32 if fp32_logits else dtype
     logits = torch.zeros(batch, config.vocab_size, dtype=logits_dtype, device=device) if sampling else None
     generator = torch.Generator(device=device) if sampling else None  # the run's generator stays untouched
     for params in sampling:
-        sample_triton(logits, params, generator=generator)
+        sms = triton_sampling.device_sms(torch.device(device))
+        for splits in triton_sampling.warm_splits(sms, config.vocab_size, params):
+            sample_triton(logits, params, splits=splits, generator=generator)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -42,7 +42,6 @@ except ImportError:  # CPU installs: the torch reference only
 
 BLOCK_N = 64  # cache rows per iteration
 MAX_SPLITS = 32
-COMBINE_LANES = MAX_SPLITS  # the combine's lanes (a power of two ≥ any split count: one compiled variant)
 
 
 def available(device: torch.device) -> bool:
@@ -116,6 +115,14 @@ def num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int) -> int:
     return max(1, min(want, max_len // BLOCK_N, MAX_SPLITS))
 
 
+def warm_splits() -> tuple[int, ...]:
+    """A split count for each compiled variant the engine's launches can need, whatever the batch: 1 (the
+    first kernel alone) and one per combine width (a power of two up to ``MAX_SPLITS``: the combine reads its
+    lanes in registers, so its width follows the split count — measured cheaper than one fixed width at
+    batch 64 on an H200, bench/RESULTS.md "Session 25"). The split count itself is a runtime argument."""
+    return (1, *(2**i for i in range(1, MAX_SPLITS.bit_length())))
+
+
 def device_splits(device: torch.device, batch: int, num_kv_heads: int, max_len: int) -> int:
     """:func:`num_splits` on ``device`` (its SM count; 4 off CUDA: the interpreter)."""
     device = torch.device(device)
@@ -149,8 +156,6 @@ def decode_attention_triton(
         raise ValueError("decode attention needs a cache with contiguous head dimension")
     if splits is None:
         splits = device_splits(q.device, batch, num_kv_heads, max_len)
-    if not 1 <= splits <= COMBINE_LANES:
-        raise ValueError(f"decode attention takes 1 to {COMBINE_LANES} splits, got {splits}")
     group = num_heads // num_kv_heads
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     part = lse = out  # unused with one split
@@ -167,7 +172,7 @@ def decode_attention_triton(
         BLOCK_N=block_n, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     if splits > 1:
-        _combine_kernel[(batch, num_heads)](part, lse, out, head_dim, splits, SP=COMBINE_LANES,
+        _combine_kernel[(batch, num_heads)](part, lse, out, head_dim, splits, SP=triton.next_power_of_2(splits),
                                             BLOCK_D=triton.next_power_of_2(head_dim))  # fmt: skip
     return out
 

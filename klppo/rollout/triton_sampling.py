@@ -106,12 +106,15 @@ def sample_triton(
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device, generator=generator)
     tokens = torch.empty(batch, dtype=torch.int64, device=device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=device)
-    top_k = params.top_k if 0 < params.top_k < vocab and not greedy else 0
-    top_p = params.top_p if params.top_p < 1.0 and not greedy else 1.0
+    top_k, top_p = truncation(params, vocab)
     untruncated = top_k == 0 and top_p >= 1.0
-    block = max(4, min(block or (1024 if untruncated else 2048), triton.next_power_of_2(vocab)))
+    block = (
+        default_block(vocab, untruncated)
+        if block is None
+        else max(4, min(block, triton.next_power_of_2(vocab)))
+    )
     if untruncated:
-        chunk, splits = chunking(vocab, splits or _splits(device, batch, vocab, block), block)
+        chunk, splits = chunking(vocab, splits or _splits(device_sms(device), batch, vocab, block), block)
         part = torch.empty(batch, splits, 4, dtype=torch.float32, device=device)
         kernel = _race_chunk_kernel4 if four_per_philox else _race_chunk_kernel
         kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, seed, part, splits,
@@ -133,15 +136,45 @@ def chunking(vocab: int, splits: int, block: int) -> tuple[int, int]:
 
 
 def combine_lanes(splits: int) -> int:
-    """The combine kernel's lanes: ``MAX_SPLITS`` for every default split count, so that one compiled variant
-    serves every batch size (a power of two above for a larger ``splits`` override)."""
-    return max(MAX_SPLITS, triton.next_power_of_2(splits))
+    """The combine kernel's lanes (a constexpr: one compiled variant per width, :func:`warm_splits`)."""
+    return 1 << (splits - 1).bit_length()
 
 
-def _splits(device: torch.device, batch: int, vocab: int, block: int) -> int:
+def truncation(params: SamplingParams, vocab: int) -> tuple[int, float]:
+    """(top-k, top-p) in force for ``params`` over ``vocab`` ids: (0, 1.0) when sampling is untruncated."""
+    if params.greedy:
+        return 0, 1.0
+    return (params.top_k if 0 < params.top_k < vocab else 0), (params.top_p if params.top_p < 1.0 else 1.0)
+
+
+def default_block(vocab: int, untruncated: bool) -> int:
+    """Ids a program reads at once by default (:func:`sample_triton`'s ``block``)."""
+    return max(4, min(1024 if untruncated else 2048, 1 << (vocab - 1).bit_length()))
+
+
+def warm_splits(sms: int, vocab: int, params: SamplingParams) -> tuple[int | None, ...]:
+    """``splits`` values with which :func:`sample_triton` launches every compiled variant the default
+    launch of ``params`` can need on a device of ``sms`` SMs (:func:`device_sms`) at some batch size: one per combine width of the untruncated
+    kernel (the split count itself is a runtime argument); ``(None,)`` for the truncated kernel (one launch
+    shape)."""
+    if truncation(params, vocab) != (0, 1.0):
+        return (None,)
+    block = default_block(vocab, True)
+    by_width: dict[int, int] = {}
+    for batch in range(1, 4 * sms + 1):  # from 4·SMs rows on the default is 8 splits (or the vocab's cap)
+        wanted = _splits(sms, batch, vocab, block)
+        by_width.setdefault(combine_lanes(chunking(vocab, wanted, block)[1]), wanted)
+    return tuple(sorted(by_width.values()))
+
+
+def device_sms(device: torch.device) -> int:
+    """The SM count of ``device`` (4 off CUDA: the interpreter's stand-in)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _splits(sms: int, batch: int, vocab: int, block: int) -> int:
     """Programs per row: about four per SM over the batch and at least 8 (measured faster from batch 128 on
     an H200, bench/RESULTS.md "Session 23"), each with at least four blocks of work, at most 64."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(max(-(-4 * sms // batch), 8), vocab // (4 * block), MAX_SPLITS))
 
 

@@ -125,9 +125,9 @@ def test_untruncated_launch_spreads_a_row_over_at_least_eight_programs() -> None
     many as the row has four blocks of ids for (on CPU the SM count is taken as 4)."""
     from klppo.rollout.triton_sampling import _splits
 
-    cpu = torch.device("cpu")
-    assert [_splits(cpu, b, 151936, 1024) for b in (1, 2, 4, 256)] == [16, 8, 8, 8]
-    assert _splits(cpu, 256, 3 * 4 * 1024, 1024) == 3 and _splits(cpu, 256, 1000, 1024) == 1
+    assert [_splits(4, b, 151936, 1024) for b in (1, 2, 4, 256)] == [16, 8, 8, 8]
+    assert _splits(4, 256, 3 * 4 * 1024, 1024) == 3 and _splits(4, 256, 1000, 1024) == 1
+    assert [_splits(132, b, 151936, 1024) for b in (1, 8, 64, 66, 256)] == [37, 37, 9, 8, 8]  # an H200
 
 
 def test_engine_sampler_option_is_checked(tiny_qwen2) -> None:

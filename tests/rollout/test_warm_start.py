@@ -3,6 +3,7 @@ background pre-compile (``CompiledFunctions.start_precompile``) leaving the firs
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 
 from klppo.models.tiny import build_tiny_model
 from klppo.rollout import compiled as compiled_module
+from klppo.rollout import triton_attention, triton_sampling
 from klppo.rollout.base import SamplingParams
 from tests.rollout.conftest import HAS_TRITON
 
@@ -28,8 +30,8 @@ def test_warm_kernels_runs_both_attention_variants_and_each_sampling_setting(mon
         attention.append((splits, positions.dtype, qkv.shape, cache.shape, dims))
         return real(qkv, cache, positions, splits, rope, dims)
 
-    def recording_sampler(logits, params, *, generator=None):
-        samples.append((logits.dtype, logits.shape, params, generator))
+    def recording_sampler(logits, params, *, splits=None, generator=None):
+        samples.append((logits.dtype, logits.shape, params, generator, splits))
 
     monkeypatch.setattr(compiled_module, "split_attention", recording_attention)
     monkeypatch.setattr(compiled_module, "sample_triton", recording_sampler)
@@ -38,7 +40,7 @@ def test_warm_kernels_runs_both_attention_variants_and_each_sampling_setting(mon
     compiled_module._warm_kernels(config, torch.float32, torch.device("cpu"), flags, (sampled, greedy))
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     dim = config.hidden_size // heads
-    assert [a[0] for a in attention] == [1, 2]
+    assert [a[0] for a in attention] == [1, 2, 4, 8, 16, 32]  # one split, and each combine width
     assert all(a[1] == torch.long and a[4] == (heads, kv_heads, dim) for a in attention)
     assert attention[0][2] == (4, (heads + 2 * kv_heads) * dim) and attention[0][3][1:] == (
         4,
@@ -46,7 +48,8 @@ def test_warm_kernels_runs_both_attention_variants_and_each_sampling_setting(mon
         kv_heads,
         dim,
     )
-    assert [s[2] for s in samples] == [sampled, greedy]
+    widths = triton_sampling.warm_splits(4, config.vocab_size, sampled)  # the same for greedy (untruncated)
+    assert [(s[2], s[4]) for s in samples] == [(p, w) for p in (sampled, greedy) for w in widths]
     assert all(s[0] == torch.float32 and s[1] == (4, config.vocab_size) for s in samples)
     assert samples[0][3] is not None and samples[0][3] is samples[1][3]  # a private generator
     attention.clear()
@@ -55,8 +58,39 @@ def test_warm_kernels_runs_both_attention_variants_and_each_sampling_setting(mon
     assert attention == [] and samples == []  # unsplit layers, no Triton sampling: nothing to warm
 
 
+@pytest.mark.parametrize("sms", [4, 108, 132])
+@pytest.mark.parametrize("vocab", [1000, 32000, 49152, 151936])
+def test_sampler_warm_splits_cover_every_batch(sms, vocab) -> None:
+    """For every batch size, the combine width of the sampler's default launch is one the warm-up launches
+    (one launch per width); top-k sampling (the truncated kernel) is launched once."""
+
+    def lanes(splits):
+        block = triton_sampling.default_block(vocab, True)
+        return triton_sampling.combine_lanes(triton_sampling.chunking(vocab, splits, block)[1])
+
+    for params in (SamplingParams(temperature=0.7), SamplingParams(do_sample=False)):
+        warm = triton_sampling.warm_splits(sms, vocab, params)
+        warm_lanes = [lanes(w) for w in warm]
+        assert len(set(warm_lanes)) == len(warm_lanes)
+        block = triton_sampling.default_block(vocab, True)
+        for batch in range(1, 3000):
+            assert lanes(triton_sampling._splits(sms, batch, vocab, block)) in warm_lanes, batch
+    assert triton_sampling.warm_splits(sms, vocab, SamplingParams(top_k=5)) == (None,)
+
+
+def test_attention_warm_splits_cover_every_batch() -> None:
+    """Every default launch of the split attention (batch, KV heads, cache length, SM count) has one split or
+    a combine width the warm-up launches."""
+    warm = {1 << (s - 1).bit_length() for s in triton_attention.warm_splits()}
+    for batch, kv_heads, max_len, sms in itertools.product(
+        range(1, 700), (1, 2, 8), (64, 512, 8192), (108, 132)
+    ):
+        splits = triton_attention.num_splits(batch, kv_heads, max_len, sms)
+        assert 1 << (splits - 1).bit_length() in warm, (batch, kv_heads, max_len, sms)
+
+
 VARIANTS_CHILD = """
-import collections, os, pathlib, torch
+import collections, os, pathlib, torch, triton
 from klppo.rollout import triton_attention as ta, triton_sampling as ts
 from klppo.rollout.base import SamplingParams
 
@@ -66,18 +100,25 @@ def compiled():
 dev, dt = "cuda", torch.bfloat16
 heads, kv_heads, dim, max_len, vocab = 14, 2, 64, 512, 151936
 sampled = SamplingParams(temperature=0.7)
+attention_widths, sampler_widths = set(), set()
 for batch in (1, 2, 3, 8, 17, 64, 100, 256):
+    splits = ta.device_splits(torch.device(dev), batch, kv_heads, max_len)
+    attention_widths |= {triton.next_power_of_2(splits)} if splits > 1 else set()
+    block = ts.default_block(vocab, True)
+    s = ts.chunking(vocab, ts._splits(ts.device_sms(torch.device(dev)), batch, vocab, block), block)[1]
+    sampler_widths.add(ts.combine_lanes(s))
     qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, device=dev, dtype=dt)
     cache = torch.zeros(2, batch, max_len, kv_heads, dim, device=dev, dtype=dt)
     pos = torch.randint(0, max_len, (batch,), device=dev)
     rope = tuple(torch.randn(batch, dim, device=dev, dtype=dt) for _ in range(2))
     from klppo.rollout.llama import split_attention
-    split_attention(qkv, cache, pos, ta.device_splits(pos.device, batch, kv_heads, max_len), rope, (heads, kv_heads, dim))
+    split_attention(qkv, cache, pos, splits, rope, (heads, kv_heads, dim))
     ts.sample_triton(torch.randn(batch, vocab, device=dev), sampled)
 torch.cuda.synchronize()
 print("COUNTS", dict(compiled()))
-assert compiled() == {"_partial_kernel": 2, "_combine_kernel": 1, "_race_chunk_kernel4": 1,
-                      "_race_combine_kernel": 1}, compiled()
+want = {"_partial_kernel": 2, "_combine_kernel": len(attention_widths), "_race_chunk_kernel4": 1,
+        "_race_combine_kernel": len(sampler_widths)}
+assert len(attention_widths) > 1 and len(sampler_widths) > 1 and compiled() == want, (compiled(), want)
 print("OK")
 """
 
@@ -107,7 +148,7 @@ for batch in (1, 3, 17, 64):
         out = engine.generate(model, prompts.cuda(), mask.cuda(), params)
         assert out.stats["rollout/cuda_graphs"] == 1.0
 print("WARMED", dict(warmed))
-assert warmed["_partial_kernel"] == 2 and warmed["_race_chunk_kernel4"] == 2, warmed
+assert warmed["_partial_kernel"] == 2 and warmed["_combine_kernel"] == 5 and warmed["_race_chunk_kernel4"] == 2, warmed
 assert compiled() == warmed, (compiled() - warmed)
 print("OK")
 """
@@ -128,8 +169,9 @@ def _run_fresh(source: str, tmp_path) -> str:
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
 def test_attention_and_sampler_compile_one_variant_for_every_batch(tmp_path) -> None:
-    """Eight batch sizes (split counts 1 to 32 for the attention, 8 to 64 programs a row for the sampler) on a
-    fresh Triton cache: two attention variants (one split, several), one combine, one sampler pair."""
+    """Eight batch sizes (split counts 1 to 8 for the attention, 8 to 37 programs a row for the sampler) on a
+    fresh Triton cache: two attention variants (one split, several) and one sampler chunk kernel whatever the
+    split count; one combine per combine width met."""
     _run_fresh(VARIANTS_CHILD, tmp_path)
 
 
