@@ -144,11 +144,13 @@ class CompiledFunctions:
         them is compiled; the thread runs them once instead, so that Triton loads (or compiles) their kernels
         beside the weight loading. ``temperatures``: empty when the Triton sampler samples.
         On the split layers the thread also runs the split-KV attention kernels
-        (:mod:`klppo.rollout.triton_attention`) once per compiled variant (one split and several: every
-        batch size launches one of the two), and ``triton_sampling`` — the sampling settings the Triton
-        sampler will run (:mod:`klppo.rollout.triton_sampling`; one variant each, whatever the batch) — once
-        each, so that on empty caches their Triton compilation overlaps the weight loading too instead of
-        the first call's prefill and graph capture.
+        (:mod:`klppo.rollout.triton_attention`) once per compiled variant (one split, and one split count
+        per combine width: the split count is a runtime argument, the combine's width a constexpr), and the
+        Triton sampler (:mod:`klppo.rollout.triton_sampling`) for each of ``triton_sampling`` — the sampling
+        settings it will run — once per variant its default launch can need at some batch size (one per
+        combine width untruncated, one truncated; ``triton_sampling.warm_splits``), so that on empty caches
+        their Triton compilation overlaps the weight loading too instead of the first call's prefill and
+        graph capture. Off CUDA ``triton_sampling`` is ignored (the torch sampler samples there).
         Returns the thread (None when the engine cannot run this config: nothing to compile).
         """
         self.wait()

@@ -154,9 +154,9 @@ def default_block(vocab: int, untruncated: bool) -> int:
 
 def warm_splits(sms: int, vocab: int, params: SamplingParams) -> tuple[int | None, ...]:
     """``splits`` values with which :func:`sample_triton` launches every compiled variant the default
-    launch of ``params`` can need on a device of ``sms`` SMs (:func:`device_sms`) at some batch size: one per combine width of the untruncated
-    kernel (the split count itself is a runtime argument); ``(None,)`` for the truncated kernel (one launch
-    shape)."""
+    launch of ``params`` can need on a device of ``sms`` SMs (:func:`device_sms`) at some batch size: one per
+    combine width of the untruncated kernel (the split count itself is a runtime argument); ``(None,)`` for
+    the truncated kernel (one launch shape)."""
     if truncation(params, vocab) != (0, 1.0):
         return (None,)
     block = default_block(vocab, True)

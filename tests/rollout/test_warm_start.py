@@ -1,5 +1,6 @@
-"""The start-up warm-up of the Triton kernels: one compiled variant per kernel for every batch size, and the
-background pre-compile (``CompiledFunctions.start_precompile``) leaving the first rollout nothing to compile."""
+"""The start-up warm-up of the Triton kernels: one compiled variant per kernel and combine width, whatever the
+batch size, and the background pre-compile (``CompiledFunctions.start_precompile``) leaving the first rollout
+nothing to compile."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from klppo.rollout.base import SamplingParams
 from tests.rollout.conftest import HAS_TRITON
 
 
-def test_warm_kernels_runs_both_attention_variants_and_each_sampling_setting(monkeypatch) -> None:
-    """The warm-up runs the split attention with one split and with two (the two compiled variants) on the
-    engine's layouts — a cache written at the given positions on the CPU reference path — and the sampler
-    once per setting with its own generator, on float32 logits with ``fp32_logits``."""
+def test_warm_kernels_runs_every_attention_variant_and_each_sampling_setting(monkeypatch) -> None:
+    """The warm-up runs the split attention with one split and with one split count per combine width (its
+    compiled variants) on the engine's layouts — a cache written at the given positions on the CPU reference
+    path — and the sampler once per setting and warm split count with its own generator, on float32 logits
+    with ``fp32_logits``."""
     config = build_tiny_model(arch="qwen2").config
     attention, samples = [], []
     real = compiled_module.split_attention
