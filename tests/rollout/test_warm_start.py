@@ -60,6 +60,39 @@ def test_warm_kernels_runs_every_attention_variant_and_each_sampling_setting(mon
     assert attention == [] and samples == []  # unsplit layers, no Triton sampling: nothing to warm
 
 
+class _Launches:
+    """A stand-in for a Triton kernel (``kernel[grid](*args, **constexprs)``) that records its launches."""
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.log.append((self.name, grid, args, kwargs))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="sample_triton's kernels are defined with triton only")
+def test_warm_kernels_leave_the_default_generator_untouched(monkeypatch) -> None:
+    """Through the real :func:`sample_triton` (its kernels recorded, not run), the warm-up draws its seeds
+    from its own generator: the default generator's state is the same after it — where a plain call of the
+    sampler moves it — and each sampled setting gets a seed tensor."""
+    launches: list = []
+    for name in ("_race_chunk_kernel4", "_race_combine_kernel", "_truncated_kernel"):
+        monkeypatch.setattr(triton_sampling, name, _Launches(launches, name))
+    config = build_tiny_model(arch="qwen2").config
+    sampled, truncated = SamplingParams(temperature=0.7), SamplingParams(top_p=0.9)
+    flags = (True, True, False, False)  # unsplit layers: the sampler alone
+    logits = torch.zeros(2, config.vocab_size)
+    before = torch.get_rng_state()
+    triton_sampling.sample_triton(logits, sampled)
+    assert not torch.equal(torch.get_rng_state(), before)  # the plain call draws its seed here
+    launches.clear()
+    before = torch.get_rng_state()
+    compiled_module._warm_kernels(config, torch.float32, torch.device("cpu"), flags, (sampled, truncated))
+    assert torch.equal(torch.get_rng_state(), before)
+    names = [name for name, *_ in launches]
+    assert "_race_chunk_kernel4" in names and "_truncated_kernel" in names
+
+
 @pytest.mark.parametrize("sms", [4, 108, 132])
 @pytest.mark.parametrize("vocab", [1000, 32000, 49152, 151936])
 def test_sampler_warm_splits_cover_every_batch(sms, vocab) -> None:
