@@ -187,7 +187,11 @@ class CompiledFunctions:
                 torch.cuda.set_device(device)
             with torch.no_grad():
                 _run_once(self, config, layer, device, temperatures, *flags)
-                _warm_kernels(config, layer.input_norm.dtype, device, flags, sampling)
+                try:
+                    _warm_kernels(config, layer.input_norm.dtype, device, flags, sampling)
+                except Exception as err:  # the compiled functions are ready: only the kernels load later
+                    logger.warning("rollout kernel warm-up skipped (%s: %s); the first rollout compiles the "
+                                   "attention and sampler kernels", type(err).__name__, err)  # fmt: skip
             self.last_precompile_s = time.perf_counter() - start
             logger.info("rollout decode functions pre-compiled in %.1f s", self.last_precompile_s)
         except Exception as err:  # the first generate compiles instead; say why this did not

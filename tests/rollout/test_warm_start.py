@@ -93,6 +93,24 @@ def test_warm_kernels_leave_the_default_generator_untouched(monkeypatch) -> None
     assert "_race_chunk_kernel4" in names and "_truncated_kernel" in names
 
 
+def test_failed_warm_up_keeps_the_precompile(monkeypatch, caplog) -> None:
+    """A kernel warm-up that fails is logged as such: the compiled functions it follows stay pre-compiled
+    (``last_precompile_s`` set), not reported as a skipped pre-compile."""
+
+    def failing(*args):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(compiled_module, "_run_once", lambda *args: None)
+    monkeypatch.setattr(compiled_module, "_warm_kernels", failing)
+    fns = compiled_module.CompiledFunctions(backend="eager")
+    layer = compiled_module._meta_layer(build_tiny_model(arch="qwen2").config, torch.float32)
+    with caplog.at_level("WARNING", logger=compiled_module.__name__):
+        fns._precompile(None, layer, torch.device("cpu"), (), (True, True, False, False), ())
+    assert fns.last_precompile_s is not None
+    assert "kernel warm-up skipped (RuntimeError: out of resources)" in caplog.text
+    assert "pre-compile skipped" not in caplog.text
+
+
 @pytest.mark.parametrize("sms", [4, 108, 132])
 @pytest.mark.parametrize("vocab", [1000, 32000, 49152, 151936])
 def test_sampler_warm_splits_cover_every_batch(sms, vocab) -> None:
