@@ -346,7 +346,7 @@ def _run_once(
 
 
 def _warm_kernels(
-    config, dtype: torch.dtype, device, flags: tuple, sampling: tuple[SamplingParams, ...]
+    config, dtype: torch.dtype, device: torch.device, flags: tuple, sampling: tuple[SamplingParams, ...]
 ) -> None:
     """Run the Triton kernels the rollout launches besides the layers' once per compiled variant, on tensors
     of the rollout's dtypes and layouts (values irrelevant): the split-KV attention (``flags``:
@@ -369,8 +369,8 @@ def _warm_kernels(
     logits_dtype = torch.float32 if fp32_logits else dtype
     logits = torch.zeros(batch, config.vocab_size, dtype=logits_dtype, device=device) if sampling else None
     generator = torch.Generator(device=device) if sampling else None  # the run's generator stays untouched
+    sms = triton_sampling.device_sms(device)
     for params in sampling:
-        sms = triton_sampling.device_sms(torch.device(device))
         for splits in triton_sampling.warm_splits(sms, config.vocab_size, params):
             sample_triton(logits, params, splits=splits, generator=generator)
     if device.type == "cuda":
