@@ -108,11 +108,7 @@ def sample_triton(
     log_probs = torch.empty(batch, dtype=torch.float32, device=device)
     top_k, top_p = truncation(params, vocab)
     untruncated = top_k == 0 and top_p >= 1.0
-    block = (
-        default_block(vocab, untruncated)
-        if block is None
-        else max(4, min(block, triton.next_power_of_2(vocab)))
-    )
+    block = launch_block(vocab, untruncated, block)
     if untruncated:
         chunk, splits = chunking(vocab, splits or _splits(device_sms(device), batch, vocab, block), block)
         part = torch.empty(batch, splits, 4, dtype=torch.float32, device=device)
@@ -135,9 +131,14 @@ def chunking(vocab: int, splits: int, block: int) -> tuple[int, int]:
     return chunk, -(-vocab // chunk)
 
 
+def _next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` without triton (the launch arithmetic is also computed on CPU installs)."""
+    return 1 << (n - 1).bit_length()
+
+
 def combine_lanes(splits: int) -> int:
     """The combine kernel's lanes (a constexpr: one compiled variant per width, :func:`warm_splits`)."""
-    return 1 << (splits - 1).bit_length()
+    return _next_power_of_2(splits)
 
 
 def truncation(params: SamplingParams, vocab: int) -> tuple[int, float]:
@@ -147,9 +148,10 @@ def truncation(params: SamplingParams, vocab: int) -> tuple[int, float]:
     return (params.top_k if 0 < params.top_k < vocab else 0), (params.top_p if params.top_p < 1.0 else 1.0)
 
 
-def default_block(vocab: int, untruncated: bool) -> int:
-    """Ids a program reads at once by default (:func:`sample_triton`'s ``block``)."""
-    return max(4, min(1024 if untruncated else 2048, 1 << (vocab - 1).bit_length()))
+def launch_block(vocab: int, untruncated: bool, block: int | None = None) -> int:
+    """Ids a program reads at once: ``block`` (None: 1024 untruncated, 2048 truncated), at least 4 and at
+    most the vocabulary's next power of two (:func:`sample_triton`'s ``block``)."""
+    return max(4, min(block or (1024 if untruncated else 2048), _next_power_of_2(vocab)))
 
 
 def warm_splits(sms: int, vocab: int, params: SamplingParams) -> tuple[int | None, ...]:
@@ -159,7 +161,7 @@ def warm_splits(sms: int, vocab: int, params: SamplingParams) -> tuple[int | Non
     the truncated kernel (one launch shape)."""
     if truncation(params, vocab) != (0, 1.0):
         return (None,)
-    block = default_block(vocab, True)
+    block = launch_block(vocab, True)
     by_width: dict[int, int] = {}
     for batch in range(1, 4 * sms + 1):  # from 4·SMs rows on the default is 8 splits (or the vocab's cap)
         wanted = _splits(sms, batch, vocab, block)

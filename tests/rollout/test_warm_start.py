@@ -118,14 +118,14 @@ def test_sampler_warm_splits_cover_every_batch(sms, vocab) -> None:
     (one launch per width); top-k sampling (the truncated kernel) is launched once."""
 
     def lanes(splits):
-        block = triton_sampling.default_block(vocab, True)
+        block = triton_sampling.launch_block(vocab, True)
         return triton_sampling.combine_lanes(triton_sampling.chunking(vocab, splits, block)[1])
 
     for params in (SamplingParams(temperature=0.7), SamplingParams(do_sample=False)):
         warm = triton_sampling.warm_splits(sms, vocab, params)
         warm_lanes = [lanes(w) for w in warm]
         assert len(set(warm_lanes)) == len(warm_lanes)
-        block = triton_sampling.default_block(vocab, True)
+        block = triton_sampling.launch_block(vocab, True)
         for batch in range(1, 3000):
             assert lanes(triton_sampling._splits(sms, batch, vocab, block)) in warm_lanes, batch
     assert triton_sampling.warm_splits(sms, vocab, SamplingParams(top_k=5)) == (None,)
@@ -157,7 +157,7 @@ attention_widths, sampler_widths = set(), set()
 for batch in (1, 2, 3, 8, 17, 64, 100, 256):
     splits = ta.device_splits(torch.device(dev), batch, kv_heads, max_len)
     attention_widths |= {triton.next_power_of_2(splits)} if splits > 1 else set()
-    block = ts.default_block(vocab, True)
+    block = ts.launch_block(vocab, True)
     s = ts.chunking(vocab, ts._splits(ts.device_sms(torch.device(dev)), batch, vocab, block), block)[1]
     sampler_widths.add(ts.combine_lanes(s))
     qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, device=dev, dtype=dt)
