@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rollout import build  # noqa: E402  (bench/ is not a package when run as a script)
+from rollout import build, check_prompts  # noqa: E402  (bench/ is not a package when run as a script)
 
 from klppo.rollout import SamplingParams, make_rollout  # noqa: E402
 from klppo.rollout.engine import KLPPORollout  # noqa: E402
@@ -29,9 +29,7 @@ EOS, PAD = [151645], 151643
 
 
 def compare(old_engine: str, shape: str = "0.5b", device: str = "cuda", dtype: str = "bfloat16") -> dict:
-    prompts = torch.randint(0, 151000 if shape != "tiny" else 250, (8, 64), device=device)
-    mask = torch.ones_like(prompts)
-    mask[::2, :17] = 0
+    prompts, mask = check_prompts(device, 151000 if shape != "tiny" else 250)
     model = build(shape, getattr(torch, dtype), device)
     greedy = SamplingParams(max_new_tokens=32, do_sample=False)
     sampled = SamplingParams(max_new_tokens=32, seed=1)

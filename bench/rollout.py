@@ -306,12 +306,19 @@ def logprob_gap(model, prompts, mask, out, mode: str, stat: str = "max") -> floa
     return (gap.max() if stat == "max" else gap.mean()).item()
 
 
+def check_prompts(device: str = "cuda", vocab: int = 151000) -> tuple[torch.Tensor, torch.Tensor]:
+    """The correctness checks' inputs: eight prompts of 64 ids below ``vocab``, every other one left-padded
+    by 17 (ids, mask)."""
+    prompts = torch.randint(0, vocab, (8, 64), device=device)
+    mask = torch.ones_like(prompts)
+    mask[::2, :17] = 0  # ragged, left-padded
+    return prompts, mask
+
+
 def checks(emit, dtypes=(torch.float32, torch.bfloat16)) -> None:
     """GPU correctness on the 0.5B shape (short generations)."""
     eos, pad = [151645], 151643
-    prompts = torch.randint(0, 151000, (8, 64), device="cuda")
-    mask = torch.ones_like(prompts)
-    mask[::2, :17] = 0  # ragged, left-padded
+    prompts, mask = check_prompts()
     greedy = SamplingParams(max_new_tokens=32, do_sample=False)
     engine = make_rollout("klppo", eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9)
     hf = make_rollout("hf", eos_token_ids=eos, pad_token_id=pad)
