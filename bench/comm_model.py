@@ -43,8 +43,8 @@ def predicted_share(
     row: dict, *, world_size: int, link_gbps: float, tflops: float, extra: list[str]
 ) -> float:
     """Exposed communication / (compute + exposed) of one micro-batch, as ``klppo tune`` reports it."""
+    from klppo.commands.tune import workload_from
     from klppo.config import load_config
-    from klppo.tune.cli import workload_from
     from klppo.tune.comm import predict_units
     from klppo.tune.shapes import load_model_config
     from klppo.tune.units import ModelFacts

@@ -396,10 +396,10 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
     """``--steps`` trainer steps; the median of each metric over the steps after the first."""
     import torch
 
+    from klppo.assembly.setup import build_run
     from klppo.config import load_config
     from klppo.parallel import dist
     from klppo.trainer.ppo_trainer import PPOTrainer
-    from klppo.trainer.setup import build_run
 
     cfg = load_config(overrides)
     info = dist.init_distributed(args.device, 600.0)
@@ -699,13 +699,13 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, ar
     """The actor alone: one no-grad log-prob pass, then ``--steps`` updates after one warm-up (min time)."""
     import torch
 
+    from klppo.assembly.roles_build import RoleInputs, build_actor
+    from klppo.assembly.settings import fsdp_settings
     from klppo.config import derive_sizes, load_config
     from klppo.models.flops import device_peak_flops, model_flops_per_token
     from klppo.models.loading import load_tokenizer
     from klppo.parallel import dist
     from klppo.parallel.offload import OffloadSchedule
-    from klppo.trainer.roles_build import RoleInputs, build_actor
-    from klppo.trainer.settings import fsdp_settings
 
     cfg = load_config(overrides)
     info = dist.init_distributed(args.device, 600.0)

@@ -167,9 +167,9 @@ def _call(fn, argv: list[str]) -> tuple[object, str]:
 
 
 def replay(launches: list[tuple[str, list[str]]], work: Path) -> list[dict]:
+    from klppo.commands.train import main as train_main
     from klppo.config.cli import main as config_main
     from klppo.models.tiny import save_tiny_model_dir
-    from klppo.trainer.main_ppo import main as train_main
 
     tiny = work / "tiny"
     if not (tiny / "config.json").exists():

@@ -8,11 +8,11 @@ import sys
 from klppo import __version__
 
 SUBCOMMANDS = {
-    "train": ("klppo.trainer.main_ppo", "Run KL-PPO training (no arguments: the embedded quickstart)."),
+    "train": ("klppo.commands.train", "Run KL-PPO training (no arguments: the embedded quickstart)."),
     "config": ("klppo.config.cli", "Print the resolved configuration as YAML."),
     "data": ("klppo.data.cli", "Prepare datasets (e.g. `klppo data gsm8k --input DIR --output DIR`)."),
-    "export": ("klppo.trainer.export", "Export a checkpoint to a Hugging Face directory."),
-    "tune": ("klppo.tune.cli", "Choose sharding / offload / overlap settings by model and measurement."),
+    "export": ("klppo.commands.export", "Export a checkpoint to a Hugging Face directory."),
+    "tune": ("klppo.commands.tune", "Choose sharding / offload / overlap settings by model and measurement."),
     "report": (
         "klppo.report.cli",
         "Draw runs' metrics into an HTML page with plots (`klppo report RUN_DIR ...`).",

@@ -1,7 +1,7 @@
 """The ``monitor`` group: operating rules evaluated on every step's metrics (klppo's own keys, verl style).
 
 Each rule has an ``enable`` switch, its thresholds, and (where a choice exists) the ``action`` it takes; what
-the rules do is in `klppo/trainer/monitor_rules.py` and `docs/training.md` ("Operating rules").
+the rules do is in `klppo/ops/monitor_rules.py` and `docs/training.md` ("Operating rules").
 ``check_monitor`` is called by `checks.validate` (choices and ranges, one line naming the key).
 """
 

@@ -12,8 +12,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from klppo.ops.checkpoint import latest_checkpoint
 from klppo.report import build_report, load_run, run_from_history, summary_lines
-from klppo.trainer.checkpoint import latest_checkpoint
 
 log = logging.getLogger("klppo")
 

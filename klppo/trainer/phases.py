@@ -18,16 +18,16 @@ from klppo.algorithms import advantages as adv
 from klppo.algorithms import kl as kl_mod
 from klppo.algorithms.kl_control import KLController, PenaltyShareWatch
 from klppo.algorithms.losses import masked_mean
+from klppo.assembly.setup import Run
 from klppo.batch import Batch
 from klppo.config.schema import AlgorithmConfig
 from klppo.config.schema_arr import ActorConfig
+from klppo.ops.nonfinite import check_kl
 from klppo.parallel.collectives import rank
 from klppo.roles.actor import Actor
 from klppo.roles.forward import ForwardPlan
 from klppo.roles.reward import PendingScores, Reward
 from klppo.rollout.base import SamplingParams
-from klppo.trainer.nonfinite import check_kl
-from klppo.trainer.setup import Run
 from klppo.trainer.step_metrics import ref_kl_metrics
 
 log = logging.getLogger("klppo")

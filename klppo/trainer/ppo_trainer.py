@@ -17,7 +17,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from klppo.algorithms.kl_control import PenaltyShareWatch
+from klppo.assembly.setup import Run
 from klppo.batch import Batch
+from klppo.ops.checkpoint import load_checkpoint, save_checkpoint
+from klppo.ops.dumps import chat_text, dump_rollouts, dump_samples
+from klppo.ops.monitor import best_checkpoint_step, build_monitor
+from klppo.ops.nonfinite import (
+    STEP_INPUTS,
+    STEP_TARGETS,
+    NonFiniteStep,
+    check_finite,
+    record_skipped_step,
+)
+from klppo.ops.profiler import StepProfiler
+from klppo.ops.stopping import StopRequest
 from klppo.parallel.collectives import all_gather_objects, all_reduce_sum_values, rank, world_size
 from klppo.parallel.shares import (
     gather_samples,
@@ -30,16 +43,6 @@ from klppo.parallel.shares import (
 from klppo.roles.forward import ForwardPlan
 from klppo.roles.reward import PendingScores
 from klppo.roles.trained import TrainedRole
-from klppo.trainer.checkpoint import load_checkpoint, save_checkpoint
-from klppo.trainer.dumps import chat_text, dump_rollouts, dump_samples
-from klppo.trainer.monitor import best_checkpoint_step, build_monitor
-from klppo.trainer.nonfinite import (
-    STEP_INPUTS,
-    STEP_TARGETS,
-    NonFiniteStep,
-    check_finite,
-    record_skipped_step,
-)
 from klppo.trainer.phases import (
     GATHERED,
     control_kl_loss,
@@ -52,10 +55,7 @@ from klppo.trainer.phases import (
     with_reward_baselines,
     with_scores,
 )
-from klppo.trainer.profiler import StepProfiler
-from klppo.trainer.setup import Run
 from klppo.trainer.step_metrics import batch_metrics, perf_metrics, validation_metrics
-from klppo.trainer.stopping import StopRequest
 from klppo.trainer.timer import PhaseTimer
 
 log = logging.getLogger("klppo")

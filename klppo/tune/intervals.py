@@ -1,5 +1,5 @@
 """Time intervals ``(start, end)``: their union, its length, and the part of one set no other set covers.
-No torch import: the profile readers (`klppo.trainer.profiler`, `klppo.tune.measure`,
+No torch import: the profile readers (`klppo.ops.profiler`, `klppo.tune.measure`,
 ``bench/trace_phases.py``) share it."""
 
 from __future__ import annotations

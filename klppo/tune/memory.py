@@ -157,7 +157,7 @@ class Workload:
 
     plain_offload: bool = False
     """The plain path also at points that offload between phases (``offload="idle"``): only with
-    ``plain_single_gpu=true`` — auto leaves offloading roles on FSDP2 (:func:`klppo.trainer.settings.resolve_plain`)."""
+    ``plain_single_gpu=true`` — auto leaves offloading roles on FSDP2 (:func:`klppo.assembly.settings.resolve_plain`)."""
 
     def runs_plain(self, point: Point) -> bool:
         """Whether the trainer runs ``point`` on the plain path: :attr:`plain`, no ``offload_policy``

@@ -19,7 +19,7 @@ log = logging.getLogger("klppo")
 
 def predicted_peaks_gib(workload: TuneWorkload, model_config: Any) -> dict[str, float]:
     """Predicted peak GiB per rank for the rollout, log-prob and update phases of the actor, with its update
-    micro-batches as configured (``klppo.trainer.settings.tune_workload``)."""
+    micro-batches as configured (``klppo.assembly.settings.tune_workload``)."""
     phases = predict(ModelFacts.from_config(model_config), workload.update_point, workload.workload)
     return {name: peak.total / 2**30 for name, peak in phases.items()}
 

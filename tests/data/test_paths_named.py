@@ -14,7 +14,7 @@ def test_a_directory_is_not_a_parquet_file(tmp_path):
 
 
 def test_export_of_a_missing_folder_says_it_does_not_exist(tmp_path):
-    from klppo.trainer.export import export_checkpoint
+    from klppo.commands.export import export_checkpoint
 
     with pytest.raises(FileNotFoundError, match=r"nope does not exist \(pass a global_step_N folder"):
         export_checkpoint(tmp_path / "nope", tmp_path / "out")

@@ -124,8 +124,8 @@ def test_config_checks_and_roles_build(tmp_path, monkeypatch):
     cfg = load_config([key])
     assert cfg.actor_rollout_ref.model.compile_packed_layers and not cfg.critic.model.compile_packed_layers
 
+    from klppo.assembly.roles_build import load_policy_model
     from klppo.models.tiny import save_tiny_model_dir
-    from klppo.trainer.roles_build import load_policy_model
 
     path = save_tiny_model_dir(tmp_path / "tiny")
 

@@ -18,6 +18,7 @@ import copy
 import pytest
 import torch
 
+from klppo.assembly.roles_build import shard
 from klppo.batch import Batch
 from klppo.batching.attention import enable_packed_attention
 from klppo.models.lm_head import fp32_lm_head
@@ -28,7 +29,6 @@ from klppo.roles.actor import Actor, ActorSettings
 from klppo.roles.forward import MicroBatching
 from klppo.roles.optim import OptimSettings
 from klppo.roles.reference import Reference
-from klppo.trainer.roles_build import shard
 
 pytest.importorskip("peft")
 

@@ -13,6 +13,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from klppo.assembly.roles_build import shard
+from klppo.assembly.settings import fsdp_settings
 from klppo.batch import Batch
 from klppo.config import load_config
 from klppo.models.tiny import build_tiny_model
@@ -22,8 +24,6 @@ from klppo.parallel.plain import plain_model
 from klppo.roles.actor import Actor, ActorSettings
 from klppo.roles.forward import MicroBatching
 from klppo.roles.optim import OptimSettings
-from klppo.trainer.roles_build import shard
-from klppo.trainer.settings import fsdp_settings
 
 # per update call, global: 2 mini-batches of 4 rows, 2 micro-batches of 2 rows each (world of 1)
 ROWS, MINI = 8, 4

@@ -30,9 +30,9 @@ def tiny_runs(tmp_path_factory) -> tuple[Path, Path, list[str]]:
     import contextlib
     import io
 
+    from klppo.commands.train import main
     from klppo.data.arithmetic import write_arithmetic_parquet
     from klppo.models.tiny import save_tiny_model_dir
-    from klppo.trainer.main_ppo import main
     from tests.trainer.utils import run_training
 
     root = tmp_path_factory.mktemp("runs")

@@ -139,10 +139,10 @@ def test_the_reference_refuses_graphs_it_cannot_capture():
 def test_the_reference_key_is_checked_by_the_trainer_like_the_updates():
     """``ref.fsdp_config.cuda_graph_update`` is read (it was a 'not read' warning): refused without a GPU, and
     it reaches the reference's settings."""
+    from klppo.assembly.roles_build import role_fsdp
+    from klppo.assembly.settings import reference_settings
     from klppo.config import derive_sizes
     from klppo.config.loader import load_config
-    from klppo.trainer.roles_build import role_fsdp
-    from klppo.trainer.settings import reference_settings
 
     cfg = load_config([f"{KEY}=true"])
     assert reference_settings(cfg, derive_sizes(cfg, 1)).cuda_graph

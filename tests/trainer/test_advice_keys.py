@@ -9,7 +9,8 @@ import pytest
 
 from klppo.config.checks import value_at
 from klppo.config.schema import KLPPOConfig
-from klppo.trainer import monitor_rules, timer
+from klppo.ops import monitor_rules
+from klppo.trainer import timer
 
 KEY = re.compile(
     r"\b((?:actor_rollout_ref|critic|reward_model|data|algorithm|trainer|monitor)(?:\.[a-z_0-9]+)+)"

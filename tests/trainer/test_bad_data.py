@@ -77,8 +77,8 @@ CASES = [
 def test_bad_data_exits_2_with_one_line_before_weights_load(
     name, dry, tiny_model_dir, arithmetic_data, tmp_path, monkeypatch, capsys
 ):
-    from klppo.trainer import setup
-    from klppo.trainer.main_ppo import main
+    from klppo.assembly import setup
+    from klppo.commands.train import main
 
     def no_weights(*args, **kwargs):
         raise AssertionError("build_run (weights) reached with bad data")
@@ -94,7 +94,7 @@ def test_bad_data_exits_2_with_one_line_before_weights_load(
 
 
 def test_truncation_is_counted_and_reported(tiny_model_dir, arithmetic_data, tmp_path, capsys):
-    from klppo.trainer.main_ppo import main
+    from klppo.commands.train import main
 
     path = _write(tmp_path / "train.parquet", _rows(64, long_rows=(3, 50)))
     argv = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
@@ -117,7 +117,7 @@ def test_truncation_is_counted_and_reported(tiny_model_dir, arithmetic_data, tmp
 def test_users_file_in_the_run_directory_is_refused_at_start(
     tiny_model_dir, arithmetic_data, tmp_path, capsys
 ):
-    from klppo.trainer.main_ppo import main
+    from klppo.commands.train import main
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

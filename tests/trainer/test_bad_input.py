@@ -26,8 +26,8 @@ def test_empty_dataset_after_filtering(tiny_model_dir, arithmetic_data, tmp_path
 
 
 def test_nan_loss_steps_skipped_then_stop(tiny_model_dir, arithmetic_data, tmp_path, monkeypatch):
+    from klppo.ops.nonfinite import TrainingStopped
     from klppo.roles import actor as actor_mod
-    from klppo.trainer.nonfinite import TrainingStopped
 
     real = actor_mod.Actor._micro_loss
 
@@ -50,9 +50,9 @@ def test_nan_loss_steps_skipped_then_stop(tiny_model_dir, arithmetic_data, tmp_p
 def test_out_of_memory_names_the_phase_and_the_fix(
     tiny_model_dir, arithmetic_data, tmp_path, monkeypatch, capsys
 ):
+    from klppo.commands.train import main
+    from klppo.ops import checkpoint
     from klppo.roles import actor as actor_mod
-    from klppo.trainer import checkpoint
-    from klppo.trainer.main_ppo import main
 
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
         "trainer.total_training_steps=2",

@@ -67,7 +67,7 @@ def test_truncated_shard_resumes_from_the_previous_checkpoint(
     ],
 )
 def test_damaged_checkpoint_files_are_named(tiny_model_dir, arithmetic_data, tmp_path_factory, damage, named):
-    from klppo.trainer.checkpoint import validate_checkpoint
+    from klppo.ops.checkpoint import validate_checkpoint
 
     src = _shared_checkpoint(tiny_model_dir, arithmetic_data, tmp_path_factory)
     ckpt = tmp_path_factory.mktemp(damage) / "global_step_2"
@@ -98,13 +98,13 @@ def _shared_checkpoint(tiny_model_dir, arithmetic_data, tmp_path_factory) -> Pat
 
 
 def test_every_checkpoint_damaged_stops_with_one_line(tiny_model_dir, arithmetic_data, tmp_path):
-    from klppo.trainer.checkpoint import CheckpointError
+    from klppo.ops.checkpoint import CheckpointError
 
     run_dir = tmp_path / "run"
     overrides = _two_checkpoints(tiny_model_dir, arithmetic_data, run_dir)
     # the newest lost its critic folder: its manifest lists the files, so it is damage (not "saved by a run
     # without a critic", as a review found it refused) and the older intact checkpoint is the one to resume
-    from klppo.trainer.checkpoint import other_setup, resolve_resume
+    from klppo.ops.checkpoint import other_setup, resolve_resume
 
     shutil.rmtree(run_dir / "global_step_2" / "critic")
     assert other_setup(run_dir / "global_step_2", ["actor", "critic"]) is None
@@ -119,8 +119,8 @@ def test_every_checkpoint_damaged_stops_with_one_line(tiny_model_dir, arithmetic
 def test_planted_pickle_does_not_execute(tiny_model_dir, arithmetic_data, tmp_path):
     """A planted trainer_state.pt / RNG file / DCP .metadata with a consistent manifest (the attacker rewrote
     it too): loading refuses with one line naming the file, and the planted code never runs."""
+    from klppo.ops.checkpoint import CheckpointError, load_checkpoint, write_manifest
     from klppo.parallel.checkpoint import SafeFileSystemReader, UnsafeCheckpointError
-    from klppo.trainer.checkpoint import CheckpointError, load_checkpoint, write_manifest
 
     run_dir = tmp_path / "run"
     overrides = _two_checkpoints(tiny_model_dir, arithmetic_data, run_dir)
@@ -155,7 +155,7 @@ def test_dcp_writer_failure_removes_partial_and_names_full_disk(
     wrapped in a CheckpointException, which is not an OSError) is cleaned up and named."""
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
-    from klppo.trainer import checkpoint
+    from klppo.ops import checkpoint
 
     run_dir = tmp_path / "run"
     overrides = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + [
@@ -179,7 +179,7 @@ def test_dcp_writer_failure_removes_partial_and_names_full_disk(
 
 
 def test_any_save_exception_is_cleaned_up(tiny_model_dir, arithmetic_data, tmp_path, monkeypatch):
-    from klppo.trainer import checkpoint
+    from klppo.ops import checkpoint
 
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path) + ["trainer.save_freq=1"]
 
@@ -252,7 +252,7 @@ def test_real_full_tmpfs(tiny_model_dir, arithmetic_data, tmp_path):
 
 
 def test_export_refuses_a_non_empty_target(tiny_model_dir, arithmetic_data, tmp_path_factory, capsys):
-    from klppo.trainer.export import main as export_main
+    from klppo.commands.export import main as export_main
 
     ckpt = _shared_checkpoint(tiny_model_dir, arithmetic_data, tmp_path_factory)
     target = tmp_path_factory.mktemp("base_model")
@@ -277,7 +277,7 @@ def test_run_directory_keeps_the_users_config(tiny_model_dir, arithmetic_data, t
 def test_resume_messages_say_what_the_checkpoint_is(tiny_model_dir, arithmetic_data, tmp_path):
     """A GRPO checkpoint resumed with a critic, a resume_from_path that does not exist or names the run
     directory: each was reported as a damaged checkpoint."""
-    from klppo.trainer.checkpoint import CheckpointError, resolve_resume
+    from klppo.ops.checkpoint import CheckpointError, resolve_resume
 
     run_dir = tmp_path / "grpo"
     grpo = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + ["algorithm.adv_estimator=grpo",
@@ -298,8 +298,8 @@ def test_resume_messages_say_what_the_checkpoint_is(tiny_model_dir, arithmetic_d
         resolve_resume("resume_path", tmp_path / "new", str(run_dir), roles=["actor"])
     assert resolve_resume("resume_path", tmp_path / "new", str(run_dir / "global_step_1"), roles=["actor"])
     # and before any weights load: `klppo train`'s start-up checks say the same in one line
+    from klppo.assembly.startup_checks import check_before_weights
     from klppo.config import ConfigError, load_config
-    from klppo.trainer.startup_checks import check_before_weights
 
     gae = load_config(base_overrides(tiny_model_dir, arithmetic_data, run_dir))
     with pytest.raises(ConfigError, match="holds no critic state"):
@@ -320,7 +320,7 @@ def test_resume_from_path_outside_its_mode_is_named():
 
 
 def test_a_checkpoint_from_before_the_manifests_without_a_role_is_another_setup(tmp_path):
-    from klppo.trainer.checkpoint import other_setup
+    from klppo.ops.checkpoint import other_setup
 
     ckpt = tmp_path / "global_step_1"
     for name in ("COMPLETE", "trainer_state.pt", "rng/rank_0.pt", "actor/.metadata"):

@@ -69,7 +69,7 @@ def _overrides(model_dir, data, run_dir):
 
 @pytest.mark.slow
 def test_two_processes_match_one(tiny_model_dir, arithmetic_data, tmp_path):
-    from klppo.trainer.main_ppo import main
+    from klppo.commands.train import main
 
     two = tmp_path / "two"
     argv = _overrides(tiny_model_dir, arithmetic_data, two) + [

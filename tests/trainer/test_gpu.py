@@ -42,10 +42,10 @@ def test_gpu_steps(name, tiny_model_dir, arithmetic_data, tmp_path):
     overrides = [o.replace("trainer.device=cpu", "trainer.device=cuda")
                  for o in base_overrides(tiny_model_dir, arithmetic_data, tmp_path)]  # fmt: skip
     argv = overrides + CASES[name] + ["trainer.total_training_steps=2"]
+    from klppo.assembly.setup import build_run
     from klppo.config import load_config
     from klppo.parallel import dist
     from klppo.trainer.ppo_trainer import PPOTrainer
-    from klppo.trainer.setup import build_run
 
     cfg = load_config(argv)
     info = dist.init_distributed("cuda", 120.0)

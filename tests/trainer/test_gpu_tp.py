@@ -17,7 +17,7 @@ pytestmark = [
 
 
 def _run(model_dir, data, run_dir, tp: int) -> dict[int, dict]:
-    from klppo.trainer.main_ppo import main
+    from klppo.commands.train import main
 
     argv = [
         o.replace("trainer.device=cpu", "trainer.device=cuda")

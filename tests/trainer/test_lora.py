@@ -31,7 +31,7 @@ LORA = [
 def test_lora_trains_adapters_only_and_exports_merged(engine, tiny_model_dir, arithmetic_data, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from klppo.trainer.export import main as export_main
+    from klppo.commands.export import main as export_main
 
     run = tmp_path / "run"
     overrides = (
@@ -100,7 +100,7 @@ def test_the_dry_run_lists_no_fsdp_layout_for_the_lora_reference(
 ):
     """With LoRA the reference is the actor's own model (adapters off): the plan names it, but shards
     only the actor."""
-    from klppo.trainer.main_ppo import main
+    from klppo.commands.train import main
 
     assert main(["--dry-run", *base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run"), *LORA]) == 0
     out = capsys.readouterr().out
@@ -178,7 +178,7 @@ def test_critic_lora_and_starting_from_a_saved_adapter(tiny_model_dir, arithmeti
     assert any("score" in n for n in critic_trainable)  # the value head trains in full
     assert row["critic/grad_norm"] > 0
 
-    from klppo.trainer.export import main as export_main
+    from klppo.commands.export import main as export_main
 
     assert export_main([str(run / "global_step_1"), str(tmp_path / "critic_hf"), "--role", "critic"]) == 0
     from transformers import AutoModelForTokenClassification
@@ -191,7 +191,7 @@ def test_critic_lora_and_starting_from_a_saved_adapter(tiny_model_dir, arithmeti
 def gpu_mixed_precision(monkeypatch):
     """The trainer's FSDP settings as on a GPU (bf16 compute, fp32 master weights, fp32 gradient reduce),
     on CPU: ``fsdp_settings`` picks mixed precision only for ``device_type == 'cuda'``."""
-    from klppo.trainer import roles_build, settings
+    from klppo.assembly import roles_build, settings
 
     real = settings.fsdp_settings
 
@@ -272,7 +272,7 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
     for key in compared:
         assert resumed[2][key] == pytest.approx(full[1][key], rel=1e-5, abs=1e-6), key
 
-    from klppo.trainer.export import main as export_main
+    from klppo.commands.export import main as export_main
 
     out = tmp_path / "hf"
     assert export_main([str(cut_dir / "global_step_1"), str(out)]) == 0

@@ -64,7 +64,7 @@ def acted(run_dir: Path, rule: str) -> list[dict]:
 
 def klppo_train(argv: list[str]) -> int:
     """`klppo train ARGV` in this process (world size 1): its exit status."""
-    from klppo.trainer.main_ppo import main
+    from klppo.commands.train import main
 
     torch.set_num_threads(1)
     return main(argv)
@@ -90,7 +90,7 @@ def test_nonfinite_reward_stops_with_checkpoints_intact(tiny_model_dir, arithmet
     assert summary["rule"] == "summary" and "nonfinite_reward" in summary["stopped_by"]
     assert by_step(run)[2]["monitor/nonfinite_reward/stop"] == 1.0
     # both checkpoints are complete, and step 2 (whose update was skipped) holds step 1's weights
-    from klppo.trainer.export import main as export_main
+    from klppo.commands.export import main as export_main
 
     for step in (1, 2):
         assert (run / f"global_step_{step}" / "COMPLETE").exists()
@@ -169,7 +169,7 @@ def test_validation_drop_rolls_back_and_changes_lr_and_kl(tiny_model_dir, arithm
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from klppo.trainer.export import main as export_main
+    from klppo.commands.export import main as export_main
 
     run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_VAL_DROPS)
     run_training(overrides + [

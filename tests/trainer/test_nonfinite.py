@@ -20,7 +20,7 @@ GAE_KL = [
 
 
 def test_find_nonfinite_names_field_sample_source_and_row():
-    from klppo.trainer.nonfinite import find_nonfinite
+    from klppo.ops.nonfinite import find_nonfinite
 
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     scores = torch.zeros(3, 3)
@@ -145,7 +145,7 @@ def test_nonfinite_kl_goes_through_the_same_counted_skip(
 def test_exploding_learning_rate_stops_with_a_message_not_a_crash(tiny_model_dir, arithmetic_data, tmp_path):
     """lr=1e6: the first update is finite but wrecks the weights; the next steps' non-finite values
     (log-probs, KL, loss) are skipped and counted, and the run stops at the limit with one message."""
-    from klppo.trainer.nonfinite import TrainingStopped
+    from klppo.ops.nonfinite import TrainingStopped
 
     overrides = (
         base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run")

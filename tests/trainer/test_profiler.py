@@ -70,10 +70,10 @@ def test_gpu_traces_of_steps_1_and_3(tiny_model_dir, arithmetic_data, tmp_path):
 
 
 def run_gpu(argv: list[str]) -> None:
+    from klppo.assembly.setup import build_run
     from klppo.config import load_config
     from klppo.parallel import dist
     from klppo.trainer.ppo_trainer import PPOTrainer
-    from klppo.trainer.setup import build_run
 
     cfg = load_config(argv)
     info = dist.init_distributed("cuda", 120.0)
@@ -84,7 +84,7 @@ def run_gpu(argv: list[str]) -> None:
 
 
 def test_comm_shares_by_hand():
-    from klppo.trainer.profiler import comm_shares
+    from klppo.ops.profiler import comm_shares
 
     # GPU: an NCCL kernel over [0, 10] µs, compute kernels over [5, 20] µs → 10 µs of communication, 5 exposed
     events = [
@@ -113,7 +113,7 @@ def test_global_tool_config_entries_are_read_or_named():
     from klppo.config import load_config, warn_unimplemented
     from klppo.config.schema import GlobalProfilerConfig
     from klppo.config.unimplemented import profiler_option_lines
-    from klppo.trainer.profiler import StepProfiler
+    from klppo.ops.profiler import StepProfiler
 
     nsight = {"trace": "cuda,nvtx,cublas,ucx", "cuda-memory-usage": "true", "cuda-graph-trace": "graph"}
     verl = {

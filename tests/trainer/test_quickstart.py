@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from klppo.trainer import quickstart
+from klppo.commands import quickstart
 
 
 def test_choice_follows_the_machine(monkeypatch):
@@ -34,8 +34,8 @@ def tiny_quickstart(monkeypatch, tmp_path, tiny_model_dir):
 
 @pytest.mark.parametrize("name", ["gpu", "cpu"])
 def test_recipes_validate_before_and_after(tiny_quickstart, name, capsys):
+    from klppo.commands.train import main
     from klppo.config import check_trainable, load_config
-    from klppo.trainer.main_ppo import main
 
     recipe = quickstart.QUICKSTARTS[name]
     cfg = load_config(quickstart.quickstart_argv(recipe))
@@ -56,7 +56,7 @@ def test_recipes_validate_before_and_after(tiny_quickstart, name, capsys):
 
 
 def test_cpu_demo_end_to_end(tiny_quickstart, capsys):
-    from klppo.trainer.main_ppo import main
+    from klppo.commands.train import main
 
     steps = 2  # the demo's own number of steps is the YAML's; fewer here to keep the test short
     assert main(["--quickstart=cpu", f"trainer.total_training_steps={steps}"]) == 0

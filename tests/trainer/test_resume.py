@@ -50,7 +50,7 @@ def test_resume_equals_uninterrupted_and_export(tiny_model_dir, arithmetic_data,
     # export the step-2 checkpoint and check transformers loads the same weights that were trained
     from transformers import AutoModelForCausalLM
 
-    from klppo.trainer.export import main as export_main
+    from klppo.commands.export import main as export_main
 
     out = tmp_path / "hf"
     assert export_main([str(cut_dir / "global_step_2"), str(out)]) == 0
@@ -65,7 +65,7 @@ def test_resume_equals_uninterrupted_and_export(tiny_model_dir, arithmetic_data,
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tiny_model_dir, arithmetic_data, tmp_path, monkeypatch):
-    from klppo.trainer import checkpoint
+    from klppo.ops import checkpoint
 
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path) + [
         "trainer.total_training_steps=1",
@@ -97,7 +97,7 @@ def test_full_disk_on_save_is_clear_and_keeps_previous(
 ):
     import errno
 
-    from klppo.trainer import checkpoint
+    from klppo.ops import checkpoint
 
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path) + [
         "trainer.total_training_steps=1",
@@ -135,7 +135,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 def test_sigterm_finishes_step_saves_and_resumes(tiny_model_dir, arithmetic_data, tmp_path):
-    from klppo.trainer import checkpoint
+    from klppo.ops import checkpoint
 
     fn = tmp_path / "preempt.py"
     fn.write_text(SIGTERM_AT_STEP_2)

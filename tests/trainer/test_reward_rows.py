@@ -10,12 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from klppo.assembly.data_check import build_loaders, check_ground_truth_columns
 from klppo.config import load_config
 from klppo.data.parquet_rows import DataError
 from klppo.models.loading import load_tokenizer
 from klppo.rewards.gsm8k import compute_score
-from klppo.trainer.data_check import check_ground_truth_columns
-from klppo.trainer.setup import build_loaders
 
 
 def _variant(src: Path, dst: Path, change) -> Path:
@@ -98,8 +97,8 @@ def test_the_custom_reward_file_is_checked_before_any_weights_without_running_it
     """A missing file, one that does not compile or lacks the function failed only after both models
     loaded (a traceback). The check does not run the file: its top-level code (a judge model, a port) runs
     once, where the trainer imports it."""
+    from klppo.assembly.data_check import check_data
     from klppo.rewards.registry import RewardFunctionError
-    from klppo.trainer.data_check import check_data
 
     train, val = arithmetic_data
     tok = load_tokenizer(str(tiny_model_dir))

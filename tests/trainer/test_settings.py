@@ -1,14 +1,11 @@
-"""verl keys → settings objects (klppo/trainer/settings.py): each translation against the config it reads."""
+"""verl keys → settings objects (klppo/assembly/settings.py): each translation against the config it reads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from klppo.config import derive_sizes, load_config
-from klppo.config.errors import ConfigError
-from klppo.parallel.mesh import SequenceParallel
-from klppo.trainer.settings import (
+from klppo.assembly.settings import (
     actor_settings,
     critic_settings,
     fsdp_settings,
@@ -18,6 +15,9 @@ from klppo.trainer.settings import (
     sampling_params,
     tune_workload,
 )
+from klppo.config import derive_sizes, load_config
+from klppo.config.errors import ConfigError
+from klppo.parallel.mesh import SequenceParallel
 from tests.rollout.compile_utils import recording_functions
 
 
@@ -183,8 +183,8 @@ def test_setup_precompile_makes_the_sampler_graphs_of_every_temperature_on_the_g
     (training 0.7, validation 0.5), for batches from 2 and for a batch of 1 — afterwards sampling at
     either temperature and either kind of batch compiles nothing. (How many sampler graphs that takes
     is dynamo's choice: after a second temperature it may make the float symbolic.)"""
+    from klppo.assembly.setup import _start_precompile
     from klppo.models.tiny import build_tiny_model
-    from klppo.trainer.setup import _start_precompile
 
     cfg = load_config(
         [
@@ -227,8 +227,8 @@ def test_setup_precompile_makes_the_layers_the_built_engine_decodes_on(monkeypat
     exactly when the engine the trainer builds decodes on them: not for flash, but for a LoRA actor whose
     configured TP size is run data-parallel (``rollout_tensor_parallel``); a tensor-parallel rollout gets
     none (``split`` None: its front runs on slices of other shapes, its back and sampler eagerly)."""
+    from klppo.assembly.setup import _start_precompile
     from klppo.rollout import triton_attention
-    from klppo.trainer.setup import _start_precompile
 
     class Recording:
         kwargs = None
@@ -260,9 +260,9 @@ def test_setup_precompile_leaves_out_what_triton_kernels_run(
     sampler runs it (``sampler=torch``; truncated sampling is eager), runs the split layers on the Triton
     kernels unless ``layer_kernels=compile``, and warms the Triton sampler for the settings it will run
     (``triton_sampled``: their ``do_sample``, training's then validation's greedy one)."""
+    from klppo.assembly.setup import _start_precompile
     from klppo.rollout import engine as engine_module
     from klppo.rollout import triton_attention, triton_layers, triton_sampling
-    from klppo.trainer.setup import _start_precompile
 
     class Recording:
         kwargs = None
@@ -283,8 +283,8 @@ def test_setup_precompile_leaves_out_what_triton_kernels_run(
 def test_setup_precompile_of_a_tensor_parallel_rollout_asks_nothing_of_the_sampler(monkeypatch) -> None:
     """A tensor-parallel rollout gets no pre-compile, and its set-up does not ask whether the Triton sampler
     could run (``sampler=triton`` on a CUDA machine without triton raised there before)."""
+    from klppo.assembly.setup import _start_precompile
     from klppo.rollout import engine as engine_module
-    from klppo.trainer.setup import _start_precompile
 
     class Recording:
         called = False
@@ -305,8 +305,8 @@ def test_setup_precompile_of_a_tensor_parallel_rollout_asks_nothing_of_the_sampl
 def test_grad_sync_per_mini_batch_key_is_validated_and_resolved() -> None:
     """The klppo key takes auto / true / false (one-line error naming the key otherwise); the trainer's
     resolution is the memory model's rule, with its cost 4 bytes per trainable parameter."""
+    from klppo.assembly.settings import grad_sync_per_mini_batch
     from klppo.config.errors import ConfigError
-    from klppo.trainer.settings import grad_sync_per_mini_batch
 
     key = "critic.model.fsdp_config.grad_sync_per_mini_batch"
     default = load_config([])
@@ -345,8 +345,8 @@ def test_min_num_params_auto_is_one_unit_on_one_process_without_offload() -> Non
     """``wrap_policy.min_num_params`` auto (the default): the whole model one FSDP unit when one process
     trains and the role offloads nothing; 0 (a unit per decoder layer, verl's default) with more processes
     or any offload; a number as set; anything else refused at load, naming the key."""
+    from klppo.assembly.settings import resolve_min_num_params
     from klppo.config.errors import ConfigError
-    from klppo.trainer.settings import resolve_min_num_params
     from klppo.tune.units import WHOLE_MODEL
 
     key = "actor_rollout_ref.actor.fsdp_config"
@@ -435,8 +435,8 @@ def test_plain_single_gpu_key_is_validated_and_resolved() -> None:
 
 
 def test_cuda_graph_update_reaches_the_roles_and_is_refused_where_it_cannot_capture() -> None:
+    from klppo.assembly.settings import actor_settings, check_cuda_graph_update, critic_settings
     from klppo.config import derive_sizes
-    from klppo.trainer.settings import actor_settings, check_cuda_graph_update, critic_settings
 
     a, c = "actor_rollout_ref.actor.fsdp_config", "critic.model.fsdp_config"
     cfg = load_config([f"{a}.cuda_graph_update=true", f"{c}.cuda_graph_update=true"])
@@ -471,7 +471,7 @@ def test_cuda_graph_update_reaches_the_roles_and_is_refused_where_it_cannot_capt
 def test_grad_sync_per_mini_batch_is_off_and_said_so_on_the_plain_path():
     """grad_sync_per_mini_batch=true on the plain path (one process, no FSDP2) defers nothing: resolved off,
     and the reason logged says why, not 'once per mini-batch'."""
-    from klppo.trainer.settings import fsdp_settings, grad_sync_per_mini_batch
+    from klppo.assembly.settings import fsdp_settings, grad_sync_per_mini_batch
 
     cfg = load_config(["actor_rollout_ref.actor.fsdp_config.grad_sync_per_mini_batch=true"])
     fsdp_cfg = cfg.actor_rollout_ref.actor.fsdp_config

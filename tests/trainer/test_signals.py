@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # ---------------------------------------------------------------------------------------------- lock
 def test_lock_refuses_a_second_trainer_and_replaces_a_stale_one(tmp_path, caplog):
-    from klppo.trainer.run_lock import LOCK_NAME, RunLock, RunLockError
+    from klppo.ops.run_lock import LOCK_NAME, RunLock, RunLockError
 
     with RunLock(tmp_path) as first:
         owner = json.loads((tmp_path / LOCK_NAME).read_text())
@@ -54,8 +54,8 @@ def test_lock_refuses_a_second_trainer_and_replaces_a_stale_one(tmp_path, caplog
 
 
 def test_klppo_train_refuses_a_locked_run_directory(tiny_model_dir, arithmetic_data, tmp_path, capsys):
-    from klppo.trainer.main_ppo import main
-    from klppo.trainer.run_lock import LOCK_NAME, RunLock
+    from klppo.commands.train import main
+    from klppo.ops.run_lock import LOCK_NAME, RunLock
 
     run_dir = tmp_path / "run"
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -85,9 +85,9 @@ def _two_rank_argv(model_dir, data, run_dir, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_once_and_leaves_no_process(tiny_model_dir, arithmetic_data, tmp_path):
+    from klppo.ops import checkpoint
+    from klppo.ops.run_lock import LOCK_NAME
     from klppo.parallel.launch import _children
-    from klppo.trainer import checkpoint
-    from klppo.trainer.run_lock import LOCK_NAME
 
     run_dir = tmp_path / "run"
     argv = _two_rank_argv(tiny_model_dir, arithmetic_data, run_dir, "trainer.total_training_steps=200")
@@ -134,8 +134,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 @pytest.mark.slow
 def test_signal_to_one_rank_saves_and_does_not_hang(tiny_model_dir, arithmetic_data, tmp_path):
-    from klppo.trainer import checkpoint
-    from klppo.trainer.main_ppo import main
+    from klppo.commands.train import main
+    from klppo.ops import checkpoint
 
     fn = tmp_path / "rank1_preempted.py"
     fn.write_text(SIGTERM_RANK_1_ONLY)

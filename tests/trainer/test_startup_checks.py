@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from klppo.assembly import startup_checks
 from klppo.config import ConfigError, load_config
-from klppo.trainer import startup_checks
 from tests.trainer.utils import base_overrides
 
 Q = {"notify": lambda _m: None}
@@ -99,7 +99,7 @@ def test_run_dir_writable_and_disk_space(tiny_model_dir, arithmetic_data, tmp_pa
 def test_dry_run_runs_the_checks_and_prints_inert_keys(
     tiny_model_dir, arithmetic_data, tmp_path, capsys, monkeypatch
 ):
-    from klppo.trainer.main_ppo import main
+    from klppo.commands.train import main
 
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run")
     assert main(["--dry-run", *overrides, "actor_rollout_ref.rollout.max_num_seqs=256"]) == 0
@@ -114,8 +114,8 @@ def test_dry_run_runs_the_checks_and_prints_inert_keys(
 
 
 def test_max_samples_limit_the_rows(tiny_model_dir, arithmetic_data, tmp_path):
+    from klppo.assembly.data_check import build_loaders
     from klppo.models.loading import load_tokenizer
-    from klppo.trainer.setup import build_loaders
 
     tok = load_tokenizer(str(tiny_model_dir))
     cfg = _cfg(
@@ -129,7 +129,7 @@ def test_max_samples_limit_the_rows(tiny_model_dir, arithmetic_data, tmp_path):
 
 
 def test_engine_options_from_enforce_eager_sampler_and_decode_attention():
-    from klppo.trainer.settings import engine_options
+    from klppo.assembly.settings import engine_options
 
     def options(*overrides):
         return engine_options(load_config(list(overrides), **Q).actor_rollout_ref.rollout)

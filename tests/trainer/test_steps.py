@@ -278,9 +278,9 @@ def test_reward_model_micro_batch_sizes(tiny_model_dir):
     import torch
     from transformers import AutoTokenizer
 
+    from klppo.assembly.roles_build import build_reward
     from klppo.config import ConfigError, load_config
     from klppo.config.sizes import derive_sizes
-    from klppo.trainer.roles_build import build_reward
 
     def micro(overrides, ranks=1):
         cfg = load_config(["reward_model.enable=True", *overrides])
@@ -385,7 +385,7 @@ def test_validation_metrics_by_hand():
 
 
 def test_dry_run_prints_the_plan_and_trains_nothing(tiny_model_dir, arithmetic_data, tmp_path, capsys):
-    from klppo.trainer.main_ppo import main
+    from klppo.commands.train import main
 
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
         "algorithm.adv_estimator=gae"
@@ -432,8 +432,8 @@ def test_on_policy_step_skips_the_old_log_prob_pass(tiny_model_dir, arithmetic_d
 
 
 def test_old_log_probs_needed_before_the_update_keep_the_pass():
+    from klppo.assembly.settings import skips_old_log_prob_pass
     from klppo.config import load_config
-    from klppo.trainer.settings import skips_old_log_prob_pass
 
     kl_loss = ["actor_rollout_ref.actor.use_kl_loss=True"]
     assert skips_old_log_prob_pass(load_config(kl_loss))  # fixed β: nothing reads π_old before the update
@@ -452,9 +452,9 @@ def test_reward_model_keys_act_or_are_named(tiny_model_dir, tmp_path):
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
+    from klppo.assembly import roles_build
     from klppo.config import load_config
     from klppo.models.tiny import build_tiny_tokenizer
-    from klppo.trainer import roles_build
 
     rm_dir = tmp_path / "rm"
     config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)
@@ -482,9 +482,9 @@ def test_reward_model_keys_act_or_are_named(tiny_model_dir, tmp_path):
 def test_critic_and_tokenizer_loads_get_trust_remote_code_and_override_config(tiny_model_dir, monkeypatch):
     from types import SimpleNamespace
 
+    from klppo.assembly import roles_build
+    from klppo.assembly.data_check import tokenizer_trusts_code
     from klppo.config import load_config
-    from klppo.trainer import roles_build
-    from klppo.trainer.data_check import tokenizer_trusts_code
 
     seen = {}
 
@@ -511,9 +511,9 @@ def test_a_reward_model_without_tokenizer_files_uses_input_tokenizers_pad(tiny_m
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
+    from klppo.assembly import roles_build
     from klppo.batch import Batch
     from klppo.config import load_config
-    from klppo.trainer import roles_build
 
     rm_dir = tmp_path / "rm_weights_only"
     config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1, pad_token_id=None)
@@ -543,9 +543,9 @@ def test_use_torch_compile_on_a_head_that_cannot_take_it_is_said(caplog):
 
     import torch
 
+    from klppo.assembly.roles_build import _compile_stats
     from klppo.models.lm_head import fp32_lm_head, stats_compiled
     from klppo.models.tiny import build_tiny_model
-    from klppo.trainer.roles_build import _compile_stats
 
     biased = torch.nn.Module()
     biased.get_output_embeddings = lambda: torch.nn.Linear(4, 4)

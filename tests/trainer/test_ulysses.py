@@ -75,7 +75,7 @@ def test_sequence_parallel_matches_one_process(tiny_model_dir, arithmetic_data, 
 def test_sp2_dp2_matches_dp2(tiny_model_dir, arithmetic_data, tmp_path):
     """4 processes as 2 Ulysses groups of 2 (SP=2 × DP=2) = 2 processes data-parallel (DP=2): each group's
     token budget (80 per GPU × 2) is a DP=2 rank's 160, so both form the same micro-batches."""
-    from klppo.trainer.main_ppo import main
+    from klppo.commands.train import main
 
     four, two = tmp_path / "sp2dp2", tmp_path / "dp2"
     assert (

@@ -43,10 +43,10 @@ def base_overrides(model_dir: Path, data: tuple[Path, Path], run_dir: Path) -> l
 
 def run_training(overrides: list[str]):
     """Train in this process (world size 1); returns (state, run) for inspection."""
+    from klppo.assembly.setup import build_run
     from klppo.config import load_config
     from klppo.parallel import dist
     from klppo.trainer.ppo_trainer import PPOTrainer
-    from klppo.trainer.setup import build_run
 
     torch.set_num_threads(1)
     cfg = load_config(overrides)
@@ -69,9 +69,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def train_rank(rank: int, port: int, argv: list[str]) -> int:
     """Rank ``rank`` of `klppo train ARGV` on 2 gloo processes, as torchrun starts it under `klppo train`
     (rank environment, data checked and run directory locked by the launcher): a task of the rank pool."""
+    from klppo.commands.train import STARTUP_CHECKED_ENV, main
+    from klppo.ops.run_lock import HELD_ENV
     from klppo.parallel import dist
-    from klppo.trainer.main_ppo import STARTUP_CHECKED_ENV, main
-    from klppo.trainer.run_lock import HELD_ENV
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from klppo.commands.tune import main
 from klppo.models.tiny import save_tiny_model_dir
-from klppo.tune.cli import main
 
 
 def test_dry_run_named_shape(capsys):

@@ -50,8 +50,8 @@ def test_bf16_reduction_halves_the_deferred_gradients_in_the_memory_model():
 
 
 def test_the_workload_reads_the_reduce_dtype():
+    from klppo.assembly.settings import fsdp_settings, tune_workload
     from klppo.config import load_config
-    from klppo.trainer.settings import fsdp_settings, tune_workload
 
     for dtype, nbytes in (("fp32", 4), ("bf16", 2)):
         cfg = load_config([f"actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype={dtype}"])

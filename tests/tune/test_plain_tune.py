@@ -12,13 +12,13 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
+from klppo.assembly.settings import fsdp_settings, tune_workload
 from klppo.batching.attention import enable_packed_attention
 from klppo.batching.packing import forward_log_probs
+from klppo.commands.tune import main
 from klppo.config import load_config
 from klppo.parallel.plain import MasterWeights
 from klppo.roles.optim import OptimSettings, build_optimizer
-from klppo.trainer.settings import fsdp_settings, tune_workload
-from klppo.tune.cli import main
 from klppo.tune.grid import build_grid
 from klppo.tune.measure import actor_step, build, measure_point, micro_batch
 from klppo.tune.memory import Point, Workload, predict

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
+from klppo.assembly.settings import fsdp_settings, tune_workload
 from klppo.config import KLPPOConfig, load_config
-from klppo.trainer.settings import fsdp_settings, tune_workload
 from klppo.tune.memory import TuneWorkload
 from klppo.tune.preflight import check_memory, predicted_peaks_gib
 from klppo.tune.shapes import load_model_config
@@ -202,7 +202,7 @@ def test_keeping_the_rollout_workspace_is_advised_when_it_fits_and_only_then():
 def test_the_workspace_advice_only_where_a_workspace_could_be_kept():
     """``setup.could_keep_workspace``: the klppo engine on CUDA graphs, freeing after each step, no tensor
     parallelism, an architecture the engine runs, and one rollout shape per step (not ReMax's greedy call)."""
-    from klppo.trainer.setup import could_keep_workspace
+    from klppo.assembly.setup import could_keep_workspace
 
     small = load_model_config("SmolLM2-135M")
     R = "actor_rollout_ref.rollout"
@@ -224,8 +224,8 @@ def test_the_gpu_preflight_runs_end_to_end_and_logs_its_advice(monkeypatch, tmp_
 
     import torch
 
+    from klppo.assembly import setup
     from klppo.config import derive_sizes
-    from klppo.trainer import setup
 
     load_model_config("SmolLM2-135M").save_pretrained(tmp_path)
     monkeypatch.setattr(

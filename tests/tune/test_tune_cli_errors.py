@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from klppo.tune.cli import main
+from klppo.commands.tune import main
 
 
 @pytest.mark.parametrize(

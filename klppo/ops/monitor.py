@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from klppo.algorithms.kl_control import TargetSchedule
 from klppo.config import KLPPOConfig
+from klppo.ops.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
+from klppo.ops.monitor_rules import Action, build_rules
 from klppo.parallel.checkpoint import load_checkpoint
 from klppo.tracking.events import EventLog
-from klppo.trainer.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
-from klppo.trainer.monitor_rules import Action, build_rules
 
 if TYPE_CHECKING:
-    from klppo.trainer.setup import Run
+    from klppo.assembly.setup import Run
 
 log = logging.getLogger("klppo")
 

@@ -1,5 +1,5 @@
 """The operating rules: each reads one step's metrics (and the step's validation metrics, when validation
-ran) and says what should happen, as `Action` records; `klppo.trainer.monitor.Monitor` carries them out.
+ran) and says what should happen, as `Action` records; `klppo.ops.monitor.Monitor` carries them out.
 
 A rule holds only the counters its decision needs (``state_dict`` / ``load_state_dict`` for exact resume)
 and never touches the run. A metric that is absent (e.g. no reference model → no ``actor/ref_kl_k1``)

@@ -16,6 +16,14 @@ from transformers import AutoConfig
 
 from klppo.algorithms.advantages import get_advantage_estimator
 from klppo.algorithms.kl_control import KLController, make_kl_controller
+from klppo.assembly.data_check import build_loaders, tokenizer_trusts_code
+from klppo.assembly.roles_build import HFAssets, RoleInputs, Roles, SequenceGroups, build_roles, role_fsdp
+from klppo.assembly.settings import (
+    engine_options,
+    sampling_params,
+    to_dtype,
+    tune_workload,
+)
 from klppo.config import KLPPOConfig, config_to_yaml, derive_sizes
 from klppo.config.checks import (
     background_scoring_advice,
@@ -29,6 +37,7 @@ from klppo.config.sizes import Sizes
 from klppo.data.dataset import PromptLoader
 from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
 from klppo.models.lora import is_lora, merged_for_rollout
+from klppo.ops.checkpoint import checkpoint_step, resolve_resume
 from klppo.parallel.collectives import rank, world_size
 from klppo.parallel.fsdp import FSDPSettings, gathered_params
 from klppo.parallel.mesh import (
@@ -46,17 +55,6 @@ from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
 from klppo.rollout.sampling import is_untruncated
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
-from klppo.trainer.checkpoint import checkpoint_step, resolve_resume
-from klppo.trainer.data_check import tokenizer_trusts_code
-from klppo.trainer.roles_build import HFAssets, RoleInputs, Roles, SequenceGroups, build_roles, role_fsdp
-from klppo.trainer.settings import (
-    LoaderSettings,
-    engine_options,
-    loader_settings,
-    sampling_params,
-    to_dtype,
-    tune_workload,
-)
 from klppo.tune.preflight import check_memory
 
 log = logging.getLogger("klppo")
@@ -124,17 +122,6 @@ class Run:
                     yield merged
             else:
                 yield model
-
-
-def build_loaders(cfg: KLPPOConfig, tokenizer: Any) -> tuple[PromptLoader, PromptLoader | None]:
-    """The training loader and the validation loader (None without ``data.val_files``)."""
-
-    def make(settings: LoaderSettings) -> PromptLoader:
-        return PromptLoader(settings.files, tokenizer, **settings.loader_kwargs())
-
-    val = loader_settings(cfg.data, seed=cfg.trainer.seed, validation=True)
-    train = make(loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False))
-    return train, (make(val) if val is not None else None)
 
 
 def _start_precompile(

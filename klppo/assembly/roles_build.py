@@ -15,6 +15,18 @@ from typing import Any
 import torch
 
 from klppo.algorithms.losses import get_policy_loss
+from klppo.assembly.settings import (
+    ROLE_KEYS,
+    actor_settings,
+    check_cuda_graph_update,
+    critic_settings,
+    describe_min_num_params,
+    fsdp_settings,
+    grad_sync_per_mini_batch,
+    optim_settings,
+    reference_settings,
+    to_dtype,
+)
 from klppo.batching.attention import enable_packed_attention
 from klppo.config import KLPPOConfig, uses_critic, uses_lora
 from klppo.config.schema import CustomRewardFunctionConfig, RewardModelConfig
@@ -36,18 +48,6 @@ from klppo.roles.critic import Critic
 from klppo.roles.reference import Reference
 from klppo.roles.reward import Reward
 from klppo.roles.trained import TrainedRole
-from klppo.trainer.settings import (
-    ROLE_KEYS,
-    actor_settings,
-    check_cuda_graph_update,
-    critic_settings,
-    describe_min_num_params,
-    fsdp_settings,
-    grad_sync_per_mini_batch,
-    optim_settings,
-    reference_settings,
-    to_dtype,
-)
 
 HFAssets = dict[str, Callable[[Path], None]]
 

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
+from klppo.assembly.settings import fsdp_settings, tune_workload
 from klppo.config import ConfigError, KLPPOConfig, load_config
 from klppo.parallel.dist import init_distributed
-from klppo.trainer.settings import fsdp_settings, tune_workload
 from klppo.tune import report
 from klppo.tune.comm import matmul_rate, predict_units, probe_bandwidth
 from klppo.tune.grid import DEFAULT_THRESHOLDS, build_grid, describe, order, run_sweep

@@ -12,8 +12,8 @@ import pytest
 
 from klppo.config import ConfigError, load_config
 from klppo.config.schema_monitor import MonitorConfig
-from klppo.trainer.monitor import Monitor
-from klppo.trainer.monitor_rules import (
+from klppo.ops.monitor import Monitor
+from klppo.ops.monitor_rules import (
     Drift,
     EntropyCollapse,
     KLEarlyStop,
@@ -44,7 +44,7 @@ def test_kl_early_stop_follows_an_annealed_reward_target():
     step's update: KL 0.2 under the loose 0.3 of the first steps does not count; once the target has
     decayed to 0.1 it does. The schedule is configuration, not checkpointed state."""
     from klppo.algorithms.kl_control import TargetSchedule
-    from klppo.trainer.monitor import _reward_target
+    from klppo.ops.monitor import _reward_target
 
     cfg = load_config(["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.target_kl=0.1",
                        "algorithm.kl_ctrl.target_kl_start=0.3", "algorithm.kl_ctrl.anneal_begin=3",

@@ -13,14 +13,18 @@ scan, which is the price of refusing bad data before the weights load.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from klppo.config import KLPPOConfig
+from klppo.data.dataset import PromptLoader
 from klppo.data.parquet_rows import DataError
 from klppo.models.loading import load_tokenizer, model_dir
 from klppo.rewards.registry import SCORERS, check_custom_reward_file
+
+if TYPE_CHECKING:
+    from klppo.assembly.settings import LoaderSettings
 
 log = logging.getLogger("klppo")
 GROUND_TRUTH_COLUMN = "reward_model"
@@ -88,11 +92,21 @@ def _check_rule_reward_rows(loader: Any, split: str) -> None:
         )
 
 
+def build_loaders(cfg: KLPPOConfig, tokenizer: Any) -> tuple[PromptLoader, PromptLoader | None]:
+    """The training loader and the validation loader (None without ``data.val_files``)."""
+    from klppo.assembly.settings import loader_settings  # noqa: PLC0415  heavy (roles, engine): not for a bad key
+
+    def make(settings: LoaderSettings) -> PromptLoader:
+        return PromptLoader(settings.files, tokenizer, **settings.loader_kwargs())
+
+    val = loader_settings(cfg.data, seed=cfg.trainer.seed, validation=True)
+    train = make(loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False))
+    return train, (make(val) if val is not None else None)
+
+
 def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
     """Scan the train and validation files as the trainer will; returns the loaders by split. Raises
     :class:`DataError` (or ``FileNotFoundError``) with one line on the first problem."""
-    from klppo.trainer.setup import build_loaders  # noqa: PLC0415  heavy (the whole trainer): not for a bad key
-
     fn = cfg.custom_reward_function
     if fn.path:  # before any weights: a bad file is one line, not a traceback after loading
         check_custom_reward_file(fn.path, fn.name)

@@ -10,15 +10,15 @@ import logging
 import torch
 from transformers import AutoConfig
 
-from klppo.config import KLPPOConfig, derive_sizes, uses_critic, uses_lora
-from klppo.trainer.settings import (
+from klppo.assembly.settings import (
     ROLE_KEYS,
     describe_min_num_params,
     fsdp_settings,
     resolve_plain,
     tune_workload,
 )
-from klppo.trainer.startup_checks import check_before_weights
+from klppo.assembly.startup_checks import check_before_weights
+from klppo.config import KLPPOConfig, derive_sizes, uses_critic, uses_lora
 from klppo.tune.preflight import predicted_peaks_gib
 
 __all__ = ["check_before_weights", "dry_run"]

@@ -12,7 +12,7 @@
   `trainer.save_freq` > 0. It returns the estimate as a line for the dry run's plan.
 
 The prompt data itself (missing/empty files, columns, rows for one batch after filtering) is checked by
-`klppo.trainer.data_check`. Knows nothing of the loop; reads Parquet schemas, prompt columns and model
+`klppo.assembly.data_check`. Knows nothing of the loop; reads Parquet schemas, prompt columns and model
 configs, never weights.
 """
 
@@ -29,8 +29,8 @@ from transformers import AutoConfig
 from klppo.config import ConfigError, KLPPOConfig, uses_critic
 from klppo.models.flops import num_params
 from klppo.models.loading import model_dir
+from klppo.ops.checkpoint import CheckpointError, precheck_resume
 from klppo.tracking.tracker import BACKENDS, PACKAGES
-from klppo.trainer.checkpoint import CheckpointError, precheck_resume
 from klppo.tune.shapes import meta_model
 
 _PLACEHOLDERS = ("<image>", "<video>")

@@ -1,0 +1,219 @@
+"""`klppo train` and `python -m klppo.trainer.main_ppo` (verl's entry-point name): the same arguments as
+verl — an optional YAML file and dotted overrides. With no arguments at all, the embedded quickstart."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from klppo.assembly.data_check import check_data_at_startup
+from klppo.commands import quickstart
+from klppo.config import ConfigError, KLPPOConfig, check_trainable, load_config, warn_unimplemented
+from klppo.data import DataError
+from klppo.models.loading import ModelLoadError, model_dir
+from klppo.ops.nonfinite import TrainingStopped
+from klppo.ops.run_lock import HELD_ENV, RunLock, RunLockError, should_lock
+from klppo.parallel import dist
+from klppo.parallel.launch import maybe_relaunch, record_errors
+from klppo.rewards.registry import RewardFunctionError
+from klppo.tracking.run_dir import RunDirError, claim_run_files
+from klppo.trainer.timer import PhaseOutOfMemory
+
+log = logging.getLogger("klppo")
+
+
+def resolve_machine(cfg: KLPPOConfig) -> tuple[torch.device, int]:
+    """(device type to use, processes per node); checks what this machine has, before any model loads."""
+
+    want = cfg.trainer.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    nproc = cfg.trainer.n_gpus_per_node
+    if nproc in (None, "auto"):
+        nproc = torch.cuda.device_count() if want == "cuda" else 1
+    nproc = int(nproc)
+    if want == "cuda" and nproc > torch.cuda.device_count():
+        raise ConfigError(
+            f"trainer.n_gpus_per_node={nproc} but this machine has {torch.cuda.device_count()} visible GPU(s)"
+        )
+    return torch.device(want), nproc
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(
+        level=level, format="%(asctime)s klppo %(levelname)s: %(message)s", datefmt="%H:%M:%S"
+    )
+
+
+USAGE = """usage: klppo train [--dry-run] [config.yaml] [key=value ...]
+       klppo train [--dry-run] --quickstart {cpu,gpu} [key=value ...]
+       python -m klppo.trainer.main_ppo [config.yaml] [key=value ...]
+
+--dry-run: check everything, print the plan (processes, per-rank sizes, roles, predicted memory), train nothing.
+--quickstart: the embedded quickstart's recipe, chosen explicitly (overrides apply on top of it).
+
+KL-regularized PPO with verl's configuration keys (dotted overrides, e.g. data.train_batch_size=512
+actor_rollout_ref.rollout.n=4). With no arguments: the embedded quickstart (SmolLM2-135M-Instruct on a
+built-in arithmetic set): on a GPU the learning recipe, on a CPU a short demo. `klppo config ...` prints the resolved configuration without training.
+Every key: docs/configuration.md; the run directory, checkpoints and failures: docs/training.md."""
+
+
+STARTUP_CHECKED_ENV = "KLPPO_STARTUP_CHECKED"  # set for the ranks a checked `klppo train` starts
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    dry = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
+    _setup_logging()
+    recipe = None
+    try:
+        name, argv = _pop_option(argv, "--quickstart")
+        if name is not None or not argv:
+            recipe = quickstart.choose(name)
+            print(recipe.about, flush=True)
+            argv = quickstart.quickstart_argv(recipe) + argv
+        cfg = load_config(argv)
+        check_trainable(cfg)
+        from klppo.commands.plan import check_before_weights, dry_run  # noqa: PLC0415  heavy (transformers, tune): not for a bad key
+
+        device, nproc = resolve_machine(cfg)
+        # resolve (and for a .gguf file convert, once) the model before any process is started
+        model_path = model_dir(cfg.actor_rollout_ref.model.path, key="actor_rollout_ref.model.path")
+        plan = check_before_weights(cfg, model_path)  # loggers, text-only data, run directory and disk
+        loaders: dict = {}
+        if os.environ.get(STARTUP_CHECKED_ENV) != "1":  # prompt data and run-directory files
+            loaders = check_data_at_startup(cfg, model_path)
+            claim_run_files(Path(cfg.trainer.default_local_dir).expanduser(), record=False)
+        if dry:
+            warn_unimplemented(cfg)
+            return dry_run(cfg, device=device, nproc=nproc, model_path=model_path, plan=plan, loaders=loaders)
+    except (ConfigError, ModelLoadError, FileNotFoundError, ImportError, ValueError) as exc:  # DataError too
+        print(f"klppo: {exc}", file=sys.stderr)
+        return 2
+
+    lock = None
+    if should_lock(cfg.trainer.nnodes):
+        try:
+            lock = RunLock(Path(cfg.trainer.default_local_dir).expanduser()).acquire()
+        except RunLockError as exc:
+            print(f"klppo: {exc}", file=sys.stderr)
+            return 2
+    try:
+        code = _launch_or_run(cfg, device=device, nproc=nproc, argv=argv)
+    finally:
+        if lock is not None:
+            lock.release()
+    if recipe is not None and recipe.name == "cpu" and code == 0:
+        print(
+            f"this was the CPU demo; the learning recipe (about 5 minutes on one GPU):\n    {quickstart.GPU_COMMAND}"
+        )
+    return code
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """``os.environ`` with ``values`` set while inside (for the processes started there)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _launch_or_run(cfg: KLPPOConfig, *, device: torch.device, nproc: int, argv: list[str]) -> int:
+    """Start the ranks under torchrun (they inherit: data checked, run directory locked), or train here."""
+
+    with _environment(**{STARTUP_CHECKED_ENV: "1", HELD_ENV: "1"}):
+        code = maybe_relaunch(
+            argv,
+            nproc_per_node=nproc,
+            nnodes=cfg.trainer.nnodes,
+            module="klppo.commands.train",
+            use_gpus=device.type == "cuda",
+            stop_grace_s=float(cfg.trainer.stop_grace_s),
+        )
+    if code is not None:
+        return code
+    return record_errors(run)(cfg, device=device, argv=argv)
+
+
+def _pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
+    """(value of ``option VALUE`` or ``option=VALUE``, the other arguments); raises ValueError without a value."""
+    rest, value, args = [], None, iter(argv)
+    for arg in args:
+        if arg == option:
+            value = next(args, None)
+            if value is None:
+                raise ValueError(f"{option} needs a value")
+        elif arg.startswith(option + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return value, rest
+
+
+def run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> int:
+    """Train on this rank (already inside the right process layout)."""
+    from klppo.assembly.setup import build_run  # noqa: PLC0415  heavy (transformers, models): ranks only
+    from klppo.ops.checkpoint import CheckpointError  # noqa: PLC0415  heavy (torch.distributed.checkpoint): ranks only
+    from klppo.trainer.finish import finish_run  # noqa: PLC0415  heavy (torch.distributed.checkpoint): ranks only
+    from klppo.trainer.ppo_trainer import PPOTrainer  # noqa: PLC0415  heavy (models, rollout): ranks only
+
+    info = dist.init_distributed(device.type, float(cfg.trainer.collective_timeout_s))
+    if info.rank == 0:
+        warn_unimplemented(cfg)
+    start = time.perf_counter()
+    try:
+        built = build_run(cfg, device=info.device, argv=argv)
+        PPOTrainer(built).fit()
+        # every rank done before any tears its process group down (a rank leaving while a peer still
+        # talks to it aborted at exit: "terminate called without an active exception")
+        dist.barrier()
+        if info.rank == 0:
+            history = built.trackers.metrics.history
+            finish_run(built.run_dir, history=history, wall_s=time.perf_counter() - start)
+        return 0
+    except (DataError, RunDirError) as exc:  # found by the ranks when no checked `klppo train` started them
+        print(f"klppo: {exc}", file=sys.stderr)
+        return 2
+    except (TrainingStopped, CheckpointError, ModelLoadError, PhaseOutOfMemory, RewardFunctionError) as exc:
+        print(f"klppo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        dist.destroy()
+
+
+def _exit_rank(code: int) -> None:
+    """End a torchrun rank after its work is done and its files are closed. Static C++ teardown at
+    interpreter exit (c10d/gloo background threads) aborted about 1 in 12 finished CPU ranks with
+    "terminate called without an active exception", turning a completed run into a failed job; a rank
+    under torchrun therefore leaves with ``os._exit`` once everything is flushed."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit_rank(main())
