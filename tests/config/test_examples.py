@@ -1,4 +1,4 @@
-"""The recipes in examples/ load and pass the start-up checks (their figures are in bench/RESULTS.md)."""
+"""The recipes in examples/ load and pass the start-up checks (their figures are in docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -27,19 +27,19 @@ def test_examples_exist():
 @pytest.mark.parametrize(
     "example,setting,task",
     [
-        # session 18's t14_s2 (62.5% at k3 0.094), its seed included
+        # bench/learning.py's t14_s2, its seed included
         ("arithmetic_grpo_kl_ramp.yaml",
          "t14_s2=grpo_pi,{G},{R},{C}.target_kl=0.14,{B},actor_rollout_ref.rollout.n=4,{M},{F},"
          "{K}.skip_zero_advantage_rows=True,trainer.seed=2,{K}.optim.lr=5e-5,{K}.optim.lr_scheduler_type=cosine,"
          "{K}.optim.min_lr_ratio=0.1,trainer.total_training_steps=378,reward_model.launch_reward_fn_async=True",
          "arithmetic"),
-        # session 15's gae_p256 (58.0% at k3 0.094; 56.5% at 0.082 with trainer.seed=2)
+        # bench/learning.py's gae_p256
         ("arithmetic_gae_kl_ramp.yaml",
          "gae_p256=gae_pi,{G},{R},{C}.target_kl=0.13,{K}.optim.lr=3e-5,{K}.entropy_coeff=0.001,"
          "data.train_batch_size=256,actor_rollout_ref.rollout.n=4,{K}.ppo_mini_batch_size=256,"
          "critic.ppo_mini_batch_size=256,critic.optim.lr=5e-5,{M},{F},{V},reward_model.launch_reward_fn_async=True",
          "arithmetic"),
-        # session 16's gsm_ramp (bench/learning.py --task gsm8k: strict 0.5% -> 2.0% on SmolLM2-135M)
+        # bench/learning.py --task gsm8k's gsm_ramp
         ("gsm8k_grpo_kl_target.yaml",
          "gsm_ramp=grpo_pi,{G},{R},{C}.target_kl=0.13,{K}.optim.lr=4e-5,data.train_batch_size=128,"
          "{K}.ppo_mini_batch_size=128,{M},{F},{K}.skip_zero_advantage_rows=True,"
@@ -48,7 +48,7 @@ def test_examples_exist():
 )  # fmt: skip
 def test_ramp_recipes_are_the_measured_settings(example, setting, task):
     """The recipe file trains what bench/learning.py measured (its presets and the setting's overrides, as
-    written in bench/RESULTS.md): the actor, rollout, critic, algorithm and batch sections agree."""
+    listed in docs/performance.md): the actor, rollout, critic, algorithm and batch sections agree."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -91,7 +91,7 @@ def test_ramp_recipes_are_the_measured_settings(example, setting, task):
         assert getattr(recipe.reward_model, key) == getattr(measured.reward_model, key), key
     if method != "flexible":  # the bench's reward method (the arithmetic recipes use the default scorer)
         assert dict(recipe.reward_model.reward_kwargs)["method"] == method
-    assert recipe.trainer.seed == measured.trainer.seed  # a seed is a different run (session 13)
+    assert recipe.trainer.seed == measured.trainer.seed  # another seed is another run
     if arr_m.actor.optim.lr_scheduler_type == "cosine":  # the schedule's length is the run's step count
         assert recipe.trainer.total_training_steps == measured.trainer.total_training_steps
     paths = ("train_files", "val_files")  # the recipe names none; the bench writes its own
