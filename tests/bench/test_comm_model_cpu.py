@@ -12,9 +12,7 @@ import pytest
 
 from bench.comm_model import main, predicted_share
 
-SWEEP = (
-    Path(__file__).resolve().parents[2] / "bench" / "results" / "fsdp-sweep-2gpu-1.5b.json"
-)
+SWEEP = Path(__file__).resolve().parents[2] / "bench" / "results" / "fsdp-sweep-2gpu-1.5b.json"
 
 
 def test_first_row_at_two_link_speeds_and_the_table(capsys):
