@@ -204,12 +204,12 @@ def set_traced_packed_attention(on: bool) -> None:
     """Inside compiled decoder layers (:mod:`klppo.models.compiled_layers`), trace packed attention into
     the layer's graph instead of leaving it to eager code between compiled parts. Off by default: the
     eager path breaks each compiled layer in five regions (the layer, its attention module and the
-    attention function, each resumed after the call), each with its guard checks and wrappers — session
-    13's profile of a SmolLM2 step counted 600 such checks in one reference pass. On: one region per layer
-    where the backend can be traced (``torch_varlen`` on CUDA, ``sdpa_block`` elsewhere); ``flash_attn``
-    and ``flex`` keep the eager path. Measured on an H200 (session 14, ``bench/ppo_step.py --workload grpo135m
-    --variants after after+traced_attention``, bench/RESULTS.md): the same step (0.454 against 0.468 s; the
-    update 8% faster, the reference 3% slower), so it stays off. Set it before the first compiled forward: layers
+    attention function, each resumed after the call), each with its guard checks and wrappers, hundreds of
+    checks in a small model's reference pass. On: one region per layer where the backend can be traced
+    (``torch_varlen`` on CUDA, ``sdpa_block`` elsewhere); ``flash_attn`` and ``flex`` keep the eager path.
+    It stays off because the whole step takes the same time either way: the update gains what the reference
+    loses (``bench/ppo_step.py --variants after after+traced_attention``). Set it before the first compiled
+    forward: layers
     compiled with it off keep their regions when it is turned on later (until ``torch._dynamo.reset()``;
     turning it off recompiles, the guards see that)."""
     _traced.clear()

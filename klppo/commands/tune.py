@@ -57,13 +57,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--link-gbps",
         type=float,
         default=350.0,
-        help="--dry-run: assumed all-gather bus bandwidth, GB/s (H100/H200 NVLink ≈ 350)",
+        help="--dry-run: assumed all-gather bus bandwidth, GB/s (the default: NVLink between data-centre GPUs)",
     )
     p.add_argument(
         "--tflops",
         type=float,
         default=600.0,
-        help="--dry-run: assumed sustained bf16 matmul rate, TFLOP/s (H100/H200 ≈ 600)",
+        help="--dry-run: assumed sustained bf16 matmul rate, TFLOP/s (the default: a data-centre GPU)",
     )
     return p.parse_args(argv)
 

@@ -50,6 +50,8 @@ STD_GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # reward_model.reward_manager values klppo.rewards.RewardManager builds (klppo.rewards.REWARD_MANAGERS)
 IMPLEMENTED_REWARD_MANAGERS = ("naive", "batch", "dapo")
+# where the notes about the KL settings point: the guide's section that explains them
+_KEEP_CLOSE = "docs/training.md, 'Keeping the policy close to its reference'"
 
 _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("algorithm.adv_estimator", ADV_ESTIMATORS),
@@ -301,8 +303,8 @@ def _check_skip_zero_advantage_rows(cfg: KLPPOConfig) -> None:
 
 def _skip_would_pay(cfg: KLPPOConfig) -> bool:
     """A GRPO/RLOO run with the KL in the loss and one update per step, not leaving out its zero-advantage
-    samples: where ``actor.skip_zero_advantage_rows`` was measured to pay (several mini-batches: allowed,
-    not yet measured, so not advised)."""
+    samples: the case ``actor.skip_zero_advantage_rows`` is advised for (with several mini-batches it is
+    allowed, not advised)."""
     actor = cfg.actor_rollout_ref.actor
     return (
         not actor.skip_zero_advantage_rows
@@ -409,7 +411,7 @@ def _check_kl_early_stop_target(cfg: KLPPOConfig) -> None:
 
 def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
     """Settings that run but rarely do what their author wants: one note each, naming the keys and what to
-    set (the GRPO and PI notes rest on measured runs, bench/RESULTS.md 'Learning')."""
+    set (the GRPO and PI notes: docs/training.md, "Keeping the policy close to its reference")."""
     actor = cfg.actor_rollout_ref.actor
     for prefix, ctrl, init_key, init_coef, on in (
         ("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, "kl_coef", cfg.algorithm.kl_ctrl.kl_coef,
@@ -422,10 +424,9 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
     if actor.use_kl_loss and actor.kl_loss_ctrl.type == "pi" and actor.kl_loss_ctrl.target_kl_start is None:
         notify(
             "actor_rollout_ref.actor.kl_loss_ctrl: a constant target is overshot in the first steps, before β "
-            "catches up (measured per step: k3 0.27–0.39 for targets of 0.1–0.15, bench/RESULTS.md 'Learning'); "
-            "ramping the target up from below kept every step under 0.15 and ended at 55–58.5% against "
-            "49–52.5% at k3 ≈ 0.1 (session 10, where the ramped runs also made more steps): kl_loss_coef=0.3, "
-            "kl_loss_ctrl.target_kl_start=0.02, anneal_begin=0, anneal_steps=40 (examples/arithmetic_grpo_kl_ramp.yaml)"
+            "catches up; a target ramped up from below keeps the early steps under it: kl_loss_coef=0.3, "
+            "kl_loss_ctrl.target_kl_start=0.02, anneal_begin=0, anneal_steps=40 "
+            f"(examples/arithmetic_grpo_kl_ramp.yaml; {_KEEP_CLOSE})"
         )
     est, n_samples = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
     if est in GROUP_ESTIMATORS and n_samples == 1:
@@ -446,10 +447,9 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
     if _skip_would_pay(cfg):
         notify(
             f"tip (not set): actor_rollout_ref.actor.skip_zero_advantage_rows=True would leave the samples of "
-            f"{est}'s equal-score groups (advantage exactly 0: no policy gradient) out of this one-update-per-step actor update; the "
-            "KL and entropy terms then act on the kept samples, the KL metrics and controller still see all. "
-            "Measured (SmolLM2-135M arithmetic, 54-57% of groups equal): the update halved, 167-182 steps in "
-            "300 s against 124, the same accuracy per step (bench/RESULTS.md, session 12)"
+            f"{est}'s equal-score groups (advantage exactly 0: no policy gradient) out of this one-update-per-step "
+            "actor update, which then costs less; the KL and entropy terms act on the kept samples, the KL metrics "
+            "and controller still see all (docs/training.md, 'Samples without advantage')"
         )
     if cfg.critic.enable and not uses_critic(cfg):
         notify(
@@ -475,9 +475,9 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
             f"algorithm.use_kl_in_reward=True with adv_estimator={est} and norm_adv_by_std_in_grpo=True: in a "
             "group whose task scores are all equal (most groups while the reward is sparse) the division by the "
             "group's std turns the KL penalty alone into advantages of size ~1, whatever kl_ctrl.kl_coef, and "
-            "they pull every response toward the reference (measured: no learning, bench/RESULTS.md "
-            "'Learning', call g); put the KL in the loss (actor.use_kl_loss=True, use_kl_in_reward=False) or "
-            "set algorithm.norm_adv_by_std_in_grpo=False"
+            "they pull every response toward the reference instead of toward the task; put the KL in the loss "
+            "(actor.use_kl_loss=True, use_kl_in_reward=False) or set algorithm.norm_adv_by_std_in_grpo=False "
+            f"({_KEEP_CLOSE})"
         )
 
 
@@ -542,27 +542,26 @@ def _compiled_layers(cfg: KLPPOConfig) -> None:
 def compiled_layers_advice(cfg: KLPPOConfig) -> list[str]:
     """On a GPU: for each role whose packed passes could run compiled decoder layers but do not
     (``compile_packed_layers`` off with ``use_remove_padding`` on and no Ulysses), the sentence that says what
-    to set and what it measured (bench/RESULTS.md, sessions 6 and 7); the critic only when the run has one."""
+    to set and what it costs; the critic only when the run has one."""
     out = []
     for prefix, model, sp in _packed_roles(cfg):
         if prefix == "critic.model" and not uses_critic(cfg):
             continue
         if not model.compile_packed_layers and model.use_remove_padding and sp == 1:
-            out.append(_COMPILED_LAYERS_MEASURED[prefix])
+            out.append(_COMPILED_LAYERS_ADVICE[prefix])
     return out
 
 
 def background_scoring_advice(cfg: KLPPOConfig) -> str | None:
     """On a GPU, where reward functions score in the step (no reward model, ``launch_reward_fn_async``
-    off, as verl's default): the sentence that says to score in the background and what it measured."""
+    off, as verl's default): the sentence that says to score in the background."""
     rm = cfg.reward_model
     if rm.enable or rm.launch_reward_fn_async:
         return None
     return (
         "reward_model.launch_reward_fn_async=True decodes the responses and runs the reward function in "
         "worker processes (reward_model.num_workers per rank) while the log-prob, reference and value passes "
-        "run, with the same scores (measured on an H200, SmolLM2-135M, 2,048 responses per step: the reward "
-        "phase 0.105 -> 0.020 s, the step -2%; bench/RESULTS.md session 15)"
+        "run, with the same scores (docs/training.md, 'Rewards')"
     )
 
 
@@ -587,22 +586,20 @@ def critic_budget_advice(cfg: KLPPOConfig, *, critic_mini_batch_tokens: int | No
         f"micro-batches; critic.ppo_max_token_len_per_gpu={actor_budget} and "
         f"critic.forward_max_token_len_per_gpu={actor_budget} (the actor's budget) need less memory than the "
         "actor's passes at that budget (a value head instead of vocabulary logits), and fewer, larger "
-        "micro-batches cut the per-step host work (measured on an H200, SmolLM2-135M: the actor's training "
-        "phases −45 to −57% from 16,384 to 49,152 tokens; in the GAE learning runs the critic's update at "
-        "16,384 tokens took 1.07 s against the actor's 0.69 s at 65,536 over the same samples)"
+        "micro-batches cut the per-step host work"
     )
 
 
-_COMPILED_LAYERS_MEASURED = {
+_COMPILED_PASSES = "docs/training.md, 'Compiled passes'"
+_COMPILED_LAYERS_ADVICE = {
     "actor_rollout_ref.model": (
         "actor_rollout_ref.model.compile_packed_layers=True compiles the decoder layers of the actor's and "
-        "the reference's packed passes (measured on an H200: SmolLM2-135M GRPO update −29% and reference "
-        "pass −36%; the Qwen2.5-1.5B update 35.5% → 43.5% MFU and −13 GiB), for about 12 s of compilation "
-        "in the first passes (1.5B)"
+        "the reference's packed passes, which then take less time and memory, for a compilation in the "
+        f"first passes ({_COMPILED_PASSES})"
     ),
     "critic.model": (
-        "critic.model.compile_packed_layers=True compiles the critic's packed passes (measured on an H200, "
-        "Qwen2.5-0.5B PPO: update_critic −15%, training phases −16%, at +16 GiB of peak memory)"
+        "critic.model.compile_packed_layers=True compiles the critic's packed passes, which then take less "
+        f"time at more peak memory ({_COMPILED_PASSES})"
     ),
 }
 
@@ -630,8 +627,8 @@ def _pi_floor_note(prefix: str, ctrl, init_key: str, init_coef: float, notify: N
         notify(
             f"{prefix}: with min_coef={ctrl.min_coef:g} and ki={ctrl.ki:g}, β can sink to the floor while the KL "
             f"is ≈ 0 in the first steps and then needs ≥ {steps:.0f} steps to climb back to {init_key}="
-            f"{init_coef:g} once the policy moves (measured: the KL ran ~5× over target, bench/RESULTS.md "
-            f"'Learning', call g); raise min_coef toward {init_coef:g} or ki"
+            f"{init_coef:g} once the policy moves, while the KL runs over its target; raise min_coef toward "
+            f"{init_coef:g} or ki ({_KEEP_CLOSE})"
         )
 
 

@@ -114,7 +114,7 @@ of learning: the metric `actor/reward_kl_penalty_share` (mean |β·Σ_t KL| ÷ m
 the console warns after 5 steps above 1. `type: pi` acts per step (no horizon), but its log error is clipped to ±1, so
 past the proportional term (at most ±kp) ln β moves by at most `ki` per step: started while the KL is ≈ 0 it drives β down
 to `min_coef` first, and with gentle gains (kp 0.3, ki 0.05) climbing back from a floor of 0.001 takes ≈ ln(80)/0.05 ≈ 90
-steps to reach 0.08 once the policy moves (bench/RESULTS.md, "Learning", call g: the KL was never held). Set `min_coef`
+steps to reach 0.08 once the policy moves, while the KL runs far over its target. Set `min_coef`
 close to the starting `kl_coef` (a floor that still penalises the first switch) or use the default gains.
 With a group estimator that divides by the group's std (`grpo`, `grpo_passk` with
 `norm_adv_by_std_in_grpo=True`) the reward-side penalty becomes a unit-size advantage in every group whose
@@ -150,12 +150,14 @@ task scores are equal, whatever β: klppo notes it at load time; put the KL in t
 
 These verl keys are accepted so that verl command lines run unchanged. Nothing happens while they keep their
 default; set to another value, they act as the second column says. Every other key is implemented.
-This is the one list (`klppo/config/unimplemented.py`); rows are removed as features land.
+This is the one list (`klppo/config/unimplemented.py`).
 
 | key | when set to a non-default value | why |
 | --- | --- | --- |
 {unimplemented}
 ## All keys
+
+A meaning ends with a link where a guide explains the key at more length.
 """
 
 
@@ -168,18 +170,24 @@ def _default_text(value: object) -> str:
     return f"`{text}`".replace("|", "\\|")
 
 
+def _meaning(f: dataclasses.Field) -> str:
+    """A field's help, then `See [guide.md](guide.md#section).` where the schema names the guide section that
+    explains the key."""
+    see = f.metadata.get("see", "")
+    return f.metadata.get("help", "") + (f" See [{see.split('#')[0]}]({see})." if see else "")
+
+
 def _rows(cls: type, obj: object, prefix: str) -> list[str]:
     rows = []
     for f in dataclasses.fields(cls):
         tp, key, value = hints(cls)[f.name], prefix + f.name, getattr(obj, f.name)
-        meaning = f.metadata.get("help", "").replace("|", "\\|")
+        meaning = _meaning(f).replace("|", "\\|")
         if is_group(tp):
             rows.append(f"| **`{key}`** | | {meaning} |")
             rows += _rows(tp, value, key + ".")
         else:
-            rows.append(
-                f"| `{key}` | {_default_text(value)} | {meaning} ({type_name(tp).replace('|', '/')}) |"
-            )
+            kind = type_name(tp).replace("|", "/")
+            rows.append(f"| `{key}` | {_default_text(value)} | {meaning} ({kind}) |")
     return rows
 
 
@@ -190,7 +198,7 @@ def render_docs() -> str:
     cfg = KLPPOConfig()
     for f in dataclasses.fields(KLPPOConfig):
         tp = hints(KLPPOConfig)[f.name]
-        text += f"\n### `{f.name}`: {f.metadata.get('help', '')}\n\n| key | default | meaning (type) |\n"
+        text += f"\n### `{f.name}`: {_meaning(f)}\n\n| key | default | meaning (type) |\n"
         text += "| --- | --- | --- |\n" + "\n".join(_rows(tp, getattr(cfg, f.name), f.name + ".")) + "\n"
     return text
 

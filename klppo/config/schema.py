@@ -12,9 +12,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from klppo.config._field import II, SEL, F
-from klppo.config.schema_arr import ActorRolloutRefConfig, TiledMLPConfig
+from klppo.config.schema_arr import (
+    COMPILED_PASSES,
+    KL_CONTROLLERS,
+    ULYSSES,
+    ActorRolloutRefConfig,
+    TiledMLPConfig,
+)
 from klppo.config.schema_common import CheckpointConfig, FSDPConfig, OptimConfig, ProfilerConfig
-from klppo.config.schema_monitor import MonitorConfig
+from klppo.config.schema_monitor import OPERATING_RULES, MonitorConfig
+
+ESTIMATORS = "algorithms.md#advantage-estimators-algorithmadv_estimator"
+REWARDS = "training.md#rewards"
 
 
 @dataclass(frozen=True)
@@ -94,11 +103,11 @@ class CriticModelConfig:
     use_remove_padding: bool = F(False, "Pack sequences without padding (alias: data.use_sequence_packing).")
     compile_packed_layers: bool = F(
         False,
-        "[klppo] torch.compile the critic's decoder layers for packed forwards (values and update), "
-        "dynamic token dims (KLPPO_COMPILE_DYNAMIC_TOKENS=0: static token buckets); needs use_remove_padding, "
-        "not with Ulysses.",
+        "[klppo] torch.compile the critic's decoder layers for packed forwards (values and update); needs "
+        "use_remove_padding, not with Ulysses.",
+        see=COMPILED_PASSES,
     )
-    fsdp_config: FSDPConfig = F(FSDPConfig, "FSDP2 sharding of the critic.")
+    fsdp_config: FSDPConfig = F(FSDPConfig, "FSDP2 sharding of the critic.", see="sharding.md")
     lora_rank: int = F(0, "LoRA rank; 0 = full fine-tuning.")
     lora_alpha: int = F(16, "LoRA alpha.")
     target_modules: Any = F("all-linear", "LoRA target modules.")
@@ -115,8 +124,9 @@ class CriticConfig:
     strategy: str = F("fsdp2", "Training backend (fsdp is read as fsdp2).")
     enable: bool | None = F(
         None,
-        "Use a critic. klppo builds one exactly when adv_estimator=gae: false with gae is refused, true with a "
-        "critic-free estimator is noted at load as having no effect (verl would train a critic nothing reads).",
+        "Use a critic; klppo builds one exactly when adv_estimator=gae (false with gae is refused, true "
+        "without it has no effect).",
+        see=ESTIMATORS,
     )
     optim: OptimConfig = F(None, "Optimizer (lr 1e-5).", factory=_critic_optim)
     model: CriticModelConfig = F(CriticModelConfig, "Value model.")
@@ -135,7 +145,7 @@ class CriticConfig:
     ppo_epochs: int = F(SEL("actor_rollout_ref.actor.ppo_epochs", "1"), "Follows actor.")
     shuffle: bool = F(SEL("actor_rollout_ref.actor.shuffle", "false"), "Follows actor.")
     data_loader_seed: int = F(42, "Shuffle seed.")
-    cliprange_value: float = F(0.5, "Value clip range.")
+    cliprange_value: float = F(0.5, "Value clip range.", see="algorithms.md#value-loss-criticcliprange_value")
     loss_agg_mode: str = F(SEL("actor_rollout_ref.actor.loss_agg_mode", "token-mean"), "Follows actor.")
     checkpoint: CheckpointConfig = F(CheckpointConfig, "Checkpoint contents.")
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
@@ -143,7 +153,7 @@ class CriticConfig:
     forward_micro_batch_size_per_gpu: int | None = F(
         SEL(".ppo_micro_batch_size_per_gpu", "null"), "SAMPLES per value forward on one GPU."
     )
-    ulysses_sequence_parallel_size: int = F(1, "Ulysses sequence-parallel group size.")
+    ulysses_sequence_parallel_size: int = F(1, "Ulysses sequence-parallel group size.", see=ULYSSES)
     grad_clip: float = F(1.0, "Gradient-norm clip.")
 
 
@@ -151,8 +161,8 @@ class CriticConfig:
 class RewardModelModelConfig:
     input_tokenizer: str | None = F(
         II("actor_rollout_ref.model.path"),
-        "Tokenizer of the policy's text (verl). klppo decodes the responses with the policy's tokenizer and "
-        "re-encodes them with the reward model's own (its path), whatever this says.",
+        "Tokenizer of the policy's text (verl); klppo decodes with the policy's tokenizer and re-encodes with "
+        "the reward model's own, whatever this says.",
     )
     path: str = F("~/models/FsfairX-LLaMA3-RM-v0.1", "Sequence-classification reward model.")
     external_lib: str | None = F(SEL("actor_rollout_ref.model.external_lib", "null"), "Follows actor's.")
@@ -203,7 +213,7 @@ class RewardRolloutConfig:
 
 @dataclass(frozen=True)
 class RewardModelConfig:
-    enable: bool = F(False, "Score with a reward model instead of rules only.")
+    enable: bool = F(False, "Score with a reward model instead of rules only.", see=REWARDS)
     enable_resource_pool: bool = F(False, "verl: a separate GPU pool for the reward model.")
     n_gpus_per_node: int = F(8, "GPUs per node of that pool.")
     nnodes: int = F(0, "Nodes of that pool.")
@@ -219,22 +229,21 @@ class RewardModelConfig:
     max_length: int | None = F(None, "Max tokens scored.")
     use_dynamic_bsz: bool = F(
         II("critic.use_dynamic_bsz"),
-        "Follows critic. Reward-model forwards in micro-batches of forward_max_token_len_per_gpu tokens "
-        "(consecutive samples padded to the longest) instead of micro_batch_size_per_gpu samples.",
+        "Follows critic: reward-model forwards in micro-batches of forward_max_token_len_per_gpu tokens "
+        "instead of micro_batch_size_per_gpu samples.",
     )
     forward_max_token_len_per_gpu: int = F(II("critic.forward_max_token_len_per_gpu"), "Follows critic.")
-    reward_manager: str = F("naive", "How scores are computed over a batch (naive | batch | prime | dapo).")
+    reward_manager: str = F(
+        "naive", "How scores are computed over a batch (naive | batch | prime | dapo).", see=REWARDS
+    )
     reward_loop_source: str = F("register", "verl reward loop: register | importlib (a user class).")
     reward_loop_module_path: str | None = F(None, "File of a user reward-loop class.")
     reward_loop_class_name: str | None = F(None, "Name of that class.")
     launch_reward_fn_async: bool = F(
         False,
-        "Decode and score the responses (built-in scorer or custom_reward_function) in a worker process "
-        "while the old-log-prob, reference and value passes run; the step collects the scores at its reward "
-        "phase. SIGINT/SIGTERM do nothing to the process (nor are they blocked for what the reward function "
-        "starts); it ends with the trainer; if it dies, the trainer scores "
-        "in the step from then on (one warning). Not with a reward model (reward_model.enable), which scores "
-        "on the device in the step.",
+        "Score the responses in worker processes while the log-prob, reference and value passes run; not with "
+        "a reward model.",
+        see=REWARDS,
     )
     sandbox_fusion: SandboxFusionConfig = F(SandboxFusionConfig, "Code execution sandbox.")
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
@@ -242,9 +251,9 @@ class RewardModelConfig:
     use_reward_loop: bool = F(True, "verl: score through the asynchronous reward loop.")
     num_workers: int = F(
         1,
-        "With launch_reward_fn_async: scoring processes per rank, each given a contiguous slice of the "
-        "rank's rows (with reward_manager=batch only 1: the batched compute_score sees the whole batch). "
-        "Without it scores are computed in the step, in the trainer (a note says so).",
+        "With launch_reward_fn_async: scoring processes per rank, each given a contiguous slice of its rows "
+        "(1 with reward_manager=batch).",
+        see=REWARDS,
     )
     rollout: RewardRolloutConfig = F(RewardRolloutConfig, "verl: serving of the reward model in the loop.")
     reward_kwargs: dict[str, Any] = F(
@@ -254,13 +263,19 @@ class RewardModelConfig:
 
 @dataclass(frozen=True)
 class CustomRewardFunctionConfig:
-    path: str | None = F(None, "Python file with a reward function (null: built-in by data_source).")
+    path: str | None = F(
+        None, "Python file with a reward function (null: built-in by data_source).", see=REWARDS
+    )
     name: str | None = F("compute_score", "Function name in that file (null only when path is null).")
 
 
 @dataclass(frozen=True)
 class KLControlConfig:
-    type: str = F("fixed", "fixed | adaptive (Ziegler et al. 2019) | pi (PI control of log β; ours).")
+    type: str = F(
+        "fixed",
+        "fixed | adaptive (Ziegler et al. 2019) | pi (PI control of log β; ours).",
+        see=KL_CONTROLLERS,
+    )
     kl_coef: float = F(0.001, "β of the KL penalty in the reward (initial β when adaptive or pi).")
     horizon: int = F(10000, "Adaptive controller horizon, in samples (all ranks, all n samples of a step).")
     target_kl: float | None = F(
@@ -303,11 +318,15 @@ class AlgorithmConfig:
     )
     gamma: float = F(1.0, "Discount.")
     lam: float = F(1.0, "GAE λ.")
-    adv_estimator: str = F("gae", "gae | grpo | rloo | reinforce_plus_plus | remax | ... (see docs).")
+    adv_estimator: str = F("gae", "gae | grpo | rloo | reinforce_plus_plus | remax | ...", see=ESTIMATORS)
     norm_adv_by_std_in_grpo: bool = F(True, "GRPO divides by the group std (false: Dr.GRPO).")
-    use_kl_in_reward: bool = F(False, "Subtract β·KL from token rewards.")
+    use_kl_in_reward: bool = F(
+        False,
+        "Subtract β·KL from token rewards.",
+        see="algorithms.md#kl-penalty-in-the-reward-algorithmuse_kl_in_rewardtrue",
+    )
     kl_penalty: str = F("kl", "KL estimator in the reward: kl|abs|mse|low_var_kl|full (k1|k2|k3 accepted).")
-    kl_ctrl: KLControlConfig = F(KLControlConfig, "β controller.")
+    kl_ctrl: KLControlConfig = F(KLControlConfig, "β controller.", see=KL_CONTROLLERS)
     use_pf_ppo: bool = F(False, "Preference-feedback PPO reweighting.")
     pf_ppo: PFPPOConfig = F(PFPPOConfig, "PF-PPO options.")
 
@@ -326,13 +345,13 @@ class TrainerConfig:
     log_val_generations: int = F(0, "Validation samples written per validation.")
     rollout_data_dir: str | None = F(None, "Dump rollouts as JSONL here.")
     validation_data_dir: str | None = F(None, "Dump validation generations here.")
-    nnodes: int = F(1, "Nodes.")
+    nnodes: int = F(1, "Nodes.", see="distributed.md")
     n_gpus_per_node: int | str = F(
         "auto", "[klppo default] processes per node: auto (all GPUs; 1 on CPU) or N."
     )
     save_freq: int = F(-1, "Checkpoint every N steps (-1 = only at the end if at all).")
     esi_redundant_time: int = F(0, "Seconds reserved before an expected preemption.")
-    resume_mode: str = F("auto", "auto | disable | resume_path.")
+    resume_mode: str = F("auto", "auto | disable | resume_path.", see="training.md#checkpoints-and-resume")
     resume_from_path: str | None = F(None, "Checkpoint folder when resume_mode=resume_path.")
     val_before_train: bool = F(True, "Validate before the first step.")
     val_only: bool = F(False, "Only validate.")
@@ -341,7 +360,9 @@ class TrainerConfig:
     default_hdfs_dir: str | None = F(None, "HDFS copy of checkpoints.")
     del_local_ckpt_after_load: bool = F(False, "Delete local checkpoint after loading.")
     default_local_dir: str = F(
-        "checkpoints/${trainer.project_name}/${trainer.experiment_name}", "Run directory."
+        "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
+        "Run directory.",
+        see="training.md#the-run-directory-trainerdefault_local_dir",
     )
     max_actor_ckpt_to_keep: int | None = F(None, "Keep at most N actor checkpoints.")
     max_critic_ckpt_to_keep: int | None = F(None, "Keep at most N critic checkpoints.")
@@ -352,7 +373,11 @@ class TrainerConfig:
     max_nan_steps: int = F(
         3, "[klppo] Steps skipped for a NaN/inf (reward, KL, loss, ...) before the run stops."
     )
-    collective_timeout_s: int = F(1800, "[klppo] Seconds a collective may wait before the run fails.")
+    collective_timeout_s: int = F(
+        1800,
+        "[klppo] Seconds a collective may wait before the run fails.",
+        see="distributed.md#failures-and-timeouts",
+    )
     stop_grace_s: int = F(
         600,
         "[klppo] After SIGTERM/SIGINT to `klppo train`, seconds its ranks get to finish the step and save.",
@@ -411,7 +436,11 @@ class KLPPOConfig:
     )
     algorithm: AlgorithmConfig = F(AlgorithmConfig, "Advantages and KL.")
     trainer: TrainerConfig = F(TrainerConfig, "Loop, logging, checkpoints, devices.")
-    global_profiler: GlobalProfilerConfig = F(GlobalProfilerConfig, "Profiling.")
-    monitor: MonitorConfig = F(MonitorConfig, "[klppo] Operating rules that act on each step's metrics.")
+    global_profiler: GlobalProfilerConfig = F(
+        GlobalProfilerConfig, "Profiling.", see="training.md#profiling-global_profiler"
+    )
+    monitor: MonitorConfig = F(
+        MonitorConfig, "[klppo] Operating rules that act on each step's metrics.", see=OPERATING_RULES
+    )
     ray_kwargs: RayKwargsConfig = F(RayKwargsConfig, "verl's Ray options (no effect: klppo uses torchrun).")
     transfer_queue: TransferQueueConfig = F(TransferQueueConfig, "verl's data plane (no effect here).")

@@ -13,6 +13,12 @@ from typing import Any
 from klppo.config._field import II, SEL, F
 from klppo.config.schema_common import CheckpointConfig, FSDPConfig, OptimConfig, ProfilerConfig
 
+COMPILED_PASSES = "training.md#compiled-passes-use_torch_compile-compile_packed_layers"
+KL_LOSS = "algorithms.md#kl-loss-actoruse_kl_loss-actorkl_loss_type-actorkl_loss_coef"
+KL_CONTROLLERS = "algorithms.md#kl-coefficient-controllers-algorithmkl_ctrl"
+ROLLOUT_SETTINGS = "rollout.md#"
+ULYSSES = "sharding.md#ulysses-sequence-parallelism-ulysses_sequence_parallel_size"
+
 
 @dataclass(frozen=True)
 class TiledMLPConfig:
@@ -55,7 +61,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = F(True, "Recompute activations in backward to save memory.")
     enable_activation_offload: bool = F(False, "Offload activations to CPU.")
     use_remove_padding: bool = F(True, "Pack sequences without padding (alias: data.use_sequence_packing).")
-    lora_rank: int = F(0, "LoRA rank; 0 = full fine-tuning.")
+    lora_rank: int = F(0, "LoRA rank; 0 = full fine-tuning.", see="training.md#lora")
     lora_alpha: int = F(16, "LoRA alpha.")
     target_modules: Any = F("all-linear", "LoRA target modules (name or list).")
     exclude_modules: Any = F(None, "LoRA modules left out.")
@@ -69,9 +75,9 @@ class ModelConfig:
     fused_kernel_options: dict[str, Any] = F({"impl_backend": "torch"}, "Options of the fused kernels.")
     compile_packed_layers: bool = F(
         False,
-        "[klppo] torch.compile the decoder layers for packed forwards (actor and reference: log-probs and "
-        "update) with dynamic token dims, one graph per grad mode (KLPPO_COMPILE_DYNAMIC_TOKENS=0: padded to "
-        "static token buckets); needs use_remove_padding, not with Ulysses (klppo.models.compiled_layers).",
+        "[klppo] torch.compile the decoder layers for the actor's and reference's packed forwards, with dynamic "
+        "token dims; needs use_remove_padding, not with Ulysses.",
+        see=COMPILED_PASSES,
     )
     trust_remote_code: bool = F(False, "Allow model code from the model directory.")
     hf_config_path: str | None = F(
@@ -119,36 +125,47 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int | None = F(None, "SAMPLES per forward/backward on one GPU.")
     use_dynamic_bsz: bool = F(False, "Form micro-batches by token budget instead of sample count.")
     ppo_max_token_len_per_gpu: int = F(16384, "Token budget of one micro-batch on one GPU (use_dynamic_bsz).")
-    clip_ratio: float = F(0.2, "PPO clip range ε.")
+    clip_ratio: float = F(
+        0.2,
+        "PPO clip range ε.",
+        see="algorithms.md#policy-loss-actorclip_ratio-clip_ratio_low-clip_ratio_high-clip_ratio_c",
+    )
     clip_ratio_low: float = F(0.2, "Lower clip range (1 − ε_low).")
     clip_ratio_high: float = F(0.2, "Upper clip range (1 + ε_high).")
     tau_pos: float = F(1.0, "SAPO soft-gate temperature for positive advantages.")
     tau_neg: float = F(1.05, "SAPO soft-gate temperature for negative advantages.")
     freeze_vision_tower: bool = F(False, "Vision-language models: keep the vision encoder frozen.")
-    policy_loss: PolicyLossConfig = F(PolicyLossConfig, "Policy-loss variant.")
+    policy_loss: PolicyLossConfig = F(
+        PolicyLossConfig,
+        "Policy-loss variant.",
+        see="algorithms.md#policy-loss-variants-actorpolicy_lossloss_mode",
+    )
     clip_ratio_c: float = F(3.0, "Dual-clip constant c for negative advantages.")
     loss_agg_mode: str = F(
-        "token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."
+        "token-mean",
+        "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.",
+        see="algorithms.md#aggregation-actor_rollout_refactorloss_agg_mode-criticloss_agg_mode",
     )
     loss_scale_factor: float | None = F(None, "Constant divisor for seq-mean-token-sum-norm.")
-    entropy_coeff: float = F(0.0, "Entropy bonus coefficient.")
+    entropy_coeff: float = F(
+        0.0, "Entropy bonus coefficient.", see="algorithms.md#entropy-actorentropy_coeff"
+    )
     calculate_entropy: bool = F(False, "Compute entropy even when entropy_coeff is 0.")
-    use_kl_loss: bool = F(False, "Add β·KL(π‖π_ref) to the policy loss (GRPO style).")
+    use_kl_loss: bool = F(False, "Add β·KL(π‖π_ref) to the policy loss (GRPO style).", see=KL_LOSS)
     use_prefix_grouper: bool = F(
         False, "Forward a prompt once for all its responses (shared-prefix attention)."
     )
     use_torch_compile: bool = F(
         True,
-        "torch.compile the log-prob/entropy statistics of the LM head (on CUDA): the fused head's "
-        "(use_fused_kernels) per-chunk statistics and gradient, and the unfused head's no-grad passes "
-        "(old log-probs; the update keeps them eager). One or two passes over the float32 logits instead of "
-        "eight (klppo/models/lm_head.py). Read by the actor; the reference follows it "
-        "(actor_rollout_ref.ref.use_torch_compile).",
+        "torch.compile the LM head's log-prob and entropy statistics on CUDA (actor; the reference follows it).",
+        see=COMPILED_PASSES,
     )
     kl_loss_coef: float = F(0.001, "β of the KL loss (the initial β when kl_loss_ctrl.type is not fixed).")
-    kl_loss_ctrl: KLLossControlConfig = F(KLLossControlConfig, "Controller of the KL loss coefficient.")
+    kl_loss_ctrl: KLLossControlConfig = F(
+        KLLossControlConfig, "Controller of the KL loss coefficient.", see=KL_CONTROLLERS
+    )
     kl_loss_type: str = F(
-        "low_var_kl", "KL estimator: kl|abs|mse|low_var_kl|full (k1|k2|k3 accepted), '+' suffix."
+        "low_var_kl", "KL estimator: kl|abs|mse|low_var_kl|full (k1|k2|k3 accepted), '+' suffix.", see=KL_LOSS
     )
     ppo_epochs: int = F(1, "Passes over each step's samples.")
     skip_old_log_prob_on_policy: bool = F(
@@ -158,13 +175,9 @@ class ActorConfig:
     )
     skip_zero_advantage_rows: bool = F(
         False,
-        "[klppo] Leave out of the actor update the samples whose advantage is exactly 0 at every response token "
-        "(under grpo/rloo: the groups whose samples all scored the same), which carry no policy gradient; "
-        "the KL loss and entropy bonus then act on the kept samples only, and token-mean losses average over "
-        "their tokens. The KL metrics and the KL-loss controller still see every sample (docs/training.md). "
-        "With several mini-batches the kept samples are cut into as many as the full batch makes (the same "
-        "optimizer steps, each over fewer samples). Not with a critic (GAE advantages are never exactly 0). "
-        "Measured with one mini-batch per step: 35-47% more steps in the same time (bench/RESULTS.md, session 12).",
+        "[klppo] Leave out of the actor update the samples whose advantage is 0 at every token (grpo/rloo "
+        "equal-score groups), which carry no policy gradient; not with a critic.",
+        see="training.md#samples-without-advantage-skip_zero_advantage_rows",
     )
     shuffle: bool = F(False, "Shuffle samples between epochs.")
     data_loader_seed: int = F(42, "Seed of that shuffle.")
@@ -174,10 +187,10 @@ class ActorConfig:
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
     router_replay: RouterReplayConfig = F(RouterReplayConfig, "MoE routing replay.")
     grad_clip: float = F(1.0, "Gradient-norm clip (over all shards).")
-    ulysses_sequence_parallel_size: int = F(1, "Ulysses sequence-parallel group size.")
+    ulysses_sequence_parallel_size: int = F(1, "Ulysses sequence-parallel group size.", see=ULYSSES)
     entropy_from_logits_with_chunking: bool = F(False, "Compute entropy in chunks.")
     entropy_checkpointing: bool = F(False, "Recompute entropy in backward.")
-    fsdp_config: FSDPConfig = F(FSDPConfig, "FSDP2 sharding of the actor.")
+    fsdp_config: FSDPConfig = F(FSDPConfig, "FSDP2 sharding of the actor.", see="sharding.md")
     use_remove_padding: bool = F(SEL("actor_rollout_ref.model.use_remove_padding", "false"), "Follows model.")
     rollout_n: int = F(SEL("actor_rollout_ref.rollout.n", "1"), "Follows rollout.n (read-only copy).")
     calculate_sum_pi_squared: bool = F(False, "Compute Σπ² per token (optimal-token-baseline statistics).")
@@ -301,42 +314,37 @@ class RolloutConfig:
         "auto",
         "[klppo] How the klppo engine samples: auto (the one-pass Triton kernels on a CUDA GPU with triton, "
         "for the settings they take; else torch) | triton (an error without them) | torch.",
+        see=ROLLOUT_SETTINGS + "sampler-sampler",
     )
     decode_attention: str = F(
         "auto",
-        "[klppo] The klppo engine's decode attention: auto (on a CUDA GPU in bf16/fp16: triton where the "
-        "triton package imports, else flash; masked SDPA elsewhere) | flash | flash-plain | sdpa | triton "
-        "(split-KV kernels fused with the cache write; 15-22% faster decode steps than flash on an H200).",
+        "[klppo] The klppo engine's decode attention: auto (triton on a CUDA GPU in bf16/fp16 with triton, "
+        "else flash; sdpa elsewhere) | flash | flash-plain | sdpa | triton.",
+        see=ROLLOUT_SETTINGS + "decode-attention-decode_attention",
     )
     layer_kernels: str = F(
         "auto",
-        "[klppo] What runs the klppo engine's decode layers between their GEMMs and attention (residual adds, "
-        "RMSNorms, SwiGLU): auto (two small Triton kernels where the decode layers are split, i.e. with the Triton "
-        "attention on a CUDA GPU in bf16/fp16; torch.compile elsewhere) | triton (an error elsewhere; enforce_eager still "
-        "runs everything eagerly) | compile "
-        "(torch.compile, which costs a new process Inductor's start-up and a compile or cache load before the "
-        "first rollout).",
+        "[klppo] What runs the decode layers' elementwise work: auto (Triton kernels with the Triton "
+        "attention, else torch.compile) | triton | compile.",
+        see=ROLLOUT_SETTINGS + "decode-layer-kernels-layer_kernels",
     )
     compact_slots: bool | str = F(
         "auto",
-        "[klppo] The klppo engine moves its busy slots down into a smaller decode batch once no sequence "
-        "waits, so responses of spread lengths decode at the size of the live batch (K/V and state copied; "
-        "greedy outputs unchanged): auto | true | false. auto: on, except with a tensor-parallel rollout "
-        "(tensor_model_parallel_size > 1: tested on CPU ranks, never run so on GPUs; true turns it on there). Measured "
-        "on an H200: Qwen2.5-0.5B shape, batch 256, spread lengths, decode step 2.050 -> 1.919 ms in the same "
-        "run (session 11); SmolLM2-135M learning runs, generation ~25% less per token than session 11's "
-        "runs without it (session 12, bench/RESULTS.md).",
+        "[klppo] Move busy slots into a smaller decode batch once no sequence waits: auto (on, except with a "
+        "tensor-parallel rollout) | true | false.",
+        see=ROLLOUT_SETTINGS + "slot-compaction-compact_slots",
     )
     free_cache_engine: bool = F(
         True,
-        "Free the KV cache after each rollout. false: the klppo engine keeps cache, CUDA graphs and a copy of "
-        "the weights, reused by every later rollout of the same batch shape (graphs captured once, not per "
-        "step), at the memory of the cache and one weight copy during training.",
+        "Free the KV cache after each rollout (false: the klppo engine keeps cache, graphs and a weight copy "
+        "for the next rollout of the same shape).",
+        see=ROLLOUT_SETTINGS + "keeping-the-engine-between-rollouts-free_cache_engine",
     )
     tensor_model_parallel_size: int = F(
         1,
         "[klppo default; verl 2] Rollout tensor parallelism: groups of this many ranks generate on "
         "tensor-parallel slices resharded from the FSDP2 shards (must divide the world size).",
+        see="rollout.md#tensor-parallel-rollout-klpporollouttppy-klppoparallelreshardpy",
     )
     data_parallel_size: int = F(1, "Rollout data parallelism (engine side).")
     expert_parallel_size: int = F(1, "Rollout expert parallelism.")
@@ -391,4 +399,4 @@ class ActorRolloutRefConfig:
     model: ModelConfig = F(ModelConfig, "The policy model.")
     actor: ActorConfig = F(ActorConfig, "Policy training.")
     ref: RefConfig = F(RefConfig, "Frozen reference policy.")
-    rollout: RolloutConfig = F(RolloutConfig, "Generation.")
+    rollout: RolloutConfig = F(RolloutConfig, "Generation.", see="rollout.md")

@@ -12,16 +12,16 @@ from typing import Any
 
 from klppo.config._field import SEL, F
 
+SHARDING_RULE = "sharding.md#the-rule-wrap_policymin_num_params-choose_units"
+
 
 @dataclass(frozen=True)
 class WrapPolicyConfig:
     min_num_params: int | str = F(
         "auto",
-        "FSDP unit threshold in parameters: 0 = one unit per decoder layer; N > 0 = group modules bottom-up "
-        "into units of at least N parameters (the root is always a unit). auto (klppo's default; verl's is 0): "
-        "one unit for the whole model when one process trains and this role offloads nothing (per-layer units "
-        "buy nothing there and cost host work: SmolLM2-135M GRPO step −20% on an H200, +2.7 GiB peak, "
-        "bench/RESULTS.md session 9), else 0.",
+        "FSDP unit threshold in parameters: 0 = one unit per decoder layer, N > 0 = units of at least N, "
+        "auto (klppo's default) = one unit when one process trains and offloads nothing, else 0.",
+        see=SHARDING_RULE,
     )
     transformer_layer_cls_to_wrap: list[str] | None = F(
         None,
@@ -39,7 +39,9 @@ class MixedPrecisionConfig:
 
 @dataclass(frozen=True)
 class FSDPConfig:
-    wrap_policy: WrapPolicyConfig = F(WrapPolicyConfig, "How modules are grouped into FSDP units.")
+    wrap_policy: WrapPolicyConfig = F(
+        WrapPolicyConfig, "How modules are grouped into FSDP units.", see=SHARDING_RULE
+    )
     param_offload: bool = F(False, "Keep this role's parameter shards on CPU while the role is idle.")
     optimizer_offload: bool = F(False, "Keep optimizer state on CPU while the role is idle.")
     offload_policy: bool = F(False, "FSDP2 CPUOffloadPolicy: parameters live on CPU during compute too.")
@@ -53,55 +55,34 @@ class FSDPConfig:
     backward_prefetch: bool = F(True, "[klppo] Prefetch the previous unit's all-gather during backward.")
     grad_sync_per_mini_batch: bool | str = F(
         "auto",
-        "[klppo] Reduce-scatter gradients once per mini-batch (after its last micro-batch) instead of after "
-        "every micro-batch: false | true | auto. Costs 4 bytes per trainable parameter per rank (unsharded "
-        "fp32 gradients) during the update. auto: on with more than one rank, no offload, and that cost at "
-        "most 10% of the device's memory (measured on 2 H200s: PPO step −4%, bench/RESULTS.md session 7). "
-        "Read by the trained roles (actor, critic).",
+        "[klppo] Reduce-scatter gradients once per mini-batch instead of per micro-batch: false | true | auto "
+        "(several ranks, no offload, unsharded fp32 gradients within 10% of the device).",
+        see="sharding.md#gradient-sync-once-per-mini-batch-grad_sync_per_mini_batch",
     )
     local_shard_optim: bool = F(
         True,
-        "[klppo] Run the optimizer step (torch's Adam/AdamW) and the gradient-norm clip on the local shards "
-        "of FSDP2's DTensor parameters (the same storage) instead of through DTensor dispatch: the same "
-        "state dicts and checkpoints, the same results (bit for bit on CPU; the fused kernel on the same "
-        "shards on CUDA), the norm's squares summed over the shard group in one all-reduce. false: the "
-        "DTensor path (an A/B switch). Read by the trained roles (actor, critic).",
+        "[klppo] Run the Adam/AdamW step and the gradient clip on the local shards of FSDP2's DTensor "
+        "parameters (same state and results; false: through DTensor dispatch).",
+        see="sharding.md#optimizer-step-on-the-local-shards-local_shard_optim",
     )
     plain_single_gpu: bool | str = F(
         "auto",
-        "[klppo] One process without FSDP2: the parameters in mixed_precision.param_dtype, fp32 master weights "
-        "beside them for the optimizer, each micro-batch's gradients added into fp32 master gradients (FSDP2's "
-        "arithmetic on one rank: the same results, bit for bit on CPU), no per-unit copies, hooks or DTensor "
-        "dispatch; checkpoints keyed as under FSDP2 (they resume on any world size). false | true | auto. "
-        "auto: on with one process that offloads nothing (offload_policy, param_offload and optimizer_offload off: "
-        "the plain path's offload has not yet run on a GPU; true takes it with param_offload/optimizer_offload); "
-        "true with several processes or offload_policy is an error. Read by the actor, "
-        "the critic and the reference (no masters: the compute copy alone). On this path FSDP2's own keys "
-        "have no effect: wrap_policy, reshard_after_forward, forward_prefetch, backward_prefetch, "
-        "fsdp_size, grad_sync_per_mini_batch (off: no reduce-scatter) and local_shard_optim (no DTensors).",
+        "[klppo] Train on one process without FSDP2, with FSDP2's arithmetic (fp32 masters beside the compute "
+        "copy): false | true | auto (one process that offloads nothing).",
+        see="sharding.md#one-process-no-fsdp2-plain_single_gpu",
     )
     cuda_graph_update: bool = F(
         False,
-        "[klppo] Replay the role's micro-batches as CUDA graphs: each update micro-batch's forward, loss and "
-        "backward, and each micro-batch of the role's no-grad forward pass — the actor's old log-probs, the "
-        "critic's values, the reference's log-probs (actor_rollout_ref.ref.fsdp_config.cuda_graph_update: the "
-        "reference's one pass). A micro-batch shape runs eagerly the first time, is captured the second, "
-        "replayed after (at most 4 shapes per role and pass; a role's graphs share one memory pool — the "
-        "larger of an update step's and a forward's activations — and the update's one set of compute-dtype "
-        "gradients, held for the run and counted by the memory pre-flight; the reference has a pool of its "
-        "own). Removes the per-kernel launch cost (one H200, the TRL workload: training phases 1.44 -> 0.87 s "
-        "with the updates graphed, 0.72 s with the no-grad passes too and the compiled head statistics, "
-        "bench/RESULTS.md sessions 19-20; a run whose update shapes all repeat logs this "
-        "advice). Needs a GPU, the plain path (the role's plain_single_gpu on: one process), packed rows "
-        "(use_remove_padding), param_offload off, no sequence parallelism and, for the actor, kl_loss_type "
-        "other than full and policy_loss.loss_mode other than clip_cov and kl_cov (they read token counts on "
-        "the host); the reference also a model of its own (not LoRA's adapters-off actor). Pays off when "
-        "micro-batch shapes repeat (fixed-length responses, or rows padded alike); other shapes run eagerly; "
-        "a capture that fails leaves that pass eager with a warning naming this key. Same results as eager "
-        "(bit for bit on CPU with a stand-in capture). Read by the actor, the critic and the reference.",
+        "[klppo] Replay the role's update and no-grad micro-batches as CUDA graphs once their shapes repeat "
+        "(GPU, plain path, packed rows, no offload or Ulysses).",
+        see="sharding.md#the-update-as-cuda-graphs-cuda_graph_update",
     )
     model_dtype: str = F("fp32", "[klppo default per role] dtype the role's weights are stored in.")
-    mixed_precision: MixedPrecisionConfig = F(MixedPrecisionConfig, "[klppo] FSDP2 mixed-precision policy.")
+    mixed_precision: MixedPrecisionConfig = F(
+        MixedPrecisionConfig,
+        "[klppo] FSDP2 mixed-precision policy.",
+        see="sharding.md#knobs-and-their-effect",
+    )
     use_orig_params: bool = F(False, "FSDP1 option; FSDP2 always keeps original parameters.")
     seed: int = F(42, "Engine seed in verl's new worker; klppo seeds from trainer.seed.")
     full_determinism: bool = F(False, "Deterministic kernels (slower).")

@@ -13,6 +13,8 @@ from klppo.config._field import F
 from klppo.config.aliases import choice_error
 from klppo.config.errors import ConfigError
 
+OPERATING_RULES = "training.md#operating-rules-monitor"
+
 
 @dataclass(frozen=True)
 class KLEarlyStopConfig:
@@ -113,9 +115,8 @@ class EntropyCollapseConfig:
 class LearningSignalConfig:
     enable: bool = F(
         True,
-        "Act when most groups score equally for patience_steps steps under grpo or rloo (which give such "
-        "groups zero advantage; not watched with other estimators): their samples carry no policy gradient "
-        "(batch/equal_score_groups).",
+        "Act when most groups score equally for patience_steps steps under grpo or rloo, whose equal-score "
+        "groups carry no policy gradient (batch/equal_score_groups).",
     )
     max_equal_share: float = F(0.9, "Share of equal-score groups (0-1] at or above which a step counts.")
     patience_steps: int = F(10, "Consecutive such steps before the rule acts (again after the share fell).")
@@ -136,8 +137,7 @@ class DriftConfig:
     adv_std_low: float | None = F(
         None,
         "critic/advantages/std below this warns; null: 0.8 where the estimator whitens the advantages over the "
-        "batch (gae, reinforce_plus_plus, reinforce_plus_plus_baseline: std 1 by construction), not watched "
-        "for the others (grpo's std follows the share of equal-score groups: monitor.learning_signal).",
+        "batch, else not watched.",
     )
     adv_std_high: float | None = F(
         None,
@@ -151,8 +151,8 @@ class DriftConfig:
     )
     gpu_util_warmup_steps: int = F(
         10,
-        "[klppo] Each process's first readings of perf/gpu_util not judged: compilation at new shapes, "
-        "allocator growth and CUDA-graph capture (learning runs read < 85% through their 6th step).",
+        "[klppo] Each process's first readings of perf/gpu_util not judged (compilation at new shapes, "
+        "allocator growth and CUDA-graph capture).",
     )
     patience_steps: int = F(
         5,

@@ -12,12 +12,9 @@ parameters, which are inputs of the graph.
 By default the token and sequence dims are dynamic: a packed micro-batch runs unpadded, its token dim
 (hidden states, positions, rotary cos/sin) and ``cu_seq_lens`` marked dynamic (``maybe_mark_dynamic``, as
 the rollout engine marks its batch dim), so one graph per grad mode serves every micro-batch after the
-first two shapes (the second turns the changed sizes symbolic). Measured on one H200 (session 15,
-bench/RESULTS.md): the SmolLM2-135M learning shape (2,048 samples, 65,536-token budgets) 11.5% and 9.2% less
-per step than the buckets below, in both orders (actor update −10.5% and −13.8%, reference −11.5% and
-−12.6%); the TRL workload (fixed 16 × 512-token micro-batches, which the buckets never pad) equal within
-noise (2.544 against 2.585 s). The compile time of a run's first steps was not smaller than the buckets'
-(GAE learning runs: 10–17 s above the median in the first ten steps, against 7–33 s).
+first two shapes (the second turns the changed sizes symbolic). Unpadded micro-batches do less work than
+the padded buckets below where token counts vary, cost the same where micro-batches are of fixed size (which
+the buckets never pad), and compile no more in a run's first steps.
 
 ``KLPPO_COMPILE_DYNAMIC_TOKENS=0`` (or ``compile_packed_layers(model, dynamic_tokens=False)``) selects the
 static buckets instead: a packed micro-batch of ``T`` real tokens is padded up by :func:`pad_packed_call` to
@@ -46,8 +43,8 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def dynamic_tokens_from_env(environ: Any = os.environ) -> bool:
-    """``KLPPO_COMPILE_DYNAMIC_TOKENS``: unset or empty → dynamic token dims (the default since session 15's
-    measurement); ``0/false/no/off`` → the static buckets; ``1/true/yes/on`` → dynamic; anything else is an
+    """``KLPPO_COMPILE_DYNAMIC_TOKENS``: unset or empty → dynamic token dims (the default);
+    ``0/false/no/off`` → the static buckets; ``1/true/yes/on`` → dynamic; anything else is an
     error naming the variable."""
     raw = environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS")
     value = (raw or "").strip().lower()
@@ -62,7 +59,7 @@ def dynamic_tokens_from_env(environ: Any = os.environ) -> bool:
 
 
 # compile_packed_layers' default for dynamic_tokens (None: read KLPPO_COMPILE_DYNAMIC_TOKENS when a model is
-# compiled); bench/ppo_step.py's dynamic_tokens switch sets it per variant
+# compiled), which bench/ppo_step.py's dynamic_tokens variants set
 DYNAMIC_TOKENS: bool | None = None
 _COMPILED: dict[tuple[type, bool], Any] = {}
 _SUBCLASSES: dict[type, type] = {}

@@ -1,9 +1,9 @@
 """GGUF files → a cached bf16 Hugging Face directory, converted once; and the quickstart model.
 
-Loading a GGUF through transformers dequantizes every tensor on the CPU (SmolLM2-135M Q4_1: ~13-17 s on
-2 cores); loading the same weights from a safetensors directory takes well under a second. So the first
-load converts: transformers reads the file (``from_pretrained(dir, gguf_file=name)``, dense, bf16), the
-tokenizer gets its EOS / pad fix (`klppo.models.tokenizer`), and both are saved under
+Loading a GGUF through transformers dequantizes every tensor on the CPU, which takes many times longer than
+loading the same weights from a safetensors directory. So the first load converts: transformers reads the
+file (``from_pretrained(dir, gguf_file=name)``, dense, bf16), the tokenizer gets its EOS / pad fix
+(`klppo.models.tokenizer`), and both are saved under
 
     $KLPPO_CACHE/models/<stem>-<key>/      ($KLPPO_CACHE defaults to $XDG_CACHE_HOME/klppo, ~/.cache/klppo)
 
@@ -79,9 +79,9 @@ def _parse_once() -> Iterator[None]:
     """Within the block, ``gguf.GGUFReader`` (read mode) returns one reader per file and
     ``gguf.get_tensor_name_map`` one map per (architecture, blocks): transformers parses the whole file
     (every metadata field, the vocabulary element by element) once for each of the config, the model's
-    config, the tokenizer and the weights, and rebuilds the tensor-name map once per tensor. Measured on
-    2 CPU cores (SmolLM2-135M-Instruct Q4_1, bench/RESULTS.md session 15): the conversion 33.7 → 13.9 s,
-    every file it writes byte-identical. The reader is a read-only memory map and the map a lookup table,
+    config, the tokenizer and the weights, and rebuilds the tensor-name map once per tensor; sharing them
+    makes the conversion faster and leaves every file it writes byte for byte the same. The reader is a
+    read-only memory map and the map a lookup table,
     so sharing them changes nothing of what is read. The patch is process-wide: a lock holds it for the
     block, so a second thread's conversion waits for the first one's to end (and nested blocks nest)."""
     import gguf  # noqa: PLC0415  the gguf package: only when a file is converted

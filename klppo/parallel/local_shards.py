@@ -2,12 +2,12 @@
 
 FSDP2 keeps each parameter as a DTensor sharded over the mesh, and its gradient too. torch's Adam/AdamW
 step and ``get_total_norm``/``clip_grads_with_norm_`` on DTensors dispatch every operator through DTensor
-(sharding propagation per op, foreach and fused ops included), which makes them host-bound: the optimizer
-step on DTensors took 11 ms a call on the TRL workload (bench/RESULTS.md, issue 18). Both are elementwise per shard except the norm, so here they run on
+(sharding propagation per op, foreach and fused ops included), which makes them host-bound. Both are
+elementwise per shard except the norm, so here they run on
 ``to_local()`` — the same storage — and the per-gradient squared norms are summed over the shard group
 with one all-reduce (none on a one-rank mesh).
 
-What stays as it was: the optimizer is torch's class with torch's own ``step`` and state, keyed by the
+What stays the same: the optimizer is torch's class with torch's own ``step`` and state, keyed by the
 DTensor parameters (``exp_avg``/``exp_avg_sq`` DTensors, ``step`` as torch makes it), so ``state_dict``,
 DCP's ``get_state_dict``/``set_state_dict`` and checkpoints on any world size are unchanged. On CPU the
 results equal the DTensor path's bit for bit (tests/parallel/test_local_shards.py: same single-tensor
@@ -17,7 +17,7 @@ foreach kernel may round differently from the per-tensor one in the last bit.
 
 Leaves alone: optimizers other than torch's Adam/AdamW (:func:`local_shard_class` returns them as they
 are), and a clip over gradients on several meshes or placements, or over a CPU-offloaded shard group on
-NCCL (the DTensor path then, as before).
+NCCL (those take the DTensor path).
 """
 
 from __future__ import annotations

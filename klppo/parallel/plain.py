@@ -1,7 +1,7 @@
 """The one-GPU path without FSDP2: a role trained by one process keeps its model's parameters in the compute
 dtype and the master weights beside them — FSDP2's numerics on a one-rank mesh, without its per-unit
-copy-in/cast/copy-out, hooks and DTensor dispatch (``fsdp_config.plain_single_gpu``; bench/PENDING.md,
-issue 18).
+copy-in/cast/copy-out, hooks and DTensor dispatch (``fsdp_config.plain_single_gpu``; docs/sharding.md,
+"One process: no FSDP2").
 
 What FSDP2 does on one rank with ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``, and what is done here
 instead (tests/parallel/test_plain.py requires the two to agree bit for bit on CPU):
@@ -129,8 +129,8 @@ class MasterWeights:
     ``model``'s parameters are in the compute dtype (``param_dtype``); ``masters[i]`` is the master of
     ``params[i]`` (``model.parameters()``, a tied weight once), a leaf ``nn.Parameter`` in the model's loaded
     dtype with the same ``requires_grad``. The optimizer, the clip and the checkpoint work on ``module``.
-    Both copies live in flat buffers (module docstring); ``flat = False`` (the class attribute, a benchmark
-    switch: ``bench/ppo_step.py``'s ``@flat_masters=off``) keeps every parameter's own storage instead."""
+    Both copies live in flat buffers (module docstring); ``flat = False`` (the class attribute, which
+    ``bench/ppo_step.py``'s ``@flat_masters=off`` sets) keeps every parameter's own storage instead."""
 
     flat = True
 

@@ -9,9 +9,8 @@ from transformers import PreTrainedTokenizerFast  # transformers 5: TokenizersBa
 def decode_batch(tokenizer, rows: list[list[int]]) -> list[str]:
     """``[tokenizer.decode(r, skip_special_tokens=True) for r in rows]``, in one call of the Rust backend's
     multi-threaded ``decode_batch`` where that gives the same text: a fast tokenizer class that overrides
-    neither ``decode`` nor ``_decode`` (Whisper, CodeGen, … do) and cleans up no spaces in Python. The
-    per-row loop took ≈ 90 ms of a SmolLM2 GRPO step's reward phase (2,048 responses, session 13's
-    profile), the GPU idle meanwhile."""
+    neither ``decode`` nor ``_decode`` (Whisper, CodeGen, … do) and cleans up no spaces in Python. A
+    per-row loop is a large share of a small model's reward phase, with the GPU idle meanwhile."""
     if _backend_decodes_alike(tokenizer):
         return tokenizer.backend_tokenizer.decode_batch(rows, skip_special_tokens=True)
     return [tokenizer.decode(r, skip_special_tokens=True) for r in rows]

@@ -1,10 +1,9 @@
 """An update's micro-batches replayed as CUDA graphs (``*.cuda_graph_update``, a klppo extension of verl's
-configuration; issue 18).
+configuration; docs/sharding.md, "The update as CUDA graphs").
 
 On one GPU the update's forward, loss and backward are host-bound: thousands of small kernels, each launched
-by Python (bench/RESULTS.md, session 19: the GPU busy 18–32% of the TRL workload's updates). Captured once
-as a CUDA graph, a micro-batch's ≈ 2,500 kernels are one launch: ``bench/graphed_update.py`` measured that
-update 0.575 → 0.328 s, the kernels' own time.
+by Python while the GPU waits. Captured once as a CUDA graph, a micro-batch's kernels are one launch, and
+the update takes the kernels' own time (``bench/graphed_update.py`` times both).
 
 :class:`MicroGraphs` keys each micro-batch by its *signature* — the shapes and dtypes of every tensor the
 step reads, and the Python values the step's code branches on — and

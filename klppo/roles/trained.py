@@ -87,8 +87,8 @@ class TrainedRole:
 
     name = "role"
     skip_on_device = True
-    """A fused Adam/AdamW skips a non-finite step itself (``_skips_on_device``); False (a benchmark
-    switch, ``bench/ppo_step.py``'s ``-device_skip``): the host reads the norm and decides per mini-batch."""
+    """A fused Adam/AdamW skips a non-finite step itself (``_skips_on_device``); False (which
+    ``bench/ppo_step.py``'s ``-device_skip`` sets): the host reads the norm and decides per mini-batch."""
 
     def __init__(
         self,
@@ -353,9 +353,9 @@ class TrainedRole:
         self._advised_graphs = True
         logging.getLogger("klppo").info(
             "advice: %s: every update micro-batch repeats a shape met before: %s.cuda_graph_update=true "
-            "replays them and the role's no-grad pass as CUDA graphs (docs/sharding.md; the reference's "
-            "pass with actor_rollout_ref.ref.fsdp_config.cuda_graph_update; one H200, the TRL workload: "
-            "training phases 1.44 -> 0.72 s, bench/RESULTS.md sessions 19-20)", self.name, self.graph_key,
+            "replays them and the role's no-grad pass as CUDA graphs (the reference's pass with "
+            "actor_rollout_ref.ref.fsdp_config.cuda_graph_update; docs/sharding.md, 'The update as CUDA "
+            "graphs')", self.name, self.graph_key,
         )  # fmt: skip
 
     def _graphed_backward(

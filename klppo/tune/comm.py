@@ -15,10 +15,10 @@ Per micro-batch, for a unit of ``U`` own parameters (per rank of a shard group o
 
 Hiding: with prefetch, unit ``i+1``'s gather runs while unit ``i`` computes: of its communication
 ``max(0, t_comm(i+1) − t_compute(i))`` is exposed (the longer neighbour's compute covers it; without
-prefetch all of it), and it is hidden when that is 0. (Until session 12 a unit counted as wholly hidden or
-wholly exposed; at a link where one unit's traffic is about its neighbour's compute — 25–30 GB/s against
-the 1.5B shape's layers — that flipped whole rows of session 11's sweep with a few GB/s; the partial
-overlap follows the measured exposure at 20 GB/s within 12.6 points on average, bench/RESULTS.md.) Compute time of a unit: ``2·M_i·T`` FLOPs forward (``M_i``: its matmul
+prefetch all of it), and it is hidden when that is 0. The exposure is partial, not all or nothing: at a link
+where one unit's traffic takes about as long as its neighbour's compute, counting a unit as wholly hidden or
+wholly exposed would flip whole rows of a sweep with a few GB/s. Compute time of a unit: ``2·M_i·T`` FLOPs
+forward (``M_i``: its matmul
 parameters, ``T`` tokens) and twice that in backward (plus one forward more under checkpointing),
 divided by a matmul rate (measured with :func:`matmul_rate` or assumed).
 """

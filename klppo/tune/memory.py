@@ -17,9 +17,9 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
   (``reshard_after_forward=False``: every unit stays gathered until its backward). With
   ``reshard_after_forward=True`` klppo passes the key to the root as well, and FSDP2 then reshards the
   root after the forward too (it keeps the root gathered only when the key is left unset): while the
-  loss's logits are live nothing is gathered, and ``c·(U_r + W)`` belongs to a third moment, (c) below.
-  Measured on two H200s (Qwen2.5-1.5B, session 11): 21.6 GiB at every threshold with resharding, the
-  whole model as one unit included, where counting the root as always gathered predicted 22.4–24.7.
+  loss's logits are live nothing is gathered, and ``c·(U_r + W)`` belongs to a third moment, (c) below
+  (counting the root as gathered throughout would overestimate every threshold's peak, the whole model as
+  one unit included).
 - on top of those, the larger of the moments of the backward:
   (a) *backward start*: activations, per token and layer saved for backward ``A = 8h + c·(5h + 2·kvd
   + 4I)`` (two RMSNorms' fp32 input and bf16 output, q and k after RoPE, v, attention output and its
@@ -27,9 +27,9 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
   per-layer checkpointing ``L·T·h·c`` (layer inputs) ``+ T·A`` (one layer recomputed); a backward
   workspace ``T·c·(2h + 2I)``; logits ``N·V·(c + 12)`` (bf16 logits, their fp32 copy kept for
   backward, two fp32 [N, V] buffers of log-softmax's forward/backward; entropy adds ``N·V·8``); the
-  LM head's weight gradient ``V·h·c``. (Since the LM head returns float32 logits directly
-  — ``klppo.models.lm_head`` — the bf16 logits are no longer made: these terms overestimate by
-  ``N·V·c``; kept as they were validated until the next device sweep re-fits them.)
+  LM head's weight gradient ``V·h·c``. (The LM head returns float32 logits directly —
+  ``klppo.models.lm_head`` — so no bf16 logits are made: these terms overestimate by ``N·V·c``, and stay
+  as the device peaks of ``tests/tune/test_memory.py`` were fitted with them.)
   (c) *head backward* (``reshard_after_forward=True`` only): the root and the window gathered again,
   the activations, the logits' fp32 gradient ``N·V·4`` (or the first layer's backward workspace, if
   larger) and the LM head's weight gradient. The root then stays gathered to the end of the backward, so
@@ -65,14 +65,14 @@ gathered units, all-gather buffers or reduce-scatter inputs; resident in every p
 and the compute copy ``P·c`` (+ AdamW unless offloaded; in the rollout the engine reads the compute copy:
 ``P·c`` once); in the update the master gradients ``P·m``, at the backward's start the terms of (a), at
 its end the compute-dtype gradients ``P·c`` (:meth:`MasterWeights.accumulate_grads` drops them after
-each micro-batch); no deferred gradient sync. The points' FSDP2 fields are ignored there. Not re-fitted on
-a device yet (the one-GPU points above are FSDP2 measurements: ``plain=False``).
+each micro-batch); no deferred gradient sync. The points' FSDP2 fields are ignored there. These terms are
+not fitted to device peaks (the device points of ``tests/tune/test_memory.py`` are FSDP2's: ``plain=False``).
 CUDA graphs (``cuda_graph_update``, :mod:`klppo.roles.graphed`; plain-path points with ``offload="off"``): the
 actor's update and old-log-prob graphs share one pool, the larger of the two working sets, held in every phase;
 the reference's graphs (``graph_reference``) a pool of one log-prob working set of their own; each phase's
 own pass is counted beside the pools (an upper bound: a shape met the first time, past ``max_graphs`` or after
 a failed capture runs eagerly while the pools stay held; with every shape captured the peak is lower by
-that working set). Not measured on a device yet.
+that working set). Not fitted to device peaks.
 Not modelled: the reference / critic models (add them with ``reference=True``), allocator fragmentation
 (``torch.cuda.max_memory_allocated`` does not count it either), CUDA context and library workspaces.
 """
@@ -397,7 +397,7 @@ def graph_pool_bytes(facts: ModelFacts, point: Point, w: Workload) -> float:
     :mod:`klppo.roles.graphed`): one memory pool for the update's graphs and the old-log-prob pass's, the
     larger of their working sets — the update's peak above the resident state (activations, logits, workspace
     and gradients of one micro-batch of ``point.micro_tokens``) and :func:`forward_pool_bytes`. An estimate
-    from the phases' own terms, not yet checked against a measured pool; 0 with graphs off, and at points
+    from the phases' own terms, not checked against a measured pool; 0 with graphs off, and at points
     where the trainer refuses them (graphs need the plain path and parameters that stay on the device:
     ``offload="off"``)."""
     if not (w.graph_update and _graphs_run(point, w)):

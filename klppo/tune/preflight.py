@@ -39,7 +39,7 @@ def micro_batch_advice(
     log-prob peaks under ``share`` of the device (the rollout's peak does not depend on it), the sentence
     that says what to set (the log-prob budget too); None otherwise (fixed micro-batches, one micro-batch
     already, or no room). Fewer, larger micro-batches cut the host work per step, which is what bounds
-    small models: bench/RESULTS.md, session 9."""
+    small models."""
     budget = workload.point.micro_tokens
     if workload.update_micro_tokens != budget or budget >= mini_batch_tokens:
         return None
@@ -68,8 +68,7 @@ def micro_batch_advice(
         f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={best} are predicted to need "
         f"{peak_at(best) / 2**30:.1f} GiB of {device_gib:.0f} in the update and log-prob passes "
         f"({-(-mini_batch_tokens // best)} micro-batch(es)): "
-        "fewer, larger micro-batches cut the per-step host work that bounds small models "
-        "(SmolLM2-135M on an H200: training phases −45 to −57% from 16,384 to 49,152 tokens)"
+        "fewer, larger micro-batches cut the per-step host work that bounds small models"
     )
 
 
@@ -84,9 +83,7 @@ def workspace_advice(
     prompt + response length rounded up to 64 positions, the decode step's per-slot temporaries the engine
     budgets (``rollout.workspace.slot_bytes``, as ``num_slots`` counts a slot: 32 bytes per vocabulary
     entry — fp32 logits and the sampler's buffers, kept in the graphs' memory pool), and one bf16/fp16 copy
-    of the weights. It captures
-    its decode graphs once instead of every step (SmolLM2-135M on an H200: step −15%, bench/RESULTS.md
-    session 10)."""
+    of the weights. The engine then captures its decode graphs once per run instead of at every step."""
     facts = ModelFacts.from_config(model_config)
     shape, c = facts.shape, workload.workload.compute_bytes
     positions = -(-workload.seq_len // 64) * 64
@@ -100,8 +97,9 @@ def workspace_advice(
     device_gib = workload.workload.device_bytes / 2**30
     return (
         f"actor_rollout_ref.rollout.free_cache_engine=False keeps the rollout's KV cache and decode graphs "
-        f"between steps (graphs captured once per run instead of every step: SmolLM2-135M step −15% on an "
-        f"H200) for {kept / 2**30:.1f} GiB held through training ({rollout_seqs} sequences × {positions} "
+        "between steps (graphs captured once per run instead of every step; docs/rollout.md, 'Keeping the "
+        f"engine between rollouts') for {kept / 2**30:.1f} GiB held through training ({rollout_seqs} "
+        f"sequences × {positions} "
         f"positions, decode buffers and a copy of the weights); with the update and log-prob passes that is "
         f"predicted at "
         f"{(training + kept) / 2**30:.1f} GiB of {device_gib:.0f}"
