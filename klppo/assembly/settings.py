@@ -94,7 +94,7 @@ def resolve_plain(fsdp: FSDPConfig, *, world_size: int, key: str = "fsdp_config"
         why = f"{world_size} processes" if world_size > 1 else "offload_policy=true"
         raise ValueError(f"{key}.plain_single_gpu=true needs one process and no offload_policy ({why}): "
                          "set it to auto or false")  # fmt: skip
-    # auto leaves offloading roles on FSDP2 until the plain path's offload has run on a GPU (bench/PENDING.md)
+    # auto leaves offloading roles on FSDP2: the plain path's offload is tested on CPU only
     offloads = fsdp.param_offload or fsdp.optimizer_offload
     return possible and not offloads if value == "auto" else bool(value)
 
@@ -119,9 +119,8 @@ def check_cuda_graph_update(fsdp: FSDPConfig, settings: FSDPSettings, *, device_
 def resolve_min_num_params(fsdp: FSDPConfig, *, world_size: int) -> tuple[int, str]:
     """``wrap_policy.min_num_params`` as an integer, and why. ``auto``: one unit for the whole model
     (:data:`~klppo.tune.units.WHOLE_MODEL`) when one process trains and the role offloads nothing —
-    a one-rank mesh shards nothing, so per-layer units only add their hooks and per-unit casts (measured
-    on an H200, SmolLM2-135M GRPO: step 0.970 → 0.773 s, reference pass −39%, update −24%, peak +2.7 GiB;
-    bench/RESULTS.md session 9); otherwise 0, one unit per decoder layer (verl's default)."""
+    a one-rank mesh shards nothing, so per-layer units only add their hooks and per-unit casts at the cost
+    of a larger peak (docs/sharding.md); otherwise 0, one unit per decoder layer (verl's default)."""
     value = fsdp.wrap_policy.min_num_params
     if value != "auto":
         return int(value), "set"
@@ -326,8 +325,7 @@ def sampling_params(rollout: RolloutConfig, *, response_length: int, validation:
 def engine_options(rollout: RolloutConfig, *, tensor_parallel: bool | None = None) -> dict[str, bool | str]:
     """Options of the klppo engine read from the rollout config: ``enforce_eager`` runs the decode step
     eagerly (no torch.compile, no CUDA graph capture), as vLLM's flag does; ``sampler`` picks the sampling
-    kernels (``auto``: the one-pass Triton kernels where they run, measured 4–6% off the decode step on an
-    H200, bench/RESULTS.md); ``decode_attention`` picks the decode attention kernels; ``layer_kernels`` what
+    kernels (``auto``: the one-pass Triton kernels where they run); ``decode_attention`` picks the decode attention kernels; ``layer_kernels`` what
     runs the split decode layers' elementwise work (Triton kernels or torch.compile); ``compact_slots``
     moves busy slots into smaller decode batches once nothing waits (``auto``: unless the rollout is
     tensor-parallel — ``tensor_parallel``, the built rollout's, else read from the configured size)."""

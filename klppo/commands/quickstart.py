@@ -2,7 +2,7 @@
 overrides). The choice is the machine's: a visible CUDA device runs the GPU recipe, otherwise the CPU demo.
 
 - ``gpu`` (`quickstart_gpu.yaml`): the learning recipe — SmolLM2-135M-Instruct learns 2-digit arithmetic
-  with GRPO and a k2 (`mse`) KL loss, about 5 minutes of training on one H200, greedy validation on 200 held-out
+  with GRPO and a k2 (`mse`) KL loss, a few minutes of training on one GPU, greedy validation on 200 held-out
   questions before and after (the end-of-run summary prints both).
 - ``cpu`` (`quickstart_cpu.yaml`): a demo of the whole loop (rollout, reference, GRPO, KL loss, update,
   validation before and after, checkpoint, summary, report) in a few minutes on 2 cores. It is too short to
@@ -53,7 +53,7 @@ QUICKSTARTS: dict[str, Quickstart] = {
         data_kwargs={"negative": True},  # bench/learning.py's distribution: differences may be negative
         about=(
             "klppo quickstart (GPU): SmolLM2-135M-Instruct learns 2-digit arithmetic with KL-PPO (GRPO, k2 KL "
-            "loss toward the reference), about 5 minutes of training on one H200; greedy accuracy on 200 "
+            "loss toward the reference), a few minutes of training on one GPU; greedy accuracy on 200 "
             "held-out questions is measured before and after (the `val` lines and the summary)."
         ),
     ),
