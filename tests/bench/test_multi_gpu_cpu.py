@@ -92,7 +92,7 @@ def test_scaling_variants_parse_and_table():
 
 def test_scaling_reads_the_median_of_the_steps_after_the_first():
     """One step varied ~10% between identical runs on the GPUs: the table reads the median of the steps
-    after the first (``steady``), and files without it (before session 7) still read their last step."""
+    after the first (``steady``), and files without it still read their last step."""
     from bench.multi_gpu import _steady, scaling_table
 
     rows = [{"step": 1, "perf/throughput": 10.0}, {"step": 2, "perf/throughput": 100.0},
@@ -121,8 +121,8 @@ def test_scaling_reads_the_median_of_the_steps_after_the_first():
 
 
 def test_offload_writes_the_recipe_first_and_keeps_it_when_cut(tmp_path, monkeypatch):
-    """Session 8 lost the 7B offload run to the call's timeout with nothing written: the recipe (offload on)
-    now runs first and its figures are on disk before the second run starts."""
+    """A device call's timeout must not lose the 7B offload run: the recipe (offload on) runs first and its
+    figures are on disk before the second run starts."""
     import bench.multi_gpu as mg
 
     args = mg.parse_args(

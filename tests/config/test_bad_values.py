@@ -1,5 +1,5 @@
 """Values that used to pass the config and fail later (or never): each a one-line ConfigError naming the
-key, from a review that reproduced them (session 17)."""
+key."""
 
 from __future__ import annotations
 

@@ -160,8 +160,8 @@ def test_kl_in_reward_with_std_normalised_groups_warns():
 
 
 def test_pi_controller_floor_far_below_its_start_is_noted():
-    """ln(kl_coef/min_coef)/ki steps to climb back: 0.01/0.001 at ki 0.05 is 46 steps (the measured failure,
-    bench/RESULTS.md call g) → a note naming the keys; the defaults (ln 10 / 0.2 = 12 steps) → none."""
+    """ln(kl_coef/min_coef)/ki steps to climb back: 0.01/0.001 at ki 0.05 is 46 steps (a run that
+    could not recover its β in time) → a note naming the keys; the defaults (ln 10 / 0.2 = 12 steps) → none."""
     notes: list[str] = []
     reward_pi = [
         "algorithm.use_kl_in_reward=True",
@@ -185,7 +185,7 @@ def test_pi_controller_floor_far_below_its_start_is_noted():
 
 def test_a_constant_kl_loss_target_under_pi_control_is_noted_with_the_ramp():
     """The KL-loss PI controller with a constant target: a note naming the ramp's keys (its first steps
-    overshoot; the ramped runs did not, bench/RESULTS.md session 10); with target_kl_start set, the fixed
+    overshoot the target, a ramp does not); with target_kl_start set, the fixed
     controller, or no KL loss: none."""
     pi = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
           "actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.03"]  # fmt: skip

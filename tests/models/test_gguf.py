@@ -136,8 +136,8 @@ def test_smollm2_gguf_conversion(smollm2_conversion, monkeypatch):
 
 def test_parse_once_shares_one_reader_per_file_and_restores_gguf(tmp_path):
     """Inside the conversion's block: one GGUFReader per file (read mode) and one tensor-name map per
-    (architecture, blocks); outside it, gguf's own functions again. (The real conversion's files were
-    byte-identical with and without it: 33.7 → 13.9 s, bench/gguf_convert.py, bench/RESULTS.md session 15.)"""
+    (architecture, blocks); outside it, gguf's own functions again. (The real conversion's files are
+    byte-identical with and without it; bench/gguf_convert.py times it.)"""
     import gguf as gguf_pkg
     import numpy as np
 

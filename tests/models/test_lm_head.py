@@ -187,7 +187,7 @@ def _eager_and_compiled(x, w, labels, up, **kwargs) -> list[tuple[torch.Tensor, 
 def aot_eager(monkeypatch):
     """The statistics compiled with the ``aot_eager`` backend: traced, marked and partitioned as Inductor gets
     them, without Inductor's ≈ 30 s cold start on CPU; Inductor's kernels are checked on CUDA
-    (:func:`test_compiled_statistics_on_cuda`, bench/RESULTS.md session 20)."""
+    (:func:`test_compiled_statistics_on_cuda`)."""
     from klppo.models import lm_head
 
     real, cached = torch.compile, lm_head.compiled  # a test may patch lm_head.compiled in its turn

@@ -175,8 +175,8 @@ def test_drift_warns_on_entering_the_range_violation_only():
 
 
 def test_drift_waits_patience_steps_and_names_what_to_set():
-    """A healthy quickstart run printed "grad_norm above 1" 41 times (session 5): single steps over the
-    bound no longer warn, five in a row do — once, naming the keys."""
+    """A healthy run has single steps over the grad-norm bound: those do not warn, five in a row do — once,
+    naming the keys."""
     rule = Drift(M.drift)
     grads = [1.5, 0.5, 2.0, 3.0, 1.2, 0.9, 1.1, 1.3, 1.4, 1.6, 1.7, 1.8]
     fired = [i for i, g in enumerate(grads, 1) for a in rule.observe(i, {"actor/grad_norm": g}, None)]
@@ -207,8 +207,8 @@ def test_drift_waits_patience_steps_and_names_what_to_set():
 
 
 def test_gpu_utilisation_is_not_judged_during_each_process_warm_up():
-    """Session 18's learning runs warned at step 6 (steps 2–6 under 85%: compilation at new shapes, graph
-    capture): the first gpu_util_warmup_steps (10) readings of each process are not judged."""
+    """A process's first steps run under the utilisation floor (compilation at new shapes, graph capture):
+    its first gpu_util_warmup_steps (10) readings are not judged."""
     rule = Drift(M.drift)
     assert M.drift.gpu_util_warmup_steps == 10
     quiet = [a for step in range(1, 15) for a in rule.observe(step, {"perf/gpu_util": 20.0}, None)]
@@ -220,8 +220,8 @@ def test_gpu_utilisation_is_not_judged_during_each_process_warm_up():
 
 
 def test_gpu_utilisation_warns_after_patience_steps_and_not_on_the_first_step():
-    """Session 17's learning runs warned at step 1 (7.8–14.9%: compilation) and on single steps at 55–84%
-    between steps at 85–95%: a process's first values are not judged (here one: gpu_util_warmup_steps=1),
+    """A process's first steps (compilation) and single slow steps between normal ones are no reason to
+    warn: a process's first values are not judged (here one: gpu_util_warmup_steps=1),
     and only patience_steps (5) steps in a row under the floor warn — once, with what to set; a step
     without the value (CPU, NVML missing) keeps the streak."""
     W1 = load_config(["monitor.drift.gpu_util_warmup_steps=1"]).monitor.drift

@@ -310,7 +310,7 @@ def test_grad_sync_per_mini_batch_key_is_validated_and_resolved() -> None:
 
     key = "critic.model.fsdp_config.grad_sync_per_mini_batch"
     default = load_config([])
-    assert default.critic.model.fsdp_config.grad_sync_per_mini_batch == "auto"  # measured: session 7
+    assert default.critic.model.fsdp_config.grad_sync_per_mini_batch == "auto"  # docs/performance.md
     assert load_config([f"{key}=true"]).critic.model.fsdp_config.grad_sync_per_mini_batch is True
     with pytest.raises(ConfigError, match=key):
         load_config([f"{key}=sometimes"])
