@@ -1,7 +1,7 @@
 """Names users bring from verl and tuning guides, rewritten to one spelling before anything reads them.
 
 Key aliases (`KEY_ALIASES`): a key that sets other keys. Value aliases (`normalize`): strategy `fsdp` →
-`fsdp2`; KL estimator names `k1|k2|k3` → `kl|mse|low_var_kl` (a `+` suffix is kept); logger `file` →
+`fsdp2` (`megatron` stays: the launch is translated to FSDP2 by `megatron.py`); KL estimator names `k1|k2|k3` → `kl|mse|low_var_kl` (a `+` suffix is kept); logger `file` →
 `jsonl`; rollout engine `vllm|sglang|trtllm` → `klppo`; dtype long names → `fp32|bf16|fp16`; the deprecated
 `optim.warmup_style` → `optim.lr_scheduler_type`. The printed configuration shows the normalized values.
 """
@@ -112,13 +112,8 @@ def _strategy(tree: dict[str, Any], key: str, notify: Notify) -> None:
         put(tree, key, "fsdp2")
         if not key.endswith("fsdp_config.strategy"):
             notify(f"{key}=fsdp is read as fsdp2 (klppo shards with PyTorch FSDP2, fully_shard)")
-    elif value == "megatron":
-        raise ConfigError(
-            f"{key}=megatron is not supported: klppo trains with PyTorch FSDP2 only; "
-            f"use {key}=fsdp2 (fsdp is accepted as a synonym)"
-        )
-    elif value != "fsdp2":
-        raise choice_error(key, value, ("fsdp2", "fsdp"))
+    elif value not in ("fsdp2", "megatron"):  # megatron: a launch translated to FSDP2 (megatron.py)
+        raise choice_error(key, value, ("fsdp2", "fsdp", "megatron"))
 
 
 def _kl_name(tree: dict[str, Any], key: str, notify: Notify) -> None:

@@ -45,8 +45,9 @@ verl's command-line conventions (hydra's) are read as verl reads them (`klppo/co
 plain `key=v` for an unknown key stays an error); a YAML with a hydra `defaults:` list likewise adds keys
 (unknown ones noted and ignored), a plain YAML may not; `~key` puts a key back to its default; `???` leaves
 the default. `--config-name` of verl's packaged `ppo_trainer` / `_generated_ppo_trainer` (absent at the
-given path) means klppo's defaults; the Megatron configs, a Megatron `defaults:` entry, any
-`*.megatron.*` key or `strategy=megatron` stop with one message naming where. `null` is accepted where verl
+given path) means klppo's defaults; the Megatron configs and a Megatron `defaults:` entry mean klppo's
+defaults with each role's `strategy: megatron`, and every `*.megatron.*` key is translated to its FSDP2
+counterpart, to nothing, or refused by name, in one notice (verl_compat.md, "Megatron launches"). `null` is accepted where verl
 takes it (`custom_reward_function.name` without a path, `optim.lr_warmup_steps`, `algorithm.kl_ctrl.target_kl`
 with the fixed controller), and `trainer.test_freq` / `save_freq` take booleans as verl's code reads them
 (false = never, true = every step).
@@ -139,7 +140,7 @@ task scores are equal, whatever β: klppo notes it at load time; put the KL in t
 
 | written | read as |
 | --- | --- |
-{key_aliases}| `strategy: fsdp` (any role) | `fsdp2` (PyTorch FSDP2); `megatron` is refused: FSDP2 is what klppo supports |
+{key_aliases}| `strategy: fsdp` (any role) | `fsdp2` (PyTorch FSDP2); `megatron` runs on FSDP2, its keys translated (verl_compat.md) |
 | `kl_penalty` / `kl_loss_type`: `k1`, `k2`, `k3` (optionally with `+`) | `kl`, `mse`, `low_var_kl` (the `+` kept: value of the estimator, gradient of k2) |
 | `trainer.logger: file` | `jsonl` |
 | `actor_rollout_ref.rollout.name: vllm`, `sglang` or `trtllm` | `klppo` (same sampling keys; nothing to install) |

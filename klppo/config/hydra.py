@@ -6,9 +6,8 @@
   back to its default. `???` (hydra's "missing" marker, e.g. verl's `rollout.name: ???`) leaves the default.
 - verl's packaged config names (`--config-path=config --config-name=ppo_trainer`, which hydra resolves
   inside verl's package): `ppo_trainer` and `_generated_ppo_trainer` are klppo's own defaults (same key
-  tree); the Megatron ones are refused (`packaged_config`). A file at the given path is read first.
-- Megatron anywhere — a config name, a YAML `defaults:` entry, a `*.megatron.*` key, a `strategy:
-  megatron` value — is one ConfigError naming where (`refuse_megatron`), before any other key is judged.
+  tree); the Megatron ones are klppo's defaults plus the translation of `megatron.py`. A file at the
+  given path is read first.
 - Booleans in frequency keys (`trainer.test_freq=False`): false is -1 (never), true is 1 (every step), as
   verl's `freq > 0 and step % freq == 0` reads them.
 """
@@ -76,10 +75,8 @@ def config_name(name: str) -> str:
 
 def packaged_config(path: str) -> bool:
     """True when `path` (absent on disk) names verl's packaged PPO defaults, which klppo's defaults
-    stand for; raises ConfigError for a packaged Megatron or non-PPO config; False otherwise."""
+    stand for; raises ConfigError for a packaged non-PPO config; False otherwise."""
     name = config_name(path)
-    if "megatron" in name:
-        raise megatron_error(f"--config-name={name}")
     if name in _NOT_PPO:
         raise ConfigError(
             f"--config-name={name} is verl's {name} config; klppo trains PPO only (ppo_trainer)"
@@ -87,29 +84,12 @@ def packaged_config(path: str) -> bool:
     return name in PACKAGED_DEFAULTS
 
 
-def megatron_error(where: str) -> ConfigError:
-    return ConfigError(
-        f"Megatron is not supported ({where}): klppo trains with PyTorch FSDP2 only; start from "
-        "ppo_trainer (or no --config-name) and set *.strategy=fsdp"
-    )
-
-
-def refuse_megatron(where: str, keys_values: list[tuple[str, Any]]) -> None:
-    """ConfigError if any dotted key has a `megatron` part or a `*strategy` value is megatron."""
-    for key, value in keys_values:
-        if "megatron" in key.split("."):
-            raise megatron_error(f"{key} in {where}")
-        if key.split(".")[-1] == "strategy" and value == "megatron":
-            raise megatron_error(f"{key}=megatron in {where}")
-
-
-def refuse_megatron_defaults(defaults: Any, path: str) -> None:
-    """A YAML's hydra `defaults:` list naming a Megatron config (`- ppo_megatron_trainer`, `actor: megatron_actor`)."""
+def defaults_entries(defaults: Any) -> list[str]:
+    """A YAML's hydra `defaults:` list as texts (`- ppo_megatron_trainer`, `actor: megatron_actor`)."""
+    if defaults is None:
+        return []
     entries = defaults if isinstance(defaults, list) else [defaults]
-    for entry in entries:
-        text = str(entry)
-        if "megatron" in text:
-            raise megatron_error(f"defaults entry {text} in {path}")
+    return [" ".join(f"{v}" for v in e.values()) if isinstance(e, dict) else str(e) for e in entries]
 
 
 def frequency_value(key: str, value: Any) -> tuple[Any, str | None]:

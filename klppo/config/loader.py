@@ -3,8 +3,9 @@
 Order: (1) the schema's defaults (the packaged `ppo_trainer.yaml` is their generated documentation, not
 read here); (2) the user's YAML file (first argument, when it ends in .yaml/.yml, or hydra's
 `--config-path/--config-name`; verl's packaged names are read as in `hydra.py`); (3) overrides left to
-right, with hydra's `+`, `++` and `~` (see `hydra.py`). Megatron anywhere is refused first, in one
-message. Every key is checked against the schema (unknown → the closest valid keys), every value typed
+right, with hydra's `+`, `++` and `~` (see `hydra.py`). Megatron keys are translated to their FSDP2
+counterparts as they are read, with one notice (`megatron.py`). Every key is checked against the schema
+(unknown → the closest valid keys), every value typed
 (see `_coerce`), key aliases rewritten, value aliases normalized (`aliases.py`), then `${...}`
 interpolations are resolved and the result validated (`checks.validate`). The result is frozen dataclasses.
 """
@@ -29,6 +30,8 @@ from klppo.config._walk import all_keys, hints, is_group, lookup
 from klppo.config.aliases import KEY_ALIASES, get, normalize, put
 from klppo.config.checks import validate
 from klppo.config.errors import ConfigError, notice
+from klppo.config.megatron import CONFIG_NAMES as MEGATRON_CONFIG_NAMES
+from klppo.config.megatron import Translator, is_megatron_key
 from klppo.config.schema import KLPPOConfig
 
 Notify = Callable[[str], None]
@@ -45,12 +48,19 @@ def load_config(argv: list[str], *, notify: Notify | None = None) -> KLPPOConfig
     notify = notify or notice
     path, texts = split_argv(argv)
     overrides = [hydra.parse_override(t) for t in texts]
-    items = _read_config_file(path, notify) if path is not None else []  # a Megatron file is named first
-    hydra.refuse_megatron("the command line", [(o.key, o.value) for o in overrides])
+    megatron = Translator()
+    items = _read_config_file(path, notify, megatron) if path is not None else []
+    megatron.scan([(k, v) for k, v, _ in items] + [(o.key, o.value) for o in overrides])
     tree = copy.deepcopy(_default_tree())
-    _apply(tree, items, notify)
+    _apply(tree, megatron.items(items), notify)
     for o in overrides:
-        _apply_override(tree, o, notify)
+        if o.op == "delete" and is_megatron_key(o.key):
+            megatron.deleted(o.key)
+        elif o.op != "delete" and megatron.touches(o.key, o.value):
+            _apply(tree, megatron.items([(o.key, o.value, "command line")]), notify)
+        else:
+            _apply_override(tree, o, notify)
+    megatron.finish(notify)
     normalize(tree, notify)
     cfg = _resolve(tree)
     validate(cfg, notify)
@@ -111,30 +121,40 @@ def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def _read_config_file(path: str, notify: Notify) -> list[tuple[str, Any, str]]:
-    """(key, value, source) of the user's YAML, hydra sections dropped (Megatron in `defaults:` refused);
-    none when the path is absent and names verl's packaged PPO defaults (klppo's defaults stand for them).
+def _read_config_file(path: str, notify: Notify, megatron: Translator) -> list[tuple[str, Any, str]]:
+    """(key, value, source) of the user's YAML, hydra sections dropped; none when the path is absent and
+    names verl's packaged PPO defaults (klppo's defaults stand for them; the Megatron ones add each role's
+    `strategy: megatron`, see `megatron.py`).
 
     A file with a hydra `defaults:` list is composed the way hydra composes it: its keys are added to the
     defaults, so a key klppo's schema lacks is ignored with one note naming it (as `+key=v`); in a plain
     file an unknown key is an error (most often a typo)."""
+    name = hydra.config_name(path)
+    if not os.path.isfile(os.path.expanduser(path)) and name in MEGATRON_CONFIG_NAMES:
+        return megatron.config_name(name, f"--config-name={name}")
     if not os.path.isfile(os.path.expanduser(path)) and hydra.packaged_config(path):
-        notify(f"{path}: verl's packaged {hydra.config_name(path)} config: klppo's defaults stand for it")
+        notify(f"{path}: verl's packaged {name} config: klppo's defaults stand for it")
         return []
     data = _read_yaml(path)
     composed = "defaults" in data
-    if composed:
-        hydra.refuse_megatron_defaults(data["defaults"], path)
-    hydra.refuse_megatron(path, [(k, v) for k, v, _ in _flatten(data, source=path)])
+    base: list[tuple[str, Any, str]] = []
+    for entry in hydra.defaults_entries(data.get("defaults")):
+        if "megatron" in entry:  # the packaged Megatron config or one of its groups (megatron_actor, ...)
+            base = megatron.config_name(hydra.config_name(entry), f"defaults entry {entry} in {path}")
     for key in _IGNORED_TOP & set(data):
         notify(f"{path}: hydra section '{key}' ignored (klppo starts from its own verl-compatible defaults)")
         del data[key]
     items = _flatten(data, source=path)
     if composed:
-        for key, _, _ in [i for i in items if lookup(KLPPOConfig, i[0].split("."))[0] == "unknown"]:
+        unknown = [i for i in items if _unknown(i[0]) and not megatron.touches(i[0], i[1])]
+        for key, _, _ in unknown:
             notify(f"{path}: klppo has no key {key!r}; ignored (the file adds it to verl's defaults)")
-        items = [i for i in items if lookup(KLPPOConfig, i[0].split("."))[0] != "unknown"]
-    return items
+        items = [i for i in items if i not in unknown]
+    return base + items
+
+
+def _unknown(key: str) -> bool:
+    return lookup(KLPPOConfig, key.split("."))[0] == "unknown"
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

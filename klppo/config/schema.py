@@ -121,7 +121,7 @@ def _critic_optim() -> OptimConfig:
 @dataclass(frozen=True)
 class CriticConfig:
     rollout_n: int = F(SEL("actor_rollout_ref.rollout.n", "1"), "Follows rollout.n (read-only copy).")
-    strategy: str = F("fsdp2", "Training backend (fsdp is read as fsdp2).")
+    strategy: str = F("fsdp2", "Training backend (fsdp is read as fsdp2; megatron is translated to FSDP2).")
     enable: bool | None = F(
         None,
         "Use a critic; klppo builds one exactly when adv_estimator=gae (false with gae is refused, true "
@@ -217,7 +217,7 @@ class RewardModelConfig:
     enable_resource_pool: bool = F(False, "verl: a separate GPU pool for the reward model.")
     n_gpus_per_node: int = F(8, "GPUs per node of that pool.")
     nnodes: int = F(0, "Nodes of that pool.")
-    strategy: str = F("fsdp2", "Backend (fsdp is read as fsdp2).")
+    strategy: str = F("fsdp2", "Backend (fsdp is read as fsdp2; megatron is translated to FSDP2).")
     model: RewardModelModelConfig = F(RewardModelModelConfig, "Reward model.")
     micro_batch_size: int | None = F(
         None,

@@ -119,7 +119,12 @@ class KLLossControlConfig:
 
 @dataclass(frozen=True)
 class ActorConfig:
-    strategy: str = F("fsdp2", "Training backend: fsdp2 (fsdp is read as fsdp2; megatron is refused).")
+    strategy: str = F(
+        "fsdp2",
+        "Training backend: fsdp2 (fsdp is read as fsdp2); megatron runs the launch on FSDP2, translating its "
+        "megatron.* keys.",
+        see="verl_compat.md#megatron-launches",
+    )
     ppo_mini_batch_size: int = F(256, "PROMPTS per optimizer step (× rollout.n samples), over all GPUs.")
     ppo_micro_batch_size: int | None = F(None, "Deprecated: SAMPLES per micro-batch over all GPUs.")
     ppo_micro_batch_size_per_gpu: int | None = F(None, "SAMPLES per forward/backward on one GPU.")

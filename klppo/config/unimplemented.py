@@ -289,7 +289,7 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
             "would see a slice of the batch per process, not the whole batch as in the step (a function that "
             "ranks, normalises or groups within the batch would score differently); set num_workers=1"
         )
-    if rm.enable and rm.strategy not in ("fsdp", "fsdp2"):
+    if rm.enable and rm.strategy not in ("fsdp", "fsdp2", "megatron"):
         problems.append(
             f"reward_model.strategy={rm.strategy!r}: klppo's reward model runs in PyTorch (fsdp/fsdp2 configs), "
             "loaded whole on each rank"

@@ -129,8 +129,8 @@ def test_aliases_are_printed_normalized_with_notes(run_cli):
 
 
 def test_refused_and_invalid_choices(run_cli):
-    rc, _, err = run_cli(["actor_rollout_ref.actor.strategy=megatron"])
-    assert rc == 2 and "megatron" in err and "FSDP2" in err
+    rc, _, err = run_cli(["actor_rollout_ref.actor.strategy=deepspeed"])
+    assert rc == 2 and "fsdp2" in err and "megatron" in err
     rc, _, err = run_cli(["algorithm.adv_estimator=grp"])
     assert rc == 2 and "did you mean grpo" in err
     rc, _, err = run_cli(["algorithm.kl_penalty=k4"])

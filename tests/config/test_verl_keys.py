@@ -1,5 +1,5 @@
 """verl's current key tree and hydra's command-line conventions (issue 14): every key has an entry, the
-result-changing ones are refused, packaged config names, `+`/`++`/`~`, null, boolean frequencies, Megatron."""
+result-changing ones are refused, packaged config names, `+`/`++`/`~`, null, boolean frequencies (Megatron: test_megatron.py)."""
 
 from __future__ import annotations
 
@@ -136,48 +136,6 @@ def test_packaged_ppo_config_names_are_klppo_defaults(name, tmp_path, monkeypatc
     plain = load_config(["data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=16"], **Q)
     assert config_to_yaml(cfg) == config_to_yaml(plain)
     assert len(notes) == 1 and "packaged" in notes[0]
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--config-path=config", "--config-name=ppo_megatron_trainer"],
-        ["--config-path", "config", "--config-name", "_generated_ppo_megatron_trainer.yaml"],
-        ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.loger=x"],
-        ["+critic.megatron.pipeline_model_parallel_size=2"],
-        ["critic.strategy=megatron", "actor_rollout_ref.actor.megatron.x=1"],
-    ],
-)
-def test_megatron_anywhere_is_one_message(argv, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError) as e:
-        load_config(argv, **Q)
-    text = str(e.value)
-    assert text.startswith("Megatron is not supported") and "\n" not in text and "FSDP2" in text
-
-
-def test_megatron_config_name_is_named_before_its_keys(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    argv = ["--config-path=config", "--config-name=ppo_megatron_trainer.yaml",
-            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]  # fmt: skip
-    with pytest.raises(
-        ConfigError, match=r"^Megatron is not supported \(--config-name=ppo_megatron_trainer\)"
-    ):
-        load_config(argv, **Q)
-
-
-def test_megatron_in_a_yaml_defaults_list_or_group(tmp_path):
-    f = tmp_path / "run.yaml"
-    f.write_text("defaults:\n  - ppo_megatron_trainer\n  - _self_\ntrainer:\n  total_epochs: 2\n")
-    with pytest.raises(
-        ConfigError, match=r"^Megatron is not supported \(defaults entry ppo_megatron_trainer"
-    ):
-        load_config([str(f)], **Q)
-    f.write_text("actor_rollout_ref:\n  actor:\n    megatron:\n      tensor_model_parallel_size: 2\n")
-    with pytest.raises(
-        ConfigError, match=r"actor_rollout_ref\.actor\.megatron\.tensor_model_parallel_size in"
-    ):
-        load_config([str(f)], **Q)
 
 
 def test_non_ppo_packaged_config_is_refused(tmp_path, monkeypatch):
