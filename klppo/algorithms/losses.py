@@ -55,6 +55,8 @@ def policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with dual clip (Ye et al. 2020,
     arXiv:1912.09729) and asymmetric clip ranges (DAPO's clip-higher, arXiv:2503.14476).
@@ -62,7 +64,8 @@ def policy_loss(
     ρ = exp(clamp(log π − log π_old, −20, 20)), ε_lo = clip_ratio_low or clip_ratio, ε_hi likewise;
         ℓ₁ = max(−A ρ, −A clip(ρ, 1 − ε_lo, 1 + ε_hi))
         ℓ  = min(ℓ₁, −A c)  where A < 0 (dual clip, c = clip_ratio_c > 1), else ℓ₁
-    loss = agg_loss(ℓ, mask, loss_agg_mode, loss_scale_factor); gradient flows to ``log_prob`` only.
+    loss = agg_loss(ℓ·w, mask, loss_agg_mode, loss_scale_factor), w = ``rollout_is_weights`` (rollout
+    correction's importance weights, detached; 1 when None); gradient flows to ``log_prob`` only.
     This is ``policy_loss.loss_mode=vanilla``; the other modes are in :data:`POLICY_LOSSES`.
 
     Returns:
@@ -84,6 +87,7 @@ def policy_loss(
     loss_dual = -adv * clip_ratio_c
     negative = adv < 0
     per_token = torch.where(negative, torch.minimum(loss_ppo, loss_dual), loss_ppo)
+    per_token = policy_losses.is_weighted(per_token, rollout_is_weights)
     loss = agg_loss(per_token, response_mask, loss_agg_mode, loss_scale_factor)
     with torch.no_grad():
         stats = {

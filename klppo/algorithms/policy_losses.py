@@ -37,6 +37,16 @@ def _stats(clipfrac: torch.Tensor, ppo_kl: torch.Tensor, clipfrac_lower: torch.T
     return {"pg_clipfrac": clipfrac.detach(), "ppo_kl": ppo_kl.detach(), "pg_clipfrac_lower": lower.detach()}
 
 
+def is_weighted(per_token: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    """ℓ_t · w_t with the rollout-correction importance weights w [B, T] (detached; ``None``: ℓ unchanged, the
+    same tensor), as verl weighs every policy loss but ``geo_mean`` (docs/algorithms.md#rollout-correction)."""
+    return (
+        per_token
+        if rollout_is_weights is None
+        else per_token * rollout_is_weights.detach().to(per_token.dtype)
+    )
+
+
 def _clip_bounds(clip_ratio: float, low: float | None, high: float | None) -> tuple[float, float]:
     return (clip_ratio if low is None else low), (clip_ratio if high is None else high)
 
@@ -52,6 +62,8 @@ def gspo(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Group Sequence Policy Optimization (Zheng et al. 2025, arXiv:2507.18071): a sequence-level ratio.
 
@@ -72,7 +84,9 @@ def gspo(
     loss_unclipped = -adv * seq_ratio
     loss_clipped = -adv * torch.clamp(seq_ratio, 1.0 - eps_low, 1.0 + eps_high)
     per_token = torch.maximum(loss_unclipped, loss_clipped)
-    loss = agg_loss(per_token, response_mask, loss_agg_mode, loss_scale_factor)
+    loss = agg_loss(
+        is_weighted(per_token, rollout_is_weights), response_mask, loss_agg_mode, loss_scale_factor
+    )
     with torch.no_grad():
         clipfrac = masked_mean((loss_clipped > loss_unclipped).to(lp.dtype), response_mask)
         stats = _stats(clipfrac, masked_mean(-log_ratio, response_mask))
@@ -115,6 +129,7 @@ def clip_cov(
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
     *,
+    rollout_is_weights: torch.Tensor | None = None,
     clip_cov_ratio: float = 0.0002,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
@@ -150,7 +165,9 @@ def clip_cov(
         generator=generator,
     )
     per_token = torch.where(keep, torch.maximum(loss_unclipped, loss_clipped), 0.0)
-    loss = agg_loss(per_token, response_mask, loss_agg_mode, loss_scale_factor)
+    loss = agg_loss(
+        is_weighted(per_token, rollout_is_weights), response_mask, loss_agg_mode, loss_scale_factor
+    )
     with torch.no_grad():
         stats = _stats(masked_mean((~keep).to(lp.dtype), mask), masked_mean(-log_ratio, mask))
     return loss, stats
@@ -168,6 +185,7 @@ def kl_cov(
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
     *,
+    rollout_is_weights: torch.Tensor | None = None,
     kl_cov_ratio: float = 0.0002,
     ppo_kl_coef: float = 0.1,
 ) -> tuple[torch.Tensor, Stats]:
@@ -196,7 +214,9 @@ def kl_cov(
             top = torch.topk(cov, max(1, int(num_valid * kl_cov_ratio))).indices
             penalized.reshape(-1)[flat[top]] = True
     per_token = torch.where(penalized, loss_pg + ppo_kl_coef * abs_kl, loss_pg)
-    loss = agg_loss(per_token, response_mask, loss_agg_mode, loss_scale_factor)
+    loss = agg_loss(
+        is_weighted(per_token, rollout_is_weights), response_mask, loss_agg_mode, loss_scale_factor
+    )
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     return loss, _stats(zero, masked_mean(abs_kl, mask).detach())
 
@@ -212,6 +232,8 @@ def gpg(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Group Policy Gradient loss (Chu et al. 2025, arXiv:2504.02546): plain REINFORCE, no ratio, no clip.
 
@@ -219,7 +241,9 @@ def gpg(
     feeds the ``ppo_kl`` stat (verl reports no stats for gpg); ``pg_clipfrac`` = ``pg_clipfrac_lower`` = 0.
     """
     lp, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages)
-    loss = agg_loss(-lp * adv, response_mask, loss_agg_mode, loss_scale_factor)
+    loss = agg_loss(
+        is_weighted(-lp * adv, rollout_is_weights), response_mask, loss_agg_mode, loss_scale_factor
+    )
     with torch.no_grad():
         zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
         stats = _stats(zero, masked_mean(-log_ratio, response_mask))
@@ -237,6 +261,8 @@ def geo_mean(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: float | None = None,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Geometric-Mean Policy Optimization (Zhao et al. 2025, GMPO, arXiv:2507.20673).
 
@@ -246,8 +272,11 @@ def geo_mean(
         loss = (1/B) Σ_i −Ā_i r_i          (mean over all B rows; an empty row contributes 0)
     ``loss_agg_mode`` and ``loss_scale_factor`` are ignored (as verl); verl divides by n_i + 1e-8, the same
     float32 number for n_i ≥ 1. Stats: ``pg_clipfrac`` / ``pg_clipfrac_lower`` = share of tokens with
-    A > 0 / A < 0 whose δ lies outside [−ε_lo, ε_hi]; ``ppo_kl``.
+    A > 0 / A < 0 whose δ lies outside [−ε_lo, ε_hi]; ``ppo_kl``. ``rollout_is_weights`` is refused: verl
+    folds them into the geometric mean per row, which is not built here.
     """
+    if rollout_is_weights is not None:
+        raise ValueError("geo_mean takes no rollout-correction importance weights (not built)")
     lp, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages)
     eps_low, eps_high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     delta = torch.clamp(log_ratio, min=-20.0, max=20.0)
