@@ -13,6 +13,8 @@ Shapes (P = prompt length, left-padded; R = response length, right-padded):
 - ``token_level_scores`` / ``token_level_rewards`` / ``advantages`` / ``returns`` [B, R] float32
 - ``reward_baselines`` [B] float32: the score of the greedy response to the sample's prompt (estimators
   that subtract it, e.g. ReMax); ``None`` otherwise
+- ``rollout_is_weights`` [B, R] float32: rollout correction's importance weights π_old / π_rollout (truncated
+  or masked, 0 at padding; ``algorithm.rollout_correction.rollout_is`` in decoupled mode), else ``None``
 - ``host_mask``: a host (numpy) copy of ``attention_mask`` [B, P+R] bool, or ``None``. The roles' passes set
   it once per pass (:meth:`Batch.with_host_mask`: one device→host copy) so that micro-batching, trimming
   and packing read lengths and token positions on the host instead of syncing with the device once per
@@ -45,6 +47,7 @@ TENSOR_FIELDS = (
     "advantages",
     "returns",
     "reward_baselines",
+    "rollout_is_weights",
 )
 LIST_FIELDS = ("data_source", "ground_truth", "uid", "extra_info", "raw_prompt")
 
@@ -64,6 +67,7 @@ class Batch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     reward_baselines: torch.Tensor | None = None
+    rollout_is_weights: torch.Tensor | None = None
     data_source: list[str] = dataclasses.field(default_factory=list)
     ground_truth: list[Any] = dataclasses.field(default_factory=list)
     uid: list[Any] = dataclasses.field(default_factory=list)

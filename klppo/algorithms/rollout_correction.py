@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -437,3 +438,33 @@ def reinforce_loss(
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 """``rollout_correction.loss_type`` in bypass mode: ``ppo_clip`` is the configured policy loss with π_old =
 π_roll (the ratio is the importance weight, clipped; no extra weights), ``reinforce`` is :func:`reinforce_loss`."""
+
+
+@dataclass(frozen=True)
+class CorrectionSettings:
+    """One run's rollout correction (verl's ``algorithm.rollout_correction``, thresholds parsed once).
+
+    ``bypass_mode`` False (decoupled): the trainer corrects the global batch once per step with π_old from the
+    old-log-prob pass; True: π_old = π_roll, and the actor corrects each micro-batch with the current policy,
+    its policy loss being ``loss_type`` (:data:`BYPASS_LOSS_TYPES`)."""
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float | str = 2.0
+    rollout_is_batch_normalize: bool = False
+    rs_options: tuple[RSOption, ...] = ()
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+
+    def apply(
+        self, log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
+    ) -> Correction:
+        """:func:`rollout_correction` with these settings."""
+        return rollout_correction(
+            log_prob,
+            rollout_log_prob,
+            response_mask,
+            rollout_is=self.rollout_is,
+            rollout_is_threshold=self.rollout_is_threshold,
+            rollout_is_batch_normalize=self.rollout_is_batch_normalize,
+            rs_options=self.rs_options,
+        )

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from klppo.algorithms import rollout_correction as rc
 from klppo.algorithms.losses import POLICY_LOSS_KEYS
 from klppo.config import KLPPOConfig
 from klppo.config.schema import DataConfig
@@ -235,14 +236,37 @@ def actor_settings(cfg: KLPPOConfig, sizes: Sizes, *, sp: SequenceParallel | Non
         sp=sp,
         local_shard_optim=actor.fsdp_config.local_shard_optim,
         cuda_graph_update=actor.fsdp_config.cuda_graph_update,
+        rollout_correction=rollout_correction_settings(cfg),
+    )
+
+
+def rollout_correction_settings(cfg: KLPPOConfig) -> rc.CorrectionSettings | None:
+    """``algorithm.rollout_correction`` with its thresholds parsed; None when it changes nothing (no
+    importance weights, no rejection, not bypass mode): the step is then the uncorrected one, unreported."""
+    rcfg = cfg.algorithm.rollout_correction
+    if rcfg.rollout_is is None and rcfg.rollout_rs is None and not rcfg.bypass_mode:
+        return None
+    rs = () if rcfg.rollout_rs is None else rc.parse_rs_options(rcfg.rollout_rs, rcfg.rollout_rs_threshold)
+    return rc.CorrectionSettings(
+        rollout_is=rcfg.rollout_is,
+        rollout_is_threshold=rcfg.rollout_is_threshold,
+        rollout_is_batch_normalize=rcfg.rollout_is_batch_normalize,
+        rs_options=rs,
+        bypass_mode=rcfg.bypass_mode,
+        loss_type=rcfg.loss_type,
     )
 
 
 def skips_old_log_prob_pass(cfg: KLPPOConfig) -> bool:
     """``actor.skip_old_log_prob_on_policy`` where nothing needs π_old before the update: not the KL in the
-    reward (before the advantages). A KL-loss controller reads this step's KL after the update, from the
-    update's forward. Whether the update is on-policy is the actor's test."""
-    return cfg.actor_rollout_ref.actor.skip_old_log_prob_on_policy and not cfg.algorithm.use_kl_in_reward
+    reward (before the advantages), not a decoupled rollout correction (its weights use π_old). A KL-loss
+    controller reads this step's KL after the update, from the update's forward. Whether the update is
+    on-policy is the actor's test."""
+    decoupled = (
+        rollout_correction_settings(cfg) is not None and not cfg.algorithm.rollout_correction.bypass_mode
+    )
+    actor = cfg.actor_rollout_ref.actor
+    return actor.skip_old_log_prob_on_policy and not cfg.algorithm.use_kl_in_reward and not decoupled
 
 
 @dataclass(frozen=True)

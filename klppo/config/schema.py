@@ -23,6 +23,7 @@ from klppo.config.schema_common import CheckpointConfig, FSDPConfig, OptimConfig
 from klppo.config.schema_monitor import OPERATING_RULES, MonitorConfig
 
 ESTIMATORS = "algorithms.md#advantage-estimators-algorithmadv_estimator"
+ROLLOUT_CORR = "algorithms.md#rollout-correction-algorithmrollout_correction"
 REWARDS = "training.md#rewards"
 
 
@@ -301,14 +302,32 @@ class PFPPOConfig:
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
     rollout_is: str | None = F(
-        None, "Importance weights rollout→training policy: token | sequence (null: off)."
+        None, "Importance weights π_old/π_rollout per token or sequence (null: off).", see=ROLLOUT_CORR
     )
-    rollout_is_threshold: float = F(2.0, "Truncation of those weights.")
-    rollout_rs: str | None = F(None, "Rejection sampling of mismatched samples (null: off).")
-    rollout_rs_threshold: float | str | None = F(None, "Rejection thresholds.")
-    bypass_mode: bool = F(False, "Use the rollout's log-probs as the old policy's.")
-    loss_type: str = F("ppo_clip", "Loss in bypass mode: ppo_clip | reinforce.")
-    rollout_is_batch_normalize: bool = F(False, "Normalize the weights to mean 1 per batch.")
+    rollout_is_threshold: float | str = F(
+        2.0,
+        "A number u truncates the weights at u (TIS); 'l_u' zeroes weights outside [l, u] (IcePop).",
+        see=ROLLOUT_CORR,
+    )
+    rollout_rs: str | None = F(
+        None,
+        "Rejection of mismatched tokens or rows, e.g. token_k1,seq_mean_k3 (null: off).",
+        see=ROLLOUT_CORR,
+    )
+    rollout_rs_threshold: float | str | None = F(
+        None,
+        "Rejection bounds: one shared value or one per rollout_rs option, comma-separated.",
+        see=ROLLOUT_CORR,
+    )
+    bypass_mode: bool = F(
+        False,
+        "Take the rollout's log-probs as π_old (no old-log-prob pass); corrections then per micro-batch.",
+        see=ROLLOUT_CORR,
+    )
+    loss_type: str = F("ppo_clip", "Policy loss in bypass mode: ppo_clip | reinforce.", see=ROLLOUT_CORR)
+    rollout_is_batch_normalize: bool = F(
+        False, "Divide the importance weights by their batch mean.", see=ROLLOUT_CORR
+    )
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import fnmatch
 import functools
 from collections.abc import Callable
 
+from klppo.algorithms import rollout_correction as rc
 from klppo.config._walk import all_keys
 from klppo.config.checks import (
     IMPLEMENTED_ADV_ESTIMATORS,
@@ -42,8 +43,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("data.custom_cls.*", "refuse", "custom dataset classes are not supported"),
     ("data.sampler.*", "refuse", "custom samplers are not supported"),
     ("data.datagen.*", "refuse", "dynamic data generation is not supported"),
-    ("algorithm.rollout_correction.*", "refuse",
-     "rollout-correction importance weights / rejection sampling are not built"),
     ("actor_rollout_ref.actor.tau_pos", "refuse", "SAPO's soft-gate loss is not built"),
     ("actor_rollout_ref.actor.tau_neg", "refuse", "SAPO's soft-gate loss is not built"),
     ("actor_rollout_ref.actor.use_prefix_grouper", "refuse",
@@ -274,6 +273,7 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         problems.append("kl_loss_type='full' with LoRA is not built (the reference is the actor with its "
                         "adapters off); use low_var_kl, kl or mse")  # fmt: skip
     problems += ulysses_problems(cfg)
+    problems += rollout_correction_problems(cfg)
     rm = cfg.reward_model
     if rm.reward_manager not in IMPLEMENTED_REWARD_MANAGERS:
         problems.append(
@@ -320,4 +320,39 @@ def ulysses_problems(cfg: KLPPOConfig) -> list[str]:
     if sp > 1 and arr.actor.use_kl_loss and arr.actor.kl_loss_type.startswith("full"):
         problems.append("actor_rollout_ref.actor.kl_loss_type='full' with ulysses_sequence_parallel_size > 1 "
                         "is not built (it needs full-vocabulary logits); use low_var_kl, kl or mse")  # fmt: skip
+    return problems
+
+
+def rollout_correction_problems(cfg: KLPPOConfig) -> list[str]:
+    """What ``algorithm.rollout_correction`` cannot run with: values verl rejects too (named by key), and
+    the parts klppo does not build — rejection sampling (a rejected token must leave the token counts that
+    weight the update's micro-batches, roles/trained.py), weights with ``geo_mean``, batch normalisation and
+    another policy loss in bypass mode (verl replaces the loss there)."""
+    rcfg = cfg.algorithm.rollout_correction
+    key = "algorithm.rollout_correction"
+    problems = []
+    if rcfg.rollout_is is not None and rcfg.rollout_is not in rc.IS_LEVELS:
+        problems.append(f"{key}.rollout_is={rcfg.rollout_is!r}: valid are {', '.join(rc.IS_LEVELS)} or null")
+    try:
+        rc.parse_is_threshold(rcfg.rollout_is_threshold)
+    except ValueError as exc:
+        problems.append(f"{key}.rollout_is_threshold: {exc}")
+    if rcfg.rollout_rs is not None:
+        try:
+            rc.parse_rs_options(rcfg.rollout_rs, rcfg.rollout_rs_threshold)
+        except ValueError as exc:
+            problems.append(f"{key}.rollout_rs: {exc}")
+        problems.append(f"{key}.rollout_rs={rcfg.rollout_rs!r}: rejection sampling is not built in the trainer "
+                        "(the rejected tokens would have to leave the token counts that weight the micro-batches)")  # fmt: skip
+    if rcfg.loss_type not in rc.BYPASS_LOSS_TYPES:
+        problems.append(f"{key}.loss_type={rcfg.loss_type!r}: valid are {', '.join(rc.BYPASS_LOSS_TYPES)}")
+    loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if rcfg.bypass_mode and loss_mode != "vanilla":
+        problems.append(f"{key}.bypass_mode=True with policy_loss.loss_mode={loss_mode!r}: bypass mode's loss "
+                        "is loss_type (ppo_clip is the vanilla loss), as in verl")  # fmt: skip
+    if rcfg.bypass_mode and rcfg.rollout_is_batch_normalize:
+        problems.append(f"{key}.rollout_is_batch_normalize=True with bypass_mode=True is not built (verl takes "
+                        "the mean over all ranks inside each micro-batch's loss)")  # fmt: skip
+    if rcfg.rollout_is is not None and not rcfg.bypass_mode and loss_mode == "geo_mean":
+        problems.append(f"{key}.rollout_is with policy_loss.loss_mode='geo_mean' is not built")
     return problems

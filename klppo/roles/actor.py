@@ -19,6 +19,7 @@ import torch
 
 from klppo.algorithms import kl as kl_mod
 from klppo.algorithms import losses
+from klppo.algorithms import rollout_correction as rc
 from klppo.batch import Batch
 from klppo.batching.packing import log_probs_of, prepare_log_probs
 from klppo.parallel.mesh import SequenceParallel
@@ -69,6 +70,7 @@ class ActorSettings:
     grad_sync_per_mini_batch: bool = False  # one reduce-scatter per mini-batch (roles/trained.py)
     local_shard_optim: bool = True  # optimizer step and clip on the DTensors' local shards (trained.py)
     cuda_graph_update: bool = False  # micro-batches replayed as CUDA graphs (roles/graphed.py; plain path)
+    rollout_correction: rc.CorrectionSettings | None = None  # bypass mode: corrected here, per micro-batch
 
 
 class Actor(TrainedRole):
@@ -213,6 +215,40 @@ class Actor(TrainedRole):
                 ref_logits = ref_logits_fn(mb)
         return self._loss_terms(mb, log_prob, entropy, kl_loss_coef, logits=logits, ref_logits=ref_logits)
 
+    def _policy_loss(
+        self, mb: Batch | SimpleNamespace, old_log_prob: torch.Tensor, log_prob: torch.Tensor, stats: dict
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The ``loss_mode`` policy loss, weighted by the batch's ``rollout_is_weights`` when it has them
+        (decoupled rollout correction). In bypass mode (π_old = π_rollout) the correction of this
+        micro-batch's current policy against the rollout's is computed here, its ``rollout_corr/*`` added to
+        ``stats``, and ``loss_type=reinforce`` replaces the loss by :func:`rc.reinforce_loss`."""
+        s = self.settings
+        corr = s.rollout_correction
+        if corr is not None and corr.bypass_mode:
+            correction = corr.apply(log_prob.detach(), mb.rollout_log_probs, mb.response_mask)
+            stats.update(correction.metrics)
+            if corr.loss_type == "reinforce":
+                return rc.reinforce_loss(
+                    mb.rollout_log_probs, log_prob, mb.advantages, mb.response_mask,
+                    weights=correction.weights, loss_agg_mode=s.loss_agg_mode,
+                    loss_scale_factor=s.loss_scale_factor,
+                )  # fmt: skip
+        weighted = {} if mb.rollout_is_weights is None else {"rollout_is_weights": mb.rollout_is_weights}
+        return losses.get_policy_loss(s.loss_mode)(
+            old_log_prob=old_log_prob,
+            log_prob=log_prob,
+            advantages=mb.advantages,
+            response_mask=mb.response_mask,
+            clip_ratio=s.clip_ratio,
+            clip_ratio_low=s.clip_ratio_low,
+            clip_ratio_high=s.clip_ratio_high,
+            clip_ratio_c=s.clip_ratio_c,
+            loss_agg_mode=s.loss_agg_mode,
+            loss_scale_factor=s.loss_scale_factor,
+            **s.policy_loss_kwargs,
+            **weighted,
+        )
+
     def term_modes(self) -> list[str]:
         """The aggregation mode of each term :meth:`_loss_terms` returns, in order."""
         s = self.settings
@@ -278,19 +314,7 @@ class Actor(TrainedRole):
         if old_log_prob is None:  # on-policy: π_old is the current policy (see the module docstring)
             old_log_prob = log_prob.detach()
             stats.update(_skipped_pass_stats(old_log_prob, mb, s))
-        pg_loss, pg_stats = losses.get_policy_loss(s.loss_mode)(
-            old_log_prob=old_log_prob,
-            log_prob=log_prob,
-            advantages=mb.advantages,
-            response_mask=mask,
-            clip_ratio=s.clip_ratio,
-            clip_ratio_low=s.clip_ratio_low,
-            clip_ratio_high=s.clip_ratio_high,
-            clip_ratio_c=s.clip_ratio_c,
-            loss_agg_mode=s.loss_agg_mode,
-            loss_scale_factor=s.loss_scale_factor,
-            **s.policy_loss_kwargs,
-        )
+        pg_loss, pg_stats = self._policy_loss(mb, old_log_prob, log_prob, stats)
         terms: LossTerms = [(pg_loss, losses.policy_loss_agg_mode(s.loss_mode, s.loss_agg_mode))]
         stats["actor/pg_loss"] = pg_loss.detach()
         stats.update({f"actor/{k}": v for k, v in pg_stats.items()})
@@ -315,7 +339,9 @@ class Actor(TrainedRole):
 HOST_SYNC_LOSS_MODES = ("clip_cov", "kl_cov")
 """Policy losses that read device values on the host (the number of tokens to clip): not capturable."""
 
-LOSS_FIELDS = ("old_log_probs", "advantages", "response_mask", "ref_log_probs", "rollout_log_probs")
+LOSS_FIELDS = (
+    "old_log_probs", "advantages", "response_mask", "ref_log_probs", "rollout_log_probs", "rollout_is_weights",
+)  # fmt: skip
 """The batch fields the actor's loss reads besides the model inputs."""
 
 

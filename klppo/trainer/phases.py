@@ -18,6 +18,7 @@ from klppo.algorithms import advantages as adv
 from klppo.algorithms import kl as kl_mod
 from klppo.algorithms.kl_control import KLController, PenaltyShareWatch
 from klppo.algorithms.losses import masked_mean
+from klppo.algorithms.rollout_correction import CorrectionSettings
 from klppo.assembly.setup import Run
 from klppo.batch import Batch
 from klppo.config.schema import AlgorithmConfig
@@ -105,10 +106,17 @@ def with_scores(reward: Reward, samples: Batch, pending: PendingScores | None = 
 
 
 def rewards_and_advantages(
-    batch: Batch, algo: AlgorithmConfig, kl_ctrl: KLController, *, watch: PenaltyShareWatch, step: int
+    batch: Batch,
+    algo: AlgorithmConfig,
+    kl_ctrl: KLController,
+    *,
+    watch: PenaltyShareWatch,
+    step: int,
+    correction: CorrectionSettings | None = None,
 ) -> tuple[Batch, dict[str, float]]:
     """KL penalty into the reward (``use_kl_in_reward``; updates ``kl_ctrl``, and ``watch`` warns when the
-    penalty outweighs the score), then the configured advantage estimator, on the global batch."""
+    penalty outweighs the score), the decoupled rollout correction (``correction``, :func:`with_correction`),
+    then the configured advantage estimator, on the global batch."""
     metrics: dict[str, float] = {}
     if algo.use_kl_in_reward:
         rewards, kl_stats = kl_mod.apply_kl_penalty(
@@ -133,6 +141,9 @@ def rewards_and_advantages(
         kl_ctrl.update(current_kl, len(batch))
     else:
         rewards = batch.token_level_scores
+    if correction is not None and not correction.bypass_mode:
+        batch, corr_metrics = with_correction(batch, correction)
+        metrics.update(corr_metrics)
     advantages, returns = adv.compute_advantages(
         algo.adv_estimator,
         token_level_rewards=rewards,
@@ -145,6 +156,20 @@ def rewards_and_advantages(
         norm_by_std=algo.norm_adv_by_std_in_grpo,
     )
     return batch.replace(token_level_rewards=rewards, advantages=advantages, returns=returns), metrics
+
+
+def with_correction(batch: Batch, correction: CorrectionSettings) -> tuple[Batch, dict[str, float]]:
+    """Decoupled rollout correction of the global batch (verl's place: after the KL penalty, before the
+    advantages): ``rollout_is_weights`` from π_old against the rollout engine's log-probs, and the step's
+    ``rollout_corr/*`` metrics (one device→host transfer). Rejection is refused by the configuration check."""
+    assert not correction.rs_options, "rollout_rs is refused by config.unimplemented"
+    if batch.rollout_log_probs is None or batch.old_log_probs is None:
+        raise ValueError("algorithm.rollout_correction needs the rollout's and the old policy's log-probs")
+    result = correction.apply(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask)
+    weights = None if result.weights is None else result.weights.to(torch.float32)
+    names = list(result.metrics)
+    values = torch.stack([result.metrics[k].double() for k in names]).tolist() if names else []
+    return batch.replace(rollout_is_weights=weights), dict(zip(names, values, strict=True))
 
 
 def penalty_share(scores: torch.Tensor, rewards: torch.Tensor) -> float:

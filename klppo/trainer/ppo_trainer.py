@@ -223,8 +223,9 @@ class PPOTrainer:
             check_finite(batch, STEP_INPUTS, paths=self._data_paths)
             with timer.phase("adv"):
                 batch, adv_metrics = rewards_and_advantages(
-                    batch, self.cfg.algorithm, self.run.kl_ctrl, watch=self.state.penalty_share, step=step
-                )
+                    batch, self.cfg.algorithm, self.run.kl_ctrl, watch=self.state.penalty_share, step=step,
+                    correction=self.run.roles.actor.settings.rollout_correction,
+                )  # fmt: skip
             check_finite(batch, STEP_TARGETS, paths=self._data_paths)
         except NonFiniteStep as exc:
             return batch, adv_metrics, str(exc)
@@ -246,6 +247,9 @@ class PPOTrainer:
         """π_old's log-probs, unless the update is on-policy (then π_old = the update's own log-probs); the
         pass's micro-batches, cut and packed once, also serve the reference."""
         actor = self.run.roles.actor
+        correction = actor.settings.rollout_correction
+        if correction is not None and correction.bypass_mode:  # π_old = π_rollout: no pass (verl's bypass)
+            return samples.replace(old_log_probs=samples.rollout_log_probs), {}, None
         # on-policy: π_old = the update's log-probs; the update's rows per rank are a Ulysses group's
         if actor.skips_old_log_prob(len(samples) * actor.update.sp_size):
             return samples, {}, None
