@@ -321,6 +321,7 @@ def build_reward(
         num_workers=rm.num_workers,
         micro_batch_size=micro_batch_size,
         max_token_len=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
+        timeout_s=rm.timeout_s,
     )
 
 

@@ -18,6 +18,7 @@ from klppo.algorithms.advantages import get_advantage_estimator
 from klppo.algorithms.kl_control import KLController, make_kl_controller
 from klppo.assembly.data_check import build_loaders, tokenizer_trusts_code
 from klppo.assembly.roles_build import HFAssets, RoleInputs, Roles, SequenceGroups, build_roles, role_fsdp
+from klppo.assembly.run_start import begin_run
 from klppo.assembly.settings import (
     engine_options,
     sampling_params,
@@ -33,11 +34,11 @@ from klppo.config.checks import (
 )
 from klppo.config.schema import KLControlConfig
 from klppo.config.schema_arr import KLLossControlConfig
-from klppo.config.sizes import Sizes
+from klppo.config.sizes import Sizes, uses_critic
 from klppo.data.dataset import PromptLoader
 from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
 from klppo.models.lora import is_lora, merged_for_rollout
-from klppo.ops.checkpoint import checkpoint_step, resolve_resume
+from klppo.ops.checkpoint import checkpoint_step
 from klppo.parallel.collectives import rank, world_size
 from klppo.parallel.fsdp import FSDPSettings, gathered_params
 from klppo.parallel.mesh import (
@@ -106,6 +107,8 @@ class Run:
     hf_assets: HFAssets
     free_cache_engine: bool
     resume_path: Path | None
+    identity: dict[str, Any] | None
+    """What the run trains, saved with each checkpoint (``klppo.ops.resume_check``; rank 0 only)."""
 
     @contextlib.contextmanager
     def gather_weights(self) -> Iterator[torch.nn.Module]:
@@ -304,12 +307,15 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     torch.manual_seed(tcfg.seed)
     # a .gguf file → its cached Hugging Face directory
     model_path = model_dir(arr.model.path, key="actor_rollout_ref.model.path")
-    tokenizer = load_tokenizer(
+    tokenizer_path = (
         model_dir(arr.model.tokenizer_path, key="actor_rollout_ref.model.tokenizer_path")
         if arr.model.tokenizer_path
-        else model_path,
-        trust_remote_code=tokenizer_trusts_code(cfg),
+        else model_path
     )
+    trained = ["actor"] + (["critic"] if uses_critic(cfg) else [])
+    # the start recorded; a fresh start over an earlier run, or a resume that changes the run, refused
+    start = begin_run(cfg, argv, model_path=model_path, tokenizer_path=tokenizer_path, trained=trained)
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=tokenizer_trusts_code(cfg))
     if arr.model.custom_chat_template:
         tokenizer.chat_template = arr.model.custom_chat_template
     actor_fsdp = role_fsdp("actor", arr.actor.fsdp_config, device)  # shards and is predicted
@@ -328,8 +334,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     inputs = RoleInputs(cfg, sizes, model_path, tokenizer, device, total_steps, offload, hf_assets, sp)
     roles = build_roles(inputs, actor_fsdp)
     rollout = _rollout_engine(cfg, tokenizer, roles.actor.model, rollout_tp, compiled)
-    trained = ["actor"] + (["critic"] if roles.critic is not None else [])
-    resume_path = resolve_resume(tcfg.resume_mode, run_dir, tcfg.resume_from_path, roles=trained)
+    resume_path = start.resume_path
     if rank() == 0:
         claim_run_files(run_dir)  # before the trackers open metrics.jsonl
     return Run(
@@ -350,4 +355,5 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
         hf_assets=hf_assets,
         free_cache_engine=arr.rollout.free_cache_engine,
         resume_path=resume_path,
+        identity=start.identity,
     )

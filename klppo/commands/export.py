@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from klppo.models.lora import merge_into_base
+from klppo.ops.checkpoint import validate_checkpoint
 from klppo.parallel.checkpoint import load_checkpoint as load_model_and_optimizer
 
 
@@ -37,6 +38,9 @@ def export_checkpoint(
     hf_dir = ckpt_dir / role / "huggingface"
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"{ckpt_dir} does not exist (pass a global_step_N folder of a run directory)")
+    problem = validate_checkpoint(ckpt_dir, roles=[role])  # the manifest's checksums, before any load
+    if problem is not None:
+        raise ValueError(f"{ckpt_dir} is damaged: {problem}; export an intact checkpoint")
     if not hf_dir.is_dir():
         raise FileNotFoundError(
             f"{ckpt_dir} holds no {role!r} model (expected {hf_dir}); pass a global_step_N folder"

@@ -15,15 +15,12 @@ import torch
 from klppo.assembly.data_check import check_data_at_startup
 from klppo.commands import quickstart
 from klppo.config import ConfigError, KLPPOConfig, check_trainable, load_config, warn_unimplemented
-from klppo.data import DataError
 from klppo.models.loading import ModelLoadError, model_dir
-from klppo.ops.nonfinite import TrainingStopped
-from klppo.ops.run_lock import HELD_ENV, RunLock, RunLockError, should_lock
+from klppo.ops.failures import report_failure
+from klppo.ops.run_lock import HELD_ENV, RunLock, RunLockError, register_rank, should_lock
 from klppo.parallel import dist
 from klppo.parallel.launch import maybe_relaunch, record_errors
-from klppo.rewards.registry import RewardFunctionError
-from klppo.tracking.run_dir import RunDirError, claim_run_files
-from klppo.trainer.timer import PhaseOutOfMemory
+from klppo.tracking.run_dir import claim_run_files
 
 log = logging.getLogger("klppo")
 
@@ -174,7 +171,6 @@ def _pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
 def run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> int:
     """Train on this rank (already inside the right process layout)."""
     from klppo.assembly.setup import build_run  # noqa: PLC0415  heavy (transformers, models): ranks only
-    from klppo.ops.checkpoint import CheckpointError  # noqa: PLC0415  heavy (torch.distributed.checkpoint): ranks only
     from klppo.trainer.finish import finish_run  # noqa: PLC0415  heavy (torch.distributed.checkpoint): ranks only
     from klppo.trainer.ppo_trainer import PPOTrainer  # noqa: PLC0415  heavy (models, rollout): ranks only
 
@@ -182,7 +178,9 @@ def run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> int:
     if info.rank == 0:
         warn_unimplemented(cfg)
     start = time.perf_counter()
+    run_dir = Path(cfg.trainer.default_local_dir).expanduser()
     try:
+        register_rank(run_dir, info.rank)  # the run lock proves the run dead only with every rank's process
         built = build_run(cfg, device=info.device, argv=argv)
         PPOTrainer(built).fit()
         # every rank done before any tears its process group down (a rank leaving while a peer still
@@ -192,12 +190,8 @@ def run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> int:
             history = built.trackers.metrics.history
             finish_run(built.run_dir, history=history, wall_s=time.perf_counter() - start)
         return 0
-    except (DataError, RunDirError) as exc:  # found by the ranks when no checked `klppo train` started them
-        print(f"klppo: {exc}", file=sys.stderr)
-        return 2
-    except (TrainingStopped, CheckpointError, ModelLoadError, PhaseOutOfMemory, RewardFunctionError) as exc:
-        print(f"klppo: {exc}", file=sys.stderr)
-        return 1
+    except (Exception, KeyboardInterrupt) as exc:  # one line, the traceback in the run directory
+        return report_failure(exc, run_dir=run_dir, rank=info.rank, world_size=info.world_size)
     finally:
         dist.destroy()
 

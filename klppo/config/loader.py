@@ -165,6 +165,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
         data = _to_plain(OmegaConf.load(p))
     except (OmegaConfBaseException, OSError, ValueError, yaml.YAMLError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        mark = getattr(e, "problem_mark", None)
+        if isinstance(e, yaml.MarkedYAMLError) and mark is not None:  # yaml counts from 0
+            first = f"line {mark.line + 1}, column {mark.column + 1}: {e.problem or e.context or first}"
         raise ConfigError(f"{path}: not a readable YAML mapping ({first})") from None
     if data is None:
         return {}

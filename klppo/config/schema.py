@@ -250,6 +250,11 @@ class RewardModelConfig:
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
     ulysses_sequence_parallel_size: int = F(1, "Ulysses group size.")
     use_reward_loop: bool = F(True, "verl: score through the asynchronous reward loop.")
+    timeout_s: float = F(
+        600.0,
+        "[klppo] Seconds a batch's scoring (rule or custom function) may take on a rank before the run stops "
+        "(0 = no limit).",
+    )
     num_workers: int = F(
         1,
         "With launch_reward_fn_async: scoring processes per rank, each given a contiguous slice of its rows "
@@ -372,6 +377,15 @@ class TrainerConfig:
     esi_redundant_time: int = F(0, "Seconds reserved before an expected preemption.")
     resume_mode: str = F("auto", "auto | disable | resume_path.", see="training.md#checkpoints-and-resume")
     resume_from_path: str | None = F(None, "Checkpoint folder when resume_mode=resume_path.")
+    run_dir_exists: str = F(
+        "refuse",
+        "[klppo] A fresh start where an earlier run's checkpoints are: refuse | archive (moved to archive/NNN/) "
+        "| remove.",
+    )
+    allow_resume_changes: bool = F(
+        False,
+        "[klppo] Resume even when the model, tokenizer, algorithm or batch geometry differ from the checkpoint's.",
+    )
     val_before_train: bool = F(True, "Validate before the first step.")
     val_only: bool = F(False, "Only validate.")
     test_freq: int = F(-1, "Validate every N steps (-1 = never).")

@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from klppo.parallel.checkpoint import load_checkpoint as load_model_and_optimizer
 from klppo.parallel.checkpoint import save_checkpoint as save_model_and_optimizer
+from klppo.parallel.checkpoint import shards_problem
 from klppo.parallel.collectives import all_gather_objects, rank, world_size
 
 log = logging.getLogger("klppo")
@@ -184,7 +186,7 @@ def validate_checkpoint(path: str | Path, *, roles: list[str] | None = None) -> 
 
     Checks ``COMPLETE``, the manifest (every listed file present with its size and SHA-256) and the files
     every checkpoint needs (``trainer_state.pt``, rank 0's RNG file, each role's DCP ``.metadata``).
-    A checkpoint written before manifests existed gets the structural checks only.
+    A checkpoint without a manifest is verified by loading instead (:func:`_verify_by_loading`).
     """
     path = Path(path)
     if not (path / "COMPLETE").is_file():
@@ -211,6 +213,23 @@ def validate_checkpoint(path: str | Path, *, roles: list[str] | None = None) -> 
             return f"{f} is missing"
         if f.stat().st_size == 0:
             return f"{f} is empty"
+    return None if manifest_path.exists() else _verify_by_loading(path, roles)
+
+
+def _verify_by_loading(path: Path, roles: list[str] | None) -> str | None:
+    """A checkpoint without a manifest, checked by loading what is small and reading what is large: the
+    trainer state and every RNG file loaded (tensors and plain values only), each role's DCP metadata read
+    and every tensor it lists found within its file's bytes. None when it holds, else one phrase."""
+    try:
+        load_trainer_state(path)
+        for f in sorted((path / "rng").glob("rank_*.pt")):
+            _load_small(f)
+    except CheckpointError as exc:
+        return str(exc).removeprefix("cannot load ")
+    for role in roles or ["actor"]:
+        problem = shards_problem(path / role)
+        if problem is not None:
+            return problem
     return None
 
 
@@ -505,13 +524,7 @@ def resolve_resume(
     """The checkpoint to resume from under ``trainer.resume_mode`` (auto | disable | resume_path), validated
     (rank 0 checks, every rank gets the same answer). ``roles``: the trained roles whose state must be there."""
     root = Path(root)
-    if mode == "disable":
-        if list_checkpoints(root) and rank() == 0:
-            log.warning(
-                "trainer.resume_mode=disable: starting fresh; the checkpoints already in %s stay there and "
-                "may be overwritten by this run's",
-                root,
-            )
+    if mode == "disable":  # an earlier run's checkpoints there: klppo.ops.run_records decides
         return None
     if mode == "auto":
         return _on_rank0(_newest_intact, root, roles)
@@ -534,8 +547,21 @@ def resolve_resume(
 def _load_small(path: Path) -> Any:
     try:
         return torch.load(path, weights_only=True)
-    except Exception as exc:  # a pickle with code in it, a truncated file, …: one line naming the file
+    except pickle.UnpicklingError:  # torch's message advises weights_only=False: never for a checkpoint
+        raise CheckpointError(
+            f"cannot load {path}: it holds something other than tensors and plain values (damaged, or not "
+            "written by klppo); it is not unpickled"
+        ) from None
+    except Exception as exc:  # a truncated file, …: one line naming the file
         raise CheckpointError(f"cannot load {path}: {_first_line(exc)}") from None
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    """``trainer_state.pt`` of checkpoint ``path`` (tensors and plain values only), before any weights."""
+    state = _load_small(Path(path) / "trainer_state.pt")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{Path(path) / 'trainer_state.pt'} holds a {type(state).__name__}, not a mapping")
+    return state
 
 
 def load_checkpoint(

@@ -75,6 +75,28 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
+def shards_problem(directory: str | Path) -> str | None:
+    """None when ``directory``'s DCP ``.metadata`` reads (through :class:`_MetadataUnpickler`) and every
+    item it lists lies within the bytes of its shard file; else one phrase naming the file. Reads the
+    metadata only: the check a checkpoint without a manifest gets before it is trusted."""
+    directory = Path(directory)
+    try:
+        metadata = SafeFileSystemReader(directory).read_metadata()
+    except Exception as exc:  # truncated, not a pickle, a refused global
+        return f"{directory / '.metadata'} cannot be read ({type(exc).__name__})"
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        if name not in sizes:
+            f = directory / name
+            sizes[name] = f.stat().st_size if f.is_file() else -1
+        if sizes[name] < 0:
+            return f"{directory / name} is missing"
+        if info.offset + info.length > sizes[name]:
+            return f"{directory / name} has {sizes[name]} bytes, its items need {info.offset + info.length}"
+    return None
+
+
 def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
     return [] if optimizer is None else [optimizer]
 

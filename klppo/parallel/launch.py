@@ -24,6 +24,7 @@ them after its own 30 s), and whatever still runs 45 s later is killed: no proce
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
@@ -32,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,7 +48,41 @@ from klppo.parallel.dist import CollectiveTimeoutError, free_port, under_launche
 
 T = TypeVar("T")
 STOP_FILE_ENV = "KLPPO_STOP_FILE"
+LAUNCHER_PID_ENV = "KLPPO_LAUNCHER_PID"  # torchrun dies with this process (`klppo train`)
+TORCHRUN_PID_ENV = "KLPPO_TORCHRUN_PID"  # the ranks die with this process (torchrun)
 _TORCHRUN_SHUTDOWN_S = 30  # torchrun's wait between SIGTERM and SIGKILL of the ranks
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when ``parent`` (its parent now) ends: the kernel's SIGKILL on Linux
+    (``prctl(PR_SET_PDEATHSIG)``), elsewhere a thread that polls; at once if ``parent`` is already gone."""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            armed = ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent:  # it ended before the line above took effect
+        os._exit(1)
+    if not armed:
+        threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
+
+
+def _exit_when_orphaned(parent: int, poll_s: float = 0.5) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    os._exit(1)
+
+
+def rank_environment(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for torchrun and the ranks: they import the klppo this process runs (its directory first on
+    ``PYTHONPATH``), never a ``klppo`` folder of the working directory (``PYTHONSAFEPATH``: the working
+    directory is not put first on ``sys.path``; it stays importable, last on ``PYTHONPATH``)."""
+    import klppo  # noqa: PLC0415  the package's own location (its __init__ is loaded already)
+
+    root = str(Path(klppo.__file__).resolve().parents[1])
+    paths = [root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p], os.getcwd()]
+    return {**env, "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 def _visible_gpu_ids() -> list[str]:
@@ -107,6 +143,8 @@ def maybe_relaunch(
     """
     if nproc_per_node < 1 or nnodes < 1:
         raise ValueError(f"nproc_per_node={nproc_per_node} and nnodes={nnodes} must be >= 1")
+    if under_launcher() and os.environ.get(TORCHRUN_PID_ENV):  # a rank that `klppo train` started
+        die_with_parent(int(os.environ[TORCHRUN_PID_ENV]))
     if nproc_per_node * nnodes == 1 or under_launcher():
         return None
     env = dict(os.environ)
@@ -119,7 +157,7 @@ def maybe_relaunch(
     cmd = torchrun_command(
         argv, nproc_per_node=nproc_per_node, nnodes=nnodes, module=module, show_all_ranks=show_all_ranks
     )
-    return supervise(cmd, env=env, stop_grace_s=stop_grace_s)
+    return supervise(cmd, env=rank_environment(env), stop_grace_s=stop_grace_s)
 
 
 def _children(pid: int) -> list[int]:
@@ -153,7 +191,8 @@ def supervise(cmd: list[str], *, env: dict[str, str], stop_grace_s: float) -> in
     ask the ranks to stop through the stop file, bounded by ``stop_grace_s`` (module docstring)."""
     stop_dir = Path(tempfile.mkdtemp(prefix="klppo-stop-"))
     stop_file = stop_dir / "stop"
-    proc = subprocess.Popen(cmd, env={**env, STOP_FILE_ENV: str(stop_file)}, start_new_session=True)
+    env = {**env, STOP_FILE_ENV: str(stop_file), LAUNCHER_PID_ENV: str(os.getpid())}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     state: dict[str, float | int | None] = {"signals": 0, "deadline": None}
 
     def on_signal(signum, _frame):
@@ -245,14 +284,43 @@ def _write_error_file(e: BaseException, callstack: str) -> None:
         json.dump(data, f)
 
 
-def _torchrun_main() -> int:
-    """torchrun with its failure summary (root cause traceback) printed once, no launcher traceback."""
+def failure_line(error: ChildFailedError) -> tuple[str, int]:
+    """(one line, exit code) for a failed torchrun job: the first failure a rank reported through
+    ``klppo.ops.failures`` that is not a consequence of another (a peer gone from a collective), else the
+    first failure torchrun saw (its message, or the exit code or signal)."""
+    reported = []
+    for failure in error.failures.values():
+        message = failure.error_file_data.get("message")
+        extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+        if isinstance(extra.get("klppo"), dict):
+            reported.append((extra["klppo"].get("consequence", False), extra["klppo"]["time"], extra["klppo"]))
+    if reported:
+        first = min(reported, key=lambda r: (r[0], r[1]))[2]
+        return f"klppo: {first['line']}", int(first["code"])
+    if any(f.error_file_data.get("message") for f in error.failures.values()):  # record_errors: traceback once
+        return error.format_msg(), 1
+    global_rank, failure = min(error.failures.items(), key=lambda kv: kv[1].timestamp)
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+    if failure.exitcode < 0:
+        what = f"was killed by {failure.signal_name()}"
+    else:
+        what = f"exited with code {failure.exitcode}"
+    detail = "" if not message or "To enable traceback" in message else f": {str(message).splitlines()[0]}"
+    return f"klppo: rank {global_rank} {what}{detail}", failure.exitcode if failure.exitcode > 0 else 1
 
+
+def _torchrun_main() -> int:
+    """torchrun, ending with the launcher (``KLPPO_LAUNCHER_PID``) and its ranks with it; a failure is one
+    line (:func:`failure_line`), no launcher traceback."""
+    if os.environ.get(LAUNCHER_PID_ENV):
+        die_with_parent(int(os.environ[LAUNCHER_PID_ENV]))
+    os.environ[TORCHRUN_PID_ENV] = str(os.getpid())
     try:
         run(parse_args(sys.argv[1:]))
     except ChildFailedError as e:
-        print(e.format_msg(), file=sys.stderr)
-        return 1
+        line, code = failure_line(e)
+        print(line, file=sys.stderr)
+        return code
     except SignalException as e:  # torchrun itself was signalled (by `klppo train` past its grace period)
         print(
             f"klppo: torchrun stopped by signal {int(e.sigval)}; the ranks were signalled and killed after "

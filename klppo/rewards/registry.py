@@ -276,6 +276,10 @@ class RewardManager:
                 self.overlong = (int(max_resp_len), int(cfg["len"]), float(cfg.get("penalty_factor", 1.0)))
         self.custom_fn = load_custom_reward_fn(custom_fn_path, custom_fn_name) if custom_fn_path else None
         self._custom_name = f"custom_reward_function {custom_fn_path}:{custom_fn_name}"
+        self.current_row = -1
+        """The batch row being scored (the first of a batched call), for a time limit's message."""
+        self.on_row: Callable[[int], None] | None = None
+        """Called with each row before it is scored (a scoring process reports its progress with it)."""
         if self.custom_fn is None and self.reward_kwargs:
             accepted: set[str] = set()
             for fn in set(SCORERS.values()):
@@ -288,6 +292,16 @@ class RewardManager:
                 raise ValueError(
                     f"reward_kwargs {unknown} are accepted by no built-in scorer; accepted: {sorted(accepted)}"
                 )
+
+    @property
+    def describe(self) -> str:
+        """The function that scores: the user's, or the built-in scorers by data source."""
+        return self._custom_name if self.custom_fn is not None else "the built-in scorer"
+
+    def _at(self, row: int) -> None:
+        self.current_row = row
+        if self.on_row is not None:
+            self.on_row(row)
 
     def _builtin(self, data_source: str, response: str, ground_truth: Any, row: int) -> float:
         fn = get_scorer(data_source)
@@ -318,6 +332,7 @@ class RewardManager:
                 f"{len(data_sources)}, ground_truths {len(ground_truths)}, extra_infos {len(extra_infos)}"
             )
         if self.reward_manager == "batch":
+            self._at(first_row)
             values = _called(
                 f"{self._custom_name} (batched, rows {first_row}–{first_row + len(responses) - 1})", self.custom_fn,
                 data_sources=data_sources, solution_strs=responses, ground_truths=ground_truths,
@@ -335,6 +350,7 @@ class RewardManager:
         out = []
         rows = zip(responses, data_sources, ground_truths, extra_infos)
         for i, (response, source, truth, extra) in enumerate(rows, first_row):
+            self._at(i)
             if self.custom_fn is not None:
                 where = f"{self._custom_name}, row {i},"
                 value = _called(where, self.custom_fn, source, response, truth, extra, **self.reward_kwargs)

@@ -3,6 +3,7 @@ reward model; scores land on each response's last token (``token_level_scores``)
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple
@@ -10,8 +11,10 @@ from typing import NamedTuple
 import torch
 
 from klppo.batch import Batch
+from klppo.parallel.collectives import rank
 from klppo.rewards import RewardManager, place_scores
 from klppo.roles.decoding import decode_batch
+from klppo.roles.reward_limit import RewardTimeoutError, deadline, sample_where, timeout_message
 from klppo.roles.reward_worker import ScoringWorker, WorkerStartError
 
 
@@ -38,13 +41,21 @@ class PendingScores:
 
     def __init__(self, futures: list[Future], reward: Reward, batch: Batch) -> None:
         self._futures, self._reward, self._batch = futures, reward, batch
+        self._started = time.monotonic()
 
     def result(self) -> Scores:
+        """The scores, within ``reward_model.timeout_s`` of the submission (else the processes are stopped
+        and :class:`RewardTimeoutError` names the row being scored)."""
         values: list[float] = []
         texts: list[str] = []
+        limit = self._reward.timeout_s
         try:
-            for future in self._futures:  # the slices in row order
-                part_values, part_texts = future.result()
+            for slot, future in enumerate(self._futures):  # the slices in row order
+                left = None if limit <= 0 else max(0.0, self._started + limit - time.monotonic())
+                try:
+                    part_values, part_texts = future.result(timeout=left)
+                except TimeoutError:
+                    raise self._timed_out(slot) from None
                 values += part_values
                 texts += part_texts
         except (BrokenProcessPool, WorkerStartError) as exc:
@@ -52,6 +63,14 @@ class PendingScores:
                 self._reward.worker.mark_broken(exc)
             return self._reward.score(self._batch)
         return _scores(self._batch, torch.tensor(values, dtype=torch.float32), texts)
+
+    def _timed_out(self, slot: int) -> RewardTimeoutError:
+        reward, batch = self._reward, self._batch
+        row = reward.worker.row_of(slot) if reward.worker is not None else -1
+        reward.close()  # a hung function is not waited for
+        where = sample_where(row, batch.data_source, batch.uid)
+        what = reward.manager.describe
+        return RewardTimeoutError(timeout_message(rank=rank(), timeout_s=reward.timeout_s, what=what, where=where))
 
 
 def _scores(batch: Batch, seq_scores: torch.Tensor, texts: list[str]) -> Scores:
@@ -80,8 +99,10 @@ class Reward:
         num_workers: int = 1,
         micro_batch_size: int | None = None,
         max_token_len: int | None = None,
+        timeout_s: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.timeout_s = timeout_s  # a batch's scoring by the rule / user function (klppo.roles.reward_limit)
         manager_kwargs = dict(
             custom_fn_path=custom_fn_path,
             custom_fn_name=custom_fn_name,
@@ -124,10 +145,15 @@ class Reward:
         if self.reward_model is not None:
             seq_scores = self._model_scores(batch, texts)
         else:
-            seq_scores = torch.tensor(
-                self.manager.score(texts, batch.data_source, batch.ground_truth, batch.extra_info, lengths),
-                dtype=torch.float32,
-            )
+            manager = self.manager
+
+            def message() -> str:
+                where = sample_where(manager.current_row, batch.data_source, batch.uid)
+                return timeout_message(rank=rank(), timeout_s=self.timeout_s, what=manager.describe, where=where)
+
+            with deadline(self.timeout_s, message):
+                values = manager.score(texts, batch.data_source, batch.ground_truth, batch.extra_info, lengths)
+            seq_scores = torch.tensor(values, dtype=torch.float32)
         return _scores(batch, seq_scores, texts)
 
     def _micro_batches(self, lengths: list[int]) -> list[tuple[int, int]]:

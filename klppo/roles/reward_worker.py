@@ -71,6 +71,7 @@ log = logging.getLogger("klppo")
 _manager: RewardManager | None = None  # the worker process's own, set by _start_worker
 _tokenizer: Any = None
 _start_error: str | None = None  # why _start_worker could not set the process up
+_progress: Any = None  # shared with the trainer: the row each slice is scoring (ScoringWorker.row_of)
 
 
 class RewardFunctionError(registry.RewardFunctionError):
@@ -79,9 +80,10 @@ class RewardFunctionError(registry.RewardFunctionError):
 
 
 def _start_worker(
-    manager_kwargs: dict[str, Any], tokenizer: Any, parent: int, scorers: bytes | None = None
+    manager_kwargs: dict[str, Any], tokenizer: Any, parent: int, scorers: bytes | None = None, progress: Any = None
 ) -> None:
-    global _manager, _tokenizer, _start_error
+    global _manager, _tokenizer, _start_error, _progress
+    _progress = progress
     for sig in (signal.SIGINT, signal.SIGTERM):  # not SIG_IGN: exec'd children would inherit it
         signal.signal(sig, _ignore_signal)
     os.register_at_fork(after_in_child=_default_signals)  # and forked ones the handler
@@ -181,11 +183,16 @@ def _score(
     lengths: list[int],
     seed: int | None = None,
     first_row: int = 0,
+    slot: int = 0,
 ) -> tuple[list[float], list[str]]:
     """In the worker: decode ``rows`` (response token ids, padding cut; the batch's rows from
-    ``first_row``) and score them (the generators seeded with ``seed`` first, when given)."""
+    ``first_row``) and score them (the generators seeded with ``seed`` first, when given); each row is
+    reported in ``_progress[slot]`` before it is scored."""
     if _start_error is not None:
         raise WorkerStartError(f"the scoring process could not start: {_start_error}")
+    if _progress is not None:
+        _progress[slot] = first_row
+        _manager.on_row = lambda row: _progress.__setitem__(slot, row)
     if seed is not None:
         _seed_all(seed)
     texts = decode_batch(_tokenizer, rows)
@@ -222,9 +229,11 @@ class ScoringWorker:
 
     def __init__(self, tokenizer: Any, manager_kwargs: dict[str, Any], num_workers: int = 1) -> None:
         self.num_workers = num_workers
+        context = multiprocessing.get_context("spawn")
+        self._progress = context.RawArray("q", num_workers)  # the row each slice is scoring
         self._pool: ProcessPoolExecutor | None = ProcessPoolExecutor(
             max_workers=num_workers,
-            mp_context=multiprocessing.get_context("spawn"),
+            mp_context=context,
             initializer=_start_worker,
             # with a user's function the table is read only if that function calls get_scorer()
             initargs=(
@@ -232,6 +241,7 @@ class ScoringWorker:
                 tokenizer,
                 os.getpid(),
                 registered_scorers(required=not manager_kwargs.get("custom_fn_path")),
+                self._progress,
             ),
         )
         # one task per worker while none is idle yet: all of them start now (a spawn pool starts them on
@@ -269,12 +279,17 @@ class ScoringWorker:
                     lengths[lo:hi],
                     None if seed is None else slice_seed(seed, i),
                     lo,
+                    i,
                 )
                 futures.append(self._pool.submit(_score, *args))
         except BrokenProcessPool as exc:
             self.mark_broken(exc)
             return None
         return futures
+
+    def row_of(self, slot: int) -> int:
+        """The batch row that slice ``slot`` is scoring (or last scored)."""
+        return int(self._progress[slot])
 
     def mark_broken(self, exc: BaseException) -> None:
         """The process died or could not start: say so once; from now on every step scores in the trainer."""

@@ -447,6 +447,7 @@ class PPOTrainer:
             "penalty_share_streak": self.state.penalty_share.streak,
             "roles": {name: role.extra_state() for name, role in roles.items()},
             "monitor": self.monitor.state_dict(),
+            "identity": run.identity,  # what a resume is checked against (klppo.ops.resume_check)
         }
 
     def save(self) -> None:
