@@ -30,6 +30,7 @@ from klppo.roles.critic import CriticSettings
 from klppo.roles.forward import MicroBatching
 from klppo.roles.optim import OptimSettings
 from klppo.rollout.base import SamplingParams
+from klppo.rollout.settings import EngineSettings
 from klppo.tune.memory import Point, TuneWorkload, Workload, defers_grad_sync
 from klppo.tune.units import WHOLE_MODEL
 
@@ -346,19 +347,22 @@ def sampling_params(rollout: RolloutConfig, *, response_length: int, validation:
     )
 
 
-def engine_options(rollout: RolloutConfig, *, tensor_parallel: bool | None = None) -> dict[str, bool | str]:
-    """Options of the klppo engine read from the rollout config: ``enforce_eager`` runs the decode step
-    eagerly (no torch.compile, no CUDA graph capture), as vLLM's flag does; ``sampler`` picks the sampling
-    kernels (``auto``: the one-pass Triton kernels where they run); ``decode_attention`` picks the decode attention kernels; ``layer_kernels`` what
-    runs the split decode layers' elementwise work (Triton kernels or torch.compile); ``compact_slots``
-    moves busy slots into smaller decode batches once nothing waits (``auto``: unless the rollout is
-    tensor-parallel — ``tensor_parallel``, the built rollout's, else read from the configured size)."""
-    if rollout.name != "klppo":
-        return {}
-    eager = {"use_cuda_graph": False, "compile_decode": False} if rollout.enforce_eager else {}
-    return {**eager, "sampler": rollout.sampler, "decode_attention": rollout.decode_attention,
-            "layer_kernels": rollout.layer_kernels,
-            "compact_slots": compacts_slots(rollout, tensor_parallel=tensor_parallel)}  # fmt: skip
+def engine_settings(
+    rollout: RolloutConfig, *, tensor_parallel: bool | None = None, eos_token_ids=(), pad_token_id: int = 0
+) -> EngineSettings:
+    """The engine's settings read from the rollout config (``hf`` reads only the token ids):
+    ``enforce_eager`` runs the decode step eagerly (no torch.compile, no CUDA graph capture), as vLLM's flag
+    does; ``sampler`` and ``decode_attention`` choose the Triton kernels or the torch reference
+    (:mod:`klppo.rollout.backends`); ``compact_slots`` moves busy slots into smaller decode batches once
+    nothing waits (``auto``: unless the rollout is tensor-parallel — ``tensor_parallel``, the built
+    rollout's, else read from the configured size)."""
+    eager = rollout.enforce_eager
+    return EngineSettings(eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id,
+                          gpu_memory_utilization=rollout.gpu_memory_utilization,
+                          free_cache_engine=rollout.free_cache_engine, cuda_graphs=not eager,
+                          compile_decode=False if eager else None, sampler=rollout.sampler,
+                          decode_attention=rollout.decode_attention,
+                          compact_slots=compacts_slots(rollout, tensor_parallel=tensor_parallel))  # fmt: skip
 
 
 def compacts_slots(rollout: RolloutConfig, *, tensor_parallel: bool | None = None) -> bool:

@@ -20,7 +20,7 @@ from klppo.assembly.data_check import build_loaders, tokenizer_trusts_code
 from klppo.assembly.roles_build import HFAssets, RoleInputs, Roles, SequenceGroups, build_roles, role_fsdp
 from klppo.assembly.run_start import begin_run
 from klppo.assembly.settings import (
-    engine_options,
+    engine_settings,
     sampling_params,
     to_dtype,
     tune_workload,
@@ -49,11 +49,10 @@ from klppo.parallel.mesh import (
     build_rollout_mesh,
 )
 from klppo.parallel.offload import OffloadSchedule
-from klppo.rollout.base import RolloutEngine, SamplingParams, make_rollout
+from klppo.rollout.base import RolloutEngine, SamplingParams
 from klppo.rollout.compiled import CompiledFunctions, use_persistent_cache
-from klppo.rollout.engine import KLPPORollout, runs_triton_layers, samples_on_triton
+from klppo.rollout.factory import make_rollout
 from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
-from klppo.rollout.sampling import is_untruncated
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
 from klppo.tune.preflight import check_memory
@@ -132,7 +131,6 @@ def _start_precompile(
 ) -> None:
     """Start compiling the klppo engine's decode functions in the background (see rollout.compiled)."""
     rollout = cfg.actor_rollout_ref.rollout
-    cuda = device.type == "cuda"
     dtype = to_dtype(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype)
     # as built (rollout_tensor_parallel): LoRA runs a configured TP size data-parallel, on the split layers
     tensor_parallel = rollout.tensor_model_parallel_size > 1 and tp_rollout_unbuilt(cfg) is None
@@ -144,21 +142,9 @@ def _start_precompile(
             "rollout pre-compile skipped: a tensor-parallel rollout compiles its layer front on its slices"
         )
         return
-    settings = [sampling_params(rollout, response_length=1, validation=v) for v in (False, True)]
-    on_triton = [s for s in settings if samples_on_triton(rollout.sampler, cuda, s)]
-    temperatures = [  # the compiled sampler's: untruncated sampling, where the Triton kernels do not sample
-        s.temperature for s in settings if s.do_sample and is_untruncated(s) and s not in on_triton
-    ]
-    split = KLPPORollout.decodes_split(rollout.decode_attention, device, dtype, tensor_parallel)
-    compiled.start_precompile(
-        hf_config,
-        dtype=dtype,
-        device=device,
-        temperatures=temperatures,
-        split_layers=split,
-        layers_on_triton=runs_triton_layers(rollout.layer_kernels, split, cuda),
-        triton_sampling=on_triton,
-    )
+    sampling = [sampling_params(rollout, response_length=1, validation=v) for v in (False, True)]
+    settings = engine_settings(rollout, tensor_parallel=False)
+    compiled.start_precompile(hf_config, settings, dtype=dtype, device=device, sampling=sampling)
 
 
 def _before_weights(
@@ -285,18 +271,10 @@ def _rollout_engine(cfg: KLPPOConfig, tokenizer: Any, actor_model: torch.nn.Modu
     """The rollout engine of ``actor_rollout_ref.rollout``, handed the compiled functions that ``build_run``
     started pre-compiling (klppo only)."""
     rollout = cfg.actor_rollout_ref.rollout
-    return make_rollout(
-        rollout.name,
-        eos_token_ids=eos_token_ids(
-            tokenizer, actor_model.config, getattr(actor_model, "generation_config", None)
-        ),
-        pad_token_id=tokenizer.pad_token_id,
-        gpu_memory_utilization=rollout.gpu_memory_utilization,
-        free_cache_engine=rollout.free_cache_engine,
-        tensor_parallel=tensor_parallel,
-        **engine_options(rollout, tensor_parallel=tensor_parallel is not None),
-        **({} if compiled is None else {"compiled": compiled}),
-    )
+    eos = eos_token_ids(tokenizer, actor_model.config, getattr(actor_model, "generation_config", None))
+    settings = engine_settings(rollout, tensor_parallel=tensor_parallel is not None, eos_token_ids=eos,
+                               pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    return make_rollout(rollout.name, settings, tensor_parallel=tensor_parallel, compiled=compiled)
 
 
 def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run:

@@ -60,9 +60,9 @@ _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("actor_rollout_ref.actor.loss_agg_mode", LOSS_AGG_MODES),
     ("critic.loss_agg_mode", LOSS_AGG_MODES),
     ("actor_rollout_ref.rollout.mode", ("sync", "async")),
-    ("actor_rollout_ref.rollout.sampler", ("auto", "triton", "torch")),
-    ("actor_rollout_ref.rollout.decode_attention", ("auto", "flash", "flash-plain", "sdpa", "triton")),
-    ("actor_rollout_ref.rollout.layer_kernels", ("auto", "triton", "compile")),
+    ("actor_rollout_ref.rollout.sampler", ("auto", "torch")),
+    ("actor_rollout_ref.rollout.decode_attention", ("auto", "sdpa")),
+    ("actor_rollout_ref.rollout.layer_kernels", ("auto",)),
     ("actor_rollout_ref.actor.optim.lr_scheduler_type", ("constant", "cosine")),
     ("critic.optim.lr_scheduler_type", ("constant", "cosine")),
     ("data.truncation", ("error", "left", "right", "middle")),
@@ -78,6 +78,19 @@ UNBUILT_VALUES: dict[tuple[str, str], str] = {
         "global_profiler.tool",
         "npu",
     ): "the Ascend NPU profiler is not supported; use torch, torch_memory or nsys",
+}
+
+# klppo engine values that are no choice (one path per job): refused with what to set instead
+_AUTO_KERNELS = "set auto, which runs the Triton kernels wherever they run"
+REMOVED_VALUES: dict[tuple[str, str], str] = {
+    ("actor_rollout_ref.rollout.sampler", "triton"): _AUTO_KERNELS,
+    ("actor_rollout_ref.rollout.decode_attention", "triton"): _AUTO_KERNELS,
+    ("actor_rollout_ref.rollout.decode_attention", "flash"): f"{_AUTO_KERNELS}, or sdpa (the torch reference)",
+    ("actor_rollout_ref.rollout.decode_attention", "flash-plain"): f"{_AUTO_KERNELS}, or sdpa (the torch reference)",
+    ("actor_rollout_ref.rollout.layer_kernels", "triton"): _AUTO_KERNELS,
+    ("actor_rollout_ref.rollout.layer_kernels", "compile"): (
+        f"{_AUTO_KERNELS} (torch.compile runs the layers where they do not; enforce_eager=true turns it off)"
+    ),
 }
 
 # (key, lowest allowed, highest allowed or None); None values are skipped (optional keys).
@@ -216,6 +229,9 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     for (key, value), reason in UNBUILT_VALUES.items():
         if value_at(cfg, key) == value:
             raise ConfigError(f"{key}={value!r}: {reason}")
+    for (key, value), instead in REMOVED_VALUES.items():
+        if value_at(cfg, key) == value:
+            raise ConfigError(f"{key}={value!r} is not a choice of the klppo engine: {instead}")
     for key, valid in _CHOICES:
         if value_at(cfg, key) not in valid:
             raise choice_error(key, value_at(cfg, key), valid)
@@ -242,15 +258,12 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         if not (isinstance(value, bool) or value == "auto"):
             raise ConfigError(f"{key}={value!r}: expected auto, true or false")
     rollout = cfg.actor_rollout_ref.rollout
-    if rollout.sampler == "triton" and rollout.name != "klppo":
-        raise ConfigError(f"actor_rollout_ref.rollout.sampler=triton is klppo's engine's; rollout.name={rollout.name} "
-                          "samples its own way: set sampler=auto or rollout.name=klppo")  # fmt: skip
+    if rollout.sampler != "auto" and rollout.name != "klppo":
+        raise ConfigError(f"actor_rollout_ref.rollout.sampler={rollout.sampler} is klppo's engine's; rollout.name="
+                          f"{rollout.name} samples its own way: set sampler=auto or rollout.name=klppo")  # fmt: skip
     if rollout.decode_attention != "auto" and rollout.name != "klppo":
         raise ConfigError(f"actor_rollout_ref.rollout.decode_attention={rollout.decode_attention} is klppo's engine's; "
                           f"rollout.name={rollout.name}: set decode_attention=auto or rollout.name=klppo")  # fmt: skip
-    if rollout.layer_kernels != "auto" and rollout.name != "klppo":
-        raise ConfigError(f"actor_rollout_ref.rollout.layer_kernels={rollout.layer_kernels} is klppo's engine's; "
-                          f"rollout.name={rollout.name}: set layer_kernels=auto or rollout.name=klppo")  # fmt: skip
     if not (isinstance(rollout.compact_slots, bool) or rollout.compact_slots == "auto"):
         raise ConfigError(
             f"actor_rollout_ref.rollout.compact_slots={rollout.compact_slots!r}: expected auto, true or false"

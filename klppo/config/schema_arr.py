@@ -317,20 +317,20 @@ class RolloutConfig:
     cudagraph_capture_sizes: list[int] | None = F(None, "Batch sizes captured as CUDA graphs.")
     sampler: str = F(
         "auto",
-        "[klppo] How the klppo engine samples: auto (the one-pass Triton kernels on a CUDA GPU with triton, "
-        "for the settings they take; else torch) | triton (an error without them) | torch.",
+        "[klppo] How the klppo engine samples: auto (the Triton kernels on a CUDA GPU for the settings they "
+        "take, else torch) | torch (the reference sampler everywhere).",
         see=ROLLOUT_SETTINGS + "sampler-sampler",
     )
     decode_attention: str = F(
         "auto",
-        "[klppo] The klppo engine's decode attention: auto (triton on a CUDA GPU in bf16/fp16 with triton, "
-        "else flash; sdpa elsewhere) | flash | flash-plain | sdpa | triton.",
+        "[klppo] The klppo engine's decode: auto (Triton split-KV attention and layer kernels on a CUDA GPU "
+        "in bf16/fp16, masked SDPA elsewhere) | sdpa (the torch reference everywhere).",
         see=ROLLOUT_SETTINGS + "decode-attention-decode_attention",
     )
     layer_kernels: str = F(
         "auto",
-        "[klppo] What runs the decode layers' elementwise work: auto (Triton kernels with the Triton "
-        "attention, else torch.compile) | triton | compile.",
+        "[klppo] auto (the only value): the decode layers' elementwise work runs on Triton kernels with the "
+        "Triton attention, on torch elsewhere.",
         see=ROLLOUT_SETTINGS + "decode-layer-kernels-layer_kernels",
     )
     compact_slots: bool | str = F(

@@ -1,4 +1,6 @@
-"""The rollout contract: sampling parameters, outputs, the engine protocol and the factory.
+"""The rollout contract: sampling parameters, outputs and the engine protocol.
+
+The factory is :mod:`klppo.rollout.factory`; the klppo engine's backends are :mod:`klppo.rollout.backends`.
 
 An engine turns left-padded prompts into right-padded responses on the model it is given:
 
@@ -19,12 +21,9 @@ duration of ``generate``, except to an engine with ``reads_shards`` (the tensor-
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
-
-from klppo.parallel.mesh import TensorParallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,51 +97,3 @@ def response_mask_from_tokens(
     is_eos = torch.isin(responses, eos).long()
     eos_before = is_eos.cumsum(dim=1) - is_eos
     return (eos_before == 0).long()
-
-
-def make_rollout(
-    name: str,
-    *,
-    eos_token_ids: list[int],
-    pad_token_id: int,
-    gpu_memory_utilization: float = 0.5,
-    free_cache_engine: bool = True,
-    tensor_parallel: TensorParallel | None = None,
-    **kwargs: Any,
-) -> RolloutEngine:
-    """Build the engine called ``name`` ("klppo": our engine; "hf": transformers ``generate``).
-
-    ``gpu_memory_utilization`` bounds the whole rollout phase (other tensors + KV cache) as a fraction
-    of total device memory; ``free_cache_engine`` frees the KV cache after each ``generate``.
-    ``tensor_parallel``: this rank's rollout tensor-parallel group (klppo only): the engine then takes
-    the FSDP2-sharded model and reshards it itself (:mod:`klppo.rollout.tp`).
-    Extra keyword arguments go to the engine (e.g. ``max_num_seqs``, ``eos_check_every``).
-    """
-    eos_token_ids = [int(t) for t in eos_token_ids]
-    if tensor_parallel is not None and name != "klppo":
-        raise ValueError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel.size} needs "
-            f"actor_rollout_ref.rollout.name=klppo, got {name!r}"
-        )
-    if name == "hf":
-        from klppo.rollout.hf import HFRollout  # noqa: PLC0415  circular: the engines import this module's contract
-
-        if kwargs:
-            warnings.warn(f"hf rollout ignores options {sorted(kwargs)}", stacklevel=2)
-        return HFRollout(eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
-    if name == "klppo":
-        from klppo.rollout.engine import KLPPORollout  # noqa: PLC0415  circular: the engines import this module's contract
-
-        engine = KLPPORollout(
-            eos_token_ids=eos_token_ids,
-            pad_token_id=pad_token_id,
-            gpu_memory_utilization=gpu_memory_utilization,
-            free_cache_engine=free_cache_engine,
-            **kwargs,
-        )
-        if tensor_parallel is None:
-            return engine
-        from klppo.rollout.tp import TPRollout  # noqa: PLC0415  circular: tp.py builds on this module's contract
-
-        return TPRollout(engine, tensor_parallel)
-    raise ValueError(f"unknown rollout name {name!r}; expected 'klppo' or 'hf'")

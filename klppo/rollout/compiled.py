@@ -1,21 +1,20 @@
 """The engine's compiled decode functions, and their compilation in the background during start-up.
 
 The functions compiled (``torch.compile``, batch dimension dynamic: one graph serves every batch size
-from 2, and batch 1 has its own): the per-layer blocks of a decode step — ``attn_in`` and
-``attn_out_mlp``, or with the Triton attention the split layers ``attn_in_qkv``, ``attn_out_mlp_split``
-and ``final_norm`` (:func:`klppo.rollout.llama.decode_rope_in_attention`; by default those run on the
-Triton kernels of :mod:`klppo.rollout.triton_layers` instead, engine ``layer_kernels``, and are compiled
-only with ``layer_kernels="compile"``) — and the untruncated sampler of the torch sampler (one graph per
-temperature; greedy decoding runs it eagerly; the Triton sampler needs none). They live on a
+from 2, and batch 1 has its own): the unsplit layer blocks ``attn_in`` and ``attn_out_mlp`` of the torch
+and tensor-parallel backends (:mod:`klppo.rollout.backends`; the split layers of the fast path run on the
+Triton kernels of :mod:`klppo.rollout.triton_layers` instead, with no ``torch.compile``). They live on a
 :class:`CompiledFunctions` object, no module state: the trainer's set-up creates one and hands it to the
-engine (``KLPPORollout(compiled=...)``); an engine given none makes its own. With the default backend, dynamo's cache (keyed on the functions' code) serves
-every object of the process, so a compilation done once serves all engines.
+engine; an engine given none makes its own. With the default backend, dynamo's cache (keyed on the
+functions' code) serves every object of the process, so a compilation done once serves all engines.
 
-Compiling them from empty caches takes several seconds (most of the engine's first call). The trainer
-therefore calls :meth:`CompiledFunctions.start_precompile` as soon as it knows the model's config, before
-it loads any weights: a background thread builds one decoder layer of that config with uninitialised
-weights and calls the compiled functions on it with the shapes, dtypes and flags the real rollout will
-use, so the compiled graphs are ready (and their guards hold) by the first ``generate``; that call waits
+Compiling them from empty caches takes several seconds (most of the engine's first call); loading or
+compiling the Triton kernels takes some too. The trainer therefore calls
+:meth:`CompiledFunctions.start_precompile` as soon as it knows the model's config, before it loads any
+weights: a background thread builds one decoder layer of that config with uninitialised weights and runs
+what the chosen backend will run on it (compiled functions, or the Triton layer, attention and sampler
+kernels) with the shapes, dtypes and flags the real rollout will use, so all is ready (and the guards hold)
+by the first ``generate``; that call waits
 for the thread (:meth:`CompiledFunctions.wait`). The layer's structure comes from a meta-device model
 built in the calling thread; the thread itself only allocates tensors and compiles (no process-wide
 state changes), one function at a time under ``klppo.models.loading.DEFAULT_DTYPE_LOCK`` (process-wide,
@@ -39,6 +38,7 @@ directory on first use).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import logging
 import os
@@ -50,40 +50,21 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+import klppo.rollout.triton_attention as triton_attention
+import klppo.rollout.triton_layers as triton_layers
+import klppo.rollout.triton_sampling as triton_sampling
 from klppo.models.flops import attention_dims
 from klppo.models.gguf import klppo_cache_dir
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
-from klppo.rollout import triton_attention, triton_layers, triton_sampling
+from klppo.rollout.backends import SplitBackend, backend_class, samples_on_triton
 from klppo.rollout.base import SamplingParams
-from klppo.rollout.llama import (
-    LayerWeights,
-    attn_in,
-    attn_in_qkv,
-    attn_out_mlp,
-    attn_out_mlp_split,
-    final_norm,
-    split_attention,
-    unsupported_reason,
-)
-from klppo.rollout.sampling import sample_untruncated
+from klppo.rollout.llama import LayerWeights, attn_in, attn_out_mlp, split_attention, unsupported_reason
+from klppo.rollout.settings import EngineSettings
 from klppo.rollout.triton_sampling import sample_triton
 
 logger = logging.getLogger(__name__)
 
-FUNCTIONS: dict[str, Callable] = {
-    "attn_in": attn_in,
-    "attn_out_mlp": attn_out_mlp,
-    "attn_in_qkv": attn_in_qkv,  # the split layers (llama.decode_rope_in_attention), Triton attention
-    "attn_out_mlp_split": attn_out_mlp_split,
-    "final_norm": final_norm,
-    "sample": sample_untruncated,
-}
-
-
-SPLIT_LAYER_NAMES = ("attn_in_qkv", "attn_out_mlp_split", "final_norm")  # the names of llama.SPLIT_LAYER_FNS
-TRITON_LAYERS: dict[str, Callable] = dict(
-    zip(SPLIT_LAYER_NAMES, triton_layers.SPLIT_LAYER_FNS, strict=True)
-)  # the split layers without torch.compile (engine layer_kernels)
+FUNCTIONS: dict[str, Callable] = {"attn_in": attn_in, "attn_out_mlp": attn_out_mlp}
 
 
 class CompiledFunctions:
@@ -93,11 +74,8 @@ class CompiledFunctions:
     inductor's default; e.g. ``"max-autotune-no-cudagraphs"``: Triton GEMM templates tuned per shape — the
     engine captures its own CUDA graphs, so never a mode that adds them). Engines given the same object
     share its wrappers; with the default backend and mode, dynamo's own cache also serves a second object's
-    calls without compiling again. ``functions`` (class attribute): what is compiled, by name (a subclass
-    may replace one, e.g. ``bench/rollout.py``'s variants).
+    calls without compiling again.
     """
-
-    functions: dict[str, Callable] = FUNCTIONS
 
     def __init__(self, *, backend: Any = "inductor", mode: str | None = None) -> None:
         if mode in ("reduce-overhead", "max-autotune"):  # the modes that capture CUDA graphs themselves
@@ -113,62 +91,51 @@ class CompiledFunctions:
         self._thread: threading.Thread | None = None
 
     def get(self, name: str) -> Callable:
-        """The compiled version of ``functions[name]`` (made on first use)."""
+        """The compiled version of ``FUNCTIONS[name]`` (made on first use)."""
         with self._lock:
             if name not in self._fns:
-                compiled = torch.compile(self.functions[name], backend=self.backend, mode=self.mode)
+                compiled = torch.compile(FUNCTIONS[name], backend=self.backend, mode=self.mode)
                 self._fns[name] = _batch_dynamic(compiled)
             return self._fns[name]
 
     def start_precompile(
         self,
         config: Any,
+        settings: EngineSettings,
         *,
         dtype: torch.dtype,
         device: torch.device,
-        temperatures: Iterable[float] = (1.0,),
-        fuse_projections: bool = True,
-        fp32_logits: bool = True,
-        split_layers: bool | None = None,
-        layers_on_triton: bool = False,
-        triton_sampling: Iterable[SamplingParams] = (),
+        sampling: Iterable[SamplingParams] = (),
     ) -> threading.Thread | None:
-        """Compile the decode functions for a model of Hugging Face ``config`` (see the module docstring).
+        """Prepare what an engine with ``settings`` runs for a model of Hugging Face ``config`` (module
+        docstring), without tensor parallelism: the backend of :func:`~klppo.rollout.backends.backend_class`.
 
-        ``temperatures``: the sampling temperatures the rollout will use (greedy decoding needs no graph).
-        ``split_layers``: the layer functions of the Triton attention with RoPE inside
-        (``attn_in_qkv``, ``attn_out_mlp_split``, ``final_norm``) instead of ``attn_in``/``attn_out_mlp``;
-        None: what an engine with ``decode_attention="auto"``, no tensor parallelism and
-        ``rope_in_attention`` on (the default) uses (:func:`decodes_split`). ``layers_on_triton``: the
-        split layers run on :mod:`klppo.rollout.triton_layers` (the engine's ``layer_kernels``): nothing of
-        them is compiled; the thread runs them once instead, so that Triton loads (or compiles) their kernels
-        beside the weight loading. ``temperatures``: empty when the Triton sampler samples.
-        On the split layers the thread also runs the split-KV attention kernels
-        (:mod:`klppo.rollout.triton_attention`) once per compiled variant (one split, and one split count
-        per combine width: the split count is a runtime argument, the combine's width a constexpr), and the
-        Triton sampler (:mod:`klppo.rollout.triton_sampling`) for each of ``triton_sampling`` — the sampling
-        settings it will run — once per variant its default launch can need at some batch size (one per
-        combine width untruncated, one truncated; ``triton_sampling.warm_splits``), so that on empty caches
-        their Triton compilation overlaps the weight loading too instead of the first call's prefill and
-        graph capture. Off CUDA ``triton_sampling`` is ignored (the torch sampler samples there).
+        The torch backend: its compiled layers (``settings.compiles``), for a batch of 4 (every batch from
+        2) and of 1. The split
+        backend: the Triton layer kernels once, and the split-KV attention kernels once per compiled variant
+        (one split, and one split count per combine width: the split count is a runtime argument, the
+        combine's width a constexpr). On CUDA also the Triton sampler for each of ``sampling`` (the sampling
+        settings the rollout will run) that it samples, once per variant its default launch can need at some
+        batch size (``triton_sampling.warm_splits``). On empty caches their compilation then overlaps the
+        weight loading instead of the first call's prefill and graph capture.
         Returns the thread (None when the engine cannot run this config: nothing to compile).
         """
         self.wait()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # the thread must target this thread's device
             device = torch.device("cuda", torch.cuda.current_device())
-        if split_layers is None:
-            split_layers = decodes_split("auto", device, dtype, tensor_parallel=False)
         # The model structure is made here, on the meta device: building a Hugging Face model sets the
         # process-wide default dtype for a while, which must not happen beside the caller's own model loading.
         layer = _meta_layer(config, dtype)
         if layer is None:
             return None
-        flags = (fuse_projections, fp32_logits, split_layers, bool(layers_on_triton and split_layers))
-        sampling = tuple(triton_sampling) if device.type == "cuda" else ()
-        args = (config, layer, device, tuple(float(t) for t in temperatures), flags, sampling)
+        cuda = device.type == "cuda"
+        split = backend_class(settings, device, dtype, tensor_parallel=False) is SplitBackend
+        on_triton = tuple(p for p in sampling if samples_on_triton(settings, cuda, p))
+        plan = _Plan(split=split, compiles=settings.compiles(cuda), fp32_logits=settings.fp32_logits,
+                     sampling=on_triton)  # fmt: skip
         self._thread = threading.Thread(
-            target=self._precompile, args=args, name="klppo-precompile", daemon=True
+            target=self._precompile, args=(config, layer, device, plan), name="klppo-precompile", daemon=True
         )
         self._thread.start()
         return self._thread
@@ -180,15 +147,15 @@ class CompiledFunctions:
             thread.join()
             self._thread = None
 
-    def _precompile(self, config, layer, device, temperatures, flags, sampling) -> None:
+    def _precompile(self, config, layer, device, plan: _Plan) -> None:
         start = time.perf_counter()
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             with torch.no_grad():
-                _run_once(self, config, layer, device, temperatures, *flags)
+                _run_once(self, config, layer, device, plan)
                 try:
-                    _warm_kernels(config, layer.input_norm.dtype, device, flags, sampling)
+                    _warm_kernels(config, layer.input_norm.dtype, device, plan)
                 except Exception as err:  # the compiled functions are ready: only the kernels load later
                     logger.warning("rollout kernel warm-up skipped (%s: %s); the first rollout compiles the "
                                    "attention and sampler kernels", type(err).__name__, err)  # fmt: skip
@@ -237,23 +204,6 @@ def _torch_default(var: str) -> str | None:
     return os.path.abspath(default_cache_dir())
 
 
-def decodes_split(
-    decode_attention: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    *,
-    tensor_parallel: bool,
-    rope_in_attention: bool = True,
-) -> bool:
-    """Whether an engine with ``decode_attention`` decodes a ``dtype`` cache on ``device`` on the split
-    layers (the Triton attention applying RoPE: CUDA, bf16/fp16, triton importable, ``decode_attention``
-    auto or triton, no tensor parallelism; ``rope_in_attention``: the engine's switch) — the layer set
-    the pre-compile must make (``KLPPORollout.decodes_split`` passes its class's switch)."""
-    return (
-        rope_in_attention and not tensor_parallel and triton_attention.chosen(decode_attention, device, dtype)
-    )
-
-
 def _batch_dynamic(fn: Callable) -> Callable:
     """Call ``fn`` with dim 0 (the batch) of every tensor argument marked dynamic, nothing else.
 
@@ -261,11 +211,8 @@ def _batch_dynamic(fn: Callable) -> Callable:
     batch 64 = head_dim 64 (cos/sin are [B, D]) compiles a graph valid only while B == D, so the next
     bucket recompiles. Marking the batch dim alone gives one graph per function for every batch from 2;
     a batch of 1 is specialised (a backed dynamic dim always is), so it gets a second graph, which
-    :meth:`CompiledFunctions.start_precompile` makes too. Marking the dim *unbacked* instead
-    (``mark_unbacked``: never specialised, one graph for batch 1 too) was measured slower on an H200
-    (2026-11-30, ``bench/rollout.py``, Qwen2.5-0.5B shape, bf16: decode step 1.94 vs 1.84 ms at batch 64,
-    2.92 vs 2.76 ms at batch 256, same call; likely because inductor has no size hint to tune an unbacked
-    dim's kernels with), so the hot path keeps the backed mark and pays one more graph.
+    :meth:`CompiledFunctions.start_precompile` makes too. An *unbacked* dim (``mark_unbacked``: one graph
+    for batch 1 too) gives inductor no size hint to tune its kernels with: slower decode steps.
     """
 
     def call(*args):
@@ -297,46 +244,38 @@ def _meta_layer(config: Any, dtype: torch.dtype) -> LayerWeights | None:
     return LayerWeights.read(model.model.layers[0])
 
 
-def _run_once(
-    fns: CompiledFunctions,
-    config,
-    layer: LayerWeights,
-    device,
-    temperatures,
-    fuse_projections: bool,
-    fp32_logits: bool,
-    split_layers: bool = False,
-    on_triton: bool = False,
-) -> None:
-    """Call each compiled function once with the rollout's shapes, dtypes and flags (values irrelevant);
-    ``on_triton``: the split layers' :mod:`klppo.rollout.triton_layers` functions instead of compiled ones."""
-    lw = layer.allocated_like(device)
-    if fuse_projections:
-        lw = lw.fused()
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a pre-compile runs: the split layers' Triton kernels (``split``), else the torch backend's
+    compiled layers (if it ``compiles``), logits in float32 or not, and the sampling settings on Triton."""
+
+    split: bool
+    compiles: bool
+    fp32_logits: bool
+    sampling: tuple[SamplingParams, ...]
+
+
+def _run_once(fns: CompiledFunctions, config, layer: LayerWeights, device, plan: _Plan) -> None:
+    """Call each layer function the backend runs once with the rollout's shapes and dtypes (values
+    irrelevant): the Triton layer kernels (split backend) or the compiled layers (torch backend)."""
+    lw = layer.allocated_like(device).fused()
     dtype = lw.input_norm.dtype
     num_heads, num_kv_heads, head_dim = attention_dims(config)
     eps = float(config.rms_norm_eps)
-    logits_dtype = torch.float32 if fp32_logits else dtype
+    spec = (num_heads, num_kv_heads, head_dim, eps)
     for batch in (4, 1):  # 4: the graph of every batch from 2 (dynamic batch dim); 1: its own graph
         x = torch.zeros(batch, config.hidden_size, dtype=dtype, device=device)
-        cos, sin = (torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))  # not aliased
         attn = torch.zeros(batch, num_heads * head_dim, dtype=dtype, device=device)
-        logits = torch.zeros(batch, config.vocab_size, dtype=logits_dtype, device=device)
-        spec = (num_heads, num_kv_heads, head_dim, eps)
-        if split_layers:  # the first layer's front (no MLP output yet) is a graph of its own
+        if plan.split:  # Triton's kernels: no dynamo, no default-dtype guard
+            front, back, final = triton_layers.SPLIT_LAYER_FNS
             m = torch.zeros_like(x)
-            layers = [("attn_in_qkv", (x, None, lw, spec)), ("attn_in_qkv", (x, m, lw, spec)),
-                      ("attn_out_mlp_split", (x, attn, lw, eps)), ("final_norm", (x, m, (lw.input_norm, eps)))]  # fmt: skip
-        else:
-            layers = [("attn_in", (x, lw, cos, sin, spec)), ("attn_out_mlp", (x, attn, lw, eps))]
-        calls = [
-            *layers,
-            *[("sample", (logits, t, False)) for t in dict.fromkeys(temperatures)],  # greedy: not compiled
-        ]
-        for name, args in calls:
-            if on_triton and name in TRITON_LAYERS:
-                TRITON_LAYERS[name](*args)  # Triton's kernels: no dynamo, no default-dtype guard
-                continue
+            front(x, None, lw, spec), front(x, m, lw, spec), back(x, attn, lw, eps)
+            final(x, m, (lw.input_norm, eps))
+            continue
+        if not plan.compiles:
+            break
+        cos, sin = (torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))  # not aliased
+        for name, args in (("attn_in", (x, lw, cos, sin, spec)), ("attn_out_mlp", (x, attn, lw, eps))):
             # one function at a time under the lock: the caller's model loading may not switch the default
             # dtype meanwhile (dynamo guards on it), and waits for one function at most
             with DEFAULT_DTYPE_LOCK:
@@ -345,18 +284,15 @@ def _run_once(
         torch.cuda.synchronize(device)
 
 
-def _warm_kernels(
-    config, dtype: torch.dtype, device: torch.device, flags: tuple, sampling: tuple[SamplingParams, ...]
-) -> None:
+def _warm_kernels(config, dtype: torch.dtype, device: torch.device, plan: _Plan) -> None:
     """Run the Triton kernels the rollout launches besides the layers' once per compiled variant, on tensors
-    of the rollout's dtypes and layouts (values irrelevant): the split-KV attention (``flags``:
-    :meth:`CompiledFunctions.start_precompile`'s; the split layers' only) and the sampler for each of
-    ``sampling``, each with one split count per variant a batch size can need (``warm_splits`` of
-    :mod:`~klppo.rollout.triton_attention` and :mod:`~klppo.rollout.triton_sampling`: the split counts are
-    runtime arguments, the combines' widths constexprs), so a batch of 4 stands for every bucket."""
-    _, fp32_logits, split_layers, _ = flags
+    of the rollout's dtypes and layouts (values irrelevant): the split-KV attention (split backend) and the
+    sampler for each of ``plan.sampling``, each with one split count per variant a batch size can need
+    (``warm_splits`` of :mod:`~klppo.rollout.triton_attention` and :mod:`~klppo.rollout.triton_sampling`: the
+    split counts are runtime arguments, the combines' widths constexprs), so a batch of 4 stands for every
+    bucket."""
     batch = 4
-    if split_layers:
+    if plan.split:
         dims = attention_dims(config)
         num_heads, num_kv_heads, head_dim = dims
         max_len = 2 * triton_attention.BLOCK_N
@@ -366,7 +302,8 @@ def _warm_kernels(
         rope = tuple(torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))
         for splits in triton_attention.warm_splits():
             split_attention(qkv, cache, positions, splits, rope, dims)
-    logits_dtype = torch.float32 if fp32_logits else dtype
+    sampling = plan.sampling
+    logits_dtype = torch.float32 if plan.fp32_logits else dtype
     logits = torch.zeros(batch, config.vocab_size, dtype=logits_dtype, device=device) if sampling else None
     generator = torch.Generator(device=device) if sampling else None  # the run's generator stays untouched
     sms = triton_sampling.device_sms(device)

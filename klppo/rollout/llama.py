@@ -8,15 +8,12 @@ length (default, linear, llama3, yarn, longrope-free): the inverse frequencies a
 model's own rotary module so they match Hugging Face exactly.
 
 Cache layout: one tensor ``kv`` [L, 2, num_slots, S, H_kv, D]; sequence ``s`` lives in slot
-``slot(s)`` and its token at position ``p`` in ``kv[:, :, slot, p]`` (so ``kv[l, 0, :B]`` viewed as
-``[B·S, H_kv, D]`` is the packed-varlen layout flash attention reads, lengths given per slot).
+``slot(s)`` and its token at position ``p`` in ``kv[:, :, slot, p]``.
 
-Decode attention: on CUDA in bf16/fp16, flash attention (varlen, ``seqused_k`` = position + 1) reads only
-each slot's occupied prefix, with the query heads of one KV head packed as rows of one query (GQA
-packing: each K/V block read once per KV head), or the split-KV kernels of
-:mod:`klppo.rollout.triton_attention` (fused with the cache write; the engine's default where triton
-imports), which on the full model also apply RoPE, on split layers (:func:`decode_rope_in_attention`);
-elsewhere (CPU, fp32) SDPA over the whole length ``S`` with a mask.
+Decode attention: on CUDA in bf16/fp16 the split-KV kernels of :mod:`klppo.rollout.triton_attention`
+(fused with the cache write), which on the full model also apply RoPE, on split layers
+(:func:`decode_rope_in_attention`); elsewhere (CPU, fp32, the reference) SDPA over the whole length ``S``
+with a mask (:func:`sdpa_attention`).
 
 Optional fused projections (``LlamaWeights.fuse``): ``[q; k; v]`` and ``[gate; up]`` concatenated into
 temporary tensors (one matmul instead of three / two); the caller owns and frees them.
@@ -34,9 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import klppo.rollout.triton_attention as triton_attention
 from klppo.models.flops import attention_dims
 from klppo.parallel.mesh import TensorParallel
-from klppo.rollout import triton_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -412,23 +409,6 @@ def _qkv_heads(
     return q, k, v
 
 
-def attn_in_qkv(
-    x: torch.Tensor,
-    m: torch.Tensor | None,
-    lw: LayerWeights,
-    spec: tuple[int, int, int, float],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer front of the split decode layers (``decode(flash="triton-rope")``): the previous layer's MLP
-    output ``m`` added to the residual ``x`` (None: the first layer), norm, q/k/v, Qwen3's q/k norms — no
-    RoPE, which the attention kernel applies. ``spec`` = (H, H_kv, D, eps).
-
-    x, m [T, hidden] → (x + m [T, hidden], qkv [T, (H + 2·H_kv)·D]: q, k, v side by side, unrotated).
-    The add is :func:`residual_add`, so it fuses into the norm kernel that reads its result."""
-    if m is not None:
-        x = residual_add(x, m)
-    return x, qkv_projection(rms_norm(x, lw.input_norm, spec[3]), lw, spec)
-
-
 def qkv_projection(h: torch.Tensor, lw: LayerWeights, spec: tuple[int, int, int, float]) -> torch.Tensor:
     """The normed states ``h`` [T, hidden] → q/k/v side by side [T, (H + 2·H_kv)·D], unrotated: the fused
     GEMM's output as it is (no copy) unless Qwen3's q/k norms apply (:func:`_qkv_heads`, concatenated)."""
@@ -437,41 +417,15 @@ def qkv_projection(h: torch.Tensor, lw: LayerWeights, spec: tuple[int, int, int,
     return torch.cat([t.flatten(1) for t in _qkv_heads(h, lw, spec)], dim=-1)
 
 
-def attn_out_mlp_split(
-    x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer back of the split decode layers: ``attn_out_mlp`` without its last residual add —
-    (x + o(attn), mlp(norm(·))), whose sum is the layer's output, added by the next layer's front
-    (:func:`attn_in_qkv`) or by :func:`final_norm`. Inductor would otherwise fold that add into cuBLAS
-    ``addmm`` with the residual as C, which copies it into the output first (a device copy per layer)."""
-    x = residual_add(x, F.linear(attn, lw.o, lw.o_bias))
-    return x, _mlp(lw, rms_norm(x, lw.post_norm, eps))
-
-
-def final_norm(
-    x: torch.Tensor, m: torch.Tensor | None, weight_eps: tuple[torch.Tensor, float]
-) -> torch.Tensor:
-    """The last layer's output ``x + m`` (:func:`residual_add`) through the final RMSNorm; ``weight_eps`` =
-    (its weight, eps), in a tuple so that the weight's first dimension is not marked as a batch dimension
-    (:func:`klppo.rollout.compiled._batch_dynamic` marks the top-level tensor arguments)."""
-    weight, eps = weight_eps
-    return rms_norm(x if m is None else residual_add(x, m), weight, eps)
-
-
 def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x + y`` computed in float32 and rounded once — bit for bit what ``x + y`` computes for bf16/fp16
     in eager — written so that Inductor fuses it into the kernel that reads the sum instead of folding it
-    into a cuBLAS ``addmm`` with ``x`` as C (bench/RESULTS.md, session 21)."""
+    into a cuBLAS ``addmm`` with ``x`` as C, which copies ``x`` into the output first."""
     return (x.float() + y.float()).to(x.dtype)
 
 
 def attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
-    """Decode-step layer back: output projection, residual, norm, SwiGLU MLP, residual.
-
-    The first residual is added in float32 and rounded once — what ``x + y`` computes for bf16/fp16 in
-    eager — written so that Inductor does not fold it into cuBLAS ``addmm`` with ``x`` as its C matrix,
-    which copies ``x`` into the output first (one device copy per layer, bench/RESULTS.md session 21); the
-    add then fuses into the norm kernel that reads its result anyway."""
+    """Decode-step layer back: output projection, residual (:func:`residual_add`), norm, SwiGLU MLP, residual."""
     x = residual_add(x, F.linear(attn, lw.o, lw.o_bias))
     return x + _mlp(lw, rms_norm(x, lw.post_norm, eps))
 
@@ -516,39 +470,53 @@ def embed_tokens(w: LlamaWeights, tokens: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def triton_attention_of(w: LlamaWeights, kv: torch.Tensor, positions: torch.Tensor) -> Callable:
+    """``(layer, q [B, H, D], kv_new [2, B, H_kv, D]) -> attention [B, H, D]`` of one decode step on the
+    split-KV kernels of :mod:`klppo.rollout.triton_attention`, which also write the cache."""
+    splits = triton_attention.device_splits(positions.device, positions.shape[0], w.num_kv_heads, kv.shape[3])
+    return lambda i, q, kv_new: triton_attention.decode_attention(q, kv_new, kv[i], positions, splits=splits)
+
+
+def sdpa_attention(w: LlamaWeights, kv: torch.Tensor, positions: torch.Tensor) -> Callable:
+    """As :func:`triton_attention_of`, in torch: write ``kv_new`` into the layer's cache at ``positions``,
+    then masked SDPA over the whole length ``S`` (the reference, and the path on CPU and in float32)."""
+    num_slots, device = positions.shape[0], positions.device
+    max_len = kv.shape[3]
+    slot_idx = torch.arange(num_slots, device=device)
+    group = w.num_heads // w.num_kv_heads
+    mask = (torch.arange(max_len, device=device)[None, :] <= positions[:, None])[:, None, None, :]
+
+    def attend(i: int, q: torch.Tensor, kv_new: torch.Tensor) -> torch.Tensor:
+        kv[i][:, slot_idx, positions] = kv_new
+        # GQA without expanding K/V: the query heads of one KV head act as a length-`group` query.
+        q = q.reshape(num_slots, w.num_kv_heads, group, w.head_dim)
+        k, v = kv[i, 0, :num_slots].transpose(1, 2), kv[i, 1, :num_slots].transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return attend
+
+
 def decode(
     w: LlamaWeights,
     kv: torch.Tensor,
     tokens: torch.Tensor,
     positions: torch.Tensor,
-    layer_fns: tuple | None = None,
-    flash: str | None = None,
+    layer_fns: tuple = (attn_in, attn_out_mlp),
+    attention: Callable = sdpa_attention,
     fp32_logits: bool = False,
 ) -> torch.Tensor:
     """One token for each of the first B slots: ``tokens``/``positions`` [B]; returns logits [B, V].
 
-    Writes K/V at ``positions`` and attends to cache positions ``<= positions``. Static shapes, so it can
-    be captured in a CUDA graph. ``flash`` ("packed" or "plain"): varlen flash attention reads each slot's
-    first ``position + 1`` entries only (CUDA, bf16/fp16); "packed" hands the ``H / H_kv`` query heads
-    that share a KV head to the kernel as that many query rows of one sequence, so each K/V block is read
-    once per KV head instead of once per query head; "triton": the split-KV kernels of
-    :mod:`klppo.rollout.triton_attention`, which also do the cache write (their torch reference off CUDA);
-    None: SDPA over the whole length ``S`` with a mask.
-    ``layer_fns`` may be compiled versions of (``attn_in``, ``attn_out_mlp``) (None: those two). Logits: see
-    ``logits_of``. "triton-rope": the split layers of :func:`decode_rope_in_attention` (``layer_fns`` then
-    its three; None: ``SPLIT_LAYER_FNS``).
+    Writes K/V at ``positions`` and attends to cache positions ``<= positions``; static shapes, so it can be
+    captured in a CUDA graph. ``layer_fns``: (``attn_in``, ``attn_out_mlp``) or compiled / tensor-parallel
+    versions; ``attention``: :func:`sdpa_attention` or :func:`triton_attention_of` (which builds the
+    step's ``(layer, q, kv_new) -> attention``). Logits: see ``logits_of``.
     """
-    if flash == "triton-rope":
-        fns = SPLIT_LAYER_FNS if layer_fns is None else layer_fns
-        if len(fns) != 3:
-            raise ValueError(f"decode(flash='triton-rope') takes the three split layer functions "
-                             f"(llama.SPLIT_LAYER_FNS or compiled versions), got {len(fns)}")  # fmt: skip
-        return decode_rope_in_attention(w, kv, tokens, positions, fns, fp32_logits)
-    front, back = (attn_in, attn_out_mlp) if layer_fns is None else layer_fns
+    front, back = layer_fns
     num_slots = tokens.shape[0]
     x = embed_tokens(w, tokens)
     cos, sin = rope_cos_sin(w, positions, x.dtype)
-    attend = _decode_attention(w, kv, positions, flash)
+    attend = attention(w, kv, positions)
     spec = (w.num_heads, w.num_kv_heads, w.head_dim, w.eps)
     for i, lw in enumerate(w.layers):
         q, kv_new = front(x, lw, cos, sin, spec)
@@ -557,24 +525,21 @@ def decode(
     return logits_of(w, rms_norm(x, w.final_norm, w.eps), fp32_logits)
 
 
-SPLIT_LAYER_FNS = (attn_in_qkv, attn_out_mlp_split, final_norm)
-
-
 def decode_rope_in_attention(
     w: LlamaWeights,
     kv: torch.Tensor,
     tokens: torch.Tensor,
     positions: torch.Tensor,
-    layer_fns: tuple = SPLIT_LAYER_FNS,
+    layer_fns: tuple,
     fp32_logits: bool = False,
 ) -> torch.Tensor:
     """``decode`` with the split-KV attention kernels applying RoPE and writing the cache, on split layers:
-    the front (:func:`attn_in_qkv`) hands the unrotated q/k/v projection to the kernel, and each layer's
-    MLP output goes to the next layer's front (or :func:`final_norm`) to be added to the residual there —
+    the front hands the unrotated q/k/v projection to the kernel, and each layer's MLP output goes to the
+    next layer's front (or the final norm) to be added to the residual there —
     two kernels (the rotations) and a device copy (the residual in ``addmm``) fewer per layer than
-    ``flash="triton"``; the same arithmetic as eager (the residual adds) and as the compiled unsplit
-    layers (the rotations, in float32, rounded once). ``layer_fns``: (front, back, final) or compiled
-    versions. Not for tensor-parallel slices (the unsplit back all-reduces)."""
+    :func:`decode` on :func:`triton_attention_of`; the same arithmetic as eager (the residual adds) and as the compiled unsplit
+    layers (the rotations, in float32, rounded once). ``layer_fns``: (front, back, final), the functions of
+    :mod:`klppo.rollout.triton_layers`. Not for tensor-parallel slices (the unsplit back all-reduces)."""
     front, back, final = layer_fns
     num_slots = tokens.shape[0]
     heads, kv_heads, head_dim = w.num_heads, w.num_kv_heads, w.head_dim
@@ -606,58 +571,6 @@ def split_attention(
     q = qkv[:, : heads * head_dim].view(num_slots, heads, head_dim)
     kv_new = qkv[:, heads * head_dim :].view(num_slots, 2, kv_heads, head_dim).transpose(0, 1)
     return triton_attention.decode_attention(q, kv_new, cache, positions, splits=splits, rope=rope)
-
-
-def _decode_attention(w: LlamaWeights, kv: torch.Tensor, positions: torch.Tensor, flash: str | None):
-    """``(layer, q [B, H, D], kv_new [2, B, H_kv, D]) -> attention [B, H, D]`` of one decode step (see
-    ``decode``): writes ``kv_new`` into layer's cache at ``positions``, then attends."""
-    num_slots, device = positions.shape[0], positions.device
-    max_len = kv.shape[3]
-    if flash == "triton":
-        splits = triton_attention.device_splits(device, num_slots, w.num_kv_heads, max_len)  # fixed per shape
-        return lambda i, q, kv_new: triton_attention.decode_attention(
-            q, kv_new, kv[i], positions, splits=splits
-        )
-    slot_idx = torch.arange(num_slots, device=device)
-    group = w.num_heads // w.num_kv_heads
-    if flash:
-        q_rows = group if flash == "packed" and group > 1 else 1
-        cu_k = torch.arange(num_slots + 1, dtype=torch.int32, device=device)
-        lens = (cu_k * q_rows, cu_k * max_len, (positions + 1).to(torch.int32))
-    else:
-        mask = (torch.arange(max_len, device=device)[None, :] <= positions[:, None])[:, None, None, :]
-
-    def attend(i: int, q: torch.Tensor, kv_new: torch.Tensor) -> torch.Tensor:
-        kv[i][:, slot_idx, positions] = kv_new
-        if flash:
-            return _flash_decode(w, kv[i], q, lens, q_rows)
-        # GQA without expanding K/V: the query heads of one KV head act as a length-`group` query.
-        q = q.reshape(num_slots, w.num_kv_heads, group, w.head_dim)
-        k, v = kv[i, 0, :num_slots].transpose(1, 2), kv[i, 1, :num_slots].transpose(1, 2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-    return attend
-
-
-def _flash_decode(
-    w: LlamaWeights, cache: torch.Tensor, q: torch.Tensor, lens: tuple, q_rows: int
-) -> torch.Tensor:
-    """Varlen flash attention over each slot's first ``position + 1`` entries of one layer's ``cache``;
-    ``q_rows`` > 1: slot b's query heads of KV head j become ``q_rows`` query rows of sequence b (GQA
-    packing). ``lens``: (cumulative query rows, cumulative cache rows, used cache rows)."""
-    num_slots, max_len, head_dim = q.shape[0], cache.shape[2], w.head_dim
-    k = cache[0, :num_slots].view(num_slots * max_len, w.num_kv_heads, head_dim)
-    v = cache[1, :num_slots].view(num_slots * max_len, w.num_kv_heads, head_dim)
-    if q_rows > 1:
-        q = q.view(num_slots, w.num_kv_heads, q_rows, head_dim).transpose(1, 2)
-        q = q.reshape(num_slots * q_rows, w.num_kv_heads, head_dim)
-    cu_q, cu_k, used = lens
-    attn = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, q_rows, max_len, 0.0, False, False, seqused_k=used
-    )[0]
-    if q_rows > 1:
-        attn = attn.view(num_slots, q_rows, w.num_kv_heads, head_dim).transpose(1, 2)
-    return attn
 
 
 def logits_of(w: LlamaWeights, hidden: torch.Tensor, fp32: bool = False) -> torch.Tensor:

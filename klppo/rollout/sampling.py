@@ -23,9 +23,9 @@ race value (first rank on ties, i.e. the lowest id, as a full ``argmax``), the g
 parallelism — the law of the draw is the same (independent Gumbels per vocabulary entry). Truncated
 sampling gathers the full logits (top-k / top-p need them) and takes the group's first rank's draw.
 
-Randomness comes from the current default generator. On CUDA the engine can sample with the one-pass
-Triton kernels of :mod:`klppo.rollout.triton_sampling` instead (``KLPPORollout(sampler=...)``); this module
-is their reference.
+Randomness comes from the current default generator. On CUDA the engine samples with the one-pass
+Triton kernels of :mod:`klppo.rollout.triton_sampling` where they apply (``EngineSettings.sampler``); this
+module is their reference.
 """
 
 from __future__ import annotations

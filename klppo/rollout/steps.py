@@ -1,8 +1,8 @@
 """The tensor work of one ``generate`` call on its workspace: prefill chunks, decode steps, slot moves, output.
 
-The engine (:mod:`klppo.rollout.engine`) decides what runs — which sampler, which layer functions and
-attention, graph replay or eager, when to prefill, decode or compact (the slot bookkeeping of
-:mod:`klppo.rollout.scheduler`) — and hands those choices in; these functions do the work on the
+The engine (:mod:`klppo.rollout.engine`) decides what runs — graph replay or eager, when to prefill, decode
+or compact (the slot bookkeeping of :mod:`klppo.rollout.scheduler`) — and the call's backend
+(:mod:`klppo.rollout.backends`) does the model's arithmetic; these functions do the work on the
 :class:`Call`'s tensors (the workspace of :mod:`klppo.rollout.workspace`):
 
 - :func:`prefill_chunk` runs one :class:`~klppo.rollout.scheduler.PrefillPlan` (the prompts it runs
@@ -23,12 +23,11 @@ from collections.abc import Callable
 
 import torch
 
+from klppo.rollout.backends import Backend, Sampler
 from klppo.rollout.base import RolloutOutput, SamplingParams
-from klppo.rollout.llama import LlamaWeights, decode, logits_of, prefill
+from klppo.rollout.llama import LlamaWeights
 from klppo.rollout.scheduler import PrefillPlan, SlotScheduler
 from klppo.rollout.workspace import Workspace
-
-Sampler = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # logits -> (tokens, log_probs)
 
 
 @dataclasses.dataclass
@@ -44,10 +43,12 @@ class Call:
     eos: torch.Tensor  # [E] the ids that end a sequence ([-1] when none)
     check_eos: bool  # False: sequences end at max_new_tokens only
     cuda: bool
+    backend: Backend  # the arithmetic (chosen for this call's weights)
+    sample: Sampler  # the backend's sampler for ``params``
 
 
-def prefill_chunk(call: Call, plan: PrefillPlan, sampler: Sampler, fp32_logits: bool) -> None:
-    """Run ``plan`` and sample each sequence's first token with ``sampler``.
+def prefill_chunk(call: Call, plan: PrefillPlan) -> None:
+    """Run ``plan`` and sample each sequence's first token.
 
     The prompts it runs write their K/V into their slots and their last hidden state into
     ``call.prompt_hidden``; every other sequence gets its prompt's prefix copied into its slot and its
@@ -58,15 +59,15 @@ def prefill_chunk(call: Call, plan: PrefillPlan, sampler: Sampler, fp32_logits: 
         starts = call.starts
         index = torch.cat([torch.arange(starts[p], starts[p + 1]) for p in plan.run_prompts]).to(device)
         run_slots = torch.tensor(plan.run_slots, device=device)
-        hidden = prefill(w, ws.kv, call.packed[index], run_slots, plan.run_lengths)
+        hidden = call.backend.prefill(w, ws.kv, call.packed[index], run_slots, plan.run_lengths)
         call.prompt_hidden[torch.tensor(plan.run_prompts, device=device)] = hidden
     if plan.copy_dst:  # positions past a prompt's length are copied too: masked until overwritten
         dst = torch.tensor(plan.copy_dst, device=device)
         src = torch.tensor(plan.copy_src, device=device)
         ws.kv[:, :, dst, : plan.copy_width] = ws.kv[:, :, src, : plan.copy_width]
     unique = torch.tensor(plan.unique_prompts, device=device)
-    logits = logits_of(w, call.prompt_hidden[unique], fp32_logits)
-    tokens, log_probs = sampler(logits[torch.tensor(plan.logit_rows, device=device)])
+    logits = call.backend.logits(w, call.prompt_hidden[unique])
+    tokens, log_probs = call.sample(logits[torch.tensor(plan.logit_rows, device=device)])
     start_sequences(call, plan, tokens, log_probs)
 
 
@@ -96,17 +97,13 @@ def ends(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     return (tokens[:, None] == eos[None, :]).any(dim=1)
 
 
-def decode_step(
-    call: Call, bucket: int, layer_fns: tuple, flash: str | None, sampler: Sampler, fp32_logits: bool
-) -> Callable[[], None]:
-    """One eager decode step on slots [0, bucket): decode, sample, record, advance (no host sync).
-
-    ``layer_fns`` / ``flash``: :func:`klppo.rollout.llama.decode`'s layer functions and attention mode."""
-    w, ws = call.w, call.ws
+def decode_step(call: Call, bucket: int) -> Callable[[], None]:
+    """One eager decode step on slots [0, bucket): decode, sample, record, advance (no host sync)."""
+    w, ws, decode, sampler = call.w, call.ws, call.backend.decode, call.sample
     width, sink, max_len = call.params.max_new_tokens, ws.out_len.shape[0] - 1, ws.kv.shape[3]
 
     def step() -> None:
-        logits = decode(w, ws.kv, ws.last_token[:bucket], ws.position[:bucket], layer_fns, flash, fp32_logits)
+        logits = decode(w, ws.kv, ws.last_token[:bucket], ws.position[:bucket])
         tokens, log_probs = sampler(logits)
         alive = ~ws.finished[:bucket]
         row = torch.where(alive, ws.seq_id[:bucket], sink)

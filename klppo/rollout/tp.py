@@ -197,7 +197,7 @@ class TPRollout:
         cuda = device.type == "cuda"
         with phase("rollout_group_prompts"):  # a rank stuck before here shows on its group's others
             group_prompts, group_mask = _group_rows(
-                prompts, prompt_mask, self.tp, pad_id=self.engine.pad_token_id
+                prompts, prompt_mask, self.tp, pad_id=self.engine.settings.pad_token_id
             )
         if cuda:
             torch.cuda.synchronize(device)
@@ -205,16 +205,16 @@ class TPRollout:
         start = time.perf_counter()
         layout = TPLayout.of(base_model(model).config, self.tp.size)
         into = self._tensors
-        if into is None and self.engine.fuse_projections:
+        if into is None:
             into = fused_destinations(model, layout, self.tp.rank, dtype=compute_dtype(model), device=device)
         with phase("rollout_reshard"):
-            tensors = {**(into or {}), **reshard_for_rollout(model, self.tp, device=device, into=into)}
+            tensors = {**into, **reshard_for_rollout(model, self.tp, device=device, into=into)}
         w = tp_weights(model, tensors, layout, self.tp)
         if cuda:
             torch.cuda.synchronize(device)
         reshard_s = time.perf_counter() - start
         weight_bytes = _storage_bytes(tensors.values())
-        self._tensors = None if self.engine.free_cache_engine else tensors
+        self._tensors = None if self.engine.settings.free_cache_engine else tensors
         out = self.engine.generate_from(w, group_prompts, group_mask, params, reset_peak=False)
         del w, tensors
         rows = slice(self.tp.rank * len(prompts) * params.n, (self.tp.rank + 1) * len(prompts) * params.n)

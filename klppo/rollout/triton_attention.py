@@ -6,8 +6,8 @@ The contract (one layer, one new token per slot, slots ``0..B-1``), shared by th
 - ``cache`` [2, num_slots, S, H_kv, D] (one layer of the engine's ``kv``): K and V of the new token,
   ``kv_new`` [2, B, H_kv, D], are written at ``cache[:, b, positions[b]]``;
 - with ``rope`` = (``cos``, ``sin``) [B, D], ``q`` and the new K are first rotated (RoPE, Hugging Face's
-  rotate-half convention) in float32 and rounded once to their dtype — what the compiled layer front
-  computed before it moved here (:func:`rope_reference`); without it they arrive rotated;
+  rotate-half convention) in float32 and rounded once to their dtype — what the compiled unsplit layer
+  front computes (:func:`rope_reference`); without it they arrive rotated;
 - then each query head ``h`` of ``q`` [B, H, D] attends, with scale ``1/sqrt(D)``, to its KV head
   ``h // (H / H_kv)`` over cache positions ``0..positions[b]`` (inclusive, the new token too); the result
   [B, H, D] has ``q``'s dtype, computed in float32.
@@ -49,13 +49,10 @@ def available(device: torch.device) -> bool:
     return triton is not None and torch.device(device).type == "cuda"
 
 
-def chosen(decode_attention: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether an engine's ``decode_attention`` setting runs these kernels on a ``dtype`` cache on ``device``:
-    "auto" or "triton", a CUDA bf16/fp16 cache, triton importable (where "triton" cannot run, the engine
-    raises instead)."""
+def runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels run a ``dtype`` cache on ``device``: CUDA, bf16/fp16, triton importable."""
     device = torch.device(device)
-    cuda_half = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    return decode_attention in ("auto", "triton") and cuda_half and available(device)
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and available(device)
 
 
 def decode_attention(
@@ -118,8 +115,7 @@ def num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int) -> int:
 def warm_splits() -> tuple[int, ...]:
     """A split count for each compiled variant the engine's launches can need, whatever the batch: 1 (the
     first kernel alone) and one per combine width (a power of two up to ``MAX_SPLITS``: the combine reads its
-    lanes in registers, so its width follows the split count — measured cheaper than one fixed width at
-    batch 64 on an H200, bench/RESULTS.md "Session 25"). The split count itself is a runtime argument."""
+    lanes in registers, so its width follows the split count). The split count itself is a runtime argument."""
     return (1, *(2**i for i in range(1, MAX_SPLITS.bit_length())))
 
 

@@ -1,12 +1,12 @@
 """The split decode layers' elementwise work as two small Triton kernels: no ``torch.compile`` on the path.
 
-The engine's split decode layers (:func:`klppo.rollout.llama.decode_rope_in_attention`) are, per layer,
+The split decode layers of the engine's fast backend (:func:`klppo.rollout.llama.decode_rope_in_attention`) are, per layer,
 GEMMs (cuBLAS) and the Triton attention with the elementwise work between them: the residual add with
 the RMSNorm that reads it (twice a layer, and once before the LM head), and SwiGLU's ``silu(gate) · up``.
 Compiled by Inductor, those are the same fused kernels as here; but compiling them costs a new process
-Inductor's import and operator registration, dynamo's trace and the graphs' compilation or cache load
-(6–14 s on an H200 before the first token, bench/RESULTS.md session 24), where two Triton kernels load
-from Triton's cache in milliseconds (or compile in about a second each on an empty one).
+Inductor's import and operator registration, dynamo's trace and the graphs' compilation or cache load,
+where two Triton kernels load from Triton's cache in milliseconds (or compile in about a second each on an
+empty one).
 
 The arithmetic is eager PyTorch's, rounding for rounding (:func:`klppo.rollout.llama.residual_add`,
 :func:`~klppo.rollout.llama.rms_norm`, ``F.silu(gate) * up``):
@@ -17,11 +17,12 @@ The arithmetic is eager PyTorch's, rounding for rounding (:func:`klppo.rollout.l
 
 What can differ from eager is below the last rounding: the reduction's order, Triton's fast square root
 and division in ``1 / sqrt(mean + eps)`` (eager's ``rsqrt`` is also approximate) and the exponential's last
-bits — measured within 8 ulp, and a rounding moved in under 2% of entries (tests/rollout/test_triton_layers.py,
-on the GPU in bf16, fp16 and fp32). The layer functions
-(``attn_in_qkv``, ``attn_out_mlp_split``, ``final_norm``) have the signatures and results of
-:mod:`klppo.rollout.llama`'s; what the kernels do not take (Qwen3's per-head q/k norms, unfused gate/up)
-runs as eager torch inside them. Off CUDA (or without triton) the functions compute the same eagerly.
+bits — within 8 ulp, and a rounding moved in under 2% of entries (tests/rollout/test_triton_layers.py holds
+them to that on the GPU in bf16, fp16 and fp32). The layer functions
+(``attn_in_qkv``, ``attn_out_mlp_split``, ``final_norm``) are the split layers' front, back and final norm;
+what the kernels do not take (Qwen3's per-head q/k norms, unfused gate/up)
+runs as eager torch inside them. Off CUDA (or without triton) the functions compute the same eagerly: the
+reference the kernels are tested against.
 """
 
 from __future__ import annotations
@@ -106,7 +107,10 @@ def silu_mul(gate_up: torch.Tensor, *, block: int = SILU_BLOCK, num_warps: int =
 def attn_in_qkv(
     x: torch.Tensor, m: torch.Tensor | None, lw: LayerWeights, spec: tuple[int, int, int, float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`klppo.rollout.llama.attn_in_qkv` with :func:`add_rms_norm`: (x + m, q/k/v side by side)."""
+    """Layer front of the split decode layers: the previous layer's MLP output ``m`` added to the residual
+    ``x`` (None: the first layer), norm, q/k/v, Qwen3's q/k norms — no RoPE, which the attention kernel
+    applies. ``spec`` = (H, H_kv, D, eps). x, m [T, hidden] → (x + m, qkv [T, (H + 2·H_kv)·D]: q, k, v
+    side by side, unrotated)."""
     x, h = add_rms_norm(x, m, lw.input_norm, spec[3])
     return x, qkv_projection(h, lw, spec)
 
@@ -114,8 +118,9 @@ def attn_in_qkv(
 def attn_out_mlp_split(
     x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`klppo.rollout.llama.attn_out_mlp_split` with :func:`add_rms_norm` and :func:`silu_mul`:
-    (x + o(attn), the MLP's output), whose sum the next layer's front adds."""
+    """Layer back of the split decode layers: ``attn_out_mlp`` without its last residual add —
+    (x + o(attn), mlp(norm(·))), whose sum is the layer's output, added by the next layer's front or by
+    :func:`final_norm`."""
     x, h = add_rms_norm(x, F.linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
     return x, _mlp(lw, h, silu_mul)
 
@@ -123,7 +128,7 @@ def attn_out_mlp_split(
 def final_norm(
     x: torch.Tensor, m: torch.Tensor | None, weight_eps: tuple[torch.Tensor, float]
 ) -> torch.Tensor:
-    """:func:`klppo.rollout.llama.final_norm` with :func:`add_rms_norm`: the final RMSNorm of ``x + m``."""
+    """The last layer's output ``x + m`` through the final RMSNorm; ``weight_eps`` = (its weight, eps)."""
     weight, eps = weight_eps
     return add_rms_norm(x, m, weight, eps)[1]
 

@@ -26,12 +26,11 @@ The law is that of :mod:`klppo.rollout.sampling` (the pure-torch path: the refer
 
 Randomness: one int64 seed per call drawn from the current default generator on the device (so seeded
 generation is reproducible, and a CUDA graph replays fresh noise). Untruncated: four words per Philox
-call (``tl.randint4x``; the Philox rounds were most of this kernel's time with one word per call): a block
-of ``BLOCK`` ids is four quarters of ``Q = BLOCK / 4``, and id ``off + q·Q + i`` (``off`` the block's first
-id) takes word ``q`` of the call at counter ``row·G + off / 4 + i`` (``G = ⌈V / BLOCK⌉·Q``), so every
-(row, id) has its own word; ``sample_triton(four_per_philox=False)``: ``tl.randint(seed, row·V + id)``.
-Truncated: ``tl.randint(seed + round, row·V + id)``. A word becomes Gumbel noise by ``_gumbel_of_bits``
-(``sample_triton(noise_of_bits=False)``: ``tl.rand``'s float uniform of it by ``_gumbel_of``).
+call (``tl.randint4x``): a block of ``BLOCK`` ids is four quarters of ``Q = BLOCK / 4``, and id
+``off + q·Q + i`` (``off`` the block's first id) takes word ``q`` of the call at counter
+``row·G + off / 4 + i`` (``G = ⌈V / BLOCK⌉·Q``), so every (row, id) has its own word. Truncated:
+``tl.randint(seed + round, row·V + id)``. A word becomes Gumbel noise by ``_gumbel_of_bits`` (two fast
+logarithms).
 Float32 sums in another order than torch's: a top-p boundary token whose mass above lies within rounding
 of ``p`` may be kept by one path and not the other.
 """
@@ -70,8 +69,6 @@ def sample_triton(
     *,
     splits: int | None = None,
     block: int | None = None,
-    four_per_philox: bool = True,
-    noise_of_bits: bool = True,
     num_warps: int = 8,
     generator: torch.Generator | None = None,
 ):
@@ -79,14 +76,9 @@ def sample_triton(
 
     ``splits``: programs per row of the untruncated kernel (default: enough to fill the device);
     ``block``: ids a program reads at once (a power of two, 4 at least: smaller is taken as 4; tests make it
-    small to split short rows; default 1024 untruncated, 2048 truncated — the untruncated launch from
-    ``bench/decode_kernels.py --parts head --sweep``, bench/RESULTS.md "Session 23");
-    ``four_per_philox``: the untruncated kernel's uniforms four to a Philox call (``tl.rand4x``) instead of
-    one (``tl.rand``, which keeps one of the four words each call computes) — a bench switch;
-    ``noise_of_bits``: the Gumbel noise from Philox's words by ``_gumbel_of_bits`` (two fast ``log2``);
-    False: from ``tl.rand``'s float uniforms with precise logarithms (before session 23) — a bench switch;
-    ``num_warps``: the kernels' launch setting (benchmarks); ``generator``: draws the call's seed (None: the
-    device's default generator; the start-up warm-up passes its own, so as not to move the run's)."""
+    small to split short rows; default :func:`launch_block`); ``num_warps``: the kernels' launch setting;
+    ``generator``: draws the call's seed (None: the device's default generator; the start-up warm-up passes
+    its own, so as not to move the run's)."""
     batch, vocab = logits.shape
     if not supports(params, batch, vocab):
         if batch * vocab >= 2**31 or vocab >= 2**24:
@@ -112,15 +104,14 @@ def sample_triton(
     if untruncated:
         chunk, splits = chunking(vocab, splits or _splits(device_sms(device), batch, vocab, block), block)
         part = torch.empty(batch, splits, 4, dtype=torch.float32, device=device)
-        kernel = _race_chunk_kernel4 if four_per_philox else _race_chunk_kernel
-        kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, seed, part, splits,
-                                GREEDY=greedy, BLOCK=block, SCALE=temperature != 1.0, BITS=noise_of_bits,
-                                num_warps=num_warps)  # fmt: skip
+        _race_chunk_kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, seed, part,
+                                            splits, GREEDY=greedy, BLOCK=block, SCALE=temperature != 1.0,
+                                            num_warps=num_warps)  # fmt: skip
         _race_combine_kernel[(batch,)](part, splits, tokens, log_probs, SP=combine_lanes(splits))
     else:
         _truncated_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, seed, top_k, top_p, tokens,
                                     log_probs, USE_K=top_k > 0, USE_P=top_p < 1.0, BLOCK=block,
-                                    SCALE=temperature != 1.0, BITS=noise_of_bits, num_warps=num_warps)  # fmt: skip
+                                    SCALE=temperature != 1.0, num_warps=num_warps)  # fmt: skip
     return tokens, log_probs
 
 
@@ -175,8 +166,8 @@ def device_sms(device: torch.device) -> int:
 
 
 def _splits(sms: int, batch: int, vocab: int, block: int) -> int:
-    """Programs per row: about four per SM over the batch and at least 8 (measured faster from batch 128 on
-    an H200, bench/RESULTS.md "Session 23"), each with at least four blocks of work, at most 64."""
+    """Programs per row: about four per SM over the batch and at least 8, each with at least four blocks of
+    work, at most 64."""
     return max(1, min(max(-(-4 * sms // batch), 8), vocab // (4 * block), MAX_SPLITS))
 
 
@@ -203,8 +194,7 @@ if triton is not None:
         + ½)·2⁻³²`` uniform, all in float32 to its rounding: below ``w = 2⁻⁴`` (the small ``E``, the race's
         winners) from ``w`` by its series (truncation < 10⁻⁸ of ``E``), above from ``1 − w = (~k + ½)·2⁻³²`` (no
         cancellation; ``log2``'s absolute error < 3·10⁻⁶ of ``E`` ≥ 0.0645). Never infinite or NaN: ``E`` lies
-        in [2⁻³³, 22.9). Two fast ``log2`` and six FMAs: the precise ``logf`` of ``_gumbel_of`` was most of
-        the sampler's arithmetic."""
+        in [2⁻³³, 22.9). Two fast ``log2`` and six FMAs."""
         w = (k.to(tl.float32) + 0.5) * 2.3283064365386963e-10
         small = w * (
             1.0 + w * (0.5 + w * (0.3333333333333333 + w * (0.25 + w * (0.2 + w * 0.16666666666666666))))
@@ -236,19 +226,9 @@ if triton is not None:
         return ref + tl.log(tl.sum(s * tl.exp(m - ref), axis=0))
 
     @triton.jit
-    def _gumbel_of(u):
-        """Gumbel noise ``−log(−log u)`` of uniforms ``u`` (u = 0 gives −inf: never wins; the clamp: u
-        rounding to 1)."""
-        return -tl.log(tl.maximum(-tl.log(u), 1e-30))
-
-    @triton.jit
-    def _gumbel(seed, offsets, BITS: tl.constexpr):
-        """Gumbel noise at Philox counters ``offsets`` (one call each): ``_gumbel_of_bits`` (``BITS``) or
-        ``_gumbel_of`` of ``tl.rand``'s uniforms (before session 23)."""
-        if BITS:
-            return _gumbel_of_bits(tl.randint(seed, offsets))
-        else:
-            return _gumbel_of(tl.rand(seed, offsets))
+    def _gumbel(seed, offsets):
+        """Gumbel noise at Philox counters ``offsets`` (one call each)."""
+        return _gumbel_of_bits(tl.randint(seed, offsets))
 
     @triton.jit
     def _race_start(N: tl.constexpr, V):
@@ -279,28 +259,6 @@ if triton is not None:
         tl.store(out + 2, idx.to(tl.float32))  # ids < 2**24: exact in float32
         tl.store(out + 3, x_win)
 
-    @triton.jit(do_not_specialize=["S"])  # the split count: one variant for every batch
-    def _race_chunk_kernel(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S, GREEDY: tl.constexpr,
-                           BLOCK: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
-        """Program (row, split): normaliser and race winner of ``chunk`` ids → part[row, split, 0:4]."""
-        row = tl.program_id(0)
-        split = tl.program_id(1)
-        base = logits_ptr + row.to(tl.int64) * stride
-        seed = tl.load(seed_ptr)
-        start = split * chunk
-        end = tl.minimum(start + chunk, V)
-        m, s, best_r, best_i, best_x = _race_start(BLOCK, V)
-        for off in range(start, end, BLOCK):
-            idx = off + tl.arange(0, BLOCK)
-            ok = idx < end
-            x = _scaled(tl.load(base + idx, mask=ok, other=NEG_INF), temperature, SCALE)
-            m, s = _online(m, s, x)
-            r = x
-            if not GREEDY:
-                r = tl.where(ok, x + _gumbel(seed, row * V + idx, BITS), NEG_INF)
-            best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
-        _store_partial(part_ptr + (row * S + split) * 4, m, s, best_r, best_i, best_x, V)
-
     @triton.jit
     def _race_quarter(x, idx, ok, g, best_r, best_i, best_x, GREEDY: tl.constexpr):
         """The Gumbel race over one quarter's ids ``idx`` (``x`` already scaled), ``g`` their noise."""
@@ -310,15 +268,10 @@ if triton is not None:
         return _race_update(best_r, best_i, best_x, r, idx, x)
 
     @triton.jit
-    def _gumbel4(seed, offsets, BITS: tl.constexpr):
-        """Four Gumbel noises per Philox call at counters ``offsets``: of its four words (``BITS``) or of
-        ``tl.rand4x``'s uniforms (before session 23)."""
-        if BITS:
-            k0, k1, k2, k3 = tl.randint4x(seed, offsets)
-            return _gumbel_of_bits(k0), _gumbel_of_bits(k1), _gumbel_of_bits(k2), _gumbel_of_bits(k3)
-        else:
-            u0, u1, u2, u3 = tl.rand4x(seed, offsets)
-            return _gumbel_of(u0), _gumbel_of(u1), _gumbel_of(u2), _gumbel_of(u3)
+    def _gumbel4(seed, offsets):
+        """Four Gumbel noises per Philox call at counters ``offsets``, of its four words."""
+        k0, k1, k2, k3 = tl.randint4x(seed, offsets)
+        return _gumbel_of_bits(k0), _gumbel_of_bits(k1), _gumbel_of_bits(k2), _gumbel_of_bits(k3)
 
     @triton.jit
     def _online4(m, s, x0, x1, x2, x3):
@@ -329,13 +282,14 @@ if triton is not None:
         return m_new, s * tl.exp(m - ref) + total
 
     @triton.jit(do_not_specialize=["S"])  # the split count: one variant for every batch
-    def _race_chunk_kernel4(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S, GREEDY: tl.constexpr,
-                            BLOCK: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
-        """``_race_chunk_kernel`` with four noises per Philox call (``_gumbel4``): each block of ``BLOCK``
-        ids is four quarters of ``Q = BLOCK / 4`` consecutive ids, lane ``i`` of quarter ``q`` taking word
-        ``q`` of the call at counter ``row · G + off / 4 + i`` (``G``: the counters of a row, distinct over
-        rows and blocks), and the running sum of ``exp`` rescaled once per four ids (``_online4``). A lane meets
-        its ids in increasing order, so ties still go to the lowest id."""
+    def _race_chunk_kernel(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S, GREEDY: tl.constexpr,
+                           BLOCK: tl.constexpr, SCALE: tl.constexpr):  # fmt: skip
+        """Program (row, split): normaliser and race winner of ``chunk`` ids → part[row, split, 0:4], with four
+        noises per Philox call (``_gumbel4``): each block of ``BLOCK`` ids is four quarters of ``Q = BLOCK / 4``
+        consecutive ids, lane ``i`` of quarter ``q`` taking word ``q`` of the call at counter
+        ``row · G + off / 4 + i`` (``G``: the counters of a row, distinct over rows and blocks), and the running
+        sum of ``exp`` rescaled once per four ids (``_online4``). A lane meets its ids in increasing order, so
+        ties go to the lowest id."""
         Q: tl.constexpr = BLOCK // 4
         row = tl.program_id(0)
         split = tl.program_id(1)
@@ -353,7 +307,7 @@ if triton is not None:
                 g2 = g0
                 g3 = g0
             else:
-                g0, g1, g2, g3 = _gumbel4(seed, counters + off // 4 + i, BITS)
+                g0, g1, g2, g3 = _gumbel4(seed, counters + off // 4 + i)
             i0, i1, i2, i3 = off + i, off + Q + i, off + 2 * Q + i, off + 3 * Q + i
             ok0, ok1, ok2, ok3 = i0 < end, i1 < end, i2 < end, i3 < end
             x0 = _scaled(tl.load(base + i0, mask=ok0, other=NEG_INF), temperature, SCALE)
@@ -384,9 +338,7 @@ if triton is not None:
         tl.store(logp_ptr + row, x_win - lse)  # NaN for such a row
 
     @triton.jit
-    def _row_first(
-        base, V, temperature, seed, row, BLOCK: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr
-    ):
+    def _row_first(base, V, temperature, seed, row, BLOCK: tl.constexpr, SCALE: tl.constexpr):
         """One pass over the row: its log-normaliser, and the Gumbel race among all ids (round 0)."""
         m, s, best_r, best_i, best_x = _race_start(BLOCK, V)
         for off in range(0, V, BLOCK):
@@ -394,14 +346,14 @@ if triton is not None:
             x = _scaled(tl.load(base + idx, mask=idx < V, other=NEG_INF), temperature, SCALE)
             m, s = _online(m, s, x)
             best_r, best_i, best_x = _race_update(
-                best_r, best_i, best_x, x + _gumbel(seed, row * V + idx, BITS), idx, x
+                best_r, best_i, best_x, x + _gumbel(seed, row * V + idx), idx, x
             )
         _, idx, x_win = _race_winner(best_r, best_i, best_x, V)
         return _lse_of_lanes(m, s), idx, x_win
 
     @triton.jit
-    def _row_check_and_race(base, V, temperature, x_s, lse, seed, row, BLOCK: tl.constexpr, SCALE: tl.constexpr,
-                            BITS: tl.constexpr):  # fmt: skip
+    def _row_check_and_race(base, V, temperature, x_s, lse, seed, row, BLOCK: tl.constexpr,
+                            SCALE: tl.constexpr):  # fmt: skip
         """One pass over the row: how many ids have ``x > x_s`` and their probability mass (the check of
         the candidate ``x_s``), and the Gumbel race among those ids (the next candidate, used if this one
         is rejected; ``seed``: this round's noise)."""
@@ -413,25 +365,25 @@ if triton is not None:
             above = x > x_s
             count += above.to(tl.int32)
             mass += tl.where(above, tl.exp(x - lse), 0.0)
-            r = tl.where(above, x + _gumbel(seed, row * V + idx, BITS), NEG_INF)
+            r = tl.where(above, x + _gumbel(seed, row * V + idx), NEG_INF)
             best_r, best_i, best_x = _race_update(best_r, best_i, best_x, r, idx, x)
         _, idx, x_win = _race_winner(best_r, best_i, best_x, V)
         return tl.sum(count, axis=0), tl.sum(mass, axis=0), idx, x_win
 
     @triton.jit
     def _truncated_kernel(logits_ptr, stride, V, temperature, seed_ptr, top_k, top_p, tokens_ptr, logp_ptr,
-                          USE_K: tl.constexpr, USE_P: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr,
-                          BITS: tl.constexpr):  # fmt: skip
+                          USE_K: tl.constexpr, USE_P: tl.constexpr, BLOCK: tl.constexpr,
+                          SCALE: tl.constexpr):  # fmt: skip
         """Program row: top-k or top-p sampling by rejection (module docstring), one pass per round."""
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * stride
         seed = tl.load(seed_ptr)
-        lse, token, x_s = _row_first(base, V, temperature, seed, row, BLOCK, SCALE, BITS)
+        lse, token, x_s = _row_first(base, V, temperature, seed, row, BLOCK, SCALE)
         rnd = row * 0 + 1
         searching = row * 0 + 1
         while searching > 0:
             count, mass, next_token, next_x = _row_check_and_race(base, V, temperature, x_s, lse, seed + rnd, row,
-                                                                  BLOCK, SCALE, BITS)  # fmt: skip
+                                                                  BLOCK, SCALE)  # fmt: skip
             keep = count >= 0
             if USE_K:
                 keep = keep & (count < top_k)

@@ -11,6 +11,7 @@ import torch
 from klppo.models.tiny import build_tiny_model
 from klppo.rollout import SamplingParams, make_rollout
 from klppo.rollout.engine import KLPPORollout
+from klppo.rollout.settings import EngineSettings
 from tests.rollout.compile_utils import recording_functions
 from tests.rollout.conftest import left_padded, reference_log_probs
 
@@ -35,9 +36,9 @@ def test_greedy_identical_to_hf_with_continuous_batching(arch, kwargs) -> None:
     model = build_tiny_model(arch=arch, **kwargs).eval()
     prompts, prompt_mask = left_padded(PROMPTS)
     params = SamplingParams(max_new_tokens=24, n=2, do_sample=False)
-    ref = make_rollout("hf", eos_token_ids=[2], pad_token_id=2).generate(model, prompts, prompt_mask, params)
+    ref = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2)).generate(model, prompts, prompt_mask, params)
     # 10 sequences through 3 slots: finished slots must take the waiting sequences
-    engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=5)
+    engine = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=5))
     out = engine.generate(model, prompts, prompt_mask, params)
     assert out.stats["rollout/num_slots"] == 3
     assert torch.equal(out.responses, ref.responses)
@@ -56,16 +57,14 @@ def test_rope_scaling_and_eos_mask_match_hf() -> None:
     model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
     prompts, prompt_mask = left_padded(PROMPTS)
     greedy = SamplingParams(max_new_tokens=16, do_sample=False)
-    hf = make_rollout("hf", eos_token_ids=[2], pad_token_id=2)
+    hf = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2))
     first = hf.generate(model, prompts, prompt_mask, greedy)
     # two EOS ids that the greedy paths emit, pad different from both: masks must cut after the first
     eos_ids = [int(first.responses[0, 4]), int(first.responses[2, 2])]
-    ref = make_rollout("hf", eos_token_ids=eos_ids, pad_token_id=0).generate(
+    ref = make_rollout("hf", EngineSettings(eos_token_ids=eos_ids, pad_token_id=0)).generate(
         model, prompts, prompt_mask, greedy
     )
-    out = make_rollout(
-        "klppo", eos_token_ids=eos_ids, pad_token_id=0, max_num_seqs=2, eos_check_every=3
-    ).generate(model, prompts, prompt_mask, greedy)
+    out = make_rollout("klppo", EngineSettings(eos_token_ids=eos_ids, pad_token_id=0, max_num_seqs=2, eos_check_every=3)).generate(model, prompts, prompt_mask, greedy)
     assert ref.response_mask[0].sum() <= 5 and ref.response_mask.sum() < ref.response_mask.numel()
     assert torch.equal(out.responses, ref.responses)
     assert torch.equal(out.response_mask, ref.response_mask)
@@ -73,7 +72,7 @@ def test_rope_scaling_and_eos_mask_match_hf() -> None:
 
 def test_sampled_log_probs_match_full_forward_and_seed_reproducible(tiny_qwen2) -> None:
     prompts, prompt_mask = left_padded(PROMPTS)
-    engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, max_num_seqs=4, eos_check_every=4)
+    engine = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=4, eos_check_every=4))
     params = SamplingParams(max_new_tokens=16, n=3, temperature=0.8, top_k=40, top_p=0.9, seed=11)
     out = engine.generate(tiny_qwen2, prompts, prompt_mask, params)
     ref = reference_log_probs(tiny_qwen2, prompts, prompt_mask, out.responses, out.response_mask, 0.8, 3)
@@ -127,14 +126,14 @@ def test_sampling_distribution_chi_square(top_k, top_p) -> None:
 def test_fallback_and_cache_lifecycle(tiny_qwen2) -> None:
     prompts, prompt_mask = left_padded(PROMPTS[:2])
     params = SamplingParams(max_new_tokens=6, do_sample=False)
-    keep = KLPPORollout(eos_token_ids=[2], pad_token_id=2, free_cache_engine=False)
+    keep = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, free_cache_engine=False))
     first = keep.generate(tiny_qwen2, prompts, prompt_mask, params)
     cache = keep._ws.kv
     second = keep.generate(tiny_qwen2, prompts, prompt_mask, params)
     assert keep._ws.kv is cache and torch.equal(first.responses, second.responses)
     keep.release()
     assert keep._ws is None
-    free = KLPPORollout(eos_token_ids=[2], pad_token_id=2, free_cache_engine=True)
+    free = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, free_cache_engine=True))
     free.generate(tiny_qwen2, prompts, prompt_mask, params)
     assert free._ws is None
     gpt2_like = build_tiny_model(arch="mistral").eval()
@@ -149,23 +148,23 @@ def test_fallback_and_cache_lifecycle(tiny_qwen2) -> None:
         again = free.generate(gpt2_like, prompts, prompt_mask, dataclasses.replace(params, max_new_tokens=5))
     assert again.stats["rollout/fallback_hf"] == 1.0
     with pytest.raises(ValueError, match="unknown rollout"):
-        make_rollout("vllm", eos_token_ids=[2], pad_token_id=2)
+        make_rollout("vllm", EngineSettings(eos_token_ids=[2], pad_token_id=2))
 
 
 def test_fused_projections_match_and_follow_in_place_weight_updates() -> None:
-    """Fused [q;k;v]/[gate;up] copies give the unfused results, and a kept workspace re-reads the weights."""
+    """Fused [q;k;v]/[gate;up] copies give hf's (unfused) results, and a kept workspace re-reads the weights."""
     model = build_tiny_model(arch="qwen2").eval()  # q/k/v biases
     prompts, prompt_mask = left_padded(PROMPTS)
     params = SamplingParams(max_new_tokens=10, do_sample=False)
-    plain = KLPPORollout(eos_token_ids=[2], pad_token_id=2, fuse_projections=False)
-    kept = KLPPORollout(eos_token_ids=[2], pad_token_id=2, free_cache_engine=False)
+    plain = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2))
+    kept = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, free_cache_engine=False))
     ref, out = (
         plain.generate(model, prompts, prompt_mask, params),
         kept.generate(model, prompts, prompt_mask, params),
     )
     assert torch.equal(out.responses, ref.responses)
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
-    assert out.stats["rollout/fused_weights_gb"] > 0 and ref.stats["rollout/fused_weights_gb"] == 0
+    assert out.stats["rollout/fused_weights_gb"] > 0
     fused_qkv = kept._ws.weights.layers[0].qkv
     with torch.no_grad():  # an optimizer step: same addresses, new values
         for p in model.parameters():
@@ -179,42 +178,42 @@ def test_fused_projections_match_and_follow_in_place_weight_updates() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_flash_decode_matches_masked_sdpa_on_gpu() -> None:
-    """bf16: varlen flash decode (occupied prefix only) gives the masked full-length SDPA log-probs."""
+def test_split_backend_matches_the_torch_reference_on_gpu() -> None:
+    """bf16: the split backend (Triton attention and layer kernels, Triton sampler) gives the torch
+    reference's (``decode_attention="sdpa"``, ``sampler="torch"``) greedy tokens and log-probs."""
     model = build_tiny_model(arch="qwen2").to("cuda", torch.bfloat16).eval()
     prompts, prompt_mask = (t.cuda() for t in left_padded(PROMPTS))
-    params = SamplingParams(max_new_tokens=12, n=2, seed=5)
-    outs = [
-        KLPPORollout(eos_token_ids=[2], pad_token_id=2, decode_attention=a, max_num_seqs=4).generate(
+    params = SamplingParams(max_new_tokens=12, do_sample=False)
+    fast, ref = (
+        KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=4, **kw)).generate(
             model, prompts, prompt_mask, params
         )
-        for a in ("flash", "flash-plain", "sdpa")  # GQA-packed flash, one query row per head, masked SDPA
-    ]
-    for other in outs[1:]:
-        assert (outs[0].responses == other.responses).float().mean() > 0.9
-        same = (outs[0].responses == other.responses).all(dim=1)
-        torch.testing.assert_close(outs[0].log_probs[same], other.log_probs[same], atol=2e-2, rtol=0)
+        for kw in ({}, {"decode_attention": "sdpa", "sampler": "torch"})
+    )
+    assert (fast.responses == ref.responses).float().mean() > 0.9
+    same = (fast.responses == ref.responses).all(dim=1)
+    torch.testing.assert_close(fast.log_probs[same], ref.log_probs[same], atol=2e-2, rtol=0)
 
 
 def test_precompile_leaves_nothing_to_compile_and_matches_eager() -> None:
-    """A background pre-compile from the config alone makes every graph the rollout needs: generate on an
-    engine handed the same CompiledFunctions then compiles nothing (greedy and tempered sampling, several
+    """A background pre-compile from the config alone makes every graph the torch backend needs: generate on
+    an engine handed the same CompiledFunctions then compiles nothing (greedy and tempered sampling, several
     batch buckets) and equals the eager engine."""
     model = build_tiny_model(arch="qwen2").eval()
     fns, graphs = recording_functions()
-    thread = fns.start_precompile(model.config, dtype=torch.float32, device="cpu", temperatures=(0.7,))
+    settings = EngineSettings(compile_decode=True)
+    thread = fns.start_precompile(model.config, settings, dtype=torch.float32, device="cpu")
     assert thread is not None
     fns.wait()
     made = len(graphs)
-    # two layer blocks and one sampler (T = 0.7), each for batches from 2 and for a batch of 1
-    assert made == 6 and fns.last_precompile_s is not None
+    # two layer blocks, each for batches from 2 and for a batch of 1
+    assert made == 4 and fns.last_precompile_s is not None
     for params, batch in ((SamplingParams(max_new_tokens=9, do_sample=False), PROMPTS),
                           (SamplingParams(max_new_tokens=9, n=2, temperature=0.7, seed=3), PROMPTS),
                           (SamplingParams(max_new_tokens=9, temperature=0.7, seed=3), PROMPTS[:1])):  # fmt: skip
         prompts, prompt_mask = left_padded(batch)
-        ours = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3,
-                            compiled=fns)  # fmt: skip
-        eager = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=False, max_num_seqs=3)
+        ours = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3), compiled=fns)  # fmt: skip
+        eager = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=False, max_num_seqs=3))
         a = ours.generate(model, prompts, prompt_mask, params)
         b = eager.generate(model, prompts, prompt_mask, params)
         assert torch.equal(a.responses, b.responses)
@@ -223,29 +222,26 @@ def test_precompile_leaves_nothing_to_compile_and_matches_eager() -> None:
     torch._dynamo.reset()
 
 
-def test_split_layers_precompiled_and_equal_to_the_unsplit_engine(monkeypatch) -> None:
-    """The split layers of the Triton attention (``decode(flash="triton-rope")``; on the CPU the attention's
-    torch reference), driven by the engine: a pre-compile with ``split_layers`` makes every graph they
-    need (the first layer's front its own: no MLP output yet), and the tokens and log-probs equal the
-    engine on the unsplit layers with RoPE outside the attention (``rope_in_attention`` off)."""
-    monkeypatch.setattr(KLPPORollout, "_use_flash", lambda self, kv: "triton")
-    assert KLPPORollout.rope_in_attention
+def test_split_backend_equals_the_torch_backend(monkeypatch) -> None:
+    """The split backend driven by the engine on the CPU (its attention's and layer kernels' torch
+    references): a pre-compile for it compiles nothing, and its tokens and log-probs equal the torch
+    backend's (unsplit layers, RoPE outside the attention)."""
+    from klppo.rollout import backends, compiled
+
     model = build_tiny_model(arch="qwen2").eval()
     fns, graphs = recording_functions()
-    fns.start_precompile(
-        model.config, dtype=torch.float32, device="cpu", temperatures=(0.7,), split_layers=True
-    )
+    for module in (backends, compiled):  # what the CPU would never choose
+        monkeypatch.setattr(module, "backend_class", lambda *a, tensor_parallel: backends.SplitBackend)
+    fns.start_precompile(model.config, EngineSettings(compile_decode=True), dtype=torch.float32, device="cpu")
     fns.wait()
-    made = len(graphs)
-    assert made == 10  # front with and without an MLP output, back, final norm, sampler; × (batches ≥ 2, 1)
+    assert graphs == []
     params = SamplingParams(max_new_tokens=9, n=2, temperature=0.7, seed=3)
     prompts, prompt_mask = left_padded(PROMPTS)
-    split = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3,
-                         compiled=fns)  # fmt: skip
+    split = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=3), compiled=fns)
     out = split.generate(model, prompts, prompt_mask, params)
-    assert len(graphs) == made, "the rollout compiled graphs the pre-compile had not made"
-    monkeypatch.setattr(KLPPORollout, "rope_in_attention", False)
-    unsplit = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=False, max_num_seqs=3)
+    assert graphs == []
+    monkeypatch.undo()
+    unsplit = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=3))
     want = unsplit.generate(model, prompts, prompt_mask, params)
     assert torch.equal(out.responses, want.responses)
     torch.testing.assert_close(out.log_probs, want.log_probs, atol=1e-5, rtol=0)
@@ -262,24 +258,20 @@ def test_decode_buckets_from_one() -> None:
     assert _buckets(100) == [1, 2, 4, 8, 16, 32, 64, 100]
 
 
-def _batch_of_one_then_three(
-    model, fns, graphs: list, device: str = "cpu", eager_rng: bool = True, layer_kernels: str = "auto"
-) -> list[int]:
+def _batch_of_one_then_three(model, fns, graphs: list, device: str = "cpu") -> list[int]:
     """Generate for 1 prompt (n = 1), then 3, with ``fns`` (compile_decode): greedy equals hf (fp32) or
     the eager engine (bf16: most tokens); tempered sampling's log-probs equal a float64 recomputation, and
-    its tokens the eager engine's when ``eager_rng`` (a backend drawing eager's random numbers, not
-    inductor's). Returns the number of compiled ``graphs`` after each batch."""
+    on the CPU its tokens the eager engine's (the same sampler). Returns the number of compiled ``graphs``
+    after each batch."""
     greedy = SamplingParams(max_new_tokens=9, do_sample=False)
     tempered = SamplingParams(max_new_tokens=9, temperature=0.7, seed=3)
     fp32 = next(model.parameters()).dtype == torch.float32
     counts = []
     for batch in (PROMPTS[:1], PROMPTS[:3]):
         prompts, prompt_mask = (t.to(device) for t in left_padded(batch))
-        ours = KLPPORollout(
-            eos_token_ids=[2], pad_token_id=2, compile_decode=True, compiled=fns, layer_kernels=layer_kernels
-        )
-        eager = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=False)
-        hf = make_rollout("hf", eos_token_ids=[2], pad_token_id=2) if fp32 else eager
+        ours = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=True), compiled=fns)
+        eager = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=False))
+        hf = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2)) if fp32 else eager
         a, b = (e.generate(model, prompts, prompt_mask, greedy) for e in (ours, hf))
         assert a.stats["rollout/cuda_graphs"] == float(device == "cuda")
         agree = (a.responses == b.responses).float().mean()
@@ -288,24 +280,24 @@ def _batch_of_one_then_three(
         ref = reference_log_probs(model, prompts, prompt_mask, a.responses, a.response_mask, 0.7, 1)
         delta = (a.log_probs.double().cpu() - ref).abs()
         assert delta.max() < 1e-4 if fp32 else delta.sum() / a.response_mask.sum() < 0.05, delta
-        if eager_rng:
+        if device == "cpu":
             assert torch.equal(a.responses, eager.generate(model, prompts, prompt_mask, tempered).responses)
         counts.append(len(graphs))
     return counts
 
 
 def test_batch_of_one_and_larger_batches_compile_once_each() -> None:
-    """One prompt, n = 1 (a one-row prefill sampled by the compiled sampler, decode on bucket 1, no
-    padding row): greedy equals hf, tempered sampling equals the eager engine; then 3 prompts (buckets
-    2 and 3) compile one graph per function for both sizes (the batch dim is dynamic from 2, batch 1
-    specialised: compiled._batch_dynamic), and a batch of 2 after them none."""
+    """One prompt, n = 1 (a one-row prefill, decode on bucket 1, no padding row): greedy equals hf,
+    tempered sampling equals the eager engine; then 3 prompts (buckets 2 and 3) compile one graph per
+    function for both sizes (the batch dim is dynamic from 2, batch 1 specialised: compiled._batch_dynamic),
+    and a batch of 2 after them none."""
     model = build_tiny_model(arch="qwen2").eval()
     fns, graphs = recording_functions()
     one, three = _batch_of_one_then_three(model, fns, graphs)
-    assert one == 3, graphs  # two layer blocks and the sampler (T = 0.7), made at batch 1
-    assert three == 6, "batch 3 (buckets 2 and 3) should add one graph per function, not one per bucket"
+    assert one == 2, graphs  # two layer blocks, made at batch 1
+    assert three == 4, "batch 3 (buckets 2 and 3) should add one graph per function, not one per bucket"
     prompts, prompt_mask = left_padded(PROMPTS[:2])
-    KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=True, compiled=fns).generate(
+    KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=True), compiled=fns).generate(
         model, prompts, prompt_mask, SamplingParams(max_new_tokens=5, temperature=0.7, seed=1)
     )
     assert len(graphs) == three, "a batch of 2 compiled again"
@@ -314,27 +306,18 @@ def test_batch_of_one_and_larger_batches_compile_once_each() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(
-    ("dtype", "layer_kernels"),
-    [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.bfloat16, "compile")],
-)
-def test_batch_of_one_with_inductor_and_cuda_graphs(dtype, layer_kernels) -> None:
-    """The same with inductor kernels (their own random numbers) and CUDA graphs (bucket 1 captured; bf16:
-    the Triton attention on the split layers — front with and without the previous MLP output, back,
-    final norm — compiled with ``layer_kernels="compile"``, on the Triton layer kernels by default (then
-    only the sampler is compiled) — else flash decode)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_of_one_with_inductor_and_cuda_graphs(dtype) -> None:
+    """The same with inductor kernels and CUDA graphs (bucket 1 captured): float32 on the torch backend's
+    compiled layers; bf16 on the split backend, which compiles nothing (Triton kernels)."""
     from torch._inductor.compile_fx import compile_fx
 
-    from klppo.rollout import triton_attention, triton_layers
+    from klppo.rollout import triton_attention
 
     model = build_tiny_model(arch="qwen2").to("cuda", dtype).eval()
     fns, graphs = recording_functions(compile=compile_fx)
-    one, three = _batch_of_one_then_three(
-        model, fns, graphs, device="cuda", eager_rng=False, layer_kernels=layer_kernels
-    )
-    split = dtype == torch.bfloat16 and triton_attention.available(torch.device("cuda"))
-    on_triton = split and layer_kernels == "auto" and triton_layers.available(torch.device("cuda"))
-    per_batch = 1 if on_triton else 5 if split else 3  # the layer functions and the sampler
+    one, three = _batch_of_one_then_three(model, fns, graphs, device="cuda")
+    per_batch = 0 if triton_attention.runs(torch.device("cuda"), dtype) else 2  # the two layer blocks
     assert (one, three) == (per_batch, 2 * per_batch), graphs
     torch._dynamo.reset()
 
@@ -345,23 +328,21 @@ def test_samples_of_a_prompt_share_its_prefill(tiny_qwen2) -> None:
     prompts, prompt_mask = left_padded(PROMPTS)
     lengths = prompt_mask.sum(1).tolist()
     params = SamplingParams(max_new_tokens=12, n=4, do_sample=False)
-    ref = make_rollout("hf", eos_token_ids=[2], pad_token_id=2).generate(
+    ref = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2)).generate(
         tiny_qwen2, prompts, prompt_mask, params
     )
-    roomy = KLPPORollout(eos_token_ids=[2], pad_token_id=2)
+    roomy = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2))
     out = roomy.generate(tiny_qwen2, prompts, prompt_mask, params)
     assert torch.equal(out.responses, ref.responses)
     assert out.stats["rollout/prefill_tokens"] == sum(lengths)  # once per prompt, not 4×
-    tight = KLPPORollout(eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=3)
+    tight = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=3))
     out = tight.generate(tiny_qwen2, prompts, prompt_mask, params)
     assert torch.equal(out.responses, ref.responses)
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
     assert sum(lengths) <= out.stats["rollout/prefill_tokens"] < 4 * sum(lengths)
     # sampled: siblings finish at different times, so later samples copy the prefix from a busy sibling
     params = SamplingParams(max_new_tokens=12, n=4, temperature=1.3, seed=7)
-    many_eos = KLPPORollout(
-        eos_token_ids=list(range(2, 120)), pad_token_id=2, max_num_seqs=3, eos_check_every=1
-    )
+    many_eos = KLPPORollout(EngineSettings(eos_token_ids=list(range(2, 120)), pad_token_id=2, max_num_seqs=3, eos_check_every=1))
     out = many_eos.generate(tiny_qwen2, prompts, prompt_mask, params)
     assert out.stats["rollout/prefix_reused"] > 0
     ref = reference_log_probs(tiny_qwen2, prompts, prompt_mask, out.responses, out.response_mask, 1.3, 4)
@@ -381,7 +362,7 @@ def test_precompile_waits_while_model_loading_switches_the_default_dtype() -> No
         assert DEFAULT_DTYPE_LOCK.locked()
         torch.set_default_dtype(torch.bfloat16)
         try:
-            fns.start_precompile(model.config, dtype=torch.float32, device="cpu")
+            fns.start_precompile(model.config, EngineSettings(compile_decode=True), dtype=torch.float32, device="cpu")
             time.sleep(0.5)
             assert graphs == []
         finally:
@@ -389,7 +370,7 @@ def test_precompile_waits_while_model_loading_switches_the_default_dtype() -> No
     with default_dtype_change(torch.float32):  # no change: no lock
         assert not DEFAULT_DTYPE_LOCK.locked()
     fns.wait()
-    assert graphs == [torch.float32] * 6  # three functions, for batches from 2 and for a batch of 1
+    assert graphs == [torch.float32] * 4  # two functions, for batches from 2 and for a batch of 1
     torch._dynamo.reset()
 
 
@@ -399,11 +380,10 @@ def test_compacted_slots_match_hf_and_the_float64_reference(tiny_qwen2) -> None:
     prompts, prompt_mask = left_padded(PROMPTS)
     eos = list(range(2, 60))  # many ids end a sequence: lengths spread out
     greedy = SamplingParams(max_new_tokens=16, n=2, do_sample=False)
-    ref = make_rollout("hf", eos_token_ids=eos, pad_token_id=2).generate(
+    ref = make_rollout("hf", EngineSettings(eos_token_ids=eos, pad_token_id=2)).generate(
         tiny_qwen2, prompts, prompt_mask, greedy
     )
-    engine = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True,
-                          compact_min_bucket=2)  # fmt: skip
+    engine = KLPPORollout(EngineSettings(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True, compact_min_bucket=2))  # fmt: skip
     out = engine.generate(tiny_qwen2, prompts, prompt_mask, greedy)
     assert torch.equal(out.responses, ref.responses) and torch.equal(out.response_mask, ref.response_mask)
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
@@ -415,13 +395,12 @@ def test_compacted_slots_match_hf_and_the_float64_reference(tiny_qwen2) -> None:
     expected = reference_log_probs(tiny_qwen2, prompts, prompt_mask, out.responses, out.response_mask, 1.2, 2)
     torch.testing.assert_close(out.log_probs.double(), expected, atol=1e-4, rtol=0)
     # seeded reproducibility with the moves (what exact resume rests on): again, and from a new engine
-    fresh = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True,
-                         compact_min_bucket=2)  # fmt: skip
+    fresh = KLPPORollout(EngineSettings(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True, compact_min_bucket=2))  # fmt: skip
     for again in (engine.generate(tiny_qwen2, prompts, prompt_mask, sampled),
                   fresh.generate(tiny_qwen2, prompts, prompt_mask, sampled)):  # fmt: skip
         assert torch.equal(again.responses, out.responses) and torch.equal(again.log_probs, out.log_probs)
         assert again.stats["rollout/slot_moves"] == out.stats["rollout/slot_moves"]
-    off = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1)
+    off = KLPPORollout(EngineSettings(eos_token_ids=eos, pad_token_id=2, eos_check_every=1))
     assert off.generate(tiny_qwen2, prompts, prompt_mask, greedy).stats["rollout/slot_moves"] == 0
 
 
@@ -452,11 +431,11 @@ def test_a_kept_workspace_serves_later_calls_with_new_seeds_weights_and_addresse
     captured under the first seed replay the later seeds' noise and weights."""
     model = build_tiny_model(arch="qwen2").eval().to(device)
     prompts, prompt_mask = (t.to(device) for t in left_padded(PROMPTS))
-    kept = KLPPORollout(eos_token_ids=[2], pad_token_id=2, free_cache_engine=False)
+    kept = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, free_cache_engine=False))
 
     def fresh(seed: int, p=prompts, m=prompt_mask):
         params = SamplingParams(max_new_tokens=9, n=2, temperature=0.8, seed=seed)
-        return KLPPORollout(eos_token_ids=[2], pad_token_id=2).generate(model, p, m, params)
+        return KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2)).generate(model, p, m, params)
 
     def same(a, b) -> None:
         assert torch.equal(a.responses, b.responses)
@@ -496,8 +475,8 @@ def test_a_kept_workspace_serves_later_calls_with_new_seeds_weights_and_addresse
 def test_the_eos_check_takes_many_ids_without_a_host_sync(device) -> None:
     """Hundreds of EOS ids (``bench/rollout.py --eos-every``, a tokenizer with many stop ids): the check
     equals ``torch.isin``, and the decode loop never calls ``unique`` — ``torch.isin`` does once the id
-    list outgrows the batch (10·B^0.145 ids), a device→host sync that invalidated the CUDA-graph capture
-    of session 10's GPU run. On CUDA the same generate, with and without slot compaction, runs with graphs
+    list outgrows the batch (10·B^0.145 ids), a device→host sync that invalidates a CUDA-graph capture.
+    On CUDA the same generate, with and without slot compaction, runs with graphs
     and matches eager decoding."""
     from torch.profiler import profile
 
@@ -514,17 +493,15 @@ def test_the_eos_check_takes_many_ids_without_a_host_sync(device) -> None:
     vocab = model.config.vocab_size
     eos = list(range(2, 60)) + list(range(vocab, vocab + 542))
     greedy = SamplingParams(max_new_tokens=12, n=2, do_sample=False)
-    engine = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1)
+    engine = KLPPORollout(EngineSettings(eos_token_ids=eos, pad_token_id=2, eos_check_every=1))
     with profile() as prof:
         out = engine.generate(model, prompts, prompt_mask, greedy)
     assert not [e.name for e in prof.events() if e.name == "aten::_unique"]
-    eager = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, use_cuda_graph=False,
-                         compile_decode=False).generate(model, prompts, prompt_mask, greedy)  # fmt: skip
+    eager = KLPPORollout(EngineSettings(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, cuda_graphs=False, compile_decode=False)).generate(model, prompts, prompt_mask, greedy)  # fmt: skip
     assert torch.equal(out.responses, eager.responses) and torch.equal(out.response_mask, eager.response_mask)
     lengths = out.response_mask.sum(1)
     assert 1 < lengths.max() and lengths.min() < greedy.max_new_tokens and lengths.min() < lengths.max()
-    # with slot compaction (the configuration of session 10's failed GPU run): graphs of the smaller buckets
-    compact = KLPPORollout(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True,
-                           compact_min_bucket=2).generate(model, prompts, prompt_mask, greedy)  # fmt: skip
+    # with slot compaction: graphs of the smaller buckets
+    compact = KLPPORollout(EngineSettings(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True, compact_min_bucket=2)).generate(model, prompts, prompt_mask, greedy)  # fmt: skip
     assert compact.stats["rollout/slot_moves"] > 0
     assert torch.equal(compact.responses, eager.responses)

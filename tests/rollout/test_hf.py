@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from klppo.rollout import SamplingParams, make_rollout, response_mask_from_tokens
+from klppo.rollout.settings import EngineSettings
 from tests.rollout.conftest import left_padded, reference_log_probs
 
 
@@ -18,7 +19,7 @@ def test_response_mask_counts_first_eos_only() -> None:
 
 def test_hf_sampling_contract_and_log_probs(tiny_qwen2, prompt_batch) -> None:
     prompts, prompt_mask = prompt_batch
-    engine = make_rollout("hf", eos_token_ids=[2], pad_token_id=2)
+    engine = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2))
     params = SamplingParams(max_new_tokens=12, n=3, temperature=0.7, top_k=20, top_p=0.9, seed=3)
     out = engine.generate(tiny_qwen2, prompts, prompt_mask, params)
     assert out.responses.shape == (12, 12) and out.responses.dtype == torch.long
@@ -35,7 +36,7 @@ def test_hf_sampling_contract_and_log_probs(tiny_qwen2, prompt_batch) -> None:
 
 def test_hf_greedy_rows_match_unpadded_and_eos_mask(tiny_qwen2, prompt_batch) -> None:
     prompts, prompt_mask = prompt_batch
-    engine = make_rollout("hf", eos_token_ids=[2], pad_token_id=2)
+    engine = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2))
     params = SamplingParams(max_new_tokens=10, n=2, do_sample=False)
     out = engine.generate(tiny_qwen2, prompts, prompt_mask, params)
     for i in range(prompts.shape[0]):
@@ -45,7 +46,7 @@ def test_hf_greedy_rows_match_unpadded_and_eos_mask(tiny_qwen2, prompt_batch) ->
         assert torch.equal(out.responses[2 * i + 1], alone.responses[0])  # greedy: n copies
     # make a token the greedy path emits an EOS: the mask must stop right after it, pad after it
     eos = int(out.responses[0, 3])
-    engine_eos = make_rollout("hf", eos_token_ids=[eos], pad_token_id=0)
+    engine_eos = make_rollout("hf", EngineSettings(eos_token_ids=[eos], pad_token_id=0))
     cut = engine_eos.generate(tiny_qwen2, prompts[:1], prompt_mask[:1], params)
     first = int((out.responses[0] == eos).nonzero()[0])
     assert cut.response_mask[0].tolist() == [1] * (first + 1) + [0] * (10 - first - 1)
@@ -56,7 +57,7 @@ def test_hf_greedy_rows_match_unpadded_and_eos_mask(tiny_qwen2, prompt_batch) ->
 
 def test_hf_ignores_model_generation_config(tiny_qwen2) -> None:
     prompts, prompt_mask = left_padded([[1, 10, 20, 30]])
-    engine = make_rollout("hf", eos_token_ids=[2], pad_token_id=2)
+    engine = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2))
     params = SamplingParams(max_new_tokens=6, do_sample=False)
     base = engine.generate(tiny_qwen2, prompts, prompt_mask, params).responses
     tiny_qwen2.generation_config.repetition_penalty = 5.0

@@ -12,6 +12,7 @@ import torch
 
 from klppo.rollout.base import SamplingParams
 from klppo.rollout.sampling import sample
+from klppo.rollout.settings import EngineSettings
 from tests.rollout.conftest import HAS_TRITON, run_triton_interpreted
 
 # (temperature, top_k, top_p): untruncated, top-k, top-p, both
@@ -121,56 +122,46 @@ def test_triton_sampler_size_limit_is_named() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 def test_untruncated_launch_spreads_a_row_over_at_least_eight_programs() -> None:
-    """Programs per row: four per SM over the batch, at least 8 (the H200 sweep), at most 64, and only as
+    """Programs per row: four per SM over the batch, at least 8, at most 64, and only as
     many as the row has four blocks of ids for (on CPU the SM count is taken as 4)."""
     from klppo.rollout.triton_sampling import _splits
 
     assert [_splits(4, b, 151936, 1024) for b in (1, 2, 4, 256)] == [16, 8, 8, 8]
     assert _splits(4, 256, 3 * 4 * 1024, 1024) == 3 and _splits(4, 256, 1000, 1024) == 1
-    assert [_splits(132, b, 151936, 1024) for b in (1, 8, 64, 66, 256)] == [37, 37, 9, 8, 8]  # an H200
+    assert [_splits(132, b, 151936, 1024) for b in (1, 8, 64, 66, 256)] == [37, 37, 9, 8, 8]  # 132 SMs
 
 
 def test_engine_sampler_option_is_checked(tiny_qwen2) -> None:
     from klppo.rollout.engine import KLPPORollout
 
-    with pytest.raises(ValueError, match="sampler must be one of"):
-        KLPPORollout(eos_token_ids=[2], pad_token_id=2, sampler="fast")
-    engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, sampler="triton")
+    for removed in ("fast", "triton"):
+        with pytest.raises(ValueError, match="sampler must be one of"):
+            EngineSettings(eos_token_ids=[2], pad_token_id=2, sampler=removed)
     prompts = torch.tensor([[1, 5, 7]])
-    with pytest.raises(ValueError, match="sampler='triton' needs a CUDA device"):
-        engine.generate(tiny_qwen2, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=2))
-    auto = KLPPORollout(eos_token_ids=[2], pad_token_id=2, sampler="auto")  # CPU: the torch path
-    out = auto.generate(
-        tiny_qwen2, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=2, seed=0)
-    )
-    assert out.responses.shape == (1, 2)
+    for sampler in ("auto", "torch"):  # CPU: the torch path
+        engine = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, sampler=sampler))
+        out = engine.generate(tiny_qwen2, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=2, seed=0))
+        assert out.responses.shape == (1, 2)
 
 
-def test_engine_bench_switches_reach_the_triton_sampler(monkeypatch) -> None:
-    """``KLPPORollout.sampler_four_per_philox``, ``sampler_noise_of_bits`` and ``sampler_launch`` are what the
-    engine hands ``sample_triton``; the class's launch cannot be changed in place (every engine's would)."""
-    import types
+def test_samples_on_triton_where_the_kernels_take_the_settings(monkeypatch) -> None:
+    """``sampler="auto"``: the Triton kernels on CUDA (with triton) for the settings they take, not top-k with
+    top-p; ``sampler="torch"`` and the CPU: never."""
+    from klppo.rollout import backends
 
-    import klppo.rollout.engine as engine_module
-
-    seen = {}
-    monkeypatch.setattr(engine_module, "sample_triton", lambda x, params, **kw: seen.update(kw))
-    monkeypatch.setattr(engine_module.KLPPORollout, "_uses_triton", lambda self, cuda, params: True)
-    engine = engine_module.KLPPORollout(eos_token_ids=[2], pad_token_id=2)
-    engine._sampler(SamplingParams(), True, types.SimpleNamespace(tp=None))(torch.zeros(2, 8))
-    assert seen == dict(four_per_philox=True, noise_of_bits=True)
-    engine.sampler_noise_of_bits, engine.sampler_launch = False, dict(block=1024, num_warps=4, splits=8)
-    engine._sampler(SamplingParams(), True, types.SimpleNamespace(tp=None))(torch.zeros(2, 8))
-    assert seen == dict(four_per_philox=True, noise_of_bits=False, block=1024, num_warps=4, splits=8)
-    with pytest.raises(TypeError):
-        engine_module.KLPPORollout.sampler_launch["block"] = 512
+    monkeypatch.setattr(backends, "triton_sampling_available", lambda device: True)
+    auto, torch_only = EngineSettings(), EngineSettings(sampler="torch")
+    assert backends.samples_on_triton(auto, True, SamplingParams(top_p=0.5))
+    assert not backends.samples_on_triton(auto, True, SamplingParams(top_k=5, top_p=0.5))
+    assert not backends.samples_on_triton(auto, False, SamplingParams())
+    assert not backends.samples_on_triton(torch_only, True, SamplingParams())
 
 
-def _race_noise(device: str, four: bool, bits: bool = True) -> torch.Tensor:
+def _race_noise(device: str) -> torch.Tensor:
     """[3, 20] the Gumbel noise the untruncated kernel gives each (row, id), read off one program's race value
     with ``x = 0`` at a single id of each chunk (``-inf`` elsewhere): blocks of 8 (four quarters of two ids),
     chunks of 8 over 3 splits (the last one ending mid-block), the same seed in every launch."""
-    from klppo.rollout.triton_sampling import _race_chunk_kernel, _race_chunk_kernel4, chunking
+    from klppo.rollout.triton_sampling import _race_chunk_kernel, chunking
 
     rows, vocab, block = 3, 20, 8
     chunk, splits = chunking(vocab, 3, block)
@@ -180,9 +171,8 @@ def _race_noise(device: str, four: bool, bits: bool = True) -> torch.Tensor:
     for position in range(chunk):
         logits = torch.where(ids % chunk == position, 0.0, float("-inf")).expand(rows, -1).contiguous()
         part = torch.empty(rows, splits, 4, device=device)
-        kernel = _race_chunk_kernel4 if four else _race_chunk_kernel
-        kernel[(rows, splits)](logits.to(device), vocab, vocab, chunk, 1.0, seed, part, splits, GREEDY=False,
-                               BLOCK=block, SCALE=False, BITS=bits)  # fmt: skip
+        _race_chunk_kernel[(rows, splits)](logits.to(device), vocab, vocab, chunk, 1.0, seed, part, splits,
+                                           GREEDY=False, BLOCK=block, SCALE=False)  # fmt: skip
         part = part.cpu()
         for row, split in itertools.product(range(rows), range(splits)):
             if split * chunk + position < vocab:
@@ -196,38 +186,31 @@ def _triton_checks(draws: int, device: str) -> None:
 
     settings = [s for s in SETTINGS if not (s[1] > 0 and s[2] < 1.0)]  # both at once: the torch path
     _check(sample_triton, draws, device, settings)
-    fours = (True, False) if device == "cuda" else (True,)  # the interpreter: the default kernel only (time)
-    # the chunked untruncated kernel, one and several programs per row, four uniforms per Philox call (the
-    # default) and one, the noise of Philox's bits (the default) and of float uniforms, a temperature and none;
-    # the interpreter (time): one program per row with a temperature, three without
-    combos = [(splits, four, bits, t) for splits, four, bits, t in itertools.product((1, 3), fours, fours, (0.9, 1.0))
+    # the chunked untruncated kernel, one and several programs per row, a temperature and none; the
+    # interpreter (time): one program per row with a temperature, three without
+    combos = [(splits, t) for splits, t in itertools.product((1, 3), (0.9, 1.0))
               if device == "cuda" or (splits == 1) == (t < 1.0)]  # fmt: skip
-    for splits, four, bits, t in combos:
+    for splits, t in combos:
         params = SamplingParams(max_new_tokens=1, temperature=t)
         x = _logits().to(device).expand(draws // 4, -1).contiguous()
-        tokens, log_probs = sample_triton(
-            x, params, splits=splits, block=16, four_per_philox=four, noise_of_bits=bits
-        )
-        # Bonferroni: 1% for the family together (16 tests at 1% each fail by chance for one seed in seven; on
-        # the GPU one gave p = 0.0022 in session 23, and every setting 0.05–0.84 at 10⁶ draws × 3 seeds: RESULTS)
+        tokens, log_probs = sample_triton(x, params, splits=splits, block=16)
+        # Bonferroni: 1% for the family together (tests at 1% each fail together by chance more often)
         law, log_p = reference(_logits(), t, -1, 1.0)
         p = chi_square_p(tokens, law)
-        assert p > 0.01 / len(combos), (splits, four, bits, t, p)
+        assert p > 0.01 / len(combos), (splits, t, p)
         # the temperature is seen in the log-probs (χ² at the interpreter's 75 draws passed without it, p = 0.35)
         torch.testing.assert_close(log_probs.cpu().double(), log_p[tokens.cpu()], atol=1e-5, rtol=0)
     # ties: 2.0 at ids 1 and 5 (two chunks of 4); 3.0 at ids 0 and 3 (one chunk, two quarters) and 4 (the next)
     logits = torch.tensor([[0.5, 2.0, -1.0, -1.0, -1.0, 2.0, 0.0, 0.0], [3.0, 1.0, 0.0, 3.0, 3.0, 0.0, 0.0, 0.0]],
                           device=device)  # fmt: skip
-    for four in fours:
-        tokens, log_probs = sample_triton(logits, SamplingParams(do_sample=False), splits=2, block=4,
-                                          four_per_philox=four)  # fmt: skip
-        assert tokens.tolist() == [1, 0], four  # the lowest id
-        torch.testing.assert_close(log_probs.cpu(), torch.log_softmax(logits.cpu(), -1)[[0, 1], [1, 0]])
-    _no_winner_checks(sample_triton, device, fours)
-    for four, bits in itertools.product(fours, fours):  # no uniform serves two (row, id): a reuse keeps each
-        # row's law (χ² blind to it across rows) and needs many draws to show within one
-        noise = _race_noise(device, four, bits)
-        assert noise.isfinite().all() and noise.unique().numel() == noise.numel(), (four, bits)
+    tokens, log_probs = sample_triton(logits, SamplingParams(do_sample=False), splits=2, block=4)
+    assert tokens.tolist() == [1, 0]  # the lowest id
+    torch.testing.assert_close(log_probs.cpu(), torch.log_softmax(logits.cpu(), -1)[[0, 1], [1, 0]])
+    _no_winner_checks(sample_triton, device, launch=True)
+    # no uniform serves two (row, id): a reuse keeps each row's law (χ² blind to it across rows) and needs
+    # many draws to show within one
+    noise = _race_noise(device)
+    assert noise.isfinite().all() and noise.unique().numel() == noise.numel()
     _noise_of_bits_check(device)
 
 
@@ -257,21 +240,21 @@ if HAS_TRITON:
         tl.store(g_ptr + i, _gumbel_of_bits(tl.load(k_ptr + i).to(tl.uint32, bitcast=True)))
 
 
-def _no_winner_checks(sampler, device: str, fours=(None,)) -> None:
+def _no_winner_checks(sampler, device: str, launch: bool = False) -> None:
     """A row of -inf or NaN logits (a model gone non-finite) draws id 0 — in range, what torch's argmax
     gives — with a NaN log-prob (the trainer's non-finite checks see it), beside a normal row, for every
     sampling law; an out-of-range id would fail the next step's embedding lookup on the device."""
     logits = torch.tensor([[float("-inf")] * 8, [float("nan")] * 8, [0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0]],
                           device=device)  # fmt: skip
-    for params, four in itertools.product((SamplingParams(), SamplingParams(do_sample=False),
-                                           SamplingParams(top_k=2), SamplingParams(top_p=0.5)), fours):  # fmt: skip
-        kwargs = {} if four is None else dict(splits=2, block=4, four_per_philox=four)
-        if four is not None and not (params.top_k < 0 and params.top_p >= 1.0):
+    for params in (SamplingParams(), SamplingParams(do_sample=False), SamplingParams(top_k=2),
+                   SamplingParams(top_p=0.5)):  # fmt: skip
+        kwargs = {} if not launch else dict(splits=2, block=4)
+        if launch and not (params.top_k < 0 and params.top_p >= 1.0):
             kwargs = dict(block=4)  # the truncated kernel: no splits, one kernel
         torch.manual_seed(0)
         tokens, log_probs = sampler(logits, params, **kwargs)
-        assert tokens[:2].tolist() == [0, 0], (params, four, tokens.tolist())
-        assert log_probs[:2].isnan().all() and log_probs[2].isfinite(), (params, four, log_probs.tolist())
+        assert tokens[:2].tolist() == [0, 0], (params, tokens.tolist())
+        assert log_probs[:2].isnan().all() and log_probs[2].isfinite(), (params, log_probs.tolist())
 
 
 def test_torch_sampler_draws_id_zero_from_a_row_without_a_winner() -> None:
@@ -312,14 +295,14 @@ def test_triton_sampler_matches_torch_at_full_vocabulary_on_gpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
 def test_engine_with_triton_sampler_on_gpu(tiny_qwen2) -> None:
-    """The engine with ``sampler="triton"`` (CUDA graphs): log-probs equal a recomputed forward, a seed
+    """The engine with the Triton sampler (the default on CUDA; CUDA graphs): log-probs equal a recomputed forward, a seed
     reproduces the draws."""
     from klppo.rollout.engine import KLPPORollout
 
     model = copy.deepcopy(tiny_qwen2).to("cuda")
     prompts = torch.randint(3, 100, (4, 6), device="cuda")
     mask = torch.ones_like(prompts)
-    engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, sampler="triton")
+    engine = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2))
     for params in (SamplingParams(max_new_tokens=12, n=2, seed=3), SamplingParams(max_new_tokens=12, top_p=0.7,
                                                                                    temperature=0.9, seed=3)):  # fmt: skip
         out = engine.generate(model, prompts, mask, params)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from klppo.rollout import SamplingParams, make_rollout
+from klppo.rollout.settings import EngineSettings
 from tests.rollout.conftest import left_padded
 
 
@@ -22,12 +23,10 @@ def test_smollm2_greedy_identical_to_hf(smollm2_conversion) -> None:
     rows = [[1, *torch.randint(10, 49000, (length,), generator=generator).tolist()] for length in (12, 5, 9)]
     prompts, prompt_mask = left_padded(rows, pad_id=im_end)
     params = SamplingParams(max_new_tokens=8, do_sample=False)
-    ref = make_rollout("hf", eos_token_ids=[im_end], pad_token_id=im_end).generate(
+    ref = make_rollout("hf", EngineSettings(eos_token_ids=[im_end], pad_token_id=im_end)).generate(
         model, prompts, prompt_mask, params
     )
-    engine = make_rollout(
-        "klppo", eos_token_ids=[im_end], pad_token_id=im_end, max_num_seqs=2, eos_check_every=4
-    )
+    engine = make_rollout("klppo", EngineSettings(eos_token_ids=[im_end], pad_token_id=im_end, max_num_seqs=2, eos_check_every=4))
     out = engine.generate(model, prompts, prompt_mask, params)
     assert model.config.tie_word_embeddings
     assert torch.equal(out.responses, ref.responses)

@@ -18,6 +18,7 @@ import tp_worker as W  # noqa: E402
 
 from klppo.parallel.dist import free_port  # noqa: E402
 from klppo.rollout import make_rollout  # noqa: E402
+from klppo.rollout.settings import EngineSettings
 from tests.rollout.conftest import reference_log_probs  # noqa: E402
 
 
@@ -25,7 +26,7 @@ def _check_unsupported(out: Path, world: int) -> None:
     """A model the engine cannot run generates data-parallel on gathered weights (the engine's hf
     fallback), with a warning naming the key, and gives each rank what one process gives its prompts."""
     model = W.unsupported_model()
-    hf = make_rollout("hf", eos_token_ids=[2], pad_token_id=2)
+    hf = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2))
     for r in range(world):
         got = torch.load(out / f"unsupported_rank{r}.pt", weights_only=False)
         assert any("tensor_model_parallel_size" in m and "hidden_act" in m for m in got["warnings"])
@@ -93,7 +94,7 @@ def test_tp2_matches_one_process(tmp_path, rank_pool):
     runs = _launch(tmp_path, 2, 2, rank_pool)
     for case, ranks in runs.items():
         model = W.new_model(case)
-        engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2)
+        engine = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2))
         for r, got in enumerate(ranks):
             prompts, mask = got["prompts"], got["mask"]
             want = engine.generate(model, prompts, mask, W.GREEDY)

@@ -1,8 +1,8 @@
 """Split-KV decode attention fused with the cache write (:mod:`klppo.rollout.triton_attention`): the torch
 reference against float64 loops (CPU); the Triton kernels against the reference in Triton's CPU
 interpreter (fp16 and fp32: the interpreter's ``tl.dot`` mishandles bf16) and on CUDA (bf16, fp16);
-``llama.decode`` with ``flash="triton"`` against masked SDPA (CPU: the reference path); the engine with
-``decode_attention="triton"`` against ``flash`` (CUDA graphs)."""
+``llama.decode`` on the split-KV attention, and the split layers with RoPE in the attention, against masked
+SDPA (CPU: the reference path); which backend runs where."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from klppo.models.tiny import build_tiny_model
-from klppo.rollout.base import SamplingParams
-from klppo.rollout.engine import KLPPORollout
-from klppo.rollout.llama import LlamaWeights, attn_in, attn_out_mlp, decode, prefill
+from klppo.rollout import backends, triton_attention, triton_layers
+from klppo.rollout.llama import LlamaWeights, decode, decode_rope_in_attention, prefill, triton_attention_of
+from klppo.rollout.settings import EngineSettings
 from klppo.rollout.triton_attention import decode_attention_reference, num_splits
-from tests.rollout.conftest import HAS_TRITON, left_padded, run_triton_interpreted
+from tests.rollout.conftest import HAS_TRITON, run_triton_interpreted
 
 # (B, H, H_kv, D, S, positions, splits): position 0, a full cache (S - 1), GQA groups 1/2/7, D not a power
 # of two, chunks past a short slot's length, the last chunk partial (S = 200 at 3 splits: 64+64+72 rows)
@@ -151,8 +151,8 @@ def test_kernels_on_gpu() -> None:
 
 
 def test_decode_with_the_fused_write_equals_masked_sdpa() -> None:
-    """``llama.decode(flash="triton")`` (off CUDA: the reference, which writes the cache itself) gives the
-    logits and the cache of the SDPA path after an index_put write."""
+    """``llama.decode`` on :func:`triton_attention_of` (off CUDA: the reference, which writes the cache
+    itself) gives the logits and the cache of the SDPA path after an index_put write."""
     model = build_tiny_model(arch="qwen2", num_heads=4, num_kv_heads=2).eval()
     w = LlamaWeights.read(model)
     kv = torch.zeros(len(w.layers), 2, 3, 16, w.num_kv_heads, w.head_dim)
@@ -160,8 +160,8 @@ def test_decode_with_the_fused_write_equals_masked_sdpa() -> None:
     tokens, positions = torch.tensor([7, 8, 9]), torch.tensor([3, 1, 2])
     kv_sdpa = kv.clone()
     with torch.no_grad():
-        logits = decode(w, kv, tokens, positions, flash="triton")
-        want = decode(w, kv_sdpa, tokens, positions, flash=None)
+        logits = decode(w, kv, tokens, positions, attention=triton_attention_of)
+        want = decode(w, kv_sdpa, tokens, positions)
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(kv, kv_sdpa, atol=1e-6, rtol=0)
 
@@ -200,8 +200,8 @@ def _tiny(arch: str) -> torch.nn.Module:
     ],
 )
 def test_decode_with_rope_in_attention_equals_masked_sdpa(arch, fuse) -> None:
-    """``llama.decode(flash="triton-rope")`` — split layers, the attention (here its reference) rotating q
-    and K — gives the logits and the cache of the unsplit SDPA path over three steps: q/k/v biases
+    """``llama.decode_rope_in_attention`` — split layers (here their torch path), the attention (here its
+    reference) rotating q and K — gives the logits and the cache of the unsplit SDPA path over three steps: q/k/v biases
     (qwen2), none (llama), every bias (llama-bias: o, gate/up, down too), per-head q/k norms (qwen3),
     fused and separate projections; norm weights and biases random."""
     model = _tiny(arch)
@@ -213,71 +213,31 @@ def test_decode_with_rope_in_attention_equals_masked_sdpa(arch, fuse) -> None:
     tokens, positions = torch.tensor([7, 8, 9]), torch.tensor([3, 1, 2])
     with torch.no_grad():
         for _ in range(3):
-            logits = decode(w, kv, tokens, positions, flash="triton-rope")  # SPLIT_LAYER_FNS by default
-            want = decode(w, kv_sdpa, tokens, positions, flash=None)
+            logits = decode_rope_in_attention(w, kv, tokens, positions, triton_layers.SPLIT_LAYER_FNS)
+            want = decode(w, kv_sdpa, tokens, positions)
             torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
-            # the third layer's K carries two layers of float32 rounding in another order: 1.01e-6 at 0.53 in
-            # the CI of 2026-12-02; a dropped bias or rotation is ≥ 1e-2
+            # the third layer's K carries two layers of float32 rounding in another order (about 1e-6); a
+            # dropped bias or rotation is ≥ 1e-2
             torch.testing.assert_close(kv, kv_sdpa, atol=5e-6, rtol=0)
             tokens, positions = want.argmax(-1), positions + 1
 
 
-def test_decode_with_rope_in_attention_refuses_two_layer_functions() -> None:
-    w = LlamaWeights.read(build_tiny_model().eval())
-    kv = torch.zeros(len(w.layers), 2, 1, 8, w.num_kv_heads, w.head_dim)
-    with pytest.raises(ValueError, match="three split layer functions"):
-        decode(w, kv, torch.tensor([1]), torch.tensor([0]), (attn_in, attn_out_mlp), flash="triton-rope")
-
-
-def test_triton_decode_attention_needs_cuda_and_triton() -> None:
-    prompts, mask = left_padded([[1, 5, 9], [3, 4]])
-    engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, decode_attention="triton")
-    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.decode_attention=triton .* needs"):
-        engine.generate(build_tiny_model().eval(), prompts, mask, SamplingParams(max_new_tokens=2))
-
-
 @pytest.mark.parametrize(
-    ("setting", "device", "dtype", "has_triton", "want"),
+    ("setting", "device", "dtype", "has_triton", "tensor_parallel", "want"),
     [
-        ("auto", "cuda", torch.bfloat16, True, "triton"),  # measured faster than flash (bench/RESULTS.md)
-        ("auto", "cuda", torch.float16, False, "packed"),  # no triton: flash varlen
-        ("auto", "cuda", torch.float32, True, None),  # fp32 cache: masked SDPA
-        ("auto", "cpu", torch.bfloat16, True, None),
-        ("flash", "cuda", torch.bfloat16, True, "packed"),
-        ("flash-plain", "cuda", torch.bfloat16, True, "plain"),
-        ("sdpa", "cuda", torch.bfloat16, True, None),
-        ("triton", "cuda", torch.bfloat16, True, "triton"),
+        ("auto", "cuda", torch.bfloat16, True, False, backends.SplitBackend),
+        ("auto", "cuda", torch.float16, True, False, backends.SplitBackend),
+        ("auto", "cuda", torch.float16, False, False, backends.TorchBackend),  # no triton
+        ("auto", "cuda", torch.float32, True, False, backends.TorchBackend),  # fp32 cache
+        ("auto", "cpu", torch.bfloat16, True, False, backends.TorchBackend),
+        ("sdpa", "cuda", torch.bfloat16, True, False, backends.TorchBackend),
+        ("auto", "cuda", torch.bfloat16, True, True, backends.TensorParallelBackend),
+        ("sdpa", "cpu", torch.float32, False, True, backends.TensorParallelBackend),
     ],
 )
-def test_decode_attention_choice(monkeypatch, setting, device, dtype, has_triton, want) -> None:
-    """What each ``decode_attention`` setting hands to ``decode`` for a cache (only its device and dtype are
-    read, so a stand-in object checks the CUDA branches on a CPU machine)."""
-    from types import SimpleNamespace
-
-    from klppo.rollout import triton_attention
-
-    monkeypatch.setattr(
-        triton_attention, "available", lambda d: has_triton and torch.device(d).type == "cuda"
-    )
-    kv = SimpleNamespace(device=torch.device(device), dtype=dtype)
-    engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, decode_attention=setting)
-    assert engine._use_flash(kv) == want
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
-def test_engine_greedy_tokens_equal_flash_on_gpu() -> None:
-    """fp16 greedy, CUDA graphs and compiled layers, 40 steps: the same tokens as the flash path, log-probs
-    within fp16 rounding — on the split layers with RoPE in the attention kernel (the default) and on the
-    unsplit ones (``rope_in_attention`` off)."""
-    model = build_tiny_model(arch="qwen2").to("cuda", torch.float16).eval()
-    prompts, mask = (t.cuda() for t in left_padded([[1, 10, 20, 30, 40, 50], [1, 7, 8], [5], [1, 99, 100]]))
-    params = SamplingParams(max_new_tokens=40, do_sample=False, ignore_eos=True)
-    outs = []
-    for attention, rope_inside in (("flash", True), ("triton", True), ("triton", False)):
-        engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, decode_attention=attention)
-        engine.rope_in_attention = rope_inside
-        outs.append(engine.generate(model, prompts, mask, params))
-    for other in outs[1:]:
-        assert torch.equal(outs[0].responses, other.responses)
-        torch.testing.assert_close(outs[0].log_probs, other.log_probs, atol=1e-2, rtol=0)
+def test_backend_choice(monkeypatch, setting, device, dtype, has_triton, tensor_parallel, want) -> None:
+    """Which backend runs a cache of ``dtype`` on ``device`` for each ``decode_attention`` setting (only the
+    device type is read, so a CPU machine checks the CUDA branches)."""
+    monkeypatch.setattr(triton_attention, "available", lambda d: has_triton and torch.device(d).type == "cuda")
+    settings = EngineSettings(decode_attention=setting)
+    assert backends.backend_class(settings, torch.device(device), dtype, tensor_parallel=tensor_parallel) is want

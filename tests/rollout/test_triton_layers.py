@@ -1,7 +1,7 @@
 """The split decode layers on two Triton kernels (:mod:`klppo.rollout.triton_layers`): the arithmetic against
 float64 with eager's roundings (CPU, the torch path); the kernels against eager torch in Triton's CPU
 interpreter (fp32 and fp16: its bf16 casts are wrong) and on CUDA (bf16, fp16, fp32); the layer functions against
-:mod:`klppo.rollout.llama`'s; the engine's ``layer_kernels`` choice and the pre-compile's use of it."""
+the eager split layers written from :mod:`klppo.rollout.llama`'s parts."""
 
 from __future__ import annotations
 
@@ -13,10 +13,7 @@ import torch.nn.functional as F
 
 from klppo.models.tiny import build_tiny_model
 from klppo.rollout import llama, triton_layers
-from klppo.rollout.base import SamplingParams
-from klppo.rollout.compiled import CompiledFunctions
-from klppo.rollout.engine import KLPPORollout, runs_triton_layers
-from tests.rollout.conftest import HAS_TRITON, left_padded, run_triton_interpreted
+from tests.rollout.conftest import HAS_TRITON, run_triton_interpreted
 
 # rows (0: nothing launched; 1; a few; more than a warp's worth), hidden (a power of two, not one, Qwen 0.5B's)
 SHAPES = [(0, 64), (1, 100), (3, 64), (37, 896), (5, 1536)]
@@ -28,6 +25,24 @@ def _rows(rows, hidden, dtype, device, seed, scale=1.0, row_stride=0):
     g = torch.Generator().manual_seed(seed)
     wide = torch.randn(rows, max(hidden, row_stride), generator=g) * scale
     return wide.to(device, dtype)[:, :hidden]
+
+
+def _eager_front(x, m, lw, spec):
+    """The split layers' front in eager torch: residual add, RMSNorm, q/k/v (unrotated)."""
+    if m is not None:
+        x = llama.residual_add(x, m)
+    return x, llama.qkv_projection(llama.rms_norm(x, lw.input_norm, spec[3]), lw, spec)
+
+
+def _eager_back(x, attn, lw, eps):
+    """The split layers' back in eager torch: (x + o(attn), the MLP of its norm)."""
+    x = llama.residual_add(x, F.linear(attn, lw.o, lw.o_bias))
+    return x, llama._mlp(lw, llama.rms_norm(x, lw.post_norm, eps))
+
+
+def _eager_final(x, m, weight_eps):
+    weight, eps = weight_eps
+    return llama.rms_norm(x if m is None else llama.residual_add(x, m), weight, eps)
 
 
 def _rounded(t64, dtype):
@@ -108,21 +123,21 @@ def check_layers(device: str, dtype: torch.dtype) -> None:
         spec, hidden = spec_of(model), model.config.hidden_size
         x, m = _rows(4, hidden, dtype, device, 5), _rows(4, hidden, dtype, device, 6)
         for mm in (None, m):
-            got, want = triton_layers.attn_in_qkv(x, mm, lw, spec), llama.attn_in_qkv(x, mm, lw, spec)
+            got, want = triton_layers.attn_in_qkv(x, mm, lw, spec), _eager_front(x, mm, lw, spec)
             for a, b in zip(got, want, strict=True):
                 torch.testing.assert_close(a.float(), b.float(), **tol, msg=f"{arch} fuse={fuse}")
         attn = _rows(4, spec[0] * spec[2], dtype, device, 7)
         got = triton_layers.attn_out_mlp_split(x, attn, lw, spec[3])
-        want = llama.attn_out_mlp_split(x, attn, lw, spec[3])
+        want = _eager_back(x, attn, lw, spec[3])
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a.float(), b.float(), **tol, msg=f"{arch} fuse={fuse}")
         w = (model.model.norm.weight.detach(), spec[3])
         torch.testing.assert_close(
-            triton_layers.final_norm(x, m, w).float(), llama.final_norm(x, m, w).float(), **tol
+            triton_layers.final_norm(x, m, w).float(), _eager_final(x, m, w).float(), **tol
         )
 
 
-def test_layer_functions_on_the_torch_path_equal_llamas() -> None:
+def test_layer_functions_on_the_torch_path_equal_eager() -> None:
     check_layers("cpu", torch.float32)
 
 
@@ -150,102 +165,10 @@ def test_kernels_on_gpu() -> None:
         check_layers("cuda", dtype)
 
 
-@pytest.mark.parametrize(
-    ("setting", "split", "cuda", "kernels", "want"),
-    [
-        ("auto", True, True, True, True),
-        ("auto", True, True, False, False),  # no triton: compiled
-        ("auto", False, True, True, False),  # unsplit layers (fp32, flash, tensor parallel): compiled
-        ("auto", True, False, True, False),  # CPU
-        ("compile", True, True, True, False),
-        ("triton", True, True, True, True),
-        ("triton", False, True, True, ValueError),
-        ("triton", True, False, True, ValueError),
-    ],
-)
-def test_layer_kernels_choice(monkeypatch, setting, split, cuda, kernels, want) -> None:
-    monkeypatch.setattr(triton_layers, "available", lambda device: kernels)
-    if want is ValueError:
-        with pytest.raises(ValueError, match="layer_kernels=triton"):
-            runs_triton_layers(setting, split, cuda)
-    else:
-        assert runs_triton_layers(setting, split, cuda) is want
-
-
-def test_engine_refuses_an_unknown_layer_kernels_and_triton_layers_on_cpu() -> None:
-    with pytest.raises(ValueError, match="layer_kernels must be one of"):
-        KLPPORollout(eos_token_ids=[2], pad_token_id=2, layer_kernels="inductor")
-    model = build_tiny_model(arch="qwen2").eval()
-    engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, layer_kernels="triton", compile_decode=True)
-    prompts, mask = left_padded([[1, 5, 6]])
-    with pytest.raises(ValueError, match="layer_kernels=triton"):
-        engine.generate(model, prompts, mask, SamplingParams(max_new_tokens=3, do_sample=False))
-
-
-def test_precompile_on_triton_layers_compiles_no_layer(monkeypatch) -> None:
-    """With ``layers_on_triton`` the pre-compile runs the Triton layer functions (here their torch path) and
-    compiles only the sampler; the engine then decodes on them (``_triton_layers`` faked on for the CPU),
-    compiling nothing more, with the same tokens as the engine on the compiled split layers."""
-    from tests.rollout.test_engine import PROMPTS, recording_functions
-
-    monkeypatch.setattr(KLPPORollout, "_use_flash", lambda self, kv: "triton")
-    model = build_tiny_model(arch="qwen2").eval()
-    fns, graphs = recording_functions()
-    fns.start_precompile(
-        model.config,
-        dtype=torch.float32,
-        device="cpu",
-        temperatures=(0.7,),
-        split_layers=True,
-        layers_on_triton=True,
-    )
-    fns.wait()
-    assert len(graphs) == 2  # the sampler, for batches from 2 and a batch of 1
-    params = SamplingParams(max_new_tokens=9, n=2, temperature=0.7, seed=3)
-    prompts, prompt_mask = left_padded(PROMPTS)
-    monkeypatch.setattr(
-        KLPPORollout, "_triton_layers", lambda self, split, cuda: split and self.layer_kernels == "auto"
-    )
-    on_triton = KLPPORollout(
-        eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3, compiled=fns
-    )
-    out = on_triton.generate(model, prompts, prompt_mask, params)
-    assert len(graphs) == 2, "the rollout compiled a layer"
-    compiled = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3,
-                            compiled=fns, layer_kernels="compile")  # fmt: skip
-    want = compiled.generate(model, prompts, prompt_mask, params)
-    assert len(graphs) > 2  # and that one compiled its layers
-    assert torch.equal(out.responses, want.responses)
-    torch.testing.assert_close(out.log_probs, want.log_probs, atol=1e-5, rtol=0)
-    torch._dynamo.reset()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
-def test_engine_on_triton_layers_equals_compiled_layers_on_gpu() -> None:
-    """bf16 greedy, CUDA graphs, 40 steps: the Triton layers give the compiled split layers' tokens, log-probs
-    within bf16 rounding; no layer was compiled for them."""
-    model = build_tiny_model(arch="qwen2").to("cuda", torch.bfloat16).eval()
-    prompts, mask = (t.cuda() for t in left_padded([[1, 10, 20, 30, 40, 50], [1, 7, 8], [5], [1, 99, 100]]))
-    params = SamplingParams(max_new_tokens=40, do_sample=False, ignore_eos=True)
-    outs = {}
-    for kernels in ("triton", "compile"):
-        fns = CompiledFunctions()
-        engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, layer_kernels=kernels, compiled=fns)
-        outs[kernels] = engine.generate(model, prompts, mask, params)
-        assert bool(fns._fns) is (kernels == "compile")
-    agree = (outs["triton"].responses == outs["compile"].responses).float().mean()
-    assert agree > 0.9
-    same = (outs["triton"].responses == outs["compile"].responses).all(dim=1)
-    torch.testing.assert_close(
-        outs["triton"].log_probs[same], outs["compile"].log_probs[same], atol=3e-2, rtol=0
-    )
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 def test_which_widths_launch_the_kernels(monkeypatch) -> None:
-    """The SwiGLU kernel takes any width (blocks of columns; the 1.5B shape's [gate | up] is 17,920 wide:
-    session 24 found it on two eager kernels at 8% of the decode step), the norm up to ``MAX_HIDDEN`` (a
+    """The SwiGLU kernel takes any width (blocks of columns; the 1.5B shape's [gate | up] is 17,920 wide),
+    the norm up to ``MAX_HIDDEN`` (a
     row in registers), wider rows the torch path. Launches recorded, nothing run."""
     launched = []
 

@@ -38,8 +38,8 @@ def test_warm_kernels_runs_every_attention_variant_and_each_sampling_setting(mon
     monkeypatch.setattr(compiled_module, "split_attention", recording_attention)
     monkeypatch.setattr(compiled_module, "sample_triton", recording_sampler)
     sampled, greedy = SamplingParams(temperature=0.7), SamplingParams(do_sample=False)
-    flags = (True, True, True, True)  # fuse, fp32 logits, split layers, layers on Triton
-    compiled_module._warm_kernels(config, torch.float32, torch.device("cpu"), flags, (sampled, greedy))
+    plan = compiled_module._Plan(split=True, compiles=True, fp32_logits=True, sampling=(sampled, greedy))
+    compiled_module._warm_kernels(config, torch.float32, torch.device("cpu"), plan)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     dim = config.hidden_size // heads
     assert [a[0] for a in attention] == [1, 2, 4, 8, 16, 32]  # one split, and each combine width
@@ -56,7 +56,8 @@ def test_warm_kernels_runs_every_attention_variant_and_each_sampling_setting(mon
     assert samples[0][3] is not None and samples[0][3] is samples[1][3]  # a private generator
     attention.clear()
     samples.clear()
-    compiled_module._warm_kernels(config, torch.float32, torch.device("cpu"), (True, False, False, False), ())
+    plan = compiled_module._Plan(split=False, compiles=True, fp32_logits=False, sampling=())
+    compiled_module._warm_kernels(config, torch.float32, torch.device("cpu"), plan)
     assert attention == [] and samples == []  # unsplit layers, no Triton sampling: nothing to warm
 
 
@@ -76,21 +77,21 @@ def test_warm_kernels_leave_the_default_generator_untouched(monkeypatch) -> None
     from its own generator: the default generator's state is the same after it — where a plain call of the
     sampler moves it — and each sampled setting gets a seed tensor."""
     launches: list = []
-    for name in ("_race_chunk_kernel4", "_race_combine_kernel", "_truncated_kernel"):
+    for name in ("_race_chunk_kernel", "_race_combine_kernel", "_truncated_kernel"):
         monkeypatch.setattr(triton_sampling, name, _Launches(launches, name))
     config = build_tiny_model(arch="qwen2").config
     sampled, truncated = SamplingParams(temperature=0.7), SamplingParams(top_p=0.9)
-    flags = (True, True, False, False)  # unsplit layers: the sampler alone
+    plan = compiled_module._Plan(split=False, compiles=True, fp32_logits=True, sampling=(sampled, truncated))
     logits = torch.zeros(2, config.vocab_size)
     before = torch.get_rng_state()
     triton_sampling.sample_triton(logits, sampled)
     assert not torch.equal(torch.get_rng_state(), before)  # the plain call draws its seed here
     launches.clear()
     before = torch.get_rng_state()
-    compiled_module._warm_kernels(config, torch.float32, torch.device("cpu"), flags, (sampled, truncated))
+    compiled_module._warm_kernels(config, torch.float32, torch.device("cpu"), plan)  # unsplit: the sampler alone
     assert torch.equal(torch.get_rng_state(), before)
     names = [name for name, *_ in launches]
-    assert "_race_chunk_kernel4" in names and "_truncated_kernel" in names
+    assert "_race_chunk_kernel" in names and "_truncated_kernel" in names
 
 
 def test_failed_warm_up_keeps_the_precompile(monkeypatch, caplog) -> None:
@@ -105,7 +106,8 @@ def test_failed_warm_up_keeps_the_precompile(monkeypatch, caplog) -> None:
     fns = compiled_module.CompiledFunctions(backend="eager")
     layer = compiled_module._meta_layer(build_tiny_model(arch="qwen2").config, torch.float32)
     with caplog.at_level("WARNING", logger=compiled_module.__name__):
-        fns._precompile(None, layer, torch.device("cpu"), (), (True, True, False, False), ())
+        plan = compiled_module._Plan(split=False, compiles=True, fp32_logits=True, sampling=())
+        fns._precompile(None, layer, torch.device("cpu"), plan)
     assert fns.last_precompile_s is not None
     assert "kernel warm-up skipped (RuntimeError: out of resources)" in caplog.text
     assert "pre-compile skipped" not in caplog.text
@@ -169,7 +171,7 @@ for batch in (1, 2, 3, 8, 17, 64, 100, 256):
     ts.sample_triton(torch.randn(batch, vocab, device=dev), sampled)
 torch.cuda.synchronize()
 print("COUNTS", dict(compiled()))
-want = {"_partial_kernel": 2, "_combine_kernel": len(attention_widths), "_race_chunk_kernel4": 1,
+want = {"_partial_kernel": 2, "_combine_kernel": len(attention_widths), "_race_chunk_kernel": 1,
         "_race_combine_kernel": len(sampler_widths)}
 assert len(attention_widths) > 1 and len(sampler_widths) > 1 and compiled() == want, (compiled(), want)
 print("OK")
@@ -181,6 +183,7 @@ from klppo.models.tiny import build_tiny_model
 from klppo.rollout.base import SamplingParams
 from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.engine import KLPPORollout
+from klppo.rollout.settings import EngineSettings
 from tests.rollout.conftest import left_padded
 
 def compiled():
@@ -190,18 +193,18 @@ model = build_tiny_model(arch="qwen2").to("cuda", torch.bfloat16).eval()
 sampled = SamplingParams(max_new_tokens=140, temperature=0.7, seed=1, ignore_eos=True)
 greedy = SamplingParams(max_new_tokens=140, do_sample=False, ignore_eos=True)
 fns = CompiledFunctions()
-fns.start_precompile(model.config, dtype=torch.bfloat16, device="cuda", temperatures=(), layers_on_triton=True,
-                     triton_sampling=(sampled, greedy))
+fns.start_precompile(model.config, EngineSettings(), dtype=torch.bfloat16, device="cuda",
+                     sampling=(sampled, greedy))
 fns.wait()
 warmed = compiled()
-engine = KLPPORollout(eos_token_ids=[2], pad_token_id=2, compiled=fns, sampler="triton", compile_decode=True)
+engine = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2), compiled=fns)
 for batch in (1, 3, 17, 64):
     prompts, mask = left_padded([[1, 5 + i, 6, 7] for i in range(batch)])
     for params in (sampled, greedy):
         out = engine.generate(model, prompts.cuda(), mask.cuda(), params)
         assert out.stats["rollout/cuda_graphs"] == 1.0
 print("WARMED", dict(warmed))
-assert warmed["_partial_kernel"] == 2 and warmed["_combine_kernel"] == 5 and warmed["_race_chunk_kernel4"] == 2, warmed
+assert warmed["_partial_kernel"] == 2 and warmed["_combine_kernel"] == 5 and warmed["_race_chunk_kernel"] == 2, warmed
 assert compiled() == warmed, (compiled() - warmed)
 print("OK")
 """

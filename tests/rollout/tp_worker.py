@@ -15,6 +15,7 @@ from klppo.parallel.fsdp import FSDPSettings, build_mesh, gathered_params, shard
 from klppo.parallel.mesh import build_rollout_mesh
 from klppo.parallel.reshard import fsdp_unit_params
 from klppo.rollout import SamplingParams, make_rollout
+from klppo.rollout.settings import EngineSettings
 from tests.rollout.conftest import left_padded
 
 PROMPTS = [[1, 10, 20, 30, 40, 50], [1, 7, 8], [1, 99, 100, 101, 102], [5], [3, 4, 5, 6, 7, 8, 9, 10, 11],
@@ -59,8 +60,7 @@ def main(rank: int, port: int, world: int, tp_size: int, out_dir: str) -> None:
 def _run(rank: int, world: int, tp, case: str, out: Path) -> None:
     model = new_model(case)
     shard_model(model, FSDPSettings(), build_mesh(world, -1, "cpu"))
-    engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, max_num_seqs=5, eos_check_every=4,
-                          tensor_parallel=tp)  # fmt: skip
+    engine = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=5, eos_check_every=4), tensor_parallel=tp)  # fmt: skip
     prompts, mask = my_prompts(rank, world)
     results: dict = {"prompts": prompts, "mask": mask}
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED), ("top_k", TOP_K)):
@@ -73,8 +73,7 @@ def _run(rank: int, world: int, tp, case: str, out: Path) -> None:
                          "stats": o.stats}  # fmt: skip
     if tp is not None:
         # an engine keeping its cache: the second call reshards into the first call's tensors
-        kept = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, eos_check_every=4,
-                            free_cache_engine=False, tensor_parallel=tp)  # fmt: skip
+        kept = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, eos_check_every=4, free_cache_engine=False), tensor_parallel=tp)  # fmt: skip
         first = kept.generate(model, prompts, mask, GREEDY)
         with torch.no_grad():  # the weights move (as after an update): the kept slices must follow
             for p in model.parameters():
@@ -93,8 +92,7 @@ COMPACT_EOS = list(range(2, 60))  # many ids end a sequence: lengths spread, slo
 
 
 def compact_engine(tp=None):
-    return make_rollout("klppo", eos_token_ids=COMPACT_EOS, pad_token_id=2, eos_check_every=1, compact_slots=True,
-                        compact_min_bucket=2, tensor_parallel=tp)  # fmt: skip
+    return make_rollout("klppo", EngineSettings(eos_token_ids=COMPACT_EOS, pad_token_id=2, eos_check_every=1, compact_slots=True, compact_min_bucket=2), tensor_parallel=tp)  # fmt: skip
 
 
 def _compacted(rank: int, world: int, tp, out: Path) -> None:
@@ -121,7 +119,7 @@ def _unsupported(rank: int, world: int, tp, out: Path) -> None:
 
     model = unsupported_model()
     shard_model(model, FSDPSettings(), build_mesh(world, -1, "cpu"))
-    engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, tensor_parallel=tp)
+    engine = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2), tensor_parallel=tp)
     prompts, mask = my_prompts(rank, world)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

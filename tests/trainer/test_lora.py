@@ -113,7 +113,7 @@ def test_rollout_on_merged_lora_equals_the_merged_model():
     merge_and_unload()'d model, and the base weights come back bit-identical."""
     from klppo.models.lora import apply_lora, merged_for_rollout
     from klppo.models.tiny import build_tiny_model
-    from klppo.rollout.base import SamplingParams, make_rollout
+    from klppo.rollout import EngineSettings, SamplingParams, make_rollout
 
     torch.manual_seed(0)
     model = apply_lora(build_tiny_model(), rank=4, alpha=8, target_modules="all-linear")
@@ -126,14 +126,14 @@ def test_rollout_on_merged_lora_equals_the_merged_model():
     params = SamplingParams(max_new_tokens=6, do_sample=False)
     outputs = {}
     for name in ("klppo", "hf"):
-        engine = make_rollout(name, eos_token_ids=[2], pad_token_id=2)
+        engine = make_rollout(name, EngineSettings(eos_token_ids=[2], pad_token_id=2))
         with merged_for_rollout(model) as merged:
             outputs[name] = engine.generate(merged, prompts, mask, params).responses
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     import copy
 
     plain = copy.deepcopy(model).merge_and_unload()
-    reference = make_rollout("hf", eos_token_ids=[2], pad_token_id=2).generate(plain, prompts, mask, params)
+    reference = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2)).generate(plain, prompts, mask, params)
     assert torch.equal(outputs["klppo"], reference.responses)
     assert torch.equal(outputs["hf"], reference.responses)
 

@@ -18,7 +18,6 @@ from klppo.assembly.settings import (
 from klppo.config import derive_sizes, load_config
 from klppo.config.errors import ConfigError
 from klppo.parallel.mesh import SequenceParallel
-from tests.rollout.compile_utils import recording_functions
 
 
 def test_fsdp_settings_mixed_precision_only_on_gpu() -> None:
@@ -177,43 +176,40 @@ def test_a_ulysses_group_gets_its_token_budgets_and_the_tune_workload_its_sizes(
     assert tw.update_micro_tokens == 23  # ceil(3 rows × 15 tokens / 2 ranks)
 
 
-def test_setup_precompile_makes_the_sampler_graphs_of_every_temperature_on_the_given_object() -> None:
-    """The trainer's pre-compile runs on the CompiledFunctions it is given (the one build_run hands to
-    the engine): the two layer blocks and the sampler for every sampling temperature of the config
-    (training 0.7, validation 0.5), for batches from 2 and for a batch of 1 — afterwards sampling at
-    either temperature and either kind of batch compiles nothing. (How many sampler graphs that takes
-    is dynamo's choice: after a second temperature it may make the float symbolic.)"""
+class _Recording:
+    """A stand-in for ``CompiledFunctions`` that records what the trainer's set-up asks to pre-compile."""
+
+    args = None
+
+    def start_precompile(self, config, settings, **kwargs):
+        self.args = (settings, kwargs)
+
+
+def test_setup_precompile_gets_the_engine_settings_and_every_sampling_setting() -> None:
+    """The trainer's pre-compile runs on the object it is given (the one build_run hands to the engine), with
+    the engine's settings and the sampling settings of training (0.7) and validation (0.5)."""
     from klppo.assembly.setup import _start_precompile
-    from klppo.models.tiny import build_tiny_model
 
     cfg = load_config(
         [
             "actor_rollout_ref.rollout.temperature=0.7",
             "actor_rollout_ref.rollout.val_kwargs.temperature=0.5",
             "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+            "actor_rollout_ref.rollout.sampler=torch",
         ]  # fmt: skip
     )
-    fns, graphs = recording_functions()
-    config = build_tiny_model(arch="qwen2").config
-    try:
-        _start_precompile(cfg, config, torch.device("cpu"), fns)
-        fns.wait()
-        made = len(graphs)
-        assert made >= 2 * 2 + 2 and fns.last_precompile_s is not None  # blocks × (batch ≥ 2, 1) + samplers
-        with torch.no_grad():  # as the engine samples
-            for batch in (1, 3):
-                for temperature in (0.7, 0.5):
-                    fns.get("sample")(torch.randn(batch, config.vocab_size), temperature, False)
-        assert len(graphs) == made, "sampling compiled a graph the pre-compile had not made"
-    finally:
-        torch._dynamo.reset()
+    fns = _Recording()
+    _start_precompile(cfg, None, torch.device("cpu"), fns)
+    settings, kwargs = fns.args
+    assert settings.sampler == "torch" and kwargs["device"] == torch.device("cpu")
+    assert [p.temperature for p in kwargs["sampling"]] == [0.7, 0.5]
 
 
 @pytest.mark.parametrize(
     ("overrides", "split"),
     [
         ([], True),
-        (["actor_rollout_ref.rollout.decode_attention=flash"], False),
+        (["actor_rollout_ref.rollout.decode_attention=sdpa"], False),
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], None),  # TP: no pre-compile (slices)
         # LoRA: the configured TP size runs data-parallel on gathered weights, on the split layers
         (
@@ -222,84 +218,24 @@ def test_setup_precompile_makes_the_sampler_graphs_of_every_temperature_on_the_g
         ),
     ],
 )
-def test_setup_precompile_makes_the_layers_the_built_engine_decodes_on(monkeypatch, overrides, split) -> None:
-    """On CUDA with triton (faked: only the arguments are recorded) the pre-compile makes the split layers
-    exactly when the engine the trainer builds decodes on them: not for flash, but for a LoRA actor whose
-    configured TP size is run data-parallel (``rollout_tensor_parallel``); a tensor-parallel rollout gets
-    none (``split`` None: its front runs on slices of other shapes, its back and sampler eagerly)."""
+def test_setup_precompile_prepares_the_backend_the_built_engine_decodes_on(monkeypatch, overrides, split) -> None:
+    """On CUDA with triton (faked: only the arguments are recorded) the pre-compile is asked for the split
+    backend exactly when the engine the trainer builds decodes on it: not with ``decode_attention=sdpa``,
+    but for a LoRA actor whose configured TP size is run data-parallel (``rollout_tensor_parallel``); a
+    tensor-parallel rollout gets none (``split`` None: its front runs on slices of other shapes)."""
     from klppo.assembly.setup import _start_precompile
-    from klppo.rollout import triton_attention
-
-    class Recording:
-        kwargs = None
-
-        def start_precompile(self, config, **kwargs):
-            self.kwargs = kwargs
+    from klppo.rollout import backends, triton_attention
 
     monkeypatch.setattr(triton_attention, "available", lambda device: True)
-    fns = Recording()
-    _start_precompile(load_config(overrides), None, torch.device("cuda", 0), fns)
-    assert (None if fns.kwargs is None else fns.kwargs["split_layers"]) is split
-
-
-@pytest.mark.parametrize(
-    ("overrides", "temperatures", "on_triton", "triton_sampled"),
-    [
-        ([], [], True, [True, False]),  # the Triton sampler and layers: nothing for Inductor to compile
-        (["actor_rollout_ref.rollout.sampler=torch"], [1.0], True, []),
-        (["actor_rollout_ref.rollout.layer_kernels=compile"], [], False, [True, False]),
-        # truncated sampling (top-k with top-p: the torch path) runs eagerly: no compiled sampler either
-        (["actor_rollout_ref.rollout.top_k=5", "actor_rollout_ref.rollout.top_p=0.9"], [], True, [False]),
-        (["actor_rollout_ref.rollout.sampler=torch", "actor_rollout_ref.rollout.top_k=5"], [], True, []),
-    ],
-)
-def test_setup_precompile_leaves_out_what_triton_kernels_run(
-    monkeypatch, overrides, temperatures, on_triton, triton_sampled
-) -> None:
-    """On CUDA with triton (faked), the pre-compile compiles the untruncated sampler only where the torch
-    sampler runs it (``sampler=torch``; truncated sampling is eager), runs the split layers on the Triton
-    kernels unless ``layer_kernels=compile``, and warms the Triton sampler for the settings it will run
-    (``triton_sampled``: their ``do_sample``, training's then validation's greedy one)."""
-    from klppo.assembly.setup import _start_precompile
-    from klppo.rollout import engine as engine_module
-    from klppo.rollout import triton_attention, triton_layers, triton_sampling
-
-    class Recording:
-        kwargs = None
-
-        def start_precompile(self, config, **kwargs):
-            self.kwargs = kwargs
-
-    for module in (triton_attention, triton_layers, triton_sampling):
-        monkeypatch.setattr(module, "available", lambda device: True)
-    monkeypatch.setattr(engine_module, "triton_available", lambda device: True)
-    fns = Recording()
-    _start_precompile(load_config(overrides), None, torch.device("cuda", 0), fns)
-    assert list(fns.kwargs["temperatures"]) == temperatures
-    assert fns.kwargs["layers_on_triton"] is on_triton
-    assert [s.do_sample for s in fns.kwargs["triton_sampling"]] == triton_sampled
-
-
-def test_setup_precompile_of_a_tensor_parallel_rollout_asks_nothing_of_the_sampler(monkeypatch) -> None:
-    """A tensor-parallel rollout gets no pre-compile, and its set-up does not ask whether the Triton sampler
-    could run (``sampler=triton`` on a CUDA machine without triton raised there before)."""
-    from klppo.assembly.setup import _start_precompile
-    from klppo.rollout import engine as engine_module
-
-    class Recording:
-        called = False
-
-        def start_precompile(self, config, **kwargs):
-            self.called = True
-
-    monkeypatch.setattr(engine_module, "triton_available", lambda device: False)
-    overrides = [
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-        "actor_rollout_ref.rollout.sampler=triton",
-    ]
-    fns = Recording()
-    _start_precompile(load_config(overrides), None, torch.device("cuda", 0), fns)
-    assert not fns.called
+    fns = _Recording()
+    device = torch.device("cuda", 0)
+    _start_precompile(load_config(overrides), None, device, fns)
+    if split is None:
+        assert fns.args is None
+        return
+    settings, kwargs = fns.args
+    chosen = backends.backend_class(settings, device, kwargs["dtype"], tensor_parallel=False)
+    assert (chosen is backends.SplitBackend) is split
 
 
 def test_grad_sync_per_mini_batch_key_is_validated_and_resolved() -> None:

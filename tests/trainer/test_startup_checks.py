@@ -128,61 +128,62 @@ def test_max_samples_limit_the_rows(tiny_model_dir, arithmetic_data, tmp_path):
     assert len(train) == 16
 
 
-def test_engine_options_from_enforce_eager_sampler_and_decode_attention():
-    from klppo.assembly.settings import engine_options
+def test_engine_settings_from_enforce_eager_sampler_and_decode_attention():
+    from klppo.assembly.settings import engine_settings
 
-    def options(*overrides):
-        return engine_options(load_config(list(overrides), **Q).actor_rollout_ref.rollout)
+    def settings(*overrides, **kwargs):
+        return engine_settings(load_config(list(overrides), **Q).actor_rollout_ref.rollout, **kwargs)
 
-    assert options("actor_rollout_ref.rollout.enforce_eager=true") == {
-        "use_cuda_graph": False,
-        "compile_decode": False,
-        "sampler": "auto",
-        "decode_attention": "auto",
-        "layer_kernels": "auto",
-        "compact_slots": True,
-    }
-    assert options() == {
-        "sampler": "auto",
-        "decode_attention": "auto",
-        "layer_kernels": "auto",
-        "compact_slots": True,
-    }
-    assert options("actor_rollout_ref.rollout.sampler=torch") == {
-        "sampler": "torch",
-        "decode_attention": "auto",
-        "layer_kernels": "auto",
-        "compact_slots": True,
-    }
-    assert options("actor_rollout_ref.rollout.layer_kernels=compile")["layer_kernels"] == "compile"
-    assert options("actor_rollout_ref.rollout.compact_slots=false")["compact_slots"] is False
-    # auto: off under a tensor-parallel rollout (never measured so on GPUs), where true turns it on
+    eager = settings("actor_rollout_ref.rollout.enforce_eager=true")
+    assert (eager.cuda_graphs, eager.compile_decode) == (False, False)
+    default = settings()
+    assert (default.cuda_graphs, default.compile_decode, default.sampler, default.decode_attention) == (
+        True, None, "auto", "auto"
+    )  # fmt: skip
+    assert default.compact_slots is True and default.eos_token_ids == ()
+    assert settings("actor_rollout_ref.rollout.sampler=torch").sampler == "torch"
+    assert settings("actor_rollout_ref.rollout.decode_attention=sdpa").decode_attention == "sdpa"
+    assert settings(eos_token_ids=[2, 7], pad_token_id=2).eos_token_ids == (2, 7)
+    assert settings("actor_rollout_ref.rollout.compact_slots=false").compact_slots is False
+    # auto: off under a tensor-parallel rollout (never run so on GPUs), where true turns it on
     tp2 = "actor_rollout_ref.rollout.tensor_model_parallel_size=2"
-    assert options(tp2)["compact_slots"] is False
-    assert options(tp2, "actor_rollout_ref.rollout.compact_slots=true")["compact_slots"] is True
+    assert settings(tp2).compact_slots is False
+    assert settings(tp2, "actor_rollout_ref.rollout.compact_slots=true").compact_slots is True
     # as built: a configured size the run cannot build (LoRA) leaves the rollout data-parallel, compacting
-    rollout = load_config([tp2], **Q).actor_rollout_ref.rollout
-    assert engine_options(rollout, tensor_parallel=False)["compact_slots"] is True
-    assert engine_options(rollout, tensor_parallel=True)["compact_slots"] is False
-    assert options("actor_rollout_ref.rollout.name=hf") == {}  # auto is the klppo engine's only
+    assert settings(tp2, tensor_parallel=False).compact_slots is True
+    assert settings(tp2, tensor_parallel=True).compact_slots is False
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.compact_slots='sometimes'"):
-        options("actor_rollout_ref.rollout.compact_slots=sometimes")
+        settings("actor_rollout_ref.rollout.compact_slots=sometimes")
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.compact_slots=true is klppo's"):
-        options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.compact_slots=true")
-    assert options("actor_rollout_ref.rollout.decode_attention=triton")["decode_attention"] == "triton"
+        settings("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.compact_slots=true")
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.decode_attention"):
-        options("actor_rollout_ref.rollout.decode_attention=splitkv")
-    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.decode_attention=triton is klppo's"):
-        options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.decode_attention=triton")
-    assert options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.sampler=torch") == {}
+        settings("actor_rollout_ref.rollout.decode_attention=splitkv")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.decode_attention=sdpa is klppo's"):
+        settings("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.decode_attention=sdpa")
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.sampler"):
-        options("actor_rollout_ref.rollout.sampler=cuda")
-    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.sampler=triton"):
-        options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.sampler=triton")
+        settings("actor_rollout_ref.rollout.sampler=cuda")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.sampler=torch is klppo's"):
+        settings("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.sampler=torch")
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.layer_kernels"):
-        options("actor_rollout_ref.rollout.layer_kernels=inductor")
-    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.layer_kernels=compile is klppo's"):
-        options("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.layer_kernels=compile")
+        settings("actor_rollout_ref.rollout.layer_kernels=inductor")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "instead"),
+    [
+        ("sampler", "triton", "set auto"),
+        ("decode_attention", "triton", "set auto"),
+        ("decode_attention", "flash", "or sdpa"),
+        ("decode_attention", "flash-plain", "or sdpa"),
+        ("layer_kernels", "triton", "set auto"),
+        ("layer_kernels", "compile", "set auto"),
+    ],
+)
+def test_engine_values_without_a_path_are_refused_with_what_to_set(key, value, instead):
+    """Values of the klppo engine's settings whose path does not exist are refused by name, saying what to
+    set instead (never mapped to another value)."""
+    with pytest.raises(ConfigError, match=f"actor_rollout_ref.rollout.{key}='{value}' is not a choice.*{instead}"):
+        load_config([f"actor_rollout_ref.rollout.{key}={value}"], **Q)
 
 
 def test_critic_warmup_as_verl(tiny_model_dir, arithmetic_data, tmp_path):

@@ -1,0 +1,203 @@
+"""The model arithmetic of one ``generate`` call, as backends: prefill, a decode step's logits, sampling.
+
+The engine (:mod:`klppo.rollout.engine`) runs the loop — slots, workspace, CUDA graphs, output — and
+calls a :class:`Backend` for the arithmetic. Each call's backend is chosen once, before any prefill, from the
+settings and the model (device, cache dtype, tensor parallelism) by :func:`backend_class`; the decode
+steps then call its methods, no setting is read in the loop. The backends, side by side:
+
+- :class:`SplitBackend` — the fast path (CUDA, bf16/fp16 cache, triton, no tensor parallelism): split
+  layers whose elementwise work runs on :mod:`klppo.rollout.triton_layers` (no ``torch.compile``, so also
+  with ``compile_decode=False``), the split-KV attention applying RoPE and writing the cache
+  (:func:`klppo.rollout.llama.decode_rope_in_attention`), the Triton sampler;
+- :class:`TorchBackend` — the reference, and the path on CPU, in float32 and with
+  ``decode_attention="sdpa"``: unsplit layers (compiled on CUDA), masked SDPA, the torch sampler unless the
+  Triton one is chosen (``sampler``);
+- :class:`TensorParallelBackend` — a tensor-parallel group's slices: unsplit front (compiled on CUDA),
+  row-parallel back with its all-reduces, the split-KV attention without RoPE on CUDA bf16/fp16 (SDPA
+  elsewhere), the vocabulary-parallel sampler.
+
+All share the prefill (:func:`klppo.rollout.llama.prefill`) and the LM head (``fp32_logits``).
+
+Seams for what comes next (not built):
+
+- *Appending tokens to a live sequence* (a tool's answer in a multi-turn rollout): a method
+  ``extend(w, kv, tokens, slots, starts, lengths) -> hidden`` — a prefill whose tokens sit at positions
+  ``starts[i] ..`` of a slot that already holds ``[0, starts[i])``: K/V written there, queries attending to
+  the cached prefix and causally to themselves (``prefill``'s mask with key positions below ``starts[i] +
+  lengths[i]`` and queries offset by ``starts[i]``). The scheduler then keeps a slot across turns instead
+  of freeing it at EOS; the decode step is unchanged (it reads ``position``).
+- *Log-probs of the distribution sampled from* (truncated top-k / top-p, for importance correction): a
+  :data:`Sampler` returns ``log softmax(logits / T)[token]``, before truncation. A sampler that also returns
+  ``log q(token)`` of the truncated, renormalised distribution adds a third [B] tensor (the torch path has
+  ``probs``; the Triton truncated kernel needs the kept set's mass); ``RolloutOutput`` then carries it
+  beside ``log_probs`` and the steps record it into one more output buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+import klppo.rollout.llama as llama
+import klppo.rollout.triton_attention as triton_attention
+import klppo.rollout.triton_layers as triton_layers
+from klppo.rollout.base import SamplingParams
+from klppo.rollout.llama import LlamaWeights
+from klppo.rollout.sampling import sample, vocab_parallel_sampler
+from klppo.rollout.settings import EngineSettings
+from klppo.rollout.triton_sampling import available as triton_sampling_available
+from klppo.rollout.triton_sampling import sample_triton
+from klppo.rollout.triton_sampling import supports as triton_supports
+
+if TYPE_CHECKING:
+    from klppo.rollout.compiled import CompiledFunctions
+
+Sampler = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``logits [B, V] -> (tokens [B] int64, log_probs [B] float32)`` on the device, no host synchronisation."""
+
+
+class Backend(Protocol):
+    """The arithmetic the engine calls (module docstring). Every method runs on the device without a host
+    synchronisation, so a decode step can be captured in a CUDA graph."""
+
+    def prefill(
+        self, w: LlamaWeights, kv: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        """Packed prompts ``tokens`` [T] (``lengths``, from position 0) write their K/V into ``slots``;
+        returns the last hidden states [N, hidden]."""
+        ...
+
+    def logits(self, w: LlamaWeights, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed states [N, hidden] → logits [N, V]."""
+        ...
+
+    def decode(
+        self, w: LlamaWeights, kv: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One token per slot: writes K/V at ``positions`` [B], attends to ``<= positions``; logits [B, V]."""
+        ...
+
+    def sampler(self, params: SamplingParams) -> Sampler:
+        """How this call samples ``params``."""
+        ...
+
+
+class _Shared:
+    """Prefill, LM head and sampling common to the backends."""
+
+    def __init__(self, settings: EngineSettings, cuda: bool) -> None:
+        self.settings = settings
+        self.cuda = cuda
+
+    def prefill(
+        self, w: LlamaWeights, kv: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, lengths: list[int]
+    ) -> torch.Tensor:
+        return llama.prefill(w, kv, tokens, slots, lengths)
+
+    def logits(self, w: LlamaWeights, hidden: torch.Tensor) -> torch.Tensor:
+        return llama.logits_of(w, hidden, self.settings.fp32_logits)
+
+    def sampler(self, params: SamplingParams) -> Sampler:
+        """The Triton kernels where :func:`samples_on_triton` says so (the torch path past their int32
+        offsets, decided per shape), else :func:`klppo.rollout.sampling.sample`."""
+        if samples_on_triton(self.settings, self.cuda, params):
+            return lambda x: (
+                sample_triton(x, params) if triton_supports(params, *x.shape) else sample(x, params)
+            )
+        return lambda logits: sample(logits, params)
+
+
+class SplitBackend(_Shared):
+    """The fast path (module docstring)."""
+
+    def __init__(self, settings: EngineSettings, cuda: bool) -> None:
+        super().__init__(settings, cuda)
+        self.layer_fns = triton_layers.SPLIT_LAYER_FNS
+
+    def decode(
+        self, w: LlamaWeights, kv: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        return llama.decode_rope_in_attention(
+            w, kv, tokens, positions, self.layer_fns, self.settings.fp32_logits
+        )
+
+
+class TorchBackend(_Shared):
+    """The reference (module docstring); ``compiled`` supplies the compiled layers."""
+
+    def __init__(self, settings: EngineSettings, cuda: bool, compiled: CompiledFunctions) -> None:
+        super().__init__(settings, cuda)
+        compiles = settings.compiles(cuda)
+        self.layer_fns = (
+            (compiled.get("attn_in"), compiled.get("attn_out_mlp"))
+            if compiles
+            else (llama.attn_in, llama.attn_out_mlp)
+        )
+
+    def decode(
+        self, w: LlamaWeights, kv: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        return llama.decode(
+            w, kv, tokens, positions, self.layer_fns, llama.sdpa_attention, self.settings.fp32_logits
+        )
+
+
+class TensorParallelBackend(_Shared):
+    """A tensor-parallel group's slices (module docstring); ``w``: this call's weights (``w.tp`` set)."""
+
+    def __init__(
+        self, settings: EngineSettings, cuda: bool, compiled: CompiledFunctions, w: LlamaWeights
+    ) -> None:
+        super().__init__(settings, cuda)
+        front = compiled.get("attn_in") if settings.compiles(cuda) else llama.attn_in
+        self.layer_fns = (front, llama.layer_back(w))  # the all-reduces run eagerly (captured in the graph)
+        split_kv = settings.decode_attention == "auto" and triton_attention.runs(
+            w.embed.device, w.embed.dtype
+        )
+        self.attention = llama.triton_attention_of if split_kv else llama.sdpa_attention
+        self.tp, self.vocab_size = w.tp, w.vocab_size
+
+    def decode(
+        self, w: LlamaWeights, kv: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        return llama.decode(
+            w, kv, tokens, positions, self.layer_fns, self.attention, self.settings.fp32_logits
+        )
+
+    def sampler(self, params: SamplingParams) -> Sampler:
+        return vocab_parallel_sampler(params, self.tp, self.vocab_size)
+
+
+def backend_class(
+    settings: EngineSettings, device: torch.device, dtype: torch.dtype, *, tensor_parallel: bool
+) -> type[SplitBackend | TorchBackend | TensorParallelBackend]:
+    """Which backend runs a ``dtype`` cache on ``device``: tensor-parallel slices →
+    :class:`TensorParallelBackend`; ``decode_attention="auto"`` where the split-KV kernels run (CUDA,
+    bf16/fp16, triton) → :class:`SplitBackend`; else :class:`TorchBackend`. The background pre-compile
+    asks the same (:mod:`klppo.rollout.compiled`)."""
+    if tensor_parallel:
+        return TensorParallelBackend
+    if settings.decode_attention == "auto" and triton_attention.runs(device, dtype):
+        return SplitBackend
+    return TorchBackend
+
+
+def make_backend(settings: EngineSettings, compiled: CompiledFunctions, w: LlamaWeights) -> Backend:
+    """The backend of a call on weights ``w`` (:func:`backend_class`)."""
+    device = w.embed.device
+    cuda = device.type == "cuda"
+    cls = backend_class(settings, device, w.embed.dtype, tensor_parallel=w.tp is not None)
+    if cls is SplitBackend:
+        return SplitBackend(settings, cuda)
+    if cls is TorchBackend:
+        return TorchBackend(settings, cuda, compiled)
+    return TensorParallelBackend(settings, cuda, compiled, w)
+
+
+def samples_on_triton(settings: EngineSettings, cuda: bool, params: SamplingParams) -> bool:
+    """Whether ``params`` are sampled with the Triton kernels (:mod:`klppo.rollout.triton_sampling`):
+    ``sampler="auto"`` on CUDA with triton, for the settings they take (not top-k with top-p)."""
+    ok = settings.sampler == "auto" and cuda and triton_sampling_available(torch.device("cuda"))
+    return ok and triton_supports(params, 1, 1)
