@@ -1,4 +1,4 @@
-"""The decode step's kernels alone (issue 19): the MLP tail, the gate/up GEMM with its activation, the
+"""The decode step's kernels alone: the MLP tail, the gate/up GEMM with its activation, the
 split-KV attention, the seam between layers (``down``: the down projection and the next norm, written
 several ways) and the step's end (``head``: LM head and sampler), graph-replayed.
 
@@ -7,8 +7,7 @@ several ways) and the step's end (``head``: LM head and sampler), graph-replayed
 
 ``mlp``: ``residual + down(silu(gate) * up)`` from the fused ``[gate; up]`` output, per layer, as the
 engine's compiled layer back computes it (Inductor: a pointwise activation kernel, cuBLAS's GEMM with
-the residual) against a Triton kernel written here (session 21; not adopted: slower than Inductor + cuBLAS
-at every shape, bench/RESULTS.md) that computes the activation where its split-K GEMM loads ``gate_up``
+the residual) against a Triton kernel written here (an alternative the engine does not use) that computes the activation where its split-K GEMM loads ``gate_up``
 (no [M, I] intermediate) and sums the float32 partials with the residual in a second, deterministic
 kernel, with its chosen tiles, and with ``--sweep`` every tile configuration of a grid (the best five
 printed). ``gateup``: ``silu(h W_gateᵀ) · (h W_upᵀ)`` from the norm's output ``h`` and the fused
@@ -381,7 +380,7 @@ def mlp_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     floor = (gu.numel() + w.numel() + 2 * res.numel()) * 2 / HBM * 1e6
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     base = dict(part="mlp", shape=shape, batch=batch, floor_us=round(floor, 2), max_abs_err_vs_reference=err)
-    rows = [dict(base, impl="inductor (engine today)", us=round(timed(lambda: compiled(gu, w, res)), 2)),
+    rows = [dict(base, impl="inductor (the engine's)", us=round(timed(lambda: compiled(gu, w, res)), 2)),
             dict(base, impl="eager torch", us=round(timed(lambda: tail(gu, w, res)), 2)),
             dict(base, impl=f"triton {choose_tiles(batch, hidden, inner, sms)}",
                  us=round(timed(lambda: silu_mul_down_triton(gu, w, res)), 2))]  # fmt: skip
@@ -394,12 +393,12 @@ def mlp_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
 
 
 def down_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
-    """The seam between two decode layers as the split layers run it (session 22): the down projection
+    """The seam between two decode layers as the split layers run it: the down projection
     ``m = act W_downᵀ`` (one compiled function, the back's end), then ``rms_norm(x + m)`` (the next
     front's start, compiled apart), against other ways to write the GEMM — its transpose ``W_down actᵀ``
     (cuBLAS picks kernels by shape: the transposed problem has ``hidden`` rows, so it may not split the
     reduction), and ``m`` kept in float32 (``out_dtype``: the next norm adds it in float32 anyway, one
-    rounding fewer than eager) — and the layers before session 22 (the residual folded into ``addmm``).
+    rounding fewer than eager) — and the residual folded into ``addmm`` (what Inductor makes of ``x + linear``).
     ``sweep`` is unused (no tile grid)."""
     from klppo.rollout.llama import residual_add, rms_norm
 
@@ -418,12 +417,12 @@ def down_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     down = torch.compile(lambda act, w: F.linear(act, w))
     down_t = torch.compile(lambda act, w: torch.mm(w, act.t()))
     variants = {
-        "split layers (engine today): compiled F.linear, then norm(x + m)": lambda: seam(x, down(act, w)),
+        "split layers (the engine's): compiled F.linear, then norm(x + m)": lambda: seam(x, down(act, w)),
         "transposed GEMM, compiled: W actᵀ, then norm(x + mᵀ)": lambda: seam_t(x, down_t(act, w)),
         "transposed GEMM, eager cuBLAS": lambda: seam_t(x, torch.mm(w, act.t())),
         "float32 m (out_dtype)": lambda: seam(x, torch.mm(act, w.t(), out_dtype=torch.float32)),
         "float32 m, transposed": lambda: seam_t(x, torch.mm(w, act.t(), out_dtype=torch.float32)),
-        "before session 22: x + linear folded into addmm, then norm": lambda: norm_only(folded(act, w, x)),
+        "x + linear folded into addmm, then norm": lambda: norm_only(folded(act, w, x)),
     }
     want = rms_norm(residual_add(x, F.linear(act, w)), nw, 1e-6)
     floor = (act.numel() + w.numel() + 2 * x.numel()) * 2 / HBM * 1e6
@@ -457,10 +456,6 @@ def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     parts = {
         "LM head, float32 logits": (lambda: lm_head_logits(h, w, True), (w.numel() * 2 + logits.numel() * 4)),
         "Triton sampler": (lambda: sample_triton(logits, params), logits.numel() * 4),
-        "Triton sampler, one Philox call per id (four_per_philox=False; noise of bits)": (
-            lambda: sample_triton(logits, params, four_per_philox=False), logits.numel() * 4),
-        "Triton sampler, noise of float uniforms, precise logs (before session 23)": (
-            lambda: sample_triton(logits, params, noise_of_bits=False), logits.numel() * 4),
         "Triton sampler, temperature 0.7": (
             lambda: sample_triton(logits, SamplingParams(max_new_tokens=1, temperature=0.7)), logits.numel() * 4),
         "LM head + sampler": (lambda: sample_triton(lm_head_logits(h, w, True), params),
@@ -522,7 +517,7 @@ def gateup_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     props = torch.cuda.get_device_properties(0)
     default = choose_gate_up_tiles(batch, inner, props.multi_processor_count)
     base = dict(part="gateup", shape=shape, batch=batch, floor_us=round(floor, 2))
-    rows = [dict(base, impl="inductor (engine today)", us=round(timed(lambda: compiled(h, w)), 2),
+    rows = [dict(base, impl="inductor (the engine's)", us=round(timed(lambda: compiled(h, w)), 2),
                  max_ulps_vs_reference=ulps(want, ref)),
             dict(base, impl=f"triton {default}", us=round(timed(lambda: silu_mul_gate_up_triton(h, w)), 2),
                  **errors(silu_mul_gate_up_triton(h, w)))]  # fmt: skip

@@ -41,7 +41,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from rollout import recompute  # bench/rollout.py: log-probs of sampled responses from one forward
 
-    from klppo.rollout import SamplingParams, make_rollout
+    from klppo.rollout import EngineSettings, SamplingParams, make_rollout
     from tests.rollout.conftest import left_padded
 
     ap = argparse.ArgumentParser()
@@ -58,7 +58,7 @@ def main() -> None:
         return [round(gap.max().item(), 4), round(gap.mean().item(), 4)]
 
     for fp32_logits in (False, True):
-        engine = make_rollout("klppo", eos_token_ids=[2], pad_token_id=2, fp32_logits=fp32_logits)
+        engine = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, fp32_logits=fp32_logits))
         ours, ref, hf = [], [], []
         for seed in (int(x) for x in args.seeds.split(",")):
             params = SamplingParams(max_new_tokens=args.tokens, seed=seed, ignore_eos=True)

@@ -12,31 +12,26 @@ second call of the same shape (warm). The compile caches are klppo's own (``klpp
 Modes:
 
 - ``compile``: the default engine, each process with a new empty cache directory (a machine's very first
-  run); since session 24 its split layers run on Triton kernels (``layer_kernels="auto"``), so with the
-  Triton sampler nothing is compiled by Inductor (``inductor_imported`` says whether Inductor's compiler
-  was imported at all);
-- ``compiled-layers``, ``compiled-layers-warm-cache``: as ``compile`` and ``compile-warm-cache`` with the
-  split layers compiled by Inductor (``layer_kernels="compile"``, the engine before session 24);
+  run); its split layers run on Triton kernels, so with the Triton sampler nothing is compiled by Inductor
+  (``inductor_imported`` says whether Inductor's compiler was imported at all);
 - ``compile-warm-cache``: the default engine, reusing the cache directory the last fresh process filled
   (every later process on that machine: a resumed run, the next job);
 - ``compile-1thread``: as ``compile`` with inductor's compile-worker pool off (in-process compiles);
 - ``precompile``: empty caches, ``CompiledFunctions.start_precompile`` (``klppo.rollout.compiled``) started
   from the model's config before the model is built, on the object then handed to the engine (as the
   trainer does before loading weights), so compilation overlaps the build; the first call waits for what
-  is left of it (since session 25 it also runs the attention and sampler kernels once: Triton compiles
-  them there on empty caches);
+  is left of it (it also runs the attention and sampler kernels once: Triton compiles them there on empty
+  caches);
 - ``eager``: ``compile_decode=False`` (CUDA graphs of uncompiled kernels), empty caches;
-- ``compile-rope-outside``, ``precompile-rope-outside``: as ``compile`` and ``precompile`` with
-  ``KLPPORollout.rope_in_attention`` off (RoPE in the compiled front, unsplit layers: the engine before
-  session 22, two graphs fewer to compile).
+- ``sdpa``: the torch reference backend (``decode_attention="sdpa"``: compiled unsplit layers), empty
+  caches.
 
 ``--profile-first N`` puts each process's first ``generate`` under cProfile and adds its N costliest
 functions by cumulative and by own time to the row (``first_call_top_cumulative`` / ``_tottime``: where
 the first call's seconds go — tracing, cache loads, kernel loading, device initialisation);
 ``--profile-dump DIR`` also writes each of those profiles to ``DIR/MODE-PID.prof`` (``pstats``);
 ``import_torch_s`` is the ``import torch`` part of ``import_s``.
-``--sampler`` (default ``auto``, the trainer's default: the Triton kernels on CUDA; ``torch``: the
-compiled torch sampler, the engine's own default).
+``--sampler`` (default ``auto``: the Triton kernels on CUDA; ``torch``: the torch sampler).
 ``setup_to_first_s`` = model build + engine + first call (+ the pre-compile start): the start-up a user
 sees after the imports; ``to_first_result_s`` = the same from the child's first line (imports included);
 ``process_s`` = the child process's wall time, interpreter start and exit included;
@@ -59,17 +54,10 @@ import time
 MODES = {
     "compile": dict(engine={}, fresh_cache=True),
     "compile-warm-cache": dict(engine={}, fresh_cache=False),
-    # the split layers compiled by Inductor (the engine before session 24; default: Triton kernels, no compile)
-    "compiled-layers": dict(engine=dict(layer_kernels="compile"), fresh_cache=True),
-    "compiled-layers-warm-cache": dict(engine=dict(layer_kernels="compile"), fresh_cache=False),
     "compile-1thread": dict(engine={}, fresh_cache=True, env=dict(TORCHINDUCTOR_COMPILE_THREADS="1")),
     "precompile": dict(engine={}, fresh_cache=True, precompile=True),
     "eager": dict(engine=dict(compile_decode=False), fresh_cache=True),
-    # RoPE in the compiled front and the unsplit layers (the engine before session 22), empty caches
-    "compile-rope-outside": dict(engine={}, fresh_cache=True, attributes=dict(rope_in_attention=False)),
-    "precompile-rope-outside": dict(
-        engine={}, fresh_cache=True, precompile=True, attributes=dict(rope_in_attention=False)
-    ),  # fmt: skip
+    "sdpa": dict(engine=dict(decode_attention="sdpa"), fresh_cache=True),
 }
 
 
@@ -93,7 +81,7 @@ def child(
     sys.path.insert(0, os.path.dirname(__file__))
     from rollout import NEW, PROMPT, build, qwen_config
 
-    from klppo.rollout import SamplingParams, make_rollout
+    from klppo.rollout import EngineSettings, SamplingParams, make_rollout
     from klppo.rollout.compiled import CompiledFunctions
 
     shape, device, dtype, prompt, new = ("tiny", "cpu", torch.float32, 8, 8) if tiny else \
@@ -101,28 +89,16 @@ def child(
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t_import = time.perf_counter() - t_start
     t_setup = time.perf_counter()
-    from klppo.rollout.engine import KLPPORollout, runs_triton_layers, samples_on_triton
-
-    for attribute, value in MODES[mode].get("attributes", {}).items():  # class-wide, before the pre-compile
-        setattr(KLPPORollout, attribute, value)
     compiled = CompiledFunctions()
     params = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True)
+    settings = EngineSettings(eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
+                              free_cache_engine=False, sampler=sampler,
+                              **{"compile_decode": True, **MODES[mode]["engine"]})  # fmt: skip
     if MODES[mode].get("precompile"):
-        # the layers of an engine with the attributes set above
-        split = KLPPORollout.decodes_split("auto", device, dtype, tensor_parallel=False)
-        on_triton = runs_triton_layers(
-            MODES[mode]["engine"].get("layer_kernels", "auto"), split, device == "cuda"
-        )
-        # the compiled sampler's temperature where the torch sampler samples, else the Triton sampler's setting
-        triton_sampling = (params,) if samples_on_triton(sampler, device == "cuda", params) else ()
-        temperatures = () if triton_sampling else (params.temperature,)
-        compiled.start_precompile(qwen_config(shape), dtype=dtype, device=torch.device(device), split_layers=split,
-                                  layers_on_triton=on_triton, temperatures=temperatures,
-                                  triton_sampling=triton_sampling)  # fmt: skip
+        compiled.start_precompile(qwen_config(shape), settings, dtype=dtype, device=torch.device(device),
+                                  sampling=(params,))  # fmt: skip
     model = build(shape, dtype, device)
-    engine = make_rollout("klppo", eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
-                          free_cache_engine=False, compiled=compiled, sampler=sampler,
-                          **{"compile_decode": True, **MODES[mode]["engine"]})  # fmt: skip
+    engine = make_rollout("klppo", settings, compiled=compiled)
     prompts = torch.randint(0, 151000, (batch, prompt), device=device)
     mask = torch.ones_like(prompts)
     row = dict(mode=mode, batch=batch, sampler=sampler, import_s=t_import, import_torch_s=t_torch)
@@ -222,9 +198,8 @@ def medians(runs: list[dict]) -> dict[str, dict[str, float]]:
 def _cache_for(mode: str, caches: dict[str, str]) -> str:
     """The cache directory of ``mode``'s process: a new empty one for a fresh-cache mode (recorded for its
     engine configuration), else the one the last fresh process *of the same engine configuration* filled
-    (engine options and class attributes: a cache filled by other compiled functions would be a miss, not
-    a warm start — session 22's warm row reused the ``compile-rope-outside`` cache that way)."""
-    key = json.dumps([MODES[mode]["engine"], MODES[mode].get("attributes", {})], sort_keys=True)
+    (its engine settings: a cache filled by other compiled functions would be a miss, not a warm start)."""
+    key = json.dumps(MODES[mode]["engine"], sort_keys=True)
     if MODES[mode]["fresh_cache"] or key not in caches:
         if not MODES[mode]["fresh_cache"]:
             print(

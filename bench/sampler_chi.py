@@ -7,10 +7,10 @@ shows there gives p ≈ 0 at 10⁶ draws, while a chance failure gives a p sprea
 Rows (each p over ``--seeds`` seeds):
 
 - ``chunked``: the untruncated Triton kernel on the test's 40 logits (block 16: one program a row or three),
-  four uniforms per Philox call or one, noise of bits or of float uniforms, temperature 0.9 or 1 (16
-  settings); ``--sampler torch`` draws the same law with the torch path (one row per temperature);
-- ``vocab``: 64 finite logits among Qwen's 151,936, flat or peaked (σ = 4), noise of bits and of floats
-  (``--vocab-draws`` draws in batches under the kernels' 2³¹-logit limit; Triton only).
+  temperature 0.9 or 1 (4 settings); ``--sampler torch`` draws the same law with the torch path (one row per
+  temperature);
+- ``vocab``: 64 finite logits among Qwen's 151,936, flat or peaked (σ = 4) (``--vocab-draws`` draws in
+  batches under the kernels' 2³¹-logit limit; Triton only).
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ def chunked_rows(sampler: str, draws: int, seeds: int, device: str) -> list[dict
     if sampler == "torch":
         settings = [dict(t=t) for t in (0.9, 1.0)]
     else:
-        settings = [dict(splits=s, four=f, bits=b, t=t) for s, f, b, t in
-                    itertools.product((1, 3), (True, False), (True, False), (0.9, 1.0))]  # fmt: skip
+        settings = [dict(splits=s, t=t) for s, t in itertools.product((1, 3), (0.9, 1.0))]
     rows = []
     for setting in settings:
         t = setting["t"]
@@ -46,8 +45,7 @@ def chunked_rows(sampler: str, draws: int, seeds: int, device: str) -> list[dict
             if sampler == "torch":
                 tokens, _ = sample(x, params)
             else:
-                tokens, _ = sample_triton(x, params, splits=setting["splits"], block=16,
-                                          four_per_philox=setting["four"], noise_of_bits=setting["bits"])  # fmt: skip
+                tokens, _ = sample_triton(x, params, splits=setting["splits"], block=16)
             ps.append(round(chi_square_p(tokens, law), 4))
         rows.append(dict(part="chunked", sampler=sampler, draws=draws, **setting, p=ps))
         print(json.dumps(rows[-1]), flush=True)
@@ -66,15 +64,14 @@ def vocab_rows(draws: int, device: str, vocab: int = 151936, kept: int = 64) -> 
         row = torch.full((vocab,), float("-inf"))
         row[ids] = values
         batch = row.to(device).expand(per_call, -1).contiguous()
-        for bits in (True, False):
-            torch.manual_seed(7)
-            tokens = torch.cat([sample_triton(batch, SamplingParams(max_new_tokens=1), noise_of_bits=bits)[0]
-                                for _ in range(-(-draws // per_call))])[:draws].cpu()  # fmt: skip
-            position = (tokens[:, None] == ids[None, :]).float().argmax(1)
-            assert torch.isin(tokens, ids).all(), "a token outside the finite logits was drawn"
-            p = chi_square_p(position, torch.softmax(values.double(), 0))
-            rows.append(dict(part="vocab", case=name, bits=bits, draws=draws, p=round(p, 4)))
-            print(json.dumps(rows[-1]), flush=True)
+        torch.manual_seed(7)
+        tokens = torch.cat([sample_triton(batch, SamplingParams(max_new_tokens=1))[0]
+                            for _ in range(-(-draws // per_call))])[:draws].cpu()  # fmt: skip
+        position = (tokens[:, None] == ids[None, :]).float().argmax(1)
+        assert torch.isin(tokens, ids).all(), "a token outside the finite logits was drawn"
+        p = chi_square_p(position, torch.softmax(values.double(), 0))
+        rows.append(dict(part="vocab", case=name, draws=draws, p=round(p, 4)))
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel rollout on K GPUs: TP=1 (each rank gathers the whole actor, today's path) vs TP=K
+"""Tensor-parallel rollout on K GPUs: TP=1 (each rank gathers the whole actor: data parallel) vs TP=K
 (each rank generates on its slices, resharded from the FSDP2 shards) — tokens/s, gather / reshard time,
 peak memory per GPU; and, under a memory cap, a rollout that does not fit at TP=1 generating at TP=K.
 
@@ -23,7 +23,7 @@ TP=K runs first; TP=1 last, as it is the one expected to fail under ``--cap-gib`
 ``gpu_memory_utilization`` both set to the cap):
 a failure is recorded as ``status`` (``oom`` or ``no_room``) and ends that shape.
 
-Prediction (2 × H200, bf16, batch 64 × (256 + 256)): at 1.5B and 7B both fit; TP=2 holds half the
+What to expect (2 GPUs of 141 GB, bf16, batch 64 × (256 + 256)): at 1.5B and 7B both fit; TP=2 holds half the
 weights (7B: 7.6 instead of 15.2 GB) and half the KV per token, so more slots fit, but each decode step
 adds 2 all-reduces per layer on NVLink: per-GPU tokens/s at TP=2 is expected *below* TP=1 (data
 parallelism needs no communication) — TP is for models that do not fit, not for speed. The reshard moves
@@ -128,16 +128,16 @@ def measure(args, config, model, tp, info) -> tuple[dict, dict | None]:
     import torch
 
     from klppo.parallel.collectives import all_reduce_max_values
-    from klppo.rollout import SamplingParams, make_rollout
+    from klppo.rollout import EngineSettings, SamplingParams, make_rollout
 
     cuda = info.device.type == "cuda"
     tp_size = 1 if tp is None else tp.size
     util = args.util
     if args.cap_gib is not None and cuda:
         util = min(1.0, args.cap_gib * 2**30 / torch.cuda.get_device_properties(info.device).total_memory)
-    options = {"use_cuda_graph": False, "compile_decode": False} if args.eager else {}
-    engine = make_rollout("klppo", eos_token_ids=[0], pad_token_id=0, gpu_memory_utilization=util,
-                          tensor_parallel=tp, **options)  # fmt: skip
+    options = {"cuda_graphs": False, "compile_decode": False} if args.eager else {}
+    settings = EngineSettings(eos_token_ids=[0], pad_token_id=0, gpu_memory_utilization=util, **options)
+    engine = make_rollout("klppo", settings, tensor_parallel=tp)
     ids, mask = prompts(config, args, info.device, info.rank, args.batch, args.prompt)
     params = SamplingParams(max_new_tokens=args.new, temperature=1.0, ignore_eos=True, seed=info.rank)
     row: dict = {"tp": tp_size, "status": "ok"}

@@ -33,12 +33,12 @@ def test_fresh_then_reused_cache_on_cpu(tmp_path) -> None:
 
 def test_the_reuse_mode_gets_the_cache_of_its_own_engine() -> None:
     """``compile-warm-cache`` reuses the cache of the last fresh process with its engine configuration,
-    not of one with other compiled functions run after it (``compile-rope-outside``)."""
+    not of one with other compiled functions run after it (``sdpa``)."""
     from bench.rollout_cold import _cache_for
 
     caches: dict[str, str] = {}
     fresh = _cache_for("compile", caches)
-    other = _cache_for("compile-rope-outside", caches)
+    other = _cache_for("sdpa", caches)
     assert other != fresh and _cache_for("compile-warm-cache", caches) == fresh
     later = _cache_for("precompile", caches)  # fresh, the same engine: the next reuse takes it
     assert later not in (fresh, other) and _cache_for("compile-warm-cache", caches) == later
