@@ -34,7 +34,7 @@ from klppo.rollout.workspace import Workspace
 class Call:
     """One ``generate`` call's fixed inputs, shared by its prefills and decode steps."""
 
-    w: LlamaWeights  # the weights decode reads (the fused copies with fuse_projections)
+    w: LlamaWeights  # the weights decode reads (the fused copies)
     ws: Workspace
     params: SamplingParams
     packed: torch.Tensor  # [sum of prompt lengths] the prompts' real tokens, back to back

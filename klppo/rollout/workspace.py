@@ -63,7 +63,7 @@ class Workspace:
 
     key: tuple  # the call shape it was made for (reused by a later call with the same key)
     kv: torch.Tensor  # [L, 2, slots, S, H_kv, D]
-    weights: LlamaWeights | None  # the fused concatenations (fuse_projections), else None
+    weights: LlamaWeights | None  # the fused concatenations, else None (given fused: tensor parallel)
     last_token: torch.Tensor  # [slots] token to feed next
     position: torch.Tensor  # [slots] cache position it is written at
     seq_id: torch.Tensor  # [slots] sequence in the slot (num_seqs = none)
