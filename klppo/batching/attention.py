@@ -73,21 +73,13 @@ def _torch_varlen():
 
 def packed_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
     """The backend that packed attention uses for tensors on ``device`` of ``dtype``."""
-    return _choose_backend(
-        device, dtype, lambda: _flash_attn_varlen() is not None, lambda: _torch_varlen() is not None
-    )
-
-
-def _choose_backend(device: torch.device, dtype: torch.dtype, has_flash_attn, has_torch_varlen) -> str:
-    """The rule of :func:`packed_attention_backend`, given how to learn whether each varlen kernel is
-    there (the caches eagerly; what :func:`set_traced_packed_attention` probed in a trace)."""
     if _forced_backend is not None:
         return _forced_backend
     if device.type == "cuda":
         if dtype in (torch.float16, torch.bfloat16):
-            if has_flash_attn():
+            if _flash_attn_varlen() is not None:
                 return "flash_attn"
-            if has_torch_varlen():
+            if _torch_varlen() is not None:
                 return "torch_varlen"
         return "flex"
     return "sdpa_block"
@@ -121,9 +113,8 @@ def _cached(kind: str, cu_seqlens: torch.Tensor, total: int, build):
     return value
 
 
-def _sdpa_block(q, k, v, cu_seqlens, scaling, *, cached: bool = True):
-    """q [Hq, T, D], k/v [Hkv, T, D] → [Hq, T, D] with a dense block-causal mask (built once per forward
-    with ``cached``; per call without, as a trace must: CPU tests only)."""
+def _sdpa_block(q, k, v, cu_seqlens, scaling):
+    """q [Hq, T, D], k/v [Hkv, T, D] → [Hq, T, D] with a dense block-causal mask (built once per forward)."""
     total = q.shape[1]
 
     def build():
@@ -131,7 +122,7 @@ def _sdpa_block(q, k, v, cu_seqlens, scaling, *, cached: bool = True):
         pos = torch.arange(total, device=q.device)
         return (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
 
-    mask = _cached("sdpa", cu_seqlens, total, build) if cached else build()
+    mask = _cached("sdpa", cu_seqlens, total, build)
     return F.scaled_dot_product_attention(
         q.unsqueeze(0),
         k.unsqueeze(0),
@@ -176,11 +167,9 @@ def _torch_varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(_torch_varlen()).parameters)
 
 
-def _torch_varlen_call(q, k, v, cu_seqlens, max_len, scaling, fn=None, params=None):
-    """q [T, Hq, D], k/v [T, Hkv, D] → [T, Hq, D] through PyTorch's varlen FlashAttention (``fn`` and its
-    ``params`` given by the traced path, which may not call the caches)."""
-    fn = _torch_varlen() if fn is None else fn
-    params = _torch_varlen_params() if params is None else params
+def _torch_varlen_call(q, k, v, cu_seqlens, max_len, scaling):
+    """q [T, Hq, D], k/v [T, Hkv, D] → [T, Hq, D] through PyTorch's varlen FlashAttention."""
+    fn, params = _torch_varlen(), _torch_varlen_params()
     kwargs = {"scale": scaling}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in params:
@@ -196,51 +185,12 @@ def _torch_varlen_call(q, k, v, cu_seqlens, max_len, scaling, fn=None, params=No
     return fn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
-_traced: dict[str, object] = {}
-"""Filled by :func:`set_traced_packed_attention`: what the traced path reads instead of the caches."""
-
-
-def set_traced_packed_attention(on: bool) -> None:
-    """Inside compiled decoder layers (:mod:`klppo.models.compiled_layers`), trace packed attention into
-    the layer's graph instead of leaving it to eager code between compiled parts. Off by default: the
-    eager path breaks each compiled layer in five regions (the layer, its attention module and the
-    attention function, each resumed after the call), each with its guard checks and wrappers, hundreds of
-    checks in a small model's reference pass. On: one region per layer where the backend can be traced
-    (``torch_varlen`` on CUDA, ``sdpa_block`` elsewhere); ``flash_attn`` and ``flex`` keep the eager path.
-    It stays off because the whole step takes the same time either way: the update gains what the reference
-    loses (``bench/ppo_step.py --variants after after+traced_attention``). Set it before the first compiled
-    forward: layers
-    compiled with it off keep their regions when it is turned on later (until ``torch._dynamo.reset()``;
-    turning it off recompiles, the guards see that)."""
-    _traced.clear()
-    if not on:
-        return
-    _traced["flash_attn"] = _flash_attn_varlen() is not None  # probed here, eagerly, not in a trace
-    if _torch_varlen() is not None:
-        _traced["varlen"] = (_torch_varlen(), _torch_varlen_params())
-
-
-def _traced_attention(q, k, v, cu_seqlens, max_len: int, scaling: float) -> torch.Tensor | None:
-    """As :func:`_varlen_attention`, traceable by ``torch.compile`` (no caches, no signature reads); None for
-    the backends it does not trace (the caller takes the eager path)."""
-    backend = _choose_backend(q.device, q.dtype, lambda: _traced["flash_attn"], lambda: "varlen" in _traced)
-    if backend not in ("torch_varlen", "sdpa_block"):
-        return None
-    return _attend(q, k, v, cu_seqlens, max_len, scaling, backend, varlen=_traced.get("varlen"), cached=False)
-
-
 @torch.compiler.disable
 def _varlen_attention(q, k, v, cu_seqlens, max_len: int, scaling: float) -> torch.Tensor:
     """q [1, Hq, T, D], k/v [1, Hkv, T, D] → [1, T, Hq, D] block-diagonal causal attention. Opaque to
     ``torch.compile`` (compiled decoder layers, :mod:`klppo.models.compiled_layers`, run it eager between
-    their compiled parts): the kernels are the same, and the backend choice and mask cache stay Python.
-    :func:`set_traced_packed_attention` gives the compiled layers a traceable path instead."""
-    return _attend(q, k, v, cu_seqlens, max_len, scaling, packed_attention_backend(q.device, q.dtype))
-
-
-def _attend(q, k, v, cu_seqlens, max_len: int, scaling: float, backend: str, *, varlen=None, cached=True):
-    """Both paths' attention through ``backend``; ``varlen``: (varlen_attn, its keyword names) when the
-    caller may not read the caches, ``cached``: the sdpa_block mask built once per forward."""
+    their compiled parts): the kernels are the same, and the backend choice and mask cache stay Python."""
+    backend = packed_attention_backend(q.device, q.dtype)
     if backend in ("flash_attn", "torch_varlen"):
         qt, kt, vt = (x.squeeze(0).transpose(0, 1) for x in (q, k, v))  # [T, H, D]
         if backend == "flash_attn":
@@ -249,13 +199,13 @@ def _attend(q, k, v, cu_seqlens, max_len: int, scaling: float, backend: str, *, 
                 qt, kt, vt, cu, cu, max_len, max_len, softmax_scale=scaling, causal=True
             )
         else:
-            out = _torch_varlen_call(qt, kt, vt, cu_seqlens, max_len, scaling, *(varlen or ()))
+            out = _torch_varlen_call(qt, kt, vt, cu_seqlens, max_len, scaling)
         return out.unsqueeze(0)
     q0, k0, v0 = q.squeeze(0), k.squeeze(0), v.squeeze(0)
     if backend == "flex":
         out = _flex(q0, k0, v0, cu_seqlens, scaling)
     else:
-        out = _sdpa_block(q0, k0, v0, cu_seqlens, scaling, cached=cached)  # [Hq, T, D]
+        out = _sdpa_block(q0, k0, v0, cu_seqlens, scaling)  # [Hq, T, D]
     return out.transpose(0, 1).unsqueeze(0)
 
 
@@ -296,10 +246,6 @@ def packed_attention_forward(
     max_len = kwargs.get("max_length_q")
     if max_len is None:
         max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    if _traced and torch.compiler.is_compiling():
-        out = _traced_attention(query, key, value, cu_seqlens, int(max_len), scaling)
-        if out is not None:
-            return out, None
     return _varlen_attention(query, key, value, cu_seqlens, int(max_len), scaling), None
 
 

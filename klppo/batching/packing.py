@@ -10,9 +10,7 @@ at each sequence (gathered from the padded position ids), ``cu_seqlens`` [B+1] s
 ``indices`` [T] (flat positions in ``B × L``) to scatter per-token results back. The attention is
 block-diagonal causal (see :mod:`klppo.batching.attention`), so each sequence sees exactly the tokens it
 sees in the padded forward and results agree up to float rounding. A model whose decoder layers are
-compiled (:mod:`klppo.models.compiled_layers`) runs its packed row unpadded (dynamic token dims, the
-default) or, with ``KLPPO_COMPILE_DYNAMIC_TOKENS=0``, padded to a bucket size at the call (one more
-sequence, never read).
+compiled (:mod:`klppo.models.compiled_layers`) runs its packed row unpadded (dynamic token dims).
 
 Both paths return zeros at masked response positions. Log-probs and entropy are float32 (logits are
 upcast before the softmax); gradients flow through them.
@@ -30,7 +28,6 @@ import torch
 from klppo.algorithms.losses import entropy_from_logits
 from klppo.batching.attention import PACKED_ATTENTION
 from klppo.models import lm_head
-from klppo.models.compiled_layers import pad_packed_call
 from klppo.models.lm_head import stats_compiled, token_stats_head
 
 
@@ -249,12 +246,9 @@ def _check_attention(model: torch.nn.Module) -> None:
 
 
 def _packed_call(model: torch.nn.Module, kwargs: dict) -> dict:
-    """A packed forward's keyword arguments as ``model`` runs them: padded to the compiled layers' buckets
-    where the model uses them (:func:`klppo.models.compiled_layers.pad_packed_call`; not with the default
-    dynamic token dims), and with the klppo_packed attention an empty
+    """A packed forward's keyword arguments as ``model`` runs them: with the klppo_packed attention an empty
     4-D ``attention_mask``, which transformers passes through as "prepared" (its packed-sequence detection
     from ``position_ids`` reads one device scalar per forward); the attention reads ``cu_seq_lens`` only."""
-    kwargs = pad_packed_call(model, kwargs)
     if getattr(model.config, "_attn_implementation", None) == PACKED_ATTENTION:
         ids = kwargs["input_ids"]
         kwargs = {**kwargs, "attention_mask": torch.ones((1, 1, 0, 0), dtype=torch.bool, device=ids.device)}

@@ -9,6 +9,7 @@ only change speed or memory run with a notice (see `unimplemented.py`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 from klppo.config._walk import all_keys
@@ -544,12 +545,10 @@ def _compiled_layers(cfg: KLPPOConfig) -> None:
         if sp > 1:
             raise ConfigError(f"{prefix}.compile_packed_layers=True is not built with Ulysses sequence "
                               f"parallelism (ulysses_sequence_parallel_size={sp}); set it to False")  # fmt: skip
-        from klppo.models.compiled_layers import dynamic_tokens_from_env  # noqa: PLC0415  torch: only when compiling
-
-        try:  # a wrong value of the switch is said at load, not when the first model is compiled
-            dynamic_tokens_from_env()
-        except ValueError as e:
-            raise ConfigError(f"{prefix}.compile_packed_layers=True: {e}") from None
+        if os.environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS", "").strip():
+            raise ConfigError(f"{prefix}.compile_packed_layers=True: KLPPO_COMPILE_DYNAMIC_TOKENS is not a "
+                              "klppo setting (the compiled layers always run unpadded with dynamic token "
+                              "dims; there are no static token buckets); unset it")  # fmt: skip
 
 
 def compiled_layers_advice(cfg: KLPPOConfig) -> list[str]:

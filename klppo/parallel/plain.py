@@ -129,10 +129,7 @@ class MasterWeights:
     ``model``'s parameters are in the compute dtype (``param_dtype``); ``masters[i]`` is the master of
     ``params[i]`` (``model.parameters()``, a tied weight once), a leaf ``nn.Parameter`` in the model's loaded
     dtype with the same ``requires_grad``. The optimizer, the clip and the checkpoint work on ``module``.
-    Both copies live in flat buffers (module docstring); ``flat = False`` (the class attribute, which
-    ``bench/ppo_step.py``'s ``@flat_masters=off`` sets) keeps every parameter's own storage instead."""
-
-    flat = True
+    Both copies live in flat buffers (module docstring)."""
 
     def __init__(
         self, model: nn.Module, *, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype
@@ -150,7 +147,7 @@ class MasterWeights:
                 m.data = p.detach().clone()
                 if param_dtype is not None:
                     p.data = p.data.to(param_dtype)
-        self._loose = loose  # parameters with storage of their own (not contiguous, or ``flat`` off)
+        self._loose = loose  # parameters with storage of their own (not contiguous, or empty)
         self.module = _mirror(model, {id(p): m for p, m in zip(self.params, self.masters)})
         # DCP's set_state_dict ends in module.load_state_dict: the loaded masters reach the compute copy
         self.module.register_load_state_dict_post_hook(lambda module, keys: self._loaded())
@@ -164,7 +161,7 @@ class MasterWeights:
         kinds: dict[tuple, list[int]] = {}
         loose = []
         for i, p in enumerate(self.params):
-            if not self.flat or not p.is_contiguous() or p.numel() == 0:
+            if not p.is_contiguous() or p.numel() == 0:
                 loose.append((p, self.masters[i]))
                 continue
             kind = (p.device, p.dtype, param_dtype or p.dtype, p.requires_grad)

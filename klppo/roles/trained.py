@@ -86,9 +86,6 @@ class TrainedRole:
     """Base of the roles that own an optimizer (actor, critic). ``name`` prefixes the metrics."""
 
     name = "role"
-    skip_on_device = True
-    """A fused Adam/AdamW skips a non-finite step itself (``_skips_on_device``); False (which
-    ``bench/ppo_step.py``'s ``-device_skip`` sets): the host reads the norm and decides per mini-batch."""
 
     def __init__(
         self,
@@ -254,8 +251,7 @@ class TrainedRole:
         opt = self.optimizer
         local = steps_on_local_shards(opt)
         return (
-            self.skip_on_device
-            and isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
+            isinstance(opt, torch.optim.Adam | torch.optim.AdamW)
             and getattr(opt, "_step_supports_amp_scaling", False)
             and all(group.get("fused") for group in opt.param_groups)
             and all(

@@ -45,22 +45,13 @@ class PhaseOutOfMemory(RuntimeError):
 
 
 class PhaseTimer:
-    """``timing_s/<phase>`` of one step (module docstring): device events on CUDA, the host's clock off it.
-
-    ``sync_edges = True`` (class attribute; a benchmark switch, ``bench/ppo_step.py``'s
-    ``-async_phases``): synchronise the device at every phase edge and time on the host's clock, as
-    klppo did before (each phase then starts on an idle device)."""
-
-    sync_edges = False
+    """``timing_s/<phase>`` of one step (module docstring): device events on CUDA, the host's clock off it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.on_device = device.type == "cuda"  # CUDA events, else the host's clock
         self.seconds: dict[str, float] = {}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _event(self) -> torch.cuda.Event:
         event = torch.cuda.Event(enable_timing=True)
@@ -69,21 +60,18 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str):
-        on_device = self.device.type == "cuda" and not self.sync_edges
-        if on_device:
+        if self.on_device:
             first = self._event()
         else:
-            self._sync()
             start = time.perf_counter()
         try:
             with dist_phase(name), _ranges(name, self.device):
                 yield
         except torch.OutOfMemoryError as exc:
             raise PhaseOutOfMemory(out_of_memory_message(name, self.device)) from exc
-        if on_device:
+        if self.on_device:
             self._events.append((name, first, self._event()))
             return
-        self._sync()
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """The plain path's flat buffers (klppo/parallel/plain.py): each kind of parameter (device, compute dtype,
 master dtype, trained or not) laid end to end in one buffer per copy, so that the per-step copy and the
 gradient accumulation are a few kernels, with the arithmetic of the per-tensor ops bit for bit
-(``PerTensor``: the same class with ``flat`` off, every parameter its own storage)."""
+(``PerTensor``: the same class with every parameter in its own storage, the per-tensor ops alone)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
 class PerTensor(MasterWeights):
-    flat = False
+    """The oracle: no flat buffer, every parameter loose (the path of a non-contiguous parameter)."""
+
+    def _build_flats(self, param_dtype):
+        return [], list(zip(self.params, self.masters))
 
 
 class Net(nn.Module):
@@ -197,7 +200,7 @@ def test_the_per_step_elementwise_work_is_a_few_kernels_whatever_the_number_of_p
             ms.model(ids).float().square().mean().backward()
             ops.append(_kernel_ops(ms.accumulate_grads))
         ops.append(_kernel_ops(ms.copy_to_model))
-        counts[ms.flat] = ops
+        counts[not isinstance(ms, PerTensor)] = ops
     assert counts[True] == [1 + 1 + 1, 1 + 2 + 2, 1 + 1]  # flat, then the loose parameter's
     assert all(n >= 66 for n in counts[False])
 
