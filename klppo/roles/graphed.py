@@ -3,7 +3,7 @@ configuration; docs/sharding.md, "The update as CUDA graphs").
 
 On one GPU the update's forward, loss and backward are host-bound: thousands of small kernels, each launched
 by Python while the GPU waits. Captured once as a CUDA graph, a micro-batch's kernels are one launch, and
-the update takes the kernels' own time (``bench/graphed_update.py`` times both).
+the update takes the kernels' own time (``bench/ppo_step.py``'s ``+graphs`` setting times both).
 
 :class:`MicroGraphs` keys each micro-batch by its *signature* — the shapes and dtypes of every tensor the
 step reads, and the Python values the step's code branches on — and

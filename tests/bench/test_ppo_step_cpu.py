@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 
-import pytest
 import torch
 
 from bench.ppo_step import HostProbe, OpCount, kernel_seconds, variant_overrides
@@ -79,28 +78,6 @@ def test_kernel_seconds_count_each_kernel_once() -> None:
     assert kernel_seconds(events) == 500e-6
 
 
-def test_the_traced_attention_switch_is_on_inside_and_off_after():
-    from bench.ppo_step import SETTINGS, bench_switches, variant_overrides
-    from klppo.batching import attention
-
-    assert variant_overrides("after+traced_attention")[-1] == "@traced_attention=on"
-    assert SETTINGS["traced_attention"] == ["@traced_attention=on"]
-    assert not attention._traced
-    with bench_switches(["@traced_attention=on"]):
-        assert "flash_attn" in attention._traced  # probed eagerly, for the traced path to read
-    assert not attention._traced
-    with pytest.raises(RuntimeError), bench_switches(["@traced_attention=on"]):
-        raise RuntimeError("a variant fails")
-    assert not attention._traced  # restored on errors too
-    attention.set_traced_packed_attention(True)  # on before: on after (were it the default)
-    try:
-        with bench_switches([]):
-            pass
-        assert attention._traced
-    finally:
-        attention.set_traced_packed_attention(False)
-
-
 def test_prompts_scales_the_batch_and_keeps_the_number_of_mini_batches():
     from bench.ppo_step import WORKLOADS, scaled_workload, tiny_workload
 
@@ -115,72 +92,26 @@ def test_prompts_scales_the_batch_and_keeps_the_number_of_mini_batches():
     assert scaled_workload(tiny_workload(WORKLOADS["grpo135m"]), 16).overrides[0].endswith("=16")
 
 
-def test_the_dynamic_tokens_switch_is_on_inside_and_restored_after(monkeypatch):
-    from bench.ppo_step import bench_switches, variant_overrides
-    from klppo.models import compiled_layers
-
-    monkeypatch.setattr(compiled_layers, "DYNAMIC_TOKENS", None)  # the environment decides outside a switch
-
-    assert "@dynamic_tokens=on" in variant_overrides("after")  # a candidate, on by default
-    assert "@dynamic_tokens=off" in variant_overrides("after-dynamic_tokens")
-    assert "@dynamic_tokens=off" in variant_overrides("before")
-    assert "@dynamic_tokens=on" in variant_overrides("before+dynamic_tokens")
-    for items, inside in ((["@dynamic_tokens=on"], True), (["@dynamic_tokens=off"], False), ([], None)):
-        with pytest.raises(RuntimeError), bench_switches(items):
-            assert compiled_layers.DYNAMIC_TOKENS is inside
-            raise RuntimeError("a variant fails")
-        assert compiled_layers.DYNAMIC_TOKENS is None
-
-
-def test_the_local_optim_candidate_turns_the_key_off_for_both_trained_roles():
-    from bench.ppo_step import variant_overrides
-
-    off = [f"{r}.fsdp_config.local_shard_optim=False" for r in ("actor_rollout_ref.actor", "critic.model")]
-    assert all(o in variant_overrides("after+critic_compile-local_optim") for o in off)
-    assert all(o in variant_overrides("before") for o in off)
-    assert not any("local_shard_optim" in o for o in variant_overrides("after+critic_compile"))
-
-
 def test_the_plain_candidate_turns_the_key_off_for_both_trained_roles():
     off = [f"{r}.fsdp_config.plain_single_gpu=false" for r in ("actor_rollout_ref.actor", "critic.model")]
     assert all(o in variant_overrides("after+critic_compile-plain") for o in off)
     assert not any("plain_single_gpu" in o for o in variant_overrides("after+critic_compile"))
 
 
-def test_fwd_graphs_switches_only_the_no_grad_pass_graphs_off():
-    """``+graphs`` sets the actor's, the reference's and the critic's cuda_graph_update (updates and no-grad
-    passes); ``-fwd_graphs`` adds the bench switch that builds the roles without the no-grad passes' graphs
-    (the updates' stay), restored after the variant."""
-    from bench.ppo_step import bench_switches, variant_overrides
-    from klppo.roles.reference import Reference
-    from klppo.roles.trained import TrainedRole
-    from tests.roles.test_graphed import _graph_actor_settings
-    from tests.roles.test_graphed_forward import _reference
+def test_every_variant_is_configuration_only():
+    """Variants are configuration keys a user also has (no bench switch, no patched name): every override
+    loads, ``+graphs`` sets the three roles' cuda_graph_update, ``before`` turns every candidate off."""
+    from bench.ppo_step import CANDIDATES, SETTINGS
+    from klppo.config import load_config
 
     on = variant_overrides("after+critic_compile+graphs")
-    off = variant_overrides("after+critic_compile+graphs-fwd_graphs")
-    assert sorted(off) == sorted([*on, "@fwd_graphs=off"])
     for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic.model"):
         assert f"{role}.fsdp_config.cuda_graph_update=True" in on
-    assert "@fwd_graphs=off" in variant_overrides("before+graphs")  # before: every candidate off
-    inits = Reference.__init__, TrainedRole.__init__
-    with pytest.raises(RuntimeError), bench_switches(["@fwd_graphs=off"]):
-        actor = _graph_actor_settings()
-        assert actor.graphs is not None and actor.forward_graphs is None
-        assert _reference(True).graphs is None
-        raise RuntimeError("a variant fails")
-    assert (Reference.__init__, TrainedRole.__init__) == inits
-    assert _graph_actor_settings().forward_graphs is not None and _reference(True).graphs is not None
-
-
-def test_flat_masters_off_builds_the_plain_path_per_tensor_for_the_variant():
-    from bench.ppo_step import bench_switches, variant_overrides
-    from klppo.parallel.plain import MasterWeights
-    from tests.parallel.test_plain_flat import Net
-
-    assert "@flat_masters=off" in variant_overrides("after+graphs-flat_masters")
-    assert "@flat_masters=off" not in variant_overrides("after+graphs")
-    with pytest.raises(RuntimeError), bench_switches(["@flat_masters=off"]):
-        assert not MasterWeights(Net(), param_dtype=None, reduce_dtype=torch.float32)._flats
-        raise RuntimeError("a variant fails")
-    assert MasterWeights(Net(), param_dtype=None, reduce_dtype=torch.float32)._flats
+    before = variant_overrides("before")
+    assert all(o in before for off in (c[1] for c in CANDIDATES.values()) for o in off)
+    every = [o for c in CANDIDATES.values() for side in c for o in side] + [
+        o for v in SETTINGS.values() for o in v
+    ]
+    assert not any(o.startswith("@") for o in every)
+    load_config(before)
+    load_config(on)
