@@ -71,6 +71,17 @@ def _align_ranks(timer: PhaseTimer) -> None:
             all_reduce_sum_values([0.0])
 
 
+@dataclass(frozen=True)
+class StepDone:
+    """What a step's phases leave for its metrics: the global batch, the phases' metrics, what was non-finite
+    if the step skipped an update (None: it did not), and the rows the actor updated on (None: no update)."""
+
+    batch: Batch
+    metrics: dict[str, float]
+    skipped: str | None = None
+    update_rows: Batch | None = None
+
+
 @dataclass
 class TrainerState:
     """What carries from one step to the next (and into checkpoints)."""
@@ -164,38 +175,45 @@ class PPOTrainer:
 
     def train_step(self, prompts: Batch, step: int) -> dict[str, float]:
         """One PPO step: generate → score → gather → advantages → updates; returns the step's metrics."""
-        run, cfg = self.run, self.cfg
-        roles, timer = run.roles, PhaseTimer(run.device)
-        update_metrics: dict[str, float] = {}
-        with timer.phase("step"), run.offload.on_device(roles.actor):
-            local, rollout_stats, pending = self._rollout(shard_prompts(prompts), step, timer)
-            local, metrics, plan = self._old_log_probs(local, timer)
-            local = self._reference_log_probs(local, timer, plan)
-            with self._critic_on_device():  # from its values to its update
-                local = self._values(local, timer)
-                with timer.phase("reward"):
-                    local = with_scores(roles.reward, local, pending)
-                batch = gather_samples(prompts, local, n=run.sampling.train.n, fields=GATHERED)
-                batch, adv_metrics, skipped = self._checked_advantages(batch, step, timer)
-                if skipped is None:  # else what was non-finite: the step updates no model
-                    rows, num_mini_batches = self._update_rows(batch)
-                    share = shard_for_update(
-                        rows, balance=cfg.trainer.balance_batch, sp_size=roles.actor.update.sp_size
-                    )
-                    _align_ranks(timer)
-                    update_metrics, skipped = self._update_critic(self._critic_share(batch, share), timer)
-            if skipped is None:
-                actor_metrics, skipped = self._update_actor(
-                    batch, share, step, timer, num_update_rows=len(rows), num_mini_batches=num_mini_batches
-                )
-                update_metrics.update(actor_metrics)
-        if cfg.trainer.rollout_data_dir and rank() == 0:
-            dump_rollouts(cfg.trainer.rollout_data_dir, step, batch, run.tokenizer, roles.reward)
-        metrics = self._step_metrics(
-            batch, timer, {**metrics, **adv_metrics, **update_metrics, **rollout_stats},
-            update_batch=rows if skipped is None else None,
-        )  # fmt: skip
-        return self._count_skipped(metrics, step, skipped)
+        timer = PhaseTimer(self.run.device)
+        with timer.phase("step"), self.run.offload.on_device(self.run.roles.actor):
+            done = self._phases(prompts, step, timer)
+        if self.cfg.trainer.rollout_data_dir and rank() == 0:
+            dump_rollouts(self.cfg.trainer.rollout_data_dir, step, done.batch, self.run.tokenizer,
+                          self.run.roles.reward)  # fmt: skip
+        metrics = self._step_metrics(done.batch, timer, done.metrics, update_batch=done.update_rows)
+        return self._count_skipped(metrics, step, done.skipped)
+
+    def _phases(self, prompts: Batch, step: int, timer: PhaseTimer) -> StepDone:
+        """The step's phases, the actor on the device (the caller's), the critic from its values to its update;
+        a non-finite advantage input or target updates no model, a skipped critic step no actor."""
+        run, roles = self.run, self.run.roles
+        local, rollout_stats, pending = self._rollout(shard_prompts(prompts), step, timer)
+        local, metrics, plan = self._old_log_probs(local, timer)
+        local = self._reference_log_probs(local, timer, plan)
+        with self._critic_on_device():
+            local = self._values(local, timer)
+            with timer.phase("reward"):
+                local = with_scores(roles.reward, local, pending)
+            batch = gather_samples(prompts, local, n=run.sampling.train.n, fields=GATHERED)
+            batch, adv_metrics, skipped = self._checked_advantages(batch, step, timer)
+            if skipped is not None:
+                return StepDone(batch, {**metrics, **adv_metrics, **rollout_stats}, skipped=skipped)
+            rows, num_mini_batches = self._update_rows(batch)
+            share = shard_for_update(
+                rows, balance=self.cfg.trainer.balance_batch, sp_size=roles.actor.update.sp_size
+            )
+            _align_ranks(timer)
+            critic_metrics, skipped = self._update_critic(self._critic_share(batch, share), timer)
+        if skipped is not None:
+            return StepDone(
+                batch, {**metrics, **adv_metrics, **critic_metrics, **rollout_stats}, skipped=skipped
+            )
+        actor_metrics, skipped = self._update_actor(
+            batch, share, step, timer, num_update_rows=len(rows), num_mini_batches=num_mini_batches
+        )
+        metrics = {**metrics, **adv_metrics, **critic_metrics, **actor_metrics, **rollout_stats}
+        return StepDone(batch, metrics, skipped=skipped, update_rows=rows if skipped is None else None)
 
     def _rollout(self, mine: Batch, step: int, timer: PhaseTimer) -> tuple[Batch, dict, PendingScores | None]:
         """This rank's samples (with the greedy baselines ReMax-like estimators need), the engine's figures,
