@@ -12,6 +12,7 @@ import klppo
 ROOT = Path(klppo.__file__).parent
 MAX_FUNCTION_LINES = 80
 MAX_LOCAL_KLPPO_IMPORTS = 10
+MAX_PARAMETERS = 12
 
 
 def _sources() -> list[tuple[Path, ast.Module, list[str]]]:
@@ -29,6 +30,33 @@ def long_functions(tree: ast.Module, limit: int = MAX_FUNCTION_LINES) -> list[tu
         for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def num_parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The parameters a caller can pass: positional, keyword-only, ``*args`` and ``**kwargs`` (one each); a
+    method's ``self`` / ``cls`` is not counted."""
+    a = fn.args
+    names = [*a.posonlyargs, *a.args]
+    bound = 1 if names and names[0].arg in ("self", "cls") else 0
+    return len(names) - bound + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def _is_triton_kernel(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """``@triton.jit`` (with or without arguments): a kernel's parameters are its launch's pointers,
+    strides and constexprs, not options to group."""
+    return any("triton.jit" in ast.unparse(d) for d in fn.decorator_list)
+
+
+def wide_functions(tree: ast.Module, limit: int = MAX_PARAMETERS) -> list[tuple[str, int, int]]:
+    """(name, first line, number of parameters) of every function or method, Triton kernels aside, that
+    takes more than ``limit`` parameters."""
+    return [
+        (node.name, node.lineno, num_parameters(node))
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and num_parameters(node) > limit
+        and not _is_triton_kernel(node)
     ]
 
 
@@ -55,6 +83,17 @@ def test_no_function_is_longer_than_80_lines() -> None:
     assert not found, "split these functions:\n" + "\n".join(found)
 
 
+def test_no_function_takes_more_than_12_parameters() -> None:
+    """Options travel as one settings object (a frozen dataclass with a docstring per field), not as a long
+    list of keyword arguments; Triton kernels aside."""
+    found = [
+        f"{path}:{line} {name} ({n} parameters)"
+        for path, tree, _ in _sources()
+        for name, line, n in wide_functions(tree)
+    ]
+    assert not found, "group these options in a settings dataclass:\n" + "\n".join(found)
+
+
 def test_function_level_imports_state_their_reason_and_klppo_ones_are_few() -> None:
     unexplained, klppo_local = [], []
     for path, tree, lines in _sources():
@@ -76,6 +115,15 @@ def test_the_checks_see_what_they_look_for() -> None:
     assert [name for name, _, _ in long_functions(tree)] == ["long"]
     imports = local_imports(tree)
     assert len(imports) == 2 and [_is_klppo(n) for n in imports] == [False, True]
+    params = ", ".join(f"p{i}" for i in range(MAX_PARAMETERS))
+    tree = ast.parse(
+        f"def fits(self, {params}): ...\n"
+        f"def wide({params}, *, extra): ...\n"
+        f"def splat(*args, **kwargs): ...\n"
+        f"@triton.jit\ndef kernel({params}, extra): ...\n"
+        f"@triton.jit(do_not_specialize=['x'])\ndef kernel2({params}, extra): ...\n"
+    )
+    assert wide_functions(tree) == [("wide", 2, MAX_PARAMETERS + 1)]
 
 
 def test_the_training_step_reads_on_one_screen() -> None:

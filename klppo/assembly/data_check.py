@@ -13,18 +13,15 @@ scan, which is the price of refusing bad data before the weights load.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from klppo.config import KLPPOConfig
-from klppo.data.dataset import PromptLoader
+from klppo.data.dataset import LoaderSettings, PromptLoader
 from klppo.data.parquet_rows import DataError
 from klppo.models.loading import load_tokenizer, model_dir
 from klppo.rewards.registry import SCORERS, check_custom_reward_file
-
-if TYPE_CHECKING:
-    from klppo.assembly.settings import LoaderSettings
 
 log = logging.getLogger("klppo")
 GROUND_TRUTH_COLUMN = "reward_model"
@@ -97,7 +94,7 @@ def build_loaders(cfg: KLPPOConfig, tokenizer: Any) -> tuple[PromptLoader, Promp
     from klppo.assembly.settings import loader_settings  # noqa: PLC0415  heavy (roles, engine): not for a bad key
 
     def make(settings: LoaderSettings) -> PromptLoader:
-        return PromptLoader(settings.files, tokenizer, **settings.loader_kwargs())
+        return PromptLoader(settings, tokenizer)
 
     val = loader_settings(cfg.data, seed=cfg.trainer.seed, validation=True)
     train = make(loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False))

@@ -10,7 +10,6 @@ restates one or re-casts a typed field.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ from klppo.config.schema import DataConfig
 from klppo.config.schema_arr import RolloutConfig
 from klppo.config.schema_common import FSDPConfig, OptimConfig
 from klppo.config.sizes import Sizes
+from klppo.data.dataset import LoaderSettings
 from klppo.parallel.fsdp import FSDPSettings
 from klppo.parallel.mesh import SequenceParallel
 from klppo.roles.actor import ActorSettings
@@ -384,34 +384,6 @@ def data_paths(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     return [str(v) for v in value]
-
-
-@dataclass(frozen=True)
-class LoaderSettings:
-    """One prompt loader: its files and batching, and how rows become prompts (``data.*``)."""
-
-    files: list[str]
-    batch_size: int
-    shuffle: bool
-    seed: int
-    drop_last: bool
-    shuffle_buffer_rows: int | None
-    max_samples: int
-    """At most this many rows (-1: all; ``data.train_max_samples`` / ``val_max_samples``)."""
-    max_prompt_length: int
-    prompt_key: str
-    filter_overlong_prompts: bool
-    truncation: str
-    return_raw_chat: bool
-    use_chat_template: bool
-    bad_row_policy: str
-    max_cached_row_groups: int
-    apply_chat_template_kwargs: dict[str, Any]
-    reward_fn_key: str
-
-    def loader_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :class:`klppo.data.dataset.PromptLoader` (all but files and tokenizer)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "files"}
 
 
 def loader_settings(data: DataConfig, *, seed: int, validation: bool) -> LoaderSettings | None:

@@ -69,31 +69,55 @@ class LoaderStats:
     max_rows_resident: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class LoaderSettings:
+    """One prompt loader: its files and batching, and how rows become prompts (verl's ``data.*`` keys;
+    :func:`klppo.assembly.settings.loader_settings` builds it from the configuration)."""
+
+    files: str | list[str]
+    """Parquet files in verl's schema, read in this order."""
+    batch_size: int
+    """Prompts per batch."""
+    max_prompt_length: int
+    """Longest prompt in tokens (after the chat template); longer ones are filtered or truncated."""
+    prompt_key: str = "prompt"
+    """The column holding the chat messages."""
+    shuffle: bool = True
+    """Visit the rows in a seeded random order per epoch (module docstring); False: file order."""
+    seed: int = 1
+    """Seed of the shuffle."""
+    filter_overlong_prompts: bool = True
+    """Drop prompts longer than ``max_prompt_length`` at construction (else ``truncation`` applies)."""
+    truncation: str = "error"
+    """``error | left | right | middle``: what happens to an overlong prompt that is kept."""
+    return_raw_chat: bool = False
+    """Accepted for verl compatibility: ``raw_prompt`` is always filled."""
+    use_chat_template: bool = True
+    """Render the messages with the tokenizer's chat template (False, or no template: contents joined)."""
+    bad_row_policy: str = "skip"
+    """``skip | error``: a row whose prompt is not chat messages."""
+    drop_last: bool = True
+    """Drop an epoch's last, partial batch (False for validation)."""
+    shuffle_buffer_rows: int | None = None
+    """The bounded-buffer shuffle of this many rows (None: the exact order, module docstring)."""
+    max_cached_row_groups: int = 16
+    """Row groups kept in memory by the reader's LRU cache."""
+    max_samples: int = -1
+    """At most this many rows (-1: all; ``data.train_max_samples`` / ``val_max_samples``)."""
+    apply_chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Extra keyword arguments of the tokenizer's ``apply_chat_template``."""
+    reward_fn_key: str = "data_source"
+    """The column that names each row's scorer."""
+
+
 class PromptLoader:
     """Batches of tokenised prompts from Parquet files; ``val`` use: ``shuffle=False, drop_last=False``."""
 
-    def __init__(
-        self,
-        files: str | list[str],
-        tokenizer: Any,
-        *,
-        batch_size: int,
-        max_prompt_length: int,
-        prompt_key: str = "prompt",
-        shuffle: bool = True,
-        seed: int = 1,
-        filter_overlong_prompts: bool = True,
-        truncation: str = "error",
-        return_raw_chat: bool = False,
-        use_chat_template: bool = True,
-        bad_row_policy: str = "skip",
-        drop_last: bool = True,
-        shuffle_buffer_rows: int | None = None,
-        max_cached_row_groups: int = 16,
-        max_samples: int = -1,
-        apply_chat_template_kwargs: dict[str, Any] | None = None,
-        reward_fn_key: str = "data_source",
-    ) -> None:
+    def __init__(self, settings: LoaderSettings, tokenizer: Any) -> None:
+        batch_size, max_prompt_length = settings.batch_size, settings.max_prompt_length
+        truncation, bad_row_policy = settings.truncation, settings.bad_row_policy
+        shuffle_buffer_rows, max_samples = settings.shuffle_buffer_rows, settings.max_samples
+        prompt_key, reward_fn_key = settings.prompt_key, settings.reward_fn_key
         if batch_size <= 0 or max_prompt_length <= 0:
             raise ValueError(
                 f"batch_size and max_prompt_length must be positive ({batch_size}, {max_prompt_length})"
@@ -108,7 +132,7 @@ class PromptLoader:
             raise ValueError(
                 "max_samples (data.*_max_samples) needs the exact-order mode (shuffle_buffer_rows=None)"
             )
-        self.chat_template_kwargs = dict(apply_chat_template_kwargs or {})
+        self.chat_template_kwargs = dict(settings.apply_chat_template_kwargs)
         self.reward_fn_key = reward_fn_key
         self.tokenizer = tokenizer
         self.pad_token_id = (
@@ -117,14 +141,15 @@ class PromptLoader:
         if self.pad_token_id is None:
             raise ValueError("tokenizer has neither pad_token_id nor eos_token_id: cannot left-pad prompts")
         self.batch_size, self.max_prompt_length = batch_size, max_prompt_length
-        self.prompt_key, self.shuffle, self.seed = prompt_key, shuffle, seed
-        self.filter_overlong_prompts, self.truncation = filter_overlong_prompts, truncation
-        self.bad_row_policy, self.drop_last = bad_row_policy, drop_last
+        self.prompt_key, self.shuffle, self.seed = prompt_key, settings.shuffle, settings.seed
+        self.filter_overlong_prompts, self.truncation = settings.filter_overlong_prompts, truncation
+        self.bad_row_policy, self.drop_last = bad_row_policy, settings.drop_last
         self.shuffle_buffer_rows = shuffle_buffer_rows
-        self.return_raw_chat = return_raw_chat  # accepted for verl compatibility; raw_prompt is always filled
-        self.use_template = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        self.return_raw_chat = settings.return_raw_chat  # verl compatibility; raw_prompt is always filled
+        self.use_template = settings.use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        files = settings.files
         paths = [files] if isinstance(files, str) else list(files)
-        self.source = RowGroupSource(paths, max_cached_row_groups=max_cached_row_groups)
+        self.source = RowGroupSource(paths, max_cached_row_groups=settings.max_cached_row_groups)
         for f, path in enumerate(self.source.paths):
             if prompt_key not in self.source.column_names(f):
                 raise DataError(

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from klppo.data import PromptLoader
+from klppo.data import LoaderSettings, PromptLoader
 from klppo.data.gsm8k import SCHEMA, make_row
 from klppo.models.tiny import build_tiny_tokenizer
 
@@ -55,7 +55,9 @@ def test_filtering_padding_and_template(tmp_path, tok):
     limit = max(n for i, n in enumerate(lengths) if i % 5) + 1
     expected_overlong = sum(n > limit for n in lengths)
     assert expected_overlong == 6
-    loader = PromptLoader(path, tok, batch_size=4, max_prompt_length=limit, shuffle=False, drop_last=False)
+    loader = PromptLoader(
+        LoaderSettings(path, batch_size=4, max_prompt_length=limit, shuffle=False, drop_last=False), tok
+    )
     assert loader.stats.num_overlong == expected_overlong and loader.stats.num_rows == 24
     assert len(loader) == 6
     batches = list(loader)
@@ -81,17 +83,23 @@ def test_filtering_padding_and_template(tmp_path, tok):
 
 def test_raw_text_without_template(tmp_path, tok):
     path = _write(tmp_path / "a.parquet", _rows(4))
-    raw = PromptLoader(path, tok, batch_size=4, max_prompt_length=512, shuffle=False, use_chat_template=False)
+    raw = PromptLoader(
+        LoaderSettings(path, batch_size=4, max_prompt_length=512, shuffle=False, use_chat_template=False), tok
+    )
     b = raw.next_batch()
     content = _rows(1)[0]["prompt"][0]["content"]
     first = b.prompts[0][b.prompt_mask[0].bool()].tolist()
     assert first == tok(content)["input_ids"] and tok.decode(first) == content  # no template tokens
     no_template = build_tiny_tokenizer()
     no_template.chat_template = None
-    b2 = PromptLoader(path, no_template, batch_size=4, max_prompt_length=512, shuffle=False).next_batch()
+    b2 = PromptLoader(
+        LoaderSettings(path, batch_size=4, max_prompt_length=512, shuffle=False), no_template
+    ).next_batch()
     assert torch.equal(b.prompts, b2.prompts)
     # verl's return_raw_chat only asks for the messages (always carried): tokens stay templated.
-    chat = PromptLoader(path, tok, batch_size=4, max_prompt_length=512, shuffle=False, return_raw_chat=True)
+    chat = PromptLoader(
+        LoaderSettings(path, batch_size=4, max_prompt_length=512, shuffle=False, return_raw_chat=True), tok
+    )
     b3 = chat.next_batch()
     assert b3.prompts[0][b3.prompt_mask[0].bool()].tolist() == _ref_ids(tok, content)
     assert b3.raw_prompt[0] == [{"role": "user", "content": content}]
@@ -101,19 +109,22 @@ def test_truncation_when_not_filtering(tmp_path, tok):
     path = _write(tmp_path / "a.parquet", _rows(4, long_every=2))
     kwargs = dict(batch_size=4, max_prompt_length=20, shuffle=False, filter_overlong_prompts=False)
     ref0 = _ref_ids(tok, _rows(1, long_every=2)[0]["prompt"][0]["content"])
-    left = PromptLoader(path, tok, truncation="left", **kwargs).next_batch()
+    left = PromptLoader(LoaderSettings(path, truncation="left", **kwargs), tok).next_batch()
     assert left.prompts[0].tolist() == ref0[-20:] and left.prompts.shape[1] == 20
-    right = PromptLoader(path, tok, truncation="right", **kwargs).next_batch()
+    right = PromptLoader(LoaderSettings(path, truncation="right", **kwargs), tok).next_batch()
     assert right.prompts[0].tolist() == ref0[:20]
-    middle = PromptLoader(path, tok, truncation="middle", **kwargs).next_batch()
+    middle = PromptLoader(LoaderSettings(path, truncation="middle", **kwargs), tok).next_batch()
     assert middle.prompts[0].tolist() == ref0[:10] + ref0[-10:]
     with pytest.raises(ValueError, match=r"a.parquet row 0 has \d+ tokens > max_prompt_length=20"):
-        PromptLoader(path, tok, truncation="error", **kwargs).next_batch()
+        PromptLoader(LoaderSettings(path, truncation="error", **kwargs), tok).next_batch()
 
 
 def test_shuffle_determinism_and_epochs(tmp_path, tok):
     path = _write(tmp_path / "a.parquet", _rows(23))
-    make = lambda seed: PromptLoader(path, tok, batch_size=5, max_prompt_length=512, seed=seed)  # noqa: E731
+
+    def make(seed):
+        return PromptLoader(LoaderSettings(path, batch_size=5, max_prompt_length=512, seed=seed), tok)
+
     a, b, c = make(1), make(1), make(2)
     uids_a = [u for batch in _drain(a, 8) for u in batch.uid]
     assert uids_a == [u for batch in _drain(b, 8) for u in batch.uid]
@@ -129,17 +140,17 @@ def test_shuffle_determinism_and_epochs(tmp_path, tok):
 def test_exact_resume(tmp_path, tok, buffer):
     p1 = _write(tmp_path / "a.parquet", _rows(17), row_group_size=4)
     kwargs = dict(batch_size=3, max_prompt_length=512, seed=7, shuffle_buffer_rows=buffer)
-    full = PromptLoader(p1, tok, **kwargs)
+    full = PromptLoader(LoaderSettings(p1, **kwargs), tok)
     reference = _drain(full, 14)  # crosses two epoch boundaries (5 batches per epoch)
     for cut in (2, 5, 7):
-        first = PromptLoader(p1, tok, **kwargs)
+        first = PromptLoader(LoaderSettings(p1, **kwargs), tok)
         _drain(first, cut)
         state = first.state_dict()
-        resumed = PromptLoader(p1, tok, **kwargs)
+        resumed = PromptLoader(LoaderSettings(p1, **kwargs), tok)
         resumed.load_state_dict(state)
         for got, want in zip(_drain(resumed, 14 - cut), reference[cut:]):
             assert got.uid == want.uid and torch.equal(got.prompts, want.prompts)
-    other = PromptLoader(p1, tok, **{**kwargs, "seed": 8})
+    other = PromptLoader(LoaderSettings(p1, **{**kwargs, "seed": 8}), tok)
     with pytest.raises(ValueError, match="seed"):
         other.load_state_dict(state)
 
@@ -147,9 +158,9 @@ def test_exact_resume(tmp_path, tok, buffer):
 def test_buffer_mode_covers_each_row_once(tmp_path, tok):
     path = _write(tmp_path / "a.parquet", _rows(40, long_every=7), row_group_size=5)
     loader = PromptLoader(
-        path, tok, batch_size=8, max_prompt_length=60, shuffle_buffer_rows=10, drop_last=False
+        LoaderSettings(path, batch_size=8, max_prompt_length=60, shuffle_buffer_rows=10, drop_last=False), tok
     )
-    exact = PromptLoader(path, tok, batch_size=8, max_prompt_length=60, drop_last=False)
+    exact = PromptLoader(LoaderSettings(path, batch_size=8, max_prompt_length=60, drop_last=False), tok)
     assert loader.stats.num_rows == exact.stats.num_rows == 34 and len(loader) == 5
     epoch0 = [u for b in loader for u in b.uid]
     epoch1 = [u for b in loader for u in b.uid]
@@ -163,13 +174,14 @@ def test_multi_file_and_home_expansion(tmp_path, tok, monkeypatch):
     _write(tmp_path / "a.parquet", _rows(5))
     _write(tmp_path / "b.parquet", _rows(7, start=100))
     loader = PromptLoader(
-        ["~/a.parquet", "~/b.parquet"], tok, batch_size=4, max_prompt_length=512, drop_last=False
+        LoaderSettings(["~/a.parquet", "~/b.parquet"], batch_size=4, max_prompt_length=512, drop_last=False),
+        tok,
     )
     uids = [u for b in loader for u in b.uid]
     assert sorted(uids) == sorted([f"0:{i}" for i in range(5)] + [f"1:{i}" for i in range(7)])
     assert loader.source.paths[0] == os.path.join(str(tmp_path), "a.parquet")
     with pytest.raises(FileNotFoundError, match="missing.parquet"):
-        PromptLoader(["~/missing.parquet"], tok, batch_size=1, max_prompt_length=8)
+        PromptLoader(LoaderSettings(["~/missing.parquet"], batch_size=1, max_prompt_length=8), tok)
 
 
 def test_bad_rows_skip_and_error(tmp_path, tok):
@@ -179,18 +191,18 @@ def test_bad_rows_skip_and_error(tmp_path, tok):
     rows[4]["prompt"] = [{"role": "user", "content": "   "}]  # empty text
     rows[6]["prompt"] = [{"role": "user", "content": None}]  # wrong type inside
     path = _write(tmp_path / "bad.parquet", rows)
-    loader = PromptLoader(path, tok, batch_size=2, max_prompt_length=512, shuffle=False)
+    loader = PromptLoader(LoaderSettings(path, batch_size=2, max_prompt_length=512, shuffle=False), tok)
     assert loader.stats.num_bad_rows == 4 and loader.stats.num_rows == 4
     assert [s.split(": ")[0].rsplit(" ", 1)[1] for s in loader.stats.bad_rows] == ["1", "3", "4", "6"]
     assert "bad.parquet row 1: missing prompt" in loader.stats.bad_rows[0]
     assert [u for b in loader for u in b.uid] == ["0:0", "0:2", "0:5", "0:7"]
     with pytest.raises(ValueError, match=r"bad.parquet row 1: missing prompt"):
-        PromptLoader(path, tok, batch_size=2, max_prompt_length=512, bad_row_policy="error")
+        PromptLoader(LoaderSettings(path, batch_size=2, max_prompt_length=512, bad_row_policy="error"), tok)
     ints = _write(tmp_path / "ints.parquet", [{"prompt": 5}], schema=pa.schema([("prompt", pa.int64())]))
     with pytest.raises(ValueError, match=r"ints.parquet row 0: prompt has type int"):
-        PromptLoader(ints, tok, batch_size=1, max_prompt_length=512, bad_row_policy="error")
+        PromptLoader(LoaderSettings(ints, batch_size=1, max_prompt_length=512, bad_row_policy="error"), tok)
     with pytest.raises(ValueError, match="has no column 'question'"):
-        PromptLoader(path, tok, batch_size=1, max_prompt_length=512, prompt_key="question")
+        PromptLoader(LoaderSettings(path, batch_size=1, max_prompt_length=512, prompt_key="question"), tok)
 
 
 def test_empty_after_filtering_is_a_clear_error(tmp_path, tok):
@@ -200,11 +212,11 @@ def test_empty_after_filtering_is_a_clear_error(tmp_path, tok):
     with pytest.raises(
         ValueError, match=r"no usable prompts.*6 rows.*1 bad.*5 longer than max_prompt_length=3"
     ):
-        PromptLoader(path, tok, batch_size=2, max_prompt_length=3)
+        PromptLoader(LoaderSettings(path, batch_size=2, max_prompt_length=3), tok)
     with pytest.raises(
         ValueError, match=r"only 5 usable prompts in .*, fewer than one batch of 8 \(data.train_batch_size"
     ):
-        PromptLoader(path, tok, batch_size=8, max_prompt_length=512)
+        PromptLoader(LoaderSettings(path, batch_size=8, max_prompt_length=512), tok)
 
 
 def test_row_group_streaming_is_memory_bounded(tmp_path, tok, monkeypatch):
@@ -217,7 +229,8 @@ def test_row_group_streaming_is_memory_bounded(tmp_path, tok, monkeypatch):
     monkeypatch.setattr(pq, "read_table", refuse)
     monkeypatch.setattr(pq.ParquetFile, "read", refuse)
     loader = PromptLoader(
-        path, tok, batch_size=8, max_prompt_length=512, max_cached_row_groups=2, drop_last=False
+        LoaderSettings(path, batch_size=8, max_prompt_length=512, max_cached_row_groups=2, drop_last=False),
+        tok,
     )
     assert loader.stats.row_groups_read == 16 and loader.stats.max_rows_resident == 4  # scan: one at a time
     uids = [u for b in loader for u in b.uid]
@@ -225,19 +238,27 @@ def test_row_group_streaming_is_memory_bounded(tmp_path, tok, monkeypatch):
     assert loader.source.stats.max_rows_resident <= (2 + 1) * 4  # cache of 2 row groups + the one read
     assert loader.source.stats.row_groups_read > 16 + 8  # batches read row groups, not the file
     buffered = PromptLoader(
-        path, tok, batch_size=8, max_prompt_length=512, max_cached_row_groups=2, shuffle_buffer_rows=6
+        LoaderSettings(
+            path, batch_size=8, max_prompt_length=512, max_cached_row_groups=2, shuffle_buffer_rows=6
+        ),
+        tok,
     )
     assert len([b for b in buffered]) == 8 and buffered.source.stats.max_rows_resident <= 12
 
 
 def test_batch_counts_and_validation(tmp_path, tok):
     path = _write(tmp_path / "a.parquet", _rows(10))
-    assert len(PromptLoader(path, tok, batch_size=4, max_prompt_length=512)) == 2
-    assert len(PromptLoader(path, tok, batch_size=4, max_prompt_length=512, drop_last=False)) == 3
+    assert len(PromptLoader(LoaderSettings(path, batch_size=4, max_prompt_length=512), tok)) == 2
+    assert (
+        len(PromptLoader(LoaderSettings(path, batch_size=4, max_prompt_length=512, drop_last=False), tok))
+        == 3
+    )
     for bad in (dict(truncation="center"), dict(bad_row_policy="warn"), dict(batch_size=0)):
         with pytest.raises(ValueError):
-            PromptLoader(path, tok, **{"batch_size": 2, "max_prompt_length": 512, **bad})
-    loader = PromptLoader(path, tok, batch_size=4, max_prompt_length=512, drop_last=False, shuffle=False)
+            PromptLoader(LoaderSettings(path, **{"batch_size": 2, "max_prompt_length": 512, **bad}), tok)
+    loader = PromptLoader(
+        LoaderSettings(path, batch_size=4, max_prompt_length=512, drop_last=False, shuffle=False), tok
+    )
     sizes = [len(b) for b in loader]
     assert sizes == [4, 4, 2] and np.sum(sizes) == 10
 
@@ -246,7 +267,9 @@ def test_max_samples_template_kwargs_and_reward_fn_key(tmp_path, tok):
     rows = [dict(r, ability=f"src{i % 3}") for i, r in enumerate(_rows(12, long_every=4))]
     path = _write(tmp_path / "a.parquet", rows)
     # max_samples: the first N usable rows in file order (overlong rows filtered first), whatever the shuffle
-    loader = PromptLoader(path, tok, batch_size=2, max_prompt_length=60, max_samples=4, seed=3)
+    loader = PromptLoader(
+        LoaderSettings(path, batch_size=2, max_prompt_length=60, max_samples=4, seed=3), tok
+    )
     seen = sorted(uid for _ in range(len(loader)) for uid in loader.next_batch().uid)
     usable = [i for i in range(12) if i % 4 != 0]  # every 4th row is long (longer than 60 tokens)
     assert len(loader) == 2 and seen == sorted(f"0:{i}" for i in usable[:4])
@@ -254,22 +277,24 @@ def test_max_samples_template_kwargs_and_reward_fn_key(tmp_path, tok):
     # extra chat-template arguments reach the template (a template that prints one of them)
     tok2 = build_tiny_tokenizer()
     tok2.chat_template = "{{ flavour }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    plain = PromptLoader(path, tok2, batch_size=2, max_prompt_length=512, shuffle=False)
+    plain = PromptLoader(LoaderSettings(path, batch_size=2, max_prompt_length=512, shuffle=False), tok2)
     tagged = PromptLoader(
-        path,
+        LoaderSettings(
+            path,
+            batch_size=2,
+            max_prompt_length=512,
+            shuffle=False,
+            apply_chat_template_kwargs={"flavour": "zz"},
+        ),
         tok2,
-        batch_size=2,
-        max_prompt_length=512,
-        shuffle=False,
-        apply_chat_template_kwargs={"flavour": "zz"},
     )
     text = tok2.decode(tagged.next_batch().prompts[0], skip_special_tokens=True)
     assert text.startswith("zz:") and not tok2.decode(plain.next_batch().prompts[0]).startswith("zz:")
 
     # reward_fn_key: the scorer-selecting column is read from another column; a missing one is an error
     by_ability = PromptLoader(
-        path, tok, batch_size=3, max_prompt_length=512, shuffle=False, reward_fn_key="ability"
+        LoaderSettings(path, batch_size=3, max_prompt_length=512, shuffle=False, reward_fn_key="ability"), tok
     )
     assert by_ability.next_batch().data_source == ["src0", "src1", "src2"]
     with pytest.raises(ValueError, match="no column 'nope'"):
-        PromptLoader(path, tok, batch_size=3, max_prompt_length=512, reward_fn_key="nope")
+        PromptLoader(LoaderSettings(path, batch_size=3, max_prompt_length=512, reward_fn_key="nope"), tok)

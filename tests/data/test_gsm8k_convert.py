@@ -9,7 +9,7 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from klppo.data import PromptLoader
+from klppo.data import LoaderSettings, PromptLoader
 from klppo.data.arithmetic import write_arithmetic_parquet
 from klppo.data.cli import main as data_main
 from klppo.data.gsm8k import INSTRUCTION, convert
@@ -109,10 +109,7 @@ def test_real_gsm8k_conversion(tmp_path):
     # Read back through the loader: every prompt's ground truth matches its source answer.
     with open(os.path.join(REAL_DIR, "test.jsonl")) as f:
         source = [json.loads(line) for line in f]
-    loader = PromptLoader(
-        str(tmp_path / "test.parquet"), build_tiny_tokenizer(), batch_size=512, max_prompt_length=4096,
-        shuffle=False, drop_last=False,
-    )  # fmt: skip
+    loader = PromptLoader(LoaderSettings(str(tmp_path / "test.parquet"), batch_size=512, max_prompt_length=4096, shuffle=False, drop_last=False), build_tiny_tokenizer())  # fmt: skip
     seen = 0
     for batch in loader:
         for uid, truth, messages in zip(batch.uid, batch.ground_truth, batch.raw_prompt):

