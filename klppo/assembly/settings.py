@@ -235,7 +235,6 @@ def actor_settings(cfg: KLPPOConfig, sizes: Sizes, *, sp: SequenceParallel | Non
         skip_old_log_prob_on_policy=skips_old_log_prob_pass(cfg),
         use_fused_kernels=actor.use_fused_kernels,
         sp=sp,
-        local_shard_optim=actor.fsdp_config.local_shard_optim,
         cuda_graph_update=actor.fsdp_config.cuda_graph_update,
         rollout_correction=rollout_correction_settings(cfg),
     )
@@ -326,7 +325,6 @@ def critic_settings(cfg: KLPPOConfig, sizes: Sizes, *, sp: SequenceParallel | No
         use_remove_padding=critic.model.use_remove_padding,
         seed=cfg.trainer.seed,
         sp=sp,
-        local_shard_optim=critic.model.fsdp_config.local_shard_optim,
         cuda_graph_update=critic.model.fsdp_config.cuda_graph_update,
     )
 

@@ -93,6 +93,17 @@ REMOVED_VALUES: dict[tuple[str, str], str] = {
         f"{_AUTO_KERNELS} (torch.compile runs the layers where they do not; enforce_eager=true turns it off)"
     ),
 }
+_LOCAL_SHARDS = (
+    "the trained roles' optimizer step and gradient clip run on the DTensors' local shards (the same state, "
+    "checkpoints and results as through DTensor dispatch); remove the key"
+)
+WITHDRAWN_VALUES: dict[tuple[str, object], str] = {
+    ("actor_rollout_ref.actor.fsdp_config.local_shard_optim", False): _LOCAL_SHARDS,
+    ("actor_rollout_ref.ref.fsdp_config.local_shard_optim", False): _LOCAL_SHARDS,
+    ("critic.model.fsdp_config.local_shard_optim", False): _LOCAL_SHARDS,
+}
+"""Values of the training side's keys that select no path: refused by name with what to do instead (never
+mapped)."""
 
 # (key, lowest allowed, highest allowed or None); None values are skipped (optional keys).
 _RANGES: tuple[tuple[str, float, float | None], ...] = (
@@ -227,8 +238,9 @@ _AUTO_BOOL_KEYS = (
 def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     """Choices, ranges and world-size-free count rules; ConfigError on the first problem, notes via notify."""
     notify = notify or notice
-    for (key, value), reason in UNBUILT_VALUES.items():
-        if value_at(cfg, key) == value:
+    for (key, value), reason in {**UNBUILT_VALUES, **WITHDRAWN_VALUES}.items():
+        current = value_at(cfg, key)
+        if current == value and type(current) is type(value):  # False is not 0
             raise ConfigError(f"{key}={value!r}: {reason}")
     for (key, value), instead in REMOVED_VALUES.items():
         if value_at(cfg, key) == value:

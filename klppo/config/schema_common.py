@@ -61,8 +61,8 @@ class FSDPConfig:
     )
     local_shard_optim: bool = F(
         True,
-        "[klppo] Run the Adam/AdamW step and the gradient clip on the local shards of FSDP2's DTensor "
-        "parameters (same state and results; false: through DTensor dispatch).",
+        "[klppo] true only: the Adam/AdamW step and the gradient clip run on the local shards of FSDP2's "
+        "DTensor parameters (the same state and results as through DTensor dispatch); false is refused.",
         see="sharding.md#optimizer-step-on-the-local-shards-local_shard_optim",
     )
     plain_single_gpu: bool | str = F(

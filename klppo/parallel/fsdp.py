@@ -285,20 +285,21 @@ def gathered_params(model: nn.Module) -> Iterator[nn.Module]:
             m.reshard()
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, *, local_shards: bool = True) -> torch.Tensor:
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale gradients so that their global L2 norm is at most ``max_norm``; return the norm before.
 
     ``norm = sqrt(sum_p ||g_p||^2)`` over the full (unsharded) gradients: with sharded DTensor grads the
     per-shard squares are summed across ranks. Works on a model without FSDP too. A non-finite norm
     is returned as is (the caller decides to skip the step); gradients are then multiplied by nan (0 for
-    an infinite norm, torch's rule). ``local_shards`` (``fsdp_config.local_shard_optim``): norm and scaling
-    on the DTensors' local shards (:mod:`klppo.parallel.local_shards`, same result); off: through DTensor.
+    an infinite norm, torch's rule). Norm and scaling on the DTensors' local shards
+    (:mod:`klppo.parallel.local_shards`, same result); through DTensor where the gradients span several
+    meshes or placements, or a CPU-offloaded shard group on NCCL.
     """
     params = [p for p in model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     if not grads:
         return torch.zeros(())
-    total = local_total_norm(grads) if local_shards else None
+    total = local_total_norm(grads)
     if total is not None:
         clip_local_shards_(grads, max_norm, total)
         return total

@@ -68,7 +68,6 @@ class ActorSettings:
     use_fused_kernels: bool = False  # log-probs/entropy from the LM head in chunks (models/lm_head.py)
     sp: SequenceParallel | None = None  # Ulysses group (needs use_remove_padding); None: no sequence split
     grad_sync_per_mini_batch: bool = False  # one reduce-scatter per mini-batch (roles/trained.py)
-    local_shard_optim: bool = True  # optimizer step and clip on the DTensors' local shards (trained.py)
     cuda_graph_update: bool = False  # micro-batches replayed as CUDA graphs (roles/graphed.py; plain path)
     rollout_correction: rc.CorrectionSettings | None = None  # bypass mode: corrected here, per micro-batch
 

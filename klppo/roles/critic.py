@@ -40,7 +40,6 @@ class CriticSettings:
     seed: int = 1
     sp: SequenceParallel | None = None  # Ulysses group (needs use_remove_padding); None: no sequence split
     grad_sync_per_mini_batch: bool = False  # one reduce-scatter per mini-batch (roles/trained.py)
-    local_shard_optim: bool = True  # optimizer step and clip on the DTensors' local shards (trained.py)
     cuda_graph_update: bool = False  # micro-batches replayed as CUDA graphs (roles/graphed.py; plain path)
 
 

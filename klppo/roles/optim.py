@@ -36,12 +36,11 @@ class OptimSettings:
     """``optim.override_optimizer_config``: further keyword arguments of the optimizer class."""
 
 
-def build_optimizer(params, settings: OptimSettings, *, local_shards: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(params, settings: OptimSettings) -> torch.optim.Optimizer:
     """The configured optimizer (AdamW by default) over the trainable parameters.
 
-    ``local_shards`` (``fsdp_config.local_shard_optim``): torch's Adam/AdamW step on the DTensor
-    parameters' local shards (:mod:`klppo.parallel.local_shards`: same state, same checkpoints); other
-    classes, or off: the class as configured.
+    torch's Adam/AdamW step on the DTensor parameters' local shards (:mod:`klppo.parallel.local_shards`:
+    same state, same checkpoints); other classes as configured.
 
     ``betas`` are passed to optimizers that take them (Adam family); ``weight_decay`` to all that do.
     Optimizers with a ``fused`` option (torch's Adam/AdamW/SGD) get ``fused=True`` when every parameter is
@@ -56,8 +55,7 @@ def build_optimizer(params, settings: OptimSettings, *, local_shards: bool = Tru
         raise ValueError(
             f"optim.optimizer={settings.optimizer!r} not found in optim.optimizer_impl={settings.optimizer_impl!r}"
         ) from exc
-    if local_shards:
-        cls = local_shard_class(cls)
+    cls = local_shard_class(cls)
     accepted = inspect.signature(cls).parameters
     kwargs: dict[str, Any] = {"lr": settings.lr}
     if "betas" in accepted:

@@ -64,9 +64,6 @@ class UpdateSettings:
     sp_size: int = 1  # ranks of a Ulysses group: they hold the same rows
     grad_sync_per_mini_batch: bool = False
     """Reduce-scatter gradients once per mini-batch (after its last micro-batch), not per micro-batch."""
-    local_shard_optim: bool = True
-    """Optimizer step and gradient clip on the DTensor parameters' local shards (same state and results,
-    :mod:`klppo.parallel.local_shards`); False: through DTensor dispatch."""
     cuda_graph_update: bool = False
     """Each micro-batch's forward, loss and backward replayed as a CUDA graph after its shape's first two
     (:mod:`klppo.roles.graphed`), and so are the micro-batches of the role's no-grad pass (the actor's old
@@ -76,8 +73,7 @@ class UpdateSettings:
     def of(cls, settings: object, *, seed_offset: int = 0) -> UpdateSettings:
         """The update fields of a role's settings (same names), the shuffle seed shifted by ``seed_offset``."""
         fields = {f: getattr(settings, f) for f in ("ppo_epochs", "mini_batch_size", "update_micro", "grad_clip",
-                                                      "shuffle", "grad_sync_per_mini_batch", "local_shard_optim",
-                                                      "cuda_graph_update")}  # fmt: skip
+                                                      "shuffle", "grad_sync_per_mini_batch", "cuda_graph_update")}  # fmt: skip
         sp = getattr(settings, "sp", None)
         return cls(**fields, seed=settings.seed + seed_offset, sp_size=1 if sp is None else sp.size)
 
@@ -100,9 +96,7 @@ class TrainedRole:
         self.model = model
         self.update = update
         self.masters = masters
-        self.optimizer = build_optimizer(
-            self.state_model.parameters(), optim, local_shards=update.local_shard_optim
-        )
+        self.optimizer = build_optimizer(self.state_model.parameters(), optim)
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.num_skipped_updates = 0  # optimizer steps skipped for a non-finite loss or grad norm
         self._stopped: torch.Tensor | None = None  # this update's device-side skip flag (_step_on_device)
@@ -216,9 +210,7 @@ class TrainedRole:
 
         finite, local = self.oom.run("update", self.update.update_micro, attempt, self.model)
         if self.masters is None:
-            norm = clip_grad_norm_(
-                self.model, self.update.grad_clip, local_shards=self.update.local_shard_optim
-            )
+            norm = clip_grad_norm_(self.model, self.update.grad_clip)
         else:
             norm = self.masters.clip_grad_norm_(self.update.grad_clip)
         acc.merge(local)
@@ -246,7 +238,7 @@ class TrainedRole:
         parameters off ``device``, where the flag lives (FSDP2's CPU offload policy with a fused CPU AdamW
         forced by ``override_optimizer_config``): torch copies the flag to the parameters' device without
         waiting for the copy, and a CPU kernel could read it before it arrives. On DTensor parameters only
-        through the local-shard step (``fsdp_config.local_shard_optim``, the default), which runs torch's
+        through the local-shard step (:mod:`klppo.parallel.local_shards`), which runs torch's
         kernel on plain local tensors; DTensor's own dispatch of the fused step with a flag is not used."""
         opt = self.optimizer
         local = steps_on_local_shards(opt)

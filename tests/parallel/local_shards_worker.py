@@ -1,6 +1,7 @@
 """Checks for tests/parallel/test_local_shards.py, run inside tests/parallel/fsdp_worker.py's launches (gloo
 on CPU, a world of 1 and of 2: no spawn of their own): the optimizer step and the gradient clip on the
-DTensors' local shards (``local``) against the DTensor path (``dtensor``) on the same FSDP2 model."""
+DTensors' local shards (``local``: klppo's) against the DTensor path (``dtensor``: torch's AdamW and clip on
+the DTensors, the oracle) on the same FSDP2 model."""
 
 from __future__ import annotations
 
@@ -23,6 +24,29 @@ SMALL_STEP = STEPS - 1  # its loss scaled by 1e-4: a norm under MAX_NORM, so the
 # a warm-up of 2 steps: the scheduler changes the lr at every step
 OPTIM = OptimSettings(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), warmup_steps=2, total_steps=STEPS)
 PATHS = {"dtensor": False, "local": True}
+
+
+def optimizer(params, local: bool) -> torch.optim.Optimizer:
+    """klppo's optimizer (local shards), or the oracle: torch's AdamW with the same arguments."""
+    if local:
+        return build_optimizer(params, OPTIM)
+    return torch.optim.AdamW(
+        [p for p in params if p.requires_grad],
+        lr=OPTIM.lr,
+        betas=OPTIM.betas,
+        weight_decay=OPTIM.weight_decay,
+    )
+
+
+def clip(model: nn.Module, local: bool) -> torch.Tensor:
+    """klppo's clip (local shards), or the oracle: torch's total norm and clip on the DTensors."""
+    if local:
+        return clip_grad_norm_(model, MAX_NORM)
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    total = total.full_tensor() if isinstance(total, DTensor) else total
+    torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, total)
+    return total
 
 
 def new_model(mesh) -> nn.Module:
@@ -73,7 +97,7 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 def train(mesh, local: bool) -> dict:
     """STEPS steps of clip + AdamW under the scheduler; the full gradients before each clip recorded."""
     model = new_model(mesh)
-    opt = build_optimizer(model.parameters(), OPTIM, local_shards=local)
+    opt = optimizer(model.parameters(), local)
     scheduler = build_scheduler(opt, OPTIM)
     out = {"initial": {k: full(p) for k, p in model.named_parameters()}, "grads": [], "norms": [], "lrs": []}
     out["step_lists"] = seen = []  # per step: did the functional update get any DTensor?
@@ -90,7 +114,7 @@ def train(mesh, local: bool) -> dict:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         out.setdefault("clip_local", []).append(local_total_norm(grads) is not None)
         out["grads"].append({k: full(p.grad) for k, p in model.named_parameters() if p.grad is not None})
-        out["norms"].append(clip_grad_norm_(model, MAX_NORM, local_shards=local))
+        out["norms"].append(clip(model, local))
         out["lrs"].append(opt.param_groups[0]["lr"])
         opt.step()
         scheduler.step()
@@ -111,7 +135,7 @@ def non_finite(mesh, value: float) -> dict:
         if dist.get_rank() == 0:
             with torch.no_grad():
                 model[2].weight.grad.to_local()[0, 1] = value
-        norm = clip_grad_norm_(model, MAX_NORM, local_shards=local)
+        norm = clip(model, local)
         out[name] = {
             "norm": norm,
             "grads": {k: full(p.grad) for k, p in model.named_parameters() if p.grad is not None},
@@ -126,7 +150,7 @@ def cross_load(mesh, runs: dict, directory: Path) -> dict:
         other = "dtensor" if local else "local"
         save_checkpoint(directory / name, runs[name]["model"], runs[name]["opt"])
         model = new_model(mesh)
-        opt = build_optimizer(model.parameters(), OPTIM, local_shards=not local)
+        opt = optimizer(model.parameters(), not local)
         build_scheduler(opt, OPTIM)  # as the trainer does before loading (the groups' initial_lr)
         load_checkpoint(directory / name, model, opt)
         out[f"{name}_into_{other}"] = full_state(model, opt)
@@ -143,7 +167,7 @@ def checks(world: int, out_dir: str) -> dict:
     result["nan"], result["inf"] = non_finite(mesh, float("nan")), non_finite(mesh, float("inf"))
     if world == 2:
         model = new_model(mesh)
-        opt = build_optimizer(model.parameters(), OPTIM, local_shards=True)
+        opt = optimizer(model.parameters(), True)
         build_scheduler(opt, OPTIM)
         load_checkpoint(out / "ckpt_w1" / "local", model, opt)
         result["from_w1"] = full_state(model, opt)

@@ -111,13 +111,12 @@ def test_world_of_one_checkpoint_resumes_on_two_ranks(runs):
 
 
 def test_build_optimizer_switch_and_plain_tensors():
-    """Torch's Adam/AdamW get the local-shard class (off: as configured; other classes unchanged); on plain
+    """Torch's Adam/AdamW get the local-shard class (other classes unchanged); on plain
     tensors it is torch's AdamW exactly."""
     params = [
         torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(i))) for i in range(2)
     ]
     assert type(build_optimizer(params, OptimSettings())) is LocalShardAdamW
-    assert type(build_optimizer(params, OptimSettings(), local_shards=False)) is torch.optim.AdamW
     assert type(build_optimizer(params, OptimSettings(optimizer="Adam"))) is LocalShardAdam
     assert type(build_optimizer(params, OptimSettings(optimizer="SGD"))) is torch.optim.SGD
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]

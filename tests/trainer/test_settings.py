@@ -91,14 +91,18 @@ def test_role_settings_carry_the_per_rank_sizes_and_the_rollout_temperature() ->
     assert critic.mini_batch_size == sizes.critic_mini_batch_samples_per_rank and critic.seed == 5
     greedy = load_config(["actor_rollout_ref.rollout.temperature=0"])
     assert actor_settings(greedy, derive_sizes(greedy, 1)).temperature == 1.0
-    assert actor.local_shard_optim and critic.local_shard_optim  # the default: step and clip on local shards
-    off = load_config(
-        [f"{r}.fsdp_config.local_shard_optim=false" for r in ("actor_rollout_ref.actor", "critic.model")]
+    load_config(
+        [f"{r}.fsdp_config.local_shard_optim=true" for r in ("actor_rollout_ref.actor", "critic.model")]
     )
-    sizes = derive_sizes(off, 1)
-    assert (
-        not actor_settings(off, sizes).local_shard_optim and not critic_settings(off, sizes).local_shard_optim
-    )
+    for role in (
+        "actor_rollout_ref.actor",
+        "actor_rollout_ref.ref",
+        "critic.model",
+    ):  # no DTensor-dispatch path
+        with pytest.raises(
+            ConfigError, match=rf"{role}\.fsdp_config\.local_shard_optim=False: .*remove the key"
+        ):
+            load_config([f"{role}.fsdp_config.local_shard_optim=false"])
 
 
 def test_sampling_and_loaders() -> None:
