@@ -93,6 +93,9 @@ class Actor(TrainedRole):
             masters=masters,
         )
         self.settings = settings
+        # the policy loss and the aggregation it applies, chosen once (not looked up per micro-batch)
+        self._pg_loss_fn = losses.get_policy_loss(settings.loss_mode)
+        self._pg_agg_mode = losses.policy_loss_agg_mode(settings.loss_mode, settings.loss_agg_mode)
         if settings.use_fused_kernels:
             check_fused(model, "actor_rollout_ref.actor.use_fused_kernels")
         if self.graphs is not None and not self.graph_capable():
@@ -233,7 +236,7 @@ class Actor(TrainedRole):
                     loss_scale_factor=s.loss_scale_factor,
                 )  # fmt: skip
         weighted = {} if mb.rollout_is_weights is None else {"rollout_is_weights": mb.rollout_is_weights}
-        return losses.get_policy_loss(s.loss_mode)(
+        return self._pg_loss_fn(
             old_log_prob=old_log_prob,
             log_prob=log_prob,
             advantages=mb.advantages,
@@ -251,7 +254,7 @@ class Actor(TrainedRole):
     def term_modes(self) -> list[str]:
         """The aggregation mode of each term :meth:`_loss_terms` returns, in order."""
         s = self.settings
-        modes = [losses.policy_loss_agg_mode(s.loss_mode, s.loss_agg_mode)]
+        modes = [self._pg_agg_mode]
         modes += [s.loss_agg_mode] * ((s.entropy_coeff != 0) + s.use_kl_loss)
         return modes
 
@@ -314,7 +317,7 @@ class Actor(TrainedRole):
             old_log_prob = log_prob.detach()
             stats.update(_skipped_pass_stats(old_log_prob, mb, s))
         pg_loss, pg_stats = self._policy_loss(mb, old_log_prob, log_prob, stats)
-        terms: LossTerms = [(pg_loss, losses.policy_loss_agg_mode(s.loss_mode, s.loss_agg_mode))]
+        terms: LossTerms = [(pg_loss, self._pg_agg_mode)]
         stats["actor/pg_loss"] = pg_loss.detach()
         stats.update({f"actor/{k}": v for k, v in pg_stats.items()})
         if s.entropy_coeff != 0:
