@@ -235,9 +235,9 @@ _AUTO_BOOL_KEYS = (
 """Keys whose value is auto, true or false."""
 
 
-def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
-    """Choices, ranges and world-size-free count rules; ConfigError on the first problem, notes via notify."""
-    notify = notify or notice
+def _check_refused_values(cfg: KLPPOConfig) -> None:
+    """:data:`UNBUILT_VALUES`, :data:`WITHDRAWN_VALUES` and :data:`REMOVED_VALUES`: ConfigError naming the
+    key, the value and why."""
     for (key, value), reason in {**UNBUILT_VALUES, **WITHDRAWN_VALUES}.items():
         current = value_at(cfg, key)
         if current == value and type(current) is type(value):  # False is not 0
@@ -245,6 +245,12 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     for (key, value), instead in REMOVED_VALUES.items():
         if value_at(cfg, key) == value:
             raise ConfigError(f"{key}={value!r} is not a choice of the klppo engine: {instead}")
+
+
+def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
+    """Choices, ranges and world-size-free count rules; ConfigError on the first problem, notes via notify."""
+    notify = notify or notice
+    _check_refused_values(cfg)
     for key, valid in _CHOICES:
         if value_at(cfg, key) not in valid:
             raise choice_error(key, value_at(cfg, key), valid)
