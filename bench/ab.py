@@ -3,7 +3,8 @@
     python3 bench/ab.py REV_A REV_B [--repeats N] [--select KEY=VALUE] [--metric KEY] [--out FILE] -- CMD ...
 
 Both revisions (anything ``git rev-parse`` reads: a branch, a commit, ``HEAD~1``) are checked out into
-temporary git worktrees of the repository this is run from. ``CMD`` runs ``N`` times in each, in the order
+temporary git worktrees of the repository this is run from; a revision given as a directory (a source tree
+exported beforehand, for a machine without the history) runs there as it is. ``CMD`` runs ``N`` times in each, in the order
 A B B A A B … (each revision first as often as second, so a drift of the machine — clocks, caches, a
 neighbour's load — falls on both), with the worktree as the working directory and first on ``PYTHONPATH``:
 ``python3 bench/ppo_step.py`` runs that revision's script on that revision's package. The command is not
@@ -107,7 +108,21 @@ def add_worktree(repo: Path, commit: str, path: Path) -> None:
 
 def remove_worktree(repo: Path, path: Path) -> None:
     subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(path)], capture_output=True)
-    subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
+    if repo is not None:
+        subprocess.run(["git", "-C", str(repo), "worktree", "prune"], capture_output=True)
+
+
+DIRECTORY = "(directory)"
+"""The commit shown for a revision given as a source directory."""
+
+
+def make_side(label: str, rev: str, repo: Path | None) -> Side:
+    """A revision as a git commit of ``repo``, or, when ``rev`` is a directory, that source tree as it is
+    (for a machine without the repository's history: e.g. ``git archive REV | tar -x -C old`` made beforehand)."""
+    if Path(rev).is_dir():
+        return Side(label, rev, DIRECTORY, tree=Path(rev).resolve())
+    assert repo is not None
+    return Side(label, rev, _git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}"))
 
 
 def run_once(command: list[str], tree: Path, label: str) -> Run:
@@ -194,16 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     select = [tuple(s.split("=", 1)) for s in args.select]
     if any(len(s) != 2 for s in select):
         parser.error("--select takes KEY=VALUE")
-    repo = Path(_git(Path(args.repo), "rev-parse", "--show-toplevel"))
-    sides = {
-        label: Side(label, rev, _git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}"))
-        for label, rev in (("A", args.rev_a), ("B", args.rev_b))
-    }
+    revs = (("A", args.rev_a), ("B", args.rev_b))
+    repo = (
+        None
+        if all(Path(rev).is_dir() for _, rev in revs)
+        else Path(_git(Path(args.repo), "rev-parse", "--show-toplevel"))
+    )
+    sides = {label: make_side(label, rev, repo) for label, rev in revs}
     with tempfile.TemporaryDirectory(prefix="klppo_ab_") as root:
         try:
             for side in sides.values():
-                side.tree = Path(root) / side.label
-                add_worktree(repo, side.commit, side.tree)
+                if side.tree is None:
+                    side.tree = Path(root) / side.label
+                    add_worktree(repo, side.commit, side.tree)
             for i, label in enumerate(run_order(args.repeats)):
                 side = sides[label]
                 run = run_once(command, side.tree, label)
@@ -223,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
         finally:
             for side in sides.values():
-                if side.tree is not None:
+                if side.tree is not None and side.commit != DIRECTORY:
                     remove_worktree(repo, side.tree)
     summary = summarise(sides, args.metric)
     print_summary(sides, summary)

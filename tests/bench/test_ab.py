@@ -88,3 +88,19 @@ def test_usage_without_a_command():
     assert main(["a", "b"]) == 2
     with pytest.raises(SystemExit):
         main(["a", "b", "--"])
+
+
+def test_revisions_given_as_directories_run_as_they_are(tmp_path):
+    """A machine without the history (the GPU machine) gets the revisions as exported source trees."""
+    repo = _repo(tmp_path)
+    old = tmp_path / "old"
+    old.mkdir()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", "HEAD~1"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    log = tmp_path / "log.txt"
+    out = tmp_path / "ab.json"
+    rc = main([str(old), str(repo), "--repeats", "1", "--repo", str(tmp_path), "--out", str(out), "--",
+               sys.executable, "bench.py", str(log)])  # fmt: skip
+    assert rc == 0
+    assert log.read_text().split() == ["10", "old", "20", "repo"]
+    assert json.loads(out.read_text())["summary"]["metrics"]["median_ms"]["B/A"] == 2.0
