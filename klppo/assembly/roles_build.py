@@ -180,9 +180,12 @@ def _grad_sync(
     on, why = grad_sync_per_mini_batch(
         fsdp_cfg, fsdp, num_trainable=trainable, ranks=world_size(), device_bytes=device_bytes
     )
-    logging.getLogger("klppo").info(
-        "%s: gradient reduce-scatter once per %s (%s)", role, "mini-batch" if on else "micro-batch", why
-    )
+    if fsdp.plain:  # nothing to reduce: said as such, not as a reduce-scatter per micro-batch
+        logging.getLogger("klppo").info("%s: %s", role, why)
+    else:
+        logging.getLogger("klppo").info(
+            "%s: gradient reduce-scatter once per %s (%s)", role, "mini-batch" if on else "micro-batch", why
+        )
     return on
 
 
