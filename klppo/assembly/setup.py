@@ -165,14 +165,13 @@ def _before_weights(
     per_rank = sizes.actor_mini_batch_samples_per_rank * workload.seq_len
     mini_tokens = -(-per_rank // workload.workload.sequence_parallel)
     rollout = cfg.actor_rollout_ref.rollout
-    check_memory(workload, hf_config, mini_batch_tokens=mini_tokens,
-                 rollout_seqs=sizes.samples_per_rank if could_keep_workspace(cfg, hf_config) else None)  # fmt: skip
+    advise = cfg.trainer.advise
+    check_memory(workload, hf_config, mini_batch_tokens=mini_tokens if advise else None,
+                 rollout_seqs=sizes.samples_per_rank if advise and could_keep_workspace(cfg, hf_config) else None)  # fmt: skip
     critic_tokens = (sizes.critic_mini_batch_samples_per_rank or 0) * workload.seq_len
     critic_advice = critic_budget_advice(cfg, critic_mini_batch_tokens=critic_tokens)
-    for line in [
-        *compiled_layers_advice(cfg),
-        *filter(None, [critic_advice, background_scoring_advice(cfg)]),
-    ]:
+    advice = [*compiled_layers_advice(cfg), *filter(None, [critic_advice, background_scoring_advice(cfg)])]
+    for line in advice if advise else []:
         log.info("advice: %s", line)
     if compiled is not None and not rollout.enforce_eager:
         _start_precompile(cfg, hf_config, device, compiled)
