@@ -25,7 +25,7 @@ from klppo.assembly.settings import (
     to_dtype,
     tune_workload,
 )
-from klppo.config import KLPPOConfig, config_to_yaml, derive_sizes
+from klppo.config import KLPPOConfig, config_to_yaml, derive_sizes, total_training_steps
 from klppo.config.checks import (
     background_scoring_advice,
     compiled_layers_advice,
@@ -301,7 +301,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     if device.type == "cuda":
         _before_weights(cfg, actor_fsdp, model_path, device, compiled, sizes)
     train_loader, val_loader = build_loaders(cfg, tokenizer)
-    total_steps = tcfg.total_training_steps or len(train_loader) * tcfg.total_epochs
+    total_steps = total_training_steps(tcfg, len(train_loader))
     if len(train_loader) == 0:
         raise ValueError("the training set gives no full batch of data.train_batch_size prompts")
     run_dir = Path(tcfg.default_local_dir).expanduser()
