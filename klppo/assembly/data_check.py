@@ -102,8 +102,9 @@ def build_loaders(cfg: KLPPOConfig, tokenizer: Any) -> tuple[PromptLoader, Promp
 
 
 def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
-    """Scan the train and validation files as the trainer will; returns the loaders by split. Raises
-    :class:`DataError` (or ``FileNotFoundError``) with one line on the first problem."""
+    """Scan the train and validation files as the trainer will; returns the loaders by split (their
+    ``summary()`` is the caller's to print). Raises :class:`DataError` (or ``FileNotFoundError``) with one
+    line on the first problem."""
     fn = cfg.custom_reward_function
     if fn.path:  # before any weights: a bad file is one line, not a traceback after loading
         check_custom_reward_file(fn.path, fn.name)
@@ -111,7 +112,6 @@ def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
     loaders = {"train": train} if val is None else {"train": train, "validation": val}
     check_ground_truth_columns(cfg, loaders)
     for split, loader in loaders.items():
-        log.info("%s prompts: %s", split, loader.summary())
         if loader.stats.num_truncated:
             log.warning(
                 "%s prompts: %d longer than data.max_prompt_length=%d are cut (data.truncation=%s): raise "

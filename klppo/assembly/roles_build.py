@@ -4,6 +4,7 @@ needs it (the reference for a KL term, the critic for GAE)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import logging
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from klppo.algorithms.losses import get_policy_loss
 from klppo.assembly.settings import (
@@ -128,7 +130,7 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
             exclude_modules=arr.model.exclude_modules,
             adapter_path=arr.model.lora_adapter_path,
         )
-    inputs.hf_assets["actor"] = hf_writer(model, tokenizer)
+    inputs.hf_assets["actor"] = hf_writer(model, tokenizer, start_dtype=stored_dtype(inputs.model_path))
     masters = shard(model, fsdp, inputs.device)
     get_policy_loss(acfg.policy_loss.loss_mode)  # ValueError naming the built modes
     settings = actor_settings(cfg, inputs.sizes, sp=sp)
@@ -180,9 +182,12 @@ def _grad_sync(
     on, why = grad_sync_per_mini_batch(
         fsdp_cfg, fsdp, num_trainable=trainable, ranks=world_size(), device_bytes=device_bytes
     )
-    logging.getLogger("klppo").info(
-        "%s: gradient reduce-scatter once per %s (%s)", role, "mini-batch" if on else "micro-batch", why
-    )
+    if fsdp.plain:  # nothing to reduce: said as such, not as a reduce-scatter per micro-batch
+        logging.getLogger("klppo").info("%s: %s", role, why)
+    else:
+        logging.getLogger("klppo").info(
+            "%s: gradient reduce-scatter once per %s (%s)", role, "mini-batch" if on else "micro-batch", why
+        )
     return on
 
 
@@ -241,8 +246,9 @@ def build_critic(inputs: RoleInputs) -> Critic | None:
     if not uses_critic(cfg):
         return None
     ccfg = cfg.critic
+    path = model_dir(ccfg.model.path or inputs.model_path, key="critic.model.path")
     model = load_critic(
-        model_dir(ccfg.model.path or inputs.model_path, key="critic.model.path"),
+        path,
         dtype=to_dtype(ccfg.model.fsdp_config.model_dtype),
         gradient_checkpointing=ccfg.model.enable_gradient_checkpointing,
         trust_remote_code=ccfg.model.trust_remote_code,
@@ -265,7 +271,7 @@ def build_critic(inputs: RoleInputs) -> Critic | None:
             task_type="TOKEN_CLS",
             modules_to_save=["score"],
         )
-    inputs.hf_assets["critic"] = hf_writer(model, inputs.tokenizer)
+    inputs.hf_assets["critic"] = hf_writer(model, inputs.tokenizer, start_dtype=stored_dtype(path))
     fsdp = role_fsdp("critic", ccfg.model.fsdp_config, device)
     masters = shard(model, fsdp, device)
     settings = critic_settings(cfg, inputs.sizes, sp=sp)
@@ -400,9 +406,20 @@ def shard(model: torch.nn.Module, settings: FSDPSettings, device: torch.device) 
     return None
 
 
-def hf_writer(model: torch.nn.Module, tokenizer: Any) -> Callable[[Path], None]:
-    """Writes the model's config, generation config and the tokenizer (captured before sharding)."""
-    config = model.config
+def stored_dtype(path: str) -> str | None:
+    """The dtype the model at ``path`` is stored in (its config's ``dtype``, older ``torch_dtype``), or None."""
+    config, _ = PretrainedConfig.get_config_dict(path)
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return str(dtype).removeprefix("torch.") if dtype else None
+
+
+def hf_writer(model: torch.nn.Module, tokenizer: Any, *, start_dtype: str | None = None) -> Callable[[Path], None]:
+    """Writes the model's config, generation config and the tokenizer (captured before sharding). The config's
+    ``dtype`` is ``start_dtype`` when given: the dtype of the model the run started from, which `klppo export`
+    writes (the checkpoint's weights are the ``fsdp_config.model_dtype`` masters, fp32 by default)."""
+    config = copy.deepcopy(model.config)
+    if start_dtype is not None:
+        config.dtype = start_dtype
     generation_config = getattr(model, "generation_config", None)
     peft_config = getattr(model, "peft_config", None)
 

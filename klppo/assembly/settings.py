@@ -149,7 +149,9 @@ def grad_sync_per_mini_batch(
     the rule the memory model applies too), and why; its cost one gradient in the reduce dtype (4 bytes in
     fp32) per trainable parameter per rank. The plain path (``fsdp.plain``) has no reduce-scatter: off."""
     if fsdp.plain:
-        return False, "plain_single_gpu: no reduce-scatter, each micro-batch adds into the master gradients"
+        return False, (
+            "no reduce-scatter on the plain path (plain_single_gpu): each micro-batch adds into the master gradients"
+        )
     return defers_grad_sync(
         fsdp_cfg.grad_sync_per_mini_batch,
         ranks=ranks,

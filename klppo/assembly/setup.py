@@ -25,7 +25,7 @@ from klppo.assembly.settings import (
     to_dtype,
     tune_workload,
 )
-from klppo.config import KLPPOConfig, config_to_yaml, derive_sizes
+from klppo.config import KLPPOConfig, config_to_yaml, derive_sizes, total_training_steps
 from klppo.config.checks import (
     background_scoring_advice,
     compiled_layers_advice,
@@ -165,14 +165,13 @@ def _before_weights(
     per_rank = sizes.actor_mini_batch_samples_per_rank * workload.seq_len
     mini_tokens = -(-per_rank // workload.workload.sequence_parallel)
     rollout = cfg.actor_rollout_ref.rollout
-    check_memory(workload, hf_config, mini_batch_tokens=mini_tokens,
-                 rollout_seqs=sizes.samples_per_rank if could_keep_workspace(cfg, hf_config) else None)  # fmt: skip
+    advise = cfg.trainer.advise
+    check_memory(workload, hf_config, mini_batch_tokens=mini_tokens if advise else None,
+                 rollout_seqs=sizes.samples_per_rank if advise and could_keep_workspace(cfg, hf_config) else None)  # fmt: skip
     critic_tokens = (sizes.critic_mini_batch_samples_per_rank or 0) * workload.seq_len
     critic_advice = critic_budget_advice(cfg, critic_mini_batch_tokens=critic_tokens)
-    for line in [
-        *compiled_layers_advice(cfg),
-        *filter(None, [critic_advice, background_scoring_advice(cfg)]),
-    ]:
+    advice = [*compiled_layers_advice(cfg), *filter(None, [critic_advice, background_scoring_advice(cfg)])]
+    for line in advice if advise else []:
         log.info("advice: %s", line)
     if compiled is not None and not rollout.enforce_eager:
         _start_precompile(cfg, hf_config, device, compiled)
@@ -302,7 +301,7 @@ def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run
     if device.type == "cuda":
         _before_weights(cfg, actor_fsdp, model_path, device, compiled, sizes)
     train_loader, val_loader = build_loaders(cfg, tokenizer)
-    total_steps = tcfg.total_training_steps or len(train_loader) * tcfg.total_epochs
+    total_steps = total_training_steps(tcfg, len(train_loader))
     if len(train_loader) == 0:
         raise ValueError("the training set gives no full batch of data.train_batch_size prompts")
     run_dir = Path(tcfg.default_local_dir).expanduser()

@@ -26,10 +26,16 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from transformers import AutoConfig
 
-from klppo.config import ConfigError, KLPPOConfig, uses_critic
+from klppo.config import ConfigError, KLPPOConfig, total_training_steps, uses_critic
 from klppo.models.flops import num_params
 from klppo.models.loading import model_dir
-from klppo.ops.checkpoint import CheckpointError, precheck_resume
+from klppo.ops.checkpoint import (
+    CheckpointError,
+    checkpoint_step,
+    latest_checkpoint,
+    precheck_resume,
+    validate_checkpoint,
+)
 from klppo.tracking.tracker import BACKENDS, PACKAGES
 from klppo.tune.shapes import meta_model
 
@@ -144,19 +150,57 @@ def check_run_dir(cfg: KLPPOConfig, actor_config: object, critic_config: object 
     return line
 
 
-def check_before_weights(cfg: KLPPOConfig, model_path: str) -> list[str]:
-    """Every check above, in order; returns the plan lines (the checkpoint estimate)."""
-    check_loggers(cfg)
-    check_text_only(cfg)
-    actor_config = AutoConfig.from_pretrained(model_path)
-    critic_config = None
-    if uses_critic(cfg):
-        critic_path = model_dir(cfg.critic.model.path, key="critic.model.path")
-        critic_config = actor_config if critic_path == model_path else AutoConfig.from_pretrained(critic_path)
+def check_resume(cfg: KLPPOConfig) -> None:
+    """ConfigError when the checkpoint to resume from is of another kind or set-up (no checksums read)."""
     t = cfg.trainer
     roles = ["actor"] + (["critic"] if uses_critic(cfg) else [])
     try:
         precheck_resume(t.resume_mode, t.default_local_dir, t.resume_from_path, roles=roles)
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None  # one line at start-up, as the other checks here
-    return [check_run_dir(cfg, actor_config, critic_config)]
+
+
+def check_disk(cfg: KLPPOConfig, model_path: str) -> str:
+    """:func:`check_run_dir` with the actor's (and critic's) model config read from its path."""
+    actor_config = AutoConfig.from_pretrained(model_path)
+    critic_config = None
+    if uses_critic(cfg):
+        critic_path = model_dir(cfg.critic.model.path, key="critic.model.path")
+        critic_config = actor_config if critic_path == model_path else AutoConfig.from_pretrained(critic_path)
+    return check_run_dir(cfg, actor_config, critic_config)
+
+
+def check_before_weights(cfg: KLPPOConfig, model_path: str) -> list[str]:
+    """Every check above, in order, the first problem raised; returns the plan lines (the checkpoint
+    estimate). `klppo train` runs them one by one to name every problem (``klppo.commands.startup``)."""
+    check_loggers(cfg)
+    check_text_only(cfg)
+    check_resume(cfg)
+    return [check_disk(cfg, model_path)]
+
+
+def nothing_left_to_train(cfg: KLPPOConfig, batches_per_epoch: int) -> str | None:
+    """When the checkpoint this run would resume from already reached the run's last step, the sentence
+    that says so (and what to change); None otherwise. Read before any weight loads: the step from the
+    checkpoint's name, its files checked only when it would end the run."""
+    t = cfg.trainer
+    if t.resume_mode == "resume_path" and t.resume_from_path:
+        path: Path | None = Path(t.resume_from_path).expanduser()
+    elif t.resume_mode == "auto":
+        path = latest_checkpoint(Path(t.default_local_dir).expanduser())
+    else:
+        return None
+    total = total_training_steps(t, batches_per_epoch)
+    try:
+        step = checkpoint_step(path) if path is not None else 0
+    except CheckpointError:
+        return None  # not a global_step_N folder: the resume check names it
+    roles = ["actor"] + (["critic"] if uses_critic(cfg) else [])
+    if step < total or validate_checkpoint(path, roles=roles) is not None:
+        return None  # steps left, or a damaged checkpoint: the run falls back to an older one or says why
+    what = "trainer.total_training_steps" if t.total_training_steps else "trainer.total_epochs"
+    return (
+        f"{path} is at step {step}, and this run ends at step {total} ({what}): nothing left to train. "
+        "Raise trainer.total_training_steps or total_epochs to continue, or start over with "
+        "trainer.resume_mode=disable or another trainer.default_local_dir"
+    )

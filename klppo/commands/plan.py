@@ -1,6 +1,4 @@
-"""What `klppo train` checks and prints before training, once the configuration is loaded
-(``main_ppo.py``): the checks before any weight loads (``check_before_weights``, from
-``startup_checks.py``) and the plan without training (``dry_run``)."""
+"""`klppo train --dry-run`'s plan, printed once every start-up check (``klppo.commands.startup``) passed."""
 
 from __future__ import annotations
 
@@ -17,27 +15,21 @@ from klppo.assembly.settings import (
     resolve_plain,
     tune_workload,
 )
-from klppo.assembly.startup_checks import check_before_weights
-from klppo.config import KLPPOConfig, derive_sizes, uses_critic, uses_lora
+from klppo.commands.startup import Startup
+from klppo.config import derive_sizes, uses_critic, uses_lora
 from klppo.tune.preflight import predicted_peaks_gib
 
-__all__ = ["check_before_weights", "dry_run"]
+__all__ = ["dry_run"]
 
 log = logging.getLogger("klppo")
 
 
-def dry_run(
-    cfg: KLPPOConfig,
-    *,
-    device: torch.device,
-    nproc: int,
-    model_path: str,
-    plan: list[str] = (),
-    loaders: dict | None = None,
-) -> int:
-    """`klppo train --dry-run ...`: everything `klppo train` checks before training, and the plan: the
-    process layout, the per-rank sizes, the roles that will be built, and (on GPU, or with a known model)
-    the memory model's predicted peak per phase. Loads no weights."""
+def dry_run(found: Startup) -> int:
+    """`klppo train --dry-run ...` once the start-up checks passed: the plan — the model, the checkpoint
+    estimate, the prompts, whether a resumed run has steps left, the process layout, the roles that will be
+    built, the per-rank sizes, and (on GPU, or with a known model) the memory model's predicted peak per
+    phase. Loads no weights."""
+    cfg, device, nproc, model_path = found.cfg, found.device, found.nproc, found.model_path
     world = nproc * cfg.trainer.nnodes
     sizes = derive_sizes(cfg, world)
     arr, algo = cfg.actor_rollout_ref, cfg.algorithm
@@ -53,10 +45,12 @@ def dry_run(
         sharded.append(("critic", cfg.critic.model.fsdp_config))
     roles.append("reward model" if cfg.reward_model.enable else "reward (rules / custom function)")
     print(f"model: {model_path}")
-    for line in plan:
+    for line in found.plan:
         print(line)
-    for split, loader in (loaders or {}).items():
+    for split, loader in found.loaders.items():
         print(f"{split} prompts: {loader.summary()}")
+    if found.finished is not None:
+        print(f"resume: {found.finished}")
     print(f"processes: {nproc} per node × {cfg.trainer.nnodes} node(s) on {device.type}")
     print(f"roles: {', '.join(roles)}; rollout engine: {arr.rollout.name}")
     for role, fsdp_cfg in sharded:

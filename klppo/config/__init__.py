@@ -15,7 +15,14 @@ from klppo.config.dump import config_to_yaml
 from klppo.config.errors import ConfigError
 from klppo.config.loader import load_config
 from klppo.config.schema import KLPPOConfig
-from klppo.config.sizes import Sizes, config_world_size, derive_sizes, uses_critic, uses_lora
+from klppo.config.sizes import (
+    Sizes,
+    config_world_size,
+    derive_sizes,
+    total_training_steps,
+    uses_critic,
+    uses_lora,
+)
 from klppo.config.unimplemented import check_trainable, warn_unimplemented
 
 __all__ = [
@@ -27,6 +34,7 @@ __all__ = [
     "config_world_size",
     "derive_sizes",
     "load_config",
+    "total_training_steps",
     "uses_critic",
     "uses_lora",
     "warn_unimplemented",

@@ -476,7 +476,7 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
             "of exactly 0 then (grpo and rloo give it to groups whose scores are all equal), so few or none "
             "are left out"
         )
-    if _skip_would_pay(cfg):
+    if cfg.trainer.advise and _skip_would_pay(cfg):
         notify(
             f"tip (not set): actor_rollout_ref.actor.skip_zero_advantage_rows=True would leave the samples of "
             f"{est}'s equal-score groups (advantage exactly 0: no policy gradient) out of this one-update-per-step "

@@ -12,7 +12,8 @@ import sys
 
 from klppo.config.dump import config_to_yaml
 from klppo.config.errors import ConfigError
-from klppo.config.loader import load_config
+from klppo.config.flags import unknown_flag_message, unknown_flags
+from klppo.config.loader import CONFIG_FLAGS, load_config
 from klppo.config.sizes import config_world_size, derive_sizes
 from klppo.config.unimplemented import warn_unimplemented
 
@@ -28,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
+    flags = (*CONFIG_FLAGS, "--help")
+    if bad := unknown_flags(argv, flags):
+        print(f"klppo config: error: {'; '.join(unknown_flag_message(f, flags) for f in bad)}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(argv)
         derive_sizes(cfg, config_world_size(cfg))

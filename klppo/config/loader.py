@@ -37,34 +37,52 @@ from klppo.config.schema import KLPPOConfig
 Notify = Callable[[str], None]
 _META_KEYS = {"_target_"}  # verl's instantiation hints, meaningless here
 _IGNORED_TOP = {"defaults", "hydra"}  # hydra's own sections
+CONFIG_FLAGS = ("--config-path", "--config-name", "--config-dir")  # hydra's, read by `split_argv`
 
 
-def load_config(argv: list[str], *, notify: Notify | None = None) -> KLPPOConfig:
+def load_config(
+    argv: list[str], *, notify: Notify | None = None, skipped: list[ConfigError] | None = None
+) -> KLPPOConfig:
     """Parse `[file.yaml] key=value ...` exactly as given on the command line.
 
     Raises ConfigError for unknown keys, wrong types, refused values and inconsistent sizes; aliases and
-    other notes go through `notify` (default: one line on stderr, rank 0 only).
+    other notes go through `notify` (default: one line on stderr, rank 0 only). With ``skipped``, a bad key
+    or value of the file or the command line is appended there and left out instead of raised, so that the
+    rest loads and a caller can name every such problem at once (`klppo train`); what is wrong across keys
+    still raises.
     """
     notify = notify or notice
     path, texts = split_argv(argv)
-    overrides = [hydra.parse_override(t) for t in texts]
+    overrides = [o for o in (_skipping(skipped, hydra.parse_override, t) for t in texts) if o is not None]
     megatron = Translator()
     items = _read_config_file(path, notify, megatron) if path is not None else []
     megatron.scan([(k, v) for k, v, _ in items] + [(o.key, o.value) for o in overrides])
     tree = copy.deepcopy(_default_tree())
-    _apply(tree, megatron.items(items), notify)
+    for item in megatron.items(items):
+        _skipping(skipped, _apply, tree, [item], notify)
     for o in overrides:
         if o.op == "delete" and is_megatron_key(o.key):
             megatron.deleted(o.key)
         elif o.op != "delete" and megatron.touches(o.key, o.value):
-            _apply(tree, megatron.items([(o.key, o.value, "command line")]), notify)
+            _skipping(skipped, _apply, tree, megatron.items([(o.key, o.value, "command line")]), notify)
         else:
-            _apply_override(tree, o, notify)
+            _skipping(skipped, _apply_override, tree, o, notify)
     megatron.finish(notify)
     normalize(tree, notify)
     cfg = _resolve(tree)
     validate(cfg, notify)
     return cfg
+
+
+def _skipping(skipped: list[ConfigError] | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``; with ``skipped``, a ConfigError goes there (None returned) instead of up."""
+    if skipped is None:
+        return fn(*args)
+    try:
+        return fn(*args)
+    except ConfigError as exc:
+        skipped.append(exc)
+        return None
 
 
 @functools.cache
@@ -91,7 +109,7 @@ def split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
         if not a.strip():  # an empty word left by a shell line continuation
             i += 1
             continue
-        for flag in ("--config-path", "--config-name", "--config-dir"):
+        for flag in CONFIG_FLAGS:
             if a == flag or a.startswith(flag + "="):
                 if a == flag:
                     if i + 1 >= len(args):

@@ -415,6 +415,9 @@ class TrainerConfig:
         600,
         "[klppo] After SIGTERM/SIGINT to `klppo train`, seconds its ranks get to finish the step and save.",
     )
+    advise: bool = F(
+        True, "[klppo] Print advice on settings this run could gain from (the quickstart's recipes: off)."
+    )
 
 
 @dataclass(frozen=True)

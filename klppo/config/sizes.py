@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from klppo.config.errors import ConfigError
-from klppo.config.schema import KLPPOConfig
+from klppo.config.schema import KLPPOConfig, TrainerConfig
 from klppo.config.schema_arr import ModelConfig
 
 CRITIC_ESTIMATORS = ("gae",)
@@ -76,6 +76,11 @@ def check_prompt_counts(cfg: KLPPOConfig) -> None:
                 f"would not split into whole mini-batches (updates of {mini}×{n}={mini * n} samples); "
                 f"choose a divisor of {tb}, e.g. {_divisor_near(tb, mini)}"
             )
+
+
+def total_training_steps(trainer: TrainerConfig, batches_per_epoch: int) -> int:
+    """The run's last step: ``trainer.total_training_steps``, else ``total_epochs`` × batches per epoch."""
+    return trainer.total_training_steps or batches_per_epoch * trainer.total_epochs
 
 
 def derive_sizes(cfg: KLPPOConfig, world_size: int) -> Sizes:

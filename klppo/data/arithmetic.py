@@ -3,8 +3,9 @@
 Questions are two-digit sums and differences ("What is 23 + 45?"; differences are never negative unless
 ``negative=True``, the distribution of ``bench/learning.py``), the prompt
 carries GSM8K's instruction, the ground truth is the result as a string, and ``data_source`` is
-``openai/gsm8k`` so the GSM8K scorer applies unchanged. Deterministic given ``seed``; train and test
-questions are disjoint.
+``arithmetic`` (``DATA_SOURCE``), which names the task in the metrics (``val-core/arithmetic/reward/mean@1``);
+the reward registry scores it with GSM8K's rule (the same ``#### <answer>`` format). Deterministic given
+``seed``; train and test questions are disjoint.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 import random
 
 from klppo.data.gsm8k import make_row, write_rows
+
+DATA_SOURCE = "arithmetic"
 
 
 def arithmetic_rows(
@@ -39,7 +42,7 @@ def arithmetic_rows(
             continue
         seen.add(question)
         answer = f"{a} {op} {b} = {result}\n#### {result}"
-        rows.append(make_row(question, answer, split=split, index=len(rows)))
+        rows.append(make_row(question, answer, split=split, index=len(rows), data_source=DATA_SOURCE))
     return rows
 
 

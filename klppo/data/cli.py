@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from klppo.config.flags import FlagParser
 from klppo.data.arithmetic import write_arithmetic_parquet
 from klppo.data.gsm8k import convert
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="klppo data", description="Prepare prompt datasets as Parquet.")
+    parser = FlagParser(prog="klppo data", description="Prepare prompt datasets as Parquet.")
     sub = parser.add_subparsers(dest="dataset", required=True)
     g = sub.add_parser("gsm8k", help="GSM8K train.jsonl/test.jsonl → train.parquet/test.parquet")
     g.add_argument(

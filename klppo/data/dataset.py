@@ -64,6 +64,7 @@ class LoaderStats:
     num_overlong: int = 0  # longer than max_prompt_length and filtered out
     num_truncated: int = 0  # longer than max_prompt_length and kept, cut by ``truncation``
     num_rows: int = 0
+    num_past_max_samples: int = 0  # usable, left out by ``max_samples`` (the first N usable rows are kept)
     bad_rows: list[str] = dataclasses.field(default_factory=list)  # first few, "file:row: reason"
     row_groups_read: int = 0
     max_rows_resident: int = 0
@@ -164,9 +165,9 @@ class PromptLoader:
         self._valid_ids = self._scan()
         if max_samples > 0 and self._valid_ids is not None and len(self._valid_ids) > max_samples:
             # the first N usable rows in file order (before any shuffling), so the subset is stable
+            self.stats.num_past_max_samples = len(self._valid_ids) - max_samples
             self._valid_ids = self._valid_ids[:max_samples]
             self.stats.num_rows = max_samples
-            logger.info("prompts: using the first %d usable rows (max_samples)", max_samples)
         self._check_not_empty()
         self.epoch, self._batch_index, self._position = 0, 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
@@ -213,20 +214,23 @@ class PromptLoader:
                 kept.append(first + np.flatnonzero(ok).astype(np.int64))
         self.stats.row_groups_read = self.source.stats.row_groups_read
         self.stats.max_rows_resident = self.source.stats.max_rows_resident
-        logger.info("prompts: %s", self.summary())
         if self.shuffle_buffer_rows is not None:
             return None
         return np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
 
     def summary(self) -> str:
-        """One line: rows, usable, bad, and overlong ones filtered or truncated."""
+        """One line: rows, usable (and how many of them ``max_samples`` keeps), bad, and overlong ones filtered
+        or truncated. The loader logs nothing itself: its caller says this once per run."""
         s, p = self.stats, self.max_prompt_length
         longer = (
             f"{s.num_overlong} longer than max_prompt_length={p} (filtered)"
             if self.filter_overlong_prompts
             else f"{s.num_truncated} longer than max_prompt_length={p} (truncated, {self.truncation})"
         )
-        return f"{s.num_rows_total} rows, {s.num_rows} usable, {s.num_bad_rows} bad, {longer}"
+        usable = f"{s.num_rows} usable"
+        if s.num_past_max_samples:
+            usable = f"{s.num_rows + s.num_past_max_samples} usable (the first {s.num_rows} kept: max_samples)"
+        return f"{s.num_rows_total} rows, {usable}, {s.num_bad_rows} bad, {longer}"
 
     def _report_bad(self, global_id: int, reason: str) -> None:
         where = f"{self._where(global_id)}: {reason}"

@@ -6,12 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from klppo.config.flags import FlagParser
 from klppo.report.page import PAGE_NAME, PNG_DIR, build_report
 from klppo.report.runs import load_run, unique_names
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="klppo report",
         description="Draw runs' metrics (score, KL, entropy, lengths, advantages, timing, throughput, "
         f"memory, validation, monitor events) into one HTML page ({PAGE_NAME}, figures embedded) and PNGs "

@@ -79,13 +79,17 @@ def kl_line(run: RunData) -> str | None:
     return "KL to the reference, last step: " + ", ".join(parts) if parts else None
 
 
-def time_line(run: RunData, wall_s: float | None = None) -> str | None:
-    """Summed step time, mean per step and the phases' shares (largest first)."""
+def _step_time(run: RunData) -> tuple[float, int]:
+    """(summed step seconds, steps) of a record."""
     _, step_times = run.series("timing_s/step")
-    total = sum(t for t in step_times if math.isfinite(t))
-    if not step_times:
-        return f"time: {format_duration(wall_s)} in all" if wall_s is not None else None
-    line = f"time: {format_duration(total)} in {len(step_times)} steps ({format_duration(total / len(step_times))}/step"
+    return sum(t for t in step_times if math.isfinite(t)), len(step_times)
+
+
+def _steps_part(run: RunData) -> str:
+    """``X in N steps (Y/step; the three largest phases' shares)``."""
+    total, num_steps = _step_time(run)
+    steps = f"{num_steps} step{'s' if num_steps != 1 else ''}"
+    part = f"{format_duration(total)} in {steps} ({format_duration(total / num_steps)}/step"
     phases = {
         key.split("/", 1)[1]: sum(v for v in run.series(key)[1] if math.isfinite(v))
         for key in run.train
@@ -93,11 +97,26 @@ def time_line(run: RunData, wall_s: float | None = None) -> str | None:
     }
     top = sorted(phases.items(), key=lambda kv: -kv[1])[:3]
     if total > 0 and top:
-        line += "; " + ", ".join(f"{name} {100 * t / total:.0f}%" for name, t in top)
-    line += ")"
-    if wall_s is not None:
-        line += f", {format_duration(wall_s)} in all"
-    return line
+        part += "; " + ", ".join(f"{name} {100 * t / total:.0f}%" for name, t in top)
+    return part + ")"
+
+
+def time_line(run: RunData, wall_s: float | None = None, this_start: RunData | None = None) -> str | None:
+    """Summed step time, mean per step and the phases' shares (largest first), and ``wall_s`` (the
+    invocation's seconds) "in all". With ``this_start`` (the steps this invocation trained) where ``run``
+    (the run's record) holds more — a resumed run — the figures are this invocation's, and the run's summed
+    step time follows them."""
+    wall = f"{format_duration(wall_s)} in all" if wall_s is not None else None
+    run_total, run_steps = _step_time(run)
+    if this_start is None or _step_time(this_start)[1] == run_steps:  # one invocation trained every step
+        if not run_steps:
+            return f"time: {wall}" if wall else None
+        return "time: " + ", ".join(filter(None, [_steps_part(run), wall]))
+    this = _steps_part(this_start) if _step_time(this_start)[1] else "no step trained"
+    return (
+        "time (this start): " + ", ".join(filter(None, [this, wall]))
+        + f"; the run: {format_duration(run_total)} in {run_steps} steps"
+    )
 
 
 def events_line(run: RunData) -> str | None:
@@ -115,8 +134,9 @@ def summary_lines(
     checkpoint: str | Path | None = None,
     report: str | Path | None = None,
     report_note: str | None = None,
+    this_start: RunData | None = None,
 ) -> list[str]:
-    """The summary, one finding per line, first line a header."""
+    """The summary, one finding per line, first line a header; ``this_start``: see :func:`time_line`."""
     steps = run.steps
     where = f" in {run.path}" if run.path is not None else ""
     lines = [f"run summary: {len(steps)} training step{'s' if len(steps) != 1 else ''}{where}"]
@@ -124,7 +144,7 @@ def summary_lines(
     lines += validation_lines(run) or [
         "validation: none (data.val_files, trainer.val_before_train, trainer.test_freq)"
     ]
-    lines += [line for line in (kl_line(run), time_line(run, wall_s), events_line(run)) if line]
+    lines += [line for line in (kl_line(run), time_line(run, wall_s, this_start), events_line(run)) if line]
     lines.append(f"checkpoint: {checkpoint}" if checkpoint else "checkpoint: none saved (trainer.save_freq)")
     if report is not None:
         lines.append(f"report: {report}")

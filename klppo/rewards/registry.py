@@ -1,8 +1,9 @@
 """Reward scorers by ``data_source``, user reward functions, and placement on response tokens.
 
 - ``SCORERS`` maps a row's ``data_source`` to a built-in rule scorer ``fn(solution_str, ground_truth,
-  **kwargs) -> float``: GSM8K (``openai/gsm8k``, ``gsm8k``) and the last-boxed-answer math scorer
-  (``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``, ``math``, …).
+  **kwargs) -> float``: GSM8K (``openai/gsm8k``, ``gsm8k``; also klppo's built-in ``arithmetic`` set, written
+  in GSM8K's answer format) and the last-boxed-answer math scorer (``lighteval/MATH``,
+  ``DigitalLearningGmbH/MATH-lighteval``, ``math``, …).
 - ``load_custom_reward_fn(path, name)`` loads ``custom_reward_function.{path,name}``; it is called
   verl-style: ``fn(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)``.
 - ``RewardManager.score`` scores decoded responses; a scorer returning a dict contributes its ``"score"``.
@@ -29,6 +30,7 @@ Scorer = Callable[..., Any]
 SCORERS: dict[str, Scorer] = {
     "openai/gsm8k": gsm8k.compute_score,
     "gsm8k": gsm8k.compute_score,
+    "arithmetic": gsm8k.compute_score,  # klppo.data.arithmetic: GSM8K's `#### <answer>` format
     "lighteval/MATH": math.compute_score,
     "DigitalLearningGmbH/MATH-lighteval": math.compute_score,
     "HuggingFaceH4/MATH-500": math.compute_score,

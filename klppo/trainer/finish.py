@@ -36,14 +36,16 @@ def finish_run(run_dir: Path, *, history: list[tuple[int, dict[str, float]]], wa
     """Write the report, print the summary (call on rank 0); returns the summary lines."""
 
     run_dir = Path(run_dir)
+    this_start = run_from_history(run_dir.name, history)
     if (run_dir / "metrics.jsonl").is_file():
         run = load_run(run_dir)
     else:
-        run = run_from_history(run_dir.name, history)
+        run = this_start
         run.path = run_dir
     page, note = write_report(run, run_dir)
     lines = summary_lines(
-        run, wall_s=wall_s, checkpoint=latest_checkpoint(run_dir), report=page, report_note=note
-    )
+        run, wall_s=wall_s, checkpoint=latest_checkpoint(run_dir), report=page, report_note=note,
+        this_start=this_start,
+    )  # fmt: skip
     print("\n".join(["klppo " + lines[0], *("  " + line for line in lines[1:])]), flush=True)
     return lines

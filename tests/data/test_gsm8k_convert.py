@@ -138,7 +138,7 @@ def test_arithmetic_set(tmp_path):
         assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99
         value = int(a) + int(b) if op == "+" else int(a) - int(b)
         assert value >= 0 and row["reward_model"]["ground_truth"] == str(value)
-        assert row["data_source"] == "openai/gsm8k"
+        assert row["data_source"] == "arithmetic"
         assert compute_score(f"so #### {value}", row["reward_model"]["ground_truth"]) == 1.0
     assert ops == {"+", "-"}
 

@@ -30,7 +30,7 @@ def test_end_of_run_summary_and_report(tiny_runs):
     text = "\n".join(summary)
     assert summary[0] == f"klppo run summary: {STEPS} training steps in {run_a}"
     assert re.search(rf"score \(critic/score/mean\): \S+ → \S+ \(step 1 → {STEPS}\)", text), text
-    assert re.search(rf"validation openai/gsm8k/reward/mean@1: \S+ → \S+ \(step 0 → {STEPS}\)", text), text
+    assert re.search(rf"validation arithmetic/reward/mean@1: \S+ → \S+ \(step 0 → {STEPS}\)", text), text
     assert re.search(
         r"KL to the reference, last step: k1 \S+ \(max \S+\), k3 \S+ \(max \S+\), kl_loss", text
     ), text

@@ -20,6 +20,18 @@ def test_routing_by_data_source():
         get_scorer("my/set")
 
 
+def test_the_arithmetic_set_is_named_for_its_task_and_scored_as_gsm8k():
+    """The built-in arithmetic rows carry data_source `arithmetic` (its metrics say `arithmetic/...`), scored
+    by GSM8K's rule: they are written in GSM8K's `#### <answer>` format."""
+    from klppo.data.arithmetic import arithmetic_rows
+
+    rows = arithmetic_rows(3, split="test", seed=0)
+    assert {r["data_source"] for r in rows} == {"arithmetic"}
+    assert get_scorer("arithmetic") is gsm8k_scorer.compute_score
+    truth = rows[0]["reward_model"]["ground_truth"]
+    assert RewardManager().score([f"#### {truth}", "#### x"], ["arithmetic"] * 2, [truth] * 2, [{}] * 2) == [1.0, 0.0]
+
+
 def test_manager_builtin_scores_and_kwargs():
     mgr = RewardManager()
     out = mgr.score(

@@ -98,7 +98,7 @@ def test_nan_reward_is_named_and_skips_the_whole_step(
     skipped = [r.getMessage() for r in caplog.records if "step 1 skipped" in r.getMessage()]
     train_file = str(arithmetic_data[0])
     assert len(skipped) == 1 and "the reward score is NaN for sample 2" in skipped[0], skipped
-    assert f"data source 'openai/gsm8k', {train_file} row " in skipped[0]
+    assert f"data source 'arithmetic', {train_file} row " in skipped[0]
 
     def refuse(constant):
         raise ValueError(constant)

@@ -1,5 +1,6 @@
 """The quickstart: the GPU/CPU switch, both recipes valid, and the CPU demo end to end (on a tiny model in
-place of SmolLM2): banner, validation before and after, summary, the GPU command."""
+place of SmolLM2): banner, validation before and after, summary, the next steps; each fact said once, no
+advice to change the recipe, no pointer outside docs/."""
 
 from __future__ import annotations
 
@@ -55,12 +56,20 @@ def test_recipes_validate_before_and_after(tiny_quickstart, name, capsys):
     assert (recipe.num_train, recipe.num_test) == rows
 
 
-def test_cpu_demo_end_to_end(tiny_quickstart, capsys):
+def test_cpu_demo_end_to_end(tiny_quickstart, capsys, caplog):
     from klppo.commands.train import main
 
     steps = 2  # the demo's own number of steps is the YAML's; fewer here to keep the test short
-    assert main(["--quickstart=cpu", f"trainer.total_training_steps={steps}"]) == 0
-    out = capsys.readouterr().out
+    with caplog.at_level("INFO", logger="klppo"):
+        assert main(["--quickstart=cpu", f"trainer.total_training_steps={steps}"]) == 0
+    out, err = capsys.readouterr()
+    logged = [r.getMessage() for r in caplog.records]
+    said = [*out.splitlines(), *err.splitlines(), *logged]
+    prompts = [m.split(":")[0] for m in logged if "prompts:" in m]
+    assert prompts == ["train prompts", "validation prompts"]  # once each, by the launcher
+    assert not [line for line in said if re.search(r"\badvice\b|\btip\b|bench/", line)]
+    assert not [m for m in logged if "reduce-scatter once per" in m]  # one process: no reduce-scatter at all
+    assert len(set(logged)) == len(logged), logged
     assert out.startswith("klppo quickstart (CPU demo): ") and "too short to learn" in out
     lines = out.splitlines()
     assert [line.split(" | ")[0] for line in lines if line.startswith(("val @", "step "))] == [
@@ -69,11 +78,14 @@ def test_cpu_demo_end_to_end(tiny_quickstart, capsys):
         "step 2/2",
         f"val @ step {steps}",
     ]
-    assert re.search(r"validation openai/gsm8k/reward/mean@1: \S+ → \S+ \(step 0 → 2\)", out)
+    assert re.search(r"validation arithmetic/reward/mean@1: \S+ → \S+ \(step 0 → 2\)", out)
     run_dir = tiny_quickstart / "runs" / "quickstart-cpu"
     assert f"checkpoint: {run_dir.relative_to(tiny_quickstart) / 'global_step_2'}" in out
     assert (run_dir / "report.html").is_file()
-    assert lines[-2:] == [
-        "this was the CPU demo; the learning recipe (about 5 minutes on one GPU):",
-        f"    {quickstart.GPU_COMMAND}",
+    checkpoint = run_dir.relative_to(tiny_quickstart) / "global_step_2"
+    assert lines[-3:] == [
+        "next:",
+        f"  its model as a Hugging Face folder: klppo export {checkpoint} {checkpoint.parent / 'hf'}",
+        f"  the learning recipe (about 5 minutes on one GPU): {quickstart.GPU_COMMAND}",
     ]
+    assert out.count(quickstart.GPU_COMMAND) == 1

@@ -258,3 +258,51 @@ def test_the_critic_is_advised_the_actors_token_budget_where_it_cuts_its_mini_ba
     assert advice(*gae, "algorithm.adv_estimator=grpo") is None  # no critic
     assert advice(*gae, "actor_rollout_ref.actor.use_dynamic_bsz=False") is None
     assert advice(*gae, "critic.model.path=/elsewhere") is None
+
+
+def test_dry_run_names_every_problem_at_once(tiny_model_dir, arithmetic_data, tmp_path, capsys, monkeypatch):
+    """A key, a value, sizes, data, a logger and the disk wrong in one `--dry-run`: all named, exit 2."""
+    from klppo.commands.train import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "wandb" else real(m, *a))
+    monkeypatch.setattr(startup_checks.shutil, "disk_usage", lambda _p: SimpleNamespace(free=1000))
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        "data.train_batch_sise=4", "actor_rollout_ref.rollout.n=two", "trainer.n_gpus_per_node=3",
+        f"data.val_files={tmp_path / 'missing.parquet'}", "trainer.logger=[console,wandb]", "trainer.save_freq=1",
+    ]  # fmt: skip
+    assert main(["--dry-run", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "klppo: 6 problems, nothing started:\n  1. unknown key 'data.train_batch_sise'" in err
+    for problem in (
+        "2. actor_rollout_ref.rollout.n='two'",
+        "3. data.train_batch_size=4 prompts",  # 4 prompts on 3 processes
+        "4. trainer.logger includes 'wandb'",
+        "5. trainer.default_local_dir=",  # one checkpoint does not fit
+        "6. Parquet file not found: " + str(tmp_path / "missing.parquet"),
+    ):
+        assert f"\n  {problem}" in err, (problem, err)
+
+
+def test_a_finished_run_says_so_before_any_weight_loads(tiny_model_dir, arithmetic_data, tmp_path, capsys, monkeypatch):
+    """Resuming a run whose checkpoint reached its last step: one line, exit 0, nothing started; with
+    steps left (or resume off) the run starts."""
+    import klppo.commands.train as train
+    from klppo.ops.checkpoint import write_manifest
+
+    checkpoint = tmp_path / "run" / "global_step_1"
+    for name in ("trainer_state.pt", "rng/rank_0.pt", "actor/.metadata"):
+        (checkpoint / name).parent.mkdir(parents=True, exist_ok=True)
+        (checkpoint / name).write_bytes(b"x")
+    write_manifest(checkpoint, 1)
+    (checkpoint / "COMPLETE").write_text("1")
+    started: list[int] = []
+    monkeypatch.setattr(train, "_launch_or_run", lambda *a, **k: started.append(1) or 0)
+    overrides = [*base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run"), "algorithm.adv_estimator=grpo"]
+    assert train.main(overrides) == 0 and not started  # total_training_steps=1
+    out = capsys.readouterr().out
+    assert out.startswith(f"klppo: {checkpoint} is at step 1, and this run ends at step 1 "
+                          "(trainer.total_training_steps): nothing left to train.")  # fmt: skip
+    assert train.main([*overrides, "--dry-run"]) == 0 and "resume: " in capsys.readouterr().out
+    assert train.main([*overrides, "trainer.total_training_steps=2"]) == 0 and started == [1]
+    assert train.main([*overrides, "trainer.resume_mode=disable"]) == 0 and started == [1, 1]

@@ -193,15 +193,15 @@ def test_validation_metrics_and_generation_log(tiny_model_dir, arithmetic_data, 
     val_rows = [json.loads(x) for x in (tmp_path / "val_dumps" / "0.jsonl").read_text().splitlines()]
     assert len(val_rows) == 16 and "What is" in val_rows[0]["input"]
     rows = read_metrics(tmp_path)
-    val = [r for r in rows if "val-core/openai/gsm8k/reward/mean@2" in r]
+    val = [r for r in rows if "val-core/arithmetic/reward/mean@2" in r]
     assert [r["step"] for r in val] == [0, 2]  # before training, then after the last step
-    assert all(0.0 <= r["val-core/openai/gsm8k/reward/mean@2"] <= 1.0 for r in val)
+    assert all(0.0 <= r["val-core/arithmetic/reward/mean@2"] <= 1.0 for r in val)
     for r in val:  # best of 2 ≥ mean ≥ worst of 2
         best, worst = (
-            r["val-core/openai/gsm8k/reward/best@2/mean"],
-            r["val-core/openai/gsm8k/reward/worst@2/mean"],
+            r["val-core/arithmetic/reward/best@2/mean"],
+            r["val-core/arithmetic/reward/worst@2/mean"],
         )
-        assert best >= r["val-core/openai/gsm8k/reward/mean@2"] >= worst
+        assert best >= r["val-core/arithmetic/reward/mean@2"] >= worst
     logged = [json.loads(line) for line in (tmp_path / "generations.jsonl").read_text().splitlines()]
     assert len(logged) >= 2 and all("response" in json.dumps(entry) for entry in logged)
 

@@ -235,6 +235,9 @@ def test_refused_with_a_critic_and_noted_where_it_does_little():
         notes = []
         load_config(over, notify=notes.append)
         assert any(advice in m for m in notes) == advised, over
+    notes = []  # trainer.advise=false (the quickstart's fixed recipes): no advice
+    load_config(["algorithm.adv_estimator=grpo", *g, "trainer.advise=false"], notify=notes.append)
+    assert not any(advice in m for m in notes)
 
 
 @pytest.mark.slow
