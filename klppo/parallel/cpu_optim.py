@@ -64,7 +64,9 @@ def _chunks(ms: MasterWeights, limit_bytes: int) -> list[_Chunk]:
         for j in range(1, len(f.params) + 1):
             if j == len(f.params) or f.offsets[j + 1] - f.offsets[i] > limit:
                 lo, hi = f.offsets[i], f.offsets[j]
-                out.append(_Chunk(f.masters[i:j], f.grad_params[i:j], f.master[lo:hi], f.compute[lo:hi], hi - lo))
+                out.append(
+                    _Chunk(f.masters[i:j], f.grad_params[i:j], f.master[lo:hi], f.compute[lo:hi], hi - lo)
+                )
                 i = j
     for (p, m), (_, h) in zip(ms._loose_trained, ms._loose_grads, strict=True):
         out.append(_Chunk([m], [h], m.data.view(-1), p.data.view(-1), p.numel()))
@@ -196,4 +198,3 @@ def host_step_class(cls: type) -> type:
         raise ValueError(
             f"optimizer_step_on_cpu steps torch.optim Adam or AdamW, not {cls.__module__}.{cls.__name__}"
         ) from None
-

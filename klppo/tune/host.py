@@ -86,7 +86,9 @@ def alternatives(workload: TuneWorkload, model_config: object, *, host_bytes: in
             host = host_peak(facts, point, wl).total
             if device <= w.device_bytes and host <= host_bytes:
                 keys = OFFLOAD_KEYS[offload] + (", enable_gradient_checkpointing=true" if ckpt else "")
-                found.append((device, f"{keys} (device {device / 2**30:.1f} GiB, host {host / 2**30:.1f} GiB)"))
+                found.append(
+                    (device, f"{keys} (device {device / 2**30:.1f} GiB, host {host / 2**30:.1f} GiB)")
+                )
     return [text for _, text in sorted(set(found))]
 
 
@@ -117,7 +119,9 @@ def refusal(workload: TuneWorkload, model_config: object, *, host_bytes: int) ->
         over.append(f"the {worst} phase is predicted to need {phases[worst] / 2**30:.1f} GiB of the GPU's "
                     f"{device / 2**30:.0f} GiB")  # fmt: skip
     if host > host_bytes:
-        over.append(f"the host is predicted to need {host / 2**30:.1f} GiB of its {host_bytes / 2**30:.0f} GiB")
+        over.append(
+            f"the host is predicted to need {host / 2**30:.1f} GiB of its {host_bytes / 2**30:.0f} GiB"
+        )
     if not over:
         return None
     fits = alternatives(workload, model_config, host_bytes=host_bytes)

@@ -41,7 +41,9 @@ def qwen7b(tmp_path_factory):
 def _workload(overrides: list[str], device_bytes: int = H100):
     cfg = load_config(GRPO + overrides)
     fsdp_cfg = cfg.actor_rollout_ref.actor.fsdp_config
-    fsdp = fsdp_settings(fsdp_cfg, device_type="cuda", world_size=1, key="actor_rollout_ref.actor.fsdp_config")
+    fsdp = fsdp_settings(
+        fsdp_cfg, device_type="cuda", world_size=1, key="actor_rollout_ref.actor.fsdp_config"
+    )
     return tune_workload(cfg, fsdp, world_size=1, device_gib=device_bytes / GIB)
 
 
