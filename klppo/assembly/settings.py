@@ -74,6 +74,7 @@ def fsdp_settings(
         transformer_layer_cls_to_wrap=list(policy.transformer_layer_cls_to_wrap or []) or None,
         param_offload=fsdp.param_offload,
         optimizer_offload=fsdp.optimizer_offload,
+        optimizer_step_on_cpu=check_cpu_step(fsdp, world_size=world_size, key=key),
         offload_policy=fsdp.offload_policy,
         reshard_after_forward=fsdp.reshard_after_forward,
         fsdp_size=fsdp.fsdp_size,
@@ -99,6 +100,24 @@ def resolve_plain(fsdp: FSDPConfig, *, world_size: int, key: str = "fsdp_config"
     # auto leaves offloading roles on FSDP2: the plain path's offload is tested on CPU only
     offloads = fsdp.param_offload or fsdp.optimizer_offload
     return possible and not offloads if value == "auto" else bool(value)
+
+
+def check_cpu_step(fsdp: FSDPConfig, *, world_size: int, key: str = "fsdp_config") -> bool:
+    """``fsdp_config.optimizer_step_on_cpu``, or a ValueError naming the key when the role cannot take it: it
+    runs on the plain path (one process; :func:`resolve_plain`), whose masters and optimizer state it keeps on
+    the host for the whole run — so ``param_offload``, ``optimizer_offload`` (moving them between phases) and
+    ``cuda_graph_update`` (a graph reads device memory only) are refused beside it."""
+    if not fsdp.optimizer_step_on_cpu:
+        return False
+    clashes = [k for k in ("param_offload", "optimizer_offload", "offload_policy", "cuda_graph_update")
+               if getattr(fsdp, k)]  # fmt: skip
+    if world_size > 1 or fsdp.plain_single_gpu is False or clashes:
+        why = (f"{world_size} processes (FSDP2's offload_policy steps a sharded optimizer on the CPU)"
+               if world_size > 1 else "plain_single_gpu=false" if fsdp.plain_single_gpu is False
+               else ", ".join(f"{k}=true" for k in clashes))  # fmt: skip
+        raise ValueError(f"{key}.optimizer_step_on_cpu=true needs one process on the plain path with the "
+                         f"masters and AdamW state on the host throughout ({why}): set it to false, or unset those")  # fmt: skip
+    return True
 
 
 def check_cuda_graph_update(fsdp: FSDPConfig, settings: FSDPSettings, *, device_type: str, key: str) -> None:
@@ -418,6 +437,8 @@ def offload_mode(fsdp: FSDPSettings) -> str:
     """The memory model's offload mode of a role's FSDP settings (``klppo.tune.memory.OFFLOAD_MODES``)."""
     if fsdp.offload_policy:
         return "cpu"
+    if fsdp.optimizer_step_on_cpu:
+        return "cpu_step"
     return "idle" if fsdp.param_offload or fsdp.optimizer_offload else "off"
 
 
@@ -441,6 +462,9 @@ def tune_workload(
         backward_prefetch=fsdp.backward_prefetch,
         reference=(actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
         and not arr.ref.fsdp_config.param_offload,
+        reference_offloaded=(actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+        and arr.ref.fsdp_config.param_offload
+        and arr.model.lora_rank == 0,
         sequence_parallel=actor.ulysses_sequence_parallel_size,
         rollout_tensor_parallel=arr.rollout.tensor_model_parallel_size,
         grad_sync_per_mini_batch=actor.fsdp_config.grad_sync_per_mini_batch,

@@ -55,6 +55,7 @@ from klppo.rollout.factory import make_rollout
 from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
+from klppo.tune.host import host_ram_bytes
 from klppo.tune.preflight import check_memory
 
 log = logging.getLogger("klppo")
@@ -166,7 +167,7 @@ def _before_weights(
     mini_tokens = -(-per_rank // workload.workload.sequence_parallel)
     rollout = cfg.actor_rollout_ref.rollout
     advise = cfg.trainer.advise
-    check_memory(workload, hf_config, mini_batch_tokens=mini_tokens if advise else None,
+    check_memory(workload, hf_config, mini_batch_tokens=mini_tokens if advise else None, host_bytes=host_ram_bytes(),
                  rollout_seqs=sizes.samples_per_rank if advise and could_keep_workspace(cfg, hf_config) else None)  # fmt: skip
     critic_tokens = (sizes.critic_mini_batch_samples_per_rank or 0) * workload.seq_len
     critic_advice = critic_budget_advice(cfg, critic_mini_batch_tokens=critic_tokens)

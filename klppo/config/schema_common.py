@@ -45,6 +45,12 @@ class FSDPConfig:
     param_offload: bool = F(False, "Keep this role's parameter shards on CPU while the role is idle.")
     optimizer_offload: bool = F(False, "Keep optimizer state on CPU while the role is idle.")
     offload_policy: bool = F(False, "FSDP2 CPUOffloadPolicy: parameters live on CPU during compute too.")
+    optimizer_step_on_cpu: bool = F(
+        False,
+        "[klppo] Keep the fp32 master weights and the AdamW state on the host and run the optimizer step on "
+        "the CPU, gradients streamed out and weights back per chunk (one process, plain path).",
+        see="sharding.md#optimizer-step-on-the-cpu-optimizer_step_on_cpu",
+    )
     reshard_after_forward: bool = F(True, "Free gathered parameters after each unit's forward.")
     fsdp_size: int = F(
         -1, "Shard group size: -1 = all ranks; k = shard within k ranks, replicate across (HSDP)."

@@ -121,12 +121,25 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.op
     if optimizer is not None:
         state["optim"] = optim_sd
     dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)))
+    kernels = _kernel_choices(optimizer)
     set_state_dict(
         model,
         _optimizers(optimizer),
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
     )
+    if optimizer is not None:  # this run's kernel choice, not the writer's (a GPU's fused, the CPU's foreach)
+        for group, choice in zip(optimizer.param_groups, kernels, strict=True):
+            group.update(choice)
+
+
+_KERNEL_KEYS = ("fused", "foreach", "capturable")
+"""Param-group keys that choose an implementation for the parameters' device, not the optimization."""
+
+
+def _kernel_choices(optimizer: torch.optim.Optimizer | None) -> list[dict]:
+    groups = [] if optimizer is None else optimizer.param_groups
+    return [{k: g[k] for k in _KERNEL_KEYS if k in g} for g in groups]
 
 
 def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

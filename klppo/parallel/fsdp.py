@@ -46,6 +46,9 @@ class FSDPSettings:
     """Move this role's parameter shards to CPU while idle (:mod:`klppo.parallel.offload`)."""
     optimizer_offload: bool = False
     """Move this role's optimizer state to CPU while idle."""
+    optimizer_step_on_cpu: bool = False
+    """Plain path only: masters and optimizer state live on the host and the step runs on the CPU
+    (:mod:`klppo.parallel.cpu_optim`)."""
     offload_policy: bool = False
     """FSDP2 ``CPUOffloadPolicy``: shards live on CPU, copied to the device per unit during compute."""
     reshard_after_forward: bool = True

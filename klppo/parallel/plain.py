@@ -28,6 +28,13 @@ instead (tests/parallel/test_plain.py requires the two to agree bit for bit on C
 Memory: one master (the model's dtype, fp32) and one compute copy (bf16) of every parameter, the fp32
 master gradients, and the bf16 gradients of one backward (and, while they are added, one chunk's
 concatenation: :data:`CHUNK_BYTES`); no all-gather buffers.
+Masters on the host (``host_masters``, ``fsdp_config.optimizer_step_on_cpu``): the masters live in host
+memory (pinned on CUDA) and the optimizer steps them there (:mod:`klppo.parallel.cpu_optim`); the master
+gradients still accumulate on the device, on *gradient holders* (a device parameter of each master's shape
+over one element of storage: torch keeps a gradient on its parameter's device), and the step streams them
+to the host and the updated values back into the compute copy. Device memory: the compute copy, the master
+gradients and one backward's compute-dtype gradients; no masters, no optimizer state.
+
 Leaves out: several processes (sharding is what FSDP2 is for), FSDP2's ``offload_policy`` (parameters on
 the host during compute). Knows nothing about roles or the config: it takes :class:`FSDPSettings`.
 """
@@ -81,6 +88,13 @@ class _Flat:
     master: torch.Tensor
     grad: weakref.ref | None = None
     """The flat master gradient whose views the masters' ``.grad`` are (dies with them: ``zero_grad``)."""
+    holders: list[nn.Parameter] | None = None
+    """Host masters only: the device parameters whose ``.grad`` hold the master gradients (else the masters)."""
+
+    @property
+    def grad_params(self) -> list[nn.Parameter]:
+        """Where the master gradients accumulate: the masters, or on the host path their holders."""
+        return self.masters if self.holders is None else self.holders
 
     def __post_init__(self) -> None:
         sizes = [p.numel() for p in self.params]
@@ -96,7 +110,7 @@ class _Flat:
     def master_grad(self) -> torch.Tensor | None:
         """The flat master gradient if every master's ``.grad`` is still its view, else None."""
         flat = None if self.grad is None else self.grad()
-        if flat is None or any(m.grad is None or m.grad._base is not flat for m in self.masters):
+        if flat is None or any(m.grad is None or m.grad._base is not flat for m in self.grad_params):
             return None
         return flat
 
@@ -132,8 +146,15 @@ class MasterWeights:
     Both copies live in flat buffers (module docstring)."""
 
     def __init__(
-        self, model: nn.Module, *, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype
+        self,
+        model: nn.Module,
+        *,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype,
+        host_masters: bool = False,
     ) -> None:
+        """``host_masters``: the masters in host memory, their gradients on holders on the device (module
+        docstring); the optimizer over them must stream its step (:mod:`klppo.parallel.cpu_optim`)."""
         self.model = model
         self.reduce_dtype = reduce_dtype
         self.params = list(model.parameters())
@@ -153,6 +174,39 @@ class MasterWeights:
         self.module.register_load_state_dict_post_hook(lambda module, keys: self._loaded())
         self._loose_trained = [(p, m) for p, m in loose if p.requires_grad]
         self._flats_trained = [f for f in self._flats if f.params[0].requires_grad]
+        self.host_masters = host_masters
+        self._loose_grads = self._loose_trained  # (parameter, where its master gradient accumulates)
+        if host_masters:
+            self._masters_to_host()
+
+    def _masters_to_host(self) -> None:
+        """The masters' storage moved to host memory (pinned with CUDA), holders made for their gradients."""
+        pin = torch.cuda.is_available() and any(p.is_cuda for p in self.params)
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            out = t.to("cpu")
+            return out.pin_memory() if pin else out
+
+        with torch.no_grad():
+            for f in self._flats:
+                f.master = host(f.master)
+                _lay_out(f.masters, f.master)
+                if f.params[0].requires_grad:
+                    f.holders = [_holder(p, f.master.dtype) for p in f.params]
+            for _, m in self._loose:
+                m.data = host(m.data)
+        self._loose_grads = [(p, _holder(p, m.dtype)) for p, m in self._loose_trained]
+
+    @property
+    def grad_params(self) -> list[nn.Parameter]:
+        """The parameters whose ``.grad`` are the master gradients: the masters, or their device holders."""
+        out = [h for f in self._flats for h in f.grad_params]
+        return out + [h for _, h in self._loose_grads] if self.host_masters else self.masters
+
+    def drop_master_grads(self) -> None:
+        """Host masters: the master gradients on the holders dropped (the optimizer's ``zero_grad``)."""
+        for h in self.grad_params if self.host_masters else ():
+            h.grad = None
 
     def _build_flats(self, param_dtype: torch.dtype | None) -> tuple[list[_Flat], list[tuple]]:
         """The flat buffers per kind, in ``params``' order within each: masters first (the parameters'
@@ -193,10 +247,10 @@ class MasterWeights:
         the backward reached all its parameters and their masters' gradients are all none or all its
         views: an add per chunk of concatenated gradients (the same arithmetic element by element); else per
         tensor."""
-        rest = list(self._loose_trained)
+        rest = list(self._loose_grads)
         for f in self._flats_trained:
             if not self._accumulate_flat(f):
-                rest.extend(zip(f.params, f.masters))
+                rest.extend(zip(f.params, f.grad_params))
         self._accumulate_each(rest)
 
     def _accumulate_flat(self, f: _Flat) -> bool:
@@ -207,12 +261,12 @@ class MasterWeights:
             return False
         into = f.master_grad()
         fresh = into is None
-        if fresh and any(m.grad is not None for m in f.masters):
+        if fresh and any(m.grad is not None for m in f.grad_params):
             return False
         for p in f.params:
             p.grad = None
         if fresh:
-            into = torch.empty_like(f.master)
+            into = torch.empty_like(f.master, device=f.compute.device)
         dtype, reduce = into.dtype, self.reduce_dtype
         for i, j in f.chunks:
             g = grads[i].reshape(-1) if j == i + 1 else torch.cat([g.reshape(-1) for g in grads[i:j]])
@@ -226,7 +280,7 @@ class MasterWeights:
                 cast = g.dtype != dtype and g.element_size() >= into.element_size()
                 out.add_(g.to(dtype) if cast else g)
         if fresh:
-            for m, v in zip(f.masters, _point_into(f.masters, into)):
+            for m, v in zip(f.grad_params, _point_into(f.masters, into)):
                 m.grad = v
             f.grad = weakref.ref(into)
         return True
@@ -262,7 +316,7 @@ class MasterWeights:
         """:func:`klppo.parallel.fsdp.clip_grad_norm_` on the master gradients: their norm before (in FSDP2's
         arithmetic on one rank), each scaled by ``min(1, max_norm / (norm + 1e-6))`` (nan for a nan norm, 0
         for an infinite one)."""
-        grads = [m.grad for m in self.masters if m.grad is not None]
+        grads = [m.grad for m in self.grad_params if m.grad is not None]
         if not grads:
             return torch.zeros(())
         total = norm_of_shards(grads, [])
@@ -273,7 +327,9 @@ class MasterWeights:
     def copy_to_model(self, *, trained_only: bool = True) -> None:
         """The masters into the compute-dtype parameters (round to nearest even: one copy per flat buffer, one
         foreach copy of the rest); only the trained ones after an optimizer step, all after a checkpoint
-        load."""
+        load. With host masters the streamed step has written the trained ones already: only a load copies."""
+        if self.host_masters and trained_only:
+            return
         for f in self._flats_trained if trained_only else self._flats:
             f.compute.copy_(f.master)
         pairs = self._loose_trained if trained_only else self._loose
@@ -289,7 +345,9 @@ class MasterWeights:
         """Both copies (and their gradients, the optimizer state aside) to ``device``: what
         :class:`klppo.parallel.offload.OffloadSchedule` calls for ``param_offload``; the mirror's buffers
         follow the model's. A flat buffer moves whole, its views pointed into the moved one (the model's
-        ``to`` then leaves them: already there)."""
+        ``to`` then leaves them: already there). Not with host masters (they stay on the host)."""
+        if self.host_masters:
+            raise ValueError("masters on the host (optimizer_step_on_cpu) do not move: param_offload is refused")
         with torch.no_grad():
             for f in self._flats:
                 grad = f.master_grad()
@@ -309,6 +367,13 @@ class MasterWeights:
         self.model.to(device)
         self.module = _relink_buffers(self.module, self.model)
         return self
+
+
+def _holder(p: nn.Parameter, dtype: torch.dtype) -> nn.Parameter:
+    """A device parameter of ``p``'s shape and the master's ``dtype`` over one element of storage, whose
+    ``.grad`` holds a master gradient (torch keeps a gradient on its parameter's device; the master is on
+    the host)."""
+    return nn.Parameter(torch.empty((), dtype=dtype, device=p.device).expand(p.shape))
 
 
 def _move_grads(params: list[nn.Parameter], device: torch.device) -> None:
@@ -343,4 +408,9 @@ def plain_model(model: nn.Module, settings: FSDPSettings) -> MasterWeights:
     (None: kept), their masters in the loaded dtype; buffers as they are (FSDP2 does not cast them)."""
     if settings.offload_policy:
         raise ValueError("the plain path keeps parameters on the device: offload_policy needs FSDP2")
-    return MasterWeights(model, param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype)
+    return MasterWeights(
+        model,
+        param_dtype=settings.param_dtype,
+        reduce_dtype=settings.reduce_dtype,
+        host_masters=settings.optimizer_step_on_cpu,
+    )

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
+from klppo.parallel.cpu_optim import host_step_class
 from klppo.parallel.local_shards import local_shard_class
+from klppo.parallel.plain import MasterWeights
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,9 @@ class OptimSettings:
     """``optim.override_optimizer_config``: further keyword arguments of the optimizer class."""
 
 
-def build_optimizer(params, settings: OptimSettings) -> torch.optim.Optimizer:
+def build_optimizer(
+    params, settings: OptimSettings, *, host: MasterWeights | None = None
+) -> torch.optim.Optimizer:
     """The configured optimizer (AdamW by default) over the trainable parameters.
 
     torch's Adam/AdamW step on the DTensor parameters' local shards (:mod:`klppo.parallel.local_shards`:
@@ -46,6 +50,10 @@ def build_optimizer(params, settings: OptimSettings) -> torch.optim.Optimizer:
     Optimizers with a ``fused`` option (torch's Adam/AdamW/SGD) get ``fused=True`` when every parameter is
     on CUDA (one kernel per parameter group instead of one per tensor and operation), unless
     ``override_optimizer_config`` sets ``fused`` (``{fused: false}``: the multi-tensor ``foreach`` path).
+
+    ``host`` (``fsdp_config.optimizer_step_on_cpu``: masters on the host, ``params`` its masters): the class's
+    host-step variant (:mod:`klppo.parallel.cpu_optim`, Adam/AdamW only), ``foreach`` on the CPU unless
+    ``override_optimizer_config`` chooses (``{fused: true}``: torch's fused CPU kernel).
     """
 
     params = [p for p in params if p.requires_grad]
@@ -55,7 +63,7 @@ def build_optimizer(params, settings: OptimSettings) -> torch.optim.Optimizer:
         raise ValueError(
             f"optim.optimizer={settings.optimizer!r} not found in optim.optimizer_impl={settings.optimizer_impl!r}"
         ) from exc
-    cls = local_shard_class(cls)
+    cls = host_step_class(cls) if host is not None else local_shard_class(cls)
     accepted = inspect.signature(cls).parameters
     kwargs: dict[str, Any] = {"lr": settings.lr}
     if "betas" in accepted:
@@ -64,8 +72,13 @@ def build_optimizer(params, settings: OptimSettings) -> torch.optim.Optimizer:
         kwargs["weight_decay"] = settings.weight_decay
     if "fused" in accepted and params and all(p.is_cuda for p in params):
         kwargs["fused"] = True
+    if host is not None and not {"fused", "foreach"} & {k for k, _ in settings.extra}:
+        kwargs["foreach"] = True
     kwargs.update(dict(settings.extra))
-    return cls(params, **kwargs)
+    optimizer = cls(params, **kwargs)
+    if host is not None:
+        optimizer.attach(host)
+    return optimizer
 
 
 def lr_multiplier(step: int, settings: OptimSettings) -> float:

@@ -96,7 +96,8 @@ class TrainedRole:
         self.model = model
         self.update = update
         self.masters = masters
-        self.optimizer = build_optimizer(self.state_model.parameters(), optim)
+        host = masters if masters is not None and masters.host_masters else None
+        self.optimizer = build_optimizer(self.state_model.parameters(), optim, host=host)
         self.scheduler = build_scheduler(self.optimizer, optim)
         self.num_skipped_updates = 0  # optimizer steps skipped for a non-finite loss or grad norm
         self._stopped: torch.Tensor | None = None  # this update's device-side skip flag (_step_on_device)

@@ -73,6 +73,10 @@ the reference's graphs (``graph_reference``) a pool of one log-prob working set 
 own pass is counted beside the pools (an upper bound: a shape met the first time, past ``max_graphs`` or after
 a failed capture runs eagerly while the pools stay held; with every shape captured the peak is lower by
 that working set). Not fitted to device peaks.
+Optimizer step on the CPU (``offload="cpu_step"``, ``fsdp_config.optimizer_step_on_cpu``, plain path only,
+:mod:`klppo.parallel.cpu_optim`): the masters and AdamW live on the host (``klppo.tune.host``), so the device
+holds in every phase the compute copy ``P·c`` and no masters or AdamW; in the update the master gradients
+``P·m`` and the terms above; the step adds nothing on the device (the chunk buffers are on the host).
 Not modelled: the reference / critic models (add them with ``reference=True``), allocator fragmentation
 (``torch.cuda.max_memory_allocated`` does not count it either), CUDA context and library workspaces.
 """
@@ -86,7 +90,7 @@ from dataclasses import dataclass, field
 from klppo.tune.shapes import head_dim
 from klppo.tune.units import WHOLE_MODEL, ModelFacts
 
-OFFLOAD_MODES = ("off", "idle", "cpu")
+OFFLOAD_MODES = ("off", "idle", "cpu", "cpu_step")
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ class Point:
 
     min_num_params: int
     offload: str = "off"
-    """off | idle (param_offload + optimizer_offload) | cpu (FSDP2 offload_policy)."""
+    """off | idle (param_offload + optimizer_offload) | cpu (FSDP2 offload_policy) | cpu_step (masters and
+    AdamW on the host, stepped there: ``optimizer_step_on_cpu``, plain path only)."""
     forward_prefetch: bool = False
     reshard_after_forward: bool = True
     micro_tokens: int = 8192
@@ -136,6 +141,9 @@ class Workload:
     backward_prefetch: bool = True
     reference: bool = False
     """Count a bf16 reference model's shards as resident in every phase."""
+    reference_offloaded: bool = False
+    """A bf16 reference kept on the host between its passes (``ref.fsdp_config.param_offload``): host memory
+    (``klppo.tune.host``), nothing resident on the device."""
     sequence_parallel: int = 1
     """Ulysses group size S (``ulysses_sequence_parallel_size``); token counts stay per rank."""
     rollout_tensor_parallel: int = 1
@@ -162,7 +170,8 @@ class Workload:
     def runs_plain(self, point: Point) -> bool:
         """Whether the trainer runs ``point`` on the plain path: :attr:`plain`, no ``offload_policy``
         (``offload="cpu"`` needs FSDP2), and ``offload="idle"`` only with :attr:`plain_offload`."""
-        return self.plain and (point.offload == "off" or (point.offload == "idle" and self.plain_offload))
+        offload = point.offload
+        return self.plain and (offload in ("off", "cpu_step") or (offload == "idle" and self.plain_offload))
 
     def as_run(self, point: Point) -> Point:
         """``point`` as the trainer runs it: :func:`plain_point` on the plain path, else itself."""
@@ -270,6 +279,8 @@ def _resident(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *,
     shard = math.ceil(facts.num_params / w.shard_ranks)
     if point.offload == "cpu":
         phase.add("sharded params", 0, "0 (offload_policy: shards on host)")
+    elif point.offload == "cpu_step":
+        phase.add("sharded params", 0, "0 (optimizer_step_on_cpu: masters on host)")
     else:
         phase.add("sharded params", shard * w.master_bytes, "ceil(P/f)·m")
     if w.runs_plain(point) and phase.phase != "rollout":  # the rollout reads it as its gathered model
@@ -332,7 +343,7 @@ def update_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
         _unit_grads(phase, facts, point, w)
     _backward_start(phase, facts, point, w)
     static = sum(t.bytes for t in phase.terms if t.name in _STATIC)
-    if point.offload != "cpu":
+    if point.offload not in ("cpu", "cpu_step"):
         phase.floor = static + shard * 4  # optimizer step: state + one fp32 temporary
     if w.graph_update or w.graph_reference:  # held beside the update's own (possibly eager) micro-batch
         _graph_pools(phase, facts, point, w)

@@ -1,7 +1,9 @@
 """The memory check `klppo train` runs before loading any model on a GPU: the memory model's predicted
 peak per phase for the configured settings, logged, with a warning that names `klppo tune` when a phase
 is predicted not to fit — and, the other way round, the token budget to set when the actor's mini-batch
-runs as several micro-batches while a larger budget is predicted to fit well inside the device."""
+runs as several micro-batches while a larger budget is predicted to fit well inside the device. A setting
+that cannot fit the device or the host (``klppo.tune.host.refusal``) is refused here, with the figure and
+the settings that would fit."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import dataclasses
 import logging
 from typing import Any
 
+from klppo.config import ConfigError
 from klppo.rollout.workspace import slot_bytes
+from klppo.tune.host import host_peak, refusal
 from klppo.tune.memory import Point, TuneWorkload, Workload, predict
 from klppo.tune.shapes import head_dim
 from klppo.tune.units import ModelFacts
@@ -113,11 +117,14 @@ def check_memory(
     headroom: float = 0.95,
     mini_batch_tokens: int | None = None,
     rollout_seqs: int | None = None,
+    host_bytes: int | None = None,
 ) -> None:
     """Log the predicted peaks; warn when one exceeds ``headroom`` × the device (the model is within ~15%);
     with ``mini_batch_tokens`` (the actor's mini-batch per rank), log :func:`micro_batch_advice` if any;
     with ``rollout_seqs`` (sequences per rank of a rollout that frees its workspace each step), log
-    :func:`workspace_advice` if any."""
+    :func:`workspace_advice` if any. With ``host_bytes`` (this machine's memory) the host's predicted peak is
+    logged too, and a setting predicted not to fit the device or the host raises a ConfigError that says
+    what would (``klppo.tune.host.refusal``)."""
     device_gib = workload.workload.device_bytes / 2**30
     try:
         peaks = predicted_peaks_gib(workload, model_config)
@@ -126,6 +133,13 @@ def check_memory(
         return
     summary = ", ".join(f"{name} {gib:.1f}" for name, gib in peaks.items())
     log.info("predicted peak memory per GPU (GiB, of %.0f): %s", device_gib, summary)
+    if host_bytes is not None:
+        facts = ModelFacts.from_config(model_config)
+        host = host_peak(facts, workload.update_point, workload.workload).total
+        log.info("predicted peak host memory per rank: %.1f GiB of %.0f", host / 2**30, host_bytes / 2**30)
+        message = refusal(workload, model_config, host_bytes=host_bytes)
+        if message:
+            raise ConfigError(message)
     over = {name: gib for name, gib in peaks.items() if gib > headroom * device_gib}
     if over:
         worst = max(over, key=over.get)

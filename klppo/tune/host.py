@@ -1,0 +1,131 @@
+"""Predicted peak host memory of one rank (bytes), term by term, and the check that a setting fits the
+device and the host before any weight loads.
+
+Terms (``P`` trained parameters, ``Ps`` the rank's shard, ``m`` master bytes, ``c`` compute bytes,
+``V·h`` the largest parameter — the embedding or LM head):
+
+- the process itself, :data:`PROCESS_BYTES` (Python, torch, the CUDA context's host side, transformers):
+  a constant, not fitted;
+- ``offload="cpu_step"`` (:mod:`klppo.parallel.cpu_optim`): the masters ``P·m`` and AdamW ``2·P·4`` for the
+  whole run, and the step's pinned buffers ``2·U·(m + c)`` (two chunks of gradients in the master dtype and
+  two of values in the compute dtype; ``U`` the largest chunk: :data:`~klppo.parallel.cpu_optim.STEP_CHUNK_BYTES`
+  of masters or the largest parameter);
+- ``offload="idle"`` (``param_offload`` + ``optimizer_offload``): what sits on the host while the role is
+  idle — the shard ``Ps·m`` (plain path: and the compute copy ``P·c``) and AdamW ``2·Ps·4``;
+- ``offload="cpu"`` (FSDP2 ``offload_policy``): the shards, their gradients and AdamW, ``Ps·(2m + 8)``;
+- a reference kept on the host between its passes (``Workload.reference_offloaded``): ``P·c``.
+
+Not modelled: the model's load (transformers reads the checkpoint through the host once, before the
+optimizer exists), data loaders and the rollout's host buffers (small beside these terms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from klppo.parallel.cpu_optim import STEP_CHUNK_BYTES
+from klppo.tune.memory import OFFLOAD_MODES, PhasePeak, Point, TuneWorkload, Workload, predict
+from klppo.tune.units import ModelFacts
+
+PROCESS_BYTES = 6 * 2**30
+"""Host memory of a trainer process before any model state: interpreter, torch with CUDA, transformers."""
+
+
+def host_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
+    """The host's peak for one rank of the actor at ``point`` (module docstring)."""
+    phase = PhasePeak("host")
+    phase.add("process", PROCESS_BYTES, "torch, CUDA context, libraries")
+    P, m, c = facts.num_params, w.master_bytes, w.compute_bytes
+    shard = math.ceil(P / w.shard_ranks)
+    if point.offload == "cpu_step":
+        largest = max(STEP_CHUNK_BYTES // m, facts.shape.vocab * facts.shape.hidden)
+        phase.add("masters", P * m, "P·m")
+        phase.add("optimizer (AdamW)", 2 * P * 4, "2·P·4")
+        phase.add("step buffers (pinned)", 2 * largest * (m + c), "2·U·(m+c)")
+    elif point.offload == "idle":
+        phase.add("offloaded shards", shard * m, "ceil(P/f)·m (between phases)")
+        if w.runs_plain(point):
+            phase.add("offloaded compute copy", P * c, "P·c (plain path, between phases)")
+        phase.add("offloaded AdamW", 2 * shard * 4, "2·ceil(P/f)·4 (between updates)")
+    elif point.offload == "cpu":
+        phase.add("shards, grads, AdamW", shard * (2 * m + 8), "ceil(P/f)·(2m+8) (offload_policy)")
+    if w.reference_offloaded:
+        phase.add("offloaded reference", P * c, "P·c")
+    return phase
+
+
+def host_ram_bytes() -> int:
+    """This machine's physical memory (bytes), shared by the processes torchrun starts on it
+    (``LOCAL_WORLD_SIZE``): one process's share."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def fit(workload: TuneWorkload, model_config: object, *, host_bytes: int) -> tuple[dict[str, float], float]:
+    """(device peak per phase, host peak), in bytes, at the configured point."""
+    facts = ModelFacts.from_config(model_config)
+    point = workload.update_point
+    phases = predict(facts, point, workload.workload)
+    return {k: v.total for k, v in phases.items()}, host_peak(facts, point, workload.workload).total
+
+
+def alternatives(workload: TuneWorkload, model_config: object, *, host_bytes: int) -> list[str]:
+    """The settings, among the offload modes the run can take and gradient checkpointing on, predicted to
+    fit both the device and ``host_bytes``: one phrase each with its two figures, smallest device peak first."""
+    facts, w = ModelFacts.from_config(model_config), workload.workload
+    found = []
+    for offload in OFFLOAD_MODES:
+        if offload == "cpu_step" and not w.plain:
+            continue  # one process only
+        for ckpt in (w.grad_checkpointing, True):
+            wl = dataclasses.replace(w, grad_checkpointing=ckpt)
+            point = dataclasses.replace(workload.update_point, offload=offload)
+            device = max(p.total for p in predict(facts, point, wl).values())
+            host = host_peak(facts, point, wl).total
+            if device <= w.device_bytes and host <= host_bytes:
+                keys = OFFLOAD_KEYS[offload] + (", enable_gradient_checkpointing=true" if ckpt else "")
+                found.append(
+                    (device, f"{keys} (device {device / 2**30:.1f} GiB, host {host / 2**30:.1f} GiB)")
+                )
+    return [text for _, text in sorted(set(found))]
+
+
+OFFLOAD_KEYS = {
+    "off": "no offload",
+    "idle": "param_offload=true, optimizer_offload=true",
+    "cpu": "offload_policy=true",
+    "cpu_step": "optimizer_step_on_cpu=true",
+}
+"""The ``fsdp_config`` keys of each offload mode, for messages."""
+
+
+REFUSE_SHARE = 1.15
+"""A run is refused when a device phase is predicted above this multiple of the device (the model's stated
+error, ~15%, above the device: it cannot fit) or the host above its memory; between 0.95 and this the
+pre-flight warns (:func:`klppo.tune.preflight.check_memory`)."""
+
+
+def refusal(workload: TuneWorkload, model_config: object, *, host_bytes: int) -> str | None:
+    """The sentence that refuses the run when its predicted device peak exceeds :data:`REFUSE_SHARE` × the
+    device or its host peak exceeds ``host_bytes``, naming the figure and what would fit
+    (:func:`alternatives`); None when it fits."""
+    phases, host = fit(workload, model_config, host_bytes=host_bytes)
+    device = workload.workload.device_bytes
+    worst = max(phases, key=phases.get)
+    over = []
+    if phases[worst] > REFUSE_SHARE * device:
+        over.append(f"the {worst} phase is predicted to need {phases[worst] / 2**30:.1f} GiB of the GPU's "
+                    f"{device / 2**30:.0f} GiB")  # fmt: skip
+    if host > host_bytes:
+        over.append(
+            f"the host is predicted to need {host / 2**30:.1f} GiB of its {host_bytes / 2**30:.0f} GiB"
+        )
+    if not over:
+        return None
+    fits = alternatives(workload, model_config, host_bytes=host_bytes)
+    advice = ("predicted to fit (actor_rollout_ref.actor.fsdp_config / actor_rollout_ref.model): " + "; ".join(fits)
+              if fits else "no offload mode fits: use LoRA (actor_rollout_ref.model.lora_rank), more GPUs, or "
+              "smaller micro-batches (ppo_max_token_len_per_gpu)")  # fmt: skip
+    return f"{' and '.join(over)}: {advice}; `klppo tune <same arguments> --dry-run` shows every term"
