@@ -8,6 +8,7 @@ input's device, so the caller reduces metrics once per step instead of syncing i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "POLICY_LOSS_KEYS",
+    "POLICY_LOSS_OPTIONS",
     "agg_loss",
     "entropy_from_logits",
     "explained_variance",
@@ -110,18 +112,23 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
 }
 """``actor_rollout_ref.actor.policy_loss.loss_mode`` → loss function. Every function takes
 ``(old_log_prob, log_prob, advantages, response_mask, clip_ratio, clip_ratio_low, clip_ratio_high,
-clip_ratio_c, loss_agg_mode, loss_scale_factor)`` plus the keyword floats named in
-:data:`POLICY_LOSS_KEYS`, and returns ``(loss, {pg_clipfrac, ppo_kl, pg_clipfrac_lower})``."""
+clip_ratio_c, loss_agg_mode, loss_scale_factor)``, a mode with options of its own also ``options=`` (an
+instance of its :data:`POLICY_LOSS_OPTIONS` class), and returns ``(loss, {pg_clipfrac, ppo_kl,
+pg_clipfrac_lower})``."""
+
+POLICY_LOSS_OPTIONS: dict[str, type] = {
+    "clip_cov": policy_losses.ClipCovOptions,
+    "kl_cov": policy_losses.KLCovOptions,
+}
+"""Modes with options of their own → the options class (its float fields are verl's key names)."""
 
 POLICY_LOSS_KEYS: dict[str, tuple[str, ...]] = {
-    "vanilla": (),
-    "gspo": (),
-    "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
-    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
-    "gpg": (),
-    "geo_mean": (),
+    name: tuple(f.name for f in dataclasses.fields(POLICY_LOSS_OPTIONS[name]) if f.type == "float")
+    if name in POLICY_LOSS_OPTIONS
+    else ()
+    for name in POLICY_LOSSES
 }
-"""The ``actor_rollout_ref.actor.policy_loss.*`` keys each mode reads, passed as keyword floats."""
+"""The ``actor_rollout_ref.actor.policy_loss.*`` keys each mode reads."""
 
 _ROW_MEAN_LOSSES = ("geo_mean",)  # one term per row, averaged over all rows: ignores loss_agg_mode
 

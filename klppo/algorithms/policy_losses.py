@@ -15,6 +15,8 @@ beyond a log-ratio of 88). Results differ only where |log-ratio| > 20.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from klppo.algorithms.aggregate import agg_loss
@@ -93,6 +95,25 @@ def gspo(
     return loss, stats
 
 
+@dataclass(frozen=True)
+class ClipCovOptions:
+    """Clip-Cov's own options: verl's ``policy_loss.clip_cov_*`` keys (field names are the keys), and the
+    generator of its random choice of tokens (None: the global CPU RNG, as verl)."""
+
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class KLCovOptions:
+    """KL-Cov's own options: verl's ``policy_loss.kl_cov_ratio`` and ``ppo_kl_coef`` keys."""
+
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+
+
 @torch.no_grad()
 def _clip_cov_keep(
     log_prob: torch.Tensor,
@@ -130,24 +151,21 @@ def clip_cov(
     loss_scale_factor: float | None = None,
     *,
     rollout_is_weights: torch.Tensor | None = None,
-    clip_cov_ratio: float = 0.0002,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
-    generator: torch.Generator | None = None,
+    options: ClipCovOptions = ClipCovOptions(),
 ) -> tuple[torch.Tensor, Stats]:
     """Clip-Cov (Cui et al. 2025, *The Entropy Mechanism of RL for Reasoning LMs*, arXiv:2505.22617).
 
     ρ = exp(clamp(log π − log π_old, −20, 20)); ℓ₁ = −Aρ, ℓ₂ = −A clip(ρ, 1 − ε_lo, 1 + ε_hi);
     cov_t = (A_t − Ā)(log π_t − mean log π), means over the response tokens of this call. Candidates: tokens
-    with m = 1, not already clipped by PPO (ℓ₂ ≤ ℓ₁) and ``clip_cov_lb`` < cov_t < ``clip_cov_ub``; of
-    them, max(⌊``clip_cov_ratio`` · Σm⌋, 1) chosen uniformly at random (``generator``, default the global
+    with m = 1, not already clipped by PPO (ℓ₂ ≤ ℓ₁) and ``options.clip_cov_lb`` < cov_t < ``options.clip_cov_ub``; of
+    them, max(⌊``options.clip_cov_ratio`` · Σm⌋, 1) chosen uniformly at random (``options.generator``, default the global
     CPU RNG, as verl) get no gradient:  ℓ = max(ℓ₁, ℓ₂) · c, c = 0 on chosen tokens, else 1 (no dual clip).
     loss = agg_loss(ℓ, m, loss_agg_mode, loss_scale_factor). As in verl the selection is per call, i.e. per
     micro-batch. Stats: ``pg_clipfrac`` = share of tokens with c = 0 (verl's meaning), ``ppo_kl``,
     ``pg_clipfrac_lower`` = 0. ``clip_ratio_c`` is unused.
     """
-    if not clip_cov_ratio > 0:
-        raise ValueError(f"clip_cov_ratio must be > 0, got {clip_cov_ratio}")
+    if not options.clip_cov_ratio > 0:
+        raise ValueError(f"clip_cov_ratio must be > 0, got {options.clip_cov_ratio}")
     lp, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages)
     eps_low, eps_high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
     mask = as_bool_mask(response_mask)
@@ -159,10 +177,10 @@ def clip_cov(
         adv,
         mask,
         (loss_clipped > loss_unclipped).detach(),
-        ratio=clip_cov_ratio,
-        lower=clip_cov_lb,
-        upper=clip_cov_ub,
-        generator=generator,
+        ratio=options.clip_cov_ratio,
+        lower=options.clip_cov_lb,
+        upper=options.clip_cov_ub,
+        generator=options.generator,
     )
     per_token = torch.where(keep, torch.maximum(loss_unclipped, loss_clipped), 0.0)
     loss = agg_loss(
@@ -186,20 +204,19 @@ def kl_cov(
     loss_scale_factor: float | None = None,
     *,
     rollout_is_weights: torch.Tensor | None = None,
-    kl_cov_ratio: float = 0.0002,
-    ppo_kl_coef: float = 0.1,
+    options: KLCovOptions = KLCovOptions(),
 ) -> tuple[torch.Tensor, Stats]:
     """KL-Cov (Cui et al. 2025, arXiv:2505.22617): a |log-ratio| penalty on the highest-covariance tokens.
 
     δ = log π − log π_old, ρ = exp(clamp(δ, −20, 20)); over the response tokens of this call (flattened
-    row-major) cov_t = (A_t − Ā)(log π_t − mean log π); the k = max(1, ⌊Σm · ``kl_cov_ratio``⌋) tokens with
-    the largest cov get ℓ = −Aρ + ``ppo_kl_coef`` · |δ|, all others ℓ = −Aρ (no clipping at all).
+    row-major) cov_t = (A_t − Ā)(log π_t − mean log π); the k = max(1, ⌊Σm · ``options.kl_cov_ratio``⌋) tokens with
+    the largest cov get ℓ = −Aρ + ``options.ppo_kl_coef`` · |δ|, all others ℓ = −Aρ (no clipping at all).
     loss = agg_loss(ℓ, m, loss_agg_mode, loss_scale_factor); per call (micro-batch), as verl.
     Stats: ``ppo_kl`` = token-mean of |δ| (verl reports the absolute value under this name),
     ``pg_clipfrac`` = ``pg_clipfrac_lower`` = 0. The clip arguments are unused. One host sync (Σm).
     """
-    if not kl_cov_ratio > 0:
-        raise ValueError(f"kl_cov_ratio must be > 0, got {kl_cov_ratio}")
+    if not options.kl_cov_ratio > 0:
+        raise ValueError(f"kl_cov_ratio must be > 0, got {options.kl_cov_ratio}")
     lp, log_ratio, adv = _prepare(old_log_prob, log_prob, advantages)
     mask = as_bool_mask(response_mask)
     abs_kl = log_ratio.abs()
@@ -211,9 +228,9 @@ def kl_cov(
             flat = torch.nonzero(mask.reshape(-1)).reshape(-1)
             a, logp = adv.reshape(-1)[flat], lp.detach().reshape(-1)[flat]
             cov = (a - a.mean()) * (logp - logp.mean())
-            top = torch.topk(cov, max(1, int(num_valid * kl_cov_ratio))).indices
+            top = torch.topk(cov, max(1, int(num_valid * options.kl_cov_ratio))).indices
             penalized.reshape(-1)[flat[top]] = True
-    per_token = torch.where(penalized, loss_pg + ppo_kl_coef * abs_kl, loss_pg)
+    per_token = torch.where(penalized, loss_pg + options.ppo_kl_coef * abs_kl, loss_pg)
     loss = agg_loss(
         is_weighted(per_token, rollout_is_weights), response_mask, loss_agg_mode, loss_scale_factor
     )

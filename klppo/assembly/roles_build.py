@@ -48,7 +48,7 @@ from klppo.parallel.ulysses import enable_ulysses_attention
 from klppo.roles.actor import Actor
 from klppo.roles.critic import Critic
 from klppo.roles.reference import Reference
-from klppo.roles.reward import Reward
+from klppo.roles.reward import Reward, RewardModelPasses
 from klppo.roles.trained import TrainedRole
 
 HFAssets = dict[str, Callable[[Path], None]]
@@ -320,13 +320,15 @@ def build_reward(
         custom_fn_name=crf.name or "compute_score",
         reward_kwargs=dict(rm.reward_kwargs or {}),
         reward_manager=rm.reward_manager,
-        reward_model=reward_model,
-        reward_tokenizer=reward_tokenizer,
-        max_length=rm.max_length,
+        model=RewardModelPasses(
+            model=reward_model,
+            tokenizer=reward_tokenizer,
+            max_length=rm.max_length,
+            micro_batch_size=micro_batch_size,
+            max_token_len=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
+        ),
         background=rm.launch_reward_fn_async,
         num_workers=rm.num_workers,
-        micro_batch_size=micro_batch_size,
-        max_token_len=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
         timeout_s=rm.timeout_s,
     )
 

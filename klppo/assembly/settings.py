@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from klppo.algorithms import rollout_correction as rc
-from klppo.algorithms.losses import POLICY_LOSS_KEYS
+from klppo.algorithms.losses import POLICY_LOSS_KEYS, POLICY_LOSS_OPTIONS
 from klppo.config import KLPPOConfig
 from klppo.config.schema import DataConfig
 from klppo.config.schema_arr import RolloutConfig
@@ -244,7 +244,11 @@ def actor_settings(cfg: KLPPOConfig, sizes: Sizes, *, sp: SequenceParallel | Non
         loss_agg_mode=actor.loss_agg_mode,
         loss_scale_factor=actor.loss_scale_factor,
         loss_mode=loss_mode,
-        policy_loss_kwargs={k: getattr(actor.policy_loss, k) for k in POLICY_LOSS_KEYS[loss_mode]},
+        policy_loss_options=(
+            POLICY_LOSS_OPTIONS[loss_mode](**{k: getattr(actor.policy_loss, k) for k in POLICY_LOSS_KEYS[loss_mode]})
+            if loss_mode in POLICY_LOSS_OPTIONS
+            else None
+        ),
         entropy_coeff=actor.entropy_coeff,
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,

@@ -12,7 +12,7 @@ pass gave (``rollout/log_prob_diff``, ``actor/ref_kl_k1``) come from those same 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -55,7 +55,7 @@ class ActorSettings:
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None  # constant divisor of seq-mean-token-sum-norm (all loss terms)
     loss_mode: str = "vanilla"  # policy_loss.loss_mode: a key of klppo.algorithms.losses.POLICY_LOSSES
-    policy_loss_kwargs: dict[str, float] = field(default_factory=dict)  # policy_loss.* keys of the mode
+    policy_loss_options: object = None  # the mode's POLICY_LOSS_OPTIONS instance (policy_loss.* keys), if any
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -247,7 +247,7 @@ class Actor(TrainedRole):
             clip_ratio_c=s.clip_ratio_c,
             loss_agg_mode=s.loss_agg_mode,
             loss_scale_factor=s.loss_scale_factor,
-            **s.policy_loss_kwargs,
+            **({} if s.policy_loss_options is None else {"options": s.policy_loss_options}),
             **weighted,
         )
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -79,6 +80,19 @@ def _scores(batch: Batch, seq_scores: torch.Tensor, texts: list[str]) -> Scores:
     return Scores(place_scores(seq_scores, batch.response_mask), seq_scores, texts)
 
 
+@dataclass(frozen=True)
+class RewardModelPasses:
+    """A reward model and how it scores: its tokenizer (None: the policy's), the truncation of its inputs,
+    and its micro-batches — ``max_token_len`` tokens each (``use_dynamic_bsz``), else ``micro_batch_size``
+    samples (None: 16)."""
+
+    model: torch.nn.Module | None = None
+    tokenizer: Any = None
+    max_length: int | None = None
+    micro_batch_size: int | None = None
+    max_token_len: int | None = None
+
+
 class Reward:
     """``score(batch) -> Scores`` (token-level scores, per-sequence scores, response texts); with
     ``background`` and no reward model, :meth:`submit` scores in a worker process instead
@@ -92,13 +106,9 @@ class Reward:
         custom_fn_name: str = "compute_score",
         reward_kwargs: dict | None = None,
         reward_manager: str = "naive",
-        reward_model: torch.nn.Module | None = None,
-        reward_tokenizer=None,
-        max_length: int | None = None,
+        model: RewardModelPasses = RewardModelPasses(),
         background: bool = False,
         num_workers: int = 1,
-        micro_batch_size: int | None = None,
-        max_token_len: int | None = None,
         timeout_s: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
@@ -110,13 +120,13 @@ class Reward:
             reward_manager=reward_manager,
         )
         self.manager = RewardManager(**manager_kwargs)  # here first: a bad function fails before the worker
-        self.reward_model = reward_model
-        self.reward_tokenizer = reward_tokenizer or tokenizer
-        self.max_length = max_length
+        self.reward_model = model.model
+        self.reward_tokenizer = model.tokenizer or tokenizer
+        self.max_length = model.max_length
         # the reward model's micro-batches: a token budget (use_dynamic_bsz) or a number of samples
-        self.micro_batch_size, self.max_token_len = micro_batch_size or 16, max_token_len
+        self.micro_batch_size, self.max_token_len = model.micro_batch_size or 16, model.max_token_len
         # the reward model scores in the step (on the device); the config checks say so when both are set
-        background = background and reward_model is None
+        background = background and model.model is None
         self.worker = ScoringWorker(tokenizer, manager_kwargs, num_workers) if background else None
 
     def submit(self, batch: Batch, seed: int | None = None) -> PendingScores | None:

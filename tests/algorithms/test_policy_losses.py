@@ -1,6 +1,7 @@
 """Policy-loss variants (gspo, clip_cov, kl_cov, gpg, geo_mean), the registry and loss_scale_factor, against
 float64 scalar references written from the formulas in docs/algorithms.md."""
 
+import dataclasses
 import inspect
 import math
 
@@ -11,6 +12,7 @@ from klppo.algorithms import policy_losses as pl
 from klppo.algorithms.losses import (
     LOSS_AGG_MODES,
     POLICY_LOSS_KEYS,
+    POLICY_LOSS_OPTIONS,
     POLICY_LOSSES,
     agg_loss,
     get_policy_loss,
@@ -142,7 +144,7 @@ def test_clip_cov_matches_reference(mode: str, bounds) -> None:
     adv = adv * adv_scale
     loss, stats = pl.clip_cov(
         old, new, adv, m, clip_ratio=0.2, clip_ratio_high=0.28, loss_agg_mode=mode,
-        clip_cov_ratio=ratio, clip_cov_lb=lb, clip_cov_ub=ub, generator=torch.Generator().manual_seed(5),
+        options=pl.ClipCovOptions(ratio, lb, ub, generator=torch.Generator().manual_seed(5)),
     )  # fmt: skip
     per_tok, dtok, frac, num_cands = _clip_cov_reference(old, new, adv, m, 0.2, 0.28, ratio, lb, ub, 5)
     assert num_cands > 1  # the random choice is exercised
@@ -155,12 +157,12 @@ def test_clip_cov_matches_reference(mode: str, bounds) -> None:
 
 def test_clip_cov_without_candidates_is_single_clip_ppo() -> None:
     old, new, adv, m = _inputs(3)
-    loss, stats = pl.clip_cov(old, new, adv, m, clip_ratio_c=1e9, clip_cov_lb=1e6, clip_cov_ub=1e7)
+    loss, stats = pl.clip_cov(old, new, adv, m, clip_ratio_c=1e9, options=pl.ClipCovOptions(clip_cov_lb=1e6, clip_cov_ub=1e7))
     ppo, _ = policy_loss(old, new, adv, m, clip_ratio_c=1e9)
     torch.testing.assert_close(loss, ppo)
     assert stats["pg_clipfrac"].item() == 0.0
     with pytest.raises(ValueError, match="clip_cov_ratio"):
-        pl.clip_cov(old, new, adv, m, clip_cov_ratio=0.0)
+        pl.clip_cov(old, new, adv, m, options=pl.ClipCovOptions(clip_cov_ratio=0.0))
 
 
 # ---------------------------------------------------------------- kl_cov
@@ -169,7 +171,7 @@ def test_clip_cov_without_candidates_is_single_clip_ppo() -> None:
 def test_kl_cov_matches_reference(mode: str, ratio: float) -> None:
     old, new, adv, m = _inputs(4, b=7, t=10)
     coef = 0.7
-    loss, stats = pl.kl_cov(old, new, adv, m, loss_agg_mode=mode, kl_cov_ratio=ratio, ppo_kl_coef=coef)
+    loss, stats = pl.kl_cov(old, new, adv, m, loss_agg_mode=mode, options=pl.KLCovOptions(ratio, coef))
     o_r, n_r, a_r, m_r = ref.rows(old), ref.rows(new), ref.rows(adv), ref.mask_rows(m)
     valid = [(i, t) for i, row in enumerate(m_r) for t, k in enumerate(row) if k]
     a_mean = ref.mean([a_r[i][t] for i, t in valid])
@@ -190,7 +192,7 @@ def test_kl_cov_matches_reference(mode: str, ratio: float) -> None:
     loss0, _ = pl.kl_cov(old, new, adv, torch.zeros_like(m))
     assert loss0.item() == 0.0
     with pytest.raises(ValueError, match="kl_cov_ratio"):
-        pl.kl_cov(old, new, adv, m, kl_cov_ratio=0.0)
+        pl.kl_cov(old, new, adv, m, options=pl.KLCovOptions(kl_cov_ratio=0.0))
 
 
 # ---------------------------------------------------------------- gpg
@@ -242,13 +244,12 @@ def test_geo_mean_matches_reference(mode: str) -> None:
 def test_gradcheck(name: str) -> None:
     old, new, adv, m = _inputs(7, b=3, t=5, scale=0.5)
     fn = get_policy_loss(name)
-    kwargs = {"clip_cov_lb": 0.0, "clip_cov_ratio": 0.2} if name == "clip_cov" else {}
-    if name == "kl_cov":
-        kwargs = {"kl_cov_ratio": 0.3, "ppo_kl_coef": 0.5}
-
     def f(lp):
-        if name == "clip_cov":
-            kwargs["generator"] = torch.Generator().manual_seed(0)  # same choice at every evaluation
+        kwargs = {}
+        if name == "clip_cov":  # the same choice of tokens at every evaluation
+            kwargs["options"] = pl.ClipCovOptions(0.2, 0.0, generator=torch.Generator().manual_seed(0))
+        if name == "kl_cov":
+            kwargs["options"] = pl.KLCovOptions(kl_cov_ratio=0.3, ppo_kl_coef=0.5)
         return fn(old, lp, adv, m, loss_agg_mode="seq-mean-token-mean", **kwargs)[0]
 
     assert torch.autograd.gradcheck(f, (new.detach().clone().requires_grad_(True),))
@@ -268,9 +269,9 @@ def test_loss_scale_factor() -> None:
         agg_loss(x, m, "seq-mean-token-sum-norm", 0.0)
     old, new, adv, m = _inputs(9)
     for name, fn in POLICY_LOSSES.items():
-        kw = {"generator": torch.Generator().manual_seed(0)} if name == "clip_cov" else {}
+        kw = {"options": pl.ClipCovOptions(generator=torch.Generator().manual_seed(0))} if name == "clip_cov" else {}
         by_t, _ = fn(old, new, adv, m, loss_agg_mode="seq-mean-token-sum-norm", **kw)
-        kw = {"generator": torch.Generator().manual_seed(0)} if name == "clip_cov" else {}
+        kw = {"options": pl.ClipCovOptions(generator=torch.Generator().manual_seed(0))} if name == "clip_cov" else {}
         by_f, _ = fn(old, new, adv, m, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=50.0, **kw)
         scale = 1.0 if name == "geo_mean" else m.shape[1] / 50.0  # geo_mean ignores the aggregation
         assert by_f.item() == pytest.approx(by_t.item() * scale, rel=1e-12), name
@@ -308,9 +309,13 @@ def test_registry_signatures_and_keys() -> None:
         params = list(inspect.signature(fn).parameters.values())
         assert [p.name for p in params[: len(base)]] == [p.name for p in base], name
         assert [p.default for p in params[4 : len(base)]] == [p.default for p in base[4:]], name
-        extra = {p.name for p in params[len(base) :] if p.name != "generator"}
+        extra = {p.name for p in params[len(base) :]}
         assert all(p.kind is p.KEYWORD_ONLY for p in params[len(base) :]), name
-        assert extra == set(POLICY_LOSS_KEYS[name]), name
+        assert extra == ({"options"} if name in POLICY_LOSS_OPTIONS else set()), name
+        if name in POLICY_LOSS_OPTIONS:  # the options' floats are the config keys the mode reads
+            assert params[len(base)].default == POLICY_LOSS_OPTIONS[name]()
+            fields = {f.name for f in dataclasses.fields(POLICY_LOSS_OPTIONS[name])}
+            assert set(POLICY_LOSS_KEYS[name]) == fields - {"generator"}, name
     with pytest.raises(ValueError, match="vanilla"):
         get_policy_loss("sapo")
     assert policy_loss_agg_mode("gspo", "token-mean") == "token-mean"

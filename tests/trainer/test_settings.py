@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from klppo.algorithms.policy_losses import ClipCovOptions
 from klppo.assembly.settings import (
     actor_settings,
     critic_settings,
@@ -84,7 +85,7 @@ def test_role_settings_carry_the_per_rank_sizes_and_the_rollout_temperature() ->
     actor = actor_settings(cfg, sizes)
     assert (actor.ppo_epochs, actor.mini_batch_size, actor.temperature, actor.seed) == (3, 4, 0.7, 5)
     assert actor.update_micro.micro_batch_size == 2 and not actor.update_micro.use_dynamic_bsz
-    assert set(actor.policy_loss_kwargs) == {"clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"}
+    assert actor.policy_loss_options == ClipCovOptions()  # the schema's defaults
     ref = reference_settings(cfg, sizes)
     assert ref.micro.use_dynamic_bsz and ref.temperature == 0.7
     critic = critic_settings(cfg, sizes)

@@ -256,14 +256,14 @@ def test_reward_model_micro_batches_follow_the_keys(tiny_model_dir):
     forward_max_token_len_per_gpu (consecutive samples padded to the longest, at least one)."""
     from transformers import AutoTokenizer
 
-    from klppo.roles.reward import Reward
+    from klppo.roles.reward import Reward, RewardModelPasses
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     texts = ["a b c d e f", "a", "a b", "a b c d e f g h i j k l", "a b c"]
     lengths = [len(tok(t)["input_ids"]) for t in texts]
-    assert Reward(tok, micro_batch_size=2)._micro_batches(lengths) == [(0, 2), (2, 4), (4, 5)]
+    assert Reward(tok, model=RewardModelPasses(micro_batch_size=2))._micro_batches(lengths) == [(0, 2), (2, 4), (4, 5)]
     budget = 2 * max(lengths[:3])
-    bounds = Reward(tok, max_token_len=budget)._micro_batches(lengths)
+    bounds = Reward(tok, model=RewardModelPasses(max_token_len=budget))._micro_batches(lengths)
     assert [i for b in bounds for i in range(*b)] == list(range(5))  # every sample once, in order
     for lo, hi in bounds:
         assert hi - lo == 1 or (hi - lo) * max(lengths[lo:hi]) <= budget
