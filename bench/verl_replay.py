@@ -5,12 +5,15 @@
 1. Collects the launches: every shell script under the verl checkout's `examples/` and
    `tests/special_e2e/` that names `main_ppo`, and every code block of `docs/` that does (written out as
    scripts under WORK). Runs each with `bash` in the checkout, with `python`/`python3` (and `ray`, `srun`,
-   `torchrun`, ...) replaced by a stub that records its arguments when they name `main_ppo`, so the
-   scripts' shell variables are expanded as they would be. Nothing of verl is copied into this repository.
+   `torchrun`, ...) replaced by a stub that records its arguments when they name `main_ppo` (and `rm` by
+   one that deletes nothing, so no script removes files of the checkout), so the scripts' shell variables
+   are expanded as they would be, with a cluster launcher's variables (`ENV`) set. Nothing of verl is
+   copied into this repository.
 2. Replays each recorded `verl.trainer.main_ppo` launch, plus `tests/config/conftest.py`'s ISSUE_LIST:
-   `klppo config ARGS`, then `klppo train --dry-run ARGS` with the model replaced by a tiny one and the data
-   files by small Parquet files shaped like the set the launch names (its prompt column, enough rows for
-   its batch, an image column for a vision set), on CPU.
+   `klppo config ARGS`, then `klppo train --dry-run ARGS`, both with what the user of any launch supplies
+   replaced — the model (and critic) by a tiny one, the data files by small Parquet files shaped like the
+   set the launch names (its prompt column, enough rows for its batch, an image column for a vision set),
+   the run directory by one under WORK — on CPU.
 3. Classifies: accepted (both exit 0), refused (the message names an unbuilt feature), env (a logger
    package is missing; `--fake-loggers` puts importable stand-ins on the path to look past it), failed
    (anything else: read the message). Writes WORK/replay.jsonl and prints the counts.
@@ -41,11 +44,12 @@ for a in "$@"; do case "$a" in *main_ppo*)
   exit 0;; esac; done
 exit 0
 """
-STUBBED = ("python", "python3", "ray", "torchrun", "srun", "sbatch", "scontrol", "nvidia-smi", "npu-smi",
-           "huggingface-cli", "hf", "pip", "pip3", "wget", "curl", "modelscope", "conda", "docker",
+STUBBED = ("rm", "python", "python3", "ray", "torchrun", "srun", "sbatch", "scontrol", "nvidia-smi",
+           "npu-smi", "huggingface-cli", "hf", "pip", "pip3", "wget", "curl", "modelscope", "conda", "docker",
            "apptainer", "singularity", "mpirun", "accelerate", "uv", "sleep")  # fmt: skip
+# what a cluster's launcher sets (Slurm, ByteDance's Arnold): stand-ins, as for any launch's model and data
 ENV = {"SLURM_GPUS_PER_NODE": "8", "SLURM_NNODES": "1", "SLURM_JOB_NUM_NODES": "1", "GPUS_PER_NODE": "8",
-       "NNODES": "1"}  # fmt: skip
+       "NNODES": "1", "ARNOLD_WORKER_GPU": "8", "ARNOLD_WORKER_NUM": "1"}  # fmt: skip
 
 
 def doc_blocks(verl: Path, out: Path) -> list[Path]:
@@ -176,15 +180,19 @@ def replay(launches: list[tuple[str, list[str]]], work: Path) -> list[dict]:
         save_tiny_model_dir(tiny, num_layers=2, hidden_size=64)
     results = []
     for k, (name, argv) in enumerate(launches):
-        rc, err = _call(config_main, argv)
         train, val = data_for(work, name, argv)
-        extra = [f"actor_rollout_ref.model.path={tiny}", f"data.train_files={train}", f"data.val_files={val}",
-                 f"trainer.default_local_dir={work}/runs/{k}"]  # fmt: skip
-        if _value(argv, "critic.model.path"):
-            extra.append(f"critic.model.path={tiny}")
+        # what the user of every launch supplies (model, data, run directory): the script's own value, even
+        # one it leaves to an unset variable as a placeholder, decides nothing here
+        stand_ins = [f"actor_rollout_ref.model.path={tiny}", f"data.train_files={train}",
+                     f"data.val_files={val}", f"trainer.default_local_dir={work}/runs/{k}"]  # fmt: skip
+        if _value(argv, "critic.model.path") is not None:
+            stand_ins.append(f"critic.model.path={tiny}")
+        replaced = {a.partition("=")[0] for a in stand_ins}
+        argv_here = [a for a in argv if a.lstrip("+").partition("=")[0] not in replaced]
+        rc, err = _call(config_main, [*argv_here, *stand_ins])
         if _value(argv, "trainer.device") == "cuda":
-            extra.append("trainer.device=cpu")  # replayed on CPU
-        rc2, err2 = _call(train_main, ["--dry-run", *argv, *extra])
+            stand_ins.append("trainer.device=cpu")  # replayed on CPU
+        rc2, err2 = _call(train_main, ["--dry-run", *argv_here, *stand_ins])
         text = err2 if rc == 0 else err
         if rc == 0 and rc2 == 0:
             verdict = "accepted"

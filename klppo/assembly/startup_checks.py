@@ -11,8 +11,9 @@
   model_dtype bytes × (1 + 2 AdamW moments; LoRA trains adapters only, so 1)) fits in the free space when
   `trainer.save_freq` > 0. It returns the estimate as a line for the dry run's plan.
 
-The prompt data itself (missing/empty files, columns, rows for one batch after filtering) is checked by
-`klppo.assembly.data_check`. Knows nothing of the loop; reads Parquet schemas, prompt columns and model
+The model's heads against each Ulysses size and, on a Megatron launch, the memory of the translated layout
+are checked by `klppo.assembly.layout_checks` (`check_layout`). The prompt data itself (missing/empty
+files, columns, rows for one batch after filtering) is checked by `klppo.assembly.data_check`. Knows nothing of the loop; reads Parquet schemas, prompt columns and model
 configs, never weights.
 """
 
@@ -26,6 +27,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from transformers import AutoConfig
 
+from klppo.assembly.layout_checks import check_layout
 from klppo.config import ConfigError, KLPPOConfig, total_training_steps, uses_critic
 from klppo.models.flops import num_params
 from klppo.models.loading import model_dir
@@ -176,6 +178,7 @@ def check_before_weights(cfg: KLPPOConfig, model_path: str) -> list[str]:
     check_loggers(cfg)
     check_text_only(cfg)
     check_resume(cfg)
+    check_layout(cfg, model_path)
     return [check_disk(cfg, model_path)]
 
 

@@ -6,7 +6,8 @@ is kept, so that one invocation (its ``--dry-run`` too) names them all; the call
    in; here, what train cannot honour (``check_trainable``);
 2. the machine (device, processes per node) and the per-rank sizes for that many processes;
 3. the model path, the logger backends, text-only data, the checkpoint to resume from;
-4. the run directory and one checkpoint's disk space (it reads the model's config);
+4. the model's heads against each Ulysses size and a Megatron launch's memory per GPU, the run directory
+   and one checkpoint's disk space (they read the model's config);
 5. the prompt data (it reads the model's tokenizer) and the run directory's files.
 
 A check that needs what a failed one would give (the data check needs the model path's tokenizer) is left
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from klppo.assembly.data_check import check_data_at_startup
+from klppo.assembly.layout_checks import check_layout
 from klppo.assembly.startup_checks import (
     check_disk,
     check_loggers,
@@ -98,6 +100,7 @@ def check_startup(
     found.check(check_text_only, cfg)
     found.check(check_resume, cfg)
     if found.model_path is not None:
+        found.check(check_layout, cfg, found.model_path)  # Ulysses heads; a Megatron layout's memory
         found.plan += filter(None, [found.check(check_disk, cfg, found.model_path)])
     if check_files:
         if found.model_path is not None:

@@ -144,6 +144,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("trainer.total_training_steps", 1, None),
     ("trainer.max_nan_steps", 0, None),
     ("trainer.collective_timeout_s", 1, None),
+    ("trainer.gpu_memory_gib", 1, None),
     ("trainer.stop_grace_s", 0, None),
     ("trainer.seed", 0, None),
     ("data.seed", 0, None),

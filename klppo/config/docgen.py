@@ -93,6 +93,7 @@ GPU's whole mini-batch share, and unset log-prob micro-batch sizes follow the ac
 | `trainer.seed` | `1` | seed of model initialization (value head), sampling and, when `data.seed` is null, data order |
 | `trainer.max_nan_steps` | `3` | a step with a NaN/inf reward, log-prob, KL, advantage, loss or gradient is skipped (no model updated) and counted; past this many (in all) the run stops |
 | `trainer.collective_timeout_s` | `1800` | seconds a collective may wait before the run fails with the phase named |
+| `trainer.gpu_memory_gib` | `80.0` | GPU size the memory check of a Megatron launch assumes when no GPU is visible (`docs/verl_compat.md#megatron-launches`) |
 | `monitor.*` | see `docs/training.md` | operating rules that act on each step's metrics: early stops (KL over target, reward plateau), validation-drop rollback, out-of-memory retry, KL explosion, entropy collapse, NaN reward, drift warnings |
 | `trainer.stop_grace_s` | `600` | on SIGTERM/SIGINT, `klppo train` tells its ranks to finish the step and save, and waits this long for them before stopping them (then torchrun's 30 s, then SIGKILL) |
 | `reward_model.reward_kwargs` | `{}` | passed to the scorer, e.g. `{method: flexible, format_score: 0.1}` for GSM8K |

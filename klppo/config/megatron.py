@@ -9,15 +9,16 @@ and LoRA keys, `*.strategy=megatron`, `--config-name=ppo_megatron_trainer`) into
   `override_optimizer_config.optimizer_cpu_offload`) → `fsdp_config.optimizer_offload`,
   `context_parallel_size` → the role's `ulysses_sequence_parallel_size`, `dtype` → `mixed_precision.param_dtype`,
   `use_remove_padding` → `model.use_remove_padding`, LoRA rank/alpha/modules → `lora_rank`/`lora_alpha`/
-  `target_modules`, `optim.optimizer=adam` → AdamW (Megatron's Adam decays weights decoupled);
+  `target_modules`, `optim.optimizer=adam` → AdamW (Megatron's Adam decays weights decoupled),
+  `optim.lr_decay_style=cosine` → `optim.lr_scheduler_type=cosine` (the same curve);
 - nothing, where the key only chooses how the work is split or which kernel runs (tensor, pipeline,
   virtual-pipeline and expert sizes, sequence parallel, the distributed optimizer, fusions, recompute);
 - a refusal by name, where it would change results (model-shape overrides, a precision with no FSDP2
-  equivalent, Megatron's learning-rate schedules, Megatron-format checkpoints).
+  equivalent, Megatron's learning-rate schedules but constant and cosine, Megatron-format checkpoints).
 
 `finish` prints ONE notice listing every Megatron key and what it became, and raises one ConfigError listing
 every refused key. The translated layout's memory is checked before weights load
-(`klppo.assembly.startup_checks.check_translated_memory`), the context-parallel size against the model's
+(`klppo.assembly.layout_checks.check_translated_memory`), the context-parallel size against the model's
 heads (`check_ulysses_heads`). Knows nothing of models; reads no files.
 """
 
@@ -119,11 +120,21 @@ OPTIM_ACCEPTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "lr_decay_style": (("constant",), "lr_scheduler_type=constant"),
     "lr_warmup_init": ((0, 0.0), "warmup starts from 0"),
     "weight_decay_incr_style": (("constant",), "constant weight decay"),
-    "min_lr": ((0, 0.0), "no floor under a constant schedule"),
+    "min_lr": ((0, 0.0), "no floor, as optim.min_lr_ratio=0"),
     "lr_decay_steps": ((None,), "the schedule spans the run"),
     "lr_wsd_decay_style": ((), "read only with lr_decay_style=WSD"),
     "lr_wsd_decay_steps": ((), "read only with lr_decay_style=WSD"),
     "use_checkpoint_opt_param_scheduler": ((), "the scheduler resumes from klppo's checkpoint"),
+}
+COSINE_NOTE = (
+    "the same curve: after the warmup lr·½(1 + cos(π·progress)), progress over the run's steps (Megatron's "
+    "lr_decay_steps null), down to min_lr 0"
+)
+# other Megatron-only keys (`<role>.nccl_timeout`, `rollout.layer_name_map.*`) → what the notice says they become
+OTHER_NOTES = {
+    "nccl_timeout": "trainer.collective_timeout_s bounds every collective",
+    "layer_name_map": "the rollout reads the actor's gathered weights by their Hugging Face names; no Megatron "
+    "layer names to map",
 }
 OPTIM_OVERRIDES = {
     "optimizer_cpu_offload": "optimizer_offload",
@@ -270,7 +281,8 @@ class Translator:
         if parts[-1] == "load_weight" and value is False:
             self._refuse(key, value, "klppo always loads the model's weights")
             return []
-        return self._nothing(key, value, "Megatron-only setting")
+        return self._nothing(key, value, OTHER_NOTES.get(parts[-2] if "layer_name_map" in parts else parts[-1],
+                                                         "Megatron-only setting"))  # fmt: skip
 
     def _engine(self, role: Role, key: str, rest: list[str], value: Any, source: str) -> list[Item]:
         name = rest[0] if rest else ""
@@ -337,6 +349,10 @@ class Translator:
             self.lines.append(f"{key}={value!r} → {dest}={value!r} (offload)")
             return [(dest, value, source)]
         accepted, note = OPTIM_ACCEPTED[name]
+        if name == "lr_decay_style" and str(value).lower() == "cosine":
+            dest = f"{role.optim}.lr_scheduler_type"
+            self.lines.append(f"{key}={value!r} → {dest}='cosine' ({COSINE_NOTE})")
+            return [(dest, "cosine", source)]
         if accepted and value not in accepted:
             self._refuse(key, value, f"Megatron's schedule option; klppo's {role.optim}.lr_scheduler_type "
                          "(constant|cosine), lr_warmup_steps and min_lr_ratio set the schedule")  # fmt: skip

@@ -411,6 +411,12 @@ class TrainerConfig:
         "[klppo] Seconds a collective may wait before the run fails.",
         see="distributed.md#failures-and-timeouts",
     )
+    gpu_memory_gib: float = F(
+        80.0,
+        "[klppo] GiB per GPU that a Megatron launch's memory check assumes when no GPU is visible (a visible "
+        "GPU's own size is used).",
+        see="verl_compat.md#megatron-launches",
+    )
     stop_grace_s: int = F(
         600,
         "[klppo] After SIGTERM/SIGINT to `klppo train`, seconds its ranks get to finish the step and save.",

@@ -4,10 +4,13 @@ ones refused by name, packaged Megatron config names and `defaults:` entries rea
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
+from klppo.assembly.settings import optim_settings
 from klppo.config import ConfigError, derive_sizes, load_config
+from klppo.roles.optim import lr_multiplier
 
 A = "actor_rollout_ref.actor"
 MEGATRON = [
@@ -80,7 +83,8 @@ def test_megatron_launch_equals_the_hand_written_fsdp_launch_but_for_strategy(tm
         ([f"+{A}.megatron.override_transformer_config.moe_router_dtype=fp32"], "no fp32 router"),
         ([f"+{A}.megatron.override_transformer_config.hidden_dropout=0.1"], "hidden_dropout"),
         ([f"+{A}.megatron.override_mcore_model_config.x=1"], "override_mcore_model_config"),
-        ([f"+{A}.optim.lr_decay_style=cosine"], "lr_scheduler_type"),
+        ([f"+{A}.optim.lr_decay_style=linear"], "lr_scheduler_type"),
+        ([f"{A}.optim.lr_decay_style=cosine", f"{A}.optim.min_lr=1e-7"], "min_lr_ratio"),
         ([f"+{A}.optim.lr_warmup_init=1e-7"], "lr_warmup_init"),
         (
             [
@@ -140,3 +144,37 @@ def test_translated_data_parallel_size_is_what_batch_sizes_are_checked_for():
         derive_sizes(cfg, 8)  # 8 samples / 4 data-parallel ranks = 2, not a multiple of 4 per GPU
     cfg, _ = _load([*argv[:-1], f"{A}.ppo_micro_batch_size_per_gpu=2"])
     assert derive_sizes(cfg, 8).actor_dp_size == 4
+
+
+def megatron_cosine_lr(k: int, *, max_lr: float, min_lr: float, warmup: int, decay_steps: int) -> float:
+    """megatron.core's OptimizerParamScheduler.get_lr with lr_decay_style=cosine and lr_warmup_init 0, at
+    ``k`` scheduler steps (verl steps it once per update, after the update)."""
+    if warmup > 0 and k <= warmup:
+        return max_lr * k / warmup
+    if k > decay_steps:
+        return min_lr
+    ratio = (k - warmup) / (decay_steps - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - min_lr)
+
+
+def test_megatron_cosine_is_klppo_cosine_and_other_keys_say_what_they_become():
+    cfg, notes = _load([f"{A}.optim.lr_decay_style=cosine", f"{A}.optim.lr=1e-3", f"{A}.optim.min_lr=0.0",
+                        "critic.optim.lr_decay_style=cosine", "critic.nccl_timeout=1200",
+                        "+actor_rollout_ref.rollout.layer_name_map.qkv_layer_name=qkv"])  # fmt: skip
+    assert (
+        cfg.actor_rollout_ref.actor.optim.lr_scheduler_type == cfg.critic.optim.lr_scheduler_type == "cosine"
+    )
+    settings = optim_settings(cfg.actor_rollout_ref.actor.optim, total_steps=20)
+    for k in range(24):  # verl's lr_decay_steps null: the run's steps; no warmup
+        want = megatron_cosine_lr(k, max_lr=1e-3, min_lr=0.0, warmup=0, decay_steps=20)
+        assert 1e-3 * lr_multiplier(k, settings) == pytest.approx(want, rel=1e-12, abs=1e-18), k
+    lines = [line.strip() for line in notes[-1].splitlines()[1:]]
+    assert (
+        f"{A}.optim.lr_decay_style='cosine' → {A}.optim.lr_scheduler_type='cosine' (the same curve"
+        in lines[0]
+    )
+    assert (
+        "critic.nccl_timeout=1200 → nothing (trainer.collective_timeout_s bounds every collective)" in lines
+    )
+    assert ("actor_rollout_ref.rollout.layer_name_map.qkv_layer_name='qkv' → nothing (the rollout reads the "
+            "actor's gathered weights by their Hugging Face names; no Megatron layer names to map)") in lines  # fmt: skip

@@ -1,0 +1,43 @@
+"""Predicted peaks of an actor that trains LoRA adapters: the memory model's phases (:mod:`klppo.tune.memory`)
+without what only full-model training holds.
+
+With LoRA (``actor_rollout_ref.model.lora_rank > 0``) the base weights are frozen, so a rank keeps no
+gradients of them and no AdamW moments (the adapters' are a fraction of a percent of the model and are not
+counted); the reference is the actor's own model with the adapters off (no reference shards); and the
+rollout runs data-parallel on the gathered weights (``rollout.tensor_model_parallel_size`` is not used with
+LoRA). Everything else — sharded parameters, gathered units, activations, logits — is the memory model's own
+term. Not fitted to device peaks; it errs high by the adapters' state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from klppo.tune.memory import PhasePeak, TuneWorkload, predict
+from klppo.tune.units import ModelFacts
+
+FULL_TRAINING_TERMS = frozenset({
+    "sharded grads", "optimizer (AdamW)", "unsharded grads (sync per mini-batch)",
+})  # fmt: skip
+"""The memory model's terms that LoRA training does not hold (names of :class:`~klppo.tune.memory.Term`)."""
+
+
+def lora_peaks_gib(workload: TuneWorkload, facts: ModelFacts) -> dict[str, float]:
+    """Predicted peak GiB per rank of each phase (rollout, log_prob, update) when the actor trains LoRA
+    adapters: :func:`~klppo.tune.memory.predict` at the configured update point with no reference shards and
+    a data-parallel rollout, less :data:`FULL_TRAINING_TERMS`; the update's optimizer-step floor (the full
+    model's state plus one fp32 temporary) does not apply."""
+    w = dataclasses.replace(workload.workload, reference=False, rollout_tensor_parallel=1)
+    phases = predict(facts, workload.update_point, w)
+    cache_share = w.gpu_memory_utilization * w.device_bytes
+    return {name: _without_full_training(phase, cache_share).total / 2**30 for name, phase in phases.items()}
+
+
+def _without_full_training(phase: PhasePeak, cache_share: float) -> PhasePeak:
+    """``phase`` less :data:`FULL_TRAINING_TERMS`; the rollout's KV cache again fills its share of the device
+    (``cache_share`` bytes) around what stays, so its peak is max(share, what stays)."""
+    kept = [t for t in phase.terms if t.name not in FULL_TRAINING_TERMS]
+    if phase.phase == "rollout":
+        kept = [t for t in kept if t.name != "KV cache + workspace"]
+        return PhasePeak(phase.phase, kept, cache_share)
+    return PhasePeak(phase.phase, kept, 0.0 if phase.phase == "update" else phase.floor)
