@@ -439,12 +439,12 @@ def down_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
 
 def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     """A decode step's end as the engine runs it: the final norm's output through the LM head with float32
-    logits (``klppo.rollout.llama.lm_head_logits``), then the one-pass Triton sampler (temperature 1,
+    logits (``klppo.models.lm_head.lm_head_logits``), then the one-pass Triton sampler (temperature 1,
     untruncated) — each alone and the two together; the floor counts the head's weight read and the
     logits written and read once. Vocabulary 151,936 (Qwen2.5). ``sweep``: the sampler's launch settings
     (ids per block, warps, programs per row; 45), all of them, fastest first."""
+    from klppo.models.lm_head import lm_head_logits
     from klppo.rollout.base import SamplingParams
-    from klppo.rollout.llama import lm_head_logits
     from klppo.rollout.triton_sampling import sample_triton
 
     hidden, vocab = SHAPES[shape][0], 151936

@@ -223,7 +223,7 @@ def recompute(model, prompts, mask, out, mode: str) -> torch.Tensor:
     ``fp32-head`` (its hidden states, float32 LM-head output) or ``fp32`` (a float32 copy of the model)."""
     import copy
 
-    from klppo.rollout.llama import lm_head_logits
+    from klppo.models.lm_head import lm_head_logits
 
     ids = torch.cat([prompts, out.responses], dim=1)
     full_mask = torch.cat([mask, out.response_mask], dim=1)

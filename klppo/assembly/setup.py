@@ -36,6 +36,7 @@ from klppo.config.schema import KLControlConfig
 from klppo.config.schema_arr import KLLossControlConfig
 from klppo.config.sizes import Sizes, uses_critic
 from klppo.data.dataset import PromptLoader
+from klppo.models.compile_cache import use_persistent_cache
 from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
 from klppo.models.lora import is_lora, merged_for_rollout
 from klppo.ops.checkpoint import checkpoint_step
@@ -50,7 +51,7 @@ from klppo.parallel.mesh import (
 )
 from klppo.parallel.offload import OffloadSchedule
 from klppo.rollout.base import RolloutEngine, SamplingParams
-from klppo.rollout.compiled import CompiledFunctions, use_persistent_cache
+from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.factory import make_rollout
 from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
 from klppo.tracking import GenerationLog, Tracker

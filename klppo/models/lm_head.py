@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 CHUNK_ELEMENTS = 2**28
@@ -46,6 +47,18 @@ def _fp32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda and a.dtype != torch.float32:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """``hidden @ weight.T`` ([..., hidden] × [V, hidden]) without autograd (the rollout engine's LM head);
+    with ``fp32`` a float32 result from the same operands (module docstring), else the model's dtype."""
+    if not fp32 or hidden.dtype == torch.float32:
+        out = F.linear(hidden, weight)
+        return out.float() if fp32 else out
+    if hidden.is_cuda:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return torch.mm(flat, weight.t(), out_dtype=torch.float32).view(*hidden.shape[:-1], weight.shape[0])
+    return F.linear(hidden.float(), weight.float())
 
 
 class _FP32Logits(torch.autograd.Function):

@@ -17,6 +17,12 @@ from typing import Any
 import torch
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a wrapper (a LoRA ``PeftModel`` with merged adapters), else ``model``."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
 def _peft():
     try:
         import peft  # noqa: PLC0415  optional extra (klppo[lora])

@@ -1,7 +1,5 @@
 """The rollout contract: sampling parameters, outputs and the engine protocol.
 
-The factory is :mod:`klppo.rollout.factory`; the klppo engine's backends are :mod:`klppo.rollout.backends`.
-
 An engine turns left-padded prompts into right-padded responses on the model it is given:
 
 - ``prompts`` [B, P] int64, left-padded; ``prompt_mask`` [B, P] (1 = real prompt token).

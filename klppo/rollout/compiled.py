@@ -1,47 +1,29 @@
 """The engine's compiled decode functions, and their compilation in the background during start-up.
 
-The functions compiled (``torch.compile``, batch dimension dynamic: one graph serves every batch size
-from 2, and batch 1 has its own): the unsplit layer blocks ``attn_in`` and ``attn_out_mlp`` of the torch
-and tensor-parallel backends (:mod:`klppo.rollout.backends`; the split layers of the fast path run on the
-Triton kernels of :mod:`klppo.rollout.triton_layers` instead, with no ``torch.compile``). They live on a
-:class:`CompiledFunctions` object, no module state: the trainer's set-up creates one and hands it to the
-engine; an engine given none makes its own. With the default backend, dynamo's cache (keyed on the
-functions' code) serves every object of the process, so a compilation done once serves all engines.
+Compiled (``torch.compile``, batch dimension dynamic: one graph for every batch from 2, and batch 1 its own):
+the unsplit layer blocks ``attn_in`` and ``attn_out_mlp`` of the torch and tensor-parallel backends
+(:mod:`klppo.rollout.backends`; the fast path's split layers run the Triton kernels of
+:mod:`klppo.rollout.triton_layers` instead). They live on a :class:`CompiledFunctions` object, no module
+state: the trainer's set-up hands one to the engine; an engine given none makes its own. With the default
+backend, dynamo's cache (keyed on the functions' code) serves every object of the process.
 
-Compiling them from empty caches takes several seconds (most of the engine's first call); loading or
-compiling the Triton kernels takes some too. The trainer therefore calls
+Compiling from empty caches takes several seconds, the Triton kernels some too. The trainer therefore calls
 :meth:`CompiledFunctions.start_precompile` as soon as it knows the model's config, before it loads any
-weights: a background thread builds one decoder layer of that config with uninitialised weights and runs
-what the chosen backend will run on it (compiled functions, or the Triton layer, attention and sampler
-kernels) with the shapes, dtypes and flags the real rollout will use, so all is ready (and the guards hold)
-by the first ``generate``; that call waits
-for the thread (:meth:`CompiledFunctions.wait`). The layer's structure comes from a meta-device model
-built in the calling thread; the thread itself only allocates tensors and compiles (no process-wide
-state changes), one function at a time under ``klppo.models.loading.DEFAULT_DTYPE_LOCK`` (process-wide,
-as the default dtype it guards), which model loading takes while transformers switches the default
-dtype (dynamo guards on it). A failed or mismatched pre-compile costs nothing but its time: the first
-call then compiles as it would have.
-
-Persistent compile cache (:func:`use_persistent_cache`, called by a ``CompiledFunctions`` with the default
-backend): TorchInductor's and Triton's on-disk caches go under klppo's cache directory,
-``$KLPPO_CACHE/compile/{inductor,triton}`` (``$KLPPO_CACHE`` defaults to ``$XDG_CACHE_HOME/klppo``, else
-``~/.cache/klppo``), instead of torch's default under the temporary directory, and inductor's FX graph
-cache and the AOTAutograd cache are turned on where the torch version has them: a later process (a resumed
-run, the next job) loads the compiled kernels instead of compiling them again. The user's settings win:
-a ``TORCHINDUCTOR_CACHE_DIR`` or ``TRITON_CACHE_DIR`` already set is kept (except a
-``TORCHINDUCTOR_CACHE_DIR`` equal to torch's own default, which importing dynamo writes there itself), as are
-``TORCHINDUCTOR_FX_GRAPH_CACHE`` / ``TORCHINDUCTOR_AUTOGRAD_CACHE``; ``KLPPO_COMPILE_CACHE=0`` leaves
-torch's defaults untouched. Set these before the process's first compilation (inductor fixes its cache
-directory on first use).
+weights: a background thread runs what the chosen backend will run (compiled functions, or the Triton
+layer, attention and sampler kernels) on one decoder layer of that config with uninitialised weights, with
+the rollout's shapes, dtypes and flags, so all is ready (and the guards hold) by the first ``generate``,
+which waits for it (:meth:`CompiledFunctions.wait`). The layer's structure comes from a meta-device model
+built in the calling thread; the thread only allocates tensors and compiles, one function at a time under
+``klppo.models.loading.DEFAULT_DTYPE_LOCK``, which model loading takes while transformers switches the
+default dtype (dynamo guards on it). A failed or mismatched pre-compile costs only its time: the first call
+then compiles. The on-disk caches: :mod:`klppo.models.compile_cache`.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -53,8 +35,8 @@ from transformers import AutoModelForCausalLM
 import klppo.rollout.triton_attention as triton_attention
 import klppo.rollout.triton_layers as triton_layers
 import klppo.rollout.triton_sampling as triton_sampling
+from klppo.models.compile_cache import use_persistent_cache
 from klppo.models.flops import attention_dims
-from klppo.models.gguf import klppo_cache_dir
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
 from klppo.rollout.backends import SplitBackend, backend_class, samples_on_triton
 from klppo.rollout.base import SamplingParams
@@ -68,13 +50,10 @@ FUNCTIONS: dict[str, Callable] = {"attn_in": attn_in, "attn_out_mlp": attn_out_m
 
 
 class CompiledFunctions:
-    """The compiled versions of ``FUNCTIONS`` (batch dim dynamic, batch 1 its own graph) and their background pre-compile.
+    """The compiled versions of ``FUNCTIONS`` and their background pre-compile (module docstring).
 
     ``backend``: the ``torch.compile`` backend (tests pass a counting one); ``mode``: its ``mode`` (None:
-    inductor's default; e.g. ``"max-autotune-no-cudagraphs"``: Triton GEMM templates tuned per shape — the
-    engine captures its own CUDA graphs, so never a mode that adds them). Engines given the same object
-    share its wrappers; with the default backend and mode, dynamo's own cache also serves a second object's
-    calls without compiling again.
+    inductor's default; never one that adds CUDA graphs: the engine captures its own).
     """
 
     def __init__(self, *, backend: Any = "inductor", mode: str | None = None) -> None:
@@ -107,25 +86,18 @@ class CompiledFunctions:
         device: torch.device,
         sampling: Iterable[SamplingParams] = (),
     ) -> threading.Thread | None:
-        """Prepare what an engine with ``settings`` runs for a model of Hugging Face ``config`` (module
-        docstring), without tensor parallelism: the backend of :func:`~klppo.rollout.backends.backend_class`.
-
-        The torch backend: its compiled layers (``settings.compiles``), for a batch of 4 (every batch from
-        2) and of 1. The split
-        backend: the Triton layer kernels once, and the split-KV attention kernels once per compiled variant
-        (one split, and one split count per combine width: the split count is a runtime argument, the
-        combine's width a constexpr). On CUDA also the Triton sampler for each of ``sampling`` (the sampling
-        settings the rollout will run) that it samples, once per variant its default launch can need at some
-        batch size (``triton_sampling.warm_splits``). On empty caches their compilation then overlaps the
-        weight loading instead of the first call's prefill and graph capture.
-        Returns the thread (None when the engine cannot run this config: nothing to compile).
+        """Prepare, in a background thread, what the backend of
+        :func:`~klppo.rollout.backends.backend_class` runs for Hugging Face ``config`` without tensor
+        parallelism (module docstring): the torch backend's compiled layers for batches 4 and 1; the split
+        backend's Triton layer and split-KV attention kernels (:func:`_run_once`, :func:`_warm_kernels`); on
+        CUDA the Triton sampler for each of ``sampling`` it samples. Returns the thread (None when the engine
+        cannot run this config).
         """
         self.wait()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # the thread must target this thread's device
             device = torch.device("cuda", torch.cuda.current_device())
-        # The model structure is made here, on the meta device: building a Hugging Face model sets the
-        # process-wide default dtype for a while, which must not happen beside the caller's own model loading.
+        # in this thread: building a Hugging Face model switches the process-wide default dtype for a while
         layer = _meta_layer(config, dtype)
         if layer is None:
             return None
@@ -167,52 +139,12 @@ class CompiledFunctions:
             )
 
 
-CACHE_FLAGS = (  # (config module, flag, the environment variable through which the user sets it)
-    ("torch._inductor.config", "fx_graph_cache", "TORCHINDUCTOR_FX_GRAPH_CACHE"),
-    ("torch._functorch.config", "enable_autograd_cache", "TORCHINDUCTOR_AUTOGRAD_CACHE"),
-)
-
-
-def use_persistent_cache(root: str | os.PathLike | None = None) -> dict[str, str]:
-    """Point the inductor and Triton caches at ``root`` (default ``klppo_cache_dir() / "compile"``) where
-    the user has not chosen, and turn the FX graph and AOTAutograd caches on (module docstring).
-
-    Returns the cache directories in force, by variable (empty with ``KLPPO_COMPILE_CACHE=0``).
-    """
-    if os.environ.get("KLPPO_COMPILE_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return {}
-    base = os.fspath(root) if root is not None else os.fspath(klppo_cache_dir() / "compile")
-    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
-        if os.environ.get(var, "") in ("", _torch_default(var)):
-            os.environ[var] = os.path.join(base, sub)
-    for module, flag, var in CACHE_FLAGS:
-        config = importlib.import_module(module)
-        if hasattr(config, flag) and var not in os.environ:
-            setattr(config, flag, True)
-    return {var: os.environ[var] for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-
-
-def _torch_default(var: str) -> str | None:
-    """Torch's own default for ``var``: importing dynamo writes inductor's default cache directory into
-    ``TORCHINDUCTOR_CACHE_DIR``, so that value does not mean the user chose it."""
-    if var != "TORCHINDUCTOR_CACHE_DIR":
-        return None
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: PLC0415  private, may move
-    except ImportError:
-        return None
-    return os.path.abspath(default_cache_dir())
-
-
 def _batch_dynamic(fn: Callable) -> Callable:
     """Call ``fn`` with dim 0 (the batch) of every tensor argument marked dynamic, nothing else.
 
-    ``torch.compile(dynamic=True)`` makes every dim symbolic and unifies equal sizes: a first call with
-    batch 64 = head_dim 64 (cos/sin are [B, D]) compiles a graph valid only while B == D, so the next
-    bucket recompiles. Marking the batch dim alone gives one graph per function for every batch from 2;
-    a batch of 1 is specialised (a backed dynamic dim always is), so it gets a second graph, which
-    :meth:`CompiledFunctions.start_precompile` makes too. An *unbacked* dim (``mark_unbacked``: one graph
-    for batch 1 too) gives inductor no size hint to tune its kernels with: slower decode steps.
+    Not ``dynamic=True``, which unifies equal sizes (batch 64 = head_dim 64 gives a graph valid only while
+    B == D). Batch 1 is specialised (a backed dynamic dim always is): its own graph. An unbacked dim would
+    give inductor no size hint to tune with: slower decode steps.
     """
 
     def call(*args):
@@ -246,8 +178,7 @@ def _meta_layer(config: Any, dtype: torch.dtype) -> LayerWeights | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What a pre-compile runs: the split layers' Triton kernels (``split``), else the torch backend's
-    compiled layers (if it ``compiles``), logits in float32 or not, and the sampling settings on Triton."""
+    """What a pre-compile runs (:meth:`CompiledFunctions.start_precompile`)."""
 
     split: bool
     compiles: bool
@@ -256,8 +187,7 @@ class _Plan:
 
 
 def _run_once(fns: CompiledFunctions, config, layer: LayerWeights, device, plan: _Plan) -> None:
-    """Call each layer function the backend runs once with the rollout's shapes and dtypes (values
-    irrelevant): the Triton layer kernels (split backend) or the compiled layers (torch backend)."""
+    """Run the Triton layer kernels (split backend) or the compiled layers once on the rollout's shapes."""
     lw = layer.allocated_like(device).fused()
     dtype = lw.input_norm.dtype
     num_heads, num_kv_heads, head_dim = attention_dims(config)
@@ -276,8 +206,7 @@ def _run_once(fns: CompiledFunctions, config, layer: LayerWeights, device, plan:
             break
         cos, sin = (torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))  # not aliased
         for name, args in (("attn_in", (x, lw, cos, sin, spec)), ("attn_out_mlp", (x, attn, lw, eps))):
-            # one function at a time under the lock: the caller's model loading may not switch the default
-            # dtype meanwhile (dynamo guards on it), and waits for one function at most
+            # one function at a time: model loading may not switch the default dtype meanwhile (module docstring)
             with DEFAULT_DTYPE_LOCK:
                 fns.get(name)(*args)
     if device.type == "cuda":
@@ -285,12 +214,8 @@ def _run_once(fns: CompiledFunctions, config, layer: LayerWeights, device, plan:
 
 
 def _warm_kernels(config, dtype: torch.dtype, device: torch.device, plan: _Plan) -> None:
-    """Run the Triton kernels the rollout launches besides the layers' once per compiled variant, on tensors
-    of the rollout's dtypes and layouts (values irrelevant): the split-KV attention (split backend) and the
-    sampler for each of ``plan.sampling``, each with one split count per variant a batch size can need
-    (``warm_splits`` of :mod:`~klppo.rollout.triton_attention` and :mod:`~klppo.rollout.triton_sampling`: the
-    split counts are runtime arguments, the combines' widths constexprs), so a batch of 4 stands for every
-    bucket."""
+    """Run the split-KV attention (split backend) and the sampler for each of ``plan.sampling`` once per
+    compiled variant (their modules' ``warm_splits``), on the rollout's dtypes and layouts."""
     batch = 4
     if plan.split:
         dims = attention_dims(config)

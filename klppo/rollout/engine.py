@@ -2,30 +2,19 @@
 
 One ``generate`` call:
 
-1. reads the weights from the module (``LlamaWeights.read``: views, no copy; never kept across calls);
-2. allocates the workspace (:mod:`klppo.rollout.workspace`): the KV cache in one piece,
-   ``[L, 2, num_slots, S, H_kv, D]`` with ``S = longest prompt + max_new_tokens``, ``num_slots`` sized so
-   that everything allocated plus the cache and a prefill workspace stays within
-   ``gpu_memory_utilization × total device memory`` (CPU: one slot per sequence, or ``max_num_seqs``);
-   the per-layer ``[q; k; v]`` and ``[gate; up]`` concatenations are made first (a temporary copy of those
-   matrices, counted in the budget, dropped with the cache);
-3. chooses the call's backend (:mod:`klppo.rollout.backends`: the model's arithmetic — prefill, decode
-   step, sampler — for its device, dtype and tensor parallelism);
-4. fills the slots with the first sequences (``B × n``, row ``i·n + j`` = prompt i, sample j) through one
-   packed prefill (only real prompt tokens are projected; each prompt attends causally to itself);
-   which sequence goes into which slot, and which prompts run or are copied, is the pure-Python
-   bookkeeping of :mod:`klppo.rollout.scheduler` (``SlotScheduler`` → one ``PrefillPlan`` per chunk);
-   the tensor work — a prefill chunk, a decode step, slot moves, the output rows — is in
-   :mod:`klppo.rollout.steps`;
-5. runs decode steps on the first ``bucket`` slots (``bucket`` = smallest power of two from 1, or the slot
-   count, covering every busy slot), each step captured once as a CUDA graph per bucket on GPU
-   (:mod:`klppo.rollout.graphs`), eager on CPU; a step samples on the device and records tokens and
-   log-probs into the output buffers without any host synchronisation;
-6. every ``eos_check_every`` steps reads the finished flags once; the scheduler frees the finished
-   slots and gives them to the next waiting sequences (prefilled the same way) — continuous batching —
-   until none is left. With ``compact_slots``, once nothing waits, the busy slots are moved down into the
-   smallest bucket that holds them (their K/V and decode state copied; ``SlotScheduler.compact``, not
-   below ``compact_min_bucket``), so the step follows the live sequence count.
+1. reads the weights from the module (``LlamaWeights.read``: views, never kept across calls);
+2. allocates the workspace (:mod:`klppo.rollout.workspace`): the fused ``[q; k; v]`` / ``[gate; up]``
+   copies, then the KV cache ``[L, 2, num_slots, S, H_kv, D]`` (``S`` = longest prompt + ``max_new_tokens``)
+   with as many slots as fit ``gpu_memory_utilization`` (CPU: one per sequence, or ``max_num_seqs``);
+3. chooses the call's backend (:mod:`klppo.rollout.backends`: prefill, decode step, sampler);
+4. fills the slots with the first sequences (``B × n``, row ``i·n + j`` = prompt i, sample j) through
+   packed prefills: the slot bookkeeping is :mod:`klppo.rollout.scheduler`'s, the tensor work
+   :mod:`klppo.rollout.steps`';
+5. runs decode steps on the first ``bucket`` slots (the smallest bucket covering every busy slot), each
+   captured once per bucket as a CUDA graph on GPU (:mod:`klppo.rollout.graphs`), with no host sync;
+6. every ``eos_check_every`` steps reads the finished flags once and refills the freed slots with waiting
+   sequences (continuous batching) until none is left; with ``compact_slots``, once nothing waits, moves
+   the busy slots down into the smallest bucket that holds them (not below ``compact_min_bucket``).
 
 The cache, buffers and graphs are dropped at the end of ``generate`` when ``free_cache_engine`` is True;
 otherwise they are kept, with a resident copy of the weights, and reused by every later call of the same
@@ -56,10 +45,8 @@ from klppo.rollout.workspace import CacheBudget, Workspace, num_slots
 
 
 class KLPPORollout:
-    """Our engine (see the module docstring). Each output's ``stats`` reports that call's figures.
-
-    ``compiled``: the compiled decode functions (handed in by the trainer, which starts pre-compiling them in
-    the background before the weights load; None: the engine's own)."""
+    """Our engine (module docstring). ``compiled``: the compiled decode functions (the trainer's, pre-compiling
+    in the background; None: the engine's own)."""
 
     def __init__(self, settings: EngineSettings, *, compiled: CompiledFunctions | None = None) -> None:
         self.settings = settings
@@ -104,9 +91,8 @@ class KLPPORollout:
         *,
         reset_peak: bool = True,
     ) -> RolloutOutput:
-        """``generate`` on weights already read (``LlamaWeights``: full, or tensor-parallel slices whose
-        group calls this together on the same prompts). ``reset_peak``: the reported peak memory starts
-        here (False: the caller reset it, e.g. before resharding)."""
+        """``generate`` on weights already read (full, or a tensor-parallel group's slices, called together).
+        ``reset_peak``: the reported peak memory starts here (False: the caller reset it)."""
         device = prompts.device
         lengths = prompt_mask.sum(dim=1).tolist()
         rng = contextlib.nullcontext()
@@ -222,12 +208,10 @@ class KLPPORollout:
         return self._ws
 
     def _keeps_workspace(self, w: LlamaWeights, fuse: bool) -> bool:
-        """With ``free_cache_engine=False`` (no tensor parallelism) the workspace — cache, buffers, graphs and
-        a resident copy of the weights (:meth:`LlamaWeights.resident`) — serves every later call with the
-        same sequence count, width, sampling parameters other than the seed, and a prompt that fits its
-        positions: a training run's rollouts then capture their graphs once, not every step, whatever
-        addresses the re-gathered weights get. The cost: one more copy of the weights while the workspace
-        lives, and positions rounded up to a multiple of 64."""
+        """With ``free_cache_engine=False`` (no tensor parallelism) the workspace, with a resident weight copy
+        (:meth:`LlamaWeights.resident`), serves every later call of the same sequence count, width and
+        sampling parameters but the seed whose prompts fit: the graphs are captured once per run. The cost:
+        one more weight copy, and positions rounded up to a multiple of 64."""
         return not self.settings.free_cache_engine and fuse and w.tp is None
 
     def _step_fn(self, call: Call, bucket: int) -> Callable[[], None]:

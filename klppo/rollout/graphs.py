@@ -31,18 +31,13 @@ class DecodeGraphs:
     def capture(
         self, bucket: int, step: Callable[[], None], state: list[torch.Tensor], *, fallible: bool
     ) -> Callable[[], None] | None:
-        """Capture ``step`` as ``bucket``'s graph and return its replay.
-
-        ``state``: the tensors ``step`` updates in place, restored after the warm-up run. ``fallible``: a
-        ``RuntimeError`` raised by the capture (not the warm-up) returns None, with the error kept in
-        ``self.error`` (the caller then runs ``step`` eagerly); otherwise it propagates.
-        """
+        """Capture ``step`` as ``bucket``'s graph and return its replay. ``state``: the tensors ``step``
+        updates in place (restored after the warm-up). ``fallible``: a capture's ``RuntimeError`` returns
+        None (kept in ``self.error``) instead of propagating."""
         saved = [t.clone() for t in state]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        # warm-up (lazy inits, cuBLAS workspaces) outside the capture, its random draws undone: capturing
-        # consumes no random numbers, so a call that captures draws what a call replaying a kept graph
-        # draws (a resumed run samples as the uninterrupted one did)
+        # warm-up outside the capture, its random draws undone (module docstring)
         with torch.random.fork_rng(devices=[torch.cuda.current_device()]), torch.cuda.stream(stream):
             step()
         torch.cuda.current_stream().wait_stream(stream)

@@ -16,13 +16,9 @@ from klppo.rollout.base import RolloutOutput, SamplingParams, response_mask_from
 
 
 class HFRollout:
-    """``generate`` with a fresh generation config per call (the model's own defaults are ignored).
-
-    ``cache_implementation="static"`` (with the model compiled by the caller) is the fast ``hf`` path.
-
-    Log-probs come from ``output_logits`` (the raw logits, before any logits processor), scaled by the
-    temperature: ``log_softmax(logits / T)[token]``.
-    """
+    """``generate`` with a fresh generation config per call (the model's own defaults are ignored);
+    log-probs ``log_softmax(logits / T)[token]`` of the raw ``output_logits``. ``cache_implementation=
+    "static"`` (with the model compiled by the caller) is the fast ``hf`` path."""
 
     def __init__(
         self, *, eos_token_ids: list[int], pad_token_id: int, cache_implementation: str | None = None
@@ -68,9 +64,7 @@ class HFRollout:
         if params.seed is not None:
             devices = [device] if device.type == "cuda" else []
             rng = torch.random.fork_rng(devices=devices)
-        # generate() fills unset fields from model.generation_config (e.g. a checkpoint's top_k or
-        # repetition_penalty): swap in a blank one so that only ``params`` decide.
-
+        # generate() fills unset fields from model.generation_config: a blank one lets only ``params`` decide
         saved_config = model.generation_config
         model.generation_config = GenerationConfig()
         try:
@@ -115,8 +109,7 @@ class HFRollout:
 def _step_log_probs(
     logits: tuple[torch.Tensor, ...], generated: torch.Tensor, temperature: float
 ) -> torch.Tensor:
-    """[N, T] log-probs of ``generated`` under each step's logits / T, step by step (a [N, T, V] tensor at
-    once would not fit for large batches)."""
+    """[N, T] log-probs of ``generated`` under each step's logits / T, step by step (no [N, T, V] tensor)."""
     return torch.stack(
         [
             torch.log_softmax(step.float() / temperature, dim=-1)

@@ -33,16 +33,12 @@ import torch.nn.functional as F
 
 import klppo.rollout.triton_attention as triton_attention
 from klppo.models.flops import attention_dims
+from klppo.models.lm_head import lm_head_logits
+from klppo.models.lora import base_model
 from klppo.parallel.mesh import TensorParallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face model inside a wrapper (a LoRA ``PeftModel`` with merged adapters), else ``model``."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def unsupported_reason(model: torch.nn.Module, max_len: int) -> str | None:
@@ -203,21 +199,15 @@ class LlamaWeights:
         )
 
     def fuse(self, into: LlamaWeights | None = None) -> LlamaWeights:
-        """These weights plus per-layer ``qkv`` = cat(q, k, v) and ``gate_up`` = cat(gate, up) (rows).
-
-        The concatenations are new tensors (a temporary copy of those matrices: the caller frees them
-        with the returned object), or are written into ``into``'s (same shapes) so that graphs captured
-        on them stay valid while the values follow the model's (updated in place) weights.
-        """
+        """These weights plus per-layer ``qkv`` = cat(q, k, v) and ``gate_up`` = cat(gate, up) (rows): new
+        tensors (the caller frees them with the result), or written into ``into``'s (graphs stay valid)."""
         layers = [lw.fused(None if into is None else into.layers[i]) for i, lw in enumerate(self.layers)]
         return dataclasses.replace(self, layers=layers)
 
     def resident(self, into: LlamaWeights | None = None) -> LlamaWeights:
-        """Fused weights (``fuse``) that the result owns entirely: every tensor a copy, ``q``/``k``/``v`` and
-        ``gate``/``up`` (and their biases) views of the fused rows, tied tensors still tied — or, with
-        ``into`` (an earlier result, same layout), the same written into ``into``'s tensors. Graphs
-        captured on them stay valid from call to call whatever addresses this object's tensors have (a
-        model re-gathered by FSDP2 every step); costs one copy of the weights."""
+        """Fused weights (``fuse``) that the result owns entirely (every tensor a copy, the unfused
+        projections views of the fused rows, tied tensors still tied), or written into ``into``'s: graphs
+        captured on them outlive the model's addresses (FSDP2 re-gathers every step). One weight copy."""
         fused = self.fuse(into)
         copies: dict[tuple, torch.Tensor] = {}
 
@@ -243,8 +233,7 @@ class LlamaWeights:
         return dataclasses.replace(fused, layers=layers, **owned(self, into, _MODEL_TENSORS))
 
     def tensors(self) -> list[torch.Tensor | None]:
-        """Every weight tensor (None for the optional ones absent): the model-level ones, then each
-        layer's fields."""
+        """Every weight tensor (None where absent): the model-level ones, then each layer's fields."""
         return [getattr(self, name) for name in _MODEL_TENSORS] + [
             getattr(lw, f.name) for lw in self.layers for f in dataclasses.fields(lw)
         ]
@@ -269,8 +258,7 @@ _FUSED_SOURCES = ("q", "k", "v", "q_bias", "k_bias", "v_bias", "gate", "up", "ga
 
 
 def _row_views(lw: LayerWeights, owned: dict) -> dict:
-    """``q``/``k``/``v`` and ``gate``/``up`` (and biases) as views of the rows of the fused tensors in
-    ``owned`` (``lw`` gives their row counts)."""
+    """``q``/``k``/``v`` and ``gate``/``up`` (and biases) as views of the fused rows in ``owned``."""
     views = {}
     for fused, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
         start = 0
@@ -326,8 +314,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def _mlp(
     lw: LayerWeights, h: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] = swiglu
 ) -> torch.Tensor:
-    """The SwiGLU MLP of normed states ``h``; ``act``: ``[gate | up] -> silu(gate) · up`` on the fused
-    projection (:func:`swiglu`, or a kernel computing the same)."""
+    """The SwiGLU MLP of normed states ``h``; ``act``: :func:`swiglu` on the fused projection, or a kernel."""
     if lw.gate_up is not None:
         act_out = act(F.linear(h, lw.gate_up, lw.gate_up_bias))
     else:
@@ -342,12 +329,8 @@ def prefill(
     slots: torch.Tensor,
     lengths: list[int],
 ) -> torch.Tensor:
-    """Run packed prompts, write their K/V into their slots; return last-token hidden states [N, hidden].
-
-    ``tokens`` [T] is the concatenation of N prompts of ``lengths`` (sum T); ``slots`` [N]. Projections and
-    MLP run on the T real tokens only; attention runs per prompt, causal (padded to the longest prompt
-    inside the attention call only).
-    """
+    """Run N packed prompts ``tokens`` [T] of ``lengths``, write their K/V into ``slots`` [N]; return the
+    last-token hidden states [N, hidden]. Only attention pads (per prompt, causal, to the longest)."""
     device = tokens.device
     num_seqs, max_len = len(lengths), max(lengths)
     lengths_t = torch.tensor(lengths, device=device)
@@ -390,8 +373,7 @@ def attn_in(
 def _qkv_heads(
     h: torch.Tensor, lw: LayerWeights, spec: tuple[int, int, int, float]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The normed states ``h`` [T, hidden] → q [T, H, D], k and v [T, H_kv, D]: the projections (fused if
-    ``lw.qkv``) and Qwen3's per-head q/k norms."""
+    """Normed ``h`` [T, hidden] → q [T, H, D], k, v [T, H_kv, D]: projections and Qwen3's q/k norms."""
     num_heads, num_kv_heads, head_dim, eps = spec
     num_tokens = h.shape[0]
     if lw.qkv is not None:
@@ -410,17 +392,16 @@ def _qkv_heads(
 
 
 def qkv_projection(h: torch.Tensor, lw: LayerWeights, spec: tuple[int, int, int, float]) -> torch.Tensor:
-    """The normed states ``h`` [T, hidden] → q/k/v side by side [T, (H + 2·H_kv)·D], unrotated: the fused
-    GEMM's output as it is (no copy) unless Qwen3's q/k norms apply (:func:`_qkv_heads`, concatenated)."""
+    """Normed ``h`` [T, hidden] → unrotated q/k/v side by side [T, (H + 2·H_kv)·D]: the fused GEMM's output
+    itself unless Qwen3's q/k norms apply."""
     if lw.qkv is not None and lw.q_norm is None and lw.k_norm is None:
         return F.linear(h, lw.qkv, lw.qkv_bias)
     return torch.cat([t.flatten(1) for t in _qkv_heads(h, lw, spec)], dim=-1)
 
 
 def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x + y`` computed in float32 and rounded once — bit for bit what ``x + y`` computes for bf16/fp16
-    in eager — written so that Inductor fuses it into the kernel that reads the sum instead of folding it
-    into a cuBLAS ``addmm`` with ``x`` as C, which copies ``x`` into the output first."""
+    """``x + y`` in float32 rounded once (eager's bf16/fp16 result), so that Inductor fuses it into the
+    sum's reader instead of a cuBLAS ``addmm`` that first copies ``x`` into the output."""
     return (x.float() + y.float()).to(x.dtype)
 
 
@@ -433,10 +414,8 @@ def attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: flo
 def attn_out_mlp_tp(
     x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float, group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """``attn_out_mlp`` on tensor-parallel slices: ``attn`` holds this rank's heads, ``o`` their columns
-    (row-parallel), ``gate``/``up`` this rank's MLP rows and ``down`` their columns; the two partial sums
-    are summed over ``group`` (one all-reduce each, capturable in a CUDA graph on NCCL) before the
-    replicated biases and residuals."""
+    """``attn_out_mlp`` on tensor-parallel slices (:mod:`klppo.rollout.tp`): the row-parallel ``o`` and
+    ``down`` partial sums are all-reduced over ``group`` before the replicated biases and residuals."""
     y = F.linear(attn, lw.o)
     dist.all_reduce(y, group=group)
     x = x + y if lw.o_bias is None else x + y + lw.o_bias
@@ -459,8 +438,7 @@ def layer_back(w: LlamaWeights):
 
 
 def embed_tokens(w: LlamaWeights, tokens: torch.Tensor) -> torch.Tensor:
-    """[T] ids → [T, hidden]; tensor parallel: each rank looks up the ids in its vocabulary rows (zeros
-    for the others) and the rows are summed over the group (vocabulary-parallel embedding)."""
+    """[T] ids → [T, hidden]; tensor parallel: each rank's vocabulary rows (zeros elsewhere), summed."""
     if w.tp is None:
         return F.embedding(tokens, w.embed)
     local = tokens - w.vocab_start
@@ -471,15 +449,14 @@ def embed_tokens(w: LlamaWeights, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def triton_attention_of(w: LlamaWeights, kv: torch.Tensor, positions: torch.Tensor) -> Callable:
-    """``(layer, q [B, H, D], kv_new [2, B, H_kv, D]) -> attention [B, H, D]`` of one decode step on the
-    split-KV kernels of :mod:`klppo.rollout.triton_attention`, which also write the cache."""
+    """``(layer, q [B, H, D], kv_new [2, B, H_kv, D]) -> attention [B, H, D]`` of one decode step on
+    :mod:`klppo.rollout.triton_attention`'s kernels, which also write the cache."""
     splits = triton_attention.device_splits(positions.device, positions.shape[0], w.num_kv_heads, kv.shape[3])
     return lambda i, q, kv_new: triton_attention.decode_attention(q, kv_new, kv[i], positions, splits=splits)
 
 
 def sdpa_attention(w: LlamaWeights, kv: torch.Tensor, positions: torch.Tensor) -> Callable:
-    """As :func:`triton_attention_of`, in torch: write ``kv_new`` into the layer's cache at ``positions``,
-    then masked SDPA over the whole length ``S`` (the reference, and the path on CPU and in float32)."""
+    """As :func:`triton_attention_of`, in torch: the cache write, then masked SDPA over the whole ``S``."""
     num_slots, device = positions.shape[0], positions.device
     max_len = kv.shape[3]
     slot_idx = torch.arange(num_slots, device=device)
@@ -505,13 +482,9 @@ def decode(
     attention: Callable = sdpa_attention,
     fp32_logits: bool = False,
 ) -> torch.Tensor:
-    """One token for each of the first B slots: ``tokens``/``positions`` [B]; returns logits [B, V].
-
-    Writes K/V at ``positions`` and attends to cache positions ``<= positions``; static shapes, so it can be
-    captured in a CUDA graph. ``layer_fns``: (``attn_in``, ``attn_out_mlp``) or compiled / tensor-parallel
-    versions; ``attention``: :func:`sdpa_attention` or :func:`triton_attention_of` (which builds the
-    step's ``(layer, q, kv_new) -> attention``). Logits: see ``logits_of``.
-    """
+    """One token for each of the first B slots (``tokens``/``positions`` [B]) → logits [B, V]; static
+    shapes (CUDA-graph capturable). ``layer_fns``: (front, back), eager, compiled or tensor-parallel;
+    ``attention``: :func:`sdpa_attention` or :func:`triton_attention_of`."""
     front, back = layer_fns
     num_slots = tokens.shape[0]
     x = embed_tokens(w, tokens)
@@ -533,13 +506,10 @@ def decode_rope_in_attention(
     layer_fns: tuple,
     fp32_logits: bool = False,
 ) -> torch.Tensor:
-    """``decode`` with the split-KV attention kernels applying RoPE and writing the cache, on split layers:
-    the front hands the unrotated q/k/v projection to the kernel, and each layer's MLP output goes to the
-    next layer's front (or the final norm) to be added to the residual there —
-    two kernels (the rotations) and a device copy (the residual in ``addmm``) fewer per layer than
-    :func:`decode` on :func:`triton_attention_of`; the same arithmetic as eager (the residual adds) and as the compiled unsplit
-    layers (the rotations, in float32, rounded once). ``layer_fns``: (front, back, final), the functions of
-    :mod:`klppo.rollout.triton_layers`. Not for tensor-parallel slices (the unsplit back all-reduces)."""
+    """``decode`` on split layers (``layer_fns``: front, back, final of :mod:`klppo.rollout.triton_layers`):
+    the attention kernel rotates the unrotated q/k/v and writes the cache, and each layer's MLP output is
+    added to the residual by the next front (or the final norm) — two kernels and a copy fewer per layer,
+    the same arithmetic as the unsplit layers. Not for tensor-parallel slices."""
     front, back, final = layer_fns
     num_slots = tokens.shape[0]
     heads, kv_heads, head_dim = w.num_heads, w.num_kv_heads, w.head_dim
@@ -563,9 +533,8 @@ def split_attention(
     rope: tuple[torch.Tensor, torch.Tensor],
     dims: tuple[int, int, int],
 ) -> torch.Tensor:
-    """One layer's attention on the split layers: q [B, H, D] and the new K/V [2, B, H_kv, D] as views of the
-    front's unrotated projection ``qkv`` [B, (H + 2·H_kv)·D] (``dims`` = (H, H_kv, D)), handed to the
-    split-KV kernels with ``splits`` chunks, which rotate them by ``rope`` and write ``cache`` (one layer's)."""
+    """One split layer's attention: q and the new K/V as views of the unrotated ``qkv`` [B, (H + 2·H_kv)·D]
+    (``dims`` = (H, H_kv, D)), rotated by ``rope`` and written into ``cache`` by the split-KV kernels."""
     heads, kv_heads, head_dim = dims
     num_slots = qkv.shape[0]
     q = qkv[:, : heads * head_dim].view(num_slots, heads, head_dim)
@@ -574,22 +543,6 @@ def split_attention(
 
 
 def logits_of(w: LlamaWeights, hidden: torch.Tensor, fp32: bool = False) -> torch.Tensor:
-    """[N, hidden] final-normed states → [N, V] logits: in the model's dtype, or float32 with ``fp32``.
-
-    ``fp32``: the products accumulate in float32 and are *kept* in float32 (one bf16 GEMM with a float32
-    output on CUDA, no weight copy), instead of being rounded to bf16 — a rounding of up to half a bf16
-    ulp of the logit (0.008 at |logit| 2–4), which is most of the gap between two bf16 computations of
-    the same log-prob. The prefill and decode paths must use the same setting (one sampler graph).
-    """
+    """[N, hidden] final-normed states → [N, V] logits: in the model's dtype, or float32 with ``fp32``
+    (:func:`klppo.models.lm_head.lm_head_logits`); prefill and decode use the same setting."""
     return lm_head_logits(hidden, w.lm_head, fp32)
-
-
-def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, fp32: bool) -> torch.Tensor:
-    """``hidden @ weight.T`` ([..., hidden] × [V, hidden]); with ``fp32`` a float32 result (see ``logits_of``)."""
-    if not fp32 or hidden.dtype == torch.float32:
-        out = F.linear(hidden, weight)
-        return out.float() if fp32 else out
-    if hidden.is_cuda:
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        return torch.mm(flat, weight.t(), out_dtype=torch.float32).view(*hidden.shape[:-1], weight.shape[0])
-    return F.linear(hidden.float(), weight.float())

@@ -5,27 +5,20 @@ Given logits [B, V] (any float dtype; computed in float32):
 - ``log_probs = log_softmax(logits / T)`` (T = 1 when greedy) — reported for the sampled token, before
   any truncation;
 - greedy: ``argmax(logits)``;
-- untruncated sampling (no top-k, top-p = 1; ``sample_untruncated``): the Gumbel-max race
-  ``argmax(logits / T + G)``, ``G = -log(-log U)``, ``U ~ U[0, 1)`` — the same law as a categorical draw,
-  no ``multinomial`` sync, and no [B, V] probability or log-prob tensor written: one pass for the
-  log-normaliser, one for the race (a single fused kernel each when compiled, the noise generated
-  in-kernel);
+- untruncated sampling (no top-k, top-p = 1): the Gumbel-max race ``argmax(logits / T + G)``,
+  ``G = -log(-log U)`` — a categorical draw without ``multinomial``'s sync or a [B, V] probability tensor;
 - otherwise the tempered distribution is truncated (top-k: keep the k largest; top-p: keep the smallest
   prefix of the sorted distribution whose mass reaches p, always at least one token), renormalised, and
   sampled by the exponential race ``argmax(p_i / E_i)``, ``E_i ~ Exp(1)``.
 
-Tensor parallel (``vocab_parallel_sampler``): each rank of the group holds the logits of its vocabulary
-rows [B, V/TP]. Untruncated, a rank computes its shard's log-normaliser, its race winner (the argmax of
-the logits, greedy, or of ``x + G`` with its own Gumbel noise) and the winner's ``x``; one all-gather of
-these [B, 4] figures gives every rank the same result: the token is the winner of the rank with the best
-race value (first rank on ties, i.e. the lowest id, as a full ``argmax``), the global log-normaliser is the
-``logsumexp`` of the shards' ones, and ``log_prob = x[token] − logsumexp(x)`` as without tensor
-parallelism — the law of the draw is the same (independent Gumbels per vocabulary entry). Truncated
-sampling gathers the full logits (top-k / top-p need them) and takes the group's first rank's draw.
+Tensor parallel (``vocab_parallel_sampler``, logits of the rank's vocabulary rows [B, V/TP]): untruncated,
+each rank races its shard (own Gumbel noise) and one all-gather of [B, 4] figures (race value, id, ``x``,
+shard log-normaliser) gives every rank the best race's token (first rank on ties: the lowest id) and
+``x[token] − logsumexp`` of the shards' normalisers — the same law. Truncated: the full logits are gathered
+and the group's first rank's draw is taken.
 
-Randomness comes from the current default generator. On CUDA the engine samples with the one-pass
-Triton kernels of :mod:`klppo.rollout.triton_sampling` where they apply (``EngineSettings.sampler``); this
-module is their reference.
+Randomness comes from the current default generator. This module is the reference of the Triton kernels
+(:mod:`klppo.rollout.triton_sampling`) the engine uses on CUDA where they apply.
 """
 
 from __future__ import annotations
@@ -62,11 +55,8 @@ def is_untruncated(params: SamplingParams) -> bool:
 def sample_untruncated(
     logits: torch.Tensor, temperature: float, greedy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [B] int64 and log-probs [B] float32 of greedy or plain tempered sampling (module docstring).
-
-    ``log_prob = x[token] - logsumexp(x)``, ``x = logits / T`` (T ignored when greedy). Written to be
-    compiled: every [B, V] intermediate is elementwise, so inductor fuses them into the two reductions.
-    """
+    """Tokens [B] int64 and log-probs [B] float32 of greedy or plain tempered sampling (module docstring):
+    ``x[token] - logsumexp(x)``, ``x = logits / T``; elementwise [B, V] work, fusable into two reductions."""
     torch._check(logits.shape[0] > 0)  # the batch dim is symbolic (compiled.py): logsumexp asks
     x = logits.float()
     if not greedy and temperature != 1.0:
@@ -93,9 +83,8 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, 
 
 
 def vocab_parallel_sampler(params: SamplingParams, tp: TensorParallel, vocab_size: int):
-    """``logits [B, V_local] -> (tokens [B], log_probs [B])``, identical on every rank of ``tp``'s group,
-    for logits of this rank's vocabulary ids ``even_split(vocab_size, tp.size, tp.rank)`` (module
-    docstring). No host synchronisation."""
+    """``logits [B, V_local] -> (tokens [B], log_probs [B])``, the same on every rank of ``tp``'s group, for
+    this rank's ids ``even_split(vocab_size, tp.size, tp.rank)`` (module docstring); no host sync."""
     bounds = [even_split(vocab_size, tp.size, r) for r in range(tp.size)]
     vocab_start, widest = bounds[tp.rank][0], max(b - a for a, b in bounds)
     temperature = 1.0 if params.greedy else float(params.temperature)

@@ -1,27 +1,19 @@
 """Slot bookkeeping of the engine's continuous batching, in plain Python (no tensors, no device).
 
-Knows which sequence sits in which KV-cache slot, which sequences wait, which busy slot holds each
-prompt's K/V prefix, how admissions split into prefill chunks, and which decode bucket covers the busy
-slots. Knows nothing of weights, tensors or sampling: the engine turns each :class:`PrefillPlan` into
-tensor work and hands back the finished flags it reads from the device.
+Which sequence sits in which KV-cache slot, which wait, which busy slot holds each prompt's K/V prefix,
+how admissions split into prefill chunks, which decode bucket covers the busy slots. The engine turns each
+:class:`PrefillPlan` into tensor work and hands back the finished flags. Sequence ``s`` (of ``num_prompts ×
+n``) is sample ``s % n`` of prompt ``s // n`` and writes output row ``s``. Rules:
 
-Sequences: ``num_prompts × n``, sequence ``s`` is sample ``s % n`` of prompt ``s // n`` and writes output
-row ``s``. Rules (the engine's behaviour, kept exactly):
-
-- waiting sequences are admitted lowest id first, into the lowest free slots (the first admission fills
-  slots ``0 .. min(slots, seqs) - 1``; a refill gives the freed slots, lowest first, to the waiting
-  sequences in id order);
-- an admission is prefilled in chunks of at most ``max_prefill_tokens`` prompt tokens (a sequence
-  larger than the budget is a chunk of its own);
-- within a chunk, a prompt runs at most once, in its first sequence of the chunk, unless a busy slot
-  already holds its prefix (``resident``); every other sequence of the prompt copies the prefix from
-  the slot that holds or computes it;
+- waiting sequences are admitted lowest id first, into the lowest free slots;
+- an admission is prefilled in chunks of at most ``max_prefill_tokens`` prompt tokens (a longer sequence
+  is a chunk of its own);
+- within a chunk a prompt runs at most once, in its first sequence, unless a busy slot already holds its
+  prefix; its other sequences copy the prefix from the slot that holds or computes it;
 - the decode bucket is the smallest of :func:`buckets` greater than the highest busy slot;
-- compaction (:meth:`SlotScheduler.compact`, when the engine asks for it): once nothing waits, when the
-  busy slots would fit a smaller bucket than the one covering them, the busy slots at or above that
-  bucket move, lowest first, into its free slots, lowest first — the decode step then runs on the
-  bucket of the live sequence count (a PPO batch whose sequences finish at different lengths shrinks
-  step by step) instead of that of the highest slot still busy.
+- compaction (:meth:`SlotScheduler.compact`): once nothing waits, when the busy slots would fit a smaller
+  bucket, those at or above it move, lowest first, into its free slots, lowest first — the step then
+  follows the live sequence count.
 """
 
 from __future__ import annotations
@@ -30,12 +22,7 @@ import dataclasses
 
 
 def buckets(num_slots: int) -> list[int]:
-    """Powers of two from 1 below ``num_slots``, then ``num_slots``.
-
-    A bucket of 1 runs the compiled functions' batch-1 graphs, which the background pre-compile makes
-    beside the graph of every larger size (:mod:`klppo.rollout.compiled`); on GPU it is one more captured
-    CUDA graph.
-    """
+    """Powers of two from 1 below ``num_slots``, then ``num_slots`` (bucket 1: the compiled batch-1 graphs)."""
     out, b = [], 1
     while b < num_slots:
         out.append(b)
@@ -45,30 +32,22 @@ def buckets(num_slots: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillPlan:
-    """What one prefill chunk does, as indices (lists in the order of the chunk's sequences).
+    """What one prefill chunk does, as indices (lists in the order of the chunk's sequences)."""
 
-    - ``seqs`` / ``slots`` / ``prompts`` / ``positions``: each admitted sequence, its slot, its prompt and
-      its prompt length (the cache position its first generated token is written at);
-    - ``run_prompts`` / ``run_slots`` / ``run_lengths``: the prompts run here (first-seen order), the slot
-      each writes its K/V into, and their lengths;
-    - ``copy_dst`` / ``copy_src`` / ``copy_width``: slots that get a prefix copied, from which slot, and
-      the longest of those prefixes;
-    - ``unique_prompts``: the chunk's prompts, first-seen order (one logits row each), and
-      ``logit_rows``: the row of each sequence in those logits.
-    """
-
-    seqs: list[int]
+    seqs: list[
+        int
+    ]  # each admitted sequence, its slot, its prompt, its prompt length (first token's position)
     slots: list[int]
     prompts: list[int]
     positions: list[int]
-    run_prompts: list[int]
+    run_prompts: list[int]  # the prompts run here (first-seen order), the slot each writes, their lengths
     run_slots: list[int]
     run_lengths: list[int]
-    copy_dst: list[int]
+    copy_dst: list[int]  # slots that get a prefix copied, from which slot, the longest of those prefixes
     copy_src: list[int]
     copy_width: int
-    unique_prompts: list[int]
-    logit_rows: list[int]
+    unique_prompts: list[int]  # the chunk's prompts, first-seen order: one logits row each
+    logit_rows: list[int]  # each sequence's row in those logits
     reused: int  # sequences whose prompt was resident in a busy slot before this chunk
 
 

@@ -13,15 +13,13 @@ class EngineSettings:
     """How an engine generates (:class:`klppo.rollout.engine.KLPPORollout`, and ``hf`` for the token ids)."""
 
     eos_token_ids: tuple[int, ...] = ()
-    """Ids that end a sequence (the tokenizer's and the model's generation config's; none: every sequence
-    runs to ``max_new_tokens``)."""
+    """Ids that end a sequence (none: every sequence runs to ``max_new_tokens``)."""
     pad_token_id: int = 0
     """Id written after a sequence's end in ``responses``."""
     gpu_memory_utilization: float = 0.5
     """Fraction of the device's memory the rollout phase may fill (everything allocated + the KV cache)."""
     free_cache_engine: bool = True
-    """Free cache, buffers and graphs after each call; False keeps them (and a resident weight copy) for the
-    next call of the same shape (:meth:`KLPPORollout._keeps_workspace`)."""
+    """Free cache, buffers and graphs after each call; False keeps them (:meth:`KLPPORollout._keeps_workspace`)."""
     max_num_seqs: int | None = None
     """At most this many KV-cache slots (None: as many as fit)."""
     eos_check_every: int = 16
@@ -31,14 +29,12 @@ class EngineSettings:
     cuda_graphs: bool = True
     """Replay each decode bucket's step as a CUDA graph (CUDA only)."""
     compile_decode: bool | None = None
-    """Run the unsplit layers' compiled versions and the split layers' Triton kernels; False: eager torch.
-    None: on CUDA only."""
+    """Compiled unsplit layers and the split layers' Triton kernels; False: eager torch; None: on CUDA."""
     decode_attention: str = "auto"
     """auto: the backend for the device (:func:`klppo.rollout.backends.backend_class`); sdpa: the torch
     reference backend (masked SDPA) on every device."""
     sampler: str = "auto"
-    """auto: the Triton sampling kernels on CUDA for the settings they take, else torch; torch: always the
-    torch sampler (:mod:`klppo.rollout.sampling`)."""
+    """auto: the Triton sampling kernels where they apply, else torch; torch: :mod:`klppo.rollout.sampling`."""
     fp32_logits: bool = True
     """LM-head products kept in float32 (:func:`klppo.rollout.llama.logits_of`)."""
     compact_slots: bool = False

@@ -1,18 +1,11 @@
 """The tensor work of one ``generate`` call on its workspace: prefill chunks, decode steps, slot moves, output.
 
-The engine (:mod:`klppo.rollout.engine`) decides what runs — graph replay or eager, when to prefill, decode
-or compact (the slot bookkeeping of :mod:`klppo.rollout.scheduler`) — and the call's backend
+The engine (:mod:`klppo.rollout.engine`) decides what runs and when; the call's backend
 (:mod:`klppo.rollout.backends`) does the model's arithmetic; these functions do the work on the
-:class:`Call`'s tensors (the workspace of :mod:`klppo.rollout.workspace`):
-
-- :func:`prefill_chunk` runs one :class:`~klppo.rollout.scheduler.PrefillPlan` (the prompts it runs
-  write their K/V and last hidden state, the others get a prefix copied) and samples each sequence's
-  first token (:func:`start_sequences` records it and sets the slot's decode state);
-- :func:`decode_step` builds one decode step on slots ``[0, bucket)`` — decode, sample, record the token
-  and log-prob in the output buffers, advance — without any host synchronisation (capturable as a CUDA
-  graph); a finished slot writes into the sink row of the output buffers;
-- :func:`move_slots` moves sequences between slots (compaction);
-- :func:`assemble_output` turns the output buffers into right-padded rows and the call's figures.
+:class:`Call`'s workspace: :func:`prefill_chunk` (one :class:`~klppo.rollout.scheduler.PrefillPlan`, then
+each sequence's first token), :func:`decode_step` (one step on slots ``[0, bucket)``, no host
+synchronisation: capturable as a CUDA graph; a finished slot writes into the output's sink row),
+:func:`move_slots` (compaction) and :func:`assemble_output` (right-padded rows and the call's figures).
 """
 
 from __future__ import annotations
@@ -48,12 +41,8 @@ class Call:
 
 
 def prefill_chunk(call: Call, plan: PrefillPlan) -> None:
-    """Run ``plan`` and sample each sequence's first token.
-
-    The prompts it runs write their K/V into their slots and their last hidden state into
-    ``call.prompt_hidden``; every other sequence gets its prompt's prefix copied into its slot and its
-    first-token logits from that stored hidden state. The sampling noise differs per sequence.
-    """
+    """Run ``plan`` (its prompts write K/V and ``call.prompt_hidden``; the other sequences copy a prefix)
+    and sample each sequence's first token from its prompt's hidden state (noise per sequence)."""
     w, ws, device = call.w, call.ws, call.packed.device
     if plan.run_prompts:
         starts = call.starts
@@ -90,10 +79,8 @@ def start_sequences(call: Call, plan: PrefillPlan, tokens: torch.Tensor, log_pro
 
 
 def ends(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
-    """Which ``tokens`` [B] (1-D) are one of the ``eos`` ids [E]: a broadcast compare through [B, E]
-    booleans. Not ``torch.isin``, which sorts and calls ``unique`` once E reaches about 10·B^0.145 (10 ids
-    at B = 1, 22 at B = 256): a device→host sync that invalidates a CUDA-graph capture (a model with a few
-    hundred stop ids)."""
+    """Which ``tokens`` [B] are one of the ``eos`` ids [E], by a [B, E] compare: ``torch.isin`` calls
+    ``unique`` from about 10 ids on, a host sync that breaks a CUDA-graph capture."""
     return (tokens[:, None] == eos[None, :]).any(dim=1)
 
 
@@ -123,8 +110,7 @@ def decode_step(call: Call, bucket: int) -> Callable[[], None]:
 
 
 def move_slots(ws: Workspace, moves: list[tuple[int, int]]) -> int:
-    """Move each (from, to) slot's sequence: its K/V and decode state; the emptied slots idle as finished.
-    Returns the number of moves."""
+    """Move each (from, to) slot's K/V and decode state; the emptied slots idle as finished. Returns the count."""
     if moves:
         src = torch.tensor([a for a, _ in moves], device=ws.kv.device)
         dst = torch.tensor([b for _, b in moves], device=ws.kv.device)
@@ -138,8 +124,7 @@ def move_slots(ws: Workspace, moves: list[tuple[int, int]]) -> int:
 def assemble_output(
     call: Call, sched: SlotScheduler, pad_token_id: int, start: float, timings: dict, cuda_graphs: bool
 ) -> RolloutOutput:
-    """The finished sequences as right-padded rows, with the call's figures (``start``: the call's
-    ``perf_counter`` start; ``timings``: the engine loop's; ``cuda_graphs``: whether decode replayed graphs)."""
+    """The finished sequences as right-padded rows, with the call's figures (``start``: its ``perf_counter``)."""
     ws, device, width = call.ws, call.packed.device, call.params.max_new_tokens
     num_seqs = sched.num_seqs
     out_len = ws.out_len[:num_seqs]

@@ -1,17 +1,9 @@
 """Tensor-parallel rollout: a group of ``TP`` ranks generates on slices of the actor's weights, resharded
 straight from the FSDP2 shards; data parallel across the groups.
 
-Layout (Megatron's, for Llama-family decoders), for rank ``t`` of the group:
-
-- ``q_proj`` (weight rows, bias): heads ``[t·H/TP, (t+1)·H/TP)``; ``k_proj``/``v_proj``: KV heads
-  ``[t·H_kv/TP, …)``, or when ``H_kv < TP`` the one KV head ``t·H_kv/TP`` its query heads share (KV heads
-  replicated); so the KV cache holds only the rank's KV heads;
-- ``o_proj``: the columns of its heads (row-parallel: partial sums, one all-reduce; bias replicated);
-- ``gate_proj``/``up_proj``: rows ``[t·I/TP, …)``; ``down_proj``: those columns (row-parallel, all-reduce);
-- ``embed_tokens`` and ``lm_head`` (tied or not): vocabulary rows ``even_split(V, TP, t)``
-  (vocabulary-parallel embedding: one all-reduce; LM head: logits of its ids only, sampled by
-  :func:`klppo.rollout.sampling.vocab_parallel_sampler` with a log-softmax over the whole vocabulary);
-- norms (and Qwen3's q/k norms): whole.
+The layout (which slice of each weight a rank takes): :class:`klppo.parallel.tp_layout.TPLayout`; the KV
+cache holds only the rank's KV heads; the LM head gives the logits of the rank's vocabulary ids, sampled by
+:func:`klppo.rollout.sampling.vocab_parallel_sampler`.
 
 :class:`TPRollout` wraps the engine: it gathers the group's prompts (each rank brings its own share, as at
 ``TP = 1``), reshards (:func:`klppo.parallel.reshard.reshard`: one all-to-all per FSDP unit, no rank holds
@@ -23,77 +15,24 @@ to be merged into the slices) and the ``hf`` backend: the trainer runs those dat
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from klppo.models.flops import attention_dims
+from klppo.models.lora import base_model
 from klppo.parallel.collectives import all_reduce_max, group_all_gather
 from klppo.parallel.dist import phase
 from klppo.parallel.fsdp import gathered_params
 from klppo.parallel.mesh import TensorParallel
-from klppo.parallel.reshard import WHOLE, Region, compute_dtype, even_split, reshard
+from klppo.parallel.reshard import compute_dtype, even_split, reshard
+from klppo.parallel.tp_layout import KEY, TPLayout
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.engine import KLPPORollout
-from klppo.rollout.llama import _LAYER_PATHS, LayerWeights, LlamaWeights, base_model, unsupported_reason
-
-KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
-
-
-@dataclasses.dataclass(frozen=True)
-class TPLayout:
-    """Which region of each weight a tensor-parallel rank takes (module docstring)."""
-
-    size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-    @staticmethod
-    def of(config: Any, size: int) -> TPLayout:
-        """The layout of a Hugging Face ``config`` over ``size`` ranks; ValueError when it cannot split."""
-        num_heads, num_kv_heads, head_dim = attention_dims(config)
-        inter = int(config.intermediate_size)
-        if num_heads % size:
-            raise ValueError(f"{KEY}={size} must divide num_attention_heads={num_heads}")
-        if num_kv_heads % size and size % num_kv_heads:
-            raise ValueError(
-                f"{KEY}={size} and num_key_value_heads={num_kv_heads}: one must divide the other"
-            )
-        if inter % size:
-            raise ValueError(f"{KEY}={size} must divide intermediate_size={inter}")
-        return TPLayout(size, num_heads, num_kv_heads, head_dim)
-
-    @property
-    def local_heads(self) -> int:
-        return self.num_heads // self.size
-
-    @property
-    def local_kv_heads(self) -> int:
-        return max(self.num_kv_heads // self.size, 1)
-
-    def region(self, name: str, shape: torch.Size, t: int) -> Region:
-        """Rank ``t``'s region of parameter ``name`` (its Hugging Face name) of full ``shape``."""
-        d = self.head_dim
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            return Region(0, *even_split(int(shape[0]), self.size, t))
-        if ".self_attn.q_proj." in name or name.endswith("self_attn.o_proj.weight"):
-            h = self.local_heads
-            return Region(0 if ".q_proj." in name else 1, t * h * d, (t + 1) * h * d)
-        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-            first = t * self.num_kv_heads // self.size
-            return Region(0, first * d, (first + self.local_kv_heads) * d)
-        if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
-            return Region(0, *even_split(int(shape[0]), self.size, t))
-        if name.endswith("mlp.down_proj.weight"):
-            return Region(1, *even_split(int(shape[1]), self.size, t))
-        return WHOLE
-
+from klppo.rollout.llama import _LAYER_PATHS, LayerWeights, LlamaWeights, unsupported_reason
+from klppo.rollout.workspace import storage_bytes
 
 _FUSED = {  # LayerWeights fused field -> the parameters it concatenates (rows), as in LayerWeights.fused
     "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -105,10 +44,9 @@ _FUSED = {  # LayerWeights fused field -> the parameters it concatenates (rows),
 
 def fused_destinations(model: torch.nn.Module, layout: TPLayout, t: int, *, dtype: torch.dtype,
                        device: torch.device) -> dict[str, torch.Tensor]:  # fmt: skip
-    """The engine's fused projections allocated up front, per layer ``[q; k; v]`` and ``[gate; up]`` (and
-    their biases when every part has one), as named views: the reshard writes each parameter's slice
-    straight into its rows, so the fused matrices cost no second copy. Keys: the parameters' names, and
-    ``model.layers.{i}.<fused field>`` for the whole tensors."""
+    """The engine's fused ``[q; k; v]`` and ``[gate; up]`` (and biases when every part has one) allocated up
+    front, keyed ``model.layers.{i}.<fused field>``, with their parts as views keyed by parameter name: the
+    reshard writes each slice straight into its rows (no second copy)."""
     hf = base_model(model)
     named = dict(hf.named_parameters())
     out: dict[str, torch.Tensor] = {}
@@ -127,8 +65,7 @@ def fused_destinations(model: torch.nn.Module, layout: TPLayout, t: int, *, dtyp
 
 def tp_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], layout: TPLayout,
                tp: TensorParallel) -> LlamaWeights:  # fmt: skip
-    """``LlamaWeights`` of this rank's slices ``tensors`` (by name, from :func:`reshard`, with the fused
-    projections of :func:`fused_destinations` when present) of ``model``."""
+    """``LlamaWeights`` of this rank's slices ``tensors`` (by name; fused ones from :func:`fused_destinations`)."""
     hf = base_model(model)
     layers = []
     for i in range(len(hf.model.layers)):
@@ -156,18 +93,15 @@ def tp_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], layout:
 
 def reshard_for_rollout(model: torch.nn.Module, tp: TensorParallel, *, device: torch.device,
                         into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    """This rank's tensor-parallel slices of the FSDP2-sharded ``model``, by parameter name (collective
-    over all ranks; every group takes its slices at once)."""
+    """This rank's slices of the FSDP2-sharded ``model``, by parameter name (a collective of all ranks)."""
     layout = TPLayout.of(base_model(model).config, tp.size)
     return reshard(model, lambda name, shape, d: layout.region(name, shape, d % tp.size), device=device,
                    into=into)  # fmt: skip
 
 
 class TPRollout:
-    """The klppo engine run by a tensor-parallel group on resharded slices (module docstring).
-
-    ``generate`` takes the FSDP2-sharded actor as it is (``reads_shards``: the caller does not gather).
-    """
+    """The klppo engine run by a tensor-parallel group on resharded slices (module docstring); ``generate``
+    takes the FSDP2-sharded actor as it is (``reads_shards``)."""
 
     reads_shards = True
 
@@ -181,9 +115,8 @@ class TPRollout:
     def generate(
         self, model: torch.nn.Module, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
     ) -> RolloutOutput:
-        """The rollout contract (:mod:`klppo.rollout.base`) for this rank's ``prompts``; every rank of the
-        world calls it together (the reshard is a collective of all ranks)."""
-        # the reshard is a collective of all ranks: every rank takes the same path (longest prompt of all)
+        """The rollout contract (:mod:`klppo.rollout.base`); every rank of the world calls it together (the
+        reshard is a collective of all ranks, so all take the same path: the longest prompt of all)."""
         max_len = all_reduce_max(int(prompt_mask.sum(dim=1).max())) + params.max_new_tokens
         reason = unsupported_reason(model, max_len)
         if reason is not None:
@@ -213,7 +146,7 @@ class TPRollout:
         if cuda:
             torch.cuda.synchronize(device)
         reshard_s = time.perf_counter() - start
-        weight_bytes = _storage_bytes(tensors.values())
+        weight_bytes = storage_bytes(tensors.values())
         self._tensors = None if self.engine.settings.free_cache_engine else tensors
         out = self.engine.generate_from(w, group_prompts, group_mask, params, reset_peak=False)
         del w, tensors
@@ -238,8 +171,7 @@ class TPRollout:
 
 def _group_rows(prompts: torch.Tensor, prompt_mask: torch.Tensor, tp: TensorParallel, *, pad_id: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The group's prompts in rank order ([TP·B, P'] left-padded to the longest width, and the mask);
-    every rank must bring the same number of rows."""
+    """The group's prompts and mask in rank order, [TP·B, P'] left-padded to the longest (same B per rank)."""
     comm = (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend() == "nccl"
@@ -255,8 +187,3 @@ def _group_rows(prompts: torch.Tensor, prompt_mask: torch.Tensor, tp: TensorPara
     all_ids = group_all_gather(ids, tp.group).flatten(0, 1)
     all_mask = group_all_gather(mask, tp.group).flatten(0, 1)
     return all_ids.to(prompts.device), all_mask.to(prompts.device)
-
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views into a fused tensor counted once)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())

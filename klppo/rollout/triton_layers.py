@@ -1,12 +1,10 @@
 """The split decode layers' elementwise work as two small Triton kernels: no ``torch.compile`` on the path.
 
-The split decode layers of the engine's fast backend (:func:`klppo.rollout.llama.decode_rope_in_attention`) are, per layer,
-GEMMs (cuBLAS) and the Triton attention with the elementwise work between them: the residual add with
-the RMSNorm that reads it (twice a layer, and once before the LM head), and SwiGLU's ``silu(gate) · up``.
-Compiled by Inductor, those are the same fused kernels as here; but compiling them costs a new process
-Inductor's import and operator registration, dynamo's trace and the graphs' compilation or cache load,
-where two Triton kernels load from Triton's cache in milliseconds (or compile in about a second each on an
-empty one).
+The split decode layers of the fast backend (:func:`klppo.rollout.llama.decode_rope_in_attention`) are
+GEMMs and the Triton attention with elementwise work between them: the residual add with the RMSNorm that
+reads it, and SwiGLU's ``silu(gate) · up``. Inductor would fuse the same kernels, at the cost of its import,
+dynamo's trace and compilation in every new process; two Triton kernels load from Triton's cache in
+milliseconds.
 
 The arithmetic is eager PyTorch's, rounding for rounding (:func:`klppo.rollout.llama.residual_add`,
 :func:`~klppo.rollout.llama.rms_norm`, ``F.silu(gate) * up``):
@@ -43,11 +41,6 @@ except ImportError:  # CPU installs: the torch path only
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the CPU tests' kernels (CPU tensors)
 MAX_HIDDEN = 16384  # one row per program in registers: the RMSNorm kernel's limit (the torch path above it)
 SILU_BLOCK = 1024  # columns per program of the SwiGLU kernel
-
-
-def available(device: torch.device) -> bool:
-    """Whether the kernels can run on ``device`` (CUDA with triton importable)."""
-    return triton is not None and torch.device(device).type == "cuda"
 
 
 def _kernels_take(x: torch.Tensor, *others: torch.Tensor | None, max_cols: int | None = MAX_HIDDEN) -> bool:

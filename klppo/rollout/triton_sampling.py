@@ -24,13 +24,10 @@ The law is that of :mod:`klppo.rollout.sampling` (the pure-torch path: the refer
 - Top-k and top-p together need the top-k set's mass (a selection): :func:`supports` says no, and the
   engine uses the torch path.
 
-Randomness: one int64 seed per call drawn from the current default generator on the device (so seeded
-generation is reproducible, and a CUDA graph replays fresh noise). Untruncated: four words per Philox
-call (``tl.randint4x``): a block of ``BLOCK`` ids is four quarters of ``Q = BLOCK / 4``, and id
-``off + q·Q + i`` (``off`` the block's first id) takes word ``q`` of the call at counter
-``row·G + off / 4 + i`` (``G = ⌈V / BLOCK⌉·Q``), so every (row, id) has its own word. Truncated:
-``tl.randint(seed + round, row·V + id)``. A word becomes Gumbel noise by ``_gumbel_of_bits`` (two fast
-logarithms).
+Randomness: one int64 seed per call from the device's default generator (seeded runs reproduce; a CUDA
+graph replays fresh noise). Untruncated: four words per Philox call, one per (row, id)
+(``_race_chunk_kernel``); truncated: ``tl.randint(seed + round, row·V + id)``; a word becomes Gumbel noise
+by ``_gumbel_of_bits``.
 Float32 sums in another order than torch's: a top-p boundary token whose mass above lies within rounding
 of ``p`` may be kept by one path and not the other.
 """
@@ -74,11 +71,9 @@ def sample_triton(
 ):
     """Tokens [B] int64 and log-probs [B] float32 drawn from ``logits`` [B, V] (module docstring).
 
-    ``splits``: programs per row of the untruncated kernel (default: enough to fill the device);
-    ``block``: ids a program reads at once (a power of two, 4 at least: smaller is taken as 4; tests make it
-    small to split short rows; default :func:`launch_block`); ``num_warps``: the kernels' launch setting;
-    ``generator``: draws the call's seed (None: the device's default generator; the start-up warm-up passes
-    its own, so as not to move the run's)."""
+    ``splits``: programs per row of the untruncated kernel (default :func:`_splits`); ``block``: ids a
+    program reads at once (a power of two; default :func:`launch_block`); ``num_warps``: the launch's;
+    ``generator``: draws the seed (None: the device's default; the warm-up passes its own)."""
     batch, vocab = logits.shape
     if not supports(params, batch, vocab):
         if batch * vocab >= 2**31 or vocab >= 2**24:
@@ -146,10 +141,8 @@ def launch_block(vocab: int, untruncated: bool, block: int | None = None) -> int
 
 
 def warm_splits(sms: int, vocab: int, params: SamplingParams) -> tuple[int | None, ...]:
-    """``splits`` values with which :func:`sample_triton` launches every compiled variant the default
-    launch of ``params`` can need on a device of ``sms`` SMs (:func:`device_sms`) at some batch size: one per
-    combine width of the untruncated kernel (the split count itself is a runtime argument); ``(None,)`` for
-    the truncated kernel (one launch shape)."""
+    """``splits`` values launching every compiled variant the default launch of ``params`` can need on
+    ``sms`` SMs at some batch size: one per combine width (untruncated), ``(None,)`` (truncated)."""
     if truncation(params, vocab) != (0, 1.0):
         return (None,)
     block = launch_block(vocab, True)

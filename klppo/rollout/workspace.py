@@ -10,6 +10,7 @@ of a tensor-parallel group agree on the minimum. On CPU: the sequence count, or 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch
 
@@ -20,7 +21,7 @@ from klppo.rollout.llama import LlamaWeights
 
 @dataclasses.dataclass(frozen=True)
 class CacheBudget:
-    """The engine's memory knobs (see :class:`klppo.rollout.engine.KLPPORollout`)."""
+    """The engine's memory settings (:class:`klppo.rollout.settings.EngineSettings`)."""
 
     gpu_memory_utilization: float
     max_num_seqs: int | None
@@ -80,8 +81,8 @@ class Workspace:
     def allocate(w: LlamaWeights, *, key: tuple, fused: LlamaWeights | None, num_slots: int, num_seqs: int,
                  width: int, max_len: int, device: torch.device, eos: list[int] = (),
                  resident: bool = False) -> Workspace:  # fmt: skip
-        """A fresh workspace for ``num_seqs`` sequences of at most ``width`` new tokens in ``num_slots``
-        slots of ``max_len`` positions (cache dtype and heads from ``w``)."""
+        """A fresh workspace: ``num_seqs`` sequences of ``width`` new tokens at most, ``num_slots`` slots of
+        ``max_len`` positions (cache dtype and heads from ``w``)."""
         kv = torch.zeros(  # zeros: masked-out cache entries must be finite (0 × NaN = NaN)
             (len(w.layers), 2, num_slots, max_len, w.num_kv_heads, w.head_dim),
             dtype=w.embed.dtype,
@@ -108,16 +109,16 @@ class Workspace:
         )
 
     def fused_bytes(self) -> int:
-        """Bytes of the weight copies the workspace holds: the fused matrices, or with a resident copy
-        (:meth:`LlamaWeights.resident`, a kept workspace) every weight once (0 without copies)."""
+        """Bytes of the weight copies held: the fused matrices, or every weight of a resident copy."""
         if self.weights is None:
             return 0
         w = self.weights
         if self.resident:
-            tensors = w.tensors()
-        else:
-            tensors = [t for lw in w.layers for t in (lw.qkv, lw.qkv_bias, lw.gate_up, lw.gate_up_bias)]
-        storages = {
-            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None
-        }
-        return sum(storages.values())
+            return storage_bytes(w.tensors())
+        return storage_bytes(t for lw in w.layers for t in (lw.qkv, lw.qkv_bias, lw.gate_up, lw.gate_up_bias))
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage counted once; None skipped)."""
+    storages = [t.untyped_storage() for t in tensors if t is not None]
+    return sum({s.data_ptr(): s.nbytes() for s in storages}.values())

@@ -53,7 +53,7 @@ def _check_compacted(out: Path, world: int, tp_size: int) -> None:
 
 def _check_hsdp(out: Path, world: int, tp_size: int) -> None:
     """Slices resharded from HSDP shards (every rank holds whole parameters) equal the full weights'."""
-    from klppo.rollout.tp import TPLayout
+    from klppo.parallel.tp_layout import TPLayout
 
     case = next(iter(W.CASES))
     full = dict(W.new_model(case).named_parameters())

@@ -143,7 +143,8 @@ def _measure_reshard(model, tp) -> dict:
     (CPU allocator events of the profiler, cumulated in time order)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from klppo.rollout.tp import TPLayout, reshard_for_rollout
+    from klppo.parallel.tp_layout import TPLayout
+    from klppo.rollout.tp import reshard_for_rollout
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         tensors = reshard_for_rollout(model, tp, device=torch.device("cpu"))

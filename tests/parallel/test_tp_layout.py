@@ -9,7 +9,7 @@ import torch
 
 from klppo.models.tiny import build_tiny_model
 from klppo.parallel.reshard import even_split
-from klppo.rollout.tp import KEY, TPLayout
+from klppo.parallel.tp_layout import KEY, TPLayout
 
 
 def test_even_split_covers_in_order():
