@@ -7,7 +7,10 @@ stage has not produced yet is ``None``. No string-keyed dictionaries of tensors.
 Shapes (P = prompt length, left-padded; R = response length, right-padded):
 
 - ``prompts`` [B, P] int64, ``prompt_mask`` [B, P] (1 = real prompt token)
-- ``responses`` [B, R] int64, ``response_mask`` [B, R] (1 = generated token, EOS included)
+- ``responses`` [B, R] int64, ``response_mask`` [B, R] (1 = generated token, EOS included): the tokens that
+  losses, KL and advantages count
+- ``response_attention_mask`` [B, R]: 1 on every real response token — with the tool / user tokens a multi-turn
+  rollout appended (``response_mask`` 0 on them) — or ``None`` (equals ``response_mask``)
 - ``rollout_log_probs`` [B, R] float32: log-prob of each sampled token under the rollout engine
 - ``old_log_probs`` / ``ref_log_probs`` / ``values`` [B, R] float32
 - ``token_level_scores`` / ``token_level_rewards`` / ``advantages`` / ``returns`` [B, R] float32
@@ -38,6 +41,7 @@ TENSOR_FIELDS = (
     "prompt_mask",
     "responses",
     "response_mask",
+    "response_attention_mask",
     "rollout_log_probs",
     "old_log_probs",
     "ref_log_probs",
@@ -58,6 +62,7 @@ class Batch:
     prompt_mask: torch.Tensor
     responses: torch.Tensor | None = None
     response_mask: torch.Tensor | None = None
+    response_attention_mask: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
@@ -87,9 +92,14 @@ class Batch:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        """[B, P+R] 1 on real prompt tokens and generated tokens."""
+        """[B, P+R] 1 on real prompt tokens and response tokens (appended tool / user tokens included)."""
+        return torch.cat([self.prompt_mask, self.response_tokens_mask.to(self.prompt_mask.dtype)], dim=1)
+
+    @property
+    def response_tokens_mask(self) -> torch.Tensor:
+        """[B, R] 1 on every real response token: ``response_attention_mask``, else ``response_mask``."""
         assert self.response_mask is not None, "no responses yet"
-        return torch.cat([self.prompt_mask, self.response_mask.to(self.prompt_mask.dtype)], dim=1)
+        return self.response_mask if self.response_attention_mask is None else self.response_attention_mask
 
     @property
     def position_ids(self) -> torch.Tensor:
@@ -175,4 +185,4 @@ class Batch:
         return dataclasses.replace(self, host_mask=self.attention_mask.bool().cpu().numpy())
 
 
-_MASK_SOURCES = frozenset({"prompts", "prompt_mask", "responses", "response_mask"})
+_MASK_SOURCES = frozenset({"prompts", "prompt_mask", "responses", "response_mask", "response_attention_mask"})

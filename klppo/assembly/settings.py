@@ -19,7 +19,7 @@ from klppo.algorithms import rollout_correction as rc
 from klppo.algorithms.losses import POLICY_LOSS_KEYS, POLICY_LOSS_OPTIONS
 from klppo.config import KLPPOConfig
 from klppo.config.schema import DataConfig
-from klppo.config.schema_arr import RolloutConfig
+from klppo.config.schema_arr import MultiTurnConfig, RolloutConfig
 from klppo.config.schema_common import FSDPConfig, OptimConfig
 from klppo.config.sizes import Sizes
 from klppo.data.dataset import LoaderSettings
@@ -30,7 +30,9 @@ from klppo.roles.critic import CriticSettings
 from klppo.roles.forward import MicroBatching
 from klppo.roles.optim import OptimSettings
 from klppo.rollout.base import SamplingParams
+from klppo.rollout.multi_turn import MultiTurnSettings
 from klppo.rollout.settings import EngineSettings
+from klppo.rollout.tools.config import load_tools
 from klppo.tune.memory import Point, TuneWorkload, Workload, defers_grad_sync
 from klppo.tune.units import WHOLE_MODEL
 
@@ -431,8 +433,29 @@ def loader_settings(data: DataConfig, *, seed: int, validation: bool) -> LoaderS
         use_chat_template=data.use_chat_template,
         bad_row_policy=data.bad_row_policy,
         max_cached_row_groups=data.max_cached_row_groups,
-        apply_chat_template_kwargs=dict(data.apply_chat_template_kwargs),
+        apply_chat_template_kwargs={**data.apply_chat_template_kwargs, **tool_schemas(data.tool_config_path)},
         reward_fn_key=data.reward_fn_key,
+    )
+
+
+def tool_schemas(tool_config_path: str | None) -> dict[str, Any]:
+    """``{"tools": [schema, ...]}`` for the chat template of the prompts (``data.tool_config_path``, which
+    follows ``multi_turn.tool_config_path``), or ``{}``; loading the file checks it before any weights load."""
+    if not tool_config_path:
+        return {}
+    return {"tools": [tool.tool_schema.to_dict() for tool in load_tools(tool_config_path).values()]}
+
+
+def multi_turn_settings(mt: MultiTurnConfig) -> MultiTurnSettings:
+    """The conversation loop's limits (:class:`klppo.rollout.multi_turn.MultiTurnSettings`)."""
+    return MultiTurnSettings(
+        max_assistant_turns=mt.max_assistant_turns,
+        max_user_turns=mt.max_user_turns,
+        max_parallel_calls=mt.max_parallel_calls,
+        max_tool_response_length=mt.max_tool_response_length,
+        tool_response_truncate_side=mt.tool_response_truncate_side,
+        format=mt.format,
+        tool_timeout_s=mt.tool_timeout_s,
     )
 
 

@@ -21,6 +21,7 @@ from klppo.assembly.roles_build import HFAssets, RoleInputs, Roles, SequenceGrou
 from klppo.assembly.run_start import begin_run
 from klppo.assembly.settings import (
     engine_settings,
+    multi_turn_settings,
     sampling_params,
     to_dtype,
     tune_workload,
@@ -54,6 +55,8 @@ from klppo.rollout.base import RolloutEngine, SamplingParams
 from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.factory import make_rollout
 from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
+from klppo.rollout.multi_turn import MultiTurnRollout
+from klppo.rollout.tools.config import load_interactions, load_tools
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
 from klppo.tune.host import host_ram_bytes
@@ -275,7 +278,14 @@ def _rollout_engine(cfg: KLPPOConfig, tokenizer: Any, actor_model: torch.nn.Modu
     eos = eos_token_ids(tokenizer, actor_model.config, getattr(actor_model, "generation_config", None))
     settings = engine_settings(rollout, tensor_parallel=tensor_parallel is not None, eos_token_ids=eos,
                                pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-    return make_rollout(rollout.name, settings, tensor_parallel=tensor_parallel, compiled=compiled)
+    engine = make_rollout(rollout.name, settings, tensor_parallel=tensor_parallel, compiled=compiled)
+    mt = rollout.multi_turn
+    if not mt.enable:
+        return engine
+    return MultiTurnRollout(engine, tokenizer=tokenizer, settings=multi_turn_settings(mt), eos_token_ids=tuple(eos),
+                            tools=load_tools(mt.tool_config_path) if mt.tool_config_path else {},
+                            interactions=load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {},
+                            chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs))  # fmt: skip
 
 
 def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run:

@@ -18,6 +18,7 @@ KL_LOSS = "algorithms.md#kl-loss-actoruse_kl_loss-actorkl_loss_type-actorkl_loss
 KL_CONTROLLERS = "algorithms.md#kl-coefficient-controllers-algorithmkl_ctrl"
 ROLLOUT_SETTINGS = "rollout.md#"
 ULYSSES = "sharding.md#ulysses-sequence-parallelism-ulysses_sequence_parallel_size"
+MULTI_TURN = "multi_turn.md#the-keys"
 
 
 @dataclass(frozen=True)
@@ -247,18 +248,43 @@ class ValKwargsConfig:
 
 @dataclass(frozen=True)
 class MultiTurnConfig:
-    enable: bool = F(False, "Multi-turn / tool-calling rollout.")
-    max_assistant_turns: int | None = F(None, "Turn limit.")
-    tool_config_path: str | None = F(None, "Tool definitions.")
-    max_user_turns: int | None = F(None, "Turn limit.")
-    max_parallel_calls: int = F(1, "Parallel tool calls.")
-    max_tool_response_length: int = F(256, "Tool response tokens.")
-    tool_response_truncate_side: str = F("middle", "Truncation side.")
-    interaction_config_path: str | None = F(None, "Interaction definitions.")
-    use_inference_chat_template: bool = F(False, "Template choice.")
-    tokenization_sanity_check_mode: str = F("strict", "Tokenization check.")
-    format: str = F("hermes", "Tool-call format.")
-    num_repeat_rollouts: int | None = F(None, "Repeated rollouts per interaction.")
+    enable: bool = F(
+        False, "Conversations with tools or a simulated user instead of one response.", see=MULTI_TURN
+    )
+    max_assistant_turns: int | None = F(
+        None, "Model turns per conversation (null: until the response budget).", see=MULTI_TURN
+    )
+    tool_config_path: str | None = F(
+        None, "YAML file of the tools (class_name, config, tool_schema).", see=MULTI_TURN
+    )
+    max_user_turns: int | None = F(
+        None, "Tool or user turns per conversation (null: until the response budget).", see=MULTI_TURN
+    )
+    max_parallel_calls: int = F(
+        1, "Tool calls run per model turn; later calls of the turn are ignored.", see=MULTI_TURN
+    )
+    max_tool_response_length: int = F(
+        256, "Characters of a tool's answer kept (cut with a marker).", see=MULTI_TURN
+    )
+    tool_response_truncate_side: str = F(
+        "middle", "left keeps the start of a long answer, right its end, middle both.", see=MULTI_TURN
+    )
+    interaction_config_path: str | None = F(
+        None, "YAML file of the interactions (name, class_name, config).", see=MULTI_TURN
+    )
+    use_inference_chat_template: bool = F(
+        False, "Re-render history with the template (klppo keeps sampled ids: false).", see=MULTI_TURN
+    )
+    tokenization_sanity_check_mode: str = F(
+        "strict", "verl's re-tokenization check; klppo never re-tokenizes.", see=MULTI_TURN
+    )
+    format: str = F(
+        "hermes", "Tool-call format of the model: hermes (<tool_call>{json}</tool_call>).", see=MULTI_TURN
+    )
+    num_repeat_rollouts: int | None = F(None, "Repeated rollouts per interaction.", see=MULTI_TURN)
+    tool_timeout_s: float = F(
+        60.0, "Seconds one tool or interaction method may take before it answers an error.", see=MULTI_TURN
+    )
 
 
 @dataclass(frozen=True)

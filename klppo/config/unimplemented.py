@@ -34,7 +34,10 @@ _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_
 UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     # changes results: refused by `klppo train`
     ("reward_model.ulysses_sequence_parallel_size", "refuse", "the reward model runs without sequence parallelism"),
-    ("actor_rollout_ref.rollout.multi_turn.enable", "refuse", "multi-turn / tool rollout is not built"),
+    ("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", "refuse",
+     "multi-turn rollouts keep the sampled token ids (verl's false)"),
+    ("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", "refuse", "repeated interaction rollouts are not built"),
+    ("actor_rollout_ref.rollout.multi_turn.format", "refuse", "only the hermes tool-call format is parsed"),
     ("actor_rollout_ref.rollout.skip_rollout", "refuse", "replaying dumped rollouts is not built"),
     ("actor_rollout_ref.rollout.over_sample_rate", "refuse", "over-sampling is not built"),
     ("actor_rollout_ref.rollout.quantization", "refuse", "quantized rollout is not built"),
@@ -63,7 +66,8 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("reward_model.reward_loop_module_path", "refuse", "user reward-loop classes are not supported"),
     ("reward_model.reward_loop_class_name", "refuse", "user reward-loop classes are not supported"),
     ("reward_model.sandbox_fusion.url", "refuse", "scoring code in an execution sandbox is not built"),
-    ("actor_rollout_ref.rollout.agent.default_agent_loop", "refuse", "agent loops are not built"),
+    ("actor_rollout_ref.rollout.agent.default_agent_loop", "refuse",
+     "choosing the agent loop is not supported: multi_turn.enable runs the tool loop, agent_name picks per row"),
     ("actor_rollout_ref.rollout.agent.agent_loop_config_path", "refuse", "agent loops are not built"),
     ("actor_rollout_ref.rollout.agent.custom_async_server.*", "refuse", "agent loops are not built"),
     # speed or memory only: run with a notice
@@ -134,7 +138,8 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.rollout.layered_summon", "warn", "weights are gathered per FSDP unit"),
     ("actor_rollout_ref.rollout.logprobs_mode", "warn", "vLLM engine option"),
     ("actor_rollout_ref.rollout.scheduling_policy", "warn", "vLLM engine option"),
-    ("actor_rollout_ref.rollout.multi_turn.*", "warn", "multi-turn rollout is not built"),
+    ("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "warn",
+     "token ids are never re-tokenized, so there is nothing to check"),
     ("actor_rollout_ref.rollout.agent.*", "warn", "agent loops are not built"),
     ("actor_rollout_ref.rollout.trace.*", "warn", "rollout tracing is not built"),
     ("reward_model.sandbox_fusion.*", "warn", "no code-execution sandbox"),
@@ -148,7 +153,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.actor.sum_pi_squared_checkpointing", "warn", "Σπ² statistics are not built"),
     ("actor_rollout_ref.rollout.checkpoint_engine.*", "warn", "weights are gathered per FSDP unit in-process"),
     ("actor_rollout_ref.rollout.prometheus.*", "warn", "no rollout server to export metrics from"),
-    ("data.tool_config_path", "warn", "multi-turn / tool rollout is not built"),
     ("data.image_patch_size", "warn", "text only"),
     ("reward_model.use_reward_loop", "warn", "scores are computed in the step, in process (same scores)"),
 )  # fmt: skip

@@ -1,7 +1,8 @@
 """Prompt loader over Parquet files in verl's schema: tokenise, filter, shuffle, left-pad, resume.
 
 Rows carry ``prompt`` (chat messages), ``data_source``, ``reward_model.ground_truth`` and ``extra_info``
-(see ``klppo.data.gsm8k``). ``PromptLoader`` yields ``klppo.batch.Batch`` objects holding ``batch_size``
+(see ``klppo.data.gsm8k``; multi-turn rows: ``extra_info.tools_kwargs`` / ``interaction_kwargs``, and verl's
+``agent_name`` column, copied into ``extra_info``). ``PromptLoader`` yields ``klppo.batch.Batch`` objects holding ``batch_size``
 prompts: ``prompts`` [B, P] int64 left-padded with ``pad_token_id`` to the longest prompt of the batch,
 ``prompt_mask`` [B, P] int64 (1 = real token), and the lists ``data_source``, ``ground_truth``,
 ``extra_info``, ``raw_prompt`` (the messages) and ``uid`` (``"<file index>:<row in file>"``, stable).
@@ -51,7 +52,7 @@ from klppo.batch import Batch
 from klppo.data.parquet_rows import DataError, RowGroupSource, normalize_prompt
 
 logger = logging.getLogger(__name__)
-_META_COLUMNS = ("data_source", "reward_model", "extra_info")
+_META_COLUMNS = ("data_source", "reward_model", "extra_info", "agent_name")
 _MAX_REPORTED_BAD_ROWS = 20
 
 
@@ -402,7 +403,7 @@ class PromptLoader:
             prompt_mask=mask,
             data_source=[row.get(self.reward_fn_key) or "" for row in rows],
             ground_truth=[(row.get("reward_model") or {}).get("ground_truth") for row in rows],
-            extra_info=[row.get("extra_info") or {} for row in rows],
+            extra_info=[_extra_info(row) for row in rows],
             raw_prompt=messages,
             uid=[f"{row['_file']}:{row['_row']}" for row in rows],
         )
@@ -439,3 +440,9 @@ class PromptLoader:
             )
         self._start_epoch(int(state["epoch"]))
         self._batch_index, self._position = int(state["batch_index"]), int(state["position"])
+
+
+def _extra_info(row: dict[str, Any]) -> dict[str, Any]:
+    """The row's ``extra_info``, with verl's ``agent_name`` column in it when the row has one (multi-turn)."""
+    info = row.get("extra_info") or {}
+    return {**info, "agent_name": row["agent_name"]} if row.get("agent_name") else info

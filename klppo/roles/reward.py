@@ -32,7 +32,7 @@ class Scores(NamedTuple):
 
 def response_rows(batch: Batch) -> tuple[list[list[int]], list[int]]:
     """Each response's token ids cut at its mask, and their lengths (one host read of the batch)."""
-    lengths = batch.response_mask.sum(dim=1).long().tolist()
+    lengths = batch.response_tokens_mask.sum(dim=1).long().tolist()
     return [ids[:n] for ids, n in zip(batch.responses.tolist(), lengths)], lengths
 
 

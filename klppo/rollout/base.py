@@ -60,6 +60,11 @@ class RolloutOutput:
     response_mask: torch.Tensor
     log_probs: torch.Tensor
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
+    response_attention_mask: torch.Tensor | None = None
+    """[B*n, R]: 1 on every response token the model attends to, where a multi-turn rollout appended tool or
+    user tokens (``response_mask`` 0 there); None: equals ``response_mask``."""
+    extras: list[dict] | None = None
+    """One dict per row for the reward function's ``extra_info`` (multi-turn: turns, scores), or None."""
 
     def __post_init__(self) -> None:
         assert self.responses.shape == self.response_mask.shape == self.log_probs.shape

@@ -29,6 +29,7 @@ from klppo.roles.actor import Actor
 from klppo.roles.forward import ForwardPlan
 from klppo.roles.reward import PendingScores, Reward
 from klppo.rollout.base import SamplingParams
+from klppo.rollout.multi_turn import MultiTurnRollout
 from klppo.trainer.step_metrics import ref_kl_metrics
 
 log = logging.getLogger("klppo")
@@ -37,6 +38,7 @@ log = logging.getLogger("klppo")
 GATHERED = (
     "responses",
     "response_mask",
+    "response_attention_mask",
     "rollout_log_probs",
     "old_log_probs",
     "ref_log_probs",
@@ -66,14 +68,24 @@ def generate(run: Run, prompts: Batch, sampling: SamplingParams, *, seed: int) -
         if run.device.type == "cuda":
             torch.cuda.synchronize(run.device)
         gather_s = time.perf_counter() - start
-        out = run.rollout.generate(model, prompts.prompts, prompts.prompt_mask, params)
+        # conversations read the rows' tools / interaction fields
+        if isinstance(run.rollout, MultiTurnRollout):
+            out = run.rollout.generate(model, prompts.prompts, prompts.prompt_mask, params,
+                                       extra_info=prompts.extra_info, raw_prompt=prompts.raw_prompt)  # fmt: skip
+        else:
+            out = run.rollout.generate(model, prompts.prompts, prompts.prompt_mask, params)
     if run.free_cache_engine:
         run.rollout.release()
-    samples = prompts.repeat_interleave(params.n).replace(
+    samples = prompts.repeat_interleave(params.n)
+    attention = out.response_attention_mask
+    samples = samples.replace(
         responses=out.responses,
         response_mask=out.response_mask.to(torch.float32),
+        response_attention_mask=None if attention is None else attention.to(torch.float32),
         rollout_log_probs=out.log_probs,
-    )
+        extra_info=samples.extra_info if out.extras is None else
+        [{**(info or {}), **extra} for info, extra in zip(samples.extra_info or [{}] * len(out.extras), out.extras)],
+    )  # fmt: skip
     return Rollout(samples, {"timing_s/update_weights": gather_s, **out.stats})
 
 
