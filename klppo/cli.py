@@ -18,6 +18,8 @@ SUBCOMMANDS = {
         "Draw runs' metrics into an HTML page with plots (`klppo report RUN_DIR ...`).",
     ),
 }
+DATA_LOG = "klppo.commands.log_data"
+"""`klppo data log` (listed by `klppo data --help`)."""
 
 
 def _usage() -> str:
@@ -38,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"klppo: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+    module_name = SUBCOMMANDS[name][0]
+    if name == "data" and rest[:1] == ["log"]:  # it loads a model and an engine: above klppo.data's layer
+        module_name, rest = DATA_LOG, rest[1:]
+    module = importlib.import_module(module_name)
     return int(module.main(rest) or 0)
 
 

@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from klppo.assembly.logged import build_logged_loader
 from klppo.config import KLPPOConfig
 from klppo.data.dataset import LoaderSettings, PromptLoader
+from klppo.data.logged import LoggedLoader
 from klppo.data.parquet_rows import DataError
 from klppo.models.loading import load_tokenizer, model_dir
 from klppo.rewards.registry import SCORERS, check_custom_reward_file
@@ -38,6 +40,8 @@ def check_ground_truth_columns(cfg: KLPPOConfig, loaders: dict[str, Any]) -> Non
     if not uses_rule_reward(cfg):
         return
     for split, loader in loaders.items():
+        if isinstance(loader, LoggedLoader) and not loader.num_unscored:
+            continue  # every logged sample has its score: nothing is scored by the rule
         for f, path in enumerate(loader.source.paths):
             if GROUND_TRUTH_COLUMN not in loader.source.column_names(f):
                 raise DataError(
@@ -89,15 +93,23 @@ def _check_rule_reward_rows(loader: Any, split: str) -> None:
         )
 
 
-def build_loaders(cfg: KLPPOConfig, tokenizer: Any) -> tuple[PromptLoader, PromptLoader | None]:
-    """The training loader and the validation loader (None without ``data.val_files``)."""
-    from klppo.assembly.settings import loader_settings  # noqa: PLC0415  heavy (roles, engine): not for a bad key
+def build_loaders(
+    cfg: KLPPOConfig, tokenizer: Any
+) -> tuple[PromptLoader | LoggedLoader, PromptLoader | None]:
+    """The training loader (of the logged samples with ``data.logged_files``) and the validation loader
+    (None without ``data.val_files``)."""
+    from klppo.assembly.settings import data_paths, loader_settings  # noqa: PLC0415  heavy (roles, engine): not for a bad key
 
     def make(settings: LoaderSettings) -> PromptLoader:
         return PromptLoader(settings, tokenizer)
 
     val = loader_settings(cfg.data, seed=cfg.trainer.seed, validation=True)
-    train = make(loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False))
+    logged = data_paths(cfg.data.logged_files)
+    if logged:  # logged responses instead of prompts to generate for
+        train = build_logged_loader(cfg, tokenizer, logged)
+        log.info("behaviour log-probs of the logged samples: %s (docs/data.md)", train.behaviour())
+    else:
+        train = make(loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False))
     return train, (make(val) if val is not None else None)
 
 
@@ -112,7 +124,7 @@ def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
     loaders = {"train": train} if val is None else {"train": train, "validation": val}
     check_ground_truth_columns(cfg, loaders)
     for split, loader in loaders.items():
-        if loader.stats.num_truncated:
+        if getattr(loader, "stats", None) is not None and loader.stats.num_truncated:
             log.warning(
                 "%s prompts: %d longer than data.max_prompt_length=%d are cut (data.truncation=%s): raise "
                 "data.max_prompt_length to keep them whole, or set data.filter_overlong_prompts=True to leave "

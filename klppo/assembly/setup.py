@@ -38,6 +38,7 @@ from klppo.config.schema_arr import KLLossControlConfig
 from klppo.config.sizes import Sizes, uses_critic
 from klppo.data.dataset import PromptLoader
 from klppo.models.compile_cache import use_persistent_cache
+from klppo.data.logged import LoggedLoader
 from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
 from klppo.models.lora import is_lora, merged_for_rollout
 from klppo.ops.checkpoint import checkpoint_step
@@ -77,7 +78,8 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Loaders:
-    train: PromptLoader
+    train: PromptLoader | LoggedLoader
+    """Prompts to generate for, or logged samples (``data.logged_files``)."""
     val: PromptLoader | None
 
 

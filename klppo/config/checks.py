@@ -68,6 +68,7 @@ _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("critic.optim.lr_scheduler_type", ("constant", "cosine")),
     ("data.truncation", ("error", "left", "right", "middle")),
     ("data.bad_row_policy", ("skip", "error")),
+    ("data.logged_overlong", ("error", "drop")),
     ("trainer.device", ("auto", "cuda", "cpu")),
     ("trainer.resume_mode", ("auto", "disable", "resume_path")),
 )

@@ -87,6 +87,16 @@ class DataConfig:
         "shuffle buffer (for sets whose row index does not fit in memory).",
     )
     max_cached_row_groups: int = F(16, "[klppo] Parquet row groups kept decoded in memory while reading.")
+    logged_files: Any = F(
+        None,
+        "[klppo] Parquet files of logged responses to train on instead of generating (null: generate).",
+        see="data.md#logged-responses",
+    )
+    logged_overlong: str = F(
+        "error",
+        "[klppo] A logged response longer than max_response_length: error | drop (its group).",
+        see="data.md#checks",
+    )
 
 
 @dataclass(frozen=True)

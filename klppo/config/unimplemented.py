@@ -38,7 +38,8 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
      "multi-turn rollouts keep the sampled token ids (verl's false)"),
     ("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", "refuse", "repeated interaction rollouts are not built"),
     ("actor_rollout_ref.rollout.multi_turn.format", "refuse", "only the hermes tool-call format is parsed"),
-    ("actor_rollout_ref.rollout.skip_rollout", "refuse", "replaying dumped rollouts is not built"),
+    ("actor_rollout_ref.rollout.skip_rollout", "refuse", "verl's cache of this trainer's own rollouts is not "
+     "built; to train on logged responses set data.logged_files (docs/data.md)"),
     ("actor_rollout_ref.rollout.over_sample_rate", "refuse", "over-sampling is not built"),
     ("actor_rollout_ref.rollout.quantization", "refuse", "quantized rollout is not built"),
     ("algorithm.use_pf_ppo", "refuse", "PF-PPO reweighting is not built"),
@@ -133,7 +134,7 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.rollout.engine_kwargs", "warn", "vLLM/SGLang engine options"),
     ("actor_rollout_ref.rollout.calculate_log_probs", "warn", "old log-probs are recomputed by the actor"),
     ("actor_rollout_ref.rollout.update_weights_bucket_megabytes", "warn", "weights are gathered per FSDP unit"),
-    ("actor_rollout_ref.rollout.skip_dump_dir", "warn", "replaying dumped rollouts is not built"),
+    ("actor_rollout_ref.rollout.skip_dump_dir", "warn", "verl's rollout cache is not built; see data.logged_files"),
     ("actor_rollout_ref.rollout.skip_tokenizer_init", "warn", "vLLM engine option"),
     ("actor_rollout_ref.rollout.layered_summon", "warn", "weights are gathered per FSDP unit"),
     ("actor_rollout_ref.rollout.logprobs_mode", "warn", "vLLM engine option"),

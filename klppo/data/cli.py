@@ -2,6 +2,7 @@
 
 klppo data gsm8k [--input DIR] --output DIR      GSM8K jsonl → train/test.parquet (verl schema)
 klppo data arithmetic --output DIR [--num-train N --num-test N --seed S]
+klppo data log --output FILE [--n N] [config keys]   logged responses (klppo.commands.log_data, docs/data.md)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--num-train", type=int, default=256)
     a.add_argument("--num-test", type=int, default=64)
     a.add_argument("--seed", type=int, default=0)
+    sub.add_parser("log", help="a model's responses with their log-probs and scores (docs/data.md)")
     return parser
 
 

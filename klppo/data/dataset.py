@@ -112,6 +112,21 @@ class LoaderSettings:
     """The column that names each row's scorer."""
 
 
+def encode_prompts(
+    tokenizer: Any, batch_messages: list[list[dict[str, str]]], *, use_template: bool, kwargs: dict[str, Any]
+) -> list[list[int]]:
+    """Token ids of each prompt: the chat template with ``add_generation_prompt=True`` (``kwargs`` passed
+    on), or without ``use_template`` the contents joined by newlines with the tokenizer's special tokens."""
+    if not batch_messages:
+        return []
+    if use_template:
+        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **kwargs)
+                 for m in batch_messages]  # fmt: skip
+    else:
+        texts = ["\n".join(m["content"] for m in messages) for messages in batch_messages]
+    return tokenizer(texts, add_special_tokens=not use_template)["input_ids"]
+
+
 class PromptLoader:
     """Batches of tokenised prompts from Parquet files; ``val`` use: ``shuffle=False, drop_last=False``."""
 
@@ -258,18 +273,10 @@ class PromptLoader:
             )
 
     # ---- text → ids ----------------------------------------------------------------------------
-    def _render(self, messages: list[dict[str, str]]) -> str:
-        if self.use_template:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
-            )
-        return "\n".join(m["content"] for m in messages)
-
     def _encode(self, batch_messages: list[list[dict[str, str]]]) -> list[list[int]]:
-        if not batch_messages:
-            return []
-        texts = [self._render(m) for m in batch_messages]
-        return self.tokenizer(texts, add_special_tokens=not self.use_template)["input_ids"]
+        return encode_prompts(
+            self.tokenizer, batch_messages, use_template=self.use_template, kwargs=self.chat_template_kwargs
+        )
 
     # ---- epoch order ---------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -43,6 +43,7 @@ from klppo.parallel.shares import (
 from klppo.roles.forward import ForwardPlan
 from klppo.roles.reward import PendingScores
 from klppo.roles.trained import TrainedRole
+from klppo.trainer.logged_phases import is_logged, with_behaviour_stand_in, with_missing_scores
 from klppo.trainer.phases import (
     GATHERED,
     control_kl_loss,
@@ -190,12 +191,17 @@ class PPOTrainer:
         run, roles = self.run, self.run.roles
         local, rollout_stats, pending = self._rollout(shard_prompts(prompts), step, timer)
         local, metrics, plan = self._old_log_probs(local, timer)
-        local = self._reference_log_probs(local, timer, plan)
+        local = with_behaviour_stand_in(run, self._reference_log_probs(local, timer, plan))
+        logged = is_logged(prompts)  # the loader's samples: one row each in the global batch
         with self._critic_on_device():
             local = self._values(local, timer)
             with timer.phase("reward"):
-                local = with_scores(roles.reward, local, pending)
-            batch = gather_samples(prompts, local, n=run.sampling.train.n, fields=GATHERED)
+                local = (
+                    with_missing_scores(roles.reward, local)
+                    if logged
+                    else with_scores(roles.reward, local, pending)
+                )
+            batch = gather_samples(prompts, local, n=1 if logged else run.sampling.train.n, fields=GATHERED)
             batch, adv_metrics, skipped = self._checked_advantages(batch, step, timer)
             if skipped is not None:
                 return StepDone(batch, {**metrics, **adv_metrics, **rollout_stats}, skipped=skipped)
@@ -220,6 +226,8 @@ class PPOTrainer:
         and their scores when they are computed in the background (``launch_reward_fn_async``), started
         here so that they overlap the log-prob, reference and value passes."""
         run = self.run
+        if is_logged(mine):  # logged samples (data.logged_files): nothing to generate or to score yet
+            return mine, {}, None
         with timer.phase("gen"):
             seed = sample_seed(self.cfg.trainer.seed, step)
             local, rollout_stats = generate(run, mine, run.sampling.train, seed=seed)

@@ -1,0 +1,151 @@
+"""``klppo data log``: a file of logged responses (docs/data.md) from a model, with klppo's engine.
+
+    klppo data log --output logs.parquet [--n 8] [--num-prompts N] [config.yaml] [dotted.key=value ...]
+
+The configuration is `klppo train`'s (the same file and keys): the model (``actor_rollout_ref.model.path``),
+the prompts (``data.train_files``, read in file order), the engine and its sampling
+(``actor_rollout_ref.rollout.*``; ``--n`` replaces ``rollout.n``) and the reward (rule, user function or
+reward model). Each prompt gets ``n`` samples, scored by the reward, with the engine's per-token log-probs
+and the sampling settings; the samples of one prompt share a ``group_id``. The engine's log-probs are those
+of ``log softmax(logits / temperature)``, the distribution sampled from only without top-k/top-p
+truncation: this command refuses truncation. One process; the weights in inference mode, no optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+import torch
+
+from klppo.assembly.data_check import tokenizer_trusts_code
+from klppo.assembly.roles_build import build_reward, load_policy_model
+from klppo.assembly.settings import engine_settings, loader_settings, sampling_params, to_dtype
+from klppo.batch import Batch
+from klppo.config import ConfigError, KLPPOConfig, load_config
+from klppo.config.flags import FlagParser
+from klppo.data.dataset import PromptLoader
+from klppo.data.logged import tokenizer_fingerprint, write_logged
+from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
+from klppo.parallel import dist
+from klppo.rollout.base import SamplingParams
+from klppo.rollout.factory import make_rollout
+
+log = logging.getLogger("klppo")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = FlagParser(
+        prog="klppo data log", description="Sample a model's responses into a logged-responses file."
+    )
+    p.add_argument("--output", required=True, help="Parquet file to write (docs/data.md)")
+    p.add_argument(
+        "--n", type=int, default=None, help="samples per prompt (default: actor_rollout_ref.rollout.n)"
+    )
+    p.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (default: all)")
+    return p
+
+
+def sampling_for_log(cfg: KLPPOConfig, n: int | None) -> SamplingParams:
+    """The rollout's training sampling with ``n`` samples per prompt; ConfigError for top-k/top-p truncation
+    (the engine's log-probs would not be those of the distribution sampled from)."""
+    params = sampling_params(
+        cfg.actor_rollout_ref.rollout, response_length=cfg.data.max_response_length, validation=False
+    )
+    if params.top_p < 1.0 or params.top_k > 0:
+        raise ConfigError(
+            f"klppo data log samples untruncated: rollout.top_p={params.top_p}, top_k={params.top_k} would make "
+            "the logged log-probs (full softmax) differ from the sampled distribution; set top_p=1.0 top_k=-1"
+        )
+    return dataclasses.replace(params, n=n or params.n)
+
+
+def sample_rows(
+    prompts: Batch, out: Any, scores: Any, params: SamplingParams, identity: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """One row per sample (``n`` consecutive per prompt) in the schema of docs/data.md."""
+    rows = []
+    for i in range(out.responses.shape[0]):
+        p = i // params.n
+        length = int(out.response_mask[i].sum())
+        rows.append({
+            "data_source": prompts.data_source[p],
+            "prompt": prompts.raw_prompt[p],
+            "reward_model": {"ground_truth": prompts.ground_truth[p]},
+            "extra_info": prompts.extra_info[p],
+            "response_ids": out.responses[i, :length].tolist(),
+            "response": scores.texts[i],
+            "response_log_probs": out.log_probs[i, :length].float().tolist(),
+            "response_mask": [1] * length,
+            "score": float(scores.sequence[i]),
+            "group_id": str(prompts.uid[p]),
+            "temperature": params.temperature if params.do_sample else 0.0,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            **identity,
+        })  # fmt: skip
+    return rows
+
+
+def log_samples(
+    cfg: KLPPOConfig, *, device: torch.device, output: str, n: int | None, num_prompts: int | None
+) -> int:
+    """Write ``output`` from the model on ``device``; returns the number of samples."""
+    arr = cfg.actor_rollout_ref
+    params = sampling_for_log(cfg, n)
+    model_path = model_dir(arr.model.path, key="actor_rollout_ref.model.path")
+    tok_path = model_dir(arr.model.tokenizer_path, key="actor_rollout_ref.model.tokenizer_path") if arr.model.tokenizer_path else model_path  # fmt: skip
+    tokenizer = load_tokenizer(tok_path, trust_remote_code=tokenizer_trusts_code(cfg))
+    settings = loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False)
+    loader = PromptLoader(dataclasses.replace(settings, shuffle=False, drop_last=False), tokenizer)
+    dtype = to_dtype(arr.rollout.dtype) if device.type == "cuda" else torch.float32
+    model = load_policy_model(arr.model, model_path, dtype, device, train=False).eval()
+    eos = eos_token_ids(tokenizer, model.config, getattr(model, "generation_config", None))
+    engine = make_rollout(arr.rollout.name, engine_settings(arr.rollout, tensor_parallel=False, eos_token_ids=eos,
+                                                            pad_token_id=tokenizer.pad_token_id))  # fmt: skip
+    reward = build_reward(cfg.reward_model, cfg.custom_reward_function, tokenizer, device)
+    identity = {
+        "model": arr.model.path,
+        "tokenizer": tok_path,
+        "tokenizer_hash": tokenizer_fingerprint(tokenizer),
+    }
+    rows: list[dict[str, Any]] = []
+    for k, prompts in enumerate(loader):
+        if num_prompts is not None and k * loader.batch_size >= num_prompts:
+            break
+        if num_prompts is not None:
+            prompts = prompts.select(range(min(len(prompts), num_prompts - k * loader.batch_size)))
+        prompts = prompts.to(device)
+        seeded = dataclasses.replace(params, seed=cfg.trainer.seed * 1_000_003 + k)
+        with torch.no_grad():
+            out = engine.generate(model, prompts.prompts, prompts.prompt_mask, seeded)
+        samples = prompts.repeat_interleave(params.n).replace(
+            responses=out.responses, response_mask=out.response_mask.float(), rollout_log_probs=out.log_probs
+        )
+        rows += sample_rows(prompts, out, reward.score(samples), params, identity)
+    reward.close()
+    write_logged(output, rows)
+    return len(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = _parser().parse_known_args(argv)
+    try:
+        cfg = load_config(rest)
+        use_cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
+        # one process; the engine's rank-aware code needs a process group
+        info = dist.init_distributed("cuda" if use_cuda else "cpu", 600.0)
+        try:
+            count = log_samples(
+                cfg, device=info.device, output=args.output, n=args.n, num_prompts=args.num_prompts
+            )
+        finally:
+            dist.destroy()
+    except (OSError, ValueError) as exc:
+        print(f"klppo data log: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {count} logged samples to {args.output}")
+    return 0

@@ -1,0 +1,203 @@
+"""Training from logged responses (data.logged_files, docs/data.md): `klppo data log` → file → train, every
+bad input one line before any weight loads, resume = uninterrupted, and the bypass loss against the
+behaviour log-probs of the log equal to its float64 hand formula."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tests.trainer.utils import base_overrides, read_metrics, run_training
+
+
+@pytest.fixture(scope="module")
+def logged(tiny_model_dir, arithmetic_data, tmp_path_factory) -> Path:
+    """8 prompts × 2 samples of the tiny model, written by `klppo data log`."""
+    from klppo.commands.log_data import main
+
+    out = tmp_path_factory.mktemp("logged") / "log.parquet"
+    common = base_overrides(tiny_model_dir, arithmetic_data, out.parent / "unused")
+    assert main(["--output", str(out), "--n", "2", "--num-prompts", "8", *common]) == 0
+    return out
+
+
+def _rewrite(src: Path, dst: Path, change) -> Path:
+    from klppo.data.logged import write_logged
+
+    rows = pq.read_table(src).to_pylist()
+    for i, row in enumerate(rows):
+        change(i, row)
+    write_logged(str(dst), rows)
+    return dst
+
+
+def _overrides(tiny_model_dir, arithmetic_data, run_dir, log_file, *extra) -> list[str]:
+    return base_overrides(tiny_model_dir, arithmetic_data, run_dir) + [
+        f"data.logged_files={log_file}", "algorithm.adv_estimator=grpo", *extra]  # fmt: skip
+
+
+def test_log_file_round_trip(logged, tiny_model_dir, arithmetic_data, tmp_path):
+    """The file holds what the schema says; the loader's batch gives it back; two steps train on it with
+    no generation, the logged scores kept."""
+    from klppo.data.logged import LoggedLoader, LoggedSettings
+    from klppo.models.loading import load_tokenizer
+
+    rows = pq.read_table(logged).to_pylist()
+    assert len(rows) == 16 and rows[0]["group_id"] == rows[1]["group_id"] != rows[2]["group_id"]
+    for row in rows:
+        assert len(row["response_ids"]) == len(row["response_log_probs"]) == len(row["response_mask"]) <= 8
+        assert all(v <= 0 for v in row["response_log_probs"]) and row["temperature"] == 1.0
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    settings = LoggedSettings([str(logged)], groups_per_batch=8, samples_per_group=2, max_prompt_length=64,
+                              max_response_length=8, vocab_size=10**6, shuffle=False)  # fmt: skip
+    batch = LoggedLoader(settings, tokenizer).next_batch()
+    for i, row in enumerate(rows):
+        n = len(row["response_ids"])
+        assert batch.responses[i, :n].tolist() == row["response_ids"] and batch.response_mask[i].sum() == n
+        assert batch.rollout_log_probs[i, :n].tolist() == pytest.approx(row["response_log_probs"])
+        assert batch.token_level_scores[i, n - 1] == row["score"]
+
+    scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
+    run = tmp_path / "run"
+    run_training(_overrides(tiny_model_dir, arithmetic_data, run, scored, "data.train_batch_size=4",
+                            "trainer.total_training_steps=2"))  # fmt: skip
+    metrics = read_metrics(run)
+    assert len(metrics) == 2 and all("timing_s/gen" not in m for m in metrics)
+    assert metrics[0]["critic/score/mean"] == pytest.approx(0.5)  # the logged scores, not the reward's 0
+
+
+def test_missing_scores_are_computed_by_the_reward(logged, tiny_model_dir, arithmetic_data, tmp_path):
+    from klppo.trainer.logged_phases import with_missing_scores
+
+    class Half:  # scores every sample 7
+        def score(self, batch):
+            from types import SimpleNamespace
+
+            s = torch.zeros_like(batch.response_mask)
+            s[torch.arange(len(batch)), batch.response_mask.sum(1).long() - 1] = 7.0
+            return SimpleNamespace(token_level=s)
+
+    from klppo.data.logged import LoggedLoader, LoggedSettings
+    from klppo.models.loading import load_tokenizer
+
+    half = _rewrite(logged, tmp_path / "half.parquet", lambda i, r: r.update(score=None if i % 2 else 1.0))
+    settings = LoggedSettings([str(half)], groups_per_batch=8, samples_per_group=2, max_prompt_length=64,
+                              max_response_length=8, vocab_size=10**6, shuffle=False)  # fmt: skip
+    batch = with_missing_scores(
+        Half(), LoggedLoader(settings, load_tokenizer(str(tiny_model_dir))).next_batch()
+    )
+    assert batch.token_level_scores.sum(1).tolist() == [1.0, 7.0] * 8
+
+
+BAD = {  # name: (change to row i, extra keys, what the one line names)
+    "vocab": (lambda i, r: r.update(response_ids=[10**6] * len(r["response_ids"])) if i == 3 else None, [],
+              "row 3, column 'response_ids': token id 1000000 is beyond the model's vocabulary"),
+    "tokenizer": (lambda i, r: r.update(tokenizer_hash="0" * 16), [], "row 0, column 'tokenizer_hash'"),
+    "overlong": (lambda i, r: r.update(response_ids=[5] * 9, response_log_probs=[-1.0] * 9, response_mask=[1] * 9)
+                 if i == 5 else None, [], "row 5, column 'response_ids': 9 response tokens > data.max_response_length=8"),
+    "log_probs": (lambda i, r: r.update(response_log_probs=None) if i == 2 else None,
+                  ["algorithm.rollout_correction.bypass_mode=True"], "row 2, column 'response_log_probs'"),
+    "group_of_one": (lambda i, r: r.update(group_id=str(i)), ["actor_rollout_ref.rollout.n=1"],
+                     "row 0, column 'group_id': a group of 1 sample(s)"),
+    "mask": (lambda i, r: r.update(response_mask=[1] * (len(r["response_ids"]) - 1) + [0]) if i == 1 else None, [],
+             "row 1, column 'response_mask'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_log_is_one_line_before_weights(
+    case, logged, tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    """`klppo train`'s start-up checks name the file, row and column in one line; no weight is read."""
+    from klppo.commands.startup import check_startup
+    from klppo.config import load_config
+    from klppo.models import loading
+
+    change, extra, expected = BAD[case]
+    bad = _rewrite(logged, tmp_path / "bad.parquet", change)
+    monkeypatch.setattr(loading, "load_causal_lm", lambda *a, **k: pytest.fail("weights loaded"))
+    cfg = load_config(_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run", bad, *extra))
+    problems = check_startup(cfg, problems=[]).problems
+    assert len(problems) == 1 and "\n" not in problems[0], problems
+    assert f"{bad} {expected}" in problems[0], problems[0]
+
+
+def test_overlong_drop_leaves_out_the_group(logged, tiny_model_dir):
+    from klppo.data.logged import LoggedLoader, LoggedSettings
+    from klppo.models.loading import load_tokenizer
+
+    long = _rewrite(logged, logged.parent / "long.parquet", lambda i, r: r.update(
+        response_ids=[5] * 9, response_log_probs=[-1.0] * 9, response_mask=[1] * 9) if i == 5 else None)  # fmt: skip
+    settings = LoggedSettings([str(long)], groups_per_batch=4, samples_per_group=2, max_prompt_length=64,
+                              max_response_length=8, vocab_size=10**6, overlong="drop")  # fmt: skip
+    loader = LoggedLoader(settings, load_tokenizer(str(tiny_model_dir)))
+    assert loader.num_dropped == 1 and len(loader) == 1 and "(1 groups dropped)" in loader.summary()
+
+
+def test_logged_resume_equals_uninterrupted(logged, tiny_model_dir, arithmetic_data, tmp_path):
+    """Two epochs over the log (4 steps of 4 groups) with an adaptive KL-in-reward controller and a KL loss:
+    stopped after step 2 and resumed, step 3 and 4 are the uninterrupted run's."""
+    scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
+    keys = ["data.train_batch_size=4", "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive",
+            "actor_rollout_ref.actor.use_kl_loss=True", "algorithm.rollout_correction.rollout_is=token"]  # fmt: skip
+    full = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "full", scored, *keys)
+    run_training(full + ["trainer.total_training_steps=4"])
+    cut = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "cut", scored, *keys)
+    run_training(cut + ["trainer.total_training_steps=2", "trainer.save_freq=2"])
+    run_training(cut + ["trainer.total_training_steps=4"])
+    want, got = read_metrics(tmp_path / "full"), {m["step"]: m for m in read_metrics(tmp_path / "cut")}
+    for step in (3, 4):
+        for key in ("actor/pg_loss", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
+                    "rollout_corr/kl", "critic/score/mean", "actor/kl_loss"):  # fmt: skip
+            assert got[step][key] == pytest.approx(want[step - 1][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_bypass_loss_equals_hand_formula(logged, tiny_model_dir, arithmetic_data, tmp_path):
+    """Bypass mode (π_old = the log's behaviour policy), one mini-batch: the step's ``actor/pg_loss`` is the
+    float64 clipped surrogate of ρ = π_θ / π_behaviour with GRPO advantages of the logged scores."""
+    from transformers import AutoModelForCausalLM
+
+    from klppo.data.logged import LoggedLoader, LoggedSettings
+    from klppo.models.loading import load_tokenizer
+
+    gen = torch.Generator().manual_seed(0)
+    offsets = {}
+
+    def shift(i, row):  # behaviour log-probs away from π_θ's, so that ρ crosses both clip bounds
+        delta = (torch.rand(len(row["response_ids"]), generator=gen, dtype=torch.float64) - 0.5).tolist()
+        offsets[i] = delta
+        row.update(score=float(i % 3 == 0), response_log_probs=[min(v - d, 0.0) for v, d in zip(row["response_log_probs"], delta)])  # fmt: skip
+
+    shifted = _rewrite(logged, tmp_path / "shifted.parquet", shift)
+    run = tmp_path / "run"
+    run_training(_overrides(tiny_model_dir, arithmetic_data, run, shifted, "data.train_batch_size=8",
+                            "data.shuffle=False", "algorithm.rollout_correction.bypass_mode=True",
+                            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"))  # fmt: skip
+    (metrics,) = read_metrics(run)
+
+    settings = LoggedSettings([str(shifted)], groups_per_batch=8, samples_per_group=2, max_prompt_length=64,
+                              max_response_length=8, vocab_size=10**6, shuffle=False)  # fmt: skip
+    b = LoggedLoader(settings, load_tokenizer(str(tiny_model_dir))).next_batch()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float64).eval()
+    ids, attn = b.input_ids, b.attention_mask
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=b.position_ids).logits
+    p = b.prompts.shape[1]
+    logp = torch.log_softmax(logits[:, p - 1 : -1], dim=-1).gather(-1, b.responses[..., None])[..., 0]
+    score = b.token_level_scores.double().sum(1).view(-1, 2)
+    adv = ((score - score.mean(1, keepdim=True)) / (score.std(1, keepdim=True) + 1e-6)).flatten()
+    mask = b.response_mask.double()
+    ratio = torch.exp(logp - b.rollout_log_probs.double())
+    a = adv[:, None]
+    loss1 = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))
+    loss = torch.where(a < 0, torch.minimum(loss1, -a * 3.0), loss1)
+    expected = float((loss * mask).sum() / mask.sum())
+    assert (
+        math.isfinite(expected) and ((ratio > 1.2) & (mask > 0)).any() and ((ratio < 0.8) & (mask > 0)).any()
+    )
+    assert metrics["actor/pg_loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
