@@ -4,7 +4,8 @@
 
 Both revisions (anything ``git rev-parse`` reads: a branch, a commit, ``HEAD~1``) are checked out into
 temporary git worktrees of the repository this is run from; a revision given as a directory (a source tree
-exported beforehand, for a machine without the history) runs there as it is. ``CMD`` runs ``N`` times in each, in the order
+exported beforehand, for a machine without the history) runs there as it is. ``CMD`` runs ``N`` times in
+each, in the order
 A B B A A B … (each revision first as often as second, so a drift of the machine — clocks, caches, a
 neighbour's load — falls on both), with the worktree as the working directory and first on ``PYTHONPATH``:
 ``python3 bench/ppo_step.py`` runs that revision's script on that revision's package. The command is not
@@ -19,7 +20,8 @@ Non-numeric fields equal in every run of both revisions are said to be identical
 printed (e.g. ``bench/gguf_convert.py``'s file digests).
 
     python3 bench/ab.py main HEAD --repeats 3 -- python3 bench/ppo_step.py --workload trl --variants after
-    python3 bench/ab.py HEAD~1 HEAD --select engine=klppo --select batch=256 -- python3 bench/rollout.py --batches 256
+    python3 bench/ab.py HEAD~1 HEAD --select engine=klppo --select batch=256 -- python3 bench/rollout.py
+    --batches 256
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ DIRECTORY = "(directory)"
 
 def make_side(label: str, rev: str, repo: Path | None) -> Side:
     """A revision as a git commit of ``repo``, or, when ``rev`` is a directory, that source tree as it is
-    (for a machine without the repository's history: e.g. ``git archive REV | tar -x -C old`` made beforehand)."""
+    (for a machine without the repository's history: e.g. ``git archive REV | tar -x -C old`` made
+    beforehand)."""
     if Path(rev).is_dir():
         return Side(label, rev, DIRECTORY, tree=Path(rev).resolve())
     assert repo is not None
@@ -246,11 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(sides, args.metric)
     print_summary(sides, summary)
     if args.out:
-        runs = {k: [{"returncode": r.returncode, "wall_s": r.wall_s, "record": r.record, "stdout": r.stdout}
-                    for r in s.runs] for k, s in sides.items()}  # fmt: skip
+        runs = {
+            k: [
+                {"returncode": r.returncode, "wall_s": r.wall_s, "record": r.record, "stdout": r.stdout}
+                for r in s.runs
+            ]
+            for k, s in sides.items()
+        }
         revs = {k: {"rev": s.rev, "commit": s.commit} for k, s in sides.items()}
-        Path(args.out).write_text(json.dumps({"command": command, "revisions": revs, "runs": runs,
-                                              "summary": summary}, indent=1))  # fmt: skip
+        Path(args.out).write_text(
+            json.dumps({"command": command, "revisions": revs, "runs": runs, "summary": summary}, indent=1)
+        )
     return 0 if all(r.returncode == 0 for s in sides.values() for r in s.runs) else 1
 
 

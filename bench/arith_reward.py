@@ -34,7 +34,8 @@ def flexible_answer(response: str) -> str | None:
 
 
 def strict_answer(response: str) -> str | None:
-    """The number of the last ``#### N`` in the last 300 characters (commas, ``$``, trailing ``.`` removed)."""
+    """The number of the last ``#### N`` in the last 300 characters (commas, ``$``, trailing ``.``
+    removed)."""
     found = _STRICT.findall(response[-CLIP_CHARS:])
     return _clean(found[-1]) if found else None
 

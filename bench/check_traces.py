@@ -86,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     reports, problems = check(args.directory, args.steps, cuda=args.cuda, max_mib=args.max_mib)
     for r in reports:
-        print(f"{r['file']}: {r['mib_gz']:.2f} MiB gz, {r['events']} events, {r['cuda_kernels']} CUDA kernels, "
-              f"phases {', '.join(p[6:] for p in r['phases'])}")  # fmt: skip
+        print(
+            f"{r['file']}: {r['mib_gz']:.2f} MiB gz, {r['events']} events, {r['cuda_kernels']} CUDA kernels, "
+            f"phases {', '.join(p[6:] for p in r['phases'])}"
+        )
     print("PASS" if not problems else "FAIL\n  " + "\n  ".join(problems))
     if args.json:
         args.json.write_text(json.dumps({"reports": reports, "problems": problems}, indent=2) + "\n")

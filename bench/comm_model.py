@@ -53,8 +53,14 @@ def predicted_share(
     tw = workload_from(cfg, 141.0, world_size)
     facts = ModelFacts.from_config(load_model_config(row["shape"]))
     point = tw.point
-    units = predict_units(facts.units(point.min_num_params), point, tw.workload, bus_bandwidth=link_gbps * 1e9,
-                          flops_per_s=tflops * 1e12, num_micro=int(row["num_micro"]))  # fmt: skip
+    units = predict_units(
+        facts.units(point.min_num_params),
+        point,
+        tw.workload,
+        bus_bandwidth=link_gbps * 1e9,
+        flops_per_s=tflops * 1e12,
+        num_micro=int(row["num_micro"]),
+    )
     exposed = sum(u.exposed_s for u in units)
     return exposed / max(sum(u.compute_s for u in units) + exposed, 1e-12)
 
@@ -74,10 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     print("| " + " | ".join(head + [f"predicted @ {g:g} GB/s" for g in args.link_gbps]) + " |")
     print("|" + " --- |" * (len(head) + len(args.link_gbps)))
     for r in rows:
-        preds = [predicted_share(r, world_size=world, link_gbps=g, tflops=args.tflops, extra=args.set)
-                 for g in args.link_gbps]  # fmt: skip
-        cells = [r["shape"], f"{r['min_num_params']:.0e}", str(r["units"]), str(r["forward_prefetch"]),
-                 str(r["reshard_after_forward"]), f"{100 * r['exposed_share']:.0f}%"]  # fmt: skip
+        preds = [
+            predicted_share(r, world_size=world, link_gbps=g, tflops=args.tflops, extra=args.set)
+            for g in args.link_gbps
+        ]
+        cells = [
+            r["shape"],
+            f"{r['min_num_params']:.0e}",
+            str(r["units"]),
+            str(r["forward_prefetch"]),
+            str(r["reshard_after_forward"]),
+            f"{100 * r['exposed_share']:.0f}%",
+        ]
         print("| " + " | ".join(cells + [f"{100 * s:.0f}%" for s in preds]) + " |", flush=True)
     return 0
 

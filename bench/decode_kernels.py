@@ -2,12 +2,14 @@
 split-KV attention, the seam between layers (``down``: the down projection and the next norm, written
 several ways) and the step's end (``head``: LM head and sampler), graph-replayed.
 
-    PYTHONPATH=$PWD python3 bench/decode_kernels.py [--parts mlp,attention,gateup,down,head] [--shapes 0.5b,1.5b]
+    PYTHONPATH=$PWD python3 bench/decode_kernels.py [--parts mlp,attention,gateup,down,head] [--shapes
+    0.5b,1.5b]
         [--batches 64,256] [--sweep] [--out kernels.json]
 
 ``mlp``: ``residual + down(silu(gate) * up)`` from the fused ``[gate; up]`` output, per layer, as the
 engine's compiled layer back computes it (Inductor: a pointwise activation kernel, cuBLAS's GEMM with
-the residual) against a Triton kernel written here (an alternative the engine does not use) that computes the activation where its split-K GEMM loads ``gate_up``
+the residual) against a Triton kernel written here (an alternative the engine does not use) that computes the
+activation where its split-K GEMM loads ``gate_up``
 (no [M, I] intermediate) and sums the float32 partials with the residual in a second, deterministic
 kernel, with its chosen tiles, and with ``--sweep`` every tile configuration of a grid (the best five
 printed). ``gateup``: ``silu(h W_gateᵀ) · (h W_upᵀ)`` from the norm's output ``h`` and the fused
@@ -110,24 +112,60 @@ def silu_mul_down_triton(
     has_bias = bias is not None
     grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(cols, tiles.block_n), splits)
     _down_kernel[grid](
-        gate_up, down, residual, bias if has_bias else residual, out, part, rows, cols, inner, per,
-        SPLITS=splits, HAS_BIAS=has_bias, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
+        gate_up,
+        down,
+        residual,
+        bias if has_bias else residual,
+        out,
+        part,
+        rows,
+        cols,
+        inner,
+        per,
+        SPLITS=splits,
+        HAS_BIAS=has_bias,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
     if splits > 1:
         block = 1024
         _sum_kernel[(triton.cdiv(rows * cols, block),)](
-            part, residual, bias if has_bias else residual, out, rows * cols, cols,
-            SPLITS=splits, HAS_BIAS=has_bias, BLOCK=block,
-        )  # fmt: skip
+            part,
+            residual,
+            bias if has_bias else residual,
+            out,
+            rows * cols,
+            cols,
+            SPLITS=splits,
+            HAS_BIAS=has_bias,
+            BLOCK=block,
+        )
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _down_kernel(gu_ptr, w_ptr, res_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, PER, SPLITS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    def _down_kernel(
+        gu_ptr,
+        w_ptr,
+        res_ptr,
+        bias_ptr,
+        out_ptr,
+        part_ptr,
+        M,
+        N,
+        K,
+        PER,
+        SPLITS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """Program (row tile, column tile, split s): the float32 product of the activation of ``gate_up``'s
         rows with ``down``'s columns over ``K`` range [s·PER, (s+1)·PER); ``out`` itself with one split,
         else the partial ``part[s]``."""
@@ -164,8 +202,17 @@ if triton is not None:
             tl.store(part_ptr + s * M * N + offs, acc, mask=mask)
 
     @triton.jit
-    def _sum_kernel(part_ptr, res_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BLOCK: tl.constexpr):  # fmt: skip
+    def _sum_kernel(
+        part_ptr,
+        res_ptr,
+        bias_ptr,
+        out_ptr,
+        MN,
+        N,
+        SPLITS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         """``out = residual + Σ_s part[s] (+ bias)``, the splits summed in order (deterministic)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
@@ -227,7 +274,8 @@ def silu_mul_gate_up_triton(
     *,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """:func:`silu_mul_gate_up_reference` in one kernel (the same up to float32 summation order; float32 inputs
+    """:func:`silu_mul_gate_up_reference` in one kernel (the same up to float32 summation order; float32
+    inputs
     multiply in IEEE float32, not TF32); ``tiles`` (``splits`` 1) overrides :func:`choose_gate_up_tiles`."""
     rows, inner = h.shape
     cols = gate_up_weight.shape[0] // 2
@@ -265,10 +313,24 @@ def _gate_up_launch(
     has_bias = bias is not None
     grid = (triton.cdiv(rows, tiles.block_m) * triton.cdiv(cols, tiles.block_n),)
     _gate_up_kernel.run(
-        h, w, bias if has_bias else h, out, rows, cols, inner, HAS_BIAS=has_bias, EVEN_K=inner % tiles.block_k == 0,
-        PRECISION="ieee" if h.dtype == torch.float32 else "tf32", BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=grid, warmup=warmup,
-    )  # fmt: skip
+        h,
+        w,
+        bias if has_bias else h,
+        out,
+        rows,
+        cols,
+        inner,
+        HAS_BIAS=has_bias,
+        EVEN_K=inner % tiles.block_k == 0,
+        PRECISION="ieee" if h.dtype == torch.float32 else "tf32",
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        grid=grid,
+        warmup=warmup,
+    )
 
 
 def precompile_gate_up(h: torch.Tensor, w: torch.Tensor, grid: list[Tiles]) -> float:
@@ -292,9 +354,21 @@ def precompile_gate_up(h: torch.Tensor, w: torch.Tensor, grid: list[Tiles]) -> f
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(h_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):  # fmt: skip
+    def _gate_up_kernel(
+        h_ptr,
+        w_ptr,
+        bias_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """Program p: output tile (p mod ⌈M/BLOCK_M⌉, p div ⌈M/BLOCK_M⌉) — the row tiles of one column tile
         adjacent, so its gate and up weight rows come from memory once and then from L2. Two float32
         accumulators, ``h`` against the gate rows ``cols`` and the up rows ``N + cols``, over ``K`` in
@@ -380,13 +454,22 @@ def mlp_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     floor = (gu.numel() + w.numel() + 2 * res.numel()) * 2 / HBM * 1e6
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     base = dict(part="mlp", shape=shape, batch=batch, floor_us=round(floor, 2), max_abs_err_vs_reference=err)
-    rows = [dict(base, impl="inductor (the engine's)", us=round(timed(lambda: compiled(gu, w, res)), 2)),
-            dict(base, impl="eager torch", us=round(timed(lambda: tail(gu, w, res)), 2)),
-            dict(base, impl=f"triton {choose_tiles(batch, hidden, inner, sms)}",
-                 us=round(timed(lambda: silu_mul_down_triton(gu, w, res)), 2))]  # fmt: skip
+    rows = [
+        dict(base, impl="inductor (the engine's)", us=round(timed(lambda: compiled(gu, w, res)), 2)),
+        dict(base, impl="eager torch", us=round(timed(lambda: tail(gu, w, res)), 2)),
+        dict(
+            base,
+            impl=f"triton {choose_tiles(batch, hidden, inner, sms)}",
+            us=round(timed(lambda: silu_mul_down_triton(gu, w, res)), 2),
+        ),
+    ]
     if sweep:
-        grid = [Tiles(bm, bn, bk, sp, 4, ns) for bm, bn, bk, sp, ns in
-                itertools.product((16, 32, 64), (64, 128), (64, 128), (1, 2, 4, 8), (3, 4))]  # fmt: skip
+        grid = [
+            Tiles(bm, bn, bk, sp, 4, ns)
+            for bm, bn, bk, sp, ns in itertools.product(
+                (16, 32, 64), (64, 128), (64, 128), (1, 2, 4, 8), (3, 4)
+            )
+        ]
         for us, tiles in best_five(grid, lambda t: silu_mul_down_triton(gu, w, res, tiles=t)):
             rows.append(dict(base, impl=f"triton sweep {tiles}", us=round(us, 2)))
     return rows
@@ -398,7 +481,8 @@ def down_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     front's start, compiled apart), against other ways to write the GEMM — its transpose ``W_down actᵀ``
     (cuBLAS picks kernels by shape: the transposed problem has ``hidden`` rows, so it may not split the
     reduction), and ``m`` kept in float32 (``out_dtype``: the next norm adds it in float32 anyway, one
-    rounding fewer than eager) — and the residual folded into ``addmm`` (what Inductor makes of ``x + linear``).
+    rounding fewer than eager) — and the residual folded into ``addmm`` (what Inductor makes of ``x +
+    linear``).
     ``sweep`` is unused (no tile grid)."""
     from klppo.rollout.llama import residual_add, rms_norm
 
@@ -430,8 +514,17 @@ def down_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     for name, fn in variants.items():
         try:
             err = (fn().float() - want.float()).abs().max().item()
-            rows.append(dict(part="down", shape=shape, batch=batch, floor_us=round(floor, 2), impl=name,
-                             us=round(timed(fn), 2), max_abs_diff_vs_engine=err))  # fmt: skip
+            rows.append(
+                dict(
+                    part="down",
+                    shape=shape,
+                    batch=batch,
+                    floor_us=round(floor, 2),
+                    impl=name,
+                    us=round(timed(fn), 2),
+                    max_abs_diff_vs_engine=err,
+                )
+            )
         except Exception as e:  # noqa: BLE001  a variant this torch lacks (out_dtype) is reported and skipped
             print(f"down {shape} b{batch} {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
     return rows
@@ -457,18 +550,41 @@ def head_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
         "LM head, float32 logits": (lambda: lm_head_logits(h, w, True), (w.numel() * 2 + logits.numel() * 4)),
         "Triton sampler": (lambda: sample_triton(logits, params), logits.numel() * 4),
         "Triton sampler, temperature 0.7": (
-            lambda: sample_triton(logits, SamplingParams(max_new_tokens=1, temperature=0.7)), logits.numel() * 4),
-        "LM head + sampler": (lambda: sample_triton(lm_head_logits(h, w, True), params),
-                              w.numel() * 2 + logits.numel() * 8),
-    }  # fmt: skip
-    rows = [dict(part="head", shape=shape, batch=batch, floor_us=round(nbytes / HBM * 1e6, 2), impl=name,
-                 us=round(timed(fn), 2)) for name, (fn, nbytes) in parts.items()]  # fmt: skip
+            lambda: sample_triton(logits, SamplingParams(max_new_tokens=1, temperature=0.7)),
+            logits.numel() * 4,
+        ),
+        "LM head + sampler": (
+            lambda: sample_triton(lm_head_logits(h, w, True), params),
+            w.numel() * 2 + logits.numel() * 8,
+        ),
+    }
+    rows = [
+        dict(
+            part="head",
+            shape=shape,
+            batch=batch,
+            floor_us=round(nbytes / HBM * 1e6, 2),
+            impl=name,
+            us=round(timed(fn), 2),
+        )
+        for name, (fn, nbytes) in parts.items()
+    ]
     if sweep:  # the untruncated sampler's launch: ids per block, warps, programs per row (None: its default)
-        grid = [dict(block=block, num_warps=warps, splits=splits) for block, warps, splits in
-                itertools.product((1024, 2048, 4096), (4, 8, 16), (None, 1, 2, 4, 8))]  # fmt: skip
+        grid = [
+            dict(block=block, num_warps=warps, splits=splits)
+            for block, warps, splits in itertools.product((1024, 2048, 4096), (4, 8, 16), (None, 1, 2, 4, 8))
+        ]
         for us, kw in best_five(grid, lambda kw: sample_triton(logits, params, **kw), keep=None):
-            rows.append(dict(part="head", shape=shape, batch=batch, floor_us=round(logits.numel() * 4 / HBM * 1e6, 2),
-                             impl=f"Triton sampler sweep {kw}", us=round(us, 2)))  # fmt: skip
+            rows.append(
+                dict(
+                    part="head",
+                    shape=shape,
+                    batch=batch,
+                    floor_us=round(logits.numel() * 4 / HBM * 1e6, 2),
+                    impl=f"Triton sampler sweep {kw}",
+                    us=round(us, 2),
+                )
+            )
     return rows
 
 
@@ -485,11 +601,18 @@ def attention_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     floor = (batch * ctx * kv_heads * head_dim * 2 * 2 + 2 * q.numel() * 2) / HBM * 1e6
     splits = ta.device_splits(q.device, batch, kv_heads, max_len)
     base = dict(part="attention", shape=shape, batch=batch, floor_us=round(floor, 2))
-    rows = [dict(base, impl=f"engine (splits {splits}, BLOCK_N {ta.BLOCK_N}, 4 warps)",
-                 us=round(timed(lambda: ta.decode_attention_triton(q, kv_new, cache, pos, splits=splits)), 2))]  # fmt: skip
+    rows = [
+        dict(
+            base,
+            impl=f"engine (splits {splits}, BLOCK_N {ta.BLOCK_N}, 4 warps)",
+            us=round(timed(lambda: ta.decode_attention_triton(q, kv_new, cache, pos, splits=splits)), 2),
+        )
+    ]
     if sweep:
-        grid = [dict(splits=sp, block_n=bn, num_warps=nw, num_stages=ns) for sp, bn, nw, ns in
-                itertools.product((1, 2, 4), (32, 64, 128), (4, 8), (2, 3))]  # fmt: skip
+        grid = [
+            dict(splits=sp, block_n=bn, num_warps=nw, num_stages=ns)
+            for sp, bn, nw, ns in itertools.product((1, 2, 4), (32, 64, 128), (4, 8), (2, 3))
+        ]
         for us, kw in best_five(grid, lambda kw: ta.decode_attention_triton(q, kv_new, cache, pos, **kw)):
             rows.append(dict(base, impl=f"sweep {kw}", us=round(us, 2)))
     return rows
@@ -510,17 +633,30 @@ def gateup_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     want, ref = compiled(h, w), silu_mul_gate_up_reference(h, w)
 
     def errors(out: torch.Tensor) -> dict:
-        return dict(max_abs_diff_vs_engine=(out.float() - want.float()).abs().max().item(),
-                    max_ulps_vs_engine=ulps(out, want), max_ulps_vs_reference=ulps(out, ref))  # fmt: skip
+        return dict(
+            max_abs_diff_vs_engine=(out.float() - want.float()).abs().max().item(),
+            max_ulps_vs_engine=ulps(out, want),
+            max_ulps_vs_reference=ulps(out, ref),
+        )
 
     floor = (h.numel() + w.numel() + batch * inner) * 2 / HBM * 1e6
     props = torch.cuda.get_device_properties(0)
     default = choose_gate_up_tiles(batch, inner, props.multi_processor_count)
     base = dict(part="gateup", shape=shape, batch=batch, floor_us=round(floor, 2))
-    rows = [dict(base, impl="inductor (the engine's)", us=round(timed(lambda: compiled(h, w)), 2),
-                 max_ulps_vs_reference=ulps(want, ref)),
-            dict(base, impl=f"triton {default}", us=round(timed(lambda: silu_mul_gate_up_triton(h, w)), 2),
-                 **errors(silu_mul_gate_up_triton(h, w)))]  # fmt: skip
+    rows = [
+        dict(
+            base,
+            impl="inductor (the engine's)",
+            us=round(timed(lambda: compiled(h, w)), 2),
+            max_ulps_vs_reference=ulps(want, ref),
+        ),
+        dict(
+            base,
+            impl=f"triton {default}",
+            us=round(timed(lambda: silu_mul_gate_up_triton(h, w)), 2),
+            **errors(silu_mul_gate_up_triton(h, w)),
+        ),
+    ]
     if sweep:
         smem = getattr(props, "shared_memory_per_block_optin", 232448)
         grid = gate_up_sweep(batch, smem)
@@ -531,8 +667,11 @@ def gateup_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
                 found.append((timed(lambda t=tiles: silu_mul_gate_up_triton(h, w, tiles=t), rep=10), tiles))
             except Exception as e:  # noqa: BLE001  a configuration out of resources is skipped
                 print(f"skip {tiles}: {type(e).__name__}", file=sys.stderr)
-        print(f"gateup {shape} b{batch}: {len(found)} of {len(grid)} tile settings timed, compiled in "
-              f"{compile_s:.0f} s, timed in {time.perf_counter() - start:.0f} s", file=sys.stderr)  # fmt: skip
+        print(
+            f"gateup {shape} b{batch}: {len(found)} of {len(grid)} tile settings timed, compiled in "
+            f"{compile_s:.0f} s, timed in {time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+        )
         for _, tiles in sorted(found, key=lambda f: f[0])[:5]:
             us = timed(lambda t=tiles: silu_mul_gate_up_triton(h, w, tiles=t))
             out = silu_mul_gate_up_triton(h, w, tiles=tiles)
@@ -553,8 +692,10 @@ def print_table(rows: list[dict]) -> None:
     """The rows again, one line each: part, shape, batch, µs, floor, the error columns present, impl."""
     for r in rows:
         err = " ".join(f"{k}={v:.3g}" for k, v in r.items() if k.startswith("max_"))
-        print(f"{r['part']:9} {r['shape']:4} {r['batch']:4} {r['us']:8.2f} us  floor {r['floor_us']:6.2f}  "
-              f"{err:64} {r['impl']}")  # fmt: skip
+        print(
+            f"{r['part']:9} {r['shape']:4} {r['batch']:4} {r['us']:8.2f} us  floor {r['floor_us']:6.2f}  "
+            f"{err:64} {r['impl']}"
+        )
 
 
 def main() -> None:

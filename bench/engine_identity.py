@@ -1,7 +1,8 @@
 """Are two revisions of the klppo engine bit-identical? Each revision saves its outputs on ``bench/rollout.py
 --check``'s inputs; a second run compares its own with a saved file.
 
-    PYTHONPATH=$PWD python3 bench/engine_identity.py --save old.pt            # in the other revision's worktree
+    PYTHONPATH=$PWD python3 bench/engine_identity.py --save old.pt            # in the other revision's
+    worktree
     PYTHONPATH=$PWD python3 bench/engine_identity.py --against old.pt [--out identity.json]
 
 Eight prompts of 64 tokens (every other one left-padded by 17), the Qwen2.5-0.5B shape in bf16 (``--shape``,
@@ -29,13 +30,16 @@ MODES = ("greedy", "sampled")
 
 
 def outputs(shape: str = "0.5b", device: str = "cuda", dtype: str = "bfloat16") -> dict[str, dict]:
-    """This revision's engine outputs (tokens and log-probs, on the CPU) for each of ``MODES``, and hf's greedy
+    """This revision's engine outputs (tokens and log-probs, on the CPU) for each of ``MODES``, and hf's
+    greedy
     tokens."""
     torch.manual_seed(0)  # the same prompts in every revision's run
     prompts, mask = check_prompts(device, 151000 if shape != "tiny" else 250)
     model = build(shape, getattr(torch, dtype), device)
-    params = dict(greedy=SamplingParams(max_new_tokens=32, do_sample=False),
-                  sampled=SamplingParams(max_new_tokens=32, seed=1))  # fmt: skip
+    params = dict(
+        greedy=SamplingParams(max_new_tokens=32, do_sample=False),
+        sampled=SamplingParams(max_new_tokens=32, seed=1),
+    )
     settings = EngineSettings(eos_token_ids=EOS, pad_token_id=PAD, gpu_memory_utilization=0.9)
     engine = make_rollout("klppo", settings)
     hf = make_rollout("hf", settings).generate(model, prompts, mask, params["greedy"])
@@ -48,7 +52,9 @@ def outputs(shape: str = "0.5b", device: str = "cuda", dtype: str = "bfloat16") 
 
 def compare(mine: dict, theirs: dict) -> dict:
     """Identity of tokens and log-probs per mode, and this revision's greedy match with hf."""
-    row = {"greedy_match_vs_hf": (mine["greedy"]["responses"] == mine["hf"]["responses"]).float().mean().item()}
+    row = {
+        "greedy_match_vs_hf": (mine["greedy"]["responses"] == mine["hf"]["responses"]).float().mean().item()
+    }
     for mode in MODES:
         a, b = mine[mode], theirs[mode]
         row[f"{mode}_tokens_identical"] = bool(torch.equal(a["responses"], b["responses"]))

@@ -140,7 +140,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.batch}x{args.seq} tokens")
     print(
-        "| min_num_params | offload | units | largest unit | update s | tokens/s | transfer s | peak GiB | idle GiB |"
+        "| min_num_params | offload | units | largest unit | update s | tokens/s | transfer s | peak GiB | "
+        "idle GiB |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

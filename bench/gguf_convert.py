@@ -58,5 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"seconds": statistics.median(times), "files": files[0]}))
     return 0
 
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -131,9 +131,11 @@ SERIES = {
     "values_s": "timing_s/values",  # with a critic: its forward and its update
     "update_critic_s": "timing_s/update_critic",
     # how well the critic predicts the returns (1: perfectly; ≤ 0: no better than their mean) — with λ = 1
-    # GAE's advantage is the return minus the value, so a critic near 0 leaves GAE a REINFORCE without baseline
+    # GAE's advantage is the return minus the value, so a critic near 0 leaves GAE a REINFORCE without
+    # baseline
     "vf_explained_var": "critic/vf_explained_var",
-    "capture_s": "rollout/graph_capture_s",  # decode graphs captured in the step (0 when the engine kept them)
+    # decode graphs captured in the step (0 when the engine kept them)
+    "capture_s": "rollout/graph_capture_s",
     # out-of-memory retries (monitor.oom_recovery): each halves a pass's token budget for the rest of the run
     "oom_retries": "monitor/oom_recovery/retries",
     "peak_gb": "perf/max_memory_allocated_gb",  # the step's peak (GPU): the room for a larger token budget
@@ -142,9 +144,17 @@ SERIES = {
 
 
 SUMMARY_SERIES = (
-    "step_s", "gen_s", "ref_s", "update_actor_s", "values_s", "update_critic_s", "vf_explained_var", "length",
-    "equal_groups", "update_rows_share",
-)  # fmt: skip
+    "step_s",
+    "gen_s",
+    "ref_s",
+    "update_actor_s",
+    "values_s",
+    "update_critic_s",
+    "vf_explained_var",
+    "length",
+    "equal_groups",
+    "update_rows_share",
+)
 """Series whose run means ``print_table`` adds (the step's phases, and the share of groups without a task
 gradient and of rows updated: what ``actor.skip_zero_advantage_rows`` saves)."""
 
@@ -464,8 +474,9 @@ def code_commit(root: Path) -> str:
     device's copied tree can carry a stale .git, which then names an older commit;
     ``source_sha256`` names the code either way); "" without git."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root)
-    changed = subprocess.run(["git", "status", "--porcelain", "--", "klppo", "bench"], capture_output=True,
-                             text=True, cwd=root)  # fmt: skip
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "--", "klppo", "bench"], capture_output=True, text=True, cwd=root
+    )
     head = commit.stdout.strip() if commit.returncode == 0 else ""
     if head and changed.returncode == 0 and changed.stdout.strip():
         head += "+modified"
@@ -501,8 +512,8 @@ def print_table(results: list[dict]) -> None:
         return format(x, fmt) if isinstance(x, (int, float)) else "-"
 
     print(
-        "| setting | steps | train s | flex before → after | strict after | k3 last-20 | k3 max | k1 × length last-20 "
-        "| entropy min (>10) | 2nd-half KL / target (±50%) |"
+        "| setting | steps | train s | flex before → after | strict after | k3 last-20 | k3 max | k1 × "
+        "length last-20 | entropy min (>10) | 2nd-half KL / target (±50%) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
@@ -515,9 +526,11 @@ def print_table(results: list[dict]) -> None:
             else "-"
         )
         print(
-            f"| {r['name']} | {r['steps']} | {r['train_seconds']:.0f} | {pct(r['accuracy_before'], 'flexible')} → "
+            f"| {r['name']} | {r['steps']} | {r['train_seconds']:.0f} | "
+            f"{pct(r['accuracy_before'], 'flexible')} → "
             f"{pct(r['accuracy_after'], 'flexible')} | {pct(r['accuracy_after'], 'strict')} | "
-            f"{num(r['kl_k3_last20_mean'])} | {num(r['kl_k3_max'])} | {num(r.get('response_kl_last20_mean'), '.2f')} | "
+            f"{num(r['kl_k3_last20_mean'])} | {num(r['kl_k3_max'])} | "
+            f"{num(r.get('response_kl_last20_mean'), '.2f')} | "
             f"{num(r['entropy_min_after_step10'])} | {tgt} |"
         )
     for r in results:
@@ -534,7 +547,8 @@ def print_table(results: list[dict]) -> None:
             print(
                 f"{r['name']}: out-of-memory retries at steps "
                 + ", ".join(f"{s} ({n})" for s, n in retried)
-                + " — each halved a pass's token budget for the rest of the run (the run's log names the pass)"
+                + " — each halved a pass's token budget for the rest of the run (the run's log names the "
+                "pass)"
             )
         events = r.get("monitor_events")
         if events is not None:

@@ -58,7 +58,9 @@ def main() -> None:
         return [round(gap.max().item(), 4), round(gap.mean().item(), 4)]
 
     for fp32_logits in (False, True):
-        engine = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, fp32_logits=fp32_logits))
+        engine = make_rollout(
+            "klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, fp32_logits=fp32_logits)
+        )
         ours, ref, hf = [], [], []
         for seed in (int(x) for x in args.seeds.split(",")):
             params = SamplingParams(max_new_tokens=args.tokens, seed=seed, ignore_eos=True)
@@ -68,8 +70,13 @@ def main() -> None:
             ref.append(recompute(truth, prompts, mask, out, "model")[m])
             hf.append(recompute(bf16, prompts, mask, out, "model")[m])
         ours, ref, hf = torch.cat(ours), torch.cat(ref), torch.cat(hf)
-        row = dict(fp32_logits=fp32_logits, tokens=len(ours), engine_vs_truth=stats(ours, ref),
-                   engine_vs_hf_bf16=stats(ours, hf), hf_bf16_vs_truth=stats(hf, ref))  # fmt: skip
+        row = dict(
+            fp32_logits=fp32_logits,
+            tokens=len(ours),
+            engine_vs_truth=stats(ours, ref),
+            engine_vs_hf_bf16=stats(ours, hf),
+            hf_bf16_vs_truth=stats(hf, ref),
+        )
         print(json.dumps(row), flush=True)
 
 

@@ -9,7 +9,8 @@ the device: install it there or carry it as a wheel)::
 Before/after of a setting, K = 1 and 2 in one call (each variant's efficiency against its own K = 1)::
 
     python bench/multi_gpu.py --run scaling --gpus 2 --scaling-ks 1,2 --out $OUT/ab \
-        --variant 'per_micro:actor_rollout_ref.actor.fsdp_config.grad_sync_per_mini_batch=false critic.model.fsdp_config.grad_sync_per_mini_batch=false' \
+        --variant 'per_micro:actor_rollout_ref.actor.fsdp_config.grad_sync_per_mini_batch=false
+        critic.model.fsdp_config.grad_sync_per_mini_batch=false' \
         --variant auto
 
 - ``smoke``: the trainer with K processes and with 1 process, first 3 steps of a Qwen2.5-0.5B-shaped
@@ -664,8 +665,10 @@ def summarize(folder: Path) -> str:
             status = "" if s["status"] == "ok" else f" ({s['status']}: {s['note'][:60]})"
             out.append(
                 f"| {s['shape']} | {s['k']} | {s['min_num_params']:.0e}{status} | {s['units']} | "
-                f"{'on' if s['forward_prefetch'] else 'off'} | {'on' if s['reshard_after_forward'] else 'off'} | "
-                f"{_f(s['peak_gib'], '{:.1f}')} | {s['predicted_gib']:.1f} | {_f(memory_error(s), '{:+.1%}')} | "
+                f"{'on' if s['forward_prefetch'] else 'off'} | "
+                f"{'on' if s['reshard_after_forward'] else 'off'} | "
+                f"{_f(s['peak_gib'], '{:.1f}')} | {s['predicted_gib']:.1f} | "
+                f"{_f(memory_error(s), '{:+.1%}')} | "
                 f"{_f(s['update_s'])} | "
                 f"{_f(s['comm_s'])} | {_f(s['exposed_comm_s'])} | {_f(s['exposed_share'], '{:.1%}')} |"
             )
@@ -686,7 +689,8 @@ def summarize(folder: Path) -> str:
                 continue
             out.append(
                 f"| {mode} | {_f(last.get('timing_s/step'))} | {_f(last.get('timing_s/update_actor'))} | "
-                f"{_f(last.get('timing_s/gen'))} | {_f(last.get('perf/max_memory_allocated_gb'), '{:.1f}')} | "
+                f"{_f(last.get('timing_s/gen'))} | {_f(last.get('perf/max_memory_allocated_gb'), '{:.1f}')} "
+                f"| "
                 f"{_f(last.get('perf/rollout_peak_memory_gb'), '{:.1f}')} |"
             )
     return "\n".join(x for x in out if x)
@@ -737,7 +741,8 @@ def scaling_table(files: list[dict]) -> str:
         out.append(
             f"| {r['shape']} | {k} | {r['train_batch_size']} | {_f(last.get('timing_s/step'))} | "
             f"{_f(last.get('timing_s/gen'))} | {_f(last.get('timing_s/rank_wait'))} | "
-            f"{_f(last.get('timing_s/update_actor'))} | {_f(last.get('timing_s/update_critic'))} | {last['perf/throughput']:,.0f} | {_f(eff, '{:.2f}')} | "
+            f"{_f(last.get('timing_s/update_actor'))} | {_f(last.get('timing_s/update_critic'))} | "
+            f"{last['perf/throughput']:,.0f} | {_f(eff, '{:.2f}')} | "
             f"{_f(last.get('perf/max_memory_allocated_gb'), '{:.1f}')} |"
         )
     return "\n".join(out)

@@ -36,10 +36,17 @@ from klppo.batching.dynamic import (
 from klppo.batching.packing import forward_log_probs, trim_padding_columns
 
 QWEN25_05B = dict(
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
-    tie_word_embeddings=True, rms_norm_eps=1e-6,
-)  # fmt: skip
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
 
 
 def make_batch(batch: int, max_prompt: int, max_response: int, seed: int):

@@ -66,7 +66,9 @@ try:
                 time.sleep(stall_s)
         else:
             with phase("gather_samples"):
-                print(f"klppo-stall: rank 0 enters the collective at {time.time() - t0:.1f} s", file=sys.stderr,
+                print(
+                    f"klppo-stall: rank 0 enters the collective at {time.time() - t0:.1f} s",
+                    file=sys.stderr,
                       flush=True)
                 if scenario == "watch":
                     dist.barrier(group=group)
@@ -126,9 +128,14 @@ def main() -> None:
     args = p.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
-    result = {"device": args.device, "timeout_s": args.timeout, "stall_s": args.stall,
-              "grace_s": stall_grace_s(args.timeout), "stall_exit_code": COLLECTIVE_STALL_EXIT,
-              "scenarios": {}}  # fmt: skip
+    result = {
+        "device": args.device,
+        "timeout_s": args.timeout,
+        "stall_s": args.stall,
+        "grace_s": stall_grace_s(args.timeout),
+        "stall_exit_code": COLLECTIVE_STALL_EXIT,
+        "scenarios": {},
+    }
     for scenario in scenarios:
         result["scenarios"][scenario] = run_scenario(args, scenario)
         args.out.write_text(json.dumps(result, indent=1))  # also what is done when a later one hangs
@@ -146,9 +153,24 @@ def run_scenario(args: argparse.Namespace, scenario: str) -> dict:
     worker.write_text(WORKER)
     wrapper.write_text(RANK_WRAPPER)
     exits.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--redirects", "2",
-           "--log-dir", str(logs), str(wrapper), str(exits), str(worker), args.device, str(args.timeout),
-           str(args.stall), scenario]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--redirects",
+        "2",
+        "--log-dir",
+        str(logs),
+        str(wrapper),
+        str(exits),
+        str(worker),
+        args.device,
+        str(args.timeout),
+        str(args.stall),
+        scenario,
+    ]
     t0 = time.time()
     env = dict(os.environ, KLPPO_STALL_T0=repr(t0))
     exit_code, tail = _run_ranks(cmd, args.max_wall, env)
@@ -201,8 +223,9 @@ def _entered_at(lines: list[str]) -> float | None:
 def _run_ranks(cmd: list[str], max_wall: float, env: dict[str, str]) -> tuple[int | None, str]:
     """torchrun's exit code and stderr; after ``max_wall`` seconds its whole process group is killed (exit
     code None) so that the logs written so far are still read and reported."""
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, start_new_session=True
+    )
     try:
         _, err = proc.communicate(timeout=max_wall)
         return proc.returncode, err

@@ -35,12 +35,14 @@ allocator growth, CUDA-graph capture, compilation).
 
     PYTHONPATH=$PWD python3 bench/ppo_step.py --workload trl --variants before after --out $OUT/trl.json
     PYTHONPATH=$PWD python3 bench/ppo_step.py --device cpu --tiny --workload grpo135m --steps 2   # smoke test
-    # bench/learning.py's batch (256 prompts × 8) with a setting A/B'd through --set, one invocation per value:
+    # bench/learning.py's batch (256 prompts × 8) with a setting A/B'd through --set, one invocation per
+    value:
     PYTHONPATH=$PWD python3 bench/ppo_step.py --workload grpo135m --prompts 256 --steps 4 --variants after \
         --set actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=262144 --out $OUT/ref262144.json
 
 ``--count-ops`` adds ``ops/<phase>``: aten operators dispatched per step in each trainer phase (host work of a
-launch-bound step; not a timing run). ``--count-syncs`` (CUDA) adds ``cuda_syncs/passes`` and ``cuda_syncs/other``: host-device synchronisations
+launch-bound step; not a timing run). ``--count-syncs`` (CUDA) adds ``cuda_syncs/passes`` and
+``cuda_syncs/other``: host-device synchronisations
 per step in the training passes and elsewhere (``torch.cuda.set_sync_debug_mode``; not a timing run).
 """
 
@@ -64,9 +66,13 @@ QWEN25_05B = config_kwargs("Qwen2.5-0.5B")
 QWEN25_15B = config_kwargs("Qwen2.5-1.5B")
 SMOLLM2_135M = config_kwargs("SmolLM2-135M")
 TINY = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
     vocab_size=384,
-)  # fmt: skip
+)
 
 ARR = "actor_rollout_ref"
 FSDP_ROLES = (f"{ARR}.actor", f"{ARR}.ref", "critic.model")
@@ -87,7 +93,8 @@ CANDIDATES = {  # name: (overrides when on, overrides when off)
         [],  # the default on CUDA (klppo.roles.optim.build_optimizer)
         [f"{role}.optim.override_optimizer_config={{fused: false}}" for role in (f"{ARR}.actor", "critic")],
     ),
-    "plain": (  # plain_single_gpu auto, the default: no FSDP2 on one process, fp32 masters (parallel/plain.py)
+    # plain_single_gpu auto, the default: no FSDP2 on one process, fp32 masters (parallel/plain.py)
+    "plain": (
         [],
         [f"{role}.fsdp_config.plain_single_gpu=false" for role in (f"{ARR}.actor", "critic.model")],
     ),
@@ -122,8 +129,10 @@ def variant_overrides(name: str) -> list[str]:
         elif key in SETTINGS and sign == "+":
             extra += SETTINGS[key]
         else:
-            raise ValueError(f"--variants {name!r}: unknown {item!r}; candidates {sorted(CANDIDATES)}, "
-                             f"settings (+ only) {sorted(SETTINGS)}")  # fmt: skip
+            raise ValueError(
+                f"--variants {name!r}: unknown {item!r}; candidates {sorted(CANDIDATES)}, settings (+ only) "
+                f"{sorted(SETTINGS)}"
+            )
     return [o for c, flag in on.items() for o in CANDIDATES[c][0 if flag else 1]] + extra
 
 
@@ -139,36 +148,60 @@ class Workload:
 
 
 WORKLOADS = {
-    "trl": Workload(QWEN25_05B, "qwen2", 16, 4, 256, 256, [
-        f"{ARR}.actor.ppo_mini_batch_size=4",
-        f"{ARR}.actor.ppo_micro_batch_size_per_gpu=16",
-        f"{ARR}.rollout.log_prob_micro_batch_size_per_gpu=32",
-        f"{ARR}.ref.log_prob_micro_batch_size_per_gpu=32",
-        "critic.ppo_micro_batch_size_per_gpu=16",
-        "critic.forward_micro_batch_size_per_gpu=32",
-        "algorithm.adv_estimator=gae",
-        "algorithm.use_kl_in_reward=True",
-        f"{ARR}.actor.use_kl_loss=True",
-    ]),
-    "grpo135m": Workload(SMOLLM2_135M, "llama", 32, 8, 64, 96, [
-        f"{ARR}.actor.ppo_mini_batch_size=32",
-        f"{ARR}.actor.use_dynamic_bsz=True",
-        f"{ARR}.actor.ppo_max_token_len_per_gpu=16384",
-        f"{ARR}.rollout.log_prob_use_dynamic_bsz=True",
-        f"{ARR}.rollout.log_prob_max_token_len_per_gpu=16384",
-        "algorithm.adv_estimator=grpo",
-        f"{ARR}.actor.use_kl_loss=True",
-        f"{ARR}.actor.kl_loss_type=low_var_kl",
-    ]),
-    "update15b": Workload(QWEN25_15B, "qwen2", 16, 1, 512, 512, [
-        f"{ARR}.actor.ppo_mini_batch_size=16",
-        f"{ARR}.actor.use_dynamic_bsz=True",
-        f"{ARR}.actor.ppo_max_token_len_per_gpu=16384",
-        f"{ARR}.rollout.log_prob_use_dynamic_bsz=True",
-        f"{ARR}.rollout.log_prob_max_token_len_per_gpu=16384",
-        "algorithm.adv_estimator=grpo",
-    ]),
-}  # fmt: skip
+    "trl": Workload(
+        QWEN25_05B,
+        "qwen2",
+        16,
+        4,
+        256,
+        256,
+        [
+            f"{ARR}.actor.ppo_mini_batch_size=4",
+            f"{ARR}.actor.ppo_micro_batch_size_per_gpu=16",
+            f"{ARR}.rollout.log_prob_micro_batch_size_per_gpu=32",
+            f"{ARR}.ref.log_prob_micro_batch_size_per_gpu=32",
+            "critic.ppo_micro_batch_size_per_gpu=16",
+            "critic.forward_micro_batch_size_per_gpu=32",
+            "algorithm.adv_estimator=gae",
+            "algorithm.use_kl_in_reward=True",
+            f"{ARR}.actor.use_kl_loss=True",
+        ],
+    ),
+    "grpo135m": Workload(
+        SMOLLM2_135M,
+        "llama",
+        32,
+        8,
+        64,
+        96,
+        [
+            f"{ARR}.actor.ppo_mini_batch_size=32",
+            f"{ARR}.actor.use_dynamic_bsz=True",
+            f"{ARR}.actor.ppo_max_token_len_per_gpu=16384",
+            f"{ARR}.rollout.log_prob_use_dynamic_bsz=True",
+            f"{ARR}.rollout.log_prob_max_token_len_per_gpu=16384",
+            "algorithm.adv_estimator=grpo",
+            f"{ARR}.actor.use_kl_loss=True",
+            f"{ARR}.actor.kl_loss_type=low_var_kl",
+        ],
+    ),
+    "update15b": Workload(
+        QWEN25_15B,
+        "qwen2",
+        16,
+        1,
+        512,
+        512,
+        [
+            f"{ARR}.actor.ppo_mini_batch_size=16",
+            f"{ARR}.actor.use_dynamic_bsz=True",
+            f"{ARR}.actor.ppo_max_token_len_per_gpu=16384",
+            f"{ARR}.rollout.log_prob_use_dynamic_bsz=True",
+            f"{ARR}.rollout.log_prob_max_token_len_per_gpu=16384",
+            "algorithm.adv_estimator=grpo",
+        ],
+    ),
+}
 
 
 def tiny_workload(w: Workload) -> Workload:
@@ -493,7 +526,8 @@ class OpCount:
 
 class Profile:
     """With ``--profile DIR``: torch.profiler over one step (after ``skip`` calls of :meth:`step`); prints the
-    top operators by device time and the device-busy share of the step, writes a gzipped Chrome trace to DIR (``bench/trace_phases.py`` reads it)."""
+    top operators by device time and the device-busy share of the step, writes a gzipped Chrome trace to DIR
+    (``bench/trace_phases.py`` reads it)."""
 
     def __init__(self, args, label: str, *, skip: int) -> None:
         self.args, self.label, self.prof = args, label, None
@@ -502,9 +536,10 @@ class Profile:
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
             self.prof = profile(
-                activities=activities, schedule=schedule(wait=max(0, skip), warmup=0, active=1),
+                activities=activities,
+                schedule=schedule(wait=max(0, skip), warmup=0, active=1),
                 on_trace_ready=self._report,
-            )  # fmt: skip
+            )
         self._start = 0.0
 
     def __enter__(self) -> Profile:
@@ -530,8 +565,10 @@ class Profile:
         events = prof.key_averages()
         device_s = kernel_seconds(events)
         wall_s = sum(e.cpu_time_total for e in events if e.key.startswith("ProfilerStep")) / 1e6
-        print(f"\n== profile {self.args.workload}/{self.label}: device kernels {device_s:.3f} s in a "
-              f"{wall_s:.3f} s step ({device_s / max(wall_s, 1e-9):.0%} busy)")  # fmt: skip
+        print(
+            f"\n== profile {self.args.workload}/{self.label}: device kernels {device_s:.3f} s in a "
+            f"{wall_s:.3f} s step ({device_s / max(wall_s, 1e-9):.0%} busy)"
+        )
         sort = "self_device_time_total" if self.args.device == "cuda" else "self_cpu_time_total"
         print(events.table(sort_by=sort, row_limit=self.args.profile_rows, max_name_column_width=60))
 
@@ -548,11 +585,16 @@ def kernel_seconds(events) -> float:
     intervals per phase is ``bench/trace_phases.py``'s)."""
     from torch.autograd import DeviceType
 
-    return sum(
-        e.self_device_time_total for e in events
-        if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
-        and not e.key.startswith(RANGES)
-    ) / 1e6  # fmt: skip
+    return (
+        sum(
+            e.self_device_time_total
+            for e in events
+            if e.device_type != DeviceType.CPU
+            and not getattr(e, "is_user_annotation", False)
+            and not e.key.startswith(RANGES)
+        )
+        / 1e6
+    )
 
 
 def synthetic_batch(w: Workload, vocab: int, device):
@@ -564,10 +606,12 @@ def synthetic_batch(w: Workload, vocab: int, device):
     g = torch.Generator().manual_seed(0)
     B, P, R = w.prompts * w.n, w.prompt_len, w.response_len
     return Batch(
-        prompts=torch.randint(3, vocab, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
-        responses=torch.randint(3, vocab, (B, R), generator=g), response_mask=torch.ones(B, R),
+        prompts=torch.randint(3, vocab, (B, P), generator=g),
+        prompt_mask=torch.ones(B, P, dtype=torch.long),
+        responses=torch.randint(3, vocab, (B, R), generator=g),
+        response_mask=torch.ones(B, R),
         advantages=torch.randn(B, R, generator=g),
-    ).to(device)  # fmt: skip
+    ).to(device)
 
 
 def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, args) -> dict:
@@ -595,8 +639,16 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, ar
         return time.perf_counter()
 
     try:
-        inputs = RoleInputs(cfg, derive_sizes(cfg, 1), str(model_dir), load_tokenizer(str(model_dir)), device,
-                            total_steps=100, offload=OffloadSchedule(device), hf_assets={})  # fmt: skip
+        inputs = RoleInputs(
+            cfg,
+            derive_sizes(cfg, 1),
+            str(model_dir),
+            load_tokenizer(str(model_dir)),
+            device,
+            total_steps=100,
+            offload=OffloadSchedule(device),
+            hf_assets={},
+        )
         actor = build_actor(
             inputs,
             fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type=device.type, world_size=1),
@@ -640,13 +692,39 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, ar
 
 
 ROWS = [
-    "timing_s/gen", "rollout/graph_capture_s", "rollout/prefill_s", "timing_s/old_log_prob", "timing_s/ref",
-    "timing_s/values", "timing_s/reward", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor", "timing_s/step",
-    "train_s (step - gen)", "wall train_s (wall step - gen)", "bench/wall_step_s", "first_step_s", "first_update_s", "setup_s", "tokens_per_s", "perf/throughput",
-    "perf/mfu/actor", "perf/max_memory_allocated_gb", "perf/allocated_before_gb", "rollout/log_prob_diff", "actor/pg_loss",
-    "actor/entropy", "actor/grad_norm", "cuda_syncs/passes", "cuda_syncs/other", "host/python_loop_s", "host/gc_s",
-    "host/gc_full", "host/gc_objects",
-]  # fmt: skip
+    "timing_s/gen",
+    "rollout/graph_capture_s",
+    "rollout/prefill_s",
+    "timing_s/old_log_prob",
+    "timing_s/ref",
+    "timing_s/values",
+    "timing_s/reward",
+    "timing_s/adv",
+    "timing_s/update_critic",
+    "timing_s/update_actor",
+    "timing_s/step",
+    "train_s (step - gen)",
+    "wall train_s (wall step - gen)",
+    "bench/wall_step_s",
+    "first_step_s",
+    "first_update_s",
+    "setup_s",
+    "tokens_per_s",
+    "perf/throughput",
+    "perf/mfu/actor",
+    "perf/max_memory_allocated_gb",
+    "perf/allocated_before_gb",
+    "rollout/log_prob_diff",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "cuda_syncs/passes",
+    "cuda_syncs/other",
+    "host/python_loop_s",
+    "host/gc_s",
+    "host/gc_full",
+    "host/gc_objects",
+]
 
 
 def print_table(title: str, results: dict[str, dict]) -> None:
@@ -720,19 +798,24 @@ def main() -> None:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        print(f"== {args.workload} / {name}: " + json.dumps({k: round(v, 4) for k, v in results[name].items()
-                                                            if k in ROWS}), flush=True)  # fmt: skip
+        print(
+            f"== {args.workload} / {name}: "
+            + json.dumps({k: round(v, 4) for k, v in results[name].items() if k in ROWS}),
+            flush=True,
+        )
         for key, top in results[name].items():
             if key.startswith("ops_top/"):
                 print(f"   {key}: {top}")
         if args.out:
-            Path(args.out).write_text(json.dumps({"args": vars(args), "variants": variants, "results": results},
-                                                 indent=1))  # fmt: skip
+            Path(args.out).write_text(
+                json.dumps({"args": vars(args), "variants": variants, "results": results}, indent=1)
+            )
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print_table(
         f"{args.workload}: {device}, torch {torch.__version__}, gradient checkpointing "
-        f"{'on' if args.grad_ckpt else 'off'}, rollout {' / '.join(args.rollouts)}", results
-    )  # fmt: skip
+        f"{'on' if args.grad_ckpt else 'off'}, rollout {' / '.join(args.rollouts)}",
+        results,
+    )
 
 
 if __name__ == "__main__":

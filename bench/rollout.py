@@ -41,13 +41,28 @@ from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.settings import EngineSettings
 
 SHAPES = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128),  # CPU tests of the bench scripts
-}  # fmt: skip
+    "0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+    ),  # CPU tests of the bench scripts
+}
 HBM_BYTES_PER_S = 4.8e12  # H200
 VARIANTS = {  # engine settings a user also has (EngineSettings fields, or the compiled functions' mode)
     "sdpa": dict(decode_attention="sdpa"),
@@ -75,9 +90,16 @@ def qwen_config(shape: str):
     from transformers import AutoConfig
 
     return AutoConfig.for_model(
-        "qwen2", vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=4096,
-        rms_norm_eps=1e-6, eos_token_id=151645, pad_token_id=151643, **SHAPES[shape],
-    )  # fmt: skip
+        "qwen2",
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        eos_token_id=151645,
+        pad_token_id=151643,
+        **SHAPES[shape],
+    )
 
 
 def build(shape: str, dtype: torch.dtype, device: str = "cuda"):
@@ -118,23 +140,48 @@ def run_klppo(engine, name: str, shape: str, model, prompts, mask, params, emit)
         out, elapsed, peak = timed(engine.generate, model, prompts, mask, params)
         s = out.stats
         decode_s = s["rollout/time_s"] - s["rollout/prefill_s"] - s["rollout/graph_capture_s"]
-        emit(dict(shape=shape, batch=batch, backend=f"{name}-{phase}", time_s=elapsed,
-                  sampling=f"T={params.temperature} top_k={params.top_k} top_p={params.top_p}",
-                  tokens_per_s=s["rollout/tokens_generated"] / elapsed,
-                  ms_per_step=decode_s / s["rollout/decode_steps"] * 1e3, slot_moves=s["rollout/slot_moves"],
-                  prefill_s=s["rollout/prefill_s"], capture_s=s["rollout/graph_capture_s"], n=params.n,
-                  prefill_tokens=s["rollout/prefill_tokens"],
-                  num_slots=s["rollout/num_slots"], peak_gb=peak, floor_ms=floor_ms(model, batch),
-                  fused_gb=s.get("rollout/fused_weights_gb", 0.0), tokens=int(out.response_mask.sum())))  # fmt: skip
+        emit(
+            dict(
+                shape=shape,
+                batch=batch,
+                backend=f"{name}-{phase}",
+                time_s=elapsed,
+                sampling=f"T={params.temperature} top_k={params.top_k} top_p={params.top_p}",
+                tokens_per_s=s["rollout/tokens_generated"] / elapsed,
+                ms_per_step=decode_s / s["rollout/decode_steps"] * 1e3,
+                slot_moves=s["rollout/slot_moves"],
+                prefill_s=s["rollout/prefill_s"],
+                capture_s=s["rollout/graph_capture_s"],
+                n=params.n,
+                prefill_tokens=s["rollout/prefill_tokens"],
+                num_slots=s["rollout/num_slots"],
+                peak_gb=peak,
+                floor_ms=floor_ms(model, batch),
+                fused_gb=s.get("rollout/fused_weights_gb", 0.0),
+                tokens=int(out.response_mask.sum()),
+            )
+        )
     engine.release()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_batch: int | None, emit,
-                variants: list[str] = (), n: int = 1, *, samplers: list[str] = ("auto",),
-                sampling: dict | None = None, device: str = "cuda", eos_every: int = 0, hf_compile: bool = True,
-                attentions: list[str] = ("auto",)):  # fmt: skip
+def bench_shape(
+    shape: str,
+    batches: list[int],
+    hf_batches: list[int],
+    compile_batch: int | None,
+    emit,
+    variants: list[str] = (),
+    n: int = 1,
+    *,
+    samplers: list[str] = ("auto",),
+    sampling: dict | None = None,
+    device: str = "cuda",
+    eos_every: int = 0,
+    hf_compile: bool = True,
+    attentions: list[str] = ("auto",),
+):
     model = build(shape, torch.bfloat16, device)
     sampling = sampling or dict(temperature=1.0, top_p=1.0, top_k=-1)
     params = SamplingParams(max_new_tokens=NEW, seed=0, ignore_eos=not eos_every, n=n, **sampling)
@@ -155,22 +202,43 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
         if batch in hf_batches:
             hf = make_rollout("hf", EngineSettings(eos_token_ids=eos, pad_token_id=pad))
             out, elapsed, peak = timed(hf.generate, model, prompts, mask, params)
-            emit(dict(shape=shape, batch=batch, backend="hf-default", time_s=elapsed,
-                      tokens_per_s=batch * NEW / elapsed, ms_per_step=elapsed / NEW * 1e3, peak_gb=peak))  # fmt: skip
+            emit(
+                dict(
+                    shape=shape,
+                    batch=batch,
+                    backend="hf-default",
+                    time_s=elapsed,
+                    tokens_per_s=batch * NEW / elapsed,
+                    ms_per_step=elapsed / NEW * 1e3,
+                    peak_gb=peak,
+                )
+            )
         if batch == compile_batch and hf_compile:
             from klppo.rollout.hf import HFRollout
 
             hf = HFRollout(eos_token_ids=eos, pad_token_id=pad, cache_implementation="static")
             _, compile_s, _ = timed(hf.generate, model, prompts, mask, params)
             out, elapsed, peak = timed(hf.generate, model, prompts, mask, params)
-            emit(dict(shape=shape, batch=batch, backend="hf-static-compile", time_s=elapsed,
-                      first_call_s=compile_s, tokens_per_s=batch * NEW / elapsed,
-                      ms_per_step=elapsed / NEW * 1e3, peak_gb=peak))  # fmt: skip
+            emit(
+                dict(
+                    shape=shape,
+                    batch=batch,
+                    backend="hf-static-compile",
+                    time_s=elapsed,
+                    first_call_s=compile_s,
+                    tokens_per_s=batch * NEW / elapsed,
+                    ms_per_step=elapsed / NEW * 1e3,
+                    peak_gb=peak,
+                )
+            )
             del hf
         if batch == compile_batch:
             sampler = samplers[-1]  # the variants beside the last sampler's full row
             for name in variants:
-                options = {"sampler": sampler, **{k: v() if callable(v) else v for k, v in variant(name).items()}}
+                options = {
+                    "sampler": sampler,
+                    **{k: v() if callable(v) else v for k, v in variant(name).items()},
+                }
                 compiled = options.pop("compiled", None)
                 engine = make_rollout("klppo", EngineSettings(**kw, **options), compiled=compiled)
                 row = f"klppo-{name}" if sampler == "auto" else f"klppo-{sampler}-{name}"
@@ -179,8 +247,15 @@ def bench_shape(shape: str, batches: list[int], hf_batches: list[int], compile_b
             torch.cuda.empty_cache()
 
 
-def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str = "cuda",
-            decode_attention: str = "auto", stack: bool = False, sampler: str = "auto") -> None:  # fmt: skip
+def profile(
+    batch: int = 256,
+    steps: int = 16,
+    shape: str = "0.5b",
+    device: str = "cuda",
+    decode_attention: str = "auto",
+    stack: bool = False,
+    sampler: str = "auto",
+) -> None:
     """CUDA kernel time of ``steps`` eager decode steps alone (no prefill; no graphs, so kernel times and
     not launch gaps), at context ``PROMPT`` and up; builds the engine's call and its decode step
     (:func:`klppo.rollout.steps.decode_step`). ``stack``: also the host operators by their Python call
@@ -195,9 +270,17 @@ def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str 
     model = build(shape, torch.bfloat16, device)
     prompts = torch.randint(0, 1000, (batch, PROMPT), device=device)
     params = SamplingParams(max_new_tokens=2 * steps, seed=0, ignore_eos=True)
-    engine = KLPPORollout(EngineSettings(eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
-                                         cuda_graphs=False, free_cache_engine=False,
-                                         decode_attention=decode_attention, sampler=sampler))  # fmt: skip
+    engine = KLPPORollout(
+        EngineSettings(
+            eos_token_ids=[151645],
+            pad_token_id=151643,
+            gpu_memory_utilization=0.9,
+            cuda_graphs=False,
+            free_cache_engine=False,
+            decode_attention=decode_attention,
+            sampler=sampler,
+        )
+    )
     engine.generate(model, prompts, torch.ones_like(prompts), params)  # compile, keep the workspace
     call = engine._call(LlamaWeights.read(model), prompts, torch.ones_like(prompts), [PROMPT] * batch, params)
     call.ws.position.fill_(PROMPT)  # the kept workspace (same shape), fused copies refreshed
@@ -210,12 +293,17 @@ def profile(batch: int = 256, steps: int = 16, shape: str = "0.5b", device: str 
         if device == "cuda":
             torch.cuda.synchronize()
     sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-    print(f"decode-only profile: {shape} batch {batch}, decode_attention={decode_attention}, sampler={sampler}, "
-          f"{steps} steps (divide totals by {steps} for per step)")  # fmt: skip
+    print(
+        f"decode-only profile: {shape} batch {batch}, decode_attention={decode_attention}, "
+        f"sampler={sampler}, {steps} steps (divide totals by {steps} for per step)"
+    )
     print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70))
     if stack:
-        print(prof.key_averages(group_by_stack_n=6).table(sort_by="cpu_time_total", row_limit=30,
-                                                           max_name_column_width=40))  # fmt: skip
+        print(
+            prof.key_averages(group_by_stack_n=6).table(
+                sort_by="cpu_time_total", row_limit=30, max_name_column_width=40
+            )
+        )
 
 
 def recompute(model, prompts, mask, out, mode: str) -> torch.Tensor:
@@ -261,7 +349,9 @@ def checks(emit, dtypes=(torch.float32, torch.bfloat16)) -> None:
     eos, pad = [151645], 151643
     prompts, mask = check_prompts()
     greedy = SamplingParams(max_new_tokens=32, do_sample=False)
-    engine = make_rollout("klppo", EngineSettings(eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9))
+    engine = make_rollout(
+        "klppo", EngineSettings(eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9)
+    )
     hf = make_rollout("hf", EngineSettings(eos_token_ids=eos, pad_token_id=pad))
     for dtype in dtypes:
         model = build("0.5b", dtype)
@@ -272,30 +362,68 @@ def checks(emit, dtypes=(torch.float32, torch.bfloat16)) -> None:
         sampled = engine.generate(model, prompts, mask, SamplingParams(max_new_tokens=32, seed=1))
         again = engine.generate(model, prompts, mask, SamplingParams(max_new_tokens=32, seed=1))
         diff = logprob_gap(model, prompts, mask, sampled, "model")
-        emit(dict(check=str(dtype), greedy_token_match=match, greedy_rows_identical=identical_rows,
-                  logprob_max_abs_diff=diff,
-                  seeded_reproducible=bool(torch.equal(sampled.responses, again.responses))))  # fmt: skip
+        emit(
+            dict(
+                check=str(dtype),
+                greedy_token_match=match,
+                greedy_rows_identical=identical_rows,
+                logprob_max_abs_diff=diff,
+                seeded_reproducible=bool(torch.equal(sampled.responses, again.responses)),
+            )
+        )
         if dtype == torch.bfloat16:
             # where the bf16 gap comes from: each engine logits setting against recomputations whose LM head
             # rounds to bf16 ("model", what HF returns), keeps fp32 ("fp32-head"), or an fp32 copy ("fp32")
             for fp32_logits in (False, True):
-                eng = make_rollout("klppo", EngineSettings(eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9, fp32_logits=fp32_logits))  # fmt: skip
+                eng = make_rollout(
+                    "klppo",
+                    EngineSettings(
+                        eos_token_ids=eos,
+                        pad_token_id=pad,
+                        gpu_memory_utilization=0.9,
+                        fp32_logits=fp32_logits,
+                    ),
+                )
                 out = eng.generate(model, prompts, mask, SamplingParams(max_new_tokens=32, seed=1))
-                emit(dict(check=f"bf16 log-prob gap, engine fp32_logits={fp32_logits}",
-                          **{f"{stat}_vs_{m}": logprob_gap(model, prompts, mask, out, m, stat)
-                             for m in ("model", "fp32-head", "fp32") for stat in ("max", "mean")}))  # fmt: skip
+                emit(
+                    dict(
+                        check=f"bf16 log-prob gap, engine fp32_logits={fp32_logits}",
+                        **{
+                            f"{stat}_vs_{m}": logprob_gap(model, prompts, mask, out, m, stat)
+                            for m in ("model", "fp32-head", "fp32")
+                            for stat in ("max", "mean")
+                        },
+                    )
+                )
             # the recomputation's own error: a bf16 recompute against the fp32 copy, same tokens
             recomputed = dataclasses.replace(out, log_probs=recompute(model, prompts, mask, out, "model"))
-            emit(dict(check="bf16 recompute (model) vs fp32 copy",
-                      **{f"{stat}": logprob_gap(model, prompts, mask, recomputed, "fp32", stat)
-                         for stat in ("max", "mean")}))  # fmt: skip
+            emit(
+                dict(
+                    check="bf16 recompute (model) vs fp32 copy",
+                    **{
+                        f"{stat}": logprob_gap(model, prompts, mask, recomputed, "fp32", stat)
+                        for stat in ("max", "mean")
+                    },
+                )
+            )
         if dtype == torch.bfloat16:  # the split backend against the torch reference
-            sdpa = make_rollout("klppo", EngineSettings(eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9, decode_attention="sdpa"))  # fmt: skip
+            sdpa = make_rollout(
+                "klppo",
+                EngineSettings(
+                    eos_token_ids=eos, pad_token_id=pad, gpu_memory_utilization=0.9, decode_attention="sdpa"
+                ),
+            )
             ref = sdpa.generate(model, prompts, mask, SamplingParams(max_new_tokens=32, seed=1))
             same = (ref.responses == sampled.responses).all(dim=1)
-            emit(dict(check="bf16 split backend vs sdpa reference", token_match=(ref.responses == sampled.responses)
-                      .float().mean().item(), logprob_max_abs_diff_identical_rows=(
-                      (ref.log_probs - sampled.log_probs)[same].abs().max().item() if same.any() else None)))  # fmt: skip
+            emit(
+                dict(
+                    check="bf16 split backend vs sdpa reference",
+                    token_match=(ref.responses == sampled.responses).float().mean().item(),
+                    logprob_max_abs_diff_identical_rows=(
+                        (ref.log_probs - sampled.log_probs)[same].abs().max().item() if same.any() else None
+                    ),
+                )
+            )
         del model
         torch.cuda.empty_cache()
 
@@ -317,9 +445,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-shape", default="0.5b", help="the shape of the --profile kernel tables")
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (batch = prompts × n sequences)")
     ap.add_argument("--samplers", default="auto", help="auto,torch: the engine once per sampler setting")
-    ap.add_argument("--decode-attention", default="auto",
-                    help="auto,sdpa: the engine once per decode_attention (rows klppo[-sampler]-attn-NAME; "
-                         "auto: rows klppo[-sampler]); also the --profile runs")  # fmt: skip
+    ap.add_argument(
+        "--decode-attention",
+        default="auto",
+        help="auto,sdpa: the engine once per decode_attention (rows klppo[-sampler]-attn-NAME; "
+        "auto: rows klppo[-sampler]); also the --profile runs",
+    )
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -371,8 +502,14 @@ def main(argv: list[str] | None = None) -> None:
         sampler = args.samplers.split(",")[-1]
         for attention in args.decode_attention.split(","):
             for batch in [int(b) for b in args.profile_batches.split(",")]:
-                profile(batch, shape=args.profile_shape, device=args.device, decode_attention=attention,
-                        stack=args.profile_stack, sampler=sampler)  # fmt: skip
+                profile(
+                    batch,
+                    shape=args.profile_shape,
+                    device=args.device,
+                    decode_attention=attention,
+                    stack=args.profile_stack,
+                    sampler=sampler,
+                )
 
 
 if __name__ == "__main__":

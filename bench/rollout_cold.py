@@ -84,19 +84,26 @@ def child(
     from klppo.rollout import EngineSettings, SamplingParams, make_rollout
     from klppo.rollout.compiled import CompiledFunctions
 
-    shape, device, dtype, prompt, new = ("tiny", "cpu", torch.float32, 8, 8) if tiny else \
-        ("0.5b", "cuda", torch.bfloat16, PROMPT, NEW)  # fmt: skip
+    shape, device, dtype, prompt, new = (
+        ("tiny", "cpu", torch.float32, 8, 8) if tiny else ("0.5b", "cuda", torch.bfloat16, PROMPT, NEW)
+    )
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     t_import = time.perf_counter() - t_start
     t_setup = time.perf_counter()
     compiled = CompiledFunctions()
     params = SamplingParams(max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=-1, seed=0, ignore_eos=True)
-    settings = EngineSettings(eos_token_ids=[151645], pad_token_id=151643, gpu_memory_utilization=0.9,
-                              free_cache_engine=False, sampler=sampler,
-                              **{"compile_decode": True, **MODES[mode]["engine"]})  # fmt: skip
+    settings = EngineSettings(
+        eos_token_ids=[151645],
+        pad_token_id=151643,
+        gpu_memory_utilization=0.9,
+        free_cache_engine=False,
+        sampler=sampler,
+        **{"compile_decode": True, **MODES[mode]["engine"]},
+    )
     if MODES[mode].get("precompile"):
-        compiled.start_precompile(qwen_config(shape), settings, dtype=dtype, device=torch.device(device),
-                                  sampling=(params,))  # fmt: skip
+        compiled.start_precompile(
+            qwen_config(shape), settings, dtype=dtype, device=torch.device(device), sampling=(params,)
+        )
     model = build(shape, dtype, device)
     engine = make_rollout("klppo", settings, compiled=compiled)
     prompts = torch.randint(0, 151000, (batch, prompt), device=device)
@@ -116,9 +123,14 @@ def child(
         if phase == "cold":
             row["setup_to_first_s"] = time.perf_counter() - t_setup
             row["to_first_result_s"] = time.perf_counter() - t_start
-        row.update({f"{phase}_call_s": time.perf_counter() - t0, f"{phase}_capture_s": s["rollout/graph_capture_s"],
-                    f"{phase}_prefill_s": s["rollout/prefill_s"],
-                    f"{phase}_ms_per_step": decode_s / s["rollout/decode_steps"] * 1e3})  # fmt: skip
+        row.update(
+            {
+                f"{phase}_call_s": time.perf_counter() - t0,
+                f"{phase}_capture_s": s["rollout/graph_capture_s"],
+                f"{phase}_prefill_s": s["rollout/prefill_s"],
+                f"{phase}_ms_per_step": decode_s / s["rollout/decode_steps"] * 1e3,
+            }
+        )
     from torch._dynamo.utils import counters
 
     row.update({k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")})
@@ -171,9 +183,20 @@ def run_child(
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     env.update(KLPPO_CACHE=cache, **MODES[mode].get("env", {}))
     t0 = time.perf_counter()
-    argv = [sys.executable, __file__, "--child", mode, "--batch", str(batch), *(["--tiny"] if tiny else []),
-            "--profile-first", str(profile_first), *(["--profile-dump", profile_dump] if profile_dump else []),
-            "--sampler", sampler]  # fmt: skip
+    argv = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        "--batch",
+        str(batch),
+        *(["--tiny"] if tiny else []),
+        "--profile-first",
+        str(profile_first),
+        *(["--profile-dump", profile_dump] if profile_dump else []),
+        "--sampler",
+        sampler,
+    ]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True)
     rows = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
     if proc.returncode or not rows or os.environ.get("KLPPO_COLD_BREAKDOWN"):
@@ -218,13 +241,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU, decode compiled (tests)")
     ap.add_argument("--child", default=None)
-    ap.add_argument("--profile-first", type=int, default=0,
-                    help="N > 0: each process's first generate under cProfile; its N costliest functions by "
-                         "cumulative and own time go into the row")  # fmt: skip
-    ap.add_argument("--profile-dump", default=None,
-                    help="with --profile-first: also write each first call's cProfile to DIR/MODE-PID.prof")  # fmt: skip
-    ap.add_argument("--sampler", default="auto", choices=("auto", "triton", "torch"),
-                    help="the engine's sampler (auto: the trainer's default)")  # fmt: skip
+    ap.add_argument(
+        "--profile-first",
+        type=int,
+        default=0,
+        help="N > 0: each process's first generate under cProfile; its N costliest functions by "
+        "cumulative and own time go into the row",
+    )
+    ap.add_argument(
+        "--profile-dump",
+        default=None,
+        help="with --profile-first: also write each first call's cProfile to DIR/MODE-PID.prof",
+    )
+    ap.add_argument(
+        "--sampler",
+        default="auto",
+        choices=("auto", "triton", "torch"),
+        help="the engine's sampler (auto: the trainer's default)",
+    )
     args = ap.parse_args(argv)
     if args.child:
         child(args.child, args.batch, args.tiny, args.profile_first, args.profile_dump, args.sampler)

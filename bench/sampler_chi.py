@@ -65,8 +65,9 @@ def vocab_rows(draws: int, device: str, vocab: int = 151936, kept: int = 64) -> 
         row[ids] = values
         batch = row.to(device).expand(per_call, -1).contiguous()
         torch.manual_seed(7)
-        tokens = torch.cat([sample_triton(batch, SamplingParams(max_new_tokens=1))[0]
-                            for _ in range(-(-draws // per_call))])[:draws].cpu()  # fmt: skip
+        tokens = torch.cat(
+            [sample_triton(batch, SamplingParams(max_new_tokens=1))[0] for _ in range(-(-draws // per_call))]
+        )[:draws].cpu()
         position = (tokens[:, None] == ids[None, :]).float().argmax(1)
         assert torch.isin(tokens, ids).all(), "a token outside the finite logits was drawn"
         p = chi_square_p(position, torch.softmax(values.double(), 0))

@@ -135,14 +135,20 @@ def main() -> None:
     phases = {k: v for k, v in sorted(summary.items()) if k.startswith("timing_s/")}
     tokens = w.prompts * w.n * (w.prompt_len + w.response_len)
     result = {
-        "workload": "ppo_critic" if args.critic else "grpo_k3", "lora": args.lora, "tiny": args.tiny,
-        "steps": args.steps, "tokens_per_step": tokens,
-        "tokens_per_s": tokens / summary["timing_s/step"], "perf/throughput": summary.get("perf/throughput"),
-        "mfu/actor": summary.get("perf/mfu/actor"), "mfu/critic": summary.get("perf/mfu/critic"),
-        **phases, **prediction,
+        "workload": "ppo_critic" if args.critic else "grpo_k3",
+        "lora": args.lora,
+        "tiny": args.tiny,
+        "steps": args.steps,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / summary["timing_s/step"],
+        "perf/throughput": summary.get("perf/throughput"),
+        "mfu/actor": summary.get("perf/mfu/actor"),
+        "mfu/critic": summary.get("perf/mfu/critic"),
+        **phases,
+        **prediction,
         "measured_gib/device": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "measured_gib/host_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-    }  # fmt: skip
+    }
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

@@ -16,7 +16,8 @@ place: ``timing_s/update_weights`` in training) or the reshard (TP=K: ``rollout/
 per (shape, tp): ``tokens_per_s_per_gpu`` (each rank's own tokens / call time), ``weights_s`` (gather or
 reshard), ``peak_gib`` (max over ranks of ``torch.cuda.max_memory_allocated`` during a call, weights
 included), the KV cache's slots and GiB, ``cuda_graphs`` (1: the decode step ran as CUDA graphs; 0:
-eager, asked with ``--eager`` or after a failed capture); then a ``check`` row: greedy 32 tokens of 8 prompts at TP=K and
+eager, asked with ``--eager`` or after a failed capture); then a ``check`` row: greedy 32 tokens of 8 prompts
+at TP=K and
 TP=1, the share of identical rows and the largest log-prob gap (bf16: a few rows may part at near-ties).
 TP=K runs first; TP=1 last, as it is the one expected to fail under ``--cap-gib``
 (``torch.cuda.set_per_process_memory_fraction``, set once the actor is sharded, and
@@ -155,10 +156,16 @@ def measure(args, config, model, tp, info) -> tuple[dict, dict | None]:
         step_s, weights_s, peak = all_reduce_max_values(
             [statistics.median(times), statistics.median(weights), max(peaks)]
         )
-        row.update(call_s=step_s, weights_s=weights_s, peak_gib=peak, tokens_per_s_per_gpu=tokens / step_s,
-                   num_slots=out.stats["rollout/num_slots"], kv_cache_gb=out.stats["rollout/kv_cache_gb"],
-                   decode_steps=out.stats["rollout/decode_steps"],
-                   cuda_graphs=out.stats["rollout/cuda_graphs"])  # fmt: skip
+        row.update(
+            call_s=step_s,
+            weights_s=weights_s,
+            peak_gib=peak,
+            tokens_per_s_per_gpu=tokens / step_s,
+            num_slots=out.stats["rollout/num_slots"],
+            kv_cache_gb=out.stats["rollout/kv_cache_gb"],
+            decode_steps=out.stats["rollout/decode_steps"],
+            cuda_graphs=out.stats["rollout/cuda_graphs"],
+        )
         greedy = SamplingParams(max_new_tokens=32, do_sample=False)
         check_ids, check_mask = prompts(config, args, info.device, info.rank, 8, 32)
         check, _, _ = call(engine, model, check_ids, check_mask, greedy, tp is not None, info.device)
@@ -187,10 +194,19 @@ def ranks(args) -> None:
     from klppo.tune.measure import free_memory
 
     info = init_distributed(args.device, 600.0)  # an OOM on one rank only ends in a timeout
-    result = {"meta": {"world_size": info.world_size, "cap_gib": args.cap_gib, "batch": args.batch,
-                       "prompt": args.prompt, "new": args.new, "eager": args.eager,
-                       "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
-                       "commit": os.environ.get("KLPPO_COMMIT", "")}, "rows": []}  # fmt: skip
+    result = {
+        "meta": {
+            "world_size": info.world_size,
+            "cap_gib": args.cap_gib,
+            "batch": args.batch,
+            "prompt": args.prompt,
+            "new": args.new,
+            "eager": args.eager,
+            "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
+            "commit": os.environ.get("KLPPO_COMMIT", ""),
+        },
+        "rows": [],
+    }
     groups = {info.world_size: build_rollout_mesh(info.world_size, info.device.type), 1: None}
     try:
         for name in ["tiny"] if args.tiny else args.shapes.split(","):
@@ -211,8 +227,17 @@ def ranks(args) -> None:
             if all(checks.get(t) is not None for t in (info.world_size, 1)):
                 got = compare(checks[info.world_size], checks[1])
                 gap, neg_same = all_reduce_max_values([got["max_log_prob_gap"], -got["rows_identical"]])
-                _emit(args, info, result, {"shape": name, "check": "greedy TP=K vs TP=1",
-                                           "rows_identical_min": -neg_same, "max_log_prob_gap": gap})  # fmt: skip
+                _emit(
+                    args,
+                    info,
+                    result,
+                    {
+                        "shape": name,
+                        "check": "greedy TP=K vs TP=1",
+                        "rows_identical_min": -neg_same,
+                        "max_log_prob_gap": gap,
+                    },
+                )
             del model
             free_memory(info.device)
     finally:

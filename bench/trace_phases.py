@@ -111,10 +111,13 @@ def summarize(events: list[dict], *, top: int = 8) -> dict:
         if e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))
     ]
     phases = sorted(
-        (e for e in complete
-         if str(e.get("name", "")).startswith("phase/") and e.get("cat") != "gpu_user_annotation"),
+        (
+            e
+            for e in complete
+            if str(e.get("name", "")).startswith("phase/") and e.get("cat") != "gpu_user_annotation"
+        ),
         key=lambda e: (e["ts"], -e["dur"]),
-    )  # fmt: skip
+    )
     gpu_ranges: dict[str, list[dict]] = defaultdict(list)
     for e in complete:
         if e.get("cat") == "gpu_user_annotation" and str(e.get("name", "")).startswith("phase/"):
@@ -139,8 +142,9 @@ def summarize(events: list[dict], *, top: int = 8) -> dict:
     acc: dict[str, dict] = {}
     for ph in phases:
         a, b, pid = ph["ts"], ph["ts"] + ph["dur"], ph.get("pid")
-        p = acc.setdefault(ph["name"], {"count": 0, "wall": 0.0, "sync": 0.0, "launches": 0, "ops": [],
-                                         "device": {}})  # fmt: skip
+        p = acc.setdefault(
+            ph["name"], {"count": 0, "wall": 0.0, "sync": 0.0, "launches": 0, "ops": [], "device": {}}
+        )
         p["count"] += 1
         p["wall"] += ph["dur"]
         for r in runtime_s.within(a, b):
@@ -174,22 +178,24 @@ def summarize(events: list[dict], *, top: int = 8) -> dict:
             o_tot[str(o.get("name", ""))][1] += 1
         busy = union_length([(k["ts"], k["ts"] + k["dur"]) for k in kernels]) * US
         wall = p["wall"] * US
-        rows.append({
-            "phase": name[len("phase/"):],
-            "count": p["count"],
-            "wall_s": wall,
-            "kernel_busy_s": busy,
-            "busy_share": busy / wall if wall > 0 else 0.0,
-            "memcpy_s": union_length([(c["ts"], c["ts"] + c["dur"]) for c in copies]) * US,
-            "n_kernels": len(kernels),
-            "n_memcpy": len(copies),
-            "n_launches": p["launches"],
-            "n_cpu_ops": len(ops),
-            "sync_s": p["sync"] * US,
-            "top_kernels": _top(k_tot, 0, top),
-            "top_ops_by_count": _top(o_tot, 1, top),
-            "top_ops_by_self": _top(o_tot, 0, top),
-        })  # fmt: skip
+        rows.append(
+            {
+                "phase": name[len("phase/") :],
+                "count": p["count"],
+                "wall_s": wall,
+                "kernel_busy_s": busy,
+                "busy_share": busy / wall if wall > 0 else 0.0,
+                "memcpy_s": union_length([(c["ts"], c["ts"] + c["dur"]) for c in copies]) * US,
+                "n_kernels": len(kernels),
+                "n_memcpy": len(copies),
+                "n_launches": p["launches"],
+                "n_cpu_ops": len(ops),
+                "sync_s": p["sync"] * US,
+                "top_kernels": _top(k_tot, 0, top),
+                "top_ops_by_count": _top(o_tot, 1, top),
+                "top_ops_by_self": _top(o_tot, 0, top),
+            }
+        )
 
     if complete:
         start = min(e["ts"] for e in complete)
@@ -228,8 +234,11 @@ def format_table(summary: dict) -> str:
             f"{r['phase']:<16}{r['count']:>3}{_ms(r['wall_s'])}{_ms(r['kernel_busy_s'])}{r['busy_share']:>6.0%}"
             f"{_ms(r['memcpy_s'])}{_ms(r['sync_s'])}{r['n_kernels']:>9}{r['n_launches']:>9}{r['n_cpu_ops']:>9}"
         )
-        for label, key in (("kernels", "top_kernels"), ("ops by self time", "top_ops_by_self"),
-                           ("ops by count", "top_ops_by_count")):  # fmt: skip
+        for label, key in (
+            ("kernels", "top_kernels"),
+            ("ops by self time", "top_ops_by_self"),
+            ("ops by count", "top_ops_by_count"),
+        ):
             if r[key]:
                 lines.append(f"    {label} (ms, count):")
                 lines += [f"      {t['total_s'] * 1e3:10.3f} {t['count']:>7}  {t['name']}" for t in r[key]]

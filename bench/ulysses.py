@@ -122,8 +122,11 @@ def measure(args, config, length: int, sp_size: int, info) -> dict:
             times.append(time.perf_counter() - t0)
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
         step_s, peak = all_reduce_max_values([statistics.median(times), peak])
-        row.update(step_s=step_s, peak_gib=peak,
-                   tokens_per_s_per_gpu=length * mesh.dp_size / step_s / info.world_size)  # fmt: skip
+        row.update(
+            step_s=step_s,
+            peak_gib=peak,
+            tokens_per_s_per_gpu=length * mesh.dp_size / step_s / info.world_size,
+        )
         del model, optimizer
     except torch.OutOfMemoryError as e:
         row.update(status="oom", note=str(e).splitlines()[0][:160])
@@ -138,9 +141,15 @@ def ranks(args) -> None:
 
     info = init_distributed(args.device, 300.0)  # an OOM on one rank only ends in a timeout
     config = model_config(args)
-    result = {"meta": {"shape": "tiny" if args.tiny else args.shape, "world_size": info.world_size,
-                       "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
-                       "commit": os.environ.get("KLPPO_COMMIT", "")}, "rows": []}  # fmt: skip
+    result = {
+        "meta": {
+            "shape": "tiny" if args.tiny else args.shape,
+            "world_size": info.world_size,
+            "device": torch.cuda.get_device_name() if info.device.type == "cuda" else "cpu",
+            "commit": os.environ.get("KLPPO_COMMIT", ""),
+        },
+        "rows": [],
+    }
     try:
         for length in [int(x) for x in args.lengths.split(",")]:
             for sp_size in (info.world_size, 1):

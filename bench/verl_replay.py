@@ -44,12 +44,43 @@ for a in "$@"; do case "$a" in *main_ppo*)
   exit 0;; esac; done
 exit 0
 """
-STUBBED = ("rm", "python", "python3", "ray", "torchrun", "srun", "sbatch", "scontrol", "nvidia-smi",
-           "npu-smi", "huggingface-cli", "hf", "pip", "pip3", "wget", "curl", "modelscope", "conda", "docker",
-           "apptainer", "singularity", "mpirun", "accelerate", "uv", "sleep")  # fmt: skip
+STUBBED = (
+    "rm",
+    "python",
+    "python3",
+    "ray",
+    "torchrun",
+    "srun",
+    "sbatch",
+    "scontrol",
+    "nvidia-smi",
+    "npu-smi",
+    "huggingface-cli",
+    "hf",
+    "pip",
+    "pip3",
+    "wget",
+    "curl",
+    "modelscope",
+    "conda",
+    "docker",
+    "apptainer",
+    "singularity",
+    "mpirun",
+    "accelerate",
+    "uv",
+    "sleep",
+)
 # what a cluster's launcher sets (Slurm, ByteDance's Arnold): stand-ins, as for any launch's model and data
-ENV = {"SLURM_GPUS_PER_NODE": "8", "SLURM_NNODES": "1", "SLURM_JOB_NUM_NODES": "1", "GPUS_PER_NODE": "8",
-       "NNODES": "1", "ARNOLD_WORKER_GPU": "8", "ARNOLD_WORKER_NUM": "1"}  # fmt: skip
+ENV = {
+    "SLURM_GPUS_PER_NODE": "8",
+    "SLURM_NNODES": "1",
+    "SLURM_JOB_NUM_NODES": "1",
+    "GPUS_PER_NODE": "8",
+    "NNODES": "1",
+    "ARNOLD_WORKER_GPU": "8",
+    "ARNOLD_WORKER_NUM": "1",
+}
 
 
 def doc_blocks(verl: Path, out: Path) -> list[Path]:
@@ -137,8 +168,11 @@ def data_for(work: Path, name: str, argv: list[str]) -> tuple[str, str]:
     batch = _value(argv, "data.train_batch_size", "1024") or "1024"
     n = max(int(float(batch)) if re.fullmatch(r"[0-9.e+]+", batch) else 1024, 8)
     key = _value(argv, "data.prompt_key", "prompt") or "prompt"
-    vision = any(re.search(r"geo3k|VL|vl-|multimodal|image", a) for a in argv
-                 if a.startswith(("data.", "actor_rollout_ref.model.path")))  # fmt: skip
+    vision = any(
+        re.search(r"geo3k|VL|vl-|multimodal|image", a)
+        for a in argv
+        if a.startswith(("data.", "actor_rollout_ref.model.path"))
+    )
     d = work / "data" / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
     d.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -183,8 +217,12 @@ def replay(launches: list[tuple[str, list[str]]], work: Path) -> list[dict]:
         train, val = data_for(work, name, argv)
         # what the user of every launch supplies (model, data, run directory): the script's own value, even
         # one it leaves to an unset variable as a placeholder, decides nothing here
-        stand_ins = [f"actor_rollout_ref.model.path={tiny}", f"data.train_files={train}",
-                     f"data.val_files={val}", f"trainer.default_local_dir={work}/runs/{k}"]  # fmt: skip
+        stand_ins = [
+            f"actor_rollout_ref.model.path={tiny}",
+            f"data.train_files={train}",
+            f"data.val_files={val}",
+            f"trainer.default_local_dir={work}/runs/{k}",
+        ]
         if _value(argv, "critic.model.path") is not None:
             stand_ins.append(f"critic.model.path={tiny}")
         replaced = {a.partition("=")[0] for a in stand_ins}
@@ -229,8 +267,15 @@ def main() -> None:
         for r in results:
             f.write(json.dumps(r) + "\n")
     counts = Counter(r["verdict"] for r in results)
-    print(dict(counts), "config ok", sum(r["config"] == 0 for r in results),
-          "dry-run ok", sum(r["dry_run"] == 0 for r in results), "of", len(results))  # fmt: skip
+    print(
+        dict(counts),
+        "config ok",
+        sum(r["config"] == 0 for r in results),
+        "dry-run ok",
+        sum(r["dry_run"] == 0 for r in results),
+        "of",
+        len(results),
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ Shapes (P = prompt length, left-padded; R = response length, right-padded):
 - ``prompts`` [B, P] int64, ``prompt_mask`` [B, P] (1 = real prompt token)
 - ``responses`` [B, R] int64, ``response_mask`` [B, R] (1 = generated token, EOS included): the tokens that
   losses, KL and advantages count
-- ``response_attention_mask`` [B, R]: 1 on every real response token — with the tool / user tokens a multi-turn
+- ``response_attention_mask`` [B, R]: 1 on every real response token — with the tool / user tokens a
+multi-turn
   rollout appended (``response_mask`` 0 on them) — or ``None`` (equals ``response_mask``)
 - ``rollout_log_probs`` [B, R] float32: log-prob of each sampled token under the rollout engine
 - ``old_log_probs`` / ``ref_log_probs`` / ``values`` [B, R] float32

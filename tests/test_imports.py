@@ -15,7 +15,9 @@ LAYERS: list[set[str]] = [
     {"cli", "commands", "trainer.main_ppo"},  # entry points
     {"trainer"},  # the loop
     {"assembly"},  # config → settings → roles, engine, loaders
-    {"ops"},  # monitor, rules, profiler, lock, stopping, non-finite handling, checkpoints of the trainer state
+    {
+        "ops"
+    },  # monitor, rules, profiler, lock, stopping, non-finite handling, checkpoints of the trainer state
     {"tune"},  # memory model and sweeps (it receives settings)
     {"roles", "rollout"},
     {"parallel", "rewards", "tracking", "report", "data"},

@@ -257,7 +257,8 @@ def compute_advantages(
     """Run estimator ``name`` (``algorithm.adv_estimator``) with the inputs it uses; others are ignored.
 
     ``gamma``/``lam`` are ``algorithm.gamma``/``algorithm.lam``, ``norm_by_std`` is
-    ``algorithm.norm_adv_by_std_in_grpo`` (grpo, grpo_passk), ``eps`` the std epsilon of those two. ValueError if an input the estimator needs is None.
+    ``algorithm.norm_adv_by_std_in_grpo`` (grpo, grpo_passk), ``eps`` the std epsilon of those two.
+    ValueError if an input the estimator needs is None.
     """
     est = get_advantage_estimator(name)
     needed = {

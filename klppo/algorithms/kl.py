@@ -5,7 +5,8 @@ Estimators of KL(π‖π_ref) from one sampled token y ~ π, with r = log π(y) 
 
 - ``kl`` / ``k1``:  r                      (unbiased, high variance, can be negative)
 - ``abs``:          |r|
-- ``mse`` / ``k2``: ½ r²                   (biased, low variance; its gradient is the KL gradient in expectation)
+- ``mse`` / ``k2``: ½ r²                   (biased, low variance; its gradient is the KL gradient in
+expectation)
 - ``low_var_kl`` / ``k3``: e^{−r} − 1 + r  (unbiased, ≥ 0), with −r clamped to [−20, 20] and the result to
   [−10, 10] as verl does
 - any of the above with a ``+`` suffix: the named estimator's value, k2's gradient (straight-through)

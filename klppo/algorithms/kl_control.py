@@ -131,8 +131,13 @@ class AdaptiveKLController:
         self.updates += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"type": "adaptive", "value": self.value, "target": self.target, "horizon": self.horizon,
-                "updates": self.updates}  # fmt: skip
+        return {
+            "type": "adaptive",
+            "value": self.value,
+            "target": self.target,
+            "horizon": self.horizon,
+            "updates": self.updates,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore β. ``target``/``horizon`` come from the (possibly changed) config, not the checkpoint."""
@@ -171,7 +176,7 @@ class PIKLController:
             raise ValueError(f"the pi KL controller needs target_kl > 0, got {target_kl}")
         if not 0 < min_coef <= init_kl_coef <= max_coef:
             raise ValueError(
-                f"the pi KL controller needs 0 < min_coef ≤ initial coefficient ≤ max_coef, got "
+                "the pi KL controller needs 0 < min_coef ≤ initial coefficient ≤ max_coef, got "
                 f"min_coef={min_coef}, initial={init_kl_coef}, max_coef={max_coef}"
             )
         if kp < 0 or not ki > 0:

@@ -41,7 +41,8 @@ def _stats(clipfrac: torch.Tensor, ppo_kl: torch.Tensor, clipfrac_lower: torch.T
 
 def is_weighted(per_token: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
     """ℓ_t · w_t with the rollout-correction importance weights w [B, T] (detached; ``None``: ℓ unchanged, the
-    same tensor), as verl weighs every policy loss but ``geo_mean`` (docs/algorithms.md#rollout-correction)."""
+    same tensor), as verl weighs every policy loss but ``geo_mean``
+    (docs/algorithms.md#rollout-correction)."""
     return (
         per_token
         if rollout_is_weights is None
@@ -157,8 +158,10 @@ def clip_cov(
 
     ρ = exp(clamp(log π − log π_old, −20, 20)); ℓ₁ = −Aρ, ℓ₂ = −A clip(ρ, 1 − ε_lo, 1 + ε_hi);
     cov_t = (A_t − Ā)(log π_t − mean log π), means over the response tokens of this call. Candidates: tokens
-    with m = 1, not already clipped by PPO (ℓ₂ ≤ ℓ₁) and ``options.clip_cov_lb`` < cov_t < ``options.clip_cov_ub``; of
-    them, max(⌊``options.clip_cov_ratio`` · Σm⌋, 1) chosen uniformly at random (``options.generator``, default the global
+    with m = 1, not already clipped by PPO (ℓ₂ ≤ ℓ₁) and ``options.clip_cov_lb`` < cov_t <
+    ``options.clip_cov_ub``; of
+    them, max(⌊``options.clip_cov_ratio`` · Σm⌋, 1) chosen uniformly at random (``options.generator``,
+    default the global
     CPU RNG, as verl) get no gradient:  ℓ = max(ℓ₁, ℓ₂) · c, c = 0 on chosen tokens, else 1 (no dual clip).
     loss = agg_loss(ℓ, m, loss_agg_mode, loss_scale_factor). As in verl the selection is per call, i.e. per
     micro-batch. Stats: ``pg_clipfrac`` = share of tokens with c = 0 (verl's meaning), ``ppo_kl``,
@@ -209,7 +212,8 @@ def kl_cov(
     """KL-Cov (Cui et al. 2025, arXiv:2505.22617): a |log-ratio| penalty on the highest-covariance tokens.
 
     δ = log π − log π_old, ρ = exp(clamp(δ, −20, 20)); over the response tokens of this call (flattened
-    row-major) cov_t = (A_t − Ā)(log π_t − mean log π); the k = max(1, ⌊Σm · ``options.kl_cov_ratio``⌋) tokens with
+    row-major) cov_t = (A_t − Ā)(log π_t − mean log π); the k = max(1, ⌊Σm · ``options.kl_cov_ratio``⌋)
+    tokens with
     the largest cov get ℓ = −Aρ + ``options.ppo_kl_coef`` · |δ|, all others ℓ = −Aρ (no clipping at all).
     loss = agg_loss(ℓ, m, loss_agg_mode, loss_scale_factor); per call (micro-batch), as verl.
     Stats: ``ppo_kl`` = token-mean of |δ| (verl reports the absolute value under this name),

@@ -114,7 +114,8 @@ def _rs_option(name: str, spec: str) -> RSOption:
     return RSOption(name, math.log(upper), math.log(lower))
 
 
-# ------------------------------------------------------------------------------------------ importance weights
+# ------------------------------------------------------------------------------------------ importance
+# weights
 def _token_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return log_ratio, log_ratio
 
@@ -221,7 +222,8 @@ def _std(x: torch.Tensor) -> torch.Tensor:
     return x.std() if x.numel() > 1 else torch.zeros((), dtype=x.dtype, device=x.device)
 
 
-# ------------------------------------------------------------------------------------------ rejection sampling
+# ------------------------------------------------------------------------------------------ rejection
+# sampling
 _ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "k1": lambda d: -d,
     "k2": lambda d: 0.5 * d.square(),
@@ -331,7 +333,8 @@ def _rs_stats(
 def offpolicy_metrics(
     log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
 ) -> Stats:
-    """verl's mismatch diagnostics between π_train (``log_prob``) and π_roll, with δ = log π_train − log π_roll:
+    """verl's mismatch diagnostics between π_train (``log_prob``) and π_roll, with δ = log π_train − log
+    π_roll:
 
     training_ppl / rollout_ppl   mean over rows of exp(−token-mean log π) (rows without tokens count as 1)
     training_log_ppl / rollout_log_ppl   mean over rows of −token-mean log π
@@ -437,7 +440,8 @@ def reinforce_loss(
 
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 """``rollout_correction.loss_type`` in bypass mode: ``ppo_clip`` is the configured policy loss with π_old =
-π_roll (the ratio is the importance weight, clipped; no extra weights), ``reinforce`` is :func:`reinforce_loss`."""
+π_roll (the ratio is the importance weight, clipped; no extra weights), ``reinforce`` is
+:func:`reinforce_loss`."""
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ def _block_scan_scalar(x: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.T
 def _block_scan_general(x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every block [..., n, C] solved alone, per-position coefficients a [..., n, C]: doubling steps.
 
-    After the step with offset d, y_t = Σ_{j ∈ [t, t+2d)} (Π_{i=t}^{j−1} a_i) x_j and p_t = Π_{i ∈ [t, t+2d)} a_i,
+    After the step with offset d, y_t = Σ_{j ∈ [t, t+2d)} (Π_{i=t}^{j−1} a_i) x_j and p_t = Π_{i ∈ [t, t+2d)}
+    a_i,
     both cut at the block end; log₂ C steps of elementwise work. Returns (local, carry), carry_t =
     Π_{i=t}^{C−1} a_i, both [..., n, C].
     """

@@ -45,7 +45,8 @@ def check_ground_truth_columns(cfg: KLPPOConfig, loaders: dict[str, Any]) -> Non
         for f, path in enumerate(loader.source.paths):
             if GROUND_TRUTH_COLUMN not in loader.source.column_names(f):
                 raise DataError(
-                    f"{path} ({split} data) has no {GROUND_TRUTH_COLUMN!r} column: the rule reward needs each "
+                    f"{path} ({split} data) has no {GROUND_TRUTH_COLUMN!r} column: the rule reward needs "
+                    "each "
                     "row's reward_model.ground_truth (every score would be 0); add the column (`klppo data "
                     "gsm8k` writes it), or set custom_reward_function.path or reward_model.enable=True"
                 )
@@ -80,13 +81,17 @@ def _check_rule_reward_rows(loader: Any, split: str) -> None:
     if missing:
         f, rows = next(iter(missing.items()))
         raise DataError(
-            f"{source.paths[f]} ({split} data): {len(rows)} row(s) without reward_model.ground_truth (first: row "
-            f"{rows[0]}): the rule reward would score them 0; fill them in, or set custom_reward_function.path"
+            f"{source.paths[f]} ({split} data): {len(rows)} row(s) without reward_model.ground_truth (first: "
+            f"row {rows[0]}): the rule reward would score them 0; fill them in, or set "
+            "custom_reward_function.path"
         )
     if unknown:
         name, (f, row) = next(iter(unknown.items()))
-        what = (f"no {key!r} column (data.reward_fn_key)" if key not in source.column_names(f)
-                else f"{key} (data.reward_fn_key) {sorted(unknown)[:5]!r} (first: row {row})")  # fmt: skip
+        what = (
+            f"no {key!r} column (data.reward_fn_key)"
+            if key not in source.column_names(f)
+            else f"{key} (data.reward_fn_key) {sorted(unknown)[:5]!r} (first: row {row})"
+        )
         raise DataError(
             f"{source.paths[f]} ({split} data): {what} — no built-in scorer for it (registered: "
             f"{', '.join(sorted(SCORERS))}); set custom_reward_function.path/name to score other data sources"
@@ -127,10 +132,14 @@ def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
         if getattr(loader, "stats", None) is not None and loader.stats.num_truncated:
             log.warning(
                 "%s prompts: %d longer than data.max_prompt_length=%d are cut (data.truncation=%s): raise "
-                "data.max_prompt_length to keep them whole, or set data.filter_overlong_prompts=True to leave "
+                "data.max_prompt_length to keep them whole, or set data.filter_overlong_prompts=True to "
+                "leave "
                 "them out",
-                split, loader.stats.num_truncated, loader.max_prompt_length, loader.truncation,
-            )  # fmt: skip
+                split,
+                loader.stats.num_truncated,
+                loader.max_prompt_length,
+                loader.truncation,
+            )
     return loaders
 
 

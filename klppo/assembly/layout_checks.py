@@ -82,8 +82,14 @@ def check_ulysses_heads(cfg: KLPPOConfig, actor_config: Any, critic_config: Any 
     arr = cfg.actor_rollout_ref
     roles = [(A, arr.actor.ulysses_sequence_parallel_size, actor_config, arr.actor.strategy)]
     if (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not uses_lora(arr.model):
-        roles.append(("actor_rollout_ref.ref", arr.ref.ulysses_sequence_parallel_size, actor_config,
-                      arr.actor.strategy))  # fmt: skip
+        roles.append(
+            (
+                "actor_rollout_ref.ref",
+                arr.ref.ulysses_sequence_parallel_size,
+                actor_config,
+                arr.actor.strategy,
+            )
+        )
     if critic_config is not None and uses_critic(cfg):
         roles.append(
             ("critic", cfg.critic.ulysses_sequence_parallel_size, critic_config, cfg.critic.strategy)
@@ -93,13 +99,18 @@ def check_ulysses_heads(cfg: KLPPOConfig, actor_config: Any, critic_config: Any 
         if size <= 1 or _heads_split(model_config, size):
             continue
         heads, kv_heads = _heads(model_config)
-        origin = (f" (from Megatron's {role}.megatron.context_parallel_size={size}, context parallelism run as "
-                  "Ulysses)" if strategy == "megatron" else "")  # fmt: skip
+        origin = (
+            f" (from Megatron's {role}.megatron.context_parallel_size={size}, context parallelism run as "
+            "Ulysses)"
+            if strategy == "megatron"
+            else ""
+        )
         valid = [s for s in range(1, world + 1) if world % s == 0 and _heads_split(model_config, s)]
         raise ConfigError(
-            f"{role}.ulysses_sequence_parallel_size={size}{origin} does not split the model's attention heads: "
-            f"Ulysses gives each rank of its group num_attention_heads / {size} query heads ({heads} here) and "
-            f"needs num_key_value_heads ({kv_heads}) a multiple or a divisor of {size}; sizes that fit "
+            f"{role}.ulysses_sequence_parallel_size={size}{origin} does not split the model's attention "
+            f"heads: Ulysses gives each rank of its group num_attention_heads / {size} query heads ({heads} "
+            f"here) and needs num_key_value_heads ({kv_heads}) a multiple or a divisor of {size}; sizes that "
+            "fit "
             f"this model on {world} GPUs: {', '.join(map(str, valid))}"
         )
 
@@ -128,12 +139,15 @@ def check_translated_memory(cfg: KLPPOConfig, actor_config: Any) -> None:
         if peak <= gib:
             fits.append(" ".join(f"{k}={v}" for k, v in overrides.items()) + f" ({peak:.1f} GiB)")
     summary = ", ".join(f"{name} {p:.1f}" for name, p in peaks.items())
-    advice = (f"settings predicted to fit: {'; or '.join(fits)}" if fits else
-              "no offload, Ulysses or LoRA setting is predicted to fit: more GPUs (trainer.n_gpus_per_node, "
-              "trainer.nnodes) or a smaller model")  # fmt: skip
+    advice = (
+        f"settings predicted to fit: {'; or '.join(fits)}"
+        if fits
+        else "no offload, Ulysses or LoRA setting is predicted to fit: more GPUs (trainer.n_gpus_per_node, "
+        "trainer.nnodes) or a smaller model"
+    )
     raise ConfigError(
-        f"this Megatron launch, run on FSDP2 over {world} GPU(s), is predicted to need {peaks[worst]:.1f} GiB "
-        f"per GPU in the {worst} phase (GiB: {summary}) but a GPU holds {gib:.0f} ({source}); {advice}. "
+        f"this Megatron launch, run on FSDP2 over {world} GPU(s), is predicted to need {peaks[worst]:.1f} "
+        f"GiB per GPU in the {worst} phase (GiB: {summary}) but a GPU holds {gib:.0f} ({source}); {advice}. "
         "`klppo tune <same arguments> --dry-run` shows each term"
     )
 

@@ -63,15 +63,19 @@ def logged_settings(cfg: KLPPOConfig, *, vocab_size: int, files: list[str]) -> L
 def build_logged_loader(cfg: KLPPOConfig, tokenizer: Any, files: list[str]) -> LoggedLoader:
     """The run's logged-sample loader, checked against what the run needs of it (one line per problem)."""
     if get_advantage_estimator(cfg.algorithm.adv_estimator).needs_reward_baselines:
-        raise DataError(f"data.logged_files with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: its "
-                        "greedy baseline needs a generation per step; use grpo, rloo or gae")  # fmt: skip
+        raise DataError(
+            f"data.logged_files with algorithm.adv_estimator={cfg.algorithm.adv_estimator}: its greedy "
+            "baseline needs a generation per step; use grpo, rloo or gae"
+        )
     loader = LoggedLoader(
         logged_settings(cfg, vocab_size=model_vocab_size(cfg, tokenizer), files=files), tokenizer
     )
     arr = cfg.actor_rollout_ref
     if loader.behaviour() == "reference" and not (cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss):
-        raise DataError(f"{loader.source.paths[0]}: no column 'response_log_probs' in every row, and the "
-                        "decoupled rollout correction (algorithm.rollout_correction.rollout_is) needs behaviour "
-                        "log-probs; the reference (the initial model) stands in when it is loaded "
-                        "(actor.use_kl_loss or algorithm.use_kl_in_reward) — set one, log them, or unset rollout_is")  # fmt: skip
+        raise DataError(
+            f"{loader.source.paths[0]}: no column 'response_log_probs' in every row, and the "
+            "decoupled rollout correction (algorithm.rollout_correction.rollout_is) needs behaviour "
+            "log-probs; the reference (the initial model) stands in when it is loaded (actor.use_kl_loss or "
+            "algorithm.use_kl_in_reward) — set one, log them, or unset rollout_is"
+        )
     return loader

@@ -96,7 +96,8 @@ class RoleInputs:
 
 
 def build_roles(inputs: RoleInputs, actor_fsdp: FSDPSettings) -> Roles:
-    """Actor (sharded with ``actor_fsdp``, the settings the memory pre-flight saw), reference, critic, reward."""
+    """Actor (sharded with ``actor_fsdp``, the settings the memory pre-flight saw), reference, critic,
+    reward."""
     actor = build_actor(inputs, actor_fsdp)
     return Roles(
         actor=actor,
@@ -108,7 +109,7 @@ def build_roles(inputs: RoleInputs, actor_fsdp: FSDPSettings) -> Roles:
             inputs.tokenizer,
             inputs.device,
             micro_batch_size=inputs.sizes.reward_micro_batch_size_per_gpu,
-        ),  # fmt: skip
+        ),
     )
 
 
@@ -310,9 +311,12 @@ def build_reward(
         reward_tokenizer = _reward_tokenizer(rm, path, trust)
         dtype = to_dtype(rm.model.fsdp_config.model_dtype) if device.type == "cuda" else torch.float32
         reward_model = load_reward_model(
-            path, dtype=dtype, trust_remote_code=trust, override_config=dict(rm.model.override_config or {}),
+            path,
+            dtype=dtype,
+            trust_remote_code=trust,
+            override_config=dict(rm.model.override_config or {}),
             pad_token_id=reward_tokenizer.pad_token_id,
-        )  # fmt: skip
+        )
         reward_model = reward_model.to(device).eval()
     return Reward(
         tokenizer,
@@ -409,13 +413,16 @@ def shard(model: torch.nn.Module, settings: FSDPSettings, device: torch.device) 
 
 
 def stored_dtype(path: str) -> str | None:
-    """The dtype the model at ``path`` is stored in (its config's ``dtype``, older ``torch_dtype``), or None."""
+    """The dtype the model at ``path`` is stored in (its config's ``dtype``, older ``torch_dtype``), or
+    None."""
     config, _ = PretrainedConfig.get_config_dict(path)
     dtype = config.get("dtype") or config.get("torch_dtype")
     return str(dtype).removeprefix("torch.") if dtype else None
 
 
-def hf_writer(model: torch.nn.Module, tokenizer: Any, *, start_dtype: str | None = None) -> Callable[[Path], None]:
+def hf_writer(
+    model: torch.nn.Module, tokenizer: Any, *, start_dtype: str | None = None
+) -> Callable[[Path], None]:
     """Writes the model's config, generation config and the tokenizer (captured before sharding). The config's
     ``dtype`` is ``start_dtype`` when given: the dtype of the model the run started from, which `klppo export`
     writes (the checkpoint's weights are the ``fsdp_config.model_dtype`` masters, fp32 by default)."""

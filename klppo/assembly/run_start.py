@@ -41,8 +41,9 @@ def on_rank0(fn: Callable[[], T]) -> T | None:
     return outcome[0]
 
 
-def begin_run(cfg: KLPPOConfig, argv: list[str], *, model_path: str, tokenizer_path: str,
-              trained: list[str]) -> RunStart:  # fmt: skip
+def begin_run(
+    cfg: KLPPOConfig, argv: list[str], *, model_path: str, tokenizer_path: str, trained: list[str]
+) -> RunStart:
     """Record the start, choose the resume point and check it, before any weights load (module docstring)."""
     t = cfg.trainer
     run_dir = Path(t.default_local_dir).expanduser()

@@ -97,8 +97,10 @@ def resolve_plain(fsdp: FSDPConfig, *, world_size: int, key: str = "fsdp_config"
     possible = world_size == 1 and not fsdp.offload_policy
     if value is True and not possible:
         why = f"{world_size} processes" if world_size > 1 else "offload_policy=true"
-        raise ValueError(f"{key}.plain_single_gpu=true needs one process and no offload_policy ({why}): "
-                         "set it to auto or false")  # fmt: skip
+        raise ValueError(
+            f"{key}.plain_single_gpu=true needs one process and no offload_policy ({why}): set it to auto or "
+            "false"
+        )
     # auto leaves offloading roles on FSDP2: the plain path's offload is tested on CPU only
     offloads = fsdp.param_offload or fsdp.optimizer_offload
     return possible and not offloads if value == "auto" else bool(value)
@@ -111,14 +113,23 @@ def check_cpu_step(fsdp: FSDPConfig, *, world_size: int, key: str = "fsdp_config
     ``cuda_graph_update`` (a graph reads device memory only) are refused beside it."""
     if not fsdp.optimizer_step_on_cpu:
         return False
-    clashes = [k for k in ("param_offload", "optimizer_offload", "offload_policy", "cuda_graph_update")
-               if getattr(fsdp, k)]  # fmt: skip
+    clashes = [
+        k
+        for k in ("param_offload", "optimizer_offload", "offload_policy", "cuda_graph_update")
+        if getattr(fsdp, k)
+    ]
     if world_size > 1 or fsdp.plain_single_gpu is False or clashes:
-        why = (f"{world_size} processes (FSDP2's offload_policy steps a sharded optimizer on the CPU)"
-               if world_size > 1 else "plain_single_gpu=false" if fsdp.plain_single_gpu is False
-               else ", ".join(f"{k}=true" for k in clashes))  # fmt: skip
-        raise ValueError(f"{key}.optimizer_step_on_cpu=true needs one process on the plain path with the "
-                         f"masters and AdamW state on the host throughout ({why}): set it to false, or unset those")  # fmt: skip
+        why = (
+            f"{world_size} processes (FSDP2's offload_policy steps a sharded optimizer on the CPU)"
+            if world_size > 1
+            else "plain_single_gpu=false"
+            if fsdp.plain_single_gpu is False
+            else ", ".join(f"{k}=true" for k in clashes)
+        )
+        raise ValueError(
+            f"{key}.optimizer_step_on_cpu=true needs one process on the plain path with the masters and "
+            f"AdamW state on the host throughout ({why}): set it to false, or unset those"
+        )
     return True
 
 
@@ -171,7 +182,8 @@ def grad_sync_per_mini_batch(
     fp32) per trainable parameter per rank. The plain path (``fsdp.plain``) has no reduce-scatter: off."""
     if fsdp.plain:
         return False, (
-            "no reduce-scatter on the plain path (plain_single_gpu): each micro-batch adds into the master gradients"
+            "no reduce-scatter on the plain path (plain_single_gpu): each micro-batch adds into the master "
+            "gradients"
         )
     return defers_grad_sync(
         fsdp_cfg.grad_sync_per_mini_batch,
@@ -247,7 +259,9 @@ def actor_settings(cfg: KLPPOConfig, sizes: Sizes, *, sp: SequenceParallel | Non
         loss_scale_factor=actor.loss_scale_factor,
         loss_mode=loss_mode,
         policy_loss_options=(
-            POLICY_LOSS_OPTIONS[loss_mode](**{k: getattr(actor.policy_loss, k) for k in POLICY_LOSS_KEYS[loss_mode]})
+            POLICY_LOSS_OPTIONS[loss_mode](
+                **{k: getattr(actor.policy_loss, k) for k in POLICY_LOSS_KEYS[loss_mode]}
+            )
             if loss_mode in POLICY_LOSS_OPTIONS
             else None
         ),
@@ -382,12 +396,17 @@ def engine_settings(
     nothing waits (``auto``: unless the rollout is tensor-parallel — ``tensor_parallel``, the built
     rollout's, else read from the configured size)."""
     eager = rollout.enforce_eager
-    return EngineSettings(eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id,
-                          gpu_memory_utilization=rollout.gpu_memory_utilization,
-                          free_cache_engine=rollout.free_cache_engine, cuda_graphs=not eager,
-                          compile_decode=False if eager else None, sampler=rollout.sampler,
-                          decode_attention=rollout.decode_attention,
-                          compact_slots=compacts_slots(rollout, tensor_parallel=tensor_parallel))  # fmt: skip
+    return EngineSettings(
+        eos_token_ids=tuple(eos_token_ids),
+        pad_token_id=pad_token_id,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        free_cache_engine=rollout.free_cache_engine,
+        cuda_graphs=not eager,
+        compile_decode=False if eager else None,
+        sampler=rollout.sampler,
+        decode_attention=rollout.decode_attention,
+        compact_slots=compacts_slots(rollout, tensor_parallel=tensor_parallel),
+    )
 
 
 def compacts_slots(rollout: RolloutConfig, *, tensor_parallel: bool | None = None) -> bool:
@@ -440,7 +459,8 @@ def loader_settings(data: DataConfig, *, seed: int, validation: bool) -> LoaderS
 
 def tool_schemas(tool_config_path: str | None) -> dict[str, Any]:
     """``{"tools": [schema, ...]}`` for the chat template of the prompts (``data.tool_config_path``, which
-    follows ``multi_turn.tool_config_path``), or ``{}``; loading the file checks it before any weights load."""
+    follows ``multi_turn.tool_config_path``), or ``{}``; loading the file checks it before any weights
+    load."""
     if not tool_config_path:
         return {}
     return {"tools": [tool.tool_schema.to_dict() for tool in load_tools(tool_config_path).values()]}

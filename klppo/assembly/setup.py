@@ -37,8 +37,8 @@ from klppo.config.schema import KLControlConfig
 from klppo.config.schema_arr import KLLossControlConfig
 from klppo.config.sizes import Sizes, uses_critic
 from klppo.data.dataset import PromptLoader
-from klppo.models.compile_cache import use_persistent_cache
 from klppo.data.logged import LoggedLoader
+from klppo.models.compile_cache import use_persistent_cache
 from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
 from klppo.models.lora import is_lora, merged_for_rollout
 from klppo.ops.checkpoint import checkpoint_step
@@ -168,13 +168,19 @@ def _before_weights(
     total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
     hf_config = AutoConfig.from_pretrained(model_path)
     workload = tune_workload(cfg, actor_fsdp, world_size=world_size(), device_gib=total_gib)
-    # per rank, an upper bound (responses may end early), split over a Ulysses group as the tokens of a micro-batch
+    # per rank, an upper bound (responses may end early), split over a Ulysses group as the tokens of a
+    # micro-batch
     per_rank = sizes.actor_mini_batch_samples_per_rank * workload.seq_len
     mini_tokens = -(-per_rank // workload.workload.sequence_parallel)
     rollout = cfg.actor_rollout_ref.rollout
     advise = cfg.trainer.advise
-    check_memory(workload, hf_config, mini_batch_tokens=mini_tokens if advise else None, host_bytes=host_ram_bytes(),
-                 rollout_seqs=sizes.samples_per_rank if advise and could_keep_workspace(cfg, hf_config) else None)  # fmt: skip
+    check_memory(
+        workload,
+        hf_config,
+        mini_batch_tokens=mini_tokens if advise else None,
+        host_bytes=host_ram_bytes(),
+        rollout_seqs=sizes.samples_per_rank if advise and could_keep_workspace(cfg, hf_config) else None,
+    )
     critic_tokens = (sizes.critic_mini_batch_samples_per_rank or 0) * workload.seq_len
     critic_advice = critic_budget_advice(cfg, critic_mini_batch_tokens=critic_tokens)
     advice = [*compiled_layers_advice(cfg), *filter(None, [critic_advice, background_scoring_advice(cfg)])]
@@ -272,22 +278,36 @@ def rollout_tensor_parallel(cfg: KLPPOConfig, device_type: str) -> TensorParalle
     return group
 
 
-def _rollout_engine(cfg: KLPPOConfig, tokenizer: Any, actor_model: torch.nn.Module,
-                    tensor_parallel: TensorParallel | None, compiled: CompiledFunctions | None) -> RolloutEngine:  # fmt: skip
+def _rollout_engine(
+    cfg: KLPPOConfig,
+    tokenizer: Any,
+    actor_model: torch.nn.Module,
+    tensor_parallel: TensorParallel | None,
+    compiled: CompiledFunctions | None,
+) -> RolloutEngine:
     """The rollout engine of ``actor_rollout_ref.rollout``, handed the compiled functions that ``build_run``
     started pre-compiling (klppo only)."""
     rollout = cfg.actor_rollout_ref.rollout
     eos = eos_token_ids(tokenizer, actor_model.config, getattr(actor_model, "generation_config", None))
-    settings = engine_settings(rollout, tensor_parallel=tensor_parallel is not None, eos_token_ids=eos,
-                               pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    settings = engine_settings(
+        rollout,
+        tensor_parallel=tensor_parallel is not None,
+        eos_token_ids=eos,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     engine = make_rollout(rollout.name, settings, tensor_parallel=tensor_parallel, compiled=compiled)
     mt = rollout.multi_turn
     if not mt.enable:
         return engine
-    return MultiTurnRollout(engine, tokenizer=tokenizer, settings=multi_turn_settings(mt), eos_token_ids=tuple(eos),
-                            tools=load_tools(mt.tool_config_path) if mt.tool_config_path else {},
-                            interactions=load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {},
-                            chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs))  # fmt: skip
+    return MultiTurnRollout(
+        engine,
+        tokenizer=tokenizer,
+        settings=multi_turn_settings(mt),
+        eos_token_ids=tuple(eos),
+        tools=load_tools(mt.tool_config_path) if mt.tool_config_path else {},
+        interactions=load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {},
+        chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs),
+    )
 
 
 def build_run(cfg: KLPPOConfig, *, device: torch.device, argv: list[str]) -> Run:

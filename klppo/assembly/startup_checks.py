@@ -13,7 +13,8 @@
 
 The model's heads against each Ulysses size and, on a Megatron launch, the memory of the translated layout
 are checked by `klppo.assembly.layout_checks` (`check_layout`). The prompt data itself (missing/empty
-files, columns, rows for one batch after filtering) is checked by `klppo.assembly.data_check`. Knows nothing of the loop; reads Parquet schemas, prompt columns and model
+files, columns, rows for one batch after filtering) is checked by `klppo.assembly.data_check`. Knows nothing
+of the loop; reads Parquet schemas, prompt columns and model
 configs, never weights.
 """
 
@@ -55,8 +56,8 @@ def check_loggers(cfg: KLPPOConfig) -> None:
         module, pip_name = PACKAGES.get(name, (None, None))
         if module is not None and importlib.util.find_spec(module) is None:
             raise ConfigError(
-                f"trainer.logger includes {name!r} but the `{module}` package is not installed: run "
-                f"`pip install {pip_name}`, or remove {name!r} from trainer.logger"
+                f"trainer.logger includes {name!r} but the `{module}` package is not installed: run `pip "
+                f"install {pip_name}`, or remove {name!r} from trainer.logger"
             )
 
 
@@ -98,8 +99,8 @@ def _check_prompt_placeholders(pf: pq.ParquetFile, path: str, prompt_key: str) -
             for tag in _PLACEHOLDERS:
                 if tag in text:
                     raise ConfigError(
-                        f"{path} row {row + i}: the prompt ({prompt_key}) holds a {tag} placeholder: image and "
-                        "video inputs are not built (klppo trains text-only models)"
+                        f"{path} row {row + i}: the prompt ({prompt_key}) holds a {tag} placeholder: image "
+                        "and video inputs are not built (klppo trains text-only models)"
                     )
         row += batch.num_rows
 
@@ -137,7 +138,8 @@ def check_run_dir(cfg: KLPPOConfig, actor_config: object, critic_config: object 
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(
-            f"trainer.default_local_dir={cfg.trainer.default_local_dir}: {existing} is not a writable directory"
+            f"trainer.default_local_dir={cfg.trainer.default_local_dir}: {existing} is not a writable "
+            "directory"
         )
     need = checkpoint_bytes(cfg, actor_config, critic_config if uses_critic(cfg) else None)
     free = shutil.disk_usage(existing).free
@@ -146,8 +148,8 @@ def check_run_dir(cfg: KLPPOConfig, actor_config: object, critic_config: object 
     if cfg.trainer.save_freq > 0 and free < need:
         raise ConfigError(
             f"trainer.default_local_dir={cfg.trainer.default_local_dir}: one checkpoint needs about "
-            f"{need / gib:.2f} GiB but {free / gib:.2f} GiB are free under {existing} (trainer.save_freq="
-            f"{cfg.trainer.save_freq}); free space or choose another directory"
+            f"{need / gib:.2f} GiB but {free / gib:.2f} GiB are free under {existing} "
+            f"(trainer.save_freq={cfg.trainer.save_freq}); free space or choose another directory"
         )
     return line
 
@@ -203,7 +205,7 @@ def nothing_left_to_train(cfg: KLPPOConfig, batches_per_epoch: int) -> str | Non
         return None  # steps left, or a damaged checkpoint: the run falls back to an older one or says why
     what = "trainer.total_training_steps" if t.total_training_steps else "trainer.total_epochs"
     return (
-        f"{path} is at step {step}, and this run ends at step {total} ({what}): nothing left to train. "
-        "Raise trainer.total_training_steps or total_epochs to continue, or start over with "
+        f"{path} is at step {step}, and this run ends at step {total} ({what}): nothing left to train. Raise "
+        "trainer.total_training_steps or total_epochs to continue, or start over with "
         "trainer.resume_mode=disable or another trainer.default_local_dir"
     )

@@ -27,7 +27,8 @@ seq-mean-token-sum-norm    Σ_it L·M / horizon   (horizon = mask.shape[-1])    
 
 ``rows`` counts all rows, ``seqs`` the rows with at least one unmasked token (as
 ``klppo.algorithms.losses.agg_loss``: a fully masked row is a zero term of ``seq-mean-token-sum`` and
-no term of ``seq-mean-token-mean``); both counts agree when no response is empty, the normal case. Global-token variant (data parallel): pass the
+no term of ``seq-mean-token-mean``); both counts agree when no response is empty, the normal case.
+Global-token variant (data parallel): pass the
 token / sequence counts summed over all ranks as ``mini_num_tokens`` / ``mini_num_seqs`` and *sum* the
 gradients over ranks (or multiply the weight by ``world_size`` when the all-reduce averages); the
 accumulated gradient then equals the gradient of the loss aggregated over the global mini-batch.
@@ -85,8 +86,8 @@ def partition_by_token_budget(
     overlong = [i for i, n in enumerate(lens) if n > max_tokens]
     if overlong:
         warnings.warn(
-            f"{len(overlong)} sequence(s) longer than the token budget {max_tokens} "
-            f"(longest {max(lens[i] for i in overlong)} tokens) each run in a micro-batch of their own; "
+            f"{len(overlong)} sequence(s) longer than the token budget {max_tokens} (longest "
+            f"{max(lens[i] for i in overlong)} tokens) each run in a micro-batch of their own; "
             "raise the *_max_token_len_per_gpu budget to avoid the memory spike",
             stacklevel=2,
         )

@@ -227,9 +227,12 @@ def _packed_model_inputs(
     else:
         src, index = _host_sources(host_mask, response_length, input_ids.device)
     kwargs = dict(
-        input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False,
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        attention_mask=None,
+        use_cache=False,
         **packed.attention_kwargs(),
-    )  # fmt: skip
+    )
     return kwargs, src, index
 
 
@@ -293,9 +296,12 @@ def prepare_log_probs(
         kwargs["logits_to_keep"] = src
         return LogProbInputs(kwargs, target, kept, kept.unsqueeze(0), packed=True, target_index=index)
     kwargs = dict(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        logits_to_keep=response_length + 1, use_cache=False,
-    )  # fmt: skip
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=response_length + 1,
+        use_cache=False,
+    )
     # the last kept position predicts nothing: any label (0) there, its result is dropped
     return LogProbInputs(kwargs, target, labels, torch.nn.functional.pad(labels, (0, 1)), packed=False)
 
@@ -357,9 +363,13 @@ def forward_log_probs(
         log_probs [B, R] float32 and entropy [B, R] float32 (or None); zeros at masked response positions.
     """
     inputs = prepare_log_probs(
-        input_ids, attention_mask, position_ids, response_length=response_length,
-        use_remove_padding=use_remove_padding, host_mask=host_mask,
-    )  # fmt: skip
+        input_ids,
+        attention_mask,
+        position_ids,
+        response_length=response_length,
+        use_remove_padding=use_remove_padding,
+        host_mask=host_mask,
+    )
     return log_probs_of(
         model, inputs, temperature=temperature, calculate_entropy=calculate_entropy, fused=fused
     )

@@ -31,8 +31,8 @@ def check_target(out_dir: Path, *, overwrite: bool) -> None:
         raise FileExistsError(f"{out_dir} is a file, not a directory")
     if not overwrite and out_dir.is_dir() and any(out_dir.iterdir()):
         raise FileExistsError(
-            f"{out_dir} is not empty ({len(list(out_dir.iterdir()))} entries); choose a new directory or pass "
-            "--overwrite to write over its files"
+            f"{out_dir} is not empty ({len(list(out_dir.iterdir()))} entries); choose a new directory or "
+            "pass --overwrite to write over its files"
         )
 
 
@@ -97,7 +97,10 @@ def describe_export(out_dir: Path, *, role: str, chosen: bool) -> list[str]:
     config = AutoConfig.from_pretrained(out_dir)
     dtype = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
     weights = sorted(out_dir.glob("*.safetensors"))
-    size, files = sum(p.stat().st_size for p in weights), f"{len(weights)} file{'s' if len(weights) != 1 else ''}"
+    size, files = (
+        sum(p.stat().st_size for p in weights),
+        f"{len(weights)} file{'s' if len(weights) != 1 else ''}",
+    )
     auto = "AutoModelForTokenClassification" if role == "critic" else "AutoModelForCausalLM"
     whose = "as --dtype asked" if chosen else "the dtype of the model the run started from; --dtype to change"
     lines = [
@@ -117,15 +120,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", help="where to write the Hugging Face directory")
     parser.add_argument("--role", choices=["actor", "critic"], default="actor")
     parser.add_argument(
-        "--dtype", choices=["auto", *DTYPES], default="auto",
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
         help="dtype of the written weights (auto: the dtype of the model the run started from)",
-    )  # fmt: skip
+    )
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty out_dir")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()  # the lines below say what was written
     try:
-        out = export_checkpoint(args.ckpt_dir, args.out_dir, role=args.role, overwrite=args.overwrite,
-                                dtype=DTYPES.get(args.dtype))  # fmt: skip
+        out = export_checkpoint(
+            args.ckpt_dir,
+            args.out_dir,
+            role=args.role,
+            overwrite=args.overwrite,
+            dtype=DTYPES.get(args.dtype),
+        )
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"klppo export: {exc}", file=sys.stderr)
         return 2

@@ -57,8 +57,9 @@ def sampling_for_log(cfg: KLPPOConfig, n: int | None) -> SamplingParams:
     )
     if params.top_p < 1.0 or params.top_k > 0:
         raise ConfigError(
-            f"klppo data log samples untruncated: rollout.top_p={params.top_p}, top_k={params.top_k} would make "
-            "the logged log-probs (full softmax) differ from the sampled distribution; set top_p=1.0 top_k=-1"
+            f"klppo data log samples untruncated: rollout.top_p={params.top_p}, top_k={params.top_k} would "
+            "make the logged log-probs (full softmax) differ from the sampled distribution; set top_p=1.0 "
+            "top_k=-1"
         )
     return dataclasses.replace(params, n=n or params.n)
 
@@ -71,22 +72,24 @@ def sample_rows(
     for i in range(out.responses.shape[0]):
         p = i // params.n
         length = int(out.response_mask[i].sum())
-        rows.append({
-            "data_source": prompts.data_source[p],
-            "prompt": prompts.raw_prompt[p],
-            "reward_model": {"ground_truth": prompts.ground_truth[p]},
-            "extra_info": prompts.extra_info[p],
-            "response_ids": out.responses[i, :length].tolist(),
-            "response": scores.texts[i],
-            "response_log_probs": out.log_probs[i, :length].float().tolist(),
-            "response_mask": [1] * length,
-            "score": float(scores.sequence[i]),
-            "group_id": str(prompts.uid[p]),
-            "temperature": params.temperature if params.do_sample else 0.0,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            **identity,
-        })  # fmt: skip
+        rows.append(
+            {
+                "data_source": prompts.data_source[p],
+                "prompt": prompts.raw_prompt[p],
+                "reward_model": {"ground_truth": prompts.ground_truth[p]},
+                "extra_info": prompts.extra_info[p],
+                "response_ids": out.responses[i, :length].tolist(),
+                "response": scores.texts[i],
+                "response_log_probs": out.log_probs[i, :length].float().tolist(),
+                "response_mask": [1] * length,
+                "score": float(scores.sequence[i]),
+                "group_id": str(prompts.uid[p]),
+                "temperature": params.temperature if params.do_sample else 0.0,
+                "top_p": params.top_p,
+                "top_k": params.top_k,
+                **identity,
+            }
+        )
     return rows
 
 
@@ -97,15 +100,23 @@ def log_samples(
     arr = cfg.actor_rollout_ref
     params = sampling_for_log(cfg, n)
     model_path = model_dir(arr.model.path, key="actor_rollout_ref.model.path")
-    tok_path = model_dir(arr.model.tokenizer_path, key="actor_rollout_ref.model.tokenizer_path") if arr.model.tokenizer_path else model_path  # fmt: skip
+    tok_path = (
+        model_dir(arr.model.tokenizer_path, key="actor_rollout_ref.model.tokenizer_path")
+        if arr.model.tokenizer_path
+        else model_path
+    )
     tokenizer = load_tokenizer(tok_path, trust_remote_code=tokenizer_trusts_code(cfg))
     settings = loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False)
     loader = PromptLoader(dataclasses.replace(settings, shuffle=False, drop_last=False), tokenizer)
     dtype = to_dtype(arr.rollout.dtype) if device.type == "cuda" else torch.float32
     model = load_policy_model(arr.model, model_path, dtype, device, train=False).eval()
     eos = eos_token_ids(tokenizer, model.config, getattr(model, "generation_config", None))
-    engine = make_rollout(arr.rollout.name, engine_settings(arr.rollout, tensor_parallel=False, eos_token_ids=eos,
-                                                            pad_token_id=tokenizer.pad_token_id))  # fmt: skip
+    engine = make_rollout(
+        arr.rollout.name,
+        engine_settings(
+            arr.rollout, tensor_parallel=False, eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id
+        ),
+    )
     reward = build_reward(cfg.reward_model, cfg.custom_reward_function, tokenizer, device)
     identity = {
         "model": arr.model.path,

@@ -53,8 +53,8 @@ QUICKSTARTS: dict[str, Quickstart] = {
         run_dir="runs/quickstart-gpu",
         data_kwargs={"negative": True},  # bench/learning.py's distribution: differences may be negative
         about=(
-            "klppo quickstart (GPU): SmolLM2-135M-Instruct learns 2-digit arithmetic with KL-PPO (GRPO, k2 KL "
-            "loss toward the reference), a few minutes of training on one GPU; greedy accuracy on 200 "
+            "klppo quickstart (GPU): SmolLM2-135M-Instruct learns 2-digit arithmetic with KL-PPO (GRPO, k2 "
+            "KL loss toward the reference), a few minutes of training on one GPU; greedy accuracy on 200 "
             "held-out questions is measured before and after (the `val` lines and the summary)."
         ),
     ),
@@ -66,9 +66,9 @@ QUICKSTARTS: dict[str, Quickstart] = {
         run_dir="runs/quickstart-cpu",
         about=(
             "klppo quickstart (CPU demo): a few KL-PPO steps of SmolLM2-135M-Instruct on 2-digit arithmetic "
-            "(GRPO, k3 KL loss, validation on 8 held-out questions before and after), to show every phase of "
-            "the loop on a CPU in a few minutes. It is too short to learn anything; the GPU recipe learns "
-            "(its command is printed at the end)."
+            "(GRPO, k3 KL loss, validation on 8 held-out questions before and after), to show every phase "
+            "of the loop on a CPU in a few minutes. It is too short to learn anything; the GPU recipe "
+            "learns (its command is printed at the end)."
         ),
     ),
 }

@@ -95,7 +95,9 @@ def check_startup(
         found.device, found.nproc = machine
         found.check(derive_sizes, cfg, found.nproc * cfg.trainer.nnodes)
     # a .gguf file → its cached Hugging Face directory (converted once), before any process starts
-    found.model_path = found.check(model_dir, cfg.actor_rollout_ref.model.path, key="actor_rollout_ref.model.path")
+    found.model_path = found.check(
+        model_dir, cfg.actor_rollout_ref.model.path, key="actor_rollout_ref.model.path"
+    )
     found.check(check_loggers, cfg)
     found.check(check_text_only, cfg)
     found.check(check_resume, cfg)

@@ -40,12 +40,14 @@ USAGE = """usage: klppo train [--dry-run] [config.yaml] [key=value ...]
        klppo train [--dry-run] --quickstart {cpu,gpu} [key=value ...]
        python -m klppo.trainer.main_ppo [config.yaml] [key=value ...]
 
---dry-run: check everything, print the plan (processes, per-rank sizes, roles, predicted memory), train nothing.
+--dry-run: check everything, print the plan (processes, per-rank sizes, roles, predicted
+  memory), train nothing.
 --quickstart: the embedded quickstart's recipe, chosen explicitly (overrides apply on top of it).
 
 KL-regularized PPO with verl's configuration keys (dotted overrides, e.g. data.train_batch_size=512
 actor_rollout_ref.rollout.n=4). With no arguments: the embedded quickstart (SmolLM2-135M-Instruct on a
-built-in arithmetic set): on a GPU the learning recipe, on a CPU a short demo. `klppo config ...` prints the resolved configuration without training.
+built-in arithmetic set): on a GPU the learning recipe, on a CPU a short demo. `klppo config ...`
+prints the resolved configuration without training.
 Every key: docs/configuration.md; the run directory, checkpoints and failures: docs/training.md."""
 
 
@@ -165,7 +167,8 @@ def _launch_or_run(cfg: KLPPOConfig, *, device: torch.device, nproc: int, argv: 
 
 
 def _pop_option(argv: list[str], option: str) -> tuple[str | None, list[str]]:
-    """(value of ``option VALUE`` or ``option=VALUE``, the other arguments); raises ValueError without a value."""
+    """(value of ``option VALUE`` or ``option=VALUE``, the other arguments); raises ValueError without a
+    value."""
     rest, value, args = [], None, iter(argv)
     for arg in args:
         if arg == option:

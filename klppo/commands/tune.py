@@ -58,7 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--link-gbps",
         type=float,
         default=350.0,
-        help="--dry-run: assumed all-gather bus bandwidth, GB/s (the default: NVLink between data-centre GPUs)",
+        help="--dry-run: assumed all-gather bus bandwidth, GB/s (the default: NVLink between data-centre "
+        "GPUs)",
     )
     p.add_argument(
         "--tflops",
@@ -109,16 +110,21 @@ def main(argv: list[str] | None = None) -> int:
         console.print(report.terms_table(predict(facts, current, w), current, w.runs_plain(current)))
         if w.shard_ranks > 1:
             units = predict_units(
-                facts.units(current.min_num_params), current, w,
-                bus_bandwidth=args.link_gbps * 1e9, flops_per_s=args.tflops * 1e12, num_micro=args.num_micro,
-            )  # fmt: skip
+                facts.units(current.min_num_params),
+                current,
+                w,
+                bus_bandwidth=args.link_gbps * 1e9,
+                flops_per_s=args.tflops * 1e12,
+                num_micro=args.num_micro,
+            )
             console.print(report.comm_table(units, current, args.link_gbps, args.tflops))
         return 0
     return _sweep(args, console, facts, points, w, current, args.seq_len or seq_len)
 
 
 def _plan(args: argparse.Namespace):
-    """The config, the model and the grid of points from the arguments; ValueError/ConfigError on a mistake."""
+    """The config, the model and the grid of points from the arguments; ValueError/ConfigError on a
+    mistake."""
     cfg = load_config(args.config)
     try:
         model_config = load_model_config(args.model_shape or cfg.actor_rollout_ref.model.path)

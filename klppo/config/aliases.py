@@ -1,7 +1,8 @@
 """Names users bring from verl and tuning guides, rewritten to one spelling before anything reads them.
 
 Key aliases (`KEY_ALIASES`): a key that sets other keys. Value aliases (`normalize`): strategy `fsdp` →
-`fsdp2` (`megatron` stays: the launch is translated to FSDP2 by `megatron.py`); KL estimator names `k1|k2|k3` → `kl|mse|low_var_kl` (a `+` suffix is kept); logger `file` →
+`fsdp2` (`megatron` stays: the launch is translated to FSDP2 by `megatron.py`); KL estimator names `k1|k2|k3`
+→ `kl|mse|low_var_kl` (a `+` suffix is kept); logger `file` →
 `jsonl`; rollout engine `vllm|sglang|trtllm` → `klppo`; dtype long names → `fp32|bf16|fp16`; the deprecated
 `optim.warmup_style` → `optim.lr_scheduler_type`. The printed configuration shows the normalized values.
 """
@@ -39,10 +40,15 @@ KL_NAME_KEYS = ("algorithm.kl_penalty", "actor_rollout_ref.actor.kl_loss_type")
 KL_ALIASES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
 KL_NAMES = ("kl", "abs", "mse", "low_var_kl", "full")
 DTYPE_ALIASES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32",
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-}  # fmt: skip
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+}
 LOGGERS = (
     "console",
     "jsonl",
@@ -89,8 +95,13 @@ def normalize(tree: dict[str, Any], notify: Notify) -> None:
     _loggers(tree, notify)
     _rollout_name(tree, notify)
     for base in FSDP_CONFIG_KEYS:
-        for sub in ("model_dtype", "dtype", "mixed_precision.param_dtype", "mixed_precision.reduce_dtype",
-                    "mixed_precision.buffer_dtype"):  # fmt: skip
+        for sub in (
+            "model_dtype",
+            "dtype",
+            "mixed_precision.param_dtype",
+            "mixed_precision.reduce_dtype",
+            "mixed_precision.buffer_dtype",
+        ):
             _dtype(tree, f"{base}.{sub}")
     _dtype(tree, "actor_rollout_ref.rollout.dtype")
     _dtype(tree, "reward_model.rollout.dtype")

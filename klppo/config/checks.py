@@ -16,19 +16,37 @@ from klppo.config._walk import all_keys
 from klppo.config.aliases import choice_error
 from klppo.config.errors import ConfigError, notice
 from klppo.config.schema import KLPPOConfig
+from klppo.config.schema_arr import RolloutConfig
 from klppo.config.schema_monitor import check_monitor, check_profiler
 from klppo.config.sizes import check_prompt_counts, uses_critic
 
 Notify = Callable[[str], None]
 
 ADV_ESTIMATORS = (
-    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "grpo_passk",
-    "gpg", "optimal_token_baseline", "rloo_vectorized", "grpo_vectorized",
-)  # fmt: skip
-IMPLEMENTED_ADV_ESTIMATORS = (
-    "gae", "grpo", "rloo", "reinforce_plus_plus", "remax", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "grpo_passk",
     "gpg",
-)  # fmt: skip
+    "optimal_token_baseline",
+    "rloo_vectorized",
+    "grpo_vectorized",
+)
+IMPLEMENTED_ADV_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "remax",
+    "reinforce_plus_plus_baseline",
+    "opo",
+    "grpo_passk",
+    "gpg",
+)
 # actor_rollout_ref.actor.policy_loss.loss_mode values klppo builds (klppo.algorithms.losses.POLICY_LOSSES)
 IMPLEMENTED_POLICY_LOSS_MODES = ("vanilla", "gspo", "clip_cov", "kl_cov", "gpg", "geo_mean")
 GROUP_ESTIMATORS = (
@@ -87,8 +105,14 @@ _AUTO_KERNELS = "set auto, which runs the Triton kernels wherever they run"
 REMOVED_VALUES: dict[tuple[str, str], str] = {
     ("actor_rollout_ref.rollout.sampler", "triton"): _AUTO_KERNELS,
     ("actor_rollout_ref.rollout.decode_attention", "triton"): _AUTO_KERNELS,
-    ("actor_rollout_ref.rollout.decode_attention", "flash"): f"{_AUTO_KERNELS}, or sdpa (the torch reference)",
-    ("actor_rollout_ref.rollout.decode_attention", "flash-plain"): f"{_AUTO_KERNELS}, or sdpa (the torch reference)",
+    (
+        "actor_rollout_ref.rollout.decode_attention",
+        "flash",
+    ): f"{_AUTO_KERNELS}, or sdpa (the torch reference)",
+    (
+        "actor_rollout_ref.rollout.decode_attention",
+        "flash-plain",
+    ): f"{_AUTO_KERNELS}, or sdpa (the torch reference)",
     ("actor_rollout_ref.rollout.layer_kernels", "triton"): _AUTO_KERNELS,
     ("actor_rollout_ref.rollout.layer_kernels", "compile"): (
         f"{_AUTO_KERNELS} (torch.compile runs the layers where they do not; enforce_eager=true turns it off)"
@@ -192,8 +216,10 @@ def _check_trainer_keys(cfg: KLPPOConfig, notify: Notify) -> None:
     if t.val_only and not cfg.data.val_files:
         raise ConfigError("trainer.val_only=True validates data.val_files, which is null: set data.val_files")
     if t.resume_from_path and t.resume_mode != "resume_path":
-        notify(f"trainer.resume_from_path={t.resume_from_path} is read only with trainer.resume_mode=resume_path "
-               f"(now {t.resume_mode}): not used")  # fmt: skip
+        notify(
+            f"trainer.resume_from_path={t.resume_from_path} is read only with "
+            f"trainer.resume_mode=resume_path (now {t.resume_mode}): not used"
+        )
 
 
 def _check_no_nan(cfg: KLPPOConfig) -> None:
@@ -261,11 +287,44 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     _check_no_nan(cfg)
     _check_file_lists(cfg)
     _check_reward_model_sizes(cfg.reward_model)
+    _check_value_forms(cfg)
+    _check_engine_keys(cfg.actor_rollout_ref.rollout)
+    _check_cross_keys(cfg)
+    _check_skip_zero_advantage_rows(cfg)
+    _check_kl_controller("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, cfg.algorithm.kl_ctrl.kl_coef)
+    actor = cfg.actor_rollout_ref.actor
+    _check_kl_controller("actor_rollout_ref.actor.kl_loss_ctrl", actor.kl_loss_ctrl, actor.kl_loss_coef)
+    if actor.kl_loss_ctrl.type != "fixed" and not actor.use_kl_loss:
+        raise ConfigError(
+            f"actor_rollout_ref.actor.kl_loss_ctrl.type={actor.kl_loss_ctrl.type} controls the KL loss, but "
+            "actor_rollout_ref.actor.use_kl_loss=False; set use_kl_loss=True or kl_loss_ctrl.type=fixed"
+        )
+    crf = cfg.custom_reward_function
+    if crf.path and not crf.name:
+        raise ConfigError(
+            f"custom_reward_function.path={crf.path!r} needs custom_reward_function.name (the function to "
+            "call in that file), got null"
+        )
+    check_prompt_counts(cfg)
+    _token_budgets(cfg)
+    _compiled_layers(cfg)
+    _check_drift_range(cfg)
+    check_monitor(cfg.monitor)
+    _check_kl_early_stop_target(cfg)
+    _check_trainer_keys(cfg, notify)
+    check_profiler(cfg.global_profiler.tool, cfg.global_profiler.steps)
+    _advice(cfg, notify)
+
+
+def _check_value_forms(cfg: KLPPOConfig) -> None:
+    """Copies that must equal their source, and keys that take ``auto`` or a typed value."""
     for copy, source in _READ_ONLY_COPIES:
         if value_at(cfg, copy) != value_at(cfg, source):
-            raise ConfigError(f"{copy}={value_at(cfg, copy)!r} differs from {source}={value_at(cfg, source)!r}, "
-                              f"which it copies in verl's schema and which is what klppo reads: set {source} "
-                              f"instead, or leave {copy} unset")  # fmt: skip
+            raise ConfigError(
+                f"{copy}={value_at(cfg, copy)!r} differs from {source}={value_at(cfg, source)!r}, "
+                f"which it copies in verl's schema and which is what klppo reads: set {source} "
+                f"instead, or leave {copy} unset"
+            )
     n = cfg.trainer.n_gpus_per_node
     if not (n == "auto" or (isinstance(n, int) and n >= 1)):
         raise ConfigError(f"trainer.n_gpus_per_node={n!r}: expected 'auto' or an integer ≥ 1")
@@ -278,61 +337,58 @@ def validate(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         value = value_at(cfg, key)
         if not (isinstance(value, bool) or value == "auto"):
             raise ConfigError(f"{key}={value!r}: expected auto, true or false")
-    rollout = cfg.actor_rollout_ref.rollout
+
+
+def _check_engine_keys(rollout: RolloutConfig) -> None:
+    """klppo's engine keys are set only with the klppo engine, each to one of its values."""
     if rollout.sampler != "auto" and rollout.name != "klppo":
-        raise ConfigError(f"actor_rollout_ref.rollout.sampler={rollout.sampler} is klppo's engine's; rollout.name="
-                          f"{rollout.name} samples its own way: set sampler=auto or rollout.name=klppo")  # fmt: skip
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.sampler={rollout.sampler} is klppo's engine's; rollout.name="
+            f"{rollout.name} samples its own way: set sampler=auto or rollout.name=klppo"
+        )
     if rollout.decode_attention != "auto" and rollout.name != "klppo":
-        raise ConfigError(f"actor_rollout_ref.rollout.decode_attention={rollout.decode_attention} is klppo's engine's; "
-                          f"rollout.name={rollout.name}: set decode_attention=auto or rollout.name=klppo")  # fmt: skip
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.decode_attention={rollout.decode_attention} is klppo's engine's; "
+            f"rollout.name={rollout.name}: set decode_attention=auto or rollout.name=klppo"
+        )
     if not (isinstance(rollout.compact_slots, bool) or rollout.compact_slots == "auto"):
         raise ConfigError(
             f"actor_rollout_ref.rollout.compact_slots={rollout.compact_slots!r}: expected auto, true or false"
         )
     if rollout.compact_slots is True and rollout.name != "klppo":
-        raise ConfigError(f"actor_rollout_ref.rollout.compact_slots=true is klppo's engine's; rollout.name={rollout.name}: "
-                          "set compact_slots=false or rollout.name=klppo")  # fmt: skip
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.compact_slots=true is klppo's engine's; rollout.name={rollout.name}: "
+            "set compact_slots=false or rollout.name=klppo"
+        )
+
+
+def _check_cross_keys(cfg: KLPPOConfig) -> None:
+    """Rules between keys: the dual clip, a resume path, a critic for GAE."""
     if cfg.actor_rollout_ref.actor.clip_ratio_c <= 1.0:
-        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={cfg.actor_rollout_ref.actor.clip_ratio_c}: "
-                          "the dual-clip constant must be > 1.0")  # fmt: skip
+        raise ConfigError(
+            f"actor_rollout_ref.actor.clip_ratio_c={cfg.actor_rollout_ref.actor.clip_ratio_c}: the dual-clip "
+            "constant must be > 1.0"
+        )
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError(
             "trainer.resume_mode=resume_path needs trainer.resume_from_path=<global_step_N folder>"
         )
     if uses_critic(cfg) and cfg.critic.enable is False:
-        raise ConfigError("algorithm.adv_estimator=gae needs a critic (values), but critic.enable=False; "
-                          "enable the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax)")  # fmt: skip
-    _check_skip_zero_advantage_rows(cfg)
-    _check_kl_controller("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, cfg.algorithm.kl_ctrl.kl_coef)
-    actor = cfg.actor_rollout_ref.actor
-    _check_kl_controller("actor_rollout_ref.actor.kl_loss_ctrl", actor.kl_loss_ctrl, actor.kl_loss_coef)
-    if actor.kl_loss_ctrl.type != "fixed" and not actor.use_kl_loss:
         raise ConfigError(
-            f"actor_rollout_ref.actor.kl_loss_ctrl.type={actor.kl_loss_ctrl.type} controls the KL loss, but "
-            "actor_rollout_ref.actor.use_kl_loss=False; set use_kl_loss=True or kl_loss_ctrl.type=fixed"
+            "algorithm.adv_estimator=gae needs a critic (values), but critic.enable=False; enable the "
+            "critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus, remax)"
         )
-    crf = cfg.custom_reward_function
-    if crf.path and not crf.name:
-        raise ConfigError(f"custom_reward_function.path={crf.path!r} needs custom_reward_function.name "
-                          "(the function to call in that file), got null")  # fmt: skip
-    check_prompt_counts(cfg)
-    _token_budgets(cfg)
-    _compiled_layers(cfg)
-    _check_drift_range(cfg)
-    check_monitor(cfg.monitor)
-    _check_kl_early_stop_target(cfg)
-    _check_trainer_keys(cfg, notify)
-    check_profiler(cfg.global_profiler.tool, cfg.global_profiler.steps)
-    _advice(cfg, notify)
 
 
 def _check_skip_zero_advantage_rows(cfg: KLPPOConfig) -> None:
     """``actor.skip_zero_advantage_rows``: not with a critic (GAE's advantages are never exactly 0)."""
     actor, key = cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor.skip_zero_advantage_rows=True"
     if actor.skip_zero_advantage_rows and uses_critic(cfg):
-        raise ConfigError(f"{key} leaves out samples whose advantage is exactly 0, which GAE's never are "
-                          f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}, with a critic); use it with "
-                          "grpo or rloo, or set it False")  # fmt: skip
+        raise ConfigError(
+            f"{key} leaves out samples whose advantage is exactly 0, which GAE's never are "
+            f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}, with a critic); use it with grpo or "
+            "rloo, or set it False"
+        )
 
 
 def _skip_would_pay(cfg: KLPPOConfig) -> bool:
@@ -352,20 +408,29 @@ def _skip_would_pay(cfg: KLPPOConfig) -> bool:
 
 
 RM_WHOLE = (
-    "the reward model is loaded whole on each rank in reward_model.model.fsdp_config.model_dtype (on GPU) and "
-    "scores in the step: not sharded, not offloaded"
+    "the reward model is loaded whole on each rank in reward_model.model.fsdp_config.model_dtype (on GPU) "
+    "and scores in the step: not sharded, not offloaded"
 )
 # the reward model's keys klppo does not act on (it is loaded whole), with the values that say nothing:
 # klppo's defaults and verl's (min_num_params 0 in verl's YAML)
 _RM_INERT_KEYS = (
-    "fsdp_config.param_offload", "fsdp_config.optimizer_offload", "fsdp_config.offload_policy",
-    "fsdp_config.reshard_after_forward", "fsdp_config.fsdp_size", "fsdp_config.forward_prefetch",
-    "fsdp_config.backward_prefetch", "fsdp_config.grad_sync_per_mini_batch", "fsdp_config.local_shard_optim",
-    "fsdp_config.plain_single_gpu", "fsdp_config.cuda_graph_update",
-    "fsdp_config.wrap_policy.min_num_params", "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap",
-    "fsdp_config.mixed_precision.param_dtype", "fsdp_config.mixed_precision.reduce_dtype",
+    "fsdp_config.param_offload",
+    "fsdp_config.optimizer_offload",
+    "fsdp_config.offload_policy",
+    "fsdp_config.reshard_after_forward",
+    "fsdp_config.fsdp_size",
+    "fsdp_config.forward_prefetch",
+    "fsdp_config.backward_prefetch",
+    "fsdp_config.grad_sync_per_mini_batch",
+    "fsdp_config.local_shard_optim",
+    "fsdp_config.plain_single_gpu",
+    "fsdp_config.cuda_graph_update",
+    "fsdp_config.wrap_policy.min_num_params",
+    "fsdp_config.wrap_policy.transformer_layer_cls_to_wrap",
+    "fsdp_config.mixed_precision.param_dtype",
+    "fsdp_config.mixed_precision.reduce_dtype",
     "use_remove_padding",
-)  # fmt: skip
+)
 _RM_SILENT_VALUES = {"fsdp_config.wrap_policy.min_num_params": (0,)}
 
 
@@ -391,13 +456,15 @@ def _reward_notes(cfg: KLPPOConfig, notify: Notify) -> None:
     rm = cfg.reward_model
     if rm.num_workers != 1 and not rm.launch_reward_fn_async:
         notify(
-            f"reward_model.num_workers={rm.num_workers} acts with reward_model.launch_reward_fn_async=True only "
-            "(that many scoring processes per rank); without it the trainer scores in the step, in its own process"
+            f"reward_model.num_workers={rm.num_workers} acts with reward_model.launch_reward_fn_async=True "
+            "only (that many scoring processes per rank); without it the trainer scores in the step, in its "
+            "own process"
         )
     if rm.launch_reward_fn_async and rm.enable:
         notify(
-            "reward_model.launch_reward_fn_async=True has no effect with reward_model.enable=True: the reward "
-            "model scores on the device in the step (the background processes run reward functions only)"
+            "reward_model.launch_reward_fn_async=True has no effect with reward_model.enable=True: the "
+            "reward model scores on the device in the step (the background processes run reward functions "
+            "only)"
         )
 
 
@@ -417,8 +484,9 @@ def _check_drift_range(cfg: KLPPOConfig) -> None:
     low, high = drift_adv_std_range(cfg.monitor.drift, whitened=est in WHITENED_ESTIMATORS)
     if low is not None and high is not None and low > high:
         raise ConfigError(
-            f"monitor.drift: the advantage-std range [{low}, {high}] is empty (adv_std_low="
-            f"{cfg.monitor.drift.adv_std_low}, adv_std_high={cfg.monitor.drift.adv_std_high}; a null bound is "
+            f"monitor.drift: the advantage-std range [{low}, {high}] is empty "
+            f"(adv_std_low={cfg.monitor.drift.adv_std_low}, adv_std_high={cfg.monitor.drift.adv_std_high}; a "
+            "null bound is "
             f"{'0.8 / 1.2' if est in WHITENED_ESTIMATORS else 'unwatched'} with adv_estimator={est}): set "
             "adv_std_low ≤ adv_std_high"
         )
@@ -433,63 +501,82 @@ def _check_kl_early_stop_target(cfg: KLPPOConfig) -> None:
     ctrl = cfg.algorithm.kl_ctrl
     if not cfg.algorithm.use_kl_in_reward or ctrl.target_kl is None or ctrl.type == "fixed":
         why = (
-            "algorithm.use_kl_in_reward is off" if not cfg.algorithm.use_kl_in_reward
-            else "algorithm.kl_ctrl.target_kl is null" if ctrl.target_kl is None
+            "algorithm.use_kl_in_reward is off"
+            if not cfg.algorithm.use_kl_in_reward
+            else "algorithm.kl_ctrl.target_kl is null"
+            if ctrl.target_kl is None
             else "algorithm.kl_ctrl.type=fixed does not use its target_kl"
-        )  # fmt: skip
+        )
         raise ConfigError(
-            f"monitor.kl_early_stop.target_kl is null and {why}: set monitor.kl_early_stop.target_kl (in the units "
-            f"of monitor.kl_early_stop.kl_metric={stop.kl_metric})"
+            f"monitor.kl_early_stop.target_kl is null and {why}: set monitor.kl_early_stop.target_kl (in the "
+            f"units of monitor.kl_early_stop.kl_metric={stop.kl_metric})"
+        )
+
+
+def _kl_controller_notes(cfg: KLPPOConfig, notify: Notify) -> None:
+    """Notes on the PI controllers: floors far below the start, and a constant KL-loss target (ramp it)."""
+    actor = cfg.actor_rollout_ref.actor
+    for prefix, ctrl, init_key, init_coef, on in (
+        (
+            "algorithm.kl_ctrl",
+            cfg.algorithm.kl_ctrl,
+            "kl_coef",
+            cfg.algorithm.kl_ctrl.kl_coef,
+            cfg.algorithm.use_kl_in_reward,
+        ),
+        (
+            "actor_rollout_ref.actor.kl_loss_ctrl",
+            actor.kl_loss_ctrl,
+            "actor.kl_loss_coef",
+            actor.kl_loss_coef,
+            actor.use_kl_loss,
+        ),
+    ):
+        if on and ctrl.type == "pi":
+            _pi_floor_note(prefix, ctrl, init_key, init_coef, notify)
+    if actor.use_kl_loss and actor.kl_loss_ctrl.type == "pi" and actor.kl_loss_ctrl.target_kl_start is None:
+        notify(
+            "actor_rollout_ref.actor.kl_loss_ctrl: a constant target is overshot in the first steps, before "
+            "β catches up; a target ramped up from below keeps the early steps under it: kl_loss_coef=0.3, "
+            "kl_loss_ctrl.target_kl_start=0.02, anneal_begin=0, anneal_steps=40 "
+            f"(examples/arithmetic_grpo_kl_ramp.yaml; {_KEEP_CLOSE})"
         )
 
 
 def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
     """Settings that run but rarely do what their author wants: one note each, naming the keys and what to
     set (the GRPO and PI notes: docs/training.md, "Keeping the policy close to its reference")."""
+    _kl_controller_notes(cfg, notify)
     actor = cfg.actor_rollout_ref.actor
-    for prefix, ctrl, init_key, init_coef, on in (
-        ("algorithm.kl_ctrl", cfg.algorithm.kl_ctrl, "kl_coef", cfg.algorithm.kl_ctrl.kl_coef,
-         cfg.algorithm.use_kl_in_reward),
-        ("actor_rollout_ref.actor.kl_loss_ctrl", actor.kl_loss_ctrl, "actor.kl_loss_coef", actor.kl_loss_coef,
-         actor.use_kl_loss),
-    ):  # fmt: skip
-        if on and ctrl.type == "pi":
-            _pi_floor_note(prefix, ctrl, init_key, init_coef, notify)
-    if actor.use_kl_loss and actor.kl_loss_ctrl.type == "pi" and actor.kl_loss_ctrl.target_kl_start is None:
-        notify(
-            "actor_rollout_ref.actor.kl_loss_ctrl: a constant target is overshot in the first steps, before β "
-            "catches up; a target ramped up from below keeps the early steps under it: kl_loss_coef=0.3, "
-            "kl_loss_ctrl.target_kl_start=0.02, anneal_begin=0, anneal_steps=40 "
-            f"(examples/arithmetic_grpo_kl_ramp.yaml; {_KEEP_CLOSE})"
-        )
     est, n_samples = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
     if est in GROUP_ESTIMATORS and n_samples == 1:
         notify(
-            f"algorithm.adv_estimator={est} with actor_rollout_ref.rollout.n=1: every group has one response, "
-            "so the group baseline is 0 (as in verl) and the advantages are the raw scores, without the "
-            "variance reduction the estimator exists for; set rollout.n ≥ 2"
+            f"algorithm.adv_estimator={est} with actor_rollout_ref.rollout.n=1: every group has one "
+            "response, so the group baseline is 0 (as in verl) and the advantages are the raw scores, "
+            "without the variance reduction the estimator exists for; set rollout.n ≥ 2"
         )
     if actor.skip_zero_advantage_rows and (
         cfg.algorithm.use_kl_in_reward or est not in ZERO_EQUAL_GROUP_ESTIMATORS
     ):
         why = "the KL penalty is in the rewards" if cfg.algorithm.use_kl_in_reward else f"adv_estimator={est}"
         notify(
-            f"actor_rollout_ref.actor.skip_zero_advantage_rows=True with {why}: samples rarely have an advantage "
-            "of exactly 0 then (grpo and rloo give it to groups whose scores are all equal), so few or none "
-            "are left out"
+            f"actor_rollout_ref.actor.skip_zero_advantage_rows=True with {why}: samples rarely have an "
+            "advantage of exactly 0 then (grpo and rloo give it to groups whose scores are all equal), so "
+            "few or none are left out"
         )
     if cfg.trainer.advise and _skip_would_pay(cfg):
         notify(
-            f"tip (not set): actor_rollout_ref.actor.skip_zero_advantage_rows=True would leave the samples of "
-            f"{est}'s equal-score groups (advantage exactly 0: no policy gradient) out of this one-update-per-step "
-            "actor update, which then costs less; the KL and entropy terms act on the kept samples, the KL metrics "
+            "tip (not set): actor_rollout_ref.actor.skip_zero_advantage_rows=True would leave the samples of "
+            f"{est}'s equal-score groups (advantage exactly 0: no policy gradient) out of this "
+            "one-update-per-step actor update, which then costs less; the KL and entropy terms act on the "
+            "kept samples, the KL metrics "
             "and controller still see all (docs/training.md, 'Samples without advantage')"
         )
     if cfg.critic.enable and not uses_critic(cfg):
         notify(
-            f"critic.enable=True has no effect with algorithm.adv_estimator={est}: the estimator reads no values, "
-            "so klppo builds no critic (verl would train one whose values nothing uses); leave critic.enable "
-            "unset, or set algorithm.adv_estimator=gae for PPO with a critic"
+            f"critic.enable=True has no effect with algorithm.adv_estimator={est}: the estimator reads no "
+            "values, so klppo builds no critic (verl would train one whose values nothing uses); leave "
+            "critic.enable unset, or set algorithm.adv_estimator=gae for PPO with a critic"
         )
     tp, why = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size, tp_rollout_unbuilt(cfg)
     if tp > 1 and why:
@@ -506,12 +593,13 @@ def _advice(cfg: KLPPOConfig, notify: Notify) -> None:
         and cfg.algorithm.norm_adv_by_std_in_grpo
     ):
         notify(
-            f"algorithm.use_kl_in_reward=True with adv_estimator={est} and norm_adv_by_std_in_grpo=True: in a "
-            "group whose task scores are all equal (most groups while the reward is sparse) the division by the "
-            "group's std turns the KL penalty alone into advantages of size ~1, whatever kl_ctrl.kl_coef, and "
-            "they pull every response toward the reference instead of toward the task; put the KL in the loss "
-            "(actor.use_kl_loss=True, use_kl_in_reward=False) or set algorithm.norm_adv_by_std_in_grpo=False "
-            f"({_KEEP_CLOSE})"
+            f"algorithm.use_kl_in_reward=True with adv_estimator={est} and norm_adv_by_std_in_grpo=True: in "
+            "a group whose task scores are all equal (most groups while the reward is sparse) the division "
+            "by the "
+            "group's std turns the KL penalty alone into advantages of size ~1, whatever kl_ctrl.kl_coef, "
+            "and they pull every response toward the reference instead of toward the task; put the KL in "
+            "the loss (actor.use_kl_loss=True, use_kl_in_reward=False) or set "
+            f"algorithm.norm_adv_by_std_in_grpo=False ({_KEEP_CLOSE})"
         )
 
 
@@ -525,11 +613,21 @@ def _token_budgets(cfg: KLPPOConfig) -> None:
             ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", arr.actor.ppo_max_token_len_per_gpu, sp)
         )
     if arr.rollout.log_prob_use_dynamic_bsz:
-        budgets.append(("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
-                        arr.rollout.log_prob_max_token_len_per_gpu, arr.actor.ulysses_sequence_parallel_size))  # fmt: skip
+        budgets.append(
+            (
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                arr.rollout.log_prob_max_token_len_per_gpu,
+                arr.actor.ulysses_sequence_parallel_size,
+            )
+        )
     if arr.ref.log_prob_use_dynamic_bsz:
-        budgets.append(("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                        arr.ref.log_prob_max_token_len_per_gpu, arr.ref.ulysses_sequence_parallel_size))  # fmt: skip
+        budgets.append(
+            (
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                arr.ref.log_prob_max_token_len_per_gpu,
+                arr.ref.ulysses_sequence_parallel_size,
+            )
+        )
     if uses_critic(cfg) and cfg.critic.use_dynamic_bsz:
         sp = cfg.critic.ulysses_sequence_parallel_size
         budgets.append(("critic.ppo_max_token_len_per_gpu", cfg.critic.ppo_max_token_len_per_gpu, sp))
@@ -537,9 +635,10 @@ def _token_budgets(cfg: KLPPOConfig) -> None:
     for key, budget, sp in budgets:
         if budget * sp < longest:
             raise ConfigError(
-                f"{key}={budget} tokens (× ulysses {sp}) cannot hold one sequence of data.max_prompt_length="
-                f"{d.max_prompt_length} + data.max_response_length={d.max_response_length} = {longest} tokens; "
-                f"set it ≥ {-(-longest // sp)}"
+                f"{key}={budget} tokens (× ulysses {sp}) cannot hold one sequence of "
+                f"data.max_prompt_length={d.max_prompt_length} + "
+                f"data.max_response_length={d.max_response_length} = {longest} tokens; set it ≥ "
+                f"{-(-longest // sp)}"
             )
 
 
@@ -548,10 +647,13 @@ def _packed_roles(cfg: KLPPOConfig) -> list[tuple[str, object, int]]:
     compiles: the actor's (with the reference's passes) and the critic's."""
     arr = cfg.actor_rollout_ref
     return [
-        ("actor_rollout_ref.model", arr.model, max(arr.actor.ulysses_sequence_parallel_size,
-                                                  arr.ref.ulysses_sequence_parallel_size)),
+        (
+            "actor_rollout_ref.model",
+            arr.model,
+            max(arr.actor.ulysses_sequence_parallel_size, arr.ref.ulysses_sequence_parallel_size),
+        ),
         ("critic.model", cfg.critic.model, cfg.critic.ulysses_sequence_parallel_size),
-    ]  # fmt: skip
+    ]
 
 
 def _compiled_layers(cfg: KLPPOConfig) -> None:
@@ -560,15 +662,21 @@ def _compiled_layers(cfg: KLPPOConfig) -> None:
         if not model.compile_packed_layers:
             continue
         if not model.use_remove_padding:
-            raise ConfigError(f"{prefix}.compile_packed_layers=True compiles the packed forwards, but "
-                              f"{prefix}.use_remove_padding=False; set it to True")  # fmt: skip
+            raise ConfigError(
+                f"{prefix}.compile_packed_layers=True compiles the packed forwards, but "
+                f"{prefix}.use_remove_padding=False; set it to True"
+            )
         if sp > 1:
-            raise ConfigError(f"{prefix}.compile_packed_layers=True is not built with Ulysses sequence "
-                              f"parallelism (ulysses_sequence_parallel_size={sp}); set it to False")  # fmt: skip
+            raise ConfigError(
+                f"{prefix}.compile_packed_layers=True is not built with Ulysses sequence parallelism "
+                f"(ulysses_sequence_parallel_size={sp}); set it to False"
+            )
         if os.environ.get("KLPPO_COMPILE_DYNAMIC_TOKENS", "").strip():
-            raise ConfigError(f"{prefix}.compile_packed_layers=True: KLPPO_COMPILE_DYNAMIC_TOKENS is not a "
-                              "klppo setting (the compiled layers always run unpadded with dynamic token "
-                              "dims; there are no static token buckets); unset it")  # fmt: skip
+            raise ConfigError(
+                f"{prefix}.compile_packed_layers=True: KLPPO_COMPILE_DYNAMIC_TOKENS is not a klppo setting "
+                "(the compiled layers always run unpadded with dynamic token dims; there are no static "
+                "token buckets); unset it"
+            )
 
 
 def compiled_layers_advice(cfg: KLPPOConfig) -> list[str]:
@@ -592,7 +700,8 @@ def background_scoring_advice(cfg: KLPPOConfig) -> str | None:
         return None
     return (
         "reward_model.launch_reward_fn_async=True decodes the responses and runs the reward function in "
-        "worker processes (reward_model.num_workers per rank) while the log-prob, reference and value passes "
+        "worker processes (reward_model.num_workers per rank) while the log-prob, reference and value "
+        "passes "
         "run, with the same scores (docs/training.md, 'Rewards')"
     )
 
@@ -657,10 +766,10 @@ def _pi_floor_note(prefix: str, ctrl, init_key: str, init_coef: float, notify: N
     steps = math.log(init_coef / ctrl.min_coef) / ctrl.ki
     if steps > PI_CLIMB_NOTE_STEPS:
         notify(
-            f"{prefix}: with min_coef={ctrl.min_coef:g} and ki={ctrl.ki:g}, β can sink to the floor while the KL "
-            f"is ≈ 0 in the first steps and then needs ≥ {steps:.0f} steps to climb back to {init_key}="
-            f"{init_coef:g} once the policy moves, while the KL runs over its target; raise min_coef toward "
-            f"{init_coef:g} or ki ({_KEEP_CLOSE})"
+            f"{prefix}: with min_coef={ctrl.min_coef:g} and ki={ctrl.ki:g}, β can sink to the floor while "
+            f"the KL is ≈ 0 in the first steps and then needs ≥ {steps:.0f} steps to climb back to "
+            f"{init_key}={init_coef:g} once the policy moves, while the KL runs over its target; raise "
+            f"min_coef toward {init_coef:g} or ki ({_KEEP_CLOSE})"
         )
 
 
@@ -683,8 +792,8 @@ def _check_kl_controller(prefix: str, ctrl, init_coef: float) -> None:
         )
     if ctrl.target_kl_start is None and (ctrl.anneal_begin or ctrl.anneal_steps):
         raise ConfigError(
-            f"{prefix}.anneal_begin/anneal_steps are set but {prefix}.target_kl_start is null: "
-            "set target_kl_start (the target before the decay) or drop the anneal keys"
+            f"{prefix}.anneal_begin/anneal_steps are set but {prefix}.target_kl_start is null: set "
+            "target_kl_start (the target before the decay) or drop the anneal keys"
         )
     if ctrl.target_kl is None or ctrl.target_kl <= 0:
         raise ConfigError(
@@ -693,8 +802,8 @@ def _check_kl_controller(prefix: str, ctrl, init_coef: float) -> None:
     if ctrl.type == "pi":
         if not 0 < ctrl.min_coef <= init_coef <= ctrl.max_coef:
             raise ConfigError(
-                f"{prefix}.min_coef={ctrl.min_coef}, max_coef={ctrl.max_coef}: the pi controller needs "
-                f"0 < min_coef ≤ the initial coefficient ({init_coef}) ≤ max_coef"
+                f"{prefix}.min_coef={ctrl.min_coef}, max_coef={ctrl.max_coef}: the pi controller needs 0 < "
+                f"min_coef ≤ the initial coefficient ({init_coef}) ≤ max_coef"
             )
         if ctrl.kp < 0 or ctrl.ki <= 0:
             raise ConfigError(

@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     flags = (*CONFIG_FLAGS, "--help")
     if bad := unknown_flags(argv, flags):
-        print(f"klppo config: error: {'; '.join(unknown_flag_message(f, flags) for f in bad)}", file=sys.stderr)
+        print(
+            f"klppo config: error: {'; '.join(unknown_flag_message(f, flags) for f in bad)}", file=sys.stderr
+        )
         return 2
     try:
         cfg = load_config(argv)

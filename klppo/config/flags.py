@@ -3,7 +3,8 @@
 
 ``FlagParser`` is argparse's parser with that message (its subparsers too); ``unknown_flags`` and
 ``unknown_flag_message`` serve the commands that read their arguments by hand (`klppo train`, `klppo config`).
-Only ``--long`` flags are judged; for argparse a unique prefix of a known flag counts as known, as it reads one.
+Only ``--long`` flags are judged; for argparse a unique prefix of a known flag counts as known, as it reads
+one.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class FlagParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: ANN201  argparse's signature (NoReturn)
         known = self.known_flags()
-        hints = [unknown_flag_message(flag, known) for flag in unknown_flags(self._argv, known, prefixes=True)]
+        hints = [
+            unknown_flag_message(flag, known) for flag in unknown_flags(self._argv, known, prefixes=True)
+        ]
         if hints and not message.startswith("unrecognized arguments"):
             hints.append(message)
         super().error("; ".join(hints) if hints else message)

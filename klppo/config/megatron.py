@@ -1,4 +1,5 @@
-"""verl's Megatron launches read on FSDP2: each Megatron key becomes its FSDP2 counterpart, nothing, or a refusal.
+"""verl's Megatron launches read on FSDP2: each Megatron key becomes its FSDP2 counterpart, nothing, or a
+refusal.
 
 The mathematics a Megatron launch asks for (algorithm, losses, KL, batch sizes) is the FSDP one; what differs
 is how the model is split over GPUs, which klppo decides with FSDP2, Ulysses and the rollout's own tensor
@@ -7,7 +8,8 @@ and LoRA keys, `*.strategy=megatron`, `--config-name=ppo_megatron_trainer`) into
 
 - a counterpart: `param_offload`/`grad_offload` → `fsdp_config.param_offload`, `optimizer_offload` (and
   `override_optimizer_config.optimizer_cpu_offload`) → `fsdp_config.optimizer_offload`,
-  `context_parallel_size` → the role's `ulysses_sequence_parallel_size`, `dtype` → `mixed_precision.param_dtype`,
+  `context_parallel_size` → the role's `ulysses_sequence_parallel_size`, `dtype` →
+  `mixed_precision.param_dtype`,
   `use_remove_padding` → `model.use_remove_padding`, LoRA rank/alpha/modules → `lora_rank`/`lora_alpha`/
   `target_modules`, `optim.optimizer=adam` → AdamW (Megatron's Adam decays weights decoupled),
   `optim.lr_decay_style=cosine` → `optim.lr_scheduler_type=cosine` (the same curve);
@@ -49,26 +51,37 @@ class Role:
 
 
 ROLES: dict[str, Role] = {
-    "actor_rollout_ref.actor": Role("actor_rollout_ref.actor.fsdp_config",
-                                    "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
-                                    "actor_rollout_ref.model", "actor_rollout_ref.actor.optim"),
-    "actor_rollout_ref.ref": Role("actor_rollout_ref.ref.fsdp_config",
-                                  "actor_rollout_ref.ref.ulysses_sequence_parallel_size", None, None),
-    "critic": Role("critic.model.fsdp_config", "critic.ulysses_sequence_parallel_size", "critic.model",
-                   "critic.optim"),
-    "reward_model": Role("reward_model.model.fsdp_config", "reward_model.ulysses_sequence_parallel_size",
-                         None, None),
-}  # fmt: skip
+    "actor_rollout_ref.actor": Role(
+        "actor_rollout_ref.actor.fsdp_config",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        "actor_rollout_ref.model",
+        "actor_rollout_ref.actor.optim",
+    ),
+    "actor_rollout_ref.ref": Role(
+        "actor_rollout_ref.ref.fsdp_config",
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+        None,
+        None,
+    ),
+    "critic": Role(
+        "critic.model.fsdp_config", "critic.ulysses_sequence_parallel_size", "critic.model", "critic.optim"
+    ),
+    "reward_model": Role(
+        "reward_model.model.fsdp_config", "reward_model.ulysses_sequence_parallel_size", None, None
+    ),
+}
 STRATEGY_KEYS = tuple(f"{r}.strategy" for r in ROLES if r != "actor_rollout_ref.ref")
 
 SPLIT = "how the work is split; FSDP2 shards every layer over all ranks"
 CHECKPOINT_HOWTO = (
     "Megatron-format (dist_checkpointing) weights are not read: convert them to a Hugging Face folder "
-    "(verl's `python -m verl.model_merger merge --backend megatron --local_dir <ckpt> --target_dir <hf_dir>`, "
+    "(verl's `python -m verl.model_merger merge --backend megatron --local_dir <ckpt> --target_dir "
+    "<hf_dir>`, "
     "or Megatron-Bridge's export) and set actor_rollout_ref.model.path to it"
 )
 
-# <role>.megatron.<name>: (counterpart field under the role's fsdp_config / "ulysses" / "padding" / None, note)
+# <role>.megatron.<name>: (counterpart field under the role's fsdp_config / "ulysses" / "padding" / None,
+# note)
 ENGINE: dict[str, tuple[str | None, str]] = {
     "param_offload": ("param_offload", "offload"),
     "grad_offload": ("param_offload", "FSDP2 offloads gradients with the parameter shards"),
@@ -94,25 +107,54 @@ ENGINE: dict[str, tuple[str | None, str]] = {
 
 # override_transformer_config entries: inert (speed or memory only) or refused (the model or its numbers)
 INERT_TRANSFORMER = {
-    **dict.fromkeys(("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"),
-                    "activation recompute (memory only): model.enable_gradient_checkpointing decides"),
-    **dict.fromkeys(("attention_backend", "apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion",
-                     "bias_dropout_fusion", "gradient_accumulation_fusion", "persist_layer_norm",
-                     "cross_entropy_loss_fusion", "moe_grouped_gemm", "moe_permute_fusion"),
-                    "kernel or fusion choice"),
-    **dict.fromkeys(("deallocate_pipeline_outputs", "account_for_embedding_in_pipeline_split",
-                     "account_for_loss_in_pipeline_split", "num_layers_in_first_pipeline_stage",
-                     "num_layers_in_last_pipeline_stage", "pipeline_model_parallel_layout"),
-                    "pipeline layout (no pipeline stages)"),
-    **dict.fromkeys(("moe_token_dispatcher_type", "moe_enable_deepep", "moe_shared_expert_overlap",
-                     "overlap_moe_expert_parallel_comm", "tp_comm_overlap", "cp_comm_type"),
-                    "communication scheme"),
-}  # fmt: skip
+    **dict.fromkeys(
+        ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules"),
+        "activation recompute (memory only): model.enable_gradient_checkpointing decides",
+    ),
+    **dict.fromkeys(
+        (
+            "attention_backend",
+            "apply_rope_fusion",
+            "masked_softmax_fusion",
+            "bias_activation_fusion",
+            "bias_dropout_fusion",
+            "gradient_accumulation_fusion",
+            "persist_layer_norm",
+            "cross_entropy_loss_fusion",
+            "moe_grouped_gemm",
+            "moe_permute_fusion",
+        ),
+        "kernel or fusion choice",
+    ),
+    **dict.fromkeys(
+        (
+            "deallocate_pipeline_outputs",
+            "account_for_embedding_in_pipeline_split",
+            "account_for_loss_in_pipeline_split",
+            "num_layers_in_first_pipeline_stage",
+            "num_layers_in_last_pipeline_stage",
+            "pipeline_model_parallel_layout",
+        ),
+        "pipeline layout (no pipeline stages)",
+    ),
+    **dict.fromkeys(
+        (
+            "moe_token_dispatcher_type",
+            "moe_enable_deepep",
+            "moe_shared_expert_overlap",
+            "overlap_moe_expert_parallel_comm",
+            "tp_comm_overlap",
+            "cp_comm_type",
+        ),
+        "communication scheme",
+    ),
+}
 REFUSED_TRANSFORMER = {
     "moe_router_dtype": "the router runs in the compute dtype under FSDP2 mixed precision (no fp32 router)",
-    "fp8": "fp8 training is not built", "fp8_recipe": "fp8 training is not built",
+    "fp8": "fp8 training is not built",
+    "fp8_recipe": "fp8 training is not built",
     "calculate_per_token_loss": "the loss weighting is klppo's (actor.loss_agg_mode)",
-}  # fmt: skip
+}
 ZERO_ONLY_TRANSFORMER = ("hidden_dropout", "attention_dropout")  # accepted at 0 (no dropout, as in PPO)
 
 # Megatron's optimizer keys under <role>.optim: value accepted as is → note (anything else is refused)
@@ -130,10 +172,12 @@ COSINE_NOTE = (
     "the same curve: after the warmup lr·½(1 + cos(π·progress)), progress over the run's steps (Megatron's "
     "lr_decay_steps null), down to min_lr 0"
 )
-# other Megatron-only keys (`<role>.nccl_timeout`, `rollout.layer_name_map.*`) → what the notice says they become
+# other Megatron-only keys (`<role>.nccl_timeout`, `rollout.layer_name_map.*`) → what the notice says they
+# become
 OTHER_NOTES = {
     "nccl_timeout": "trainer.collective_timeout_s bounds every collective",
-    "layer_name_map": "the rollout reads the actor's gathered weights by their Hugging Face names; no Megatron "
+    "layer_name_map": "the rollout reads the actor's gathered weights by their Hugging Face names; "
+    "no Megatron "
     "layer names to map",
 }
 OPTIM_OVERRIDES = {
@@ -142,12 +186,28 @@ OPTIM_OVERRIDES = {
     "overlap_cpu_optimizer_d2h_h2d": None,
     "use_precision_aware_optimizer": None,
 }
-LORA_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-                "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}  # fmt: skip
-LORA_DEFAULTS = {"type": "lora", "dropout": 0.0, "dtype": None, "adapter_path": None, "exclude_modules": [],
-                 "lora_B_init_method": "zero"}  # fmt: skip
-LORA_INERT = ("merge", "a2a_experimental", "dropout_position", "freeze_vision_model",
-              "freeze_vision_projection", "freeze_language_model")  # fmt: skip
+LORA_MODULES = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+LORA_DEFAULTS = {
+    "type": "lora",
+    "dropout": 0.0,
+    "dtype": None,
+    "adapter_path": None,
+    "exclude_modules": [],
+    "lora_B_init_method": "zero",
+}
+LORA_INERT = (
+    "merge",
+    "a2a_experimental",
+    "dropout_position",
+    "freeze_vision_model",
+    "freeze_vision_projection",
+    "freeze_language_model",
+)
 
 
 def is_megatron_key(key: str) -> bool:
@@ -164,8 +224,11 @@ def is_megatron_key(key: str) -> bool:
         return rest[1] in OPTIM_ACCEPTED or (
             rest[1] == "override_optimizer_config" and len(rest) == 3 and rest[2] in OPTIM_OVERRIDES
         )
-    return len(parts) >= 3 and parts[-2] == "lora" and ".".join(parts[:-2]) in (
-        "actor_rollout_ref.model", "critic.model")  # fmt: skip
+    return (
+        len(parts) >= 3
+        and parts[-2] == "lora"
+        and ".".join(parts[:-2]) in ("actor_rollout_ref.model", "critic.model")
+    )
 
 
 def _role_of(key: str) -> str | None:
@@ -196,17 +259,27 @@ class Translator:
 
     def scan(self, keys_values: list[tuple[str, Any]]) -> None:
         """Mark the launch Megatron when any entry is (read before any is translated)."""
-        self.megatron |= any(is_megatron_key(k) or (k.endswith(".strategy") and v == "megatron")
-                             for k, v in keys_values)  # fmt: skip
+        self.megatron |= any(
+            is_megatron_key(k) or (k.endswith(".strategy") and v == "megatron") for k, v in keys_values
+        )
 
     def touches(self, key: str, value: Any) -> bool:
         """Whether `items` rewrites this entry."""
-        return (is_megatron_key(key) or (key.endswith(".strategy") and value == "megatron")
-                or (key.endswith(".optim.override_optimizer_config") and isinstance(value, dict)
-                    and bool(set(value) & set(OPTIM_OVERRIDES)))
-                or (self.megatron and key.endswith(".optim.optimizer") and str(value).lower() == "adam")
-                or (key.endswith("model.override_config") and isinstance(value, dict)
-                    and bool(set(value) & {"model_config", "moe_config"})))  # fmt: skip
+        return (
+            is_megatron_key(key)
+            or (key.endswith(".strategy") and value == "megatron")
+            or (
+                key.endswith(".optim.override_optimizer_config")
+                and isinstance(value, dict)
+                and bool(set(value) & set(OPTIM_OVERRIDES))
+            )
+            or (self.megatron and key.endswith(".optim.optimizer") and str(value).lower() == "adam")
+            or (
+                key.endswith("model.override_config")
+                and isinstance(value, dict)
+                and bool(set(value) & {"model_config", "moe_config"})
+            )
+        )
 
     def items(self, items: list[Item]) -> list[Item]:
         """`items` with each Megatron entry replaced by its counterparts (placed after the others, so that a
@@ -257,8 +330,10 @@ class Translator:
                 + "\n  - ".join(self.refused)
             )
         if self.lines:
-            notify("Megatron launch read on FSDP2 (docs/verl_compat.md#megatron-launches):\n  "
-                   + "\n  ".join(self.lines))  # fmt: skip
+            notify(
+                "Megatron launch read on FSDP2 (docs/verl_compat.md#megatron-launches):\n  "
+                + "\n  ".join(self.lines)
+            )
 
     # one entry ------------------------------------------------------------------------------------------
 
@@ -281,8 +356,11 @@ class Translator:
         if parts[-1] == "load_weight" and value is False:
             self._refuse(key, value, "klppo always loads the model's weights")
             return []
-        return self._nothing(key, value, OTHER_NOTES.get(parts[-2] if "layer_name_map" in parts else parts[-1],
-                                                         "Megatron-only setting"))  # fmt: skip
+        return self._nothing(
+            key,
+            value,
+            OTHER_NOTES.get(parts[-2] if "layer_name_map" in parts else parts[-1], "Megatron-only setting"),
+        )
 
     def _engine(self, role: Role, key: str, rest: list[str], value: Any, source: str) -> list[Item]:
         name = rest[0] if rest else ""
@@ -304,8 +382,12 @@ class Translator:
                 key, value, "gradient reduction scheme (FSDP2 reduce-scatters in reduce_dtype)"
             )
         if name == "override_mcore_model_config":
-            self._refuse(key, value, "changes the model Megatron builds; klppo builds the model of config.json "
-                         "(actor_rollout_ref.model.override_config sets its keys)")  # fmt: skip
+            self._refuse(
+                key,
+                value,
+                "changes the model Megatron builds; klppo builds the model of config.json "
+                "(actor_rollout_ref.model.override_config sets its keys)",
+            )
             return []
         if name == "use_dist_checkpointing" and value:
             self._refuse(key, value, CHECKPOINT_HOWTO)
@@ -354,8 +436,12 @@ class Translator:
             self.lines.append(f"{key}={value!r} → {dest}='cosine' ({COSINE_NOTE})")
             return [(dest, "cosine", source)]
         if accepted and value not in accepted:
-            self._refuse(key, value, f"Megatron's schedule option; klppo's {role.optim}.lr_scheduler_type "
-                         "(constant|cosine), lr_warmup_steps and min_lr_ratio set the schedule")  # fmt: skip
+            self._refuse(
+                key,
+                value,
+                f"Megatron's schedule option; klppo's {role.optim}.lr_scheduler_type "
+                "(constant|cosine), lr_warmup_steps and min_lr_ratio set the schedule",
+            )
             return []
         return self._nothing(key, value, note)
 
@@ -404,7 +490,8 @@ class Translator:
 
 
 def _followed_actor_key(value: str) -> tuple[str, str] | None:
-    """(actor's Megatron key, fallback) of verl's `${oc.select:actor_rollout_ref.actor.megatron.X,fallback}`."""
+    """(actor's Megatron key, fallback) of verl's
+    `${oc.select:actor_rollout_ref.actor.megatron.X,fallback}`."""
     prefix = "${oc.select:actor_rollout_ref.actor.megatron."
     if not (value.startswith(prefix) and value.endswith("}") and "," in value):
         return None

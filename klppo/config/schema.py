@@ -172,7 +172,8 @@ class CriticConfig:
 class RewardModelModelConfig:
     input_tokenizer: str | None = F(
         II("actor_rollout_ref.model.path"),
-        "Tokenizer of the policy's text (verl); klppo decodes with the policy's tokenizer and re-encodes with "
+        "Tokenizer of the policy's text (verl); klppo decodes with the policy's tokenizer and re-encodes "
+        "with "
         "the reward model's own, whatever this says.",
     )
     path: str = F("~/models/FsfairX-LLaMA3-RM-v0.1", "Sequence-classification reward model.")
@@ -252,7 +253,8 @@ class RewardModelConfig:
     reward_loop_class_name: str | None = F(None, "Name of that class.")
     launch_reward_fn_async: bool = F(
         False,
-        "Score the responses in worker processes while the log-prob, reference and value passes run; not with "
+        "Score the responses in worker processes while the log-prob, reference and value passes run; not "
+        "with "
         "a reward model.",
         see=REWARDS,
     )
@@ -389,12 +391,14 @@ class TrainerConfig:
     resume_from_path: str | None = F(None, "Checkpoint folder when resume_mode=resume_path.")
     run_dir_exists: str = F(
         "refuse",
-        "[klppo] A fresh start where an earlier run's checkpoints are: refuse | archive (moved to archive/NNN/) "
+        "[klppo] A fresh start where an earlier run's checkpoints are: refuse | archive (moved to "
+        "archive/NNN/) "
         "| remove.",
     )
     allow_resume_changes: bool = F(
         False,
-        "[klppo] Resume even when the model, tokenizer, algorithm or batch geometry differ from the checkpoint's.",
+        "[klppo] Resume even when the model, tokenizer, algorithm or batch geometry differ from the "
+        "checkpoint's.",
     )
     val_before_train: bool = F(True, "Validate before the first step.")
     val_only: bool = F(False, "Only validate.")

@@ -76,7 +76,8 @@ class ModelConfig:
     fused_kernel_options: dict[str, Any] = F({"impl_backend": "torch"}, "Options of the fused kernels.")
     compile_packed_layers: bool = F(
         False,
-        "[klppo] torch.compile the decoder layers for the actor's and reference's packed forwards, with dynamic "
+        "[klppo] torch.compile the decoder layers for the actor's and reference's packed forwards, with "
+        "dynamic "
         "token dims; needs use_remove_padding, not with Ulysses.",
         see=COMPILED_PASSES,
     )
@@ -163,7 +164,8 @@ class ActorConfig:
     )
     use_torch_compile: bool = F(
         True,
-        "torch.compile the LM head's log-prob and entropy statistics on CUDA (actor; the reference follows it).",
+        "torch.compile the LM head's log-prob and entropy statistics on CUDA (actor; the reference follows "
+        "it).",
         see=COMPILED_PASSES,
     )
     kl_loss_coef: float = F(0.001, "β of the KL loss (the initial β when kl_loss_ctrl.type is not fixed).")

@@ -61,7 +61,8 @@ class FSDPConfig:
     backward_prefetch: bool = F(True, "[klppo] Prefetch the previous unit's all-gather during backward.")
     grad_sync_per_mini_batch: bool | str = F(
         "auto",
-        "[klppo] Reduce-scatter gradients once per mini-batch instead of per micro-batch: false | true | auto "
+        "[klppo] Reduce-scatter gradients once per mini-batch instead of per micro-batch: false | true | "
+        "auto "
         "(several ranks, no offload, unsharded fp32 gradients within 10% of the device).",
         see="sharding.md#gradient-sync-once-per-mini-batch-grad_sync_per_mini_batch",
     )
@@ -73,7 +74,8 @@ class FSDPConfig:
     )
     plain_single_gpu: bool | str = F(
         "auto",
-        "[klppo] Train on one process without FSDP2, with FSDP2's arithmetic (fp32 masters beside the compute "
+        "[klppo] Train on one process without FSDP2, with FSDP2's arithmetic (fp32 masters beside the "
+        "compute "
         "copy): false | true | auto (one process that offloads nothing).",
         see="sharding.md#one-process-no-fsdp2-plain_single_gpu",
     )

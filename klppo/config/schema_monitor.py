@@ -107,7 +107,8 @@ class EntropyCollapseConfig:
     max_coeff: float = F(0.1, "entropy_coeff is never raised above this (nor lowered when it already is).")
     cooldown_steps: int = F(
         3,
-        "[klppo] raise_coeff: steps after a raise before the next one (its effect shows about two steps later).",
+        "[klppo] raise_coeff: steps after a raise before the next one (its effect shows about two steps "
+        "later).",
     )
 
 
@@ -136,7 +137,8 @@ class DriftConfig:
     )
     adv_std_low: float | None = F(
         None,
-        "critic/advantages/std below this warns; null: 0.8 where the estimator whitens the advantages over the "
+        "critic/advantages/std below this warns; null: 0.8 where the estimator whitens the advantages over "
+        "the "
         "batch, else not watched.",
     )
     adv_std_high: float | None = F(
@@ -224,13 +226,14 @@ def check_monitor(m: MonitorConfig) -> None:
         if not value > 0:
             raise ConfigError(f"{key}={value}: must be > 0")
     if not 0 < m.learning_signal.max_equal_share <= 1:
-        raise ConfigError(f"monitor.learning_signal.max_equal_share={m.learning_signal.max_equal_share}: "
-                          "must be in (0, 1]")  # fmt: skip
+        raise ConfigError(
+            f"monitor.learning_signal.max_equal_share={m.learning_signal.max_equal_share}: must be in (0, 1]"
+        )
     v = m.validation_drop
     if m.enable and v.enable and v.action == "rollback" and not v.keep_best:
         raise ConfigError(
-            "monitor.validation_drop.action=rollback needs monitor.validation_drop.keep_best=True (the rollback "
-            "returns to the best-validation weights it keeps); or set action=warn or stop"
+            "monitor.validation_drop.action=rollback needs monitor.validation_drop.keep_best=True (the "
+            "rollback returns to the best-validation weights it keeps); or set action=warn or stop"
         )
     if m.drift.gpu_util_warmup_steps < 0:
         raise ConfigError(f"monitor.drift.gpu_util_warmup_steps={m.drift.gpu_util_warmup_steps}: must be ≥ 0")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from klppo.config.errors import ConfigError
-from klppo.config.schema import KLPPOConfig, TrainerConfig
+from klppo.config.schema import KLPPOConfig, RewardModelConfig, TrainerConfig
 from klppo.config.schema_arr import ModelConfig
 
 CRITIC_ESTIMATORS = ("gae",)
@@ -61,20 +61,22 @@ def uses_lora(model: ModelConfig) -> bool:
 def check_prompt_counts(cfg: KLPPOConfig) -> None:
     """World-size-free rules on prompt counts (train_batch_size vs ppo_mini_batch_size)."""
     tb, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
-    for key, mini in (("actor_rollout_ref.actor.ppo_mini_batch_size", cfg.actor_rollout_ref.actor.ppo_mini_batch_size),
-                      ("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size)):  # fmt: skip
+    for key, mini in (
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", cfg.actor_rollout_ref.actor.ppo_mini_batch_size),
+        ("critic.ppo_mini_batch_size", cfg.critic.ppo_mini_batch_size),
+    ):
         if key.startswith("critic") and not uses_critic(cfg):
             continue
         if mini > tb:
             raise ConfigError(
-                f"{key}={mini} prompts is larger than data.train_batch_size={tb} prompts (both count prompts; "
-                f"each is multiplied by rollout.n={n} samples): set {key} ≤ {tb}"
+                f"{key}={mini} prompts is larger than data.train_batch_size={tb} prompts (both count "
+                f"prompts; each is multiplied by rollout.n={n} samples): set {key} ≤ {tb}"
             )
         if tb % mini:
             raise ConfigError(
                 f"data.train_batch_size={tb} prompts is not a multiple of {key}={mini} prompts, so a step "
-                f"would not split into whole mini-batches (updates of {mini}×{n}={mini * n} samples); "
-                f"choose a divisor of {tb}, e.g. {_divisor_near(tb, mini)}"
+                f"would not split into whole mini-batches (updates of {mini}×{n}={mini * n} samples); choose "
+                f"a divisor of {tb}, e.g. {_divisor_near(tb, mini)}"
             )
 
 
@@ -94,41 +96,41 @@ def derive_sizes(cfg: KLPPOConfig, world_size: int) -> Sizes:
     samples = tb * n
     if tb % world_size:
         raise ConfigError(
-            f"data.train_batch_size={tb} prompts is not divisible by the {world_size} ranks"
-            f"{_ranks_src(cfg, world_size)}: each rank generates rollout.n={n} samples for its own share of prompts; "
-            f"choose a multiple of {world_size}"
+            f"data.train_batch_size={tb} prompts is not divisible by the {world_size} "
+            f"ranks{_ranks_src(cfg, world_size)}: each rank generates rollout.n={n} samples for its own "
+            f"share of prompts; choose a multiple of {world_size}"
         )
     a_dp, a_mini, a_micro = _role(
-        "actor_rollout_ref.actor", actor.ppo_mini_batch_size, n, world_size, actor.ulysses_sequence_parallel_size,
-        actor.ppo_micro_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
-    )  # fmt: skip
-    lp = _micro("actor_rollout_ref.rollout.log_prob", rollout.log_prob_micro_batch_size,
-                rollout.log_prob_micro_batch_size_per_gpu, world_size, rollout.log_prob_use_dynamic_bsz, a_micro or samples // world_size)  # fmt: skip
-    ref_lp = _micro("actor_rollout_ref.ref.log_prob", ref.log_prob_micro_batch_size,
-                    ref.log_prob_micro_batch_size_per_gpu, world_size, ref.log_prob_use_dynamic_bsz, lp)  # fmt: skip
+        "actor_rollout_ref.actor",
+        actor.ppo_mini_batch_size,
+        n,
+        world_size,
+        actor.ulysses_sequence_parallel_size,
+        actor.ppo_micro_batch_size,
+        actor.ppo_micro_batch_size_per_gpu,
+        actor.use_dynamic_bsz,
+    )
+    lp = _micro(
+        "actor_rollout_ref.rollout.log_prob",
+        rollout.log_prob_micro_batch_size,
+        rollout.log_prob_micro_batch_size_per_gpu,
+        world_size,
+        rollout.log_prob_use_dynamic_bsz,
+        a_micro or samples // world_size,
+    )
+    ref_lp = _micro(
+        "actor_rollout_ref.ref.log_prob",
+        ref.log_prob_micro_batch_size,
+        ref.log_prob_micro_batch_size_per_gpu,
+        world_size,
+        ref.log_prob_use_dynamic_bsz,
+        lp,
+    )
     num_mini = tb // actor.ppo_mini_batch_size
-    crit = cfg.critic
     has_critic = uses_critic(cfg)
-    c_dp = c_mini = c_micro = c_fwd = c_updates = None
-    if has_critic:
-        c_dp, c_mini, c_micro = _role(
-            "critic", crit.ppo_mini_batch_size, n, world_size, crit.ulysses_sequence_parallel_size,
-            crit.ppo_micro_batch_size, crit.ppo_micro_batch_size_per_gpu, crit.use_dynamic_bsz,
-        )  # fmt: skip
-        c_fwd = _micro("critic.forward", crit.forward_micro_batch_size, crit.forward_micro_batch_size_per_gpu,
-                       world_size, crit.use_dynamic_bsz, c_micro)  # fmt: skip
-        c_updates = crit.ppo_epochs * (tb // crit.ppo_mini_batch_size)
-    tp = rollout.tensor_model_parallel_size
-    if tp > 1 and world_size % tp:
-        raise ConfigError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the {world_size} ranks"
-            f"{_ranks_src(cfg, world_size)}: the rollout's tensor-parallel groups are {tp} consecutive ranks; "
-            f"choose a divisor of {world_size}"
-        )
-    rm, rm_micro = cfg.reward_model, None
-    if rm.enable:
-        rm_micro = _micro("reward_model.", rm.micro_batch_size, rm.micro_batch_size_per_gpu, world_size,
-                          rm.use_dynamic_bsz, 16)  # fmt: skip
+    c_dp, c_mini, c_micro, c_fwd, c_updates = _critic_sizes(cfg, world_size) if has_critic else (None,) * 5
+    _check_rollout_tp(cfg, world_size)
+    rm_micro = _reward_micro(cfg.reward_model, world_size)
     return Sizes(
         world_size=world_size,
         actor_dp_size=a_dp,
@@ -152,6 +154,57 @@ def derive_sizes(cfg: KLPPOConfig, world_size: int) -> Sizes:
     )
 
 
+def _critic_sizes(cfg: KLPPOConfig, world_size: int) -> tuple[int, int, int | None, int | None, int]:
+    """The critic's (data-parallel size, mini-batch samples per rank, update micro-batch, forward
+    micro-batch, updates per step)."""
+    crit, tb = cfg.critic, cfg.data.train_batch_size
+    c_dp, c_mini, c_micro = _role(
+        "critic",
+        crit.ppo_mini_batch_size,
+        cfg.actor_rollout_ref.rollout.n,
+        world_size,
+        crit.ulysses_sequence_parallel_size,
+        crit.ppo_micro_batch_size,
+        crit.ppo_micro_batch_size_per_gpu,
+        crit.use_dynamic_bsz,
+    )
+    c_fwd = _micro(
+        "critic.forward",
+        crit.forward_micro_batch_size,
+        crit.forward_micro_batch_size_per_gpu,
+        world_size,
+        crit.use_dynamic_bsz,
+        c_micro,
+    )
+    return c_dp, c_mini, c_micro, c_fwd, crit.ppo_epochs * (tb // crit.ppo_mini_batch_size)
+
+
+def _check_rollout_tp(cfg: KLPPOConfig, world_size: int) -> None:
+    """The rollout's tensor-parallel size divides the ranks."""
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if tp > 1 and world_size % tp:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the {world_size} "
+            "ranks"
+            f"{_ranks_src(cfg, world_size)}: the rollout's tensor-parallel groups are {tp} consecutive "
+            f"ranks; choose a divisor of {world_size}"
+        )
+
+
+def _reward_micro(rm: RewardModelConfig, world_size: int) -> int | None:
+    """The reward model's micro-batch per GPU (None without a reward model)."""
+    if not rm.enable:
+        return None
+    return _micro(
+        "reward_model.",
+        rm.micro_batch_size,
+        rm.micro_batch_size_per_gpu,
+        world_size,
+        rm.use_dynamic_bsz,
+        16,
+    )
+
+
 def _role(
     prefix: str,
     mini: int,
@@ -169,18 +222,18 @@ def _role(
     mini_samples = mini * n
     if mini_samples % dp:
         raise ConfigError(
-            f"{prefix}.ppo_mini_batch_size={mini} prompts × rollout.n={n} = {mini_samples} samples per update "
-            f"is not divisible by {dp} data-parallel ranks ({world} ranks / ulysses {sp}); "
-            f"choose ppo_mini_batch_size so that {mini}×{n} is a multiple of {dp}"
+            f"{prefix}.ppo_mini_batch_size={mini} prompts × rollout.n={n} = {mini_samples} samples per "
+            f"update is not divisible by {dp} data-parallel ranks ({world} ranks / ulysses {sp}); choose "
+            f"ppo_mini_batch_size so that {mini}×{n} is a multiple of {dp}"
         )
     per_rank = mini_samples // dp
     micro = _micro(prefix + ".ppo", micro_global, micro, dp, dynamic, per_rank)
     if micro is not None and per_rank % micro:
         raise ConfigError(
-            f"{prefix}.ppo_mini_batch_size={mini} prompts × rollout.n={n} = {mini_samples} samples per update "
-            f"/ {dp} data-parallel ranks = {per_rank} samples per GPU, not divisible by "
-            f"{prefix}.ppo_micro_batch_size_per_gpu={micro} samples; choose a divisor of {per_rank} "
-            f"(e.g. {_divisor_near(per_rank, micro)}) or use_dynamic_bsz=True"
+            f"{prefix}.ppo_mini_batch_size={mini} prompts × rollout.n={n} = {mini_samples} samples per "
+            f"update / {dp} data-parallel ranks = {per_rank} samples per GPU, not divisible by "
+            f"{prefix}.ppo_micro_batch_size_per_gpu={micro} samples; choose a divisor of {per_rank} (e.g. "
+            f"{_divisor_near(per_rank, micro)}) or use_dynamic_bsz=True"
         )
     return dp, per_rank, micro
 

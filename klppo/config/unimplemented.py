@@ -33,13 +33,28 @@ _ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_
 
 UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     # changes results: refused by `klppo train`
-    ("reward_model.ulysses_sequence_parallel_size", "refuse", "the reward model runs without sequence parallelism"),
-    ("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", "refuse",
-     "multi-turn rollouts keep the sampled token ids (verl's false)"),
-    ("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", "refuse", "repeated interaction rollouts are not built"),
+    (
+        "reward_model.ulysses_sequence_parallel_size",
+        "refuse",
+        "the reward model runs without sequence parallelism",
+    ),
+    (
+        "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
+        "refuse",
+        "multi-turn rollouts keep the sampled token ids (verl's false)",
+    ),
+    (
+        "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts",
+        "refuse",
+        "repeated interaction rollouts are not built",
+    ),
     ("actor_rollout_ref.rollout.multi_turn.format", "refuse", "only the hermes tool-call format is parsed"),
-    ("actor_rollout_ref.rollout.skip_rollout", "refuse", "verl's cache of this trainer's own rollouts is not "
-     "built; to train on logged responses set data.logged_files (docs/data.md)"),
+    (
+        "actor_rollout_ref.rollout.skip_rollout",
+        "refuse",
+        "verl's cache of this trainer's own rollouts is not "
+        "built; to train on logged responses set data.logged_files (docs/data.md)",
+    ),
     ("actor_rollout_ref.rollout.over_sample_rate", "refuse", "over-sampling is not built"),
     ("actor_rollout_ref.rollout.quantization", "refuse", "quantized rollout is not built"),
     ("algorithm.use_pf_ppo", "refuse", "PF-PPO reweighting is not built"),
@@ -49,17 +64,26 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("data.datagen.*", "refuse", "dynamic data generation is not supported"),
     ("actor_rollout_ref.actor.tau_pos", "refuse", "SAPO's soft-gate loss is not built"),
     ("actor_rollout_ref.actor.tau_neg", "refuse", "SAPO's soft-gate loss is not built"),
-    ("actor_rollout_ref.actor.use_prefix_grouper", "refuse",
-     "prefix-grouped forward is not built (it changes the log-prob computation)"),
-    ("actor_rollout_ref.actor.calculate_sum_pi_squared", "refuse",
-     "Σπ² statistics (optimal-token baseline) are not built"),
+    (
+        "actor_rollout_ref.actor.use_prefix_grouper",
+        "refuse",
+        "prefix-grouped forward is not built (it changes the log-prob computation)",
+    ),
+    (
+        "actor_rollout_ref.actor.calculate_sum_pi_squared",
+        "refuse",
+        "Σπ² statistics (optimal-token baseline) are not built",
+    ),
     ("*.router_replay.*", "refuse", "MoE routing replay is not built"),
     ("actor_rollout_ref.rollout.enable_rollout_routing_replay", "refuse", "MoE routing replay is not built"),
     ("actor_rollout_ref.rollout.mtp", "refuse", "speculative decoding with MTP heads is not built"),
     ("actor_rollout_ref.model.mtp.*", "refuse", "multi-token-prediction heads are not built"),
     ("actor_rollout_ref.rollout.quantization_config_file", "refuse", "quantized rollout is not built"),
-    ("actor_rollout_ref.model.hf_config_path", "refuse",
-     "a config directory other than the model's is not supported (its own config.json is read)"),
+    (
+        "actor_rollout_ref.model.hf_config_path",
+        "refuse",
+        "a config directory other than the model's is not supported (its own config.json is read)",
+    ),
     ("actor_rollout_ref.actor.freeze_vision_tower", "refuse", "vision-language models are not built"),
     ("reward_manager.source", "refuse", "user reward-manager classes are not supported"),
     ("reward_manager.module.*", "refuse", "user reward-manager classes are not supported"),
@@ -67,21 +91,36 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("reward_model.reward_loop_module_path", "refuse", "user reward-loop classes are not supported"),
     ("reward_model.reward_loop_class_name", "refuse", "user reward-loop classes are not supported"),
     ("reward_model.sandbox_fusion.url", "refuse", "scoring code in an execution sandbox is not built"),
-    ("actor_rollout_ref.rollout.agent.default_agent_loop", "refuse",
-     "choosing the agent loop is not supported: multi_turn.enable runs the tool loop, agent_name picks per row"),
+    (
+        "actor_rollout_ref.rollout.agent.default_agent_loop",
+        "refuse",
+        "choosing the agent loop is not supported: multi_turn.enable runs the tool loop, agent_name picks "
+        "per row",
+    ),
     ("actor_rollout_ref.rollout.agent.agent_loop_config_path", "refuse", "agent loops are not built"),
     ("actor_rollout_ref.rollout.agent.custom_async_server.*", "refuse", "agent loops are not built"),
     # speed or memory only: run with a notice
-    ("actor_rollout_ref.rollout.data_parallel_size", "notice", "rollout parallelism follows the training ranks"),
+    (
+        "actor_rollout_ref.rollout.data_parallel_size",
+        "notice",
+        "rollout parallelism follows the training ranks",
+    ),
     ("actor_rollout_ref.rollout.expert_parallel_size", "notice", "no expert parallelism in rollout"),
-    ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "notice", "no pipeline parallelism in rollout"),
+    (
+        "actor_rollout_ref.rollout.pipeline_model_parallel_size",
+        "notice",
+        "no pipeline parallelism in rollout",
+    ),
     ("*.tiled_mlp.*", "notice", "the MLP runs untiled (more activation memory, same results)"),
     ("reward_model.enable_resource_pool", "notice", "the reward model shares the training ranks"),
     ("reward_model.n_gpus_per_node", "notice", "the reward model shares the training ranks"),
     ("reward_model.nnodes", "notice", "the reward model shares the training ranks"),
-    ("reward_model.rollout.*", "notice",
-     "klppo runs the reward model in the step, loaded whole on each rank (reward_model.max_length bounds "
-     "its input); serving options do not apply"),
+    (
+        "reward_model.rollout.*",
+        "notice",
+        "klppo runs the reward model in the step, loaded whole on each rank (reward_model.max_length bounds "
+        "its input); serving options do not apply",
+    ),
     ("transfer_queue.enable", "notice", "batches move between phases in process memory"),
     # accepted, no effect yet
     ("actor_rollout_ref.hybrid_engine", "warn", "klppo always generates on the actor's own weights"),
@@ -94,17 +133,32 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("data.return_full_prompt", "warn", "not needed by klppo's rollout"),
     ("actor_rollout_ref.model.enable_activation_offload", "warn", "activation offload is not built"),
     ("actor_rollout_ref.model.use_liger", "warn", "Liger kernels are not used"),
-    ("actor_rollout_ref.model.fused_kernel_options", "warn",
-     "impl_backend is not read: use_fused_kernels runs klppo's chunked torch LM head (models/lm_head.py)"),
+    (
+        "actor_rollout_ref.model.fused_kernel_options",
+        "warn",
+        "impl_backend is not read: use_fused_kernels runs klppo's chunked torch LM head (models/lm_head.py)",
+    ),
     ("critic.model.enable_activation_offload", "warn", "activation offload is not built"),
-    ("*.mixed_precision.buffer_dtype", "warn", "FSDP2's MixedPrecisionPolicy has no buffer dtype: buffers stay in model_dtype"),
+    (
+        "*.mixed_precision.buffer_dtype",
+        "warn",
+        "FSDP2's MixedPrecisionPolicy has no buffer dtype: buffers stay in model_dtype",
+    ),
     ("*.data_loader_seed", "warn", "mini-batch shuffling is seeded from trainer.seed"),
     ("data.validation_shuffle", "warn", "validation order does not change its metrics"),
     ("trainer.max_critic_ckpt_to_keep", "warn", "the critic is kept with the actor's checkpoints"),
-    ("*.entropy_from_logits_with_chunking", "warn", "entropy is computed by klppo.algorithms (memory-bounded)"),
+    (
+        "*.entropy_from_logits_with_chunking",
+        "warn",
+        "entropy is computed by klppo.algorithms (memory-bounded)",
+    ),
     ("*.entropy_checkpointing", "warn", "not built"),
     ("actor_rollout_ref.actor.calculate_entropy", "warn", "entropy is always logged"),
-    ("*.checkpoint.*", "warn", "checkpoints always hold model, optimizer and trainer state, written synchronously"),
+    (
+        "*.checkpoint.*",
+        "warn",
+        "checkpoints always hold model, optimizer and trainer state, written synchronously",
+    ),
     ("*.profiler.enable", "warn", "per-role profiler options are not used (global_profiler.* is)"),
     ("*.profiler.all_ranks", "warn", "per-role profiler options are not used (global_profiler.* is)"),
     ("*.profiler.ranks", "warn", "per-role profiler options are not used (global_profiler.* is)"),
@@ -124,8 +178,12 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.rollout.max_num_batched_tokens", "warn", "vLLM engine option"),
     ("actor_rollout_ref.rollout.max_model_len", "warn", "the KV cache holds prompt_length + response_length"),
     ("actor_rollout_ref.rollout.max_num_seqs", "warn", "vLLM engine option"),
-    ("actor_rollout_ref.rollout.cudagraph_capture_sizes", "warn",
-     "the klppo engine captures one graph per decode batch bucket it uses (enforce_eager turns graphs off)"),
+    (
+        "actor_rollout_ref.rollout.cudagraph_capture_sizes",
+        "warn",
+        "the klppo engine captures one graph per decode batch bucket it uses "
+        "(enforce_eager turns graphs off)",
+    ),
     ("actor_rollout_ref.rollout.enable_chunked_prefill", "warn", "vLLM engine option"),
     ("actor_rollout_ref.rollout.enable_prefix_caching", "warn", "vLLM engine option"),
     ("actor_rollout_ref.rollout.load_format", "warn", "weights come from the actor's shards"),
@@ -133,14 +191,25 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("actor_rollout_ref.rollout.multi_stage_wake_up", "warn", "vLLM engine option"),
     ("actor_rollout_ref.rollout.engine_kwargs", "warn", "vLLM/SGLang engine options"),
     ("actor_rollout_ref.rollout.calculate_log_probs", "warn", "old log-probs are recomputed by the actor"),
-    ("actor_rollout_ref.rollout.update_weights_bucket_megabytes", "warn", "weights are gathered per FSDP unit"),
-    ("actor_rollout_ref.rollout.skip_dump_dir", "warn", "verl's rollout cache is not built; see data.logged_files"),
+    (
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+        "warn",
+        "weights are gathered per FSDP unit",
+    ),
+    (
+        "actor_rollout_ref.rollout.skip_dump_dir",
+        "warn",
+        "verl's rollout cache is not built; see data.logged_files",
+    ),
     ("actor_rollout_ref.rollout.skip_tokenizer_init", "warn", "vLLM engine option"),
     ("actor_rollout_ref.rollout.layered_summon", "warn", "weights are gathered per FSDP unit"),
     ("actor_rollout_ref.rollout.logprobs_mode", "warn", "vLLM engine option"),
     ("actor_rollout_ref.rollout.scheduling_policy", "warn", "vLLM engine option"),
-    ("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "warn",
-     "token ids are never re-tokenized, so there is nothing to check"),
+    (
+        "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode",
+        "warn",
+        "token ids are never re-tokenized, so there is nothing to check",
+    ),
     ("actor_rollout_ref.rollout.agent.*", "warn", "agent loops are not built"),
     ("actor_rollout_ref.rollout.trace.*", "warn", "rollout tracing is not built"),
     ("reward_model.sandbox_fusion.*", "warn", "no code-execution sandbox"),
@@ -152,11 +221,15 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("trainer.use_legacy_worker_impl", "warn", "one implementation"),
     ("ray_kwargs.*", "warn", "no Ray: klppo uses torchrun"),
     ("actor_rollout_ref.actor.sum_pi_squared_checkpointing", "warn", "Σπ² statistics are not built"),
-    ("actor_rollout_ref.rollout.checkpoint_engine.*", "warn", "weights are gathered per FSDP unit in-process"),
+    (
+        "actor_rollout_ref.rollout.checkpoint_engine.*",
+        "warn",
+        "weights are gathered per FSDP unit in-process",
+    ),
     ("actor_rollout_ref.rollout.prometheus.*", "warn", "no rollout server to export metrics from"),
     ("data.image_patch_size", "warn", "text only"),
     ("reward_model.use_reward_loop", "warn", "scores are computed in the step, in process (same scores)"),
-)  # fmt: skip
+)
 
 
 @functools.cache
@@ -211,8 +284,12 @@ _VERL_PROFILER_DEFAULTS: dict[tuple[str, ...], object] = {
     ("torch_memory", "kw_args"): {},
 }
 _NSIGHT_OPTIONS = ("controller_nsight_options", "worker_nsight_options")
-_PROFILER_READ = {("torch", "contents"), ("torch_memory", "trace_alloc_max_entries"),
-                  ("torch_memory", "context"), ("torch_memory", "stacks")}  # fmt: skip
+_PROFILER_READ = {
+    ("torch", "contents"),
+    ("torch_memory", "trace_alloc_max_entries"),
+    ("torch_memory", "context"),
+    ("torch_memory", "stacks"),
+}
 
 
 def profiler_option_lines(tool_config: dict) -> list[str]:
@@ -228,11 +305,15 @@ def profiler_option_lines(tool_config: dict) -> list[str]:
             if _VERL_PROFILER_DEFAULTS.get(path, _MISSING) == value:
                 continue
             if tool == "nsys" and key in _NSIGHT_OPTIONS:
-                lines.append(f"{name}={_short(value)} is not used: klppo does not start Nsight Systems; run it "
-                             "as `nsys profile --capture-range=cudaProfilerApi <your options> klppo train …`")  # fmt: skip
+                lines.append(
+                    f"{name}={_short(value)} is not used: klppo does not start Nsight Systems; run it as "
+                    "`nsys profile --capture-range=cudaProfilerApi <your options> klppo train …`"
+                )
             else:
-                lines.append(f"{name}={_short(value)} is accepted but has no effect (klppo reads torch.contents "
-                             "and torch_memory.trace_alloc_max_entries/context/stacks)")  # fmt: skip
+                lines.append(
+                    f"{name}={_short(value)} is accepted but has no effect (klppo reads torch.contents and "
+                    "torch_memory.trace_alloc_max_entries/context/stacks)"
+                )
     return lines
 
 
@@ -261,8 +342,10 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
     if est not in IMPLEMENTED_ADV_ESTIMATORS:
         problems.append(f"algorithm.adv_estimator={est!r}: built are {', '.join(IMPLEMENTED_ADV_ESTIMATORS)}")
     if est == "grpo_passk" and cfg.actor_rollout_ref.rollout.n < 2:
-        problems.append("algorithm.adv_estimator='grpo_passk' compares the samples of a prompt: "
-                        "it needs actor_rollout_ref.rollout.n >= 2")  # fmt: skip
+        problems.append(
+            "algorithm.adv_estimator='grpo_passk' compares the samples of a prompt: "
+            "it needs actor_rollout_ref.rollout.n >= 2"
+        )
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
     if loss_mode not in IMPLEMENTED_POLICY_LOSS_MODES:
         problems.append(
@@ -275,14 +358,17 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         and actor.use_kl_loss
         and actor.kl_loss_type.startswith("full")
     ):
-        problems.append("kl_loss_type='full' with LoRA is not built (the reference is the actor with its "
-                        "adapters off); use low_var_kl, kl or mse")  # fmt: skip
+        problems.append(
+            "kl_loss_type='full' with LoRA is not built (the reference is the actor with its "
+            "adapters off); use low_var_kl, kl or mse"
+        )
     problems += ulysses_problems(cfg)
     problems += rollout_correction_problems(cfg)
     rm = cfg.reward_model
     if rm.reward_manager not in IMPLEMENTED_REWARD_MANAGERS:
         problems.append(
-            f"reward_model.reward_manager={rm.reward_manager!r}: built are {', '.join(IMPLEMENTED_REWARD_MANAGERS)}"
+            f"reward_model.reward_manager={rm.reward_manager!r}: "
+            f"built are {', '.join(IMPLEMENTED_REWARD_MANAGERS)}"
         )
     if rm.reward_manager == "batch" and not cfg.custom_reward_function.path:
         problems.append(
@@ -290,14 +376,15 @@ def check_trainable(cfg: KLPPOConfig, notify: Notify | None = None) -> None:
         )
     if rm.reward_manager == "batch" and rm.launch_reward_fn_async and not rm.enable and rm.num_workers > 1:
         problems.append(
-            f"reward_model.num_workers={rm.num_workers} with reward_manager='batch': the batched compute_score "
-            "would see a slice of the batch per process, not the whole batch as in the step (a function that "
-            "ranks, normalises or groups within the batch would score differently); set num_workers=1"
+            f"reward_model.num_workers={rm.num_workers} with reward_manager='batch': the batched "
+            "compute_score would see a slice of the batch per process, not the whole batch as in the step "
+            "(a function that ranks, normalises or groups within the batch would score differently); set "
+            "num_workers=1"
         )
     if rm.enable and rm.strategy not in ("fsdp", "fsdp2", "megatron"):
         problems.append(
-            f"reward_model.strategy={rm.strategy!r}: klppo's reward model runs in PyTorch (fsdp/fsdp2 configs), "
-            "loaded whole on each rank"
+            f"reward_model.strategy={rm.strategy!r}: klppo's reward model runs in PyTorch (fsdp/fsdp2 "
+            f"configs), loaded whole on each rank"
         )
     if problems:
         raise ConfigError(
@@ -312,19 +399,33 @@ def ulysses_problems(cfg: KLPPOConfig) -> list[str]:
     with: padded sequences (it splits packed ones) and the full-vocabulary KL loss."""
     arr = cfg.actor_rollout_ref
     problems = []
-    padding = [("actor_rollout_ref.model.use_remove_padding", arr.model.use_remove_padding,
-                max(arr.actor.ulysses_sequence_parallel_size, arr.ref.ulysses_sequence_parallel_size))]  # fmt: skip
+    padding = [
+        (
+            "actor_rollout_ref.model.use_remove_padding",
+            arr.model.use_remove_padding,
+            max(arr.actor.ulysses_sequence_parallel_size, arr.ref.ulysses_sequence_parallel_size),
+        )
+    ]
     if uses_critic(cfg):
-        padding.append(("critic.model.use_remove_padding", cfg.critic.model.use_remove_padding,
-                        cfg.critic.ulysses_sequence_parallel_size))  # fmt: skip
+        padding.append(
+            (
+                "critic.model.use_remove_padding",
+                cfg.critic.model.use_remove_padding,
+                cfg.critic.ulysses_sequence_parallel_size,
+            )
+        )
     for key, packed, sp in padding:
         if sp > 1 and not packed:
-            problems.append(f"{key}=False with ulysses_sequence_parallel_size={sp}: Ulysses sequence "
-                            "parallelism splits packed sequences; set it True")  # fmt: skip
+            problems.append(
+                f"{key}=False with ulysses_sequence_parallel_size={sp}: Ulysses sequence parallelism splits "
+                "packed sequences; set it True"
+            )
     sp = arr.actor.ulysses_sequence_parallel_size
     if sp > 1 and arr.actor.use_kl_loss and arr.actor.kl_loss_type.startswith("full"):
-        problems.append("actor_rollout_ref.actor.kl_loss_type='full' with ulysses_sequence_parallel_size > 1 "
-                        "is not built (it needs full-vocabulary logits); use low_var_kl, kl or mse")  # fmt: skip
+        problems.append(
+            "actor_rollout_ref.actor.kl_loss_type='full' with ulysses_sequence_parallel_size > 1 "
+            "is not built (it needs full-vocabulary logits); use low_var_kl, kl or mse"
+        )
     return problems
 
 
@@ -347,17 +448,23 @@ def rollout_correction_problems(cfg: KLPPOConfig) -> list[str]:
             rc.parse_rs_options(rcfg.rollout_rs, rcfg.rollout_rs_threshold)
         except ValueError as exc:
             problems.append(f"{key}.rollout_rs: {exc}")
-        problems.append(f"{key}.rollout_rs={rcfg.rollout_rs!r}: rejection sampling is not built in the trainer "
-                        "(the rejected tokens would have to leave the token counts that weight the micro-batches)")  # fmt: skip
+        problems.append(
+            f"{key}.rollout_rs={rcfg.rollout_rs!r}: rejection sampling is not built in the trainer (the "
+            "rejected tokens would have to leave the token counts that weight the micro-batches)"
+        )
     if rcfg.loss_type not in rc.BYPASS_LOSS_TYPES:
         problems.append(f"{key}.loss_type={rcfg.loss_type!r}: valid are {', '.join(rc.BYPASS_LOSS_TYPES)}")
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
     if rcfg.bypass_mode and loss_mode != "vanilla":
-        problems.append(f"{key}.bypass_mode=True with policy_loss.loss_mode={loss_mode!r}: bypass mode's loss "
-                        "is loss_type (ppo_clip is the vanilla loss), as in verl")  # fmt: skip
+        problems.append(
+            f"{key}.bypass_mode=True with policy_loss.loss_mode={loss_mode!r}: bypass mode's loss "
+            "is loss_type (ppo_clip is the vanilla loss), as in verl"
+        )
     if rcfg.bypass_mode and rcfg.rollout_is_batch_normalize:
-        problems.append(f"{key}.rollout_is_batch_normalize=True with bypass_mode=True is not built (verl takes "
-                        "the mean over all ranks inside each micro-batch's loss)")  # fmt: skip
+        problems.append(
+            f"{key}.rollout_is_batch_normalize=True with bypass_mode=True is not built (verl takes "
+            "the mean over all ranks inside each micro-batch's loss)"
+        )
     if rcfg.rollout_is is not None and not rcfg.bypass_mode and loss_mode == "geo_mean":
         problems.append(f"{key}.rollout_is with policy_loss.loss_mode='geo_mean' is not built")
     return problems

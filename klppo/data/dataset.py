@@ -2,7 +2,8 @@
 
 Rows carry ``prompt`` (chat messages), ``data_source``, ``reward_model.ground_truth`` and ``extra_info``
 (see ``klppo.data.gsm8k``; multi-turn rows: ``extra_info.tools_kwargs`` / ``interaction_kwargs``, and verl's
-``agent_name`` column, copied into ``extra_info``). ``PromptLoader`` yields ``klppo.batch.Batch`` objects holding ``batch_size``
+``agent_name`` column, copied into ``extra_info``). ``PromptLoader`` yields ``klppo.batch.Batch`` objects
+holding ``batch_size``
 prompts: ``prompts`` [B, P] int64 left-padded with ``pad_token_id`` to the longest prompt of the batch,
 ``prompt_mask`` [B, P] int64 (1 = real token), and the lists ``data_source``, ``ground_truth``,
 ``extra_info``, ``raw_prompt`` (the messages) and ``uid`` (``"<file index>:<row in file>"``, stable).
@@ -120,8 +121,10 @@ def encode_prompts(
     if not batch_messages:
         return []
     if use_template:
-        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **kwargs)
-                 for m in batch_messages]  # fmt: skip
+        texts = [
+            tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **kwargs)
+            for m in batch_messages
+        ]
     else:
         texts = ["\n".join(m["content"] for m in messages) for messages in batch_messages]
     return tokenizer(texts, add_special_tokens=not use_template)["input_ids"]
@@ -163,19 +166,22 @@ class PromptLoader:
         self.bad_row_policy, self.drop_last = bad_row_policy, settings.drop_last
         self.shuffle_buffer_rows = shuffle_buffer_rows
         self.return_raw_chat = settings.return_raw_chat  # verl compatibility; raw_prompt is always filled
-        self.use_template = settings.use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        self.use_template = (
+            settings.use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        )
         files = settings.files
         paths = [files] if isinstance(files, str) else list(files)
         self.source = RowGroupSource(paths, max_cached_row_groups=settings.max_cached_row_groups)
         for f, path in enumerate(self.source.paths):
             if prompt_key not in self.source.column_names(f):
                 raise DataError(
-                    f"{path} has no column {prompt_key!r} (data.prompt_key); columns: {self.source.column_names(f)}"
+                    f"{path} has no column {prompt_key!r} (data.prompt_key); columns: "
+                    f"{self.source.column_names(f)}"
                 )
             if reward_fn_key != "data_source" and reward_fn_key not in self.source.column_names(f):
                 raise DataError(
-                    f"{path} has no column {reward_fn_key!r} (data.reward_fn_key); "
-                    f"columns: {self.source.column_names(f)}"
+                    f"{path} has no column {reward_fn_key!r} (data.reward_fn_key); columns: "
+                    f"{self.source.column_names(f)}"
                 )
         self.stats = LoaderStats(num_rows_total=self.source.num_rows)
         self._valid_ids = self._scan()
@@ -235,7 +241,8 @@ class PromptLoader:
         return np.concatenate(kept) if kept else np.empty(0, dtype=np.int64)
 
     def summary(self) -> str:
-        """One line: rows, usable (and how many of them ``max_samples`` keeps), bad, and overlong ones filtered
+        """One line: rows, usable (and how many of them ``max_samples`` keeps), bad, and overlong ones
+        filtered
         or truncated. The loader logs nothing itself: its caller says this once per run."""
         s, p = self.stats, self.max_prompt_length
         longer = (
@@ -245,7 +252,9 @@ class PromptLoader:
         )
         usable = f"{s.num_rows} usable"
         if s.num_past_max_samples:
-            usable = f"{s.num_rows + s.num_past_max_samples} usable (the first {s.num_rows} kept: max_samples)"
+            usable = (
+                f"{s.num_rows + s.num_past_max_samples} usable (the first {s.num_rows} kept: max_samples)"
+            )
         return f"{s.num_rows_total} rows, {usable}, {s.num_bad_rows} bad, {longer}"
 
     def _report_bad(self, global_id: int, reason: str) -> None:
@@ -260,16 +269,17 @@ class PromptLoader:
     def _check_not_empty(self) -> None:
         s = self.stats
         why = (
-            f"{s.num_rows_total} rows in {len(self.source.paths)} file(s); {s.num_bad_rows} bad (missing/"
-            f"wrongly typed/empty prompt), {s.num_overlong} longer than max_prompt_length={self.max_prompt_length}"
+            f"{s.num_rows_total} rows in {len(self.source.paths)} file(s); {s.num_bad_rows} bad "
+            f"(missing/wrongly typed/empty prompt), {s.num_overlong} longer than "
+            f"max_prompt_length={self.max_prompt_length}"
         )
         if s.num_rows == 0:
             raise DataError(f"no usable prompts in {', '.join(self.source.paths)}: {why}")
         if self.drop_last and s.num_rows < self.batch_size:
             raise DataError(
-                f"only {s.num_rows} usable prompts in {', '.join(self.source.paths)}, fewer than one batch of "
-                f"{self.batch_size} (data.train_batch_size; data.train_max_samples and data.val_max_samples cap "
-                f"the rows read): {why}"
+                f"only {s.num_rows} usable prompts in {', '.join(self.source.paths)}, fewer than one batch "
+                f"of {self.batch_size} (data.train_batch_size; data.train_max_samples and "
+                f"data.val_max_samples cap the rows read): {why}"
             )
 
     # ---- text → ids ----------------------------------------------------------------------------
@@ -425,7 +435,8 @@ class PromptLoader:
             return ids[: p // 2] + ids[len(ids) - (p - p // 2) :]
         raise DataError(  # only possible if a file changed after the scan
             f"prompt in {self.source.paths[row['_file']]} row {row['_row']} has {len(ids)} tokens > "
-            f"max_prompt_length={p}; set data.filter_overlong_prompts=True or data.truncation=left|right|middle"
+            f"max_prompt_length={p}; set data.filter_overlong_prompts=True or "
+            "data.truncation=left|right|middle"
         )
 
     # ---- resume --------------------------------------------------------------------------------
@@ -442,8 +453,8 @@ class PromptLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_rows"] != self.stats.num_rows or state["seed"] != self.seed:
             raise ValueError(
-                f"loader state is for {state['num_rows']} usable rows and seed {state['seed']}, but this loader "
-                f"has {self.stats.num_rows} rows and seed {self.seed}: the data or data.seed changed"
+                f"loader state is for {state['num_rows']} usable rows and seed {state['seed']}, but this "
+                f"loader has {self.stats.num_rows} rows and seed {self.seed}: the data or data.seed changed"
             )
         self._start_epoch(int(state["epoch"]))
         self._batch_index, self._position = int(state["batch_index"]), int(state["position"])

@@ -100,7 +100,8 @@ def _fetch_hub() -> dict[str, list[dict]]:
         ds = datasets.load_dataset("openai/gsm8k", "main")
     except Exception as exc:
         raise RuntimeError(
-            f"fetching openai/gsm8k through `datasets` failed ({exc!r}); pass --input DIR with the jsonl files"
+            f"fetching openai/gsm8k through `datasets` failed ({exc!r}); pass --input DIR with the jsonl "
+            "files"
         ) from exc
     return {split: [dict(r) for r in ds[split]] for split in ("train", "test")}
 

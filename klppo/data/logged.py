@@ -159,8 +159,10 @@ class LoggedLoader:
                     f"{path}: no column {settings.prompt_key!r} (data.prompt_key); columns: {names}"
                 )
             if RESPONSE_IDS not in names and RESPONSE_TEXT not in names:
-                raise DataError(f"{path}: no column {RESPONSE_IDS!r} or {RESPONSE_TEXT!r} (the response); "
-                                f"columns: {names} (docs/data.md)")  # fmt: skip
+                raise DataError(
+                    f"{path}: no column {RESPONSE_IDS!r} or {RESPONSE_TEXT!r} (the response); columns: "
+                    f"{names} (docs/data.md)"
+                )
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self.num_dropped = 0
         samples = self._scan()
@@ -183,8 +185,9 @@ class LoggedLoader:
                 if reason is not None:
                     raise DataError(f"{self._where(first + i)}, column {s.prompt_key!r}: {reason}")
                 messages.append(msgs)
-            prompt_ids = encode_prompts(self.tokenizer, messages, use_template=self.use_template,
-                                        kwargs=s.apply_chat_template_kwargs)  # fmt: skip
+            prompt_ids = encode_prompts(
+                self.tokenizer, messages, use_template=self.use_template, kwargs=s.apply_chat_template_kwargs
+            )
             for i, row in enumerate(rows):
                 row["_messages"], row["_file"] = messages[i], f
                 out.append(self._sample(row, prompt_ids[i], self._where(first + i)))
@@ -198,9 +201,11 @@ class LoggedLoader:
         s = self.settings
         fp = row.get(TOKENIZER_HASH)
         if fp is not None and fp != self.fingerprint:
-            raise DataError(f"{where}, column {TOKENIZER_HASH!r}: the log's tokenizer {row.get('tokenizer')!r} "
-                            f"({fp}) is not the run's ({self.fingerprint}): its token ids mean other tokens; "
-                            "set actor_rollout_ref.model.tokenizer_path to the log's tokenizer")  # fmt: skip
+            raise DataError(
+                f"{where}, column {TOKENIZER_HASH!r}: the log's tokenizer {row.get('tokenizer')!r} "
+                f"({fp}) is not the run's ({self.fingerprint}): its token ids mean other tokens; "
+                "set actor_rollout_ref.model.tokenizer_path to the log's tokenizer"
+            )
         ids = row.get(RESPONSE_IDS)
         if ids is None:
             text = row.get(RESPONSE_TEXT)
@@ -215,19 +220,27 @@ class LoggedLoader:
             raise DataError(f"{where}, column {RESPONSE_IDS!r}: empty response")
         bad = [t for t in ids if not 0 <= t < s.vocab_size]
         if bad:
-            raise DataError(f"{where}, column {RESPONSE_IDS!r}: token id {bad[0]} is beyond the model's "
-                            f"vocabulary of {s.vocab_size}")  # fmt: skip
+            raise DataError(
+                f"{where}, column {RESPONSE_IDS!r}: token id {bad[0]} is beyond the model's "
+                f"vocabulary of {s.vocab_size}"
+            )
         mask = row.get(RESPONSE_MASK)
         if mask is not None and (len(mask) != len(ids) or any(m != 1 for m in mask)):
             k = next((k for k, m in enumerate(mask) if m != 1), len(mask))
-            raise DataError(f"{where}, column {RESPONSE_MASK!r}: " + (
-                f"{len(mask)} values for {len(ids)} response tokens" if len(mask) != len(ids) else
-                f"0 at token {k}: tokens the model did not produce (tool output) are not trained yet"))  # fmt: skip
+            raise DataError(
+                f"{where}, column {RESPONSE_MASK!r}: "
+                + (
+                    f"{len(mask)} values for {len(ids)} response tokens"
+                    if len(mask) != len(ids)
+                    else f"0 at token {k}: tokens the model did not produce (tool output) are not trained yet"
+                )
+            )
         log_probs = row.get(LOG_PROBS)
         if log_probs is not None:
             if len(log_probs) != len(ids):
-                raise DataError(f"{where}, column {LOG_PROBS!r}: {len(log_probs)} values for {len(ids)} "
-                                "response tokens")  # fmt: skip
+                raise DataError(
+                    f"{where}, column {LOG_PROBS!r}: {len(log_probs)} values for {len(ids)} response tokens"
+                )
             if any(v is None or not math.isfinite(v) or v > 1e-6 for v in log_probs):
                 raise DataError(f"{where}, column {LOG_PROBS!r}: a value that is null, not finite or above 0")
         score = row.get(SCORE)
@@ -238,13 +251,17 @@ class LoggedLoader:
     def _overlong(self, sample: _Sample) -> str | None:
         s = self.settings
         if len(sample.response_ids) > s.max_response_length:
-            return (f"{sample.where}, column {RESPONSE_IDS!r}: {len(sample.response_ids)} response tokens > "
-                    f"data.max_response_length={s.max_response_length} (data.logged_overlong=error; 'drop' "
-                    "leaves out the sample's group)")  # fmt: skip
+            return (
+                f"{sample.where}, column {RESPONSE_IDS!r}: {len(sample.response_ids)} response tokens > "
+                f"data.max_response_length={s.max_response_length} (data.logged_overlong=error; 'drop' "
+                "leaves out the sample's group)"
+            )
         if len(sample.prompt_ids) > s.max_prompt_length:
-            return (f"{sample.where}, column {s.prompt_key!r}: {len(sample.prompt_ids)} prompt tokens > "
-                    f"data.max_prompt_length={s.max_prompt_length} (set data.filter_overlong_prompts=True to "
-                    "leave out the group)")  # fmt: skip
+            return (
+                f"{sample.where}, column {s.prompt_key!r}: {len(sample.prompt_ids)} prompt tokens > "
+                f"data.max_prompt_length={s.max_prompt_length} (set data.filter_overlong_prompts=True to "
+                "leave out the group)"
+            )
         return None
 
     def _group(self, samples: list[_Sample]) -> list[list[_Sample]]:
@@ -268,25 +285,33 @@ class LoggedLoader:
                 continue
             n, first = len(group), group[0]
             if n < s.min_group_size:
-                raise DataError(f"{first.where}, column {GROUP_ID!r}: a group of {n} sample(s) — the advantage "
-                                "estimator compares a prompt's samples and needs several; log n ≥ 2 samples per "
-                                "prompt, or use algorithm.adv_estimator=gae with a critic")  # fmt: skip
+                raise DataError(
+                    f"{first.where}, column {GROUP_ID!r}: a group of {n} sample(s) — the advantage "
+                    "estimator compares a prompt's samples and needs several; log n ≥ 2 samples per "
+                    "prompt, or use algorithm.adv_estimator=gae with a critic"
+                )
             if n != s.samples_per_group:
-                raise DataError(f"{first.where}, column {GROUP_ID!r}: a group of {n} sample(s), but "
-                                f"actor_rollout_ref.rollout.n={s.samples_per_group} (samples per prompt in a step)")  # fmt: skip
+                raise DataError(
+                    f"{first.where}, column {GROUP_ID!r}: a group of {n} sample(s), but "
+                    f"actor_rollout_ref.rollout.n={s.samples_per_group} (samples per prompt in a step)"
+                )
             kept.append(group)
         if len(kept) < s.groups_per_batch:
-            raise DataError(f"{', '.join(self.source.paths)}: {len(kept)} usable groups ({self.num_dropped} "
-                            f"dropped), fewer than one batch of data.train_batch_size={s.groups_per_batch}")  # fmt: skip
+            raise DataError(
+                f"{', '.join(self.source.paths)}: {len(kept)} usable groups ({self.num_dropped} "
+                f"dropped), fewer than one batch of data.train_batch_size={s.groups_per_batch}"
+            )
         return kept
 
     def _check_log_probs(self) -> None:
         if self.has_log_probs or self.settings.needs_log_probs != "required":
             return
         first = next(x for g in self._groups for x in g if x.log_probs is None)
-        raise DataError(f"{first.where}, column {LOG_PROBS!r}: no behaviour log-probs, and "
-                        "algorithm.rollout_correction.bypass_mode=true takes the PPO ratio against them; log "
-                        "them (klppo data log does), or set bypass_mode=false")  # fmt: skip
+        raise DataError(
+            f"{first.where}, column {LOG_PROBS!r}: no behaviour log-probs, and "
+            "algorithm.rollout_correction.bypass_mode=true takes the PPO ratio against them; log them "
+            "(klppo data log does), or set bypass_mode=false"
+        )
 
     def behaviour(self) -> str:
         """Where the step's behaviour log-probs come from: ``logged``, ``reference`` (the reference's, i.e.
@@ -299,9 +324,11 @@ class LoggedLoader:
         """One line: samples, groups, dropped groups, where the behaviour log-probs come from, scores."""
         samples = [x for g in self._groups for x in g]
         scored = sum(x.score is not None for x in samples)
-        return (f"{len(samples)} logged samples in {len(self._groups)} groups of {self.settings.samples_per_group}"
-                f" ({self.num_dropped} groups dropped); behaviour log-probs: {self.behaviour()}; "
-                f"{scored} logged scores, {len(samples) - scored} scored by the reward")  # fmt: skip
+        return (
+            f"{len(samples)} logged samples in {len(self._groups)} groups of "
+            f"{self.settings.samples_per_group} ({self.num_dropped} groups dropped); behaviour log-probs: "
+            f"{self.behaviour()}; {scored} logged scores, {len(samples) - scored} scored by the reward"
+        )
 
     # ---- batches -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -313,8 +340,11 @@ class LoggedLoader:
         if self._batch_index >= len(self):
             self.epoch, self._batch_index = self.epoch + 1, 0
         n = len(self._groups)
-        order = (np.random.default_rng([self.settings.seed, self.epoch]).permutation(n)
-                 if self.settings.shuffle else np.arange(n))  # fmt: skip
+        order = (
+            np.random.default_rng([self.settings.seed, self.epoch]).permutation(n)
+            if self.settings.shuffle
+            else np.arange(n)
+        )
         k = self.settings.groups_per_batch
         picked = order[self._batch_index * k : (self._batch_index + 1) * k]
         self._batch_index += 1
@@ -355,14 +385,20 @@ class LoggedLoader:
 
     # ---- resume --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch_index": self._batch_index, "num_groups": len(self._groups),
-                "seed": self.settings.seed}  # fmt: skip
+        return {
+            "epoch": self.epoch,
+            "batch_index": self._batch_index,
+            "num_groups": len(self._groups),
+            "seed": self.settings.seed,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("num_groups") != len(self._groups) or state["seed"] != self.settings.seed:
-            raise ValueError(f"loader state is for {state.get('num_groups')} logged groups and seed {state['seed']}, "
-                             f"but this loader has {len(self._groups)} and seed {self.settings.seed}: the logs or "
-                             "data.seed changed")  # fmt: skip
+            raise ValueError(
+                f"loader state is for {state.get('num_groups')} logged groups and seed {state['seed']}, "
+                f"but this loader has {len(self._groups)} and seed {self.settings.seed}: the logs or "
+                "data.seed changed"
+            )
         self.epoch, self._batch_index = int(state["epoch"]), int(state["batch_index"])
 
 

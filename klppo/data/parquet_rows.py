@@ -42,8 +42,10 @@ class RowGroupSource:
         rows_per_file, self.rg_starts = [], []
         for path in self.paths:
             if os.path.isdir(path):
-                raise DataError(f"{path} is a directory: name its Parquet files (data.train_files / "
-                                "data.val_files take a path or a list of paths)")  # fmt: skip
+                raise DataError(
+                    f"{path} is a directory: name its Parquet files (data.train_files / data.val_files take "
+                    "a path or a list of paths)"
+                )
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"Parquet file not found: {path}")
             if os.path.getsize(path) == 0:

@@ -49,7 +49,8 @@ QUICKSTART_INSTALL = (
 
 
 def klppo_cache_dir() -> Path:
-    """Root of klppo's own cache: ``$KLPPO_CACHE``, else ``$XDG_CACHE_HOME/klppo``, else ``~/.cache/klppo``."""
+    """Root of klppo's own cache: ``$KLPPO_CACHE``, else ``$XDG_CACHE_HOME/klppo``, else
+    ``~/.cache/klppo``."""
     if os.environ.get("KLPPO_CACHE"):
         return Path(os.environ["KLPPO_CACHE"]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")

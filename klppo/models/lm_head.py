@@ -138,7 +138,8 @@ def compiles_on(t: torch.Tensor) -> bool:
 
 @functools.cache
 def compiled(fn: Callable) -> Callable:
-    """``torch.compile(fn)`` for ``fn(z, *args)`` with ``z`` [..., V] first: every row dim symbolic (chunks and
+    """``torch.compile(fn)`` for ``fn(z, *args)`` with ``z`` [..., V] first: every row dim symbolic (chunks
+    and
     micro-batches of any row count share one compilation), the vocabulary static (the kernels index
     [rows, V] with a constant V: no division by a runtime size per element); created once per function."""
     inner = torch.compile(fn)
@@ -154,7 +155,8 @@ def compiled(fn: Callable) -> Callable:
 
 
 def _rows_dynamic(t: torch.Tensor, num_dims: int) -> None:
-    """Mark ``t``'s first ``num_dims`` dims symbolic for ``torch.compile`` (a size-1 dim stays specialised)."""
+    """Mark ``t``'s first ``num_dims`` dims symbolic for ``torch.compile`` (a size-1 dim stays
+    specialised)."""
     for dim in range(num_dims):
         torch._dynamo.maybe_mark_dynamic(t, dim)
 
@@ -214,9 +216,16 @@ class _TokenStats(torch.autograd.Function):
             z = _fp32_mm(flat[rows], weight.t())
             if ctx.fast:
                 dz = compiled(chunk_grad)(
-                    z, lse[rows], entropy[rows], g_lp[rows], g_h[rows], lab[rows], temperature,
-                    ctx.with_entropy, weight.dtype,
-                )  # fmt: skip
+                    z,
+                    lse[rows],
+                    entropy[rows],
+                    g_lp[rows],
+                    g_h[rows],
+                    lab[rows],
+                    temperature,
+                    ctx.with_entropy,
+                    weight.dtype,
+                )
             else:
                 dz = _eager_chunk_grad(z, lse[rows], entropy[rows], g_lp[rows], g_h[rows], lab[rows], ctx)
             if need_x:
@@ -296,9 +305,14 @@ class FP32LogitsLinear(nn.Linear):
         if self.token_stats is not None:
             r = self.token_stats
             return token_log_probs_entropy(
-                x, self.weight, r.labels, temperature=r.temperature, with_entropy=r.with_entropy,
-                chunk_rows=r.chunk_rows, compile_stats=self.compile_stats and compiles_on(x),
-            )  # fmt: skip
+                x,
+                self.weight,
+                r.labels,
+                temperature=r.temperature,
+                with_entropy=r.with_entropy,
+                chunk_rows=r.chunk_rows,
+                compile_stats=self.compile_stats and compiles_on(x),
+            )
         if self.bias is None and x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
             return fp32_logits_linear(x, self.weight)
         return super().forward(x)

@@ -136,8 +136,8 @@ def _load(
         if "Unrecognized configuration class" not in str(error):
             raise
         raise ModelLoadError(
-            f"{path!r}: transformers has no {auto_class.__name__} for model type "
-            f"{config.model_type!r}, so klppo cannot build this role from it"
+            f"{path!r}: transformers has no {auto_class.__name__} for model type {config.model_type!r}, so "
+            "klppo cannot build this role from it"
         ) from error
     model.to(device)
     if gradient_checkpointing:
@@ -255,7 +255,8 @@ def load_reward_model(
     """Reward model: ``AutoModelForSequenceClassification(num_labels=1)``; ``logits`` [B, 1] = score.
 
     The score is read at the last non-pad token, so the config needs ``pad_token_id``: the argument when
-    given, else the checkpoint's, else the pad id of the tokenizer in the same directory. Raises `ModelLoadError` when the checkpoint has no trained head.
+    given, else the checkpoint's, else the pad id of the tokenizer in the same directory. Raises
+    `ModelLoadError` when the checkpoint has no trained head.
     """
     from transformers import AutoModelForSequenceClassification  # noqa: PLC0415  heavy (transformers, ~2 s): only when a model loads
 
@@ -279,8 +280,8 @@ def load_reward_model(
         ).pad_token_id
     if missing:
         raise ModelLoadError(
-            f"{path!r} is not a trained reward model: weights {sorted(missing)[:5]} are missing "
-            "(a causal-LM checkpoint has no score head). Pass a sequence-classification checkpoint."
+            f"{path!r} is not a trained reward model: weights {sorted(missing)[:5]} are missing (a causal-LM "
+            "checkpoint has no score head). Pass a sequence-classification checkpoint."
         )
     model.eval()
     return model

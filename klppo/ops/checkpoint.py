@@ -522,7 +522,8 @@ def resolve_resume(
     mode: str, root: str | Path, resume_from_path: str | None, *, roles: list[str] | None = None
 ) -> Path | None:
     """The checkpoint to resume from under ``trainer.resume_mode`` (auto | disable | resume_path), validated
-    (rank 0 checks, every rank gets the same answer). ``roles``: the trained roles whose state must be there."""
+    (rank 0 checks, every rank gets the same answer). ``roles``: the trained roles whose state must be
+    there."""
     root = Path(root)
     if mode == "disable":  # an earlier run's checkpoints there: klppo.ops.run_records decides
         return None
@@ -560,7 +561,9 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
     """``trainer_state.pt`` of checkpoint ``path`` (tensors and plain values only), before any weights."""
     state = _load_small(Path(path) / "trainer_state.pt")
     if not isinstance(state, dict):
-        raise CheckpointError(f"{Path(path) / 'trainer_state.pt'} holds a {type(state).__name__}, not a mapping")
+        raise CheckpointError(
+            f"{Path(path) / 'trainer_state.pt'} holds a {type(state).__name__}, not a mapping"
+        )
     return state
 
 

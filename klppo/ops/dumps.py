@@ -34,8 +34,14 @@ def dump_samples(
     path = directory / f"{step}.jsonl"
     with open(path, "w", encoding="utf-8") as f:
         for i, (inp, out, score) in enumerate(zip(inputs, outputs, scores)):
-            row = {"input": inp, "output": out, "score": float(score), "step": step,
-                   "ground_truth": ground_truths[i], "data_source": data_sources[i]}  # fmt: skip
+            row = {
+                "input": inp,
+                "output": out,
+                "score": float(score),
+                "step": step,
+                "ground_truth": ground_truths[i],
+                "data_source": data_sources[i],
+            }
             if rewards is not None:
                 row["reward"] = float(rewards[i])
             f.write(json.dumps(row, default=str) + "\n")

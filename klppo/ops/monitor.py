@@ -174,7 +174,7 @@ class Monitor:
                 adv_estimator=cfg.algorithm.adv_estimator,
             )
             if m.enable
-            else []  # fmt: skip
+            else []
         )
         self.events = EventLog(run_dir, rank=rank, resume_step=resume_step)
         self.counts: dict[str, int] = {}
@@ -277,13 +277,23 @@ class Monitor:
     def finish(self, step: int) -> dict[str, Any]:
         """Console summary and the last events.jsonl line; returns the summary."""
         self._record_oom_retries(step)  # retries of a step that failed after all
-        summary = {"step": step, "rule": "summary", "action": "summary", "counts": dict(sorted(self.counts.items())),
-                   "stopped_by": self.stop_reason, "coefficients": self.metrics()}  # fmt: skip
+        summary = {
+            "step": step,
+            "rule": "summary",
+            "action": "summary",
+            "counts": dict(sorted(self.counts.items())),
+            "stopped_by": self.stop_reason,
+            "coefficients": self.metrics(),
+        }
         if self.rank == 0:
             if self.counts:
                 done = ", ".join(f"{k} ×{n}" for k, n in sorted(self.counts.items()))
-                log.warning("monitor summary (step %d): %s%s", step, done,
-                            f"; stopped by {self.stop_reason}" if self.stop_reason else "")  # fmt: skip
+                log.warning(
+                    "monitor summary (step %d): %s%s",
+                    step,
+                    done,
+                    f"; stopped by {self.stop_reason}" if self.stop_reason else "",
+                )
             else:
                 log.info("monitor summary (step %d): no rule fired", step)
         self.events.write(summary)

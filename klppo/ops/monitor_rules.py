@@ -108,10 +108,15 @@ class KLEarlyStop(Rule):
         self.steps_over = self.steps_over + 1 if kl > self.cfg_target else 0
         if self.steps_over < self.cfg.patience_steps:
             return []
-        return [Action(self.name, "stop",
-                       f"{self.cfg.kl_metric}={kl:.4g} above target {self.cfg_target:g} for {self.steps_over} "
-                       f"steps (monitor.kl_early_stop.patience_steps={self.cfg.patience_steps})",
-                       {"kl": kl, "target_kl": self.cfg_target, "steps_over": self.steps_over})]  # fmt: skip
+        return [
+            Action(
+                self.name,
+                "stop",
+                f"{self.cfg.kl_metric}={kl:.4g} above target {self.cfg_target:g} for {self.steps_over} "
+                f"steps (monitor.kl_early_stop.patience_steps={self.cfg.patience_steps})",
+                {"kl": kl, "target_kl": self.cfg_target, "steps_over": self.steps_over},
+            )
+        ]
 
     def metrics(self):
         return {"monitor/kl_early_stop/steps_over_target": float(self.steps_over)}
@@ -146,11 +151,16 @@ class RewardPlateau(Rule):
         self.steps_flat += 1
         if self.steps_flat < c.patience_steps:
             return []
-        return [Action(self.name, "stop",
-                       f"the {c.window}-step mean of {c.metric} ({mean:.4g}) has not risen above its best "
-                       f"{self.best:.4g} by more than {c.min_delta:g} for {self.steps_flat} steps "
-                       f"(monitor.reward_plateau.patience_steps={c.patience_steps}, min_delta, window)",
-                       {"reward": reward, "mean": mean, "best": self.best, "steps_flat": self.steps_flat})]  # fmt: skip
+        return [
+            Action(
+                self.name,
+                "stop",
+                f"the {c.window}-step mean of {c.metric} ({mean:.4g}) has not risen above its best "
+                f"{self.best:.4g} by more than {c.min_delta:g} for {self.steps_flat} steps "
+                f"(monitor.reward_plateau.patience_steps={c.patience_steps}, min_delta, window)",
+                {"reward": reward, "mean": mean, "best": self.best, "steps_flat": self.steps_flat},
+            )
+        ]
 
     def metrics(self):
         return {"monitor/reward_plateau/steps_without_improvement": float(self.steps_flat)}
@@ -184,8 +194,8 @@ class ValidationDrop(Rule):
             return []
         values = {"val_score": score, "train_reward": train, "ratio": c.ratio}
         message = (
-            f"validation score {score:.4g} (best {self.best:.4g} at step {self.best_step}) below {c.ratio:g} × "
-            f"training {c.metric} {train:.4g}"
+            f"validation score {score:.4g} (best {self.best:.4g} at step {self.best_step}) below {c.ratio:g} "
+            f"× training {c.metric} {train:.4g}"
         )
         if c.action == "rollback":
             values.update(lr_factor=c.lr_factor, kl_coef_factor=c.kl_coef_factor, best_step=self.best_step)
@@ -219,10 +229,15 @@ class KLExplosion(Rule):
         if kl is None or kl <= self.cfg.threshold or _cooling(self.last_step, step, self.cfg.cooldown_steps):
             return []
         self.last_step = int(step)
-        return [Action(self.name, "scale_kl_coef",
-                       f"{self.cfg.kl_metric}={kl:.4g} above {self.cfg.threshold:g}: KL coefficient × "
-                       f"{self.cfg.coef_factor:g} (at most {self.cfg.max_coef:g})",
-                       {"kl": kl, "factor": self.cfg.coef_factor, "max_coef": self.cfg.max_coef})]  # fmt: skip
+        return [
+            Action(
+                self.name,
+                "scale_kl_coef",
+                f"{self.cfg.kl_metric}={kl:.4g} above {self.cfg.threshold:g}: KL coefficient × "
+                f"{self.cfg.coef_factor:g} (at most {self.cfg.max_coef:g})",
+                {"kl": kl, "factor": self.cfg.coef_factor, "max_coef": self.cfg.max_coef},
+            )
+        ]
 
 
 class EntropyCollapse(Rule):
@@ -243,9 +258,19 @@ class EntropyCollapse(Rule):
         if _cooling(self.last_step, step, c.cooldown_steps):
             return []
         self.last_step = int(step)
-        return [Action(self.name, "raise_entropy_coeff", message + ": entropy bonus raised",
-                       {"entropy": entropy, "entropy_coeff": c.entropy_coeff, "factor": c.coeff_factor,
-                        "max_coeff": c.max_coeff})]  # fmt: skip
+        return [
+            Action(
+                self.name,
+                "raise_entropy_coeff",
+                message + ": entropy bonus raised",
+                {
+                    "entropy": entropy,
+                    "entropy_coeff": c.entropy_coeff,
+                    "factor": c.coeff_factor,
+                    "max_coeff": c.max_coeff,
+                },
+            )
+        ]
 
 
 class NonFiniteReward(Rule):
@@ -258,9 +283,15 @@ class NonFiniteReward(Rule):
         score = metrics.get("critic/score/mean")
         if score is None or math.isfinite(float(score)):
             return []
-        return [Action(self.name, self.cfg.action,
-                       f"the mean score is {score}: the reward function returned NaN/inf (the update of this "
-                       "step was skipped; check the reward function)", {"score": float(score)})]  # fmt: skip
+        return [
+            Action(
+                self.name,
+                self.cfg.action,
+                f"the mean score is {score}: the reward function returned NaN/inf (the update of this "
+                "step was skipped; check the reward function)",
+                {"score": float(score)},
+            )
+        ]
 
 
 class LearningSignal(Rule):
@@ -284,8 +315,10 @@ class LearningSignal(Rule):
         if self.steps_equal != c.patience_steps:  # acts on reaching the patience, not on every step after
             return []
         where = _where_equal_groups_score(metrics)
-        message = (f"batch/equal_score_groups={share:.3g} ≥ {c.max_equal_share:g} for {self.steps_equal} steps: "
-                   f"those groups' samples carry no policy gradient{where}")  # fmt: skip
+        message = (
+            f"batch/equal_score_groups={share:.3g} ≥ {c.max_equal_share:g} for {self.steps_equal} steps: "
+            f"those groups' samples carry no policy gradient{where}"
+        )
         return [
             Action(self.name, c.action, message, {"equal_score_groups": share, "steps": self.steps_equal})
         ]
@@ -297,22 +330,30 @@ class LearningSignal(Rule):
 def _where_equal_groups_score(metrics: dict[str, float]) -> str:
     """Where the equal-score groups' own mean score sits in the step's score range: at the low end (the
     prompts are too hard), the high end (solved), or both (groups at each end); "" when unknown."""
-    group, low, high = (_finite(metrics, k) for k in (
-        "batch/equal_score_groups_score", "critic/score/min", "critic/score/max"))  # fmt: skip
+    group, low, high = (
+        _finite(metrics, k)
+        for k in ("batch/equal_score_groups_score", "critic/score/min", "critic/score/max")
+    )
     if group is None or low is None or high is None:
         return ""
     if high - low <= 1e-12:
         return f"; every sample scored {group:.4g}"
     position = (group - low) / (high - low)
     if position <= 0.25:
-        return (f"; those groups score {group:.4g} on average, near the lowest score ({low:.4g}): the prompts are "
-                "too hard for the policy — more samples per prompt (actor_rollout_ref.rollout.n), easier prompts or a "
-                "shaped reward")  # fmt: skip
+        return (
+            f"; those groups score {group:.4g} on average, near the lowest score ({low:.4g}): the prompts "
+            "are too hard for the policy — more samples per prompt (actor_rollout_ref.rollout.n), easier "
+            "prompts or a shaped reward"
+        )
     if position >= 0.75:
-        return (f"; those groups score {group:.4g} on average, near the highest score ({high:.4g}): the prompts "
-                "are solved — harder prompts, or stop")  # fmt: skip
-    return (f"; those groups score {group:.4g} on average, between the lowest ({low:.4g}) and the highest "
-            f"({high:.4g}): some too hard, some solved")  # fmt: skip
+        return (
+            f"; those groups score {group:.4g} on average, near the highest score ({high:.4g}): the prompts "
+            "are solved — harder prompts, or stop"
+        )
+    return (
+        f"; those groups score {group:.4g} on average, between the lowest ({low:.4g}) and the highest "
+        f"({high:.4g}): some too hard, some solved"
+    )
 
 
 GRAD_NORM_ADVICE = (

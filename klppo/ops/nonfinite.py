@@ -83,7 +83,8 @@ def find_nonfinite(batch: Batch, fields: Sequence[str], *, paths: Sequence[str] 
         source = batch.data_source[i] if batch.data_source else "?"
         where = data_row(batch.uid[i], paths) if batch.uid else f"sample {i}"
         more = f" ({len(bad_rows)} samples in all)" if len(bad_rows) > 1 else ""
-        return f"{_LABELS.get(name, name)} is {_kind(value)} for sample {i} (data source {source!r}, {where}){more}"
+        label = _LABELS.get(name, name)
+        return f"{label} is {_kind(value)} for sample {i} (data source {source!r}, {where}){more}"
     return None
 
 
@@ -113,7 +114,7 @@ def record_skipped_step(step: int, reason: str, *, count: int, limit: int) -> in
         raise TrainingStopped(
             f"{count} steps had non-finite values (limit trainer.max_nan_steps={limit}; the last: {reason}); "
             "those steps' updates were skipped and the last checkpoint is intact. Check the reward function "
-            "and the data named above, lower actor_rollout_ref.actor.optim.lr (and critic.optim.lr), or raise the "
-            "limit."
+            "and the data named above, lower actor_rollout_ref.actor.optim.lr (and critic.optim.lr), or "
+            "raise the limit."
         )
     return count

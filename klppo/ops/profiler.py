@@ -65,22 +65,27 @@ class StepProfiler:
         self.contents = set(dict(options.get("torch") or {}).get("contents") or ["cpu", "cuda"])
         if not self.contents <= set(TORCH_CONTENTS):
             raise ValueError(
-                f"global_profiler.global_tool_config.torch.contents={sorted(self.contents)}: expected a subset "
-                f"of {list(TORCH_CONTENTS)}"
+                f"global_profiler.global_tool_config.torch.contents={sorted(self.contents)}: expected a "
+                f"subset of {list(TORCH_CONTENTS)}"
             )
         memory = dict(options.get("torch_memory") or {})
         self.max_entries = int(memory.get("trace_alloc_max_entries", 100_000))
         self.memory_context = memory.get("context", "all")
         self.memory_stacks = memory.get("stacks", "all")
-        for key, value, valid in (("context", self.memory_context, (None, "alloc", "state", "all")),
-                                  ("stacks", self.memory_stacks, ("python", "all"))):  # fmt: skip
+        for key, value, valid in (
+            ("context", self.memory_context, (None, "alloc", "state", "all")),
+            ("stacks", self.memory_stacks, ("python", "all")),
+        ):
             if value not in valid:
                 raise ValueError(
-                    f"global_profiler.global_tool_config.torch_memory.{key}={value!r}: expected one of {valid}"
+                    f"global_profiler.global_tool_config.torch_memory.{key}={value!r}: expected one of "
+                    f"{valid}"
                 )
         if self.tool == "torch_memory" and device.type != "cuda":
-            log.warning("global_profiler.tool=torch_memory records the CUDA allocator: nothing to record on %s",
-                        device.type)  # fmt: skip
+            log.warning(
+                "global_profiler.tool=torch_memory records the CUDA allocator: nothing to record on %s",
+                device.type,
+            )
         if self.tool == "nsys" and device.type != "cuda":
             log.warning("global_profiler.tool=nsys needs a CUDA device: no capture range on %s", device.type)
 
@@ -108,8 +113,12 @@ class StepProfiler:
             activities = [ProfilerActivity.CPU] if "cpu" in c else []
             if self.device.type == "cuda" and "cuda" in c:
                 activities.append(ProfilerActivity.CUDA)
-            self._prof = profile(activities=activities, record_shapes="shapes" in c, profile_memory="memory" in c,
-                                 with_stack="stack" in c)  # fmt: skip
+            self._prof = profile(
+                activities=activities,
+                record_shapes="shapes" in c,
+                profile_memory="memory" in c,
+                with_stack="stack" in c,
+            )
             self._prof.__enter__()
             self._first = step
         elif self.tool == "torch_memory" and self.device.type == "cuda":

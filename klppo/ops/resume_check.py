@@ -148,13 +148,20 @@ def _changes(saved: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], lis
     refused, accepted = [], []
     was_model, is_model = saved.get("model", {}), now["model"]
     if was_model.get("architecture") != is_model["architecture"]:
-        diff = {k for k in set(was_model.get("architecture", {})) | set(is_model["architecture"])
-                if was_model.get("architecture", {}).get(k) != is_model["architecture"].get(k)}  # fmt: skip
-        refused.append(f"the model architecture ({', '.join(sorted(diff))}: checkpoint saved from "
-                       f"{was_model.get('path')}, now {is_model['path']})")  # fmt: skip
+        diff = {
+            k
+            for k in set(was_model.get("architecture", {})) | set(is_model["architecture"])
+            if was_model.get("architecture", {}).get(k) != is_model["architecture"].get(k)
+        }
+        refused.append(
+            f"the model architecture ({', '.join(sorted(diff))}: checkpoint saved from "
+            f"{was_model.get('path')}, now {is_model['path']})"
+        )
     elif was_model.get("weights_digest") != is_model["weights_digest"]:
-        refused.append(f"the model weights (the reference; checkpoint saved from {was_model.get('path')}, "
-                       f"now {is_model['path']}: other weights)")  # fmt: skip
+        refused.append(
+            f"the model weights (the reference; checkpoint saved from {was_model.get('path')}, "
+            f"now {is_model['path']}: other weights)"
+        )
     elif was_model.get("path") != is_model["path"]:
         accepted.append(
             f"actor_rollout_ref.model.path {was_model.get('path')} → {is_model['path']} (same weights)"
@@ -176,8 +183,10 @@ def check_resume(saved: dict[str, Any] | None, now: dict[str, Any], *, checkpoin
     """Refuse (:class:`ResumeMismatchError`, one line) a resume of ``checkpoint`` that changes what the
     run is, unless ``allow``; log one note naming the accepted changes (module docstring)."""
     if saved is None:
-        log.info("resuming %s: saved without a run identity; the model, tokenizer and settings are not compared",
-                 checkpoint)  # fmt: skip
+        log.info(
+            "resuming %s: saved without a run identity; the model, tokenizer and settings are not compared",
+            checkpoint,
+        )
         return
     refused, accepted = _changes(saved, now)
     if refused and not allow:

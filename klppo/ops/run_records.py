@@ -118,10 +118,10 @@ def prepare_fresh_start(run_dir: str | Path, *, policy: str, resume_mode: str) -
     if checkpoints and policy == "refuse":
         shown = ", ".join(checkpoints[:3]) + (", …" if len(checkpoints) > 3 else "")
         raise RunExistsError(
-            f"trainer.resume_mode={resume_mode} starts a new run, but {root} holds an earlier run's checkpoints "
-            f"({shown}); one directory holds one run: set trainer.default_local_dir to a new directory, or "
-            f"{POLICY_KEY}=archive (moves the earlier run into {root / ARCHIVE}/) or {POLICY_KEY}=remove "
-            "(deletes it)"
+            f"trainer.resume_mode={resume_mode} starts a new run, but {root} holds an earlier run's "
+            f"checkpoints ({shown}); one directory holds one run: set trainer.default_local_dir to a new "
+            f"directory, or {POLICY_KEY}=archive (moves the earlier run into {root / ARCHIVE}/) or "
+            f"{POLICY_KEY}=remove (deletes it)"
         )
     if not checkpoints and not _has_records(root, records):
         return

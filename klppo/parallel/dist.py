@@ -47,7 +47,8 @@ _phase_stack: list[str] = []  # enclosing phases, outermost first: an error name
 _phase_since = time.monotonic()  # when the innermost phase was entered or returned to
 
 RENDEZVOUS_MIN_S = 300.0
-"""Least time the start-up rendezvous waits for every rank to join (trainer.collective_timeout_s when longer)."""
+"""Least time the start-up rendezvous waits for every rank to join (trainer.collective_timeout_s when
+longer)."""
 COLLECTIVE_STALL_EXIT = 75  # a rank ended by its PhaseWatch: it waited in one collective past the timeout
 # the Python files whose functions enter the backends' collectives (dist.all_reduce, FSDP's all-gathers
 # and reduce-scatters, barrier, new_group, destroy_process_group; functional collectives and DTensor)
@@ -105,8 +106,8 @@ def _fill_rank_env() -> None:
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
         if "MASTER_ADDR" not in env:
             raise ValueError(
-                "under srun without torchrun, export MASTER_ADDR (the first node of the allocation) "
-                "and MASTER_PORT; see docs/distributed.md"
+                "under srun without torchrun, export MASTER_ADDR (the first node of the allocation) and "
+                "MASTER_PORT; see docs/distributed.md"
             )
         env.setdefault("MASTER_PORT", "29500")
         return
@@ -250,8 +251,8 @@ def phase(name: str) -> Iterator[None]:
         if isinstance(e, dist.DistError) or any(w in text for w in _TIMEOUT_WORDS):
             rank = dist.get_rank() if dist.is_initialized() else 0
             raise CollectiveTimeoutError(
-                f"rank {rank}: a collective failed or timed out during phase {name!r} ({path}) "
-                f"(another rank probably crashed or is stuck; its traceback is the root cause): {e}"
+                f"rank {rank}: a collective failed or timed out during phase {name!r} ({path}) (another rank "
+                f"probably crashed or is stuck; its traceback is the root cause): {e}"
             ) from e
         raise
     finally:
@@ -298,7 +299,8 @@ class PhaseWatch:
         self.timeout_s = timeout_s if timeout_s is not None else act_after_s
         self.collective_files = collective_files
         self.exit_fn = exit_fn
-        # (address and instruction of a frame, first seen at); (the frame itself, its instruction, first seen at)
+        # (address and instruction of a frame, first seen at); (the frame itself, its instruction, first seen
+        # at)
         self._candidate: tuple[tuple[int, int], float] | None = None
         self._held: tuple[object, int, float] | None = None
         self._main_ident = threading.main_thread().ident
@@ -324,7 +326,7 @@ class PhaseWatch:
         stream = self.stream or sys.stderr
         print(
             f"klppo: rank {self.rank} has been in phase {label!r} ({path}) for {held:.0f} s; a collective "
-            f"that waits on it times out at trainer.collective_timeout_s (another rank stalled here, or this "
+            "that waits on it times out at trainer.collective_timeout_s (another rank stalled here, or this "
             f"rank waits in a collective)",
             file=stream,
             flush=True,
@@ -368,7 +370,7 @@ class PhaseWatch:
             f"klppo: rank {self.rank} has waited {waited_s:.0f} s in one collective call ({where}) during "
             f"phase {_current_phase!r} ({phase_path()}), past trainer.collective_timeout_s{timeout}, and the "
             f"backend did not end it: this rank stops with exit code {COLLECTIVE_STALL_EXIT} (a peer never "
-            f"joined the collective: the rank whose own line names another phase is the cause)"
+            "joined the collective: the rank whose own line names another phase is the cause)"
         )
 
     def act(self, frame, waited_s: float) -> None:

@@ -59,7 +59,9 @@ def die_with_parent(parent: int) -> None:
     armed = False
     if sys.platform.startswith("linux"):
         try:
-            armed = ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+            armed = (
+                ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) == 0
+            )  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             armed = False
     if os.getppid() != parent:  # it ended before the line above took effect
@@ -201,7 +203,8 @@ def supervise(cmd: list[str], *, env: dict[str, str], stop_grace_s: float) -> in
             stop_file.touch()
             state["deadline"] = time.monotonic() + stop_grace_s
             print(
-                f"klppo: received {signal.Signals(signum).name}: the ranks finish their step and save a checkpoint "
+                f"klppo: received {signal.Signals(signum).name}: the ranks finish their step and save a "
+                "checkpoint "
                 f"(waiting up to {stop_grace_s:g} s, trainer.stop_grace_s; send again to stop them now)",
                 file=sys.stderr,
             )
@@ -293,11 +296,15 @@ def failure_line(error: ChildFailedError) -> tuple[str, int]:
         message = failure.error_file_data.get("message")
         extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
         if isinstance(extra.get("klppo"), dict):
-            reported.append((extra["klppo"].get("consequence", False), extra["klppo"]["time"], extra["klppo"]))
+            reported.append(
+                (extra["klppo"].get("consequence", False), extra["klppo"]["time"], extra["klppo"])
+            )
     if reported:
         first = min(reported, key=lambda r: (r[0], r[1]))[2]
         return f"klppo: {first['line']}", int(first["code"])
-    if any(f.error_file_data.get("message") for f in error.failures.values()):  # record_errors: traceback once
+    if any(
+        f.error_file_data.get("message") for f in error.failures.values()
+    ):  # record_errors: traceback once
         return error.format_msg(), 1
     global_rank, failure = min(error.failures.items(), key=lambda kv: kv[1].timestamp)
     message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message

@@ -83,7 +83,8 @@ def build_rollout_mesh(tp_size: int, device_type: str) -> TensorParallel | None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if tp_size < 1 or world % tp_size:
         raise ValueError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp_size} must divide the world size {world}"
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp_size} must divide the world size "
+            f"{world}"
         )
     if tp_size == 1:
         return None

@@ -89,7 +89,8 @@ class _Flat:
     grad: weakref.ref | None = None
     """The flat master gradient whose views the masters' ``.grad`` are (dies with them: ``zero_grad``)."""
     holders: list[nn.Parameter] | None = None
-    """Host masters only: the device parameters whose ``.grad`` hold the master gradients (else the masters)."""
+    """Host masters only: the device parameters whose ``.grad`` hold the master gradients (else the
+    masters)."""
 
     @property
     def grad_params(self) -> list[nn.Parameter]:
@@ -255,7 +256,8 @@ class MasterWeights:
 
     def _accumulate_flat(self, f: _Flat) -> bool:
         """:meth:`accumulate_grads` of one flat buffer, a chunk of gradients at a time (:data:`CHUNK_BYTES`:
-        concatenated, each dropped once in the concatenation); False (nothing done) where it does not apply."""
+        concatenated, each dropped once in the concatenation); False (nothing done) where it does not
+        apply."""
         grads = [p.grad for p in f.params]
         if any(g is None for g in grads):
             return False
@@ -347,7 +349,9 @@ class MasterWeights:
         follow the model's. A flat buffer moves whole, its views pointed into the moved one (the model's
         ``to`` then leaves them: already there). Not with host masters (they stay on the host)."""
         if self.host_masters:
-            raise ValueError("masters on the host (optimizer_step_on_cpu) do not move: param_offload is refused")
+            raise ValueError(
+                "masters on the host (optimizer_step_on_cpu) do not move: param_offload is refused"
+            )
         with torch.no_grad():
             for f in self._flats:
                 grad = f.master_grad()

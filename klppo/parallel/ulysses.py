@@ -166,8 +166,11 @@ def enable_ulysses_attention(model: torch.nn.Module, size: int) -> None:
     """Switch ``model`` to ``klppo_ulysses`` (``klppo_packed`` plus the all-to-alls); ValueError when its
     heads do not split over ``size`` ranks."""
     config = model.config
-    check_heads(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-                or config.num_attention_heads, size)  # fmt: skip
+    check_heads(
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        size,
+    )
     name = register_ulysses_attention()
     model.set_attn_implementation(name)
     if getattr(model.config, "_attn_implementation", None) != name:

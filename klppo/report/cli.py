@@ -22,10 +22,13 @@ def _parser() -> argparse.ArgumentParser:
         "runs", nargs="+", metavar="RUN_DIR", help="run directories (trainer.default_local_dir)"
     )
     parser.add_argument(
-        "--output", "-o", metavar="DIR", default=None,
+        "--output",
+        "-o",
+        metavar="DIR",
+        default=None,
         help="where to write the page and PNGs (default: the run directory for one run, "
         "./klppo-report for several)",
-    )  # fmt: skip
+    )
     parser.add_argument("--dpi", type=int, default=100, help="PNG resolution (default 100)")
     return parser
 
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     drawn = ", ".join(f.spec.slug for f in report.figures)
     print(
-        f"report: {report.page} ({len(report.figures)} figures: {drawn}; PNGs in {report.page.parent / PNG_DIR})"
+        f"report: {report.page} ({len(report.figures)} figures: {drawn}; PNGs in "
+        f"{report.page.parent / PNG_DIR})"
     )
     return 0
 

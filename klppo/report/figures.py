@@ -35,46 +35,121 @@ class FigureSpec:
 
 
 FIGURES: tuple[FigureSpec, ...] = (
-    FigureSpec("score", "Score and reward", "Mean sequence score (reward function) and reward (score − KL "
-               "penalty when the KL is in the reward) of the step's samples, with the batch's best and worst.",
-               ("critic/score/mean", "critic/rewards/mean", "critic/score/max", "critic/score/min")),
-    FigureSpec("kl", "KL to the reference", "k1 (log-ratio) and k3 (low-variance) estimates of KL(policy ‖ "
-               "reference) per response token, the KL loss and the KL penalty in the reward, their "
-               "coefficients, and the approximate KL of the PPO update (actor/ppo_kl).",
-               ("actor/ref_kl_k1", "actor/ref_kl_k3", "actor/kl_loss", "actor/reward_kl_penalty",
-                "actor/kl_coef", "actor/kl_loss_ctrl_kl", "actor/reward_kl_penalty_coeff", "actor/reward_kl_penalty_share",
-                "actor/ppo_kl")),
-    FigureSpec("entropy", "Entropy", "Mean per-token entropy of the policy on its own samples (nats).",
-               ("actor/entropy",)),
-    FigureSpec("response_length", "Response length", "Response tokens per sample and the share of "
-               "responses cut at data.max_response_length.",
-               ("response_length/mean", "response_length/max", "response_length/clip_ratio")),
-    FigureSpec("advantages", "Advantages, returns and values", "Over the step's response tokens.",
-               ("critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
-                "critic/returns/mean", "critic/values/mean", "critic/vf_explained_var")),
-    FigureSpec("update", "Policy and value updates", "Losses, clipped fraction and gradient norms of "
-               "the updates.",
-               ("actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "critic/vf_loss",
-                "critic/vf_clipfrac", "critic/grad_norm", "rollout/log_prob_diff")),
-    FigureSpec("timing", "Time per phase", "Seconds per step: the whole step, the rollout, and the mean of "
-               "every phase (timing_s/*) over the run's steps.",
-               ("timing_s/step", "timing_s/gen"), breakdown="timing_s/*"),
-    FigureSpec("throughput", "Throughput", "Tokens per second per device over the whole step, rollout "
-               "generation speed, and the model-FLOPs utilization of the actor update.",
-               ("perf/throughput", "rollout/tokens_per_s", "perf/mfu/actor")),
-    FigureSpec("memory", "Memory", "Peak GPU memory of the fullest rank per step (allocated, reserved), the "
-               "rollout's KV cache, and the peak resident host memory of the fullest process.",
-               ("perf/max_memory_allocated_gb", "perf/max_memory_reserved_gb", "perf/rollout_peak_memory_gb",
-                "rollout/kv_cache_gb", "perf/max_rss_gb")),
-    FigureSpec("validation", "Validation", "Held-out score per data source (logged before training at "
-               "step 0 with trainer.val_before_train, then every trainer.test_freq steps and at the end).",
-               ("val-core/*", "val-aux/*", "val/*")),
+    FigureSpec(
+        "score",
+        "Score and reward",
+        "Mean sequence score (reward function) and reward (score − KL "
+        "penalty when the KL is in the reward) of the step's samples, with the batch's best and worst.",
+        ("critic/score/mean", "critic/rewards/mean", "critic/score/max", "critic/score/min"),
+    ),
+    FigureSpec(
+        "kl",
+        "KL to the reference",
+        "k1 (log-ratio) and k3 (low-variance) estimates of KL(policy ‖ reference) per response token, the "
+        "KL loss and the KL penalty in the reward, their "
+        "coefficients, and the approximate KL of the PPO update (actor/ppo_kl).",
+        (
+            "actor/ref_kl_k1",
+            "actor/ref_kl_k3",
+            "actor/kl_loss",
+            "actor/reward_kl_penalty",
+            "actor/kl_coef",
+            "actor/kl_loss_ctrl_kl",
+            "actor/reward_kl_penalty_coeff",
+            "actor/reward_kl_penalty_share",
+            "actor/ppo_kl",
+        ),
+    ),
+    FigureSpec(
+        "entropy",
+        "Entropy",
+        "Mean per-token entropy of the policy on its own samples (nats).",
+        ("actor/entropy",),
+    ),
+    FigureSpec(
+        "response_length",
+        "Response length",
+        "Response tokens per sample and the share of responses cut at data.max_response_length.",
+        ("response_length/mean", "response_length/max", "response_length/clip_ratio"),
+    ),
+    FigureSpec(
+        "advantages",
+        "Advantages, returns and values",
+        "Over the step's response tokens.",
+        (
+            "critic/advantages/mean",
+            "critic/advantages/max",
+            "critic/advantages/min",
+            "critic/returns/mean",
+            "critic/values/mean",
+            "critic/vf_explained_var",
+        ),
+    ),
+    FigureSpec(
+        "update",
+        "Policy and value updates",
+        "Losses, clipped fraction and gradient norms of the updates.",
+        (
+            "actor/pg_loss",
+            "actor/pg_clipfrac",
+            "actor/grad_norm",
+            "critic/vf_loss",
+            "critic/vf_clipfrac",
+            "critic/grad_norm",
+            "rollout/log_prob_diff",
+        ),
+    ),
+    FigureSpec(
+        "timing",
+        "Time per phase",
+        "Seconds per step: the whole step, the rollout, and the mean of "
+        "every phase (timing_s/*) over the run's steps.",
+        ("timing_s/step", "timing_s/gen"),
+        breakdown="timing_s/*",
+    ),
+    FigureSpec(
+        "throughput",
+        "Throughput",
+        "Tokens per second per device over the whole step, rollout "
+        "generation speed, and the model-FLOPs utilization of the actor update.",
+        ("perf/throughput", "rollout/tokens_per_s", "perf/mfu/actor"),
+    ),
+    FigureSpec(
+        "memory",
+        "Memory",
+        "Peak GPU memory of the fullest rank per step (allocated, reserved), the "
+        "rollout's KV cache, and the peak resident host memory of the fullest process.",
+        (
+            "perf/max_memory_allocated_gb",
+            "perf/max_memory_reserved_gb",
+            "perf/rollout_peak_memory_gb",
+            "rollout/kv_cache_gb",
+            "perf/max_rss_gb",
+        ),
+    ),
+    FigureSpec(
+        "validation",
+        "Validation",
+        "Held-out score per data source (logged before training at "
+        "step 0 with trainer.val_before_train, then every trainer.test_freq steps and at the end).",
+        ("val-core/*", "val-aux/*", "val/*"),
+    ),
     FigureSpec("monitor", "Monitor", "The run monitor's metrics.", ("monitor/*",)),
-)  # fmt: skip
+)
 
 # one colour per run (matplotlib's default cycle, fixed here so a run keeps its colour in every figure)
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-          "#bcbd22", "#17becf")  # fmt: skip
+COLORS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 
 
 def require_matplotlib() -> None:
@@ -135,8 +210,14 @@ def make_figure(spec: FigureSpec, runs: list[RunData], *, dpi: int = 100):
     fig = Figure(figsize=(4.6 * ncols, height), dpi=dpi)
     FigureCanvasAgg(fig)
     # fixed margins in inches (matplotlib's constrained layout doubled the drawing time)
-    fig.subplots_adjust(left=0.75 / (4.6 * ncols), right=1 - 0.15 / (4.6 * ncols), top=1 - 0.75 / height,
-                        bottom=0.5 / height, wspace=0.28, hspace=0.55)  # fmt: skip
+    fig.subplots_adjust(
+        left=0.75 / (4.6 * ncols),
+        right=1 - 0.15 / (4.6 * ncols),
+        top=1 - 0.75 / height,
+        bottom=0.5 / height,
+        wspace=0.28,
+        hspace=0.55,
+    )
     fig.suptitle(spec.title, fontsize=13, fontweight="bold")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for i, (ax, key) in enumerate(zip(axes, keys)):
@@ -155,8 +236,13 @@ def _draw_breakdown(ax, spec: FigureSpec, keys: list[str], runs: list[RunData]) 
     height = 0.8 / len(runs)
     for index, run in enumerate(runs):
         positions = [len(keys) - 1 - k + 0.4 - height * (index + 0.5) for k in range(len(keys))]
-        ax.barh(positions, [_mean_over_steps(run, k) for k in keys], height=height,
-                color=COLORS[index % len(COLORS)], label=run.name)  # fmt: skip
+        ax.barh(
+            positions,
+            [_mean_over_steps(run, k) for k in keys],
+            height=height,
+            color=COLORS[index % len(COLORS)],
+            label=run.name,
+        )
     ax.set_yticks(range(len(keys)), [k.split("/", 1)[-1] for k in reversed(keys)], fontsize=8)
     ax.set_title(f"{spec.breakdown} (mean per step)", fontsize=10)
     ax.tick_params(axis="x", labelsize=8)
@@ -190,13 +276,30 @@ def _draw_panel(ax, key: str, runs: list[RunData], *, label_events: bool) -> Non
         ax.plot(steps, finite, color=color, marker=marker, markersize=3, linewidth=1.4, label=run.name)
         bad = [s for s, v in zip(steps, values) if not math.isfinite(v)]
         if bad:
-            ax.plot(bad, [0.0] * len(bad), "x", color="red", markersize=7, clip_on=False,
-                    transform=ax.get_xaxis_transform(), label=None)  # fmt: skip
+            ax.plot(
+                bad,
+                [0.0] * len(bad),
+                "x",
+                color="red",
+                markersize=7,
+                clip_on=False,
+                transform=ax.get_xaxis_transform(),
+                label=None,
+            )
         for event in run.events:
             ax.axvline(event.step, color=color, linestyle=":", linewidth=1.2, alpha=0.8)
             if label_events:
-                ax.text(event.step, 0.98, f" {event.kind}", transform=ax.get_xaxis_transform(), rotation=90,
-                        va="top", ha="left", fontsize=7, color=color)  # fmt: skip
+                ax.text(
+                    event.step,
+                    0.98,
+                    f" {event.kind}",
+                    transform=ax.get_xaxis_transform(),
+                    rotation=90,
+                    va="top",
+                    ha="left",
+                    fontsize=7,
+                    color=color,
+                )
     if label_events and any(run.events for run in runs):
         ax.plot([], [], color="grey", linestyle=":", label="monitor event")
 

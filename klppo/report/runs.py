@@ -22,8 +22,15 @@ from typing import Any
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 
-_NON_FINITE_WORDS = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf,
-                     "infinity": math.inf, "+infinity": math.inf, "-infinity": -math.inf}  # fmt: skip
+_NON_FINITE_WORDS = {
+    "nan": math.nan,
+    "inf": math.inf,
+    "+inf": math.inf,
+    "-inf": -math.inf,
+    "infinity": math.inf,
+    "+infinity": math.inf,
+    "-infinity": -math.inf,
+}
 
 
 @dataclass(frozen=True)
@@ -143,8 +150,8 @@ def load_run(run_dir: str | Path, *, name: str | None = None) -> RunData:
     if not metrics.is_file():
         what = "is not a directory" if not root.is_dir() else f"has no {METRICS_FILE}"
         raise FileNotFoundError(
-            f"{root} {what}: a run directory is trainer.default_local_dir of a run that logged with "
-            "`jsonl` in trainer.logger (the default)"
+            f"{root} {what}: a run directory is trainer.default_local_dir of a run that logged with `jsonl` "
+            "in trainer.logger (the default)"
         )
     run = RunData(name=name or root.resolve().name, path=root)
     records, run.num_bad_lines = json_lines(metrics)

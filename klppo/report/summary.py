@@ -114,7 +114,8 @@ def time_line(run: RunData, wall_s: float | None = None, this_start: RunData | N
         return "time: " + ", ".join(filter(None, [_steps_part(run), wall]))
     this = _steps_part(this_start) if _step_time(this_start)[1] else "no step trained"
     return (
-        "time (this start): " + ", ".join(filter(None, [this, wall]))
+        "time (this start): "
+        + ", ".join(filter(None, [this, wall]))
         + f"; the run: {format_duration(run_total)} in {run_steps} steps"
     )
 

@@ -56,8 +56,8 @@ def get_scorer(data_source: str) -> Scorer:
     except KeyError:
         known = ", ".join(sorted(SCORERS))
         raise ValueError(
-            f"no reward scorer registered for data_source {data_source!r}; registered: {known}. "
-            "Set custom_reward_function.path/name to score other data sources."
+            f"no reward scorer registered for data_source {data_source!r}; registered: {known}. Set "
+            "custom_reward_function.path/name to score other data sources."
         ) from None
 
 
@@ -67,7 +67,8 @@ class RewardFunctionError(ValueError):
 
 
 def _reward_file(path: str) -> str:
-    """``custom_reward_function.path`` as an absolute path to an existing file; FileNotFoundError otherwise."""
+    """``custom_reward_function.path`` as an absolute path to an existing file; FileNotFoundError
+    otherwise."""
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(full):
         raise FileNotFoundError(f"custom_reward_function.path: file not found: {path!r} (resolved to {full})")
@@ -292,7 +293,8 @@ class RewardManager:
             unknown = sorted(set(self.reward_kwargs) - accepted)
             if unknown:
                 raise ValueError(
-                    f"reward_kwargs {unknown} are accepted by no built-in scorer; accepted: {sorted(accepted)}"
+                    f"reward_kwargs {unknown} are accepted by no built-in scorer; accepted: "
+                    f"{sorted(accepted)}"
                 )
 
     @property
@@ -336,14 +338,19 @@ class RewardManager:
         if self.reward_manager == "batch":
             self._at(first_row)
             values = _called(
-                f"{self._custom_name} (batched, rows {first_row}–{first_row + len(responses) - 1})", self.custom_fn,
-                data_sources=data_sources, solution_strs=responses, ground_truths=ground_truths,
-                extra_infos=extra_infos, **self.reward_kwargs,
-            )  # fmt: skip
+                f"{self._custom_name} (batched, rows {first_row}–{first_row + len(responses) - 1})",
+                self.custom_fn,
+                data_sources=data_sources,
+                solution_strs=responses,
+                ground_truths=ground_truths,
+                extra_infos=extra_infos,
+                **self.reward_kwargs,
+            )
             if not hasattr(values, "__len__") or len(values) != len(responses):
                 got = f"{len(values)} scores" if hasattr(values, "__len__") else f"{type(values).__name__}"
                 raise RewardFunctionError(
-                    f"{self._custom_name} (batched) returned {got} for {len(responses)} responses: one score each"
+                    f"{self._custom_name} (batched) returned {got} for {len(responses)} responses: one score "
+                    "each"
                 )
             return [
                 _as_float(v, f"{self._custom_name} (batched), row {i},")

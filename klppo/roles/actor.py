@@ -182,8 +182,9 @@ class Actor(TrainedRole):
         on_policy = self.skips_old_log_prob(len(batch)) and (num_mini_batches or 1) == 1
         if batch.old_log_probs is None and not on_policy:
             raise ValueError(
-                "actor update: old_log_probs missing, and the update is not on-policy (ppo_epochs="
-                f"{self.settings.ppo_epochs}, {len(batch)} samples, mini-batch {self.settings.mini_batch_size}, "
+                "actor update: old_log_probs missing, and the update is not on-policy "
+                f"(ppo_epochs={self.settings.ppo_epochs}, {len(batch)} samples, mini-batch "
+                f"{self.settings.mini_batch_size}, "
                 f"{num_mini_batches or 'by size'} mini-batches)"
             )
         beta = self.settings.kl_loss_coef if kl_loss_coef is None else float(kl_loss_coef)
@@ -231,10 +232,14 @@ class Actor(TrainedRole):
             stats.update(correction.metrics)
             if corr.loss_type == "reinforce":
                 return rc.reinforce_loss(
-                    mb.rollout_log_probs, log_prob, mb.advantages, mb.response_mask,
-                    weights=correction.weights, loss_agg_mode=s.loss_agg_mode,
+                    mb.rollout_log_probs,
+                    log_prob,
+                    mb.advantages,
+                    mb.response_mask,
+                    weights=correction.weights,
+                    loss_agg_mode=s.loss_agg_mode,
                     loss_scale_factor=s.loss_scale_factor,
-                )  # fmt: skip
+                )
         weighted = {} if mb.rollout_is_weights is None else {"rollout_is_weights": mb.rollout_is_weights}
         return self._pg_loss_fn(
             old_log_prob=old_log_prob,
@@ -259,15 +264,20 @@ class Actor(TrainedRole):
         return modes
 
     def graph_parts(self, mb: Batch, kl_loss_coef: float) -> MicroParts:
-        """:meth:`_micro_loss` split for capture (:mod:`klppo.roles.graphed`): the packing planned here, on the
+        """:meth:`_micro_loss` split for capture (:mod:`klppo.roles.graphed`): the packing planned here, on
+        the
         host; the forward, the LM head and the loss a function of device tensors, the KL coefficient one of
         them. Packed rows only, no sequence parallelism, no ``full`` KL (the trainer's checks)."""
         s = self.settings
         mb = trim_left_padding(mb)
         inputs = prepare_log_probs(
-            mb.input_ids, mb.attention_mask, mb.position_ids, response_length=mb.response_length,
-            use_remove_padding=True, host_mask=mb.host_mask,
-        )  # fmt: skip
+            mb.input_ids,
+            mb.attention_mask,
+            mb.position_ids,
+            response_length=mb.response_length,
+            use_remove_padding=True,
+            host_mask=mb.host_mask,
+        )
         model_tensors, key, rebuild = split_inputs(inputs)
         present = tuple(f for f in LOSS_FIELDS if getattr(mb, f) is not None)
         device = mb.response_mask.device
@@ -281,9 +291,12 @@ class Actor(TrainedRole):
                 **(dict.fromkeys(LOSS_FIELDS) | dict(zip(present, ts[n : n + m], strict=True)))
             )
             log_prob, entropy = log_probs_of(
-                self.model, rebuild(ts[:n]), temperature=s.temperature, calculate_entropy=True,
+                self.model,
+                rebuild(ts[:n]),
+                temperature=s.temperature,
+                calculate_entropy=True,
                 fused=s.use_fused_kernels,
-            )  # fmt: skip
+            )
             terms, stats = self._loss_terms(fields, log_prob, entropy, ts[n + m], entropy_coeff=ts[n + m + 1])
             stats.pop("actor/kl_coef", None)  # the host's float (host_stats), not the fp32 input
             return terms, stats
@@ -342,15 +355,21 @@ HOST_SYNC_LOSS_MODES = ("clip_cov", "kl_cov")
 """Policy losses that read device values on the host (the number of tokens to clip): not capturable."""
 
 LOSS_FIELDS = (
-    "old_log_probs", "advantages", "response_mask", "ref_log_probs", "rollout_log_probs", "rollout_is_weights",
-)  # fmt: skip
+    "old_log_probs",
+    "advantages",
+    "response_mask",
+    "ref_log_probs",
+    "rollout_log_probs",
+    "rollout_is_weights",
+)
 """The batch fields the actor's loss reads besides the model inputs."""
 
 
 def _skipped_pass_stats(log_prob: torch.Tensor, mb: Batch, s: ActorSettings) -> dict[str, torch.Tensor]:
     """What the trainer reports after an old-log-prob pass, from the update's (pre-step) log-probs:
     ``rollout/log_prob_diff`` = mean |log π_θ − log π_rollout|, ``actor/ref_kl_k1`` = mean(log π_θ −
-    log π_ref) and ``actor/ref_kl_k3`` over the response tokens (token means: the accumulator weights micro-batches by tokens)."""
+    log π_ref) and ``actor/ref_kl_k3`` over the response tokens (token means: the accumulator weights
+    micro-batches by tokens)."""
     out = {}
     mask = mb.response_mask
     if mb.rollout_log_probs is not None:

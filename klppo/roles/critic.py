@@ -66,8 +66,8 @@ class Critic(TrainedRole):
         self.settings = settings
         if self.graphs is not None and not self.graph_capable():
             raise ValueError(
-                "critic.model.fsdp_config.cuda_graph_update=true needs packed rows (critic.model.use_remove_padding"
-                "=true) and no sequence parallelism: set it to false"
+                "critic.model.fsdp_config.cuda_graph_update=true needs packed rows "
+                "(critic.model.use_remove_padding=true) and no sequence parallelism: set it to false"
             )
 
     def graph_capable(self) -> bool:
@@ -88,17 +88,21 @@ class Critic(TrainedRole):
             return value_forward(self.model, mb, use_remove_padding=rmpad, sp=sp)
 
         # out of memory: the role's graphs go with the larger micro-batches (one pool with the update's)
-        attempt = cleared_on_retry(lambda micro: no_grad_pass(batch, micro, forward, sp=sp), self.graphs,
-                                   self.forward_graphs)  # fmt: skip
+        attempt = cleared_on_retry(
+            lambda micro: no_grad_pass(batch, micro, forward, sp=sp), self.graphs, self.forward_graphs
+        )
         return self.oom.run("values", self.settings.forward_micro, attempt, self.model)
 
     def _value_inputs(self, mb: Batch) -> ValueInputs:
         """A micro-batch's packed value inputs, planned on the host (its ``host_mask``)."""
         mb = trim_left_padding(mb)
         return prepare_values(
-            mb.input_ids, mb.attention_mask, mb.position_ids, response_length=mb.response_length,
+            mb.input_ids,
+            mb.attention_mask,
+            mb.position_ids,
+            response_length=mb.response_length,
             host_mask=mb.host_mask,
-        )  # fmt: skip
+        )
 
     def _values(self, inputs: ValueInputs) -> torch.Tensor:
         return values_of(self.model, inputs)

@@ -17,7 +17,8 @@ def decode_batch(tokenizer, rows: list[list[int]]) -> list[str]:
 
 
 def _backend_decodes_alike(tokenizer) -> bool:
-    """Whether ``tokenizer.decode`` is the Rust backend's decode and nothing more (see :func:`decode_batch`)."""
+    """Whether ``tokenizer.decode`` is the Rust backend's decode and nothing more (see
+    :func:`decode_batch`)."""
     if getattr(tokenizer, "backend_tokenizer", None) is None or getattr(
         tokenizer, "clean_up_tokenization_spaces", True
     ):

@@ -135,9 +135,12 @@ def _token_forward(
     if sp is not None:
         return sequence_parallel(*args, response_length=batch.response_length, sp=sp, **kwargs)
     return plain(
-        *args, response_length=batch.response_length, use_remove_padding=use_remove_padding,
-        host_mask=batch.host_mask, **kwargs,
-    )  # fmt: skip
+        *args,
+        response_length=batch.response_length,
+        use_remove_padding=use_remove_padding,
+        host_mask=batch.host_mask,
+        **kwargs,
+    )
 
 
 def check_fused(model: torch.nn.Module, key: str) -> None:
@@ -188,10 +191,14 @@ class ForwardPlan:
             partitions.append(idx)
             inputs.append(
                 prepare_log_probs(
-                    mb.input_ids, mb.attention_mask, mb.position_ids, response_length=mb.response_length,
-                    use_remove_padding=use_remove_padding, host_mask=mb.host_mask,
+                    mb.input_ids,
+                    mb.attention_mask,
+                    mb.position_ids,
+                    response_length=mb.response_length,
+                    use_remove_padding=use_remove_padding,
+                    host_mask=mb.host_mask,
                 )
-            )  # fmt: skip
+            )
         return cls(micro, use_remove_padding, partitions, inputs)
 
     def serves(self, micro: MicroBatching, use_remove_padding: bool) -> bool:

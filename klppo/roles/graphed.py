@@ -17,7 +17,8 @@ A replay writes the same output tensors and the same gradient tensors every time
 outputs before the next step (the update accumulates them at once), and the parameters' ``.grad`` are set
 to the graph's gradient tensors after each replay (the plain path then adds them into the master gradients
 and drops the attribute; the tensors stay alive here). The role's graphs write one set of gradient tensors:
-the first capture allocates it, later captures zero it at their start and accumulate into it in place. The step therefore has to start from no gradients
+the first capture allocates it, later captures zero it at their start and accumulate into it in place. The
+step therefore has to start from no gradients
 (``.grad`` None), as the plain path's micro-batches do, and its parameters must keep their storage between
 steps (updated in place — the plain path's copy from the masters — never re-gathered or offloaded).
 
@@ -93,7 +94,8 @@ class _Captured:
 
 class MicroGraphs:
     """The captured steps of one role (module docstring). ``capture``: how a step is captured — by default
-    :func:`capture_cuda`; the CPU tests pass one that records the step and re-runs it on its static tensors."""
+    :func:`capture_cuda`; the CPU tests pass one that records the step and re-runs it on its static
+    tensors."""
 
     def __init__(
         self,
@@ -171,8 +173,11 @@ class MicroGraphs:
             p.grad = None
         logger.warning(
             "%s: capturing %s failed (%s); its pass runs eagerly from here, the graphs captured so far still "
-            "replay — set it to false to skip the attempt", self.key_name, self.what, self.failed,
-        )  # fmt: skip
+            "replay — set it to false to skip the attempt",
+            self.key_name,
+            self.what,
+            self.failed,
+        )
 
     def _new_graph(self, key: tuple, inputs: Sequence[torch.Tensor], step: Step) -> _Captured:
         static = [t.detach().clone() for t in inputs]
@@ -217,7 +222,8 @@ class MicroGraphs:
 
 
 def cleared_on_retry(attempt: Callable[[Any], T], *graphs: MicroGraphs | None) -> Callable[[Any], T]:
-    """``attempt`` for :meth:`klppo.roles.oom.OOMRecovery.run` with ``graphs`` cleared before every call but the
+    """``attempt`` for :meth:`klppo.roles.oom.OOMRecovery.run` with ``graphs`` cleared before every call but
+    the
     first: a retry after out of memory runs halved micro-batches, whose shapes are new, and the graphs of the
     old ones would hold their pool (and their slots of ``max_graphs``) for the run."""
     calls = 0

@@ -79,11 +79,17 @@ class OOMRecovery:
             _reset(model)
             key, old, new = change
             self.micro[phase] = dataclasses.replace(micro, **{key: new})
-            self.events.append({
-                "role": self.role, "phase": phase, key + "_old": old, key + "_new": new,
-                "message": f"out of memory in the {self.role} {phase} pass ({error}): redone with {key} "
-                           f"{old} → {new}" + _start_there(self.role, phase, key, self._config_value(key, new, phase)),
-            })  # fmt: skip
+            self.events.append(
+                {
+                    "role": self.role,
+                    "phase": phase,
+                    key + "_old": old,
+                    key + "_new": new,
+                    "message": f"out of memory in the {self.role} {phase} pass ({error}): redone with {key} "
+                    f"{old} → {new}"
+                    + _start_there(self.role, phase, key, self._config_value(key, new, phase)),
+                }
+            )
             retries += 1
 
     def _config_value(self, field: str, value: int, phase: str = "") -> int:

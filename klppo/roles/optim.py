@@ -61,7 +61,8 @@ def build_optimizer(
         cls = getattr(importlib.import_module(settings.optimizer_impl), settings.optimizer)
     except (ImportError, AttributeError) as exc:
         raise ValueError(
-            f"optim.optimizer={settings.optimizer!r} not found in optim.optimizer_impl={settings.optimizer_impl!r}"
+            f"optim.optimizer={settings.optimizer!r} not found in "
+            f"optim.optimizer_impl={settings.optimizer_impl!r}"
         ) from exc
     cls = host_step_class(cls) if host is not None else local_shard_class(cls)
     accepted = inspect.signature(cls).parameters

@@ -92,9 +92,13 @@ class Reference:
 
     def _sp_log_probs(self, mb: Batch) -> torch.Tensor:
         return policy_forward(
-            self.model, mb, temperature=self.temperature, calculate_entropy=False, fused=self.use_fused_kernels,
+            self.model,
+            mb,
+            temperature=self.temperature,
+            calculate_entropy=False,
+            fused=self.use_fused_kernels,
             sp=self.sp,
-        )[0]  # fmt: skip
+        )[0]
 
     def logits(self, batch: Batch) -> torch.Tensor:
         """Temperature-scaled response logits [B,R,V] (for ``kl_loss_type='full'``)."""

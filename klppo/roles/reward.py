@@ -71,7 +71,9 @@ class PendingScores:
         reward.close()  # a hung function is not waited for
         where = sample_where(row, batch.data_source, batch.uid)
         what = reward.manager.describe
-        return RewardTimeoutError(timeout_message(rank=rank(), timeout_s=reward.timeout_s, what=what, where=where))
+        return RewardTimeoutError(
+            timeout_message(rank=rank(), timeout_s=reward.timeout_s, what=what, where=where)
+        )
 
 
 def _scores(batch: Batch, seq_scores: torch.Tensor, texts: list[str]) -> Scores:
@@ -159,10 +161,14 @@ class Reward:
 
             def message() -> str:
                 where = sample_where(manager.current_row, batch.data_source, batch.uid)
-                return timeout_message(rank=rank(), timeout_s=self.timeout_s, what=manager.describe, where=where)
+                return timeout_message(
+                    rank=rank(), timeout_s=self.timeout_s, what=manager.describe, where=where
+                )
 
             with deadline(self.timeout_s, message):
-                values = manager.score(texts, batch.data_source, batch.ground_truth, batch.extra_info, lengths)
+                values = manager.score(
+                    texts, batch.data_source, batch.ground_truth, batch.extra_info, lengths
+                )
             seq_scores = torch.tensor(values, dtype=torch.float32)
         return _scores(batch, seq_scores, texts)
 

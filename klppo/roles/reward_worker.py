@@ -3,7 +3,8 @@
 The reward function (a built-in scorer or the user's ``custom_reward_function``) and the decoding of the
 responses run in spawned processes: ``reward_model.num_workers`` per rank (default 1), each given a
 contiguous slice of the rank's rows (a batched ``compute_score``, ``reward_manager=batch``, is allowed one
-process only, so that it sees the whole batch as in the step: ``klppo train`` refuses more). The trainer hands it a batch's response token ids right after
+process only, so that it sees the whole batch as in the step: ``klppo train`` refuses more). The trainer
+hands it a batch's response token ids right after
 generation and collects the scores at its reward phase, so the scoring overlaps the old-log-prob,
 reference and value passes. A process, not a thread: a Python reward function would hold the GIL against the
 trainer's own host work, and functions that time themselves out with ``signal.alarm`` (common in math
@@ -17,7 +18,8 @@ Lifetime: the workers live as long as the trainer process, whatever signals arri
 nothing to them (a Ctrl-C or a scheduler's SIGTERM to the whole process group must not take them down in the
 middle of the step the trainer is finishing before it saves): a Python handler that does nothing, not
 ``SIG_IGN``, which a process the reward function starts (a sandbox, a verifier) would inherit through
-``exec`` and then could not be stopped with ``terminate()``; the kernel kills them when the trainer process ends
+``exec`` and then could not be stopped with ``terminate()``; the kernel kills them when the trainer process
+ends
 (``PR_SET_PDEATHSIG`` on Linux, whatever the worker is doing; elsewhere a thread polls the parent, which a
 function holding the GIL can delay), and :meth:`ScoringWorker.close` kills them at the end of ``fit`` —
 without waiting for a batch still being scored after a failed or interrupted step. If a worker dies (killed,
@@ -80,7 +82,11 @@ class RewardFunctionError(registry.RewardFunctionError):
 
 
 def _start_worker(
-    manager_kwargs: dict[str, Any], tokenizer: Any, parent: int, scorers: bytes | None = None, progress: Any = None
+    manager_kwargs: dict[str, Any],
+    tokenizer: Any,
+    parent: int,
+    scorers: bytes | None = None,
+    progress: Any = None,
 ) -> None:
     global _manager, _tokenizer, _start_error, _progress
     _progress = progress
@@ -130,12 +136,18 @@ def registered_scorers(*, required: bool = True) -> bytes:
             pickle.dumps(fn)
         except Exception as why:
             if not required:  # a user's function that calls get_scorer() would miss it in the worker
-                log.info("%s=True: the scorer registered for data_source %r is not sent to the scoring "
-                         "process (%s)", KEY, source, why)  # fmt: skip
+                log.info(
+                    "%s=True: the scorer registered for data_source %r is not sent to the scoring "
+                    "process (%s)",
+                    KEY,
+                    source,
+                    why,
+                )
                 del added[source]
                 continue
             raise ValueError(
-                f"{KEY}=True: the scorer registered for data_source {source!r} ({fn!r}) cannot be sent to the "
+                f"{KEY}=True: the scorer registered for data_source {source!r} ({fn!r}) cannot be sent to "
+                "the "
                 f"scoring process ({why}); register a function defined at a module's top level, or set "
                 f"{KEY}=False"
             ) from None
@@ -154,7 +166,8 @@ def _seed_all(seed: int) -> None:
 
 
 def _die_with_parent() -> bool:
-    """Linux: the kernel sends this process SIGKILL when its parent ends (``prctl(PR_SET_PDEATHSIG)``; strictly,
+    """Linux: the kernel sends this process SIGKILL when its parent ends (``prctl(PR_SET_PDEATHSIG)``;
+    strictly,
     when the parent's thread that started it ends: the trainer's main thread, which submits every batch)."""
     if not sys.platform.startswith("linux"):
         return False
@@ -206,8 +219,8 @@ def _score(
         except Exception as why:
             detail = "".join(traceback.format_exception(exc))
             raise RewardFunctionError(
-                f"{type(exc).__qualname__}: {exc}\n(raised as RewardFunctionError: it does not pickle: {why!r})\n"
-                f"{detail}"
+                f"{type(exc).__qualname__}: {exc}\n(raised as RewardFunctionError: it does not pickle: "
+                f"{why!r})\n{detail}"
             ) from None
         raise
 
@@ -306,8 +319,10 @@ class ScoringWorker:
         log.warning(
             "%s=True: a scoring process stopped (%s); this step and the following ones score in the "
             "trainer. If the reward function crashed the interpreter, set %s=False to see its error.",
-            KEY, why, KEY,
-        )  # fmt: skip
+            KEY,
+            why,
+            KEY,
+        )
         self._stop()
 
     def close(self) -> None:

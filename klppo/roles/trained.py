@@ -67,13 +67,25 @@ class UpdateSettings:
     cuda_graph_update: bool = False
     """Each micro-batch's forward, loss and backward replayed as a CUDA graph after its shape's first two
     (:mod:`klppo.roles.graphed`), and so are the micro-batches of the role's no-grad pass (the actor's old
-    log-probs, the critic's values; :attr:`TrainedRole.forward_graphs`); needs the plain path (``masters``)."""
+    log-probs, the critic's values; :attr:`TrainedRole.forward_graphs`); needs the plain path
+    (``masters``)."""
 
     @classmethod
     def of(cls, settings: object, *, seed_offset: int = 0) -> UpdateSettings:
-        """The update fields of a role's settings (same names), the shuffle seed shifted by ``seed_offset``."""
-        fields = {f: getattr(settings, f) for f in ("ppo_epochs", "mini_batch_size", "update_micro", "grad_clip",
-                                                      "shuffle", "grad_sync_per_mini_batch", "cuda_graph_update")}  # fmt: skip
+        """The update fields of a role's settings (same names), the shuffle seed shifted by
+        ``seed_offset``."""
+        fields = {
+            f: getattr(settings, f)
+            for f in (
+                "ppo_epochs",
+                "mini_batch_size",
+                "update_micro",
+                "grad_clip",
+                "shuffle",
+                "grad_sync_per_mini_batch",
+                "cuda_graph_update",
+            )
+        }
         sp = getattr(settings, "sp", None)
         return cls(**fields, seed=settings.seed + seed_offset, sp_size=1 if sp is None else sp.size)
 
@@ -344,8 +356,10 @@ class TrainedRole:
             "advice: %s: every update micro-batch repeats a shape met before: %s.cuda_graph_update=true "
             "replays them and the role's no-grad pass as CUDA graphs (the reference's pass with "
             "actor_rollout_ref.ref.fsdp_config.cuda_graph_update; docs/sharding.md, 'The update as CUDA "
-            "graphs')", self.name, self.graph_key,
-        )  # fmt: skip
+            "graphs')",
+            self.name,
+            self.graph_key,
+        )
 
     def _graphed_backward(
         self, parts: MicroParts, weights: list[float]

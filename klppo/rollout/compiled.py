@@ -104,8 +104,12 @@ class CompiledFunctions:
         cuda = device.type == "cuda"
         split = backend_class(settings, device, dtype, tensor_parallel=False) is SplitBackend
         on_triton = tuple(p for p in sampling if samples_on_triton(settings, cuda, p))
-        plan = _Plan(split=split, compiles=settings.compiles(cuda), fp32_logits=settings.fp32_logits,
-                     sampling=on_triton)  # fmt: skip
+        plan = _Plan(
+            split=split,
+            compiles=settings.compiles(cuda),
+            fp32_logits=settings.fp32_logits,
+            sampling=on_triton,
+        )
         self._thread = threading.Thread(
             target=self._precompile, args=(config, layer, device, plan), name="klppo-precompile", daemon=True
         )
@@ -129,8 +133,12 @@ class CompiledFunctions:
                 try:
                     _warm_kernels(config, layer.input_norm.dtype, device, plan)
                 except Exception as err:  # the compiled functions are ready: only the kernels load later
-                    logger.warning("rollout kernel warm-up skipped (%s: %s); the first rollout compiles the "
-                                   "attention and sampler kernels", type(err).__name__, err)  # fmt: skip
+                    logger.warning(
+                        "rollout kernel warm-up skipped (%s: %s); the first rollout compiles the "
+                        "attention and sampler kernels",
+                        type(err).__name__,
+                        err,
+                    )
             self.last_precompile_s = time.perf_counter() - start
             logger.info("rollout decode functions pre-compiled in %.1f s", self.last_precompile_s)
         except Exception as err:  # the first generate compiles instead; say why this did not
@@ -206,7 +214,8 @@ def _run_once(fns: CompiledFunctions, config, layer: LayerWeights, device, plan:
             break
         cos, sin = (torch.zeros(batch, head_dim, dtype=dtype, device=device) for _ in range(2))  # not aliased
         for name, args in (("attn_in", (x, lw, cos, sin, spec)), ("attn_out_mlp", (x, attn, lw, eps))):
-            # one function at a time: model loading may not switch the default dtype meanwhile (module docstring)
+            # one function at a time: model loading may not switch the default dtype meanwhile (module
+            # docstring)
             with DEFAULT_DTYPE_LOCK:
                 fns.get(name)(*args)
     if device.type == "cuda":

@@ -45,7 +45,8 @@ from klppo.rollout.workspace import CacheBudget, Workspace, num_slots
 
 
 class KLPPORollout:
-    """Our engine (module docstring). ``compiled``: the compiled decode functions (the trainer's, pre-compiling
+    """Our engine (module docstring). ``compiled``: the compiled decode functions (the trainer's,
+    pre-compiling
     in the background; None: the engine's own)."""
 
     def __init__(self, settings: EngineSettings, *, compiled: CompiledFunctions | None = None) -> None:
@@ -74,9 +75,11 @@ class KLPPORollout:
         if reason is not None:
             if not self._fallback_said:  # once: a reason that names the step's length would repeat every step
                 self._fallback_said = True
-                warnings.warn(f"klppo rollout cannot run this model ({reason}): using hf for such steps "
-                              "(said once; actor_rollout_ref.rollout.name=hf chooses it for every step)",
-                              stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"klppo rollout cannot run this model ({reason}): using hf for such steps "
+                    "(said once; actor_rollout_ref.rollout.name=hf chooses it for every step)",
+                    stacklevel=2,
+                )
             out = self._fallback.generate(model, prompts, prompt_mask, params)
             return dataclasses.replace(out, stats={**out.stats, "rollout/fallback_hf": 1.0})
         return self.generate_from(LlamaWeights.read(model), prompts, prompt_mask, params)
@@ -121,8 +124,12 @@ class KLPPORollout:
         start = time.perf_counter()
         _require_gathered(w)
         call = self._call(w, prompts, prompt_mask, lengths, params)
-        sched = SlotScheduler(prompt_lengths=lengths, n=params.n, num_slots=call.ws.kv.shape[2],
-                              max_prefill_tokens=self.settings.max_prefill_tokens)  # fmt: skip
+        sched = SlotScheduler(
+            prompt_lengths=lengths,
+            n=params.n,
+            num_slots=call.ws.kv.shape[2],
+            max_prefill_tokens=self.settings.max_prefill_tokens,
+        )
         timings = self._run(call, sched)
         return assemble_output(
             call, sched, self.settings.pad_token_id, start, timings, call.cuda and self._cuda_graphs
@@ -174,8 +181,12 @@ class KLPPORollout:
                 prefill_s += time.perf_counter() - t0
             elif self.settings.compact_slots:
                 moved += move_slots(call.ws, sched.compact(self.settings.compact_min_bucket))
-        return {"prefill_s": prefill_s, "graph_capture_s": capture_s, "decode_steps": float(num_steps),
-                "slot_moves": moved}  # fmt: skip
+        return {
+            "prefill_s": prefill_s,
+            "graph_capture_s": capture_s,
+            "decode_steps": float(num_steps),
+            "slot_moves": moved,
+        }
 
     def _admit(self, call: Call, sched: SlotScheduler, pairs: list[tuple[int, int]]) -> None:
         """Prefill (sequence, slot) ``pairs``, in chunks of at most ``max_prefill_tokens`` tokens."""
@@ -202,9 +213,18 @@ class KLPPORollout:
         s = self.settings
         budget = CacheBudget(s.gpu_memory_utilization, s.max_num_seqs, s.max_prefill_tokens)
         slots = num_slots(w, device, num_seqs, max_len, budget)
-        self._ws = Workspace.allocate(w, key=key, fused=copies, num_slots=slots, num_seqs=num_seqs, width=width,
-                                      max_len=max_len, device=device, eos=s.eos_token_ids,
-                                      resident=keep)  # fmt: skip
+        self._ws = Workspace.allocate(
+            w,
+            key=key,
+            fused=copies,
+            num_slots=slots,
+            num_seqs=num_seqs,
+            width=width,
+            max_len=max_len,
+            device=device,
+            eos=s.eos_token_ids,
+            resident=keep,
+        )
         return self._ws
 
     def _keeps_workspace(self, w: LlamaWeights, fuse: bool) -> bool:
@@ -227,8 +247,10 @@ class KLPPORollout:
         # NCCL collectives inside the graph are untested on every stack: a failed capture runs eager
         replay = ws.graphs.capture(bucket, step, state, fallible=call.w.tp is not None)
         if replay is None:
-            warnings.warn(f"tensor-parallel decode runs without CUDA graphs (capture failed: {ws.graphs.error})",
-                          stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"tensor-parallel decode runs without CUDA graphs (capture failed: {ws.graphs.error})",
+                stacklevel=2,
+            )
             self._cuda_graphs = False
             return step
         return replay

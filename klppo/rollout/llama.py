@@ -138,7 +138,8 @@ class LayerWeights:
         )
 
     def fused(self, into: LayerWeights | None = None) -> LayerWeights:
-        """This layer plus ``qkv`` = cat(q, k, v) and ``gate_up`` = cat(gate, up) (see ``LlamaWeights.fuse``)."""
+        """This layer plus ``qkv`` = cat(q, k, v) and ``gate_up`` = cat(gate, up) (see
+        ``LlamaWeights.fuse``)."""
         return dataclasses.replace(
             self,
             qkv=_cat([self.q, self.k, self.v], None if into is None else into.qkv),
@@ -406,7 +407,8 @@ def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
-    """Decode-step layer back: output projection, residual (:func:`residual_add`), norm, SwiGLU MLP, residual."""
+    """Decode-step layer back: output projection, residual (:func:`residual_add`), norm, SwiGLU MLP,
+    residual."""
     x = residual_add(x, F.linear(attn, lw.o, lw.o_bias))
     return x + _mlp(lw, rms_norm(x, lw.post_norm, eps))
 

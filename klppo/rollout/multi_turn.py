@@ -8,10 +8,12 @@ with response rows that hold a whole conversation after the prompt. Per turn, ev
    re-prefilled in full (prompt + every earlier turn) through the engine's ``generate``;
 2. if the turn holds tool calls (``format: hermes``, :mod:`klppo.rollout.tools.parsing`), runs the first
    ``max_parallel_calls`` of them — the calls of all conversations concurrently, at most
-   ``max_concurrent_calls`` at a time, each bounded by ``tool_timeout_s`` — and appends one ``tool`` message per
+   ``max_concurrent_calls`` at a time, each bounded by ``tool_timeout_s`` — and appends one ``tool`` message
+   per
    call, its text cut to ``max_tool_response_length`` characters; otherwise, with an interaction, appends its
    ``user`` message (or ends when the interaction says so); otherwise ends;
-3. ends at ``max_assistant_turns`` assistant turns or ``max_user_turns`` tool/user turns, when the model's turn
+3. ends at ``max_assistant_turns`` assistant turns or ``max_user_turns`` tool/user turns, when the model's
+turn
    is cut by the budget, or when appending the next message would leave no room for another model token.
 
 Appended messages are tokenized with the tokenizer's chat template: the text the template puts between the
@@ -152,9 +154,15 @@ class MultiTurnRollout:
         start, counters = time.perf_counter(), Counters()
         num_prompts, budget = prompts.shape[0], params.max_new_tokens
         rows = [prompts[i][prompt_mask[i].bool()].tolist() for i in range(num_prompts)]
-        convs = [self._conversation(rows[i], (extra_info or [{}] * num_prompts)[i] or {},
-                                    (raw_prompt or [[]] * num_prompts)[i] or [])
-                 for i in range(num_prompts) for _ in range(params.n)]  # fmt: skip
+        convs = [
+            self._conversation(
+                rows[i],
+                (extra_info or [{}] * num_prompts)[i] or {},
+                (raw_prompt or [[]] * num_prompts)[i] or [],
+            )
+            for i in range(num_prompts)
+            for _ in range(params.n)
+        ]
         loop = asyncio.new_event_loop()
         try:
             loop.run_until_complete(_all(self._start(c) for c in convs))
@@ -195,10 +203,14 @@ class MultiTurnRollout:
                     f"extra_info.interaction_kwargs.name={name!r}; interactions: {sorted(self.interactions)}"
                 )
             interaction = self.interactions[name]
-        return Conversation(prompt=prompt, messages=[dict(m) for m in messages],
-                            tools_kwargs=dict(info.get("tools_kwargs") or {}), interaction=interaction,
-                            interaction_kwargs=kwargs,
-                            max_assistant_turns=1 if agent == "single_turn_agent" else self.settings.max_assistant_turns)  # fmt: skip
+        return Conversation(
+            prompt=prompt,
+            messages=[dict(m) for m in messages],
+            tools_kwargs=dict(info.get("tools_kwargs") or {}),
+            interaction=interaction,
+            interaction_kwargs=kwargs,
+            max_assistant_turns=1 if agent == "single_turn_agent" else self.settings.max_assistant_turns,
+        )
 
     def _continue(
         self, model, live: list[Conversation], params: SamplingParams, budget: int, turn: int, device
@@ -234,10 +246,13 @@ class MultiTurnRollout:
             )
             ended = bool(toks) and toks[-1] in self.eos
             c.calls = parse_hermes(text) if self.tools else []
-            c.done = (not ended or len(c.tokens) >= budget
-                      or (c.max_assistant_turns is not None and c.assistant_turns >= c.max_assistant_turns)
-                      or (s.max_user_turns is not None and c.user_turns >= s.max_user_turns)
-                      or (not c.calls and c.interaction is None))  # fmt: skip
+            c.done = (
+                not ended
+                or len(c.tokens) >= budget
+                or (c.max_assistant_turns is not None and c.assistant_turns >= c.max_assistant_turns)
+                or (s.max_user_turns is not None and c.user_turns >= s.max_user_turns)
+                or (not c.calls and c.interaction is None)
+            )
 
     async def _respond(self, live: list[Conversation], counters: Counters, budget: int) -> None:
         """Tool answers or the interaction's message for every live conversation, appended."""
@@ -377,11 +392,22 @@ class MultiTurnRollout:
             model_mask[i, :k] = torch.tensor(c.model_mask, dtype=torch.long)
             attention[i, :k] = 1
             log_probs[i, :k] = torch.tensor(c.log_probs, dtype=torch.float32)
-        extras = [{"num_turns": c.assistant_turns + c.user_turns, "turn_scores": c.turn_scores,
-                   "tool_rewards": c.tool_rewards} for c in convs]  # fmt: skip
-        return RolloutOutput(responses=responses.to(device), response_mask=model_mask.to(device),
-                             log_probs=(log_probs * model_mask).to(device), stats=stats,
-                             response_attention_mask=attention.to(device), extras=extras)  # fmt: skip
+        extras = [
+            {
+                "num_turns": c.assistant_turns + c.user_turns,
+                "turn_scores": c.turn_scores,
+                "tool_rewards": c.tool_rewards,
+            }
+            for c in convs
+        ]
+        return RolloutOutput(
+            responses=responses.to(device),
+            response_mask=model_mask.to(device),
+            log_probs=(log_probs * model_mask).to(device),
+            stats=stats,
+            response_attention_mask=attention.to(device),
+            extras=extras,
+        )
 
     @staticmethod
     def _stats(convs: list[Conversation], counters: Counters, start: float) -> dict[str, float]:

@@ -22,7 +22,8 @@ import dataclasses
 
 
 def buckets(num_slots: int) -> list[int]:
-    """Powers of two from 1 below ``num_slots``, then ``num_slots`` (bucket 1: the compiled batch-1 graphs)."""
+    """Powers of two from 1 below ``num_slots``, then ``num_slots`` (bucket 1: the compiled batch-1
+    graphs)."""
     out, b = [], 1
     while b < num_slots:
         out.append(b)

@@ -19,7 +19,8 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.5
     """Fraction of the device's memory the rollout phase may fill (everything allocated + the KV cache)."""
     free_cache_engine: bool = True
-    """Free cache, buffers and graphs after each call; False keeps them (:meth:`KLPPORollout._keeps_workspace`)."""
+    """Free cache, buffers and graphs after each call; False keeps them
+    (:meth:`KLPPORollout._keeps_workspace`)."""
     max_num_seqs: int | None = None
     """At most this many KV-cache slots (None: as many as fit)."""
     eos_check_every: int = 16
@@ -34,7 +35,8 @@ class EngineSettings:
     """auto: the backend for the device (:func:`klppo.rollout.backends.backend_class`); sdpa: the torch
     reference backend (masked SDPA) on every device."""
     sampler: str = "auto"
-    """auto: the Triton sampling kernels where they apply, else torch; torch: :mod:`klppo.rollout.sampling`."""
+    """auto: the Triton sampling kernels where they apply, else torch; torch:
+    :mod:`klppo.rollout.sampling`."""
     fp32_logits: bool = True
     """LM-head products kept in float32 (:func:`klppo.rollout.llama.logits_of`)."""
     compact_slots: bool = False

@@ -1,4 +1,5 @@
-"""The tensor work of one ``generate`` call on its workspace: prefill chunks, decode steps, slot moves, output.
+"""The tensor work of one ``generate`` call on its workspace: prefill chunks, decode steps, slot moves,
+output.
 
 The engine (:mod:`klppo.rollout.engine`) decides what runs and when; the call's backend
 (:mod:`klppo.rollout.backends`) does the model's arithmetic; these functions do the work on the
@@ -110,7 +111,8 @@ def decode_step(call: Call, bucket: int) -> Callable[[], None]:
 
 
 def move_slots(ws: Workspace, moves: list[tuple[int, int]]) -> int:
-    """Move each (from, to) slot's K/V and decode state; the emptied slots idle as finished. Returns the count."""
+    """Move each (from, to) slot's K/V and decode state; the emptied slots idle as finished. Returns the
+    count."""
     if moves:
         src = torch.tensor([a for a, _ in moves], device=ws.kv.device)
         dst = torch.tensor([b for _, b in moves], device=ws.kv.device)
@@ -124,7 +126,8 @@ def move_slots(ws: Workspace, moves: list[tuple[int, int]]) -> int:
 def assemble_output(
     call: Call, sched: SlotScheduler, pad_token_id: int, start: float, timings: dict, cuda_graphs: bool
 ) -> RolloutOutput:
-    """The finished sequences as right-padded rows, with the call's figures (``start``: its ``perf_counter``)."""
+    """The finished sequences as right-padded rows, with the call's figures (``start``: its
+    ``perf_counter``)."""
     ws, device, width = call.ws, call.packed.device, call.params.max_new_tokens
     num_seqs = sched.num_seqs
     out_len = ws.out_len[:num_seqs]

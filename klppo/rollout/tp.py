@@ -42,8 +42,9 @@ _FUSED = {  # LayerWeights fused field -> the parameters it concatenates (rows),
 }
 
 
-def fused_destinations(model: torch.nn.Module, layout: TPLayout, t: int, *, dtype: torch.dtype,
-                       device: torch.device) -> dict[str, torch.Tensor]:  # fmt: skip
+def fused_destinations(
+    model: torch.nn.Module, layout: TPLayout, t: int, *, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
     """The engine's fused ``[q; k; v]`` and ``[gate; up]`` (and biases when every part has one) allocated up
     front, keyed ``model.layers.{i}.<fused field>``, with their parts as views keyed by parameter name: the
     reshard writes each slice straight into its rows (no second copy)."""
@@ -63,9 +64,11 @@ def fused_destinations(model: torch.nn.Module, layout: TPLayout, t: int, *, dtyp
     return out
 
 
-def tp_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], layout: TPLayout,
-               tp: TensorParallel) -> LlamaWeights:  # fmt: skip
-    """``LlamaWeights`` of this rank's slices ``tensors`` (by name; fused ones from :func:`fused_destinations`)."""
+def tp_weights(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor], layout: TPLayout, tp: TensorParallel
+) -> LlamaWeights:
+    """``LlamaWeights`` of this rank's slices ``tensors`` (by name; fused ones from
+    :func:`fused_destinations`)."""
     hf = base_model(model)
     layers = []
     for i in range(len(hf.model.layers)):
@@ -91,12 +94,18 @@ def tp_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], layout:
     )
 
 
-def reshard_for_rollout(model: torch.nn.Module, tp: TensorParallel, *, device: torch.device,
-                        into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def reshard_for_rollout(
+    model: torch.nn.Module,
+    tp: TensorParallel,
+    *,
+    device: torch.device,
+    into: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """This rank's slices of the FSDP2-sharded ``model``, by parameter name (a collective of all ranks)."""
     layout = TPLayout.of(base_model(model).config, tp.size)
-    return reshard(model, lambda name, shape, d: layout.region(name, shape, d % tp.size), device=device,
-                   into=into)  # fmt: skip
+    return reshard(
+        model, lambda name, shape, d: layout.region(name, shape, d % tp.size), device=device, into=into
+    )
 
 
 class TPRollout:
@@ -122,8 +131,11 @@ class TPRollout:
         if reason is not None:
             if not self._fallback_said:  # once: a reason that names the step's length would repeat every step
                 self._fallback_said = True
-                warnings.warn(f"{KEY}={self.tp.size}: the klppo engine cannot run this model ({reason}); such "
-                              "rollouts run data-parallel on gathered weights (said once)", stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"{KEY}={self.tp.size}: the klppo engine cannot run this model ({reason}); such "
+                    "rollouts run data-parallel on gathered weights (said once)",
+                    stacklevel=2,
+                )
             with gathered_params(model):
                 return self.engine.generate(model, prompts, prompt_mask, params)
         device = prompts.device
@@ -160,8 +172,12 @@ class TPRollout:
             "rollout/tokens_generated": tokens,  # this rank's rows, as at TP = 1
             "rollout/tokens_per_s": tokens / max(out.stats["rollout/time_s"] + reshard_s, 1e-9),
         }
-        return RolloutOutput(responses=out.responses[rows].clone(), response_mask=mask.clone(),
-                             log_probs=out.log_probs[rows].clone(), stats=stats)  # fmt: skip
+        return RolloutOutput(
+            responses=out.responses[rows].clone(),
+            response_mask=mask.clone(),
+            log_probs=out.log_probs[rows].clone(),
+            stats=stats,
+        )
 
     def release(self) -> None:
         """Free the KV cache, graphs and kept slices."""
@@ -169,8 +185,9 @@ class TPRollout:
         self._tensors = None
 
 
-def _group_rows(prompts: torch.Tensor, prompt_mask: torch.Tensor, tp: TensorParallel, *, pad_id: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _group_rows(
+    prompts: torch.Tensor, prompt_mask: torch.Tensor, tp: TensorParallel, *, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's prompts and mask in rank order, [TP·B, P'] left-padded to the longest (same B per rank)."""
     comm = (
         torch.device("cuda", torch.cuda.current_device())

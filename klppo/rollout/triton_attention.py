@@ -71,7 +71,8 @@ def decode_attention(
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` [B, H, D] rotated by ``cos``/``sin`` [B, D] (rotate-half), in float32, rounded once to ``x``'s dtype."""
+    """``x`` [B, H, D] rotated by ``cos``/``sin`` [B, D] (rotate-half), in float32, rounded once to ``x``'s
+    dtype."""
     half = x.shape[-1] // 2
     x32 = x.float()
     rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
@@ -115,7 +116,8 @@ def num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int) -> int:
 def warm_splits() -> tuple[int, ...]:
     """A split count for each compiled variant the engine's launches can need, whatever the batch: 1 (the
     first kernel alone) and one per combine width (a power of two up to ``MAX_SPLITS``: the combine reads its
-    lanes in registers, so its width follows the split count). The split count itself is a runtime argument."""
+    lanes in registers, so its width follows the split count). The split count itself is a runtime
+    argument."""
     return (1, *(2**i for i in range(1, MAX_SPLITS.bit_length())))
 
 
@@ -163,13 +165,38 @@ def decode_attention_triton(
         cos, sin = cos.contiguous(), sin.contiguous()
     strides = (*q.stride()[:2], *kv_new.stride()[:3], *cache.stride()[:4])
     _partial_kernel[(batch, num_kv_heads, splits)](
-        q, kv_new, cache, positions, cos, sin, out, part, lse, *strides, 1.0 / math.sqrt(head_dim), head_dim,
-        group, splits, ROPE=rope is not None, ONE=splits == 1, GP=max(16, triton.next_power_of_2(group)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=block_n, num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-    )  # fmt: skip
+        q,
+        kv_new,
+        cache,
+        positions,
+        cos,
+        sin,
+        out,
+        part,
+        lse,
+        *strides,
+        1.0 / math.sqrt(head_dim),
+        head_dim,
+        group,
+        splits,
+        ROPE=rope is not None,
+        ONE=splits == 1,
+        GP=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
+    )
     if splits > 1:
-        _combine_kernel[(batch, num_heads)](part, lse, out, head_dim, splits, SP=triton.next_power_of_2(splits),
-                                            BLOCK_D=triton.next_power_of_2(head_dim))  # fmt: skip
+        _combine_kernel[(batch, num_heads)](
+            part,
+            lse,
+            out,
+            head_dim,
+            splits,
+            SP=triton.next_power_of_2(splits),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+        )
     return out
 
 
@@ -177,8 +204,23 @@ if triton is not None:
     NEG_INF = tl.constexpr(float("-inf"))
 
     @triton.jit
-    def _chunk(q, k_new, v_new, cache, sc_kv, sc_s, pos, start, end, scale, d, dm, GP: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    def _chunk(
+        q,
+        k_new,
+        v_new,
+        cache,
+        sc_kv,
+        sc_s,
+        pos,
+        start,
+        end,
+        scale,
+        d,
+        dm,
+        GP: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """Online softmax of ``q`` [GP, BLOCK_D] over cache rows [start, end) of one (slot, KV head); row
         ``pos`` from ``k_new``/``v_new``. Returns (running max, sum of exp, unnormalised output)."""
         m = tl.full([GP], NEG_INF, tl.float32)
@@ -213,10 +255,35 @@ if triton is not None:
         return (x.to(tl.float32) * c + rotated * s).to(x.dtype)
 
     @triton.jit(do_not_specialize=["SPLITS"])
-    def _partial_kernel(q_ptr, new_ptr, cache_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, lse_ptr, sq_b,
-                        sq_h, sn_kv, sn_b, sn_h, sc_kv, sc_b, sc_s, sc_h, scale, D, GROUP, SPLITS,
-                        ROPE: tl.constexpr, ONE: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_N: tl.constexpr):  # fmt: skip
+    def _partial_kernel(
+        q_ptr,
+        new_ptr,
+        cache_ptr,
+        pos_ptr,
+        cos_ptr,
+        sin_ptr,
+        out_ptr,
+        part_ptr,
+        lse_ptr,
+        sq_b,
+        sq_h,
+        sn_kv,
+        sn_b,
+        sn_h,
+        sc_kv,
+        sc_b,
+        sc_s,
+        sc_h,
+        scale,
+        D,
+        GROUP,
+        SPLITS,
+        ROPE: tl.constexpr,
+        ONE: tl.constexpr,
+        GP: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         """Program (slot b, KV head j, chunk s): rotate q and the new K (``ROPE``), write the new K/V if
         the chunk holds ``positions[b]``, attend its ``GROUP`` query heads over the chunk; the output (one
         split) or a partial."""
@@ -246,8 +313,9 @@ if triton is not None:
         wm = d < tl.where((pos >= start) & (pos < start + per), D, 0)  # this chunk holds the new position
         tl.store(cache + pos * sc_s + d, k_new, mask=wm)
         tl.store(cache + sc_kv + pos * sc_s + d, v_new, mask=wm)
-        m, den, acc = _chunk(q, k_new, v_new, cache, sc_kv, sc_s, pos, start, end, scale, d, dm, GP, BLOCK_D,
-                           BLOCK_N)  # fmt: skip
+        m, den, acc = _chunk(
+            q, k_new, v_new, cache, sc_kv, sc_s, pos, start, end, scale, d, dm, GP, BLOCK_D, BLOCK_N
+        )
         row = b * (GROUP * tl.num_programs(1)) + heads  # output row (slot, query head)
         o = acc / tl.where(den > 0, den, 1.0)[:, None]  # an empty chunk: zeros
         if ONE:

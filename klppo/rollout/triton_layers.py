@@ -74,10 +74,21 @@ def add_rms_norm(
     if rows:
         block = triton.next_power_of_2(hidden)
         _add_rms_norm_kernel[(rows,)](
-            x, x if m is None else m, weight, s, h, hidden, float(eps),
-            x.stride(0), 0 if m is None else m.stride(0), s.stride(0), h.stride(0),
-            HAS_M=m is not None, BLOCK=block, num_warps=num_warps or (4 if block <= 2048 else 8),
-        )  # fmt: skip
+            x,
+            x if m is None else m,
+            weight,
+            s,
+            h,
+            hidden,
+            float(eps),
+            x.stride(0),
+            0 if m is None else m.stride(0),
+            s.stride(0),
+            h.stride(0),
+            HAS_M=m is not None,
+            BLOCK=block,
+            num_warps=num_warps or (4 if block <= 2048 else 8),
+        )
     return s, h
 
 
@@ -132,11 +143,22 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(
-        x_ptr, m_ptr, w_ptr, s_ptr, h_ptr, n_cols, eps,
-        stride_x, stride_m, stride_s, stride_h,
-        HAS_M: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        """Row ``program_id(0)``: s = round(x + m) (stored when HAS_M), h = round(w · round(s · rsqrt(mean(s²) + eps)))."""
+        x_ptr,
+        m_ptr,
+        w_ptr,
+        s_ptr,
+        h_ptr,
+        n_cols,
+        eps,
+        stride_x,
+        stride_m,
+        stride_s,
+        stride_h,
+        HAS_M: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Row ``program_id(0)``: s = round(x + m) (stored when HAS_M), h = round(w · round(s ·
+        rsqrt(mean(s²) + eps)))."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols

@@ -77,8 +77,10 @@ def sample_triton(
     batch, vocab = logits.shape
     if not supports(params, batch, vocab):
         if batch * vocab >= 2**31 or vocab >= 2**24:
-            raise ValueError(f"the Triton sampler takes fewer than 2**31 logits a call and a vocabulary below "
-                             f"2**24 (int32 offsets, float32 ids), got {batch} rows × {vocab}")  # fmt: skip
+            raise ValueError(
+                "the Triton sampler takes fewer than 2**31 logits a call and a vocabulary below 2**24 "
+                f"(int32 offsets, float32 ids), got {batch} rows × {vocab}"
+            )
         raise ValueError(f"the Triton sampler does not take top_k={params.top_k} with top_p={params.top_p}")
     # the four-per-Philox kernel covers 4·(block // 4) ids a block: a block of 6 would skip ids
     if block is not None and (block < 1 or block & (block - 1)):
@@ -99,14 +101,38 @@ def sample_triton(
     if untruncated:
         chunk, splits = chunking(vocab, splits or _splits(device_sms(device), batch, vocab, block), block)
         part = torch.empty(batch, splits, 4, dtype=torch.float32, device=device)
-        _race_chunk_kernel[(batch, splits)](logits, logits.stride(0), vocab, chunk, temperature, seed, part,
-                                            splits, GREEDY=greedy, BLOCK=block, SCALE=temperature != 1.0,
-                                            num_warps=num_warps)  # fmt: skip
+        _race_chunk_kernel[(batch, splits)](
+            logits,
+            logits.stride(0),
+            vocab,
+            chunk,
+            temperature,
+            seed,
+            part,
+            splits,
+            GREEDY=greedy,
+            BLOCK=block,
+            SCALE=temperature != 1.0,
+            num_warps=num_warps,
+        )
         _race_combine_kernel[(batch,)](part, splits, tokens, log_probs, SP=combine_lanes(splits))
     else:
-        _truncated_kernel[(batch,)](logits, logits.stride(0), vocab, temperature, seed, top_k, top_p, tokens,
-                                    log_probs, USE_K=top_k > 0, USE_P=top_p < 1.0, BLOCK=block,
-                                    SCALE=temperature != 1.0, num_warps=num_warps)  # fmt: skip
+        _truncated_kernel[(batch,)](
+            logits,
+            logits.stride(0),
+            vocab,
+            temperature,
+            seed,
+            top_k,
+            top_p,
+            tokens,
+            log_probs,
+            USE_K=top_k > 0,
+            USE_P=top_p < 1.0,
+            BLOCK=block,
+            SCALE=temperature != 1.0,
+            num_warps=num_warps,
+        )
     return tokens, log_probs
 
 
@@ -183,9 +209,11 @@ if triton is not None:
 
     @triton.jit
     def _gumbel_of_bits(k):
-        """Gumbel noise ``−ln E`` of 32 random bits ``k`` (uint32): ``E = −ln(1 − w)`` is exponential, ``w = (k
+        """Gumbel noise ``−ln E`` of 32 random bits ``k`` (uint32): ``E = −ln(1 − w)`` is exponential, ``w =
+        (k
         + ½)·2⁻³²`` uniform, all in float32 to its rounding: below ``w = 2⁻⁴`` (the small ``E``, the race's
-        winners) from ``w`` by its series (truncation < 10⁻⁸ of ``E``), above from ``1 − w = (~k + ½)·2⁻³²`` (no
+        winners) from ``w`` by its series (truncation < 10⁻⁸ of ``E``), above from ``1 − w = (~k + ½)·2⁻³²``
+        (no
         cancellation; ``log2``'s absolute error < 3·10⁻⁶ of ``E`` ≥ 0.0645). Never infinite or NaN: ``E`` lies
         in [2⁻³³, 22.9). Two fast ``log2`` and six FMAs."""
         w = (k.to(tl.float32) + 0.5) * 2.3283064365386963e-10
@@ -225,7 +253,8 @@ if triton is not None:
 
     @triton.jit
     def _race_start(N: tl.constexpr, V):
-        """Empty per-lane state of ``N`` lanes: running max and sum of ``exp`` (``_online``) and the race's best
+        """Empty per-lane state of ``N`` lanes: running max and sum of ``exp`` (``_online``) and the race's
+        best
         value, its id (``V``: none yet) and its ``x``."""
         m = tl.full([N], NEG_INF, tl.float32)
         return m, tl.zeros([N], tl.float32), m, tl.full([N], V, tl.int32), m
@@ -275,12 +304,26 @@ if triton is not None:
         return m_new, s * tl.exp(m - ref) + total
 
     @triton.jit(do_not_specialize=["S"])  # the split count: one variant for every batch
-    def _race_chunk_kernel(logits_ptr, stride, V, chunk, temperature, seed_ptr, part_ptr, S, GREEDY: tl.constexpr,
-                           BLOCK: tl.constexpr, SCALE: tl.constexpr):  # fmt: skip
-        """Program (row, split): normaliser and race winner of ``chunk`` ids → part[row, split, 0:4], with four
-        noises per Philox call (``_gumbel4``): each block of ``BLOCK`` ids is four quarters of ``Q = BLOCK / 4``
+    def _race_chunk_kernel(
+        logits_ptr,
+        stride,
+        V,
+        chunk,
+        temperature,
+        seed_ptr,
+        part_ptr,
+        S,
+        GREEDY: tl.constexpr,
+        BLOCK: tl.constexpr,
+        SCALE: tl.constexpr,
+    ):
+        """Program (row, split): normaliser and race winner of ``chunk`` ids → part[row, split, 0:4], with
+        four
+        noises per Philox call (``_gumbel4``): each block of ``BLOCK`` ids is four quarters of ``Q = BLOCK /
+        4``
         consecutive ids, lane ``i`` of quarter ``q`` taking word ``q`` of the call at counter
-        ``row · G + off / 4 + i`` (``G``: the counters of a row, distinct over rows and blocks), and the running
+        ``row · G + off / 4 + i`` (``G``: the counters of a row, distinct over rows and blocks), and the
+        running
         sum of ``exp`` rescaled once per four ids (``_online4``). A lane meets its ids in increasing order, so
         ties go to the lowest id."""
         Q: tl.constexpr = BLOCK // 4
@@ -345,8 +388,9 @@ if triton is not None:
         return _lse_of_lanes(m, s), idx, x_win
 
     @triton.jit
-    def _row_check_and_race(base, V, temperature, x_s, lse, seed, row, BLOCK: tl.constexpr,
-                            SCALE: tl.constexpr):  # fmt: skip
+    def _row_check_and_race(
+        base, V, temperature, x_s, lse, seed, row, BLOCK: tl.constexpr, SCALE: tl.constexpr
+    ):
         """One pass over the row: how many ids have ``x > x_s`` and their probability mass (the check of
         the candidate ``x_s``), and the Gumbel race among those ids (the next candidate, used if this one
         is rejected; ``seed``: this round's noise)."""
@@ -364,9 +408,21 @@ if triton is not None:
         return tl.sum(count, axis=0), tl.sum(mass, axis=0), idx, x_win
 
     @triton.jit
-    def _truncated_kernel(logits_ptr, stride, V, temperature, seed_ptr, top_k, top_p, tokens_ptr, logp_ptr,
-                          USE_K: tl.constexpr, USE_P: tl.constexpr, BLOCK: tl.constexpr,
-                          SCALE: tl.constexpr):  # fmt: skip
+    def _truncated_kernel(
+        logits_ptr,
+        stride,
+        V,
+        temperature,
+        seed_ptr,
+        top_k,
+        top_p,
+        tokens_ptr,
+        logp_ptr,
+        USE_K: tl.constexpr,
+        USE_P: tl.constexpr,
+        BLOCK: tl.constexpr,
+        SCALE: tl.constexpr,
+    ):
         """Program row: top-k or top-p sampling by rejection (module docstring), one pass per round."""
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * stride
@@ -375,8 +431,9 @@ if triton is not None:
         rnd = row * 0 + 1
         searching = row * 0 + 1
         while searching > 0:
-            count, mass, next_token, next_x = _row_check_and_race(base, V, temperature, x_s, lse, seed + rnd, row,
-                                                                  BLOCK, SCALE)  # fmt: skip
+            count, mass, next_token, next_x = _row_check_and_race(
+                base, V, temperature, x_s, lse, seed + rnd, row, BLOCK, SCALE
+            )
             keep = count >= 0
             if USE_K:
                 keep = keep & (count < top_k)

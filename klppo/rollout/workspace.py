@@ -42,8 +42,14 @@ def num_slots(w: LlamaWeights, device: torch.device, num_seqs: int, max_len: int
     elt = w.embed.element_size()
     hidden, vocab = w.embed.shape[1], w.lm_head.shape[0]
     inter = w.layers[0].gate.shape[0]
-    per_slot = slot_bytes(layers=len(w.layers), kv_heads=w.num_kv_heads, head_dim=w.head_dim, max_len=max_len,
-                          vocab=vocab, elt=elt)  # fmt: skip
+    per_slot = slot_bytes(
+        layers=len(w.layers),
+        kv_heads=w.num_kv_heads,
+        head_dim=w.head_dim,
+        max_len=max_len,
+        vocab=vocab,
+        elt=elt,
+    )
     workspace = budget.max_prefill_tokens * (3 * inter + 8 * hidden + 4 * w.num_heads * w.head_dim) * elt
     total = torch.cuda.get_device_properties(device).total_memory
     free = budget.gpu_memory_utilization * total - torch.cuda.memory_allocated(device) - workspace
@@ -78,9 +84,19 @@ class Workspace:
     graphs: DecodeGraphs = dataclasses.field(default_factory=DecodeGraphs)
 
     @staticmethod
-    def allocate(w: LlamaWeights, *, key: tuple, fused: LlamaWeights | None, num_slots: int, num_seqs: int,
-                 width: int, max_len: int, device: torch.device, eos: list[int] = (),
-                 resident: bool = False) -> Workspace:  # fmt: skip
+    def allocate(
+        w: LlamaWeights,
+        *,
+        key: tuple,
+        fused: LlamaWeights | None,
+        num_slots: int,
+        num_seqs: int,
+        width: int,
+        max_len: int,
+        device: torch.device,
+        eos: list[int] = (),
+        resident: bool = False,
+    ) -> Workspace:
         """A fresh workspace: ``num_seqs`` sequences of ``width`` new tokens at most, ``num_slots`` slots of
         ``max_len`` positions (cache dtype and heads from ``w``)."""
         kv = torch.zeros(  # zeros: masked-out cache entries must be finite (0 × NaN = NaN)

@@ -116,8 +116,8 @@ def claim_run_files(run_dir: str | Path, names: Sequence[str] = RUN_FILES, *, re
     foreign = [n for n in names if (root / n).exists() and n not in owned]
     if foreign:
         raise RunDirError(
-            f"{root} holds {', '.join(foreign)}, not written by klppo; klppo never overwrites files it did not "
-            "create: move them, or set trainer.default_local_dir to another directory"
+            f"{root} holds {', '.join(foreign)}, not written by klppo; klppo never overwrites files it did "
+            f"not create: move them, or set trainer.default_local_dir to another directory"
         )
     if not record:
         return
@@ -142,7 +142,8 @@ def write_run_metadata(run_dir: str, *, config_yaml: str, argv: list[str]) -> di
 class GenerationLog:
     """Appends sample generations to ``<run_dir>/generations.jsonl`` (``trainer.log_val_generations``).
 
-    `write` appends samples the caller chose; `log` keeps ``num_samples`` samples chosen as verl does: sorted by prompt, shuffled with a fixed seed
+    `write` appends samples the caller chose; `log` keeps ``num_samples`` samples chosen as verl does: sorted
+    by prompt, shuffled with a fixed seed
     (42), the first ``num_samples`` taken; so the same prompts are followed from one validation to the
     next. Each line: ``{"step", "prompt", "response", "score"}`` plus ``ground_truth`` / ``data_source``
     when given. Ranks other than 0 write nothing.

@@ -44,8 +44,12 @@ def finish_run(run_dir: Path, *, history: list[tuple[int, dict[str, float]]], wa
         run.path = run_dir
     page, note = write_report(run, run_dir)
     lines = summary_lines(
-        run, wall_s=wall_s, checkpoint=latest_checkpoint(run_dir), report=page, report_note=note,
+        run,
+        wall_s=wall_s,
+        checkpoint=latest_checkpoint(run_dir),
+        report=page,
+        report_note=note,
         this_start=this_start,
-    )  # fmt: skip
+    )
     print("\n".join(["klppo " + lines[0], *("  " + line for line in lines[1:])]), flush=True)
     return lines

@@ -1,4 +1,5 @@
-"""`python -m klppo.trainer.main_ppo`: verl's entry-point name for `klppo train` (see klppo.commands.train)."""
+"""`python -m klppo.trainer.main_ppo`: verl's entry-point name for `klppo train` (see
+klppo.commands.train)."""
 
 from klppo.commands.train import _exit_rank, main
 

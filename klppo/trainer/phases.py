@@ -70,8 +70,14 @@ def generate(run: Run, prompts: Batch, sampling: SamplingParams, *, seed: int) -
         gather_s = time.perf_counter() - start
         # conversations read the rows' tools / interaction fields
         if isinstance(run.rollout, MultiTurnRollout):
-            out = run.rollout.generate(model, prompts.prompts, prompts.prompt_mask, params,
-                                       extra_info=prompts.extra_info, raw_prompt=prompts.raw_prompt)  # fmt: skip
+            out = run.rollout.generate(
+                model,
+                prompts.prompts,
+                prompts.prompt_mask,
+                params,
+                extra_info=prompts.extra_info,
+                raw_prompt=prompts.raw_prompt,
+            )
         else:
             out = run.rollout.generate(model, prompts.prompts, prompts.prompt_mask, params)
     if run.free_cache_engine:
@@ -83,9 +89,13 @@ def generate(run: Run, prompts: Batch, sampling: SamplingParams, *, seed: int) -
         response_mask=out.response_mask.to(torch.float32),
         response_attention_mask=None if attention is None else attention.to(torch.float32),
         rollout_log_probs=out.log_probs,
-        extra_info=samples.extra_info if out.extras is None else
-        [{**(info or {}), **extra} for info, extra in zip(samples.extra_info or [{}] * len(out.extras), out.extras)],
-    )  # fmt: skip
+        extra_info=samples.extra_info
+        if out.extras is None
+        else [
+            {**(info or {}), **extra}
+            for info, extra in zip(samples.extra_info or [{}] * len(out.extras), out.extras)
+        ],
+    )
     return Rollout(samples, {"timing_s/update_weights": gather_s, **out.stats})
 
 
@@ -201,17 +211,23 @@ def penalty_share_message(
     β toward target_kl, so kl_coef only sets where it starts."""
     head = f"step {step}: the KL penalty in the reward outweighs the task score for {streak} steps"
     if score < 1e-6:
-        return (f"{head}: every sample scored 0 — there is no task signal for the penalty to outweigh; check "
-                "the reward function and whether the prompts are within the policy's reach (β need not change)")  # fmt: skip
+        return (
+            f"{head}: every sample scored 0 — there is no task signal for the penalty to outweigh; check "
+            "the reward function and whether the prompts are within the policy's reach (β need not change)"
+        )
     ctrl = algo.kl_ctrl
     if ctrl.type == "fixed":
         act = f"lower algorithm.kl_ctrl.kl_coef (β={beta:.4g}, fixed)"
     else:
-        act = (f"raise algorithm.kl_ctrl.target_kl (now {ctrl.target_kl}; the {ctrl.type} controller moves "
-               f"β={beta:.4g} toward it — kl_coef only sets where β starts)")  # fmt: skip
-    return (f"{head} (share {share:.2f}): the policy is pulled back toward the reference instead of learning. "
-            f"{act[0].upper()}{act[1:]}, or move the KL into the loss (actor_rollout_ref.actor.use_kl_loss with "
-            "kl_loss_ctrl)")  # fmt: skip
+        act = (
+            f"raise algorithm.kl_ctrl.target_kl (now {ctrl.target_kl}; the {ctrl.type} controller moves "
+            f"β={beta:.4g} toward it — kl_coef only sets where β starts)"
+        )
+    return (
+        f"{head} (share {share:.2f}): the policy is pulled back toward the reference instead of learning. "
+        f"{act[0].upper()}{act[1:]}, or move the KL into the loss (actor_rollout_ref.actor.use_kl_loss with "
+        "kl_loss_ctrl)"
+    )
 
 
 def measure_kl_for_control(batch: Batch, actor: ActorConfig) -> dict[str, float]:
@@ -230,7 +246,8 @@ def whole_batch_kl(batch: Batch, actor: ActorConfig) -> dict[str, float]:
     """The KL metrics of every sample of the global batch when an on-policy update (no old-log-prob pass)
     left rows out (``actor.skip_zero_advantage_rows``) and so measured its own only: π_old is then the
     rollout engine's log-probs of the same weights (``rollout/log_prob_diff`` says how close they are).
-    ``actor/ref_kl_k1``, ``actor/ref_kl_k3`` and, with a KL loss, the controller's ``actor/kl_loss_ctrl_kl``."""
+    ``actor/ref_kl_k1``, ``actor/ref_kl_k3`` and, with a KL loss, the controller's
+    ``actor/kl_loss_ctrl_kl``."""
     if batch.ref_log_probs is None or batch.rollout_log_probs is None:
         return {}
     old = batch.rollout_log_probs

@@ -131,11 +131,15 @@ class PPOTrainer:
         total = run.total_training_steps
         if self.state.global_step >= total and rank() == 0:
             log.warning(
-                "the run in %s already reached step %d of trainer.total_training_steps=%d (resumed from %s): "
-                "nothing to train. Raise total_training_steps/total_epochs to continue, or start over with "
+                "the run in %s already reached step %d of trainer.total_training_steps=%d (resumed from "
+                "%s): nothing to train. Raise total_training_steps/total_epochs to continue, or start over "
+                "with "
                 "trainer.resume_mode=disable or another trainer.default_local_dir.",
-                run.run_dir, self.state.global_step, total, run.resume_path,
-            )  # fmt: skip
+                run.run_dir,
+                self.state.global_step,
+                total,
+                run.resume_path,
+            )
         tracker.set_total_steps(total)
         at_start = self.state.global_step == 0 and tcfg.val_before_train
         # val_only: the resumed model too, never trained
@@ -180,13 +184,15 @@ class PPOTrainer:
         with timer.phase("step"), self.run.offload.on_device(self.run.roles.actor):
             done = self._phases(prompts, step, timer)
         if self.cfg.trainer.rollout_data_dir and rank() == 0:
-            dump_rollouts(self.cfg.trainer.rollout_data_dir, step, done.batch, self.run.tokenizer,
-                          self.run.roles.reward)  # fmt: skip
+            dump_rollouts(
+                self.cfg.trainer.rollout_data_dir, step, done.batch, self.run.tokenizer, self.run.roles.reward
+            )
         metrics = self._step_metrics(done.batch, timer, done.metrics, update_batch=done.update_rows)
         return self._count_skipped(metrics, step, done.skipped)
 
     def _phases(self, prompts: Batch, step: int, timer: PhaseTimer) -> StepDone:
-        """The step's phases, the actor on the device (the caller's), the critic from its values to its update;
+        """The step's phases, the actor on the device (the caller's), the critic from its values to its
+        update;
         a non-finite advantage input or target updates no model, a skipped critic step no actor."""
         run, roles = self.run, self.run.roles
         local, rollout_stats, pending = self._rollout(shard_prompts(prompts), step, timer)
@@ -249,9 +255,13 @@ class PPOTrainer:
             check_finite(batch, STEP_INPUTS, paths=self._data_paths)
             with timer.phase("adv"):
                 batch, adv_metrics = rewards_and_advantages(
-                    batch, self.cfg.algorithm, self.run.kl_ctrl, watch=self.state.penalty_share, step=step,
+                    batch,
+                    self.cfg.algorithm,
+                    self.run.kl_ctrl,
+                    watch=self.state.penalty_share,
+                    step=step,
                     correction=self.run.roles.actor.settings.rollout_correction,
-                )  # fmt: skip
+                )
             check_finite(batch, STEP_TARGETS, paths=self._data_paths)
         except NonFiniteStep as exc:
             return batch, adv_metrics, str(exc)
@@ -306,7 +316,8 @@ class PPOTrainer:
         return contextlib.nullcontext() if critic is None else self.run.offload.on_device(critic)
 
     def _critic_share(self, batch: Batch, actor_share: Batch) -> Batch:
-        """The critic's update rows: the actor's, unless its Ulysses groups differ in size from the actor's."""
+        """The critic's update rows: the actor's, unless its Ulysses groups differ in size from the
+        actor's."""
         critic, actor = self.run.roles.critic, self.run.roles.actor
         if critic is None or critic.update.sp_size == actor.update.sp_size:
             return actor_share
@@ -434,11 +445,14 @@ class PPOTrainer:
                 )
             if tcfg.validation_data_dir:
                 dump_samples(
-                    tcfg.validation_data_dir, step,
-                    inputs=[chat_text(r["prompt"]) for r in records], outputs=[r["response"] for r in records],
-                    scores=[r["score"] for r in records], ground_truths=[r["ground_truth"] for r in records],
+                    tcfg.validation_data_dir,
+                    step,
+                    inputs=[chat_text(r["prompt"]) for r in records],
+                    outputs=[r["response"] for r in records],
+                    scores=[r["score"] for r in records],
+                    ground_truths=[r["ground_truth"] for r in records],
                     data_sources=[r["data_source"] for r in records],
-                )  # fmt: skip
+                )
         return out
 
     def _validation_records(self, prompts: Batch) -> list[dict[str, Any]]:
@@ -452,12 +466,23 @@ class PPOTrainer:
         )
         scores = run.roles.reward.score(local)
         mine = [
-            {"prompt": raw, "response": text, "score": score, "data_source": src, "ground_truth": truth, "uid": uid}
+            {
+                "prompt": raw,
+                "response": text,
+                "score": score,
+                "data_source": src,
+                "ground_truth": truth,
+                "uid": uid,
+            }
             for raw, text, score, src, truth, uid in zip(
-                local.raw_prompt, scores.texts, scores.sequence.tolist(), local.data_source, local.ground_truth,
+                local.raw_prompt,
+                scores.texts,
+                scores.sequence.tolist(),
+                local.data_source,
+                local.ground_truth,
                 local.uid,
             )
-        ]  # fmt: skip
+        ]
         return [r for part in all_gather_objects(mine) for r in part]
 
     # ------------------------------------------------------------------ checkpoints

@@ -40,16 +40,18 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     if batch.advantages is not None:  # absent when a non-finite input skipped the step before them
         rewards = batch.token_level_rewards.sum(dim=1)
         valid_adv = batch.advantages[m.bool()] if m.any() else torch.zeros(1)
-        out.update({
-            "critic/rewards/mean": rewards.mean(),
-            "critic/rewards/max": rewards.max(),
-            "critic/rewards/min": rewards.min(),
-            "critic/advantages/mean": masked_mean(batch.advantages, m),
-            "critic/advantages/max": valid_adv.max(),
-            "critic/advantages/min": valid_adv.min(),
-            "critic/advantages/std": valid_adv.std(correction=0),
-            "critic/returns/mean": masked_mean(batch.returns, m),
-        })  # fmt: skip
+        out.update(
+            {
+                "critic/rewards/mean": rewards.mean(),
+                "critic/rewards/max": rewards.max(),
+                "critic/rewards/min": rewards.min(),
+                "critic/advantages/mean": masked_mean(batch.advantages, m),
+                "critic/advantages/max": valid_adv.max(),
+                "critic/advantages/min": valid_adv.min(),
+                "critic/advantages/std": valid_adv.std(correction=0),
+                "critic/returns/mean": masked_mean(batch.returns, m),
+            }
+        )
     if batch.values is not None:
         out["critic/values/mean"] = masked_mean(batch.values, m)
     if batch.values is not None and batch.returns is not None:

@@ -30,10 +30,12 @@ _OOM_ADVICE = {
     "ref": "lower actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu, or set "
     "actor_rollout_ref.ref.fsdp_config.param_offload=True",
     "values": "lower critic.forward_micro_batch_size_per_gpu (or critic.forward_max_token_len_per_gpu)",
-    "update_actor": "lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (or ppo_max_token_len_per_gpu "
-    "with use_dynamic_bsz=True), set actor_rollout_ref.model.enable_gradient_checkpointing=True, or "
+    "update_actor": "lower actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu "
+    "(or ppo_max_token_len_per_gpu with use_dynamic_bsz=True), set "
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True, or "
     "fsdp_config.param_offload/optimizer_offload=True",
-    "reward": "lower reward_model.micro_batch_size_per_gpu (or reward_model.forward_max_token_len_per_gpu with "
+    "reward": "lower reward_model.micro_batch_size_per_gpu (or "
+    "reward_model.forward_max_token_len_per_gpu with "
     "reward_model.use_dynamic_bsz=True)",
     "update_critic": "lower critic.ppo_micro_batch_size_per_gpu (or critic.ppo_max_token_len_per_gpu), set "
     "critic.model.enable_gradient_checkpointing=True or critic.model.fsdp_config.optimizer_offload=True",

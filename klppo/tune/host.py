@@ -8,7 +8,8 @@ Terms (``P`` trained parameters, ``Ps`` the rank's shard, ``m`` master bytes, ``
   a constant, not fitted;
 - ``offload="cpu_step"`` (:mod:`klppo.parallel.cpu_optim`): the masters ``P·m`` and AdamW ``2·P·4`` for the
   whole run, and the step's pinned buffers ``2·U·(m + c)`` (two chunks of gradients in the master dtype and
-  two of values in the compute dtype; ``U`` the largest chunk: :data:`~klppo.parallel.cpu_optim.STEP_CHUNK_BYTES`
+  two of values in the compute dtype; ``U`` the largest chunk:
+  :data:`~klppo.parallel.cpu_optim.STEP_CHUNK_BYTES`
   of masters or the largest parameter);
 - ``offload="idle"`` (``param_offload`` + ``optimizer_offload``): what sits on the host while the role is
   idle — the shard ``Ps·m`` (plain path: and the compute copy ``P·c``) and AdamW ``2·Ps·4``;
@@ -73,7 +74,8 @@ def fit(workload: TuneWorkload, model_config: object, *, host_bytes: int) -> tup
 
 def alternatives(workload: TuneWorkload, model_config: object, *, host_bytes: int) -> list[str]:
     """The settings, among the offload modes the run can take and gradient checkpointing on, predicted to
-    fit both the device and ``host_bytes``: one phrase each with its two figures, smallest device peak first."""
+    fit both the device and ``host_bytes``: one phrase each with its two figures, smallest device peak
+    first."""
     facts, w = ModelFacts.from_config(model_config), workload.workload
     found = []
     for offload in OFFLOAD_MODES:
@@ -116,8 +118,10 @@ def refusal(workload: TuneWorkload, model_config: object, *, host_bytes: int) ->
     worst = max(phases, key=phases.get)
     over = []
     if phases[worst] > REFUSE_SHARE * device:
-        over.append(f"the {worst} phase is predicted to need {phases[worst] / 2**30:.1f} GiB of the GPU's "
-                    f"{device / 2**30:.0f} GiB")  # fmt: skip
+        over.append(
+            f"the {worst} phase is predicted to need {phases[worst] / 2**30:.1f} GiB of the GPU's "
+            f"{device / 2**30:.0f} GiB"
+        )
     if host > host_bytes:
         over.append(
             f"the host is predicted to need {host / 2**30:.1f} GiB of its {host_bytes / 2**30:.0f} GiB"
@@ -125,7 +129,10 @@ def refusal(workload: TuneWorkload, model_config: object, *, host_bytes: int) ->
     if not over:
         return None
     fits = alternatives(workload, model_config, host_bytes=host_bytes)
-    advice = ("predicted to fit (actor_rollout_ref.actor.fsdp_config / actor_rollout_ref.model): " + "; ".join(fits)
-              if fits else "no offload mode fits: use LoRA (actor_rollout_ref.model.lora_rank), more GPUs, or "
-              "smaller micro-batches (ppo_max_token_len_per_gpu)")  # fmt: skip
+    advice = (
+        "predicted to fit (actor_rollout_ref.actor.fsdp_config / actor_rollout_ref.model): " + "; ".join(fits)
+        if fits
+        else "no offload mode fits: use LoRA (actor_rollout_ref.model.lora_rank), more GPUs, or "
+        "smaller micro-batches (ppo_max_token_len_per_gpu)"
+    )
     return f"{' and '.join(over)}: {advice}; `klppo tune <same arguments> --dry-run` shows every term"

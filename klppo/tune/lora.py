@@ -16,9 +16,13 @@ import dataclasses
 from klppo.tune.memory import PhasePeak, TuneWorkload, predict
 from klppo.tune.units import ModelFacts
 
-FULL_TRAINING_TERMS = frozenset({
-    "sharded grads", "optimizer (AdamW)", "unsharded grads (sync per mini-batch)",
-})  # fmt: skip
+FULL_TRAINING_TERMS = frozenset(
+    {
+        "sharded grads",
+        "optimizer (AdamW)",
+        "unsharded grads (sync per mini-batch)",
+    }
+)
 """The memory model's terms that LoRA training does not hold (names of :class:`~klppo.tune.memory.Term`)."""
 
 

@@ -140,8 +140,12 @@ def actor_step(model, optimizer, batches, point: Point, device: torch.device) ->
     for input_ids, mask, positions, response in batches:
         log_probs, _ = forward_log_probs(
             model if masters is None else masters.model,
-            input_ids, mask, positions, response_length=response, use_remove_padding=True,
-        )  # fmt: skip
+            input_ids,
+            mask,
+            positions,
+            response_length=response,
+            use_remove_padding=True,
+        )
         (-log_probs.mean() / len(batches)).backward()
         if masters is not None:  # FSDP2's one-rank reduce into the master gradients
             masters.accumulate_grads()

@@ -12,7 +12,8 @@ mixed precision: 4), ``U_i`` own parameters of unit ``i`` (root ``U_r``), ``T`` 
   optimizer_offload) moves them to the host *between* phases: the update loads both first, so the
   update peak is unchanged and only the rollout / log-prob phases get lighter.
 - gathered units ``c·(U_r + W)``: the root (embeddings, final norm, tied head) is unsharded at both
-  ends of the pass, around the logits and the LM head's backward; ``W`` = the largest window of units unsharded at once: one unit +
+  ends of the pass, around the logits and the LM head's backward; ``W`` = the largest window of units
+  unsharded at once: one unit +
   the prefetched next (``backward_prefetch``/``forward_prefetch``), or all of them
   (``reshard_after_forward=False``: every unit stays gathered until its backward). With
   ``reshard_after_forward=True`` klppo passes the key to the root as well, and FSDP2 then reshards the
@@ -68,7 +69,8 @@ its end the compute-dtype gradients ``P·c`` (:meth:`MasterWeights.accumulate_gr
 each micro-batch); no deferred gradient sync. The points' FSDP2 fields are ignored there. These terms are
 not fitted to device peaks (the device points of ``tests/tune/test_memory.py`` are FSDP2's: ``plain=False``).
 CUDA graphs (``cuda_graph_update``, :mod:`klppo.roles.graphed`; plain-path points with ``offload="off"``): the
-actor's update and old-log-prob graphs share one pool, the larger of the two working sets, held in every phase;
+actor's update and old-log-prob graphs share one pool, the larger of the two working sets, held in every
+phase;
 the reference's graphs (``graph_reference``) a pool of one log-prob working set of their own; each phase's
 own pass is counted beside the pools (an upper bound: a shape met the first time, past ``max_graphs`` or after
 a failed capture runs eagerly while the pools stay held; with every shape captured the peak is lower by
@@ -147,7 +149,8 @@ class Workload:
     sequence_parallel: int = 1
     """Ulysses group size S (``ulysses_sequence_parallel_size``); token counts stay per rank."""
     rollout_tensor_parallel: int = 1
-    """Rollout tensor-parallel size TP (``rollout.tensor_model_parallel_size``): weights and KV per rank /TP."""
+    """Rollout tensor-parallel size TP (``rollout.tensor_model_parallel_size``): weights and KV per rank
+    /TP."""
     grad_sync_per_mini_batch: bool | str = False
     """``fsdp_config.grad_sync_per_mini_batch`` (True, False or "auto": :func:`defers_grad_sync`)."""
     reduce_dtype: str = "float32"
@@ -165,7 +168,8 @@ class Workload:
 
     plain_offload: bool = False
     """The plain path also at points that offload between phases (``offload="idle"``): only with
-    ``plain_single_gpu=true`` — auto leaves offloading roles on FSDP2 (:func:`klppo.assembly.settings.resolve_plain`)."""
+    ``plain_single_gpu=true`` — auto leaves offloading roles on FSDP2
+    (:func:`klppo.assembly.settings.resolve_plain`)."""
 
     def runs_plain(self, point: Point) -> bool:
         """Whether the trainer runs ``point`` on the plain path: :attr:`plain`, no ``offload_policy``
@@ -469,8 +473,9 @@ def rollout_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
     else:
         phase.add("tensor-parallel slices", facts.num_params * c / tp, "P·c/TP")
         largest = max(facts.units(point.min_num_params).sizes)
-        phase.add("reshard buffers", largest * c * (1 / w.shard_ranks + 1 / tp), "U_max·c·(1/f + 1/TP)",
-                  "reshard")  # fmt: skip
+        phase.add(
+            "reshard buffers", largest * c * (1 / w.shard_ranks + 1 / tp), "U_max·c·(1/f + 1/TP)", "reshard"
+        )
     used = sum(t.bytes for t in phase.terms if not t.stage)
     budget = w.gpu_memory_utilization * w.device_bytes
     # tensor parallel: the reshard buffers are freed before the engine sizes its cache (two moments)
@@ -489,7 +494,8 @@ class TuneWorkload:
     """The actor's configured FSDP settings, micro-batch budget ``ppo_max_token_len_per_gpu``."""
     seq_len: int
     update_micro_tokens: int
-    """Tokens of one update micro-batch as configured: the budget, or with fixed micro-batches rows × seq_len."""
+    """Tokens of one update micro-batch as configured: the budget, or with fixed micro-batches rows ×
+    seq_len."""
 
     @property
     def update_point(self) -> Point:

@@ -71,8 +71,8 @@ def micro_batch_advice(
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={best} and "
         f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={best} are predicted to need "
         f"{peak_at(best) / 2**30:.1f} GiB of {device_gib:.0f} in the update and log-prob passes "
-        f"({-(-mini_batch_tokens // best)} micro-batch(es)): "
-        "fewer, larger micro-batches cut the per-step host work that bounds small models"
+        f"({-(-mini_batch_tokens // best)} micro-batch(es)): fewer, larger micro-batches cut the per-step "
+        "host work that bounds small models"
     )
 
 
@@ -91,8 +91,14 @@ def workspace_advice(
     facts = ModelFacts.from_config(model_config)
     shape, c = facts.shape, workload.workload.compute_bytes
     positions = -(-workload.seq_len // 64) * 64
-    per_slot = slot_bytes(layers=shape.layers, kv_heads=shape.kv_heads, head_dim=head_dim(facts.config),
-                          max_len=positions, vocab=shape.vocab, elt=c)  # fmt: skip
+    per_slot = slot_bytes(
+        layers=shape.layers,
+        kv_heads=shape.kv_heads,
+        head_dim=head_dim(facts.config),
+        max_len=positions,
+        vocab=shape.vocab,
+        elt=c,
+    )
     kept = rollout_seqs * per_slot + facts.num_params * c
     phases = predict(facts, workload.update_point, workload.workload)
     training = max(phases["update"].total, phases["log_prob"].total)
@@ -103,10 +109,8 @@ def workspace_advice(
         f"actor_rollout_ref.rollout.free_cache_engine=False keeps the rollout's KV cache and decode graphs "
         "between steps (graphs captured once per run instead of every step; docs/rollout.md, 'Keeping the "
         f"engine between rollouts') for {kept / 2**30:.1f} GiB held through training ({rollout_seqs} "
-        f"sequences × {positions} "
-        f"positions, decode buffers and a copy of the weights); with the update and log-prob passes that is "
-        f"predicted at "
-        f"{(training + kept) / 2**30:.1f} GiB of {device_gib:.0f}"
+        f"sequences × {positions} positions, decode buffers and a copy of the weights); with the update and "
+        f"log-prob passes that is predicted at {(training + kept) / 2**30:.1f} GiB of {device_gib:.0f}"
     )
 
 
@@ -145,11 +149,16 @@ def check_memory(
         worst = max(over, key=over.get)
         log.warning(
             "the %s phase is predicted to need %.1f GiB of this GPU's %.0f GiB: it may run out of memory. %s",
-            worst, over[worst], device_gib, _over_budget_advice(worst, over[worst], workload),
-        )  # fmt: skip
+            worst,
+            over[worst],
+            device_gib,
+            _over_budget_advice(worst, over[worst], workload),
+        )
     else:
-        advice = [micro_batch_advice(workload, model_config, mini_batch_tokens) if mini_batch_tokens else None,
-                  workspace_advice(workload, model_config, rollout_seqs) if rollout_seqs else None]  # fmt: skip
+        advice = [
+            micro_batch_advice(workload, model_config, mini_batch_tokens) if mini_batch_tokens else None,
+            workspace_advice(workload, model_config, rollout_seqs) if rollout_seqs else None,
+        ]
         for line in filter(None, advice):
             log.info("advice: %s", line)
 
@@ -162,12 +171,18 @@ def _over_budget_advice(phase: str, peak_gib: float, workload: Any) -> str:
     util, device = getattr(w, "gpu_memory_utilization", None), getattr(w, "device_bytes", None)
     if phase.startswith("rollout") and isinstance(util, float) and device:
         if abs(peak_gib - util * device / 2**30) <= 0.02 * peak_gib:
-            return (f"Lower actor_rollout_ref.rollout.gpu_memory_utilization (now {util:g}): the rollout takes "
-                    "that share of the device for its weights and KV cache.")  # fmt: skip
-        return ("The rollout's weights and what stays resident exceed it whatever its cache share: shard the "
-                "rollout (actor_rollout_ref.rollout.tensor_model_parallel_size), offload the roles that wait "
-                "(fsdp_config.param_offload/optimizer_offload), or see `klppo tune <same arguments> --dry-run`.")  # fmt: skip
+            return (
+                f"Lower actor_rollout_ref.rollout.gpu_memory_utilization (now {util:g}): the rollout takes "
+                "that share of the device for its weights and KV cache."
+            )
+        return (
+            "The rollout's weights and what stays resident exceed it whatever its cache share: shard the "
+            "rollout (actor_rollout_ref.rollout.tensor_model_parallel_size), offload the roles that wait "
+            "(fsdp_config.param_offload/optimizer_offload), or see `klppo tune <same arguments> --dry-run`."
+        )
     point = getattr(workload, "update_point", None)
     plain = isinstance(w, Workload) and isinstance(point, Point) and w.runs_plain(point)  # no FSDP2 units
-    return ("`klppo tune <same arguments> --dry-run` shows each term and the settings that fit "
-            f"({'' if plain else 'min_num_params, '}offload, micro-batch tokens, gradient checkpointing).")  # fmt: skip
+    return (
+        "`klppo tune <same arguments> --dry-run` shows each term and the settings that fit "
+        f"({'' if plain else 'min_num_params, '}offload, micro-batch tokens, gradient checkpointing)."
+    )

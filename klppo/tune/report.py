@@ -22,7 +22,8 @@ FSDP_KEY = "actor_rollout_ref.actor.fsdp_config"
 PLAIN_NOTE = (
     "one process: no FSDP2 (fsdp_config.plain_single_gpu); min_num_params, prefetch and reshard do not apply"
 )
-"""Said once when the workload runs the plain path (``Workload.plain``; offload=cpu points stay FSDP2, and so do
+"""Said once when the workload runs the plain path (``Workload.plain``; offload=cpu points stay FSDP2, and so
+do
 offload=idle points unless plain_single_gpu=true: ``Workload.runs_plain``)."""
 
 
@@ -177,17 +178,22 @@ def comm_table(units, point: Point, link_gbps: float, tflops: float) -> Table:
     exposed = sum(u.exposed_s for u in units)
     total = sum(u.compute_s for u in units) + exposed
     table = Table(
-        title=f"communication per micro-batch at {describe(point)} (assumed {link_gbps:.0f} GB/s, {tflops:.0f} "
-        f"TFLOP/s): exposed {1e3 * exposed:.2f} ms = {100 * exposed / max(total, 1e-12):.0f}% of the pass"
+        title=f"communication per micro-batch at {describe(point)} (assumed {link_gbps:.0f} GB/s, "
+        f"{tflops:.0f} TFLOP/s): exposed {1e3 * exposed:.2f} ms = {100 * exposed / max(total, 1e-12):.0f}% "
+        "of the pass"
     )
     for name in ("unit", "params", "all-gather MB", "reduce-scatter MB", "comm ms", "compute ms", "hidden"):
         table.add_column(name, justify="right")
     for u in units:
         table.add_row(
-            "root" if u.index == len(units) - 1 else str(u.index), f"{u.params:,}",
-            f"{u.all_gather_bytes / 1e6:.1f}", f"{u.reduce_scatter_bytes / 1e6:.1f}",
-            f"{1e3 * u.comm_s:.3f}", f"{1e3 * u.compute_s:.3f}", _yn(u.hidden),
-        )  # fmt: skip
+            "root" if u.index == len(units) - 1 else str(u.index),
+            f"{u.params:,}",
+            f"{u.all_gather_bytes / 1e6:.1f}",
+            f"{u.reduce_scatter_bytes / 1e6:.1f}",
+            f"{1e3 * u.comm_s:.3f}",
+            f"{1e3 * u.compute_s:.3f}",
+            _yn(u.hidden),
+        )
     return table
 
 

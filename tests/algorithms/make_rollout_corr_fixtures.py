@@ -3,7 +3,8 @@ oracle ``test_rollout_correction.py`` holds ``klppo.algorithms.rollout_correctio
 
 verl is not a klppo dependency (its import pulls Ray); this script runs where verl 0.9.1 is importable, e.g.::
 
-    pip download verl==0.9.1 --no-deps -d /tmp/verl091 && unzip -q /tmp/verl091/verl-0.9.1-*.whl -d /tmp/verl091/src
+    pip download verl==0.9.1 --no-deps -d /tmp/verl091 && unzip -q /tmp/verl091/verl-0.9.1-*.whl -d
+    /tmp/verl091/src
     pip install --no-deps --target /tmp/verl_deps tensordict ray msgpack jsonschema attrs referencing \\
         rpds-py jsonschema-specifications pyvers cloudpickle codetiming orjson
     PYTHONPATH=/tmp/verl091/src:/tmp/verl_deps python tests/algorithms/make_rollout_corr_fixtures.py
@@ -46,10 +47,20 @@ RS_CASES = [
     {"rollout_rs": "seq_max_k2,token_k2,seq_max_k2", "rollout_rs_threshold": 0.2},
 ]
 COMBINED = [
-    {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.05},
-    {"rollout_is": "sequence", "rollout_is_threshold": 3.0, "rollout_is_batch_normalize": True,
-     "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"},
-]  # fmt: skip
+    {
+        "rollout_is": "token",
+        "rollout_is_threshold": 2.0,
+        "rollout_rs": "seq_mean_k3",
+        "rollout_rs_threshold": 0.05,
+    },
+    {
+        "rollout_is": "sequence",
+        "rollout_is_threshold": 3.0,
+        "rollout_is_batch_normalize": True,
+        "rollout_rs": "token_k1",
+        "rollout_rs_threshold": "0.5_2.0",
+    },
+]
 
 
 def inputs() -> dict[str, torch.Tensor]:

@@ -167,8 +167,16 @@ def test_the_whitened_estimators_are_exactly_those_the_drift_monitor_expects() -
     base = torch.randn(12, dtype=F64, generator=torch.Generator().manual_seed(91))
     whitened = set()
     for name in ADVANTAGE_ESTIMATORS:
-        adv, _ = compute_advantages(name, token_level_rewards=r, response_mask=m, values=v, group_ids=ids,
-                                    reward_baselines=base, gamma=0.9, lam=0.8)  # fmt: skip
+        adv, _ = compute_advantages(
+            name,
+            token_level_rewards=r,
+            response_mask=m,
+            values=v,
+            group_ids=ids,
+            reward_baselines=base,
+            gamma=0.9,
+            lam=0.8,
+        )
         mean, var = masked_mean(adv, m).item(), masked_var(adv, m, unbiased=True).item()
         if abs(mean) < 1e-6 and abs(var - 1) < 1e-4:
             whitened.add(name)

@@ -147,8 +147,13 @@ def test_sampled_estimator_names():
     from klppo.algorithms.kl import sampled_estimator
 
     assert [sampled_estimator(k) for k in ("low_var_kl", "k3+", "kl", "mse+", "full", "full+")] == [
-        "low_var_kl", "k3", "kl", "mse", "low_var_kl", "low_var_kl",
-    ]  # fmt: skip
+        "low_var_kl",
+        "k3",
+        "kl",
+        "mse",
+        "low_var_kl",
+        "low_var_kl",
+    ]
 
 
 def _expected_sampled_gradient(kind: str, z: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:

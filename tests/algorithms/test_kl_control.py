@@ -187,8 +187,18 @@ def test_annealed_controllers_match_float64_reference_over_many_updates() -> Non
     rng = torch.Generator().manual_seed(3)
     kls = (0.3 * torch.rand(30, generator=rng, dtype=torch.float64)).tolist()
     targets = _reference_schedule(0.25, 0.08, 8, 12, len(kls))
-    pi = make_kl_controller("pi", 0.04, 0.08, kp=0.3, ki=0.05, min_coef=0.02, max_coef=1.0,
-                            target_kl_start=0.25, anneal_begin=8, anneal_steps=12)  # fmt: skip
+    pi = make_kl_controller(
+        "pi",
+        0.04,
+        0.08,
+        kp=0.3,
+        ki=0.05,
+        min_coef=0.02,
+        max_coef=1.0,
+        target_kl_start=0.25,
+        anneal_begin=8,
+        anneal_steps=12,
+    )
     got, seen = [], []
     for kl in kls:
         pi.update(kl, 256)

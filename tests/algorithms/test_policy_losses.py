@@ -143,9 +143,15 @@ def test_clip_cov_matches_reference(mode: str, bounds) -> None:
     lb, ub, ratio, adv_scale = bounds  # verl's default bounds (1, 5) need a wide spread of A · log π
     adv = adv * adv_scale
     loss, stats = pl.clip_cov(
-        old, new, adv, m, clip_ratio=0.2, clip_ratio_high=0.28, loss_agg_mode=mode,
+        old,
+        new,
+        adv,
+        m,
+        clip_ratio=0.2,
+        clip_ratio_high=0.28,
+        loss_agg_mode=mode,
         options=pl.ClipCovOptions(ratio, lb, ub, generator=torch.Generator().manual_seed(5)),
-    )  # fmt: skip
+    )
     per_tok, dtok, frac, num_cands = _clip_cov_reference(old, new, adv, m, 0.2, 0.28, ratio, lb, ub, 5)
     assert num_cands > 1  # the random choice is exercised
     kl = _valid_mean((old - new).detach(), m)
@@ -157,7 +163,9 @@ def test_clip_cov_matches_reference(mode: str, bounds) -> None:
 
 def test_clip_cov_without_candidates_is_single_clip_ppo() -> None:
     old, new, adv, m = _inputs(3)
-    loss, stats = pl.clip_cov(old, new, adv, m, clip_ratio_c=1e9, options=pl.ClipCovOptions(clip_cov_lb=1e6, clip_cov_ub=1e7))
+    loss, stats = pl.clip_cov(
+        old, new, adv, m, clip_ratio_c=1e9, options=pl.ClipCovOptions(clip_cov_lb=1e6, clip_cov_ub=1e7)
+    )
     ppo, _ = policy_loss(old, new, adv, m, clip_ratio_c=1e9)
     torch.testing.assert_close(loss, ppo)
     assert stats["pg_clipfrac"].item() == 0.0
@@ -244,6 +252,7 @@ def test_geo_mean_matches_reference(mode: str) -> None:
 def test_gradcheck(name: str) -> None:
     old, new, adv, m = _inputs(7, b=3, t=5, scale=0.5)
     fn = get_policy_loss(name)
+
     def f(lp):
         kwargs = {}
         if name == "clip_cov":  # the same choice of tokens at every evaluation
@@ -269,9 +278,17 @@ def test_loss_scale_factor() -> None:
         agg_loss(x, m, "seq-mean-token-sum-norm", 0.0)
     old, new, adv, m = _inputs(9)
     for name, fn in POLICY_LOSSES.items():
-        kw = {"options": pl.ClipCovOptions(generator=torch.Generator().manual_seed(0))} if name == "clip_cov" else {}
+        kw = (
+            {"options": pl.ClipCovOptions(generator=torch.Generator().manual_seed(0))}
+            if name == "clip_cov"
+            else {}
+        )
         by_t, _ = fn(old, new, adv, m, loss_agg_mode="seq-mean-token-sum-norm", **kw)
-        kw = {"options": pl.ClipCovOptions(generator=torch.Generator().manual_seed(0))} if name == "clip_cov" else {}
+        kw = (
+            {"options": pl.ClipCovOptions(generator=torch.Generator().manual_seed(0))}
+            if name == "clip_cov"
+            else {}
+        )
         by_f, _ = fn(old, new, adv, m, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=50.0, **kw)
         scale = 1.0 if name == "geo_mean" else m.shape[1] / 50.0  # geo_mean ignores the aggregation
         assert by_f.item() == pytest.approx(by_t.item() * scale, rel=1e-12), name

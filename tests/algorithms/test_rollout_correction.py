@@ -60,9 +60,13 @@ def test_reinforce_loss_matches_verl_091() -> None:
     for case in data["reinforce"]:
         weights = _correct(x, case["setting"]).weights
         loss, stats = rc.reinforce_loss(
-            x["rollout_log_prob"], x["old_log_prob"], x["advantages"], x["response_mask"],
-            weights=weights, loss_agg_mode=case["loss_agg_mode"],
-        )  # fmt: skip
+            x["rollout_log_prob"],
+            x["old_log_prob"],
+            x["advantages"],
+            x["response_mask"],
+            weights=weights,
+            loss_agg_mode=case["loss_agg_mode"],
+        )
         # seq-mean-token-sum: klppo divides by all rows (docs/algorithms.md, Aggregation), verl 0.9.1 by the
         # rows with a token — the fixture's one empty row of six makes that 5/6
         scale = 5 / 6 if case["loss_agg_mode"] == "seq-mean-token-sum" else 1.0

@@ -30,18 +30,28 @@ def _model(tmp_path, shape: str):
 
 
 def _launch(model, tmp_path, *extra):
-    return [f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={tmp_path / 'run'}",
-            "trainer.n_gpus_per_node=8", "data.train_batch_size=16", f"{A}.ppo_mini_batch_size=8",
-            "data.max_prompt_length=2048", "data.max_response_length=4096", f"{A}.ppo_micro_batch_size_per_gpu=4",
-            *extra]  # fmt: skip
+    return [
+        f"actor_rollout_ref.model.path={model}",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "trainer.n_gpus_per_node=8",
+        "data.train_batch_size=16",
+        f"{A}.ppo_mini_batch_size=8",
+        "data.max_prompt_length=2048",
+        "data.max_response_length=4096",
+        f"{A}.ppo_micro_batch_size_per_gpu=4",
+        *extra,
+    ]
 
 
 def _load(argv):
     return load_config(argv, notify=lambda _m: None)
 
 
-MEGATRON = ["--config-name=ppo_megatron_trainer", f"{A}.megatron.tensor_model_parallel_size=4",
-            f"{A}.megatron.pipeline_model_parallel_size=2"]  # fmt: skip
+MEGATRON = [
+    "--config-name=ppo_megatron_trainer",
+    f"{A}.megatron.tensor_model_parallel_size=4",
+    f"{A}.megatron.pipeline_model_parallel_size=2",
+]
 
 
 def test_megatron_launch_that_cannot_fit_is_refused_with_the_figure_and_what_fits(tmp_path, monkeypatch):
@@ -63,8 +73,10 @@ def test_megatron_launch_that_cannot_fit_is_refused_with_the_figure_and_what_fit
             _load(_launch(model, tmp_path, *MEGATRON, *overrides)), config_from_shape("Qwen2.5-32B")
         )
     # a larger GPU (the key, without a GPU visible) holds it; the same layout written for FSDP is not refused
-    check_translated_memory(_load(_launch(model, tmp_path, *MEGATRON, "trainer.gpu_memory_gib=141")),
-                            config_from_shape("Qwen2.5-32B"))  # fmt: skip
+    check_translated_memory(
+        _load(_launch(model, tmp_path, *MEGATRON, "trainer.gpu_memory_gib=141")),
+        config_from_shape("Qwen2.5-32B"),
+    )
     check_translated_memory(_load(_launch(model, tmp_path)), config_from_shape("Qwen2.5-32B"))
 
 
@@ -72,8 +84,11 @@ def test_nothing_fits_names_more_gpus(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model = _model(tmp_path, "Qwen2.5-72B")
     argv = _launch(model, tmp_path, *MEGATRON, "trainer.n_gpus_per_node=1", "data.train_batch_size=8")
-    with pytest.raises(ConfigError, match=r"over 1 GPU\(s\).*no offload, Ulysses or LoRA setting is predicted "
-                                          r"to fit: more GPUs \(trainer.n_gpus_per_node, trainer.nnodes\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"over 1 GPU\(s\).*no offload, Ulysses or LoRA setting is predicted "
+        r"to fit: more GPUs \(trainer.n_gpus_per_node, trainer.nnodes\)",
+    ):
         check_translated_memory(_load(argv), config_from_shape("Qwen2.5-72B"))
 
 
@@ -86,11 +101,19 @@ def test_ulysses_size_that_does_not_split_the_heads_is_refused_naming_its_key(tm
         check_before_weights(
             _load(_launch(model, tmp_path, "--config-name=ppo_megatron_trainer", cp)), str(model)
         )
-    assert str(e.value).startswith(f"{A}.ulysses_sequence_parallel_size=4 (from Megatron's {cp}, context "
-                                   "parallelism run as Ulysses) does not split the model's attention heads")  # fmt: skip
+    assert str(e.value).startswith(
+        f"{A}.ulysses_sequence_parallel_size=4 (from Megatron's {cp}, context "
+        "parallelism run as Ulysses) does not split the model's attention heads"
+    )
     assert str(e.value).endswith("sizes that fit this model on 8 GPUs: 1, 2")
-    direct = _launch(model, tmp_path, f"{A}.ulysses_sequence_parallel_size=4", "critic.ulysses_sequence_parallel_size=2",
-                     "algorithm.adv_estimator=gae", f"critic.model.path={model}")  # fmt: skip
+    direct = _launch(
+        model,
+        tmp_path,
+        f"{A}.ulysses_sequence_parallel_size=4",
+        "critic.ulysses_sequence_parallel_size=2",
+        "algorithm.adv_estimator=gae",
+        f"critic.model.path={model}",
+    )
     with pytest.raises(ConfigError, match=rf"^{A}.ulysses_sequence_parallel_size=4 does not split"):
         check_before_weights(_load(direct), str(model))
     check_before_weights(_load(direct[:-4] + direct[-3:]), str(model))  # the critic's 2 splits 14 heads

@@ -140,9 +140,12 @@ def test_two_gloo_ranks_reproduce_one_rank(tmp_path):
     result_file = tmp_path / "result.pt"
     # fork: the children inherit the model and the imported modules (spawn would rebuild them: ~10 s)
     mp.start_processes(
-        _worker, args=(2, str(tmp_path / "init"), str(result_file), setup), nprocs=2, join=True,
+        _worker,
+        args=(2, str(tmp_path / "init"), str(result_file), setup),
+        nprocs=2,
+        join=True,
         start_method="fork",
-    )  # fmt: skip
+    )
     result = torch.load(result_file)
 
     lens = mask.sum(1).tolist()

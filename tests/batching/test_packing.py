@@ -90,9 +90,15 @@ def test_packed_matches_padded_and_reference(policy, batch, temperature):
     outs = {}
     for packed in (False, True):
         lp, ent = forward_log_probs(
-            policy, ids, mask, pos, response_length=R, temperature=temperature,
-            use_remove_padding=packed, calculate_entropy=True,
-        )  # fmt: skip
+            policy,
+            ids,
+            mask,
+            pos,
+            response_length=R,
+            temperature=temperature,
+            use_remove_padding=packed,
+            calculate_entropy=True,
+        )
         outs[packed] = (lp, ent)
     response_mask = mask[:, P:].bool()
     for lp, ent in outs.values():

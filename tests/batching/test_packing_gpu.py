@@ -55,10 +55,16 @@ def _reference(model, ids, mask, weights):
 
 @pytest.mark.parametrize(
     "backend,dtype",
-    [("torch_varlen", torch.bfloat16), ("flex", torch.bfloat16), ("flex", torch.float32),
-     ("sdpa_block", torch.float32), ("sdpa_block", torch.bfloat16), ("padded", torch.bfloat16),
-     ("padded", torch.float32)],
-)  # fmt: skip
+    [
+        ("torch_varlen", torch.bfloat16),
+        ("flex", torch.bfloat16),
+        ("flex", torch.float32),
+        ("sdpa_block", torch.float32),
+        ("sdpa_block", torch.bfloat16),
+        ("padded", torch.bfloat16),
+        ("padded", torch.float32),
+    ],
+)
 def test_cuda_packed_and_padded_match_unpadded_reference(backend, dtype):
     if backend == "torch_varlen":
         pytest.importorskip("torch.nn.attention.varlen")
@@ -77,6 +83,7 @@ def test_cuda_packed_and_padded_match_unpadded_reference(backend, dtype):
     rel = ((got[2] - ref[2]).norm() / ref[2].norm()).item()
     err = [(got[i] - ref[i]).abs().max().item() for i in (0, 1)]
     print(
-        f"{backend} {dtype}: max |Δ log-prob| {err[0]:.2e}, max |Δ entropy| {err[1]:.2e}, rel Δ grad {rel:.2e}"
+        f"{backend} {dtype}: max |Δ log-prob| {err[0]:.2e}, max |Δ entropy| {err[1]:.2e}, rel Δ grad "
+        f"{rel:.2e}"
     )
     assert max(err) <= fwd_tol and rel < grad_tol

@@ -10,5 +10,6 @@ import pytest
 
 device_bench_run = pytest.mark.skipif(
     not os.environ.get("KLPPO_TEST_BENCH"),
-    reason="a benchmark script's end-to-end CPU run, kept out of the default suite for time: KLPPO_TEST_BENCH=1 runs it",
+    reason="a benchmark script's end-to-end CPU run, kept out of the default suite for time: "
+    "KLPPO_TEST_BENCH=1 runs it",
 )

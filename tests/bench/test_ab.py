@@ -46,8 +46,22 @@ def test_order_alternates_and_each_revision_runs_its_own_code(tmp_path, capsys):
     repo = _repo(tmp_path)
     log = tmp_path / "log.txt"
     out = tmp_path / "ab.json"
-    rc = main(["HEAD~1", "HEAD", "--repeats", "3", "--repo", str(repo), "--out", str(out), "--",
-               sys.executable, "bench.py", str(log)])  # fmt: skip
+    rc = main(
+        [
+            "HEAD~1",
+            "HEAD",
+            "--repeats",
+            "3",
+            "--repo",
+            str(repo),
+            "--out",
+            str(out),
+            "--",
+            sys.executable,
+            "bench.py",
+            str(log),
+        ]
+    )
     assert rc == 0
     lines = log.read_text().split()
     assert lines[0::2] == ["10", "20", "20", "10", "10", "20"]  # A B B A A B
@@ -67,14 +81,29 @@ def test_a_failing_revision_is_reported_and_left_out(tmp_path, capsys):
     repo = _repo(tmp_path)
     (repo / "pkg" / "value.py").write_text("raise SystemExit(3)\n")
     _git(repo, "commit", "-q", "-am", "broken")
-    rc = main(["HEAD~1", "HEAD", "--repeats", "1", "--repo", str(repo), "--",
-               sys.executable, "bench.py", str(tmp_path / "log.txt")])  # fmt: skip
+    rc = main(
+        [
+            "HEAD~1",
+            "HEAD",
+            "--repeats",
+            "1",
+            "--repo",
+            str(repo),
+            "--",
+            sys.executable,
+            "bench.py",
+            str(tmp_path / "log.txt"),
+        ]
+    )
     assert rc == 1
     assert "FAILED (exit 3)" in capsys.readouterr().out
 
 
 def test_json_lines_and_selection():
-    text = 'x\n{"batch": 64, "ms": 1.5}\nrow: {"batch": 256, "ms": 3.0}\n{"batch": 256, "ms": 2.0, "e": "hf"}\n{bad}'
+    text = (
+        'x\n{"batch": 64, "ms": 1.5}\nrow: {"batch": 256, "ms": 3.0}\n'
+        '{"batch": 256, "ms": 2.0, "e": "hf"}\n{bad}'
+    )
     objects = json_objects(text)
     assert [o["ms"] for o in objects] == [1.5, 3.0, 2.0]
     assert pick(objects, [("batch", "256")])["ms"] == 2.0
@@ -99,8 +128,22 @@ def test_revisions_given_as_directories_run_as_they_are(tmp_path):
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
     log = tmp_path / "log.txt"
     out = tmp_path / "ab.json"
-    rc = main([str(old), str(repo), "--repeats", "1", "--repo", str(tmp_path), "--out", str(out), "--",
-               sys.executable, "bench.py", str(log)])  # fmt: skip
+    rc = main(
+        [
+            str(old),
+            str(repo),
+            "--repeats",
+            "1",
+            "--repo",
+            str(tmp_path),
+            "--out",
+            str(out),
+            "--",
+            sys.executable,
+            "bench.py",
+            str(log),
+        ]
+    )
     assert rc == 0
     assert log.read_text().split() == ["10", "old", "20", "repo"]
     assert json.loads(out.read_text())["summary"]["metrics"]["median_ms"]["B/A"] == 2.0

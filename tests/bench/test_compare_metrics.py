@@ -13,8 +13,12 @@ def _write(path, rows):
 
 
 def test_equal_results_pass_whatever_the_timings(tmp_path, capsys):
-    a = _write(tmp_path / "a.jsonl", [{"step": 1, "actor/pg_loss": 0.5, "timing_s/gen": 1.0, "rollout/time_s": 2}])
-    b = _write(tmp_path / "b.jsonl", [{"step": 1, "actor/pg_loss": 0.5, "timing_s/gen": 9.0, "rollout/time_s": 3}])
+    a = _write(
+        tmp_path / "a.jsonl", [{"step": 1, "actor/pg_loss": 0.5, "timing_s/gen": 1.0, "rollout/time_s": 2}]
+    )
+    b = _write(
+        tmp_path / "b.jsonl", [{"step": 1, "actor/pg_loss": 0.5, "timing_s/gen": 9.0, "rollout/time_s": 3}]
+    )
     assert main([str(a), str(b), "--steps", "1"]) == 0
     assert "step 1: 1 of 1 keys equal" in capsys.readouterr().out
 

@@ -45,11 +45,27 @@ def test_learning_bench_runs_and_stops_on_budget(tmp_path, capsys):
     model = save_tiny_model_dir(tmp_path / "model", num_layers=2, hidden_size=64)
     out = tmp_path / "learning.json"
     # every group of the tiny model scores 0: the learning-signal rule warns at step 1 with a patience of 1
-    argv = ["--settings", "pi=grpo_pi,actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.01,"
-            "monitor.learning_signal.patience_steps=1",
-            "--train-seconds", "1", "--model", str(model), "--num-train", "64", "--num-test", "6",
-            "--eval-every", "1",
-            "--workdir", str(tmp_path / "work"), "--out", str(out), "--extra", *TINY]  # fmt: skip
+    argv = [
+        "--settings",
+        "pi=grpo_pi,actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.01,"
+        "monitor.learning_signal.patience_steps=1",
+        "--train-seconds",
+        "1",
+        "--model",
+        str(model),
+        "--num-train",
+        "64",
+        "--num-test",
+        "6",
+        "--eval-every",
+        "1",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+        "--extra",
+        *TINY,
+    ]
     assert main(argv) == 0
     results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
     r = results["pi"]
@@ -100,9 +116,24 @@ def test_a_setting_refused_at_load_shows_the_trainers_message(tmp_path, capsys):
 
     model = save_tiny_model_dir(tmp_path / "model", num_layers=1, hidden_size=32)
     out = tmp_path / "learning.json"
-    argv = ["--settings", "bad=grpo_pi,actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.06",
-            "--train-seconds", "1", "--model", str(model), "--num-train", "16", "--num-test", "4",
-            "--workdir", str(tmp_path / "work"), "--out", str(out), "--extra", *TINY]  # fmt: skip
+    argv = [
+        "--settings",
+        "bad=grpo_pi,actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.06",
+        "--train-seconds",
+        "1",
+        "--model",
+        str(model),
+        "--num-train",
+        "16",
+        "--num-test",
+        "4",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+        "--extra",
+        *TINY,
+    ]
     main(argv)
     (r,) = json.loads(out.read_text())["results"]
     assert r["exit_code"] != 0
@@ -137,8 +168,16 @@ def test_the_table_names_out_of_memory_retries(capsys):
     from bench.learning import SERIES, print_table
 
     assert SERIES["oom_retries"] == "monitor/oom_recovery/retries"
-    base = {"name": "x", "steps": 3, "train_seconds": 3.0, "accuracy_before": None, "accuracy_after": None,
-            "kl_k3_last20_mean": 0.1, "kl_k3_max": 0.2, "entropy_min_after_step10": 1.0}  # fmt: skip
+    base = {
+        "name": "x",
+        "steps": 3,
+        "train_seconds": 3.0,
+        "accuracy_before": None,
+        "accuracy_after": None,
+        "kl_k3_last20_mean": 0.1,
+        "kl_k3_max": 0.2,
+        "entropy_min_after_step10": 1.0,
+    }
     print_table([{**base, "series": {"oom_retries": [None, 2.0, None], "step_s": [1.0, 1.0, 1.0]}}])
     out = capsys.readouterr().out
     assert "x: out-of-memory retries at steps 2 (2)" in out
@@ -153,10 +192,22 @@ def test_the_run_means_add_the_critic_phases_and_its_explained_variance_only_wit
     assert {"values", "update_critic"} <= set(_OOM_ADVICE)  # the trainer's phase names, as timing_s/<phase>
     assert SERIES["values_s"] == "timing_s/values" and SERIES["update_critic_s"] == "timing_s/update_critic"
     assert SERIES["vf_explained_var"] == "critic/vf_explained_var"
-    base = {"name": "x", "steps": 2, "train_seconds": 2.0, "accuracy_before": None, "accuracy_after": None,
-            "kl_k3_last20_mean": 0.1, "kl_k3_max": 0.2, "entropy_min_after_step10": 1.0}  # fmt: skip
-    critic = {"step_s": [1.0, 3.0], "values_s": [0.1, 0.3], "update_critic_s": [0.2, 0.4],
-              "vf_explained_var": [-0.5, 0.25]}  # fmt: skip
+    base = {
+        "name": "x",
+        "steps": 2,
+        "train_seconds": 2.0,
+        "accuracy_before": None,
+        "accuracy_after": None,
+        "kl_k3_last20_mean": 0.1,
+        "kl_k3_max": 0.2,
+        "entropy_min_after_step10": 1.0,
+    }
+    critic = {
+        "step_s": [1.0, 3.0],
+        "values_s": [0.1, 0.3],
+        "update_critic_s": [0.2, 0.4],
+        "vf_explained_var": [-0.5, 0.25],
+    }
     print_table([{**base, "series": critic}])
     out = capsys.readouterr().out
     assert "step_s 2.000, values_s 0.200, update_critic_s 0.300, vf_explained_var -0.125" in out

@@ -95,8 +95,12 @@ def test_scaling_reads_the_median_of_the_steps_after_the_first():
     after the first (``steady``), and files without it still read their last step."""
     from bench.multi_gpu import _steady, scaling_table
 
-    rows = [{"step": 1, "perf/throughput": 10.0}, {"step": 2, "perf/throughput": 100.0},
-            {"step": 3, "perf/throughput": 80.0}, {"step": 4, "perf/throughput": 120.0}]  # fmt: skip
+    rows = [
+        {"step": 1, "perf/throughput": 10.0},
+        {"step": 2, "perf/throughput": 100.0},
+        {"step": 3, "perf/throughput": 80.0},
+        {"step": 4, "perf/throughput": 120.0},
+    ]
     assert _steady(rows)["perf/throughput"] == 100.0 and _steady(rows[:1])["perf/throughput"] == 10.0
     one = {
         "variant": "a",

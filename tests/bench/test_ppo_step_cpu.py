@@ -72,9 +72,13 @@ def test_kernel_seconds_count_each_kernel_once() -> None:
         E(key="FSDP::pre_forward", self_device_time_total=500.0, device_type=cuda, is_user_annotation=True),
         E(key="aten::mm", self_device_time_total=300.0, device_type=cpu, is_user_annotation=False),
         E(key="void gemm_kernel", self_device_time_total=300.0, device_type=cuda, is_user_annotation=False),
-        E(key="triton_poi_fused_mul_silu_1", self_device_time_total=200.0, device_type=cuda,
-          is_user_annotation=False),
-    ]  # fmt: skip
+        E(
+            key="triton_poi_fused_mul_silu_1",
+            self_device_time_total=200.0,
+            device_type=cuda,
+            is_user_annotation=False,
+        ),
+    ]
     assert kernel_seconds(events) == 500e-6
 
 

@@ -12,8 +12,12 @@ from tests.bench.gate import device_bench_run
 
 
 def test_medians_per_mode() -> None:
-    runs = [dict(mode="a", batch=2, x=1.0), dict(mode="a", batch=2, x=5.0), dict(mode="a", batch=2, x=2.0),
-            dict(mode="b", batch=2, x=7.0)]  # fmt: skip
+    runs = [
+        dict(mode="a", batch=2, x=1.0),
+        dict(mode="a", batch=2, x=5.0),
+        dict(mode="a", batch=2, x=2.0),
+        dict(mode="b", batch=2, x=7.0),
+    ]
     assert medians(runs) == {"a": {"runs": 3, "x": 2.0}, "b": {"runs": 1, "x": 7.0}}
 
 
@@ -21,7 +25,7 @@ def test_medians_per_mode() -> None:
 @device_bench_run
 def test_fresh_then_reused_cache_on_cpu(tmp_path) -> None:
     out = tmp_path / "cold.json"
-    main(["--tiny", "--batch", "2", "--modes", "compile,compile-warm-cache", "--out", str(out)])  # fmt: skip
+    main(["--tiny", "--batch", "2", "--modes", "compile,compile-warm-cache", "--out", str(out)])
     result = json.loads(out.read_text())
     fresh, reused = result["runs"]
     assert 0 < fresh["import_torch_s"] <= fresh["import_s"]

@@ -1,4 +1,5 @@
-"""bench/sampler_chi.py on the CPU with the torch path: its rows, and a p-value that a biased sampler fails."""
+"""bench/sampler_chi.py on the CPU with the torch path: its rows, and a p-value that a biased sampler
+fails."""
 
 from __future__ import annotations
 

@@ -129,8 +129,12 @@ def test_phases_of_a_gpu_trace(tmp_path, capsys):
     assert gen["top_kernels"][0]["total_s"] == _near(100 * us) and len(GEMM) > 70
     # self times: linear 100-10-70, addmm 70-10, copy_ 10+30, t 10
     by_self = {o["name"]: (o["total_s"], o["count"]) for o in gen["top_ops_by_self"]}
-    assert by_self == {"aten::addmm": _near((60 * us, 1)), "aten::copy_": _near((40 * us, 2)),
-                       "aten::linear": _near((20 * us, 1)), "aten::t": _near((10 * us, 1))}  # fmt: skip
+    assert by_self == {
+        "aten::addmm": _near((60 * us, 1)),
+        "aten::copy_": _near((40 * us, 2)),
+        "aten::linear": _near((20 * us, 1)),
+        "aten::t": _near((10 * us, 1)),
+    }
     assert [o["name"] for o in gen["top_ops_by_self"]] == [
         "aten::addmm",
         "aten::copy_",
@@ -144,9 +148,12 @@ def test_phases_of_a_gpu_trace(tmp_path, capsys):
     assert upd["kernel_busy_s"] == _near((100 + 20 + 10) * us) and upd["sync_s"] == _near((40 + 30) * us)
     assert upd["memcpy_s"] == _near(4 * us)
     by_self = {o["name"]: o["total_s"] for o in upd["top_ops_by_self"]}
-    assert by_self == {"aten::zeros": _near(90 * us), "aten::mm": _near(80 * us),
-                       "autograd::engine::evaluate_function: MmBackward0": _near(20 * us),
-                       "aten::_foreach_add_": _near(9 * us)}  # fmt: skip
+    assert by_self == {
+        "aten::zeros": _near(90 * us),
+        "aten::mm": _near(80 * us),
+        "autograd::engine::evaluate_function: MmBackward0": _near(20 * us),
+        "aten::_foreach_add_": _near(9 * us),
+    }
 
     adv = rows["adv"]  # two occurrences summed
     assert (adv["count"], adv["n_kernels"], adv["n_memcpy"], adv["n_launches"], adv["n_cpu_ops"]) == (
@@ -178,8 +185,12 @@ def test_phases_of_a_gpu_trace(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["whole"] == s["whole"]
     assert [len(r["top_ops_by_self"]) for r in data["phases"]] == [2, 2, 2, 2]
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "trace_phases.py"), str(path)],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "trace_phases.py"), str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "gen" in run.stdout and "50%" in run.stdout  # gen's busy share
 
 

@@ -50,8 +50,13 @@ def test_packaged_yaml_equals_schema_defaults():
 
 
 def test_interpolations_follow_unless_set():
-    cfg = load_config(["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
-                       "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=2048"], **Q)  # fmt: skip
+    cfg = load_config(
+        [
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=2048",
+        ],
+        **Q,
+    )
     assert cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == 4096
     assert cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_gpu == 2048
     with pytest.raises(ConfigError, match="interpolation"):
@@ -59,12 +64,14 @@ def test_interpolations_follow_unless_set():
 
 
 def test_ranges_and_cross_checks():
-    for arg, part in [("actor_rollout_ref.rollout.gpu_memory_utilization=1.5", "in [0.01, 1]"),
-                      ("actor_rollout_ref.rollout.n=0", "≥ 1"),
-                      ("trainer.resume_mode=resume_path", "resume_from_path"),
-                      ("data.bad_row_policy=ignore", "skip, error"),
-                      ("critic.enable=false", "needs a critic"),
-                      ("algorithm.kl_ctrl.target_kl=0", "target > 0")]:  # fmt: skip
+    for arg, part in [
+        ("actor_rollout_ref.rollout.gpu_memory_utilization=1.5", "in [0.01, 1]"),
+        ("actor_rollout_ref.rollout.n=0", "≥ 1"),
+        ("trainer.resume_mode=resume_path", "resume_from_path"),
+        ("data.bad_row_policy=ignore", "skip, error"),
+        ("critic.enable=false", "needs a critic"),
+        ("algorithm.kl_ctrl.target_kl=0", "target > 0"),
+    ]:
         with pytest.raises(ConfigError) as e:
             load_config([arg, "algorithm.kl_ctrl.type=adaptive"] if "target_kl" in arg else [arg], **Q)
         assert arg.split("=")[0] in str(e.value) and part in str(e.value)
@@ -84,15 +91,28 @@ def test_check_trainable_refuses_result_changing_values_and_notes_speed_only(iss
 def test_check_trainable_refuses_what_ulysses_cannot_run_with(issue_list):
     for extra, key in [
         (["actor_rollout_ref.model.use_remove_padding=False"], "actor_rollout_ref.model.use_remove_padding"),
-        (["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2"], "critic.model.use_remove_padding"),
+        (
+            ["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2"],
+            "critic.model.use_remove_padding",
+        ),
         (["actor_rollout_ref.actor.kl_loss_type=full"], "kl_loss_type='full'"),
         (["reward_model.ulysses_sequence_parallel_size=2"], "reward_model.ulysses_sequence_parallel_size=2"),
-    ]:  # fmt: skip
+    ]:
         with pytest.raises(ConfigError) as e:
             check_trainable(load_config(issue_list + extra, **Q), notify=lambda _m: None)
         assert key in str(e.value), (extra, str(e.value))
-    check_trainable(load_config(issue_list + ["algorithm.adv_estimator=gae", "critic.ulysses_sequence_parallel_size=2",
-                                              "critic.model.use_remove_padding=True"], **Q), notify=lambda _m: None)  # fmt: skip
+    check_trainable(
+        load_config(
+            issue_list
+            + [
+                "algorithm.adv_estimator=gae",
+                "critic.ulysses_sequence_parallel_size=2",
+                "critic.model.use_remove_padding=True",
+            ],
+            **Q,
+        ),
+        notify=lambda _m: None,
+    )
 
 
 def test_warn_unimplemented_only_for_non_defaults(issue_list):

@@ -28,24 +28,31 @@ def test_examples_exist():
     "example,setting,task",
     [
         # bench/learning.py's t14_s2, its seed included
-        ("arithmetic_grpo_kl_ramp.yaml",
-         "t14_s2=grpo_pi,{G},{R},{C}.target_kl=0.14,{B},actor_rollout_ref.rollout.n=4,{M},{F},"
-         "{K}.skip_zero_advantage_rows=True,trainer.seed=2,{K}.optim.lr=5e-5,{K}.optim.lr_scheduler_type=cosine,"
-         "{K}.optim.min_lr_ratio=0.1,trainer.total_training_steps=378,reward_model.launch_reward_fn_async=True",
-         "arithmetic"),
+        (
+            "arithmetic_grpo_kl_ramp.yaml",
+            "t14_s2=grpo_pi,{G},{R},{C}.target_kl=0.14,{B},actor_rollout_ref.rollout.n=4,{M},{F},"
+            "{K}.skip_zero_advantage_rows=True,trainer.seed=2,{K}.optim.lr=5e-5,{K}.optim.lr_scheduler_type=cosine,"
+            "{K}.optim.min_lr_ratio=0.1,trainer.total_training_steps=378,reward_model.launch_reward_fn_async=True",
+            "arithmetic",
+        ),
         # bench/learning.py's gae_p256
-        ("arithmetic_gae_kl_ramp.yaml",
-         "gae_p256=gae_pi,{G},{R},{C}.target_kl=0.13,{K}.optim.lr=3e-5,{K}.entropy_coeff=0.001,"
-         "data.train_batch_size=256,actor_rollout_ref.rollout.n=4,{K}.ppo_mini_batch_size=256,"
-         "critic.ppo_mini_batch_size=256,critic.optim.lr=5e-5,{M},{F},{V},reward_model.launch_reward_fn_async=True",
-         "arithmetic"),
+        (
+            "arithmetic_gae_kl_ramp.yaml",
+            "gae_p256=gae_pi,{G},{R},{C}.target_kl=0.13,{K}.optim.lr=3e-5,{K}.entropy_coeff=0.001,"
+            "data.train_batch_size=256,actor_rollout_ref.rollout.n=4,{K}.ppo_mini_batch_size=256,"
+            "critic.ppo_mini_batch_size=256,critic.optim.lr=5e-5,{M},{F},{V},reward_model.launch_reward_fn_async=True",
+            "arithmetic",
+        ),
         # bench/learning.py --task gsm8k's gsm_ramp
-        ("gsm8k_grpo_kl_target.yaml",
-         "gsm_ramp=grpo_pi,{G},{R},{C}.target_kl=0.13,{K}.optim.lr=4e-5,data.train_batch_size=128,"
-         "{K}.ppo_mini_batch_size=128,{M},{F},{K}.skip_zero_advantage_rows=True,"
-         "reward_model.launch_reward_fn_async=True,reward=strict", "gsm8k"),
+        (
+            "gsm8k_grpo_kl_target.yaml",
+            "gsm_ramp=grpo_pi,{G},{R},{C}.target_kl=0.13,{K}.optim.lr=4e-5,data.train_batch_size=128,"
+            "{K}.ppo_mini_batch_size=128,{M},{F},{K}.skip_zero_advantage_rows=True,"
+            "reward_model.launch_reward_fn_async=True,reward=strict",
+            "gsm8k",
+        ),
     ],
-)  # fmt: skip
+)
 def test_ramp_recipes_are_the_measured_settings(example, setting, task):
     """The recipe file trains what bench/learning.py measured (its presets and the setting's overrides, as
     listed in docs/performance.md): the actor, rollout, critic, algorithm and batch sections agree."""
@@ -67,15 +74,16 @@ def test_ramp_recipes_are_the_measured_settings(example, setting, task):
     K = "actor_rollout_ref.actor"
     C = f"{K}.kl_loss_ctrl"
     parts = dict(
-        K=K, C=C,
+        K=K,
+        C=C,
         G=f"{C}.kp=0.6,{C}.ki=0.15,{C}.min_coef=0.03,{C}.max_coef=1,{K}.kl_loss_type=mse",
         M=f"{K}.ppo_max_token_len_per_gpu=65536,actor_rollout_ref.rollout.free_cache_engine=False",
         B=f"data.train_batch_size=256,{K}.ppo_mini_batch_size=256",
         R=f"{K}.kl_loss_coef=0.3,{C}.target_kl_start=0.02,{C}.anneal_begin=0,{C}.anneal_steps=40",
         F="actor_rollout_ref.model.use_fused_kernels=True,actor_rollout_ref.model.compile_packed_layers=True",
         V="critic.model.use_remove_padding=True,critic.model.compile_packed_layers=True,"
-          "critic.ppo_max_token_len_per_gpu=65536,critic.forward_max_token_len_per_gpu=65536",
-    )  # fmt: skip
+        "critic.ppo_max_token_len_per_gpu=65536,critic.forward_max_token_len_per_gpu=65536",
+    )
     _, overrides, method = parse_setting(setting.format(**parts))
     measured = load_config([*COMMON, *task_overrides[task], *overrides])
     recipe = load_config([str(Path(__file__).resolve().parents[2] / "examples" / example)])

@@ -19,7 +19,9 @@ def test_unknown_flags_and_their_closest_names():
     assert unknown_flags(["--quick=cpu"], known, prefixes=True) == []  # argparse reads a unique prefix
     assert unknown_flags(["--d"], ["--dry-run", "--dtype"], prefixes=True) == ["--d"]  # a prefix of two
     assert unknown_flag_message("--dryrun", known) == "unknown flag --dryrun; did you mean --dry-run?"
-    assert unknown_flag_message("--zzz", known) == "unknown flag --zzz (flags: --dry-run, --help, --quickstart)"
+    assert (
+        unknown_flag_message("--zzz", known) == "unknown flag --zzz (flags: --dry-run, --help, --quickstart)"
+    )
 
 
 def test_argparse_commands_suggest_before_other_errors(capsys):
@@ -30,14 +32,19 @@ def test_argparse_commands_suggest_before_other_errors(capsys):
         parser.parse_args(["arithmetic", "--outptu", "dir"])
     err = capsys.readouterr().err
     assert e.value.code == 2
-    assert "unknown flag --outptu; did you mean --output?; the following arguments are required: --output" in err
+    assert (
+        "unknown flag --outptu; did you mean --output?; the following arguments are required: --output" in err
+    )
 
 
 @pytest.mark.parametrize(
     ("argv", "hint"),
     [
         (["train", "--dryrun"], "klppo: unknown flag --dryrun; did you mean --dry-run?"),
-        (["config", "--config-nam=x"], "klppo config: error: unknown flag --config-nam; did you mean --config-name?"),
+        (
+            ["config", "--config-nam=x"],
+            "klppo config: error: unknown flag --config-nam; did you mean --config-name?",
+        ),
         (["export", "a", "b", "--overwite"], "unknown flag --overwite; did you mean --overwrite?"),
         (["report", "--dpii", "3"], "unknown flag --dpii; did you mean --dpi?"),
         (["data", "arithmetic", "--num-trian", "3"], "unknown flag --num-trian; did you mean --num-train?"),

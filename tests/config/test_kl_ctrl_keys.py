@@ -15,13 +15,20 @@ from klppo.config.unimplemented import check_trainable
         (["actor_rollout_ref.actor.kl_loss_ctrl.type=pi"], "use_kl_loss=False"),
         (["actor_rollout_ref.actor.kl_loss_ctrl.type=pid"], "kl_loss_ctrl.type"),
         (
-            ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
-             "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0"],
+            [
+                "actor_rollout_ref.actor.use_kl_loss=True",
+                "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
+                "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0",
+            ],
             "kl_loss_ctrl.target_kl=0",
         ),
         (
-            ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
-             "actor_rollout_ref.actor.kl_loss_coef=0.5", "actor_rollout_ref.actor.kl_loss_ctrl.max_coef=0.1"],
+            [
+                "actor_rollout_ref.actor.use_kl_loss=True",
+                "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
+                "actor_rollout_ref.actor.kl_loss_coef=0.5",
+                "actor_rollout_ref.actor.kl_loss_ctrl.max_coef=0.1",
+            ],
             "kl_loss_ctrl.min_coef",
         ),
         (["algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.ki=0"], "algorithm.kl_ctrl.kp"),
@@ -29,12 +36,15 @@ from klppo.config.unimplemented import check_trainable
         (["algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.anneal_steps=10"], "target_kl_start is null"),
         (["algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.target_kl_start=-1"], "kl_ctrl.target_kl_start=-1"),
         (
-            ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl_start=0.2",
-             "algorithm.kl_ctrl.anneal_begin=-1"],
+            [
+                "algorithm.kl_ctrl.type=adaptive",
+                "algorithm.kl_ctrl.target_kl_start=0.2",
+                "algorithm.kl_ctrl.anneal_begin=-1",
+            ],
             "algorithm.kl_ctrl.anneal_begin=-1",
         ),
     ],
-)  # fmt: skip
+)
 def test_kl_controller_keys_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         check_trainable(load_config(overrides))

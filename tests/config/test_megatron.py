@@ -1,4 +1,5 @@
-"""verl's Megatron launches: keys translated to FSDP2 counterparts or to nothing in one notice, result-changing
+"""verl's Megatron launches: keys translated to FSDP2 counterparts or to nothing in one notice,
+result-changing
 ones refused by name, packaged Megatron config names and `defaults:` entries read as klppo's defaults."""
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ def test_megatron_launch_equals_the_hand_written_fsdp_launch_but_for_strategy(tm
         f"{A}.megatron.pipeline_model_parallel_size=2 → nothing",
         f"{A}.megatron.virtual_pipeline_model_parallel_size=2 → nothing",
         f"{A}.megatron.override_transformer_config.recompute_granularity='full' → nothing",
-        f"{A}.megatron.override_transformer_config.apply_rope_fusion=True → nothing (kernel or fusion choice)",
-        f"{A}.optim.override_optimizer_config.optimizer_cpu_offload=True → {A}.fsdp_config.optimizer_offload=True",
+        f"{A}.megatron.override_transformer_config.apply_rope_fusion=True → "
+        f"nothing (kernel or fusion choice)",
+        f"{A}.optim.override_optimizer_config.optimizer_cpu_offload=True → "
+        f"{A}.fsdp_config.optimizer_offload=True",
     ):
         assert any(line.strip().startswith(expected) for line in lines), expected
     assert len(lines) == 3 + 1 + len(MEGATRON) - 2  # config name + 3 strategies, then one per Megatron key
@@ -106,9 +109,14 @@ def test_result_changing_megatron_keys_are_refused_by_name(argv, named):
 def test_inert_lora_keys_pass_at_rank_zero_and_map_at_a_rank():
     cfg, notes = _load(["+actor_rollout_ref.model.lora.lora_A_init_method=xavier"])
     assert cfg.actor_rollout_ref.model.lora_rank == 0 and "LoRA is off" in notes[-1]
-    cfg, _ = _load(["+actor_rollout_ref.model.lora.rank=32", "+actor_rollout_ref.model.lora.alpha=64",
-                    "+actor_rollout_ref.model.lora.lora_A_init_method=kaiming",
-                    "+actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]"])  # fmt: skip
+    cfg, _ = _load(
+        [
+            "+actor_rollout_ref.model.lora.rank=32",
+            "+actor_rollout_ref.model.lora.alpha=64",
+            "+actor_rollout_ref.model.lora.lora_A_init_method=kaiming",
+            "+actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_proj,linear_fc1,linear_fc2]",
+        ]
+    )
     model = cfg.actor_rollout_ref.model
     assert (model.lora_rank, model.lora_alpha, model.target_modules) == (32, 64, "all-linear")
 
@@ -116,15 +124,19 @@ def test_inert_lora_keys_pass_at_rank_zero_and_map_at_a_rank():
 def test_megatron_config_name_and_defaults_entry_are_klppo_defaults(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     plain, _ = _load([])
-    for argv in (["--config-path=config", "--config-name=ppo_megatron_trainer.yaml"],
-                 ["--config-name", "_generated_ppo_megatron_trainer"]):  # fmt: skip
+    for argv in (
+        ["--config-path=config", "--config-name=ppo_megatron_trainer.yaml"],
+        ["--config-name", "_generated_ppo_megatron_trainer"],
+    ):
         cfg, notes = _load(argv)
         assert cfg.actor_rollout_ref.actor.strategy == "megatron"
         assert cfg.actor_rollout_ref.actor.optim == plain.actor_rollout_ref.actor.optim
         assert len([n for n in notes if n.startswith("Megatron launch")]) == 1
     f = tmp_path / "run.yaml"
-    f.write_text("defaults:\n  - ppo_megatron_trainer\n  - _self_\nactor_rollout_ref:\n  actor:\n    megatron:\n"
-                 "      context_parallel_size: 2\n    optim:\n      optimizer: adam\n      lr_decay_style: constant\n")  # fmt: skip
+    f.write_text(
+        "defaults:\n  - ppo_megatron_trainer\n  - _self_\nactor_rollout_ref:\n  actor:\n    megatron:\n"
+        "      context_parallel_size: 2\n    optim:\n      optimizer: adam\n      lr_decay_style: constant\n"
+    )
     cfg, _ = _load([str(f)])
     actor = cfg.actor_rollout_ref.actor
     assert (actor.strategy, actor.ulysses_sequence_parallel_size, actor.optim.optimizer) == (
@@ -136,9 +148,16 @@ def test_megatron_config_name_and_defaults_entry_are_klppo_defaults(tmp_path, mo
 
 def test_translated_data_parallel_size_is_what_batch_sizes_are_checked_for():
     """Megatron's DP would be 8 / (TP 2 · PP 2 · CP 2) = 1; on FSDP2 it is 8 / Ulysses 2 = 4."""
-    argv = [f"{A}.megatron.tensor_model_parallel_size=2", f"{A}.megatron.pipeline_model_parallel_size=2",
-            f"{A}.megatron.context_parallel_size=2", "trainer.n_gpus_per_node=8", "data.train_batch_size=8",
-            f"{A}.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=1", f"{A}.ppo_micro_batch_size_per_gpu=4"]  # fmt: skip
+    argv = [
+        f"{A}.megatron.tensor_model_parallel_size=2",
+        f"{A}.megatron.pipeline_model_parallel_size=2",
+        f"{A}.megatron.context_parallel_size=2",
+        "trainer.n_gpus_per_node=8",
+        "data.train_batch_size=8",
+        f"{A}.ppo_mini_batch_size=8",
+        "actor_rollout_ref.rollout.n=1",
+        f"{A}.ppo_micro_batch_size_per_gpu=4",
+    ]
     cfg, notes = _load(argv)
     with pytest.raises(ConfigError, match="divisible|divide"):
         derive_sizes(cfg, 8)  # 8 samples / 4 data-parallel ranks = 2, not a multiple of 4 per GPU
@@ -158,9 +177,16 @@ def megatron_cosine_lr(k: int, *, max_lr: float, min_lr: float, warmup: int, dec
 
 
 def test_megatron_cosine_is_klppo_cosine_and_other_keys_say_what_they_become():
-    cfg, notes = _load([f"{A}.optim.lr_decay_style=cosine", f"{A}.optim.lr=1e-3", f"{A}.optim.min_lr=0.0",
-                        "critic.optim.lr_decay_style=cosine", "critic.nccl_timeout=1200",
-                        "+actor_rollout_ref.rollout.layer_name_map.qkv_layer_name=qkv"])  # fmt: skip
+    cfg, notes = _load(
+        [
+            f"{A}.optim.lr_decay_style=cosine",
+            f"{A}.optim.lr=1e-3",
+            f"{A}.optim.min_lr=0.0",
+            "critic.optim.lr_decay_style=cosine",
+            "critic.nccl_timeout=1200",
+            "+actor_rollout_ref.rollout.layer_name_map.qkv_layer_name=qkv",
+        ]
+    )
     assert (
         cfg.actor_rollout_ref.actor.optim.lr_scheduler_type == cfg.critic.optim.lr_scheduler_type == "cosine"
     )
@@ -176,5 +202,7 @@ def test_megatron_cosine_is_klppo_cosine_and_other_keys_say_what_they_become():
     assert (
         "critic.nccl_timeout=1200 → nothing (trainer.collective_timeout_s bounds every collective)" in lines
     )
-    assert ("actor_rollout_ref.rollout.layer_name_map.qkv_layer_name='qkv' → nothing (the rollout reads the "
-            "actor's gathered weights by their Hugging Face names; no Megatron layer names to map)") in lines  # fmt: skip
+    assert (
+        "actor_rollout_ref.rollout.layer_name_map.qkv_layer_name='qkv' → nothing (the rollout reads the "
+        "actor's gathered weights by their Hugging Face names; no Megatron layer names to map)"
+    ) in lines

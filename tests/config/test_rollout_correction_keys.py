@@ -52,11 +52,13 @@ def test_defaults_change_nothing() -> None:
         ([f"{K}.rollout_rs=token_k9", f"{K}.rollout_rs_threshold=0.1"], "token_k9"),
         ([f"{K}.bypass_mode=true", f"{K}.loss_type=pg"], f"{K}.loss_type"),
         ([f"{K}.bypass_mode=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], f"{K}.bypass_mode"),
-        ([f"{K}.bypass_mode=true", f"{K}.rollout_is=token", f"{K}.rollout_is_batch_normalize=true"],
-         f"{K}.rollout_is_batch_normalize"),
+        (
+            [f"{K}.bypass_mode=true", f"{K}.rollout_is=token", f"{K}.rollout_is_batch_normalize=true"],
+            f"{K}.rollout_is_batch_normalize",
+        ),
         ([f"{K}.rollout_is=token", "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"], "geo_mean"),
     ],
-)  # fmt: skip
+)
 def test_unsupported_values_are_refused_by_name(args: list[str], named: str) -> None:
     cfg = load_config(args, **Q)  # klppo config accepts them
     with pytest.raises(ConfigError) as e:

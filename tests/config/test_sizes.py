@@ -73,8 +73,14 @@ def test_messages_show_numbers_and_units():
     with pytest.raises(ConfigError) as e:
         derive_sizes(_cfg(**_args(64, 16, 4, 6)), 2)
     msg = str(e.value)
-    for part in ("ppo_mini_batch_size=16 prompts", "rollout.n=4", "64 samples", "2 data-parallel", "32 samples per GPU",
-                 "ppo_micro_batch_size_per_gpu=6 samples"):  # fmt: skip
+    for part in (
+        "ppo_mini_batch_size=16 prompts",
+        "rollout.n=4",
+        "64 samples",
+        "2 data-parallel",
+        "32 samples per GPU",
+        "ppo_micro_batch_size_per_gpu=6 samples",
+    ):
         assert part in msg, (part, msg)
     with pytest.raises(ConfigError, match=r"train_batch_size=30 prompts is not divisible by the 4 ranks"):
         derive_sizes(_cfg(**_args(30, 10, 2, 1)), 4)
@@ -100,9 +106,15 @@ def test_deprecated_global_micro_batch_and_exclusivity():
 
 
 def test_unset_micro_batch_means_one_pass_and_log_prob_sizes():
-    cfg = _cfg(**{"data.train_batch_size": 16, "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
-                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 3,
-                  "algorithm.adv_estimator": "grpo", "actor_rollout_ref.rollout.n": 2})  # fmt: skip
+    cfg = _cfg(
+        **{
+            "data.train_batch_size": 16,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 3,
+            "algorithm.adv_estimator": "grpo",
+            "actor_rollout_ref.rollout.n": 2,
+        }
+    )
     s = derive_sizes(cfg, 2)
     assert s.actor_micro_batch_size_per_gpu == 8 and s.actor_grad_accum_steps == 1
     assert s.log_prob_micro_batch_size_per_gpu == 3 and s.ref_log_prob_micro_batch_size_per_gpu == 3
@@ -111,8 +123,14 @@ def test_unset_micro_batch_means_one_pass_and_log_prob_sizes():
 
 def test_token_budget_must_hold_one_sequence():
     with pytest.raises(ConfigError, match=r"ppo_max_token_len_per_gpu=500 tokens .* = 768 tokens"):
-        _cfg(**{"actor_rollout_ref.actor.use_dynamic_bsz": True, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 500,
-                "data.max_prompt_length": 512, "data.max_response_length": 256})  # fmt: skip
+        _cfg(
+            **{
+                "actor_rollout_ref.actor.use_dynamic_bsz": True,
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 500,
+                "data.max_prompt_length": 512,
+                "data.max_response_length": 256,
+            }
+        )
 
 
 def test_group_estimator_with_one_sample_warns():
@@ -125,7 +143,8 @@ def test_group_estimator_with_one_sample_warns():
 
 
 def test_critic_enable_follows_the_estimator_and_is_said_when_it_does_nothing():
-    """One rule for 'the run has a critic' (config.uses_critic): the estimator reads values. critic.enable=True
+    """One rule for 'the run has a critic' (config.uses_critic): the estimator reads values.
+    critic.enable=True
     with GRPO builds nothing, so load says that the key has no effect, by name; with GAE (or unset) no note;
     critic.enable=False with GAE is refused. The rule's estimator list is the advantage registry's."""
     from klppo.algorithms.advantages import ADVANTAGE_ESTIMATORS, needs_critic
@@ -152,8 +171,10 @@ def test_kl_in_reward_with_std_normalised_groups_warns():
     kl_in_reward = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=True"]
     load_config(kl_in_reward, notify=notes.append)
     assert any("norm_adv_by_std_in_grpo=True" in m and "use_kl_loss=True" in m for m in notes)
-    for fixed in (kl_in_reward + ["algorithm.norm_adv_by_std_in_grpo=False"],
-                  ["algorithm.adv_estimator=rloo", "algorithm.use_kl_in_reward=True"]):  # fmt: skip
+    for fixed in (
+        kl_in_reward + ["algorithm.norm_adv_by_std_in_grpo=False"],
+        ["algorithm.adv_estimator=rloo", "algorithm.use_kl_in_reward=True"],
+    ):
         notes.clear()
         load_config(fixed, notify=notes.append)
         assert not any("norm_adv_by_std_in_grpo" in m for m in notes)
@@ -161,7 +182,8 @@ def test_kl_in_reward_with_std_normalised_groups_warns():
 
 def test_pi_controller_floor_far_below_its_start_is_noted():
     """ln(kl_coef/min_coef)/ki steps to climb back: 0.01/0.001 at ki 0.05 is 46 steps (a run that
-    could not recover its β in time) → a note naming the keys; the defaults (ln 10 / 0.2 = 12 steps) → none."""
+    could not recover its β in time) → a note naming the keys; the defaults (ln 10 / 0.2 = 12 steps) →
+    none."""
     notes: list[str] = []
     reward_pi = [
         "algorithm.use_kl_in_reward=True",
@@ -176,9 +198,13 @@ def test_pi_controller_floor_far_below_its_start_is_noted():
     load_config(reward_pi, notify=notes.append)
     assert not any("climb back" in m for m in notes)
     notes.clear()
-    loss_pi = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
-               "actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.0001",
-               "actor_rollout_ref.actor.kl_loss_ctrl.ki=0.05"]  # fmt: skip
+    loss_pi = [
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
+        "actor_rollout_ref.actor.kl_loss_coef=0.04",
+        "actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.0001",
+        "actor_rollout_ref.actor.kl_loss_ctrl.ki=0.05",
+    ]
     load_config(loss_pi, notify=notes.append)
     assert any(m.startswith("actor_rollout_ref.actor.kl_loss_ctrl: with min_coef=0.0001") for m in notes)
 
@@ -187,10 +213,18 @@ def test_a_constant_kl_loss_target_under_pi_control_is_noted_with_the_ramp():
     """The KL-loss PI controller with a constant target: a note naming the ramp's keys (its first steps
     overshoot the target, a ramp does not); with target_kl_start set, the fixed
     controller, or no KL loss: none."""
-    pi = ["actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
-          "actor_rollout_ref.actor.kl_loss_coef=0.04", "actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.03"]  # fmt: skip
-    for over, noted in ((pi, True), (pi + ["actor_rollout_ref.actor.kl_loss_ctrl.target_kl_start=0.02"], False),
-                        (pi[:1], False), (pi[2:3], False)):  # fmt: skip
+    pi = [
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
+        "actor_rollout_ref.actor.kl_loss_coef=0.04",
+        "actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.03",
+    ]
+    for over, noted in (
+        (pi, True),
+        (pi + ["actor_rollout_ref.actor.kl_loss_ctrl.target_kl_start=0.02"], False),
+        (pi[:1], False),
+        (pi[2:3], False),
+    ):
         notes: list[str] = []
         load_config(over, notify=notes.append)
         ramp = [m for m in notes if "target_kl_start=0.02" in m]
@@ -200,8 +234,13 @@ def test_a_constant_kl_loss_target_under_pi_control_is_noted_with_the_ramp():
 
 
 def test_rollout_tp_must_divide_the_ranks():
-    cfg = load_config(["actor_rollout_ref.rollout.tensor_model_parallel_size=3", "data.train_batch_size=24",
-                       "actor_rollout_ref.actor.ppo_mini_batch_size=24"])  # fmt: skip
+    cfg = load_config(
+        [
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=3",
+            "data.train_batch_size=24",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=24",
+        ]
+    )
     with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 does not divide the 8 ranks"):
         derive_sizes(cfg, 8)
     derive_sizes(cfg, 6)  # 3 divides 6
@@ -211,8 +250,10 @@ def test_rollout_tp_without_its_engine_is_noted_at_load():
     """LoRA or the hf backend: the rollout runs data-parallel on gathered weights; said when the config
     loads (so `klppo train --dry-run` shows it), not only once training starts."""
     tp2 = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
-    for extra, why in ((["actor_rollout_ref.model.lora_rank=8"], "LoRA"),
-                       (["actor_rollout_ref.rollout.name=hf"], "rollout.name=hf")):  # fmt: skip
+    for extra, why in (
+        (["actor_rollout_ref.model.lora_rank=8"], "LoRA"),
+        (["actor_rollout_ref.rollout.name=hf"], "rollout.name=hf"),
+    ):
         notes: list[str] = []
         load_config(tp2 + extra, notify=notes.append)
         assert any("tensor_model_parallel_size=2 is not built with " + why in m for m in notes), notes
@@ -223,12 +264,14 @@ def test_rollout_tp_without_its_engine_is_noted_at_load():
 
 @pytest.mark.parametrize(
     "copy,source,value",
-    [("actor_rollout_ref.actor.rollout_n", "actor_rollout_ref.rollout.n", 4),
-     ("critic.rollout_n", "actor_rollout_ref.rollout.n", 4),
-     ("actor_rollout_ref.ref.rollout_n", "actor_rollout_ref.rollout.n", 4),
-     ("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length", 77),
-     ("actor_rollout_ref.rollout.response_length", "data.max_response_length", 77)],
-)  # fmt: skip
+    [
+        ("actor_rollout_ref.actor.rollout_n", "actor_rollout_ref.rollout.n", 4),
+        ("critic.rollout_n", "actor_rollout_ref.rollout.n", 4),
+        ("actor_rollout_ref.ref.rollout_n", "actor_rollout_ref.rollout.n", 4),
+        ("actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length", 77),
+        ("actor_rollout_ref.rollout.response_length", "data.max_response_length", 77),
+    ],
+)
 def test_read_only_copies_must_agree_with_their_source(copy, source, value):
     """verl derives these keys from another; klppo reads the source only, so a copy set apart from it would
     be silently ignored: refused, naming both. Set together (as verl scripts sometimes spell both), fine."""

@@ -1,5 +1,6 @@
 """verl's current key tree and hydra's command-line conventions (issue 14): every key has an entry, the
-result-changing ones are refused, packaged config names, `+`/`++`/`~`, null, boolean frequencies (Megatron: test_megatron.py)."""
+result-changing ones are refused, packaged config names, `+`/`++`/`~`, null, boolean frequencies (Megatron:
+test_megatron.py)."""
 
 from __future__ import annotations
 
@@ -17,27 +18,53 @@ Q = {"notify": lambda _m: None}
 
 # the groups of verl's current trainer config (the issue's list) that klppo lacked: each must be a key
 NEW_KEYS = (
-    "reward_model.use_reward_loop", "reward_model.rollout.name", "reward_model.num_workers",
-    "reward_model.reward_loop_source", "reward_model.reward_loop_module_path",
-    "reward_model.reward_loop_class_name", "reward_model.n_gpus_per_node", "reward_model.nnodes",
-    "reward_model.enable_resource_pool", "reward_model.model.override_config", "reward_manager.source",
-    "reward_manager.name", "reward_manager.module.path", "algorithm.rollout_correction.rollout_is",
-    "algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.bypass_mode",
-    "actor_rollout_ref.rollout.prometheus.enable", "actor_rollout_ref.rollout.checkpoint_engine.backend",
-    "actor_rollout_ref.rollout.mtp", "actor_rollout_ref.model.mtp.enable", "actor_rollout_ref.actor.tau_pos",
-    "actor_rollout_ref.actor.tau_neg", "actor_rollout_ref.actor.use_prefix_grouper",
-    "actor_rollout_ref.actor.calculate_sum_pi_squared", "actor_rollout_ref.actor.sum_pi_squared_checkpointing",
-    "actor_rollout_ref.actor.freeze_vision_tower", "actor_rollout_ref.actor.router_replay.mode",
-    "actor_rollout_ref.ref.router_replay.mode", "actor_rollout_ref.model.tiled_mlp.enabled",
-    "critic.model.tiled_mlp.num_shards", "actor_rollout_ref.model.hf_config_path", "transfer_queue.enable",
-    "actor_rollout_ref.rollout.enable_rollout_routing_replay", "actor_rollout_ref.rollout.quantization_config_file",
-    "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", "data.tool_config_path", "data.image_patch_size",
-)  # fmt: skip
+    "reward_model.use_reward_loop",
+    "reward_model.rollout.name",
+    "reward_model.num_workers",
+    "reward_model.reward_loop_source",
+    "reward_model.reward_loop_module_path",
+    "reward_model.reward_loop_class_name",
+    "reward_model.n_gpus_per_node",
+    "reward_model.nnodes",
+    "reward_model.enable_resource_pool",
+    "reward_model.model.override_config",
+    "reward_manager.source",
+    "reward_manager.name",
+    "reward_manager.module.path",
+    "algorithm.rollout_correction.rollout_is",
+    "algorithm.rollout_correction.rollout_rs_threshold",
+    "algorithm.rollout_correction.bypass_mode",
+    "actor_rollout_ref.rollout.prometheus.enable",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend",
+    "actor_rollout_ref.rollout.mtp",
+    "actor_rollout_ref.model.mtp.enable",
+    "actor_rollout_ref.actor.tau_pos",
+    "actor_rollout_ref.actor.tau_neg",
+    "actor_rollout_ref.actor.use_prefix_grouper",
+    "actor_rollout_ref.actor.calculate_sum_pi_squared",
+    "actor_rollout_ref.actor.sum_pi_squared_checkpointing",
+    "actor_rollout_ref.actor.freeze_vision_tower",
+    "actor_rollout_ref.actor.router_replay.mode",
+    "actor_rollout_ref.ref.router_replay.mode",
+    "actor_rollout_ref.model.tiled_mlp.enabled",
+    "critic.model.tiled_mlp.num_shards",
+    "actor_rollout_ref.model.hf_config_path",
+    "transfer_queue.enable",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+    "actor_rollout_ref.rollout.quantization_config_file",
+    "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts",
+    "data.tool_config_path",
+    "data.image_patch_size",
+)
 MUST_REFUSE = (
-    "actor_rollout_ref.actor.tau_pos", "actor_rollout_ref.actor.tau_neg",
-    "actor_rollout_ref.actor.use_prefix_grouper", "actor_rollout_ref.actor.calculate_sum_pi_squared",
-    "*.router_replay.*", "actor_rollout_ref.rollout.mtp", "actor_rollout_ref.model.mtp.*",
-)  # fmt: skip
+    "actor_rollout_ref.actor.tau_pos",
+    "actor_rollout_ref.actor.tau_neg",
+    "actor_rollout_ref.actor.use_prefix_grouper",
+    "actor_rollout_ref.actor.calculate_sum_pi_squared",
+    "*.router_replay.*",
+    "actor_rollout_ref.rollout.mtp",
+    "actor_rollout_ref.model.mtp.*",
+)
 
 
 def _effects() -> dict[str, str]:
@@ -87,10 +114,16 @@ def test_each_refused_key_is_named_by_train(arg):
 
 def test_speed_only_and_inert_new_keys_run_with_one_line_each():
     cfg = load_config(
-        ["actor_rollout_ref.model.tiled_mlp.enabled=true", "reward_model.rollout.gpu_memory_utilization=0.8",
-         "transfer_queue.enable=true", "actor_rollout_ref.rollout.prometheus.enable=true",
-         "reward_model.use_reward_loop=false", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"], **Q
-    )  # fmt: skip
+        [
+            "actor_rollout_ref.model.tiled_mlp.enabled=true",
+            "reward_model.rollout.gpu_memory_utilization=0.8",
+            "transfer_queue.enable=true",
+            "actor_rollout_ref.rollout.prometheus.enable=true",
+            "reward_model.use_reward_loop=false",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+        ],
+        **Q,
+    )
     notes: list[str] = []
     check_trainable(cfg, notify=notes.append)
     assert len(notes) == 3 and "tiled_mlp.enabled" in notes[0] and "reward_model.rollout" in notes[1]
@@ -110,7 +143,8 @@ def test_verl_style_file_with_targets_missing_markers_and_new_groups(tmp_path):
         "    prometheus: {_target_: x.P, enable: false, port: 9090}\n"
         "  actor:\n    profiler:\n      tool_config:\n        nsys: {_target_: x.N, discrete: false}\n"
         "    router_replay: {_target_: x.R, mode: disabled, record_file: null}\n"
-        "reward_manager:\n  _target_: x.RM\n  source: register\n  name: ${oc.select:reward_model.reward_manager,naive}\n"
+        "reward_manager:\n  _target_: x.RM\n  source: register\n  name: "
+        "${oc.select:reward_model.reward_manager,naive}\n"
         "reward_model:\n  rollout:\n    _target_: x.RC\n    name: ???\n    dtype: bfloat16\n"
         "algorithm:\n  rollout_correction: {rollout_is: null, rollout_rs_threshold: null}\n"
         "transfer_queue: {enable: false}\n"
@@ -129,8 +163,15 @@ def test_verl_style_file_with_targets_missing_markers_and_new_groups(tmp_path):
 def test_packaged_ppo_config_names_are_klppo_defaults(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no ./config/<name> here: verl's packaged name
     notes: list[str] = []
-    cfg = load_config(["--config-path=config", f"--config-name={name}", "data.train_batch_size=64",
-                       "actor_rollout_ref.actor.ppo_mini_batch_size=16"], notify=notes.append)  # fmt: skip
+    cfg = load_config(
+        [
+            "--config-path=config",
+            f"--config-name={name}",
+            "data.train_batch_size=64",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        ],
+        notify=notes.append,
+    )
     plain = load_config(["data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=16"], **Q)
     assert config_to_yaml(cfg) == config_to_yaml(plain)
     assert len(notes) == 1 and "packaged" in notes[0]
@@ -144,22 +185,42 @@ def test_non_ppo_packaged_config_is_refused(tmp_path, monkeypatch):
 
 def test_hydra_append_force_and_delete():
     notes: list[str] = []
-    cfg = load_config(["+data.gen_batch_size=256", "++trainer.seed=5", "+actor_rollout_ref.model.override_config.attention_dropout=0.0"], notify=notes.append)  # fmt: skip
+    cfg = load_config(
+        [
+            "+data.gen_batch_size=256",
+            "++trainer.seed=5",
+            "+actor_rollout_ref.model.override_config.attention_dropout=0.0",
+        ],
+        notify=notes.append,
+    )
     assert cfg.trainer.seed == 5
     assert cfg.actor_rollout_ref.model.override_config == {"attention_dropout": 0.0}
     assert len(notes) == 1 and "data.gen_batch_size" in notes[0] and "ignored" in notes[0]
     with pytest.raises(ConfigError, match="unknown key 'data.gen_batch_size'"):
         load_config(["data.gen_batch_size=256"], **Q)  # without + an unknown key stays an error
-    cfg = load_config(["data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-                       "~data.train_batch_size=64", "~actor_rollout_ref.actor.ppo_mini_batch_size"], **Q)  # fmt: skip
+    cfg = load_config(
+        [
+            "data.train_batch_size=64",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "~data.train_batch_size=64",
+            "~actor_rollout_ref.actor.ppo_mini_batch_size",
+        ],
+        **Q,
+    )
     assert (cfg.data.train_batch_size, cfg.actor_rollout_ref.actor.ppo_mini_batch_size) == (1024, 256)
     with pytest.raises(ConfigError, match="unknown key 'trainer.nope'"):
         load_config(["~trainer.nope"], **Q)
 
 
 def test_null_where_verl_allows_it():
-    cfg = load_config(["custom_reward_function.name=null", "actor_rollout_ref.actor.optim.lr_warmup_steps=null",
-                       "algorithm.kl_ctrl.target_kl=null"], **Q)  # fmt: skip
+    cfg = load_config(
+        [
+            "custom_reward_function.name=null",
+            "actor_rollout_ref.actor.optim.lr_warmup_steps=null",
+            "algorithm.kl_ctrl.target_kl=null",
+        ],
+        **Q,
+    )
     assert cfg.custom_reward_function.name is None and cfg.algorithm.kl_ctrl.target_kl is None
     assert cfg.actor_rollout_ref.actor.optim.lr_warmup_steps is None
     with pytest.raises(
@@ -197,8 +258,10 @@ def test_unparsable_yaml_is_one_line_naming_the_file(tmp_path):
 
 def test_a_hydra_composed_file_adds_keys_a_plain_file_may_not(tmp_path):
     f = tmp_path / "composed.yaml"
-    f.write_text("defaults:\n  - ppo_trainer\n  - _self_\nactor_rollout_ref:\n  rollout:\n"
-                 "    sglang_rollout_mode: async\n    name: trtllm\n")  # fmt: skip
+    f.write_text(
+        "defaults:\n  - ppo_trainer\n  - _self_\nactor_rollout_ref:\n  rollout:\n"
+        "    sglang_rollout_mode: async\n    name: trtllm\n"
+    )
     notes: list[str] = []
     cfg = load_config([str(f)], notify=notes.append)
     assert cfg.actor_rollout_ref.rollout.name == "klppo"
@@ -216,13 +279,24 @@ def test_npu_values_are_refused_by_name(key):
 
 def test_a_batched_reward_function_is_refused_several_scoring_processes():
     """reward_manager=batch scores the whole batch in one call; background slices would split it."""
-    base = ["reward_model.reward_manager=batch", "custom_reward_function.path=f.py",
-            "reward_model.launch_reward_fn_async=True"]  # fmt: skip
+    base = [
+        "reward_model.reward_manager=batch",
+        "custom_reward_function.path=f.py",
+        "reward_model.launch_reward_fn_async=True",
+    ]
     with pytest.raises(
         ConfigError, match=r"reward_model.num_workers=2 with reward_manager='batch'.*num_workers=1"
     ):
         check_trainable(load_config([*base, "reward_model.num_workers=2"]), notify=lambda _m: None)
     check_trainable(load_config(base), notify=lambda _m: None)  # one process: the whole batch
-    check_trainable(load_config([*base[:2], "reward_model.launch_reward_fn_async=True",
-                                 "reward_model.reward_manager=naive", "reward_model.num_workers=2"]),
-                    notify=lambda _m: None)  # fmt: skip
+    check_trainable(
+        load_config(
+            [
+                *base[:2],
+                "reward_model.launch_reward_fn_async=True",
+                "reward_model.reward_manager=naive",
+                "reward_model.num_workers=2",
+            ]
+        ),
+        notify=lambda _m: None,
+    )

@@ -109,7 +109,16 @@ def test_real_gsm8k_conversion(tmp_path):
     # Read back through the loader: every prompt's ground truth matches its source answer.
     with open(os.path.join(REAL_DIR, "test.jsonl")) as f:
         source = [json.loads(line) for line in f]
-    loader = PromptLoader(LoaderSettings(str(tmp_path / "test.parquet"), batch_size=512, max_prompt_length=4096, shuffle=False, drop_last=False), build_tiny_tokenizer())  # fmt: skip
+    loader = PromptLoader(
+        LoaderSettings(
+            str(tmp_path / "test.parquet"),
+            batch_size=512,
+            max_prompt_length=4096,
+            shuffle=False,
+            drop_last=False,
+        ),
+        build_tiny_tokenizer(),
+    )
     seen = 0
     for batch in loader:
         for uid, truth, messages in zip(batch.uid, batch.ground_truth, batch.raw_prompt):

@@ -49,8 +49,16 @@ def _critic(*, compiled: bool = False):
 def _run(policy, critic, host: bool):
     ids, mask = _inputs()
     host_mask = mask.bool().numpy() if host else None
-    lp, ent = forward_log_probs(policy, ids, mask, None, response_length=R, use_remove_padding=True,
-                                calculate_entropy=True, host_mask=host_mask)  # fmt: skip
+    lp, ent = forward_log_probs(
+        policy,
+        ids,
+        mask,
+        None,
+        response_length=R,
+        use_remove_padding=True,
+        calculate_entropy=True,
+        host_mask=host_mask,
+    )
     values = forward_values(
         critic, ids, mask, None, response_length=R, use_remove_padding=True, host_mask=host_mask
     )
@@ -91,8 +99,13 @@ def test_config_checks_and_roles_build(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="use_remove_padding=False"):
         load_config([key, "actor_rollout_ref.model.use_remove_padding=False"])
     with pytest.raises(ConfigError, match="Ulysses"):
-        load_config(["critic.model.compile_packed_layers=True", "critic.model.use_remove_padding=True",
-                     "critic.ulysses_sequence_parallel_size=2"])  # fmt: skip
+        load_config(
+            [
+                "critic.model.compile_packed_layers=True",
+                "critic.model.use_remove_padding=True",
+                "critic.ulysses_sequence_parallel_size=2",
+            ]
+        )
     cfg = load_config([key])
     assert cfg.actor_rollout_ref.model.compile_packed_layers and not cfg.critic.model.compile_packed_layers
 
@@ -122,8 +135,16 @@ def _run_lengths(policy, lengths: list[int]):
     g = torch.Generator().manual_seed(len(lengths) * 100 + sum(lengths))
     ids = torch.randint(3, 300, (len(lengths), P + R), generator=g)
     mask = (torch.arange(P + R)[None, :] < torch.tensor(lengths)[:, None]).long()
-    lp, ent = forward_log_probs(policy, ids, mask, None, response_length=R, use_remove_padding=True,
-                                calculate_entropy=True, host_mask=mask.bool().numpy())  # fmt: skip
+    lp, ent = forward_log_probs(
+        policy,
+        ids,
+        mask,
+        None,
+        response_length=R,
+        use_remove_padding=True,
+        calculate_entropy=True,
+        host_mask=mask.bool().numpy(),
+    )
     (lp.sum() + 0.1 * ent.sum()).backward()
     out = [lp.detach(), ent.detach(), *(p.grad.clone() for p in policy.parameters() if p.requires_grad)]
     policy.zero_grad()

@@ -155,9 +155,16 @@ def test_fused_forward_log_probs_equal_unfused(packed) -> None:
         enable_packed_attention(model)
         assert fp32_lm_head(model)
         lp, h = forward_log_probs(
-            model, ids, mask, None, response_length=R, temperature=0.8, use_remove_padding=packed,
-            calculate_entropy=True, fused=fused,
-        )  # fmt: skip
+            model,
+            ids,
+            mask,
+            None,
+            response_length=R,
+            temperature=0.8,
+            use_remove_padding=packed,
+            calculate_entropy=True,
+            fused=fused,
+        )
         (lp * up[..., 0] + h * up[..., 1]).sum().backward()
         results.append((lp.detach(), h.detach(), [p.grad.clone() for p in model.parameters()]))
         assert model.lm_head.token_stats is None and model(input_ids=ids[:, :4]).logits.shape[-1] > 2
@@ -261,9 +268,16 @@ def test_compiled_statistics_in_the_model_path(monkeypatch, aot_eager, fused, pa
     def run(grad: bool):
         with torch.set_grad_enabled(grad):
             lp, h = forward_log_probs(
-                model, ids, mask, None, response_length=R, temperature=0.9, use_remove_padding=packed,
-                calculate_entropy=True, fused=fused,
-            )  # fmt: skip
+                model,
+                ids,
+                mask,
+                None,
+                response_length=R,
+                temperature=0.9,
+                use_remove_padding=packed,
+                calculate_entropy=True,
+                fused=fused,
+            )
         if grad:
             (lp + 0.5 * h).sum().backward()
         out = (

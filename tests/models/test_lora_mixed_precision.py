@@ -52,11 +52,13 @@ def _batch() -> Batch:
     mask = torch.ones(B, R)
     mask[1, 3:] = 0
     return Batch(
-        prompts=torch.randint(3, 300, (B, P), generator=g), prompt_mask=prompt_mask,
-        responses=torch.randint(3, 300, (B, R), generator=g), response_mask=mask,
+        prompts=torch.randint(3, 300, (B, P), generator=g),
+        prompt_mask=prompt_mask,
+        responses=torch.randint(3, 300, (B, R), generator=g),
+        response_mask=mask,
         rollout_log_probs=-5.0 + 0.1 * torch.randn(B, R, generator=g) * mask,
         advantages=torch.randn(B, R, generator=g) * mask,
-    )  # fmt: skip
+    )
 
 
 def lora_model() -> torch.nn.Module:
@@ -78,9 +80,15 @@ def lora_model() -> torch.nn.Module:
 
 def _roles(model: torch.nn.Module) -> tuple[Actor, Reference]:
     settings = ActorSettings(
-        mini_batch_size=4, update_micro=MicroBatching(micro_batch_size=2), use_kl_loss=True, kl_loss_coef=0.1,
-        kl_loss_type="mse", grad_clip=1e9, use_remove_padding=True, skip_old_log_prob_on_policy=True,
-    )  # fmt: skip
+        mini_batch_size=4,
+        update_micro=MicroBatching(micro_batch_size=2),
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_loss_type="mse",
+        grad_clip=1e9,
+        use_remove_padding=True,
+        skip_old_log_prob_on_policy=True,
+    )
     actor = Actor(model, settings, OptimSettings(lr=1.0, optimizer="SGD", weight_decay=0.0))  # change = −grad
     reference = Reference(
         model, micro=MicroBatching(micro_batch_size=4), use_remove_padding=True, adapters_off=True

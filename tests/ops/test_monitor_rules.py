@@ -46,10 +46,18 @@ def test_kl_early_stop_follows_an_annealed_reward_target():
     from klppo.algorithms.kl_control import TargetSchedule
     from klppo.ops.monitor import _reward_target
 
-    cfg = load_config(["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=pi", "algorithm.kl_ctrl.target_kl=0.1",
-                       "algorithm.kl_ctrl.target_kl_start=0.3", "algorithm.kl_ctrl.anneal_begin=3",
-                       "algorithm.kl_ctrl.anneal_steps=2", "monitor.kl_early_stop.enable=True",
-                       "monitor.kl_early_stop.patience_steps=2"])  # fmt: skip
+    cfg = load_config(
+        [
+            "algorithm.use_kl_in_reward=True",
+            "algorithm.kl_ctrl.type=pi",
+            "algorithm.kl_ctrl.target_kl=0.1",
+            "algorithm.kl_ctrl.target_kl_start=0.3",
+            "algorithm.kl_ctrl.anneal_begin=3",
+            "algorithm.kl_ctrl.anneal_steps=2",
+            "monitor.kl_early_stop.enable=True",
+            "monitor.kl_early_stop.patience_steps=2",
+        ]
+    )
     target = _reward_target(cfg.algorithm.kl_ctrl)
     assert isinstance(target, TargetSchedule) and _reward_target(load_config([]).algorithm.kl_ctrl) == 0.1
     (rule,) = [r for r in build_rules(cfg.monitor, default_target_kl=target) if isinstance(r, KLEarlyStop)]
@@ -136,14 +144,29 @@ def test_learning_signal_acts_once_per_stretch_and_names_the_end_of_the_score_ra
     # near the top of the range: solved; one score for every sample: said so; the stop action
     state = rule.state_dict()
     solved = LearningSignal(dataclasses.replace(cfg, patience_steps=1, action="stop"))
-    (a,) = solved.observe(1, {"batch/equal_score_groups": 1.0, "batch/equal_score_groups_score": 0.97,
-                              "critic/score/min": 0.0, "critic/score/max": 1.0}, None)  # fmt: skip
+    (a,) = solved.observe(
+        1,
+        {
+            "batch/equal_score_groups": 1.0,
+            "batch/equal_score_groups_score": 0.97,
+            "critic/score/min": 0.0,
+            "critic/score/max": 1.0,
+        },
+        None,
+    )
     assert a.kind == "stop" and "solved" in a.message
 
     def message(group, low, high):
         (a,) = LearningSignal(dataclasses.replace(cfg, patience_steps=1)).observe(
-            1, {"batch/equal_score_groups": 0.95, "batch/equal_score_groups_score": group, "critic/score/min": low,
-                "critic/score/max": high}, None)  # fmt: skip
+            1,
+            {
+                "batch/equal_score_groups": 0.95,
+                "batch/equal_score_groups_score": group,
+                "critic/score/min": low,
+                "critic/score/max": high,
+            },
+            None,
+        )
         return a.message
 
     assert "every sample scored 0" in message(0.0, 0.0, 0.0)
@@ -267,8 +290,11 @@ def test_the_advantage_std_is_watched_where_the_estimator_whitens_or_where_a_bou
 
     def adv_std_actions(est, std, *over):
         cfg = load_config([f"algorithm.adv_estimator={est}", "monitor.drift.patience_steps=1", *over])
-        (drift,) = [r for r in build_rules(cfg.monitor, default_target_kl=None, adv_estimator=est)
-                    if isinstance(r, Drift)]  # fmt: skip
+        (drift,) = [
+            r
+            for r in build_rules(cfg.monitor, default_target_kl=None, adv_estimator=est)
+            if isinstance(r, Drift)
+        ]
         return [a.message for a in drift.observe(1, {"critic/advantages/std": std}, None)]
 
     assert adv_std_actions("gae", 0.5) == ["critic/advantages/std=0.5 below 0.8"]
@@ -299,8 +325,11 @@ def test_the_drift_bounds_come_from_the_config_not_from_a_checkpoint():
 
     def drift(est, *over):
         cfg = load_config([f"algorithm.adv_estimator={est}", "monitor.drift.patience_steps=1", *over])
-        (rule,) = [r for r in build_rules(cfg.monitor, default_target_kl=None, adv_estimator=est)
-                   if isinstance(r, Drift)]  # fmt: skip
+        (rule,) = [
+            r
+            for r in build_rules(cfg.monitor, default_target_kl=None, adv_estimator=est)
+            if isinstance(r, Drift)
+        ]
         return rule
 
     saved = drift("grpo")
@@ -428,8 +457,11 @@ def test_kl_and_entropy_raises_wait_their_cooldown_and_never_lower(tmp_path):
         c3.entropy_coeff == 0.2
         and "actor_rollout_ref.actor.entropy_coeff 0.2 → 0.2, at its cap" in e["message"]
     )
-    assert [s for s in range(2, 8) if "monitor/entropy_collapse/raise_entropy_coeff" in
-            _observe(ent, s, {"actor/entropy": 0.01})] == [4, 7]  # fmt: skip
+    assert [
+        s
+        for s in range(2, 8)
+        if "monitor/entropy_collapse/raise_entropy_coeff" in _observe(ent, s, {"actor/entropy": 0.01})
+    ] == [4, 7]
 
 
 def _observe(mon, step, metrics):
@@ -465,8 +497,13 @@ def test_validation_drop_never_rolls_back_from_a_new_best_and_reads_negative_rew
     ]
     with pytest.raises(Exception, match="action=rollback needs monitor.validation_drop.keep_best=True"):
         load_config(["monitor.validation_drop.enable=True", "monitor.validation_drop.keep_best=False"])
-    load_config(["monitor.validation_drop.enable=True", "monitor.validation_drop.keep_best=False",
-                 "monitor.validation_drop.action=warn"])  # fmt: skip
+    load_config(
+        [
+            "monitor.validation_drop.enable=True",
+            "monitor.validation_drop.keep_best=False",
+            "monitor.validation_drop.action=warn",
+        ]
+    )
 
 
 def test_rollback_scales_lr_and_kl_and_state_round_trips(tmp_path):
@@ -523,8 +560,13 @@ def test_rule_state_from_older_checkpoints_and_changed_settings():
 
 
 def test_the_rollback_check_and_the_cap_message_follow_what_runs(tmp_path):
-    load_config(["monitor.enable=False", "monitor.validation_drop.enable=True",
-                 "monitor.validation_drop.keep_best=False"])  # fmt: skip  # no rule runs: nothing to refuse
+    load_config(
+        [
+            "monitor.enable=False",
+            "monitor.validation_drop.enable=True",
+            "monitor.validation_drop.keep_best=False",
+        ]
+    )  # no rule runs: nothing to refuse
     import dataclasses as dc
 
     mon, c = monitor(tmp_path, kl_explosion=dc.replace(M.kl_explosion, enable=True))

@@ -87,7 +87,8 @@ def test_every_start_is_recorded_side_by_side(tmp_path):
     assert (tmp_path / "starts" / "latest").read_text() == "002\n"
 
 
-# ------------------------------------------------------------------------------- case 5: what a resume continues
+# ------------------------------------------------------------------------------- case 5: what a resume
+# continues
 def test_weights_digest_tells_other_weights_under_the_same_shapes(tmp_path):
     from klppo.models.tiny import save_tiny_model_dir
     from klppo.ops.resume_check import architecture, weights_digest
@@ -106,9 +107,13 @@ def _identity(**config) -> dict:
     return {
         "model": {"path": "/m", "architecture": arch, "weights_digest": "sha256:1"},
         "tokenizer": {"path": "/m", "digest": "sha256:t"},
-        "config": {"data.train_batch_size": 4, "algorithm.adv_estimator": "grpo",
-                   "actor_rollout_ref.actor.optim.lr": 1e-3, **config},
-    }  # fmt: skip
+        "config": {
+            "data.train_batch_size": 4,
+            "algorithm.adv_estimator": "grpo",
+            "actor_rollout_ref.actor.optim.lr": 1e-3,
+            **config,
+        },
+    }
 
 
 def test_resume_refuses_a_changed_run_by_name_and_notes_what_may_change(tmp_path, caplog):
@@ -116,7 +121,11 @@ def test_resume_refuses_a_changed_run_by_name_and_notes_what_may_change(tmp_path
 
     saved = _identity()
     other = _identity(**{"data.train_batch_size": 8, "algorithm.adv_estimator": "rloo"})
-    with pytest.raises(ResumeMismatchError, match=r"algorithm.adv_estimator 'grpo' → 'rloo'; data.train_batch_size 4 → 8.*trainer.allow_resume_changes=True"):  # fmt: skip
+    with pytest.raises(
+        ResumeMismatchError,
+        match=r"algorithm.adv_estimator 'grpo' → 'rloo'; data.train_batch_size 4 → "
+        r"8.*trainer.allow_resume_changes=True",
+    ):
         check_resume(saved, other, checkpoint=tmp_path, allow=False)
     weights = _identity()
     weights["model"] = {**weights["model"], "path": "/other", "weights_digest": "sha256:2"}
@@ -196,8 +205,14 @@ def test_ranks_import_the_launchers_klppo_not_a_folder_of_the_working_directory(
         env = rank_environment(dict(os.environ))
     finally:
         os.chdir(here)
-    out = subprocess.run([sys.executable, "-c", "import klppo; print(klppo.__version__)"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "import klppo; print(klppo.__version__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and out.stdout.strip(), out.stderr
 
 
@@ -206,8 +221,9 @@ def _checkpoint(root: Path, step: int) -> Path:
     from klppo.ops.checkpoint import MANIFEST, save_checkpoint
 
     model = torch.nn.Linear(64, 64)
-    path = save_checkpoint(root, step, models={"actor": (model, None)}, hf_assets={},
-                           trainer_state={"global_step": step})  # fmt: skip
+    path = save_checkpoint(
+        root, step, models={"actor": (model, None)}, hf_assets={}, trainer_state={"global_step": step}
+    )
     (path / MANIFEST).unlink()  # as written before manifests existed
     return path
 

@@ -1,4 +1,5 @@
-"""Rank programs for tests/parallel/test_fsdp.py (and the checks of test_local_shards.py and test_plain.py): started by torch.multiprocessing (spawn), gloo on CPU.
+"""Rank programs for tests/parallel/test_fsdp.py (and the checks of test_local_shards.py and test_plain.py):
+started by torch.multiprocessing (spawn), gloo on CPU.
 
 Each launch runs many checks (one factor at a time) and rank 0 writes its results to ``out_dir``; the
 assertions are made in the pytest process against a plain single-process reference.

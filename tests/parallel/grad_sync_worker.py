@@ -1,4 +1,5 @@
-"""Rank program of tests/parallel/test_grad_sync.py (spawned, gloo on CPU): the actor's and the critic's update
+"""Rank program of tests/parallel/test_grad_sync.py (spawned, gloo on CPU): the actor's and the critic's
+update
 under FSDP2 with the gradient reduce-scatter per micro-batch (FSDP2's default) and once per mini-batch
 (``grad_sync_per_mini_batch``), fp32; rank 0 writes what the test compares.
 
@@ -88,14 +89,16 @@ def update_batch() -> Batch:
     mask[1, 3:] = 0
     mask[5, 1:] = 0
     return Batch(
-        prompts=torch.randint(3, 300, (B, P), generator=g), prompt_mask=prompt_mask,
-        responses=torch.randint(3, 300, (B, R), generator=g), response_mask=mask,
+        prompts=torch.randint(3, 300, (B, P), generator=g),
+        prompt_mask=prompt_mask,
+        responses=torch.randint(3, 300, (B, R), generator=g),
+        response_mask=mask,
         old_log_probs=(-5.0 + 0.1 * torch.randn(B, R, generator=g)) * mask,
         ref_log_probs=(-5.0 + 0.1 * torch.randn(B, R, generator=g)) * mask,
         advantages=torch.randn(B, R, generator=g) * mask,
         values=0.1 * torch.randn(B, R, generator=g) * mask,
         returns=torch.randn(B, R, generator=g) * mask,
-    )  # fmt: skip
+    )
 
 
 def new_model(role: str) -> torch.nn.Module:
@@ -129,7 +132,8 @@ def run_update(obj, role: str, batch: Batch) -> dict:
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full weights, copied: on one rank ``full_model_state_dict`` may return the CPU parameters themselves."""
+    """Full weights, copied: on one rank ``full_model_state_dict`` may return the CPU parameters
+    themselves."""
     return {k: v.clone() for k, v in full_model_state_dict(model).items()}
 
 
@@ -183,8 +187,13 @@ def run_case(role: str, world: int, rank: int, defer: bool, ckpt: Path) -> dict:
 
 
 def main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     init_distributed("cpu", timeout_s=120)
     out = Path(out_dir)

@@ -37,9 +37,13 @@ OPTIM = OptimSettings(lr=2e-2, weight_decay=0.1, betas=(0.9, 0.99), warmup_steps
 
 def actor_settings(world: int) -> ActorSettings:
     return ActorSettings(
-        mini_batch_size=MINI // world, update_micro=MicroBatching(micro_batch_size=2 // world), grad_clip=GRAD_CLIP,
-        use_kl_loss=True, kl_loss_type="low_var_kl", entropy_coeff=0.01,
-    )  # fmt: skip
+        mini_batch_size=MINI // world,
+        update_micro=MicroBatching(micro_batch_size=2 // world),
+        grad_clip=GRAD_CLIP,
+        use_kl_loss=True,
+        kl_loss_type="low_var_kl",
+        entropy_coeff=0.01,
+    )
 
 
 def batch(call: int, rank: int = 0, world: int = 1) -> Batch:
@@ -53,12 +57,14 @@ def batch(call: int, rank: int = 0, world: int = 1) -> Batch:
     if call == NAN_CALL:
         advantages[0, 0] = float("nan")
     full = Batch(
-        prompts=torch.randint(3, 300, (ROWS, P), generator=g), prompt_mask=torch.ones(ROWS, P, dtype=torch.long),
-        responses=torch.randint(3, 300, (ROWS, R), generator=g), response_mask=mask,
+        prompts=torch.randint(3, 300, (ROWS, P), generator=g),
+        prompt_mask=torch.ones(ROWS, P, dtype=torch.long),
+        responses=torch.randint(3, 300, (ROWS, R), generator=g),
+        response_mask=mask,
         old_log_probs=-5.0 + 0.1 * torch.randn(ROWS, R, generator=g) * mask,
         ref_log_probs=-5.0 + 0.1 * torch.randn(ROWS, R, generator=g) * mask,
         advantages=advantages,
-    )  # fmt: skip
+    )
     return full.select(rank_rows(rank, world))
 
 

@@ -36,7 +36,8 @@ def runs(fsdp_runs) -> dict:
 
 
 def float64_adamw(run: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Clip to MAX_NORM then decoupled-weight-decay AdamW, written out in float64 on the recorded gradients."""
+    """Clip to MAX_NORM then decoupled-weight-decay AdamW, written out in float64 on the recorded
+    gradients."""
     (beta1, beta2), decay, eps = W.OPTIM.betas, W.OPTIM.weight_decay, 1e-8
     params = {k: v.double() for k, v in run["initial"].items()}
     m = {k: torch.zeros_like(v) for k, v in params.items()}

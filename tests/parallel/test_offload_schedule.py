@@ -46,8 +46,14 @@ def test_nested_blocks_move_each_part_once(moves) -> None:
 
 def test_flags_off_never_move_and_release_survives_errors(moves) -> None:
     sched, critic = O.OffloadSchedule(torch.device("cpu")), Role()
-    sched.add(critic, name="critic", model=critic.model, optimizer=critic.optimizer, params=False,
-              optimizer_state=True)  # fmt: skip
+    sched.add(
+        critic,
+        name="critic",
+        model=critic.model,
+        optimizer=critic.optimizer,
+        params=False,
+        optimizer_state=True,
+    )
     moves.clear()
     with pytest.raises(RuntimeError, match="boom"), sched.on_device(critic, optimizer=True):
         raise RuntimeError("boom")

@@ -129,8 +129,8 @@ def test_watch_ends_a_rank_stuck_in_one_collective_call(tmp_path: Path, monkeypa
         r"klppo: rank 2 has waited \d+ s " + where + r" 'gather_samples' \(step > gather_samples\)", text
     )
     assert (
-        f"collective_timeout_s (0.5 s), and the backend did not end it: this rank stops with exit code {COLLECTIVE_STALL_EXIT}"
-        in text
+        f"collective_timeout_s (0.5 s), and the backend did not end it: this rank stops with exit code "
+        f"{COLLECTIVE_STALL_EXIT}" in text
     )
     assert "Python stacks of every thread" in text and "in test_watch_ends_a_rank_stuck" in text  # the stacks
     message = json.loads(error_file.read_text())["message"]
@@ -168,8 +168,15 @@ def _launch_two(tmp_path: Path, source: str, args: list[str]) -> list[subprocess
     root = str(Path(__file__).resolve().parents[2])
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, KLPPO_STALL_T0=repr(time.time()))  # fmt: skip
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            KLPPO_STALL_T0=repr(time.time()),
+        )
         env["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
         procs.append(
             subprocess.Popen([sys.executable, str(script), *args], env=env, stderr=subprocess.PIPE, text=True)

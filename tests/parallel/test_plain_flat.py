@@ -208,7 +208,8 @@ def test_the_per_step_elementwise_work_is_a_few_kernels_whatever_the_number_of_p
 def test_the_models_own_to_leaves_views_already_on_the_device_in_place():
     """``to`` moves each buffer whole and points the views into it; the model's ``to`` that follows (its
     buffers, the loose parameters) then finds the laid-out parameters on the device and must leave them:
-    here every tensor is already there, as the laid-out ones are then (the move itself: the GPU test below)."""
+    here every tensor is already there, as the laid-out ones are then (the move itself: the GPU test
+    below)."""
     ms = MasterWeights(Net(), param_dtype=BF16, reduce_dtype=FP32)
     ms.model(torch.arange(12).reshape(3, 4)).float().square().mean().backward()
     ms.accumulate_grads()

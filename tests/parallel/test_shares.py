@@ -35,8 +35,11 @@ def samples_of(mine: Batch) -> Batch:
     s = mine.repeat_interleave(N)
     lengths = torch.arange(len(s)) % 3 + 1 + s.prompts[:, 0]  # differing response lengths
     mask = (torch.arange(4)[None, :] < lengths[:, None].clamp(max=4)).float()
-    return s.replace(responses=s.prompts[:, :1].repeat(1, 4) + 100, response_mask=mask,
-                     token_level_scores=mask * s.prompts[:, :1])  # fmt: skip
+    return s.replace(
+        responses=s.prompts[:, :1].repeat(1, 4) + 100,
+        response_mask=mask,
+        token_level_scores=mask * s.prompts[:, :1],
+    )
 
 
 def test_one_process_is_identity() -> None:
@@ -71,11 +74,17 @@ def _worker(rank: int, port: int, out: dict) -> None:
         kept = rows_with_advantage(tagged.advantages, tagged.response_mask, num_shares=dist.get_world_size())
         update_share = shard_for_update(tagged.select(kept), balance=True)
         out[rank] = dict(
-            kept=kept, update_rows=update_share.old_log_probs[:, 0].long().tolist(),
-            mine=mine.uid, batch_responses=batch.responses, batch_uid=batch.uid, plain=plain.uid,
-            balanced_tokens=float(balanced.attention_mask.sum()), balanced_rows=balanced.prompts[:, 0].tolist(),
-            metrics=reduce_metrics({"x": float(rank), "y": 1.0}), padded=(share.uid, real),
-        )  # fmt: skip
+            kept=kept,
+            update_rows=update_share.old_log_probs[:, 0].long().tolist(),
+            mine=mine.uid,
+            batch_responses=batch.responses,
+            batch_uid=batch.uid,
+            plain=plain.uid,
+            balanced_tokens=float(balanced.attention_mask.sum()),
+            balanced_rows=balanced.prompts[:, 0].tolist(),
+            metrics=reduce_metrics({"x": float(rank), "y": 1.0}),
+            padded=(share.uid, real),
+        )
     finally:
         dist.destroy_process_group()
 

@@ -36,8 +36,10 @@ def test_regions_tile_each_weight(kv, tp):
                 count.narrow(r.dim, r.start, r.stop - r.start).add_(1)
         if ".k_proj." in name or ".v_proj." in name:
             per_rank = max(kv // tp, 1) * head
-            assert all(layout.region(name, p.shape, t).stop - layout.region(name, p.shape, t).start == per_rank
-                       for t in range(tp))  # fmt: skip
+            assert all(
+                layout.region(name, p.shape, t).stop - layout.region(name, p.shape, t).start == per_rank
+                for t in range(tp)
+            )
             assert bool((count == max(tp // kv, 1)).all()), name  # KV heads replicated when kv < tp
         elif "norm" in name or name.endswith(("o_proj.bias", "down_proj.bias")):
             assert bool((count == tp).all()), name  # whole on every rank

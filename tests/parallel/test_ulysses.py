@@ -36,8 +36,16 @@ def _reference(num_kv_heads: int) -> dict:
     ids, mask, R = W.sequences()
     policy = W.new_policy(num_kv_heads)
     enable_packed_attention(policy)
-    lp, ent = forward_log_probs(policy, ids, mask, None, response_length=R, temperature=0.7,
-                                use_remove_padding=True, calculate_entropy=True)  # fmt: skip
+    lp, ent = forward_log_probs(
+        policy,
+        ids,
+        mask,
+        None,
+        response_length=R,
+        temperature=0.7,
+        use_remove_padding=True,
+        calculate_entropy=True,
+    )
     (lp.sum() + 0.1 * ent.sum()).backward()
     critic = W.new_critic(num_kv_heads)
     enable_packed_attention(critic)

@@ -48,8 +48,13 @@ def new_critic(num_kv_heads: int) -> torch.nn.Module:
 
 
 def main(rank: int, port: int, world: int, out_dir: str, kv_heads: tuple[int, ...]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     dist.init_process_group("gloo")
     try:
         for num_kv_heads in kv_heads:
@@ -85,8 +90,17 @@ def _run(rank: int, world: int, out: Path, num_kv_heads: int) -> None:
 
         fp32_lm_head(policy)
     seen = _record_tokens(policy)
-    lp, ent = ulysses.forward_log_probs(policy, ids, mask, None, response_length=R, temperature=0.7,
-                                         calculate_entropy=True, sp=sp, fused=fused)  # fmt: skip
+    lp, ent = ulysses.forward_log_probs(
+        policy,
+        ids,
+        mask,
+        None,
+        response_length=R,
+        temperature=0.7,
+        calculate_entropy=True,
+        sp=sp,
+        fused=fused,
+    )
     (lp.sum() + 0.1 * ent.sum()).backward()
     results["policy"] = {"log_probs": lp.detach(), "entropy": ent.detach(), "grads": _summed_grads(policy)}
     results["tokens_seen"] = seen

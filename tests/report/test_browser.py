@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-# the runs of the session fixture tiny_runs (conftest.py) are trained once, by the one xdist worker of the group
+# the runs of the session fixture tiny_runs (conftest.py) are trained once, by the one xdist worker of the
+# group
 pytestmark = pytest.mark.xdist_group("report_runs")
 
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "report.png"
@@ -73,8 +74,10 @@ def _with_binary(url: str, out: Path, tmp: Path) -> bool:
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={tmp}"]
     subprocess.run(
         [binary, *flags, f"--window-size={WIDTH},{HEIGHT}", f"--screenshot={out}", url],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return out.is_file()
 
 

@@ -9,14 +9,26 @@ import pytest
 
 from tests.report.conftest import STEPS
 
-# the runs of the session fixture tiny_runs (conftest.py) are trained once, by the one xdist worker of the group
+# the runs of the session fixture tiny_runs (conftest.py) are trained once, by the one xdist worker of the
+# group
 pytestmark = pytest.mark.xdist_group("report_runs")
 
 pytest.importorskip("matplotlib")
 
 # the figures a CPU run with a reference (KL loss), validation and the run monitor (on by default) logs
-EXPECTED = {"score", "kl", "entropy", "response_length", "advantages", "update", "timing", "throughput",
-            "memory", "validation", "monitor"}  # fmt: skip
+EXPECTED = {
+    "score",
+    "kl",
+    "entropy",
+    "response_length",
+    "advantages",
+    "update",
+    "timing",
+    "throughput",
+    "memory",
+    "validation",
+    "monitor",
+}
 
 
 def _figures(page: str) -> dict[str, bytes]:
@@ -111,8 +123,8 @@ def test_missing_matplotlib_is_one_line(tiny_runs, monkeypatch, tmp_path, capsys
     assert main(["report", str(tiny_runs[0]), "-o", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert (
-        err
-        == "klppo report: the run report draws with matplotlib, which is not installed: pip install 'klppo[plot]'"
+        err == "klppo report: the run report draws with matplotlib, which is not installed: pip install "
+        "'klppo[plot]'"
     )
     from klppo.report import load_run
 
@@ -126,8 +138,15 @@ def test_non_finite_values_leave_a_gap_and_a_red_x():
     from klppo.report.figures import FIGURES, make_figure
     from klppo.report.runs import run_from_history
 
-    run = run_from_history("nan-run", [(1, {"actor/entropy": 1.0}), (2, {"actor/entropy": math.nan}),
-                                       (3, {"actor/entropy": math.inf}), (4, {"actor/entropy": 0.5})])  # fmt: skip
+    run = run_from_history(
+        "nan-run",
+        [
+            (1, {"actor/entropy": 1.0}),
+            (2, {"actor/entropy": math.nan}),
+            (3, {"actor/entropy": math.inf}),
+            (4, {"actor/entropy": 0.5}),
+        ],
+    )
     ax = make_figure(next(s for s in FIGURES if s.slug == "entropy"), [run]).axes[0]
     curve, marks = ax.get_lines()
     assert list(curve.get_xdata()) == [1, 2, 3, 4]

@@ -29,7 +29,10 @@ def test_the_arithmetic_set_is_named_for_its_task_and_scored_as_gsm8k():
     assert {r["data_source"] for r in rows} == {"arithmetic"}
     assert get_scorer("arithmetic") is gsm8k_scorer.compute_score
     truth = rows[0]["reward_model"]["ground_truth"]
-    assert RewardManager().score([f"#### {truth}", "#### x"], ["arithmetic"] * 2, [truth] * 2, [{}] * 2) == [1.0, 0.0]
+    assert RewardManager().score([f"#### {truth}", "#### x"], ["arithmetic"] * 2, [truth] * 2, [{}] * 2) == [
+        1.0,
+        0.0,
+    ]
 
 
 def test_manager_builtin_scores_and_kwargs():
@@ -58,8 +61,7 @@ def test_custom_function_verl_style(tmp_path):
     path.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):\n"
         "    return {'score': float(solution_str == ground_truth) + bonus + extra_info['w'], 'acc': 1}\n"
-        "def plain(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return len(data_source)\n"
+        "def plain(data_source, solution_str, ground_truth, extra_info=None):\n    return len(data_source)\n"
         "VALUE = 3\n"
     )
     mgr = RewardManager(custom_fn_path=str(path), reward_kwargs={"bonus": 0.5})

@@ -119,7 +119,8 @@ class RecordingCapture:
 class WarmupRecordingCapture(RecordingCapture):
     """:class:`RecordingCapture` preceded by one unrecorded run of the step on the static inputs (its
     gradients dropped), as :func:`klppo.roles.graphed.capture_cuda` warms up before capturing; during the
-    recorded run packed attention is told that a capture is under way (``attention._capturing``), as on CUDA."""
+    recorded run packed attention is told that a capture is under way (``attention._capturing``), as on
+    CUDA."""
 
     def __call__(self, step, static: list[torch.Tensor], params: Sequence[torch.nn.Parameter], *, pool=None):
         from klppo.batching import attention

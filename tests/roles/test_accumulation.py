@@ -25,11 +25,14 @@ def _batch(seed: int = 0) -> Batch:
     mask[1, 3:] = 0
     mask[2, 1:] = 0
     return Batch(
-        prompts=prompts, prompt_mask=prompt_mask, responses=responses, response_mask=mask,
+        prompts=prompts,
+        prompt_mask=prompt_mask,
+        responses=responses,
+        response_mask=mask,
         old_log_probs=-5.0 + 0.1 * torch.randn(B, R, generator=g) * mask,
         ref_log_probs=-5.0 + 0.1 * torch.randn(B, R, generator=g) * mask,
         advantages=torch.randn(B, R, generator=g) * mask,
-    )  # fmt: skip
+    )
 
 
 def _update(micro_size: int, loss_mode: str, agg: str) -> list[torch.Tensor]:
@@ -37,12 +40,17 @@ def _update(micro_size: int, loss_mode: str, agg: str) -> list[torch.Tensor]:
     actor = Actor(
         model,
         ActorSettings(
-            mini_batch_size=4, update_micro=MicroBatching(micro_batch_size=micro_size),
-            loss_agg_mode=agg, loss_mode=loss_mode, entropy_coeff=0.01, use_kl_loss=True,
-            kl_loss_type="low_var_kl", grad_clip=1e9,
+            mini_batch_size=4,
+            update_micro=MicroBatching(micro_batch_size=micro_size),
+            loss_agg_mode=agg,
+            loss_mode=loss_mode,
+            entropy_coeff=0.01,
+            use_kl_loss=True,
+            kl_loss_type="low_var_kl",
+            grad_clip=1e9,
         ),
         OptimSettings(lr=0.1, optimizer="SGD", weight_decay=0.0),
-    )  # fmt: skip
+    )
     actor.update_policy(_batch())
     return [p.detach().clone() for p in model.parameters()]
 

@@ -34,7 +34,8 @@ CPU = torch.device("cpu")
 
 
 def _infinite_loss(actor: Actor):
-    """The actor's micro-batch loss plus an infinite constant (no gradient): the gradient norm stays finite."""
+    """The actor's micro-batch loss plus an infinite constant (no gradient): the gradient norm stays
+    finite."""
     real = actor._micro_loss
 
     def micro_loss(mb, *args):
@@ -76,8 +77,10 @@ def test_device_skip_equals_the_host_decision(monkeypatch):
         else:
             assert_same(d["metrics"], h["metrics"], nan_floats=True)
     # the skips did happen: the steps between the calls moved the weights, the skipped calls did not
-    moved = [not torch.equal(a["model"]["model.embed_tokens.weight"], b["model"]["model.embed_tokens.weight"])
-             for a, b in zip(dev_states, dev_states[1:])]  # fmt: skip
+    moved = [
+        not torch.equal(a["model"]["model.embed_tokens.weight"], b["model"]["model.embed_tokens.weight"])
+        for a, b in zip(dev_states, dev_states[1:])
+    ]
     assert moved == [call + 1 not in SKIPPED_CALLS for call in range(W.CALLS - 1)]
 
 

@@ -27,9 +27,11 @@ def _batch() -> Batch:
     mask[1, 2:] = 0
     mask[3, 4:] = 0
     return Batch(
-        prompts=torch.randint(3, 300, (B, P), generator=g), prompt_mask=prompt_mask,
-        responses=torch.randint(3, 300, (B, R), generator=g), response_mask=mask,
-    )  # fmt: skip
+        prompts=torch.randint(3, 300, (B, P), generator=g),
+        prompt_mask=prompt_mask,
+        responses=torch.randint(3, 300, (B, R), generator=g),
+        response_mask=mask,
+    )
 
 
 def _model(seed: int):

@@ -139,7 +139,8 @@ def test_signature_tells_shapes_dtypes_and_the_extra_key_apart():
     assert signature([a], extra=(1,)) != signature([a], extra=(2,))
 
 
-# ---- the trained roles: graphed update == eager update, bit for bit (the capture replaced by the CPU stand-in)
+# ---- the trained roles: graphed update == eager update, bit for bit (the capture replaced by the CPU
+# stand-in)
 
 
 def _graph_actor(
@@ -161,10 +162,15 @@ def _graph_actor(
     enable_packed_attention(model)
     masters = plain_model(model, FSDPSettings(param_dtype=compute_dtype, reduce_dtype=torch.float32))
     settings = ActorSettings(
-        mini_batch_size=4, update_micro=MicroBatching(micro_batch_size=2), grad_clip=W.GRAD_CLIP,
-        use_kl_loss=kl, kl_loss_type="low_var_kl", entropy_coeff=0.01, use_remove_padding=True,
+        mini_batch_size=4,
+        update_micro=MicroBatching(micro_batch_size=2),
+        grad_clip=W.GRAD_CLIP,
+        use_kl_loss=kl,
+        kl_loss_type="low_var_kl",
+        entropy_coeff=0.01,
+        use_remove_padding=True,
         cuda_graph_update=graphed,
-    )  # fmt: skip
+    )
     actor = Actor(model, settings, W.OPTIM, masters=masters)
     capture = capture or FakeCapture()
     if graphed and device == "cpu":  # on CUDA the role's own MicroGraphs captures for real
@@ -177,9 +183,12 @@ def with_forward_capture(role, capture):
     """The role's no-grad pass graphs with the CPU stand-in ``capture``, in its update graphs' pool (as the
     role builds them)."""
     role.forward_graphs = MicroGraphs(
-        (), capture=capture, key_name=role.forward_graphs.key_name, what="a no-grad forward",
+        (),
+        capture=capture,
+        key_name=role.forward_graphs.key_name,
+        what="a no-grad forward",
         shares_pool_with=role.graphs,
-    )  # fmt: skip
+    )
 
 
 def _batch(call: int, device: str = "cpu"):
@@ -257,9 +266,13 @@ def _graph_critic(graphed: bool, *, forward_micro: int = 8):
     model = AutoModelForTokenClassification.from_config(config)
     enable_packed_attention(model)
     masters = plain_model(model, FSDPSettings(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    settings = CriticSettings(mini_batch_size=4, update_micro=MicroBatching(micro_batch_size=2),
-                              forward_micro=MicroBatching(micro_batch_size=forward_micro),
-                              use_remove_padding=True, cuda_graph_update=graphed)  # fmt: skip
+    settings = CriticSettings(
+        mini_batch_size=4,
+        update_micro=MicroBatching(micro_batch_size=2),
+        forward_micro=MicroBatching(micro_batch_size=forward_micro),
+        use_remove_padding=True,
+        cuda_graph_update=graphed,
+    )
     critic = Critic(model, settings, OptimSettings(lr=1e-2, warmup_steps=1, total_steps=10), masters=masters)
     if graphed:
         critic.graphs = MicroGraphs(list(model.parameters()), capture=FakeCapture())
@@ -393,7 +406,8 @@ def test_a_replay_attends_within_its_own_sequence_boundaries():
     """Micro-batches of the same shapes but other sequence lengths (other cu_seqlens values) replay one graph.
     The packed attention's block mask (sdpa_block on CPU, flex on CUDA in fp32) is cached per cu_seqlens
     tensor; the capture, after a warm-up on the same static tensor (WarmupRecordingCapture, as capture_cuda),
-    must build the mask inside the graph rather than read the warm-up's: the graphed update equals the eager."""
+    must build the mask inside the graph rather than read the warm-up's: the graphed update equals the
+    eager."""
     from tests.roles.graph_fakes import WarmupRecordingCapture
 
     torch.set_num_threads(1)

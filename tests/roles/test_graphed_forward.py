@@ -1,5 +1,6 @@
 """The no-grad passes as CUDA graphs (klppo.roles.graphed, ``fsdp_config.cuda_graph_update``): the actor's old
-log-probs, the reference's log-probs and the critic's values, graphed == eager bit for bit with the CPU stand-ins
+log-probs, the reference's log-probs and the critic's values, graphed == eager bit for bit with the CPU
+stand-ins
 for capture (tests/roles/graph_fakes.py) over micro-batches of a repeated shape and new ones; the refusals; a
 failed capture and out of memory."""
 
@@ -16,7 +17,8 @@ from klppo.roles.graphed import MicroGraphs, signature
 from tests.roles.graph_fakes import FakeCapture, WarmupRecordingCapture
 from tests.roles.test_graphed import _batch, _graph_actor, _graph_critic
 
-# calls whose responses are all full (one packed shape per micro-batch of 2 rows), and calls 0 and 1 whose rows
+# calls whose responses are all full (one packed shape per micro-batch of 2 rows), and calls 0 and 1 whose
+# rows
 # 1 and 5 are short (micro-batches of rows 0-1 and 4-5: two more shapes, met first mid-run)
 CALLS = (2, 3, 0, 4, 1, 5)
 KEY = "actor_rollout_ref.ref.fsdp_config.cuda_graph_update"
@@ -81,9 +83,12 @@ def _reference(graphed: bool, capture=None, *, use_remove_padding: bool = True, 
     enable_packed_attention(model)
     cast_params(model, torch.bfloat16)  # the plain path's reference: the compute copy alone
     ref = Reference(
-        model, micro=MicroBatching(micro_batch_size=2), use_remove_padding=use_remove_padding,
-        adapters_off=adapters_off, cuda_graph=graphed,
-    )  # fmt: skip
+        model,
+        micro=MicroBatching(micro_batch_size=2),
+        use_remove_padding=use_remove_padding,
+        adapters_off=adapters_off,
+        cuda_graph=graphed,
+    )
     if graphed and capture is not None:
         ref.graphs = MicroGraphs((), capture=capture, key_name=KEY, what="a no-grad forward")
     return ref

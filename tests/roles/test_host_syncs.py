@@ -85,13 +85,16 @@ def _batch(B: int = 8, seed: int = 0) -> Batch:
     mask[1, 3:] = 0
     mask[2, 1:] = 0
     return Batch(
-        prompts=torch.randint(3, 300, (B, P), generator=g), prompt_mask=prompt_mask,
-        responses=torch.randint(3, 300, (B, R), generator=g), response_mask=mask,
+        prompts=torch.randint(3, 300, (B, P), generator=g),
+        prompt_mask=prompt_mask,
+        responses=torch.randint(3, 300, (B, R), generator=g),
+        response_mask=mask,
         old_log_probs=-5.0 + 0.1 * torch.randn(B, R, generator=g) * mask,
         ref_log_probs=-5.0 + 0.1 * torch.randn(B, R, generator=g) * mask,
-        advantages=torch.randn(B, R, generator=g) * mask, values=torch.randn(B, R, generator=g) * mask,
+        advantages=torch.randn(B, R, generator=g) * mask,
+        values=torch.randn(B, R, generator=g) * mask,
         returns=torch.randn(B, R, generator=g) * mask,
-    )  # fmt: skip
+    )
 
 
 def _actor(micro: int, rmpad: bool, fused: bool) -> Actor:
@@ -99,9 +102,13 @@ def _actor(micro: int, rmpad: bool, fused: bool) -> Actor:
     enable_packed_attention(model)
     fp32_lm_head(model)
     settings = ActorSettings(
-        mini_batch_size=4, update_micro=MicroBatching(micro_batch_size=micro), entropy_coeff=0.01,
-        use_kl_loss=True, use_remove_padding=rmpad, use_fused_kernels=fused,
-    )  # fmt: skip
+        mini_batch_size=4,
+        update_micro=MicroBatching(micro_batch_size=micro),
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        use_remove_padding=rmpad,
+        use_fused_kernels=fused,
+    )
     return Actor(model, settings, OptimSettings(lr=1e-3, optimizer="SGD"))
 
 
@@ -113,8 +120,9 @@ def _critic(micro: int, rmpad: bool) -> Critic:
     torch.manual_seed(1)
     model = AutoModelForTokenClassification.from_config(config)
     enable_packed_attention(model)
-    settings = CriticSettings(mini_batch_size=4, update_micro=MicroBatching(micro_batch_size=micro),
-                              use_remove_padding=rmpad)  # fmt: skip
+    settings = CriticSettings(
+        mini_batch_size=4, update_micro=MicroBatching(micro_batch_size=micro), use_remove_padding=rmpad
+    )
     return Critic(model, settings, OptimSettings(lr=1e-3, optimizer="SGD"))
 
 
@@ -171,10 +179,21 @@ def test_host_planned_packing_equals_the_device_one():
     results = []
     for host_mask in (None, host):
         actor, critic = _actor(1, True, fused=False), _critic(1, True)
-        lp, ent = forward_log_probs(actor.model, *args, response_length=batch.response_length,
-                                    use_remove_padding=True, calculate_entropy=True, host_mask=host_mask)  # fmt: skip
-        values = forward_values(critic.model, *args, response_length=batch.response_length,
-                                use_remove_padding=True, host_mask=host_mask)  # fmt: skip
+        lp, ent = forward_log_probs(
+            actor.model,
+            *args,
+            response_length=batch.response_length,
+            use_remove_padding=True,
+            calculate_entropy=True,
+            host_mask=host_mask,
+        )
+        values = forward_values(
+            critic.model,
+            *args,
+            response_length=batch.response_length,
+            use_remove_padding=True,
+            host_mask=host_mask,
+        )
         (lp.sum() + ent.sum() + values.sum()).backward()
         grads = [p.grad for p in [*actor.model.parameters(), *critic.model.parameters()]]
         results.append([lp, ent, values, *grads])

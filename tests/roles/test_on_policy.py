@@ -25,12 +25,14 @@ def _batch(seed: int = 0) -> Batch:
     mask[1, 3:] = 0
     mask[2, 1:] = 0
     return Batch(
-        prompts=torch.randint(3, 300, (B, P), generator=g), prompt_mask=prompt_mask,
-        responses=torch.randint(3, 300, (B, R), generator=g), response_mask=mask,
+        prompts=torch.randint(3, 300, (B, P), generator=g),
+        prompt_mask=prompt_mask,
+        responses=torch.randint(3, 300, (B, R), generator=g),
+        response_mask=mask,
         rollout_log_probs=-5.0 + 0.1 * torch.randn(B, R, generator=g) * mask,
         ref_log_probs=-5.0 + 0.1 * torch.randn(B, R, generator=g) * mask,
         advantages=torch.randn(B, R, generator=g) * mask,
-    )  # fmt: skip
+    )
 
 
 def _actor(loss_mode: str, *, skip: bool, mini: int = 4, epochs: int = 1) -> Actor:
@@ -39,13 +41,20 @@ def _actor(loss_mode: str, *, skip: bool, mini: int = 4, epochs: int = 1) -> Act
     return Actor(
         model,
         ActorSettings(
-            mini_batch_size=mini, ppo_epochs=epochs, update_micro=MicroBatching(micro_batch_size=2),
-            log_prob_micro=MicroBatching(micro_batch_size=3), loss_mode=loss_mode, entropy_coeff=0.01,
-            use_kl_loss=True, kl_loss_type="low_var_kl", grad_clip=1e9, use_remove_padding=True,
+            mini_batch_size=mini,
+            ppo_epochs=epochs,
+            update_micro=MicroBatching(micro_batch_size=2),
+            log_prob_micro=MicroBatching(micro_batch_size=3),
+            loss_mode=loss_mode,
+            entropy_coeff=0.01,
+            use_kl_loss=True,
+            kl_loss_type="low_var_kl",
+            grad_clip=1e9,
+            use_remove_padding=True,
             skip_old_log_prob_on_policy=skip,
         ),
         OptimSettings(lr=1.0, optimizer="SGD", weight_decay=0.0),  # parameter change = −gradient
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "geo_mean"])

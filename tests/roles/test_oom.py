@@ -38,8 +38,10 @@ def test_halves_until_it_fits_and_keeps_the_smaller_size():
 
 def test_token_budget_halved_with_dynamic_bsz_and_limits():
     assert halved(MicroBatching(micro_batch_size=4, use_dynamic_bsz=True, max_token_len=1000)) == (
-        "max_token_len", 1000, 500,
-    )  # fmt: skip
+        "max_token_len",
+        1000,
+        500,
+    )
     assert halved(MicroBatching(micro_batch_size=1)) is None
     rec, model = OOMRecovery("critic"), torch.nn.Linear(2, 2)
     rec.max_retries = 1

@@ -56,10 +56,14 @@ def _batch(tok, texts: list[str]) -> Batch:
         ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r, dtype=torch.long), 1.0
     n = len(rows)
     return Batch(
-        prompts=torch.zeros(n, 2, dtype=torch.long), prompt_mask=torch.ones(n, 2, dtype=torch.long),
-        responses=ids, response_mask=mask, data_source=["x"] * n, ground_truth=["1"] * n,
+        prompts=torch.zeros(n, 2, dtype=torch.long),
+        prompt_mask=torch.ones(n, 2, dtype=torch.long),
+        responses=ids,
+        response_mask=mask,
+        data_source=["x"] * n,
+        ground_truth=["1"] * n,
         extra_info=[{"row": i} for i in range(n)],
-    )  # fmt: skip
+    )
 
 
 def _reward(tmp_path: Path, source: str, *, background: bool) -> Reward:
@@ -70,7 +74,8 @@ def _reward(tmp_path: Path, source: str, *, background: bool) -> Reward:
 
 @pytest.fixture(scope="module")
 def background(tmp_path_factory):
-    """One background reward of 3 workers shared by the tests that leave it working (spawning costs seconds)."""
+    """One background reward of 3 workers shared by the tests that leave it working (spawning costs
+    seconds)."""
     path = tmp_path_factory.mktemp("fn") / "score_or_raise.py"
     path.write_text(SCORE_OR_RAISE)
     reward = Reward(build_tiny_tokenizer(), custom_fn_path=str(path), background=True, num_workers=3)
@@ -241,8 +246,14 @@ def test_a_trainer_that_dies_while_its_worker_holds_the_gil_leaves_no_scoring_pr
     fn = tmp_path / "fn.py"
     fn.write_text(SLOW_OR_STUCK)
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", ORPHAN_BUSY, str(fn)], capture_output=True, text=True,
-                         timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", ORPHAN_BUSY, str(fn)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.strip())
     deadline = time.monotonic() + 10

@@ -24,9 +24,11 @@ def test_batched_decode_equals_the_per_row_decode(monkeypatch):
     special = (special * 3)[:3]
     ids, mask = _rows(len(tok), special)
     batch = Batch(
-        prompts=torch.zeros(12, 2, dtype=torch.long), prompt_mask=torch.ones(12, 2, dtype=torch.long),
-        responses=ids, response_mask=mask,
-    )  # fmt: skip
+        prompts=torch.zeros(12, 2, dtype=torch.long),
+        prompt_mask=torch.ones(12, 2, dtype=torch.long),
+        responses=ids,
+        response_mask=mask,
+    )
     want = [tok.decode(r[: int(m.sum())].tolist(), skip_special_tokens=True) for r, m in zip(ids, mask)]
     batched = []
     backend_decode_batch = tok.backend_tokenizer.decode_batch

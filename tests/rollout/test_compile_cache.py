@@ -12,8 +12,15 @@ import torch._inductor.config as inductor_config
 from klppo.models.compile_cache import use_persistent_cache
 from klppo.rollout.compiled import CompiledFunctions
 
-VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KLPPO_CACHE", "XDG_CACHE_HOME", "KLPPO_COMPILE_CACHE",
-        "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")  # fmt: skip
+VARS = (
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+    "KLPPO_CACHE",
+    "XDG_CACHE_HOME",
+    "KLPPO_COMPILE_CACHE",
+    "TORCHINDUCTOR_FX_GRAPH_CACHE",
+    "TORCHINDUCTOR_AUTOGRAD_CACHE",
+)
 
 
 @pytest.fixture

@@ -17,8 +17,13 @@ from tests.rollout.conftest import left_padded, reference_log_probs
 
 PROMPTS = [[1, 10, 20, 30, 40, 50], [1, 7, 8], [1, 99, 100, 101, 102], [5], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
-CPU_AND_CUDA = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                                  reason="needs CUDA")])]  # fmt: skip
+CPU_AND_CUDA = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
 """``device`` parameters of a test that runs on the CPU and, marked ``gpu``, on CUDA where there is one."""
 
 ARCHS = [
@@ -36,9 +41,13 @@ def test_greedy_identical_to_hf_with_continuous_batching(arch, kwargs) -> None:
     model = build_tiny_model(arch=arch, **kwargs).eval()
     prompts, prompt_mask = left_padded(PROMPTS)
     params = SamplingParams(max_new_tokens=24, n=2, do_sample=False)
-    ref = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2)).generate(model, prompts, prompt_mask, params)
+    ref = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2)).generate(
+        model, prompts, prompt_mask, params
+    )
     # 10 sequences through 3 slots: finished slots must take the waiting sequences
-    engine = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=5))
+    engine = make_rollout(
+        "klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=3, eos_check_every=5)
+    )
     out = engine.generate(model, prompts, prompt_mask, params)
     assert out.stats["rollout/num_slots"] == 3
     assert torch.equal(out.responses, ref.responses)
@@ -49,9 +58,13 @@ def test_greedy_identical_to_hf_with_continuous_batching(arch, kwargs) -> None:
 def test_rope_scaling_and_eos_mask_match_hf() -> None:
     model = build_tiny_model(arch="llama").eval()
     model.config.rope_parameters = {
-        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-    }  # fmt: skip
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
@@ -64,7 +77,9 @@ def test_rope_scaling_and_eos_mask_match_hf() -> None:
     ref = make_rollout("hf", EngineSettings(eos_token_ids=eos_ids, pad_token_id=0)).generate(
         model, prompts, prompt_mask, greedy
     )
-    out = make_rollout("klppo", EngineSettings(eos_token_ids=eos_ids, pad_token_id=0, max_num_seqs=2, eos_check_every=3)).generate(model, prompts, prompt_mask, greedy)
+    out = make_rollout(
+        "klppo", EngineSettings(eos_token_ids=eos_ids, pad_token_id=0, max_num_seqs=2, eos_check_every=3)
+    ).generate(model, prompts, prompt_mask, greedy)
     assert ref.response_mask[0].sum() <= 5 and ref.response_mask.sum() < ref.response_mask.numel()
     assert torch.equal(out.responses, ref.responses)
     assert torch.equal(out.response_mask, ref.response_mask)
@@ -72,7 +87,9 @@ def test_rope_scaling_and_eos_mask_match_hf() -> None:
 
 def test_sampled_log_probs_match_full_forward_and_seed_reproducible(tiny_qwen2) -> None:
     prompts, prompt_mask = left_padded(PROMPTS)
-    engine = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=4, eos_check_every=4))
+    engine = make_rollout(
+        "klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=4, eos_check_every=4)
+    )
     params = SamplingParams(max_new_tokens=16, n=3, temperature=0.8, top_k=40, top_p=0.9, seed=11)
     out = engine.generate(tiny_qwen2, prompts, prompt_mask, params)
     ref = reference_log_probs(tiny_qwen2, prompts, prompt_mask, out.responses, out.response_mask, 0.8, 3)
@@ -152,7 +169,8 @@ def test_fallback_and_cache_lifecycle(tiny_qwen2) -> None:
 
 
 def test_fused_projections_match_and_follow_in_place_weight_updates() -> None:
-    """Fused [q;k;v]/[gate;up] copies give hf's (unfused) results, and a kept workspace re-reads the weights."""
+    """Fused [q;k;v]/[gate;up] copies give hf's (unfused) results, and a kept workspace re-reads the
+    weights."""
     model = build_tiny_model(arch="qwen2").eval()  # q/k/v biases
     prompts, prompt_mask = left_padded(PROMPTS)
     params = SamplingParams(max_new_tokens=10, do_sample=False)
@@ -208,12 +226,20 @@ def test_precompile_leaves_nothing_to_compile_and_matches_eager() -> None:
     made = len(graphs)
     # two layer blocks, each for batches from 2 and for a batch of 1
     assert made == 4 and fns.last_precompile_s is not None
-    for params, batch in ((SamplingParams(max_new_tokens=9, do_sample=False), PROMPTS),
-                          (SamplingParams(max_new_tokens=9, n=2, temperature=0.7, seed=3), PROMPTS),
-                          (SamplingParams(max_new_tokens=9, temperature=0.7, seed=3), PROMPTS[:1])):  # fmt: skip
+    for params, batch in (
+        (SamplingParams(max_new_tokens=9, do_sample=False), PROMPTS),
+        (SamplingParams(max_new_tokens=9, n=2, temperature=0.7, seed=3), PROMPTS),
+        (SamplingParams(max_new_tokens=9, temperature=0.7, seed=3), PROMPTS[:1]),
+    ):
         prompts, prompt_mask = left_padded(batch)
-        ours = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3), compiled=fns)  # fmt: skip
-        eager = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=False, max_num_seqs=3))
+        ours = make_rollout(
+            "klppo",
+            EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=True, max_num_seqs=3),
+            compiled=fns,
+        )
+        eager = KLPPORollout(
+            EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=False, max_num_seqs=3)
+        )
         a = ours.generate(model, prompts, prompt_mask, params)
         b = eager.generate(model, prompts, prompt_mask, params)
         assert torch.equal(a.responses, b.responses)
@@ -269,7 +295,9 @@ def _batch_of_one_then_three(model, fns, graphs: list, device: str = "cpu") -> l
     counts = []
     for batch in (PROMPTS[:1], PROMPTS[:3]):
         prompts, prompt_mask = (t.to(device) for t in left_padded(batch))
-        ours = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=True), compiled=fns)
+        ours = KLPPORollout(
+            EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=True), compiled=fns
+        )
         eager = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=False))
         hf = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2)) if fp32 else eager
         a, b = (e.generate(model, prompts, prompt_mask, greedy) for e in (ours, hf))
@@ -297,9 +325,9 @@ def test_batch_of_one_and_larger_batches_compile_once_each() -> None:
     assert one == 2, graphs  # two layer blocks, made at batch 1
     assert three == 4, "batch 3 (buckets 2 and 3) should add one graph per function, not one per bucket"
     prompts, prompt_mask = left_padded(PROMPTS[:2])
-    KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=True), compiled=fns).generate(
-        model, prompts, prompt_mask, SamplingParams(max_new_tokens=5, temperature=0.7, seed=1)
-    )
+    KLPPORollout(
+        EngineSettings(eos_token_ids=[2], pad_token_id=2, compile_decode=True), compiled=fns
+    ).generate(model, prompts, prompt_mask, SamplingParams(max_new_tokens=5, temperature=0.7, seed=1))
     assert len(graphs) == three, "a batch of 2 compiled again"
     torch._dynamo.reset()
 
@@ -342,7 +370,9 @@ def test_samples_of_a_prompt_share_its_prefill(tiny_qwen2) -> None:
     assert sum(lengths) <= out.stats["rollout/prefill_tokens"] < 4 * sum(lengths)
     # sampled: siblings finish at different times, so later samples copy the prefix from a busy sibling
     params = SamplingParams(max_new_tokens=12, n=4, temperature=1.3, seed=7)
-    many_eos = KLPPORollout(EngineSettings(eos_token_ids=list(range(2, 120)), pad_token_id=2, max_num_seqs=3, eos_check_every=1))
+    many_eos = KLPPORollout(
+        EngineSettings(eos_token_ids=list(range(2, 120)), pad_token_id=2, max_num_seqs=3, eos_check_every=1)
+    )
     out = many_eos.generate(tiny_qwen2, prompts, prompt_mask, params)
     assert out.stats["rollout/prefix_reused"] > 0
     ref = reference_log_probs(tiny_qwen2, prompts, prompt_mask, out.responses, out.response_mask, 1.3, 4)
@@ -362,7 +392,9 @@ def test_precompile_waits_while_model_loading_switches_the_default_dtype() -> No
         assert DEFAULT_DTYPE_LOCK.locked()
         torch.set_default_dtype(torch.bfloat16)
         try:
-            fns.start_precompile(model.config, EngineSettings(compile_decode=True), dtype=torch.float32, device="cpu")
+            fns.start_precompile(
+                model.config, EngineSettings(compile_decode=True), dtype=torch.float32, device="cpu"
+            )
             time.sleep(0.5)
             assert graphs == []
         finally:
@@ -383,7 +415,11 @@ def test_compacted_slots_match_hf_and_the_float64_reference(tiny_qwen2) -> None:
     ref = make_rollout("hf", EngineSettings(eos_token_ids=eos, pad_token_id=2)).generate(
         tiny_qwen2, prompts, prompt_mask, greedy
     )
-    engine = KLPPORollout(EngineSettings(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True, compact_min_bucket=2))  # fmt: skip
+    engine = KLPPORollout(
+        EngineSettings(
+            eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True, compact_min_bucket=2
+        )
+    )
     out = engine.generate(tiny_qwen2, prompts, prompt_mask, greedy)
     assert torch.equal(out.responses, ref.responses) and torch.equal(out.response_mask, ref.response_mask)
     torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
@@ -395,9 +431,15 @@ def test_compacted_slots_match_hf_and_the_float64_reference(tiny_qwen2) -> None:
     expected = reference_log_probs(tiny_qwen2, prompts, prompt_mask, out.responses, out.response_mask, 1.2, 2)
     torch.testing.assert_close(out.log_probs.double(), expected, atol=1e-4, rtol=0)
     # seeded reproducibility with the moves (what exact resume rests on): again, and from a new engine
-    fresh = KLPPORollout(EngineSettings(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True, compact_min_bucket=2))  # fmt: skip
-    for again in (engine.generate(tiny_qwen2, prompts, prompt_mask, sampled),
-                  fresh.generate(tiny_qwen2, prompts, prompt_mask, sampled)):  # fmt: skip
+    fresh = KLPPORollout(
+        EngineSettings(
+            eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True, compact_min_bucket=2
+        )
+    )
+    for again in (
+        engine.generate(tiny_qwen2, prompts, prompt_mask, sampled),
+        fresh.generate(tiny_qwen2, prompts, prompt_mask, sampled),
+    ):
         assert torch.equal(again.responses, out.responses) and torch.equal(again.log_probs, out.log_probs)
         assert again.stats["rollout/slot_moves"] == out.stats["rollout/slot_moves"]
     off = KLPPORollout(EngineSettings(eos_token_ids=eos, pad_token_id=2, eos_check_every=1))
@@ -497,11 +539,19 @@ def test_the_eos_check_takes_many_ids_without_a_host_sync(device) -> None:
     with profile() as prof:
         out = engine.generate(model, prompts, prompt_mask, greedy)
     assert not [e.name for e in prof.events() if e.name == "aten::_unique"]
-    eager = KLPPORollout(EngineSettings(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, cuda_graphs=False, compile_decode=False)).generate(model, prompts, prompt_mask, greedy)  # fmt: skip
+    eager = KLPPORollout(
+        EngineSettings(
+            eos_token_ids=eos, pad_token_id=2, eos_check_every=1, cuda_graphs=False, compile_decode=False
+        )
+    ).generate(model, prompts, prompt_mask, greedy)
     assert torch.equal(out.responses, eager.responses) and torch.equal(out.response_mask, eager.response_mask)
     lengths = out.response_mask.sum(1)
     assert 1 < lengths.max() and lengths.min() < greedy.max_new_tokens and lengths.min() < lengths.max()
     # with slot compaction: graphs of the smaller buckets
-    compact = KLPPORollout(EngineSettings(eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True, compact_min_bucket=2)).generate(model, prompts, prompt_mask, greedy)  # fmt: skip
+    compact = KLPPORollout(
+        EngineSettings(
+            eos_token_ids=eos, pad_token_id=2, eos_check_every=1, compact_slots=True, compact_min_bucket=2
+        )
+    ).generate(model, prompts, prompt_mask, greedy)
     assert compact.stats["rollout/slot_moves"] > 0
     assert torch.equal(compact.responses, eager.responses)

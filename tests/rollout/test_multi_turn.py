@@ -26,7 +26,8 @@ def call(name: str, **args) -> str:
 
 
 class ScriptedEngine:
-    """Answers turn t of every row with ``script[t]`` (+ EOS unless ``no_eos``); log-prob -(t+1)/10 per token."""
+    """Answers turn t of every row with ``script[t]`` (+ EOS unless ``no_eos``); log-prob -(t+1)/10 per
+    token."""
 
     def __init__(self, script: list[str], no_eos: bool = False) -> None:
         self.script, self.no_eos, self.calls = script, no_eos, 0
@@ -56,8 +57,14 @@ class ScriptedEngine:
 
 
 def rollout(engine, tools=None, interactions=None, **limits) -> MultiTurnRollout:
-    return MultiTurnRollout(engine, tokenizer=TOK, settings=MultiTurnSettings(**limits), eos_token_ids=(EOS,),
-                            tools=tools, interactions=interactions)  # fmt: skip
+    return MultiTurnRollout(
+        engine,
+        tokenizer=TOK,
+        settings=MultiTurnSettings(**limits),
+        eos_token_ids=(EOS,),
+        tools=tools,
+        interactions=interactions,
+    )
 
 
 def prompt(text: str = "What is 12 plus 7?"):
@@ -72,9 +79,13 @@ def test_three_turns_layout_masks_and_log_probs():
     out = rollout(ScriptedEngine(script), tools={"calculator": CalculatorTool()}).generate(
         None, ids, mask, SamplingParams(max_new_tokens=200, n=2), raw_prompt=messages
     )
-    convo = messages[0] + [{"role": "assistant", "content": script[0]}, {"role": "tool", "content": "19"},
-                        {"role": "assistant", "content": script[1]}, {"role": "tool", "content": "38"},
-                        {"role": "assistant", "content": script[2]}]  # fmt: skip
+    convo = messages[0] + [
+        {"role": "assistant", "content": script[0]},
+        {"role": "tool", "content": "19"},
+        {"role": "assistant", "content": script[1]},
+        {"role": "tool", "content": "38"},
+        {"role": "assistant", "content": script[2]},
+    ]
     expected = TOK.apply_chat_template(convo, tokenize=False)
     for row in range(2):
         k = int(out.response_attention_mask[row].sum())
@@ -122,8 +133,10 @@ def tool_answers(first_turn: str, tools: dict, **limits) -> list[str]:
 def test_bad_tools_answer_errors_and_the_run_goes_on():
     from klppo.rollout.tools.base import FunctionSpec, ToolSchema
 
-    tools = {n: c({}, ToolSchema(FunctionSpec(n))) for n, c in
-             [("raises", Raises), ("hangs", Hangs), ("huge", Huge), ("image", Image)]}  # fmt: skip
+    tools = {
+        n: c({}, ToolSchema(FunctionSpec(n)))
+        for n, c in [("raises", Raises), ("hangs", Hangs), ("huge", Huge), ("image", Image)]
+    }
     turn = (
         call("raises")
         + call("hangs")

@@ -140,7 +140,9 @@ def test_engine_sampler_option_is_checked(tiny_qwen2) -> None:
     prompts = torch.tensor([[1, 5, 7]])
     for sampler in ("auto", "torch"):  # CPU: the torch path
         engine = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2, sampler=sampler))
-        out = engine.generate(tiny_qwen2, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=2, seed=0))
+        out = engine.generate(
+            tiny_qwen2, prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=2, seed=0)
+        )
         assert out.responses.shape == (1, 2)
 
 
@@ -171,8 +173,19 @@ def _race_noise(device: str) -> torch.Tensor:
     for position in range(chunk):
         logits = torch.where(ids % chunk == position, 0.0, float("-inf")).expand(rows, -1).contiguous()
         part = torch.empty(rows, splits, 4, device=device)
-        _race_chunk_kernel[(rows, splits)](logits.to(device), vocab, vocab, chunk, 1.0, seed, part, splits,
-                                           GREEDY=False, BLOCK=block, SCALE=False)  # fmt: skip
+        _race_chunk_kernel[(rows, splits)](
+            logits.to(device),
+            vocab,
+            vocab,
+            chunk,
+            1.0,
+            seed,
+            part,
+            splits,
+            GREEDY=False,
+            BLOCK=block,
+            SCALE=False,
+        )
         part = part.cpu()
         for row, split in itertools.product(range(rows), range(splits)):
             if split * chunk + position < vocab:
@@ -188,8 +201,11 @@ def _triton_checks(draws: int, device: str) -> None:
     _check(sample_triton, draws, device, settings)
     # the chunked untruncated kernel, one and several programs per row, a temperature and none; the
     # interpreter (time): one program per row with a temperature, three without
-    combos = [(splits, t) for splits, t in itertools.product((1, 3), (0.9, 1.0))
-              if device == "cuda" or (splits == 1) == (t < 1.0)]  # fmt: skip
+    combos = [
+        (splits, t)
+        for splits, t in itertools.product((1, 3), (0.9, 1.0))
+        if device == "cuda" or (splits == 1) == (t < 1.0)
+    ]
     for splits, t in combos:
         params = SamplingParams(max_new_tokens=1, temperature=t)
         x = _logits().to(device).expand(draws // 4, -1).contiguous()
@@ -198,11 +214,14 @@ def _triton_checks(draws: int, device: str) -> None:
         law, log_p = reference(_logits(), t, -1, 1.0)
         p = chi_square_p(tokens, law)
         assert p > 0.01 / len(combos), (splits, t, p)
-        # the temperature is seen in the log-probs (χ² at the interpreter's 75 draws passed without it, p = 0.35)
+        # the temperature is seen in the log-probs (χ² at the interpreter's 75 draws passed without it, p =
+        # 0.35)
         torch.testing.assert_close(log_probs.cpu().double(), log_p[tokens.cpu()], atol=1e-5, rtol=0)
-    # ties: 2.0 at ids 1 and 5 (two chunks of 4); 3.0 at ids 0 and 3 (one chunk, two quarters) and 4 (the next)
-    logits = torch.tensor([[0.5, 2.0, -1.0, -1.0, -1.0, 2.0, 0.0, 0.0], [3.0, 1.0, 0.0, 3.0, 3.0, 0.0, 0.0, 0.0]],
-                          device=device)  # fmt: skip
+    # ties: 2.0 at ids 1 and 5 (two chunks of 4); 3.0 at ids 0 and 3 (one chunk, two quarters) and 4 (the
+    # next)
+    logits = torch.tensor(
+        [[0.5, 2.0, -1.0, -1.0, -1.0, 2.0, 0.0, 0.0], [3.0, 1.0, 0.0, 3.0, 3.0, 0.0, 0.0, 0.0]], device=device
+    )
     tokens, log_probs = sample_triton(logits, SamplingParams(do_sample=False), splits=2, block=4)
     assert tokens.tolist() == [1, 0]  # the lowest id
     torch.testing.assert_close(log_probs.cpu(), torch.log_softmax(logits.cpu(), -1)[[0, 1], [1, 0]])
@@ -224,8 +243,9 @@ def _noise_of_bits_check(device: str) -> None:
     out = torch.empty(1024, device=device)
     _noise_kernel[(1,)]((k - (k >= 2**31).long() * 2**32).int().to(device), out, N=1024)
     w = (k.double() + 0.5) / 2**32
-    torch.testing.assert_close(out.cpu().double(), -torch.log(-torch.log1p(-w)), rtol=0,
-                               atol=1e-5 if device == "cuda" else 2e-6)  # fmt: skip
+    torch.testing.assert_close(
+        out.cpu().double(), -torch.log(-torch.log1p(-w)), rtol=0, atol=1e-5 if device == "cuda" else 2e-6
+    )
 
 
 if HAS_TRITON:
@@ -244,10 +264,15 @@ def _no_winner_checks(sampler, device: str, launch: bool = False) -> None:
     """A row of -inf or NaN logits (a model gone non-finite) draws id 0 — in range, what torch's argmax
     gives — with a NaN log-prob (the trainer's non-finite checks see it), beside a normal row, for every
     sampling law; an out-of-range id would fail the next step's embedding lookup on the device."""
-    logits = torch.tensor([[float("-inf")] * 8, [float("nan")] * 8, [0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0]],
-                          device=device)  # fmt: skip
-    for params in (SamplingParams(), SamplingParams(do_sample=False), SamplingParams(top_k=2),
-                   SamplingParams(top_p=0.5)):  # fmt: skip
+    logits = torch.tensor(
+        [[float("-inf")] * 8, [float("nan")] * 8, [0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0]], device=device
+    )
+    for params in (
+        SamplingParams(),
+        SamplingParams(do_sample=False),
+        SamplingParams(top_k=2),
+        SamplingParams(top_p=0.5),
+    ):
         kwargs = {} if not launch else dict(splits=2, block=4)
         if launch and not (params.top_k < 0 and params.top_p >= 1.0):
             kwargs = dict(block=4)  # the truncated kernel: no splits, one kernel
@@ -276,8 +301,12 @@ def test_triton_sampler_matches_torch_at_full_vocabulary_on_gpu() -> None:
 
     torch.manual_seed(0)
     logits = torch.randn(64, 151936, device="cuda") * 3
-    for params in (SamplingParams(temperature=0.8), SamplingParams(top_k=20), SamplingParams(top_p=0.5),
-                   SamplingParams(do_sample=False)):  # fmt: skip
+    for params in (
+        SamplingParams(temperature=0.8),
+        SamplingParams(top_k=20),
+        SamplingParams(top_p=0.5),
+        SamplingParams(do_sample=False),
+    ):
         torch.manual_seed(1)
         tokens, log_probs = sample_triton(logits, params)
         torch.manual_seed(1)
@@ -295,7 +324,8 @@ def test_triton_sampler_matches_torch_at_full_vocabulary_on_gpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
 def test_engine_with_triton_sampler_on_gpu(tiny_qwen2) -> None:
-    """The engine with the Triton sampler (the default on CUDA; CUDA graphs): log-probs equal a recomputed forward, a seed
+    """The engine with the Triton sampler (the default on CUDA; CUDA graphs): log-probs equal a recomputed
+    forward, a seed
     reproduces the draws."""
     from klppo.rollout.engine import KLPPORollout
 
@@ -303,8 +333,10 @@ def test_engine_with_triton_sampler_on_gpu(tiny_qwen2) -> None:
     prompts = torch.randint(3, 100, (4, 6), device="cuda")
     mask = torch.ones_like(prompts)
     engine = KLPPORollout(EngineSettings(eos_token_ids=[2], pad_token_id=2))
-    for params in (SamplingParams(max_new_tokens=12, n=2, seed=3), SamplingParams(max_new_tokens=12, top_p=0.7,
-                                                                                   temperature=0.9, seed=3)):  # fmt: skip
+    for params in (
+        SamplingParams(max_new_tokens=12, n=2, seed=3),
+        SamplingParams(max_new_tokens=12, top_p=0.7, temperature=0.9, seed=3),
+    ):
         out = engine.generate(model, prompts, mask, params)
         again = engine.generate(model, prompts, mask, params)
         assert torch.equal(out.responses, again.responses)

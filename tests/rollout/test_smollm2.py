@@ -26,7 +26,10 @@ def test_smollm2_greedy_identical_to_hf(smollm2_conversion) -> None:
     ref = make_rollout("hf", EngineSettings(eos_token_ids=[im_end], pad_token_id=im_end)).generate(
         model, prompts, prompt_mask, params
     )
-    engine = make_rollout("klppo", EngineSettings(eos_token_ids=[im_end], pad_token_id=im_end, max_num_seqs=2, eos_check_every=4))
+    engine = make_rollout(
+        "klppo",
+        EngineSettings(eos_token_ids=[im_end], pad_token_id=im_end, max_num_seqs=2, eos_check_every=4),
+    )
     out = engine.generate(model, prompts, prompt_mask, params)
     assert model.config.tie_word_embeddings
     assert torch.equal(out.responses, ref.responses)

@@ -1,4 +1,5 @@
-"""Tool-call parsing, the shipped tools and interaction, the Python sandbox's limits, and the config loaders."""
+"""Tool-call parsing, the shipped tools and interaction, the Python sandbox's limits, and the config
+loaders."""
 
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ def run(coro):
 
 
 def test_hermes_calls_and_malformed_ones():
-    text = ('think <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
-            '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
-            "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call><tool_call>{\"name\": \"g\"")  # fmt: skip
+    text = (
+        'think <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+        '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+        '<tool_call>{not json}</tool_call><tool_call>[1]</tool_call><tool_call>{"name": "g"'
+    )
     calls = parse_hermes(text)
     assert [(c.name, c.arguments, c.error is None) for c in calls[:2]] == [
-        ("calculator", {"expression": "1+2"}, True), ("f", {"x": 1}, True)]  # fmt: skip
+        ("calculator", {"expression": "1+2"}, True),
+        ("f", {"x": 1}, True),
+    ]
     assert all(c.error for c in calls[2:]) and len(calls) == 5
     assert "without its closing" in calls[-1].error
     assert parse_hermes("no calls here") == []
@@ -88,7 +93,8 @@ def test_configs_load_map_and_refuse(tmp_path):
             config: {type: native}
             tool_schema:
               type: function
-              function: {name: calc_gsm8k_reward, description: check, parameters: {type: object, properties: {}}}
+              function: {name: calc_gsm8k_reward, description: check,
+                         parameters: {type: object, properties: {}}}
           - class_name: klppo.rollout.tools.calculator.CalculatorTool
     """)
     )
@@ -98,13 +104,17 @@ def test_configs_load_map_and_refuse(tmp_path):
     )
     inter = tmp_path / "inter.yaml"
     inter.write_text(
-        "interaction:\n  - name: gsm8k\n    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n"
+        "interaction:\n  - name: gsm8k\n    class_name: "
+        "verl.interactions.gsm8k_interaction.Gsm8kInteraction\n"
     )
     assert isinstance(load_interactions(str(inter))["gsm8k"], Gsm8kInteraction)
-    for class_name, words in [("verl.tools.search_tool.SearchTool", "retrieval"),
-                              ("verl.tools.sandbox_fusion_tools.SandboxFusionTool", "SandboxFusion"),
-                              ("verl.tools.new_tool.NewTool", "no klppo equivalent"),
-                              ("no.such.Module", "cannot import"), ("builtins.dict", "not a BaseTool")]:  # fmt: skip
+    for class_name, words in [
+        ("verl.tools.search_tool.SearchTool", "retrieval"),
+        ("verl.tools.sandbox_fusion_tools.SandboxFusionTool", "SandboxFusion"),
+        ("verl.tools.new_tool.NewTool", "no klppo equivalent"),
+        ("no.such.Module", "cannot import"),
+        ("builtins.dict", "not a BaseTool"),
+    ]:
         tools.write_text(f"tools:\n  - class_name: {class_name}\n")
         with pytest.raises(ValueError, match=words):
             load_tools(str(tools))

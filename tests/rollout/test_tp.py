@@ -80,8 +80,10 @@ def _launch(tmp_path: Path, world: int, tp_size: int, rank_pool=None) -> dict[st
         _check_hsdp(out, world, tp_size)
         _check_unsupported(out, world)
         _check_compacted(out, world, tp_size)
-    return {case: [torch.load(out / f"{case}_rank{r}.pt", weights_only=False) for r in range(world)]
-            for case in W.CASES}  # fmt: skip
+    return {
+        case: [torch.load(out / f"{case}_rank{r}.pt", weights_only=False) for r in range(world)]
+        for case in W.CASES
+    }
 
 
 def _cat(ranks: list[dict], run: str, field: str) -> torch.Tensor:
@@ -104,8 +106,9 @@ def test_tp2_matches_one_process(tmp_path, rank_pool):
             assert got["greedy"]["mask"].sum() > 10  # not a test of empty responses
             for run, params in (("sampled", W.SAMPLED), ("top_k", W.TOP_K)):
                 s = got[run]
-                ref = reference_log_probs(model, prompts, mask, s["responses"], s["mask"], params.temperature,
-                                          params.n)  # fmt: skip
+                ref = reference_log_probs(
+                    model, prompts, mask, s["responses"], s["mask"], params.temperature, params.n
+                )
                 torch.testing.assert_close(
                     s["log_probs"].double(), ref, rtol=0, atol=1e-5, msg=f"{case} {run}"
                 )
@@ -136,8 +139,10 @@ def test_tp2_matches_one_process(tmp_path, rank_pool):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif((os.cpu_count() or 1) < 4 and not os.environ.get("KLPPO_TEST_4_RANKS"),
-                    reason="4 processes on fewer than 4 cores take minutes (KLPPO_TEST_4_RANKS=1 runs it)")  # fmt: skip
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 4 and not os.environ.get("KLPPO_TEST_4_RANKS"),
+    reason="4 processes on fewer than 4 cores take minutes (KLPPO_TEST_4_RANKS=1 runs it)",
+)
 def test_tp2_dp2_matches_dp2(tmp_path):
     four = _launch(tmp_path, 4, 2)
     two = _launch(tmp_path, 2, 1)
@@ -147,5 +152,6 @@ def test_tp2_dp2_matches_dp2(tmp_path):
                 case,
                 field,
             )
-        torch.testing.assert_close(_cat(four[case], "greedy", "log_probs"), _cat(two[case], "greedy", "log_probs"),
-                                   rtol=0, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            _cat(four[case], "greedy", "log_probs"), _cat(two[case], "greedy", "log_probs"), rtol=0, atol=1e-5
+        )

@@ -119,8 +119,13 @@ def check_kernels(device: str, dtypes) -> None:
         msg = f"{case} {dtype} rope={rope}"
         torch.testing.assert_close(out.float(), want.float(), atol=TOLERANCE[dtype], rtol=0, msg=msg)
         # the new K rotated in float32 and rounded once on both sides (an FMA may differ in the last bit)
-        torch.testing.assert_close(cache.nan_to_num(7.0), want_cache.nan_to_num(7.0), atol=ROUNDING[dtype],
-                                   rtol=ROUNDING[dtype], msg=msg)  # fmt: skip
+        torch.testing.assert_close(
+            cache.nan_to_num(7.0),
+            want_cache.nan_to_num(7.0),
+            atol=ROUNDING[dtype],
+            rtol=ROUNDING[dtype],
+            msg=msg,
+        )
         if device == "cuda":  # the default split count of this GPU, and q/K/V as views of one qkv row
             qkv = torch.cat([q.flatten(1), kv_new.transpose(0, 1).flatten(1)], dim=-1)
             heads, kv_heads, dim = q.shape[1], kv_new.shape[2], q.shape[2]
@@ -201,7 +206,8 @@ def _tiny(arch: str) -> torch.nn.Module:
 )
 def test_decode_with_rope_in_attention_equals_masked_sdpa(arch, fuse) -> None:
     """``llama.decode_rope_in_attention`` — split layers (here their torch path), the attention (here its
-    reference) rotating q and K — gives the logits and the cache of the unsplit SDPA path over three steps: q/k/v biases
+    reference) rotating q and K — gives the logits and the cache of the unsplit SDPA path over three steps:
+    q/k/v biases
     (qwen2), none (llama), every bias (llama-bias: o, gate/up, down too), per-head q/k norms (qwen3),
     fused and separate projections; norm weights and biases random."""
     model = _tiny(arch)
@@ -238,6 +244,10 @@ def test_decode_with_rope_in_attention_equals_masked_sdpa(arch, fuse) -> None:
 def test_backend_choice(monkeypatch, setting, device, dtype, has_triton, tensor_parallel, want) -> None:
     """Which backend runs a cache of ``dtype`` on ``device`` for each ``decode_attention`` setting (only the
     device type is read, so a CPU machine checks the CUDA branches)."""
-    monkeypatch.setattr(triton_attention, "available", lambda d: has_triton and torch.device(d).type == "cuda")
+    monkeypatch.setattr(
+        triton_attention, "available", lambda d: has_triton and torch.device(d).type == "cuda"
+    )
     settings = EngineSettings(decode_attention=setting)
-    assert backends.backend_class(settings, torch.device(device), dtype, tensor_parallel=tensor_parallel) is want
+    assert (
+        backends.backend_class(settings, torch.device(device), dtype, tensor_parallel=tensor_parallel) is want
+    )

@@ -1,6 +1,7 @@
 """The split decode layers on two Triton kernels (:mod:`klppo.rollout.triton_layers`): the arithmetic against
 float64 with eager's roundings (CPU, the torch path); the kernels against eager torch in Triton's CPU
-interpreter (fp32 and fp16: its bf16 casts are wrong) and on CUDA (bf16, fp16, fp32); the layer functions against
+interpreter (fp32 and fp16: its bf16 casts are wrong) and on CUDA (bf16, fp16, fp32); the layer functions
+against
 the eager split layers written from :mod:`klppo.rollout.llama`'s parts."""
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from klppo.models.tiny import build_tiny_model
 from klppo.rollout import llama, triton_layers
 from tests.rollout.conftest import HAS_TRITON, run_triton_interpreted
 
-# rows (0: nothing launched; 1; a few; more than a warp's worth), hidden (a power of two, not one, Qwen 0.5B's)
+# rows (0: nothing launched; 1; a few; more than a warp's worth), hidden (a power of two, not one, Qwen
+# 0.5B's)
 SHAPES = [(0, 64), (1, 100), (3, 64), (37, 896), (5, 1536)]
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 def _rows(rows, hidden, dtype, device, seed, scale=1.0, row_stride=0):
-    """[rows, hidden] of ``dtype``; ``row_stride`` > hidden: a column slice of a wider tensor (rows not adjacent)."""
+    """[rows, hidden] of ``dtype``; ``row_stride`` > hidden: a column slice of a wider tensor (rows not
+    adjacent)."""
     g = torch.Generator().manual_seed(seed)
     wide = torch.randn(rows, max(hidden, row_stride), generator=g) * scale
     return wide.to(device, dtype)[:, :hidden]
@@ -112,9 +115,11 @@ def check_layers(device: str, dtype: torch.dtype) -> None:
     """The three split layer functions against :mod:`klppo.rollout.llama`'s, on a Qwen2 layer (fused and
     unfused projections) and a Qwen3 one (per-head q/k norms: eager inside)."""
     spec_of = lambda model: (  # noqa: E731
-        model.config.num_attention_heads, model.config.num_key_value_heads,
-        model.config.hidden_size // model.config.num_attention_heads, model.config.rms_norm_eps,
-    )  # fmt: skip
+        model.config.num_attention_heads,
+        model.config.num_key_value_heads,
+        model.config.hidden_size // model.config.num_attention_heads,
+        model.config.rms_norm_eps,
+    )
     tol = dict(rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
     for arch, fuse in (("qwen2", True), ("qwen2", False), ("qwen3", True)):
         model = build_tiny_model(arch=arch).to(device, dtype)
@@ -215,7 +220,8 @@ def test_launch_settings_reach_the_launch(monkeypatch) -> None:
 
 
 def test_silu_mul_takes_what_eager_takes() -> None:
-    """Any leading shape gives eager's result (the kernel takes 2-D rows only); an odd width fails as eager does."""
+    """Any leading shape gives eager's result (the kernel takes 2-D rows only); an odd width fails as eager
+    does."""
     gu = torch.randn(2, 3, 8)
     gate, up = gu.chunk(2, dim=-1)
     torch.testing.assert_close(triton_layers.silu_mul(gu), F.silu(gate) * up, rtol=0, atol=0)

@@ -18,13 +18,22 @@ from klppo.rollout import SamplingParams, make_rollout
 from klppo.rollout.settings import EngineSettings
 from tests.rollout.conftest import left_padded
 
-PROMPTS = [[1, 10, 20, 30, 40, 50], [1, 7, 8], [1, 99, 100, 101, 102], [5], [3, 4, 5, 6, 7, 8, 9, 10, 11],
-           [9, 8, 7], [200, 201], [1, 2, 3, 4]]  # fmt: skip
+PROMPTS = [
+    [1, 10, 20, 30, 40, 50],
+    [1, 7, 8],
+    [1, 99, 100, 101, 102],
+    [5],
+    [3, 4, 5, 6, 7, 8, 9, 10, 11],
+    [9, 8, 7],
+    [200, 201],
+    [1, 2, 3, 4],
+]
 CASES = {  # name -> tiny model arguments
     "qwen2_kv2_tied": dict(arch="qwen2", num_heads=4, num_kv_heads=2),  # q/k/v bias, one KV head per rank
-    "qwen3_kv1_untied_odd_vocab": dict(arch="qwen3", num_heads=4, num_kv_heads=1, tie_word_embeddings=False,
-                                       vocab_size=383),  # q/k norm, KV head replicated, uneven vocab split
-}  # fmt: skip
+    "qwen3_kv1_untied_odd_vocab": dict(
+        arch="qwen3", num_heads=4, num_kv_heads=1, tie_word_embeddings=False, vocab_size=383
+    ),  # q/k norm, KV head replicated, uneven vocab split
+}
 GREEDY = SamplingParams(max_new_tokens=12, n=2, do_sample=False)
 SAMPLED = SamplingParams(max_new_tokens=12, n=2, temperature=0.7, seed=5)
 TOP_K = SamplingParams(max_new_tokens=8, n=1, temperature=0.9, top_k=20, top_p=0.9, seed=6)
@@ -41,8 +50,13 @@ def my_prompts(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main(rank: int, port: int, world: int, tp_size: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
@@ -60,7 +74,11 @@ def main(rank: int, port: int, world: int, tp_size: int, out_dir: str) -> None:
 def _run(rank: int, world: int, tp, case: str, out: Path) -> None:
     model = new_model(case)
     shard_model(model, FSDPSettings(), build_mesh(world, -1, "cpu"))
-    engine = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=5, eos_check_every=4), tensor_parallel=tp)  # fmt: skip
+    engine = make_rollout(
+        "klppo",
+        EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=5, eos_check_every=4),
+        tensor_parallel=tp,
+    )
     prompts, mask = my_prompts(rank, world)
     results: dict = {"prompts": prompts, "mask": mask}
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED), ("top_k", TOP_K)):
@@ -69,11 +87,19 @@ def _run(rank: int, world: int, tp, case: str, out: Path) -> None:
                 o = engine.generate(model, prompts, mask, params)
         else:
             o = engine.generate(model, prompts, mask, params)
-        results[name] = {"responses": o.responses, "mask": o.response_mask, "log_probs": o.log_probs,
-                         "stats": o.stats}  # fmt: skip
+        results[name] = {
+            "responses": o.responses,
+            "mask": o.response_mask,
+            "log_probs": o.log_probs,
+            "stats": o.stats,
+        }
     if tp is not None:
         # an engine keeping its cache: the second call reshards into the first call's tensors
-        kept = make_rollout("klppo", EngineSettings(eos_token_ids=[2], pad_token_id=2, eos_check_every=4, free_cache_engine=False), tensor_parallel=tp)  # fmt: skip
+        kept = make_rollout(
+            "klppo",
+            EngineSettings(eos_token_ids=[2], pad_token_id=2, eos_check_every=4, free_cache_engine=False),
+            tensor_parallel=tp,
+        )
         first = kept.generate(model, prompts, mask, GREEDY)
         with torch.no_grad():  # the weights move (as after an update): the kept slices must follow
             for p in model.parameters():
@@ -92,7 +118,17 @@ COMPACT_EOS = list(range(2, 60))  # many ids end a sequence: lengths spread, slo
 
 
 def compact_engine(tp=None):
-    return make_rollout("klppo", EngineSettings(eos_token_ids=COMPACT_EOS, pad_token_id=2, eos_check_every=1, compact_slots=True, compact_min_bucket=2), tensor_parallel=tp)  # fmt: skip
+    return make_rollout(
+        "klppo",
+        EngineSettings(
+            eos_token_ids=COMPACT_EOS,
+            pad_token_id=2,
+            eos_check_every=1,
+            compact_slots=True,
+            compact_min_bucket=2,
+        ),
+        tensor_parallel=tp,
+    )
 
 
 def _compacted(rank: int, world: int, tp, out: Path) -> None:
@@ -101,8 +137,15 @@ def _compacted(rank: int, world: int, tp, out: Path) -> None:
     shard_model(model, FSDPSettings(), build_mesh(world, -1, "cpu"))
     prompts, mask = my_prompts(rank, world)
     o = compact_engine(tp).generate(model, prompts, mask, GREEDY)
-    torch.save({"responses": o.responses, "mask": o.response_mask, "log_probs": o.log_probs,
-                "moves": o.stats["rollout/slot_moves"]}, out / f"compacted_rank{rank}.pt")  # fmt: skip
+    torch.save(
+        {
+            "responses": o.responses,
+            "mask": o.response_mask,
+            "log_probs": o.log_probs,
+            "moves": o.stats["rollout/slot_moves"],
+        },
+        out / f"compacted_rank{rank}.pt",
+    )
 
 
 def unsupported_model() -> torch.nn.Module:
@@ -165,5 +208,11 @@ def _measure_reshard(model, tp) -> dict:
         expected[name] = (
             t if region.dim is None else t.narrow(region.dim, region.start, region.stop - region.start)
         )
-    return {"peak": peak, "model_bytes": sum(units), "largest_unit": max(units), "tensors": tensors,
-            "expected": expected, "slice_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}  # fmt: skip
+    return {
+        "peak": peak,
+        "model_bytes": sum(units),
+        "largest_unit": max(units),
+        "tensors": tensors,
+        "expected": expected,
+        "slice_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+    }

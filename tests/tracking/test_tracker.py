@@ -78,9 +78,14 @@ def test_jsonl_is_strict_json_with_nonfinite_values_named(tmp_path):
     line = (tmp_path / "metrics.jsonl").read_text().strip()
     record = json.loads(line, parse_constant=refuse)
     assert record == {
-        "step": 7, "a": None, "b": None, "c": None, "d": 1.5, "n": 3,
+        "step": 7,
+        "a": None,
+        "b": None,
+        "c": None,
+        "d": 1.5,
+        "n": 3,
         "nonfinite": {"a": "nan", "b": "inf", "c": "-inf"},
-    }  # fmt: skip
+    }
 
 
 def test_resume_drops_lines_after_checkpoint(tmp_path):
@@ -130,8 +135,8 @@ def test_missing_package_message(tmp_path, monkeypatch, name):
 def test_console_line_and_validation_line():
     line = format_step_line(to_scalars(STEP_METRICS), 3, 20)
     assert line == (
-        "step 3/20 | score 0.25 | reward 0.2 | kl 0.0012 | pg_loss -0.03125 | resp_len 87 | "
-        "10.2 s (gen 7.1 s) | 512 tok/s"
+        "step 3/20 | score 0.25 | reward 0.2 | kl 0.0012 | pg_loss -0.03125 | resp_len 87 | 10.2 s (gen 7.1 "
+        "s) | 512 tok/s"
     )
     assert format_step_line({"actor/reward_kl_penalty": 0.5, "actor/pg_loss": float("nan")}, 4) == (
         "step 4 | kl 0.5 | pg_loss nan"

@@ -53,8 +53,10 @@ def test_truncated_shard_resumes_from_the_previous_checkpoint(
     assert state.global_step == 3
     damaged = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
     assert len(damaged) == 1 and shard.name in damaged[0] and "\n" not in damaged[0]
-    assert any("older intact checkpoint" in r.getMessage() and "global_step_1" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "older intact checkpoint" in r.getMessage() and "global_step_1" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 @pytest.mark.parametrize(
@@ -203,8 +205,9 @@ def test_any_save_exception_is_cleaned_up(tiny_model_dir, arithmetic_data, tmp_p
 def _can_mount_tmpfs() -> bool:
     if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "-rm", "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", "/tmp"],
-                           capture_output=True)  # fmt: skip
+    probe = subprocess.run(
+        ["unshare", "-rm", "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", "/tmp"], capture_output=True
+    )
     return probe.returncode == 0
 
 
@@ -241,8 +244,14 @@ def test_real_full_tmpfs(tiny_model_dir, arithmetic_data, tmp_path):
         f"ls -A '{run_dir}'; tail -n 1 err.txt"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    out = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     lines = out.stdout.splitlines()
     assert "rc=1" in lines, out.stdout + out.stderr
     listing = lines[lines.index("rc=1") + 1 : -1]
@@ -280,8 +289,10 @@ def test_resume_messages_say_what_the_checkpoint_is(tiny_model_dir, arithmetic_d
     from klppo.ops.checkpoint import CheckpointError, resolve_resume
 
     run_dir = tmp_path / "grpo"
-    grpo = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + ["algorithm.adv_estimator=grpo",
-                                                                      "trainer.save_freq=1"]  # fmt: skip
+    grpo = base_overrides(tiny_model_dir, arithmetic_data, run_dir) + [
+        "algorithm.adv_estimator=grpo",
+        "trainer.save_freq=1",
+    ]
     run_training(grpo)
     with pytest.raises(
         CheckpointError, match=r"global_step_1 holds no critic state: it was saved by a run without a critic"
@@ -304,8 +315,10 @@ def test_resume_messages_say_what_the_checkpoint_is(tiny_model_dir, arithmetic_d
     gae = load_config(base_overrides(tiny_model_dir, arithmetic_data, run_dir))
     with pytest.raises(ConfigError, match="holds no critic state"):
         check_before_weights(gae, str(tiny_model_dir))
-    missing = load_config(base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "other")
-                          + ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'nope'}"])  # fmt: skip
+    missing = load_config(
+        base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "other")
+        + ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'nope'}"]
+    )
     with pytest.raises(ConfigError, match="nope does not exist"):
         check_before_weights(missing, str(tiny_model_dir))
 
@@ -315,8 +328,10 @@ def test_resume_from_path_outside_its_mode_is_named():
 
     notes: list[str] = []
     load_config(["trainer.resume_from_path=/x/global_step_3"], notify=notes.append)
-    assert any("trainer.resume_from_path=/x/global_step_3 is read only with trainer.resume_mode=resume_path" in n
-               for n in notes)  # fmt: skip
+    assert any(
+        "trainer.resume_from_path=/x/global_step_3 is read only with trainer.resume_mode=resume_path" in n
+        for n in notes
+    )
 
 
 def test_a_checkpoint_from_before_the_manifests_without_a_role_is_another_setup(tmp_path):

@@ -49,11 +49,18 @@ def test_tp2_steps_on_two_gpus(sharp_model_dir, arithmetic_data, tmp_path):  # n
             ("rollout/reshard_s > 0", row["rollout/reshard_s"], row["rollout/reshard_s"] > 0),
             ("rollout/cuda_graphs == 1", row["rollout/cuda_graphs"], row["rollout/cuda_graphs"] == 1.0),
             # the engine's sampled log-probs against the actor's recomputation: bf16 noise only
-            ("rollout/log_prob_diff < 0.05", row["rollout/log_prob_diff"], row["rollout/log_prob_diff"] < 0.05),
-            ("perf/rollout_peak_memory_gb > 0", row["perf/rollout_peak_memory_gb"],
-             row["perf/rollout_peak_memory_gb"] > 0),
+            (
+                "rollout/log_prob_diff < 0.05",
+                row["rollout/log_prob_diff"],
+                row["rollout/log_prob_diff"] < 0.05,
+            ),
+            (
+                "perf/rollout_peak_memory_gb > 0",
+                row["perf/rollout_peak_memory_gb"],
+                row["perf/rollout_peak_memory_gb"] > 0,
+            ),
         )
-    }  # fmt: skip
+    }
     checks["identical greedy rows >= 50%"] = (f"{same}/{len(first_one)}", same >= 0.5 * len(first_one))
     failed = {k: v for k, (v, ok) in checks.items() if not ok}
     assert not failed, f"failed: {failed}; all: { {k: v for k, (v, _) in checks.items()} }"

@@ -21,13 +21,15 @@ PI = [
     "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
     "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.001",
     "actor_rollout_ref.actor.kl_loss_ctrl.min_coef=0.001",
-    # an annealed target: 0.01 for the first update, then halfway (geometric) and the final 0.001 from update 3
+    # an annealed target: 0.01 for the first update, then halfway (geometric) and the final 0.001 from update
+    # 3
     "actor_rollout_ref.actor.kl_loss_ctrl.target_kl_start=0.01",
     "actor_rollout_ref.actor.kl_loss_ctrl.anneal_begin=1",
     "actor_rollout_ref.actor.kl_loss_ctrl.anneal_steps=2",
     "actor_rollout_ref.actor.optim.lr=3e-3",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one mini-batch: on-policy
-    # a score every group varies in: the policy must move for the KL to rise (not luck with the arithmetic scorer)
+    # a score every group varies in: the policy must move for the KL to rise (not luck with the arithmetic
+    # scorer)
     f"custom_reward_function.path={Path(__file__).with_name('length_reward.py')}",
 ]
 
@@ -39,8 +41,9 @@ def test_pi_kl_loss_controller_in_the_loop_and_resume(tiny_model_dir, arithmetic
     )
     rows = read_metrics(full_dir)
     # the β each step used is the controller's output on that step's measured KL(π_old‖π_ref) (k3)
-    ctrl = make_kl_controller("pi", 0.05, 0.001, min_coef=0.001, max_coef=10.0, target_kl_start=0.01,
-                              anneal_begin=1, anneal_steps=2)  # fmt: skip
+    ctrl = make_kl_controller(
+        "pi", 0.05, 0.001, min_coef=0.001, max_coef=10.0, target_kl_start=0.01, anneal_begin=1, anneal_steps=2
+    )
     for row in rows:  # β of step t from KL_1 … KL_{t−1}: the controller reads each step's KL after its update
         assert row["actor/kl_coef"] == pytest.approx(ctrl.value, rel=1e-9)
         assert row["actor/kl_loss_ctrl_kl"] == pytest.approx(row["actor/ref_kl_k3"], rel=1e-6, abs=1e-9)

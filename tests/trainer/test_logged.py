@@ -37,7 +37,10 @@ def _rewrite(src: Path, dst: Path, change) -> Path:
 
 def _overrides(tiny_model_dir, arithmetic_data, run_dir, log_file, *extra) -> list[str]:
     return base_overrides(tiny_model_dir, arithmetic_data, run_dir) + [
-        f"data.logged_files={log_file}", "algorithm.adv_estimator=grpo", *extra]  # fmt: skip
+        f"data.logged_files={log_file}",
+        "algorithm.adv_estimator=grpo",
+        *extra,
+    ]
 
 
 def test_log_file_round_trip(logged, tiny_model_dir, arithmetic_data, tmp_path):
@@ -52,8 +55,15 @@ def test_log_file_round_trip(logged, tiny_model_dir, arithmetic_data, tmp_path):
         assert len(row["response_ids"]) == len(row["response_log_probs"]) == len(row["response_mask"]) <= 8
         assert all(v <= 0 for v in row["response_log_probs"]) and row["temperature"] == 1.0
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    settings = LoggedSettings([str(logged)], groups_per_batch=8, samples_per_group=2, max_prompt_length=64,
-                              max_response_length=8, vocab_size=10**6, shuffle=False)  # fmt: skip
+    settings = LoggedSettings(
+        [str(logged)],
+        groups_per_batch=8,
+        samples_per_group=2,
+        max_prompt_length=64,
+        max_response_length=8,
+        vocab_size=10**6,
+        shuffle=False,
+    )
     batch = LoggedLoader(settings, tokenizer).next_batch()
     for i, row in enumerate(rows):
         n = len(row["response_ids"])
@@ -63,8 +73,16 @@ def test_log_file_round_trip(logged, tiny_model_dir, arithmetic_data, tmp_path):
 
     scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
     run = tmp_path / "run"
-    run_training(_overrides(tiny_model_dir, arithmetic_data, run, scored, "data.train_batch_size=4",
-                            "trainer.total_training_steps=2"))  # fmt: skip
+    run_training(
+        _overrides(
+            tiny_model_dir,
+            arithmetic_data,
+            run,
+            scored,
+            "data.train_batch_size=4",
+            "trainer.total_training_steps=2",
+        )
+    )
     metrics = read_metrics(run)
     assert len(metrics) == 2 and all("timing_s/gen" not in m for m in metrics)
     assert metrics[0]["critic/score/mean"] == pytest.approx(0.5)  # the logged scores, not the reward's 0
@@ -85,8 +103,15 @@ def test_missing_scores_are_computed_by_the_reward(logged, tiny_model_dir, arith
     from klppo.models.loading import load_tokenizer
 
     half = _rewrite(logged, tmp_path / "half.parquet", lambda i, r: r.update(score=None if i % 2 else 1.0))
-    settings = LoggedSettings([str(half)], groups_per_batch=8, samples_per_group=2, max_prompt_length=64,
-                              max_response_length=8, vocab_size=10**6, shuffle=False)  # fmt: skip
+    settings = LoggedSettings(
+        [str(half)],
+        groups_per_batch=8,
+        samples_per_group=2,
+        max_prompt_length=64,
+        max_response_length=8,
+        vocab_size=10**6,
+        shuffle=False,
+    )
     batch = with_missing_scores(
         Half(), LoggedLoader(settings, load_tokenizer(str(tiny_model_dir))).next_batch()
     )
@@ -94,18 +119,37 @@ def test_missing_scores_are_computed_by_the_reward(logged, tiny_model_dir, arith
 
 
 BAD = {  # name: (change to row i, extra keys, what the one line names)
-    "vocab": (lambda i, r: r.update(response_ids=[10**6] * len(r["response_ids"])) if i == 3 else None, [],
-              "row 3, column 'response_ids': token id 1000000 is beyond the model's vocabulary"),
+    "vocab": (
+        lambda i, r: r.update(response_ids=[10**6] * len(r["response_ids"])) if i == 3 else None,
+        [],
+        "row 3, column 'response_ids': token id 1000000 is beyond the model's vocabulary",
+    ),
     "tokenizer": (lambda i, r: r.update(tokenizer_hash="0" * 16), [], "row 0, column 'tokenizer_hash'"),
-    "overlong": (lambda i, r: r.update(response_ids=[5] * 9, response_log_probs=[-1.0] * 9, response_mask=[1] * 9)
-                 if i == 5 else None, [], "row 5, column 'response_ids': 9 response tokens > data.max_response_length=8"),
-    "log_probs": (lambda i, r: r.update(response_log_probs=None) if i == 2 else None,
-                  ["algorithm.rollout_correction.bypass_mode=True"], "row 2, column 'response_log_probs'"),
-    "group_of_one": (lambda i, r: r.update(group_id=str(i)), ["actor_rollout_ref.rollout.n=1"],
-                     "row 0, column 'group_id': a group of 1 sample(s)"),
-    "mask": (lambda i, r: r.update(response_mask=[1] * (len(r["response_ids"]) - 1) + [0]) if i == 1 else None, [],
-             "row 1, column 'response_mask'"),
-}  # fmt: skip
+    "overlong": (
+        lambda i, r: (
+            r.update(response_ids=[5] * 9, response_log_probs=[-1.0] * 9, response_mask=[1] * 9)
+            if i == 5
+            else None
+        ),
+        [],
+        "row 5, column 'response_ids': 9 response tokens > data.max_response_length=8",
+    ),
+    "log_probs": (
+        lambda i, r: r.update(response_log_probs=None) if i == 2 else None,
+        ["algorithm.rollout_correction.bypass_mode=True"],
+        "row 2, column 'response_log_probs'",
+    ),
+    "group_of_one": (
+        lambda i, r: r.update(group_id=str(i)),
+        ["actor_rollout_ref.rollout.n=1"],
+        "row 0, column 'group_id': a group of 1 sample(s)",
+    ),
+    "mask": (
+        lambda i, r: r.update(response_mask=[1] * (len(r["response_ids"]) - 1) + [0]) if i == 1 else None,
+        [],
+        "row 1, column 'response_mask'",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -130,10 +174,24 @@ def test_overlong_drop_leaves_out_the_group(logged, tiny_model_dir):
     from klppo.data.logged import LoggedLoader, LoggedSettings
     from klppo.models.loading import load_tokenizer
 
-    long = _rewrite(logged, logged.parent / "long.parquet", lambda i, r: r.update(
-        response_ids=[5] * 9, response_log_probs=[-1.0] * 9, response_mask=[1] * 9) if i == 5 else None)  # fmt: skip
-    settings = LoggedSettings([str(long)], groups_per_batch=4, samples_per_group=2, max_prompt_length=64,
-                              max_response_length=8, vocab_size=10**6, overlong="drop")  # fmt: skip
+    long = _rewrite(
+        logged,
+        logged.parent / "long.parquet",
+        lambda i, r: (
+            r.update(response_ids=[5] * 9, response_log_probs=[-1.0] * 9, response_mask=[1] * 9)
+            if i == 5
+            else None
+        ),
+    )
+    settings = LoggedSettings(
+        [str(long)],
+        groups_per_batch=4,
+        samples_per_group=2,
+        max_prompt_length=64,
+        max_response_length=8,
+        vocab_size=10**6,
+        overlong="drop",
+    )
     loader = LoggedLoader(settings, load_tokenizer(str(tiny_model_dir)))
     assert loader.num_dropped == 1 and len(loader) == 1 and "(1 groups dropped)" in loader.summary()
 
@@ -142,8 +200,13 @@ def test_logged_resume_equals_uninterrupted(logged, tiny_model_dir, arithmetic_d
     """Two epochs over the log (4 steps of 4 groups) with an adaptive KL-in-reward controller and a KL loss:
     stopped after step 2 and resumed, step 3 and 4 are the uninterrupted run's."""
     scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
-    keys = ["data.train_batch_size=4", "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive",
-            "actor_rollout_ref.actor.use_kl_loss=True", "algorithm.rollout_correction.rollout_is=token"]  # fmt: skip
+    keys = [
+        "data.train_batch_size=4",
+        "algorithm.use_kl_in_reward=True",
+        "algorithm.kl_ctrl.type=adaptive",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "algorithm.rollout_correction.rollout_is=token",
+    ]
     full = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "full", scored, *keys)
     run_training(full + ["trainer.total_training_steps=4"])
     cut = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "cut", scored, *keys)
@@ -151,8 +214,14 @@ def test_logged_resume_equals_uninterrupted(logged, tiny_model_dir, arithmetic_d
     run_training(cut + ["trainer.total_training_steps=4"])
     want, got = read_metrics(tmp_path / "full"), {m["step"]: m for m in read_metrics(tmp_path / "cut")}
     for step in (3, 4):
-        for key in ("actor/pg_loss", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
-                    "rollout_corr/kl", "critic/score/mean", "actor/kl_loss"):  # fmt: skip
+        for key in (
+            "actor/pg_loss",
+            "actor/reward_kl_penalty",
+            "actor/reward_kl_penalty_coeff",
+            "rollout_corr/kl",
+            "critic/score/mean",
+            "actor/kl_loss",
+        ):
             assert got[step][key] == pytest.approx(want[step - 1][key], rel=1e-5, abs=1e-7), (step, key)
 
 
@@ -170,18 +239,37 @@ def test_bypass_loss_equals_hand_formula(logged, tiny_model_dir, arithmetic_data
     def shift(i, row):  # behaviour log-probs away from π_θ's, so that ρ crosses both clip bounds
         delta = (torch.rand(len(row["response_ids"]), generator=gen, dtype=torch.float64) - 0.5).tolist()
         offsets[i] = delta
-        row.update(score=float(i % 3 == 0), response_log_probs=[min(v - d, 0.0) for v, d in zip(row["response_log_probs"], delta)])  # fmt: skip
+        row.update(
+            score=float(i % 3 == 0),
+            response_log_probs=[min(v - d, 0.0) for v, d in zip(row["response_log_probs"], delta)],
+        )
 
     shifted = _rewrite(logged, tmp_path / "shifted.parquet", shift)
     run = tmp_path / "run"
-    run_training(_overrides(tiny_model_dir, arithmetic_data, run, shifted, "data.train_batch_size=8",
-                            "data.shuffle=False", "algorithm.rollout_correction.bypass_mode=True",
-                            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"))  # fmt: skip
+    run_training(
+        _overrides(
+            tiny_model_dir,
+            arithmetic_data,
+            run,
+            shifted,
+            "data.train_batch_size=8",
+            "data.shuffle=False",
+            "algorithm.rollout_correction.bypass_mode=True",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        )
+    )
     (metrics,) = read_metrics(run)
 
-    settings = LoggedSettings([str(shifted)], groups_per_batch=8, samples_per_group=2, max_prompt_length=64,
-                              max_response_length=8, vocab_size=10**6, shuffle=False)  # fmt: skip
+    settings = LoggedSettings(
+        [str(shifted)],
+        groups_per_batch=8,
+        samples_per_group=2,
+        max_prompt_length=64,
+        max_response_length=8,
+        vocab_size=10**6,
+        shuffle=False,
+    )
     b = LoggedLoader(settings, load_tokenizer(str(tiny_model_dir))).next_batch()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float64).eval()
     ids, attn = b.input_ids, b.attention_mask

@@ -133,7 +133,9 @@ def test_rollout_on_merged_lora_equals_the_merged_model():
     import copy
 
     plain = copy.deepcopy(model).merge_and_unload()
-    reference = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2)).generate(plain, prompts, mask, params)
+    reference = make_rollout("hf", EngineSettings(eos_token_ids=[2], pad_token_id=2)).generate(
+        plain, prompts, mask, params
+    )
     assert torch.equal(outputs["klppo"], reference.responses)
     assert torch.equal(outputs["hf"], reference.responses)
 
@@ -146,16 +148,19 @@ def test_critic_lora_and_starting_from_a_saved_adapter(tiny_model_dir, arithmeti
 
     # a saved adapter with non-zero B: the run must start from it (the actor differs from the reference)
     torch.manual_seed(0)
-    seeded = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), rank=4, alpha=8,
-                        target_modules="all-linear")  # fmt: skip
+    seeded = apply_lora(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), rank=4, alpha=8, target_modules="all-linear"
+    )
     for name, p in seeded.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0, 0.3)
     seeded.save_pretrained(tmp_path / "adapter")
 
     reward_fn = tmp_path / "reward.py"  # non-zero returns, so the critic gets a gradient
-    reward_fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
-                         "    return 1.0 + len(solution_str) / 10.0\n")  # fmt: skip
+    reward_fn.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+        "    return 1.0 + len(solution_str) / 10.0\n"
+    )
     run = tmp_path / "run"
     overrides = (
         base_overrides(tiny_model_dir, arithmetic_data, run)
@@ -219,8 +224,10 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
     gpu = LORA + [
         "actor_rollout_ref.actor.kl_loss_type=mse",
         "actor_rollout_ref.rollout.name=klppo",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one mini-batch: on-policy, the reference runs first
-        # a unit per decoder layer, as with several GPUs (one process's default is one unit): the crash's layout
+        # one mini-batch: on-policy, the reference runs first
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        # a unit per decoder layer, as with several GPUs (one process's default is one unit): the crash's
+        # layout
         "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0",
         f"actor_rollout_ref.actor.fsdp_config.plain_single_gpu={path == 'plain'}",
     ]

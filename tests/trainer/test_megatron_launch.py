@@ -41,8 +41,12 @@ def test_megatron_launch_trains_as_the_hand_written_fsdp_launch(
     from klppo.config import load_config
 
     megatron, fsdp = tmp_path / "megatron", tmp_path / "fsdp"
-    mg_argv = ["--config-name=ppo_megatron_trainer", *_overrides(tiny_model_dir, arithmetic_data, megatron, 80),
-               *MEGATRON, *BOTH]  # fmt: skip
+    mg_argv = [
+        "--config-name=ppo_megatron_trainer",
+        *_overrides(tiny_model_dir, arithmetic_data, megatron, 80),
+        *MEGATRON,
+        *BOTH,
+    ]
     notes: list[str] = []
     cfg = load_config(mg_argv, notify=notes.append)
     assert cfg.actor_rollout_ref.actor.strategy == "megatron"

@@ -81,8 +81,17 @@ def by_step(run_dir: Path) -> dict[int, dict]:
 def test_nonfinite_reward_stops_with_checkpoints_intact(tiny_model_dir, arithmetic_data, tmp_path):
     run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_TURNS_NAN)
     # through `klppo train`'s entry point: a stop by a rule is a normal end (exit 0)
-    assert klppo_train(overrides + ["trainer.total_training_steps=4", "trainer.save_freq=1",
-                                    "monitor.nonfinite_reward.action=stop"]) == 0  # fmt: skip
+    assert (
+        klppo_train(
+            overrides
+            + [
+                "trainer.total_training_steps=4",
+                "trainer.save_freq=1",
+                "monitor.nonfinite_reward.action=stop",
+            ]
+        )
+        == 0
+    )
     assert max(by_step(run)) == 2
     (event,) = acted(run, "nonfinite_reward")
     assert event["step"] == 2 and event["action"] == "stop" and event["score"] == "nan"
@@ -103,8 +112,18 @@ def test_nonfinite_reward_stops_with_checkpoints_intact(tiny_model_dir, arithmet
 
 def test_reward_plateau_stops_early(tiny_model_dir, arithmetic_data, tmp_path):
     run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_CONSTANT)
-    assert klppo_train(overrides + ["trainer.total_training_steps=8", "monitor.reward_plateau.enable=True",
-                                    "monitor.reward_plateau.patience_steps=2", "monitor.reward_plateau.window=1"]) == 0  # fmt: skip
+    assert (
+        klppo_train(
+            overrides
+            + [
+                "trainer.total_training_steps=8",
+                "monitor.reward_plateau.enable=True",
+                "monitor.reward_plateau.patience_steps=2",
+                "monitor.reward_plateau.window=1",
+            ]
+        )
+        == 0
+    )
     assert max(by_step(run)) == 3  # step 1 sets the best; steps 2 and 3 do not beat it
     (event,) = acted(run, "reward_plateau")
     assert event["step"] == 3 and event["action"] == "stop" and event["steps_flat"] == 2
@@ -116,8 +135,17 @@ def test_learning_signal_stops_a_run_whose_groups_all_score_the_same(
     tiny_model_dir, arithmetic_data, tmp_path
 ):
     run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_CONSTANT)
-    assert klppo_train(overrides + ["trainer.total_training_steps=6", "monitor.learning_signal.patience_steps=2",
-                                    "monitor.learning_signal.action=stop"]) == 0  # fmt: skip
+    assert (
+        klppo_train(
+            overrides
+            + [
+                "trainer.total_training_steps=6",
+                "monitor.learning_signal.patience_steps=2",
+                "monitor.learning_signal.action=stop",
+            ]
+        )
+        == 0
+    )
     assert max(by_step(run)) == 2
     (event,) = acted(run, "learning_signal")
     assert event["step"] == 2 and event["action"] == "stop" and event["equal_score_groups"] == 1.0
@@ -127,12 +155,18 @@ def test_learning_signal_stops_a_run_whose_groups_all_score_the_same(
 
 def test_kl_explosion_doubles_the_coefficient_and_kl_early_stop(tiny_model_dir, arithmetic_data, tmp_path):
     run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_VARIED)
-    state, _ = run_training(overrides + [
-        "trainer.total_training_steps=6", "actor_rollout_ref.actor.optim.lr=0.05",
-        "monitor.kl_explosion.enable=True", "monitor.kl_explosion.threshold=0.1",
-        "monitor.kl_early_stop.enable=True", "monitor.kl_early_stop.target_kl=0.1",
-        "monitor.kl_early_stop.patience_steps=2",
-    ])  # fmt: skip
+    state, _ = run_training(
+        overrides
+        + [
+            "trainer.total_training_steps=6",
+            "actor_rollout_ref.actor.optim.lr=0.05",
+            "monitor.kl_explosion.enable=True",
+            "monitor.kl_explosion.threshold=0.1",
+            "monitor.kl_early_stop.enable=True",
+            "monitor.kl_early_stop.target_kl=0.1",
+            "monitor.kl_early_stop.patience_steps=2",
+        ]
+    )
     rows = by_step(run)
     fired = acted(run, "kl_explosion")
     assert fired, "the KL never exceeded 0.1 with lr 0.05"
@@ -150,8 +184,15 @@ def test_kl_explosion_doubles_the_coefficient_and_kl_early_stop(tiny_model_dir, 
 def test_entropy_collapse_raises_the_entropy_bonus(tiny_model_dir, arithmetic_data, tmp_path):
     run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_VARIED)
     # the tiny model starts at ~5.9 nats per token; lr 0.05 pulls it to ~3.6 by step 2
-    run_training(overrides + ["trainer.total_training_steps=3", "actor_rollout_ref.actor.optim.lr=0.05",
-                              "monitor.entropy_collapse.enable=True", "monitor.entropy_collapse.min_entropy=4.5"])  # fmt: skip
+    run_training(
+        overrides
+        + [
+            "trainer.total_training_steps=3",
+            "actor_rollout_ref.actor.optim.lr=0.05",
+            "monitor.entropy_collapse.enable=True",
+            "monitor.entropy_collapse.min_entropy=4.5",
+        ]
+    )
     rows = by_step(run)
     fired = acted(run, "entropy_collapse")
     assert fired and rows[1]["actor/entropy"] > 4.5, (
@@ -172,11 +213,18 @@ def test_validation_drop_rolls_back_and_changes_lr_and_kl(tiny_model_dir, arithm
     from klppo.commands.export import main as export_main
 
     run, overrides = grpo_run(tiny_model_dir, arithmetic_data, tmp_path, REWARD_VAL_DROPS)
-    run_training(overrides + [
-        "trainer.total_training_steps=2", "trainer.val_before_train=True", "trainer.test_freq=1",
-        "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1", "monitor.validation_drop.enable=True",
-        "monitor.validation_drop.kl_coef_factor=2.0",
-    ])  # fmt: skip
+    run_training(
+        overrides
+        + [
+            "trainer.total_training_steps=2",
+            "trainer.val_before_train=True",
+            "trainer.test_freq=1",
+            "trainer.save_freq=1",
+            "trainer.max_actor_ckpt_to_keep=1",
+            "monitor.validation_drop.enable=True",
+            "monitor.validation_drop.kl_coef_factor=2.0",
+        ]
+    )
     kept = acted(run, "validation_drop")
     assert [(e["step"], e["action"]) for e in kept] == [(0, "save_best"), (1, "rollback"), (2, "rollback")]
     rollback = kept[1]
@@ -346,12 +394,20 @@ def test_oom_past_the_retries_stops_with_the_phase_named(
 
 
 def test_resumed_run_takes_the_same_actions(tiny_model_dir, arithmetic_data, tmp_path):
-    rules = GRPO + ["actor_rollout_ref.actor.optim.lr=0.05", "monitor.kl_explosion.enable=True",
-                    "monitor.kl_explosion.threshold=0.02", "monitor.entropy_collapse.enable=True",
-                    "monitor.entropy_collapse.min_entropy=5.9"]  # fmt: skip
+    rules = GRPO + [
+        "actor_rollout_ref.actor.optim.lr=0.05",
+        "monitor.kl_explosion.enable=True",
+        "monitor.kl_explosion.threshold=0.02",
+        "monitor.entropy_collapse.enable=True",
+        "monitor.entropy_collapse.min_entropy=5.9",
+    ]
     full, cut = tmp_path / "full", tmp_path / "cut"
-    run_training(base_overrides(tiny_model_dir, arithmetic_data, full) + rules
-                 + reward_file(tmp_path, REWARD_VARIED) + ["trainer.total_training_steps=4"])  # fmt: skip
+    run_training(
+        base_overrides(tiny_model_dir, arithmetic_data, full)
+        + rules
+        + reward_file(tmp_path, REWARD_VARIED)
+        + ["trainer.total_training_steps=4"]
+    )
     cut_args = (
         base_overrides(tiny_model_dir, arithmetic_data, cut) + rules + reward_file(tmp_path, REWARD_VARIED)
     )
@@ -404,10 +460,14 @@ def test_two_processes_take_the_same_actions_as_one(tiny_model_dir, arithmetic_d
     from tests.trainer.test_distributed import _overrides
 
     rules = reward_file(tmp_path, REWARD_VAL_BELOW_TRAIN) + [
-        "trainer.total_training_steps=2", "trainer.test_freq=1", "trainer.save_freq=2",
-        "monitor.validation_drop.enable=True", "monitor.validation_drop.kl_coef_factor=2.0",
-        "monitor.kl_explosion.enable=True", "monitor.kl_explosion.threshold=-1.0",  # fires every step
-    ]  # fmt: skip
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=1",
+        "trainer.save_freq=2",
+        "monitor.validation_drop.enable=True",
+        "monitor.validation_drop.kl_coef_factor=2.0",
+        "monitor.kl_explosion.enable=True",
+        "monitor.kl_explosion.threshold=-1.0",  # fires every step
+    ]
     two, one = tmp_path / "two", tmp_path / "one"
     argv = _overrides(tiny_model_dir, arithmetic_data, two) + rules + ["trainer.n_gpus_per_node=2"]
     assert train_two_ranks(rank_pool, argv) == 0

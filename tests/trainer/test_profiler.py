@@ -13,10 +13,15 @@ from tests.trainer.utils import base_overrides, read_metrics, run_training
 
 def test_torch_profiler_traces_step_2_only(tiny_model_dir, arithmetic_data, tmp_path):
     run, prof = tmp_path / "run", tmp_path / "prof"
-    run_training(base_overrides(tiny_model_dir, arithmetic_data, run) + [
-        "trainer.total_training_steps=3", "global_profiler.tool=torch", "global_profiler.steps=[2]",
-        f"global_profiler.save_path={prof}",
-    ])  # fmt: skip
+    run_training(
+        base_overrides(tiny_model_dir, arithmetic_data, run)
+        + [
+            "trainer.total_training_steps=3",
+            "global_profiler.tool=torch",
+            "global_profiler.steps=[2]",
+            f"global_profiler.save_path={prof}",
+        ]
+    )
     assert sorted(p.name for p in (prof / "torch").iterdir()) == ["step_2_rank_0.trace.json.gz"]
     reports, problems = check(prof / "torch", [2], cuda=False, max_mib=16)
     assert problems == []
@@ -30,19 +35,30 @@ def test_torch_profiler_traces_step_2_only(tiny_model_dir, arithmetic_data, tmp_
 
 def test_continuous_steps_share_one_trace(tiny_model_dir, arithmetic_data, tmp_path):
     prof = tmp_path / "prof"
-    run_training(base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
-        "trainer.total_training_steps=2", "global_profiler.tool=torch", "global_profiler.steps=[1,2]",
-        "global_profiler.profile_continuous_steps=True", f"global_profiler.save_path={prof}",
-    ])  # fmt: skip
+    run_training(
+        base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run")
+        + [
+            "trainer.total_training_steps=2",
+            "global_profiler.tool=torch",
+            "global_profiler.steps=[1,2]",
+            "global_profiler.profile_continuous_steps=True",
+            f"global_profiler.save_path={prof}",
+        ]
+    )
     assert [p.name for p in (prof / "torch").iterdir()] == ["step_1-2_rank_0.trace.json.gz"]
     assert check(prof / "torch", [1, 2], cuda=False, max_mib=16)[1] == []
 
 
 def test_check_traces_flags_wrong_steps_and_missing_kernels(tiny_model_dir, arithmetic_data, tmp_path):
     prof = tmp_path / "prof"
-    run_training(base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
-        "global_profiler.tool=torch", "global_profiler.steps=[1]", f"global_profiler.save_path={prof}",
-    ])  # fmt: skip
+    run_training(
+        base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run")
+        + [
+            "global_profiler.tool=torch",
+            "global_profiler.steps=[1]",
+            f"global_profiler.save_path={prof}",
+        ]
+    )
     _, problems = check(prof / "torch", [1, 3], cuda=True, max_mib=16)
     assert any("no CUDA kernel events" in p for p in problems)
     assert any("expected exactly [1, 3]" in p for p in problems)
@@ -53,11 +69,20 @@ def test_check_traces_flags_wrong_steps_and_missing_kernels(tiny_model_dir, arit
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_traces_of_steps_1_and_3(tiny_model_dir, arithmetic_data, tmp_path):
     run, prof = tmp_path / "run", tmp_path / "prof"
-    overrides = [o.replace("trainer.device=cpu", "trainer.device=cuda")
-                 for o in base_overrides(tiny_model_dir, arithmetic_data, run)]  # fmt: skip
-    run_gpu(overrides + ["trainer.total_training_steps=3", "actor_rollout_ref.rollout.name=klppo",
-                         "global_profiler.tool=torch", "global_profiler.steps=[1,3]",
-                         f"global_profiler.save_path={prof}"])  # fmt: skip
+    overrides = [
+        o.replace("trainer.device=cpu", "trainer.device=cuda")
+        for o in base_overrides(tiny_model_dir, arithmetic_data, run)
+    ]
+    run_gpu(
+        overrides
+        + [
+            "trainer.total_training_steps=3",
+            "actor_rollout_ref.rollout.name=klppo",
+            "global_profiler.tool=torch",
+            "global_profiler.steps=[1,3]",
+            f"global_profiler.save_path={prof}",
+        ]
+    )
     reports, problems = check(prof / "torch", [1, 3], cuda=True, max_mib=16)
     assert problems == [], problems
     rows = {r["step"]: r for r in read_metrics(run)}
@@ -117,16 +142,30 @@ def test_global_tool_config_entries_are_read_or_named():
 
     nsight = {"trace": "cuda,nvtx,cublas,ucx", "cuda-memory-usage": "true", "cuda-graph-trace": "graph"}
     verl = {
-        "nsys": {"_target_": "verl.utils.profiler.config.NsightToolConfig", "discrete": False,
-                 "controller_nsight_options": nsight,
-                 "worker_nsight_options": {**nsight, "capture-range": "cudaProfilerApi",
-                                           "capture-range-end": None, "kill": "none"}},
-        "torch_memory": {"trace_alloc_max_entries": 100_000, "stack_depth": 32, "context": "all",
-                         "stacks": "all", "kw_args": {}},
-    }  # fmt: skip
+        "nsys": {
+            "_target_": "verl.utils.profiler.config.NsightToolConfig",
+            "discrete": False,
+            "controller_nsight_options": nsight,
+            "worker_nsight_options": {
+                **nsight,
+                "capture-range": "cudaProfilerApi",
+                "capture-range-end": None,
+                "kill": "none",
+            },
+        },
+        "torch_memory": {
+            "trace_alloc_max_entries": 100_000,
+            "stack_depth": 32,
+            "context": "all",
+            "stacks": "all",
+            "kw_args": {},
+        },
+    }
     assert profiler_option_lines(verl) == []
-    changed = {"nsys": {**verl["nsys"], "discrete": True, "worker_nsight_options": {"trace": "cuda"}},
-               "torch_memory": {**verl["torch_memory"], "stack_depth": 8, "context": "alloc"}}  # fmt: skip
+    changed = {
+        "nsys": {**verl["nsys"], "discrete": True, "worker_nsight_options": {"trace": "cuda"}},
+        "torch_memory": {**verl["torch_memory"], "stack_depth": 8, "context": "alloc"},
+    }
     lines = profiler_option_lines(changed)
     assert len(lines) == 3
     assert lines[0].startswith(
@@ -141,8 +180,14 @@ def test_global_tool_config_entries_are_read_or_named():
     assert (prof.memory_context, prof.memory_stacks, prof.max_entries) == ("alloc", "all", 100_000)
     for bad in ("java", "cpp"):  # torch's allocator history takes python or all
         with pytest.raises(ValueError, match=rf"torch_memory.stacks='{bad}': expected one of"):
-            StepProfiler(GlobalProfilerConfig(global_tool_config={"torch_memory": {"stacks": bad}}),
-                         device=torch.device("cpu"), rank=0)  # fmt: skip
-    quiet = StepProfiler(GlobalProfilerConfig(global_tool_config={"torch_memory": {"context": None}}),
-                         device=torch.device("cpu"), rank=0)  # fmt: skip
+            StepProfiler(
+                GlobalProfilerConfig(global_tool_config={"torch_memory": {"stacks": bad}}),
+                device=torch.device("cpu"),
+                rank=0,
+            )
+    quiet = StepProfiler(
+        GlobalProfilerConfig(global_tool_config={"torch_memory": {"context": None}}),
+        device=torch.device("cpu"),
+        rank=0,
+    )
     assert quiet.memory_context is None  # no tracebacks recorded

@@ -33,11 +33,18 @@ def test_a_training_run_scored_in_the_background_equals_the_in_step_run(
     rows, where = {}, {}
     for name, flag in (("step", "False"), ("background", "True")):
         run, log = tmp_path / name, tmp_path / f"{name}.log"
-        common = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=True",
-                  f"custom_reward_function.path={fn}", "trainer.total_training_steps=2",
-                  f"reward_model.reward_kwargs={{log: {log}}}"]  # fmt: skip
-        run_training(base_overrides(tiny_model_dir, arithmetic_data, run) + common
-                     + [f"reward_model.launch_reward_fn_async={flag}"])  # fmt: skip
+        common = [
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.use_kl_loss=True",
+            f"custom_reward_function.path={fn}",
+            "trainer.total_training_steps=2",
+            f"reward_model.reward_kwargs={{log: {log}}}",
+        ]
+        run_training(
+            base_overrides(tiny_model_dir, arithmetic_data, run)
+            + common
+            + [f"reward_model.launch_reward_fn_async={flag}"]
+        )
         rows[name], where[name] = read_metrics(run), scored_where(log)
     assert len(rows["step"]) == len(rows["background"]) == 2
     for a, b in zip(rows["step"], rows["background"], strict=True):

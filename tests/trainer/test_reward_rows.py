@@ -26,8 +26,16 @@ def _variant(src: Path, dst: Path, change) -> Path:
 
 
 def _check(tiny_model_dir, train: Path, val: Path, *over: str) -> None:
-    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={train}",
-                       f"data.val_files={val}", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4", *over])  # fmt: skip
+    cfg = load_config(
+        [
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            f"data.train_files={train}",
+            f"data.val_files={val}",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            *over,
+        ]
+    )
     train_loader, val_loader = build_loaders(cfg, load_tokenizer(str(tiny_model_dir)))
     check_ground_truth_columns(cfg, {"train": train_loader, "validation": val_loader})
 
@@ -43,7 +51,8 @@ def test_rows_without_ground_truth_or_scorer_are_refused_at_start(tiny_model_dir
     bad = _variant(train, tmp_path / "no_truth.parquet", no_truth)
     with pytest.raises(
         DataError,
-        match=r"no_truth.parquet \(train data\): 2 row\(s\) without reward_model.ground_truth \(first: row 3\)",
+        match=r"no_truth.parquet \(train data\): 2 row\(s\) without reward_model.ground_truth \(first: row "
+        r"3\)",
     ):
         _check(tiny_model_dir, bad, val)
     _check(
@@ -56,7 +65,8 @@ def test_rows_without_ground_truth_or_scorer_are_refused_at_start(tiny_model_dir
     odd = _variant(val, tmp_path / "odd.parquet", source)
     with pytest.raises(
         DataError,
-        match=r"odd.parquet \(validation data\): data_source \(data.reward_fn_key\) \['my/unknown'\] \(first: row 5\) — no built-in scorer",
+        match=r"odd.parquet \(validation data\): data_source \(data.reward_fn_key\) \['my/unknown'\] "
+        r"\(first: row 5\) — no built-in scorer",
     ):
         _check(tiny_model_dir, train, odd)
 
@@ -104,9 +114,16 @@ def test_the_custom_reward_file_is_checked_before_any_weights_without_running_it
     tok = load_tokenizer(str(tiny_model_dir))
 
     def cfg(path):
-        return load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={train}",
-                            f"data.val_files={val}", "data.train_batch_size=4",
-                            "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"custom_reward_function.path={path}"])  # fmt: skip
+        return load_config(
+            [
+                f"actor_rollout_ref.model.path={tiny_model_dir}",
+                f"data.train_files={train}",
+                f"data.val_files={val}",
+                "data.train_batch_size=4",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                f"custom_reward_function.path={path}",
+            ]
+        )
 
     with pytest.raises(FileNotFoundError, match="custom_reward_function.path: file not found"):
         check_data(cfg(tmp_path / "missing.py"), tok)

@@ -36,8 +36,16 @@ def test_token_tis_trains_and_reports_rollout_corr(mode, extra, tiny_model_dir, 
     ]
     run_training(over)
     (metrics,) = read_metrics(tmp_path / "run")
-    for name in ("kl", "k3_kl", "training_ppl", "rollout_ppl", "chi2_token", "rollout_is_mean",
-                 "rollout_is_eff_sample_size", "rollout_is_ratio_fraction_high"):  # fmt: skip
+    for name in (
+        "kl",
+        "k3_kl",
+        "training_ppl",
+        "rollout_ppl",
+        "chi2_token",
+        "rollout_is_mean",
+        "rollout_is_eff_sample_size",
+        "rollout_is_ratio_fraction_high",
+    ):
         assert math.isfinite(metrics[f"rollout_corr/{name}"]), name
     tol = 1e-3 if mode == "decoupled" else 0.1
     assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=tol)

@@ -81,8 +81,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 @pytest.mark.slow
 @pytest.mark.parametrize("background", [False, True])
-def test_a_hung_reward_function_ends_the_run_at_its_limit(tiny_model_dir, arithmetic_data, tmp_path, capsys,
-                                                          background):  # fmt: skip
+def test_a_hung_reward_function_ends_the_run_at_its_limit(
+    tiny_model_dir, arithmetic_data, tmp_path, capsys, background
+):
     from klppo.commands.train import main
 
     fn = tmp_path / "hangs.py"
@@ -104,13 +105,17 @@ def test_a_hung_reward_function_ends_the_run_at_its_limit(tiny_model_dir, arithm
 
 def _launch(argv: list[str], **env: str) -> subprocess.Popen:
     full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-    return subprocess.Popen([sys.executable, "-m", "klppo.cli", "train", *argv], env=full,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "klppo.cli", "train", *argv], env=full, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _two_ranks(tiny_model_dir, arithmetic_data, run_dir: Path, *extra: str) -> list[str]:
     return base_overrides(tiny_model_dir, arithmetic_data, run_dir) + [
-        "trainer.n_gpus_per_node=2", "trainer.collective_timeout_s=300", *extra]  # fmt: skip
+        "trainer.n_gpus_per_node=2",
+        "trainer.collective_timeout_s=300",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -118,8 +123,13 @@ def test_a_reward_hung_on_rank_1_is_named_by_the_launcher(tiny_model_dir, arithm
     fn = tmp_path / "hangs.py"
     fn.write_text(HANGS)
     run_dir = tmp_path / "run"
-    argv = _two_ranks(tiny_model_dir, arithmetic_data, run_dir, f"custom_reward_function.path={fn}",
-                      "reward_model.timeout_s=3")  # fmt: skip
+    argv = _two_ranks(
+        tiny_model_dir,
+        arithmetic_data,
+        run_dir,
+        f"custom_reward_function.path={fn}",
+        "reward_model.timeout_s=3",
+    )
     start = time.monotonic()
     launcher = _launch(argv, HANG_RANK="1")
     try:
@@ -142,8 +152,9 @@ def test_kill_9_of_the_launcher_leaves_no_rank_and_the_lock_is_free(
     from klppo.parallel.launch import _children
 
     run_dir = tmp_path / "run"
-    argv = _two_ranks(tiny_model_dir, arithmetic_data, run_dir, "trainer.total_training_steps=200",
-                      "trainer.save_freq=1")  # fmt: skip
+    argv = _two_ranks(
+        tiny_model_dir, arithmetic_data, run_dir, "trainer.total_training_steps=200", "trainer.save_freq=1"
+    )
     launcher = _launch(argv)
     try:
         deadline = time.monotonic() + 240
@@ -161,8 +172,12 @@ def test_kill_9_of_the_launcher_leaves_no_rank_and_the_lock_is_free(
     deadline = time.monotonic() + 10
     while [p for p in processes if Path(f"/proc/{p}").exists()] and time.monotonic() < deadline:
         time.sleep(0.2)
-    alive = [p for p in processes if Path(f"/proc/{p}/stat").exists()
-             and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]  # fmt: skip
+    alive = [
+        p
+        for p in processes
+        if Path(f"/proc/{p}/stat").exists()
+        and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    ]
     assert not alive, f"left running: {alive}"
     with RunLock(run_dir):  # the run is provably dead: the lock is taken over
         pass

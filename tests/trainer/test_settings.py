@@ -202,7 +202,7 @@ def test_setup_precompile_gets_the_engine_settings_and_every_sampling_setting() 
             "actor_rollout_ref.rollout.val_kwargs.temperature=0.5",
             "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
             "actor_rollout_ref.rollout.sampler=torch",
-        ]  # fmt: skip
+        ]
     )
     fns = _Recording()
     _start_precompile(cfg, None, torch.device("cpu"), fns)
@@ -224,7 +224,9 @@ def test_setup_precompile_gets_the_engine_settings_and_every_sampling_setting() 
         ),
     ],
 )
-def test_setup_precompile_prepares_the_backend_the_built_engine_decodes_on(monkeypatch, overrides, split) -> None:
+def test_setup_precompile_prepares_the_backend_the_built_engine_decodes_on(
+    monkeypatch, overrides, split
+) -> None:
     """On CUDA with triton (faked: only the arguments are recorded) the pre-compile is asked for the split
     backend exactly when the engine the trainer builds decodes on it: not with ``decode_attention=sdpa``,
     but for a LoRA actor whose configured TP size is run data-parallel (``rollout_tensor_parallel``); a
@@ -275,9 +277,16 @@ def test_grad_sync_per_mini_batch_key_is_validated_and_resolved() -> None:
     )
     assert not on and "10%" in why
     assert not grad_sync_per_mini_batch(fsdp_cfg, fsdp, num_trainable=10**6, ranks=1, device_bytes=None)[0]
-    offloaded = fsdp_settings(load_config(["actor_rollout_ref.actor.fsdp_config.param_offload=True",
-                                           "actor_rollout_ref.actor.fsdp_config.grad_sync_per_mini_batch=auto"])
-                              .actor_rollout_ref.actor.fsdp_config, device_type="cuda", world_size=2)  # fmt: skip
+    offloaded = fsdp_settings(
+        load_config(
+            [
+                "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+                "actor_rollout_ref.actor.fsdp_config.grad_sync_per_mini_batch=auto",
+            ]
+        ).actor_rollout_ref.actor.fsdp_config,
+        device_type="cuda",
+        world_size=2,
+    )
     assert not grad_sync_per_mini_batch(fsdp_cfg, offloaded, num_trainable=10**6, ranks=2, device_bytes=None)[
         0
     ]

@@ -140,8 +140,13 @@ def test_signal_to_one_rank_saves_and_does_not_hang(tiny_model_dir, arithmetic_d
     fn = tmp_path / "rank1_preempted.py"
     fn.write_text(SIGTERM_RANK_1_ONLY)
     run_dir = tmp_path / "run"
-    argv = _two_rank_argv(tiny_model_dir, arithmetic_data, run_dir, "trainer.total_training_steps=6",
-                          f"custom_reward_function.path={fn}")  # fmt: skip
+    argv = _two_rank_argv(
+        tiny_model_dir,
+        arithmetic_data,
+        run_dir,
+        "trainer.total_training_steps=6",
+        f"custom_reward_function.path={fn}",
+    )
     start = time.monotonic()
     assert main(argv) == 0
     assert time.monotonic() - start < 90  # no collective timeout: both ranks stopped after step 2

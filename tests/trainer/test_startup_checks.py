@@ -53,12 +53,21 @@ def test_image_and_video_data_are_refused_naming_the_key(tiny_model_dir, arithme
     assert "vl.parquet has a 'images' column (data.image_key)" in str(e.value)
     videos = _write(tmp_path / "v.parquet", chat, clips=[[b"x"]] * 3)
     with pytest.raises(ConfigError, match=r"'clips' column \(data.video_key\)"):
-        startup_checks.check_text_only(_cfg(tiny_model_dir, arithmetic_data, tmp_path,
-                                            f"data.val_files={videos}", "data.video_key=clips"))  # fmt: skip
+        startup_checks.check_text_only(
+            _cfg(
+                tiny_model_dir, arithmetic_data, tmp_path, f"data.val_files={videos}", "data.video_key=clips"
+            )
+        )
     tagged = chat[:2] + [[{"role": "user", "content": "<image>What is drawn?"}]]
     with pytest.raises(ConfigError, match=r"tag.parquet row 2: the prompt \(prompt\) holds a <image>"):
-        startup_checks.check_text_only(_cfg(tiny_model_dir, arithmetic_data, tmp_path,
-                                            f"data.train_files={_write(tmp_path / 'tag.parquet', tagged)}"))  # fmt: skip
+        startup_checks.check_text_only(
+            _cfg(
+                tiny_model_dir,
+                arithmetic_data,
+                tmp_path,
+                f"data.train_files={_write(tmp_path / 'tag.parquet', tagged)}",
+            )
+        )
     startup_checks.check_text_only(_cfg(tiny_model_dir, arithmetic_data, tmp_path))  # the text set passes
 
 
@@ -70,7 +79,9 @@ def test_checkpoint_estimate_by_hand(tiny_model_dir):
     cfg = load_config([], **Q)  # fp32 actor, AdamW: weights + 2 moments
     assert startup_checks.checkpoint_bytes(cfg, hf, None) == params * 4 * 3
     assert startup_checks.checkpoint_bytes(cfg, hf, hf) == 2 * params * 4 * 3
-    lora = load_config(["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"], **Q)  # fmt: skip
+    lora = load_config(
+        ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"], **Q
+    )
     assert startup_checks.checkpoint_bytes(lora, hf, None) == params * 2
 
 
@@ -138,8 +149,11 @@ def test_engine_settings_from_enforce_eager_sampler_and_decode_attention():
     assert (eager.cuda_graphs, eager.compile_decode) == (False, False)
     default = settings()
     assert (default.cuda_graphs, default.compile_decode, default.sampler, default.decode_attention) == (
-        True, None, "auto", "auto"
-    )  # fmt: skip
+        True,
+        None,
+        "auto",
+        "auto",
+    )
     assert default.compact_slots is True and default.eos_token_ids == ()
     assert settings("actor_rollout_ref.rollout.sampler=torch").sampler == "torch"
     assert settings("actor_rollout_ref.rollout.decode_attention=sdpa").decode_attention == "sdpa"
@@ -182,7 +196,9 @@ def test_engine_settings_from_enforce_eager_sampler_and_decode_attention():
 def test_engine_values_without_a_path_are_refused_with_what_to_set(key, value, instead):
     """Values of the klppo engine's settings whose path does not exist are refused by name, saying what to
     set instead (never mapped to another value)."""
-    with pytest.raises(ConfigError, match=f"actor_rollout_ref.rollout.{key}='{value}' is not a choice.*{instead}"):
+    with pytest.raises(
+        ConfigError, match=f"actor_rollout_ref.rollout.{key}='{value}' is not a choice.*{instead}"
+    ):
         load_config([f"actor_rollout_ref.rollout.{key}={value}"], **Q)
 
 
@@ -194,8 +210,10 @@ def test_critic_warmup_as_verl(tiny_model_dir, arithmetic_data, tmp_path):
     assert updates_actor(1, 0) and updates_actor(1, 1)
     run = tmp_path / "run"
     overrides = base_overrides(tiny_model_dir, arithmetic_data, run) + [
-        "algorithm.adv_estimator=gae", "trainer.critic_warmup=2", "trainer.total_training_steps=2",
-    ]  # fmt: skip
+        "algorithm.adv_estimator=gae",
+        "trainer.critic_warmup=2",
+        "trainer.total_training_steps=2",
+    ]
     run_training(overrides)
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     by_step = {d["step"]: d for d in lines}
@@ -214,12 +232,18 @@ def test_compiled_layers_are_advised_where_they_could_run_and_only_there():
         return compiled_layers_advice(load_config(list(over), **Q))
 
     [actor] = advice()
-    assert actor.startswith("actor_rollout_ref.model.compile_packed_layers=True") and "Compiled passes" in actor
+    assert (
+        actor.startswith("actor_rollout_ref.model.compile_packed_layers=True") and "Compiled passes" in actor
+    )
     assert advice("actor_rollout_ref.model.compile_packed_layers=True") == []
     assert advice("actor_rollout_ref.model.use_remove_padding=False") == []
     assert advice("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2") == []
-    gae = ["algorithm.adv_estimator=gae", "critic.enable=True", "critic.model.use_remove_padding=True",
-           "actor_rollout_ref.model.compile_packed_layers=True"]  # fmt: skip
+    gae = [
+        "algorithm.adv_estimator=gae",
+        "critic.enable=True",
+        "critic.model.use_remove_padding=True",
+        "actor_rollout_ref.model.compile_packed_layers=True",
+    ]
     [critic] = advice(*gae)
     assert critic.startswith("critic.model.compile_packed_layers=True") and "peak memory" in critic
     assert advice(*gae, "critic.model.compile_packed_layers=True") == []
@@ -232,7 +256,10 @@ def test_background_scoring_is_advised_where_reward_functions_score_in_the_step(
     from klppo.config.checks import background_scoring_advice
 
     line = background_scoring_advice(load_config([], **Q))
-    assert line.startswith("reward_model.launch_reward_fn_async=True decodes") and "docs/training.md, 'Rewards'" in line
+    assert (
+        line.startswith("reward_model.launch_reward_fn_async=True decodes")
+        and "docs/training.md, 'Rewards'" in line
+    )
     assert background_scoring_advice(load_config(["reward_model.launch_reward_fn_async=True"], **Q)) is None
     rm = ["reward_model.enable=True", "reward_model.model.path=/some/rm"]
     assert background_scoring_advice(load_config(rm, **Q)) is None
@@ -244,8 +271,12 @@ def test_the_critic_is_advised_the_actors_token_budget_where_it_cuts_its_mini_ba
     holds the mini-batch, not without a critic or token budgets, not for a critic on another model."""
     from klppo.config.checks import critic_budget_advice
 
-    gae = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_dynamic_bsz=True",
-           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=65536", "critic.ppo_max_token_len_per_gpu=16384"]  # fmt: skip
+    gae = [
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=65536",
+        "critic.ppo_max_token_len_per_gpu=16384",
+    ]
 
     def advice(*over, tokens=200_000):
         return critic_budget_advice(load_config(list(over), **Q), critic_mini_batch_tokens=tokens)
@@ -268,9 +299,13 @@ def test_dry_run_names_every_problem_at_once(tiny_model_dir, arithmetic_data, tm
     monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "wandb" else real(m, *a))
     monkeypatch.setattr(startup_checks.shutil, "disk_usage", lambda _p: SimpleNamespace(free=1000))
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
-        "data.train_batch_sise=4", "actor_rollout_ref.rollout.n=two", "trainer.n_gpus_per_node=3",
-        f"data.val_files={tmp_path / 'missing.parquet'}", "trainer.logger=[console,wandb]", "trainer.save_freq=1",
-    ]  # fmt: skip
+        "data.train_batch_sise=4",
+        "actor_rollout_ref.rollout.n=two",
+        "trainer.n_gpus_per_node=3",
+        f"data.val_files={tmp_path / 'missing.parquet'}",
+        "trainer.logger=[console,wandb]",
+        "trainer.save_freq=1",
+    ]
     assert main(["--dry-run", *overrides]) == 2
     err = capsys.readouterr().err
     assert "klppo: 6 problems, nothing started:\n  1. unknown key 'data.train_batch_sise'" in err
@@ -284,7 +319,9 @@ def test_dry_run_names_every_problem_at_once(tiny_model_dir, arithmetic_data, tm
         assert f"\n  {problem}" in err, (problem, err)
 
 
-def test_a_finished_run_says_so_before_any_weight_loads(tiny_model_dir, arithmetic_data, tmp_path, capsys, monkeypatch):
+def test_a_finished_run_says_so_before_any_weight_loads(
+    tiny_model_dir, arithmetic_data, tmp_path, capsys, monkeypatch
+):
     """Resuming a run whose checkpoint reached its last step: one line, exit 0, nothing started; with
     steps left (or resume off) the run starts."""
     import klppo.commands.train as train
@@ -298,11 +335,16 @@ def test_a_finished_run_says_so_before_any_weight_loads(tiny_model_dir, arithmet
     (checkpoint / "COMPLETE").write_text("1")
     started: list[int] = []
     monkeypatch.setattr(train, "_launch_or_run", lambda *a, **k: started.append(1) or 0)
-    overrides = [*base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run"), "algorithm.adv_estimator=grpo"]
+    overrides = [
+        *base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run"),
+        "algorithm.adv_estimator=grpo",
+    ]
     assert train.main(overrides) == 0 and not started  # total_training_steps=1
     out = capsys.readouterr().out
-    assert out.startswith(f"klppo: {checkpoint} is at step 1, and this run ends at step 1 "
-                          "(trainer.total_training_steps): nothing left to train.")  # fmt: skip
+    assert out.startswith(
+        f"klppo: {checkpoint} is at step 1, and this run ends at step 1 (trainer.total_training_steps): "
+        "nothing left to train."
+    )
     assert train.main([*overrides, "--dry-run"]) == 0 and "resume: " in capsys.readouterr().out
     assert train.main([*overrides, "trainer.total_training_steps=2"]) == 0 and started == [1]
     assert train.main([*overrides, "trainer.resume_mode=disable"]) == 0 and started == [1, 1]

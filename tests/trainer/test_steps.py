@@ -245,8 +245,11 @@ def test_reward_model_scores_the_responses(tiny_model_dir, arithmetic_data, tmp_
     assert reward._micro_batches([5, 6, 7]) == [(0, 1), (1, 2), (2, 3)]
     calls = []
     tokenize = type(reward.reward_tokenizer).__call__
-    with mock.patch.object(type(reward.reward_tokenizer), "__call__",
-                           lambda self, *a, **k: calls.append(a) or tokenize(self, *a, **k)):  # fmt: skip
+    with mock.patch.object(
+        type(reward.reward_tokenizer),
+        "__call__",
+        lambda self, *a, **k: calls.append(a) or tokenize(self, *a, **k),
+    ):
         assert torch.allclose(reward._model_scores(b, texts), one_by_one, atol=1e-5)
     assert len(calls) == 1  # tokenized once, whatever the number of micro-batches (three here)
 
@@ -261,7 +264,11 @@ def test_reward_model_micro_batches_follow_the_keys(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     texts = ["a b c d e f", "a", "a b", "a b c d e f g h i j k l", "a b c"]
     lengths = [len(tok(t)["input_ids"]) for t in texts]
-    assert Reward(tok, model=RewardModelPasses(micro_batch_size=2))._micro_batches(lengths) == [(0, 2), (2, 4), (4, 5)]
+    assert Reward(tok, model=RewardModelPasses(micro_batch_size=2))._micro_batches(lengths) == [
+        (0, 2),
+        (2, 4),
+        (4, 5),
+    ]
     budget = 2 * max(lengths[:3])
     bounds = Reward(tok, model=RewardModelPasses(max_token_len=budget))._micro_batches(lengths)
     assert [i for b in bounds for i in range(*b)] == list(range(5))  # every sample once, in order
@@ -309,8 +316,13 @@ def test_reward_model_micro_batch_sizes(tiny_model_dir):
     # the budget follows the critic's: a GRPO run's unread critic budget is not blamed on the reward model
     load_config(["critic.ppo_max_token_len_per_gpu=0", "algorithm.adv_estimator=grpo"])
     cfg = load_config(["reward_model.use_dynamic_bsz=True", "reward_model.forward_max_token_len_per_gpu=77"])
-    reward = build_reward(cfg.reward_model, cfg.custom_reward_function,
-                          AutoTokenizer.from_pretrained(tiny_model_dir), torch.device("cpu"), micro_batch_size=3)  # fmt: skip
+    reward = build_reward(
+        cfg.reward_model,
+        cfg.custom_reward_function,
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+        torch.device("cpu"),
+        micro_batch_size=3,
+    )
     assert (reward.micro_batch_size, reward.max_token_len) == (3, 77)
 
 
@@ -461,18 +473,28 @@ def test_reward_model_keys_act_or_are_named(tiny_model_dir, tmp_path):
     AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
     rm_tok = build_tiny_tokenizer()
     rm_tok.save_pretrained(rm_dir)
-    cfg = load_config(["reward_model.enable=True", f"reward_model.model.path={rm_dir}",
-                       f"actor_rollout_ref.model.path={tiny_model_dir}",
-                       "+reward_model.model.override_config.num_hidden_layers=1"])  # fmt: skip
+    cfg = load_config(
+        [
+            "reward_model.enable=True",
+            f"reward_model.model.path={rm_dir}",
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+            "+reward_model.model.override_config.num_hidden_layers=1",
+        ]
+    )
     reward = roles_build.build_reward(cfg.reward_model, cfg.custom_reward_function, None, torch.device("cpu"))
     assert reward.reward_tokenizer.name_or_path == str(rm_dir)  # its own, whatever input_tokenizer says
     assert reward.reward_model.config.num_hidden_layers == 1
-    inert = ["reward_model.model.fsdp_config.param_offload=True", "reward_model.model.use_remove_padding=True",
-             "reward_model.model.fsdp_config.wrap_policy.min_num_params=0"]  # the last: verl's default  # fmt: skip
+    inert = [
+        "reward_model.model.fsdp_config.param_offload=True",
+        "reward_model.model.use_remove_padding=True",
+        "reward_model.model.fsdp_config.wrap_policy.min_num_params=0",
+    ]  # the last: verl's default
     notes: list[str] = []
     load_config(["reward_model.enable=True", *inert], notify=notes.append)
     assert [n.split(":")[0] for n in notes if n.startswith("reward_model.model.")] == [
-        "reward_model.model.fsdp_config.param_offload=True", "reward_model.model.use_remove_padding=True"]  # fmt: skip
+        "reward_model.model.fsdp_config.param_offload=True",
+        "reward_model.model.use_remove_padding=True",
+    ]
     assert "the reward model is loaded whole on each rank" in notes[0]
     notes.clear()
     load_config(inert, notify=notes.append)  # no reward model: nothing to say about its keys
@@ -493,9 +515,14 @@ def test_critic_and_tokenizer_loads_get_trust_remote_code_and_override_config(ti
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(roles_build, "load_critic", fake_load_critic)
-    cfg = load_config(["algorithm.adv_estimator=gae", "critic.model.trust_remote_code=True",
-                       f"critic.model.path={tiny_model_dir}",
-                       "+critic.model.override_config.attention_dropout=0.1"])  # fmt: skip
+    cfg = load_config(
+        [
+            "algorithm.adv_estimator=gae",
+            "critic.model.trust_remote_code=True",
+            f"critic.model.path={tiny_model_dir}",
+            "+critic.model.override_config.attention_dropout=0.1",
+        ]
+    )
     inputs = SimpleNamespace(cfg=cfg, device=None, model_path=str(tiny_model_dir))
     with pytest.raises(RuntimeError, match="stop here"):
         roles_build.build_critic(inputs)
@@ -519,8 +546,13 @@ def test_a_reward_model_without_tokenizer_files_uses_input_tokenizers_pad(tiny_m
     config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1, pad_token_id=None)
     torch.manual_seed(3)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
-    cfg = load_config(["reward_model.enable=True", f"reward_model.model.path={rm_dir}",
-                       f"actor_rollout_ref.model.path={tiny_model_dir}"])  # fmt: skip
+    cfg = load_config(
+        [
+            "reward_model.enable=True",
+            f"reward_model.model.path={rm_dir}",
+            f"actor_rollout_ref.model.path={tiny_model_dir}",
+        ]
+    )
     reward = roles_build.build_reward(cfg.reward_model, cfg.custom_reward_function, None, torch.device("cpu"))
     assert reward.reward_tokenizer.name_or_path == str(tiny_model_dir)
     assert reward.reward_model.config.pad_token_id == reward.reward_tokenizer.pad_token_id is not None
@@ -530,8 +562,13 @@ def test_a_reward_model_without_tokenizer_files_uses_input_tokenizers_pad(tiny_m
     together = reward._model_scores(b, texts)
     reward.micro_batch_size = 1
     torch.testing.assert_close(reward._model_scores(b, texts), together, atol=1e-5, rtol=0)
-    cfg = load_config(["reward_model.enable=True", f"reward_model.model.path={rm_dir}",
-                       "reward_model.model.input_tokenizer=null"])  # fmt: skip
+    cfg = load_config(
+        [
+            "reward_model.enable=True",
+            f"reward_model.model.path={rm_dir}",
+            "reward_model.model.input_tokenizer=null",
+        ]
+    )
     with pytest.raises(ValueError, match=r"reward_model.model.path=.*input_tokenizer is null"):
         roles_build.build_reward(cfg.reward_model, cfg.custom_reward_function, None, torch.device("cpu"))
 

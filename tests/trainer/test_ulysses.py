@@ -70,8 +70,10 @@ def test_sequence_parallel_matches_one_process(tiny_model_dir, arithmetic_data, 
 
 
 @pytest.mark.slow
-@pytest.mark.skipif((os.cpu_count() or 1) < 4 and not os.environ.get("KLPPO_TEST_4_RANKS"),
-                    reason="4 processes on fewer than 4 cores take minutes (KLPPO_TEST_4_RANKS=1 runs it)")  # fmt: skip
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 4 and not os.environ.get("KLPPO_TEST_4_RANKS"),
+    reason="4 processes on fewer than 4 cores take minutes (KLPPO_TEST_4_RANKS=1 runs it)",
+)
 def test_sp2_dp2_matches_dp2(tiny_model_dir, arithmetic_data, tmp_path):
     """4 processes as 2 Ulysses groups of 2 (SP=2 × DP=2) = 2 processes data-parallel (DP=2): each group's
     token budget (80 per GPU × 2) is a DP=2 rank's 160, so both form the same micro-batches."""

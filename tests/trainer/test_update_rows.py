@@ -54,12 +54,14 @@ def _batch() -> Batch:
     adv = torch.randn(B, R, generator=g) * mask
     adv[[2, 3, 5]] = 0.0  # three samples whose group scored the same
     return Batch(
-        prompts=torch.randint(3, 300, (B, P), generator=g), prompt_mask=prompt_mask,
-        responses=torch.randint(3, 300, (B, R), generator=g), response_mask=mask,
+        prompts=torch.randint(3, 300, (B, P), generator=g),
+        prompt_mask=prompt_mask,
+        responses=torch.randint(3, 300, (B, R), generator=g),
+        response_mask=mask,
         rollout_log_probs=-5.0 + 0.1 * torch.randn(B, R, generator=g) * mask,
         ref_log_probs=-5.0 + 0.1 * torch.randn(B, R, generator=g) * mask,
         advantages=adv,
-    )  # fmt: skip
+    )
 
 
 def _actor() -> Actor:
@@ -68,13 +70,20 @@ def _actor() -> Actor:
     return Actor(
         model,
         ActorSettings(
-            mini_batch_size=6, ppo_epochs=1, update_micro=MicroBatching(micro_batch_size=2),
-            log_prob_micro=MicroBatching(micro_batch_size=3), loss_mode="vanilla", entropy_coeff=0.0,
-            use_kl_loss=False, grad_clip=1e9, use_remove_padding=True, skip_old_log_prob_on_policy=True,
+            mini_batch_size=6,
+            ppo_epochs=1,
+            update_micro=MicroBatching(micro_batch_size=2),
+            log_prob_micro=MicroBatching(micro_batch_size=3),
+            loss_mode="vanilla",
+            entropy_coeff=0.0,
+            use_kl_loss=False,
+            grad_clip=1e9,
+            use_remove_padding=True,
+            skip_old_log_prob_on_policy=True,
             loss_agg_mode="token-mean",
         ),
         OptimSettings(lr=1.0, optimizer="SGD", weight_decay=0.0),  # parameter change = −gradient
-    )  # fmt: skip
+    )
 
 
 def test_leaving_out_zero_advantage_rows_only_rescales_the_policy_gradient():
@@ -160,7 +169,8 @@ def test_trainer_reports_the_kept_share_and_every_sample_kl(
     reward, mini, tiny_model_dir, arithmetic_data, tmp_path
 ):
     """GRPO, one on-policy mini-batch of 8 prompts × 2, four steps (lr 1e-3: the policy leaves the reference
-    once a step has advantages). The flexible reward scores the tiny model's answers all 0: no sample has an advantage,
+    once a step has advantages). The flexible reward scores the tiny model's answers all 0: no sample has an
+    advantage,
     so every row is updated (share 1). The parity score makes some groups equal and others mixed: the equal
     ones are left out. Either way the KL figures and the controller's input (k3 here) are every sample's,
     from the engine's log-probs, and the update's own KL moves to *_update_rows. With two mini-batches
@@ -210,28 +220,47 @@ def test_refused_with_a_critic_and_noted_where_it_does_little():
         load_config(["algorithm.adv_estimator=gae", key])
     # several epochs or mini-batches: allowed (the kept rows in as many mini-batches as the full batch makes)
     load_config(["algorithm.adv_estimator=grpo", key, "actor_rollout_ref.actor.ppo_epochs=2"])
-    load_config(["algorithm.adv_estimator=grpo", key, "data.train_batch_size=8",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=4"])  # fmt: skip
+    load_config(
+        [
+            "algorithm.adv_estimator=grpo",
+            key,
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        ]
+    )
     one = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
-    for over, noted in ((["algorithm.adv_estimator=grpo"], False), (["algorithm.adv_estimator=rloo"], False),
-                        (["algorithm.adv_estimator=reinforce_plus_plus_baseline"], True),
-                        (["algorithm.adv_estimator=rloo", "algorithm.use_kl_in_reward=True"], True)):  # fmt: skip
+    for over, noted in (
+        (["algorithm.adv_estimator=grpo"], False),
+        (["algorithm.adv_estimator=rloo"], False),
+        (["algorithm.adv_estimator=reinforce_plus_plus_baseline"], True),
+        (["algorithm.adv_estimator=rloo", "algorithm.use_kl_in_reward=True"], True),
+    ):
         notes: list[str] = []
         load_config([*over, *one, key], notify=notes.append)
         assert any("few or none are left out" in m for m in notes) == noted, over
     # advised where it is allowed and pays: group estimators, KL in the loss, one update per step
     g = [*one, "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.use_kl_loss=True"]
     advice = "skip_zero_advantage_rows=True would leave"
-    for over, advised in ((["algorithm.adv_estimator=grpo", *g], True), (["algorithm.adv_estimator=rloo", *g], True),
-                          (["algorithm.adv_estimator=grpo", *g, key], False),
-                          (["algorithm.adv_estimator=grpo", *g, "algorithm.use_kl_in_reward=True"], False),
-                          (["algorithm.adv_estimator=grpo", *g, "actor_rollout_ref.actor.ppo_epochs=2"], False),
-                          (["algorithm.adv_estimator=grpo", "data.train_batch_size=8",
-                            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
-                            "actor_rollout_ref.actor.use_kl_loss=True"], False),
-                          (["algorithm.adv_estimator=gae", *g], False),
-                          (["algorithm.adv_estimator=grpo", *one], False),
-                          (["algorithm.adv_estimator=grpo", *g, "actor_rollout_ref.actor.use_kl_loss=False"], False)):  # fmt: skip
+    for over, advised in (
+        (["algorithm.adv_estimator=grpo", *g], True),
+        (["algorithm.adv_estimator=rloo", *g], True),
+        (["algorithm.adv_estimator=grpo", *g, key], False),
+        (["algorithm.adv_estimator=grpo", *g, "algorithm.use_kl_in_reward=True"], False),
+        (["algorithm.adv_estimator=grpo", *g, "actor_rollout_ref.actor.ppo_epochs=2"], False),
+        (
+            [
+                "algorithm.adv_estimator=grpo",
+                "data.train_batch_size=8",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "actor_rollout_ref.rollout.n=4",
+                "actor_rollout_ref.actor.use_kl_loss=True",
+            ],
+            False,
+        ),
+        (["algorithm.adv_estimator=gae", *g], False),
+        (["algorithm.adv_estimator=grpo", *one], False),
+        (["algorithm.adv_estimator=grpo", *g, "actor_rollout_ref.actor.use_kl_loss=False"], False),
+    ):
         notes = []
         load_config(over, notify=notes.append)
         assert any(advice in m for m in notes) == advised, over

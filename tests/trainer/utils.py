@@ -73,9 +73,16 @@ def train_rank(rank: int, port: int, argv: list[str]) -> int:
     from klppo.ops.run_lock import HELD_ENV
     from klppo.parallel import dist
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      **{STARTUP_CHECKED_ENV: "1", HELD_ENV: "1"})  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        **{STARTUP_CHECKED_ENV: "1", HELD_ENV: "1"},
+    )
     torch.set_num_threads(1)
     try:
         return main(argv)

@@ -16,19 +16,35 @@ from klppo.tune.host import fit, refusal
 from klppo.tune.preflight import check_memory
 
 QWEN25_7B = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28,
-    "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
-    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
-    "hidden_act": "silu", "torch_dtype": "bfloat16",
-}  # fmt: skip
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "intermediate_size": 18944,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
 GIB = 2**30
 H100, HOST = 80 * GIB, 128 * GIB
-GRPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.use_kl_loss=true",
-        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "data.max_prompt_length=512",
-        "data.max_response_length=512", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192",
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192",
-        "actor_rollout_ref.ref.fsdp_config.param_offload=true"]  # fmt: skip
+GRPO = [
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "data.max_prompt_length=512",
+    "data.max_response_length=512",
+    "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=8192",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=true",
+]
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +72,10 @@ def test_7b_full_fine_tune_is_refused_without_offload(qwen7b):
 
 
 def test_7b_fits_with_the_optimizer_step_on_the_cpu(qwen7b):
-    on = ["actor_rollout_ref.actor.fsdp_config.optimizer_step_on_cpu=true",
-          "actor_rollout_ref.model.enable_gradient_checkpointing=true"]  # fmt: skip
+    on = [
+        "actor_rollout_ref.actor.fsdp_config.optimizer_step_on_cpu=true",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+    ]
     workload = _workload(on)
     assert workload.update_point.offload == "cpu_step" and workload.workload.runs_plain(workload.update_point)
     assert refusal(workload, qwen7b, host_bytes=HOST) is None

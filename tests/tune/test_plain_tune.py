@@ -37,8 +37,11 @@ def test_the_grid_keeps_one_plain_point_per_offload_and_tokens(facts):
     plain = build_grid(facts, **kw, plain=True, plain_offload=True)  # plain_single_gpu=true
     plain_points = [p for p in plain if p.offload != "cpu"]
     assert [(p.offload, p.micro_tokens) for p in plain_points] == [
-        ("off", 64), ("off", 128), ("idle", 64), ("idle", 128)
-    ]  # fmt: skip
+        ("off", 64),
+        ("off", 128),
+        ("idle", 64),
+        ("idle", 128),
+    ]
     assert {(p.min_num_params, p.forward_prefetch, p.reshard_after_forward) for p in plain_points} == {
         (WHOLE_MODEL, False, True)
     }

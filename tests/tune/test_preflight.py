@@ -91,10 +91,19 @@ def test_ulysses_splits_a_fixed_micro_batch_over_the_group():
     """16 sequences of 1,024 tokens per micro-batch with SP=2: each rank runs 8,192 tokens, as 8 sequences
     without SP, plus the all-to-all buffers T·c·(2h + 2kvd) (7B: h 3,584, 4 KV heads of 128)."""
     model = load_model_config("Qwen2.5-7B")
-    common = ["data.max_prompt_length=512", "data.max_response_length=512", "data.train_batch_size=32",
-              "actor_rollout_ref.actor.ppo_mini_batch_size=32"]  # fmt: skip
-    sp2 = load_config(common + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
-                                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])  # fmt: skip
+    common = [
+        "data.max_prompt_length=512",
+        "data.max_response_length=512",
+        "data.train_batch_size=32",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+    ]
+    sp2 = load_config(
+        common
+        + [
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        ]
+    )
     half = load_config(common + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"])
     p_sp2 = predicted_peaks_gib(workload(sp2, world_size=8, device_gib=80), model)
     p_half = predicted_peaks_gib(workload(half, world_size=8, device_gib=80), model)
@@ -119,7 +128,8 @@ def test_a_larger_token_budget_is_advised_when_it_fits_and_only_then():
     """The grpo135m bench's case (SmolLM2-135M, 256 samples of 64 + 96 tokens, 16,384-token micro-batches,
     one H200): the mini-batch is 40,960 tokens in up to 3 micro-batches and the whole of it in one is
     predicted to fit well inside the device — advised, both keys named, the update/log-prob prediction
-    under 60% of the device. Not advised: fixed micro-batches, a budget already holding the mini-batch, or no room (a 7B
+    under 60% of the device. Not advised: fixed micro-batches, a budget already holding the mini-batch, or no
+    room (a 7B
     model on a 24 GiB device)."""
     from klppo.tune.preflight import ADVICE_SHARE, micro_batch_advice
 
@@ -138,17 +148,30 @@ def test_a_larger_token_budget_is_advised_when_it_fits_and_only_then():
     predicted = float(line.split("predicted to need ")[1].split(" GiB")[0])
     assert 0 < predicted < ADVICE_SHARE * 141
     # the prediction it quotes is the memory model's at that budget (both phases' budgets raised)
-    larger = workload(load_config(dynamic[:1] + ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40960",
-                                                  "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=40960"]
-                                  + dynamic[3:]), world_size=1, device_gib=141)  # fmt: skip
+    larger = workload(
+        load_config(
+            dynamic[:1]
+            + [
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40960",
+                "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=40960",
+            ]
+            + dynamic[3:]
+        ),
+        world_size=1,
+        device_gib=141,
+    )
     peaks = predicted_peaks_gib(larger, small)
     assert abs(max(peaks["update"], peaks["log_prob"]) - predicted) < 0.06
     assert _advice_lines(tw, small, 16384) == []  # one micro-batch already
-    fixed = workload(load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]), world_size=1,
-                     device_gib=141)  # fmt: skip
+    fixed = workload(
+        load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]), world_size=1, device_gib=141
+    )
     assert micro_batch_advice(fixed, small, 10**6) is None
-    big = workload(load_config(dynamic[:3] + ["data.max_prompt_length=512", "data.max_response_length=512"]),
-                   world_size=1, device_gib=24)  # fmt: skip
+    big = workload(
+        load_config(dynamic[:3] + ["data.max_prompt_length=512", "data.max_response_length=512"]),
+        world_size=1,
+        device_gib=24,
+    )
     assert micro_batch_advice(big, load_model_config("Qwen2.5-7B"), 10**6) is None
 
 
@@ -207,8 +230,13 @@ def test_the_workspace_advice_only_where_a_workspace_could_be_kept():
     small = load_model_config("SmolLM2-135M")
     R = "actor_rollout_ref.rollout"
     assert could_keep_workspace(load_config([]), small)
-    for over in ([f"{R}.free_cache_engine=False"], [f"{R}.enforce_eager=True"], [f"{R}.name=hf"],
-                 [f"{R}.tensor_model_parallel_size=2"], ["algorithm.adv_estimator=remax"]):  # fmt: skip
+    for over in (
+        [f"{R}.free_cache_engine=False"],
+        [f"{R}.enforce_eager=True"],
+        [f"{R}.name=hf"],
+        [f"{R}.tensor_model_parallel_size=2"],
+        ["algorithm.adv_estimator=remax"],
+    ):
         assert not could_keep_workspace(load_config(over), small), over
     other = load_model_config("SmolLM2-135M")
     other.model_type = "gpt2"
@@ -232,9 +260,18 @@ def test_the_gpu_preflight_runs_end_to_end_and_logs_its_advice(monkeypatch, tmp_
         torch.cuda, "get_device_properties", lambda _d: types.SimpleNamespace(total_memory=141 * 2**30)
     )
     A = "actor_rollout_ref.actor"
-    cfg = load_config(["data.max_prompt_length=128", "data.max_response_length=128", "data.train_batch_size=256",
-                       f"{A}.ppo_mini_batch_size=256", "actor_rollout_ref.rollout.n=8", f"{A}.use_dynamic_bsz=True",
-                       f"{A}.ppo_max_token_len_per_gpu=16384", "actor_rollout_ref.model.enable_gradient_checkpointing=False"])  # fmt: skip
+    cfg = load_config(
+        [
+            "data.max_prompt_length=128",
+            "data.max_response_length=128",
+            "data.train_batch_size=256",
+            f"{A}.ppo_mini_batch_size=256",
+            "actor_rollout_ref.rollout.n=8",
+            f"{A}.use_dynamic_bsz=True",
+            f"{A}.ppo_max_token_len_per_gpu=16384",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        ]
+    )
     fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda", world_size=1)
     logger, records = logging.getLogger("klppo"), _Records()
     level = logger.level

@@ -10,13 +10,17 @@ from klppo.commands.tune import main
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--dry-run", "actor_rollout_ref.model.path=/nonexistent/model"],
-         "actor_rollout_ref.model.path: not a model directory (config.json) nor a known shape"),
+        (
+            ["--dry-run", "actor_rollout_ref.model.path=/nonexistent/model"],
+            "actor_rollout_ref.model.path: not a model directory (config.json) nor a known shape",
+        ),
         (["--dry-run", "data.foo=1"], "unknown key 'data.foo'"),
-        (["--dry-run", "--thresholds", "abc", "actor_rollout_ref.model.path=Qwen2.5-0.5B"],
-         "--thresholds 'abc': expected comma-separated numbers"),
+        (
+            ["--dry-run", "--thresholds", "abc", "actor_rollout_ref.model.path=Qwen2.5-0.5B"],
+            "--thresholds 'abc': expected comma-separated numbers",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_mistake_is_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -1,7 +1,8 @@
 """Tools and interactions of multi-turn rollouts (:mod:`klppo.rollout.multi_turn`), with verl's lifecycle.
 
 :mod:`~klppo.rollout.tools.base` holds the base classes a user subclasses, :mod:`~klppo.rollout.tools.config`
-loads verl's tool and interaction YAML files, :mod:`~klppo.rollout.tools.parsing` reads the model's tool calls.
+loads verl's tool and interaction YAML files, :mod:`~klppo.rollout.tools.parsing` reads the model's tool
+calls.
 Shipped: a calculator, a GSM8K answer checker (tool and interaction) and a local Python executor.
 """
 

@@ -10,7 +10,8 @@ Tool config (``multi_turn.tool_config_path``)::
 Interaction config (``multi_turn.interaction_config_path``)::
 
     interaction:
-      - name: gsm8k                                                 # matched by extra_info.interaction_kwargs.name
+      - name: gsm8k                                                 # matched by
+      extra_info.interaction_kwargs.name
         class_name: klppo.rollout.tools.gsm8k.Gsm8kInteraction
         config: {}
 
@@ -36,15 +37,16 @@ VERL_CLASSES = {
     "verl.interactions.base.BaseInteraction": "klppo.rollout.tools.base.BaseInteraction",
 }
 VERL_REFUSED = {
-    "verl.tools.sandbox_fusion_tools.SandboxFusionTool":
-        "a remote SandboxFusion service (klppo.rollout.tools.python_exec.PythonTool runs Python locally)",
+    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": (
+        "a remote SandboxFusion service (klppo.rollout.tools.python_exec.PythonTool runs Python locally)"
+    ),
     "verl.tools.search_tool.SearchTool": "a retrieval service",
     "verl.tools.mcp_search_tool.MCPSearchTool": "an MCP server",
     "verl.tools.mcp_base_tool.MCPBaseTool": "an MCP server",
     "verl.tools.geo3k_tool.Geo3kTool": "vision-language data (geo3k)",
     "verl.tools.image_zoom_in_tool.ImageZoomInTool": "images in tool answers",
     "verl.interactions.weather_interaction.WeatherInteraction": "verl's weather demo",
-}  # fmt: skip
+}
 
 
 def resolve_class(class_name: str, base: type) -> type:

@@ -2,7 +2,8 @@
 
 Format ``hermes`` (verl's default, Qwen's and Hermes' chat templates): each call is
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. Parsing never raises: a call whose JSON is
-malformed, whose ``name`` is missing or whose ``arguments`` is not an object (or a JSON string of one) becomes a
+malformed, whose ``name`` is missing or whose ``arguments`` is not an object (or a JSON string of one)
+becomes a
 :class:`ToolCall` with ``error`` set, answered to the model as the tool's response; an opening tag without its
 closing tag is such a call too.
 """

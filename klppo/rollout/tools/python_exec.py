@@ -40,8 +40,14 @@ SCHEMA = ToolSchema(
         },
     )
 )
-DEFAULTS = {"timeout_s": 10.0, "memory_limit_mb": 1024, "cpu_time_s": 10, "max_file_mb": 16,
-            "max_output_chars": 4096, "python": sys.executable}  # fmt: skip
+DEFAULTS = {
+    "timeout_s": 10.0,
+    "memory_limit_mb": 1024,
+    "cpu_time_s": 10,
+    "max_file_mb": 16,
+    "max_output_chars": 4096,
+    "python": sys.executable,
+}
 _CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
 # run before the model's code
 _NO_SOCKETS = (
@@ -81,10 +87,18 @@ async def run_python(code: str, **limits: Any) -> tuple[str, int | None, bool]:
         )
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, "TMPDIR": tmp}
         proc = await asyncio.create_subprocess_exec(
-            str(lim["python"]), "-I", "-c", runner, cwd=tmp, env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            str(lim["python"]),
+            "-I",
+            "-c",
+            runner,
+            cwd=tmp,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
             preexec_fn=_limit(int(lim["memory_limit_mb"]), int(lim["cpu_time_s"]), int(lim["max_file_mb"])),
-        )  # fmt: skip
+        )
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), timeout=float(lim["timeout_s"]))
             timed_out = False
@@ -107,7 +121,8 @@ def _kill_group(pid: int) -> None:
 
 
 class PythonTool(BaseTool):
-    """``code_interpreter(code)`` → what the code printed, with the exit status when it failed or timed out."""
+    """``code_interpreter(code)`` → what the code printed, with the exit status when it failed or timed
+    out."""
 
     def __init__(self, config: dict[str, Any] | None = None, tool_schema: ToolSchema | None = None) -> None:
         super().__init__(config or {}, tool_schema or SCHEMA)
