@@ -5,8 +5,8 @@
 Both revisions (anything ``git rev-parse`` reads: a branch, a commit, ``HEAD~1``) are checked out into
 temporary git worktrees of the repository this is run from; a revision given as a directory (a source tree
 exported beforehand, for a machine without the history) runs there as it is. ``CMD`` runs ``N`` times in
-each, in the order
-A B B A A B … (each revision first as often as second, so a drift of the machine — clocks, caches, a
+each, in the order A B B A A B … (each revision first as often as second, so a drift of the machine — clocks,
+caches, a
 neighbour's load — falls on both), with the worktree as the working directory and first on ``PYTHONPATH``:
 ``python3 bench/ppo_step.py`` runs that revision's script on that revision's package. The command is not
 run through a shell (``bash -c '…'`` for one).

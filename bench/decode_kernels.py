@@ -275,8 +275,8 @@ def silu_mul_gate_up_triton(
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """:func:`silu_mul_gate_up_reference` in one kernel (the same up to float32 summation order; float32
-    inputs
-    multiply in IEEE float32, not TF32); ``tiles`` (``splits`` 1) overrides :func:`choose_gate_up_tiles`."""
+    inputs multiply in IEEE float32, not TF32); ``tiles`` (``splits`` 1) overrides
+    :func:`choose_gate_up_tiles`."""
     rows, inner = h.shape
     cols = gate_up_weight.shape[0] // 2
     if (
@@ -482,8 +482,7 @@ def down_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     (cuBLAS picks kernels by shape: the transposed problem has ``hidden`` rows, so it may not split the
     reduction), and ``m`` kept in float32 (``out_dtype``: the next norm adds it in float32 anyway, one
     rounding fewer than eager) — and the residual folded into ``addmm`` (what Inductor makes of ``x +
-    linear``).
-    ``sweep`` is unused (no tile grid)."""
+    linear``). ``sweep`` is unused (no tile grid)."""
     from klppo.rollout.llama import residual_add, rms_norm
 
     hidden, _, _, _, inner = SHAPES[shape]

@@ -2,8 +2,7 @@
 --check``'s inputs; a second run compares its own with a saved file.
 
     PYTHONPATH=$PWD python3 bench/engine_identity.py --save old.pt            # in the other revision's
-    worktree
-    PYTHONPATH=$PWD python3 bench/engine_identity.py --against old.pt [--out identity.json]
+    worktree PYTHONPATH=$PWD python3 bench/engine_identity.py --against old.pt [--out identity.json]
 
 Eight prompts of 64 tokens (every other one left-padded by 17), the Qwen2.5-0.5B shape in bf16 (``--shape``,
 ``--device``, ``--dtype``: ``tiny``/``cpu``/``float32`` for the script's test): greedy and seeded sampled
@@ -31,8 +30,7 @@ MODES = ("greedy", "sampled")
 
 def outputs(shape: str = "0.5b", device: str = "cuda", dtype: str = "bfloat16") -> dict[str, dict]:
     """This revision's engine outputs (tokens and log-probs, on the CPU) for each of ``MODES``, and hf's
-    greedy
-    tokens."""
+    greedy tokens."""
     torch.manual_seed(0)  # the same prompts in every revision's run
     prompts, mask = check_prompts(device, 151000 if shape != "tiny" else 250)
     model = build(shape, getattr(torch, dtype), device)

@@ -36,8 +36,8 @@ allocator growth, CUDA-graph capture, compilation).
     PYTHONPATH=$PWD python3 bench/ppo_step.py --workload trl --variants before after --out $OUT/trl.json
     PYTHONPATH=$PWD python3 bench/ppo_step.py --device cpu --tiny --workload grpo135m --steps 2   # smoke test
     # bench/learning.py's batch (256 prompts × 8) with a setting A/B'd through --set, one invocation per
-    value:
-    PYTHONPATH=$PWD python3 bench/ppo_step.py --workload grpo135m --prompts 256 --steps 4 --variants after \
+    value: PYTHONPATH=$PWD python3 bench/ppo_step.py --workload grpo135m --prompts 256 --steps 4 --variants
+    after \
         --set actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=262144 --out $OUT/ref262144.json
 
 ``--count-ops`` adds ``ops/<phase>``: aten operators dispatched per step in each trainer phase (host work of a

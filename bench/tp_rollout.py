@@ -17,8 +17,8 @@ per (shape, tp): ``tokens_per_s_per_gpu`` (each rank's own tokens / call time), 
 reshard), ``peak_gib`` (max over ranks of ``torch.cuda.max_memory_allocated`` during a call, weights
 included), the KV cache's slots and GiB, ``cuda_graphs`` (1: the decode step ran as CUDA graphs; 0:
 eager, asked with ``--eager`` or after a failed capture); then a ``check`` row: greedy 32 tokens of 8 prompts
-at TP=K and
-TP=1, the share of identical rows and the largest log-prob gap (bf16: a few rows may part at near-ties).
+at TP=K and TP=1, the share of identical rows and the largest log-prob gap (bf16: a few rows may part at
+near-ties).
 TP=K runs first; TP=1 last, as it is the one expected to fail under ``--cap-gib``
 (``torch.cuda.set_per_process_memory_fraction``, set once the actor is sharded, and
 ``gpu_memory_utilization`` both set to the cap):

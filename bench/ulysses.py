@@ -20,8 +20,7 @@ is ~61 GiB per GPU either way; activations and logits are per rank's tokens, so 
 what SP=1 costs at L/2. At 16k both fit and SP=2 is slower per GPU by the all-to-alls (4 per layer in
 forward, 4 in backward, plus the checkpointed recompute's 4); at 64k SP=1 runs out of memory (logits
 of 32k response tokens × 152k vocabulary in fp32 alone are ~20 GB, with their gradient twice that)
-while SP=2 fits.
-"""
+while SP=2 fits."""
 
 from __future__ import annotations
 

@@ -161,8 +161,8 @@ def clip_cov(
     with m = 1, not already clipped by PPO (ℓ₂ ≤ ℓ₁) and ``options.clip_cov_lb`` < cov_t <
     ``options.clip_cov_ub``; of
     them, max(⌊``options.clip_cov_ratio`` · Σm⌋, 1) chosen uniformly at random (``options.generator``,
-    default the global
-    CPU RNG, as verl) get no gradient:  ℓ = max(ℓ₁, ℓ₂) · c, c = 0 on chosen tokens, else 1 (no dual clip).
+    default the global CPU RNG, as verl) get no gradient:  ℓ = max(ℓ₁, ℓ₂) · c, c = 0 on chosen tokens, else 1
+    (no dual clip).
     loss = agg_loss(ℓ, m, loss_agg_mode, loss_scale_factor). As in verl the selection is per call, i.e. per
     micro-batch. Stats: ``pg_clipfrac`` = share of tokens with c = 0 (verl's meaning), ``ppo_kl``,
     ``pg_clipfrac_lower`` = 0. ``clip_ratio_c`` is unused.
@@ -213,8 +213,8 @@ def kl_cov(
 
     δ = log π − log π_old, ρ = exp(clamp(δ, −20, 20)); over the response tokens of this call (flattened
     row-major) cov_t = (A_t − Ā)(log π_t − mean log π); the k = max(1, ⌊Σm · ``options.kl_cov_ratio``⌋)
-    tokens with
-    the largest cov get ℓ = −Aρ + ``options.ppo_kl_coef`` · |δ|, all others ℓ = −Aρ (no clipping at all).
+    tokens with the largest cov get ℓ = −Aρ + ``options.ppo_kl_coef`` · |δ|, all others ℓ = −Aρ (no clipping
+    at all).
     loss = agg_loss(ℓ, m, loss_agg_mode, loss_scale_factor); per call (micro-batch), as verl.
     Stats: ``ppo_kl`` = token-mean of |δ| (verl reports the absolute value under this name),
     ``pg_clipfrac`` = ``pg_clipfrac_lower`` = 0. The clip arguments are unused. One host sync (Σm).

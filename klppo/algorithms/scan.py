@@ -48,8 +48,7 @@ def _block_scan_general(x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor,
     """Every block [..., n, C] solved alone, per-position coefficients a [..., n, C]: doubling steps.
 
     After the step with offset d, y_t = Σ_{j ∈ [t, t+2d)} (Π_{i=t}^{j−1} a_i) x_j and p_t = Π_{i ∈ [t, t+2d)}
-    a_i,
-    both cut at the block end; log₂ C steps of elementwise work. Returns (local, carry), carry_t =
+    a_i, both cut at the block end; log₂ C steps of elementwise work. Returns (local, carry), carry_t =
     Π_{i=t}^{C−1} a_i, both [..., n, C].
     """
     y, p = x, a

@@ -10,8 +10,7 @@ itself only, through the first backend available:
 backend         kernel                                                    used when
 ==============  ========================================================  ====================
 flash_attn      ``flash_attn.flash_attn_varlen_func``                     flash-attn installed, CUDA,
-bf16/fp16
-torch_varlen    ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention  CUDA, bf16/fp16
+bf16/fp16 torch_varlen    ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention  CUDA, bf16/fp16
                 inside PyTorch ≥ 2.9)
 flex            FlexAttention with a document mask (compiled)             CUDA
 sdpa_block      SDPA with an explicit ``[T, T]`` block-causal bool mask    anything (CPU tests)

@@ -3,8 +3,7 @@
 The configuration is judged alone: types, choices, aliases, and batch sizes for the world size it names
 (`trainer.n_gpus_per_node × trainer.nnodes` when n_gpus_per_node is a number, else 1). Notes (aliases,
 keys accepted without effect) go to stderr, the YAML to stdout; exit 0 when valid, 2 with a one-paragraph
-message when not.
-"""
+message when not."""
 
 from __future__ import annotations
 

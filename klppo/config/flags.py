@@ -4,8 +4,7 @@
 ``FlagParser`` is argparse's parser with that message (its subparsers too); ``unknown_flags`` and
 ``unknown_flag_message`` serve the commands that read their arguments by hand (`klppo train`, `klppo config`).
 Only ``--long`` flags are judged; for argparse a unique prefix of a known flag counts as known, as it reads
-one.
-"""
+one."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ reason. Effects, applied when the value differs from klppo's default:
   - `refuse`: would change results — `check_trainable` raises ConfigError (klppo config still accepts it);
   - `notice`: changes only speed or memory — `check_trainable` runs with a one-line notice.
 `docs/configuration.md` prints this table; keys not listed here are implemented. When a feature lands,
-delete its row.
-"""
+delete its row."""
 
 from __future__ import annotations
 

@@ -242,8 +242,7 @@ class PromptLoader:
 
     def summary(self) -> str:
         """One line: rows, usable (and how many of them ``max_samples`` keeps), bad, and overlong ones
-        filtered
-        or truncated. The loader logs nothing itself: its caller says this once per run."""
+        filtered or truncated. The loader logs nothing itself: its caller says this once per run."""
         s, p = self.stats, self.max_prompt_length
         longer = (
             f"{s.num_overlong} longer than max_prompt_length={p} (filtered)"

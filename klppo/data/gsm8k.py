@@ -4,8 +4,8 @@ Each output row::
 
     data_source:  "openai/gsm8k"
     prompt:       [{"role": "user", "content": question + " " + INSTRUCTION}]
-    ability:      "math"
-    reward_model: {"style": "rule", "ground_truth": <number after the first "#### ", commas removed>}
+    ability:      "math" reward_model: {"style": "rule", "ground_truth": <number after the first "#### ",
+    commas removed>}
     extra_info:   {"split": "train"|"test", "index": <row number in the split>, "answer": <full answer>,
                    "question": <question>}
 

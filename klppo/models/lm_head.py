@@ -139,8 +139,7 @@ def compiles_on(t: torch.Tensor) -> bool:
 @functools.cache
 def compiled(fn: Callable) -> Callable:
     """``torch.compile(fn)`` for ``fn(z, *args)`` with ``z`` [..., V] first: every row dim symbolic (chunks
-    and
-    micro-batches of any row count share one compilation), the vocabulary static (the kernels index
+    and micro-batches of any row count share one compilation), the vocabulary static (the kernels index
     [rows, V] with a constant V: no division by a runtime size per element); created once per function."""
     inner = torch.compile(fn)
 

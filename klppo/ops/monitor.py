@@ -10,8 +10,7 @@ action are collective. The monitor's counters and the coefficients it changed ar
 Metrics (step k's record): ``monitor/<rule>/<action>`` = 1 for each action taken at step k,
 ``monitor/num_actions`` (cumulative), each rule's counters, and the coefficients in force *after* step k's
 actions — ``monitor/kl_coef/<name>``, ``monitor/entropy_coeff``, ``monitor/lr_scale`` — which step k + 1
-trains with.
-"""
+trains with."""
 
 from __future__ import annotations
 

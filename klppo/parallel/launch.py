@@ -2,8 +2,7 @@
 
 Usage in an entry point (the child runs the same module with the same arguments)::
 
-    @record_errors
-    def main(argv):
+    @record_errors def main(argv):
         code = maybe_relaunch(argv, nproc_per_node=K, nnodes=M, module="klppo.cli")
         if code is not None:
             return code

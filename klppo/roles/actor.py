@@ -265,8 +265,8 @@ class Actor(TrainedRole):
 
     def graph_parts(self, mb: Batch, kl_loss_coef: float) -> MicroParts:
         """:meth:`_micro_loss` split for capture (:mod:`klppo.roles.graphed`): the packing planned here, on
-        the
-        host; the forward, the LM head and the loss a function of device tensors, the KL coefficient one of
+        the host; the forward, the LM head and the loss a function of device tensors, the KL coefficient one
+        of
         them. Packed rows only, no sequence parallelism, no ``full`` KL (the trainer's checks)."""
         s = self.settings
         mb = trim_left_padding(mb)

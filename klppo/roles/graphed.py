@@ -223,8 +223,8 @@ class MicroGraphs:
 
 def cleared_on_retry(attempt: Callable[[Any], T], *graphs: MicroGraphs | None) -> Callable[[Any], T]:
     """``attempt`` for :meth:`klppo.roles.oom.OOMRecovery.run` with ``graphs`` cleared before every call but
+    the first: a retry after out of memory runs halved micro-batches, whose shapes are new, and the graphs of
     the
-    first: a retry after out of memory runs halved micro-batches, whose shapes are new, and the graphs of the
     old ones would hold their pool (and their slots of ``max_graphs``) for the run."""
     calls = 0
 

@@ -19,8 +19,8 @@ nothing to them (a Ctrl-C or a scheduler's SIGTERM to the whole process group mu
 middle of the step the trainer is finishing before it saves): a Python handler that does nothing, not
 ``SIG_IGN``, which a process the reward function starts (a sandbox, a verifier) would inherit through
 ``exec`` and then could not be stopped with ``terminate()``; the kernel kills them when the trainer process
-ends
-(``PR_SET_PDEATHSIG`` on Linux, whatever the worker is doing; elsewhere a thread polls the parent, which a
+ends (``PR_SET_PDEATHSIG`` on Linux, whatever the worker is doing; elsewhere a thread polls the parent, which
+a
 function holding the GIL can delay), and :meth:`ScoringWorker.close` kills them at the end of ``fit`` —
 without waiting for a batch still being scored after a failed or interrupted step. If a worker dies (killed,
 out of memory, a crash in the function's native code), the step scores in the trainer and so does every
@@ -167,8 +167,8 @@ def _seed_all(seed: int) -> None:
 
 def _die_with_parent() -> bool:
     """Linux: the kernel sends this process SIGKILL when its parent ends (``prctl(PR_SET_PDEATHSIG)``;
-    strictly,
-    when the parent's thread that started it ends: the trainer's main thread, which submits every batch)."""
+    strictly, when the parent's thread that started it ends: the trainer's main thread, which submits every
+    batch)."""
     if not sys.platform.startswith("linux"):
         return False
     try:

@@ -46,8 +46,7 @@ from klppo.rollout.workspace import CacheBudget, Workspace, num_slots
 
 class KLPPORollout:
     """Our engine (module docstring). ``compiled``: the compiled decode functions (the trainer's,
-    pre-compiling
-    in the background; None: the engine's own)."""
+    pre-compiling in the background; None: the engine's own)."""
 
     def __init__(self, settings: EngineSettings, *, compiled: CompiledFunctions | None = None) -> None:
         self.settings = settings

@@ -9,8 +9,8 @@ with response rows that hold a whole conversation after the prompt. Per turn, ev
 2. if the turn holds tool calls (``format: hermes``, :mod:`klppo.rollout.tools.parsing`), runs the first
    ``max_parallel_calls`` of them — the calls of all conversations concurrently, at most
    ``max_concurrent_calls`` at a time, each bounded by ``tool_timeout_s`` — and appends one ``tool`` message
-   per
-   call, its text cut to ``max_tool_response_length`` characters; otherwise, with an interaction, appends its
+   per call, its text cut to ``max_tool_response_length`` characters; otherwise, with an interaction, appends
+   its
    ``user`` message (or ends when the interaction says so); otherwise ends;
 3. ends at ``max_assistant_turns`` assistant turns or ``max_user_turns`` tool/user turns, when the model's
 turn

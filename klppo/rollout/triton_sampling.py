@@ -210,11 +210,10 @@ if triton is not None:
     @triton.jit
     def _gumbel_of_bits(k):
         """Gumbel noise ``−ln E`` of 32 random bits ``k`` (uint32): ``E = −ln(1 − w)`` is exponential, ``w =
-        (k
-        + ½)·2⁻³²`` uniform, all in float32 to its rounding: below ``w = 2⁻⁴`` (the small ``E``, the race's
+        (k + ½)·2⁻³²`` uniform, all in float32 to its rounding: below ``w = 2⁻⁴`` (the small ``E``, the race's
         winners) from ``w`` by its series (truncation < 10⁻⁸ of ``E``), above from ``1 − w = (~k + ½)·2⁻³²``
-        (no
-        cancellation; ``log2``'s absolute error < 3·10⁻⁶ of ``E`` ≥ 0.0645). Never infinite or NaN: ``E`` lies
+        (no cancellation; ``log2``'s absolute error < 3·10⁻⁶ of ``E`` ≥ 0.0645). Never infinite or NaN: ``E``
+        lies
         in [2⁻³³, 22.9). Two fast ``log2`` and six FMAs."""
         w = (k.to(tl.float32) + 0.5) * 2.3283064365386963e-10
         small = w * (
@@ -254,8 +253,7 @@ if triton is not None:
     @triton.jit
     def _race_start(N: tl.constexpr, V):
         """Empty per-lane state of ``N`` lanes: running max and sum of ``exp`` (``_online``) and the race's
-        best
-        value, its id (``V``: none yet) and its ``x``."""
+        best value, its id (``V``: none yet) and its ``x``."""
         m = tl.full([N], NEG_INF, tl.float32)
         return m, tl.zeros([N], tl.float32), m, tl.full([N], V, tl.int32), m
 
@@ -318,13 +316,12 @@ if triton is not None:
         SCALE: tl.constexpr,
     ):
         """Program (row, split): normaliser and race winner of ``chunk`` ids → part[row, split, 0:4], with
-        four
-        noises per Philox call (``_gumbel4``): each block of ``BLOCK`` ids is four quarters of ``Q = BLOCK /
-        4``
-        consecutive ids, lane ``i`` of quarter ``q`` taking word ``q`` of the call at counter
+        four noises per Philox call (``_gumbel4``): each block of ``BLOCK`` ids is four quarters of ``Q =
+        BLOCK /
+        4`` consecutive ids, lane ``i`` of quarter ``q`` taking word ``q`` of the call at counter
         ``row · G + off / 4 + i`` (``G``: the counters of a row, distinct over rows and blocks), and the
-        running
-        sum of ``exp`` rescaled once per four ids (``_online4``). A lane meets its ids in increasing order, so
+        running sum of ``exp`` rescaled once per four ids (``_online4``). A lane meets its ids in increasing
+        order, so
         ties go to the lowest id."""
         Q: tl.constexpr = BLOCK // 4
         row = tl.program_id(0)

@@ -192,8 +192,7 @@ class PPOTrainer:
 
     def _phases(self, prompts: Batch, step: int, timer: PhaseTimer) -> StepDone:
         """The step's phases, the actor on the device (the caller's), the critic from its values to its
-        update;
-        a non-finite advantage input or target updates no model, a skipped critic step no actor."""
+        update; a non-finite advantage input or target updates no model, a skipped critic step no actor."""
         run, roles = self.run, self.run.roles
         local, rollout_stats, pending = self._rollout(shard_prompts(prompts), step, timer)
         local, metrics, plan = self._old_log_probs(local, timer)

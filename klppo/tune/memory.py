@@ -70,8 +70,8 @@ each micro-batch); no deferred gradient sync. The points' FSDP2 fields are ignor
 not fitted to device peaks (the device points of ``tests/tune/test_memory.py`` are FSDP2's: ``plain=False``).
 CUDA graphs (``cuda_graph_update``, :mod:`klppo.roles.graphed`; plain-path points with ``offload="off"``): the
 actor's update and old-log-prob graphs share one pool, the larger of the two working sets, held in every
-phase;
-the reference's graphs (``graph_reference``) a pool of one log-prob working set of their own; each phase's
+phase; the reference's graphs (``graph_reference``) a pool of one log-prob working set of their own; each
+phase's
 own pass is counted beside the pools (an upper bound: a shape met the first time, past ``max_graphs`` or after
 a failed capture runs eagerly while the pools stay held; with every shape captured the peak is lower by
 that working set). Not fitted to device peaks.

@@ -23,8 +23,7 @@ PLAIN_NOTE = (
     "one process: no FSDP2 (fsdp_config.plain_single_gpu); min_num_params, prefetch and reshard do not apply"
 )
 """Said once when the workload runs the plain path (``Workload.plain``; offload=cpu points stay FSDP2, and so
-do
-offload=idle points unless plain_single_gpu=true: ``Workload.runs_plain``)."""
+do offload=idle points unless plain_single_gpu=true: ``Workload.runs_plain``)."""
 
 
 def throughput(m: Measurement, num_micro: int) -> float:

@@ -4,8 +4,8 @@ oracle ``test_rollout_correction.py`` holds ``klppo.algorithms.rollout_correctio
 verl is not a klppo dependency (its import pulls Ray); this script runs where verl 0.9.1 is importable, e.g.::
 
     pip download verl==0.9.1 --no-deps -d /tmp/verl091 && unzip -q /tmp/verl091/verl-0.9.1-*.whl -d
-    /tmp/verl091/src
-    pip install --no-deps --target /tmp/verl_deps tensordict ray msgpack jsonschema attrs referencing \\
+    /tmp/verl091/src pip install --no-deps --target /tmp/verl_deps tensordict ray msgpack jsonschema attrs
+    referencing \\
         rpds-py jsonschema-specifications pyvers cloudpickle codetiming orjson
     PYTHONPATH=/tmp/verl091/src:/tmp/verl_deps python tests/algorithms/make_rollout_corr_fixtures.py
 

@@ -1,6 +1,6 @@
 """verl's Megatron launches: keys translated to FSDP2 counterparts or to nothing in one notice,
-result-changing
-ones refused by name, packaged Megatron config names and `defaults:` entries read as klppo's defaults."""
+result-changing ones refused by name, packaged Megatron config names and `defaults:` entries read as klppo's
+defaults."""
 
 from __future__ import annotations
 

@@ -144,8 +144,8 @@ def test_group_estimator_with_one_sample_warns():
 
 def test_critic_enable_follows_the_estimator_and_is_said_when_it_does_nothing():
     """One rule for 'the run has a critic' (config.uses_critic): the estimator reads values.
-    critic.enable=True
-    with GRPO builds nothing, so load says that the key has no effect, by name; with GAE (or unset) no note;
+    critic.enable=True with GRPO builds nothing, so load says that the key has no effect, by name; with GAE
+    (or unset) no note;
     critic.enable=False with GAE is refused. The rule's estimator list is the advantage registry's."""
     from klppo.algorithms.advantages import ADVANTAGE_ESTIMATORS, needs_critic
     from klppo.config import uses_critic

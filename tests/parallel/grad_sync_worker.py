@@ -1,6 +1,5 @@
 """Rank program of tests/parallel/test_grad_sync.py (spawned, gloo on CPU): the actor's and the critic's
-update
-under FSDP2 with the gradient reduce-scatter per micro-batch (FSDP2's default) and once per mini-batch
+update under FSDP2 with the gradient reduce-scatter per micro-batch (FSDP2's default) and once per mini-batch
 (``grad_sync_per_mini_batch``), fp32; rank 0 writes what the test compares.
 
 Per role and switch: the full gradients each optimizer step sees, the full weights after the update, the

@@ -1,7 +1,7 @@
 """The no-grad passes as CUDA graphs (klppo.roles.graphed, ``fsdp_config.cuda_graph_update``): the actor's old
 log-probs, the reference's log-probs and the critic's values, graphed == eager bit for bit with the CPU
-stand-ins
-for capture (tests/roles/graph_fakes.py) over micro-batches of a repeated shape and new ones; the refusals; a
+stand-ins for capture (tests/roles/graph_fakes.py) over micro-batches of a repeated shape and new ones; the
+refusals; a
 failed capture and out of memory."""
 
 from __future__ import annotations

@@ -325,8 +325,7 @@ def test_triton_sampler_matches_torch_at_full_vocabulary_on_gpu() -> None:
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
 def test_engine_with_triton_sampler_on_gpu(tiny_qwen2) -> None:
     """The engine with the Triton sampler (the default on CUDA; CUDA graphs): log-probs equal a recomputed
-    forward, a seed
-    reproduces the draws."""
+    forward, a seed reproduces the draws."""
     from klppo.rollout.engine import KLPPORollout
 
     model = copy.deepcopy(tiny_qwen2).to("cuda")

@@ -207,8 +207,8 @@ def _tiny(arch: str) -> torch.nn.Module:
 def test_decode_with_rope_in_attention_equals_masked_sdpa(arch, fuse) -> None:
     """``llama.decode_rope_in_attention`` — split layers (here their torch path), the attention (here its
     reference) rotating q and K — gives the logits and the cache of the unsplit SDPA path over three steps:
-    q/k/v biases
-    (qwen2), none (llama), every bias (llama-bias: o, gate/up, down too), per-head q/k norms (qwen3),
+    q/k/v biases (qwen2), none (llama), every bias (llama-bias: o, gate/up, down too), per-head q/k norms
+    (qwen3),
     fused and separate projections; norm weights and biases random."""
     model = _tiny(arch)
     w = LlamaWeights.read(model)

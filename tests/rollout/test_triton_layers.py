@@ -1,8 +1,7 @@
 """The split decode layers on two Triton kernels (:mod:`klppo.rollout.triton_layers`): the arithmetic against
 float64 with eager's roundings (CPU, the torch path); the kernels against eager torch in Triton's CPU
 interpreter (fp32 and fp16: its bf16 casts are wrong) and on CUDA (bf16, fp16, fp32); the layer functions
-against
-the eager split layers written from :mod:`klppo.rollout.llama`'s parts."""
+against the eager split layers written from :mod:`klppo.rollout.llama`'s parts."""
 
 from __future__ import annotations
 

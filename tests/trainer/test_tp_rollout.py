@@ -17,8 +17,7 @@ from tests.trainer.utils import read_metrics, run_training, train_two_ranks
 @pytest.fixture(scope="module")
 def sharp_model_dir(tmp_path_factory):
     """The tiny model with its matrices ×8 and its LM head untied: greedy responses then differ by prompt (at
-    the initial scale
-    they repeat the prompt's last token, the same for every chat-templated prompt)."""
+    the initial scale they repeat the prompt's last token, the same for every chat-templated prompt)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -170,8 +170,8 @@ def test_trainer_reports_the_kept_share_and_every_sample_kl(
 ):
     """GRPO, one on-policy mini-batch of 8 prompts × 2, four steps (lr 1e-3: the policy leaves the reference
     once a step has advantages). The flexible reward scores the tiny model's answers all 0: no sample has an
-    advantage,
-    so every row is updated (share 1). The parity score makes some groups equal and others mixed: the equal
+    advantage, so every row is updated (share 1). The parity score makes some groups equal and others mixed:
+    the equal
     ones are left out. Either way the KL figures and the controller's input (k3 here) are every sample's,
     from the engine's log-probs, and the update's own KL moves to *_update_rows. With two mini-batches
     (``mini`` 4 prompts) the old-log-prob pass runs and gives every figure over the whole batch."""

@@ -241,8 +241,8 @@ def test_measured_sweeps_within_five_percent():
 
 def test_the_update_graph_pool_stays_through_the_other_phases(facts):
     """cuda_graph_update: the actor's update and old-log-prob graphs share one pool — the larger of the
-    update's
-    peak above the resident state and a log-prob micro-batch's working set — held in every phase, each phase's
+    update's peak above the resident state and a log-prob micro-batch's working set — held in every phase,
+    each phase's
     own pass counted beside it (a shape run eagerly allocates outside the pool); the reference's graphs hold a
     pool of their own."""
     from klppo.tune.memory import forward_pool_bytes, graph_pool_bytes

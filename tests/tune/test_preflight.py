@@ -129,8 +129,7 @@ def test_a_larger_token_budget_is_advised_when_it_fits_and_only_then():
     one H200): the mini-batch is 40,960 tokens in up to 3 micro-batches and the whole of it in one is
     predicted to fit well inside the device — advised, both keys named, the update/log-prob prediction
     under 60% of the device. Not advised: fixed micro-batches, a budget already holding the mini-batch, or no
-    room (a 7B
-    model on a 24 GiB device)."""
+    room (a 7B model on a 24 GiB device)."""
     from klppo.tune.preflight import ADVICE_SHARE, micro_batch_advice
 
     small = load_model_config("SmolLM2-135M")

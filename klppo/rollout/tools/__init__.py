@@ -2,8 +2,7 @@
 
 :mod:`~klppo.rollout.tools.base` holds the base classes a user subclasses, :mod:`~klppo.rollout.tools.config`
 loads verl's tool and interaction YAML files, :mod:`~klppo.rollout.tools.parsing` reads the model's tool
-calls.
-Shipped: a calculator, a GSM8K answer checker (tool and interaction) and a local Python executor.
+calls. Shipped: a calculator, a GSM8K answer checker (tool and interaction) and a local Python executor.
 """
 
 from klppo.rollout.tools.base import BaseInteraction, BaseTool, FunctionSpec, ToolResponse, ToolSchema

@@ -11,8 +11,7 @@ A tool serves many conversations at once; each conversation that calls it gets a
 An interaction plays the user: ``start_interaction(instance_id, **interaction_kwargs)`` when a conversation
 starts, ``generate_response(instance_id, messages) -> (done, text, turn_score, extra)`` after every assistant
 turn without a tool call, ``calculate_score(instance_id)`` and ``finalize_interaction(instance_id)`` at the
-end.
-"""
+end."""
 
 from __future__ import annotations
 
