@@ -580,9 +580,8 @@ def kernel_seconds(events) -> float:
     """Device time of the kernels and copies of a profile's ``key_averages()``: device-side events only (a
     CPU operator's self device time is its kernels' time, which the kernels' own events carry again), and no
     annotated range (the profiler step, ``phase/*``, ``FSDP::*``, ``Optimizer.step``: each spans kernels
-    already counted). Summed, not unioned: concurrent streams can exceed the wall time (session 8 read
-    "256% busy" with the ranges in; session 14's "80%" counted every kernel twice — the union of kernel
-    intervals per phase is ``bench/trace_phases.py``'s)."""
+    already counted, so counting them too would count every kernel twice). Summed, not unioned: concurrent
+    streams can exceed the wall time; the union of kernel intervals per phase is ``bench/trace_phases.py``'s."""
     from torch.autograd import DeviceType
 
     return (
@@ -630,7 +629,7 @@ def run_update(w: Workload, overrides: list[str], model_dir: Path, name: str, ar
     info = dist.init_distributed(args.device, 600.0)
     device = info.device
     cuda = device.type == "cuda"
-    # what earlier variants of this process left allocated (session 12: ≈ 11.5 GB in the peaks of the second)
+    # what earlier variants of this process left allocated (it would otherwise count in the later peaks)
     held_before = torch.cuda.memory_allocated(device) / 2**30 if cuda else 0.0
 
     def now() -> float:
