@@ -580,8 +580,9 @@ def kernel_seconds(events) -> float:
     """Device time of the kernels and copies of a profile's ``key_averages()``: device-side events only (a
     CPU operator's self device time is its kernels' time, which the kernels' own events carry again), and no
     annotated range (the profiler step, ``phase/*``, ``FSDP::*``, ``Optimizer.step``: each spans kernels
-    already counted, so counting them too would count every kernel twice). Summed, not unioned: concurrent
-    streams can exceed the wall time; the union of kernel intervals per phase is ``bench/trace_phases.py``'s."""
+    already counted, so counting them too would count every kernel twice). Summed, not unioned:
+    concurrent streams can exceed the wall time; the union of kernel intervals per phase is
+    ``bench/trace_phases.py``'s."""
     from torch.autograd import DeviceType
 
     return (
