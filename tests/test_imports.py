@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     },  # monitor, rules, profiler, lock, stopping, non-finite handling, checkpoints of the trainer state
     {"tune"},  # memory model and sweeps (it receives settings)
     {"roles", "rollout"},
-    {"parallel", "rewards", "tracking", "report", "data"},
+    {"parallel", "rewards", "tools", "tracking", "report", "data"},
     {"batching", "config"},
     {"models"},
     {"algorithms", "batch"},

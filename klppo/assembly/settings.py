@@ -32,7 +32,7 @@ from klppo.roles.optim import OptimSettings
 from klppo.rollout.base import SamplingParams
 from klppo.rollout.multi_turn import MultiTurnSettings
 from klppo.rollout.settings import EngineSettings
-from klppo.rollout.tools.config import load_tools
+from klppo.tools.config import load_tools
 from klppo.tune.memory import Point, TuneWorkload, Workload, defers_grad_sync
 from klppo.tune.units import WHOLE_MODEL
 

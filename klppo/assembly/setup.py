@@ -57,7 +57,7 @@ from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.factory import make_rollout
 from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
 from klppo.rollout.multi_turn import MultiTurnRollout
-from klppo.rollout.tools.config import load_interactions, load_tools
+from klppo.tools.config import load_interactions, load_tools
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata
 from klppo.tune.host import host_ram_bytes

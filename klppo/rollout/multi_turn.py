@@ -6,7 +6,7 @@ with response rows that hold a whole conversation after the prompt. Per turn, ev
 1. generates until its end-of-turn token (the engine's EOS) or the response budget: the first turn is one
    engine call on the prompts (``n`` samples each), later turns one call on the live conversations, each
    re-prefilled in full (prompt + every earlier turn) through the engine's ``generate``;
-2. if the turn holds tool calls (``format: hermes``, :mod:`klppo.rollout.tools.parsing`), runs the first
+2. if the turn holds tool calls (``format: hermes``, :mod:`klppo.tools.parsing`), runs the first
    ``max_parallel_calls`` of them — the calls of all conversations concurrently, at most
    ``max_concurrent_calls`` at a time, each bounded by ``tool_timeout_s`` — and appends one ``tool`` message
    per call, its text cut to ``max_tool_response_length`` characters; otherwise, with an interaction, appends
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from klppo.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
-from klppo.rollout.tools.base import BaseInteraction, BaseTool, ToolResponse
-from klppo.rollout.tools.parsing import FORMATS, TRUNCATE_SIDES, ToolCall, parse_hermes, truncate
+from klppo.tools.base import BaseInteraction, BaseTool, ToolResponse
+from klppo.tools.parsing import FORMATS, TRUNCATE_SIDES, ToolCall, parse_hermes, truncate
 
 AGENTS = ("tool_agent", "single_turn_agent")
 

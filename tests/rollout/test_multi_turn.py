@@ -12,9 +12,9 @@ from klppo.algorithms.losses import policy_loss
 from klppo.models.tiny import build_tiny_tokenizer
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
-from klppo.rollout.tools.base import BaseTool, ToolResponse
-from klppo.rollout.tools.calculator import CalculatorTool
-from klppo.rollout.tools.gsm8k import Gsm8kInteraction
+from klppo.tools.base import BaseTool, ToolResponse
+from klppo.tools.calculator import CalculatorTool
+from klppo.tools.gsm8k import Gsm8kInteraction
 from tests.rollout.conftest import left_padded
 
 TOK = build_tiny_tokenizer()
@@ -131,7 +131,7 @@ def tool_answers(first_turn: str, tools: dict, **limits) -> list[str]:
 
 
 def test_bad_tools_answer_errors_and_the_run_goes_on():
-    from klppo.rollout.tools.base import FunctionSpec, ToolSchema
+    from klppo.tools.base import FunctionSpec, ToolSchema
 
     tools = {
         n: c({}, ToolSchema(FunctionSpec(n)))

@@ -7,7 +7,7 @@ import pytest
 from tests.trainer.utils import base_overrides, read_metrics, run_training
 
 TOOLS = """tools:
-  - class_name: klppo.rollout.tools.calculator.CalculatorTool
+  - class_name: klppo.tools.calculator.CalculatorTool
     config: {type: native}
 """
 

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from typing import Any
 
-from klppo.rollout.tools.base import BaseTool, FunctionSpec, ToolResponse, ToolSchema
+from klppo.tools.base import BaseTool, FunctionSpec, ToolResponse, ToolSchema
 
 SCHEMA = ToolSchema(
     FunctionSpec(

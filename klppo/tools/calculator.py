@@ -11,7 +11,7 @@ import ast
 import operator
 from typing import Any
 
-from klppo.rollout.tools.base import BaseTool, FunctionSpec, ToolResponse, ToolSchema
+from klppo.tools.base import BaseTool, FunctionSpec, ToolResponse, ToolSchema
 
 SCHEMA = ToolSchema(
     FunctionSpec(

@@ -14,7 +14,7 @@ import uuid
 from typing import Any
 
 from klppo.rewards import gsm8k
-from klppo.rollout.tools.base import (
+from klppo.tools.base import (
     BaseInteraction,
     BaseTool,
     FunctionSpec,

@@ -3,7 +3,7 @@
 Tool config (``multi_turn.tool_config_path``)::
 
     tools:
-      - class_name: klppo.rollout.tools.calculator.CalculatorTool   # or a verl name in VERL_CLASSES
+      - class_name: klppo.tools.calculator.CalculatorTool   # or a verl name in VERL_CLASSES
         config: {type: native}                                       # handed to the class
         tool_schema: {type: function, function: {name: ..., description: ..., parameters: {...}}}
 
@@ -12,7 +12,7 @@ Interaction config (``multi_turn.interaction_config_path``)::
     interaction:
       - name: gsm8k                                                 # matched by
       extra_info.interaction_kwargs.name
-        class_name: klppo.rollout.tools.gsm8k.Gsm8kInteraction
+        class_name: klppo.tools.gsm8k.Gsm8kInteraction
         config: {}
 
 A class path is imported as written, except verl's own classes: those klppo ships an equivalent of are mapped
@@ -28,17 +28,17 @@ from typing import Any
 
 import yaml
 
-from klppo.rollout.tools.base import BaseInteraction, BaseTool, ToolSchema
+from klppo.tools.base import BaseInteraction, BaseTool, ToolSchema
 
 VERL_CLASSES = {
-    "verl.tools.gsm8k_tool.Gsm8kTool": "klppo.rollout.tools.gsm8k.Gsm8kTool",
-    "verl.tools.base_tool.BaseTool": "klppo.rollout.tools.base.BaseTool",
-    "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "klppo.rollout.tools.gsm8k.Gsm8kInteraction",
-    "verl.interactions.base.BaseInteraction": "klppo.rollout.tools.base.BaseInteraction",
+    "verl.tools.gsm8k_tool.Gsm8kTool": "klppo.tools.gsm8k.Gsm8kTool",
+    "verl.tools.base_tool.BaseTool": "klppo.tools.base.BaseTool",
+    "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "klppo.tools.gsm8k.Gsm8kInteraction",
+    "verl.interactions.base.BaseInteraction": "klppo.tools.base.BaseInteraction",
 }
 VERL_REFUSED = {
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": (
-        "a remote SandboxFusion service (klppo.rollout.tools.python_exec.PythonTool runs Python locally)"
+        "a remote SandboxFusion service (klppo.tools.python_exec.PythonTool runs Python locally)"
     ),
     "verl.tools.search_tool.SearchTool": "a retrieval service",
     "verl.tools.mcp_search_tool.MCPSearchTool": "an MCP server",

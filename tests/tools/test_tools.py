@@ -9,11 +9,11 @@ import textwrap
 
 import pytest
 
-from klppo.rollout.tools.calculator import CalculatorTool, evaluate
-from klppo.rollout.tools.config import load_interactions, load_tools
-from klppo.rollout.tools.gsm8k import Gsm8kInteraction, Gsm8kTool
-from klppo.rollout.tools.parsing import parse_hermes, truncate
-from klppo.rollout.tools.python_exec import PythonTool, run_python
+from klppo.tools.calculator import CalculatorTool, evaluate
+from klppo.tools.config import load_interactions, load_tools
+from klppo.tools.gsm8k import Gsm8kInteraction, Gsm8kTool
+from klppo.tools.parsing import parse_hermes, truncate
+from klppo.tools.python_exec import PythonTool, run_python
 
 
 def run(coro):
@@ -95,7 +95,7 @@ def test_configs_load_map_and_refuse(tmp_path):
               type: function
               function: {name: calc_gsm8k_reward, description: check,
                          parameters: {type: object, properties: {}}}
-          - class_name: klppo.rollout.tools.calculator.CalculatorTool
+          - class_name: klppo.tools.calculator.CalculatorTool
     """)
     )
     loaded = load_tools(str(tools))
