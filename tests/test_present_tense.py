@@ -1,7 +1,7 @@
 """The product speaks in the present tense (docs/development.md, STYLE.md habit 8).
 
-`klppo/` says what the code does and why: no work periods ("session 12"), no dates, no pointers to the
-benchmark diaries (`bench/RESULTS.md`, `bench/PENDING.md`); figures and history live in
+`klppo/` says what the code does and why: no numbered work periods, no dates, no pointers to the removed
+benchmark diaries (the names :data:`HISTORY` matches); figures and history live in
 `docs/performance.md`, commit bodies and issue notes. Config help texts are one sentence of at most
 `HELP_MAX_CHARS` characters, and the guide section a help text names (`see=`) exists, so the links of the
 generated `docs/configuration.md` lead somewhere.
