@@ -35,6 +35,24 @@ def _rewrite(src: Path, dst: Path, change) -> Path:
     return dst
 
 
+def _loader_settings(
+    path: Path, *, groups_per_batch: int = 8, shuffle: bool = False, overlong: str = "error"
+):
+    """The loader's settings for the tiny logs: pairs of samples, 64 + 8 tokens, any token id."""
+    from klppo.data.logged import LoggedSettings
+
+    return LoggedSettings(
+        [str(path)],
+        groups_per_batch=groups_per_batch,
+        samples_per_group=2,
+        max_prompt_length=64,
+        max_response_length=8,
+        vocab_size=10**6,
+        shuffle=shuffle,
+        overlong=overlong,
+    )
+
+
 def _overrides(tiny_model_dir, arithmetic_data, run_dir, log_file, *extra) -> list[str]:
     return base_overrides(tiny_model_dir, arithmetic_data, run_dir) + [
         f"data.logged_files={log_file}",
@@ -46,7 +64,7 @@ def _overrides(tiny_model_dir, arithmetic_data, run_dir, log_file, *extra) -> li
 def test_log_file_round_trip(logged, tiny_model_dir, arithmetic_data, tmp_path):
     """The file holds what the schema says; the loader's batch gives it back; two steps train on it with
     no generation, the logged scores kept."""
-    from klppo.data.logged import LoggedLoader, LoggedSettings
+    from klppo.data.logged import LoggedLoader
     from klppo.models.loading import load_tokenizer
 
     rows = pq.read_table(logged).to_pylist()
@@ -55,15 +73,7 @@ def test_log_file_round_trip(logged, tiny_model_dir, arithmetic_data, tmp_path):
         assert len(row["response_ids"]) == len(row["response_log_probs"]) == len(row["response_mask"]) <= 8
         assert all(v <= 0 for v in row["response_log_probs"]) and row["temperature"] == 1.0
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    settings = LoggedSettings(
-        [str(logged)],
-        groups_per_batch=8,
-        samples_per_group=2,
-        max_prompt_length=64,
-        max_response_length=8,
-        vocab_size=10**6,
-        shuffle=False,
-    )
+    settings = _loader_settings(logged)
     batch = LoggedLoader(settings, tokenizer).next_batch()
     for i, row in enumerate(rows):
         n = len(row["response_ids"])
@@ -99,19 +109,11 @@ def test_missing_scores_are_computed_by_the_reward(logged, tiny_model_dir, arith
             s[torch.arange(len(batch)), batch.response_mask.sum(1).long() - 1] = 7.0
             return SimpleNamespace(token_level=s)
 
-    from klppo.data.logged import LoggedLoader, LoggedSettings
+    from klppo.data.logged import LoggedLoader
     from klppo.models.loading import load_tokenizer
 
     half = _rewrite(logged, tmp_path / "half.parquet", lambda i, r: r.update(score=None if i % 2 else 1.0))
-    settings = LoggedSettings(
-        [str(half)],
-        groups_per_batch=8,
-        samples_per_group=2,
-        max_prompt_length=64,
-        max_response_length=8,
-        vocab_size=10**6,
-        shuffle=False,
-    )
+    settings = _loader_settings(half)
     batch = with_missing_scores(
         Half(), LoggedLoader(settings, load_tokenizer(str(tiny_model_dir))).next_batch()
     )
@@ -171,7 +173,7 @@ def test_bad_log_is_one_line_before_weights(
 
 
 def test_overlong_drop_leaves_out_the_group(logged, tiny_model_dir):
-    from klppo.data.logged import LoggedLoader, LoggedSettings
+    from klppo.data.logged import LoggedLoader
     from klppo.models.loading import load_tokenizer
 
     long = _rewrite(
@@ -183,15 +185,7 @@ def test_overlong_drop_leaves_out_the_group(logged, tiny_model_dir):
             else None
         ),
     )
-    settings = LoggedSettings(
-        [str(long)],
-        groups_per_batch=4,
-        samples_per_group=2,
-        max_prompt_length=64,
-        max_response_length=8,
-        vocab_size=10**6,
-        overlong="drop",
-    )
+    settings = _loader_settings(long, groups_per_batch=4, overlong="drop", shuffle=True)
     loader = LoggedLoader(settings, load_tokenizer(str(tiny_model_dir)))
     assert loader.num_dropped == 1 and len(loader) == 1 and "(1 groups dropped)" in loader.summary()
 
@@ -230,7 +224,7 @@ def test_bypass_loss_equals_hand_formula(logged, tiny_model_dir, arithmetic_data
     float64 clipped surrogate of ρ = π_θ / π_behaviour with GRPO advantages of the logged scores."""
     from transformers import AutoModelForCausalLM
 
-    from klppo.data.logged import LoggedLoader, LoggedSettings
+    from klppo.data.logged import LoggedLoader
     from klppo.models.loading import load_tokenizer
 
     gen = torch.Generator().manual_seed(0)
@@ -261,15 +255,7 @@ def test_bypass_loss_equals_hand_formula(logged, tiny_model_dir, arithmetic_data
     )
     (metrics,) = read_metrics(run)
 
-    settings = LoggedSettings(
-        [str(shifted)],
-        groups_per_batch=8,
-        samples_per_group=2,
-        max_prompt_length=64,
-        max_response_length=8,
-        vocab_size=10**6,
-        shuffle=False,
-    )
+    settings = _loader_settings(shifted)
     b = LoggedLoader(settings, load_tokenizer(str(tiny_model_dir))).next_batch()
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float64).eval()
     ids, attn = b.input_ids, b.attention_mask
