@@ -139,14 +139,7 @@ def build_actor(inputs: RoleInputs, fsdp: FSDPSettings) -> Actor:
         settings, grad_sync_per_mini_batch=_grad_sync("actor", acfg.fsdp_config, fsdp, model, inputs.device)
     )
     actor = Actor(model, settings, optim_settings(acfg.optim, inputs.total_steps), masters=masters)
-    inputs.offload.add(
-        actor,
-        name="actor",
-        model=actor.resident,
-        optimizer=actor.optimizer,
-        params=fsdp.param_offload,
-        optimizer_state=fsdp.optimizer_offload,
-    )
+    _offload_trained(inputs, actor, "actor", fsdp)
     return actor
 
 
@@ -190,6 +183,18 @@ def _grad_sync(
             "%s: gradient reduce-scatter once per %s (%s)", role, "mini-batch" if on else "micro-batch", why
         )
     return on
+
+
+def _offload_trained(inputs: RoleInputs, role: TrainedRole, name: str, fsdp: FSDPSettings) -> None:
+    """Add a trained role to the offload schedule: its resident model and optimizer, as ``fsdp`` says."""
+    inputs.offload.add(
+        role,
+        name=name,
+        model=role.resident,
+        optimizer=role.optimizer,
+        params=fsdp.param_offload,
+        optimizer_state=fsdp.optimizer_offload,
+    )
 
 
 def build_reference(inputs: RoleInputs, actor: Actor) -> Reference | None:
@@ -281,14 +286,7 @@ def build_critic(inputs: RoleInputs) -> Critic | None:
         grad_sync_per_mini_batch=_grad_sync("critic", ccfg.model.fsdp_config, fsdp, model, device),
     )
     critic = Critic(model, settings, optim_settings(ccfg.optim, inputs.total_steps), masters=masters)
-    inputs.offload.add(
-        critic,
-        name="critic",
-        model=critic.resident,
-        optimizer=critic.optimizer,
-        params=fsdp.param_offload,
-        optimizer_state=fsdp.optimizer_offload,
-    )
+    _offload_trained(inputs, critic, "critic", fsdp)
     return critic
 
 
