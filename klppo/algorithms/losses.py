@@ -120,10 +120,11 @@ POLICY_LOSS_OPTIONS: dict[str, type] = {
     "clip_cov": policy_losses.ClipCovOptions,
     "kl_cov": policy_losses.KLCovOptions,
 }
-"""Modes with options of their own → the options class (its float fields are verl's key names)."""
+"""Modes with options of their own → the options class (its float fields, by their defaults, are verl's key
+names)."""
 
 POLICY_LOSS_KEYS: dict[str, tuple[str, ...]] = {
-    name: tuple(f.name for f in dataclasses.fields(POLICY_LOSS_OPTIONS[name]) if f.type == "float")
+    name: tuple(f.name for f in dataclasses.fields(POLICY_LOSS_OPTIONS[name]) if isinstance(f.default, float))
     if name in POLICY_LOSS_OPTIONS
     else ()
     for name in POLICY_LOSSES
