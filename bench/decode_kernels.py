@@ -483,7 +483,7 @@ def down_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     reduction), and ``m`` kept in float32 (``out_dtype``: the next norm adds it in float32 anyway, one
     rounding fewer than eager) — and the residual folded into ``addmm`` (what Inductor makes of ``x +
     linear``). ``sweep`` is unused (no tile grid)."""
-    from klppo.rollout.llama import residual_add, rms_norm
+    from klppo.models.llama_layers import residual_add, rms_norm
 
     hidden, _, _, _, inner = SHAPES[shape]
     dev, dt = "cuda", torch.bfloat16
@@ -623,7 +623,7 @@ def gateup_rows(shape: str, batch: int, sweep: bool) -> list[dict]:
     h = torch.randn(batch, hidden, device=dev, dtype=dt)
     w = torch.randn(2 * inner, hidden, device=dev, dtype=dt) / hidden**0.5
 
-    def engine(h, w):  # klppo/rollout/llama.py's _mlp up to the down projection (fused weight, no bias)
+    def engine(h, w):  # klppo/models/llama_layers.py mlp up to the down projection (fused weight, no bias)
         gate, up = F.linear(h, w).chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -263,8 +263,8 @@ def profile(
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    from klppo.models.llama_weights import LlamaWeights
     from klppo.rollout.engine import KLPPORollout
-    from klppo.rollout.llama import LlamaWeights
     from klppo.rollout.steps import decode_step
 
     model = build(shape, torch.bfloat16, device)

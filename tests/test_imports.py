@@ -19,6 +19,7 @@ LAYERS: list[set[str]] = [
         "ops"
     },  # monitor, rules, profiler, lock, stopping, non-finite handling, checkpoints of the trainer state
     {"tune"},  # memory model and sweeps (it receives settings)
+    {"agent"},  # multi-turn conversations over a rollout engine, tools and interactions
     {"roles", "rollout"},
     {"parallel", "rewards", "tools", "tracking", "report", "data"},
     {"batching", "config"},

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from klppo.agent.multi_turn import MultiTurnSettings
 from klppo.algorithms import rollout_correction as rc
 from klppo.algorithms.losses import POLICY_LOSS_KEYS, POLICY_LOSS_OPTIONS
 from klppo.config import KLPPOConfig
@@ -30,7 +31,6 @@ from klppo.roles.critic import CriticSettings
 from klppo.roles.forward import MicroBatching
 from klppo.roles.optim import OptimSettings
 from klppo.rollout.base import SamplingParams
-from klppo.rollout.multi_turn import MultiTurnSettings
 from klppo.rollout.settings import EngineSettings
 from klppo.tools.config import load_tools
 from klppo.tune.memory import Point, TuneWorkload, Workload, defers_grad_sync
@@ -467,7 +467,7 @@ def tool_schemas(tool_config_path: str | None) -> dict[str, Any]:
 
 
 def multi_turn_settings(mt: MultiTurnConfig) -> MultiTurnSettings:
-    """The conversation loop's limits (:class:`klppo.rollout.multi_turn.MultiTurnSettings`)."""
+    """The conversation loop's limits (:class:`klppo.agent.multi_turn.MultiTurnSettings`)."""
     return MultiTurnSettings(
         max_assistant_turns=mt.max_assistant_turns,
         max_user_turns=mt.max_user_turns,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from klppo.agent.multi_turn import MultiTurnRollout
 from klppo.algorithms.advantages import get_advantage_estimator
 from klppo.algorithms.kl_control import KLController, make_kl_controller
 from klppo.assembly.data_check import build_loaders, tokenizer_trusts_code
@@ -39,6 +40,7 @@ from klppo.config.sizes import Sizes, uses_critic
 from klppo.data.dataset import PromptLoader
 from klppo.data.logged import LoggedLoader
 from klppo.models.compile_cache import use_persistent_cache
+from klppo.models.llama_weights import SUPPORTED_MODEL_TYPES
 from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
 from klppo.models.lora import is_lora, merged_for_rollout
 from klppo.ops.checkpoint import checkpoint_step
@@ -55,8 +57,6 @@ from klppo.parallel.offload import OffloadSchedule
 from klppo.rollout.base import RolloutEngine, SamplingParams
 from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.factory import make_rollout
-from klppo.rollout.llama import SUPPORTED_MODEL_TYPES
-from klppo.rollout.multi_turn import MultiTurnRollout
 from klppo.tools.config import load_interactions, load_tools
 from klppo.tracking import GenerationLog, Tracker
 from klppo.tracking.run_dir import claim_run_files, write_run_metadata

@@ -40,11 +40,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+import klppo.models.llama_layers as llama_layers
 import klppo.rollout.llama as llama
 import klppo.rollout.triton_attention as triton_attention
 import klppo.rollout.triton_layers as triton_layers
+from klppo.models.llama_weights import LlamaWeights
 from klppo.rollout.base import SamplingParams
-from klppo.rollout.llama import LlamaWeights
 from klppo.rollout.sampling import sample, vocab_parallel_sampler
 from klppo.rollout.settings import EngineSettings
 from klppo.rollout.triton_sampling import available as triton_sampling_available
@@ -133,7 +134,7 @@ class TorchBackend(_Shared):
         self.layer_fns = (
             (compiled.get("attn_in"), compiled.get("attn_out_mlp"))
             if compiles
-            else (llama.attn_in, llama.attn_out_mlp)
+            else (llama_layers.attn_in, llama_layers.attn_out_mlp)
         )
 
     def decode(
@@ -151,7 +152,7 @@ class TensorParallelBackend(_Shared):
         self, settings: EngineSettings, cuda: bool, compiled: CompiledFunctions, w: LlamaWeights
     ) -> None:
         super().__init__(settings, cuda)
-        front = compiled.get("attn_in") if settings.compiles(cuda) else llama.attn_in
+        front = compiled.get("attn_in") if settings.compiles(cuda) else llama_layers.attn_in
         self.layer_fns = (front, llama.layer_back(w))  # the all-reduces run eagerly (captured in the graph)
         split_kv = settings.decode_attention == "auto" and triton_attention.runs(
             w.embed.device, w.embed.dtype

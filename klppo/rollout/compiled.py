@@ -37,10 +37,12 @@ import klppo.rollout.triton_layers as triton_layers
 import klppo.rollout.triton_sampling as triton_sampling
 from klppo.models.compile_cache import use_persistent_cache
 from klppo.models.flops import attention_dims
+from klppo.models.llama_layers import attn_in, attn_out_mlp
+from klppo.models.llama_weights import LayerWeights, unsupported_reason
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
 from klppo.rollout.backends import SplitBackend, backend_class, samples_on_triton
 from klppo.rollout.base import SamplingParams
-from klppo.rollout.llama import LayerWeights, attn_in, attn_out_mlp, split_attention, unsupported_reason
+from klppo.rollout.llama import split_attention
 from klppo.rollout.settings import EngineSettings
 from klppo.rollout.triton_sampling import sample_triton
 

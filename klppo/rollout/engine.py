@@ -33,11 +33,11 @@ from collections.abc import Callable
 
 import torch
 
+from klppo.models.llama_weights import LlamaWeights, unsupported_reason
 from klppo.rollout.backends import make_backend
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.hf import HFRollout
-from klppo.rollout.llama import LlamaWeights, unsupported_reason
 from klppo.rollout.scheduler import SlotScheduler
 from klppo.rollout.settings import EngineSettings
 from klppo.rollout.steps import Call, assemble_output, decode_step, move_slots, prefill_chunk

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
+from klppo.models.llama_weights import LlamaWeights
 from klppo.rollout.backends import Backend, Sampler
 from klppo.rollout.base import RolloutOutput, SamplingParams
-from klppo.rollout.llama import LlamaWeights
 from klppo.rollout.scheduler import PrefillPlan, SlotScheduler
 from klppo.rollout.workspace import Workspace
 

@@ -6,8 +6,8 @@ reads it, and SwiGLU's ``silu(gate) · up``. Inductor would fuse the same kernel
 dynamo's trace and compilation in every new process; two Triton kernels load from Triton's cache in
 milliseconds.
 
-The arithmetic is eager PyTorch's, rounding for rounding (:func:`klppo.rollout.llama.residual_add`,
-:func:`~klppo.rollout.llama.rms_norm`, ``F.silu(gate) * up``):
+The arithmetic is eager PyTorch's, rounding for rounding (:func:`klppo.models.llama_layers.residual_add`,
+:func:`~klppo.models.llama_layers.rms_norm`, ``F.silu(gate) * up``):
 
 - ``add_rms_norm(x, m, w, eps)``: ``s = round(x + m)`` (float32, rounded once to the dtype; ``m`` None: ``s
   = x``), ``h = round(w · round(s · rsqrt(mean(s²) + eps)))``, the mean and the product in float32;
@@ -30,7 +30,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from klppo.rollout.llama import LayerWeights, _mlp, qkv_projection, residual_add, rms_norm, swiglu
+from klppo.models.llama_layers import mlp, qkv_projection, residual_add, rms_norm, swiglu
+from klppo.models.llama_weights import LayerWeights
 
 try:
     import triton
@@ -126,7 +127,7 @@ def attn_out_mlp_split(
     (x + o(attn), mlp(norm(·))), whose sum is the layer's output, added by the next layer's front or by
     :func:`final_norm`."""
     x, h = add_rms_norm(x, F.linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
-    return x, _mlp(lw, h, silu_mul)
+    return x, mlp(lw, h, silu_mul)
 
 
 def final_norm(

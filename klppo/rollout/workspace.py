@@ -14,9 +14,9 @@ from collections.abc import Iterable
 
 import torch
 
+from klppo.models.llama_weights import LlamaWeights
 from klppo.parallel.collectives import all_reduce_min
 from klppo.rollout.graphs import DecodeGraphs
-from klppo.rollout.llama import LlamaWeights
 
 
 @dataclasses.dataclass(frozen=True)

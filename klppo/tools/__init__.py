@@ -1,4 +1,4 @@
-"""Tools and interactions of multi-turn rollouts (:mod:`klppo.rollout.multi_turn`), with verl's lifecycle.
+"""Tools and interactions of multi-turn rollouts (:mod:`klppo.agent.multi_turn`), with verl's lifecycle.
 
 :mod:`~klppo.tools.base` holds the base classes a user subclasses, :mod:`~klppo.tools.config`
 loads verl's tool and interaction YAML files, :mod:`~klppo.tools.parsing` reads the model's tool

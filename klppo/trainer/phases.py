@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from klppo.agent.multi_turn import MultiTurnRollout
 from klppo.algorithms import advantages as adv
 from klppo.algorithms import kl as kl_mod
 from klppo.algorithms.kl_control import KLController, PenaltyShareWatch
@@ -29,7 +30,6 @@ from klppo.roles.actor import Actor
 from klppo.roles.forward import ForwardPlan
 from klppo.roles.reward import PendingScores, Reward
 from klppo.rollout.base import SamplingParams
-from klppo.rollout.multi_turn import MultiTurnRollout
 from klppo.trainer.step_metrics import ref_kl_metrics
 
 log = logging.getLogger("klppo")

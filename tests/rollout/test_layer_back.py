@@ -1,4 +1,4 @@
-"""The decode layer back (klppo/rollout/llama.py ``attn_out_mlp``): its first residual written so that
+"""The decode layer back (klppo/models/llama_layers.py ``attn_out_mlp``): its first residual written so that
 Inductor does not fold it into cuBLAS ``addmm`` with the residual as C (a device copy a layer on CUDA).
 The same values as ``x + linear`` in eager (bf16, fp16: float32 add, one rounding); on a GPU, the compiled
 back calls ``addmm`` once (the down projection), not twice."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from klppo.rollout.llama import _mlp, attn_out_mlp, rms_norm
+from klppo.models.llama_layers import attn_out_mlp, mlp, rms_norm
 
 
 class _Layer:
@@ -27,7 +27,7 @@ class _Layer:
 
 def _unfolded(x, attn, lw, eps):
     x = x + F.linear(attn, lw.o, lw.o_bias)
-    return x + _mlp(lw, rms_norm(x, lw.post_norm, eps))
+    return x + mlp(lw, rms_norm(x, lw.post_norm, eps))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

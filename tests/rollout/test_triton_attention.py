@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 
+from klppo.models.llama_weights import LlamaWeights
 from klppo.models.tiny import build_tiny_model
 from klppo.rollout import backends, triton_attention, triton_layers
-from klppo.rollout.llama import LlamaWeights, decode, decode_rope_in_attention, prefill, triton_attention_of
+from klppo.rollout.llama import decode, decode_rope_in_attention, prefill, triton_attention_of
 from klppo.rollout.settings import EngineSettings
 from klppo.rollout.triton_attention import decode_attention_reference, num_splits
 from tests.rollout.conftest import HAS_TRITON, run_triton_interpreted

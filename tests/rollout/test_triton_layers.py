@@ -1,7 +1,7 @@
 """The split decode layers on two Triton kernels (:mod:`klppo.rollout.triton_layers`): the arithmetic against
 float64 with eager's roundings (CPU, the torch path); the kernels against eager torch in Triton's CPU
 interpreter (fp32 and fp16: its bf16 casts are wrong) and on CUDA (bf16, fp16, fp32); the layer functions
-against the eager split layers written from :mod:`klppo.rollout.llama`'s parts."""
+against the eager split layers written from :mod:`klppo.models.llama_layers`' parts."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from klppo.models import llama_layers, llama_weights
 from klppo.models.tiny import build_tiny_model
-from klppo.rollout import llama, triton_layers
+from klppo.rollout import triton_layers
 from tests.rollout.conftest import HAS_TRITON, run_triton_interpreted
 
 # rows (0: nothing launched; 1; a few; more than a warp's worth), hidden (a power of two, not one, Qwen
@@ -32,19 +33,19 @@ def _rows(rows, hidden, dtype, device, seed, scale=1.0, row_stride=0):
 def _eager_front(x, m, lw, spec):
     """The split layers' front in eager torch: residual add, RMSNorm, q/k/v (unrotated)."""
     if m is not None:
-        x = llama.residual_add(x, m)
-    return x, llama.qkv_projection(llama.rms_norm(x, lw.input_norm, spec[3]), lw, spec)
+        x = llama_layers.residual_add(x, m)
+    return x, llama_layers.qkv_projection(llama_layers.rms_norm(x, lw.input_norm, spec[3]), lw, spec)
 
 
 def _eager_back(x, attn, lw, eps):
     """The split layers' back in eager torch: (x + o(attn), the MLP of its norm)."""
-    x = llama.residual_add(x, F.linear(attn, lw.o, lw.o_bias))
-    return x, llama._mlp(lw, llama.rms_norm(x, lw.post_norm, eps))
+    x = llama_layers.residual_add(x, F.linear(attn, lw.o, lw.o_bias))
+    return x, llama_layers.mlp(lw, llama_layers.rms_norm(x, lw.post_norm, eps))
 
 
 def _eager_final(x, m, weight_eps):
     weight, eps = weight_eps
-    return llama.rms_norm(x if m is None else llama.residual_add(x, m), weight, eps)
+    return llama_layers.rms_norm(x if m is None else llama_layers.residual_add(x, m), weight, eps)
 
 
 def _rounded(t64, dtype):
@@ -82,15 +83,17 @@ def check_kernels(device: str, dtypes) -> None:
         x, m = _rows(rows, hidden, dtype, device, 0, row_stride=stride), _rows(rows, hidden, dtype, device, 1)
         w = (1 + 0.3 * torch.randn(hidden, generator=torch.Generator().manual_seed(2))).to(device, dtype)
         s, h = triton_layers.add_rms_norm(x, m, w, 1e-6)
-        want_s = llama.residual_add(x, m)
+        want_s = llama_layers.residual_add(x, m)
         assert torch.equal(s, want_s), msg
-        want_h = llama.rms_norm(want_s, w, 1e-6)
+        want_h = llama_layers.rms_norm(want_s, w, 1e-6)
         torch.testing.assert_close(h.float(), want_h.float(), rtol=8 * ULP[dtype], atol=0, msg=msg)
         if rows and dtype != torch.float32:
             assert (h != want_h).float().mean() < 0.02, msg  # a rounding tie moved by the sum's order, rarely
         s, h = triton_layers.add_rms_norm(x, None, w, 1e-6)
         assert s is x
-        torch.testing.assert_close(h.float(), llama.rms_norm(x, w, 1e-6).float(), rtol=8 * ULP[dtype], atol=0)
+        torch.testing.assert_close(
+            h.float(), llama_layers.rms_norm(x, w, 1e-6).float(), rtol=8 * ULP[dtype], atol=0
+        )
         gu = _rows(rows, 2 * hidden + 6, dtype, device, 3, scale=3.0, row_stride=stride)
         gate, up = gu.chunk(2, dim=-1)
         out = triton_layers.silu_mul(gu)
@@ -107,11 +110,11 @@ def check_kernels(device: str, dtypes) -> None:
         assert not triton_layers._kernels_take(x, None, w32)
         h = triton_layers.add_rms_norm(x, None, w32, 1e-6)[1]
         assert h.dtype == torch.float32
-        torch.testing.assert_close(h, llama.rms_norm(x, w32, 1e-6))
+        torch.testing.assert_close(h, llama_layers.rms_norm(x, w32, 1e-6))
 
 
 def check_layers(device: str, dtype: torch.dtype) -> None:
-    """The three split layer functions against :mod:`klppo.rollout.llama`'s, on a Qwen2 layer (fused and
+    """The three split layer functions against :mod:`klppo.models.llama_layers`', on a Qwen2 layer (fused and
     unfused projections) and a Qwen3 one (per-head q/k norms: eager inside)."""
     spec_of = lambda model: (  # noqa: E731
         model.config.num_attention_heads,
@@ -122,7 +125,7 @@ def check_layers(device: str, dtype: torch.dtype) -> None:
     tol = dict(rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
     for arch, fuse in (("qwen2", True), ("qwen2", False), ("qwen3", True)):
         model = build_tiny_model(arch=arch).to(device, dtype)
-        lw = llama.LayerWeights.read(model.model.layers[0])
+        lw = llama_weights.LayerWeights.read(model.model.layers[0])
         lw = lw.fused() if fuse else lw
         spec, hidden = spec_of(model), model.config.hidden_size
         x, m = _rows(4, hidden, dtype, device, 5), _rows(4, hidden, dtype, device, 6)
@@ -240,8 +243,10 @@ def test_what_the_kernels_cannot_index_goes_to_eager(monkeypatch) -> None:
     x, w = torch.randn(3, 8), torch.rand(8)
     m = torch.randn(1, 8)
     s, h = triton_layers.add_rms_norm(x, m, w, 1e-6)
-    torch.testing.assert_close(s, llama.residual_add(x, m))
-    torch.testing.assert_close(h, llama.rms_norm(llama.residual_add(x, m), w, 1e-6))
+    torch.testing.assert_close(s, llama_layers.residual_add(x, m))
+    torch.testing.assert_close(h, llama_layers.rms_norm(llama_layers.residual_add(x, m), w, 1e-6))
     xt = torch.randn(8, 3).t()  # [3, 8], last dim strided
-    torch.testing.assert_close(triton_layers.add_rms_norm(xt, None, w, 1e-6)[1], llama.rms_norm(xt, w, 1e-6))
+    torch.testing.assert_close(
+        triton_layers.add_rms_norm(xt, None, w, 1e-6)[1], llama_layers.rms_norm(xt, w, 1e-6)
+    )
     assert launched == []

@@ -173,7 +173,7 @@ def _unsupported(rank: int, world: int, tp, out: Path) -> None:
 
 def _hsdp(rank: int, world: int, tp, out: Path) -> None:
     """The reshard from HSDP shards (``fsdp_size=1``: each rank's replica group is itself): its slices."""
-    from klppo.rollout.tp import reshard_for_rollout
+    from klppo.parallel.tp_weights import reshard_for_rollout
 
     case = next(iter(CASES))
     model = new_model(case)
@@ -187,7 +187,7 @@ def _measure_reshard(model, tp) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from klppo.parallel.tp_layout import TPLayout
-    from klppo.rollout.tp import reshard_for_rollout
+    from klppo.parallel.tp_weights import reshard_for_rollout
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         tensors = reshard_for_rollout(model, tp, device=torch.device("cpu"))

@@ -8,10 +8,10 @@ import json
 
 import torch
 
+from klppo.agent.multi_turn import MultiTurnRollout, MultiTurnSettings
 from klppo.algorithms.losses import policy_loss
 from klppo.models.tiny import build_tiny_tokenizer
 from klppo.rollout.base import RolloutOutput, SamplingParams
-from klppo.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
 from klppo.tools.base import BaseTool, ToolResponse
 from klppo.tools.calculator import CalculatorTool
 from klppo.tools.gsm8k import Gsm8kInteraction
