@@ -6,11 +6,12 @@
 
 ``--n`` samples per prompt (the batch counts sequences): with n > 1 the engine prefills each prompt once.
 
-bf16 random weights, prompt 256 tokens, 256 new tokens forced (EOS ignored), temperature 1, top-p 1, no
-top-k. For each shape and batch: klppo cold (first call: cache allocation + graph capture) and warm
-(graphs reused) — tokens/s, ms per decode step, peak memory; hf ``generate`` with its default dynamic
+Shapes: Qwen2.5-0.5B, -1.5B and -7B (``7b``: one GPU's 7B rollout). bf16 random weights, prompt 256
+tokens, 256 new tokens forced (EOS ignored), temperature 1, top-p 1, no top-k. For each shape and batch:
+klppo cold (first call: cache allocation + graph capture) and warm (graphs reused) — tokens/s, ms per decode step, peak memory; hf ``generate`` with its default dynamic
 cache; hf static cache + its own torch.compile for one batch size; and the memory-bandwidth floor of a
-decode step ((weight bytes + mean KV bytes read + logits) / HBM bandwidth). ``--check`` adds the GPU
+decode step ((weight bytes + mean KV bytes read + logits) / HBM bandwidth: the card's datasheet figure,
+``HBM_BYTES_PER_S``). ``--check`` adds the GPU
 correctness checks: fp32 greedy vs hf, bf16 greedy token match rate, bf16 log-probs vs a recomputed
 forward, seeded reproducibility with graphs, bf16 split backend vs the torch reference. ``--variants``
 re-runs the engine at ``--compile-batch`` with one engine setting changed (``VARIANTS``: settings a user
@@ -55,6 +56,13 @@ SHAPES = {
         num_key_value_heads=2,
         intermediate_size=8960,
     ),
+    "7b": dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+    ),
     "tiny": dict(
         hidden_size=64,
         num_hidden_layers=2,
@@ -63,7 +71,15 @@ SHAPES = {
         intermediate_size=128,
     ),  # CPU tests of the bench scripts
 }
-HBM_BYTES_PER_S = 4.8e12  # H200
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # the SXM cards' memory bandwidth (datasheets)
+
+
+def hbm_bytes_per_s() -> float:
+    """The bandwidth of this process's GPU (by name; an unknown card: the H200's)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((bw for card, bw in HBM_BYTES_PER_S.items() if card in name), HBM_BYTES_PER_S["H200"])
+
+
 VARIANTS = {  # engine settings a user also has (EngineSettings fields, or the compiled functions' mode)
     "sdpa": dict(decode_attention="sdpa"),
     "torch-sampler": dict(sampler="torch"),
@@ -119,7 +135,7 @@ def floor_ms(model, batch: int) -> float:
     kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 2
     mean_ctx = PROMPT + NEW / 2
     logits = batch * c.vocab_size * 4 * 2
-    return (weight_bytes + batch * mean_ctx * kv_per_token + logits) / HBM_BYTES_PER_S * 1e3
+    return (weight_bytes + batch * mean_ctx * kv_per_token + logits) / hbm_bytes_per_s() * 1e3
 
 
 def timed(fn, *args):
