@@ -6,26 +6,24 @@
 
 ``--n`` samples per prompt (the batch counts sequences): with n > 1 the engine prefills each prompt once.
 
-Shapes: Qwen2.5-0.5B, -1.5B and -7B (``7b``: one GPU's 7B rollout). bf16 random weights, prompt 256
-tokens, 256 new tokens forced (EOS ignored), temperature 1, top-p 1, no top-k. For each shape and batch:
-klppo cold (first call: cache allocation + graph capture) and warm (graphs reused) — tokens/s, ms per decode step, peak memory; hf ``generate`` with its default dynamic
-cache; hf static cache + its own torch.compile for one batch size; and the memory-bandwidth floor of a
-decode step ((weight bytes + mean KV bytes read + logits) / HBM bandwidth: the card's datasheet figure,
-``HBM_BYTES_PER_S``). ``--check`` adds the GPU
-correctness checks: fp32 greedy vs hf, bf16 greedy token match rate, bf16 log-probs vs a recomputed
-forward, seeded reproducibility with graphs, bf16 split backend vs the torch reference. ``--variants``
-re-runs the engine at ``--compile-batch`` with one engine setting changed (``VARIANTS``: settings a user
-also has; ``same``: the default engine again, to see the order's effect). To compare two revisions of the
-engine, run this script on both (``bench/ab.py``). ``--profile`` prints the CUDA kernel-time table of a few
-eager (graph-less) decode steps. ``--samplers`` times the engine once per ``sampler`` setting (``auto``:
-rows ``klppo-*``; ``torch``: rows ``klppo-torch-*``) with the sampling of ``--temperature``, ``--top-k``,
-``--top-p``; ``--decode-attention`` likewise once per ``decode_attention`` (``sdpa``: rows
-``klppo-attn-sdpa-*``; with ``--profile``, one kernel table per setting and ``--profile-batches`` batch).
-``--eos-every K`` makes every K-th token id an EOS (not ignored): on the random models the sequences then
-end at spread lengths, as in a real rollout (``--variants compact`` times slot compaction there;
-``--no-hf-compile`` skips hf static + compile at ``--compile-batch``). ``--device cpu`` with ``--shapes
-tiny`` runs the script's own test.
-"""
+Shapes: Qwen2.5-0.5B, -1.5B and -7B (``7b``: one GPU's 7B rollout). bf16 random weights, prompt 256 tokens,
+256 new tokens forced (EOS ignored), temperature 1, top-p 1, no top-k. For each shape and batch: klppo cold
+(first call: cache allocation + graph capture) and warm (graphs reused) — tokens/s, ms per decode step, peak
+memory; hf ``generate`` with its default dynamic cache; hf static cache + its own torch.compile for one batch
+size; and the memory-bandwidth floor of a decode step ((weight bytes + mean KV bytes read + logits) / HBM
+bandwidth: the card's datasheet figure, ``HBM_BYTES_PER_S``). ``--check`` adds the GPU correctness checks:
+fp32 greedy vs hf, bf16 greedy token match rate, bf16 log-probs vs a recomputed forward, seeded
+reproducibility with graphs, bf16 split backend vs the torch reference. ``--variants`` re-runs the engine at
+``--compile-batch`` with one engine setting changed (``VARIANTS``: settings a user also has; ``same``: the
+default engine again, to see the order's effect). To compare two revisions of the engine, run this script on
+both (``bench/ab.py``). ``--profile`` prints the CUDA kernel-time table of a few eager (graph-less) decode
+steps. ``--samplers`` times the engine once per ``sampler`` setting (``auto``: rows ``klppo-*``; ``torch``:
+rows ``klppo-torch-*``) with the sampling of ``--temperature``, ``--top-k``, ``--top-p``;
+``--decode-attention`` likewise once per ``decode_attention`` (``sdpa``: rows ``klppo-attn-sdpa-*``; with
+``--profile``, one kernel table per setting and ``--profile-batches`` batch). ``--eos-every K`` makes every
+K-th token id an EOS (not ignored): on the random models the sequences then end at spread lengths, as in a
+real rollout (``--variants compact`` times slot compaction there; ``--no-hf-compile`` skips hf static +
+compile at ``--compile-batch``). ``--device cpu`` with ``--shapes tiny`` runs the script's own test. """
 
 from __future__ import annotations
 
