@@ -24,6 +24,9 @@ multi-turn
   and packing read lengths and token positions on the host instead of syncing with the device once per
   micro-batch. ``select`` indexes it; ``replace`` of a mask or token field drops it; ``concat`` keeps it
   only when every part has one.
+- ``host_response_mask``: a host copy of ``response_mask`` [B, R] bool, set with ``host_mask`` where the
+  two differ on the response (``response_attention_mask`` set: appended tool tokens, rejected tokens),
+  else ``None``; :attr:`Batch.host_loss_mask` reads the tokens a loss counts from either.
 - ``data_source`` / ``ground_truth`` / ``uid`` / ``extra_info`` / ``raw_prompt``: lists of length B
   (``uid`` identifies the prompt a sample came from: the group for GRPO/RLOO)
 """
@@ -55,6 +58,7 @@ TENSOR_FIELDS = (
     "rollout_is_weights",
 )
 LIST_FIELDS = ("data_source", "ground_truth", "uid", "extra_info", "raw_prompt")
+HOST_FIELDS = ("host_mask", "host_response_mask")
 
 
 @dataclasses.dataclass
@@ -80,6 +84,7 @@ class Batch:
     extra_info: list[Any] = dataclasses.field(default_factory=list)
     raw_prompt: list[Any] = dataclasses.field(default_factory=list)
     host_mask: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+    host_response_mask: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.prompts.shape[0])
@@ -108,6 +113,16 @@ class Batch:
         return (self.attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
     @property
+    def host_loss_mask(self) -> np.ndarray | None:
+        """[B, R] bool on the host: the tokens the losses count (``response_mask``), from the copies
+        :meth:`with_host_mask` made; ``None`` without them."""
+        if self.host_response_mask is not None:
+            return self.host_response_mask
+        if self.host_mask is None:
+            return None
+        return self.host_mask[:, self.host_mask.shape[1] - self.response_length :]
+
+    @property
     def response_length(self) -> int:
         assert self.responses is not None
         return int(self.responses.shape[1])
@@ -127,8 +142,9 @@ class Batch:
         for name in LIST_FIELDS:
             values = getattr(self, name)
             out[name] = [values[i] for i in idx_list] if values else []
-        if self.host_mask is not None:
-            out["host_mask"] = self.host_mask[idx_list]
+        for name in HOST_FIELDS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)[idx_list]
         return Batch(**out)
 
     def split(self, size: int) -> list[Batch]:
@@ -160,8 +176,9 @@ class Batch:
                 out[name] = torch.cat(ts, dim=0)
         for name in LIST_FIELDS:
             out[name] = [v for b in batches for v in getattr(b, name)]
-        if all(b.host_mask is not None for b in batches):
-            out["host_mask"] = np.concatenate([b.host_mask for b in batches], axis=0)
+        for name in HOST_FIELDS:
+            if all(getattr(b, name) is not None for b in batches):
+                out[name] = np.concatenate([getattr(b, name) for b in batches], axis=0)
         return Batch(**out)
 
     def repeat_interleave(self, n: int) -> Batch:
@@ -176,14 +193,20 @@ class Batch:
 
     def replace(self, **changes: Any) -> Batch:
         if "host_mask" not in changes and _MASK_SOURCES.intersection(changes):
-            changes["host_mask"] = None  # it would no longer match the new masks
+            changes.update(dict.fromkeys(HOST_FIELDS))  # they would no longer match the new masks
         return dataclasses.replace(self, **changes)
 
     def with_host_mask(self) -> Batch:
-        """This batch with ``host_mask`` set (one device→host copy unless it is set already)."""
+        """This batch with ``host_mask`` (and ``host_response_mask`` where the response mask is not the
+        response's attention) set: one device→host copy unless they are set already."""
         if self.host_mask is not None or self.response_mask is None:
             return self
-        return dataclasses.replace(self, host_mask=self.attention_mask.bool().cpu().numpy())
+        attention = self.attention_mask.bool()
+        if self.response_attention_mask is None:
+            return dataclasses.replace(self, host_mask=attention.cpu().numpy())
+        both = torch.cat([attention, self.response_mask.bool()], dim=1).cpu().numpy()
+        width = attention.shape[1]
+        return dataclasses.replace(self, host_mask=both[:, :width], host_response_mask=both[:, width:])
 
 
 _MASK_SOURCES = frozenset({"prompts", "prompt_mask", "responses", "response_mask", "response_attention_mask"})

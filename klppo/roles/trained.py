@@ -425,10 +425,11 @@ def _with_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
 
 
 def _host_response_mask(mb: Batch):
-    """The micro-batch's response mask on the host (numpy, from ``host_mask``; else the device tensor)."""
-    if mb.host_mask is None:
-        return mb.response_mask
-    return mb.host_mask[:, mb.host_mask.shape[1] - mb.response_length :]
+    """The tokens the micro-batch's losses count, ``response_mask``: on the host (numpy,
+    :attr:`Batch.host_loss_mask`) when the batch has its host copies, else the device tensor. Not the
+    attention: appended tool tokens and rejected tokens are attended to but weigh nothing."""
+    host = mb.host_loss_mask
+    return mb.response_mask if host is None else host
 
 
 def _on_gpu(batch: Batch) -> bool:

@@ -35,7 +35,7 @@ def _batch(seed: int = 0) -> Batch:
     )
 
 
-def _update(micro_size: int, loss_mode: str, agg: str) -> list[torch.Tensor]:
+def _update(micro_size: int, loss_mode: str, agg: str, batch: Batch | None = None) -> list[torch.Tensor]:
     model = build_tiny_model(seed=0)
     actor = Actor(
         model,
@@ -51,7 +51,7 @@ def _update(micro_size: int, loss_mode: str, agg: str) -> list[torch.Tensor]:
         ),
         OptimSettings(lr=0.1, optimizer="SGD", weight_decay=0.0),
     )
-    actor.update_policy(_batch())
+    actor.update_policy(_batch() if batch is None else batch)
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -61,5 +61,23 @@ def test_micro_batching_does_not_change_the_update(loss_mode, agg):
     torch.set_num_threads(1)
     whole = _update(4, loss_mode, agg)
     split = _update(1, loss_mode, agg)
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_attended_tokens_outside_the_loss_mask_weigh_nothing(agg):
+    """Tokens the model attends to but no loss counts (``response_attention_mask`` 1, ``response_mask`` 0:
+    a multi-turn rollout's tool output, a rejected token or row) leave the micro-batch weights alone: one
+    micro-batch and one row per micro-batch give the same update."""
+    torch.set_num_threads(1)
+    batch = _batch()
+    attention = batch.response_mask.clone()
+    mask = attention.clone()
+    mask[0, 2:4] = 0  # appended / rejected tokens inside a row
+    mask[3] = 0  # a whole row rejected
+    batch = batch.replace(response_mask=mask, response_attention_mask=attention)
+    whole = _update(4, "vanilla", agg, batch)
+    split = _update(1, "vanilla", agg, batch)
     for a, b in zip(whole, split):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
