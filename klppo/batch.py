@@ -8,10 +8,10 @@ Shapes (P = prompt length, left-padded; R = response length, right-padded):
 
 - ``prompts`` [B, P] int64, ``prompt_mask`` [B, P] (1 = real prompt token)
 - ``responses`` [B, R] int64, ``response_mask`` [B, R] (1 = generated token, EOS included): the tokens that
-  losses, KL and advantages count
+  losses, KL and advantages count (rollout rejection sampling sets the rejected ones to 0)
 - ``response_attention_mask`` [B, R]: 1 on every real response token — with the tool / user tokens a
-multi-turn
-  rollout appended (``response_mask`` 0 on them) — or ``None`` (equals ``response_mask``)
+  multi-turn rollout appended and the tokens rollout rejection left out (``response_mask`` 0 on them) — or
+  ``None`` (equals ``response_mask``)
 - ``rollout_log_probs`` [B, R] float32: log-prob of each sampled token under the rollout engine
 - ``old_log_probs`` / ``ref_log_probs`` / ``values`` [B, R] float32
 - ``token_level_scores`` / ``token_level_rewards`` / ``advantages`` / ``returns`` [B, R] float32

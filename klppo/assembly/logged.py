@@ -20,12 +20,12 @@ log = logging.getLogger("klppo")
 
 def log_prob_need(cfg: KLPPOConfig) -> str:
     """What the configured rollout correction needs of the behaviour log-probs: ``required`` in bypass mode
-    (π_old is the behaviour policy), ``wanted`` with decoupled importance weights (the reference, i.e. the
-    initial model, stands in where the logs lack them), ``no`` without a correction."""
+    (π_old is the behaviour policy), ``wanted`` with decoupled importance weights or rejection (the
+    reference, i.e. the initial model, stands in where the logs lack them), ``no`` without a correction."""
     rc = cfg.algorithm.rollout_correction
     if rc.bypass_mode:
         return "required"
-    return "wanted" if rc.rollout_is is not None else "no"
+    return "wanted" if rc.rollout_is is not None or rc.rollout_rs is not None else "no"
 
 
 def model_vocab_size(cfg: KLPPOConfig, tokenizer: Any) -> int:
@@ -74,8 +74,9 @@ def build_logged_loader(cfg: KLPPOConfig, tokenizer: Any, files: list[str]) -> L
     if loader.behaviour() == "reference" and not (cfg.algorithm.use_kl_in_reward or arr.actor.use_kl_loss):
         raise DataError(
             f"{loader.source.paths[0]}: no column 'response_log_probs' in every row, and the "
-            "decoupled rollout correction (algorithm.rollout_correction.rollout_is) needs behaviour "
-            "log-probs; the reference (the initial model) stands in when it is loaded (actor.use_kl_loss or "
-            "algorithm.use_kl_in_reward) — set one, log them, or unset rollout_is"
+            "decoupled rollout correction (algorithm.rollout_correction.rollout_is / rollout_rs) needs "
+            "behaviour log-probs; the reference (the initial model) stands in when it is loaded "
+            "(actor.use_kl_loss or algorithm.use_kl_in_reward) — set one, log them, or unset rollout_is "
+            "and rollout_rs"
         )
     return loader

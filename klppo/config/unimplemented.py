@@ -430,8 +430,8 @@ def ulysses_problems(cfg: KLPPOConfig) -> list[str]:
 
 def rollout_correction_problems(cfg: KLPPOConfig) -> list[str]:
     """What ``algorithm.rollout_correction`` cannot run with: values verl rejects too (named by key), and
-    the parts klppo does not build — rejection sampling (a rejected token must leave the token counts that
-    weight the update's micro-batches, roles/trained.py), weights with ``geo_mean``, batch normalisation and
+    the parts klppo does not build — rejection in bypass mode (decided per micro-batch by the current
+    policy, after the update's token counts are fixed), weights with ``geo_mean``, batch normalisation and
     another policy loss in bypass mode (verl replaces the loss there)."""
     rcfg = cfg.algorithm.rollout_correction
     key = "algorithm.rollout_correction"
@@ -447,10 +447,12 @@ def rollout_correction_problems(cfg: KLPPOConfig) -> list[str]:
             rc.parse_rs_options(rcfg.rollout_rs, rcfg.rollout_rs_threshold)
         except ValueError as exc:
             problems.append(f"{key}.rollout_rs: {exc}")
-        problems.append(
-            f"{key}.rollout_rs={rcfg.rollout_rs!r}: rejection sampling is not built in the trainer (the "
-            "rejected tokens would have to leave the token counts that weight the micro-batches)"
-        )
+        if rcfg.bypass_mode:
+            problems.append(
+                f"{key}.rollout_rs={rcfg.rollout_rs!r} with bypass_mode=True is not built (the current "
+                "policy would reject tokens per micro-batch, after the update's token counts are fixed); "
+                "use the decoupled mode (bypass_mode=False)"
+            )
     if rcfg.loss_type not in rc.BYPASS_LOSS_TYPES:
         problems.append(f"{key}.loss_type={rcfg.loss_type!r}: valid are {', '.join(rc.BYPASS_LOSS_TYPES)}")
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode

@@ -108,7 +108,10 @@ class Critic(TrainedRole):
         return values_of(self.model, inputs)
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        """Clipped value regression; needs ``values`` (old), ``returns``, ``response_mask``."""
+        """Clipped value regression; needs ``values`` (old), ``returns``, ``response_mask``: the loss counts
+        the tokens of ``response_mask`` only — not a multi-turn rollout's appended tokens, nor the tokens
+        rollout rejection sampling left out (the critic reads them as input but fits no value there, as
+        verl's critic)."""
         graph_parts = None if self.graphs is None else self.graph_parts
         return self.run_updates(batch, self._micro_loss, graph_parts=graph_parts)
 

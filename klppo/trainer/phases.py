@@ -182,16 +182,30 @@ def rewards_and_advantages(
 
 def with_correction(batch: Batch, correction: CorrectionSettings) -> tuple[Batch, dict[str, float]]:
     """Decoupled rollout correction of the global batch (verl's place: after the KL penalty, before the
-    advantages): ``rollout_is_weights`` from π_old against the rollout engine's log-probs, and the step's
-    ``rollout_corr/*`` metrics (one device→host transfer). Rejection is refused by the configuration check."""
-    assert not correction.rs_options, "rollout_rs is refused by config.unimplemented"
+    advantages): ``rollout_is_weights`` from π_old against the rollout engine's log-probs, the rejection of
+    ``rollout_rs``, and the step's ``rollout_corr/*`` metrics (one device→host transfer).
+
+    Rejection replaces ``response_mask`` by the kept tokens, as verl does: from here on every consumer of
+    the mask leaves the rejected tokens out — the advantages (0 on them; GAE skips them as it skips
+    padding), the actor's policy, KL and entropy terms and their metrics, the critic's value loss, the
+    token and row counts that weight the update's micro-batches, and the KL the KL-loss controller
+    measures. The rejected tokens stay in the model's input: ``response_attention_mask`` keeps every
+    response token attended to. The KL penalty in the reward, computed before, covers them all."""
     if batch.rollout_log_probs is None or batch.old_log_probs is None:
         raise ValueError("algorithm.rollout_correction needs the rollout's and the old policy's log-probs")
     result = correction.apply(batch.old_log_probs, batch.rollout_log_probs, batch.response_mask)
     weights = None if result.weights is None else result.weights.to(torch.float32)
     names = list(result.metrics)
     values = torch.stack([result.metrics[k].double() for k in names]).tolist() if names else []
-    return batch.replace(rollout_is_weights=weights), dict(zip(names, values, strict=True))
+    metrics = dict(zip(names, values, strict=True))
+    if not correction.rs_options:
+        return batch.replace(rollout_is_weights=weights), metrics
+    kept = batch.replace(
+        rollout_is_weights=weights,
+        response_mask=result.response_mask,
+        response_attention_mask=batch.response_tokens_mask,
+    )
+    return kept, metrics
 
 
 def penalty_share(scores: torch.Tensor, rewards: torch.Tensor) -> float:

@@ -16,9 +16,12 @@ from klppo.parallel.collectives import all_reduce_max_values, world_size
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:
-    """Scores, rewards, advantages, returns, values and lengths of the step's (global) batch."""
+    """Scores, rewards, advantages, returns, values and lengths of the step's (global) batch. Lengths count
+    every response token (``response_tokens_mask``: a multi-turn rollout's appended tokens and rejected
+    tokens included, as verl's attention-mask lengths); advantages, returns, values and the KL count the
+    tokens the losses count (``response_mask``)."""
     m = batch.response_mask
-    resp_len = m.sum(dim=1)
+    resp_len = batch.response_tokens_mask.sum(dim=1)
     prompt_len = batch.prompt_mask.sum(dim=1).float()
     scores = batch.token_level_scores.sum(dim=1)
     out = {

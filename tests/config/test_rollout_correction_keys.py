@@ -24,6 +24,12 @@ K = "algorithm.rollout_correction"
         ],
         [f"{K}.bypass_mode=true"],
         [f"{K}.bypass_mode=true", f"{K}.loss_type=reinforce", f"{K}.rollout_is=token"],
+        [f"{K}.rollout_rs=seq_mean_k3", f"{K}.rollout_rs_threshold=0.1"],
+        [
+            f"{K}.rollout_is=token",
+            f"{K}.rollout_rs=token_k1,seq_max_k2",
+            f"{K}.rollout_rs_threshold=0.5_2,0.2",
+        ],
     ],
 )
 def test_supported_settings_train(args: list[str]) -> None:
@@ -48,7 +54,11 @@ def test_defaults_change_nothing() -> None:
     [
         ([f"{K}.rollout_is=tokens"], f"{K}.rollout_is="),
         ([f"{K}.rollout_is=token", f"{K}.rollout_is_threshold=2.0_1.0"], f"{K}.rollout_is_threshold"),
-        ([f"{K}.rollout_rs=seq_mean_k3", f"{K}.rollout_rs_threshold=0.1"], f"{K}.rollout_rs="),
+        (
+            [f"{K}.rollout_rs=seq_mean_k3", f"{K}.rollout_rs_threshold=0.1", f"{K}.bypass_mode=true"],
+            f"{K}.rollout_rs=",
+        ),
+        ([f"{K}.rollout_rs=seq_mean_k3"], "rollout_rs_threshold"),
         ([f"{K}.rollout_rs=token_k9", f"{K}.rollout_rs_threshold=0.1"], "token_k9"),
         ([f"{K}.bypass_mode=true", f"{K}.loss_type=pg"], f"{K}.loss_type"),
         ([f"{K}.bypass_mode=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], f"{K}.bypass_mode"),

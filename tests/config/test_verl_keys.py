@@ -89,7 +89,6 @@ def test_result_changing_keys_are_refused_never_warned():
 @pytest.mark.parametrize(
     "arg",
     [
-        "algorithm.rollout_correction.rollout_rs=token_k1",
         "actor_rollout_ref.actor.tau_neg=1.2",
         "actor_rollout_ref.actor.use_prefix_grouper=true",
         "actor_rollout_ref.actor.calculate_sum_pi_squared=true",

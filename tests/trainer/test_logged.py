@@ -275,3 +275,39 @@ def test_bypass_loss_equals_hand_formula(logged, tiny_model_dir, arithmetic_data
         math.isfinite(expected) and ((ratio > 1.2) & (mask > 0)).any() and ((ratio < 0.8) & (mask > 0)).any()
     )
     assert metrics["actor/pg_loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_rejection_leaves_out_the_mismatched_samples(logged, tiny_model_dir, arithmetic_data, tmp_path):
+    """Decoupled rejection against the log's behaviour log-probs: every odd sample's are 3 nats below the
+    policy's (δ = +3, seq_mean_k1 = −3 outside [ln ½, ln 2]) and its row is rejected, every even sample's
+    are the policy's own and kept — half the rows and exactly the odd rows' tokens, on both steps."""
+    lengths = {}
+
+    def shift(i, row):
+        lengths[i] = len(row["response_ids"])
+        row.update(score=float(i % 2))
+        if i % 2:
+            row.update(response_log_probs=[v - 3.0 for v in row["response_log_probs"]])
+
+    shifted = _rewrite(logged, tmp_path / "shifted.parquet", shift)
+    run = tmp_path / "run"
+    run_training(
+        _overrides(
+            tiny_model_dir,
+            arithmetic_data,
+            run,
+            shifted,
+            "data.train_batch_size=4",
+            "data.shuffle=False",
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+            "trainer.total_training_steps=2",
+        )
+    )
+    for step, metrics in enumerate(read_metrics(run)):
+        rows = range(8 * step, 8 * step + 8)
+        odd = sum(lengths[i] for i in rows if i % 2) / sum(lengths[i] for i in rows)
+        assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(0.5)
+        assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(odd)
+        assert metrics["rollout_corr/rollout_rs_seq_mean_k1_seq_min"] == pytest.approx(-3.0, abs=0.05)
+        assert math.isfinite(metrics["actor/pg_loss"])

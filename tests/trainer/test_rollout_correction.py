@@ -1,5 +1,6 @@
-"""`algorithm.rollout_correction` end to end on the CPU: token-level TIS (decoupled) and bypass mode's
-REINFORCE each train a step of the tiny model and report verl's `rollout_corr/*` metrics."""
+"""`algorithm.rollout_correction` end to end on the CPU: token-level TIS (decoupled), bypass mode's
+REINFORCE and decoupled rejection (`rollout_rs`) train the tiny model and report verl's `rollout_corr/*`
+metrics."""
 
 from __future__ import annotations
 
@@ -55,3 +56,43 @@ def test_token_tis_trains_and_reports_rollout_corr(mode, extra, tiny_model_dir, 
         assert "timing_s/old_log_prob" in metrics  # π_old from its own pass
     else:
         assert "timing_s/old_log_prob" not in metrics  # π_old = π_rollout
+
+
+@pytest.mark.parametrize(
+    "options,threshold,rejected",
+    [
+        # the HF rollout and the trainer run the same float32 forward: δ ≈ 0, every token kept
+        ("token_k1,seq_mean_k3", "0.5_2.0,0.1", 0.0),
+        # k1 = −δ ≈ 0 lies below ln 1.5: every token rejected, the update has nothing to train on
+        ("token_k1", "1.5_2.0", 1.0),
+    ],
+)
+def test_rejection_trains_two_steps_and_reports_the_rejected_share(
+    options, threshold, rejected, tiny_model_dir, arithmetic_data, tmp_path
+):
+    """Decoupled rejection on the gloo world of one process: two steps, verl's rejected fractions per step,
+    and a step with every token rejected trains nothing (no gradient) without a non-finite value."""
+    score = tmp_path / "parity.py"
+    score.write_text(SCORE)
+    over = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        "algorithm.adv_estimator=grpo",
+        f"custom_reward_function.path={score}",
+        f"{K}.rollout_rs={options}",
+        f"{K}.rollout_rs_threshold={threshold}",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",  # a gradient from every kept token
+        "trainer.total_training_steps=2",
+    ]
+    run_training(over)
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 2
+    for step in metrics:
+        assert step["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(rejected, abs=1e-6)
+        assert step["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(rejected, abs=1e-6)
+        for option in options.split(","):
+            assert math.isfinite(step[f"rollout_corr/rollout_rs_{option}_masked_fraction"])
+        assert "rollout_corr/rollout_is_mean" not in step  # rejection alone: no weights
+        assert step.get("training/nan_steps", 0.0) == 0.0
+        if rejected == 1.0:  # no token to weigh: no gradient, and no token statistic to report
+            assert step["actor/grad_norm"] == 0.0 and "actor/pg_loss" not in step
+        else:
+            assert math.isfinite(step["actor/pg_loss"]) and step["actor/grad_norm"] > 0
