@@ -3,9 +3,12 @@
 - :class:`Gsm8kTool` (``calc_gsm8k_reward(answer)``): the model submits an answer; the tool says whether it
   is right (flexible extraction). Its step reward is 0 for an improved answer and -0.05 otherwise;
   ``calc_reward`` is the score of the last submission. Ground truth: ``create_kwargs.ground_truth``.
-- :class:`Gsm8kInteraction`: after each assistant turn the user checks the answer (strict ``#### <n>``
-  extraction) and either ends the conversation ("correct") or asks to try again. Ground truth:
-  ``interaction_kwargs.ground_truth``.
+- :class:`Gsm8kInteraction`: after each assistant turn the user checks the answer and either ends the
+  conversation ("correct") or asks to try again. Ground truth: ``interaction_kwargs.ground_truth``. The
+  answer rule is the config's ``method``: ``strict`` (``#### <n>``, verl's interaction, the default) or
+  ``flexible`` (the last number), the rules of :mod:`klppo.rewards.gsm8k` — set it to the reward's
+  ``reward_kwargs.method`` so that the user's verdict and the reward agree (any task with a numeric ground
+  truth, e.g. ``klppo data arithmetic --interaction``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ SCHEMA = ToolSchema(
 )
 WRONG = "Your response is incorrect! You need to reflect on your answer and try again."
 RIGHT = "Your response is correct!"
+METHODS = ("strict", "flexible")
 
 
 def _score(response: str, ground_truth: Any, method: str) -> float:
@@ -84,6 +88,9 @@ class Gsm8kInteraction(BaseInteraction):
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         super().__init__(config or {})
+        self.method = str(self.config.get("method", "strict"))
+        if self.method not in METHODS:
+            raise ValueError(f"config.method={self.method!r}; known: {', '.join(METHODS)}")
         self._state: dict[str, dict[str, Any]] = {}
 
     async def start_interaction(
@@ -102,7 +109,7 @@ class Gsm8kInteraction(BaseInteraction):
 
     async def calculate_score(self, instance_id: str, **kwargs: Any) -> float:
         state = self._state[instance_id]
-        return _score(state["response"], state["ground_truth"], "strict")
+        return _score(state["response"], state["ground_truth"], self.method)
 
     async def finalize_interaction(self, instance_id: str, **kwargs: Any) -> None:
         self._state.pop(instance_id, None)

@@ -67,6 +67,19 @@ def test_gsm8k_tool_and_interaction():
     assert (done, score) == (True, 1.0)
 
 
+def test_the_interaction_checks_free_text_answers_with_the_flexible_rule():
+    """``method: flexible`` (the arithmetic retry's config): the last number is the answer, a negative one
+    included, as the flexible reward reads it; strict asks for ``#### N``."""
+    texts = ["23 - 45 = -22", "so the answer is -23"]
+    for method, verdicts in (("flexible", [True, False]), ("strict", [False, False])):
+        inter = Gsm8kInteraction({"method": method})
+        iid = run(inter.start_interaction(None, ground_truth="-22"))
+        got = [run(inter.generate_response(iid, [{"role": "assistant", "content": t}]))[0] for t in texts]
+        assert got == verdicts
+    with pytest.raises(ValueError, match="config.method='loose'; known: strict, flexible"):
+        Gsm8kInteraction({"method": "loose"})
+
+
 def test_python_sandbox_limits(tmp_path):
     out, status, timed_out = run(run_python("import os; print(os.getcwd()); open('f', 'w').write('x')"))
     assert status == 0 and not timed_out and not os.path.exists(out.strip())  # its temp dir is gone
