@@ -6,6 +6,10 @@ carries GSM8K's instruction, the ground truth is the result as a string, and ``d
 ``arithmetic`` (``DATA_SOURCE``), which names the task in the metrics (``val-core/arithmetic/reward/mean@1``);
 the reward registry scores it with GSM8K's rule (the same ``#### <answer>`` format). Deterministic given
 ``seed``; train and test questions are disjoint.
+
+With ``interaction=NAME`` each row also carries ``extra_info.interaction_kwargs`` = ``{name: NAME,
+ground_truth: <result>}``, what a multi-turn run's interaction reads (verl's field; e.g. the retry of
+``examples/arithmetic_grpo_retry.yaml``: docs/training.md, "Multi-turn and tools").
 """
 
 from __future__ import annotations
@@ -19,10 +23,17 @@ DATA_SOURCE = "arithmetic"
 
 
 def arithmetic_rows(
-    num_rows: int, *, split: str, seed: int, exclude: set[str] | None = None, negative: bool = False
+    num_rows: int,
+    *,
+    split: str,
+    seed: int,
+    exclude: set[str] | None = None,
+    negative: bool = False,
+    interaction: str | None = None,
 ) -> list[dict]:
     """``num_rows`` distinct questions (none in ``exclude``) as verl-format rows; with ``negative`` the
-    operands of a difference keep their drawn order, so about half the differences are negative."""
+    operands of a difference keep their drawn order, so about half the differences are negative; with
+    ``interaction`` the rows name it in ``extra_info.interaction_kwargs`` (module docstring)."""
     rng = random.Random(f"klppo-arithmetic-{seed}-{split}")
     seen = set(exclude or ())
     rows: list[dict] = []
@@ -42,7 +53,10 @@ def arithmetic_rows(
             continue
         seen.add(question)
         answer = f"{a} {op} {b} = {result}\n#### {result}"
-        rows.append(make_row(question, answer, split=split, index=len(rows), data_source=DATA_SOURCE))
+        row = make_row(question, answer, split=split, index=len(rows), data_source=DATA_SOURCE)
+        if interaction is not None:
+            row["extra_info"]["interaction_kwargs"] = {"name": interaction, "ground_truth": str(result)}
+        rows.append(row)
     return rows
 
 
@@ -53,18 +67,20 @@ def write_arithmetic_parquet(
     seed: int = 0,
     *,
     negative: bool = False,
+    interaction: str | None = None,
 ) -> tuple[str, str]:
     """Write ``train.parquet`` and ``test.parquet`` (disjoint questions) into ``output_dir``; returns their
-    paths."""
+    paths. ``negative``, ``interaction``: as :func:`arithmetic_rows`'s."""
     output_dir = os.path.expanduser(os.fspath(output_dir))
     os.makedirs(output_dir, exist_ok=True)
-    train = arithmetic_rows(num_train, split="train", seed=seed, negative=negative)
+    train = arithmetic_rows(num_train, split="train", seed=seed, negative=negative, interaction=interaction)
     test = arithmetic_rows(
         num_test,
         split="test",
         seed=seed,
         exclude={r["extra_info"]["question"] for r in train},
         negative=negative,
+        interaction=interaction,
     )
     paths = os.path.join(output_dir, "train.parquet"), os.path.join(output_dir, "test.parquet")
     write_rows(train, paths[0])

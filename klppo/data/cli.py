@@ -1,7 +1,7 @@
 """``klppo data``: prepare prompt datasets as Parquet.
 
 klppo data gsm8k [--input DIR] --output DIR      GSM8K jsonl → train/test.parquet (verl schema)
-klppo data arithmetic --output DIR [--num-train N --num-test N --seed S]
+klppo data arithmetic --output DIR [--num-train N --num-test N --seed S --negative --interaction NAME]
 klppo data log --output FILE [--n N] [config keys]   logged responses (klppo.commands.log_data, docs/data.md)
 """
 
@@ -28,6 +28,16 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--num-train", type=int, default=256)
     a.add_argument("--num-test", type=int, default=64)
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument(
+        "--negative", action="store_true", help="differences keep their operands' order (about half negative)"
+    )
+    a.add_argument(
+        "--interaction",
+        default=None,
+        metavar="NAME",
+        help="name this interaction in each row's extra_info.interaction_kwargs, with the answer as its "
+        "ground_truth (multi-turn runs: docs/multi_turn.md)",
+    )
     sub.add_parser("log", help="a model's responses with their log-probs and scores (docs/data.md)")
     return parser
 
@@ -39,7 +49,14 @@ def main(argv: list[str] | None = None) -> int:
             n_train, n_test = convert(args.input, args.output)
             print(f"wrote {n_train} train and {n_test} test rows to {args.output}")
         else:
-            paths = write_arithmetic_parquet(args.output, args.num_train, args.num_test, args.seed)
+            paths = write_arithmetic_parquet(
+                args.output,
+                args.num_train,
+                args.num_test,
+                args.seed,
+                negative=args.negative,
+                interaction=args.interaction,
+            )
             print(f"wrote {args.num_train} train and {args.num_test} test rows: {paths[0]}, {paths[1]}")
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"klppo data {args.dataset}: error: {exc}", file=sys.stderr)

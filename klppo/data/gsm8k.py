@@ -67,9 +67,27 @@ def make_row(question: str, answer: str, *, split: str, index: int, data_source:
     }
 
 
+INTERACTION_KWARGS = pa.struct([("name", pa.string()), ("ground_truth", pa.string())])
+"""``extra_info.interaction_kwargs`` of a multi-turn row: the interaction's name and the answer it checks."""
+
+
+def schema_of(rows: list[dict]) -> pa.Schema:
+    """``SCHEMA``, with ``extra_info.interaction_kwargs`` and verl's ``agent_name`` column when the first row
+    carries them (multi-turn rows; docs/multi_turn.md)."""
+    schema = SCHEMA
+    first = rows[0] if rows else {}
+    if "interaction_kwargs" in first.get("extra_info", {}):
+        info = schema.field("extra_info").type
+        fields = [*info, pa.field("interaction_kwargs", INTERACTION_KWARGS)]
+        schema = schema.set(schema.get_field_index("extra_info"), pa.field("extra_info", pa.struct(fields)))
+    if "agent_name" in first:
+        schema = schema.append(pa.field("agent_name", pa.string()))
+    return schema
+
+
 def write_rows(rows: list[dict], path: str) -> None:
-    """Write verl-format rows to ``path`` (Parquet, schema ``SCHEMA``)."""
-    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path)
+    """Write verl-format rows to ``path`` (Parquet, schema :func:`schema_of` the rows)."""
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema_of(rows)), path)
 
 
 def _read_jsonl(path: str) -> list[dict]:

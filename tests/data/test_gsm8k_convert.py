@@ -166,3 +166,45 @@ def test_arithmetic_set_with_negative_differences(tmp_path):
         values.append(value)
     negatives = sum(v < 0 for v in values) / len(values)
     assert 0.15 < negatives < 0.35  # about half of the differences, which are about half the questions
+
+
+def test_arithmetic_rows_name_their_interaction_for_a_multi_turn_run(tmp_path):
+    """``klppo data arithmetic --interaction NAME``: each row's ``extra_info.interaction_kwargs`` names the
+    interaction and holds the answer, and the loader hands it to the conversation loop; the questions are
+    those of the set without the option."""
+    out = tmp_path / "r"
+    argv = ["arithmetic", "--output", str(out), "--num-train", "12", "--num-test", "4", "--negative"]
+    assert data_main([*argv, "--interaction", "arithmetic"]) == 0
+    plain = write_arithmetic_parquet(str(tmp_path / "p"), num_train=12, num_test=4, seed=0, negative=True)
+    for split, path in zip(("train", "test"), plain):
+        rows = pq.read_table(out / f"{split}.parquet").to_pylist()
+        plain_rows = pq.read_table(path).to_pylist()
+        assert [r["extra_info"]["question"] for r in rows] == [
+            r["extra_info"]["question"] for r in plain_rows
+        ]
+        for row in rows:
+            truth = row["reward_model"]["ground_truth"]
+            assert row["extra_info"]["interaction_kwargs"] == {"name": "arithmetic", "ground_truth": truth}
+    loader = PromptLoader(
+        LoaderSettings(str(out / "test.parquet"), batch_size=4, max_prompt_length=512, shuffle=False),
+        build_tiny_tokenizer(),
+    )
+    (batch,) = list(loader)
+    assert [info["interaction_kwargs"]["ground_truth"] for info in batch.extra_info] == batch.ground_truth
+
+
+def test_rows_with_verls_agent_name_column_keep_it(tmp_path):
+    """A row's ``agent_name`` (verl's column: ``single_turn_agent`` trains that row in one turn) is written
+    as a column and reaches the conversation loop in ``extra_info``."""
+    from klppo.data.arithmetic import arithmetic_rows
+    from klppo.data.gsm8k import write_rows
+
+    rows = arithmetic_rows(3, split="train", seed=0, interaction="arithmetic")
+    rows = [{**r, "agent_name": "single_turn_agent"} for r in rows]
+    write_rows(rows, str(tmp_path / "t.parquet"))
+    loader = PromptLoader(
+        LoaderSettings(str(tmp_path / "t.parquet"), batch_size=3, max_prompt_length=512, shuffle=False),
+        build_tiny_tokenizer(),
+    )
+    (batch,) = list(loader)
+    assert {info["agent_name"] for info in batch.extra_info} == {"single_turn_agent"}
