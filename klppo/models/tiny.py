@@ -102,13 +102,41 @@ def build_tiny_model(
     return model
 
 
-def save_tiny_model_dir(path: str | Path, **model_kwargs) -> Path:
-    """Write a tiny model and its tokenizer as a Hugging Face directory; returns the path."""
+def end_turns_early(model, *, eos_logit: float, seed: int = 1) -> None:
+    """Make a tiny Qwen2 model end its turns after a few sampled tokens (greedy: at once), so that its
+    conversations have several turns. The last layer's attention adds one fixed vector to every position
+    (value weights zero and value bias one, so each head's output is the bias whatever the attention
+    weights; the output projection maps it onto a random unit direction), and the LM head's EOS row points
+    along that direction: the EOS logit is about ``eos_logit`` at every position, whatever the input. Needs
+    an untied LM head (a tied one's EOS row is the padding embedding, zero)."""
+    attn, head = model.model.layers[-1].self_attn, model.get_output_embeddings()
+    if attn.v_proj.bias is None or head.weight is model.get_input_embeddings().weight:
+        raise ValueError("end_turns_early needs value biases (Qwen2) and an untied LM head")
+    hidden = model.config.hidden_size
+    direction = torch.randn(hidden, generator=torch.Generator().manual_seed(seed))
+    direction /= direction.norm()
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        attn.v_proj.weight.zero_()
+        attn.v_proj.bias.fill_(1.0)
+        width = attn.o_proj.weight.shape[1]
+        # 10× the unit vector: it dominates the residual stream, so the final norm leaves it at ~sqrt(hidden)
+        attn.o_proj.weight.copy_(10.0 * torch.outer(direction, torch.ones(width)) / width)
+        head.weight[eos] = direction * eos_logit / hidden**0.5
+
+
+def save_tiny_model_dir(path: str | Path, *, eos_logit: float | None = None, **model_kwargs) -> Path:
+    """Write a tiny model and its tokenizer as a Hugging Face directory; returns the path. ``eos_logit``:
+    a model whose turns end early (:func:`end_turns_early`; its LM head untied)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(model_kwargs.get("vocab_size", 384))
     model_kwargs.setdefault("vocab_size", len(tokenizer))
+    if eos_logit is not None:
+        model_kwargs["tie_word_embeddings"] = False
     model = build_tiny_model(**model_kwargs)
+    if eos_logit is not None:
+        end_turns_early(model, eos_logit=eos_logit)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

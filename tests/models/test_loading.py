@@ -13,7 +13,7 @@ from klppo.models.loading import (
     load_reward_model,
     load_tokenizer,
 )
-from klppo.models.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model_dir
+from klppo.models.tiny import build_tiny_model, build_tiny_tokenizer, end_turns_early, save_tiny_model_dir
 
 IDS = torch.tensor([[5, 17, 40, 3, 99, 7], [8, 9, 10, 11, 12, 2]])
 
@@ -113,3 +113,28 @@ def test_reward_model(tiny_dir, tmp_path):
         assert torch.allclose(scores, trained(ids).logits)
         # the padded row is scored at its last real token
         assert torch.allclose(scores[1], trained(ids[1:, :2]).logits[0], atol=1e-5)
+
+
+def test_a_tiny_model_can_end_its_turns_early(tmp_path):
+    """``eos_logit``: greedy decoding ends the turn at once and sampling after a few tokens, whatever the
+    prompt (what the CPU runs of multi-turn rollouts need to see a second turn); the directory loads."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_model_dir(tmp_path / "m", eos_logit=3.0)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = build_tiny_tokenizer()
+    for text in ("What is 12 + 7?", "Natalia sold clips"):
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        greedy = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        assert greedy[0, ids.shape[1]].item() == tok.eos_token_id
+    torch.manual_seed(0)
+    sampled = model.generate(
+        ids.repeat(32, 1),
+        attention_mask=torch.ones_like(ids).repeat(32, 1),
+        max_new_tokens=40,
+        do_sample=True,
+    )
+    ended = (sampled[:, ids.shape[1] :] == tok.eos_token_id).any(dim=1)
+    assert ended.float().mean() > 0.9
+    with pytest.raises(ValueError, match="untied LM head"):
+        end_turns_early(build_tiny_model(), eos_logit=3.0)
