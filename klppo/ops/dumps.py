@@ -27,8 +27,10 @@ def dump_samples(
     ground_truths: list[Any],
     data_sources: list[str],
     rewards: list[float] | None = None,
+    extras: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """Write ``<directory>/<step>.jsonl`` (verl's layout: keys input, output, score, step, plus ours)."""
+    """Write ``<directory>/<step>.jsonl`` (verl's layout: keys input, output, score, step, plus ours);
+    ``extras``: more keys per row (a multi-turn validation's ``turn_scores`` and ``num_turns``)."""
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{step}.jsonl"
@@ -44,6 +46,8 @@ def dump_samples(
             }
             if rewards is not None:
                 row["reward"] = float(rewards[i])
+            if extras is not None:
+                row.update(extras[i])
             f.write(json.dumps(row, default=str) + "\n")
     return path
 

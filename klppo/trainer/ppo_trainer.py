@@ -60,6 +60,8 @@ from klppo.trainer.step_metrics import batch_metrics, perf_metrics, validation_m
 from klppo.trainer.timer import PhaseTimer
 
 log = logging.getLogger("klppo")
+TURN_FIELDS = ("num_turns", "turn_scores")
+"""A multi-turn validation sample's fields kept in its record and dump (klppo.agent.multi_turn's extras)."""
 
 
 def _align_ranks(timer: PhaseTimer) -> None:
@@ -426,8 +428,9 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        """Generate with ``val_kwargs`` on the validation set; mean score per data source. Samples go to
-        ``trainer.log_val_generations`` (the first N) and ``trainer.validation_data_dir`` (all)."""
+        """Generate with ``val_kwargs`` on the validation set (a multi-turn run's conversations, with its
+        tools and interaction); mean score per data source. Samples go to ``trainer.log_val_generations``
+        (the first N) and ``trainer.validation_data_dir`` (all, with their ``TURN_FIELDS``)."""
         run, tcfg = self.run, self.cfg.trainer
         records: list[dict[str, Any]] = []
         n = run.sampling.val.n
@@ -451,6 +454,7 @@ class PPOTrainer:
                     scores=[r["score"] for r in records],
                     ground_truths=[r["ground_truth"] for r in records],
                     data_sources=[r["data_source"] for r in records],
+                    extras=[{k: r[k] for k in TURN_FIELDS if k in r} for r in records],
                 )
         return out
 
@@ -472,14 +476,16 @@ class PPOTrainer:
                 "data_source": src,
                 "ground_truth": truth,
                 "uid": uid,
+                **{k: info[k] for k in TURN_FIELDS if k in (info or {})},
             }
-            for raw, text, score, src, truth, uid in zip(
+            for raw, text, score, src, truth, uid, info in zip(
                 local.raw_prompt,
                 scores.texts,
                 scores.sequence.tolist(),
                 local.data_source,
                 local.ground_truth,
                 local.uid,
+                local.extra_info or [None] * len(local.uid),
             )
         ]
         return [r for part in all_gather_objects(mine) for r in part]

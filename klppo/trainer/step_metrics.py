@@ -156,15 +156,50 @@ def actor_mfu(
 
 def validation_metrics(records: list[dict[str, Any]], n: int) -> dict[str, float]:
     """Per data source: ``val-core/<ds>/reward/mean@n`` over all samples and, with n > 1 samples per prompt,
-    ``best@n`` / ``worst@n`` (mean over prompts of the best / worst of its n scores), verl's names."""
+    ``best@n`` / ``worst@n`` (mean over prompts of the best / worst of its n scores), verl's names; for a
+    multi-turn run (records with ``turn_scores``) the attempts' figures of :func:`attempt_metrics`."""
     out: dict[str, float] = {}
     for src in sorted({r["data_source"] for r in records}):
         rows = [r for r in records if r["data_source"] == src]
         out[f"val-core/{src}/reward/mean@{n}"] = sum(r["score"] for r in rows) / len(rows)
+        if any("turn_scores" in r for r in rows):
+            out.update({f"val-aux/{src}/{k}": v for k, v in attempt_metrics(rows, n).items()})
         if n > 1:
             groups: dict[Any, list[float]] = {}
             for r in rows:
                 groups.setdefault(r["uid"], []).append(r["score"])
             out[f"val-core/{src}/reward/best@{n}/mean"] = sum(max(g) for g in groups.values()) / len(groups)
             out[f"val-core/{src}/reward/worst@{n}/mean"] = sum(min(g) for g in groups.values()) / len(groups)
+    return out
+
+
+def first_attempt_score(record: dict[str, Any]) -> float:
+    """The score of a conversation's first answer: the interaction's score of the first turn it judged
+    (``turn_scores[0]``), or, where it judged none, the response's reward — the response then holds one
+    answer (its turn was the last allowed, cut by the budget, or a ``single_turn_agent`` row's)."""
+    turns = record.get("turn_scores") or []
+    return float(turns[0]) if turns else float(record["score"])
+
+
+def attempt_metrics(records: list[dict[str, Any]], n: int) -> dict[str, float]:
+    """Of multi-turn samples (``score``: the reward, read on the last answer; ``turn_scores``,
+    ``num_turns``: the conversation's), where the interaction asks again after a wrong answer (scores
+    below 1):
+
+    - ``first_turn_score/mean@n``: the mean score of the first answer (:func:`first_attempt_score`), the
+      accuracy a one-turn run would have; ``reward/mean@n`` beside it is the accuracy after every attempt;
+    - ``failed_first/share``: the share of samples whose first answer scored below 1;
+    - ``reward_after_failed_first/mean@n``: their mean reward — how often a later attempt succeeds where the
+      first failed (absent when none failed);
+    - ``num_turns/mean``: assistant plus user turns per conversation.
+    """
+    first = [first_attempt_score(r) for r in records]
+    after_failed = [float(r["score"]) for r, f in zip(records, first) if f < 1.0]
+    out = {
+        f"first_turn_score/mean@{n}": sum(first) / len(first),
+        "failed_first/share": len(after_failed) / len(records),
+        "num_turns/mean": sum(float(r.get("num_turns") or 1) for r in records) / len(records),
+    }
+    if after_failed:
+        out[f"reward_after_failed_first/mean@{n}"] = sum(after_failed) / len(after_failed)
     return out

@@ -396,6 +396,33 @@ def test_validation_metrics_by_hand():
     assert "val-core/a/reward/best@1/mean" not in validation_metrics(records, 1)
 
 
+def test_attempt_metrics_of_a_retry_run_by_hand():
+    """A multi-turn validation's figures: the first answer's score (the interaction's first turn score, or
+    the reward where no turn was judged), and the reward of the samples whose first answer failed."""
+    from klppo.trainer.step_metrics import validation_metrics
+
+    records = [
+        {"data_source": "a", "uid": 0, "score": 1.0, "turn_scores": [1.0], "num_turns": 1},  # right at once
+        {
+            "data_source": "a",
+            "uid": 1,
+            "score": 1.0,
+            "turn_scores": [0.0],
+            "num_turns": 3,
+        },  # right at the retry
+        {"data_source": "a", "uid": 2, "score": 0.0, "turn_scores": [0.0], "num_turns": 3},  # wrong twice
+        {"data_source": "a", "uid": 3, "score": 0.0, "turn_scores": [], "num_turns": 1},  # cut by the budget
+        {"data_source": "b", "uid": 4, "score": 1.0},  # one-turn rows: no attempts' figures
+    ]
+    out = validation_metrics(records, 1)
+    assert out["val-core/a/reward/mean@1"] == 0.5
+    assert out["val-aux/a/first_turn_score/mean@1"] == 0.25
+    assert out["val-aux/a/failed_first/share"] == 0.75
+    assert out["val-aux/a/reward_after_failed_first/mean@1"] == pytest.approx(1 / 3)
+    assert out["val-aux/a/num_turns/mean"] == 2.0
+    assert not any(k.startswith("val-aux/b/") for k in out)
+
+
 def test_dry_run_prints_the_plan_and_trains_nothing(tiny_model_dir, arithmetic_data, tmp_path, capsys):
     from klppo.commands.train import main
 
