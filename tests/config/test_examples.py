@@ -106,3 +106,17 @@ def test_ramp_recipes_are_the_measured_settings(example, setting, task):
     assert {k: v for k, v in vars(recipe.data).items() if k not in paths} == {
         k: v for k, v in vars(measured.data).items() if k not in paths
     }
+
+
+def test_the_retry_recipe_names_an_interaction_that_loads_and_agrees_with_its_reward():
+    """examples/arithmetic_grpo_retry.yaml: its interaction config (a path from the repository root) loads,
+    holds the name `klppo data arithmetic --interaction arithmetic` writes into the rows, and judges answers
+    by the rule the reward reads."""
+    from klppo.tools.config import load_interactions
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config([str(root / "examples" / "arithmetic_grpo_retry.yaml")])
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    assert mt.enable and mt.max_assistant_turns == 2
+    interaction = load_interactions(str(root / mt.interaction_config_path))["arithmetic"]
+    assert interaction.method == cfg.reward_model.reward_kwargs["method"] == "flexible"
