@@ -65,14 +65,13 @@ TINY = [
     "data.train_batch_size=4",
     "data.max_response_length=160",  # the tiny tokenizer spends ~100 tokens on the retry message
     "actor_rollout_ref.rollout.n=2",
-    "actor_rollout_ref.rollout.name=hf",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
     "actor_rollout_ref.actor.optim.lr=1e-3",
     "actor_rollout_ref.model.use_fused_kernels=False",
     "actor_rollout_ref.model.compile_packed_layers=False",
     "reward_model.launch_reward_fn_async=False",
 ]
-"""``--tiny``'s overrides: a CPU run of the tiny model (``bench/learning.py``'s CPU test settings)."""
+"""``--tiny``'s overrides: a CPU run of the tiny model on the recipe's engine (klppo's)."""
 SERIES = {
     "kl_k3": "actor/ref_kl_k3",
     "reward": "critic/score/mean",

@@ -15,7 +15,7 @@ ATTEMPT_KEYS = {*ACCURACIES, "n", "failed_first_share", "num_turns"}
 
 
 @pytest.mark.slow
-@device_bench_run  # two training processes: ~35 s on 2 cores
+@device_bench_run  # two training processes: ~25 s on 2 cores
 def test_tiny_run_writes_both_runs_attempts_before_and_after(tmp_path, capsys):
     out = tmp_path / "mt.json"
     assert main(["--tiny", "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
