@@ -6,10 +6,11 @@
 - `check_text_only`: no image or video column (`data.image_key`, `data.video_key`) and no `<image>` /
   `<video>` placeholder in a prompt — klppo trains text-only models, so a vision data set is refused
   rather than trained on its text;
-- `check_run_dir`: `trainer.default_local_dir` is (or can be created) writable, and one checkpoint's size
-  (weights + optimizer state of each trained role, estimated from the model config: parameters ×
-  model_dtype bytes × (1 + 2 AdamW moments; LoRA trains adapters only, so 1)) fits in the free space when
-  `trainer.save_freq` > 0. It returns the estimate as a line for the dry run's plan.
+- `check_run_dir`: `trainer.default_local_dir` is (or can be created) writable, and one checkpoint
+  (weights, optimizer state and files of each trained role, predicted from the model config by
+  `klppo.tune.disk`) fits in the free space when `trainer.save_freq` > 0, else the refusal names the smaller
+  settings that fit (bf16 state, LoRA). It returns the prediction as a line for the dry run's plan, with a
+  warning when the free space holds fewer checkpoints than the run keeps at once.
 
 The model's heads against each Ulysses size and, on a Megatron launch, the memory of the translated layout
 are checked by `klppo.assembly.layout_checks` (`check_layout`). The prompt data itself (missing/empty
@@ -21,6 +22,8 @@ configs, never weights.
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -30,7 +33,6 @@ from transformers import AutoConfig
 
 from klppo.assembly.layout_checks import check_layout
 from klppo.config import ConfigError, KLPPOConfig, total_training_steps, uses_critic
-from klppo.models.flops import num_params
 from klppo.models.loading import model_dir
 from klppo.ops.checkpoint import (
     CheckpointError,
@@ -40,10 +42,11 @@ from klppo.ops.checkpoint import (
     validate_checkpoint,
 )
 from klppo.tracking.tracker import BACKENDS, PACKAGES
-from klppo.tune.shapes import meta_model
+from klppo.tune import disk
+from klppo.tune.disk import RoleState
 
 _PLACEHOLDERS = ("<image>", "<video>")
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+log = logging.getLogger("klppo")
 
 
 def check_loggers(cfg: KLPPOConfig) -> None:
@@ -113,44 +116,98 @@ def _prompt_text(value: object) -> str:
     return ""
 
 
-def checkpoint_bytes(cfg: KLPPOConfig, actor_config: object, critic_config: object | None) -> int:
-    """Estimated bytes of one checkpoint: per trained role, parameters × model_dtype bytes × (1 + 2 AdamW
-    moments), the moments over the trained parameters only (none counted with LoRA: adapters are tiny)."""
+def checkpoint_roles(
+    cfg: KLPPOConfig,
+    actor_config: object,
+    critic_config: object | None,
+    *,
+    files_bytes: tuple[int, int] = (0, 0),
+) -> list[RoleState]:
+    """The trained roles' settings that size a checkpoint (``klppo.tune.disk``): the actor's, and the
+    critic's when ``critic_config`` is given; ``files_bytes``: their Hugging Face files."""
     arr = cfg.actor_rollout_ref
-    total = _role_bytes(actor_config, arr.actor.fsdp_config.model_dtype, lora=arr.model.lora_rank > 0)
+    roles = [
+        RoleState(
+            "actor",
+            actor_config,
+            model_dtype=arr.actor.fsdp_config.model_dtype,
+            lora_rank=_lora_rank(arr.model.lora_rank, arr.model.lora_adapter_path),
+            lora_alpha=arr.model.lora_alpha,
+            target_modules=arr.model.target_modules,
+            exclude_modules=arr.model.exclude_modules,
+            optimizer=arr.actor.optim.optimizer,
+            files_bytes=files_bytes[0],
+        )
+    ]
     if critic_config is not None:
         crit = cfg.critic
-        total += _role_bytes(critic_config, crit.model.fsdp_config.model_dtype, lora=crit.model.lora_rank > 0)
-    return total
+        roles.append(
+            RoleState(
+                "critic",
+                critic_config,
+                model_dtype=crit.model.fsdp_config.model_dtype,
+                lora_rank=crit.model.lora_rank,
+                lora_alpha=crit.model.lora_alpha,
+                target_modules=crit.model.target_modules,
+                optimizer=crit.optim.optimizer,
+                files_bytes=files_bytes[1],
+            )
+        )
+    return roles
 
 
-def _role_bytes(model_config: object, dtype: str, *, lora: bool) -> int:
-    params = num_params(meta_model(model_config))
-    return params * _DTYPE_BYTES.get(dtype, 4) * (1 if lora else 3)
+def _lora_rank(rank: int, adapter_path: str | None) -> int:
+    """The actor's adapter rank: ``lora_rank``, or the rank of the adapter it starts from."""
+    if rank > 0 or not adapter_path:
+        return rank
+    try:
+        return int(json.loads((Path(adapter_path).expanduser() / "adapter_config.json").read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 8  # peft's default rank: the adapter is checked when it loads
 
 
-def check_run_dir(cfg: KLPPOConfig, actor_config: object, critic_config: object | None) -> str:
-    """ConfigError naming `trainer.default_local_dir` when it cannot be written or one checkpoint would
-    not fit (with `trainer.save_freq` > 0); otherwise the plan's line (estimate and free space)."""
-    run_dir = Path(cfg.trainer.default_local_dir).expanduser()
+def check_run_dir(cfg: KLPPOConfig, roles: list[RoleState], *, ranks: int = 1) -> str:
+    """ConfigError naming `trainer.default_local_dir` when it cannot be written, or when one checkpoint of
+    ``roles`` (``klppo.tune.disk.checkpoint_size``) would not fit in its free space with `trainer.save_freq`
+    > 0 — naming the smaller settings that would; otherwise the plan's line: the size by role, the free space
+    and how many checkpoints it holds. With room for fewer than the run keeps on disk while it writes one
+    more (`trainer.max_actor_ckpt_to_keep` + 1), the line says so and a warning is logged."""
+    t = cfg.trainer
+    run_dir = Path(t.default_local_dir).expanduser()
     existing = run_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(
-            f"trainer.default_local_dir={cfg.trainer.default_local_dir}: {existing} is not a writable "
-            "directory"
+            f"trainer.default_local_dir={t.default_local_dir}: {existing} is not a writable directory"
         )
-    need = checkpoint_bytes(cfg, actor_config, critic_config if uses_critic(cfg) else None)
-    free = shutil.disk_usage(existing).free
-    gib = 2**30
-    line = f"checkpoint: about {need / gib:.2f} GiB each; {free / gib:.1f} GiB free under {existing}"
-    if cfg.trainer.save_freq > 0 and free < need:
+    size = disk.checkpoint_size(roles, ranks=ranks)
+    need, free = size.total, shutil.disk_usage(existing).free
+    by_role = ", ".join(f"{r.name} {disk.size_text(disk.role_bytes(size, r.name))}" for r in roles)
+    line = (
+        f"checkpoint: about {disk.size_text(need)} each ({by_role}; `klppo tune --dry-run` shows the "
+        f"terms); {disk.size_text(free)} free under {existing}"
+    )
+    if t.save_freq > 0 and free < need:
+        options = disk.settings(roles, ranks=ranks)[1:]
+        fits = [f"{keys}: {disk.size_text(other.total)}" for keys, other in options if other.total <= free]
         raise ConfigError(
-            f"trainer.default_local_dir={cfg.trainer.default_local_dir}: one checkpoint needs about "
-            f"{need / gib:.2f} GiB but {free / gib:.2f} GiB are free under {existing} "
-            f"(trainer.save_freq={cfg.trainer.save_freq}); free space or choose another directory"
+            f"trainer.default_local_dir={t.default_local_dir}: one checkpoint needs about "
+            f"{disk.size_text(need)} ({by_role}) but {disk.size_text(free)} are free under {existing} "
+            f"(trainer.save_freq={t.save_freq}); "
+            + ("predicted to fit: " + "; ".join(fits) if fits else "free space or choose another directory")
         )
+    held = _held_at_once(t.save_freq, t.total_training_steps, t.max_actor_ckpt_to_keep)
+    room = int(free // max(need, 1))
+    if t.save_freq > 0 and (held is None or held > room):
+        advice = f"trainer.max_actor_ckpt_to_keep={room - 1}" if room > 1 else "a smaller setting"
+        note = (
+            f"room for {room} checkpoint(s), and the run holds {held or 'every one it saves'} at once "
+            f"(trainer.max_actor_ckpt_to_keep={t.max_actor_ckpt_to_keep}; one more while it writes): a "
+            f"later save may run out of space; set {advice}"
+        )
+        log.warning("%s", note)
+        line += f"; {note}"
     return line
 
 
@@ -164,14 +221,30 @@ def check_resume(cfg: KLPPOConfig) -> None:
         raise ConfigError(str(exc)) from None  # one line at start-up, as the other checks here
 
 
-def check_disk(cfg: KLPPOConfig, model_path: str) -> str:
-    """:func:`check_run_dir` with the actor's (and critic's) model config read from its path."""
+def _held_at_once(save_freq: int, total_steps: int | None, keep: int | None) -> int | None:
+    """Checkpoints on disk at once at most, the one being written included: the saves of the run
+    (``total_steps`` / ``save_freq``, the last step's too) or ``keep`` + 1, the smaller; None when neither
+    bounds it (every checkpoint kept, the run's length not set)."""
+    saves = -(-total_steps // save_freq) if total_steps and save_freq > 0 else None
+    bounds = [b for b in (saves, keep + 1 if keep and keep > 0 else None) if b is not None]
+    return min(bounds) if bounds else None
+
+
+def disk_roles(cfg: KLPPOConfig, model_path: str) -> list[RoleState]:
+    """:func:`checkpoint_roles` with the actor's (and critic's) model config and Hugging Face files read
+    from its path."""
     actor_config = AutoConfig.from_pretrained(model_path)
-    critic_config = None
+    critic_config, critic_path = None, model_path
     if uses_critic(cfg):
         critic_path = model_dir(cfg.critic.model.path, key="critic.model.path")
         critic_config = actor_config if critic_path == model_path else AutoConfig.from_pretrained(critic_path)
-    return check_run_dir(cfg, actor_config, critic_config)
+    files = (disk.hf_files_bytes(model_path), disk.hf_files_bytes(critic_path))
+    return checkpoint_roles(cfg, actor_config, critic_config, files_bytes=files)
+
+
+def check_disk(cfg: KLPPOConfig, model_path: str, *, ranks: int = 1) -> str:
+    """:func:`check_run_dir` for the roles of :func:`disk_roles`, written by ``ranks`` processes."""
+    return check_run_dir(cfg, disk_roles(cfg, model_path), ranks=ranks)
 
 
 def check_before_weights(cfg: KLPPOConfig, model_path: str) -> list[str]:

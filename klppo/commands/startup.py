@@ -103,7 +103,8 @@ def check_startup(
     found.check(check_resume, cfg)
     if found.model_path is not None:
         found.check(check_layout, cfg, found.model_path)  # Ulysses heads; a Megatron layout's memory
-        found.plan += filter(None, [found.check(check_disk, cfg, found.model_path)])
+        ranks = found.nproc * cfg.trainer.nnodes
+        found.plan += filter(None, [found.check(check_disk, cfg, found.model_path, ranks=ranks)])
     if check_files:
         if found.model_path is not None:
             found.loaders = found.check(check_data_at_startup, cfg, found.model_path) or {}

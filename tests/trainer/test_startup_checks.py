@@ -71,40 +71,77 @@ def test_image_and_video_data_are_refused_naming_the_key(tiny_model_dir, arithme
     startup_checks.check_text_only(_cfg(tiny_model_dir, arithmetic_data, tmp_path))  # the text set passes
 
 
-def test_checkpoint_estimate_by_hand(tiny_model_dir):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf = AutoConfig.from_pretrained(tiny_model_dir)
-    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
-    cfg = load_config([], **Q)  # fp32 actor, AdamW: weights + 2 moments
-    assert startup_checks.checkpoint_bytes(cfg, hf, None) == params * 4 * 3
-    assert startup_checks.checkpoint_bytes(cfg, hf, hf) == 2 * params * 4 * 3
-    lora = load_config(
-        ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"], **Q
+def test_checkpoint_roles_from_the_config(tiny_model_dir, arithmetic_data, tmp_path):
+    """The trained roles and the keys that size a checkpoint (the sizes: tests/tune/test_disk.py)."""
+    grpo = _cfg(tiny_model_dir, arithmetic_data, tmp_path, "algorithm.adv_estimator=grpo")
+    (actor,) = startup_checks.disk_roles(grpo, str(tiny_model_dir))
+    assert (actor.name, actor.model_dtype, actor.lora_rank, actor.optimizer) == ("actor", "fp32", 0, "AdamW")
+    assert actor.files_bytes > 0  # the tokenizer and the configs
+    lora = _cfg(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.model.lora_rank=8",
+        "critic.model.fsdp_config.model_dtype=bf16",
     )
-    assert startup_checks.checkpoint_bytes(lora, hf, None) == params * 2
+    actor, critic = startup_checks.disk_roles(lora, str(tiny_model_dir))
+    assert actor.lora_rank == 8 and (critic.name, critic.model_dtype, critic.lora_rank) == (
+        "critic",
+        "bf16",
+        0,
+    )
 
 
-def test_run_dir_writable_and_disk_space(tiny_model_dir, arithmetic_data, tmp_path, monkeypatch):
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(tiny_model_dir)
+def test_run_dir_writable_and_disk_space(tiny_model_dir, arithmetic_data, tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     cfg = _cfg(tiny_model_dir, arithmetic_data, tmp_path, f"trainer.default_local_dir={blocker}/run")
+    roles = startup_checks.disk_roles(cfg, str(tiny_model_dir))
     with pytest.raises(
         ConfigError, match=r"trainer.default_local_dir=.*a_file/run: .*a_file is not a writable"
     ):
-        startup_checks.check_run_dir(cfg, hf, None)
-    cfg = _cfg(tiny_model_dir, arithmetic_data, tmp_path, "trainer.save_freq=5")
-    line = startup_checks.check_run_dir(cfg, hf, None)
-    assert line.startswith("checkpoint: about ") and "GiB free under" in line
+        startup_checks.check_run_dir(cfg, roles)
+    cfg = _cfg(
+        tiny_model_dir, arithmetic_data, tmp_path, "trainer.save_freq=5", "trainer.total_training_steps=50"
+    )
+    line = startup_checks.check_run_dir(cfg, roles)
+    assert (
+        line.startswith("checkpoint: about ")
+        and "MiB each (actor " in line
+        and ", critic " in line
+        and "GiB free" in line
+    )
+    need = startup_checks.disk.checkpoint_size(roles).total
     monkeypatch.setattr(startup_checks.shutil, "disk_usage", lambda _p: SimpleNamespace(free=1000))
     with pytest.raises(
-        ConfigError, match=r"one checkpoint needs about .* but 0.00 GiB are free .*save_freq=5"
+        ConfigError, match=r"one checkpoint needs about .* are free .*save_freq=5.*free space"
     ):
-        startup_checks.check_run_dir(cfg, hf, None)
-    startup_checks.check_run_dir(_cfg(tiny_model_dir, arithmetic_data, tmp_path), hf, None)  # save_freq=-1
+        startup_checks.check_run_dir(cfg, roles)
+    monkeypatch.setattr(startup_checks.shutil, "disk_usage", lambda _p: SimpleNamespace(free=0.9 * need))
+    with pytest.raises(
+        ConfigError, match=r"predicted to fit: actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"
+    ):
+        startup_checks.check_run_dir(cfg, roles)
+    startup_checks.check_run_dir(_cfg(tiny_model_dir, arithmetic_data, tmp_path), roles)  # save_freq=-1
+    # room for two: every checkpoint kept is a warning, keeping one (two on disk while writing) is not
+    monkeypatch.setattr(startup_checks.shutil, "disk_usage", lambda _p: SimpleNamespace(free=2.5 * need))
+    line = startup_checks.check_run_dir(cfg, roles)
+    assert "room for 2 checkpoint(s)" in line and "set trainer.max_actor_ckpt_to_keep=1" in line
+    assert "a later save may run out of space" in caplog.text
+    keep_one = _cfg(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        "trainer.save_freq=5",
+        "trainer.total_training_steps=50",
+        "trainer.max_actor_ckpt_to_keep=1",
+    )
+    assert "room for" not in startup_checks.check_run_dir(keep_one, roles)
+    one_save = _cfg(
+        tiny_model_dir, arithmetic_data, tmp_path, "trainer.save_freq=5", "trainer.total_training_steps=5"
+    )
+    assert "room for" not in startup_checks.check_run_dir(one_save, roles)
 
 
 def test_dry_run_runs_the_checks_and_prints_inert_keys(
