@@ -22,7 +22,7 @@ from klppo.config import KLPPOConfig
 from klppo.config.schema import DataConfig
 from klppo.config.schema_arr import MultiTurnConfig, RolloutConfig
 from klppo.config.schema_common import FSDPConfig, OptimConfig
-from klppo.config.sizes import Sizes
+from klppo.config.sizes import Sizes, uses_critic, uses_lora
 from klppo.data.dataset import LoaderSettings
 from klppo.parallel.fsdp import FSDPSettings
 from klppo.parallel.mesh import SequenceParallel
@@ -497,6 +497,12 @@ def tune_workload(
     arr = cfg.actor_rollout_ref
     actor = arr.actor
     prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
+    critic = None
+    if uses_critic(cfg):
+        critic_cfg = cfg.critic.model.fsdp_config
+        critic = fsdp_settings(
+            critic_cfg, device_type="cuda", world_size=world_size, key="critic.model.fsdp_config"
+        )
     workload = Workload(
         world_size=world_size,
         fsdp_size=fsdp.fsdp_size,
@@ -512,6 +518,9 @@ def tune_workload(
         reference_offloaded=(actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
         and arr.ref.fsdp_config.param_offload
         and arr.model.lora_rank == 0,
+        lora=uses_lora(arr.model),
+        critic_offload=None if critic is None else offload_mode(critic),
+        critic_plain=critic is not None and critic.plain,
         sequence_parallel=actor.ulysses_sequence_parallel_size,
         rollout_tensor_parallel=arr.rollout.tensor_model_parallel_size,
         grad_sync_per_mini_batch=actor.fsdp_config.grad_sync_per_mini_batch,

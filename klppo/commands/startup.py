@@ -6,8 +6,9 @@ is kept, so that one invocation (its ``--dry-run`` too) names them all; the call
    in; here, what train cannot honour (``check_trainable``);
 2. the machine (device, processes per node) and the per-rank sizes for that many processes;
 3. the model path, the logger backends, text-only data, the checkpoint to resume from;
-4. the model's heads against each Ulysses size and a Megatron launch's memory per GPU, the run directory
-   and one checkpoint's disk space (they read the model's config);
+4. the model's heads against each Ulysses size and a Megatron launch's memory per GPU, on a GPU the memory
+   model's forecast of the GPU and the host, the run directory and one checkpoint's disk space (they read
+   the model's config);
 5. the prompt data (it reads the model's tokenizer) and the run directory's files.
 
 A check that needs what a failed one would give (the data check needs the model path's tokenizer) is left
@@ -25,6 +26,7 @@ import torch
 
 from klppo.assembly.data_check import check_data_at_startup
 from klppo.assembly.layout_checks import check_layout
+from klppo.assembly.memory_check import check_memory_fit
 from klppo.assembly.startup_checks import (
     check_disk,
     check_loggers,
@@ -103,6 +105,8 @@ def check_startup(
     found.check(check_resume, cfg)
     if found.model_path is not None:
         found.check(check_layout, cfg, found.model_path)  # Ulysses heads; a Megatron layout's memory
+        if check_files and found.device is not None and found.device.type == "cuda":
+            found.check(check_memory_fit, cfg, found.model_path, nproc=found.nproc)
         ranks = found.nproc * cfg.trainer.nnodes
         found.plan += filter(None, [found.check(check_disk, cfg, found.model_path, ranks=ranks)])
     if check_files:

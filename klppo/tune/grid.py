@@ -58,7 +58,7 @@ def build_grid(
 def order(points: list[Point], first: Point | None) -> list[Point]:
     """``first`` (the configured point) leads; then no offload before offload, big micro-batches and
     big units first, default prefetch settings before variants."""
-    rank = {"off": 0, "idle": 1, "cpu": 2}
+    rank = {"off": 0, "idle": 1, "cpu": 2, "cpu_step": 3}
 
     def key(p: Point) -> tuple:
         return (

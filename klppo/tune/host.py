@@ -14,7 +14,9 @@ Terms (``P`` trained parameters, ``Ps`` the rank's shard, ``m`` master bytes, ``
 - ``offload="idle"`` (``param_offload`` + ``optimizer_offload``): what sits on the host while the role is
   idle — the shard ``Ps·m`` (plain path: and the compute copy ``P·c``) and AdamW ``2·Ps·4``;
 - ``offload="cpu"`` (FSDP2 ``offload_policy``): the shards, their gradients and AdamW, ``Ps·(2m + 8)``;
-- a reference kept on the host between its passes (``Workload.reference_offloaded``): ``P·c``.
+- a reference kept on the host between its passes (``Workload.reference_offloaded``): ``P·c``;
+- a critic that offloads (``Workload.critic_offload``): the terms above for its own mode, of the value
+  model's parameters (:func:`value_params`: the actor's backbone unless the caller names another size).
 
 Not modelled: the model's load (transformers reads the checkpoint through the host once, before the
 optimizer exists), data loaders and the rollout's host buffers (small beside these terms).
@@ -27,52 +29,96 @@ import math
 import os
 
 from klppo.parallel.cpu_optim import STEP_CHUNK_BYTES
-from klppo.tune.memory import OFFLOAD_MODES, PhasePeak, Point, TuneWorkload, Workload, predict
+from klppo.tune.lora import configured_peaks
+from klppo.tune.memory import OFFLOAD_MODES, PhasePeak, Point, TuneWorkload, Workload
 from klppo.tune.units import ModelFacts
 
 PROCESS_BYTES = 6 * 2**30
 """Host memory of a trainer process before any model state: interpreter, torch with CUDA, transformers."""
 
 
-def host_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
-    """The host's peak for one rank of the actor at ``point`` (module docstring)."""
+def host_peak(facts: ModelFacts, point: Point, w: Workload, *, critic_params: int | None = None) -> PhasePeak:
+    """The host's peak for one rank at ``point`` (module docstring): the actor's terms, the reference's and,
+    with a critic that offloads (``Workload.critic_offload``), the critic's — a value model of
+    ``critic_params`` parameters (None: on the actor's backbone, :func:`value_params`)."""
     phase = PhasePeak("host")
     phase.add("process", PROCESS_BYTES, "torch, CUDA context, libraries")
-    P, m, c = facts.num_params, w.master_bytes, w.compute_bytes
-    shard = math.ceil(P / w.shard_ranks)
-    if point.offload == "cpu_step":
-        largest = max(STEP_CHUNK_BYTES // m, facts.shape.vocab * facts.shape.hidden)
-        phase.add("masters", P * m, "P·m")
-        phase.add("optimizer (AdamW)", 2 * P * 4, "2·P·4")
-        phase.add("step buffers (pinned)", 2 * largest * (m + c), "2·U·(m+c)")
-    elif point.offload == "idle":
-        phase.add("offloaded shards", shard * m, "ceil(P/f)·m (between phases)")
-        if w.runs_plain(point):
-            phase.add("offloaded compute copy", P * c, "P·c (plain path, between phases)")
-        phase.add("offloaded AdamW", 2 * shard * 4, "2·ceil(P/f)·4 (between updates)")
-    elif point.offload == "cpu":
-        phase.add("shards, grads, AdamW", shard * (2 * m + 8), "ceil(P/f)·(2m+8) (offload_policy)")
+    plain = w.runs_plain(point)
+    _role_terms(phase, "", facts.num_params, point.offload, w, plain=plain, facts=facts, adamw=not w.lora)
     if w.reference_offloaded:
-        phase.add("offloaded reference", P * c, "P·c")
+        phase.add("offloaded reference", facts.num_params * w.compute_bytes, "P·c")
+    if w.critic_offload not in (None, "off"):
+        Pv = value_params(facts) if critic_params is None else critic_params
+        _role_terms(phase, "critic ", Pv, w.critic_offload, w, plain=w.critic_plain, facts=facts, adamw=True)
     return phase
 
 
-def host_ram_bytes() -> int:
-    """This machine's physical memory (bytes), shared by the processes torchrun starts on it
-    (``LOCAL_WORLD_SIZE``): one process's share."""
+def _role_terms(
+    phase: PhasePeak,
+    label: str,
+    P: int,
+    offload: str,
+    w: Workload,
+    *,
+    plain: bool,
+    facts: ModelFacts,
+    adamw: bool,
+) -> None:
+    """One trained role's host terms under ``offload`` (module docstring), its names prefixed by ``label``;
+    ``adamw`` False: no optimizer state of ``P`` (LoRA: the adapters' is small and not counted)."""
+    m, c, k = w.master_bytes, w.compute_bytes, 8 if adamw else 0
+    shard = math.ceil(P / w.shard_ranks)
+    if offload == "cpu_step":
+        largest = max(STEP_CHUNK_BYTES // m, facts.shape.vocab * facts.shape.hidden)
+        phase.add(f"{label}masters", P * m, "P·m")
+        phase.add(f"{label}optimizer (AdamW)", P * k, "2·P·4")
+        phase.add(f"{label}step buffers (pinned)", 2 * largest * (m + c), "2·U·(m+c)")
+    elif offload == "idle":
+        phase.add(f"{label}offloaded shards", shard * m, "ceil(P/f)·m (between phases)")
+        if plain:
+            phase.add(f"{label}offloaded compute copy", P * c, "P·c (plain path, between phases)")
+        phase.add(f"{label}offloaded AdamW", shard * k, "2·ceil(P/f)·4 (between updates)")
+    elif offload == "cpu":
+        phase.add(
+            f"{label}shards, grads, AdamW",
+            shard * (m + (m if adamw else 0) + k),
+            "ceil(P/f)·(2m+8) (offload_policy)",
+        )
+
+
+def value_params(facts: ModelFacts) -> int:
+    """Parameters of a value model on ``facts``' backbone (the critic's default): the causal LM's without its
+    own LM head (an untied one: ``V·h``), with the one-output head ``score`` (``h + 1``)."""
+    head = 0 if facts.shape.tied else facts.shape.vocab * facts.shape.hidden
+    return facts.num_params - head + facts.shape.hidden + 1
+
+
+def host_text(phase: PhasePeak, host_bytes: int) -> str:
+    """``phase``'s total against ``host_bytes``, with its terms (GiB)."""
+    terms = ", ".join(f"{t.name} {t.bytes / 2**30:.1f}" for t in phase.terms if t.bytes)
+    return f"{phase.total / 2**30:.1f} GiB of {host_bytes / 2**30:.0f} ({terms})"
+
+
+def host_ram_bytes(processes: int | None = None) -> int:
+    """This machine's physical memory (bytes), shared by the ``processes`` training on it (None: those
+    torchrun starts, ``LOCAL_WORLD_SIZE``): one process's share."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return total // (processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def fit(workload: TuneWorkload, model_config: object, *, host_bytes: int) -> tuple[dict[str, float], float]:
-    """(device peak per phase, host peak), in bytes, at the configured point."""
+def fit(
+    workload: TuneWorkload, model_config: object, *, host_bytes: int, critic_params: int | None = None
+) -> tuple[dict[str, float], float]:
+    """(device peak per phase, host peak), in bytes, at the configured point (``critic_params``: as
+    :func:`host_peak`)."""
     facts = ModelFacts.from_config(model_config)
-    point = workload.update_point
-    phases = predict(facts, point, workload.workload)
-    return {k: v.total for k, v in phases.items()}, host_peak(facts, point, workload.workload).total
+    host = host_peak(facts, workload.update_point, workload.workload, critic_params=critic_params)
+    return configured_peaks(workload, facts), host.total
 
 
-def alternatives(workload: TuneWorkload, model_config: object, *, host_bytes: int) -> list[str]:
+def alternatives(
+    workload: TuneWorkload, model_config: object, *, host_bytes: int, critic_params: int | None = None
+) -> list[str]:
     """The settings, among the offload modes the run can take and gradient checkpointing on, predicted to
     fit both the device and ``host_bytes``: one phrase each with its two figures, smallest device peak
     first."""
@@ -83,9 +129,11 @@ def alternatives(workload: TuneWorkload, model_config: object, *, host_bytes: in
             continue  # one process only
         for ckpt in (w.grad_checkpointing, True):
             wl = dataclasses.replace(w, grad_checkpointing=ckpt)
-            point = dataclasses.replace(workload.update_point, offload=offload)
-            device = max(p.total for p in predict(facts, point, wl).values())
-            host = host_peak(facts, point, wl).total
+            tw = dataclasses.replace(
+                workload, workload=wl, point=dataclasses.replace(workload.point, offload=offload)
+            )
+            device = max(configured_peaks(tw, facts).values())
+            host = host_peak(facts, tw.update_point, wl, critic_params=critic_params).total
             if device <= w.device_bytes and host <= host_bytes:
                 keys = OFFLOAD_KEYS[offload] + (", enable_gradient_checkpointing=true" if ckpt else "")
                 found.append(
@@ -109,11 +157,13 @@ error, ~15%, above the device: it cannot fit) or the host above its memory; betw
 pre-flight warns (:func:`klppo.tune.preflight.check_memory`)."""
 
 
-def refusal(workload: TuneWorkload, model_config: object, *, host_bytes: int) -> str | None:
+def refusal(
+    workload: TuneWorkload, model_config: object, *, host_bytes: int, critic_params: int | None = None
+) -> str | None:
     """The sentence that refuses the run when its predicted device peak exceeds :data:`REFUSE_SHARE` × the
     device or its host peak exceeds ``host_bytes``, naming the figure and what would fit
     (:func:`alternatives`); None when it fits."""
-    phases, host = fit(workload, model_config, host_bytes=host_bytes)
+    phases, host = fit(workload, model_config, host_bytes=host_bytes, critic_params=critic_params)
     device = workload.workload.device_bytes
     worst = max(phases, key=phases.get)
     over = []
@@ -123,12 +173,21 @@ def refusal(workload: TuneWorkload, model_config: object, *, host_bytes: int) ->
             f"{device / 2**30:.0f} GiB"
         )
     if host > host_bytes:
+        facts = ModelFacts.from_config(model_config)
+        terms = host_peak(facts, workload.update_point, workload.workload, critic_params=critic_params).terms
+        critic = sum(t.bytes for t in terms if t.name.startswith("critic "))
         over.append(
             f"the host is predicted to need {host / 2**30:.1f} GiB of its {host_bytes / 2**30:.0f} GiB"
+            + (
+                f" ({critic / 2**30:.1f} GiB of it the critic's: a smaller critic, critic.model.path, or "
+                "critic.model.lora_rank would hold less)"
+                if critic
+                else ""
+            )
         )
     if not over:
         return None
-    fits = alternatives(workload, model_config, host_bytes=host_bytes)
+    fits = alternatives(workload, model_config, host_bytes=host_bytes, critic_params=critic_params)
     advice = (
         "predicted to fit (actor_rollout_ref.actor.fsdp_config / actor_rollout_ref.model): " + "; ".join(fits)
         if fits

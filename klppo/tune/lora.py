@@ -45,3 +45,12 @@ def _without_full_training(phase: PhasePeak, cache_share: float) -> PhasePeak:
         kept = [t for t in kept if t.name != "KV cache + workspace"]
         return PhasePeak(phase.phase, kept, cache_share)
     return PhasePeak(phase.phase, kept, 0.0 if phase.phase == "update" else phase.floor)
+
+
+def configured_peaks(workload: TuneWorkload, facts: ModelFacts) -> dict[str, float]:
+    """Predicted peak bytes per rank of each phase at the configured update point: :func:`lora_peaks_gib`'s
+    when the actor trains LoRA adapters (``Workload.lora``), :func:`~klppo.tune.memory.predict`'s
+    otherwise."""
+    if workload.workload.lora:
+        return {name: gib * 2**30 for name, gib in lora_peaks_gib(workload, facts).items()}
+    return {name: p.total for name, p in predict(facts, workload.update_point, workload.workload).items()}

@@ -146,6 +146,14 @@ class Workload:
     reference_offloaded: bool = False
     """A bf16 reference kept on the host between its passes (``ref.fsdp_config.param_offload``): host memory
     (``klppo.tune.host``), nothing resident on the device."""
+    lora: bool = False
+    """The actor trains LoRA adapters (``actor_rollout_ref.model.lora_rank``): its peaks are
+    ``klppo.tune.lora``'s, and on the host no optimizer state of the frozen weights."""
+    critic_offload: str | None = None
+    """The critic's offload mode (:data:`OFFLOAD_MODES`; None: no critic): its host memory
+    (``klppo.tune.host``); the critic's device memory is not modelled."""
+    critic_plain: bool = False
+    """The critic runs the plain path (its compute copy offloaded with ``offload="idle"``)."""
     sequence_parallel: int = 1
     """Ulysses group size S (``ulysses_sequence_parallel_size``); token counts stay per rank."""
     rollout_tensor_parallel: int = 1

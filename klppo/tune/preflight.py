@@ -14,6 +14,7 @@ from typing import Any
 from klppo.config import ConfigError
 from klppo.rollout.workspace import slot_bytes
 from klppo.tune.host import host_peak, refusal
+from klppo.tune.lora import configured_peaks
 from klppo.tune.memory import Point, TuneWorkload, Workload, predict
 from klppo.tune.shapes import head_dim
 from klppo.tune.units import ModelFacts
@@ -23,9 +24,9 @@ log = logging.getLogger("klppo")
 
 def predicted_peaks_gib(workload: TuneWorkload, model_config: Any) -> dict[str, float]:
     """Predicted peak GiB per rank for the rollout, log-prob and update phases of the actor, with its update
-    micro-batches as configured (``klppo.assembly.settings.tune_workload``)."""
-    phases = predict(ModelFacts.from_config(model_config), workload.update_point, workload.workload)
-    return {name: peak.total / 2**30 for name, peak in phases.items()}
+    micro-batches as configured (``klppo.assembly.settings.tune_workload``; LoRA's: ``klppo.tune.lora``)."""
+    peaks = configured_peaks(workload, ModelFacts.from_config(model_config))
+    return {name: peak / 2**30 for name, peak in peaks.items()}
 
 
 ADVICE_SHARE = 0.6

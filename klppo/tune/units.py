@@ -82,12 +82,23 @@ class ModelFacts:
 
     @classmethod
     def from_config(cls, config) -> ModelFacts:
+        """The facts of ``config``'s model, built once per configuration (a model's checks each ask)."""
+        key = (type(config).__name__, config.to_json_string()) if hasattr(config, "to_json_string") else None
+        if key is not None and key in _FACTS:
+            return _FACTS[key]
         model = meta_model(config)
         total = sum(p.numel() for p in model.parameters())
-        return cls(config=config, shape=shape_of(config), num_params=total, _model=model)
+        facts = cls(config=config, shape=shape_of(config), num_params=total, _model=model)
+        if key is not None:
+            _FACTS[key] = facts
+        return facts
 
     def units(self, min_num_params: int) -> UnitSizes:
         if min_num_params not in self._cache:
             assert self._model is not None
             self._cache[min_num_params] = unit_sizes(self._model, min_num_params)
         return self._cache[min_num_params]
+
+
+_FACTS: dict[tuple[str, str], ModelFacts] = {}
+""":meth:`ModelFacts.from_config`'s, by configuration."""
