@@ -166,6 +166,20 @@ def _lora_rank(rank: int, adapter_path: str | None) -> int:
         return 8  # peft's default rank: the adapter is checked when it loads
 
 
+def _existing(run_dir: str) -> Path:
+    """``run_dir``, or its nearest folder that exists (the run directory is made when the run starts)."""
+    existing = Path(run_dir).expanduser()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing
+
+
+def free_space(run_dir: str) -> tuple[Path, int]:
+    """(the folder of ``run_dir`` that exists, its free bytes; 0 where it is not a folder)."""
+    existing = _existing(run_dir)
+    return existing, shutil.disk_usage(existing).free if existing.is_dir() else 0
+
+
 def check_run_dir(cfg: KLPPOConfig, roles: list[RoleState], *, ranks: int = 1) -> str:
     """ConfigError naming `trainer.default_local_dir` when it cannot be written, or when one checkpoint of
     ``roles`` (``klppo.tune.disk.checkpoint_size``) would not fit in its free space with `trainer.save_freq`
@@ -173,10 +187,7 @@ def check_run_dir(cfg: KLPPOConfig, roles: list[RoleState], *, ranks: int = 1) -
     and how many checkpoints it holds. With room for fewer than the run keeps on disk while it writes one
     more (`trainer.max_actor_ckpt_to_keep` + 1), the line says so and a warning is logged."""
     t = cfg.trainer
-    run_dir = Path(t.default_local_dir).expanduser()
-    existing = run_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _existing(t.default_local_dir)
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(
             f"trainer.default_local_dir={t.default_local_dir}: {existing} is not a writable directory"

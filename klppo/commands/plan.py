@@ -6,18 +6,12 @@ import dataclasses
 import logging
 
 import torch
-from transformers import AutoConfig
 
-from klppo.assembly.settings import (
-    ROLE_KEYS,
-    describe_min_num_params,
-    fsdp_settings,
-    resolve_plain,
-    tune_workload,
-)
+from klppo.assembly.memory_check import DEFAULT_DEVICE_GIB, forecast, forecast_lines
+from klppo.assembly.settings import ROLE_KEYS, describe_min_num_params, resolve_plain
 from klppo.commands.startup import Startup
 from klppo.config import derive_sizes, uses_critic, uses_lora
-from klppo.tune.preflight import predicted_peaks_gib
+from klppo.tune.host import host_ram_bytes
 
 __all__ = ["dry_run"]
 
@@ -28,7 +22,7 @@ def dry_run(found: Startup) -> int:
     """`klppo train --dry-run ...` once the start-up checks passed: the plan — the model, the checkpoint
     estimate, the prompts, whether a resumed run has steps left, the process layout, the roles that will be
     built, the per-rank sizes, and (on GPU, or with a known model) the memory model's predicted peak per
-    phase. Loads no weights."""
+    phase, the host memory the offload needs, and the refusal a GPU run would meet. Loads no weights."""
     cfg, device, nproc, model_path = found.cfg, found.device, found.nproc, found.model_path
     world = nproc * cfg.trainer.nnodes
     sizes = derive_sizes(cfg, world)
@@ -61,14 +55,14 @@ def dry_run(found: Startup) -> int:
     print("sizes per rank (samples unless named prompts):")
     for field in dataclasses.fields(sizes):
         print(f"  {field.name}: {getattr(sizes, field.name)}")
-    device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if device.type == "cuda" else 80.0
-    try:
-        fsdp = fsdp_settings(arr.actor.fsdp_config, device_type="cuda", world_size=world)  # as on a GPU
-        workload = tune_workload(cfg, fsdp, world_size=world, device_gib=device_gib)
-        peaks = predicted_peaks_gib(workload, AutoConfig.from_pretrained(model_path))
-        where = "this GPU" if device.type == "cuda" else "an 80 GiB GPU"
-        summary = ", ".join(f"{k} {v:.1f}" for k, v in peaks.items())
-        print(f"predicted peak GiB per GPU on {where}: {summary} (klppo tune --dry-run shows the terms)")
+    on_gpu = device.type == "cuda"
+    device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if on_gpu else DEFAULT_DEVICE_GIB
+    where = "this GPU" if on_gpu else f"an {DEFAULT_DEVICE_GIB:.0f} GiB GPU"
+    try:  # on a GPU a refusal ended the start-up checks (klppo.assembly.memory_check.check_memory_fit)
+        found_memory = forecast(
+            cfg, model_path, world_size=world, device_gib=device_gib, host_bytes=host_ram_bytes(nproc)
+        )
+        print("\n".join(forecast_lines(found_memory, where)))
     except Exception as exc:  # the memory model is advice
         print(f"memory prediction unavailable: {exc}")
     return 0

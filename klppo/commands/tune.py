@@ -2,7 +2,9 @@
 
 Reads the training configuration (verl keys), builds the actor's shape (``--model-shape`` or
 ``actor_rollout_ref.model.path``) on the meta device, and either prints the memory model (``--dry-run``:
-no GPU) or sweeps the grid with short real steps (:mod:`klppo.tune.grid`, :mod:`klppo.tune.measure`),
+no GPU; the device's peak per phase, the host memory the offload needs, the refusal a run would meet, one
+checkpoint's size per setting) or sweeps the grid with short real steps (:mod:`klppo.tune.grid`,
+:mod:`klppo.tune.measure`),
 then prints the ranked table, writes ``tune.png`` and ``results.json`` into ``--out``, and prints the
 overrides of the best point that fits. Several GPUs: run under torchrun (every rank runs the sweep).
 """
@@ -13,20 +15,23 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from rich.text import Text
 
 from klppo.assembly.settings import fsdp_settings, tune_workload
-from klppo.config import ConfigError, KLPPOConfig, load_config
+from klppo.assembly.startup_checks import checkpoint_roles, free_space
+from klppo.config import ConfigError, KLPPOConfig, load_config, uses_critic
 from klppo.config.flags import FlagParser
 from klppo.parallel.dist import init_distributed
-from klppo.tune import report
+from klppo.tune import disk, report
 from klppo.tune.comm import matmul_rate, predict_units, probe_bandwidth
 from klppo.tune.grid import DEFAULT_THRESHOLDS, build_grid, describe, order, run_sweep
+from klppo.tune.host import host_peak, host_ram_bytes, refusal
 from klppo.tune.measure import measure_point, safe_measure
 from klppo.tune.memory import OFFLOAD_MODES, Point, TuneWorkload, Workload, predict
 from klppo.tune.shapes import load_model_config, shape_names
@@ -45,10 +50,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=",".join(str(t) for t in DEFAULT_THRESHOLDS),
         help="min_num_params values (comma separated)",
     )
-    p.add_argument("--offload", default="off,idle", help=f"offload modes among {OFFLOAD_MODES}")
+    p.add_argument(
+        "--offload",
+        default=None,
+        help=f"offload modes among {OFFLOAD_MODES} (default: off,idle; --dry-run: and the configured one)",
+    )
     p.add_argument("--micro-tokens", default=None, help="token budgets (default: ½×, 1× the configured)")
     p.add_argument("--headroom", type=float, default=0.9, help="usable fraction of device memory")
     p.add_argument("--device-gb", type=float, default=None, help="device memory (default: the GPU's; 80)")
+    p.add_argument(
+        "--host-gb",
+        type=float,
+        default=None,
+        help="--dry-run: host memory per process (default: this machine's, shared by a node's processes)",
+    )
     p.add_argument("--world-size", type=int, default=None, help="ranks for --dry-run (default: config's)")
     p.add_argument("--num-micro", type=int, default=2, help="micro-batches per measured step")
     p.add_argument("--steps", type=int, default=2, help="timed steps per point (after one warm-up)")
@@ -92,6 +107,25 @@ def _world_size(cfg: KLPPOConfig, args: argparse.Namespace) -> int:
     return int(n) * cfg.trainer.nnodes
 
 
+@dataclass
+class _Plan:
+    """What the arguments ask for: the config, the actor's model and workload, the grid of points."""
+
+    cfg: KLPPOConfig
+    model_config: object
+    model_path: str | None
+    """The actor's model directory (None: a named shape)."""
+    tw: TuneWorkload
+    facts: ModelFacts
+    points: list[Point]
+    current: Point
+    """The configured point as the trainer runs it."""
+
+    @property
+    def w(self) -> Workload:
+        return self.tw.workload
+
+
 def main(argv: list[str] | None = None) -> int:
     """`klppo tune`: a mistake in the arguments (a key, a value, a model, an option) is one line and exit 2;
     what fails during a sweep is not reported as one."""
@@ -101,38 +135,66 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as exc:
         print(f"klppo tune: {exc}", file=sys.stderr)
         return 2
-    facts, points, w, current, seq_len = plan
     console = Console(width=200)
-    if w.plain:
+    if plan.w.plain:
         console.print(report.PLAIN_NOTE)
     if args.dry_run:
-        console.print(report.memory_table(facts, points, w, args.headroom))
-        console.print(report.terms_table(predict(facts, current, w), current, w.runs_plain(current)))
-        if w.shard_ranks > 1:
-            units = predict_units(
-                facts.units(current.min_num_params),
-                current,
-                w,
-                bus_bandwidth=args.link_gbps * 1e9,
-                flops_per_s=args.tflops * 1e12,
-                num_micro=args.num_micro,
-            )
-            console.print(report.comm_table(units, current, args.link_gbps, args.tflops))
+        _dry_run(args, console, plan)
         return 0
-    return _sweep(args, console, facts, points, w, current, args.seq_len or seq_len)
+    return _sweep(
+        args, console, plan.facts, plan.points, plan.w, plan.current, args.seq_len or plan.tw.seq_len
+    )
 
 
-def _plan(args: argparse.Namespace):
+def _dry_run(args: argparse.Namespace, console: Console, plan: _Plan) -> None:
+    """The memory model's tables: the grid (device and host), the terms at the configured point, what a run
+    would be refused for, the per-unit communication (several ranks), and the checkpoint per setting."""
+    facts, w, current = plan.facts, plan.w, plan.current
+    world, nodes = w.world_size, plan.cfg.trainer.nnodes
+    host = int(args.host_gb * 2**30) if args.host_gb else host_ram_bytes(max(1, world // nodes))
+    console.print(report.memory_table(facts, plan.points, w, args.headroom, host_bytes=host))
+    phases = {**predict(facts, current, w), "host": host_peak(facts, current, w)}
+    console.print(report.terms_table(phases, current, w.runs_plain(current)))
+    message = refusal(plan.tw, plan.model_config, host_bytes=host)
+    if message:
+        console.print(Text(f"a run is refused at its start: {message}", style="red"))
+    if w.shard_ranks > 1:
+        units = predict_units(
+            facts.units(current.min_num_params),
+            current,
+            w,
+            bus_bandwidth=args.link_gbps * 1e9,
+            flops_per_s=args.tflops * 1e12,
+            num_micro=args.num_micro,
+        )
+        console.print(report.comm_table(units, current, args.link_gbps, args.tflops))
+    roles = checkpoint_roles(
+        plan.cfg,
+        plan.model_config,
+        plan.model_config if uses_critic(plan.cfg) else None,  # the critic on the actor's backbone
+        files_bytes=(disk.hf_files_bytes(plan.model_path),) * 2,
+    )
+    where, free = free_space(plan.cfg.trainer.default_local_dir)
+    options = disk.settings(roles, ranks=world)
+    console.print(report.checkpoint_table(options, free, where.resolve()))
+    terms = report.terms_table(
+        {"checkpoint": options[0][1]}, current, title="checkpoint terms", total="total"
+    )
+    console.print(terms)
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
     """The config, the model and the grid of points from the arguments; ValueError/ConfigError on a
     mistake."""
     cfg = load_config(args.config)
+    name = args.model_shape or cfg.actor_rollout_ref.model.path
     try:
-        model_config = load_model_config(args.model_shape or cfg.actor_rollout_ref.model.path)
+        model_config = load_model_config(name)
     except ValueError as exc:
         where = "--model-shape" if args.model_shape else "actor_rollout_ref.model.path"
         raise ValueError(f"{where}: not a model directory (config.json) nor a known shape: {exc}") from None
     tw = workload_from(cfg, args.device_gb, _world_size(cfg, args))
-    w, seq_len = tw.workload, tw.seq_len
+    w = tw.workload
     current = w.as_run(tw.point)  # on the plain path the grid's one point per (offload, tokens)
     facts = ModelFacts.from_config(model_config)
     tokens = (
@@ -141,18 +203,22 @@ def _plan(args: argparse.Namespace):
         else sorted({max(1024, current.micro_tokens // 2), current.micro_tokens})
     )
     thresholds = _numbers("--thresholds", args.thresholds)
+    offloads = args.offload.split(",") if args.offload else ["off", "idle"]
+    if not args.offload and args.dry_run and current.offload not in offloads:
+        offloads.append(current.offload)
     try:
         points = build_grid(
             facts,
             thresholds=thresholds,
-            offloads=args.offload.split(","),
+            offloads=offloads,
             micro_tokens=tokens,
             plain=w.plain,
             plain_offload=w.plain_offload,
         )
     except ValueError as exc:
         raise ValueError(f"--thresholds/--offload/--micro-tokens: {exc}") from None
-    return facts, points, w, current, seq_len
+    model_path = None if args.model_shape or not Path(name).expanduser().is_dir() else name
+    return _Plan(cfg, model_config, model_path, tw, facts, points, current)
 
 
 def _numbers(option: str, text: str) -> list[int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.table import Table
 
 from klppo.tune.grid import describe, rule_out, training_need
+from klppo.tune.host import host_peak
 from klppo.tune.measure import Measurement
 from klppo.tune.memory import PhasePeak, Point, Workload, kv_cache_room, predict
 from klppo.tune.units import WHOLE_MODEL, ModelFacts
@@ -118,28 +119,29 @@ def results_table(ranked, num_micro: int, device_bytes: float, w: Workload | Non
     return t
 
 
-def memory_table(facts: ModelFacts, points: list[Point], w: Workload, headroom: float) -> Table:
+def memory_table(
+    facts: ModelFacts, points: list[Point], w: Workload, headroom: float, *, host_bytes: int | None = None
+) -> Table:
+    """Per point: the predicted peak of each device phase, the KV cache's room and, with ``host_bytes`` (one
+    process's host memory), the host's peak (:func:`klppo.tune.host.host_peak`); a point fits when the device
+    phases fit ``headroom`` of the device and the host its memory."""
+    host_text = f", host {host_bytes / GiB:.0f} GiB" if host_bytes else ""
     t = Table(
         title=f"klppo tune --dry-run: predicted peak GiB per rank ({facts.shape.name}, "
-        f"{facts.num_params / 1e9:.2f}B params, world {w.world_size}, device {w.device_bytes / GiB:.0f} GiB)"
+        f"{facts.num_params / 1e9:.2f}B params, world {w.world_size}, device {w.device_bytes / GiB:.0f} GiB"
+        f"{host_text})"
     )
-    for col in (
-        "min_num_params",
-        "units",
-        "offload",
-        "fwd_prefetch",
-        "reshard",
-        "tokens",
-        "rollout",
-        "log_prob",
-        "update",
-        "KV room",
-        "fits",
-    ):
+    columns = ["min_num_params", "units", "offload", "fwd_prefetch", "reshard", "tokens"]
+    columns += ["rollout", "log_prob", "update", "KV room", *(["host"] if host_bytes else []), "fits"]
+    for col in columns:
         t.add_column(col, justify="left" if col == "offload" else "right")
     for p in points:
         ph = predict(facts, p, w)
         threshold, prefetch, reshard = _fsdp_cells(p, w.runs_plain(p))
+        host = host_peak(facts, p, w).total if host_bytes else None
+        fits = "no" if rule_out(facts, p, w, headroom) else "yes"
+        if host is not None and host > host_bytes and fits == "yes":
+            fits = "no (host)"
         t.add_row(
             threshold,
             "-" if w.runs_plain(p) else str(facts.units(p.min_num_params).count),
@@ -149,13 +151,22 @@ def memory_table(facts: ModelFacts, points: list[Point], w: Workload, headroom: 
             str(p.micro_tokens),
             *(f"{ph[k].total / GiB:.1f}" for k in ("rollout", "log_prob", "update")),
             f"{kv_cache_room(facts, p, w) / GiB:.1f}",
-            "no" if rule_out(facts, p, w, headroom) else "yes",
+            *([f"{host / GiB:.1f}"] if host is not None else []),
+            fits,
         )
     return t
 
 
-def terms_table(phases: dict[str, PhasePeak], point: Point, plain: bool = False) -> Table:
-    t = Table(title=f"memory terms at {describe(point, plain)}")
+def terms_table(
+    phases: dict[str, PhasePeak],
+    point: Point,
+    plain: bool = False,
+    *,
+    title: str | None = None,
+    total: str = "peak",
+) -> Table:
+    """Every term of ``phases``, each phase closed by its ``total`` row (the peak of a memory phase)."""
+    t = Table(title=title or f"memory terms at {describe(point, plain)}")
     for col in ("phase", "term", "GiB", "formula"):
         t.add_column(col, justify="right" if col == "GiB" else "left")
     for phase in phases.values():
@@ -167,7 +178,25 @@ def terms_table(phases: dict[str, PhasePeak], point: Point, plain: bool = False)
             if phase.stage_bytes()
             else ""
         )
-        t.add_row(phase.phase, "[b]peak[/b]", f"[b]{phase.total / GiB:.2f}[/b]", note, end_section=True)
+        t.add_row(phase.phase, f"[b]{total}[/b]", f"[b]{phase.total / GiB:.2f}[/b]", note, end_section=True)
+    return t
+
+
+def checkpoint_table(options: list[tuple[str, PhasePeak]], free_bytes: int, where: object) -> Table:
+    """One checkpoint's size per setting (:func:`klppo.tune.disk.settings`): weights, optimizer state, the
+    rest (tensor records, files), the total and whether it fits ``free_bytes`` (free under ``where``)."""
+    t = Table(title=f"one checkpoint per setting (GiB; {free_bytes / GiB:.1f} GiB free under {where})")
+    for col in ("setting", "weights", "optimizer state", "records, files", "total", "fits"):
+        t.add_column(col, justify="left" if col == "setting" else "right")
+    for keys, size in options:
+        weights = sum(x.bytes for x in size.terms if x.name.endswith(" weights"))
+        state = sum(x.bytes for x in size.terms if x.name.endswith(" optimizer state"))
+        rest = size.total - weights - state
+        t.add_row(
+            keys,
+            *(f"{v / GiB:.2f}" for v in (weights, state, rest, size.total)),
+            "yes" if size.total <= free_bytes else "no",
+        )
     return t
 
 

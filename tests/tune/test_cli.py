@@ -52,3 +52,34 @@ def test_dry_run_from_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "world 2" in out and "tokens=2048" in out
     assert "│   1024 │" in out and "│   2048 │" in out  # ½× and 1× the configured token budget
+
+
+def test_dry_run_of_the_7b_recipe_shows_host_and_checkpoint(capsys):
+    """The 7B recipe (optimizer step on the CPU, reference offloaded): the host's peak per point and term by
+    term, the refusal on a host too small, one checkpoint per setting."""
+    args = [
+        "examples/qwen7b_grpo_one_gpu.yaml",
+        "--dry-run",
+        "--model-shape",
+        "Qwen2.5-7B",
+        "--thresholds",
+        "0",
+    ]
+    assert main([*args, "--host-gb", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "device 80 GiB, host 128 GiB" in out
+    # the configured mode joins the grid: device 56.7 GiB in the update, 111.4 GiB on the host
+    assert "│   8192 │    40.0 │     21.1 │   56.7 │    25.8 │ 111.4 │  yes │" in out
+    for term in (
+        "│ host     │ masters               │  28.37 │",
+        "│ host     │ optimizer (AdamW)     │  56.74 │",
+    ):
+        assert term in out
+    assert "refused" not in out
+    assert "│ as configured " in out and "│   28.37 │           56.74 │           0.00 │ 85.11 │" in out
+    assert "│ actor_rollout_ref.actor.fsdp_config.model_dtype=bf16 " in out and "│ 42.56 │" in out
+    assert "│ checkpoint │ total                        │ 85.11 │" in out
+    assert main([*args, "--host-gb", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "│ 111.4 │ no (host) │" in out
+    assert "a run is refused at its start: the host is predicted to need 111.4 GiB of its 100 GiB" in out
