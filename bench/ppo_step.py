@@ -301,7 +301,8 @@ def base_overrides(w: Workload, model_dir: Path, data: Path, run_dir: Path, roll
 
 
 def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
-    """``--steps`` trainer steps; the median of each metric over the steps after the first."""
+    """``--steps`` trainer steps; the median of each metric over the steps after the first, with ``save_s``
+    (each checkpoint's write, with ``trainer.save_freq``) and ``resume_load_s`` (a resumed run's load)."""
     import torch
 
     from klppo.assembly.setup import build_run
@@ -315,8 +316,24 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
     syncs = SyncCount(args.count_syncs and args.device == "cuda")
     ops = OpCount(args.count_ops)
     host = HostProbe()
+    saves: list[
+        float
+    ] = []  # seconds of each checkpoint written (trainer.save_freq), and of the resume's load
+    loads: list[float] = []
 
     class Trainer(PPOTrainer):
+        def save(self):
+            _device_sync()
+            start = time.perf_counter()
+            super().save()
+            saves.append(time.perf_counter() - start)
+
+        def _maybe_resume(self):
+            start = time.perf_counter()
+            super()._maybe_resume()
+            if self.run.resume_path is not None:
+                loads.append(time.perf_counter() - start)
+
         def train_step(self, prompts, step):
             _device_sync()
             start = time.perf_counter()
@@ -353,6 +370,10 @@ def run_trainer(overrides: list[str], run_dir: Path, args) -> dict:
     summary.update(ops.summary())
     summary.update(host.summary())
     summary["steps_s"] = [r["timing_s/step"] for r in rows]
+    if saves:
+        summary["save_s"] = saves
+    if loads:
+        summary["resume_load_s"] = loads[0]
     summary["setup_s"] = setup_s
     summary["first_step_s"] = rows[0]["timing_s/step"]
     if "timing_s/gen" in summary:

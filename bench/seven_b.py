@@ -11,17 +11,27 @@ The run's settings are the recipe's (``examples/qwen7b_grpo_one_gpu.yaml``): the
 Prints per step the phase times, and at the end one JSON line: the median over the steps after the first of
 each phase time, tokens/s (verl's ``perf/throughput``: (prompt + response tokens) / step time, per GPU),
 the update's MFU (``perf/mfu/actor``), and the memory model's predicted peaks beside the measured ones — the
-device's (``torch.cuda.max_memory_allocated``, the largest phase predicted) and the host's (peak RSS,
-``klppo.tune.host``).
+device's per phase (``predicted_gib/rollout|log_prob|update``, the start-of-run forecast of
+``klppo.assembly.memory_check``; ``measured_gib/<phase>``: ``torch.cuda.max_memory_allocated`` over the
+trainer phases of that model phase, ``measured_gib/phase/<trainer phase>`` each, ``measured_gib/device`` the
+largest)
+and the host's (``predicted_gib/host``, ``klppo.tune.host``; ``measured_gib/host_rss``, the peak RSS) — and
+one checkpoint's predicted size (``predicted_gib/checkpoint``, ``klppo.tune.disk``). ``--save DIR``: the run
+in ``DIR/run`` writes a checkpoint at its last step through the trainer's checkpoint code
+(``checkpoint_gib/written``, ``timing_s/save_checkpoint``; refused first when the start-up check predicts it
+does not fit the disk), then resumes from it for one more step (``resume/load_s``, ``resume/step_s``).
 
     PYTHONPATH=$PWD python3 bench/seven_b.py --steps 4 --out $OUT/grpo.json          # (a) GRPO
     PYTHONPATH=$PWD python3 bench/seven_b.py --steps 4 --critic --out $OUT/ppo.json  # (b) PPO with a critic
+    PYTHONPATH=$PWD python3 bench/seven_b.py --steps 4 --lora 64 --save /tmp/lora --out $OUT/lora.json
     PYTHONPATH=$PWD python3 bench/seven_b.py --device cpu --tiny --steps 2           # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import resource
 import sys
@@ -82,22 +92,110 @@ def workload(args) -> Workload:
 
 
 def predicted(overrides: list[str], model_dir: Path, device_gib: float) -> dict:
-    """The memory model's peaks (GiB) for the configured run: each device phase and the host."""
-    from transformers import AutoConfig
-
-    from klppo.assembly.settings import fsdp_settings, tune_workload
+    """The memory model's peaks (GiB) for the configured run — each device phase and the host — and one
+    checkpoint's predicted size (``klppo.tune.disk``)."""
+    from klppo.assembly.memory_check import forecast
+    from klppo.assembly.startup_checks import disk_roles
     from klppo.config import load_config
-    from klppo.tune.host import fit, host_ram_bytes
+    from klppo.tune import disk
+    from klppo.tune.host import host_ram_bytes
 
     cfg = load_config(overrides)
-    device = "cuda" if cfg.trainer.device == "cuda" else "cpu"
-    fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type=device, world_size=1)
-    tw = tune_workload(cfg, fsdp, world_size=1, device_gib=device_gib)
-    phases, host = fit(tw, AutoConfig.from_pretrained(model_dir), host_bytes=host_ram_bytes())
+    found = forecast(cfg, str(model_dir), world_size=1, device_gib=device_gib, host_bytes=host_ram_bytes(1))
     return {
-        **{f"predicted_gib/{k}": v / 2**30 for k, v in phases.items()},
-        "predicted_gib/host": host / 2**30,
+        **{f"predicted_gib/{k}": v / 2**30 for k, v in found.device_bytes.items()},
+        "predicted_gib/host": found.host.total / 2**30,
+        "predicted_gib/checkpoint": disk.checkpoint_size(disk_roles(cfg, str(model_dir))).total / 2**30,
     }
+
+
+MODEL_PHASES = {"rollout": ("gen",), "log_prob": ("old_log_prob", "ref"), "update": ("update_actor",)}
+"""The memory model's phases (``klppo.tune.memory.predict``) and the trainer's phases they are the peak of."""
+
+
+@contextlib.contextmanager
+def phase_peaks(on: bool):
+    """On CUDA (``on``): each trainer phase's peak allocated GiB over the run (phases nested in it included),
+    read by replacing the trainer's phase timer for the block; yields the dict it fills. The allocator's peak
+    is reset at every phase edge, so the trainer's own ``perf/max_memory_allocated_gb`` is not the step's
+    inside the block."""
+    import torch
+
+    from klppo.trainer import ppo_trainer
+    from klppo.trainer.timer import PhaseTimer
+
+    peaks: dict[str, float] = {}
+    if not on:
+        yield peaks
+        return
+    open_phases: list[str] = []
+
+    def note() -> None:
+        gib = torch.cuda.max_memory_allocated() / 2**30
+        for name in open_phases:
+            peaks[name] = max(peaks.get(name, 0.0), gib)
+        torch.cuda.reset_peak_memory_stats()
+
+    class PeakTimer(PhaseTimer):
+        @contextlib.contextmanager
+        def phase(self, name: str):
+            note()
+            open_phases.append(name)
+            try:
+                with super().phase(name):
+                    yield
+            finally:
+                note()
+                open_phases.pop()
+
+    ppo_trainer.PhaseTimer = PeakTimer
+    try:
+        yield peaks
+    finally:
+        ppo_trainer.PhaseTimer = PhaseTimer
+
+
+def measured_phases(peaks: dict[str, float]) -> dict:
+    """The measured peaks beside the predicted ones: per model phase (its trainer phases' largest), and per
+    trainer phase."""
+    out = {f"measured_gib/phase/{k}": v for k, v in sorted(peaks.items())}
+    for model_phase, names in MODEL_PHASES.items():
+        found = [peaks[n] for n in names if n in peaks]
+        if found:
+            out[f"measured_gib/{model_phase}"] = max(found)
+    return out
+
+
+def save_and_resume(overrides: list[str], run_dir: Path, args, summary: dict) -> dict:
+    """The checkpoint the last step wrote (``--save``): its bytes and write time; then the run resumed from it
+    for one more step: the load's time and that step's."""
+    from bench.ppo_step import run_trainer
+
+    path = max(run_dir.glob("global_step_*"), key=lambda p: int(p.name.rpartition("_")[2]))
+    written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    gc.collect()  # the first run's model and host state, before the resumed run builds its own
+    resumed = run_trainer(overrides + [f"trainer.total_training_steps={args.steps + 1}"], run_dir, args)
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    return {
+        "checkpoint": str(path),
+        "checkpoint_gib/written": written / 2**30,
+        "timing_s/save_checkpoint": summary["save_s"][-1],
+        "resume/load_s": resumed.get("resume_load_s"),
+        "resume/step": last["step"],
+        "resume/step_s": last["timing_s/step"],
+    }
+
+
+def check_disk(overrides: list[str], model_dir: Path) -> None:
+    """Exit 2 with the start-up check's sentence when one checkpoint is predicted not to fit the disk."""
+    from klppo.assembly.startup_checks import check_run_dir, disk_roles
+    from klppo.config import ConfigError, load_config
+
+    cfg = load_config(overrides)
+    try:
+        print(check_run_dir(cfg, disk_roles(cfg, str(model_dir))))
+    except ConfigError as exc:
+        sys.exit(f"--save: {exc}")
 
 
 def main() -> None:
@@ -111,6 +209,11 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help="further config overrides")
     p.add_argument("--out", type=Path)
     p.add_argument("--keep", type=Path, help="a directory for the random model (kept between runs)")
+    p.add_argument(
+        "--save",
+        type=Path,
+        help="the run in DIR/run: its last step writes a checkpoint (timed), one more step resumes from it",
+    )
     args = p.parse_args()
     args.grad_ckpt, args.count_syncs, args.count_ops = True, False, False
     args.profile, args.profile_rows = None, 0
@@ -124,12 +227,16 @@ def main() -> None:
         dtype = torch.float32 if args.tiny else torch.bfloat16
         model_dir = make_model_dir(keep, w.shape, w.arch, dtype)
     data = make_prompts(root, model_dir, prompt_len=w.prompt_len, rows=w.prompts * 4)
-    run_dir = root / "run"
+    run_dir = args.save / "run" if args.save else root / "run"
     overrides = base_overrides(w, model_dir, data, run_dir, args.rollout, args) + args.set
+    if args.save:
+        overrides.append(f"trainer.save_freq={args.steps}")
+        check_disk(overrides, model_dir)
     cuda = args.device == "cuda"
     device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else 80.0
     prediction = predicted(overrides, model_dir, device_gib)
-    summary = run_trainer(overrides, run_dir, args)
+    with phase_peaks(cuda) as peaks:
+        summary = run_trainer(overrides, run_dir, args)
     for i, seconds in enumerate(summary["steps_s"]):
         print(f"step {i + 1}: {seconds:.2f} s")
     phases = {k: v for k, v in sorted(summary.items()) if k.startswith("timing_s/")}
@@ -146,9 +253,12 @@ def main() -> None:
         "mfu/critic": summary.get("perf/mfu/critic"),
         **phases,
         **prediction,
-        "measured_gib/device": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "measured_gib/device": max(peaks.values()) if peaks else None,
+        **measured_phases(peaks),
         "measured_gib/host_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
+    if args.save:
+        result.update(save_and_resume(overrides, run_dir, args, summary))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
