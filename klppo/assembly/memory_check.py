@@ -12,6 +12,7 @@ weights.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from klppo.tune.lora import configured_peaks
 from klppo.tune.memory import PhasePeak
 from klppo.tune.units import ModelFacts
 
+log = logging.getLogger("klppo")
 GIB = 2**30
 DEFAULT_DEVICE_GIB = 80.0
 """The GPU a forecast is made for on a machine without one."""
@@ -92,11 +94,16 @@ def forecast_lines(found: Forecast, where: str) -> list[str]:
 
 def check_memory_fit(cfg: KLPPOConfig, model_path: str, *, nproc: int) -> None:
     """On a GPU: ConfigError with :func:`forecast`'s refusal when the configured settings are predicted not
-    to fit this GPU or this host (its memory shared by the ``nproc`` processes of this node)."""
+    to fit this GPU or this host (its memory shared by the ``nproc`` processes of this node); a model the
+    memory model cannot build is let through (logged)."""
     device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
-    world = nproc * cfg.trainer.nnodes
-    found = forecast(
-        cfg, model_path, world_size=world, device_gib=device_gib, host_bytes=host_ram_bytes(nproc)
-    )
+    world, host = nproc * cfg.trainer.nnodes, host_ram_bytes(nproc)
+    try:
+        found = forecast(cfg, model_path, world_size=world, device_gib=device_gib, host_bytes=host)
+    except (
+        Exception
+    ) as exc:  # an architecture the memory model does not know: the check is advice, not a gate
+        log.info("memory check skipped: %s", exc)
+        return
     if found.refusal is not None:
         raise ConfigError(found.refusal)
