@@ -1,7 +1,8 @@
 """The Llama-family decoder layer as functions of :class:`klppo.models.llama_weights.LayerWeights`: RMSNorm,
 RoPE, the q/k/v projections (fused or not, with Qwen3's q/k norms), the output projection and the SwiGLU MLP,
-computed as Hugging Face computes them. The rollout engine's prefill and decode (:mod:`klppo.rollout.llama`)
-and its Triton layer kernels' reference are built from these.
+computed as Hugging Face computes them, and the tensor-parallel forms of the embedding and the layer back.
+The rollout engine's prefill and decode (:mod:`klppo.rollout.llama`) and its Triton layer kernels' reference
+are built from these.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from klppo.models.llama_weights import LayerWeights
@@ -108,3 +110,40 @@ def attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: flo
     residual."""
     x = residual_add(x, F.linear(attn, lw.o, lw.o_bias))
     return x + mlp(lw, rms_norm(x, lw.post_norm, eps))
+
+
+def attn_out_mlp_tp(
+    x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """``attn_out_mlp`` on tensor-parallel slices (:mod:`klppo.parallel.tp_weights`): the row-parallel ``o``
+    and ``down`` partial sums are all-reduced over ``group`` before the replicated biases and residuals."""
+    y = F.linear(attn, lw.o)
+    dist.all_reduce(y, group=group)
+    x = x + y if lw.o_bias is None else x + y + lw.o_bias
+    h = rms_norm(x, lw.post_norm, eps)
+    if lw.gate_up is not None:
+        gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(h, lw.gate, lw.gate_bias), F.linear(h, lw.up, lw.up_bias)
+    m = F.linear(F.silu(gate) * up, lw.down)
+    dist.all_reduce(m, group=group)
+    return x + m if lw.down_bias is None else x + m + lw.down_bias
+
+
+def layer_back(w: LlamaWeights):
+    """The eager layer back for ``w``: ``attn_out_mlp``, or its tensor-parallel form."""
+    if w.tp is None:
+        return attn_out_mlp
+    group = w.tp.group
+    return lambda x, attn, lw, eps: attn_out_mlp_tp(x, attn, lw, eps, group)
+
+
+def embed_tokens(w: LlamaWeights, tokens: torch.Tensor) -> torch.Tensor:
+    """[T] ids → [T, hidden]; tensor parallel: each rank's vocabulary rows (zeros elsewhere), summed."""
+    if w.tp is None:
+        return F.embedding(tokens, w.embed)
+    local = tokens - w.vocab_start
+    inside = (local >= 0) & (local < w.embed.shape[0])
+    x = F.embedding(local.clamp(0, w.embed.shape[0] - 1), w.embed) * inside[:, None].to(w.embed.dtype)
+    dist.all_reduce(x, group=w.tp.group)
+    return x

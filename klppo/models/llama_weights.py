@@ -14,8 +14,10 @@ keep. The rollout engine (:mod:`klppo.rollout`) runs its forward on these views.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -270,3 +272,26 @@ def _cat_bias(weights: list[torch.Tensor], biases: list, out: torch.Tensor | Non
         return None
     parts = [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
     return _cat(parts, out)
+
+
+def meta_layer(config: Any, dtype: torch.dtype) -> LayerWeights:
+    """The first decoder layer of a model of Hugging Face ``config`` on the meta device (its structure, no
+    memory); ``ValueError`` naming the reason where the engine cannot run such a model."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415  transformers off the light import path
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = 1
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:1]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    reason = unsupported_reason(model, 0)
+    if reason is not None:
+        raise ValueError(reason)
+    return LayerWeights.read(model.model.layers[0])
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage counted once; None skipped)."""
+    storages = [t.untyped_storage() for t in tensors if t is not None]
+    return sum({s.data_ptr(): s.nbytes() for s in storages}.values())

@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from klppo.batch import Batch
 from klppo.batching.balance import balance_across_ranks
-from klppo.parallel.collectives import all_gather_rows, all_reduce_sum, rank, world_size
+from klppo.parallel.collectives import all_gather_rows, all_reduce_sum, group_all_gather, rank, world_size
 from klppo.parallel.dist import phase
 
 
@@ -88,3 +90,27 @@ def rows_with_advantage(
     if len(keep) < target:
         keep = sorted(keep + torch.nonzero(~nonzero).flatten().tolist()[: target - len(keep)])
     return keep
+
+
+def group_rows(
+    prompts: torch.Tensor, prompt_mask: torch.Tensor, group: dist.ProcessGroup, *, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rollout tensor-parallel group's prompts and mask in rank order, [G·B, P'] left-padded to the
+    longest (every rank of ``group`` brings the same B)."""
+    comm = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    shapes = group_all_gather(torch.tensor(prompts.shape, device=comm), group).tolist()
+    if len({b for b, _ in shapes}) != 1:
+        raise ValueError(
+            f"the ranks of a rollout tensor-parallel group hold different prompt counts {shapes}"
+        )
+    width = max(p for _, p in shapes)
+    pad = width - prompts.shape[1]
+    ids = F.pad(prompts, (pad, 0), value=pad_id).to(comm)
+    mask = F.pad(prompt_mask, (pad, 0), value=0).to(comm)
+    all_ids = group_all_gather(ids, group).flatten(0, 1)
+    all_mask = group_all_gather(mask, group).flatten(0, 1)
+    return all_ids.to(prompts.device), all_mask.to(prompts.device)

@@ -153,7 +153,8 @@ class TensorParallelBackend(_Shared):
     ) -> None:
         super().__init__(settings, cuda)
         front = compiled.get("attn_in") if settings.compiles(cuda) else llama_layers.attn_in
-        self.layer_fns = (front, llama.layer_back(w))  # the all-reduces run eagerly (captured in the graph)
+        back = llama_layers.layer_back(w)  # the all-reduces run eagerly (captured in the graph)
+        self.layer_fns = (front, back)
         split_kv = settings.decode_attention == "auto" and triton_attention.runs(
             w.embed.device, w.embed.dtype
         )

@@ -18,7 +18,9 @@ duration of ``generate``, except to an engine with ``reads_shards`` (the tensor-
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -100,3 +102,14 @@ def response_mask_from_tokens(
     is_eos = torch.isin(responses, eos).long()
     eos_before = is_eos.cumsum(dim=1) - is_eos
     return (eos_before == 0).long()
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """``torch.manual_seed(seed)`` on a forked random state (the caller's untouched); nothing when None."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield

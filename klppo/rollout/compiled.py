@@ -21,7 +21,6 @@ then compiles. The on-disk caches: :mod:`klppo.models.compile_cache`.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import threading
@@ -30,7 +29,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
 
 import klppo.rollout.triton_attention as triton_attention
 import klppo.rollout.triton_layers as triton_layers
@@ -38,7 +36,7 @@ import klppo.rollout.triton_sampling as triton_sampling
 from klppo.models.compile_cache import use_persistent_cache
 from klppo.models.flops import attention_dims
 from klppo.models.llama_layers import attn_in, attn_out_mlp
-from klppo.models.llama_weights import LayerWeights, unsupported_reason
+from klppo.models.llama_weights import LayerWeights, meta_layer
 from klppo.models.loading import DEFAULT_DTYPE_LOCK
 from klppo.rollout.backends import SplitBackend, backend_class, samples_on_triton
 from klppo.rollout.base import SamplingParams
@@ -99,9 +97,11 @@ class CompiledFunctions:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # the thread must target this thread's device
             device = torch.device("cuda", torch.cuda.current_device())
-        # in this thread: building a Hugging Face model switches the process-wide default dtype for a while
-        layer = _meta_layer(config, dtype)
-        if layer is None:
+        try:  # in this thread: building a Hugging Face model switches the process-wide default dtype a while
+            layer = meta_layer(config, dtype)
+        except Exception as err:  # ValueError: a model the engine does not run (it falls back to hf)
+            log = logger.info if isinstance(err, ValueError) else logger.warning
+            log("rollout pre-compile skipped (%s: %s)", type(err).__name__, err)
             return None
         cuda = device.type == "cuda"
         split = backend_class(settings, device, dtype, tensor_parallel=False) is SplitBackend
@@ -164,26 +164,6 @@ def _batch_dynamic(fn: Callable) -> Callable:
         return fn(*args)
 
     return call
-
-
-def _meta_layer(config: Any, dtype: torch.dtype) -> LayerWeights | None:
-    """One decoder layer of ``config`` on the meta device (None, logged, if the engine cannot run it)."""
-
-    config = copy.deepcopy(config)
-    config.num_hidden_layers = 1
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:1]
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except Exception as err:
-        logger.warning("rollout pre-compile skipped (%s: %s)", type(err).__name__, err)
-        return None
-    reason = unsupported_reason(model, 0)
-    if reason is not None:
-        logger.info("rollout pre-compile skipped: %s", reason)
-        return None
-    return LayerWeights.read(model.model.layers[0])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,6 @@ Models the engine cannot run fall back to the ``hf`` backend with a warning that
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import time
@@ -35,13 +34,13 @@ import torch
 
 from klppo.models.llama_weights import LlamaWeights, unsupported_reason
 from klppo.rollout.backends import make_backend
-from klppo.rollout.base import RolloutOutput, SamplingParams
+from klppo.rollout.base import RolloutOutput, SamplingParams, seeded
 from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.hf import HFRollout
 from klppo.rollout.scheduler import SlotScheduler
 from klppo.rollout.settings import EngineSettings
 from klppo.rollout.steps import Call, assemble_output, decode_step, move_slots, prefill_chunk
-from klppo.rollout.workspace import CacheBudget, Workspace, num_slots
+from klppo.rollout.workspace import Workspace, num_slots
 
 
 class KLPPORollout:
@@ -95,14 +94,8 @@ class KLPPORollout:
     ) -> RolloutOutput:
         """``generate`` on weights already read (full, or a tensor-parallel group's slices, called together).
         ``reset_peak``: the reported peak memory starts here (False: the caller reset it)."""
-        device = prompts.device
         lengths = prompt_mask.sum(dim=1).tolist()
-        rng = contextlib.nullcontext()
-        if params.seed is not None:
-            rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-        with rng:
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
+        with seeded(params.seed, prompts.device):
             try:
                 return self._generate(w, prompts, prompt_mask, lengths, params, reset_peak)
             finally:
@@ -209,9 +202,7 @@ class KLPPORollout:
                 return self._ws
         self._ws = None  # free the old cache (and weight copies) before allocating the new ones
         copies = w.resident() if keep else w.fuse() if fuse else None
-        s = self.settings
-        budget = CacheBudget(s.gpu_memory_utilization, s.max_num_seqs, s.max_prefill_tokens)
-        slots = num_slots(w, device, num_seqs, max_len, budget)
+        slots = num_slots(w, device, num_seqs, max_len, self.settings)
         self._ws = Workspace.allocate(
             w,
             key=key,
@@ -221,7 +212,7 @@ class KLPPORollout:
             width=width,
             max_len=max_len,
             device=device,
-            eos=s.eos_token_ids,
+            eos=self.settings.eos_token_ids,
             resident=keep,
         )
         return self._ws

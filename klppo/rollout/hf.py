@@ -6,13 +6,12 @@ tested against, and the fallback for architectures that engine does not support.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 from transformers import GenerationConfig
 
-from klppo.rollout.base import RolloutOutput, SamplingParams, response_mask_from_tokens
+from klppo.rollout.base import RolloutOutput, SamplingParams, response_mask_from_tokens, seeded
 
 
 class HFRollout:
@@ -60,17 +59,11 @@ class HFRollout:
         device = prompts.device
         num_prompt_tokens = prompts.shape[1]
         start = time.perf_counter()
-        rng = contextlib.nullcontext()
-        if params.seed is not None:
-            devices = [device] if device.type == "cuda" else []
-            rng = torch.random.fork_rng(devices=devices)
         # generate() fills unset fields from model.generation_config: a blank one lets only ``params`` decide
         saved_config = model.generation_config
         model.generation_config = GenerationConfig()
         try:
-            with rng:
-                if params.seed is not None:
-                    torch.manual_seed(params.seed)
+            with seeded(params.seed, device):
                 out = model.generate(
                     input_ids=prompts,
                     attention_mask=prompt_mask,

@@ -18,12 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import klppo.rollout.triton_attention as triton_attention
-from klppo.models.llama_layers import attn_in, attn_out_mlp, rms_norm, rope_cos_sin
-from klppo.models.llama_weights import LayerWeights, LlamaWeights
+from klppo.models.llama_layers import attn_in, attn_out_mlp, embed_tokens, layer_back, rms_norm, rope_cos_sin
+from klppo.models.llama_weights import LlamaWeights
 from klppo.models.lm_head import lm_head_logits
 
 
@@ -62,43 +61,6 @@ def prefill(
         x = back(x, attn, lw, w.eps)
     last = starts + lengths_t - 1
     return rms_norm(x[last], w.final_norm, w.eps)
-
-
-def attn_out_mlp_tp(
-    x: torch.Tensor, attn: torch.Tensor, lw: LayerWeights, eps: float, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """``attn_out_mlp`` on tensor-parallel slices (:mod:`klppo.rollout.tp`): the row-parallel ``o`` and
-    ``down`` partial sums are all-reduced over ``group`` before the replicated biases and residuals."""
-    y = F.linear(attn, lw.o)
-    dist.all_reduce(y, group=group)
-    x = x + y if lw.o_bias is None else x + y + lw.o_bias
-    h = rms_norm(x, lw.post_norm, eps)
-    if lw.gate_up is not None:
-        gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-    else:
-        gate, up = F.linear(h, lw.gate, lw.gate_bias), F.linear(h, lw.up, lw.up_bias)
-    m = F.linear(F.silu(gate) * up, lw.down)
-    dist.all_reduce(m, group=group)
-    return x + m if lw.down_bias is None else x + m + lw.down_bias
-
-
-def layer_back(w: LlamaWeights):
-    """The eager layer back for ``w``: ``attn_out_mlp``, or its tensor-parallel form."""
-    if w.tp is None:
-        return attn_out_mlp
-    group = w.tp.group
-    return lambda x, attn, lw, eps: attn_out_mlp_tp(x, attn, lw, eps, group)
-
-
-def embed_tokens(w: LlamaWeights, tokens: torch.Tensor) -> torch.Tensor:
-    """[T] ids → [T, hidden]; tensor parallel: each rank's vocabulary rows (zeros elsewhere), summed."""
-    if w.tp is None:
-        return F.embedding(tokens, w.embed)
-    local = tokens - w.vocab_start
-    inside = (local >= 0) & (local < w.embed.shape[0])
-    x = F.embedding(local.clamp(0, w.embed.shape[0] - 1), w.embed) * inside[:, None].to(w.embed.dtype)
-    dist.all_reduce(x, group=w.tp.group)
-    return x
 
 
 def triton_attention_of(w: LlamaWeights, kv: torch.Tensor, positions: torch.Tensor) -> Callable:

@@ -16,21 +16,19 @@ import time
 import warnings
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from klppo.models.llama_weights import unsupported_reason
+from klppo.models.llama_weights import storage_bytes, unsupported_reason
 from klppo.models.lora import base_model
-from klppo.parallel.collectives import all_reduce_max, group_all_gather
+from klppo.parallel.collectives import all_reduce_max
 from klppo.parallel.dist import phase
 from klppo.parallel.fsdp import gathered_params
 from klppo.parallel.mesh import TensorParallel
 from klppo.parallel.reshard import compute_dtype
+from klppo.parallel.shares import group_rows
 from klppo.parallel.tp_layout import KEY, TPLayout
 from klppo.parallel.tp_weights import fused_destinations, reshard_for_rollout, tp_weights
 from klppo.rollout.base import RolloutOutput, SamplingParams
 from klppo.rollout.engine import KLPPORollout
-from klppo.rollout.workspace import storage_bytes
 
 
 class TPRollout:
@@ -66,8 +64,8 @@ class TPRollout:
         device = prompts.device
         cuda = device.type == "cuda"
         with phase("rollout_group_prompts"):  # a rank stuck before here shows on its group's others
-            group_prompts, group_mask = _group_rows(
-                prompts, prompt_mask, self.tp, pad_id=self.engine.settings.pad_token_id
+            group_prompts, group_mask = group_rows(
+                prompts, prompt_mask, self.tp.group, pad_id=self.engine.settings.pad_token_id
             )
         if cuda:
             torch.cuda.synchronize(device)
@@ -108,24 +106,3 @@ class TPRollout:
         """Free the KV cache, graphs and kept slices."""
         self.engine.release()
         self._tensors = None
-
-
-def _group_rows(
-    prompts: torch.Tensor, prompt_mask: torch.Tensor, tp: TensorParallel, *, pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group's prompts and mask in rank order, [TP·B, P'] left-padded to the longest (same B per rank)."""
-    comm = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-    shapes = group_all_gather(torch.tensor(prompts.shape, device=comm), tp.group).tolist()
-    if len({b for b, _ in shapes}) != 1:
-        raise ValueError(f"{KEY}={tp.size}: the ranks of a group hold different prompt counts {shapes}")
-    width = max(p for _, p in shapes)
-    pad = width - prompts.shape[1]
-    ids = F.pad(prompts, (pad, 0), value=pad_id).to(comm)
-    mask = F.pad(prompt_mask, (pad, 0), value=0).to(comm)
-    all_ids = group_all_gather(ids, tp.group).flatten(0, 1)
-    all_mask = group_all_gather(mask, tp.group).flatten(0, 1)
-    return all_ids.to(prompts.device), all_mask.to(prompts.device)

@@ -10,22 +10,13 @@ of a tensor-parallel group agree on the minimum. On CPU: the sequence count, or 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 
 import torch
 
-from klppo.models.llama_weights import LlamaWeights
+from klppo.models.llama_weights import LlamaWeights, storage_bytes
 from klppo.parallel.collectives import all_reduce_min
 from klppo.rollout.graphs import DecodeGraphs
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheBudget:
-    """The engine's memory settings (:class:`klppo.rollout.settings.EngineSettings`)."""
-
-    gpu_memory_utilization: float
-    max_num_seqs: int | None
-    max_prefill_tokens: int
+from klppo.rollout.settings import EngineSettings
 
 
 def slot_bytes(*, layers: int, kv_heads: int, head_dim: int, max_len: int, vocab: int, elt: int) -> int:
@@ -34,9 +25,11 @@ def slot_bytes(*, layers: int, kv_heads: int, head_dim: int, max_len: int, vocab
     return layers * 2 * kv_heads * max_len * head_dim * elt + vocab * 4 * 8
 
 
-def num_slots(w: LlamaWeights, device: torch.device, num_seqs: int, max_len: int, budget: CacheBudget) -> int:
-    """Slots that fit the budget, given everything allocated now (module docstring)."""
-    cap = min(num_seqs, budget.max_num_seqs or num_seqs)
+def num_slots(
+    w: LlamaWeights, device: torch.device, num_seqs: int, max_len: int, settings: EngineSettings
+) -> int:
+    """Slots that fit ``settings``' memory budget, given everything allocated now (module docstring)."""
+    cap = min(num_seqs, settings.max_num_seqs or num_seqs)
     if device.type != "cuda":
         return cap
     elt = w.embed.element_size()
@@ -50,15 +43,15 @@ def num_slots(w: LlamaWeights, device: torch.device, num_seqs: int, max_len: int
         vocab=vocab,
         elt=elt,
     )
-    workspace = budget.max_prefill_tokens * (3 * inter + 8 * hidden + 4 * w.num_heads * w.head_dim) * elt
+    workspace = settings.max_prefill_tokens * (3 * inter + 8 * hidden + 4 * w.num_heads * w.head_dim) * elt
     total = torch.cuda.get_device_properties(device).total_memory
-    free = budget.gpu_memory_utilization * total - torch.cuda.memory_allocated(device) - workspace
+    free = settings.gpu_memory_utilization * total - torch.cuda.memory_allocated(device) - workspace
     slots = int(free // per_slot)
     if w.tp is not None:  # the ranks of a tensor-parallel group run the same slots in lockstep
         slots = int(all_reduce_min(slots, w.tp.group))
     if slots < 1:
         raise ValueError(
-            f"gpu_memory_utilization={budget.gpu_memory_utilization} leaves no room for a KV cache "
+            f"gpu_memory_utilization={settings.gpu_memory_utilization} leaves no room for a KV cache "
             f"({torch.cuda.memory_allocated(device) / 2**30:.1f} GiB already allocated)"
         )
     return min(cap, slots)
@@ -132,9 +125,3 @@ class Workspace:
         if self.resident:
             return storage_bytes(w.tensors())
         return storage_bytes(t for lw in w.layers for t in (lw.qkv, lw.qkv_bias, lw.gate_up, lw.gate_up_bias))
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage counted once; None skipped)."""
-    storages = [t.untyped_storage() for t in tensors if t is not None]
-    return sum({s.data_ptr(): s.nbytes() for s in storages}.values())

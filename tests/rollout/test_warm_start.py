@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from klppo.models.llama_weights import meta_layer
 from klppo.models.tiny import build_tiny_model
 from klppo.rollout import compiled as compiled_module
 from klppo.rollout import triton_attention, triton_sampling
@@ -106,7 +107,7 @@ def test_failed_warm_up_keeps_the_precompile(monkeypatch, caplog) -> None:
     monkeypatch.setattr(compiled_module, "_run_once", lambda *args: None)
     monkeypatch.setattr(compiled_module, "_warm_kernels", failing)
     fns = compiled_module.CompiledFunctions(backend="eager")
-    layer = compiled_module._meta_layer(build_tiny_model(arch="qwen2").config, torch.float32)
+    layer = meta_layer(build_tiny_model(arch="qwen2").config, torch.float32)
     with caplog.at_level("WARNING", logger=compiled_module.__name__):
         plan = compiled_module._Plan(split=False, compiles=True, fp32_logits=True, sampling=())
         fns._precompile(None, layer, torch.device("cpu"), plan)
