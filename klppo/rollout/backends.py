@@ -64,10 +64,16 @@ class Backend(Protocol):
     synchronisation, so a decode step can be captured in a CUDA graph."""
 
     def prefill(
-        self, w: LlamaWeights, kv: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, lengths: list[int]
+        self,
+        w: LlamaWeights,
+        kv: torch.Tensor,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        lengths: list[int],
+        offsets: list[int] | None = None,
     ) -> torch.Tensor:
-        """Packed prompts ``tokens`` [T] (``lengths``, from position 0) write their K/V into ``slots``;
-        returns the last hidden states [N, hidden]."""
+        """Packed prompts ``tokens`` [T] (``lengths``, from position ``offsets`` or 0, after the slot's cached
+        prefix) write their K/V into ``slots``; returns the last hidden states [N, hidden]."""
         ...
 
     def logits(self, w: LlamaWeights, hidden: torch.Tensor) -> torch.Tensor:
@@ -92,10 +98,7 @@ class _Shared:
         self.settings = settings
         self.cuda = cuda
 
-    def prefill(
-        self, w: LlamaWeights, kv: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, lengths: list[int]
-    ) -> torch.Tensor:
-        return llama.prefill(w, kv, tokens, slots, lengths)
+    prefill = staticmethod(llama.prefill)
 
     def logits(self, w: LlamaWeights, hidden: torch.Tensor) -> torch.Tensor:
         return llama.logits_of(w, hidden, self.settings.fp32_logits)

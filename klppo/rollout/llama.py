@@ -32,32 +32,39 @@ def prefill(
     tokens: torch.Tensor,
     slots: torch.Tensor,
     lengths: list[int],
+    offsets: list[int] | None = None,
 ) -> torch.Tensor:
     """Run N packed prompts ``tokens`` [T] of ``lengths``, write their K/V into ``slots`` [N]; return the
-    last-token hidden states [N, hidden]. Only attention pads (per prompt, causal, to the longest)."""
+    last-token hidden states [N, hidden]. Only attention pads (per prompt, causal, to the longest).
+    ``offsets`` [N] (default 0): prompt i continues a slot that holds K/V ``[0, offsets[i])``: its tokens sit
+    at positions ``offsets[i] ..`` and attend to that cached prefix and causally to themselves."""
     device = tokens.device
     num_seqs, max_len = len(lengths), max(lengths)
-    lengths_t = torch.tensor(lengths, device=device)
+    offsets = offsets or [0] * num_seqs
+    lengths_t, offsets_t = torch.tensor(lengths, device=device), torch.tensor(offsets, device=device)
     starts = torch.cumsum(lengths_t, 0) - lengths_t
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), lengths_t)
-    positions = torch.arange(tokens.shape[0], device=device) - starts[seq_of_token]
+    local = torch.arange(tokens.shape[0], device=device) - starts[seq_of_token]
+    positions = local + offsets_t[seq_of_token]
     slot_of_token = slots[seq_of_token]
     x = embed_tokens(w, tokens)
     back = layer_back(w)
     cos, sin = rope_cos_sin(w, positions, x.dtype)
-    key_pos = torch.arange(max_len, device=device)
-    mask = (key_pos[None, :] <= key_pos[:, None])[None, None] & (key_pos < lengths_t[:, None])[:, None, None]
+    num_keys = max(o + n for o, n in zip(offsets, lengths))
+    key_pos = torch.arange(num_keys, device=device)[None, None, :]
+    query_pos = (torch.arange(max_len, device=device)[None, :] + offsets_t[:, None])[:, :, None]
+    mask = ((key_pos <= query_pos) & (key_pos < (offsets_t + lengths_t)[:, None, None]))[:, None]
     group = w.num_heads // w.num_kv_heads
     spec = (w.num_heads, w.num_kv_heads, w.head_dim, w.eps)
     for i, lw in enumerate(w.layers):
         q, kv_new = attn_in(x, lw, cos, sin, spec)
         kv[i][:, slot_of_token, positions] = kv_new
         q_pad = q.new_zeros(num_seqs, max_len, w.num_heads, w.head_dim)
-        q_pad[seq_of_token, positions] = q
-        k_pad = kv[i, 0, slots, :max_len].transpose(1, 2).repeat_interleave(group, dim=1)
-        v_pad = kv[i, 1, slots, :max_len].transpose(1, 2).repeat_interleave(group, dim=1)
+        q_pad[seq_of_token, local] = q
+        k_pad = kv[i, 0, slots, :num_keys].transpose(1, 2).repeat_interleave(group, dim=1)
+        v_pad = kv[i, 1, slots, :num_keys].transpose(1, 2).repeat_interleave(group, dim=1)
         attn = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k_pad, v_pad, attn_mask=mask)
-        attn = attn.transpose(1, 2)[seq_of_token, positions].reshape(tokens.shape[0], -1)
+        attn = attn.transpose(1, 2)[seq_of_token, local].reshape(tokens.shape[0], -1)
         x = back(x, attn, lw, w.eps)
     last = starts + lengths_t - 1
     return rms_norm(x[last], w.final_norm, w.eps)
