@@ -16,21 +16,8 @@ steps then call its methods, no setting is read in the loop. The backends, side 
   row-parallel back with its all-reduces, the split-KV attention without RoPE on CUDA bf16/fp16 (SDPA
   elsewhere), the vocabulary-parallel sampler.
 
-All share the prefill (:func:`klppo.rollout.llama.prefill`) and the LM head (``fp32_logits``).
-
-Seams for what comes next (not built):
-
-- *Appending tokens to a live sequence* (a tool's answer in a multi-turn rollout): a method
-  ``extend(w, kv, tokens, slots, starts, lengths) -> hidden`` — a prefill whose tokens sit at positions
-  ``starts[i] ..`` of a slot that already holds ``[0, starts[i])``: K/V written there, queries attending to
-  the cached prefix and causally to themselves (``prefill``'s mask with key positions below ``starts[i] +
-  lengths[i]`` and queries offset by ``starts[i]``). The scheduler then keeps a slot across turns instead
-  of freeing it at EOS; the decode step is unchanged (it reads ``position``).
-- *Log-probs of the distribution sampled from* (truncated top-k / top-p, for importance correction): a
-  :data:`Sampler` returns ``log softmax(logits / T)[token]``, before truncation. A sampler that also returns
-  ``log q(token)`` of the truncated, renormalised distribution adds a third [B] tensor (the torch path has
-  ``probs``; the Triton truncated kernel needs the kept set's mass); ``RolloutOutput`` then carries it
-  beside ``log_probs`` and the steps record it into one more output buffer.
+All share the prefill (:func:`klppo.rollout.llama.prefill`, which also continues a slot after its cached
+prefix: a :class:`~klppo.rollout.engine.Session`'s appended tokens) and the LM head (``fp32_logits``).
 """
 
 from __future__ import annotations
@@ -72,8 +59,8 @@ class Backend(Protocol):
         lengths: list[int],
         offsets: list[int] | None = None,
     ) -> torch.Tensor:
-        """Packed prompts ``tokens`` [T] (``lengths``, from position ``offsets`` or 0, after the slot's cached
-        prefix) write their K/V into ``slots``; returns the last hidden states [N, hidden]."""
+        """Packed prompts ``tokens`` [T] (``lengths``, each after ``offsets`` cached positions or none) write
+        their K/V into ``slots``; returns the last hidden states [N, hidden]."""
         ...
 
     def logits(self, w: LlamaWeights, hidden: torch.Tensor) -> torch.Tensor:

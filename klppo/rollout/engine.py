@@ -18,8 +18,9 @@ One ``generate`` call:
 
 The cache, buffers and graphs are dropped at the end of ``generate`` when ``free_cache_engine`` is True;
 otherwise they are kept, with a resident copy of the weights, and reused by every later call of the same
-shape whatever its seed and weights (``_keeps_workspace``).
-Models the engine cannot run fall back to the ``hf`` backend with a warning that names the reason.
+shape whatever its seed and weights (``_keeps_workspace``). Models the engine cannot run fall back to the
+``hf`` backend with a warning that names the reason. A :class:`Session` (:meth:`KLPPORollout.open`) keeps
+conversations in their slots across turns: only the tokens appended to them are prefilled.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.hf import HFRollout
 from klppo.rollout.scheduler import SlotScheduler
 from klppo.rollout.settings import EngineSettings
-from klppo.rollout.steps import Call, assemble_output, decode_step, move_slots, prefill_chunk
+from klppo.rollout.steps import Call, assemble_output, decode_step, extend_slots, move_slots, prefill_chunk
 from klppo.rollout.workspace import Workspace, num_slots
 
 
@@ -60,11 +61,7 @@ class KLPPORollout:
     # ---- public ---------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(
-        self,
-        model: torch.nn.Module,
-        prompts: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        params: SamplingParams,
+        self, model: torch.nn.Module, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
     ) -> RolloutOutput:
         """See :mod:`klppo.rollout.base` for the contract."""
         self.compiled.wait()  # a background pre-compile (trainer start-up) must finish before we compile
@@ -99,8 +96,22 @@ class KLPPORollout:
             try:
                 return self._generate(w, prompts, prompt_mask, lengths, params, reset_peak)
             finally:
-                if self.settings.free_cache_engine:
-                    self.release()
+                self._close()
+
+    @torch.no_grad()
+    def open(
+        self, model: torch.nn.Module, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
+    ) -> Session | None:
+        """A :class:`Session` of the ``B × n`` conversations of ``prompts`` (rows as ``generate``'s); None
+        where the slots cannot hold them all at once or the model runs on ``hf`` (the caller re-sends)."""
+        self.compiled.wait()
+        lengths = prompt_mask.sum(dim=1).tolist()
+        if unsupported_reason(model, max(lengths) + params.max_new_tokens) is None:
+            call = self._call(LlamaWeights.read(model), prompts, prompt_mask, lengths, params)
+            if call.ws.kv.shape[2] >= len(lengths) * params.n:
+                return Session(self, call, lengths)
+            self._close()
+        return None
 
     def release(self) -> None:
         """Drop the KV cache, output buffers and captured graphs."""
@@ -114,21 +125,14 @@ class KLPPORollout:
             if reset_peak:
                 torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        _require_gathered(w)
         call = self._call(w, prompts, prompt_mask, lengths, params)
-        sched = SlotScheduler(
-            prompt_lengths=lengths,
-            n=params.n,
-            num_slots=call.ws.kv.shape[2],
-            max_prefill_tokens=self.settings.max_prefill_tokens,
-        )
-        timings = self._run(call, sched)
-        return assemble_output(
-            call, sched, self.settings.pad_token_id, start, timings, call.cuda and self._cuda_graphs
-        )
+        sched = self._scheduler(call, lengths)
+        timings = self._run(call, sched, sched.start())
+        return assemble_output(call, sched, start, timings, call.cuda and self._cuda_graphs)
 
     def _call(self, w, prompts, prompt_mask, lengths, params) -> Call:
         """The call's workspace (cache, buffers), backend and fixed inputs."""
+        _require_gathered(w)
         device = prompts.device
         packed = prompts[prompt_mask.bool()]
         max_len = -(-(max(lengths) + params.max_new_tokens) // 16) * 16
@@ -146,16 +150,25 @@ class KLPPORollout:
             eos=ws.eos,
             check_eos=not params.ignore_eos and bool(self.settings.eos_token_ids),
             cuda=device.type == "cuda",
+            pad=self.settings.pad_token_id,
             backend=backend,
             sample=backend.sampler(params),
         )
 
-    def _run(self, call: Call, sched: SlotScheduler) -> dict[str, float]:
-        """Prefill the first sequences, then decode in blocks of ``eos_check_every`` steps, refilling the
-        slots that finished, until no sequence is left. Returns the call's timings."""
+    def _scheduler(self, call: Call, lengths: list[int]) -> SlotScheduler:
+        n, slots, limit = call.params.n, call.ws.kv.shape[2], self.settings.max_prefill_tokens
+        return SlotScheduler(prompt_lengths=lengths, n=n, num_slots=slots, max_prefill_tokens=limit)
+
+    def _close(self) -> None:
+        if self.settings.free_cache_engine:
+            self.release()
+
+    def _run(self, call: Call, sched: SlotScheduler, pairs: list, compact: bool = True) -> dict[str, float]:
+        """Prefill (sequence, slot) ``pairs``, then decode in blocks of ``eos_check_every`` steps, refilling
+        the slots that finished, until no sequence is left. Returns the call's timings."""
         every = self.settings.eos_check_every
         t0 = time.perf_counter()
-        self._admit(call, sched, sched.start())
+        self._admit(call, sched, pairs)
         prefill_s = time.perf_counter() - t0
         num_steps = capture_s = moved = 0.0
         while (bucket := sched.bucket()) is not None:
@@ -171,7 +184,7 @@ class KLPPORollout:
                 t0 = time.perf_counter()
                 self._admit(call, sched, refill)
                 prefill_s += time.perf_counter() - t0
-            elif self.settings.compact_slots:
+            elif compact and self.settings.compact_slots:
                 moved += move_slots(call.ws, sched.compact(self.settings.compact_min_bucket))
         return {
             "prefill_s": prefill_s,
@@ -244,6 +257,51 @@ class KLPPORollout:
             self._cuda_graphs = False
             return step
         return replay
+
+
+class Session:
+    """Conversations that keep their KV-cache slots across turns (:meth:`KLPPORollout.open`; row ``s`` in
+    slot ``s``). :meth:`generate` decodes rows to the end of their turn: an EOS, or the response budget
+    ``max_new_tokens``, which counts appended tokens too (verl's rule); :meth:`extend` appends tokens to rows
+    whose turn ended with an EOS, prefilled after their cached prefix. Decode steps are the engine's own."""
+
+    def __init__(self, engine: KLPPORollout, call: Call, lengths: list[int]) -> None:
+        self.engine, self.call, self.sched = engine, call, engine._scheduler(call, lengths)
+        self.cols, self.turns = [0] * self.sched.num_seqs, 0  # each row's first column of its current turn
+
+    @torch.no_grad()
+    def generate(self, rows: list[int]) -> RolloutOutput:
+        """Decode ``rows`` (first call: every row, from its prompt; then rows just extended) to the end of
+        their turn; its tokens as right-padded rows in the order of ``rows``. Seed: ``seed + 7919 × turn``."""
+        call, sched, seed, start = self.call, self.sched, self.call.params.seed, time.perf_counter()
+        with seeded(None if seed is None else seed + 7919 * self.turns, call.packed.device):
+            sched.resume(rows if self.turns else [])
+            timings = self.engine._run(call, sched, [] if self.turns else sched.start(), compact=False)
+        self.turns += 1
+        graphs, turn = call.cuda and self.engine._cuda_graphs, (rows, [self.cols[r] for r in rows])
+        out = assemble_output(call, sched, start, timings, graphs, turn)
+        sched.prefill_tokens = 0  # each turn's figures count its own prefill
+        return out
+
+    @torch.no_grad()
+    def extend(self, rows: list[int], tokens: list[list[int]]) -> None:
+        """Append ``tokens[i]`` to row ``rows[i]``, leaving room in the response for one more model token;
+        only they are prefilled (:func:`~klppo.rollout.steps.extend_slots`, in prefill chunks)."""
+        ws, budget = self.call.ws, self.call.params.max_new_tokens
+        out_len = ws.out_len[torch.tensor(rows, device=ws.kv.device)].tolist()
+        starts = [self.sched.seq_length(r) + k - 1 for r, k in zip(rows, out_len)]  # last sampled token's
+        for r, k, more in zip(rows, out_len, tokens):
+            if not more or k + len(more) >= budget:
+                raise ValueError(f"row {r}: {len(more)} tokens after {k} leave no room in {budget}")
+            self.cols[r] = k + len(more)
+        jobs = list(zip(rows, tokens, starts))
+        for run in self.sched.chunks(jobs, [s + len(t) for s, t in zip(starts, tokens)]):
+            extend_slots(self.call, *map(list, zip(*run)))
+        self.sched.prefill_tokens += sum(len(t) for t in tokens)
+
+    def close(self) -> None:
+        """Free the workspace (with ``free_cache_engine``, as after ``generate``)."""
+        self.engine._close()
 
 
 def _require_gathered(w: LlamaWeights) -> None:

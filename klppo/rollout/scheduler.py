@@ -11,6 +11,7 @@ n``) is sample ``s % n`` of prompt ``s // n`` and writes output row ``s``. Rules
 - within a chunk a prompt runs at most once, in its first sequence, unless a busy slot already holds its
   prefix; its other sequences copy the prefix from the slot that holds or computes it;
 - the decode bucket is the smallest of :func:`buckets` greater than the highest busy slot;
+- a session (:class:`~klppo.rollout.engine.Session`) keeps sequence ``s`` in slot ``s`` across turns;
 - compaction (:meth:`SlotScheduler.compact`): once nothing waits, when the busy slots would fit a smaller
   bucket, those at or above it move, lowest first, into its free slots, lowest first — the step then
   follows the live sequence count.
@@ -113,17 +114,23 @@ class SlotScheduler:
             held.add(dst)
         return moves
 
-    def chunks(self, pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-        """``pairs`` split in order into prefill chunks of at most ``max_prefill_tokens`` prompt tokens."""
-        out: list[list[tuple[int, int]]] = [[]]
+    def chunks(self, pairs: list, sizes: list[int] | None = None) -> list[list]:
+        """``pairs`` split in order into prefill chunks of at most ``max_prefill_tokens`` tokens (``sizes``:
+        each pair's, default its sequence's prompt length; a larger one is a chunk of its own)."""
+        out: list[list] = []
         budget = 0
-        for s, slot in pairs:
-            if out[-1] and budget + self.seq_length(s) > self.max_prefill_tokens:
+        for pair, size in zip(pairs, sizes or [self.seq_length(s) for s, _ in pairs]):
+            if not out or budget + size > self.max_prefill_tokens:
                 out.append([])
                 budget = 0
-            out[-1].append((s, slot))
-            budget += self.seq_length(s)
+            out[-1].append(pair)
+            budget += size
         return out
+
+    def resume(self, seqs: list[int]) -> None:
+        """Make a session's ``seqs`` busy again in the slots they keep (sequence ``s`` in slot ``s``)."""
+        for s in seqs:
+            self.slot_seq[s] = s
 
     def plan(self, chunk: list[tuple[int, int]]) -> PrefillPlan:
         """The prefill of ``chunk`` given the prefixes resident now; records the chunk's slots as holders

@@ -4,9 +4,9 @@ output.
 The engine (:mod:`klppo.rollout.engine`) decides what runs and when; the call's backend
 (:mod:`klppo.rollout.backends`) does the model's arithmetic; these functions do the work on the
 :class:`Call`'s workspace: :func:`prefill_chunk` (one :class:`~klppo.rollout.scheduler.PrefillPlan`, then
-each sequence's first token), :func:`decode_step` (one step on slots ``[0, bucket)``, no host
-synchronisation: capturable as a CUDA graph; a finished slot writes into the output's sink row),
-:func:`move_slots` (compaction) and :func:`assemble_output` (right-padded rows and the call's figures).
+each sequence's first token), :func:`extend_slots` (a session's appended tokens), :func:`decode_step` (one
+step on slots ``[0, bucket)``, no host synchronisation: capturable as a CUDA graph; a finished slot writes
+into the output's sink row), :func:`move_slots` (compaction), :func:`assemble_output` (right-padded rows).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class Call:
     eos: torch.Tensor  # [E] the ids that end a sequence ([-1] when none)
     check_eos: bool  # False: sequences end at max_new_tokens only
     cuda: bool
+    pad: int  # the id written after a sequence's end
     backend: Backend  # the arithmetic (chosen for this call's weights)
     sample: Sampler  # the backend's sampler for ``params``
 
@@ -59,6 +60,23 @@ def prefill_chunk(call: Call, plan: PrefillPlan) -> None:
     logits = call.backend.logits(w, call.prompt_hidden[unique])
     tokens, log_probs = call.sample(logits[torch.tensor(plan.logit_rows, device=device)])
     start_sequences(call, plan, tokens, log_probs)
+
+
+def extend_slots(call: Call, slots: list[int], tokens: list[list[int]], starts: list[int]) -> None:
+    """Append ``tokens[i]`` to a session's slot ``slots[i]`` (sequence ``s`` in slot ``s``), whose cache holds
+    ``[0, starts[i])`` and whose last sampled token is not cached yet: prefill that token and ``tokens[i]``
+    but its last at positions ``starts[i] ..``; the next decode step feeds the last and samples the turn's
+    first token into the response column after the appended ones."""
+    ws, device = call.ws, call.packed.device
+    slots_t = torch.tensor(slots, device=device)
+    counts = torch.tensor([len(t) for t in tokens], device=device)
+    lasts = ws.out_tokens[slots_t, ws.out_len[slots_t] - 1].tolist()  # a finished slot's last_token drifts
+    packed = [t for last, more in zip(lasts, tokens) for t in (last, *more[:-1])]
+    call.backend.prefill(call.w, ws.kv, torch.tensor(packed, device=device), slots_t, counts.tolist(), starts)
+    ws.last_token[slots_t] = torch.tensor([t[-1] for t in tokens], device=device)
+    ws.position[slots_t] = torch.tensor(starts, device=device) + counts
+    ws.gen_len[slots_t] = ws.out_len[slots_t] + counts
+    ws.finished[slots_t] = False
 
 
 def start_sequences(call: Call, plan: PrefillPlan, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
@@ -124,16 +142,19 @@ def move_slots(ws: Workspace, moves: list[tuple[int, int]]) -> int:
 
 
 def assemble_output(
-    call: Call, sched: SlotScheduler, pad_token_id: int, start: float, timings: dict, cuda_graphs: bool
+    call: Call, sched: SlotScheduler, start: float, timings: dict, graphs: bool, turn: tuple | None = None
 ) -> RolloutOutput:
-    """The finished sequences as right-padded rows, with the call's figures (``start``: its
-    ``perf_counter``)."""
+    """The finished sequences as right-padded rows, with the call's figures (``start``: its ``perf_counter``;
+    ``graphs``: decode replayed CUDA graphs); ``turn`` = (sequences, first columns): a session's turn."""
     ws, device, width = call.ws, call.packed.device, call.params.max_new_tokens
-    num_seqs = sched.num_seqs
-    out_len = ws.out_len[:num_seqs]
-    mask = (torch.arange(width, device=device)[None, :] < out_len[:, None]).long()
-    responses = torch.where(mask.bool(), ws.out_tokens[:num_seqs], pad_token_id)
-    log_probs = ws.out_log_probs[:num_seqs] * mask
+    seqs, cols = turn or (list(range(sched.num_seqs)), [0] * sched.num_seqs)
+    seqs, first = torch.tensor(seqs, device=device), torch.tensor(cols, device=device)[:, None]
+    columns = torch.arange(width, device=device)[None, :]
+    out_len = ws.out_len[seqs] - first[:, 0]
+    mask = (columns < out_len[:, None]).long()
+    index = (first + columns).clamp(max=width - 1)
+    responses = torch.where(mask.bool(), ws.out_tokens[seqs].gather(1, index), call.pad)
+    log_probs = ws.out_log_probs[seqs].gather(1, index) * mask
     if call.cuda:
         torch.cuda.synchronize(device)
     tokens = float(out_len.sum().item())
@@ -144,7 +165,7 @@ def assemble_output(
         "rollout/prefill_tokens": float(sched.prefill_tokens),
         "rollout/prefix_reused": float(sched.prefix_reused),
         "rollout/graph_capture_s": timings["graph_capture_s"],
-        "rollout/cuda_graphs": float(cuda_graphs),  # 0: eager decode (or capture failed)
+        "rollout/cuda_graphs": float(graphs),  # 0: eager decode (or capture failed)
         "rollout/tokens_generated": tokens,
         "rollout/tokens_per_s": tokens / max(elapsed, 1e-9),
         "rollout/num_slots": float(ws.kv.shape[2]),
@@ -154,6 +175,4 @@ def assemble_output(
         "rollout/fused_weights_gb": ws.fused_bytes() / 2**30,
         "perf/rollout_peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if call.cuda else 0.0,
     }
-    return RolloutOutput(
-        responses=responses.clone(), response_mask=mask, log_probs=log_probs.clone(), stats=stats
-    )
+    return RolloutOutput(responses=responses, response_mask=mask, log_probs=log_probs, stats=stats)
