@@ -4,8 +4,13 @@
 with response rows that hold a whole conversation after the prompt. Per turn, every live conversation:
 
 1. generates until its end-of-turn token (the engine's EOS) or the response budget: the first turn is one
-   engine call on the prompts (``n`` samples each), later turns one call on the live conversations, each
-   re-prefilled in full (prompt + every earlier turn) through the engine's ``generate``;
+   engine call on the prompts (``n`` samples each), later turns one call on the live conversations. On an
+   engine that continues conversations (:class:`ContinuingEngine`: the ``klppo`` engine's
+   :meth:`~klppo.rollout.engine.KLPPORollout.open`) each keeps its KV cache across turns and only the appended
+   tokens are prefilled; elsewhere (``hf``, tensor parallel), or when the engine's slots cannot hold every
+   conversation of the call at once, each later turn re-sends the conversation in full (prompt + every
+   earlier turn) through ``generate``. Greedy tokens are the same either way; sampled ones are drawn with
+   other noise;
 2. if the turn holds tool calls (``format: hermes``, :mod:`klppo.tools.parsing`), runs the first
    ``max_parallel_calls`` of them — the calls of all conversations concurrently, at most
    ``max_concurrent_calls`` at a time, each bounded by ``tool_timeout_s`` — and appends one ``tool`` message
@@ -37,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -46,6 +51,15 @@ from klppo.tools.base import BaseInteraction, BaseTool, ToolResponse
 from klppo.tools.parsing import FORMATS, TRUNCATE_SIDES, ToolCall, parse_hermes, truncate
 
 AGENTS = ("tool_agent", "single_turn_agent")
+
+
+@runtime_checkable
+class ContinuingEngine(Protocol):
+    """An engine that continues conversations on their KV cache: ``open`` gives a session
+    (``generate(rows)``, ``extend(rows, tokens)``, ``close()``: :class:`klppo.rollout.engine.Session`), or
+    None for a call it cannot hold."""
+
+    def open(self, model: Any, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams): ...
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +96,7 @@ class MultiTurnSettings:
 class Conversation:
     """One sample's state: its prompt, the response so far (tokens, model mask, log-probs) and the chat."""
 
+    row: int  # the output row (prompt i's sample j: i·n + j)
     prompt: list[int]
     messages: list[dict[str, Any]]
     tools_kwargs: dict[str, Any]
@@ -90,6 +105,7 @@ class Conversation:
     interaction_id: str = ""
     max_assistant_turns: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
+    appended: list[int] = dataclasses.field(default_factory=list)  # the tokens after the last model turn
     model_mask: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
     calls: list[ToolCall] = dataclasses.field(default_factory=list)
@@ -106,6 +122,7 @@ class Counters:
     """Figures of one ``generate`` call (``multi_turn/*`` metrics)."""
 
     engine_calls: int = 0
+    prefill_tokens: float = 0.0
     tool_calls: int = 0
     tool_errors: int = 0
     tool_time_s: float = 0.0
@@ -130,6 +147,7 @@ class MultiTurnRollout:
         if not eos_token_ids:
             raise ValueError("multi-turn rollouts need an end-of-turn token (the tokenizer's EOS)")
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        self.continues = isinstance(engine, ContinuingEngine)  # keeps the KV cache across turns
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.tools, self.interactions = dict(tools or {}), dict(interactions or {})
         self.template_kwargs = dict(chat_template_kwargs or {})
@@ -156,39 +174,49 @@ class MultiTurnRollout:
         rows = [prompts[i][prompt_mask[i].bool()].tolist() for i in range(num_prompts)]
         convs = [
             self._conversation(
+                i * params.n + j,
                 rows[i],
                 (extra_info or [{}] * num_prompts)[i] or {},
                 (raw_prompt or [[]] * num_prompts)[i] or [],
             )
             for i in range(num_prompts)
-            for _ in range(params.n)
+            for j in range(params.n)
         ]
+        session = self.engine.open(model, prompts, prompt_mask, params) if self.continues else None
         loop = asyncio.new_event_loop()
         try:
             loop.run_until_complete(_all(self._start(c) for c in convs))
-            out = self.engine.generate(model, prompts, prompt_mask, params)
+            if session is not None:
+                out = session.generate(list(range(len(convs))))
+            else:
+                out = self.engine.generate(model, prompts, prompt_mask, params)
             first_stats = dict(out.stats)
-            counters.engine_calls += 1
-            self._record(convs, out, budget)
+            self._record(convs, out, budget, counters)
             while live := [c for c in convs if not c.done]:
                 loop.run_until_complete(self._respond(live, counters, budget))
                 live = [c for c in live if not c.done]
                 if not live:
                     break
-                out = self._continue(model, live, params, budget, counters.engine_calls, prompts.device)
-                counters.engine_calls += 1
-                self._record(live, out, budget)
+                out = self._continue(model, session, live, params, counters.engine_calls, prompts.device)
+                self._record(live, out, budget, counters)
         finally:
             try:
                 loop.run_until_complete(_all(self._finish(c) for c in convs))
             finally:
                 loop.close()
-        return self._output(
-            convs, budget, prompts.device, {**first_stats, **self._stats(convs, counters, start)}
-        )
+                if session is not None:
+                    session.close()
+        stats = {
+            **first_stats,
+            **self._stats(convs, counters, start),
+            "multi_turn/kv_reuse": float(session is not None),
+        }
+        return self._output(convs, budget, prompts.device, stats)
 
     # ---- turns ----------------------------------------------------------------------------------
-    def _conversation(self, prompt: list[int], info: dict[str, Any], messages: list[dict]) -> Conversation:
+    def _conversation(
+        self, row: int, prompt: list[int], info: dict[str, Any], messages: list[dict]
+    ) -> Conversation:
         agent = info.get("agent_name") or "tool_agent"
         if agent not in AGENTS:
             raise ValueError(f"agent_name {agent!r} is not supported; known: {AGENTS}")
@@ -204,6 +232,7 @@ class MultiTurnRollout:
                 )
             interaction = self.interactions[name]
         return Conversation(
+            row=row,
             prompt=prompt,
             messages=[dict(m) for m in messages],
             tools_kwargs=dict(info.get("tools_kwargs") or {}),
@@ -212,10 +241,12 @@ class MultiTurnRollout:
             max_assistant_turns=1 if agent == "single_turn_agent" else self.settings.max_assistant_turns,
         )
 
-    def _continue(
-        self, model, live: list[Conversation], params: SamplingParams, budget: int, turn: int, device
-    ):
-        """One engine call on the live conversations, each re-prefilled in full."""
+    def _continue(self, model, session, live: list[Conversation], params: SamplingParams, turn: int, device):
+        """One engine call on the live conversations: their appended tokens prefilled after their cached
+        prefix (``session``), or each conversation re-sent in full."""
+        if session is not None:
+            session.extend([c.row for c in live], [c.appended for c in live])
+            return session.generate([c.row for c in live])
         seqs = [c.prompt + c.tokens for c in live]
         width = max(len(s) for s in seqs)
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -224,12 +255,14 @@ class MultiTurnRollout:
             ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
             mask[i, width - len(s) :] = 1
         seed = None if params.seed is None else params.seed + 7919 * turn
-        room = max(budget - len(c.tokens) for c in live)
+        room = max(params.max_new_tokens - len(c.tokens) for c in live)
         turn_params = dataclasses.replace(params, n=1, max_new_tokens=room, seed=seed)
         return self.engine.generate(model, ids.to(device), mask.to(device), turn_params)
 
-    def _record(self, convs: list[Conversation], out: RolloutOutput, budget: int) -> None:
+    def _record(self, convs: list[Conversation], out: RolloutOutput, budget: int, counters: Counters) -> None:
         """Append each row's model tokens (cut to the conversation's budget) and decide what comes next."""
+        counters.engine_calls += 1
+        counters.prefill_tokens += out.stats.get("rollout/prefill_tokens", 0.0)
         lengths = out.response_mask.sum(dim=1).tolist()
         tokens, log_probs = out.responses.tolist(), out.log_probs.float().tolist()
         s = self.settings
@@ -268,6 +301,7 @@ class MultiTurnRollout:
                 c.done = True
                 continue
             c.tokens += toks
+            c.appended = toks
             c.model_mask += [0] * len(toks)
             c.log_probs += [0.0] * len(toks)
             c.messages += messages
@@ -420,6 +454,7 @@ class MultiTurnRollout:
             "multi_turn/user_turns": sum(c.user_turns for c in convs) / n,
             "multi_turn/appended_tokens": sum(len(c.tokens) - sum(c.model_mask) for c in convs) / n,
             "multi_turn/engine_calls": float(counters.engine_calls),
+            "multi_turn/prefill_tokens": counters.prefill_tokens,
             "multi_turn/tool_calls": float(counters.tool_calls),
             "multi_turn/tool_errors": float(counters.tool_errors),
             "multi_turn/tool_time_s": counters.tool_time_s,
