@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                         "  (no JSON object in its output" + (" matching --select)" if select else ")"),
                         flush=True,
                     )
+                else:  # each run's figures as it ends: a cut-off invocation still leaves them
+                    shown = {k: v for k, v in run.record.items() if not args.metric or k in args.metric}
+                    print("  " + json.dumps(shown), flush=True)
         finally:
             for side in sides.values():
                 if side.tree is not None and side.commit != DIRECTORY:
