@@ -50,8 +50,8 @@ def test_dry_run_from_config(tmp_path, capsys):
     )
     assert rc == 0
     out = capsys.readouterr().out
-    assert "world 2" in out and "tokens=2048" in out
-    assert "│   1024 │" in out and "│   2048 │" in out  # ½× and 1× the configured token budget
+    assert "world 2" in out and "tokens=2048" in out, out
+    assert "│   1024 │" in out and "│   2048 │" in out, out  # ½× and 1× the configured token budget
 
 
 def test_dry_run_of_the_7b_recipe_shows_host_and_checkpoint(capsys):
