@@ -15,11 +15,17 @@ with response rows that hold a whole conversation after the prompt. Per turn, ev
    ``max_parallel_calls`` of them — the calls of all conversations concurrently, at most
    ``max_concurrent_calls`` at a time, each bounded by ``tool_timeout_s`` — and appends one ``tool`` message
    per call, its text cut to ``max_tool_response_length`` characters; otherwise, with an interaction, appends
-   its
-   ``user`` message (or ends when the interaction says so); otherwise ends;
+   its ``user`` message — when the interaction ends the conversation (``generate_response``'s
+   ``should_terminate``), its message too, if not empty, as verl's agent loop does, and the conversation
+   ends after it; otherwise ends;
 3. ends at ``max_assistant_turns`` assistant turns or ``max_user_turns`` tool/user turns, when the model's
-turn
-   is cut by the budget, or when appending the next message would leave no room for another model token.
+   turn is cut by the budget, or when appending the next message would leave no room for another model
+   token (a last message only has to fit): such a message is left out whole, never cut.
+
+A last message is rendered without the next assistant header (no model turn follows it); verl renders it
+with one and cuts the response at the budget, which can cut into the message. Here the response ends on the
+message's own end-of-turn, and the reward's scorer, which reads the whole response, never reads a message
+cut short.
 
 Appended messages are tokenized with the tokenizer's chat template: the text the template puts between the
 model's end-of-turn token and the next assistant header. The model's tokens are kept exactly as sampled, never
@@ -288,18 +294,21 @@ class MultiTurnRollout:
             )
 
     async def _respond(self, live: list[Conversation], counters: Counters, budget: int) -> None:
-        """Tool answers or the interaction's message for every live conversation, appended."""
+        """Tool answers or the interaction's message for every live conversation, appended whole when they
+        fit the budget: a message the model answers leaves it one token at least, a last message (the
+        interaction ended the conversation) only has to fit. A message that does not fit ends the
+        conversation unappended, and is not counted as a turn."""
         sem = asyncio.Semaphore(self.settings.max_concurrent_calls)
         replies = await asyncio.gather(*(self._reply(c, sem, counters) for c in live))
-        for c, messages in zip(live, replies):
+        for c, (messages, last) in zip(live, replies):
+            c.done = last
             if not messages:
+                continue
+            toks = self.message_tokens(messages, generation_prompt=not last)
+            if len(c.tokens) + len(toks) > budget - (0 if last else 1):
                 c.done = True
                 continue
             c.user_turns += 1
-            toks = self.message_tokens(messages)
-            if len(c.tokens) + len(toks) >= budget:  # no room left for the model
-                c.done = True
-                continue
             c.tokens += toks
             c.appended = toks
             c.model_mask += [0] * len(toks)
@@ -308,11 +317,14 @@ class MultiTurnRollout:
 
     async def _reply(
         self, c: Conversation, sem: asyncio.Semaphore, counters: Counters
-    ) -> list[dict[str, Any]]:
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """(the messages to append, whether they are the conversation's last): the tool answers, or the
+        interaction's message — its last when it ends the conversation (verl's ``should_terminate``), none
+        when that message is empty or the interaction failed."""
         if c.calls:
             calls = c.calls[: self.settings.max_parallel_calls]
             texts = await asyncio.gather(*(self._call_tool(c, call, sem, counters) for call in calls))
-            return [{"role": "tool", "content": t} for t in texts]
+            return [{"role": "tool", "content": t} for t in texts], False
         try:
             done, text, score, _ = await asyncio.wait_for(
                 c.interaction.generate_response(c.interaction_id, c.messages, **c.interaction_kwargs),
@@ -320,9 +332,10 @@ class MultiTurnRollout:
             )
         except Exception:  # noqa: BLE001  a user's interaction failing ends its conversation, not the run
             counters.interaction_errors += 1
-            return []
+            return [], True
         c.turn_scores.append(float(score))
-        return [] if done else [{"role": "user", "content": str(text)}]
+        text = "" if text is None else str(text)
+        return ([{"role": "user", "content": text}] if text or not done else []), bool(done)
 
     async def _call_tool(
         self, c: Conversation, call: ToolCall, sem: asyncio.Semaphore, counters: Counters
@@ -398,12 +411,12 @@ class MultiTurnRollout:
                 return after[len(eos_text) :], prefix
         return "", prefix
 
-    def message_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
+    def message_tokens(self, messages: list[dict[str, Any]], *, generation_prompt: bool = True) -> list[int]:
         """Token ids that follow a model turn's end-of-turn token: ``messages`` as the chat template renders
-        them after an assistant turn, then the next assistant header."""
+        them after an assistant turn, then (``generation_prompt``) the next assistant header."""
         base = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
         full = self.tokenizer.apply_chat_template(
-            base + messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+            base + messages, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
         )
         if not full.startswith(self._prefix):
             raise ValueError("the chat template renders earlier turns differently once messages follow them")

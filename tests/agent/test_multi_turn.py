@@ -173,8 +173,9 @@ def test_turn_limits_and_a_model_that_never_ends_its_turn():
     assert endless.calls == 1 and out.stats["multi_turn/tool_calls"] == 0
     turn = len(TOK(call("calculator", expression="1+1"))["input_ids"]) + 1
     out = rollout(engine, tools=tools).generate(None, ids, mask, SamplingParams(max_new_tokens=turn + 5))
-    # the tool's message would leave no room for the model: not appended (data.max_response_length counts it)
-    assert int(out.response_attention_mask.sum()) == turn and out.stats["multi_turn/user_turns"] == 1
+    # the tool's message would leave no room for the model: not appended (data.max_response_length counts it),
+    # nor counted as a turn
+    assert int(out.response_attention_mask.sum()) == turn and out.stats["multi_turn/user_turns"] == 0
 
 
 def test_interaction_feedback_and_retry():
@@ -191,8 +192,65 @@ def test_interaction_feedback_and_retry():
     )
     k = int(out.response_attention_mask[0].sum())
     text = TOK.decode(out.responses[0, :k].tolist())
-    assert text.count("try again") == 1 and text.endswith("#### 19<|im_end|>") and "is correct!" not in text
-    assert out.extras[0]["turn_scores"] == [0.0, 1.0]
+    assert text.count("try again") == 1 and text.count("#### 19<|im_end|>") == 1
+    # the interaction's last message is appended (verl's agent loop does), with no assistant header after it
+    assert text.endswith("#### 19<|im_end|>\n<|im_start|>user\nYour response is correct!<|im_end|>\n")
+    assert out.extras[0]["turn_scores"] == [0.0, 1.0] and out.extras[0]["num_turns"] == 4
+
+
+def retry(budget: int, right: str = "Your response is correct!", first: str = "#### 5"):
+    """One conversation with the GSM8K interaction (ground truth 19) whose last message is ``right``."""
+
+    class Says(Gsm8kInteraction):
+        async def generate_response(self, instance_id, messages, **kwargs):
+            done, text, score, extra = await super().generate_response(instance_id, messages, **kwargs)
+            return done, (right if done else text), score, extra
+
+    ids, mask, messages = prompt()
+    return rollout(ScriptedEngine([first, "#### 19"]), interactions={"gsm8k": Says({})}).generate(
+        None,
+        ids,
+        mask,
+        SamplingParams(max_new_tokens=budget),
+        extra_info=[{"interaction_kwargs": {"name": "gsm8k", "ground_truth": "19"}}],
+        raw_prompt=messages,
+    )
+
+
+def test_the_interactions_last_message_is_appended_where_it_fits():
+    full = retry(400)
+    length = int(full.response_attention_mask.sum())
+    model = full.response_mask[0].nonzero().squeeze(1).tolist()
+    last = TOK.decode(full.responses[0, model[-1] + 1 : length].tolist())
+    assert last == "\n<|im_start|>user\nYour response is correct!<|im_end|>\n"  # after the model's EOS
+    after = slice(model[-1] + 1, None)
+    assert full.log_probs[0, after].abs().sum() == 0 and full.response_mask[0, after].sum() == 0
+    assert full.stats["multi_turn/user_turns"] == 2
+    # exactly the budget: appended (nothing has to follow a last message)
+    exact = retry(length)
+    assert torch.equal(exact.responses[0], full.responses[0, :length])
+    assert exact.stats["multi_turn/user_turns"] == 2
+    # one token short: left out whole (never cut), not counted as a turn; the answers stay as they were
+    short = retry(length - 1)
+    assert int(short.response_attention_mask.sum()) == model[-1] + 1
+    assert torch.equal(short.responses[0, : model[-1] + 1], full.responses[0, : model[-1] + 1])
+    assert short.stats["multi_turn/user_turns"] == 1 and short.extras[0]["turn_scores"] == [0.0, 1.0]
+    # an empty last message: nothing appended
+    empty = retry(400, right="")
+    assert int(empty.response_attention_mask.sum()) == model[-1] + 1
+    assert empty.extras[0]["num_turns"] == 3
+
+
+def test_a_message_the_model_answers_leaves_it_a_token():
+    """The "try again" message is appended only with room for one model token after it."""
+    first = len(TOK("#### 5")["input_ids"]) + 1
+    full = retry(400)
+    model = full.response_mask[0].nonzero().squeeze(1).tolist()
+    second_start = next(i for i in model if i >= first)
+    fits = retry(second_start + 1)  # the message, then one model token
+    assert fits.stats["multi_turn/user_turns"] == 1 and int(fits.response_mask.sum()) == first + 1
+    no_room = retry(second_start)  # the message would fill the budget: not appended
+    assert no_room.stats["multi_turn/user_turns"] == 0 and int(no_room.response_attention_mask.sum()) == first
 
 
 def test_appended_tokens_do_not_change_the_loss():

@@ -402,7 +402,8 @@ def test_attempt_metrics_of_a_retry_run_by_hand():
     from klppo.trainer.step_metrics import validation_metrics
 
     records = [
-        {"data_source": "a", "uid": 0, "score": 1.0, "turn_scores": [1.0], "num_turns": 1},  # right at once
+        # right at once: the answer and the user's "correct"
+        {"data_source": "a", "uid": 0, "score": 1.0, "turn_scores": [1.0], "num_turns": 2},
         {
             "data_source": "a",
             "uid": 1,
@@ -419,7 +420,7 @@ def test_attempt_metrics_of_a_retry_run_by_hand():
     assert out["val-aux/a/first_turn_score/mean@1"] == 0.25
     assert out["val-aux/a/failed_first/share"] == 0.75
     assert out["val-aux/a/reward_after_failed_first/mean@1"] == pytest.approx(1 / 3)
-    assert out["val-aux/a/num_turns/mean"] == 2.0
+    assert out["val-aux/a/num_turns/mean"] == 2.25
     assert not any(k.startswith("val-aux/b/") for k in out)
 
 
