@@ -6,6 +6,9 @@
 - `check_text_only`: no image or video column (`data.image_key`, `data.video_key`) and no `<image>` /
   `<video>` placeholder in a prompt — klppo trains text-only models, so a vision data set is refused
   rather than trained on its text;
+- `check_tool_config`, `check_interaction_config`: the multi-turn tool and interaction configs load
+  (`klppo.tools.config`: the file, each entry, each class — verl's mapped or refused by name), as the
+  rollout will load them;
 - `check_run_dir`: `trainer.default_local_dir` is (or can be created) writable, and one checkpoint
   (weights, optimizer state and files of each trained role, predicted from the model config by
   `klppo.tune.disk`) fits in the free space when `trainer.save_freq` > 0, else the refusal names the smaller
@@ -41,6 +44,7 @@ from klppo.ops.checkpoint import (
     precheck_resume,
     validate_checkpoint,
 )
+from klppo.tools.config import load_interactions, load_tools
 from klppo.tracking.tracker import BACKENDS, PACKAGES
 from klppo.tune import disk
 from klppo.tune.disk import RoleState
@@ -92,6 +96,22 @@ def check_text_only(cfg: KLPPOConfig) -> None:
                 )
         if d.prompt_key in names:
             _check_prompt_placeholders(pf, path, d.prompt_key)
+
+
+def check_tool_config(cfg: KLPPOConfig) -> None:
+    """ValueError, one line naming the file and entry, when ``multi_turn.tool_config_path`` does not load
+    (missing file, bad entry, a class klppo does not ship or cannot import); the tools are built as the
+    rollout builds them, so a constructor's check runs too."""
+    path = cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path
+    if path:
+        load_tools(path)
+
+
+def check_interaction_config(cfg: KLPPOConfig) -> None:
+    """:func:`check_tool_config` for ``multi_turn.interaction_config_path``."""
+    path = cfg.actor_rollout_ref.rollout.multi_turn.interaction_config_path
+    if path:
+        load_interactions(path)
 
 
 def _check_prompt_placeholders(pf: pq.ParquetFile, path: str, prompt_key: str) -> None:
@@ -263,6 +283,8 @@ def check_before_weights(cfg: KLPPOConfig, model_path: str) -> list[str]:
     estimate). `klppo train` runs them one by one to name every problem (``klppo.commands.startup``)."""
     check_loggers(cfg)
     check_text_only(cfg)
+    check_tool_config(cfg)
+    check_interaction_config(cfg)
     check_resume(cfg)
     check_layout(cfg, model_path)
     return [check_disk(cfg, model_path)]

@@ -5,7 +5,8 @@ is kept, so that one invocation (its ``--dry-run`` too) names them all; the call
    command line (``load_config(..., skipped=...)``: the rest loads without it) and hands those problems
    in; here, what train cannot honour (``check_trainable``);
 2. the machine (device, processes per node) and the per-rank sizes for that many processes;
-3. the model path, the logger backends, text-only data, the checkpoint to resume from;
+3. the model path, the logger backends, text-only data, the multi-turn tool and interaction configs, the
+   checkpoint to resume from;
 4. the model's heads against each Ulysses size and a Megatron launch's memory per GPU, on a GPU the memory
    model's forecast of the GPU and the host, the run directory and one checkpoint's disk space (they read
    the model's config);
@@ -29,9 +30,11 @@ from klppo.assembly.layout_checks import check_layout
 from klppo.assembly.memory_check import check_memory_fit
 from klppo.assembly.startup_checks import (
     check_disk,
+    check_interaction_config,
     check_loggers,
     check_resume,
     check_text_only,
+    check_tool_config,
     nothing_left_to_train,
 )
 from klppo.config import ConfigError, KLPPOConfig, check_trainable, derive_sizes
@@ -58,11 +61,12 @@ class Startup:
     finished: str | None = None
 
     def check(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn(...)``, or None with its problem kept."""
+        """``fn(...)``, or None with its problem kept (once: the data check meets a bad tool config again)."""
         try:
             return fn(*args, **kwargs)
         except PROBLEMS as exc:
-            self.problems.append(str(exc))
+            if str(exc) not in self.problems:
+                self.problems.append(str(exc))
             return None
 
 
@@ -102,6 +106,8 @@ def check_startup(
     )
     found.check(check_loggers, cfg)
     found.check(check_text_only, cfg)
+    found.check(check_tool_config, cfg)
+    found.check(check_interaction_config, cfg)
     found.check(check_resume, cfg)
     if found.model_path is not None:
         found.check(check_layout, cfg, found.model_path)  # Ulysses heads; a Megatron layout's memory

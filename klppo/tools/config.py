@@ -10,8 +10,7 @@ Tool config (``multi_turn.tool_config_path``)::
 Interaction config (``multi_turn.interaction_config_path``)::
 
     interaction:
-      - name: gsm8k                                                 # matched by
-      extra_info.interaction_kwargs.name
+      - name: gsm8k                                   # matched by extra_info.interaction_kwargs.name
         class_name: klppo.tools.gsm8k.Gsm8kInteraction
         config: {}
 
@@ -45,16 +44,23 @@ VERL_REFUSED = {
     "verl.tools.mcp_base_tool.MCPBaseTool": "an MCP server",
     "verl.tools.geo3k_tool.Geo3kTool": "vision-language data (geo3k)",
     "verl.tools.image_zoom_in_tool.ImageZoomInTool": "images in tool answers",
-    "verl.interactions.weather_interaction.WeatherInteraction": "verl's weather demo",
+    "verl.interactions.collabllm_interation.CollabLLMInteraction": "a user played by a hosted LLM",
+    "verl.interactions.weather_interaction.WeatherInteraction": (
+        "verl's weather demo, which scores every answer 1.0 (write a klppo.tools.base.BaseInteraction)"
+    ),
 }
 
 
 def resolve_class(class_name: str, base: type) -> type:
-    """The class at ``class_name`` (verl names mapped or refused); it must subclass ``base``'s lifecycle."""
+    """The class at ``class_name`` (verl names mapped or refused); it must subclass ``base``'s lifecycle.
+    Every refusal of a verl class says "not supported" and names what the class needs."""
     if class_name in VERL_REFUSED:
         raise ValueError(f"{class_name} is not supported: it needs {VERL_REFUSED[class_name]}")
     if class_name.startswith("verl.") and class_name not in VERL_CLASSES:
-        raise ValueError(f"{class_name} has no klppo equivalent; klppo maps {sorted(VERL_CLASSES)}")
+        raise ValueError(
+            f"{class_name} is not supported: klppo has no equivalent of it (it maps "
+            f"{', '.join(sorted(VERL_CLASSES))})"
+        )
     path = VERL_CLASSES.get(class_name, class_name)
     module_name, _, attr = path.rpartition(".")
     try:
@@ -67,6 +73,14 @@ def resolve_class(class_name: str, base: type) -> type:
     if not isinstance(cls, type) or missing:
         raise ValueError(f"{class_name} is not a {base.__name__} (missing {missing or 'a class'})")
     return cls
+
+
+def _resolve(class_name: str, base: type, where: str) -> type:
+    """:func:`resolve_class`, its error prefixed with ``where`` (its message names the class)."""
+    try:
+        return resolve_class(class_name, base)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
 
 
 def _entries(path: str, key: str) -> list[dict[str, Any]]:
@@ -90,12 +104,13 @@ def load_tools(path: str) -> dict[str, BaseTool]:
     tools: dict[str, BaseTool] = {}
     for entry in _entries(path, "tools"):
         where = f"tool config {path}, {entry['class_name']}"
+        cls = _resolve(entry["class_name"], BaseTool, f"tool config {path}")
         config = dict(entry.get("config") or {})
         if config.get("type", "native") != "native":
             raise ValueError(f"{where}: config.type={config['type']!r} is not supported (native only)")
         try:
             schema = ToolSchema.from_dict(entry["tool_schema"]) if entry.get("tool_schema") else None
-            tool = resolve_class(entry["class_name"], BaseTool)(config, schema)
+            tool = cls(config, schema)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{where}: {e}") from e
         if tool.name in tools:
@@ -111,10 +126,9 @@ def load_interactions(path: str) -> dict[str, BaseInteraction]:
     for entry in _entries(path, "interaction"):
         cls_name = entry["class_name"]
         name = entry.get("name") or cls_name.rpartition(".")[2].removesuffix("Interaction").lower()
+        cls = _resolve(cls_name, BaseInteraction, f"interaction config {path}")
         try:
-            interaction = resolve_class(cls_name, BaseInteraction)(
-                {"name": name, **(entry.get("config") or {})}
-            )
+            interaction = cls({"name": name, **(entry.get("config") or {})})
         except (ValueError, TypeError) as e:
             raise ValueError(f"interaction config {path}, {cls_name}: {e}") from e
         if name in out:

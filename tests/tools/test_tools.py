@@ -124,7 +124,7 @@ def test_configs_load_map_and_refuse(tmp_path):
     for class_name, words in [
         ("verl.tools.search_tool.SearchTool", "retrieval"),
         ("verl.tools.sandbox_fusion_tools.SandboxFusionTool", "SandboxFusion"),
-        ("verl.tools.new_tool.NewTool", "no klppo equivalent"),
+        ("verl.tools.new_tool.NewTool", "not supported: klppo has no equivalent"),
         ("no.such.Module", "cannot import"),
         ("builtins.dict", "not a BaseTool"),
     ]:

@@ -161,6 +161,36 @@ def test_dry_run_runs_the_checks_and_prints_inert_keys(
     assert err[-1].startswith("klppo: trainer.logger includes 'wandb'")
 
 
+def test_dry_run_loads_the_tool_and_interaction_configs(tiny_model_dir, arithmetic_data, tmp_path, capsys):
+    """verl's GSM8K tool and interaction load (mapped to klppo's); a verl class klppo does not ship is one
+    line each, named once though the data check reads the tool config too."""
+    from klppo.commands.train import main
+
+    tools, interactions = tmp_path / "tools.yaml", tmp_path / "interactions.yaml"
+    tools.write_text("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native}\n")
+    interactions.write_text(
+        "interaction:\n  - name: gsm8k\n"
+        "    class_name: verl.interactions.gsm8k_interaction.Gsm8kInteraction\n"
+    )
+    multi_turn = "actor_rollout_ref.rollout.multi_turn."
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run") + [
+        f"{multi_turn}enable=True",
+        f"{multi_turn}tool_config_path={tools}",
+        f"{multi_turn}interaction_config_path={interactions}",
+    ]
+    assert main(["--dry-run", *overrides]) == 0
+    capsys.readouterr()
+    tools.write_text("tools:\n  - class_name: verl.tools.search_tool.SearchTool\n")
+    interactions.write_text(
+        "interaction:\n  - class_name: verl.interactions.collabllm_interation.CollabLLMInteraction\n"
+    )
+    assert main(["--dry-run", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "klppo: 2 problems, nothing started:" in err, err
+    assert f"1. tool config {tools}: verl.tools.search_tool.SearchTool is not supported: it needs a " in err
+    assert "2. interaction config" in err and "CollabLLMInteraction is not supported: it needs a user" in err
+
+
 def test_max_samples_limit_the_rows(tiny_model_dir, arithmetic_data, tmp_path):
     from klppo.assembly.data_check import build_loaders
     from klppo.models.loading import load_tokenizer
