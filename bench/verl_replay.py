@@ -13,7 +13,9 @@
    `klppo config ARGS`, then `klppo train --dry-run ARGS`, both with what the user of any launch supplies
    replaced — the model (and critic) by a tiny one, the data files by small Parquet files shaped like the
    set the launch names (its prompt column, enough rows for its batch, an image column for a vision set),
-   the run directory by one under WORK — on CPU.
+   the run directory by one under WORK — on CPU, in the checkout's directory as the scripts ran: the files
+   a launch names inside verl's tree (a `--config-path`, a multi-turn tool or interaction config, a reward
+   function) are read there, relative paths included, as verl reads them.
 3. Classifies: accepted (both exit 0), refused (the message names an unbuilt feature), env (a logger
    package is missing; `--fake-loggers` puts importable stand-ins on the path to look past it), failed
    (anything else: read the message). Writes WORK/replay.jsonl and prints the counts.
@@ -204,7 +206,8 @@ def _call(fn, argv: list[str]) -> tuple[object, str]:
     return rc, err.getvalue()
 
 
-def replay(launches: list[tuple[str, list[str]]], work: Path) -> list[dict]:
+def replay(launches: list[tuple[str, list[str]]], work: Path, verl: Path) -> list[dict]:
+    """Each launch's verdict (module docstring, 2-3), run in ``verl``, the directory its script ran in."""
     from klppo.commands.train import main as train_main
     from klppo.config.cli import main as config_main
     from klppo.models.tiny import save_tiny_model_dir
@@ -227,10 +230,11 @@ def replay(launches: list[tuple[str, list[str]]], work: Path) -> list[dict]:
             stand_ins.append(f"critic.model.path={tiny}")
         replaced = {a.partition("=")[0] for a in stand_ins}
         argv_here = [a for a in argv if a.lstrip("+").partition("=")[0] not in replaced]
-        rc, err = _call(config_main, [*argv_here, *stand_ins])
-        if _value(argv, "trainer.device") == "cuda":
-            stand_ins.append("trainer.device=cpu")  # replayed on CPU
-        rc2, err2 = _call(train_main, ["--dry-run", *argv_here, *stand_ins])
+        with contextlib.chdir(verl):
+            rc, err = _call(config_main, [*argv_here, *stand_ins])
+            if _value(argv, "trainer.device") == "cuda":
+                stand_ins.append("trainer.device=cpu")  # replayed on CPU
+            rc2, err2 = _call(train_main, ["--dry-run", *argv_here, *stand_ins])
         text = err2 if rc == 0 else err
         if rc == 0 and rc2 == 0:
             verdict = "accepted"
@@ -262,7 +266,8 @@ def main() -> None:
             (work / "fake_loggers" / m / "__init__.py").write_text("")
         sys.path.insert(0, str(work / "fake_loggers"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    results = replay(record(args.verl.resolve(), work), work)
+    verl = args.verl.resolve()
+    results = replay(record(verl, work), work, verl)
     with open(work / "replay.jsonl", "w") as f:
         for r in results:
             f.write(json.dumps(r) + "\n")

@@ -84,17 +84,20 @@ def _resolve(class_name: str, base: type, where: str) -> type:
 
 
 def _entries(path: str, key: str) -> list[dict[str, Any]]:
-    p = Path(path).expanduser()
+    """The entries under ``key`` (``tools`` / ``interaction``) of the YAML file at ``path``; a relative
+    path is read from the working directory, as verl reads it."""
+    p, label = Path(path).expanduser(), key.removesuffix("s")
     if not p.is_file():
-        raise ValueError(f"{key} config {path} not found")
+        where = "" if p.is_absolute() else f" (relative to {Path.cwd()})"
+        raise ValueError(f"{label} config {path} not found{where}")
     try:
         doc = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ValueError(f"{key} config {path}: not YAML ({e})") from e
+        raise ValueError(f"{label} config {path}: not YAML ({e})") from e
     entries = doc.get(key) if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not all(isinstance(e, dict) and e.get("class_name") for e in entries):
         raise ValueError(
-            f"{key} config {path}: expected `{key}:` with a list of entries that have class_name"
+            f"{label} config {path}: expected `{key}:` with a list of entries that have class_name"
         )
     return entries
 
