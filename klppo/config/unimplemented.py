@@ -54,7 +54,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
         "verl's cache of this trainer's own rollouts is not "
         "built; to train on logged responses set data.logged_files (docs/data.md)",
     ),
-    ("actor_rollout_ref.rollout.over_sample_rate", "refuse", "over-sampling is not built"),
     ("actor_rollout_ref.rollout.quantization", "refuse", "quantized rollout is not built"),
     ("algorithm.use_pf_ppo", "refuse", "PF-PPO reweighting is not built"),
     ("data.tokenizer", "refuse", "the dataset always uses the model's tokenizer"),
@@ -123,6 +122,11 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ("transfer_queue.enable", "notice", "batches move between phases in process memory"),
     # accepted, no effect yet
     ("actor_rollout_ref.hybrid_engine", "warn", "klppo always generates on the actor's own weights"),
+    (
+        "actor_rollout_ref.rollout.over_sample_rate",
+        "warn",
+        "verl defines it and acts on it nowhere (its rollouts never abort early): no effect there either",
+    ),
     ("actor_rollout_ref.nccl_timeout", "warn", "use trainer.collective_timeout_s"),
     ("*.use_shm", "warn", "shared-memory model/data copies are not used"),
     ("data.dataloader_num_workers", "warn", "the loader reads Parquet row groups in the main process"),
