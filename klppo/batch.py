@@ -19,6 +19,8 @@ Shapes (P = prompt length, left-padded; R = response length, right-padded):
   that subtract it, e.g. ReMax); ``None`` otherwise
 - ``rollout_is_weights`` [B, R] float32: rollout correction's importance weights π_old / π_rollout (truncated
   or masked, 0 at padding; ``algorithm.rollout_correction.rollout_is`` in decoupled mode), else ``None``
+- ``from_logs`` [B] bool: True on a sample read from logged responses (``data.logged_files``), False on one
+  generated in the step; ``None`` when every sample was generated
 - ``host_mask``: a host (numpy) copy of ``attention_mask`` [B, P+R] bool, or ``None``. The roles' passes set
   it once per pass (:meth:`Batch.with_host_mask`: one device→host copy) so that micro-batching, trimming
   and packing read lengths and token positions on the host instead of syncing with the device once per
@@ -56,6 +58,7 @@ TENSOR_FIELDS = (
     "returns",
     "reward_baselines",
     "rollout_is_weights",
+    "from_logs",
 )
 LIST_FIELDS = ("data_source", "ground_truth", "uid", "extra_info", "raw_prompt")
 HOST_FIELDS = ("host_mask", "host_response_mask")
@@ -78,6 +81,7 @@ class Batch:
     returns: torch.Tensor | None = None
     reward_baselines: torch.Tensor | None = None
     rollout_is_weights: torch.Tensor | None = None
+    from_logs: torch.Tensor | None = None
     data_source: list[str] = dataclasses.field(default_factory=list)
     ground_truth: list[Any] = dataclasses.field(default_factory=list)
     uid: list[Any] = dataclasses.field(default_factory=list)

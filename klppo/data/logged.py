@@ -22,7 +22,8 @@ epoch ``e`` in the permutation of ``numpy.random.default_rng([seed, e])``. A bat
 leaves: ``prompts``/``prompt_mask`` (left-padded), ``responses``/``response_mask`` (right-padded to
 ``max_response_length``), ``rollout_log_probs`` (None unless every sample has them),
 ``token_level_scores`` (the logged score on the last response token, NaN there where no score was logged:
-the trainer scores those samples) and ``uid`` (the group). Knows nothing of models or the training loop.
+the trainer scores those samples), ``from_logs`` (all True) and ``uid`` (the group). Knows nothing of
+models or the training loop.
 """
 
 from __future__ import annotations
@@ -376,6 +377,7 @@ class LoggedLoader:
             response_mask=response_mask,
             rollout_log_probs=log_probs if self.has_log_probs else None,
             token_level_scores=scores,
+            from_logs=torch.ones(b, dtype=torch.bool),
             data_source=[row.get(self.settings.reward_fn_key) or "" for row in rows],
             ground_truth=[(row.get("reward_model") or {}).get("ground_truth") for row in rows],
             extra_info=[row.get("extra_info") or {} for row in rows],
