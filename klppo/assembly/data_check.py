@@ -12,15 +12,17 @@ scan, which is the price of refusing bad data before the weights load.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import numpy as np
 
 from klppo.assembly.logged import build_logged_loader
-from klppo.config import KLPPOConfig
+from klppo.config import KLPPOConfig, logged_prompts_per_step
 from klppo.data.dataset import LoaderSettings, PromptLoader
 from klppo.data.logged import LoggedLoader
+from klppo.data.mixed import MixedLoader
 from klppo.data.parquet_rows import DataError
 from klppo.models.loading import load_tokenizer, model_dir
 from klppo.rewards.registry import SCORERS, check_custom_reward_file
@@ -100,22 +102,28 @@ def _check_rule_reward_rows(loader: Any, split: str) -> None:
 
 def build_loaders(
     cfg: KLPPOConfig, tokenizer: Any
-) -> tuple[PromptLoader | LoggedLoader, PromptLoader | None]:
-    """The training loader (of the logged samples with ``data.logged_files``) and the validation loader
-    (None without ``data.val_files``)."""
+) -> tuple[PromptLoader | LoggedLoader | MixedLoader, PromptLoader | None]:
+    """The training loader — prompts to generate for, the logged samples (``data.logged_files`` with
+    ``data.logged_share=1``), or both (a share between 0 and 1) — and the validation loader (None without
+    ``data.val_files``)."""
     from klppo.assembly.settings import data_paths, loader_settings  # noqa: PLC0415  heavy (roles, engine): not for a bad key
 
-    def make(settings: LoaderSettings) -> PromptLoader:
-        return PromptLoader(settings, tokenizer)
+    def make(settings: LoaderSettings | None) -> PromptLoader | None:
+        return None if settings is None else PromptLoader(settings, tokenizer)
 
-    val = loader_settings(cfg.data, seed=cfg.trainer.seed, validation=True)
-    logged = data_paths(cfg.data.logged_files)
-    if logged:  # logged responses instead of prompts to generate for
-        train = build_logged_loader(cfg, tokenizer, logged)
-        log.info("behaviour log-probs of the logged samples: %s (docs/data.md)", train.behaviour())
-    else:
-        train = make(loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False))
-    return train, (make(val) if val is not None else None)
+    val = make(loader_settings(cfg.data, seed=cfg.trainer.seed, validation=True))
+    prompts = loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False)
+    logged, share = data_paths(cfg.data.logged_files), cfg.data.logged_share
+    if logged and share == 0:
+        log.info("data.logged_share=0: every sample is generated, data.logged_files is not read")
+    if not logged or share == 0:
+        return make(prompts), val
+    logs = build_logged_loader(cfg, tokenizer, logged)
+    log.info("behaviour log-probs of the logged samples: %s (docs/data.md)", logs.behaviour())
+    if share == 1:  # logged responses instead of prompts to generate for
+        return logs, val
+    num_fresh = cfg.data.train_batch_size - logged_prompts_per_step(cfg)
+    return MixedLoader(make(dataclasses.replace(prompts, batch_size=num_fresh)), logs), val
 
 
 def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
@@ -127,8 +135,8 @@ def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
         check_custom_reward_file(fn.path, fn.name)
     train, val = build_loaders(cfg, tokenizer)
     loaders = {"train": train} if val is None else {"train": train, "validation": val}
-    check_ground_truth_columns(cfg, loaders)
-    for split, loader in loaders.items():
+    check_ground_truth_columns(cfg, by_source(loaders))
+    for split, loader in by_source(loaders).items():
         if getattr(loader, "stats", None) is not None and loader.stats.num_truncated:
             log.warning(
                 "%s prompts: %d longer than data.max_prompt_length=%d are cut (data.truncation=%s): raise "
@@ -141,6 +149,18 @@ def check_data(cfg: KLPPOConfig, tokenizer: Any) -> dict[str, Any]:
                 loader.truncation,
             )
     return loaders
+
+
+def by_source(loaders: dict[str, Any]) -> dict[str, Any]:
+    """``loaders`` with a mixed run's training loader as its two parts: ``train`` (the prompts) and
+    ``train logs``."""
+    out: dict[str, Any] = {}
+    for split, loader in loaders.items():
+        if isinstance(loader, MixedLoader):
+            out.update({split: loader.prompts, f"{split} logs": loader.logged})
+        else:
+            out[split] = loader
+    return out
 
 
 def tokenizer_trusts_code(cfg: KLPPOConfig) -> bool:

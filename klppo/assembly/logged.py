@@ -10,7 +10,7 @@ from typing import Any
 from transformers import AutoConfig
 
 from klppo.algorithms.advantages import get_advantage_estimator
-from klppo.config import KLPPOConfig
+from klppo.config import KLPPOConfig, logged_prompts_per_step
 from klppo.data.logged import LoggedLoader, LoggedSettings
 from klppo.data.parquet_rows import DataError
 from klppo.models.loading import model_dir
@@ -42,7 +42,7 @@ def logged_settings(cfg: KLPPOConfig, *, vocab_size: int, files: list[str]) -> L
     needs_groups = get_advantage_estimator(cfg.algorithm.adv_estimator).needs_group_ids
     return LoggedSettings(
         files=files,
-        groups_per_batch=data.train_batch_size,
+        groups_per_batch=logged_prompts_per_step(cfg),
         samples_per_group=cfg.actor_rollout_ref.rollout.n,
         max_prompt_length=data.max_prompt_length,
         max_response_length=data.max_response_length,

@@ -39,6 +39,7 @@ from klppo.config.schema_arr import KLLossControlConfig
 from klppo.config.sizes import Sizes, uses_critic
 from klppo.data.dataset import PromptLoader
 from klppo.data.logged import LoggedLoader
+from klppo.data.mixed import MixedLoader
 from klppo.models.compile_cache import use_persistent_cache
 from klppo.models.llama_weights import SUPPORTED_MODEL_TYPES
 from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
@@ -78,8 +79,8 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Loaders:
-    train: PromptLoader | LoggedLoader
-    """Prompts to generate for, or logged samples (``data.logged_files``)."""
+    train: PromptLoader | LoggedLoader | MixedLoader
+    """Prompts to generate for, logged samples (``data.logged_files``), or both (``data.logged_share``)."""
     val: PromptLoader | None
 
 

@@ -160,6 +160,7 @@ _RANGES: tuple[tuple[str, float, float | None], ...] = (
     ("critic.ppo_epochs", 1, None),
     ("critic.ulysses_sequence_parallel_size", 1, None),
     ("critic.cliprange_value", 0, None),
+    ("data.logged_share", 0, 1),
     ("algorithm.gamma", 0, 1),
     ("algorithm.lam", 0, 1),
     ("algorithm.kl_ctrl.kl_coef", 0, None),

@@ -89,8 +89,14 @@ class DataConfig:
     max_cached_row_groups: int = F(16, "[klppo] Parquet row groups kept decoded in memory while reading.")
     logged_files: Any = F(
         None,
-        "[klppo] Parquet files of logged responses to train on instead of generating (null: generate).",
+        "[klppo] Parquet files of logged responses to train on (logged_share of each step; null: generate).",
         see="data.md#logged-responses",
+    )
+    logged_share: float = F(
+        1.0,
+        "[klppo] The share of each step's prompt groups read from logged_files, the rest generated (1: logs "
+        "only; 0: generate all).",
+        see="data.md#mixed-runs",
     )
     logged_overlong: str = F(
         "error",

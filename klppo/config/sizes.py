@@ -9,6 +9,7 @@ samples over the `world_size / ulysses_sequence_parallel_size` data-parallel gro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from klppo.config.errors import ConfigError
@@ -42,6 +43,7 @@ class Sizes:
     critic_forward_micro_batch_size_per_gpu: int | None
     num_critic_updates_per_step: int | None
     reward_micro_batch_size_per_gpu: int | None = None  # the reward model's forwards (None: token budget)
+    logged_prompts_per_step: int = 0  # prompt groups read from data.logged_files, not generated
 
 
 def uses_critic(cfg: KLPPOConfig) -> bool:
@@ -58,8 +60,40 @@ def uses_lora(model: ModelConfig) -> bool:
     return model.lora_rank > 0 or bool(model.lora_adapter_path)
 
 
+def logged_prompts_per_step(cfg: KLPPOConfig) -> int:
+    """The prompt groups of a step read from ``data.logged_files`` (``rollout.n`` logged samples each); the
+    step generates for the other ``train_batch_size`` minus this many prompts. ``logged_share`` ×
+    ``train_batch_size`` rounded to the nearest whole group, halves up; 0 without logged files."""
+    data = cfg.data
+    if not data.logged_files:
+        return 0
+    return math.floor(data.logged_share * data.train_batch_size + 0.5)
+
+
+def check_logged_share(cfg: KLPPOConfig) -> None:
+    """A share strictly between 0 and 1 (a mixed run) needs logged files and must give each source at least
+    one prompt group of a step."""
+    share, tb = cfg.data.logged_share, cfg.data.train_batch_size
+    if share in (0, 1):
+        return
+    if not cfg.data.logged_files:
+        raise ConfigError(
+            f"data.logged_share={share} reads part of each step from data.logged_files, which is not set: "
+            "set it, or data.logged_share=0 to generate every sample"
+        )
+    num_logged = logged_prompts_per_step(cfg)
+    if num_logged in (0, tb):
+        source = "the logs" if num_logged == 0 else "generation"
+        raise ConfigError(
+            f"data.logged_share={share} leaves {source} none of the data.train_batch_size={tb} prompt "
+            f"groups of a step ({share} × {tb} rounds to {num_logged} from the logs): for a mixed step "
+            f"choose a share in [{0.5 / tb:.4g}, {1 - 0.5 / tb:.4g}), or 0 (generate only) or 1 (logs only)"
+        )
+
+
 def check_prompt_counts(cfg: KLPPOConfig) -> None:
-    """World-size-free rules on prompt counts (train_batch_size vs ppo_mini_batch_size)."""
+    """World-size-free rules on prompt counts (train_batch_size vs ppo_mini_batch_size, the logged share)."""
+    check_logged_share(cfg)
     tb, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
     for key, mini in (
         ("actor_rollout_ref.actor.ppo_mini_batch_size", cfg.actor_rollout_ref.actor.ppo_mini_batch_size),
@@ -99,6 +133,14 @@ def derive_sizes(cfg: KLPPOConfig, world_size: int) -> Sizes:
             f"data.train_batch_size={tb} prompts is not divisible by the {world_size} "
             f"ranks{_ranks_src(cfg, world_size)}: each rank generates rollout.n={n} samples for its own "
             f"share of prompts; choose a multiple of {world_size}"
+        )
+    num_logged = logged_prompts_per_step(cfg)
+    if num_logged % world_size:
+        raise ConfigError(
+            f"data.logged_share={cfg.data.logged_share} reads {num_logged} of the {tb} prompt groups of a "
+            f"step from the logs, not divisible by the {world_size} ranks{_ranks_src(cfg, world_size)}: each "
+            "rank takes its share of the logged groups and generates for its share of the other prompts; "
+            f"choose a share that gives a multiple of {world_size} groups"
         )
     a_dp, a_mini, a_micro = _role(
         "actor_rollout_ref.actor",
@@ -151,6 +193,7 @@ def derive_sizes(cfg: KLPPOConfig, world_size: int) -> Sizes:
         critic_forward_micro_batch_size_per_gpu=c_fwd,
         num_critic_updates_per_step=c_updates,
         reward_micro_batch_size_per_gpu=rm_micro,
+        logged_prompts_per_step=num_logged,
     )
 
 

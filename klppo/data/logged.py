@@ -104,7 +104,7 @@ class LoggedSettings:
     files: list[str]
     """Parquet files in the schema of docs/data.md."""
     groups_per_batch: int
-    """Groups (prompts) per batch: ``data.train_batch_size``."""
+    """Groups (prompts) per batch: ``data.train_batch_size`` × ``data.logged_share``, rounded."""
     samples_per_group: int
     """Samples of each group: ``rollout.n`` (a step's size is that of an online step)."""
     max_prompt_length: int
@@ -300,7 +300,8 @@ class LoggedLoader:
         if len(kept) < s.groups_per_batch:
             raise DataError(
                 f"{', '.join(self.source.paths)}: {len(kept)} usable groups ({self.num_dropped} "
-                f"dropped), fewer than one batch of data.train_batch_size={s.groups_per_batch}"
+                f"dropped), fewer than the {s.groups_per_batch} of a step (data.train_batch_size × "
+                "data.logged_share)"
             )
         return kept
 

@@ -50,6 +50,7 @@ REFUSED_KEYS = (
     "data.train_batch_size",
     "data.max_prompt_length",
     "data.max_response_length",
+    "data.logged_share",
     "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.actor.ppo_mini_batch_size",
     "critic.ppo_mini_batch_size",

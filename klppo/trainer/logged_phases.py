@@ -1,6 +1,7 @@
 """The phases of a step on logged samples (``data.logged_files``): the loader's batch is the step's samples
-(nothing is generated), scores are computed only where the log has none, and the reference's log-probs
-stand in for missing behaviour log-probs where a decoupled correction needs them (docs/data.md)."""
+(nothing is generated; a mixed step's generated ones join them, ``mixed_phases.py``), scores are computed
+only where the log has none, and the reference's log-probs stand in for missing behaviour log-probs where a
+decoupled correction needs them (docs/data.md)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import torch
 from klppo.assembly.setup import Run
 from klppo.batch import Batch
 from klppo.data.logged import LoggedLoader
+from klppo.data.mixed import MixedBatch, MixedLoader
 from klppo.roles.reward import Reward
 
 
-def is_logged(samples: Batch) -> bool:
-    """The batch holds logged samples (the loader filled its responses), not prompts to generate for."""
-    return samples.responses is not None
+def is_logged(data: Batch | MixedBatch) -> bool:
+    """The step's data are logged samples only (the loader filled their responses): nothing to generate."""
+    return isinstance(data, Batch) and data.responses is not None
 
 
 def with_missing_scores(reward: Reward, samples: Batch) -> Batch:
@@ -31,13 +33,27 @@ def with_missing_scores(reward: Reward, samples: Batch) -> Batch:
     return samples.replace(token_level_scores=filled)
 
 
+def logged_loader(run: Run) -> LoggedLoader | None:
+    """The run's loader of logged samples: the training loader, or a mixed run's part; None without logs."""
+    loader = run.loaders.train
+    if isinstance(loader, MixedLoader):
+        return loader.logged
+    return loader if isinstance(loader, LoggedLoader) else None
+
+
 def with_behaviour_stand_in(run: Run, samples: Batch) -> Batch:
     """Logged samples without behaviour log-probs under a decoupled correction: the reference's (the initial
-    model's) log-probs as ``rollout_log_probs`` (the loader's :meth:`LoggedLoader.behaviour` says so)."""
-    loader = run.loaders.train
-    if isinstance(loader, LoggedLoader) and loader.behaviour() == "reference":
-        assert samples.ref_log_probs is not None, (
-            "the reference stands in: build_logged_loader checks it is loaded"
-        )
+    model's) log-probs as their ``rollout_log_probs`` (the loader's :meth:`LoggedLoader.behaviour` says so);
+    a generated sample of a mixed step keeps the engine's."""
+    logs = logged_loader(run)
+    if logs is None or logs.behaviour() != "reference":
+        return samples
+    assert samples.ref_log_probs is not None, (
+        "the reference stands in: build_logged_loader checks it is loaded"
+    )
+    if samples.rollout_log_probs is None:
         return samples.replace(rollout_log_probs=samples.ref_log_probs)
-    return samples
+    rows = samples.from_logs[:, None]
+    return samples.replace(
+        rollout_log_probs=torch.where(rows, samples.ref_log_probs, samples.rollout_log_probs)
+    )

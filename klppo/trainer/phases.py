@@ -108,15 +108,22 @@ def with_reward_baselines(run: Run, samples: Batch, prompts: Batch, greedy: Samp
 
 
 def with_old_log_probs(
-    actor: Actor, samples: Batch, *, plan: ForwardPlan | None = None
+    actor: Actor,
+    samples: Batch,
+    *,
+    plan: ForwardPlan | None = None,
+    unknown_rows: torch.Tensor | None = None,
 ) -> tuple[Batch, dict[str, float]]:
     """The actor's log-probs of the sampled tokens before the update (over ``plan``'s micro-batches when
-    given), and their gap to the engine's."""
+    given), and their gap to the behaviour log-probs (the engine's or the log's; ``unknown_rows`` [B] bool:
+    rows left out, whose behaviour log-probs are not known yet)."""
     samples = samples.replace(old_log_probs=actor.compute_log_prob(samples, plan=plan))
     metrics: dict[str, float] = {}
     if samples.rollout_log_probs is not None:
         diff = (samples.old_log_probs - samples.rollout_log_probs).abs()
-        metrics["rollout/log_prob_diff"] = float(masked_mean(diff, samples.response_mask))
+        mask = samples.response_mask
+        mask = mask if unknown_rows is None else mask * ~unknown_rows[:, None]
+        metrics["rollout/log_prob_diff"] = float(masked_mean(diff, mask))
     return samples, metrics
 
 

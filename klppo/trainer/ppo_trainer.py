@@ -19,6 +19,7 @@ from typing import Any
 from klppo.algorithms.kl_control import PenaltyShareWatch
 from klppo.assembly.setup import Run
 from klppo.batch import Batch
+from klppo.data.mixed import MixedBatch
 from klppo.ops.checkpoint import load_checkpoint, save_checkpoint
 from klppo.ops.dumps import chat_text, dump_rollouts, dump_samples
 from klppo.ops.monitor import best_checkpoint_step, build_monitor
@@ -33,19 +34,23 @@ from klppo.ops.profiler import StepProfiler
 from klppo.ops.stopping import StopRequest
 from klppo.parallel.collectives import all_gather_objects, all_reduce_sum_values, rank, world_size
 from klppo.parallel.shares import (
-    gather_samples,
     padded_share,
     reduce_metrics,
     rows_with_advantage,
     shard_for_update,
-    shard_prompts,
 )
 from klppo.roles.forward import ForwardPlan
 from klppo.roles.reward import PendingScores
 from klppo.roles.trained import TrainedRole
-from klppo.trainer.logged_phases import is_logged, with_behaviour_stand_in, with_missing_scores
+from klppo.trainer.logged_phases import is_logged, with_behaviour_stand_in
+from klppo.trainer.mixed_phases import (
+    gather_step,
+    shard_step,
+    unknown_behaviour_rows,
+    with_logged_groups,
+    with_step_scores,
+)
 from klppo.trainer.phases import (
-    GATHERED,
     control_kl_loss,
     generate,
     measure_kl_for_control,
@@ -54,7 +59,6 @@ from klppo.trainer.phases import (
     update_rows_metrics,
     with_old_log_probs,
     with_reward_baselines,
-    with_scores,
 )
 from klppo.trainer.step_metrics import batch_metrics, perf_metrics, validation_metrics
 from klppo.trainer.timer import PhaseTimer
@@ -180,7 +184,7 @@ class PPOTrainer:
                 break
         return self.state
 
-    def train_step(self, prompts: Batch, step: int) -> dict[str, float]:
+    def train_step(self, prompts: Batch | MixedBatch, step: int) -> dict[str, float]:
         """One PPO step: generate → score → gather → advantages → updates; returns the step's metrics."""
         timer = PhaseTimer(self.run.device)
         with timer.phase("step"), self.run.offload.on_device(self.run.roles.actor):
@@ -192,23 +196,18 @@ class PPOTrainer:
         metrics = self._step_metrics(done.batch, timer, done.metrics, update_batch=done.update_rows)
         return self._count_skipped(metrics, step, done.skipped)
 
-    def _phases(self, prompts: Batch, step: int, timer: PhaseTimer) -> StepDone:
+    def _phases(self, prompts: Batch | MixedBatch, step: int, timer: PhaseTimer) -> StepDone:
         """The step's phases, the actor on the device (the caller's), the critic from its values to its
         update; a non-finite advantage input or target updates no model, a skipped critic step no actor."""
         run, roles = self.run, self.run.roles
-        local, rollout_stats, pending = self._rollout(shard_prompts(prompts), step, timer)
+        local, rollout_stats, pending = self._rollout(shard_step(prompts), step, timer)
         local, metrics, plan = self._old_log_probs(local, timer)
         local = with_behaviour_stand_in(run, self._reference_log_probs(local, timer, plan))
-        logged = is_logged(prompts)  # the loader's samples: one row each in the global batch
         with self._critic_on_device():
             local = self._values(local, timer)
             with timer.phase("reward"):
-                local = (
-                    with_missing_scores(roles.reward, local)
-                    if logged
-                    else with_scores(roles.reward, local, pending)
-                )
-            batch = gather_samples(prompts, local, n=1 if logged else run.sampling.train.n, fields=GATHERED)
+                local = with_step_scores(roles.reward, prompts, local, pending)
+            batch = gather_step(run, prompts, local)
             batch, adv_metrics, skipped = self._checked_advantages(batch, step, timer)
             if skipped is not None:
                 return StepDone(batch, {**metrics, **adv_metrics, **rollout_stats}, skipped=skipped)
@@ -228,23 +227,28 @@ class PPOTrainer:
         metrics = {**metrics, **adv_metrics, **critic_metrics, **actor_metrics, **rollout_stats}
         return StepDone(batch, metrics, skipped=skipped, update_rows=rows if skipped is None else None)
 
-    def _rollout(self, mine: Batch, step: int, timer: PhaseTimer) -> tuple[Batch, dict, PendingScores | None]:
-        """This rank's samples (with the greedy baselines ReMax-like estimators need), the engine's figures,
-        and their scores when they are computed in the background (``launch_reward_fn_async``), started
-        here so that they overlap the log-prob, reference and value passes."""
+    def _rollout(
+        self, mine: Batch | MixedBatch, step: int, timer: PhaseTimer
+    ) -> tuple[Batch, dict, PendingScores | None]:
+        """This rank's samples (with the greedy baselines ReMax-like estimators need; a mixed step's logged
+        groups after the generated ones), the engine's figures, and the generated samples' scores when they
+        are computed in the background (``launch_reward_fn_async``), started here so that they overlap the
+        log-prob, reference and value passes."""
         run = self.run
         if is_logged(mine):  # logged samples (data.logged_files): nothing to generate or to score yet
             return mine, {}, None
+        prompts = mine.prompts if isinstance(mine, MixedBatch) else mine
         with timer.phase("gen"):
             seed = sample_seed(self.cfg.trainer.seed, step)
-            local, rollout_stats = generate(run, mine, run.sampling.train, seed=seed)
+            local, rollout_stats = generate(run, prompts, run.sampling.train, seed=seed)
         if run.sampling.greedy is not None:
             with timer.phase("gen_max"):
-                local = with_reward_baselines(run, local, mine, run.sampling.greedy)
-        if run.roles.reward.worker is None:
-            return local, rollout_stats, None
-        with timer.phase("reward"):  # the host's share of background scoring: token ids read and sent
-            return local, rollout_stats, run.roles.reward.submit(local, seed=seed)
+                local = with_reward_baselines(run, local, prompts, run.sampling.greedy)
+        pending = None
+        if run.roles.reward.worker is not None:
+            with timer.phase("reward"):  # the host's share of background scoring: token ids read and sent
+                pending = run.roles.reward.submit(local, seed=seed)
+        return with_logged_groups(run, local, mine), rollout_stats, pending
 
     def _checked_advantages(
         self, batch: Batch, step: int, timer: PhaseTimer
@@ -292,7 +296,8 @@ class PPOTrainer:
             return samples, {}, None
         with timer.phase("old_log_prob"):
             plan = actor.log_prob_plan(samples)
-            samples, metrics = with_old_log_probs(actor, samples, plan=plan)
+            unknown = unknown_behaviour_rows(self.run, samples)
+            samples, metrics = with_old_log_probs(actor, samples, plan=plan, unknown_rows=unknown)
         return samples, metrics, plan
 
     def _reference_log_probs(self, samples: Batch, timer: PhaseTimer, plan: ForwardPlan | None) -> Batch:

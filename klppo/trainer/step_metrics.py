@@ -61,7 +61,28 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         out["critic/vf_explained_var"] = explained_variance(batch.values, batch.returns, m)
     if batch.ref_log_probs is not None and batch.old_log_probs is not None:  # else the actor reports them
         out.update(ref_kl_metrics(batch.old_log_probs, batch.ref_log_probs, m))
+    out.update(source_metrics(batch))
     return {k: float(v) for k, v in out.items()}
+
+
+def source_metrics(batch: Batch) -> dict[str, torch.Tensor]:
+    """A mixed step's figures per source (``from_logs``): ``mixed/logged_share`` (of the samples) and, for
+    ``fresh`` (generated) and ``logged`` samples, ``mixed/<source>/score_mean``, ``reward_mean`` (the KL
+    penalty in), ``response_length_mean`` and ``log_prob_diff`` (mean |log π_old − log π_behaviour| over the
+    response tokens). Empty unless the step holds both sources."""
+    if batch.from_logs is None or bool(batch.from_logs.all()):
+        return {}
+    out = {"mixed/logged_share": batch.from_logs.float().mean()}
+    for name, rows in (("fresh", ~batch.from_logs), ("logged", batch.from_logs)):
+        part = batch.select(torch.nonzero(rows).flatten())
+        out[f"mixed/{name}/score_mean"] = part.token_level_scores.sum(dim=1).mean()
+        out[f"mixed/{name}/response_length_mean"] = part.response_tokens_mask.sum(dim=1).float().mean()
+        if part.token_level_rewards is not None:
+            out[f"mixed/{name}/reward_mean"] = part.token_level_rewards.sum(dim=1).mean()
+        if part.old_log_probs is not None and part.rollout_log_probs is not None:
+            diff = (part.old_log_probs - part.rollout_log_probs).abs()
+            out[f"mixed/{name}/log_prob_diff"] = masked_mean(diff, part.response_mask)
+    return out
 
 
 def ref_kl_metrics(old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:

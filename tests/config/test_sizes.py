@@ -307,3 +307,56 @@ def test_background_scoring_is_acted_on_and_said_to_do_nothing_beside_a_reward_m
     assert [
         m for m in notes if "launch_reward_fn_async=True has no effect with reward_model.enable=True" in m
     ]
+
+
+@pytest.mark.parametrize(
+    ("share", "tb", "logged"),
+    [(1.0, 4, 4), (0.0, 4, 0), (0.5, 4, 2), (0.25, 4, 1), (0.625, 4, 3), (0.125, 4, 1), (0.3, 10, 3)],
+)
+def test_logged_share_splits_the_step_in_whole_groups(share, tb, logged):
+    """round(share × train_batch_size) prompt groups from the logs (halves up), the rest generated."""
+    cfg = _cfg(
+        **{
+            "data.logged_files": "logs.parquet",
+            "data.logged_share": share,
+            "data.train_batch_size": tb,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": 1,
+        }
+    )
+    assert derive_sizes(cfg, 1).logged_prompts_per_step == logged
+    assert derive_sizes(_cfg(**{"data.logged_share": 0}), 1).logged_prompts_per_step == 0
+
+
+LOGGED_SHARE_REFUSED = {  # name: (keys, what the one line says)
+    "no logs": ({"data.logged_share": 0.5}, "data.logged_share=0.5 reads part of each step from data.logged"),
+    "none logged": (
+        {"data.logged_files": "l.parquet", "data.logged_share": 0.1},
+        "data.logged_share=0.1 leaves the logs none of the data.train_batch_size=4 prompt groups",
+    ),
+    "none generated": (
+        {"data.logged_files": "l.parquet", "data.logged_share": 0.9},
+        "data.logged_share=0.9 leaves generation none of the data.train_batch_size=4 prompt groups",
+    ),
+    "out of range": ({"data.logged_files": "l.parquet", "data.logged_share": 1.5}, "data.logged_share=1.5"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOGGED_SHARE_REFUSED))
+def test_logged_share_refused_in_one_line(case):
+    keys, expected = LOGGED_SHARE_REFUSED[case]
+    args = {"data.train_batch_size": 4, "actor_rollout_ref.actor.ppo_mini_batch_size": 1, **keys}
+    with pytest.raises(ConfigError) as err:
+        _cfg(**args)
+    assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_logged_share_divides_among_ranks():
+    """Each rank takes an equal share of the logged groups (and so of the generated prompts)."""
+    keys = {
+        "data.logged_files": "l.parquet",
+        "data.train_batch_size": 8,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
+    }
+    assert derive_sizes(_cfg(**keys, **{"data.logged_share": 0.5}), 2).logged_prompts_per_step == 4
+    with pytest.raises(ConfigError, match="reads 3 of the 8 prompt groups of a step from the logs, not div"):
+        derive_sizes(_cfg(**keys, **{"data.logged_share": 0.375}), 2)
