@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.trainer.utils import base_overrides, read_metrics, run_training
+from tests.trainer.utils import base_overrides, read_metrics, run_training, train_two_ranks
 
 LOGGED_SCORE = 3.0
 """Every logged sample's score: the rule reward gives 0 or 1, so the logged rows' scores show they are
@@ -211,3 +211,29 @@ def test_mixed_resume_equals_uninterrupted(logged, tiny_model_dir, arithmetic_da
             "actor/kl_loss",
         ):
             assert got[step][key] == pytest.approx(want[step - 1][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rank_pool")
+def test_two_ranks_lay_out_each_source_as_they_hold_it(
+    logged, tiny_model_dir, arithmetic_data, tmp_path, rank_pool
+):
+    """`klppo train` on 2 gloo ranks, share 0.5 of 4 prompts: each rank generates for 1 prompt and takes 1
+    logged group; the global batch's ``from_logs`` marks the rows each rank joined (the logged rows' scores
+    are all the log's, the generated ones the rule's 0 or 1)."""
+    argv = _overrides(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path / "two",
+        logged,
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=2",
+        "reward_model.launch_reward_fn_async=True",  # the generated samples scored in the background
+    )
+    assert train_two_ranks(rank_pool, argv) == 0
+    rows = read_metrics(tmp_path / "two")
+    assert len(rows) == 2 and all(r["perf/world_size"] == 2 for r in rows)
+    for r in rows:
+        assert r["mixed/logged_share"] == 0.5 and r["mixed/logged/score_mean"] == LOGGED_SCORE
+        assert 0 <= r["mixed/fresh/score_mean"] <= 1
+        assert r["critic/score/mean"] == pytest.approx((LOGGED_SCORE + r["mixed/fresh/score_mean"]) / 2)
