@@ -43,9 +43,9 @@ def chunked_rows(sampler: str, draws: int, seeds: int, device: str) -> list[dict
             torch.manual_seed(100 + seed)
             x = _logits().to(device).expand(draws, -1).contiguous()
             if sampler == "torch":
-                tokens, _ = sample(x, params)
+                tokens, _, _ = sample(x, params)
             else:
-                tokens, _ = sample_triton(x, params, splits=setting["splits"], block=16)
+                tokens, _, _ = sample_triton(x, params, splits=setting["splits"], block=16)
             ps.append(round(chi_square_p(tokens, law), 4))
         rows.append(dict(part="chunked", sampler=sampler, draws=draws, **setting, p=ps))
         print(json.dumps(rows[-1]), flush=True)

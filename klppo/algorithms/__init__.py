@@ -3,8 +3,8 @@
 KL estimators and the KL penalty in the reward (:mod:`.kl`), KL coefficient controllers
 (:mod:`.kl_control`), advantage estimators (:mod:`.advantages`; group outcome estimators in
 :mod:`.outcome`), policy/value/KL losses and entropy (:mod:`.losses`; policy-loss variants in
-:mod:`.policy_losses`), loss aggregation (:mod:`.aggregate`), masked reductions (:mod:`.masked`). Formulas,
-config keys and papers:
+:mod:`.policy_losses`), loss aggregation (:mod:`.aggregate`), masked reductions (:mod:`.masked`), the laws
+a rollout samples from, truncated ones included (:mod:`.sampling`). Formulas, config keys and papers:
 ``docs/algorithms.md``.
 
 Knows nothing of torch.distributed, models or the config: inputs are tensors, floats and strings.

@@ -33,7 +33,7 @@ import klppo.rollout.triton_attention as triton_attention
 import klppo.rollout.triton_layers as triton_layers
 from klppo.models.llama_weights import LlamaWeights
 from klppo.rollout.base import SamplingParams
-from klppo.rollout.sampling import sample, vocab_parallel_sampler
+from klppo.rollout.sampling import Draw, sample, vocab_parallel_sampler
 from klppo.rollout.settings import EngineSettings
 from klppo.rollout.triton_sampling import available as triton_sampling_available
 from klppo.rollout.triton_sampling import sample_triton
@@ -42,8 +42,8 @@ from klppo.rollout.triton_sampling import supports as triton_supports
 if TYPE_CHECKING:
     from klppo.rollout.compiled import CompiledFunctions
 
-Sampler = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""``logits [B, V] -> (tokens [B] int64, log_probs [B] float32)`` on the device, no host synchronisation."""
+Sampler = Callable[[torch.Tensor], Draw]
+"""``logits [B, V] -> Draw`` (:mod:`klppo.rollout.sampling`) on the device, no host synchronisation."""
 
 
 class Backend(Protocol):

@@ -10,6 +10,9 @@ An engine turns left-padded prompts into right-padded responses on the model it 
 - ``log_probs`` [B*n, R] float32: ``log softmax(logits / temperature)[token]`` for each sampled token,
   i.e. *before* top-k / top-p truncation — the quantity the actor's recomputation gives. Greedy
   (``do_sample=False`` or ``temperature == 0``) uses temperature 1. Zero where the mask is 0.
+- ``truncated_log_probs`` [B*n, R] float32 where top-k / top-p truncated the distribution, else None:
+  ``log q(token)`` under the truncated, renormalised distribution sampled from, ``log_probs`` − the log of
+  the kept set's mass (:mod:`klppo.algorithms.sampling`). Zero where the mask is 0.
 
 Engines know nothing of losses. The caller hands a module whose parameters are full tensors for the
 duration of ``generate``, except to an engine with ``reads_shards`` (the tensor-parallel one,
@@ -67,6 +70,8 @@ class RolloutOutput:
     user tokens (``response_mask`` 0 there); None: equals ``response_mask``."""
     extras: list[dict] | None = None
     """One dict per row for the reward function's ``extra_info`` (multi-turn: turns, scores), or None."""
+    truncated_log_probs: torch.Tensor | None = None
+    """[B*n, R] the log-probs under the truncated distribution sampled from (module docstring), or None."""
 
     def __post_init__(self) -> None:
         assert self.responses.shape == self.response_mask.shape == self.log_probs.shape

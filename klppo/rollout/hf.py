@@ -9,14 +9,18 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 from transformers import GenerationConfig
 
+from klppo.algorithms.sampling import truncate_logits, truncated_log_probs
 from klppo.rollout.base import RolloutOutput, SamplingParams, response_mask_from_tokens, seeded
+from klppo.rollout.sampling import is_untruncated
 
 
 class HFRollout:
     """``generate`` with a fresh generation config per call (the model's own defaults are ignored);
-    log-probs ``log_softmax(logits / T)[token]`` of the raw ``output_logits``. ``cache_implementation=
+    log-probs ``log_softmax(logits / T)[token]`` of the raw ``output_logits`` (and, truncated, the log-probs
+    under the truncated distribution of the same logits). ``cache_implementation=
     "static"`` (with the model compiled by the caller) is the fast ``hf`` path."""
 
     def __init__(
@@ -72,7 +76,7 @@ class HFRollout:
         finally:
             model.generation_config = saved_config
         generated = out.sequences[:, num_prompt_tokens:]
-        log_probs = _step_log_probs(out.logits, generated, 1.0 if params.greedy else params.temperature)
+        log_probs, truncated = _step_log_probs(out.logits, generated, params)
         if params.greedy and params.n > 1:  # generate refuses n > 1 without sampling: all n are equal
             generated = generated.repeat_interleave(params.n, dim=0)
             log_probs = log_probs.repeat_interleave(params.n, dim=0)
@@ -83,9 +87,9 @@ class HFRollout:
         responses[:, :num_steps] = generated
         mask = response_mask_from_tokens(responses, self.eos_token_ids, ignore_eos=params.ignore_eos)
         mask[:, num_steps:] = 0
-        padded_log_probs = torch.zeros((num_rows, width), dtype=torch.float32, device=device)
-        padded_log_probs[:, :num_steps] = log_probs
-        padded_log_probs = padded_log_probs * mask
+        padded = [
+            None if lp is None else F.pad(lp, (0, width - num_steps)) * mask for lp in (log_probs, truncated)
+        ]
         responses = torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_token_id))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -93,22 +97,21 @@ class HFRollout:
             "rollout/time_s": time.perf_counter() - start,
             "rollout/tokens_generated": float(mask.sum().item()),
         }
-        return RolloutOutput(responses=responses, response_mask=mask, log_probs=padded_log_probs, stats=stats)
+        return RolloutOutput(responses, mask, padded[0], stats, truncated_log_probs=padded[1])
 
     def release(self) -> None:
         """Nothing to free: ``generate`` allocates its cache per call."""
 
 
 def _step_log_probs(
-    logits: tuple[torch.Tensor, ...], generated: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """[N, T] log-probs of ``generated`` under each step's logits / T, step by step (no [N, T, V] tensor)."""
-    return torch.stack(
-        [
-            torch.log_softmax(step.float() / temperature, dim=-1)
-            .gather(-1, generated[:, t, None])
-            .squeeze(-1)
-            for t, step in enumerate(logits)
-        ],
-        dim=1,
-    )
+    logits: tuple[torch.Tensor, ...], generated: torch.Tensor, params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[N, T] log-probs of ``generated`` under each step's logits / T and, where ``params`` truncate, under
+    the truncated distribution (else None), step by step (no [N, T, V] tensor)."""
+    full, cut = [], []
+    for t, step in enumerate(logits):
+        x, token = step.float() / (1.0 if params.greedy else params.temperature), generated[:, t]
+        full.append(x.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1))
+        if not is_untruncated(params):
+            cut.append(truncated_log_probs(x, truncate_logits(x, params.top_k, params.top_p), token))
+    return torch.stack(full, dim=1), torch.stack(cut, dim=1) if cut else None

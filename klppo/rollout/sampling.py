@@ -1,15 +1,10 @@
-"""Token sampling on the device, without a host synchronisation (capturable in a CUDA graph).
+"""The engine's torch samplers, on the device without a host synchronisation (capturable in a CUDA graph).
 
-Given logits [B, V] (any float dtype; computed in float32):
-
-- ``log_probs = log_softmax(logits / T)`` (T = 1 when greedy) — reported for the sampled token, before
-  any truncation;
-- greedy: ``argmax(logits)``;
-- untruncated sampling (no top-k, top-p = 1): the Gumbel-max race ``argmax(logits / T + G)``,
-  ``G = -log(-log U)`` — a categorical draw without ``multinomial``'s sync or a [B, V] probability tensor;
-- otherwise the tempered distribution is truncated (top-k: keep the k largest; top-p: keep the smallest
-  prefix of the sorted distribution whose mass reaches p, always at least one token), renormalised, and
-  sampled by the exponential race ``argmax(p_i / E_i)``, ``E_i ~ Exp(1)``.
+A sampler takes logits [B, V] and returns a :data:`Draw`: the tokens [B] int64, their log-probs ``log
+softmax(logits / T)[token]`` [B] float32 (T = 1 when greedy; the trainer's recomputation gives the same
+quantity) and, where top-k / top-p truncated the distribution, ``log q(token)`` [B] float32 under the
+truncated, renormalised distribution sampled from, else None. The laws and their torch reference:
+:mod:`klppo.algorithms.sampling`; :func:`sample` applies them to :class:`SamplingParams`.
 
 Tensor parallel (``vocab_parallel_sampler``, logits of the rank's vocabulary rows [B, V/TP]): untruncated,
 each rank races its shard (own Gumbel noise) and one all-gather of [B, 4] figures (race value, id, ``x``,
@@ -17,8 +12,8 @@ shard log-normaliser) gives every rank the best race's token (first rank on ties
 ``x[token] − logsumexp`` of the shards' normalisers — the same law. Truncated: the full logits are gathered
 and the group's first rank's draw is taken.
 
-Randomness comes from the current default generator. This module is the reference of the Triton kernels
-(:mod:`klppo.rollout.triton_sampling`) the engine uses on CUDA where they apply.
+This module is the reference of the Triton kernels (:mod:`klppo.rollout.triton_sampling`) the engine uses
+on CUDA where they apply.
 """
 
 from __future__ import annotations
@@ -26,70 +21,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from klppo.algorithms.sampling import sample_truncated, sample_untruncated
 from klppo.parallel.collectives import group_all_gather
 from klppo.parallel.mesh import TensorParallel
 from klppo.parallel.reshard import even_split
 from klppo.rollout.base import SamplingParams
 
-
-def truncate_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / top-p set to -inf. ``top_k <= 0`` and ``top_p >= 1`` are off."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = mass_before >= top_p  # the first token always has mass_before 0 and stays
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+Draw = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""A sampler's (tokens [B] int64, log-probs [B] float32, truncated log-probs [B] float32 or None)."""
 
 
 def is_untruncated(params: SamplingParams) -> bool:
-    """True when ``sample_untruncated`` applies (greedy, or no top-k and top-p = 1)."""
+    """True when nothing is cut: greedy, or no top-k and top-p = 1 (``sample_untruncated`` applies)."""
     return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0)
 
 
-def sample_untruncated(
-    logits: torch.Tensor, temperature: float, greedy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [B] int64 and log-probs [B] float32 of greedy or plain tempered sampling (module docstring):
-    ``x[token] - logsumexp(x)``, ``x = logits / T``; elementwise [B, V] work, fusable into two reductions."""
-    torch._check(logits.shape[0] > 0)  # the batch dim is symbolic (compiled.py): logsumexp asks
-    x = logits.float()
-    if not greedy and temperature != 1.0:
-        x = x / temperature
-    lse = torch.logsumexp(x, dim=-1)
-    if greedy:
-        tokens = torch.argmax(x, dim=-1)
-    else:
-        # U = 0 gives E = inf, G = -inf (never picked); the clamp keeps G finite if U rounds to 1
-        exp_noise = (-torch.log(torch.rand_like(x))).clamp_(min=1e-30)
-        tokens = torch.argmax(x - torch.log(exp_noise), dim=-1)
-    return tokens, x.gather(-1, tokens[:, None]).squeeze(-1) - lse
-
-
-def sample(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampled tokens [B] int64 and their log-probs [B] float32 (see the module docstring)."""
+def sample(logits: torch.Tensor, params: SamplingParams) -> Draw:
+    """The :data:`Draw` of ``params`` from ``logits`` [B, V] (module docstring)."""
     if is_untruncated(params):
-        return sample_untruncated(logits, params.temperature, params.greedy)
-    scaled = logits.float() / params.temperature
-    log_probs = torch.log_softmax(scaled, dim=-1)
-    probs = torch.softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
-    tokens = torch.argmax(probs / torch.empty_like(probs).exponential_(1.0), dim=-1)
-    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+        return *sample_untruncated(logits, params.temperature, params.greedy), None
+    return sample_truncated(logits, params.temperature, params.top_k, params.top_p)
 
 
 def vocab_parallel_sampler(params: SamplingParams, tp: TensorParallel, vocab_size: int):
-    """``logits [B, V_local] -> (tokens [B], log_probs [B])``, the same on every rank of ``tp``'s group, for
-    this rank's ids ``even_split(vocab_size, tp.size, tp.rank)`` (module docstring); no host sync."""
+    """``logits [B, V_local] -> Draw``, the same on every rank of ``tp``'s group, for this rank's ids
+    ``even_split(vocab_size, tp.size, tp.rank)`` (module docstring); no host sync."""
     bounds = [even_split(vocab_size, tp.size, r) for r in range(tp.size)]
     vocab_start, widest = bounds[tp.rank][0], max(b - a for a, b in bounds)
     temperature = 1.0 if params.greedy else float(params.temperature)
 
-    def untruncated(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def untruncated(logits: torch.Tensor) -> Draw:
         x = logits.float()
         if temperature != 1.0:
             x = x / temperature
@@ -105,14 +66,13 @@ def vocab_parallel_sampler(params: SamplingParams, tp: TensorParallel, vocab_siz
         winner = torch.argmax(figures[:, :, 0], dim=0)  # first rank with the best race value
         best = figures.gather(0, winner[None, :, None].expand(1, -1, 4))[0]
         log_norm = torch.logsumexp(figures[:, :, 3], dim=0)
-        return best[:, 1].long(), (best[:, 2] - log_norm).float()
+        return best[:, 1].long(), (best[:, 2] - log_norm).float(), None
 
-    def truncated(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def truncated(logits: torch.Tensor) -> Draw:
         padded = F.pad(logits.float(), (0, widest - logits.shape[-1]), value=float("-inf"))
         shards = group_all_gather(padded, tp.group)
         full = torch.cat([shards[r, :, : b - a] for r, (a, b) in enumerate(bounds)], dim=-1)
-        tokens, log_probs = sample(full, params)
-        first = group_all_gather(torch.stack([tokens.double(), log_probs.double()], -1), tp.group)[0]
-        return first[:, 0].long(), first[:, 1].float()
+        first = group_all_gather(torch.stack([t.double() for t in sample(full, params)], -1), tp.group)[0]
+        return first[:, 0].long(), first[:, 1].float(), first[:, 2].float()
 
     return untruncated if is_untruncated(params) else truncated

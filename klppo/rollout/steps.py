@@ -20,6 +20,7 @@ import torch
 from klppo.models.llama_weights import LlamaWeights
 from klppo.rollout.backends import Backend, Sampler
 from klppo.rollout.base import RolloutOutput, SamplingParams
+from klppo.rollout.sampling import Draw
 from klppo.rollout.scheduler import PrefillPlan, SlotScheduler
 from klppo.rollout.workspace import Workspace
 
@@ -58,8 +59,7 @@ def prefill_chunk(call: Call, plan: PrefillPlan) -> None:
         ws.kv[:, :, dst, : plan.copy_width] = ws.kv[:, :, src, : plan.copy_width]
     unique = torch.tensor(plan.unique_prompts, device=device)
     logits = call.backend.logits(w, call.prompt_hidden[unique])
-    tokens, log_probs = call.sample(logits[torch.tensor(plan.logit_rows, device=device)])
-    start_sequences(call, plan, tokens, log_probs)
+    start_sequences(call, plan, call.sample(logits[torch.tensor(plan.logit_rows, device=device)]))
 
 
 def extend_slots(call: Call, slots: list[int], tokens: list[list[int]], starts: list[int]) -> None:
@@ -79,13 +79,16 @@ def extend_slots(call: Call, slots: list[int], tokens: list[list[int]], starts: 
     ws.finished[slots_t] = False
 
 
-def start_sequences(call: Call, plan: PrefillPlan, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
-    """Record the first tokens of ``plan``'s sequences and set their slots' decode state."""
-    ws, device = call.ws, call.packed.device
+def start_sequences(call: Call, plan: PrefillPlan, draw: Draw) -> None:
+    """Record the first tokens of ``plan``'s sequences (``call.sample``'s ``draw``) and set their slots'
+    decode state."""
+    (tokens, log_probs, truncated), ws, device = draw, call.ws, call.packed.device
     slots = torch.tensor(plan.slots, device=device)
     seq_t = torch.tensor(plan.seqs, device=device)
     ws.out_tokens[seq_t, 0] = tokens
     ws.out_log_probs[seq_t, 0] = log_probs
+    if truncated is not None:
+        ws.out_truncated[seq_t, 0] = truncated
     ws.out_len[seq_t] = 1
     ws.last_token[slots] = tokens
     ws.position[slots] = torch.tensor(plan.positions, device=device)
@@ -110,12 +113,14 @@ def decode_step(call: Call, bucket: int) -> Callable[[], None]:
 
     def step() -> None:
         logits = decode(w, ws.kv, ws.last_token[:bucket], ws.position[:bucket])
-        tokens, log_probs = sampler(logits)
+        tokens, log_probs, truncated = sampler(logits)
         alive = ~ws.finished[:bucket]
         row = torch.where(alive, ws.seq_id[:bucket], sink)
         col = ws.gen_len[:bucket].clamp(max=width - 1)
         ws.out_tokens[row, col] = tokens
         ws.out_log_probs[row, col] = log_probs
+        if truncated is not None:
+            ws.out_truncated[row, col] = truncated
         ws.gen_len[:bucket] += alive.long()
         ws.out_len[row] = ws.gen_len[:bucket]
         done = ws.gen_len[:bucket] >= width
@@ -155,6 +160,7 @@ def assemble_output(
     index = (first + columns).clamp(max=width - 1)
     responses = torch.where(mask.bool(), ws.out_tokens[seqs].gather(1, index), call.pad)
     log_probs = ws.out_log_probs[seqs].gather(1, index) * mask
+    truncated = None if ws.out_truncated is None else ws.out_truncated[seqs].gather(1, index) * mask
     if call.cuda:
         torch.cuda.synchronize(device)
     tokens = float(out_len.sum().item())
@@ -175,4 +181,4 @@ def assemble_output(
         "rollout/fused_weights_gb": ws.fused_bytes() / 2**30,
         "perf/rollout_peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if call.cuda else 0.0,
     }
-    return RolloutOutput(responses=responses, response_mask=mask, log_probs=log_probs, stats=stats)
+    return RolloutOutput(responses, mask, log_probs, stats, truncated_log_probs=truncated)

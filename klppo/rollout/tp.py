@@ -95,11 +95,13 @@ class TPRollout:
             "rollout/tokens_generated": tokens,  # this rank's rows, as at TP = 1
             "rollout/tokens_per_s": tokens / max(out.stats["rollout/time_s"] + reshard_s, 1e-9),
         }
+        truncated = out.truncated_log_probs
         return RolloutOutput(
             responses=out.responses[rows].clone(),
             response_mask=mask.clone(),
             log_probs=out.log_probs[rows].clone(),
             stats=stats,
+            truncated_log_probs=None if truncated is None else truncated[rows].clone(),
         )
 
     def release(self) -> None:

@@ -1,8 +1,9 @@
 """Token sampling in one pass over the logits as Triton kernels (CUDA): temperature, top-k or top-p and the
-sampled token's log-prob, no sort of the vocabulary, no host synchronisation (capturable in a CUDA graph).
+sampled token's log-prob, drawn without a sort of the vocabulary or a host synchronisation (capturable in a
+CUDA graph).
 
-The law is that of :mod:`klppo.rollout.sampling` (the pure-torch path: the reference, and the path on CPU):
-``x = logits / T`` in float32, ``log_prob = x[token] − logsumexp(x)`` (before any truncation).
+The law is that of :mod:`klppo.algorithms.sampling` (the pure-torch path: the reference, and the path on
+CPU): ``x = logits / T`` in float32, ``log_prob = x[token] − logsumexp(x)`` (the full softmax's).
 
 - Untruncated (no top-k, top-p = 1; greedy too): one read of the logits. Each row's vocabulary is cut into
   chunks spread over several programs (enough to fill the GPU at small batches); a program keeps per lane
@@ -23,13 +24,18 @@ The law is that of :mod:`klppo.rollout.sampling` (the pure-torch path: the refer
   (small ``k`` on a flat distribution is the slow case: about log2(V / k) rounds).
 - Top-k and top-p together need the top-k set's mass (a selection): :func:`supports` says no, and the
   engine uses the torch path.
+- The log-prob under the truncated law, ``x[token] − logsumexp(x over the kept set)``
+  (:mod:`klppo.algorithms.sampling`), needs the kept set's mass, which the rounds do not give (the
+  accepted round counts the tokens above the drawn one, not the kept ones below it): torch computes it
+  after the kernel from the same logits, on truncated calls only — a ``topk`` (top-k) or the torch path's
+  sort and cumulative sum (top-p) of [B, V], and one log-sum-exp.
 
 Randomness: one int64 seed per call from the device's default generator (seeded runs reproduce; a CUDA
 graph replays fresh noise). Untruncated: four words per Philox call, one per (row, id)
 (``_race_chunk_kernel``); truncated: ``tl.randint(seed + round, row·V + id)``; a word becomes Gumbel noise
 by ``_gumbel_of_bits``.
 Float32 sums in another order than torch's: a top-p boundary token whose mass above lies within rounding
-of ``p`` may be kept by one path and not the other.
+of ``p`` may be kept by one path and not the other (then its truncated log-prob is that of torch's set).
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ import os
 
 import torch
 
+from klppo.algorithms.sampling import truncate_logits, truncated_log_probs
 from klppo.rollout.base import SamplingParams
+from klppo.rollout.sampling import Draw, is_untruncated
 
 try:
     import triton
@@ -68,8 +76,9 @@ def sample_triton(
     block: int | None = None,
     num_warps: int = 8,
     generator: torch.Generator | None = None,
-):
-    """Tokens [B] int64 and log-probs [B] float32 drawn from ``logits`` [B, V] (module docstring).
+) -> Draw:
+    """Tokens, log-probs and truncated log-probs (:func:`klppo.rollout.sampling.sample`'s) drawn from
+    ``logits`` [B, V] (module docstring).
 
     ``splits``: programs per row of the untruncated kernel (default :func:`_splits`); ``block``: ids a
     program reads at once (a power of two; default :func:`launch_block`); ``num_warps``: the launch's;
@@ -116,24 +125,25 @@ def sample_triton(
             num_warps=num_warps,
         )
         _race_combine_kernel[(batch,)](part, splits, tokens, log_probs, SP=combine_lanes(splits))
-    else:
-        _truncated_kernel[(batch,)](
-            logits,
-            logits.stride(0),
-            vocab,
-            temperature,
-            seed,
-            top_k,
-            top_p,
-            tokens,
-            log_probs,
-            USE_K=top_k > 0,
-            USE_P=top_p < 1.0,
-            BLOCK=block,
-            SCALE=temperature != 1.0,
-            num_warps=num_warps,
-        )
-    return tokens, log_probs
+        return tokens, log_probs, None if is_untruncated(params) else log_probs  # top-k ≥ V: q = p
+    _truncated_kernel[(batch,)](
+        logits,
+        logits.stride(0),
+        vocab,
+        temperature,
+        seed,
+        top_k,
+        top_p,
+        tokens,
+        log_probs,
+        USE_K=top_k > 0,
+        USE_P=top_p < 1.0,
+        BLOCK=block,
+        SCALE=temperature != 1.0,
+        num_warps=num_warps,
+    )
+    x = logits.float() / temperature  # the kept set's mass: torch, from the same logits (module docstring)
+    return tokens, log_probs, truncated_log_probs(x, truncate_logits(x, top_k, top_p), tokens)
 
 
 def chunking(vocab: int, splits: int, block: int) -> tuple[int, int]:

@@ -71,6 +71,7 @@ class Workspace:
     finished: torch.Tensor  # [slots] bool; a free slot counts as finished
     out_tokens: torch.Tensor  # [num_seqs + 1, R] (last row: sink for idle slots)
     out_log_probs: torch.Tensor  # [num_seqs + 1, R]
+    out_truncated: torch.Tensor | None  # [num_seqs + 1, R] the truncated law's log-probs (None: untruncated)
     out_len: torch.Tensor  # [num_seqs + 1]
     eos: torch.Tensor  # [E] ids that end a sequence ([-1]: none); read inside the graphs, so owned here
     resident: bool  # weights is a resident copy of every weight (a kept workspace)
@@ -89,9 +90,10 @@ class Workspace:
         device: torch.device,
         eos: list[int] = (),
         resident: bool = False,
+        truncated: bool = False,
     ) -> Workspace:
         """A fresh workspace: ``num_seqs`` sequences of ``width`` new tokens at most, ``num_slots`` slots of
-        ``max_len`` positions (cache dtype and heads from ``w``)."""
+        ``max_len`` positions (cache dtype and heads from ``w``); ``truncated``: with ``out_truncated``."""
         kv = torch.zeros(  # zeros: masked-out cache entries must be finite (0 × NaN = NaN)
             (len(w.layers), 2, num_slots, max_len, w.num_kv_heads, w.head_dim),
             dtype=w.embed.dtype,
@@ -112,6 +114,7 @@ class Workspace:
             finished=torch.ones(num_slots, dtype=torch.bool, device=device),
             out_tokens=zeros(num_seqs + 1, width),
             out_log_probs=zeros(num_seqs + 1, width, dtype=torch.float32),
+            out_truncated=zeros(num_seqs + 1, width, dtype=torch.float32) if truncated else None,
             out_len=zeros(num_seqs + 1),
             eos=torch.tensor(list(eos) or [-1], device=device),
             resident=resident,

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from klppo.algorithms.sampling import truncate_logits
 from klppo.models.tiny import build_tiny_model
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -45,8 +46,12 @@ def reference_log_probs(
     response_mask: torch.Tensor,
     temperature: float,
     n: int,
+    *,
+    top_k: int = -1,
+    top_p: float = 1.0,
 ) -> torch.Tensor:
-    """[B*n, R] log-probs of ``responses`` from one full forward of a float64 copy, row by row, unpadded."""
+    """[B*n, R] log-probs of ``responses`` from one full forward of a float64 copy, row by row, unpadded;
+    with ``top_k`` / ``top_p``, under the truncated, renormalised distribution."""
     model64 = copy.deepcopy(model).double().eval()
     out = torch.zeros(responses.shape, dtype=torch.float64)
     with torch.no_grad():
@@ -56,7 +61,7 @@ def reference_log_probs(
             r = responses[row, :length]
             ids = torch.cat([p, r]).unsqueeze(0)
             logits = model64(input_ids=ids).logits[0, len(p) - 1 : len(p) - 1 + length]
-            lp = torch.log_softmax(logits / temperature, dim=-1)
+            lp = torch.log_softmax(truncate_logits(logits / temperature, top_k, top_p), dim=-1)
             out[row, :length] = lp.gather(-1, r.unsqueeze(-1)).squeeze(-1)
     return out
 

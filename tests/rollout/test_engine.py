@@ -108,6 +108,28 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return float(((counts[keep] - expected) ** 2 / expected).sum()), int(keep.sum()) - 1
 
 
+@pytest.mark.parametrize("name", ["klppo", "hf"])
+def test_truncated_log_probs_are_those_of_the_distribution_sampled_from(tiny_qwen2, name) -> None:
+    """With top-k (and top-k with top-p) the output carries the log-probs of the truncated, renormalised
+    distribution each token was drawn from, beside the full softmax's; untruncated, none."""
+    prompts, prompt_mask = left_padded(PROMPTS)
+    engine = make_rollout(name, EngineSettings(eos_token_ids=[2], pad_token_id=2, max_num_seqs=4))
+    for top_k, top_p in ((5, 1.0), (8, 0.7)):
+        params = SamplingParams(max_new_tokens=12, n=2, temperature=0.9, top_k=top_k, top_p=top_p, seed=5)
+        out = engine.generate(tiny_qwen2, prompts, prompt_mask, params)
+        args = (tiny_qwen2, prompts, prompt_mask, out.responses, out.response_mask, 0.9, 2)
+        full = reference_log_probs(*args)
+        truncated = reference_log_probs(*args, top_k=top_k, top_p=top_p)
+        assert truncated.isfinite().all()  # every token lies in its step's kept set
+        torch.testing.assert_close(out.log_probs.double(), full, atol=1e-4, rtol=0)
+        torch.testing.assert_close(out.truncated_log_probs.double(), truncated, atol=1e-4, rtol=0)
+        mask = out.response_mask.bool()
+        assert (out.truncated_log_probs[mask] > out.log_probs[mask] + 1e-3).all()  # log q = log p − log K
+        assert (out.truncated_log_probs[~mask] == 0).all()
+    untruncated = SamplingParams(max_new_tokens=12, n=2, temperature=0.9, seed=5)
+    assert engine.generate(tiny_qwen2, prompts, prompt_mask, untruncated).truncated_log_probs is None
+
+
 @pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (5, 1.0), (-1, 0.6), (6, 0.8)])
 def test_sampling_distribution_chi_square(top_k, top_p) -> None:
     """The sampler's first-token law equals the truncated, renormalised softmax (float64 reference)."""
@@ -117,7 +139,7 @@ def test_sampling_distribution_chi_square(top_k, top_p) -> None:
     vocab, draws, temperature = 12, 40000, 0.7
     logits = torch.randn(vocab) * 1.5
     params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
-    tokens, log_probs = sample(logits.expand(draws, vocab).clone(), params)
+    tokens, log_probs, _ = sample(logits.expand(draws, vocab).clone(), params)
     # independent reference (HF order): sort, keep the top k, renormalise, keep the smallest prefix
     # whose renormalised mass reaches top_p
     p = torch.softmax(logits.double() / temperature, dim=0)

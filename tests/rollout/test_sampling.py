@@ -1,6 +1,7 @@
 """The samplers' law against a float64 reference computed from the definition of top-k / top-p: χ² tests of
-≥ 10⁵ draws (p > 0.01, fixed seeds) and exact log-probs, for the torch path on CPU and the Triton kernels
-(on CUDA; and, slow, in Triton's CPU interpreter when triton is installed)."""
+≥ 10⁵ draws (p > 0.01, fixed seeds) and exact log-probs, of the full softmax and of the truncated law sampled
+from, for the torch path on CPU and the Triton kernels (on CUDA; and, slow, in Triton's CPU interpreter when
+triton is installed)."""
 
 from __future__ import annotations
 
@@ -58,10 +59,14 @@ def _check(sampler, draws: int, device: str, settings=SETTINGS) -> None:
     for seed, (temperature, top_k, top_p) in enumerate(settings):
         params = SamplingParams(max_new_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
         torch.manual_seed(seed)
-        tokens, log_probs = sampler(logits.to(device).expand(draws, -1).contiguous(), params)
+        tokens, log_probs, truncated = sampler(logits.to(device).expand(draws, -1).contiguous(), params)
         law, log_p = reference(logits, temperature, top_k, top_p)
         assert chi_square_p(tokens, law) > 0.01, (temperature, top_k, top_p)
         torch.testing.assert_close(log_probs.cpu().double(), log_p[tokens.cpu()], atol=1e-5, rtol=0)
+        if top_k < 0 and top_p >= 1.0:
+            assert truncated is None
+        else:  # the law sampled from: log q = log p − log(kept mass)
+            torch.testing.assert_close(truncated.cpu().double(), law.log()[tokens.cpu()], atol=1e-5, rtol=0)
 
 
 def test_reference_by_hand() -> None:
@@ -81,9 +86,28 @@ def test_torch_sampler_law_and_log_probs() -> None:
 
 def test_torch_sampler_greedy_is_argmax() -> None:
     logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 3.0]])
-    tokens, log_probs = sample(logits, SamplingParams(do_sample=False))
-    assert tokens.tolist() == [1, 0]  # ties: the lowest id, as argmax
+    tokens, log_probs, truncated = sample(logits, SamplingParams(do_sample=False, top_k=1))
+    assert tokens.tolist() == [1, 0] and truncated is None  # ties: the lowest id, as argmax; nothing cut
     torch.testing.assert_close(log_probs, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 5, 1.0), (0.7, -1, 0.8), (1.3, 20, 0.6)])
+def test_torch_sampler_truncated_log_probs_are_those_of_the_truncated_logits(temperature, top_k, top_p):
+    """``log q(token)`` equals ``log_softmax`` of the truncated logits at the token, and is ``log p`` − the
+    log of the row's kept mass, for random logits."""
+    from klppo.algorithms.sampling import truncate_logits
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50) * 2
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens, log_p, log_q = sample(logits, params)
+    kept = truncate_logits(logits.double() / temperature, top_k, top_p)
+    expected = torch.log_softmax(kept, -1).gather(1, tokens[:, None]).squeeze(1)
+    assert expected.isfinite().all()  # every draw lies in the kept set
+    torch.testing.assert_close(log_q.double(), expected, atol=1e-5, rtol=0)
+    kept_mass = torch.softmax(logits.double() / temperature, -1).masked_fill(kept.isinf(), 0).sum(-1)
+    assert (kept_mass < 1 - 1e-3).all()  # something is cut on every row
+    torch.testing.assert_close((log_p - log_q).double(), kept_mass.log(), atol=1e-5, rtol=0)
 
 
 def test_chunking_of_the_untruncated_kernel() -> None:
@@ -210,7 +234,8 @@ def _triton_checks(draws: int, device: str) -> None:
         params = SamplingParams(max_new_tokens=1, temperature=t)
         x = _logits().to(device).expand(draws // 4, -1).contiguous()
         generator = torch.Generator(device).manual_seed(100 + seed)  # each combo its own fixed draws
-        tokens, log_probs = sample_triton(x, params, splits=splits, block=16, generator=generator)
+        tokens, log_probs, truncated = sample_triton(x, params, splits=splits, block=16, generator=generator)
+        assert truncated is None
         # Bonferroni: 1% for the family together (tests at 1% each fail together by chance more often)
         law, log_p = reference(_logits(), t, -1, 1.0)
         p = chi_square_p(tokens, law)
@@ -223,7 +248,7 @@ def _triton_checks(draws: int, device: str) -> None:
     logits = torch.tensor(
         [[0.5, 2.0, -1.0, -1.0, -1.0, 2.0, 0.0, 0.0], [3.0, 1.0, 0.0, 3.0, 3.0, 0.0, 0.0, 0.0]], device=device
     )
-    tokens, log_probs = sample_triton(logits, SamplingParams(do_sample=False), splits=2, block=4)
+    tokens, log_probs, _ = sample_triton(logits, SamplingParams(do_sample=False), splits=2, block=4)
     assert tokens.tolist() == [1, 0]  # the lowest id
     torch.testing.assert_close(log_probs.cpu(), torch.log_softmax(logits.cpu(), -1)[[0, 1], [1, 0]])
     _no_winner_checks(sample_triton, device, launch=True)
@@ -278,9 +303,11 @@ def _no_winner_checks(sampler, device: str, launch: bool = False) -> None:
         if launch and not (params.top_k < 0 and params.top_p >= 1.0):
             kwargs = dict(block=4)  # the truncated kernel: no splits, one kernel
         torch.manual_seed(0)
-        tokens, log_probs = sampler(logits, params, **kwargs)
+        tokens, log_probs, truncated = sampler(logits, params, **kwargs)
         assert tokens[:2].tolist() == [0, 0], (params, tokens.tolist())
         assert log_probs[:2].isnan().all() and log_probs[2].isfinite(), (params, log_probs.tolist())
+        if truncated is not None:
+            assert truncated[:2].isnan().all() and truncated[2].isfinite(), (params, truncated.tolist())
 
 
 def test_torch_sampler_draws_id_zero_from_a_row_without_a_winner() -> None:
@@ -309,9 +336,9 @@ def test_triton_sampler_matches_torch_at_full_vocabulary_on_gpu() -> None:
         SamplingParams(do_sample=False),
     ):
         torch.manual_seed(1)
-        tokens, log_probs = sample_triton(logits, params)
+        tokens, log_probs, _ = sample_triton(logits, params)
         torch.manual_seed(1)
-        again, _ = sample_triton(logits, params)
+        again, _, _ = sample_triton(logits, params)
         assert torch.equal(tokens, again)
         t = 1.0 if params.greedy else params.temperature
         ref = torch.log_softmax(logits.double() / t, -1).gather(1, tokens[:, None]).squeeze(1)
@@ -320,6 +347,34 @@ def test_triton_sampler_matches_torch_at_full_vocabulary_on_gpu() -> None:
             assert torch.equal(tokens, logits.argmax(-1))
         if params.top_k > 0:
             assert (logits.gather(1, tokens[:, None]) >= logits.topk(20, -1).values[:, -1:]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_triton_truncated_log_probs_match_the_torch_reference_on_gpu() -> None:
+    """The Triton sampler's ``log q`` of its tokens equals the float64 torch reference's for the same logits
+    and tokens (Qwen-sized rows, float32 and bf16 logits, with a temperature); a top-k of the whole
+    vocabulary cuts nothing (``log q = log p``); untruncated gives None."""
+    from klppo.algorithms.sampling import truncate_logits, truncated_log_probs
+    from klppo.rollout.triton_sampling import sample_triton
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 151936, device="cuda") * 3
+    for dtype, params in (  # bf16: ties at the k-th value, kept by both; top-p on float32 (ties split there)
+        (torch.float32, SamplingParams(top_k=20)),
+        (torch.bfloat16, SamplingParams(top_k=1000, temperature=0.7)),
+        (torch.float32, SamplingParams(top_p=0.5)),
+        (torch.float32, SamplingParams(top_p=0.9, temperature=1.3)),
+    ):
+        x = logits.to(dtype)
+        tokens, log_p, log_q = sample_triton(x, params)
+        x64 = x.double() / params.temperature
+        ref = truncated_log_probs(x64, truncate_logits(x64, params.top_k, params.top_p), tokens)
+        torch.testing.assert_close(log_q.double(), ref, atol=1e-5, rtol=0)
+        assert (log_q > log_p).all()  # something is cut on every row: the kept mass is below 1
+    tokens, log_p, log_q = sample_triton(logits, SamplingParams(top_k=151936))
+    assert torch.equal(log_q, log_p)
+    assert sample_triton(logits, SamplingParams())[2] is None
 
 
 @pytest.mark.gpu

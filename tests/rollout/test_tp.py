@@ -112,6 +112,12 @@ def test_tp2_matches_one_process(tmp_path, rank_pool):
                 torch.testing.assert_close(
                     s["log_probs"].double(), ref, rtol=0, atol=1e-5, msg=f"{case} {run}"
                 )
+                if params.top_k > 0:  # the truncated law's log-probs, every rank the group's first one's
+                    args = (model, prompts, mask, s["responses"], s["mask"], params.temperature, params.n)
+                    cut = reference_log_probs(*args, top_k=params.top_k, top_p=params.top_p)
+                    torch.testing.assert_close(s["truncated_log_probs"].double(), cut, rtol=0, atol=1e-5)
+                else:
+                    assert s["truncated_log_probs"] is None
             assert got["greedy"]["stats"]["rollout/reshard_s"] > 0
             assert got["greedy"]["stats"]["rollout/fused_weights_gb"] == 0  # fused in place by the reshard
             # kept cache: the same result, then the moved weights' result (not the stale slices')

@@ -91,6 +91,7 @@ def _run(rank: int, world: int, tp, case: str, out: Path) -> None:
             "responses": o.responses,
             "mask": o.response_mask,
             "log_probs": o.log_probs,
+            "truncated_log_probs": o.truncated_log_probs,
             "stats": o.stats,
         }
     if tp is not None:
