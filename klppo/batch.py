@@ -12,7 +12,13 @@ Shapes (P = prompt length, left-padded; R = response length, right-padded):
 - ``response_attention_mask`` [B, R]: 1 on every real response token — with the tool / user tokens a
   multi-turn rollout appended and the tokens rollout rejection left out (``response_mask`` 0 on them) — or
   ``None`` (equals ``response_mask``)
-- ``rollout_log_probs`` [B, R] float32: log-prob of each sampled token under the rollout engine
+- ``rollout_log_probs`` [B, R] float32: log-prob of each sampled token under the distribution the rollout
+  drew it from (the behaviour policy; with top-k / top-p, the truncated, renormalised one)
+- ``rollout_log_kept_mass`` [B, R] float32: with top-k / top-p, the log of the kept set's mass under the
+  engine's full tempered softmax at each token (≤ 0; :mod:`klppo.algorithms.sampling`), so that
+  ``rollout_log_probs`` + it is the engine's full-softmax log-prob, the counterpart of the trainer's forward
+  (:func:`rollout_softmax_log_probs`); ``None``: 0 (untruncated, or logged samples, whose logs hold the
+  sampled law's log-probs only)
 - ``old_log_probs`` / ``ref_log_probs`` / ``values`` [B, R] float32
 - ``token_level_scores`` / ``token_level_rewards`` / ``advantages`` / ``returns`` [B, R] float32
 - ``reward_baselines`` [B] float32: the score of the greedy response to the sample's prompt (estimators
@@ -49,6 +55,7 @@ TENSOR_FIELDS = (
     "response_mask",
     "response_attention_mask",
     "rollout_log_probs",
+    "rollout_log_kept_mass",
     "old_log_probs",
     "ref_log_probs",
     "values",
@@ -61,6 +68,8 @@ TENSOR_FIELDS = (
     "from_logs",
 )
 LIST_FIELDS = ("data_source", "ground_truth", "uid", "extra_info", "raw_prompt")
+ZERO_WHEN_UNSET = ("rollout_log_kept_mass",)
+"""Tensor fields whose ``None`` means zeros: :meth:`Batch.concat` joins a part without one to parts with."""
 HOST_FIELDS = ("host_mask", "host_response_mask")
 
 
@@ -72,6 +81,7 @@ class Batch:
     response_mask: torch.Tensor | None = None
     response_attention_mask: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None
+    rollout_log_kept_mass: torch.Tensor | None = None
     old_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -174,6 +184,8 @@ class Batch:
             ts = [getattr(b, name) for b in batches]
             if all(t is None for t in ts):
                 out[name] = None
+            elif name in ZERO_WHEN_UNSET:  # 0 is the field's meaning where a part has none
+                out[name] = torch.cat([_zeros_where_unset(t, b) for t, b in zip(ts, batches)], dim=0)
             elif any(t is None for t in ts):
                 raise ValueError(f"field {name} is set in some batches only")
             else:
@@ -211,6 +223,22 @@ class Batch:
         both = torch.cat([attention, self.response_mask.bool()], dim=1).cpu().numpy()
         width = attention.shape[1]
         return dataclasses.replace(self, host_mask=both[:, :width], host_response_mask=both[:, width:])
+
+
+def rollout_softmax_log_probs(rows: Batch | Any) -> torch.Tensor | None:
+    """[B, R] the rollout's log-probs under the full tempered softmax, ``rollout_log_probs`` +
+    ``rollout_log_kept_mass`` (the counterpart of the trainer's forward), of a batch or of anything with
+    those two fields (an update's micro-batch fields); None without rollout log-probs."""
+    if rows.rollout_log_probs is None or rows.rollout_log_kept_mass is None:
+        return rows.rollout_log_probs
+    return rows.rollout_log_probs + rows.rollout_log_kept_mass
+
+
+def _zeros_where_unset(t: torch.Tensor | None, part: Batch) -> torch.Tensor:
+    """``t``, or float32 zeros shaped like ``part``'s responses."""
+    if t is not None:
+        return t
+    return torch.zeros(part.responses.shape, dtype=torch.float32, device=part.responses.device)
 
 
 _MASK_SOURCES = frozenset({"prompts", "prompt_mask", "responses", "response_mask", "response_attention_mask"})

@@ -34,7 +34,8 @@ ones (verl's rule). Output rows (shapes as in :mod:`klppo.rollout.base`):
 
 - ``response_mask`` 1 on the tokens the model produced (the trained ones), 0 on appended tokens and padding;
 - ``response_attention_mask`` 1 on every response token, model's or appended (what the model attends to);
-- ``log_probs`` the engine's log-prob on model tokens, 0 elsewhere;
+- ``log_probs`` the engine's log-prob on model tokens, 0 elsewhere; ``truncated_log_probs`` (top-k / top-p)
+  likewise, under the truncated law sampled from;
 - ``extras`` per row: ``num_turns``, ``turn_scores`` (interaction), ``tool_rewards`` (each tool's
   ``calc_reward`` at the end).
 
@@ -53,6 +54,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from klppo.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from klppo.rollout.sampling import is_untruncated
 from klppo.tools.base import BaseInteraction, BaseTool, ToolResponse
 from klppo.tools.parsing import FORMATS, TRUNCATE_SIDES, ToolCall, parse_hermes, truncate
 
@@ -114,6 +116,7 @@ class Conversation:
     appended: list[int] = dataclasses.field(default_factory=list)  # the tokens after the last model turn
     model_mask: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)
+    truncated_log_probs: list[float] = dataclasses.field(default_factory=list)  # log_probs' when untruncated
     calls: list[ToolCall] = dataclasses.field(default_factory=list)
     instances: dict[str, str] = dataclasses.field(default_factory=dict)
     assistant_turns: int = 0
@@ -217,7 +220,7 @@ class MultiTurnRollout:
             **self._stats(convs, counters, start),
             "multi_turn/kv_reuse": float(session is not None),
         }
-        return self._output(convs, budget, prompts.device, stats)
+        return self._output(convs, budget, prompts.device, stats, truncated=not is_untruncated(params))
 
     # ---- turns ----------------------------------------------------------------------------------
     def _conversation(
@@ -271,13 +274,15 @@ class MultiTurnRollout:
         counters.prefill_tokens += out.stats.get("rollout/prefill_tokens", 0.0)
         lengths = out.response_mask.sum(dim=1).tolist()
         tokens, log_probs = out.responses.tolist(), out.log_probs.float().tolist()
+        cut = out.log_probs if out.truncated_log_probs is None else out.truncated_log_probs
         s = self.settings
-        for c, n_tok, toks, lps in zip(convs, lengths, tokens, log_probs):
+        for c, n_tok, toks, lps, cuts in zip(convs, lengths, tokens, log_probs, cut.float().tolist()):
             k = min(int(n_tok), budget - len(c.tokens))
             toks, lps = toks[:k], lps[:k]
             c.tokens += toks
             c.model_mask += [1] * k
             c.log_probs += lps
+            c.truncated_log_probs += cuts[:k]
             c.assistant_turns += 1
             text = self.tokenizer.decode(toks, skip_special_tokens=False)
             c.messages.append(
@@ -313,6 +318,7 @@ class MultiTurnRollout:
             c.appended = toks
             c.model_mask += [0] * len(toks)
             c.log_probs += [0.0] * len(toks)
+            c.truncated_log_probs += [0.0] * len(toks)
             c.messages += messages
 
     async def _reply(
@@ -426,19 +432,21 @@ class MultiTurnRollout:
 
     # ---- output ---------------------------------------------------------------------------------
     def _output(
-        self, convs: list[Conversation], width: int, device: torch.device, stats: dict
+        self, convs: list[Conversation], width: int, device: torch.device, stats: dict, *, truncated: bool
     ) -> RolloutOutput:
         pad = getattr(self.tokenizer, "pad_token_id", None) or 0
         responses = torch.full((len(convs), width), int(pad), dtype=torch.long)
         model_mask = torch.zeros((len(convs), width), dtype=torch.long)
         attention = torch.zeros((len(convs), width), dtype=torch.long)
         log_probs = torch.zeros((len(convs), width), dtype=torch.float32)
+        cut = torch.zeros((len(convs), width), dtype=torch.float32)  # the truncated law's
         for i, c in enumerate(convs):
             k = len(c.tokens)
             responses[i, :k] = torch.tensor(c.tokens, dtype=torch.long)
             model_mask[i, :k] = torch.tensor(c.model_mask, dtype=torch.long)
             attention[i, :k] = 1
             log_probs[i, :k] = torch.tensor(c.log_probs, dtype=torch.float32)
+            cut[i, :k] = torch.tensor(c.truncated_log_probs, dtype=torch.float32)
         extras = [
             {
                 "num_turns": c.assistant_turns + c.user_turns,
@@ -454,6 +462,7 @@ class MultiTurnRollout:
             stats=stats,
             response_attention_mask=attention.to(device),
             extras=extras,
+            truncated_log_probs=(cut * model_mask).to(device) if truncated else None,
         )
 
     @staticmethod

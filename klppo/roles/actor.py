@@ -20,7 +20,7 @@ import torch
 from klppo.algorithms import kl as kl_mod
 from klppo.algorithms import losses
 from klppo.algorithms import rollout_correction as rc
-from klppo.batch import Batch
+from klppo.batch import Batch, rollout_softmax_log_probs
 from klppo.batching.packing import log_probs_of, prepare_log_probs
 from klppo.parallel.mesh import SequenceParallel
 from klppo.parallel.plain import MasterWeights
@@ -360,6 +360,7 @@ LOSS_FIELDS = (
     "response_mask",
     "ref_log_probs",
     "rollout_log_probs",
+    "rollout_log_kept_mass",
     "rollout_is_weights",
 )
 """The batch fields the actor's loss reads besides the model inputs."""
@@ -367,13 +368,15 @@ LOSS_FIELDS = (
 
 def _skipped_pass_stats(log_prob: torch.Tensor, mb: Batch, s: ActorSettings) -> dict[str, torch.Tensor]:
     """What the trainer reports after an old-log-prob pass, from the update's (pre-step) log-probs:
-    ``rollout/log_prob_diff`` = mean |log π_θ − log π_rollout|, ``actor/ref_kl_k1`` = mean(log π_θ −
+    ``rollout/log_prob_diff`` = mean |log π_θ − log π_rollout| (both full softmaxes, as the trainer's:
+    :func:`klppo.batch.rollout_softmax_log_probs`), ``actor/ref_kl_k1`` = mean(log π_θ −
     log π_ref) and ``actor/ref_kl_k3`` over the response tokens (token means: the accumulator weights
     micro-batches by tokens)."""
     out = {}
     mask = mb.response_mask
     if mb.rollout_log_probs is not None:
-        out["rollout/log_prob_diff"] = losses.masked_mean((log_prob - mb.rollout_log_probs).abs(), mask)
+        rollout = rollout_softmax_log_probs(mb)
+        out["rollout/log_prob_diff"] = losses.masked_mean((log_prob - rollout).abs(), mask)
     if mb.ref_log_probs is not None:
         out["actor/ref_kl_k1"] = losses.masked_mean(log_prob - mb.ref_log_probs, mask)
         out["actor/ref_kl_k3"] = losses.masked_mean(kl_mod.kl_penalty(log_prob, mb.ref_log_probs, "k3"), mask)

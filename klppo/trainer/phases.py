@@ -21,7 +21,7 @@ from klppo.algorithms.kl_control import KLController, PenaltyShareWatch
 from klppo.algorithms.losses import masked_mean
 from klppo.algorithms.rollout_correction import CorrectionSettings
 from klppo.assembly.setup import Run
-from klppo.batch import Batch
+from klppo.batch import Batch, rollout_softmax_log_probs
 from klppo.config.schema import AlgorithmConfig
 from klppo.config.schema_arr import ActorConfig
 from klppo.ops.nonfinite import check_kl
@@ -40,6 +40,7 @@ GATHERED = (
     "response_mask",
     "response_attention_mask",
     "rollout_log_probs",
+    "rollout_log_kept_mass",
     "old_log_probs",
     "ref_log_probs",
     "values",
@@ -83,12 +84,14 @@ def generate(run: Run, prompts: Batch, sampling: SamplingParams, *, seed: int) -
     if run.free_cache_engine:
         run.rollout.release()
     samples = prompts.repeat_interleave(params.n)
-    attention = out.response_attention_mask
+    attention, truncated = out.response_attention_mask, out.truncated_log_probs
     samples = samples.replace(
         responses=out.responses,
         response_mask=out.response_mask.to(torch.float32),
         response_attention_mask=None if attention is None else attention.to(torch.float32),
-        rollout_log_probs=out.log_probs,
+        # the law sampled from (truncated by top-k / top-p: log q = log p − log K), and log K
+        rollout_log_probs=out.log_probs if truncated is None else truncated,
+        rollout_log_kept_mass=None if truncated is None else out.log_probs - truncated,
         extra_info=samples.extra_info
         if out.extras is None
         else [
@@ -116,11 +119,13 @@ def with_old_log_probs(
 ) -> tuple[Batch, dict[str, float]]:
     """The actor's log-probs of the sampled tokens before the update (over ``plan``'s micro-batches when
     given), and their gap to the behaviour log-probs (the engine's or the log's; ``unknown_rows`` [B] bool:
-    rows left out, whose behaviour log-probs are not known yet)."""
+    rows left out, whose behaviour log-probs are not known yet), like with like: ``rollout/log_prob_diff``
+    compares both full tempered softmaxes (with top-k / top-p, the engine's truncated log-probs plus its log
+    kept mass), so it measures the two forwards' numerics, not the truncation."""
     samples = samples.replace(old_log_probs=actor.compute_log_prob(samples, plan=plan))
     metrics: dict[str, float] = {}
     if samples.rollout_log_probs is not None:
-        diff = (samples.old_log_probs - samples.rollout_log_probs).abs()
+        diff = (samples.old_log_probs - rollout_softmax_log_probs(samples)).abs()
         mask = samples.response_mask
         mask = mask if unknown_rows is None else mask * ~unknown_rows[:, None]
         metrics["rollout/log_prob_diff"] = float(masked_mean(diff, mask))
@@ -189,7 +194,8 @@ def rewards_and_advantages(
 
 def with_correction(batch: Batch, correction: CorrectionSettings) -> tuple[Batch, dict[str, float]]:
     """Decoupled rollout correction of the global batch (verl's place: after the KL penalty, before the
-    advantages): ``rollout_is_weights`` from π_old against the rollout engine's log-probs, the rejection of
+    advantages): ``rollout_is_weights`` from π_old against the log-probs of the distribution the rollout
+    sampled from (``rollout_log_probs``: with top-k / top-p, the truncated one), the rejection of
     ``rollout_rs``, and the step's ``rollout_corr/*`` metrics (one device→host transfer).
 
     Rejection replaces ``response_mask`` by the kept tokens, as verl does: from here on every consumer of
@@ -271,7 +277,7 @@ def whole_batch_kl(batch: Batch, actor: ActorConfig) -> dict[str, float]:
     ``actor/kl_loss_ctrl_kl``."""
     if batch.ref_log_probs is None or batch.rollout_log_probs is None:
         return {}
-    old = batch.rollout_log_probs
+    old = rollout_softmax_log_probs(batch)  # the full softmax's, as the update's forward measures
     out = {k: float(v) for k, v in ref_kl_metrics(old, batch.ref_log_probs, batch.response_mask).items()}
     out.update(measure_kl_for_control(batch.replace(old_log_probs=old), actor))
     return out

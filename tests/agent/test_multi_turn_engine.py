@@ -137,3 +137,20 @@ def test_sampled_conversations_are_seeded_and_keep_the_layout(model) -> None:
     ref = reference_log_probs(model, prompts, mask, a.responses, a.response_attention_mask, 1.0, 2)
     model_tokens = a.response_mask.bool()
     torch.testing.assert_close(a.log_probs[model_tokens].double(), ref[model_tokens], atol=1e-5, rtol=0)
+
+
+def test_truncated_conversations_carry_the_truncated_law(model) -> None:
+    """With top-k, every model token's log-prob under the truncated law it was drawn from, across turns kept
+    in the KV cache, against one float64 forward; 0 on appended tokens."""
+    params = SamplingParams(max_new_tokens=40, n=2, seed=3, temperature=0.9, top_k=20)
+    out, prompts, mask = conversations(model, klppo(), params, num=3)
+    assert out.stats["multi_turn/kv_reuse"] == 1.0
+    args = (model, prompts, mask, out.responses, out.response_attention_mask, 0.9, 2)
+    ref = reference_log_probs(*args, top_k=20)
+    model_tokens = out.response_mask.bool()
+    assert (out.response_attention_mask > out.response_mask).any()  # some tokens were appended
+    torch.testing.assert_close(
+        out.truncated_log_probs[model_tokens].double(), ref[model_tokens], atol=1e-5, rtol=0
+    )
+    assert (out.truncated_log_probs[~model_tokens] == 0).all()
+    assert (out.truncated_log_probs[model_tokens] > out.log_probs[model_tokens]).all()
