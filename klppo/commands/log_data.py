@@ -5,10 +5,11 @@
 The configuration is `klppo train`'s (the same file and keys): the model (``actor_rollout_ref.model.path``),
 the prompts (``data.train_files``, read in file order), the engine and its sampling
 (``actor_rollout_ref.rollout.*``; ``--n`` replaces ``rollout.n``) and the reward (rule, user function or
-reward model). Each prompt gets ``n`` samples, scored by the reward, with the engine's per-token log-probs
-and the sampling settings; the samples of one prompt share a ``group_id``. The engine's log-probs are those
-of ``log softmax(logits / temperature)``, the distribution sampled from only without top-k/top-p
-truncation: this command refuses truncation. One process; the weights in inference mode, no optimizer.
+reward model). Each prompt gets ``n`` samples, scored by the reward, with the per-token log-probs of the
+distribution each token was drawn from (``log softmax(logits / temperature)``, or with top-k / top-p the
+truncated, renormalised one: the engine's ``truncated_log_probs``) and the sampling settings
+(``temperature``, ``top_p``, ``top_k``); the samples of one prompt share a ``group_id``. One process; the
+weights in inference mode, no optimizer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from klppo.assembly.data_check import tokenizer_trusts_code
 from klppo.assembly.roles_build import build_reward, load_policy_model
 from klppo.assembly.settings import engine_settings, loader_settings, sampling_params, to_dtype
 from klppo.batch import Batch
-from klppo.config import ConfigError, KLPPOConfig, load_config
+from klppo.config import KLPPOConfig, load_config
 from klppo.config.flags import FlagParser
 from klppo.data.dataset import PromptLoader
 from klppo.data.logged import tokenizer_fingerprint, write_logged
@@ -50,25 +51,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def sampling_for_log(cfg: KLPPOConfig, n: int | None) -> SamplingParams:
-    """The rollout's training sampling with ``n`` samples per prompt; ConfigError for top-k/top-p truncation
-    (the engine's log-probs would not be those of the distribution sampled from)."""
+    """The rollout's training sampling (top-k / top-p included) with ``n`` samples per prompt."""
     params = sampling_params(
         cfg.actor_rollout_ref.rollout, response_length=cfg.data.max_response_length, validation=False
     )
-    if params.top_p < 1.0 or params.top_k > 0:
-        raise ConfigError(
-            f"klppo data log samples untruncated: rollout.top_p={params.top_p}, top_k={params.top_k} would "
-            "make the logged log-probs (full softmax) differ from the sampled distribution; set top_p=1.0 "
-            "top_k=-1"
-        )
     return dataclasses.replace(params, n=n or params.n)
+
+
+def behaviour_log_probs(out: Any) -> torch.Tensor:
+    """[B*n, R] the log-probs of the distribution each token was drawn from: the engine's truncated ones
+    where top-k / top-p cut it, else its full softmax's."""
+    return out.log_probs if out.truncated_log_probs is None else out.truncated_log_probs
 
 
 def sample_rows(
     prompts: Batch, out: Any, scores: Any, params: SamplingParams, identity: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """One row per sample (``n`` consecutive per prompt) in the schema of docs/data.md."""
-    rows = []
+    rows, log_probs = [], behaviour_log_probs(out)
     for i in range(out.responses.shape[0]):
         p = i // params.n
         length = int(out.response_mask[i].sum())
@@ -80,7 +80,7 @@ def sample_rows(
                 "extra_info": prompts.extra_info[p],
                 "response_ids": out.responses[i, :length].tolist(),
                 "response": scores.texts[i],
-                "response_log_probs": out.log_probs[i, :length].float().tolist(),
+                "response_log_probs": log_probs[i, :length].float().tolist(),
                 "response_mask": [1] * length,
                 "score": float(scores.sequence[i]),
                 "group_id": str(prompts.uid[p]),
@@ -134,7 +134,9 @@ def log_samples(
         with torch.no_grad():
             out = engine.generate(model, prompts.prompts, prompts.prompt_mask, seeded)
         samples = prompts.repeat_interleave(params.n).replace(
-            responses=out.responses, response_mask=out.response_mask.float(), rollout_log_probs=out.log_probs
+            responses=out.responses,
+            response_mask=out.response_mask.float(),
+            rollout_log_probs=behaviour_log_probs(out),
         )
         rows += sample_rows(prompts, out, reward.score(samples), params, identity)
     reward.close()

@@ -1,0 +1,45 @@
+"""`klppo data log` with top-k sampling: each row holds the log-probs of the truncated law its tokens were
+drawn from (a float64 forward of the model, truncated, as the oracle) and its sampling settings."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.rollout.conftest import reference_log_probs
+from tests.trainer.conftest import arithmetic_data, tiny_model_dir  # noqa: F401  (fixtures)
+from tests.trainer.utils import base_overrides
+
+
+def test_truncated_log_holds_the_law_sampled_from(tiny_model_dir, arithmetic_data, tmp_path):  # noqa: F811
+    from klppo.commands.log_data import main
+    from klppo.data.logged import LoggedLoader, LoggedSettings
+    from klppo.models.loading import load_tokenizer
+
+    out = tmp_path / "log.parquet"
+    overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "unused") + [
+        "actor_rollout_ref.rollout.name=klppo",
+        "actor_rollout_ref.rollout.top_k=5",
+        "actor_rollout_ref.rollout.temperature=0.9",
+    ]
+    assert main(["--output", str(out), "--n", "2", "--num-prompts", "4", *overrides]) == 0
+    rows = pq.read_table(out).to_pylist()
+    assert len(rows) == 8
+    assert all((r["temperature"], r["top_p"], r["top_k"]) == (0.9, 1.0, 5) for r in rows)
+    settings = LoggedSettings(
+        [str(out)],
+        groups_per_batch=4,
+        samples_per_group=2,
+        max_prompt_length=64,
+        max_response_length=8,
+        vocab_size=10**6,
+        shuffle=False,
+    )
+    batch = LoggedLoader(settings, load_tokenizer(str(tiny_model_dir))).next_batch()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    args = (model, batch.prompts, batch.prompt_mask, batch.responses, batch.response_mask, 0.9, 1)
+    truncated, full = reference_log_probs(*args, top_k=5), reference_log_probs(*args)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(batch.rollout_log_probs.double()[mask], truncated[mask], atol=1e-4, rtol=0)
+    assert (truncated[mask] > full[mask] + 0.1).all()  # top-5 of the tiny vocabulary: far from the softmax
