@@ -22,7 +22,13 @@ from klppo.roles.reward import PendingScores, Reward
 from klppo.trainer.logged_phases import is_logged, logged_loader, with_missing_scores
 from klppo.trainer.phases import GATHERED, with_scores
 
-RESPONSE_FIELDS = ("response_mask", "response_attention_mask", "rollout_log_probs", "token_level_scores")
+RESPONSE_FIELDS = (
+    "response_mask",
+    "response_attention_mask",
+    "rollout_log_probs",
+    "rollout_log_kept_mass",
+    "token_level_scores",
+)
 """The float [B, R] fields a join pads on the right with 0 (``responses`` with the pad token)."""
 
 
@@ -46,7 +52,7 @@ def join_sources(fresh: Batch, logged: Batch, *, behaviour: str, pad_id: int) ->
         from_logs=torch.zeros(len(fresh), dtype=torch.bool, device=fresh.prompts.device),
     )
     if behaviour == "none":
-        fresh = fresh.replace(rollout_log_probs=None)
+        fresh = fresh.replace(rollout_log_probs=None, rollout_log_kept_mass=None)
     elif logged.rollout_log_probs is None:
         logged = logged.replace(rollout_log_probs=torch.zeros_like(logged.response_mask))
     if (fresh.response_attention_mask is None) != (logged.response_attention_mask is None):

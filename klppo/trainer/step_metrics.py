@@ -10,7 +10,7 @@ import torch
 from klppo.algorithms.kl import kl_penalty
 from klppo.algorithms.losses import explained_variance, masked_mean
 from klppo.algorithms.outcome import equal_groups, group_index
-from klppo.batch import Batch
+from klppo.batch import Batch, rollout_softmax_log_probs
 from klppo.models.flops import device_peak_flops, model_flops_per_token
 from klppo.parallel.collectives import all_reduce_max_values, world_size
 
@@ -69,7 +69,8 @@ def source_metrics(batch: Batch) -> dict[str, torch.Tensor]:
     """A mixed step's figures per source (``from_logs``): ``mixed/logged_share`` (of the samples) and, for
     ``fresh`` (generated) and ``logged`` samples, ``mixed/<source>/score_mean``, ``reward_mean`` (the KL
     penalty in), ``response_length_mean`` and ``log_prob_diff`` (mean |log π_old − log π_behaviour| over the
-    response tokens). Empty unless the step holds both sources."""
+    response tokens, full softmaxes as ``rollout/log_prob_diff``: a generated sample's truncated log-probs
+    plus its log kept mass). Empty unless the step holds both sources."""
     if batch.from_logs is None or bool(batch.from_logs.all()):
         return {}
     out = {"mixed/logged_share": batch.from_logs.float().mean()}
@@ -80,7 +81,7 @@ def source_metrics(batch: Batch) -> dict[str, torch.Tensor]:
         if part.token_level_rewards is not None:
             out[f"mixed/{name}/reward_mean"] = part.token_level_rewards.sum(dim=1).mean()
         if part.old_log_probs is not None and part.rollout_log_probs is not None:
-            diff = (part.old_log_probs - part.rollout_log_probs).abs()
+            diff = (part.old_log_probs - rollout_softmax_log_probs(part)).abs()
             out[f"mixed/{name}/log_prob_diff"] = masked_mean(diff, part.response_mask)
     return out
 

@@ -52,3 +52,28 @@ def test_on_policy_update_compares_full_softmaxes(tiny_model_dir, arithmetic_dat
     (metrics,) = read_metrics(tmp_path / "run")
     assert "timing_s/old_log_prob" not in metrics
     assert metrics["rollout/log_prob_diff"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_mixed_step_joins_truncated_and_logged_rows(tiny_model_dir, arithmetic_data, tmp_path):
+    """A mixed step (``data.logged_share=0.5``) of generated top-k rows, which carry a log kept mass, and
+    logged rows (untruncated, sampled by the same initial model), which carry none: the join takes the
+    latter's as 0, and each source's ``log_prob_diff`` compares full softmaxes, about 0 for both."""
+    from klppo.commands.log_data import main
+
+    log = tmp_path / "log.parquet"
+    common = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "unused")
+    assert main(["--output", str(log), "--n", "2", "--num-prompts", "8", *common]) == 0
+    over = _overrides(
+        tiny_model_dir,
+        arithmetic_data,
+        tmp_path,
+        f"data.logged_files={log}",
+        "data.logged_share=0.5",
+        f"{K}.rollout_is=token",
+    )
+    run_training(over)
+    (metrics,) = read_metrics(tmp_path / "run")
+    assert metrics["mixed/logged_share"] == 0.5
+    assert metrics["mixed/fresh/log_prob_diff"] < 1e-4
+    assert metrics["mixed/logged/log_prob_diff"] < 1e-4
+    assert metrics["rollout_corr/kl"] > 0.05  # the generated rows' truncation: δ = log K there
