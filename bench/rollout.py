@@ -23,7 +23,7 @@ rows ``klppo-torch-*``) with the sampling of ``--temperature``, ``--top-k``, ``-
 ``--profile``, one kernel table per setting and ``--profile-batches`` batch). ``--eos-every K`` makes every
 K-th token id an EOS (not ignored): on the random models the sequences then end at spread lengths, as in a
 real rollout (``--variants compact`` times slot compaction there; ``--no-hf-compile`` skips hf static +
-compile at ``--compile-batch``). ``--device cpu`` with ``--shapes tiny`` runs the script's own test. """
+compile at ``--compile-batch``). ``--device cpu`` with ``--shapes tiny`` runs the script's own test."""
 
 from __future__ import annotations
 

@@ -399,7 +399,7 @@ class RolloutConfig:
     disable_log_stats: bool = F(True, "Engine statistics logging off.")
     do_sample: bool = F(True, "Sample (false = greedy).")
     n: int = F(1, "Responses per prompt.")
-    over_sample_rate: float = F(0.0, "verl: abort the rest when (1 - rate) of the requests are done; verl acts on it nowhere.")
+    over_sample_rate: float = F(0.0, "verl: abort the rest once (1 - rate) of requests are done; unused.")
     multi_stage_wake_up: bool = F(False, "Load weights before KV cache on wake-up.")
     engine_kwargs: dict[str, Any] = F({"vllm": {}, "sglang": {}}, "Engine-specific options.")
     val_kwargs: ValKwargsConfig = F(ValKwargsConfig, "Sampling during validation.")
