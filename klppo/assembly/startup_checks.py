@@ -34,6 +34,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from transformers import AutoConfig
 
+from klppo.agent.multi_turn import AGENTS
 from klppo.assembly.layout_checks import check_layout
 from klppo.config import ConfigError, KLPPOConfig, total_training_steps, uses_critic
 from klppo.models.loading import model_dir
@@ -108,10 +109,43 @@ def check_tool_config(cfg: KLPPOConfig) -> None:
 
 
 def check_interaction_config(cfg: KLPPOConfig) -> None:
-    """:func:`check_tool_config` for ``multi_turn.interaction_config_path``."""
-    path = cfg.actor_rollout_ref.rollout.multi_turn.interaction_config_path
-    if path:
-        load_interactions(path)
+    """:func:`check_tool_config` for ``multi_turn.interaction_config_path``; with multi-turn on, also each
+    train and val row's ``agent_name`` and ``extra_info.interaction_kwargs.name`` against what exists
+    (:func:`_check_conversation_rows`), so a wrong name stops the start, not the first rollout."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    names = sorted(load_interactions(mt.interaction_config_path)) if mt.interaction_config_path else []
+    if mt.enable:
+        for path in _files(cfg.data.train_files) + _files(cfg.data.val_files):
+            _check_conversation_rows(path, names)
+
+
+def _check_conversation_rows(path: str, interactions: list[str]) -> None:
+    """ConfigError naming the file and row whose ``agent_name`` is not one klppo runs, or whose
+    ``interaction_kwargs.name`` is not in the interaction config (a row without one takes the only
+    interaction there is). Missing or unreadable files are left to the data check."""
+    full = os.path.expanduser(path)
+    try:
+        pf = pq.ParquetFile(full)
+    except (OSError, ValueError):
+        return
+    columns = [c for c in ("extra_info", "agent_name") if c in pf.schema_arrow.names]
+    row = 0
+    for batch in pf.iter_batches(columns=columns, batch_size=65536) if columns else ():
+        table = batch.to_pydict()
+        for i in range(batch.num_rows):
+            info = (table.get("extra_info") or [None] * batch.num_rows)[i] or {}
+            agent = (table.get("agent_name") or [None] * batch.num_rows)[i] or info.get("agent_name")
+            if agent and agent not in AGENTS:
+                raise ConfigError(
+                    f"{path} row {row + i}: agent_name {agent!r} is not one klppo runs {AGENTS}"
+                )
+            name = (info.get("interaction_kwargs") or {}).get("name")
+            if interactions and (name or len(interactions) > 1) and name not in interactions:
+                raise ConfigError(
+                    f"{path} row {row + i}: extra_info.interaction_kwargs.name={name!r} is not in the "
+                    f"interaction config (multi_turn.interaction_config_path): {', '.join(interactions)}"
+                )
+        row += batch.num_rows
 
 
 def _check_prompt_placeholders(pf: pq.ParquetFile, path: str, prompt_key: str) -> None:

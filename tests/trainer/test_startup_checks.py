@@ -415,3 +415,23 @@ def test_a_finished_run_says_so_before_any_weight_loads(
     assert train.main([*overrides, "--dry-run"]) == 0 and "resume: " in capsys.readouterr().out
     assert train.main([*overrides, "trainer.total_training_steps=2"]) == 0 and started == [1]
     assert train.main([*overrides, "trainer.resume_mode=disable"]) == 0 and started == [1, 1]
+
+
+def test_rows_name_an_interaction_and_an_agent_that_exist(tmp_path):
+    """A multi-turn row whose ``interaction_kwargs.name`` is not in the interaction config, or whose
+    ``agent_name`` klppo does not run, stops the start naming the file and the row."""
+    import pyarrow.parquet as pq
+
+    from klppo.assembly.startup_checks import _check_conversation_rows
+    from klppo.data.arithmetic import write_arithmetic_parquet
+
+    train, _ = write_arithmetic_parquet(tmp_path, num_train=4, num_test=2, interaction="arith")
+    _check_conversation_rows(str(train), ["arith"])
+    _check_conversation_rows(str(train), [])  # no interaction config: the rows' names are not used
+    with pytest.raises(ConfigError, match=r"row 0: extra_info.interaction_kwargs.name='arith' is not in"):
+        _check_conversation_rows(str(train), ["gsm8k"])
+    table = pq.read_table(train)
+    table = table.append_column("agent_name", [["tool_agent"] * 3 + ["x"]])
+    pq.write_table(table, tmp_path / "agents.parquet")
+    with pytest.raises(ConfigError, match=r"agents.parquet row 3: agent_name 'x' is not one klppo runs"):
+        _check_conversation_rows(str(tmp_path / "agents.parquet"), ["arith"])
