@@ -26,7 +26,7 @@ def test_sampler_chi_sees_a_bias(monkeypatch) -> None:
     def biased(x, params):
         x = x / params.temperature
         x[torch.arange(len(x)), x.argmax(-1)] -= 0.7
-        return torch.distributions.Categorical(logits=x).sample(), None
+        return torch.distributions.Categorical(logits=x).sample(), None, None
 
     monkeypatch.setattr(chi, "sample", biased)
     rows = chi.chunked_rows("torch", 20000, 1, "cpu")
