@@ -434,9 +434,9 @@ def ulysses_problems(cfg: KLPPOConfig) -> list[str]:
 
 def rollout_correction_problems(cfg: KLPPOConfig) -> list[str]:
     """What ``algorithm.rollout_correction`` cannot run with: values verl rejects too (named by key), and
-    the parts klppo does not build — rejection in bypass mode (decided per micro-batch by the current
-    policy, after the update's token counts are fixed), weights with ``geo_mean``, batch normalisation and
-    another policy loss in bypass mode (verl replaces the loss there)."""
+    the parts klppo does not build — rejection in bypass mode with ``seq-mean-token-mean`` (verl divides
+    each row by its kept tokens, decided per micro-batch), weights with ``geo_mean``, batch normalisation
+    and another policy loss in bypass mode (verl replaces the loss there)."""
     rcfg = cfg.algorithm.rollout_correction
     key = "algorithm.rollout_correction"
     problems = []
@@ -451,11 +451,12 @@ def rollout_correction_problems(cfg: KLPPOConfig) -> list[str]:
             rc.parse_rs_options(rcfg.rollout_rs, rcfg.rollout_rs_threshold)
         except ValueError as exc:
             problems.append(f"{key}.rollout_rs: {exc}")
-        if rcfg.bypass_mode:
+        agg = cfg.actor_rollout_ref.actor.loss_agg_mode
+        if rcfg.bypass_mode and agg == "seq-mean-token-mean":
             problems.append(
-                f"{key}.rollout_rs={rcfg.rollout_rs!r} with bypass_mode=True is not built (the current "
-                "policy would reject tokens per micro-batch, after the update's token counts are fixed); "
-                "use the decoupled mode (bypass_mode=False)"
+                f"{key}.rollout_rs={rcfg.rollout_rs!r} with bypass_mode=True and loss_agg_mode={agg!r} is "
+                "not built (verl divides each row by its kept tokens, decided per micro-batch); use "
+                "token-mean or the decoupled mode (bypass_mode=False)"
             )
     if rcfg.loss_type not in rc.BYPASS_LOSS_TYPES:
         problems.append(f"{key}.loss_type={rcfg.loss_type!r}: valid are {', '.join(rc.BYPASS_LOSS_TYPES)}")

@@ -224,23 +224,28 @@ class Actor(TrainedRole):
         """The ``loss_mode`` policy loss, weighted by the batch's ``rollout_is_weights`` when it has them
         (decoupled rollout correction). In bypass mode (π_old = π_rollout) the correction of this
         micro-batch's current policy against the rollout's is computed here, its ``rollout_corr/*`` added to
-        ``stats``, and ``loss_type=reinforce`` replaces the loss by :func:`rc.reinforce_loss`."""
+        ``stats``, and ``loss_type=reinforce`` replaces the loss by :func:`rc.reinforce_loss`; tokens that
+        ``rollout_rs`` rejects weigh 0 in the policy loss and stay in its divisor (verl's token counts of the
+        mini-batch), the entropy and KL terms keep them (as verl's bypass loss)."""
         s = self.settings
         corr = s.rollout_correction
+        weights = mb.rollout_is_weights
         if corr is not None and corr.bypass_mode:
             correction = corr.apply(log_prob.detach(), mb.rollout_log_probs, mb.response_mask)
             stats.update(correction.metrics)
+            kept = correction.response_mask.to(log_prob.dtype) if corr.rs_options else None
             if corr.loss_type == "reinforce":
                 return rc.reinforce_loss(
                     mb.rollout_log_probs,
                     log_prob,
                     mb.advantages,
                     mb.response_mask,
-                    weights=correction.weights,
+                    weights=_times(correction.weights, kept),
                     loss_agg_mode=s.loss_agg_mode,
                     loss_scale_factor=s.loss_scale_factor,
                 )
-        weighted = {} if mb.rollout_is_weights is None else {"rollout_is_weights": mb.rollout_is_weights}
+            weights = kept  # ppo_clip: the clipped ratio is the importance weight; rejected tokens weigh 0
+        weighted = {} if weights is None else {"rollout_is_weights": weights}
         return self._pg_loss_fn(
             old_log_prob=old_log_prob,
             log_prob=log_prob,
@@ -386,3 +391,8 @@ def _skipped_pass_stats(log_prob: torch.Tensor, mb: Batch, s: ActorSettings) -> 
                 kl_mod.kl_penalty(log_prob, mb.ref_log_probs, kind), mask
             )
     return out
+
+
+def _times(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """``a · b``, either factor absent (None) counting as 1."""
+    return b if a is None else a if b is None else a * b

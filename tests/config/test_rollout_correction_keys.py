@@ -55,8 +55,13 @@ def test_defaults_change_nothing() -> None:
         ([f"{K}.rollout_is=tokens"], f"{K}.rollout_is="),
         ([f"{K}.rollout_is=token", f"{K}.rollout_is_threshold=2.0_1.0"], f"{K}.rollout_is_threshold"),
         (
-            [f"{K}.rollout_rs=seq_mean_k3", f"{K}.rollout_rs_threshold=0.1", f"{K}.bypass_mode=true"],
-            f"{K}.rollout_rs=",
+            [
+                f"{K}.rollout_rs=seq_mean_k3",
+                f"{K}.rollout_rs_threshold=0.1",
+                f"{K}.bypass_mode=true",
+                "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+            ],
+            "seq-mean-token-mean",
         ),
         ([f"{K}.rollout_rs=seq_mean_k3"], "rollout_rs_threshold"),
         ([f"{K}.rollout_rs=token_k9", f"{K}.rollout_rs_threshold=0.1"], "token_k9"),

@@ -142,3 +142,32 @@ def test_advantages_are_zero_on_rejected_tokens(estimator) -> None:
     if estimator == "grpo":  # the group baseline still holds row 1's score
         plain, _ = advantages(None)
         torch.testing.assert_close(out.advantages[[0, 2]], plain.advantages[[0, 2]])
+
+
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+def test_bypass_rejection_weighs_rejected_tokens_zero_and_keeps_the_divisor(loss_type) -> None:
+    """Bypass mode (π_old = π_roll): the current policy's δ = log π_θ − log π_roll rejects row 1
+    (seq_mean_k3 > 0.1); its tokens weigh 0 in the policy loss while the divisor stays the mini-batch's 6
+    tokens (verl's bypass loss, token-mean), worked by hand in float64."""
+    correction = rc.CorrectionSettings(
+        rs_options=rc.parse_rs_options("seq_mean_k3", 0.1), bypass_mode=True, loss_type=loss_type
+    )
+    actor = Actor(
+        build_tiny_model(seed=0).double(),
+        ActorSettings(mini_batch_size=3, rollout_correction=correction),
+        OptimSettings(lr=0.1, optimizer="SGD", weight_decay=0.0),
+    )
+    rollout = torch.full(MASK.shape, -1.0, dtype=F64) * MASK
+    batch = _batch(rollout + DELTA).replace(rollout_log_probs=rollout, old_log_probs=rollout)
+    log_prob = ((rollout + DELTA) * MASK).requires_grad_(True)
+    stats: dict = {}
+    loss, _ = actor._policy_loss(batch, rollout, log_prob, stats)
+    loss.backward()
+    e = math.exp
+    if loss_type == "ppo_clip":  # ℓ = −A·ρ, ρ = e^δ inside the clip range
+        want = -(1.0 * e(0.02) - 2.0 * e(-0.02) + 0.5 * 1.0 - 1.0 * e(0.05)) / 6
+    else:  # ℓ = −A·log π_θ
+        want = -(1.0 * -0.98 - 2.0 * -1.02 + 0.5 * -1.0 - 1.0 * -0.95) / 6
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-12)
+    assert not log_prob.grad[1].any() and log_prob.grad[0].all()
+    assert float(stats["rollout_corr/rollout_rs_seq_masked_fraction"]) == pytest.approx(1 / 3)

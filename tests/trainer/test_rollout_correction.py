@@ -21,7 +21,16 @@ K = "algorithm.rollout_correction"
     "mode,extra",
     [
         ("decoupled", [f"{K}.rollout_is=token", f"{K}.rollout_is_threshold=2.0"]),
-        ("bypass", [f"{K}.bypass_mode=True", f"{K}.loss_type=reinforce", f"{K}.rollout_is=token"]),
+        (
+            "bypass",
+            [
+                f"{K}.bypass_mode=True",
+                f"{K}.loss_type=reinforce",
+                f"{K}.rollout_is=token",
+                f"{K}.rollout_rs=seq_mean_k3",  # δ ≈ 0.1 at most: the threshold keeps every row
+                f"{K}.rollout_rs_threshold=10.0",
+            ],
+        ),
     ],
 )
 def test_token_tis_trains_and_reports_rollout_corr(mode, extra, tiny_model_dir, arithmetic_data, tmp_path):
@@ -56,6 +65,7 @@ def test_token_tis_trains_and_reports_rollout_corr(mode, extra, tiny_model_dir, 
         assert "timing_s/old_log_prob" in metrics  # π_old from its own pass
     else:
         assert "timing_s/old_log_prob" not in metrics  # π_old = π_rollout
+        assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0  # rejection ran in the actor
 
 
 @pytest.mark.parametrize(
