@@ -416,7 +416,7 @@ class RolloutConfig:
     prometheus: PrometheusConfig = F(PrometheusConfig, "Rollout-server metrics.")
     profiler: ProfilerConfig = F(ProfilerConfig, "Per-role profiler.")
     layered_summon: bool = F(False, "Gather weights layer by layer for the engine.")
-    logprobs_mode: str = F("processed_logprobs", "Which log-probs the engine returns.")
+    logprobs_mode: str = F("processed_logprobs", "The sampled (tempered, truncated) law's log-probs.")
     scheduling_policy: str = F("fcfs", "Engine scheduling.")
     quantization: str | None = F(None, "Engine weight quantization.")
     quantization_config_file: str | None = F(None, "Engine quantization settings file.")

@@ -55,6 +55,11 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
         "built; to train on logged responses set data.logged_files (docs/data.md)",
     ),
     ("actor_rollout_ref.rollout.quantization", "refuse", "quantized rollout is not built"),
+    (
+        "actor_rollout_ref.rollout.logprobs_mode",
+        "refuse",
+        "the engine reports the log-probs of the distribution it sampled from (processed_logprobs)",
+    ),
     ("algorithm.use_pf_ppo", "refuse", "PF-PPO reweighting is not built"),
     ("data.tokenizer", "refuse", "the dataset always uses the model's tokenizer"),
     ("data.custom_cls.*", "refuse", "custom dataset classes are not supported"),
@@ -206,7 +211,6 @@ UNIMPLEMENTED: tuple[tuple[str, str, str], ...] = (
     ),
     ("actor_rollout_ref.rollout.skip_tokenizer_init", "warn", "vLLM engine option"),
     ("actor_rollout_ref.rollout.layered_summon", "warn", "weights are gathered per FSDP unit"),
-    ("actor_rollout_ref.rollout.logprobs_mode", "warn", "vLLM engine option"),
     ("actor_rollout_ref.rollout.scheduling_policy", "warn", "vLLM engine option"),
     (
         "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode",
