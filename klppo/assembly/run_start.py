@@ -1,7 +1,7 @@
 """The start of a run in its directory, before any weights load: the start recorded, the resume point
 chosen, a fresh start over an earlier run refused or cleared (``klppo.ops.run_records``), and a resume
-compared with what its checkpoint was saved from (``klppo.ops.resume_check``). Rank 0 reads and writes;
-every rank gets the same answer, or raises the same error."""
+compared with what its checkpoint was saved from (``klppo.ops.resume_check``), a LoRA checkpoint's base
+model first. Rank 0 reads and writes; every rank gets the same answer, or raises the same error."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from klppo.config import KLPPOConfig, config_to_yaml
-from klppo.ops.checkpoint import load_trainer_state, resolve_resume
-from klppo.ops.resume_check import check_resume, run_identity
+from klppo.ops.checkpoint import load_trainer_state, read_base_record, resolve_resume
+from klppo.ops.resume_check import check_base, check_resume, run_identity
 from klppo.ops.run_records import prepare_fresh_start, record_start
 from klppo.parallel.collectives import all_gather_objects, rank
 
@@ -57,6 +57,9 @@ def begin_run(
         if resume_path is None:
             prepare_fresh_start(run_dir, policy=t.run_dir_exists, resume_mode=t.resume_mode)
         else:
+            base = read_base_record(resume_path / "actor")
+            if base is not None:  # adapters only: the base they apply to comes from the model path
+                check_base(base, now["model"], checkpoint=resume_path)
             saved = load_trainer_state(resume_path).get("identity")
             check_resume(saved, now, checkpoint=resume_path, allow=t.allow_resume_changes)
         return now

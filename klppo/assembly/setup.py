@@ -117,6 +117,15 @@ class Run:
     identity: dict[str, Any] | None
     """What the run trains, saved with each checkpoint (``klppo.ops.resume_check``; rank 0 only)."""
 
+    @property
+    def frozen_bases(self) -> dict[str, dict[str, Any] | None]:
+        """The trained roles whose checkpoint leaves their frozen base weights out — a LoRA actor — each
+        with the record of its base (the identity's model: path, architecture, weights digest; rank 0's,
+        None on the other ranks). A resume loads that base from the model path (``klppo.ops.checkpoint``)."""
+        if not is_lora(self.roles.actor.model):
+            return {}
+        return {"actor": None if self.identity is None else self.identity["model"]}
+
     @contextlib.contextmanager
     def gather_weights(self) -> Iterator[torch.nn.Module]:
         """The model the rollout engine runs on: the actor with its full weights gathered (FSDP2 unshard in

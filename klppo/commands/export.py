@@ -1,6 +1,11 @@
-"""`klppo export CKPT_DIR OUT_DIR [--role actor|critic] [--dtype auto|bf16|fp16|fp32] [--overwrite]`: a
-checkpoint's weights as a Hugging Face directory (config, generation config, tokenizer, safetensors) that
-transformers loads directly, and a few lines saying what was written (path, dtype, size, how to load it).
+"""`klppo export CKPT_DIR OUT_DIR [--role actor|critic] [--dtype auto|bf16|fp16|fp32] [--base DIR]
+[--overwrite]`: a checkpoint's weights as a Hugging Face directory (config, generation config, tokenizer,
+safetensors) that transformers loads directly, and a few lines saying what was written (path, dtype, size,
+how to load it).
+
+A LoRA checkpoint that holds its adapters without their base weights (``<role>/base_model.json``) exports
+the adapters merged into the base it records: read from the recorded path, or from ``--base`` (the base
+moved), and refused when that model is not the recorded one (architecture and weights' digest).
 
 The weights are written in the dtype of the model the run started from (``--dtype auto``: a bf16 model
 exports as bf16, not as the fp32 master weights the checkpoint holds); ``--dtype`` chooses another. A
@@ -21,8 +26,8 @@ from transformers.utils import logging as hf_logging
 
 from klppo.config.flags import FlagParser
 from klppo.models.lora import merge_into_base
-from klppo.ops.checkpoint import validate_checkpoint
-from klppo.parallel.checkpoint import load_checkpoint as load_model_and_optimizer
+from klppo.ops.checkpoint import load_role, read_base_record, validate_checkpoint
+from klppo.ops.resume_check import base_mismatch, base_record
 
 
 def check_target(out_dir: Path, *, overwrite: bool) -> None:
@@ -46,9 +51,11 @@ def export_checkpoint(
     role: str = "actor",
     overwrite: bool = False,
     dtype: torch.dtype | None = None,
+    base: str | Path | None = None,
 ) -> Path:
-    """Rebuild the role's model from the saved config in fp32, load the sharded weights (any world size),
-    fold LoRA adapters in, cast to ``dtype`` (None: the saved config's, the starting model's), save."""
+    """Rebuild the role's model from the saved config in fp32 (or, for adapters saved without their base, load
+    the base from ``base`` or the recorded path), load the sharded weights (any world size), fold LoRA
+    adapters in, cast to ``dtype`` (None: the saved config's, the starting model's), save."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     check_target(out_dir, overwrite=overwrite)
     hf_dir = ckpt_dir / role / "huggingface"
@@ -66,7 +73,11 @@ def export_checkpoint(
     if dtype is None:
         dtype = getattr(config, "dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = auto.from_config(config, dtype=torch.float32)  # the masters load exactly, adapters merge in fp32
+    record = read_base_record(ckpt_dir / role)
+    if record is None:  # every weight is in the checkpoint
+        model = auto.from_config(config, dtype=torch.float32)  # the masters load exactly, merged in fp32
+    else:
+        model = auto.from_pretrained(_base_dir(record, base), config=config, dtype=torch.float32)
     lora = (hf_dir / "adapter_config.json").exists()
     if lora:  # trained with LoRA: rebuild the same adapters, load, and fold them into the weights
         from peft import LoraConfig, get_peft_model  # noqa: PLC0415  optional extra (klppo[lora])
@@ -74,7 +85,7 @@ def export_checkpoint(
         model = get_peft_model(model, LoraConfig.from_pretrained(hf_dir))
     with warnings.catch_warnings():  # one process on purpose: not worth a warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_model_and_optimizer(ckpt_dir / role, model, None)
+        load_role(ckpt_dir / role, model, None)
     if lora:
         model = merge_into_base(model)
     model = model.to(dtype)
@@ -85,6 +96,20 @@ def export_checkpoint(
     if gen.exists():
         (out_dir / "generation_config.json").write_text(gen.read_text())
     return out_dir
+
+
+def _base_dir(record: dict, base: str | Path | None) -> Path:
+    """The base model the adapters apply to: ``base`` or the recorded path, checked against the record."""
+    path = Path(base if base is not None else record.get("path", "")).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the base model {path} is not a model directory; pass the base the adapters were trained on "
+            "with --base DIR"
+        )
+    problem = base_mismatch(record, base_record(path))
+    if problem is not None:
+        raise ValueError(f"--base {path} has {problem}; pass the base the adapters were trained on")
+    return path
 
 
 def _megabytes(num_bytes: int) -> str:
@@ -125,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="dtype of the written weights (auto: the dtype of the model the run started from)",
     )
+    parser.add_argument(
+        "--base",
+        default=None,
+        help="the base model of a LoRA checkpoint saved without it (default: the path it records)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty out_dir")
     args = parser.parse_args(argv)
     hf_logging.disable_progress_bar()  # the lines below say what was written
@@ -135,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             role=args.role,
             overwrite=args.overwrite,
             dtype=DTYPES.get(args.dtype),
+            base=args.base,
         )
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"klppo export: {exc}", file=sys.stderr)

@@ -5,11 +5,18 @@ Layout of one checkpoint::
     global_step_N/
       actor/            model + optimizer (torch.distributed.checkpoint, loadable by any world size)
       actor/huggingface/  model config, generation config and tokenizer (for `klppo export`)
+      actor/base_model.json  with LoRA: the base model the adapters apply to (path, architecture, digest)
       critic/           same for the critic, when there is one
       trainer_state.pt  step, dataloader position, KL controller, schedulers, counters
       rng/rank_<r>.pt   each rank's RNG states
       MANIFEST.json     every other file's size and SHA-256, written once all of them are complete
       COMPLETE          written last inside the directory
+
+A role with frozen base weights (a LoRA actor: ``frozen_bases``) writes only what training changes — its
+adapters and their optimizer state — and ``base_model.json``, the record of its base
+(:func:`klppo.ops.resume_check.base_record`); a resume loads the base from the model path, checked
+against the record before any weights load, and the adapters from the checkpoint. A role folder without
+the record holds every weight and loads them all.
 
 The directory is written as ``.global_step_N.tmp`` and renamed once every rank has finished, then
 ``latest_checkpointed_iteration.txt`` (verl's marker) is updated: a crash at any point leaves either the
@@ -53,6 +60,8 @@ from klppo.parallel.collectives import all_gather_objects, rank, world_size
 log = logging.getLogger("klppo")
 MARKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "MANIFEST.json"
+BASE_RECORD = "base_model.json"
+"""In a role's folder: the base model its saved adapters apply to (the frozen weights are not saved)."""
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 _LOW_SPACE_BYTES = 16 * 2**20  # less free than this after a failed write: the disk was full
 
@@ -253,11 +262,15 @@ def checkpoint_bytes(path: Path) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------- save
-def _state_bytes(models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> int:
-    """Bytes of the models' parameters and optimizer states (global sizes: a DTensor counts whole)."""
+def _state_bytes(
+    models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]], frozen: dict[str, Any]
+) -> int:
+    """Bytes of the models' parameters and optimizer states (global sizes: a DTensor counts whole); the
+    roles in ``frozen`` count their trained parameters only."""
     total = 0
-    for model, optimizer in models.values():
-        total += sum(p.numel() * p.element_size() for p in model.parameters())
+    for role, (model, optimizer) in models.items():
+        params = [p for p in model.parameters() if p.requires_grad or role not in frozen]
+        total += sum(p.numel() * p.element_size() for p in params)
         if optimizer is not None:
             for state in optimizer.state.values():
                 total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
@@ -321,10 +334,13 @@ def save_checkpoint(
     hf_assets: dict[str, Any],
     trainer_state: dict[str, Any],
     max_to_keep: int | None = None,
+    frozen_bases: dict[str, dict[str, Any] | None] | None = None,
 ) -> Path:
     """Save a checkpoint of step ``step``; collective (every rank calls it). Returns the final path.
 
     ``hf_assets[role]`` is a callable ``(dir) -> None`` writing that role's HF config/tokenizer (rank 0).
+    ``frozen_bases[role]``: a role whose frozen parameters are left out, with the record of its base
+    written as ``<role>/base_model.json`` (rank 0's record; the key alone on other ranks).
     Raises :class:`CheckpointError` (on every rank, the partial directory removed) if any rank fails.
     """
 
@@ -341,9 +357,16 @@ def save_checkpoint(
             tmp.mkdir()
             (tmp / "rng").mkdir()
 
+    frozen = frozen_bases or {}
+
     def hf(role: str) -> None:
         if rank() == 0 and role in hf_assets:
             hf_assets[role](tmp / role / "huggingface")
+        if rank() == 0 and role in frozen:
+            (tmp / role / BASE_RECORD).write_text(json.dumps(frozen[role], indent=1) + "\n")
+
+    def state(role: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        save_model_and_optimizer(tmp / role, model, optimizer, trained_only=role in frozen)
 
     def small_files() -> None:
         torch.save(rng_state(), tmp / "rng" / f"rank_{rank()}.pt")
@@ -362,7 +385,7 @@ def save_checkpoint(
     try:
         _step("creating the directory", prepare)
         for role, (model, optimizer) in models.items():
-            _step(f"writing the {role} state", save_model_and_optimizer, tmp / role, model, optimizer)
+            _step(f"writing the {role} state", state, role, model, optimizer)
             _step(f"writing the {role} Hugging Face files", hf, role)
         _step("writing the trainer state and RNG files", small_files)
         _step("finishing", finish)
@@ -373,7 +396,7 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
         full = full or free_before < _LOW_SPACE_BYTES
-        expected = (previous and checkpoint_bytes(previous)) or _state_bytes(models)
+        expected = (previous and checkpoint_bytes(previous)) or _state_bytes(models, frozen)
         message = _failure_message(root, step, failed, full=full, expected=expected, previous=previous)
         raise CheckpointError(message) from None
     if rank() == 0:
@@ -583,12 +606,35 @@ def load_checkpoint(
     rng_file = path / "rng" / f"rank_{rank()}.pt"
     rng = _load_small(rng_file) if rng_file.exists() else None
     for role, (model, optimizer) in models.items():
-        if not (path / role).exists():
-            raise CheckpointError(f"checkpoint {path} has no {role!r} state")
-        try:
-            load_model_and_optimizer(path / role, model, optimizer)
-        except (Exception, CheckpointException) as exc:
-            raise CheckpointError(f"cannot load {path / role}: {_first_line(exc)}") from None
+        load_role(path / role, model, optimizer)
     if rng is not None:
         set_rng_state(rng)
     return state
+
+
+def read_base_record(role_dir: str | Path) -> dict[str, Any] | None:
+    """The base model a role folder's adapters apply to (``base_model.json``); None for a folder that
+    holds every weight (no record)."""
+    path = Path(role_dir) / BASE_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {_first_line(exc)}") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path} holds a {type(record).__name__}, not a mapping")
+    return record
+
+
+def load_role(role_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """One role's model and optimizer state loaded in place: with a base record, the trained parameters
+    only (the frozen base is the model's own, loaded from its path); else every weight. Collective."""
+    role_dir = Path(role_dir)
+    if not role_dir.exists():
+        raise CheckpointError(f"checkpoint {role_dir.parent} has no {role_dir.name!r} state")
+    trained_only = read_base_record(role_dir) is not None
+    try:
+        load_model_and_optimizer(role_dir, model, optimizer, trained_only=trained_only)
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"cannot load {role_dir}: {_first_line(exc)}") from None

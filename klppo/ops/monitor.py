@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from klppo.algorithms.kl_control import TargetSchedule
 from klppo.config import KLPPOConfig
-from klppo.ops.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
+from klppo.ops.checkpoint import checkpoint_step, latest_checkpoint, load_role, save_checkpoint
 from klppo.ops.monitor_rules import Action, build_rules
-from klppo.parallel.checkpoint import load_checkpoint
 from klppo.tracking.events import EventLog
 
 if TYPE_CHECKING:
@@ -345,6 +344,7 @@ def save_best_checkpoint(run: Run, step: int, trainer_state: dict[str, Any]) -> 
         hf_assets=run.hf_assets,
         trainer_state=trainer_state,
         max_to_keep=1,
+        frozen_bases=run.frozen_bases,
     )
 
 
@@ -356,5 +356,5 @@ def load_best_weights(run: Run) -> int | None:
     if path is None:
         return None
     for name, role in run.roles.trained().items():
-        load_checkpoint(path / name, role.state_model, role.optimizer)
+        load_role(path / name, role.state_model, role.optimizer)
     return checkpoint_step(path)

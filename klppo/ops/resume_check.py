@@ -14,6 +14,10 @@ or of a key in :data:`REFUSED_KEYS` (the algorithm and the batch geometry) is re
 each change and ``trainer.allow_resume_changes``; other changed keys (more steps, a new learning rate) are
 accepted with one note naming them. A changed model *path* with the same weights is a note too (the files
 moved). A checkpoint saved without an identity gets the check skipped, with a note.
+
+A checkpoint of LoRA adapters without their base weights records the base (:func:`base_record`);
+:func:`check_base` refuses another base whatever ``trainer.allow_resume_changes`` says: the adapters were
+trained on those weights, and the checkpoint cannot supply them.
 """
 
 from __future__ import annotations
@@ -126,14 +130,42 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def base_record(model_path: str | Path) -> dict[str, Any]:
+    """The model at ``model_path`` as a run identity and a base record name it: its absolute path, its
+    architecture (:func:`architecture`) and its weights' digest (:func:`weights_digest`)."""
+    return {
+        "path": os.path.abspath(model_path),
+        "architecture": architecture(model_path),
+        "weights_digest": weights_digest(model_path),
+    }
+
+
+def base_mismatch(record: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """None when the model of base record ``now`` is the base ``record`` names (same architecture and
+    weights' digest; the path may differ), else a phrase saying what differs."""
+    if record.get("architecture") != now["architecture"]:
+        return f"another architecture than the base {record.get('path')}"
+    if record.get("weights_digest") != now["weights_digest"]:
+        return f"other weights than the base {record.get('path')}"
+    return None
+
+
+def check_base(record: dict[str, Any], now: dict[str, Any], *, checkpoint: Path) -> None:
+    """Refuse (:class:`ResumeMismatchError`, one line) a resume of ``checkpoint`` on a base model (``now``:
+    its :func:`base_record`) other than the one its adapters were trained on, whatever
+    ``trainer.allow_resume_changes`` says: the checkpoint does not hold the base weights."""
+    problem = base_mismatch(record, now)
+    if problem is not None:
+        raise ResumeMismatchError(
+            f"{checkpoint} holds LoRA adapters without their base weights, and "
+            f"actor_rollout_ref.model.path={now['path']} has {problem}; resume with that base model"
+        )
+
+
 def run_identity(*, model_path: str, tokenizer_path: str, config: dict[str, Any]) -> dict[str, Any]:
     """What this start trains (module docstring); ``config`` is the resolved configuration as a mapping."""
     return {
-        "model": {
-            "path": os.path.abspath(model_path),
-            "architecture": architecture(model_path),
-            "weights_digest": weights_digest(model_path),
-        },
+        "model": base_record(model_path),
         "tokenizer": {"path": os.path.abspath(tokenizer_path), "digest": tokenizer_digest(tokenizer_path)},
         "config": {k: _plain(v) for k, v in flatten(config).items()},
     }

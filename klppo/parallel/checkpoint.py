@@ -101,23 +101,65 @@ def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Opt
     return [] if optimizer is None else [optimizer]
 
 
-def save_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Write ``{"model": ..., "optim": ...}`` into ``directory`` (created); collective over all ranks."""
-    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
-    state = {"model": model_sd}
+def _options(trained_only: bool) -> StateDictOptions:
+    """Every entry of the state dict, or with ``trained_only`` all but the frozen parameters (those with
+    ``requires_grad`` off: a LoRA model's base weights); a load then leaves the frozen ones as they are."""
+    return StateDictOptions(ignore_frozen_params=trained_only, strict=not trained_only)
+
+
+_WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+"""Name parts of wrapper modules that the state dict's keys leave out."""
+
+
+def _plain_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+
+def _model_state(model: nn.Module, model_sd: dict, *, trained_only: bool) -> dict:
+    """``model_sd``, with ``trained_only`` without the entries of frozen parameters under any of their
+    names: ``ignore_frozen_params`` drops a tied matrix under its first name only (the embedding), and
+    would keep a frozen tied LM head."""
+    if not trained_only:
+        return model_sd
+    frozen = {
+        _plain_name(name) for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad
+    }
+    return {k: v for k, v in model_sd.items() if _plain_name(k) not in frozen}
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    trained_only: bool = False,
+) -> None:
+    """Write ``{"model": ..., "optim": ...}`` into ``directory`` (created); collective over all ranks.
+    ``trained_only``: the frozen parameters left out (:func:`_options`)."""
+    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_options(trained_only))
+    state = {"model": _model_state(model, model_sd, trained_only=trained_only)}
     if optimizer is not None:
         state["optim"] = optim_sd
     Path(directory).mkdir(parents=True, exist_ok=True)
     dcp.save(state, checkpoint_id=str(directory))
 
 
-def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Load model (and optimizer, when given) state from ``directory`` into the current sharding.
+def load_checkpoint(
+    directory: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    trained_only: bool = False,
+) -> None:
+    """Load model (and optimizer, when given) state from ``directory`` into the current sharding;
+    ``trained_only``: the trained parameters only, the frozen ones kept as they are (a checkpoint written
+    with ``trained_only``, or any other: the frozen entries it holds are then not read).
 
     An optimizer that has not stepped yet gets its state created (zeros) first so DCP can fill it.
     """
-    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
-    state = {"model": model_sd}
+    options = _options(trained_only)
+    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=options)
+    state = {"model": _model_state(model, model_sd, trained_only=trained_only)}
     if optimizer is not None:
         state["optim"] = optim_sd
     dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)))
@@ -127,6 +169,7 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer: torch.op
         _optimizers(optimizer),
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
+        options=options,
     )
     if optimizer is not None:  # this run's kernel choice, not the writer's (a GPU's fused, the CPU's foreach)
         for group, choice in zip(optimizer.param_groups, kernels, strict=True):

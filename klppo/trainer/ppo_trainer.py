@@ -521,6 +521,7 @@ class PPOTrainer:
             hf_assets=run.hf_assets,
             trainer_state=trainer_state,
             max_to_keep=self.cfg.trainer.max_actor_ckpt_to_keep,
+            frozen_bases=run.frozen_bases,
         )
         if rank() == 0:
             log.info("checkpoint saved: %s", path)

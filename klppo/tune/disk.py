@@ -7,9 +7,10 @@ What one checkpoint holds (:mod:`klppo.ops.checkpoint`'s layout; a role's state 
 critic when the estimator needs values:
 
 - weights: every entry of the role's state dict in ``fsdp_config.model_dtype`` (``m`` bytes: the master
-  weights, fp32 by default), frozen parameters included — a LoRA checkpoint holds the base model beside its
-  adapters ``P_a`` — and a tied matrix once per name (the embedding and the tied LM head are written each):
-  ``P_sd·m + P_a·4``;
+  weights, fp32 by default), a tied matrix once per name (the embedding and the tied LM head are written
+  each): ``P_sd·m + P_a·4`` with LoRA adapters ``P_a`` — a LoRA critic holds its base model beside its
+  adapters. A LoRA actor leaves its frozen base out (:attr:`RoleState.adapters_only`): its weights are the
+  trained ones and the buffers, ``P_t·m + P_a·4``, and a record of the base (:data:`BASE_RECORD_BYTES`);
 - optimizer state: for each trained parameter the optimizer's moments in the masters' dtype (Adam/AdamW:
   two; :data:`MOMENTS`) and a step count: ``k·(P_t·m + P_a·4) + 4·n_t`` (``n_t`` trained tensors). A full
   fine-tune with fp32 masters writes 12 bytes per parameter, with ``model_dtype=bf16`` 6; LoRA trains its
@@ -67,6 +68,9 @@ RUN_FILES_BYTES = 48_000
 RNG_BYTES = 16_000
 """One rank's ``rng/rank_<r>.pt``."""
 
+BASE_RECORD_BYTES = 600
+"""A LoRA actor's ``base_model.json``: the base model's path, architecture and weights' digest."""
+
 _HF_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
 
 
@@ -87,6 +91,11 @@ class RoleState:
     optimizer: str = "AdamW"
     files_bytes: int = 0
     """The role's Hugging Face files (:func:`hf_files_bytes`)."""
+
+    @property
+    def adapters_only(self) -> bool:
+        """The checkpoint leaves the frozen base weights out (a LoRA actor: ``klppo.ops.checkpoint``)."""
+        return self.name == "actor" and self.lora_rank > 0
 
 
 def hf_files_bytes(model_path: str | Path | None) -> int:
@@ -132,6 +141,7 @@ class _Counts:
     trained parameters apart from the adapters."""
 
     num_entries: int
+    num_buffers: int
     param_numel: int
     adapter_numel: int
     buffer_bytes: int
@@ -163,6 +173,7 @@ def _counts(role: RoleState) -> _Counts:
         trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         _COUNTS[key] = _Counts(
             num_entries=len(entries),
+            num_buffers=sum(1 for t in entries.values() if id(t) not in params),
             param_numel=numel["param"],
             adapter_numel=numel["adapter"],
             buffer_bytes=sum(t.numel() * t.element_size() for t in entries.values() if id(t) not in params),
@@ -181,10 +192,15 @@ def add_role(size: PhasePeak, role: RoleState, *, ranks: int = 1) -> None:
     """``role``'s terms of one checkpoint (module docstring) added to ``size``."""
     n = _counts(role)
     m, k, a = DTYPE_BYTES[role.model_dtype], MOMENTS.get(role.optimizer, 2), ADAPTER_BYTES
+    num_entries = n.num_buffers + n.num_trained if role.adapters_only else n.num_entries
+    if role.adapters_only:
+        weights, formula = n.trained_numel * m + n.adapter_numel * a, "P_t·m + P_a·{a}, the base left out"
+    else:
+        weights, formula = n.param_numel * m + n.adapter_numel * a, "P_sd·m + P_a·{a}"
     size.add(
         f"{role.name} weights",
-        n.param_numel * m + n.adapter_numel * a + n.buffer_bytes,
-        f"P_sd·m + P_a·{a} ({n.num_entries} tensors, m={m})",
+        weights + n.buffer_bytes,
+        f"{formula.format(a=a)} ({num_entries} tensors, m={m})",
     )
     lora = f"; LoRA rank {role.lora_rank}: P_a={n.adapter_numel:,}" if role.lora_rank > 0 else ""
     size.add(
@@ -192,10 +208,11 @@ def add_role(size: PhasePeak, role: RoleState, *, ranks: int = 1) -> None:
         k * (n.trained_numel * m + n.adapter_numel * a) + 4 * n.num_trained,
         f"{k}·(P_t·m + P_a·{a}) + 4·n_t (P_t={n.trained_numel:,}{lora})",
     )
-    records = ranks * ITEM_BYTES * (n.num_entries + (k + 1) * n.num_trained) + GROUP_BYTES
+    records = ranks * ITEM_BYTES * (num_entries + (k + 1) * n.num_trained) + GROUP_BYTES
     size.add(f"{role.name} tensor records", records + NAME_BYTES * n.num_trained, "per tensor and rank")
     adapter_config = ADAPTER_CONFIG_BYTES if role.lora_rank > 0 else 0
-    size.add(f"{role.name} Hugging Face files", role.files_bytes + adapter_config, "config, tokenizer")
+    base = BASE_RECORD_BYTES if role.adapters_only else 0
+    size.add(f"{role.name} Hugging Face files", role.files_bytes + adapter_config + base, "config, tokenizer")
 
 
 def checkpoint_size(roles: list[RoleState], *, ranks: int = 1) -> PhasePeak:
@@ -231,8 +248,8 @@ _KEYS = {
 def settings(roles: list[RoleState], *, ranks: int = 1) -> list[tuple[str, PhasePeak]]:
     """One checkpoint at the configured settings ("as configured") and at each smaller setting of the first
     role (the actor), the others as configured: bf16 masters and optimizer state (``model_dtype=bf16``), LoRA
-    adapters of rank :data:`LORA_RANK` (the base weights still written; offered where ``peft`` is installed),
-    and both; each named by the keys that select it, in that order."""
+    adapters of rank :data:`LORA_RANK` (the actor's base weights left out, a critic's written; offered where
+    ``peft`` is installed), and both; each named by the keys that select it, in that order."""
     first, rest = roles[0], roles[1:]
     dtype_key, lora_key = _KEYS[first.name]
     dtypes = [first.model_dtype] + (["bf16"] if DTYPE_BYTES[first.model_dtype] > 2 else [])

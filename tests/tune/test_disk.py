@@ -1,7 +1,7 @@
 """The checkpoint's predicted size (klppo/tune/disk.py) against checkpoints the trainer writes (a tiny model,
 one step, ``trainer.save_freq=1``): the full state of an actor and a critic in fp32, and LoRA adapters with
-bf16 masters and optimizer state, within 3% in all and per role; and at Qwen2.5-7B's shape (config only, no
-weights), the sizes per setting by hand."""
+bf16 masters and optimizer state (no base weights), within 3% in all and per role; and at Qwen2.5-7B's shape
+(config only, no weights), the sizes per setting by hand."""
 
 from __future__ import annotations
 
@@ -78,5 +78,5 @@ def test_7b_sizes_per_setting():
     assert P * 6 < bf16 < P * 6 + overhead
     adapters = 28 * 64 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944))  # q,o; k,v; MLP
     lora = options["actor_rollout_ref.model.lora_rank=64"].total
-    assert (P + adapters) * 4 + adapters * 8 < lora < (P + adapters) * 4 + adapters * 8 + overhead
-    assert lora / GIB == pytest.approx(30.2, abs=0.1)
+    assert adapters * 12 < lora < adapters * 12 + overhead  # the adapters and their moments, no base
+    assert lora / GIB == pytest.approx(1.81, abs=0.01)
