@@ -1,5 +1,6 @@
 """The memory forecast of a run before any process starts or weight loads: the memory model's predicted peak
-per phase on the GPU (the actor's, ``klppo.tune.memory``; LoRA's, ``klppo.tune.lora``) and the host memory the
+per phase on the GPU (the actor's, ``klppo.tune.memory``; LoRA's, ``klppo.tune.lora``; the critic's,
+``klppo.tune.critic``) and the host memory the
 offload needs (``klppo.tune.host``: the actor's, the offloaded reference's, an offloading critic's), and the
 refusal of a setting predicted not to fit either (``klppo.tune.host.refusal``: the figure and the settings
 that would fit).
@@ -21,8 +22,8 @@ from transformers import AutoConfig
 from klppo.assembly.settings import fsdp_settings, tune_workload
 from klppo.config import ConfigError, KLPPOConfig, uses_critic
 from klppo.models.loading import model_dir
-from klppo.tune.host import host_peak, host_ram_bytes, host_text, refusal, value_params
-from klppo.tune.lora import configured_peaks
+from klppo.tune.critic import run_peaks
+from klppo.tune.host import host_peak, host_ram_bytes, host_text, refusal
 from klppo.tune.memory import PhasePeak
 from klppo.tune.units import ModelFacts
 
@@ -52,32 +53,35 @@ def forecast(
 ) -> Forecast:
     """The :class:`Forecast` of ``cfg`` on ``world_size`` GPUs of ``device_gib`` with ``host_bytes`` of host
     memory per process, the actor's model config read from ``model_path`` (the critic's from its own path
-    where it names another model)."""
+    where it names another model: :func:`critic_model_config`)."""
     arr = cfg.actor_rollout_ref
     key = "actor_rollout_ref.actor.fsdp_config"
     fsdp = fsdp_settings(arr.actor.fsdp_config, device_type="cuda", world_size=world_size, key=key)
-    workload = tune_workload(cfg, fsdp, world_size=world_size, device_gib=device_gib)
+    critic_config = critic_model_config(cfg, model_path)
+    workload = tune_workload(
+        cfg, fsdp, world_size=world_size, device_gib=device_gib, critic_config=critic_config
+    )
     actor_config = AutoConfig.from_pretrained(model_path)
     facts = ModelFacts.from_config(actor_config)
-    critic = critic_params(cfg, model_path)
     return Forecast(
-        device_bytes=configured_peaks(workload, facts),
+        device_bytes=run_peaks(workload, facts),
         device_total=workload.workload.device_bytes,
-        host=host_peak(facts, workload.update_point, workload.workload, critic_params=critic),
+        host=host_peak(facts, workload.update_point, workload.workload, critic=workload.critic),
         host_total=host_bytes,
-        refusal=refusal(workload, actor_config, host_bytes=host_bytes, critic_params=critic),
+        refusal=refusal(workload, actor_config, host_bytes=host_bytes),
     )
 
 
-def critic_params(cfg: KLPPOConfig, model_path: str) -> int | None:
-    """The critic's parameters where ``critic.model.path`` names another model than the actor's (None: no
-    critic, or the actor's backbone: ``klppo.tune.host.value_params`` counts it)."""
-    if not uses_critic(cfg) or not cfg.critic.model.path:
+def critic_model_config(cfg: KLPPOConfig, model_path: str) -> object | None:
+    """The model config of ``critic.model.path`` where it names another model than the actor's at
+    ``model_path`` (None: no critic, or the actor's backbone). Reads the config file, never weights."""
+    path = cfg.critic.model.path
+    if not uses_critic(cfg) or not path or path == cfg.actor_rollout_ref.model.path:
         return None
-    path = model_dir(cfg.critic.model.path, key="critic.model.path")
+    path = model_dir(path, key="critic.model.path")
     if path == model_path:
         return None
-    return value_params(ModelFacts.from_config(AutoConfig.from_pretrained(path)))
+    return AutoConfig.from_pretrained(path)
 
 
 def forecast_lines(found: Forecast, where: str) -> list[str]:

@@ -10,6 +10,7 @@ restates one or re-casts a typed field.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from klppo.roles.optim import OptimSettings
 from klppo.rollout.base import SamplingParams
 from klppo.rollout.settings import EngineSettings
 from klppo.tools.config import load_tools
+from klppo.tune.critic import CriticWorkload
 from klppo.tune.memory import Point, TuneWorkload, Workload, defers_grad_sync
 from klppo.tune.units import WHOLE_MODEL
 
@@ -490,19 +492,20 @@ def offload_mode(fsdp: FSDPSettings) -> str:
 
 
 def tune_workload(
-    cfg: KLPPOConfig, fsdp: FSDPSettings, *, world_size: int, device_gib: float
+    cfg: KLPPOConfig,
+    fsdp: FSDPSettings,
+    *,
+    world_size: int,
+    device_gib: float,
+    critic_config: object | None = None,
 ) -> TuneWorkload:
-    """The actor's workload for ``klppo tune`` and the pre-flight, with ``fsdp`` the actor's FSDP settings
-    (:func:`fsdp_settings` of ``actor.fsdp_config``, the object the trainer shards with)."""
+    """The run's workload for ``klppo tune`` and the pre-flight, with ``fsdp`` the actor's FSDP settings
+    (:func:`fsdp_settings` of ``actor.fsdp_config``, the object the trainer shards with) and, with a critic,
+    its own (:func:`critic_workload`; ``critic_config``: the model config of ``critic.model.path`` where it
+    names another model than the actor's, None: the actor's backbone)."""
     arr = cfg.actor_rollout_ref
     actor = arr.actor
     prompt, response = cfg.data.max_prompt_length, cfg.data.max_response_length
-    critic = None
-    if uses_critic(cfg):
-        critic_cfg = cfg.critic.model.fsdp_config
-        critic = fsdp_settings(
-            critic_cfg, device_type="cuda", world_size=world_size, key="critic.model.fsdp_config"
-        )
     workload = Workload(
         world_size=world_size,
         fsdp_size=fsdp.fsdp_size,
@@ -519,8 +522,6 @@ def tune_workload(
         and arr.ref.fsdp_config.param_offload
         and arr.model.lora_rank == 0,
         lora=uses_lora(arr.model),
-        critic_offload=None if critic is None else offload_mode(critic),
-        critic_plain=critic is not None and critic.plain,
         sequence_parallel=actor.ulysses_sequence_parallel_size,
         rollout_tensor_parallel=arr.rollout.tensor_model_parallel_size,
         grad_sync_per_mini_batch=actor.fsdp_config.grad_sync_per_mini_batch,
@@ -546,4 +547,57 @@ def tune_workload(
         point=point,
         seq_len=prompt + response,
         update_micro_tokens=fixed_tokens if fixed_rows else point.micro_tokens,
+        critic=critic_workload(cfg, workload, model_config=critic_config) if uses_critic(cfg) else None,
     )
+
+
+def critic_workload(cfg: KLPPOConfig, actor: Workload, *, model_config: object | None) -> CriticWorkload:
+    """The critic's workload for the memory model (``critic.*``): its FSDP settings, offload, dtypes
+    (``fsdp_config.model_dtype`` the masters', bf16 compute on a GPU), gradient checkpointing, LoRA, token
+    budgets and Ulysses group, on ``model_config`` (None: the actor's backbone); ranks, sequence layout and
+    device as ``actor``'s."""
+    critic = cfg.critic
+    fsdp = fsdp_settings(
+        critic.model.fsdp_config,
+        device_type="cuda",
+        world_size=actor.world_size,
+        key="critic.model.fsdp_config",
+    )
+    master = torch.empty((), dtype=to_dtype(critic.model.fsdp_config.model_dtype)).element_size()
+    seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    sp = critic.ulysses_sequence_parallel_size
+
+    def tokens(rows: int | None, budget: int) -> int:  # one micro-batch: the budget, or rows × seq_len
+        return budget if critic.use_dynamic_bsz or not rows else -(-rows * seq_len // sp)
+
+    workload = dataclasses.replace(
+        actor,
+        fsdp_size=fsdp.fsdp_size,
+        grad_checkpointing=critic.model.enable_gradient_checkpointing,
+        calculate_entropy=False,
+        log_prob_tokens=tokens(critic.forward_micro_batch_size_per_gpu, critic.forward_max_token_len_per_gpu),
+        master_bytes=master,
+        compute_bytes=2 if fsdp.param_dtype is not None else master,
+        backward_prefetch=fsdp.backward_prefetch,
+        reference=False,
+        reference_offloaded=False,
+        lora=critic.model.lora_rank > 0,
+        value_model=True,
+        sequence_parallel=sp,
+        rollout_tensor_parallel=1,
+        grad_sync_per_mini_batch=critic.model.fsdp_config.grad_sync_per_mini_batch,
+        reduce_dtype=str(fsdp.reduce_dtype).removeprefix("torch."),
+        graph_update=False,
+        graph_reference=False,
+        plain=fsdp.plain,
+        plain_offload=fsdp.plain,
+    )
+    point = Point(
+        fsdp.min_num_params,
+        offload_mode(fsdp),
+        fsdp.forward_prefetch,
+        fsdp.reshard_after_forward,
+        critic.ppo_max_token_len_per_gpu,
+    )
+    update_tokens = tokens(critic.ppo_micro_batch_size_per_gpu, critic.ppo_max_token_len_per_gpu)
+    return CriticWorkload(workload, point, update_tokens, model_config)

@@ -18,6 +18,7 @@ from klppo.agent.multi_turn import MultiTurnRollout
 from klppo.algorithms.advantages import get_advantage_estimator
 from klppo.algorithms.kl_control import KLController, make_kl_controller
 from klppo.assembly.data_check import build_loaders, tokenizer_trusts_code
+from klppo.assembly.memory_check import critic_model_config
 from klppo.assembly.roles_build import HFAssets, RoleInputs, Roles, SequenceGroups, build_roles, role_fsdp
 from klppo.assembly.run_start import begin_run
 from klppo.assembly.settings import (
@@ -177,7 +178,10 @@ def _before_weights(
     while the weights load."""
     total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
     hf_config = AutoConfig.from_pretrained(model_path)
-    workload = tune_workload(cfg, actor_fsdp, world_size=world_size(), device_gib=total_gib)
+    critic_config = critic_model_config(cfg, model_path)
+    workload = tune_workload(
+        cfg, actor_fsdp, world_size=world_size(), device_gib=total_gib, critic_config=critic_config
+    )
     # per rank, an upper bound (responses may end early), split over a Ulysses group as the tokens of a
     # micro-batch
     per_rank = sizes.actor_mini_batch_samples_per_rank * workload.seq_len

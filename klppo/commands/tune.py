@@ -30,6 +30,7 @@ from klppo.config.flags import FlagParser
 from klppo.parallel.dist import init_distributed
 from klppo.tune import disk, report
 from klppo.tune.comm import matmul_rate, predict_units, probe_bandwidth
+from klppo.tune.critic import run_phases
 from klppo.tune.grid import DEFAULT_THRESHOLDS, build_grid, describe, order, run_sweep
 from klppo.tune.host import host_peak, host_ram_bytes, refusal
 from klppo.tune.measure import measure_point, safe_measure
@@ -85,15 +86,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def workload_from(cfg: KLPPOConfig, device_gb: float | None, world_size: int) -> TuneWorkload:
-    """The actor's workload from the configuration, with its FSDP settings as the trainer builds them;
-    ``device_gb`` None: this GPU's memory, else 80."""
+def workload_from(
+    cfg: KLPPOConfig, device_gb: float | None, world_size: int, *, critic_config: object | None = None
+) -> TuneWorkload:
+    """The run's workload from the configuration, with the FSDP settings as the trainer builds them;
+    ``device_gb`` None: this GPU's memory, else 80; ``critic_config``: the critic's model where it is not
+    the actor's (:func:`critic_config_of`)."""
     if device_gb is None:
         device_gb = (
             torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80
         )
     fsdp = fsdp_settings(cfg.actor_rollout_ref.actor.fsdp_config, device_type="cuda", world_size=world_size)
-    return tune_workload(cfg, fsdp, world_size=world_size, device_gib=device_gb)
+    return tune_workload(cfg, fsdp, world_size=world_size, device_gib=device_gb, critic_config=critic_config)
+
+
+def critic_config_of(cfg: KLPPOConfig, actor_name: str) -> object | None:
+    """The model config of ``critic.model.path`` (a model directory or a named shape, as the actor's) where
+    the run has a critic on another model than ``actor_name``; None: no critic, or the actor's backbone."""
+    path = cfg.critic.model.path
+    if not uses_critic(cfg) or not path or path == cfg.actor_rollout_ref.model.path or path == actor_name:
+        return None
+    try:
+        return load_model_config(path)
+    except ValueError as exc:
+        raise ValueError(
+            f"critic.model.path: not a model directory (config.json) nor a known shape: {exc}"
+        ) from None
 
 
 def _world_size(cfg: KLPPOConfig, args: argparse.Namespace) -> int:
@@ -153,7 +171,12 @@ def _dry_run(args: argparse.Namespace, console: Console, plan: _Plan) -> None:
     world, nodes = w.world_size, plan.cfg.trainer.nnodes
     host = int(args.host_gb * 2**30) if args.host_gb else host_ram_bytes(max(1, world // nodes))
     console.print(report.memory_table(facts, plan.points, w, args.headroom, host_bytes=host))
-    phases = {**predict(facts, current, w), "host": host_peak(facts, current, w)}
+    critic = {} if plan.tw.critic is None else run_phases(plan.tw, facts)
+    phases = {
+        **predict(facts, current, w),
+        **{k: v for k, v in critic.items() if k in ("values", "update_critic")},
+        "host": host_peak(facts, current, w, critic=plan.tw.critic),
+    }
     console.print(report.terms_table(phases, current, w.runs_plain(current)))
     message = refusal(plan.tw, plan.model_config, host_bytes=host)
     if message:
@@ -171,7 +194,7 @@ def _dry_run(args: argparse.Namespace, console: Console, plan: _Plan) -> None:
     roles = checkpoint_roles(
         plan.cfg,
         plan.model_config,
-        plan.model_config if uses_critic(plan.cfg) else None,  # the critic on the actor's backbone
+        (plan.tw.critic.model_config or plan.model_config) if plan.tw.critic is not None else None,
         files_bytes=(disk.hf_files_bytes(plan.model_path),) * 2,
     )
     where, free = free_space(plan.cfg.trainer.default_local_dir)
@@ -193,7 +216,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
     except ValueError as exc:
         where = "--model-shape" if args.model_shape else "actor_rollout_ref.model.path"
         raise ValueError(f"{where}: not a model directory (config.json) nor a known shape: {exc}") from None
-    tw = workload_from(cfg, args.device_gb, _world_size(cfg, args))
+    critic_config = critic_config_of(cfg, name)
+    tw = workload_from(cfg, args.device_gb, _world_size(cfg, args), critic_config=critic_config)
     w = tw.workload
     current = w.as_run(tw.point)  # on the plain path the grid's one point per (offload, tokens)
     facts = ModelFacts.from_config(model_config)

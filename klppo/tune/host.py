@@ -15,8 +15,9 @@ Terms (``P`` trained parameters, ``Ps`` the rank's shard, ``m`` master bytes, ``
   idle — the shard ``Ps·m`` (plain path: and the compute copy ``P·c``) and AdamW ``2·Ps·4``;
 - ``offload="cpu"`` (FSDP2 ``offload_policy``): the shards, their gradients and AdamW, ``Ps·(2m + 8)``;
 - a reference kept on the host between its passes (``Workload.reference_offloaded``): ``P·c``;
-- a critic that offloads (``Workload.critic_offload``): the terms above for its own mode, of the value
-  model's parameters (:func:`value_params`: the actor's backbone unless the caller names another size).
+- a critic that offloads (``TuneWorkload.critic``, :mod:`klppo.tune.critic`): the terms above for its own
+  mode, of the value model's parameters on its own model (``critic.model.path``) in its own dtypes; with
+  LoRA (``critic.model.lora_rank``) no AdamW of the frozen weights.
 
 Not modelled: the model's load (transformers reads the checkpoint through the host once, before the
 optimizer exists), data loaders and the rollout's host buffers (small beside these terms).
@@ -29,7 +30,7 @@ import math
 import os
 
 from klppo.parallel.cpu_optim import STEP_CHUNK_BYTES
-from klppo.tune.lora import configured_peaks
+from klppo.tune.critic import CriticWorkload, run_peaks
 from klppo.tune.memory import OFFLOAD_MODES, PhasePeak, Point, TuneWorkload, Workload
 from klppo.tune.units import ModelFacts
 
@@ -37,19 +38,30 @@ PROCESS_BYTES = 6 * 2**30
 """Host memory of a trainer process before any model state: interpreter, torch with CUDA, transformers."""
 
 
-def host_peak(facts: ModelFacts, point: Point, w: Workload, *, critic_params: int | None = None) -> PhasePeak:
+def host_peak(
+    facts: ModelFacts, point: Point, w: Workload, *, critic: CriticWorkload | None = None
+) -> PhasePeak:
     """The host's peak for one rank at ``point`` (module docstring): the actor's terms, the reference's and,
-    with a critic that offloads (``Workload.critic_offload``), the critic's — a value model of
-    ``critic_params`` parameters (None: on the actor's backbone, :func:`value_params`)."""
+    with a ``critic`` that offloads, the critic's (its own model, dtypes and LoRA)."""
     phase = PhasePeak("host")
     phase.add("process", PROCESS_BYTES, "torch, CUDA context, libraries")
     plain = w.runs_plain(point)
     _role_terms(phase, "", facts.num_params, point.offload, w, plain=plain, facts=facts, adamw=not w.lora)
     if w.reference_offloaded:
         phase.add("offloaded reference", facts.num_params * w.compute_bytes, "P·c")
-    if w.critic_offload not in (None, "off"):
-        Pv = value_params(facts) if critic_params is None else critic_params
-        _role_terms(phase, "critic ", Pv, w.critic_offload, w, plain=w.critic_plain, facts=facts, adamw=True)
+    if critic is not None and critic.point.offload != "off":
+        cw, cfacts = critic.workload, critic.facts(facts)
+        plain = cw.runs_plain(critic.point)
+        _role_terms(
+            phase,
+            "critic ",
+            cfacts.num_params,
+            critic.point.offload,
+            cw,
+            plain=plain,
+            facts=cfacts,
+            adamw=not cw.lora,
+        )
     return phase
 
 
@@ -86,13 +98,6 @@ def _role_terms(
         )
 
 
-def value_params(facts: ModelFacts) -> int:
-    """Parameters of a value model on ``facts``' backbone (the critic's default): the causal LM's without its
-    own LM head (an untied one: ``V·h``), with the one-output head ``score`` (``h + 1``)."""
-    head = 0 if facts.shape.tied else facts.shape.vocab * facts.shape.hidden
-    return facts.num_params - head + facts.shape.hidden + 1
-
-
 def host_text(phase: PhasePeak, host_bytes: int) -> str:
     """``phase``'s total against ``host_bytes``, with its terms (GiB)."""
     terms = ", ".join(f"{t.name} {t.bytes / 2**30:.1f}" for t in phase.terms if t.bytes)
@@ -106,19 +111,15 @@ def host_ram_bytes(processes: int | None = None) -> int:
     return total // (processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def fit(
-    workload: TuneWorkload, model_config: object, *, host_bytes: int, critic_params: int | None = None
-) -> tuple[dict[str, float], float]:
-    """(device peak per phase, host peak), in bytes, at the configured point (``critic_params``: as
-    :func:`host_peak`)."""
+def fit(workload: TuneWorkload, model_config: object, *, host_bytes: int) -> tuple[dict[str, float], float]:
+    """(device peak per phase, host peak), in bytes, at the configured point (the critic's with the actor's:
+    :func:`klppo.tune.critic.run_peaks`, :func:`host_peak`)."""
     facts = ModelFacts.from_config(model_config)
-    host = host_peak(facts, workload.update_point, workload.workload, critic_params=critic_params)
-    return configured_peaks(workload, facts), host.total
+    host = host_peak(facts, workload.update_point, workload.workload, critic=workload.critic)
+    return run_peaks(workload, facts), host.total
 
 
-def alternatives(
-    workload: TuneWorkload, model_config: object, *, host_bytes: int, critic_params: int | None = None
-) -> list[str]:
+def alternatives(workload: TuneWorkload, model_config: object, *, host_bytes: int) -> list[str]:
     """The settings, among the offload modes the run can take and gradient checkpointing on, predicted to
     fit both the device and ``host_bytes``: one phrase each with its two figures, smallest device peak
     first."""
@@ -132,8 +133,8 @@ def alternatives(
             tw = dataclasses.replace(
                 workload, workload=wl, point=dataclasses.replace(workload.point, offload=offload)
             )
-            device = max(configured_peaks(tw, facts).values())
-            host = host_peak(facts, tw.update_point, wl, critic_params=critic_params).total
+            device = max(run_peaks(tw, facts).values())
+            host = host_peak(facts, tw.update_point, wl, critic=workload.critic).total
             if device <= w.device_bytes and host <= host_bytes:
                 keys = OFFLOAD_KEYS[offload] + (", enable_gradient_checkpointing=true" if ckpt else "")
                 found.append(
@@ -157,13 +158,11 @@ error, ~15%, above the device: it cannot fit) or the host above its memory; betw
 pre-flight warns (:func:`klppo.tune.preflight.check_memory`)."""
 
 
-def refusal(
-    workload: TuneWorkload, model_config: object, *, host_bytes: int, critic_params: int | None = None
-) -> str | None:
+def refusal(workload: TuneWorkload, model_config: object, *, host_bytes: int) -> str | None:
     """The sentence that refuses the run when its predicted device peak exceeds :data:`REFUSE_SHARE` × the
     device or its host peak exceeds ``host_bytes``, naming the figure and what would fit
     (:func:`alternatives`); None when it fits."""
-    phases, host = fit(workload, model_config, host_bytes=host_bytes, critic_params=critic_params)
+    phases, host = fit(workload, model_config, host_bytes=host_bytes)
     device = workload.workload.device_bytes
     worst = max(phases, key=phases.get)
     over = []
@@ -174,20 +173,20 @@ def refusal(
         )
     if host > host_bytes:
         facts = ModelFacts.from_config(model_config)
-        terms = host_peak(facts, workload.update_point, workload.workload, critic_params=critic_params).terms
-        critic = sum(t.bytes for t in terms if t.name.startswith("critic "))
+        terms = host_peak(facts, workload.update_point, workload.workload, critic=workload.critic).terms
+        critic_bytes = sum(t.bytes for t in terms if t.name.startswith("critic "))
         over.append(
             f"the host is predicted to need {host / 2**30:.1f} GiB of its {host_bytes / 2**30:.0f} GiB"
             + (
-                f" ({critic / 2**30:.1f} GiB of it the critic's: a smaller critic, critic.model.path, or "
-                "critic.model.lora_rank would hold less)"
-                if critic
+                f" ({critic_bytes / 2**30:.1f} GiB of it the critic's: a smaller critic, "
+                "critic.model.path, or critic.model.lora_rank would hold less)"
+                if critic_bytes
                 else ""
             )
         )
     if not over:
         return None
-    fits = alternatives(workload, model_config, host_bytes=host_bytes, critic_params=critic_params)
+    fits = alternatives(workload, model_config, host_bytes=host_bytes)
     advice = (
         "predicted to fit (actor_rollout_ref.actor.fsdp_config / actor_rollout_ref.model): " + "; ".join(fits)
         if fits

@@ -21,6 +21,7 @@ FULL_TRAINING_TERMS = frozenset(
         "sharded grads",
         "optimizer (AdamW)",
         "unsharded grads (sync per mini-batch)",
+        "compute-dtype grads",
     }
 )
 """The memory model's terms that LoRA training does not hold (names of :class:`~klppo.tune.memory.Term`)."""
@@ -31,13 +32,11 @@ def lora_peaks_gib(workload: TuneWorkload, facts: ModelFacts) -> dict[str, float
     adapters: :func:`~klppo.tune.memory.predict` at the configured update point with no reference shards and
     a data-parallel rollout, less :data:`FULL_TRAINING_TERMS`; the update's optimizer-step floor (the full
     model's state plus one fp32 temporary) does not apply."""
-    w = dataclasses.replace(workload.workload, reference=False, rollout_tensor_parallel=1)
-    phases = predict(facts, workload.update_point, w)
-    cache_share = w.gpu_memory_utilization * w.device_bytes
-    return {name: _without_full_training(phase, cache_share).total / 2**30 for name, phase in phases.items()}
+    lora = dataclasses.replace(workload, workload=dataclasses.replace(workload.workload, lora=True))
+    return {name: phase.total / 2**30 for name, phase in configured_phases(lora, facts).items()}
 
 
-def _without_full_training(phase: PhasePeak, cache_share: float) -> PhasePeak:
+def without_full_training(phase: PhasePeak, cache_share: float) -> PhasePeak:
     """``phase`` less :data:`FULL_TRAINING_TERMS`; the rollout's KV cache again fills its share of the device
     (``cache_share`` bytes) around what stays, so its peak is max(share, what stays)."""
     kept = [t for t in phase.terms if t.name not in FULL_TRAINING_TERMS]
@@ -47,10 +46,18 @@ def _without_full_training(phase: PhasePeak, cache_share: float) -> PhasePeak:
     return PhasePeak(phase.phase, kept, 0.0 if phase.phase == "update" else phase.floor)
 
 
+def configured_phases(workload: TuneWorkload, facts: ModelFacts) -> dict[str, PhasePeak]:
+    """The actor's predicted phases at the configured update point: :func:`~klppo.tune.memory.predict`'s,
+    LoRA's (:func:`lora_peaks_gib`'s terms) when the actor trains LoRA adapters (``Workload.lora``)."""
+    if not workload.workload.lora:
+        return predict(facts, workload.update_point, workload.workload)
+    w = dataclasses.replace(workload.workload, reference=False, rollout_tensor_parallel=1)
+    cache_share = w.gpu_memory_utilization * w.device_bytes
+    phases = predict(facts, workload.update_point, w)
+    return {name: without_full_training(phase, cache_share) for name, phase in phases.items()}
+
+
 def configured_peaks(workload: TuneWorkload, facts: ModelFacts) -> dict[str, float]:
-    """Predicted peak bytes per rank of each phase at the configured update point: :func:`lora_peaks_gib`'s
-    when the actor trains LoRA adapters (``Workload.lora``), :func:`~klppo.tune.memory.predict`'s
-    otherwise."""
-    if workload.workload.lora:
-        return {name: gib * 2**30 for name, gib in lora_peaks_gib(workload, facts).items()}
-    return {name: p.total for name, p in predict(facts, workload.update_point, workload.workload).items()}
+    """Predicted peak bytes per rank of each of the actor's phases at the configured update point
+    (:func:`configured_phases`' totals)."""
+    return {name: phase.total for name, phase in configured_phases(workload, facts).items()}

@@ -79,7 +79,9 @@ Optimizer step on the CPU (``offload="cpu_step"``, ``fsdp_config.optimizer_step_
 :mod:`klppo.parallel.cpu_optim`): the masters and AdamW live on the host (``klppo.tune.host``), so the device
 holds in every phase the compute copy ``P·c`` and no masters or AdamW; in the update the master gradients
 ``P·m`` and the terms above; the step adds nothing on the device (the chunk buffers are on the host).
-Not modelled: the reference / critic models (add them with ``reference=True``), allocator fragmentation
+A value model (``Workload.value_model``, the critic: ``klppo.tune.critic`` adds its phases and what it holds
+in the actor's): the terms above with ``V = 1``.
+Not modelled: the reference model (add its shards with ``reference=True``), allocator fragmentation
 (``torch.cuda.max_memory_allocated`` does not count it either), CUDA context and library workspaces.
 """
 
@@ -88,9 +90,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from klppo.tune.shapes import head_dim
 from klppo.tune.units import WHOLE_MODEL, ModelFacts
+
+if TYPE_CHECKING:
+    from klppo.tune.critic import CriticWorkload
 
 OFFLOAD_MODES = ("off", "idle", "cpu", "cpu_step")
 
@@ -149,11 +155,9 @@ class Workload:
     lora: bool = False
     """The actor trains LoRA adapters (``actor_rollout_ref.model.lora_rank``): its peaks are
     ``klppo.tune.lora``'s, and on the host no optimizer state of the frozen weights."""
-    critic_offload: str | None = None
-    """The critic's offload mode (:data:`OFFLOAD_MODES`; None: no critic): its host memory
-    (``klppo.tune.host``); the critic's device memory is not modelled."""
-    critic_plain: bool = False
-    """The critic runs the plain path (its compute copy offloaded with ``offload="idle"``)."""
+    value_model: bool = False
+    """The model is a value model (the critic, ``klppo.tune.critic``): one output per token instead of the
+    vocabulary, so its logits and head gradient are those of ``V = 1``."""
     sequence_parallel: int = 1
     """Ulysses group size S (``ulysses_sequence_parallel_size``); token counts stay per rank."""
     rollout_tensor_parallel: int = 1
@@ -193,6 +197,10 @@ class Workload:
     def reduce_bytes(self) -> int:
         """Bytes per element of the gradient reduce-scatter (4 for float32, 2 for bfloat16)."""
         return _DTYPE_BYTES[self.reduce_dtype]
+
+    def outputs(self, facts: ModelFacts) -> int:
+        """Outputs per token of the model's head: ``V``, or 1 for a value model."""
+        return 1 if self.value_model else facts.shape.vocab
 
     def kv_dim(self, facts: ModelFacts) -> int:
         """``kv_heads · head_dim`` as one rank holds K and V: replicated up to S heads under Ulysses."""
@@ -393,17 +401,16 @@ def _backward_start(phase: PhasePeak, facts: ModelFacts, point: Point, w: Worklo
     phase.add("backward workspace", T * c * (2 * s.hidden + 2 * s.intermediate), "T·c·(2h+2I)", _START)
     if w.sequence_parallel > 1:
         phase.add("all-to-all buffers", w.all_to_all_bytes(facts, T), "T·c·(2h+2kvd)", _START)
+    V = w.outputs(facts)
     logit_bytes = c + 12 + (8 if w.calculate_entropy else 0)
-    phase.add("logits", N * s.vocab * logit_bytes, f"N·V·{logit_bytes}", _START)
-    phase.add("LM head grad", s.vocab * s.hidden * c, "V·h·c", _START)
+    phase.add("logits", N * V * logit_bytes, f"N·V·{logit_bytes}", _START)
+    phase.add("LM head grad", V * s.hidden * c, "V·h·c", _START)
     if point.reshard_after_forward and not w.runs_plain(point):  # the root gathered again (_gathered)
         phase.add("activations (head backward)", acts, text, _HEAD)
         # the logits' fp32 gradient at the head, or a layer's backward workspace just after it
         workspace = T * c * (2 * s.hidden + 2 * s.intermediate)
-        phase.add(
-            "logits grad (head backward)", max(N * s.vocab * 4, workspace), "max(N·V·4, T·c·(2h+2I))", _HEAD
-        )
-        phase.add("LM head grad (head backward)", s.vocab * s.hidden * c, "V·h·c", _HEAD)
+        phase.add("logits grad (head backward)", max(N * V * 4, workspace), "max(N·V·4, T·c·(2h+2I))", _HEAD)
+        phase.add("LM head grad (head backward)", V * s.hidden * c, "V·h·c", _HEAD)
 
 
 _START, _HEAD, _END = "backward start", "head backward", "backward end"
@@ -468,7 +475,7 @@ def _log_prob_work(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workloa
     phase.add("activations", T * c * (4 * s.hidden + 2 * kvd + 3 * s.intermediate), "T·c·(4h+2kvd+3I)")
     if w.sequence_parallel > 1:
         phase.add("all-to-all buffers", w.all_to_all_bytes(facts, T), "T·c·(2h+2kvd)")
-    phase.add("logits", N * s.vocab * (c + 8), f"N·V·{c + 8}")
+    phase.add("logits", N * w.outputs(facts) * (c + 8), f"N·V·{c + 8}")
 
 
 def rollout_peak(facts: ModelFacts, point: Point, w: Workload) -> PhasePeak:
@@ -504,6 +511,8 @@ class TuneWorkload:
     update_micro_tokens: int
     """Tokens of one update micro-batch as configured: the budget, or with fixed micro-batches rows ×
     seq_len."""
+    critic: CriticWorkload | None = None
+    """The critic's own workload (``klppo.tune.critic``); None: the run has no critic."""
 
     @property
     def update_point(self) -> Point:

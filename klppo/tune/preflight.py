@@ -13,9 +13,9 @@ from typing import Any
 
 from klppo.config import ConfigError
 from klppo.rollout.workspace import slot_bytes
+from klppo.tune.critic import run_peaks
 from klppo.tune.host import host_peak, refusal
-from klppo.tune.lora import configured_peaks
-from klppo.tune.memory import Point, TuneWorkload, Workload, predict
+from klppo.tune.memory import Point, TuneWorkload, Workload
 from klppo.tune.shapes import head_dim
 from klppo.tune.units import ModelFacts
 
@@ -24,8 +24,9 @@ log = logging.getLogger("klppo")
 
 def predicted_peaks_gib(workload: TuneWorkload, model_config: Any) -> dict[str, float]:
     """Predicted peak GiB per rank for the rollout, log-prob and update phases of the actor, with its update
-    micro-batches as configured (``klppo.assembly.settings.tune_workload``; LoRA's: ``klppo.tune.lora``)."""
-    peaks = configured_peaks(workload, ModelFacts.from_config(model_config))
+    micro-batches as configured (``klppo.assembly.settings.tune_workload``; LoRA's: ``klppo.tune.lora``), and
+    with a critic its ``values`` and ``update_critic`` phases (``klppo.tune.critic``)."""
+    peaks = run_peaks(workload, ModelFacts.from_config(model_config))
     return {name: peak / 2**30 for name, peak in peaks.items()}
 
 
@@ -54,8 +55,10 @@ def micro_batch_advice(
         w = dataclasses.replace(
             workload.workload, log_prob_tokens=max(tokens, workload.workload.log_prob_tokens or 0)
         )
-        phases = predict(facts, dataclasses.replace(workload.update_point, micro_tokens=tokens), w)
-        return max(phases["update"].total, phases["log_prob"].total)
+        point = dataclasses.replace(workload.point, micro_tokens=tokens)
+        tw = dataclasses.replace(workload, workload=w, point=point, update_micro_tokens=tokens)
+        phases = run_peaks(tw, facts)  # with what a critic holds beside them
+        return max(phases["update"], phases["log_prob"])
 
     best, tokens = None, budget
     while tokens < mini_batch_tokens:
@@ -81,7 +84,8 @@ def workspace_advice(
     workload: TuneWorkload, model_config: Any, rollout_seqs: int, *, share: float = ADVICE_SHARE
 ) -> str | None:
     """For a klppo-engine rollout that frees its workspace after each step (``free_cache_engine=True``,
-    verl's default): when keeping it beside the update and log-prob phases' predicted peak stays under
+    verl's default): when keeping it beside the training phases' predicted peak (update, log-prob and a
+    critic's) stays under
     ``share`` of the device, the sentence that says to set ``free_cache_engine=False`` and what it costs;
     None otherwise. What a kept workspace holds through training, per rank: the KV cache of
     ``rollout_seqs`` sequences (an upper bound: the engine takes fewer slots when fewer fit) at the full
@@ -101,8 +105,8 @@ def workspace_advice(
         elt=c,
     )
     kept = rollout_seqs * per_slot + facts.num_params * c
-    phases = predict(facts, workload.update_point, workload.workload)
-    training = max(phases["update"].total, phases["log_prob"].total)
+    # the training phases (a critic's too), each with what the other roles hold beside it
+    training = max(v for name, v in run_peaks(workload, facts).items() if name != "rollout")
     if training + kept > share * workload.workload.device_bytes:
         return None
     device_gib = workload.workload.device_bytes / 2**30
@@ -140,7 +144,7 @@ def check_memory(
     log.info("predicted peak memory per GPU (GiB, of %.0f): %s", device_gib, summary)
     if host_bytes is not None:
         facts = ModelFacts.from_config(model_config)
-        host = host_peak(facts, workload.update_point, workload.workload).total
+        host = host_peak(facts, workload.update_point, workload.workload, critic=workload.critic).total
         log.info("predicted peak host memory per rank: %.1f GiB of %.0f", host / 2**30, host_bytes / 2**30)
         message = refusal(workload, model_config, host_bytes=host_bytes)
         if message:
