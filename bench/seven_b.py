@@ -3,7 +3,11 @@
 Qwen2.5-7B shape with random weights, 64 prompts × 8 responses of 512 prompt + 512 response tokens
 (responses forced to length with ``rollout.ignore_eos``), one mini-batch of 64 prompts per step (on-policy,
 one update), GRPO with a k3 KL loss (``low_var_kl``; actor + reference); ``--critic``: GAE with a critic
-(PPO: actor, reference, critic); ``--lora 64``: LoRA rank 64 (the reference is the actor with adapters off).
+(PPO: actor, reference, critic) on a Qwen2.5-1.5B-shaped value model with the actor's vocabulary (a second
+random model dir, ``critic.model.path``), trained in full with its optimizer on the GPU and gradient
+checkpointing — what the memory model says fits one H200 beside the recipe's actor
+(``examples/qwen7b_ppo_one_gpu.yaml``); ``--lora 64``: LoRA rank 64 (the reference is the actor with adapters
+off).
 The run's settings are the recipe's (``examples/qwen7b_grpo_one_gpu.yaml``): the optimizer step on the CPU
 (``fsdp_config.optimizer_step_on_cpu``), gradient checkpointing, the reference offloaded between its passes;
 ``--set key=value`` changes any of them.
@@ -69,9 +73,9 @@ GRPO = [
     f"{ARR}.actor.ppo_mini_batch_size=64",
     f"{ARR}.actor.ppo_epochs=1",
 ]
-CRITIC = [
+QWEN25_15B = config_kwargs("Qwen2.5-1.5B")
+CRITIC = [  # examples/qwen7b_ppo_one_gpu.yaml: the critic's model path is the bench's second model dir
     "algorithm.adv_estimator=gae",
-    "critic.model.fsdp_config.optimizer_step_on_cpu=True",
     "critic.model.enable_gradient_checkpointing=True",
     "critic.use_dynamic_bsz=True",
     "critic.ppo_max_token_len_per_gpu=8192",
@@ -89,6 +93,22 @@ def workload(args) -> Workload:
         w = tiny_workload(w)
         w.overrides[:] = [o for o in w.overrides if "use_fused_kernels" not in o]
     return w
+
+
+def model_dir_dtype(tiny: bool):
+    import torch
+
+    return torch.float32 if tiny else torch.bfloat16
+
+
+def critic_model_dir(root: Path, w: Workload, *, tiny: bool) -> Path:
+    """The critic's random model: Qwen2.5-1.5B's shape (``tiny``: the actor's tiny shape) with the actor's
+    vocabulary, in ``root/critic`` (kept between runs with ``--keep``)."""
+    path = root / "critic" / f"{w.arch}-random"
+    if (path / "config.json").exists():
+        return path
+    shape = {**(w.shape if tiny else QWEN25_15B), "vocab_size": w.shape["vocab_size"]}
+    return make_model_dir(root / "critic", shape, w.arch, model_dir_dtype(tiny))
 
 
 def predicted(overrides: list[str], model_dir: Path, device_gib: float) -> dict:
@@ -109,7 +129,13 @@ def predicted(overrides: list[str], model_dir: Path, device_gib: float) -> dict:
     }
 
 
-MODEL_PHASES = {"rollout": ("gen",), "log_prob": ("old_log_prob", "ref"), "update": ("update_actor",)}
+MODEL_PHASES = {
+    "rollout": ("gen",),
+    "log_prob": ("old_log_prob", "ref"),
+    "update": ("update_actor",),
+    "values": ("values",),
+    "update_critic": ("update_critic",),
+}
 """The memory model's phases (``klppo.tune.memory.predict``) and the trainer's phases they are the peak of."""
 
 
@@ -224,11 +250,13 @@ def main() -> None:
     keep = args.keep or root
     model_dir = keep / f"{w.arch}-random"
     if not (model_dir / "config.json").exists():
-        dtype = torch.float32 if args.tiny else torch.bfloat16
-        model_dir = make_model_dir(keep, w.shape, w.arch, dtype)
+        model_dir = make_model_dir(keep, w.shape, w.arch, model_dir_dtype(args.tiny))
     data = make_prompts(root, model_dir, prompt_len=w.prompt_len, rows=w.prompts * 4)
     run_dir = args.save / "run" if args.save else root / "run"
-    overrides = base_overrides(w, model_dir, data, run_dir, args.rollout, args) + args.set
+    overrides = base_overrides(w, model_dir, data, run_dir, args.rollout, args)
+    if args.critic:
+        overrides.append(f"critic.model.path={critic_model_dir(keep, w, tiny=args.tiny)}")
+    overrides += args.set
     if args.save:
         overrides.append(f"trainer.save_freq={args.steps}")
         check_disk(overrides, model_dir)

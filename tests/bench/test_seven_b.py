@@ -59,3 +59,31 @@ def test_phase_peaks_nest_and_map_to_the_memory_model(monkeypatch):
     measured = seven_b.measured_phases(peaks)
     assert (measured["measured_gib/rollout"], measured["measured_gib/log_prob"]) == (40.0, 22.0)
     assert measured["measured_gib/update"] == 57.0 and measured["measured_gib/phase/step"] == 57.0
+
+
+def test_the_critic_setting_is_predicted_to_fit_one_h200(tmp_path):
+    """``--critic``'s settings at full size (config files only): a 1.5B-shaped critic beside the 7B recipe's
+    actor is predicted to fit one H200 (140 GiB) and a 128 GiB host, its own phases in the forecast."""
+    sys.path.insert(0, str(ROOT))
+    from types import SimpleNamespace
+
+    from bench import seven_b
+    from klppo.assembly.memory_check import forecast
+    from klppo.config import load_config
+
+    w = seven_b.workload(SimpleNamespace(critic=True, lora=0, tiny=False))
+    dirs = {}
+    for name, shape in (
+        ("actor", w.shape),
+        ("critic", {**seven_b.QWEN25_15B, "vocab_size": w.shape["vocab_size"]}),
+    ):
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+        config = {"model_type": w.arch, "architectures": ["Qwen2ForCausalLM"], **shape}
+        (dirs[name] / "config.json").write_text(json.dumps(config))
+    paths = [f"actor_rollout_ref.model.path={dirs['actor']}", f"critic.model.path={dirs['critic']}"]
+    sizes = ["data.train_batch_size=64", "data.max_prompt_length=512", "data.max_response_length=512"]
+    cfg = load_config(w.overrides + paths + sizes + ["actor_rollout_ref.rollout.n=8"])
+    found = forecast(cfg, str(dirs["actor"]), world_size=1, device_gib=140.0, host_bytes=128 * 2**30)
+    assert found.refusal is None and "update_critic" in found.device_bytes
+    assert max(found.device_bytes.values()) < 0.95 * 140 * 2**30 and found.host.total < 120 * 2**30
