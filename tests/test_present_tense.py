@@ -102,3 +102,12 @@ def test_help_links_reach_a_guide_section():
         if not guide.is_file() or (anchor and anchor not in _anchors(guide)):
             broken.append(f"{key}: {see}")
     assert not broken, "see= names no guide section:\n" + "\n".join(sorted(set(broken)))
+
+
+def test_files_the_docs_name_exist():
+    """Every ``klppo/…``, ``tests/…`` or ``bench/…`` Python file the README and docs/ name is in the tree."""
+    named = set()
+    for doc in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        named |= {(doc.name, m) for m in re.findall(r"\b(?:klppo|tests|bench)/[\w/]+\.py\b", doc.read_text())}
+    missing = sorted(f"{doc}: {path}" for doc, path in named if not (ROOT / path).is_file())
+    assert not missing, missing
