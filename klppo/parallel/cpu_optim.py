@@ -59,7 +59,7 @@ def _chunks(ms: MasterWeights, limit_bytes: int) -> list[_Chunk]:
     """The trained parameters of ``ms`` in chunks of at most ``limit_bytes`` of masters (a larger parameter
     alone), flat buffers by offsets, parameters with storage of their own one by one."""
     out = []
-    for f in ms._flats_trained:
+    for f in ms._flats:
         limit, i = max(1, limit_bytes // f.master.element_size()), 0
         for j in range(1, len(f.params) + 1):
             if j == len(f.params) or f.offsets[j + 1] - f.offsets[i] > limit:
@@ -68,7 +68,7 @@ def _chunks(ms: MasterWeights, limit_bytes: int) -> list[_Chunk]:
                     _Chunk(f.masters[i:j], f.grad_params[i:j], f.master[lo:hi], f.compute[lo:hi], hi - lo)
                 )
                 i = j
-    for (p, m), (_, h) in zip(ms._loose_trained, ms._loose_grads, strict=True):
+    for (p, m), (_, h) in zip(ms._loose, ms._loose_grads, strict=True):
         out.append(_Chunk([m], [h], m.data.view(-1), p.data.view(-1), p.numel()))
     return out
 

@@ -14,22 +14,27 @@ instead (tests/parallel/test_plain.py requires the two to agree bit for bit on C
   unsharded gradient. :meth:`MasterWeights.accumulate_grads` does that arithmetic after each micro-batch's
   backward (on the gradients concatenated, a chunk of :data:`CHUNK_BYTES` at a time: an add per chunk into
   a flat master gradient) and drops the compute-dtype gradients.
-- flat storage: the parameters of one kind (device, compute dtype, master dtype, trained or not) are views
-  into one buffer per copy, laid out alike, so the per-step elementwise work is a few kernels whatever the
+- flat storage: the trained parameters of one kind (device, compute dtype, master dtype) are views into one
+  buffer per copy, laid out alike, so the per-step elementwise work is a few kernels whatever the
   number of parameters (a copy or add across dtypes takes no foreach fast path: one kernel per parameter,
   ~1,200 launches per update of Qwen2.5-0.5B). The compute copy keeps its storage (updated in place), as
   CUDA graphs of the update need; a non-contiguous parameter keeps its own storage and the per-tensor ops.
 - clip and optimizer step: on the masters (the optimizer is built over them), the norm in the arithmetic of
   FSDP2's DTensor path (:func:`klppo.parallel.local_shards.norm_of_shards`).
+- frozen parameters (``requires_grad`` off: a LoRA model's base weights): FSDP2 casts their masters to
+  ``param_dtype`` before every forward and never changes them, so the compute copy always equals the masters
+  rounded. Here they keep no master: a frozen parameter is its own master, cast once to ``param_dtype``.
 - checkpoints: :attr:`MasterWeights.module` holds the masters under the model's parameter names (and the
   model's persistent buffers), so DCP's state dicts are the FSDP2 model's: a checkpoint moves between
-  this path and FSDP2 on any world size. Loading into it refreshes the compute copy.
+  this path and FSDP2 on any world size. Loading into it refreshes the compute copy. Frozen parameters are
+  written in the compute dtype (FSDP2 writes them in the master dtype); a load casts what it reads to the
+  tensor it loads into, so either one loads into the other with the values each path computes with.
 
-Memory: one master (the model's dtype, fp32) and one compute copy (bf16) of every parameter, the fp32
-master gradients, and the bf16 gradients of one backward (and, while they are added, one chunk's
-concatenation: :data:`CHUNK_BYTES`); no all-gather buffers.
-Masters on the host (``host_masters``, ``fsdp_config.optimizer_step_on_cpu``): the masters live in host
-memory (pinned on CUDA) and the optimizer steps them there (:mod:`klppo.parallel.cpu_optim`); the master
+Memory: one master (the model's dtype, fp32) of every trained parameter and one compute copy (bf16) of
+every parameter, the fp32 master gradients, and the bf16 gradients of one backward (and, while they are
+added, one chunk's concatenation: :data:`CHUNK_BYTES`); no all-gather buffers.
+Masters on the host (``host_masters``, ``fsdp_config.optimizer_step_on_cpu``): the trained masters live in
+host memory (pinned on CUDA) and the optimizer steps them there (:mod:`klppo.parallel.cpu_optim`); the master
 gradients still accumulate on the device, on *gradient holders* (a device parameter of each master's shape
 over one element of storage: torch keeps a gradient on its parameter's device), and the step streams them
 to the host and the updated values back into the compute copy. Device memory: the compute copy, the master
@@ -79,7 +84,7 @@ parameter larger than this is added by itself) while a chunk's kernel still outl
 
 @dataclass(eq=False)
 class _Flat:
-    """Parameters of one kind (device, compute dtype, master dtype, trained or not) end to end: each
+    """Trained parameters of one kind (device, compute dtype, master dtype) end to end: each
     parameter's ``.data`` is a view of ``compute`` and its master's of ``master``, at the same offsets."""
 
     params: list[nn.Parameter]
@@ -142,9 +147,10 @@ class MasterWeights:
     """The masters of a model trained on one process without FSDP2 (built by :func:`plain_model`).
 
     ``model``'s parameters are in the compute dtype (``param_dtype``); ``masters[i]`` is the master of
-    ``params[i]`` (``model.parameters()``, a tied weight once), a leaf ``nn.Parameter`` in the model's loaded
-    dtype with the same ``requires_grad``. The optimizer, the clip and the checkpoint work on ``module``.
-    Both copies live in flat buffers (module docstring)."""
+    ``params[i]`` (``model.parameters()``, a tied weight once): for a trained parameter a leaf
+    ``nn.Parameter`` in the model's loaded dtype, for a frozen one (``requires_grad`` off) ``params[i]``
+    itself. The optimizer, the clip and the checkpoint work on ``module``. Both copies of the trained
+    parameters live in flat buffers (module docstring)."""
 
     def __init__(
         self,
@@ -161,22 +167,24 @@ class MasterWeights:
         self.params = list(model.parameters())
         with torch.no_grad():
             self.masters = [
-                nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
+                nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device)) if p.requires_grad else p
                 for p in self.params
             ]
-            self._flats, loose = self._build_flats(param_dtype)
+            trained = [(p, m) for p, m in zip(self.params, self.masters) if p is not m]
+            for p in self.params if param_dtype is not None else ():
+                if not p.requires_grad:  # its own master: cast once (FSDP2's cast, before every forward)
+                    p.data = p.data.to(param_dtype)
+            self._flats, loose = self._build_flats(trained, param_dtype)
             for p, m in loose:
                 m.data = p.detach().clone()
                 if param_dtype is not None:
                     p.data = p.data.to(param_dtype)
-        self._loose = loose  # parameters with storage of their own (not contiguous, or empty)
+        self._loose = loose  # trained parameters with storage of their own (not contiguous, or empty)
         self.module = _mirror(model, {id(p): m for p, m in zip(self.params, self.masters)})
         # DCP's set_state_dict ends in module.load_state_dict: the loaded masters reach the compute copy
         self.module.register_load_state_dict_post_hook(lambda module, keys: self._loaded())
-        self._loose_trained = [(p, m) for p, m in loose if p.requires_grad]
-        self._flats_trained = [f for f in self._flats if f.params[0].requires_grad]
         self.host_masters = host_masters
-        self._loose_grads = self._loose_trained  # (parameter, where its master gradient accumulates)
+        self._loose_grads = self._loose  # (parameter, where its master gradient accumulates)
         if host_masters:
             self._masters_to_host()
 
@@ -192,11 +200,10 @@ class MasterWeights:
             for f in self._flats:
                 f.master = host(f.master)
                 _lay_out(f.masters, f.master)
-                if f.params[0].requires_grad:
-                    f.holders = [_holder(p, f.master.dtype) for p in f.params]
+                f.holders = [_holder(p, f.master.dtype) for p in f.params]
             for _, m in self._loose:
                 m.data = host(m.data)
-        self._loose_grads = [(p, _holder(p, m.dtype)) for p, m in self._loose_trained]
+        self._loose_grads = [(p, _holder(p, m.dtype)) for p, m in self._loose]
 
     @property
     def grad_params(self) -> list[nn.Parameter]:
@@ -209,21 +216,23 @@ class MasterWeights:
         for h in self.grad_params if self.host_masters else ():
             h.grad = None
 
-    def _build_flats(self, param_dtype: torch.dtype | None) -> tuple[list[_Flat], list[tuple]]:
-        """The flat buffers per kind, in ``params``' order within each: masters first (the parameters'
-        values, the model then pointing into them, so that its old storage goes before the compute buffer
-        is allocated: the peak of building is the per-tensor one), then the compute copy cast from them."""
-        kinds: dict[tuple, list[int]] = {}
+    def _build_flats(
+        self, trained: list[tuple[nn.Parameter, nn.Parameter]], param_dtype: torch.dtype | None
+    ) -> tuple[list[_Flat], list[tuple]]:
+        """The flat buffers of the ``trained`` (parameter, master) pairs per kind, in their order within
+        each, and the pairs left loose: masters first (the parameters' values, the model then pointing into
+        them, so that its old storage goes before the compute buffer is allocated: the peak of building is
+        the per-tensor one), then the compute copy cast from them."""
+        kinds: dict[tuple, list[tuple]] = {}
         loose = []
-        for i, p in enumerate(self.params):
+        for p, m in trained:
             if not p.is_contiguous() or p.numel() == 0:
-                loose.append((p, self.masters[i]))
+                loose.append((p, m))
                 continue
-            kind = (p.device, p.dtype, param_dtype or p.dtype, p.requires_grad)
-            kinds.setdefault(kind, []).append(i)
+            kinds.setdefault((p.device, p.dtype, param_dtype or p.dtype), []).append((p, m))
         flats = []
-        for (_, master_dtype, compute_dtype, _), idx in kinds.items():
-            params, masters = [self.params[i] for i in idx], [self.masters[i] for i in idx]
+        for (_, master_dtype, compute_dtype), pairs in kinds.items():
+            params, masters = [p for p, _ in pairs], [m for _, m in pairs]
             master = _flatten(params, master_dtype)
             for m, v in zip(masters, _point_into(params, master)):
                 m.data = v
@@ -233,12 +242,12 @@ class MasterWeights:
 
     def _loaded(self) -> None:
         """After a load into ``module``: the layout unbroken (the load copied in place), the compute copy
-        refreshed."""
+        refreshed (a frozen parameter is its own master: loaded in place)."""
         for f in self._flats:
             ptr, mptr = f.compute.untyped_storage().data_ptr(), f.master.untyped_storage().data_ptr()
             assert all(p.untyped_storage().data_ptr() == ptr for p in f.params), "compute views re-pointed"
             assert all(m.untyped_storage().data_ptr() == mptr for m in f.masters), "masters re-pointed"
-        self.copy_to_model(trained_only=False)
+        self.copy_to_model(loaded=True)
 
     @torch.no_grad()
     def accumulate_grads(self) -> None:
@@ -249,7 +258,7 @@ class MasterWeights:
         views: an add per chunk of concatenated gradients (the same arithmetic element by element); else per
         tensor."""
         rest = list(self._loose_grads)
-        for f in self._flats_trained:
+        for f in self._flats:
             if not self._accumulate_flat(f):
                 rest.extend(zip(f.params, f.grad_params))
         self._accumulate_each(rest)
@@ -326,28 +335,28 @@ class MasterWeights:
         return total
 
     @torch.no_grad()
-    def copy_to_model(self, *, trained_only: bool = True) -> None:
-        """The masters into the compute-dtype parameters (round to nearest even: one copy per flat buffer, one
-        foreach copy of the rest); only the trained ones after an optimizer step, all after a checkpoint
-        load. With host masters the streamed step has written the trained ones already: only a load copies."""
-        if self.host_masters and trained_only:
+    def copy_to_model(self, *, loaded: bool = False) -> None:
+        """The trained masters into their compute-dtype parameters (round to nearest even: one copy per flat
+        buffer, one foreach copy of the rest), after an optimizer step or (``loaded``) a checkpoint load.
+        With host masters the streamed step has written them already: only a load copies."""
+        if self.host_masters and not loaded:
             return
-        for f in self._flats_trained if trained_only else self._flats:
+        for f in self._flats:
             f.compute.copy_(f.master)
-        pairs = self._loose_trained if trained_only else self._loose
-        if pairs:
-            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+        if self._loose:
+            torch._foreach_copy_([p for p, _ in self._loose], [m for _, m in self._loose])
 
     def parameters(self):
-        """The compute parameters and the masters (what an offload moves; see :meth:`to`)."""
+        """The compute parameters and the trained masters (what an offload moves; see :meth:`to`)."""
         yield from self.params
-        yield from self.masters
+        yield from (m for p, m in zip(self.params, self.masters) if m is not p)
 
     def to(self, device: torch.device) -> MasterWeights:
         """Both copies (and their gradients, the optimizer state aside) to ``device``: what
         :class:`klppo.parallel.offload.OffloadSchedule` calls for ``param_offload``; the mirror's buffers
-        follow the model's. A flat buffer moves whole, its views pointed into the moved one (the model's
-        ``to`` then leaves them: already there). Not with host masters (they stay on the host)."""
+        and frozen parameters follow the model's. A flat buffer moves whole, its views pointed into the
+        moved one (the model's ``to`` then leaves them: already there). Not with host masters (they stay on
+        the host)."""
         if self.host_masters:
             raise ValueError(
                 "masters on the host (optimizer_step_on_cpu) do not move: param_offload is refused"

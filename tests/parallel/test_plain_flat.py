@@ -1,5 +1,5 @@
-"""The plain path's flat buffers (klppo/parallel/plain.py): each kind of parameter (device, compute dtype,
-master dtype, trained or not) laid end to end in one buffer per copy, so that the per-step copy and the
+"""The plain path's flat buffers (klppo/parallel/plain.py): each kind of trained parameter (device, compute
+dtype, master dtype) laid end to end in one buffer per copy, so that the per-step copy and the
 gradient accumulation are a few kernels, with the arithmetic of the per-tensor ops bit for bit
 (``PerTensor``: the same class with every parameter in its own storage, the per-tensor ops alone)."""
 
@@ -21,8 +21,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 class PerTensor(MasterWeights):
     """The oracle: no flat buffer, every parameter loose (the path of a non-contiguous parameter)."""
 
-    def _build_flats(self, param_dtype):
-        return [], list(zip(self.params, self.masters))
+    def _build_flats(self, trained, param_dtype):
+        return [], trained
 
 
 class Net(nn.Module):
@@ -66,21 +66,18 @@ def _same_grads(a: MasterWeights, b: MasterWeights) -> None:
 
 def _flat_grads_taken(ms: MasterWeights) -> bool:
     """Whether every trained flat buffer's masters hold views of one flat gradient."""
-    trained = [f for f in ms._flats if f.params[0].requires_grad]
-    return bool(trained) and all(f.master_grad() is not None for f in trained)
+    return bool(ms._flats) and all(f.master_grad() is not None for f in ms._flats)
 
 
 def test_parameters_and_masters_are_views_of_one_buffer_per_kind():
     model = Net()
     ms = MasterWeights(model, param_dtype=BF16, reduce_dtype=FP32)
-    assert {(f.compute.dtype, f.master.dtype, f.params[0].requires_grad) for f in ms._flats} == {
-        (BF16, FP32, True),
-        (BF16, FP32, False),
-    }
+    assert [(f.compute.dtype, f.master.dtype) for f in ms._flats] == [(BF16, FP32)]
+    assert all(p.requires_grad for f in ms._flats for p in f.params)
     assert model.head.weight is model.emb.weight  # the tie kept, its parameter laid out once
     assert [p for p, _ in ms._loose] == [model.t] and model.t.stride() == (1, 8) and model.t.dtype == BF16
     laid_out = [p for f in ms._flats for p in f.params]
-    assert len(laid_out) == len(ms.params) - 1 == len({id(p) for p in laid_out})
+    assert len(laid_out) == len(ms.params) - 3 == len({id(p) for p in laid_out})  # not t, frozen's two
     for f in ms._flats:
         for params, flat in ((f.params, f.compute), (f.masters, f.master)):
             ptr = flat.untyped_storage().data_ptr()
@@ -90,16 +87,49 @@ def test_parameters_and_masters_are_views_of_one_buffer_per_kind():
         assert torch.equal(f.compute, f.master.to(BF16))
     # writes through the buffers reach the model and the optimizer's parameters; a load keeps the layout
     ms._flats[0].master.fill_(0.5)
-    ms.copy_to_model(trained_only=False)
+    ms.copy_to_model()
     assert all(torch.all(p == 0.5) for p in ms._flats[0].params)
     state = {k: torch.full_like(v, 0.25) for k, v in ms.module.state_dict().items()}
     ms.module.load_state_dict(state)
-    assert all(torch.all(p == 0.25) for f in ms._flats for p in f.params) and torch.all(model.t == 0.25)
+    assert all(torch.all(p == 0.25) for p in ms.params)
     assert all(
         m.untyped_storage().data_ptr() == f.master.untyped_storage().data_ptr()
         for f in ms._flats
         for m in f.masters
     )
+
+
+def _master_bytes(ms: MasterWeights) -> int:
+    """Bytes of master storage beside the compute copy (each storage once)."""
+    own = {id(p) for p in ms.params}
+    storages = {m.untyped_storage().data_ptr(): m.untyped_storage() for m in ms.masters if id(m) not in own}
+    return sum(s.nbytes() for s in storages.values())
+
+
+@pytest.mark.parametrize("host_masters", [False, True])
+def test_a_frozen_parameter_is_its_own_master_and_holds_no_master_storage(host_masters):
+    """Masters (fp32) of the trained parameters only; a frozen one is the compute parameter itself, cast once
+    to the compute dtype, with no gradient holder; a load reaches it in place, cast to the compute dtype."""
+    model = Net()
+    original = model.frozen.weight.detach().clone()
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert frozen == 72
+    ms = MasterWeights(model, param_dtype=BF16, reduce_dtype=FP32, host_masters=host_masters)
+    assert _master_bytes(ms) == trained * 4  # not (trained + frozen) * 4
+    for p, m in zip(ms.params, ms.masters, strict=True):
+        assert (m is p) == (not p.requires_grad) and p.dtype == BF16
+    assert torch.equal(model.frozen.weight, original.to(BF16))
+    assert len(ms.grad_params) == len(ms.params) - (2 if host_masters else 0)  # holders: trained only
+    module = dict(ms.module.named_parameters())
+    assert module["frozen.weight"] is model.frozen.weight and module["frozen.bias"] is model.frozen.bias
+    assert {id(p) for p in ms.parameters()} == {id(p) for p in ms.params} | {id(m) for m in ms.masters}
+    state = ms.module.state_dict()
+    assert state["frozen.weight"].dtype == BF16 and state["emb.weight"].dtype == FP32
+    loaded = {k: v.float() + 2.0**-12 for k, v in state.items()}  # off the bf16 grid: rounded on load
+    ms.module.load_state_dict(loaded)
+    assert torch.equal(model.frozen.weight, loaded["frozen.weight"].to(BF16))
+    assert torch.equal(model.emb.weight, loaded["emb.weight"].to(BF16))
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
@@ -112,16 +142,12 @@ def test_copy_to_model_rounds_as_the_per_tensor_copies_bit_for_bit(dtype):
         bits[..., ::3] |= 0x8000 if dtype == BF16 else 0x1000  # exactly halfway between two neighbours
         a.data.copy_(bits.view(FP32))
         b.data.copy_(bits.view(FP32))
-    assert len(flat._flats) == 2 and not each._flats
-    frozen = [p for f in flat._flats if not f.params[0].requires_grad for p in f.params]
-    before = [p.clone() for p in frozen]
-    for trained_only in (True, False):
-        flat.copy_to_model(trained_only=trained_only)
-        each.copy_to_model(trained_only=trained_only)
+    assert len(flat._flats) == 1 and not each._flats
+    for loaded in (False, True):
+        flat.copy_to_model(loaded=loaded)
+        each.copy_to_model(loaded=loaded)
         for p, q in zip(flat.params, each.params):
             assert torch.equal(_bits(p), _bits(q))
-        if trained_only:  # the frozen parameters' masters are not copied after a step
-            assert all(torch.equal(_bits(p), _bits(q)) for p, q in zip(frozen, before))
     assert all(torch.equal(_bits(p), _bits(m.to(dtype))) for p, m in zip(flat.params, flat.masters))
 
 
@@ -244,5 +270,5 @@ def test_an_offload_round_trip_keeps_the_layout_and_the_gradients():
             assert all(p.is_cuda and p.untyped_storage().data_ptr() == ptr for p in params)
     for m in flat.masters:
         m.data.add_(1.0)
-    flat.copy_to_model(trained_only=False)
-    assert all(torch.equal(p, m.to(BF16)) for p, m in zip(flat.params, flat.masters))
+    flat.copy_to_model(loaded=True)
+    assert all(torch.equal(p, m.to(BF16)) for p, m in zip(flat.params, flat.masters) if p is not m)

@@ -216,7 +216,7 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
     MSE KL loss (old-log-prob pass skipped), the klppo engine on merged gathered weights; adapters, their
     gradients and AdamW state in fp32; base weights untouched; a checkpoint resumes to the uninterrupted
     run's step-2 metrics; the checkpoint exports merged. Under FSDP2, and on the plain path (one process's
-    default: the model in bf16, the fp32 adapters and base weights its masters)."""
+    default: the model in bf16, the fp32 adapters its masters, the frozen base weights their own)."""
     from transformers import AutoModelForCausalLM
 
     from klppo.parallel.fsdp import gathered_params
@@ -261,7 +261,9 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
         assert q.lora_B["default"].weight.abs().max() > 0  # the adapter learned something
     masters = {n: getattr(p, "full_tensor", p.detach)() for n, p in weights.named_parameters()}
     base_key = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
-    assert torch.equal(masters[base_key], original["model.layers.0.self_attn.q_proj.weight"])
+    base = masters[base_key]  # FSDP2: the fp32 master; plain: the bf16 compute copy, its own master
+    assert base.dtype == (torch.float32 if path == "fsdp2" else torch.bfloat16)
+    assert torch.equal(base, original["model.layers.0.self_attn.q_proj.weight"].to(base.dtype))
 
     cut = base_overrides(tiny_model_dir, arithmetic_data, cut_dir) + gpu
     run_training(cut + ["trainer.total_training_steps=1", "trainer.save_freq=1"])
@@ -287,3 +289,91 @@ def test_lora_under_gpu_mixed_precision_trains_saves_and_resumes(
     assert not any("lora" in k for k in exported)
     key = "model.layers.0.self_attn.q_proj.weight"
     assert exported[key].dtype == torch.float32 and not torch.equal(exported[key], original[key])
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: getattr(p, "full_tensor", p.detach)().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_lora_on_the_plain_path_equals_fsdp2_on_one_process(
+    gpu_mixed_precision, tiny_model_dir, arithmetic_data, tmp_path
+):
+    """A frozen weight's compute copy is its own master on the plain path (no fp32 copy of a LoRA model's
+    base): three steps of a LoRA actor and a LoRA critic under the GPU's mixed precision give FSDP2's
+    metrics and trained weights on one process bit for bit, and the frozen weights FSDP2 computes with; the
+    plain path's masters hold the trained parameters only. The step-2 checkpoint of each path (the critic's
+    holds its base: bf16 from the plain path, fp32 from FSDP2) resumes on the other to the same step 3, and
+    the plain path's critic exports."""
+    common = LORA + [
+        "actor_rollout_ref.rollout.name=klppo",
+        "algorithm.adv_estimator=gae",
+        "critic.model.lora_rank=4",
+        "critic.model.lora_alpha=8",
+        "trainer.save_freq=2",
+        "trainer.total_training_steps=3",
+        "trainer.allow_resume_changes=True",
+    ]
+
+    def overrides(path: str, run_dir: Path) -> list[str]:
+        flag = f"={path == 'plain'}"
+        return (
+            base_overrides(tiny_model_dir, arithmetic_data, run_dir)
+            + common
+            + [
+                "actor_rollout_ref.actor.fsdp_config.plain_single_gpu" + flag,
+                "critic.model.fsdp_config.plain_single_gpu" + flag,
+            ]
+        )
+
+    def steps(run_dir: Path) -> list[dict]:
+        return [
+            {k: v for k, v in row.items() if not k.startswith(("timing", "perf/")) and not k.endswith("_s")}
+            for row in read_metrics(run_dir)
+        ]
+
+    metrics, weights = {}, {}
+    for path in ("fsdp2", "plain"):
+        _, built = run_training(overrides(path, tmp_path / path))
+        roles = (built.roles.actor, built.roles.critic)
+        if path == "plain":
+            for role in roles:
+                ms = role.masters
+                trained = [p for p in ms.params if p.requires_grad]
+                assert 0 < len(trained) < len(ms.params)
+                kept = [m for p, m in zip(ms.params, ms.masters) if m is not p]
+                assert sum(m.numel() * m.element_size() for m in kept) == 4 * sum(p.numel() for p in trained)
+                assert all(p.dtype == torch.bfloat16 for p in ms.params)
+        metrics[path] = steps(tmp_path / path)
+        weights[path] = [_weights(role.state_model) for role in roles]
+    assert len(metrics["plain"]) == 3 and metrics["plain"] == metrics["fsdp2"]
+    assert all(row["actor/grad_norm"] > 0 and row["critic/grad_norm"] > 0 for row in metrics["plain"])
+    for plain, fsdp2 in zip(weights["plain"], weights["fsdp2"], strict=True):
+        assert plain.keys() == fsdp2.keys()
+        for key, value in plain.items():
+            assert torch.equal(value, fsdp2[key].to(value.dtype)), key
+            assert value.dtype == (torch.float32 if fsdp2[key].requires_grad else torch.bfloat16), key
+
+    import shutil
+
+    from klppo.parallel.checkpoint import SafeFileSystemReader
+
+    for path, dtype in (("plain", torch.bfloat16), ("fsdp2", torch.float32)):
+        saved = SafeFileSystemReader(tmp_path / path / "global_step_2" / "critic").read_metadata()
+        base = [v for k, v in saved.state_dict_metadata.items() if k.endswith("q_proj.base_layer.weight")]
+        assert base and all(v.properties.dtype == dtype for v in base), path
+    for written, resumed in (("plain", "fsdp2"), ("fsdp2", "plain")):
+        run_dir = tmp_path / f"{written}_to_{resumed}"
+        shutil.copytree(tmp_path / written / "global_step_2", run_dir / "global_step_2")
+        run_training(overrides(resumed, run_dir))
+        assert steps(run_dir) == metrics[resumed][2:], (written, resumed)
+
+    # the plain path's critic checkpoint (a bf16 base) exports merged
+    from transformers import AutoModelForTokenClassification
+
+    from klppo.commands.export import main as export_main
+
+    out = tmp_path / "critic_hf"
+    assert export_main([str(tmp_path / "plain" / "global_step_2"), str(out), "--role", "critic"]) == 0
+    exported = AutoModelForTokenClassification.from_pretrained(out).state_dict()
+    assert exported and not any("lora" in k for k in exported)
