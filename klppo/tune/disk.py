@@ -9,8 +9,9 @@ critic when the estimator needs values:
 - weights: every entry of the role's state dict in ``fsdp_config.model_dtype`` (``m`` bytes: the master
   weights, fp32 by default), a tied matrix once per name (the embedding and the tied LM head are written
   each): ``P_sd·m + P_a·4`` with LoRA adapters ``P_a`` — a LoRA critic holds its base model beside its
-  adapters. A LoRA actor leaves its frozen base out (:attr:`RoleState.adapters_only`): its weights are the
-  trained ones and the buffers, ``P_t·m + P_a·4``, and a record of the base (:data:`BASE_RECORD_BYTES`);
+  adapters (on the plain path in the compute dtype, bf16 on a GPU: ``m`` is an upper bound there). A LoRA
+  actor leaves its frozen base out (:attr:`RoleState.adapters_only`): its weights are the trained ones and
+  the buffers, ``P_t·m + P_a·4``, and a record of the base (:data:`BASE_RECORD_BYTES`);
 - optimizer state: for each trained parameter the optimizer's moments in the masters' dtype (Adam/AdamW:
   two; :data:`MOMENTS`) and a step count: ``k·(P_t·m + P_a·4) + 4·n_t`` (``n_t`` trained tensors). A full
   fine-tune with fp32 masters writes 12 bytes per parameter, with ``model_dtype=bf16`` 6; LoRA trains its

@@ -9,10 +9,11 @@ Terms (``P`` trained parameters, ``Ps`` the rank's shard, ``m`` master bytes, ``
 - ``offload="cpu_step"`` (:mod:`klppo.parallel.cpu_optim`): the masters ``P·m`` and AdamW ``2·P·4`` for the
   whole run, and the step's pinned buffers ``2·U·(m + c)`` (two chunks of gradients in the master dtype and
   two of values in the compute dtype; ``U`` the largest chunk:
-  :data:`~klppo.parallel.cpu_optim.STEP_CHUNK_BYTES`
-  of masters or the largest parameter);
+  :data:`~klppo.parallel.cpu_optim.STEP_CHUNK_BYTES` of masters or the largest parameter); with LoRA none
+  of these (the plain path keeps no masters of frozen weights; the adapters' are not counted);
 - ``offload="idle"`` (``param_offload`` + ``optimizer_offload``): what sits on the host while the role is
-  idle — the shard ``Ps·m`` (plain path: and the compute copy ``P·c``) and AdamW ``2·Ps·4``;
+  idle — the shard ``Ps·m`` (plain path: the masters, none of frozen weights with LoRA, and the compute
+  copy ``P·c``) and AdamW ``2·Ps·4``;
 - ``offload="cpu"`` (FSDP2 ``offload_policy``): the shards, their gradients and AdamW, ``Ps·(2m + 8)``;
 - a reference kept on the host between its passes (``Workload.reference_offloaded``): ``P·c``;
 - a critic that offloads (``TuneWorkload.critic``, :mod:`klppo.tune.critic`): the terms above for its own
@@ -77,16 +78,19 @@ def _role_terms(
     adamw: bool,
 ) -> None:
     """One trained role's host terms under ``offload`` (module docstring), its names prefixed by ``label``;
-    ``adamw`` False: no optimizer state of ``P`` (LoRA: the adapters' is small and not counted)."""
+    ``adamw`` False: no optimizer state of ``P`` (LoRA: the adapters' is small and not counted); on the
+    plain path with LoRA no masters of ``P`` either (frozen weights are their own masters)."""
     m, c, k = w.master_bytes, w.compute_bytes, 8 if adamw else 0
     shard = math.ceil(P / w.shard_ranks)
+    masters = 0 if plain and w.lora else shard * m
     if offload == "cpu_step":
         largest = max(STEP_CHUNK_BYTES // m, facts.shape.vocab * facts.shape.hidden)
-        phase.add(f"{label}masters", P * m, "P·m")
+        phase.add(f"{label}masters", masters, "P·m (LoRA: 0)")
         phase.add(f"{label}optimizer (AdamW)", P * k, "2·P·4")
-        phase.add(f"{label}step buffers (pinned)", 2 * largest * (m + c), "2·U·(m+c)")
+        buffers = 2 * largest * (m + c) if masters else 0  # LoRA: the adapters' chunks, not counted
+        phase.add(f"{label}step buffers (pinned)", buffers, "2·U·(m+c) (LoRA: 0)")
     elif offload == "idle":
-        phase.add(f"{label}offloaded shards", shard * m, "ceil(P/f)·m (between phases)")
+        phase.add(f"{label}offloaded shards", masters, "ceil(P/f)·m (between phases; plain LoRA: 0)")
         if plain:
             phase.add(f"{label}offloaded compute copy", P * c, "P·c (plain path, between phases)")
         phase.add(f"{label}offloaded AdamW", shard * k, "2·ceil(P/f)·4 (between updates)")

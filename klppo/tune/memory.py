@@ -63,6 +63,7 @@ One process with ``fsdp_config.plain_single_gpu`` (auto; :mod:`klppo.parallel.pl
 ``Workload.plain`` and a point with ``offload="off"``, or ``"idle"`` with ``plain_single_gpu=true``:
 :meth:`Workload.runs_plain`): no units, so no
 gathered units, all-gather buffers or reduce-scatter inputs; resident in every phase the masters ``P·m``
+(with LoRA none: a frozen weight is its own master, the adapters' are not counted)
 and the compute copy ``P·c`` (+ AdamW unless offloaded; in the rollout the engine reads the compute copy:
 ``P·c`` once); in the update the master gradients ``P·m``, at the backward's start the terms of (a), at
 its end the compute-dtype gradients ``P·c`` (:meth:`MasterWeights.accumulate_grads` drops them after
@@ -154,7 +155,8 @@ class Workload:
     (``klppo.tune.host``), nothing resident on the device."""
     lora: bool = False
     """The actor trains LoRA adapters (``actor_rollout_ref.model.lora_rank``): its peaks are
-    ``klppo.tune.lora``'s, and on the host no optimizer state of the frozen weights."""
+    ``klppo.tune.lora``'s, and on the host no optimizer state of the frozen weights; on the plain path
+    no masters of them either."""
     value_model: bool = False
     """The model is a value model (the critic, ``klppo.tune.critic``): one output per token instead of the
     vocabulary, so its logits and head gradient are those of ``V = 1``."""
@@ -299,6 +301,8 @@ def _resident(phase: PhasePeak, facts: ModelFacts, point: Point, w: Workload, *,
     shard = math.ceil(facts.num_params / w.shard_ranks)
     if point.offload == "cpu":
         phase.add("sharded params", 0, "0 (offload_policy: shards on host)")
+    elif w.lora and w.runs_plain(point):
+        phase.add("sharded params", 0, "0 (plain path, LoRA: frozen weights are their own masters)")
     elif point.offload == "cpu_step":
         phase.add("sharded params", 0, "0 (optimizer_step_on_cpu: masters on host)")
     else:

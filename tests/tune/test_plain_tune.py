@@ -190,3 +190,24 @@ def test_the_preflight_predicts_the_path_the_trainer_runs():
     phases = predict(ModelFacts.from_config(model), tw.update_point, tw.workload)
     assert "compute copy" in terms(phases["update"]) and "gathered root" not in terms(phases["log_prob"])
     assert "min_num_params" not in _over_budget_advice("update", 90.0, tw)
+
+
+def test_a_plain_lora_model_holds_no_masters_of_its_frozen_weights(facts):
+    """The plain path keeps no master of a frozen weight (:class:`MasterWeights`): with LoRA no masters on
+    the device, and with the optimizer step on the CPU none on the host (the adapters' are not counted);
+    FSDP2 keeps its fp32 shards of them."""
+    from klppo.tune.host import host_peak
+
+    T, c = 1024, 2
+    w = Workload(
+        world_size=1, compute_bytes=c, response_fraction=0.25, device_bytes=2**30, plain=True, lora=True
+    )
+    for point in (Point(0, micro_tokens=T), Point(0, "cpu_step", micro_tokens=T)):
+        t = terms(predict(facts, point, w)["update"])
+        assert t["sharded params"] == 0 and t["compute copy"] == P * c, point.offload
+    host = terms(host_peak(facts, Point(0, "cpu_step", micro_tokens=T), w))
+    assert host["masters"] == host["optimizer (AdamW)"] == host["step buffers (pinned)"] == 0
+    full = terms(host_peak(facts, Point(0, "cpu_step", micro_tokens=T), dataclasses.replace(w, lora=False)))
+    assert full["masters"] == P * 4
+    fsdp2 = terms(predict(facts, Point(0, micro_tokens=T), dataclasses.replace(w, plain=False))["update"])
+    assert fsdp2["sharded params"] == P * 4
