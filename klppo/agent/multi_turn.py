@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Collection
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -59,6 +60,28 @@ from klppo.tools.base import BaseInteraction, BaseTool, ToolResponse
 from klppo.tools.parsing import FORMATS, TRUNCATE_SIDES, ToolCall, parse_hermes, truncate
 
 AGENTS = ("tool_agent", "single_turn_agent")
+
+
+def row_agent(agent_name: str | None) -> str:
+    """A row's ``agent_name`` (None: ``tool_agent``); ValueError for one klppo does not run."""
+    agent = agent_name or "tool_agent"
+    if agent not in AGENTS:
+        raise ValueError(f"agent_name {agent!r} is not one klppo runs {AGENTS}")
+    return agent
+
+
+def interaction_name(kwargs: dict[str, Any], interactions: Collection[str]) -> str | None:
+    """The interaction a row's ``interaction_kwargs`` names (no name: the only interaction there is); None
+    without interactions; ValueError for a name that is not among them."""
+    if not interactions:
+        return None
+    name = kwargs.get("name") or (next(iter(interactions)) if len(interactions) == 1 else None)
+    if name not in interactions:
+        raise ValueError(
+            f"extra_info.interaction_kwargs.name={name!r} is not in the interaction config "
+            f"(multi_turn.interaction_config_path): {', '.join(sorted(interactions))}"
+        )
+    return name
 
 
 @runtime_checkable
@@ -226,20 +249,10 @@ class MultiTurnRollout:
     def _conversation(
         self, row: int, prompt: list[int], info: dict[str, Any], messages: list[dict]
     ) -> Conversation:
-        agent = info.get("agent_name") or "tool_agent"
-        if agent not in AGENTS:
-            raise ValueError(f"agent_name {agent!r} is not supported; known: {AGENTS}")
+        agent = row_agent(info.get("agent_name"))
         kwargs = dict(info.get("interaction_kwargs") or {})
-        interaction = None
-        if self.interactions:
-            name = kwargs.get("name") or (
-                next(iter(self.interactions)) if len(self.interactions) == 1 else None
-            )
-            if name not in self.interactions:
-                raise ValueError(
-                    f"extra_info.interaction_kwargs.name={name!r}; interactions: {sorted(self.interactions)}"
-                )
-            interaction = self.interactions[name]
+        name = interaction_name(kwargs, self.interactions)
+        interaction = None if name is None else self.interactions[name]
         return Conversation(
             row=row,
             prompt=prompt,

@@ -34,7 +34,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from transformers import AutoConfig
 
-from klppo.agent.multi_turn import AGENTS
+from klppo.agent.multi_turn import interaction_name, row_agent
 from klppo.assembly.layout_checks import check_layout
 from klppo.config import ConfigError, KLPPOConfig, total_training_steps, uses_critic
 from klppo.models.loading import model_dir
@@ -121,8 +121,8 @@ def check_interaction_config(cfg: KLPPOConfig) -> None:
 
 def _check_conversation_rows(path: str, interactions: list[str]) -> None:
     """ConfigError naming the file and row whose ``agent_name`` is not one klppo runs, or whose
-    ``interaction_kwargs.name`` is not in the interaction config (a row without one takes the only
-    interaction there is). Missing or unreadable files are left to the data check."""
+    ``interaction_kwargs.name`` is not in the interaction config (the conversation loop's own rules:
+    :func:`row_agent`, :func:`interaction_name`). Missing or unreadable files are left to the data check."""
     full = os.path.expanduser(path)
     try:
         pf = pq.ParquetFile(full)
@@ -132,19 +132,15 @@ def _check_conversation_rows(path: str, interactions: list[str]) -> None:
     row = 0
     for batch in pf.iter_batches(columns=columns, batch_size=65536) if columns else ():
         table = batch.to_pydict()
-        for i in range(batch.num_rows):
-            info = (table.get("extra_info") or [None] * batch.num_rows)[i] or {}
-            agent = (table.get("agent_name") or [None] * batch.num_rows)[i] or info.get("agent_name")
-            if agent and agent not in AGENTS:
-                raise ConfigError(
-                    f"{path} row {row + i}: agent_name {agent!r} is not one klppo runs {AGENTS}"
-                )
-            name = (info.get("interaction_kwargs") or {}).get("name")
-            if interactions and (name or len(interactions) > 1) and name not in interactions:
-                raise ConfigError(
-                    f"{path} row {row + i}: extra_info.interaction_kwargs.name={name!r} is not in the "
-                    f"interaction config (multi_turn.interaction_config_path): {', '.join(interactions)}"
-                )
+        infos = table.get("extra_info") or [None] * batch.num_rows
+        agents = table.get("agent_name") or [None] * batch.num_rows
+        for i, (info, agent) in enumerate(zip(infos, agents, strict=True)):
+            info = info or {}
+            try:
+                row_agent(agent or info.get("agent_name"))
+                interaction_name(info.get("interaction_kwargs") or {}, interactions)
+            except ValueError as exc:
+                raise ConfigError(f"{path} row {row + i}: {exc}") from None
         row += batch.num_rows
 
 
