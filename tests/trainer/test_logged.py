@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.trainer.utils import base_overrides, read_metrics, run_training
+from tests.trainer.utils import assert_resume_matches, base_overrides, read_metrics, run_training
 
 
 @pytest.fixture(scope="module")
@@ -201,22 +201,19 @@ def test_logged_resume_equals_uninterrupted(logged, tiny_model_dir, arithmetic_d
         "actor_rollout_ref.actor.use_kl_loss=True",
         "algorithm.rollout_correction.rollout_is=token",
     ]
-    full = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "full", scored, *keys)
-    run_training(full + ["trainer.total_training_steps=4"])
-    cut = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "cut", scored, *keys)
-    run_training(cut + ["trainer.total_training_steps=2", "trainer.save_freq=2"])
-    run_training(cut + ["trainer.total_training_steps=4"])
-    want, got = read_metrics(tmp_path / "full"), {m["step"]: m for m in read_metrics(tmp_path / "cut")}
-    for step in (3, 4):
-        for key in (
+    assert_resume_matches(
+        lambda run_dir: _overrides(tiny_model_dir, arithmetic_data, run_dir, scored, *keys),
+        tmp_path / "full",
+        tmp_path / "cut",
+        (
             "actor/pg_loss",
             "actor/reward_kl_penalty",
             "actor/reward_kl_penalty_coeff",
             "rollout_corr/kl",
             "critic/score/mean",
             "actor/kl_loss",
-        ):
-            assert got[step][key] == pytest.approx(want[step - 1][key], rel=1e-5, abs=1e-7), (step, key)
+        ),
+    )
 
 
 def test_bypass_loss_equals_hand_formula(logged, tiny_model_dir, arithmetic_data, tmp_path):

@@ -10,7 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.trainer.utils import base_overrides, read_metrics, run_training, train_two_ranks
+from tests.trainer.utils import (
+    assert_resume_matches,
+    base_overrides,
+    read_metrics,
+    train_two_ranks,
+)
 
 LOGGED_SCORE = 3.0
 """Every logged sample's score: the rule reward gives 0 or 1, so the logged rows' scores show they are
@@ -193,14 +198,11 @@ def test_mixed_resume_equals_uninterrupted(logged, tiny_model_dir, arithmetic_da
         "actor_rollout_ref.actor.use_kl_loss=True",
         "algorithm.rollout_correction.rollout_is=token",
     ]
-    full = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "full", logged, *keys)
-    run_training(full + ["trainer.total_training_steps=4"])
-    cut = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "cut", logged, *keys)
-    run_training(cut + ["trainer.total_training_steps=2", "trainer.save_freq=2"])
-    run_training(cut + ["trainer.total_training_steps=4"])
-    want, got = read_metrics(tmp_path / "full"), {m["step"]: m for m in read_metrics(tmp_path / "cut")}
-    for step in (3, 4):
-        for key in (
+    assert_resume_matches(
+        lambda run_dir: _overrides(tiny_model_dir, arithmetic_data, run_dir, logged, *keys),
+        tmp_path / "full",
+        tmp_path / "cut",
+        (
             "actor/pg_loss",
             "actor/reward_kl_penalty_coeff",
             "rollout_corr/kl",
@@ -209,8 +211,8 @@ def test_mixed_resume_equals_uninterrupted(logged, tiny_model_dir, arithmetic_da
             "mixed/fresh/response_length_mean",
             "mixed/logged/log_prob_diff",
             "actor/kl_loss",
-        ):
-            assert got[step][key] == pytest.approx(want[step - 1][key], rel=1e-5, abs=1e-7), (step, key)
+        ),
+    )
 
 
 @pytest.mark.slow

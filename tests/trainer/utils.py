@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -57,6 +58,22 @@ def run_training(overrides: list[str]):
         return state, run
     finally:
         dist.destroy()
+
+
+def assert_resume_matches(
+    overrides, full_dir: Path, cut_dir: Path, keys: tuple[str, ...], steps: int = 4, stop: int = 2
+) -> None:
+    """Train ``overrides(full_dir)`` for ``steps`` steps, and ``overrides(cut_dir)`` for ``stop`` steps (a
+    checkpoint there) then resumed to ``steps``: every step after ``stop`` logs ``keys`` as the uninterrupted
+    run does (rel 1e-5, abs 1e-7)."""
+    run_training(overrides(full_dir) + [f"trainer.total_training_steps={steps}"])
+    cut = overrides(cut_dir)
+    run_training(cut + [f"trainer.total_training_steps={stop}", f"trainer.save_freq={stop}"])
+    run_training(cut + [f"trainer.total_training_steps={steps}"])
+    want, got = read_metrics(full_dir), {m["step"]: m for m in read_metrics(cut_dir)}
+    for step in range(stop + 1, steps + 1):
+        for key in keys:
+            assert got[step][key] == pytest.approx(want[step - 1][key], rel=1e-5, abs=1e-7), (step, key)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
