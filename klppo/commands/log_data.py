@@ -69,6 +69,7 @@ def sample_rows(
 ) -> list[dict[str, Any]]:
     """One row per sample (``n`` consecutive per prompt) in the schema of docs/data.md."""
     rows, log_probs = [], behaviour_log_probs(out)
+    kept = None if out.truncated_log_probs is None else out.log_probs - out.truncated_log_probs
     for i in range(out.responses.shape[0]):
         p = i // params.n
         length = int(out.response_mask[i].sum())
@@ -81,6 +82,7 @@ def sample_rows(
                 "response_ids": out.responses[i, :length].tolist(),
                 "response": scores.texts[i],
                 "response_log_probs": log_probs[i, :length].float().tolist(),
+                "response_log_kept_mass": None if kept is None else kept[i, :length].float().tolist(),
                 "response_mask": [1] * length,
                 "score": float(scores.sequence[i]),
                 "group_id": str(prompts.uid[p]),

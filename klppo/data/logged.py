@@ -3,7 +3,8 @@ samples for a training step that generates nothing.
 
 A row is one sample: verl's prompt columns (``prompt``, ``data_source``, ``reward_model.ground_truth``,
 ``extra_info``) plus the response (``response_ids`` token ids, or ``response`` text), and optionally the
-behaviour policy's per-token log-probs (``response_log_probs``), a ``score``, a ``group_id`` (the prompt a
+behaviour policy's per-token log-probs (``response_log_probs``; with top-k / top-p, those of the truncated law
+and the log of its kept mass, ``response_log_kept_mass``), a ``score``, a ``group_id`` (the prompt a
 sample answers: GRPO/RLOO groups; without it, rows with the same prompt messages form a group), a
 per-token ``response_mask`` (1 = a token the model produced), the ``model`` and ``tokenizer`` that made it,
 a ``tokenizer_hash`` (:func:`tokenizer_fingerprint`) and the sampling settings (``temperature``, ``top_p``,
@@ -21,6 +22,7 @@ Batches are ``groups_per_batch`` whole groups (``samples_per_group`` consecutive
 epoch ``e`` in the permutation of ``numpy.random.default_rng([seed, e])``. A batch holds what a rollout
 leaves: ``prompts``/``prompt_mask`` (left-padded), ``responses``/``response_mask`` (right-padded to
 ``max_response_length``), ``rollout_log_probs`` (None unless every sample has them),
+``rollout_log_kept_mass`` (with them, where a sample logged ``response_log_kept_mass``: 0 for the others),
 ``token_level_scores`` (the logged score on the last response token, NaN there where no score was logged:
 the trainer scores those samples), ``from_logs`` (all True) and ``uid`` (the group). Knows nothing of
 models or the training loop.
@@ -45,6 +47,7 @@ from klppo.data.parquet_rows import DataError, RowGroupSource, normalize_prompt
 
 RESPONSE_IDS, RESPONSE_TEXT, RESPONSE_MASK = "response_ids", "response", "response_mask"
 LOG_PROBS, SCORE, GROUP_ID, TOKENIZER_HASH = "response_log_probs", "score", "group_id", "tokenizer_hash"
+KEPT_MASS = "response_log_kept_mass"
 META_COLUMNS = (
     "data_source",
     "reward_model",
@@ -55,12 +58,22 @@ META_COLUMNS = (
     "top_p",
     "top_k",
 )
-SAMPLE_COLUMNS = (RESPONSE_IDS, RESPONSE_TEXT, RESPONSE_MASK, LOG_PROBS, SCORE, GROUP_ID, TOKENIZER_HASH)
+SAMPLE_COLUMNS = (
+    RESPONSE_IDS,
+    RESPONSE_TEXT,
+    RESPONSE_MASK,
+    LOG_PROBS,
+    KEPT_MASS,
+    SCORE,
+    GROUP_ID,
+    TOKENIZER_HASH,
+)
 LOG_PROB_NEEDS = ("no", "wanted", "required")
 SAMPLE_TYPES = {
     RESPONSE_IDS: pa.list_(pa.int64()),
     RESPONSE_TEXT: pa.string(),
     LOG_PROBS: pa.list_(pa.float32()),
+    KEPT_MASS: pa.list_(pa.float32()),
     RESPONSE_MASK: pa.list_(pa.int8()),
     SCORE: pa.float64(),
     GROUP_ID: pa.string(),
@@ -133,6 +146,7 @@ class _Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     log_probs: list[float] | None
+    kept_mass: list[float] | None
     score: float | None
     row: dict[str, Any]
     where: str
@@ -244,10 +258,22 @@ class LoggedLoader:
                 )
             if any(v is None or not math.isfinite(v) or v > 1e-6 for v in log_probs):
                 raise DataError(f"{where}, column {LOG_PROBS!r}: a value that is null, not finite or above 0")
+        kept = row.get(KEPT_MASS)
+        if kept is not None:
+            if log_probs is None:
+                raise DataError(
+                    f"{where}, column {KEPT_MASS!r}: set without {LOG_PROBS!r}, which it completes"
+                )
+            if len(kept) != len(ids):
+                raise DataError(
+                    f"{where}, column {KEPT_MASS!r}: {len(kept)} values for {len(ids)} response tokens"
+                )
+            if any(v is None or not math.isfinite(v) or v > 1e-6 for v in kept):
+                raise DataError(f"{where}, column {KEPT_MASS!r}: a value that is null, not finite or above 0")
         score = row.get(SCORE)
         if score is not None and not math.isfinite(float(score)):
             raise DataError(f"{where}, column {SCORE!r}: {score} is not finite (null: the reward scores it)")
-        return _Sample(prompt_ids, ids, log_probs, None if score is None else float(score), row, where)
+        return _Sample(prompt_ids, ids, log_probs, kept, None if score is None else float(score), row, where)
 
     def _overlong(self, sample: _Sample) -> str | None:
         s = self.settings
@@ -360,6 +386,7 @@ class LoggedLoader:
         responses = torch.full((b, r), self.pad_token_id, dtype=torch.long)
         response_mask = torch.zeros((b, r), dtype=torch.float32)
         log_probs = torch.zeros((b, r), dtype=torch.float32)
+        kept = torch.zeros((b, r), dtype=torch.float32)
         scores = torch.zeros((b, r), dtype=torch.float32)
         for i, x in enumerate(samples):
             p, n = len(x.prompt_ids), len(x.response_ids)
@@ -369,6 +396,8 @@ class LoggedLoader:
             response_mask[i, :n] = 1
             if x.log_probs is not None:
                 log_probs[i, :n] = torch.tensor(x.log_probs, dtype=torch.float32)
+            if x.kept_mass is not None:
+                kept[i, :n] = torch.tensor(x.kept_mass, dtype=torch.float32)
             scores[i, n - 1] = float("nan") if x.score is None else x.score
         rows = [x.row for x in samples]
         return Batch(
@@ -377,6 +406,7 @@ class LoggedLoader:
             responses=responses,
             response_mask=response_mask,
             rollout_log_probs=log_probs if self.has_log_probs else None,
+            rollout_log_kept_mass=kept if self.has_log_probs and any(x.kept_mass for x in samples) else None,
             token_level_scores=scores,
             from_logs=torch.ones(b, dtype=torch.bool),
             data_source=[row.get(self.settings.reward_fn_key) or "" for row in rows],

@@ -1,5 +1,6 @@
 """`klppo data log` with top-k sampling: each row holds the log-probs of the truncated law its tokens were
-drawn from (a float64 forward of the model, truncated, as the oracle) and its sampling settings."""
+drawn from (a float64 forward of the model, truncated, as the oracle), the log of that law's kept mass, and
+its sampling settings."""
 
 from __future__ import annotations
 
@@ -43,3 +44,6 @@ def test_truncated_log_holds_the_law_sampled_from(tiny_model_dir, arithmetic_dat
     mask = batch.response_mask.bool()
     torch.testing.assert_close(batch.rollout_log_probs.double()[mask], truncated[mask], atol=1e-4, rtol=0)
     assert (truncated[mask] > full[mask] + 0.1).all()  # top-5 of the tiny vocabulary: far from the softmax
+    # the kept mass completes them to the full softmax, which rollout/log_prob_diff compares like with like
+    softmax = (batch.rollout_log_probs + batch.rollout_log_kept_mass).double()
+    torch.testing.assert_close(softmax[mask], full[mask], atol=1e-4, rtol=0)

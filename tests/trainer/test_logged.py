@@ -141,6 +141,20 @@ BAD = {  # name: (change to row i, extra keys, what the one line names)
         ["algorithm.rollout_correction.bypass_mode=True"],
         "row 2, column 'response_log_probs'",
     ),
+    "kept_mass": (
+        lambda i, r: (
+            r.update(response_log_kept_mass=[0.0] * (len(r["response_ids"]) + 1)) if i == 4 else None
+        ),
+        [],
+        "row 4, column 'response_log_kept_mass': ",
+    ),
+    "kept_mass_alone": (
+        lambda i, r: r.update(
+            response_log_probs=None, response_log_kept_mass=[-0.5] * len(r["response_ids"])
+        ),
+        [],
+        "row 0, column 'response_log_kept_mass': set without 'response_log_probs'",
+    ),
     "group_of_one": (
         lambda i, r: r.update(group_id=str(i)),
         ["actor_rollout_ref.rollout.n=1"],
