@@ -55,7 +55,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from klppo.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
-from klppo.rollout.sampling import is_untruncated
+from klppo.rollout.sampling import returns_law_log_probs
 from klppo.tools.base import BaseInteraction, BaseTool, ToolResponse
 from klppo.tools.parsing import FORMATS, TRUNCATE_SIDES, ToolCall, parse_hermes, truncate
 
@@ -243,7 +243,7 @@ class MultiTurnRollout:
             **self._stats(convs, counters, start),
             "multi_turn/kv_reuse": float(session is not None),
         }
-        return self._output(convs, budget, prompts.device, stats, truncated=not is_untruncated(params))
+        return self._output(convs, budget, prompts.device, stats, truncated=returns_law_log_probs(params))
 
     # ---- turns ----------------------------------------------------------------------------------
     def _conversation(

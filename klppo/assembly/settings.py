@@ -373,8 +373,12 @@ def critic_settings(cfg: KLPPOConfig, sizes: Sizes, *, sp: SequenceParallel | No
 
 
 # ---------------------------------------------------------------------------------------------- rollout
-def sampling_params(rollout: RolloutConfig, *, response_length: int, validation: bool) -> SamplingParams:
-    """How the rollout samples for training, or for validation (``rollout.val_kwargs``)."""
+def sampling_params(
+    rollout: RolloutConfig, *, response_length: int, validation: bool, law_log_probs: bool = True
+) -> SamplingParams:
+    """How the rollout samples for training, or for validation (``rollout.val_kwargs``);
+    ``law_log_probs``: whether a truncated draw returns the log-probs of the law sampled from
+    (:func:`reads_law_log_probs`)."""
     src = rollout.val_kwargs if validation else rollout
     do_sample = src.do_sample and src.temperature > 0
     return SamplingParams(
@@ -385,7 +389,15 @@ def sampling_params(rollout: RolloutConfig, *, response_length: int, validation:
         do_sample=do_sample,
         max_new_tokens=response_length,
         ignore_eos=rollout.ignore_eos,
+        law_log_probs=law_log_probs,
     )
+
+
+def reads_law_log_probs(cfg: KLPPOConfig) -> bool:
+    """Whether training reads the truncated law's log-probs of its samples: a rollout correction compares
+    them with π_old or trains against them (bypass mode); without one, ``rollout/log_prob_diff`` compares
+    full softmaxes, which the sampler gives without them."""
+    return rollout_correction_settings(cfg) is not None
 
 
 def engine_settings(

@@ -24,6 +24,7 @@ from klppo.assembly.run_start import begin_run
 from klppo.assembly.settings import (
     engine_settings,
     multi_turn_settings,
+    reads_law_log_probs,
     sampling_params,
     to_dtype,
     tune_workload,
@@ -160,7 +161,11 @@ def _start_precompile(
             "rollout pre-compile skipped: a tensor-parallel rollout compiles its layer front on its slices"
         )
         return
-    sampling = [sampling_params(rollout, response_length=1, validation=v) for v in (False, True)]
+    law = reads_law_log_probs(cfg)
+    sampling = [
+        sampling_params(rollout, response_length=1, validation=v, law_log_probs=law and not v)
+        for v in (False, True)
+    ]
     settings = engine_settings(rollout, tensor_parallel=False)
     compiled.start_precompile(hf_config, settings, dtype=dtype, device=device, sampling=sampling)
 
@@ -238,8 +243,13 @@ def _sampling(cfg: KLPPOConfig) -> Sampling:
     rollout, response_length = cfg.actor_rollout_ref.rollout, cfg.data.max_response_length
     needs_baseline = get_advantage_estimator(cfg.algorithm.adv_estimator).needs_reward_baselines
     return Sampling(
-        train=sampling_params(rollout, response_length=response_length, validation=False),
-        val=sampling_params(rollout, response_length=response_length, validation=True),
+        train=sampling_params(
+            rollout,
+            response_length=response_length,
+            validation=False,
+            law_log_probs=reads_law_log_probs(cfg),
+        ),
+        val=sampling_params(rollout, response_length=response_length, validation=True, law_log_probs=False),
         greedy=SamplingParams(n=1, do_sample=False, max_new_tokens=response_length)
         if needs_baseline
         else None,

@@ -42,6 +42,9 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     """Generate exactly ``max_new_tokens`` for every row (benchmarks); the mask is then all ones."""
+    law_log_probs: bool = True
+    """Truncated draws also return log-probs under the law sampled from (``truncated_log_probs``); False where
+    nothing reads them (no rollout correction): the Triton sampler then skips its kept-mass pass."""
 
     @property
     def greedy(self) -> bool:

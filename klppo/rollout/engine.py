@@ -38,7 +38,7 @@ from klppo.rollout.backends import make_backend
 from klppo.rollout.base import RolloutOutput, SamplingParams, seeded
 from klppo.rollout.compiled import CompiledFunctions
 from klppo.rollout.hf import HFRollout
-from klppo.rollout.sampling import is_untruncated
+from klppo.rollout.sampling import returns_law_log_probs
 from klppo.rollout.scheduler import SlotScheduler
 from klppo.rollout.settings import EngineSettings
 from klppo.rollout.steps import Call, assemble_output, decode_step, extend_slots, move_slots, prefill_chunk
@@ -228,7 +228,7 @@ class KLPPORollout:
             device=device,
             eos=self.settings.eos_token_ids,
             resident=keep,
-            truncated=not is_untruncated(params),
+            truncated=returns_law_log_probs(params),
         )
         return self._ws
 

@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 
 from klppo.algorithms.sampling import truncate_logits, truncated_log_probs
 from klppo.rollout.base import RolloutOutput, SamplingParams, response_mask_from_tokens, seeded
-from klppo.rollout.sampling import is_untruncated
+from klppo.rollout.sampling import returns_law_log_probs
 
 
 class HFRollout:
@@ -112,6 +112,6 @@ def _step_log_probs(
     for t, step in enumerate(logits):
         x, token = step.float() / (1.0 if params.greedy else params.temperature), generated[:, t]
         full.append(x.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1))
-        if not is_untruncated(params):
+        if returns_law_log_probs(params):
             cut.append(truncated_log_probs(x, truncate_logits(x, params.top_k, params.top_p), token))
     return torch.stack(full, dim=1), torch.stack(cut, dim=1) if cut else None

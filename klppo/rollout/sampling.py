@@ -2,9 +2,10 @@
 
 A sampler takes logits [B, V] and returns a :data:`Draw`: the tokens [B] int64, their log-probs ``log
 softmax(logits / T)[token]`` [B] float32 (T = 1 when greedy; the trainer's recomputation gives the same
-quantity) and, where top-k / top-p truncated the distribution, ``log q(token)`` [B] float32 under the
-truncated, renormalised distribution sampled from, else None. The laws and their torch reference:
-:mod:`klppo.algorithms.sampling`; :func:`sample` applies them to :class:`SamplingParams`.
+quantity) and, where top-k / top-p truncated the distribution and ``SamplingParams.law_log_probs`` asks,
+``log q(token)`` [B] float32 under the truncated, renormalised distribution sampled from, else None. The
+laws and their torch reference: :mod:`klppo.algorithms.sampling`; :func:`sample` applies them to
+:class:`SamplingParams`.
 
 Tensor parallel (``vocab_parallel_sampler``, logits of the rank's vocabulary rows [B, V/TP]): untruncated,
 each rank races its shard (own Gumbel noise) and one all-gather of [B, 4] figures (race value, id, ``x``,
@@ -36,11 +37,17 @@ def is_untruncated(params: SamplingParams) -> bool:
     return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0)
 
 
+def returns_law_log_probs(params: SamplingParams) -> bool:
+    """Whether a draw of ``params`` returns truncated log-probs (a cut law, and ``law_log_probs``)."""
+    return params.law_log_probs and not is_untruncated(params)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams) -> Draw:
     """The :data:`Draw` of ``params`` from ``logits`` [B, V] (module docstring)."""
     if is_untruncated(params):
         return *sample_untruncated(logits, params.temperature, params.greedy), None
-    return sample_truncated(logits, params.temperature, params.top_k, params.top_p)
+    tokens, log_probs, law = sample_truncated(logits, params.temperature, params.top_k, params.top_p)
+    return tokens, log_probs, law if params.law_log_probs else None
 
 
 def vocab_parallel_sampler(params: SamplingParams, tp: TensorParallel, vocab_size: int):
@@ -72,7 +79,8 @@ def vocab_parallel_sampler(params: SamplingParams, tp: TensorParallel, vocab_siz
         padded = F.pad(logits.float(), (0, widest - logits.shape[-1]), value=float("-inf"))
         shards = group_all_gather(padded, tp.group)
         full = torch.cat([shards[r, :, : b - a] for r, (a, b) in enumerate(bounds)], dim=-1)
-        first = group_all_gather(torch.stack([t.double() for t in sample(full, params)], -1), tp.group)[0]
-        return first[:, 0].long(), first[:, 1].float(), first[:, 2].float()
+        draw = [t.double() for t in sample(full, params) if t is not None]
+        first = group_all_gather(torch.stack(draw, -1), tp.group)[0]
+        return first[:, 0].long(), first[:, 1].float(), first[:, 2].float() if len(draw) == 3 else None
 
     return untruncated if is_untruncated(params) else truncated

@@ -27,8 +27,8 @@ CPU): ``x = logits / T`` in float32, ``log_prob = x[token] − logsumexp(x)`` (t
 - The log-prob under the truncated law, ``x[token] − logsumexp(x over the kept set)``
   (:mod:`klppo.algorithms.sampling`), needs the kept set's mass, which the rounds do not give (the
   accepted round counts the tokens above the drawn one, not the kept ones below it): torch computes it
-  after the kernel from the same logits, on truncated calls only — a ``topk`` (top-k) or the torch path's
-  sort and cumulative sum (top-p) of [B, V], and one log-sum-exp.
+  after the kernel from the same logits where asked (``SamplingParams.law_log_probs``): a ``topk`` (top-k) or
+  the torch path's sort and cumulative sum (top-p) of [B, V], costlier than the kernel (docs/performance.md).
 
 Randomness: one int64 seed per call from the device's default generator (seeded runs reproduce; a CUDA
 graph replays fresh noise). Untruncated: four words per Philox call, one per (row, id)
@@ -46,7 +46,7 @@ import torch
 
 from klppo.algorithms.sampling import truncate_logits, truncated_log_probs
 from klppo.rollout.base import SamplingParams
-from klppo.rollout.sampling import Draw, is_untruncated
+from klppo.rollout.sampling import Draw, returns_law_log_probs
 
 try:
     import triton
@@ -125,7 +125,7 @@ def sample_triton(
             num_warps=num_warps,
         )
         _race_combine_kernel[(batch,)](part, splits, tokens, log_probs, SP=combine_lanes(splits))
-        return tokens, log_probs, None if is_untruncated(params) else log_probs  # top-k ≥ V: q = p
+        return tokens, log_probs, log_probs if returns_law_log_probs(params) else None  # top-k ≥ V: q = p
     _truncated_kernel[(batch,)](
         logits,
         logits.stride(0),
@@ -142,6 +142,8 @@ def sample_triton(
         SCALE=temperature != 1.0,
         num_warps=num_warps,
     )
+    if not params.law_log_probs:
+        return tokens, log_probs, None
     x = logits.float() / temperature  # the kept set's mass: torch, from the same logits (module docstring)
     return tokens, log_probs, truncated_log_probs(x, truncate_logits(x, top_k, top_p), tokens)
 

@@ -128,6 +128,9 @@ def test_truncated_log_probs_are_those_of_the_distribution_sampled_from(tiny_qwe
         assert (out.truncated_log_probs[~mask] == 0).all()
     untruncated = SamplingParams(max_new_tokens=12, n=2, temperature=0.9, seed=5)
     assert engine.generate(tiny_qwen2, prompts, prompt_mask, untruncated).truncated_log_probs is None
+    unread = dataclasses.replace(params, law_log_probs=False)  # nothing reads them: none, the same draw
+    plain = engine.generate(tiny_qwen2, prompts, prompt_mask, unread)
+    assert plain.truncated_log_probs is None and torch.equal(plain.responses, out.responses)
 
 
 @pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (5, 1.0), (-1, 0.6), (6, 0.8)])

@@ -6,6 +6,7 @@ triton is installed)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -108,6 +109,11 @@ def test_torch_sampler_truncated_log_probs_are_those_of_the_truncated_logits(tem
     kept_mass = torch.softmax(logits.double() / temperature, -1).masked_fill(kept.isinf(), 0).sum(-1)
     assert (kept_mass < 1 - 1e-3).all()  # something is cut on every row
     torch.testing.assert_close((log_p - log_q).double(), kept_mass.log(), atol=1e-5, rtol=0)
+    # asked for none, the same draw without them
+    torch.manual_seed(0)
+    torch.randn(64, 50)
+    tokens_2, log_p_2, none = sample(logits, dataclasses.replace(params, law_log_probs=False))
+    assert none is None and torch.equal(tokens_2, tokens) and torch.equal(log_p_2, log_p)
 
 
 def test_chunking_of_the_untruncated_kernel() -> None:
@@ -375,6 +381,11 @@ def test_triton_truncated_log_probs_match_the_torch_reference_on_gpu() -> None:
     tokens, log_p, log_q = sample_triton(logits, SamplingParams(top_k=151936))
     assert torch.equal(log_q, log_p)
     assert sample_triton(logits, SamplingParams())[2] is None
+    for params in (
+        SamplingParams(top_p=0.9, law_log_probs=False),
+        SamplingParams(top_k=151936, law_log_probs=False),
+    ):
+        assert sample_triton(logits, params)[2] is None  # not asked for: no kept-mass pass
 
 
 @pytest.mark.gpu

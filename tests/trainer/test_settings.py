@@ -209,6 +209,36 @@ def test_setup_precompile_gets_the_engine_settings_and_every_sampling_setting() 
     settings, kwargs = fns.args
     assert settings.sampler == "torch" and kwargs["device"] == torch.device("cpu")
     assert [p.temperature for p in kwargs["sampling"]] == [0.7, 0.5]
+    assert [p.law_log_probs for p in kwargs["sampling"]] == [False, False]  # no rollout correction reads them
+
+
+@pytest.mark.parametrize(
+    ("overrides", "law"),
+    [
+        ([], False),
+        (["algorithm.rollout_correction.rollout_is=token"], True),
+        (
+            [
+                "algorithm.rollout_correction.rollout_rs=token_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+            ],
+            True,
+        ),
+        (["algorithm.rollout_correction.bypass_mode=True"], True),
+    ],
+)
+def test_truncated_law_log_probs_are_sampled_where_a_correction_reads_them(overrides, law) -> None:
+    """Training samples ask for the truncated law's log-probs only where a rollout correction reads them
+    (the Triton sampler's kept-mass pass costs more than its kernel); validation never does; the pre-compile
+    warms the same settings."""
+    from klppo.assembly.setup import _sampling, _start_precompile
+
+    cfg = load_config(["actor_rollout_ref.rollout.top_p=0.9", *overrides])
+    sampling = _sampling(cfg)
+    assert (sampling.train.law_log_probs, sampling.val.law_log_probs) == (law, False)
+    fns = _Recording()
+    _start_precompile(cfg, None, torch.device("cpu"), fns)
+    assert [p.law_log_probs for p in fns.args[1]["sampling"]] == [law, False]
 
 
 @pytest.mark.parametrize(
