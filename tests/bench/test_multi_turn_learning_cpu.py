@@ -1,6 +1,6 @@
-"""bench/multi_turn_learning.py on the CPU: ``--tiny`` trains the retry recipe and its one-turn counterpart
-on a tiny model (whose turns end early, so that validation reaches the retry) and writes the JSON the GPU
-run reports (the figures need the GPU and SmolLM2)."""
+"""bench/multi_turn_learning.py on the CPU: ``--tiny`` trains the retry recipe, its one-turn counterpart and
+the retry with the progress reward on a tiny model (whose turns end early, so that validation reaches the
+retry) and writes the JSON the GPU run reports (the figures need the GPU and SmolLM2)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ ATTEMPT_KEYS = {*ACCURACIES, "n", "failed_first_share", "num_turns"}
 
 
 @pytest.mark.slow
-@device_bench_run  # two training processes: ~25 s on 2 cores
-def test_tiny_run_writes_both_runs_attempts_before_and_after(tmp_path, capsys):
+@device_bench_run  # three training processes: ~35 s on 2 cores
+def test_tiny_run_writes_every_runs_attempts_before_and_after(tmp_path, capsys):
     out = tmp_path / "mt.json"
-    assert main(["--tiny", "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    runs = ["--runs", "retry", "one_turn", "retry_progress", "--parallel", "3"]
+    assert main(["--tiny", *runs, "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["recipe"] == "examples/arithmetic_grpo_retry.yaml" and report["gpu"] == "cpu"
     results = {r["name"]: r for r in report["results"]}
-    assert set(results) == {"retry", "one_turn"}
+    assert set(results) == {"retry", "one_turn", "retry_progress"}
     for r in results.values():
         assert r["exit_code"] == 0 and r["steps"] == len(r["series"]["step_s"]) >= 1
         assert r["train_seconds"] == pytest.approx(sum(r["series"]["step_s"]))
@@ -41,7 +42,11 @@ def test_tiny_run_writes_both_runs_attempts_before_and_after(tmp_path, capsys):
         "second_given_first_failed_rises",
         "kl_k3_last20_le_0.1",
     }
-    assert "checks" not in results["one_turn"]
+    assert "checks" not in results["one_turn"] and set(results["retry_progress"]["checks"]) == set(
+        results["retry"]["checks"]
+    )
+    command = (tmp_path / "work" / "retry_progress" / "bench_command.txt").read_text()
+    assert "examples/rewards/retry_progress.py" in command and "progress_bonus: 1.0" in command
     assert "| retry | " in capsys.readouterr().out
 
 
