@@ -427,3 +427,30 @@ print("OK")
 def test_triton_kernels_in_the_interpreter() -> None:
     """The kernels' logic on CPU through ``TRITON_INTERPRET=1`` (fewer draws: the interpreter is slow)."""
     run_triton_interpreted(CHILD)
+
+
+def test_vocab_parallel_truncated_draw_returns_the_law_only_when_asked(tmp_path) -> None:
+    """The tensor-parallel sampler's truncated draw (one gloo process) gives the same tokens and log-probs
+    with and without ``law_log_probs``, and the law's log-probs only with it."""
+    import torch.distributed as dist
+
+    from klppo.parallel.mesh import TensorParallel
+    from klppo.rollout.sampling import vocab_parallel_sampler
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        tp = TensorParallel(dist.group.WORLD, 1, 0, (0,))
+        logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0)) * 2
+        params = SamplingParams(temperature=0.9, top_k=5)
+        draws = []
+        for law in (True, False):
+            torch.manual_seed(1)
+            draws.append(
+                vocab_parallel_sampler(dataclasses.replace(params, law_log_probs=law), tp, 50)(logits)
+            )
+        (tokens, log_p, log_q), (tokens_2, log_p_2, none) = draws
+        assert none is None and torch.equal(tokens_2, tokens) and torch.equal(log_p_2, log_p)
+        assert (log_q > log_p).all()  # top-5 of 50: the kept mass is below 1
+    finally:
+        dist.destroy_process_group()
