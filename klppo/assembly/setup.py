@@ -161,13 +161,11 @@ def _start_precompile(
             "rollout pre-compile skipped: a tensor-parallel rollout compiles its layer front on its slices"
         )
         return
-    law = reads_law_log_probs(cfg)
-    sampling = [
-        sampling_params(rollout, response_length=1, validation=v, law_log_probs=law and not v)
-        for v in (False, True)
-    ]
+    sampling = _sampling(cfg)  # what training and validation sample with
     settings = engine_settings(rollout, tensor_parallel=False)
-    compiled.start_precompile(hf_config, settings, dtype=dtype, device=device, sampling=sampling)
+    compiled.start_precompile(
+        hf_config, settings, dtype=dtype, device=device, sampling=(sampling.train, sampling.val)
+    )
 
 
 def _before_weights(
