@@ -206,14 +206,29 @@ def make_data(
     return Path(train), Path(test)
 
 
+RUN_ENV = {"PYTHONUNBUFFERED": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+"""What every bench run's environment adds to this process's."""
+
+
 class Run:
-    """One setting's ``klppo train`` process, stopped by SIGTERM once its step time reaches the budget."""
+    """One setting's ``klppo train`` process in an emptied ``run_dir`` (a warm machine keeps the last
+    call's runs: never resume one by accident), with :data:`RUN_ENV` and ``env`` over this process's
+    environment, stopped by SIGTERM once its step time reaches the budget."""
 
     def __init__(
-        self, name: str, argv: list[str], run_dir: Path, budget_s: float, env: dict, max_wall_s: float
+        self,
+        name: str,
+        argv: list[str],
+        run_dir: Path,
+        budget_s: float,
+        max_wall_s: float,
+        env: dict | None = None,
     ):
         self.name, self.run_dir, self.budget_s, self.max_wall_s = name, run_dir, budget_s, max_wall_s
-        run_dir.mkdir(parents=True, exist_ok=True)
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        env = {**os.environ, **RUN_ENV, **(env or {})}
         self.log = open(run_dir / "stdout.log", "w")
         cmd = [sys.executable, "-m", "klppo.trainer.main_ppo", *argv]
         (run_dir / "bench_command.txt").write_text(" ".join(cmd) + "\n")  # klppo writes its own command.txt
@@ -409,8 +424,6 @@ def main(argv: list[str] | None = None) -> int:
         while pending and len(running) < args.parallel:
             name, overrides, reward = pending.pop(0)
             run_dir = work / name
-            if run_dir.exists():  # a warm machine keeps the last call's runs: never resume one by accident
-                shutil.rmtree(run_dir)
             argv_ = [
                 *COMMON,
                 *TASK_OVERRIDES[args.task],
@@ -428,12 +441,10 @@ def main(argv: list[str] | None = None) -> int:
                 *overrides,
                 *args.extra,
             ]
-            env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-            if args.gpus:
-                env["CUDA_VISIBLE_DEVICES"] = args.gpus[slot % len(args.gpus)]
+            env = {"CUDA_VISIBLE_DEVICES": args.gpus[slot % len(args.gpus)]} if args.gpus else None
             slot += 1
             running.append(
-                (Run(name, argv_, run_dir, args.train_seconds, env, args.max_wall), name, overrides, reward)
+                (Run(name, argv_, run_dir, args.train_seconds, args.max_wall, env), name, overrides, reward)
             )
         run, name, overrides, reward = running.pop(0)
         code = run.wait()

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -196,16 +195,13 @@ def run_argv(args: argparse.Namespace, model: str, data: tuple[Path, Path], run_
 
 def run_all(args: argparse.Namespace, model: str, data: dict, work: Path) -> list[dict]:
     """Start the runs, ``--parallel`` at a time, and summarize each as it ends."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     pending, running, results = list(args.runs), [], []
     while pending or running:
         while pending and len(running) < args.parallel:
             name = pending.pop(0)
             run_dir = work / name
-            if run_dir.exists():  # a warm machine keeps the last call's runs: never resume one by accident
-                shutil.rmtree(run_dir)
             argv = run_argv(args, model, data[name], run_dir)
-            running.append((name, learning.Run(name, argv, run_dir, args.train_seconds, env, args.max_wall)))
+            running.append((name, learning.Run(name, argv, run_dir, args.train_seconds, args.max_wall)))
         name, run = running.pop(0)
         code = run.wait()
         try:

@@ -51,8 +51,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -225,8 +223,6 @@ def evaluate(run_dir: Path, args, keys: list[str], test: Path, reference: str) -
 def start_arm(name: str, overrides: list[str], args, common: list[str], work: Path) -> learning.Run:
     """One arm's ``klppo train`` process under the step-time budget (:class:`learning.Run`)."""
     run_dir = work / name
-    if run_dir.exists():  # a warm machine keeps the last call's runs: never resume one by accident
-        shutil.rmtree(run_dir)
     argv = [
         *common,
         f"trainer.default_local_dir={run_dir}",
@@ -235,8 +231,7 @@ def start_arm(name: str, overrides: list[str], args, common: list[str], work: Pa
         *overrides,
         *args.extra,
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    return learning.Run(name, argv, run_dir, args.train_seconds, env, args.max_wall)
+    return learning.Run(name, argv, run_dir, args.train_seconds, args.max_wall)
 
 
 def finish_arm(run: learning.Run, overrides: list[str]) -> dict:
