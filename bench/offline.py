@@ -9,10 +9,16 @@ and the step time of both against the online recipe at the same samples per step
    (bench/learning.py's ``Run``), each at every ``--lrs`` learning rate:
 
    - ``offline``: KL-PPO on the logs (``data.logged_files``): GRPO groups of the log's ``--log-n`` samples,
-     the PPO ratio and clip against the logged behaviour log-probs (``rollout_correction.bypass_mode``),
-     a k3 KL loss whose β the PI controller moves toward ``--target-kl`` (learning.py's ``grpo_pi``). The
-     controller holds the KL estimated on the logged tokens, which the trained policy did not sample
-     (docs/data.md, "KL to the reference"); the figure of record is the held-out one below.
+     the log's informative groups only (scores not all equal: a group of equal scores has advantage 0 and
+     adds nothing but its KL term; ``write_informative_log``), passed over again and again. The correction
+     is decoupled (verl's ``bypass_mode=False``): π_old is the actor's forward at the start of each step,
+     the PPO ratio and clip are taken against it, and each token is weighted by min(π_old / π_behaviour, 2)
+     with π_behaviour the logged log-probs (token-level TIS) — so that the policy can move beyond the
+     clip range of the behaviour policy over many passes (in bypass mode the ratio against the logged
+     log-probs stops every token at 1 ± ε). A k3 KL loss whose β the PI controller moves toward
+     ``--target-kl`` (learning.py's ``grpo_pi``). The controller holds the KL estimated on the logged
+     tokens, which the trained policy did not sample (docs/data.md, "KL to the reference"); the figure of
+     record is the held-out one below.
    - ``sft``: filtered SFT on the same logs. klppo has no SFT mode, and a group estimator on a log of the
      correct responses alone gives them advantage 0 (its groups of one are refused, its equal groups are
      0), so the bench writes each correct response (score 1) as a group of two with an EOS-only response
@@ -76,8 +82,8 @@ TIS = [
     "algorithm.rollout_correction.rollout_is=token",
     "algorithm.rollout_correction.rollout_is_threshold=2.0",
 ]
-"""The ``online_tis`` arm's keys: the online recipe with token-level truncated IS (decoupled: π_old from the
-actor, each token weighted by min(π_old / π_rollout, 2))."""
+"""The offline arm's correction and the ``online_tis`` arm's: token-level truncated IS, decoupled (π_old from
+the actor, each token weighted by min(π_old / π_behaviour, 2))."""
 TINY_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return float(sum(map(ord, solution_str)) % 2)
@@ -125,6 +131,21 @@ def write_sft_log(src: Path, dst: Path, eos_id: int) -> int:
     return len(rows) // 2
 
 
+def write_informative_log(src: Path, dst: Path) -> int:
+    """The groups of ``src`` whose scores are not all equal (those with an advantage); returns them."""
+    import pyarrow.parquet as pq
+
+    from klppo.data.logged import write_logged
+
+    groups: dict[str, list[dict]] = {}
+    for row in pq.read_table(src).to_pylist():
+        groups.setdefault(row["group_id"], []).append(row)
+    kept = [g for g in groups.values() if len({r["score"] for r in g}) > 1]
+    if kept:
+        write_logged(str(dst), [r for g in kept for r in g])
+    return len(kept)
+
+
 def arm_overrides(kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int) -> list[str]:
     """The settings of arm ``kind`` at ``--prompts`` × ``--log-n`` samples per step, one mini-batch (the
     SFT arm: that many correct responses, or all the log has)."""
@@ -148,7 +169,7 @@ def arm_overrides(kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int) 
         f"actor_rollout_ref.rollout.n={args.log_n}",
     ]
     if kind == "offline":
-        keys += [f"data.logged_files={log}", "algorithm.rollout_correction.bypass_mode=True"]
+        keys += [f"data.logged_files={log}", *TIS]
     if kind == "online_tis":
         keys += TIS
     return keys
@@ -284,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = _common_keys(args, model, train, test, reward)
     log = Path(args.logs) if args.logs else work / "log.parquet"
     sft_log, sft_pairs = work / "sft_log.parquet", 0
+    informative, groups = work / "informative_log.parquet", 0
     if not {"offline", "sft"} & set(args.arms):
         log_info = {"file": None}  # the online arms read no log
     elif args.logs and log.exists():
@@ -294,10 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         from klppo.models.loading import load_tokenizer
 
         sft_pairs = write_sft_log(log, sft_log, load_tokenizer(model).eos_token_id)
+        groups = write_informative_log(log, informative)
+        log_info["informative_groups"] = groups
     arms = []
     for kind in args.arms:
         for lr in args.lrs:
-            over = arm_overrides(kind, log=log, sft_log=sft_log, args=args, sft_pairs=sft_pairs)
+            over = arm_overrides(kind, log=informative, sft_log=sft_log, args=args, sft_pairs=sft_pairs)
             arms.append((f"{kind}_lr{lr:g}", kind, [*over, f"{A}.optim.lr={lr}"]))
     # arms sharing the GPU split the engine's memory share, as learning.py's --parallel does
     share = [f"actor_rollout_ref.rollout.gpu_memory_utilization={0.5 / args.parallel:.3f}"]
@@ -305,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     for first in range(0, len(arms), args.parallel):
         started = []
         for name, kind, over in arms[first : first + args.parallel]:
+            if kind == "offline" and not groups:
+                results.append({"name": name, "error": "the log holds no group of unequal scores"})
+                continue
             if kind == "sft" and not sft_pairs:
                 results.append({"name": name, "error": "the log holds no correct response"})
                 continue
