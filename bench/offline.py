@@ -14,11 +14,11 @@ and the step time of both against the online recipe at the same samples per step
      is decoupled (verl's ``bypass_mode=False``): π_old is the actor's forward at the start of each step,
      the PPO ratio and clip are taken against it, and each token is weighted by min(π_old / π_behaviour, 2)
      with π_behaviour the logged log-probs (token-level TIS) — so that the policy can move beyond the
-     clip range of the behaviour policy over many passes (in bypass mode the ratio against the logged
-     log-probs stops every token at 1 ± ε). A k3 KL loss whose β the PI controller moves toward
-     ``--target-kl`` (learning.py's ``grpo_pi``). The controller holds the KL estimated on the logged
-     tokens, which the trained policy did not sample (docs/data.md, "KL to the reference"); the figure of
-     record is the held-out one below.
+     clip range of the behaviour policy over many passes (in bypass mode the clipped ratio against the
+     logged log-probs stops pushing a token once it leaves 1 ± ε). A k3 KL loss whose β the PI controller
+     moves toward ``--target-kl`` (learning.py's ``grpo_pi``). The controller holds the KL estimated on the
+     logged tokens, which the trained policy did not sample (docs/data.md, "KL to the reference"); the
+     figure of record is the held-out one below.
    - ``sft``: filtered SFT on the same logs. klppo has no SFT mode, and a group estimator on a log of the
      correct responses alone gives them advantage 0 (its groups of one are refused, its equal groups are
      0), so the bench writes each correct response (score 1) as a group of two with an EOS-only response
