@@ -9,16 +9,17 @@ and the step time of both against the online recipe at the same samples per step
    (bench/learning.py's ``Run``), each at every ``--lrs`` learning rate:
 
    - ``offline``: KL-PPO on the logs (``data.logged_files``): GRPO groups of the log's ``--log-n`` samples,
-     the log's informative groups only (scores not all equal: a group of equal scores has advantage 0 and
-     adds nothing but its KL term; ``write_informative_log``), passed over again and again. The correction
-     is decoupled (verl's ``bypass_mode=False``): π_old is the actor's forward at the start of each step,
-     the PPO ratio and clip are taken against it, and each token is weighted by min(π_old / π_behaviour, 2)
-     with π_behaviour the logged log-probs (token-level TIS) — so that the policy can move beyond the
-     clip range of the behaviour policy over many passes (in bypass mode the clipped ratio against the
-     logged log-probs stops pushing a token once it leaves 1 ± ε). A k3 KL loss whose β the PI controller
-     moves toward ``--target-kl`` (learning.py's ``grpo_pi``). The controller holds the KL estimated on the
-     logged tokens, which the trained policy did not sample (docs/data.md, "KL to the reference"); the
-     figure of record is the held-out one below.
+     the log's informative groups only (scores not all equal: a group of equal scores has advantage 0 and adds
+     nothing but its KL term; ``write_informative_log``), passed over again and again. The correction is
+     bypass mode's REINFORCE with token-level truncated IS (``OFFLINE_CORRECTION``): each token's loss is −A ·
+     min(π_θ / π_behaviour, 2) · log π_θ with π_behaviour the logged log-probs and the weight detached — no
+     ratio clip, so that the policy can move beyond the clip range of the behaviour policy over many passes
+     (bypass mode's ``ppo_clip`` stops pushing a token once π_θ / π_behaviour leaves 1 ± ε). With one
+     mini-batch per step this is the decoupled correction's gradient (π_old from the actor, ratio 1, weights
+     min(π_old / π_behaviour, 2)) without its π_old pass (tests/algorithms/test_rollout_correction.py). A k3
+     KL loss whose β the PI controller moves toward ``--target-kl`` (learning.py's ``grpo_pi``). The
+     controller holds the KL estimated on the logged tokens, which the trained policy did not sample
+     (docs/data.md, "KL to the reference"); the figure of record is the held-out one below.
    - ``sft``: filtered SFT on the same logs. klppo has no SFT mode, and a group estimator on a log of the
      correct responses alone gives them advantage 0 (its groups of one are refused, its equal groups are
      0), so the bench writes each correct response (score 1) as a group of two with an EOS-only response
@@ -82,8 +83,14 @@ TIS = [
     "algorithm.rollout_correction.rollout_is=token",
     "algorithm.rollout_correction.rollout_is_threshold=2.0",
 ]
-"""The offline arm's correction and the ``online_tis`` arm's: token-level truncated IS, decoupled (π_old from
-the actor, each token weighted by min(π_old / π_behaviour, 2))."""
+"""The ``online_tis`` arm's correction: token-level truncated IS, decoupled (π_old from the actor's forward,
+each token weighted by min(π_old / π_rollout, 2))."""
+OFFLINE_CORRECTION = [
+    "algorithm.rollout_correction.bypass_mode=True",
+    "algorithm.rollout_correction.loss_type=reinforce",
+    *TIS,
+]
+"""The offline arm's correction: bypass mode's REINFORCE with token-level truncated IS (module docstring)."""
 TINY_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return float(sum(map(ord, solution_str)) % 2)
@@ -169,7 +176,7 @@ def arm_overrides(kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int) 
         f"actor_rollout_ref.rollout.n={args.log_n}",
     ]
     if kind == "offline":
-        keys += [f"data.logged_files={log}", *TIS]
+        keys += [f"data.logged_files={log}", *OFFLINE_CORRECTION]
     if kind == "online_tis":
         keys += TIS
     return keys

@@ -158,6 +158,30 @@ def test_reinforce_and_weighted_policy_loss_by_hand() -> None:
     assert float(unweighted) == pytest.approx((-1.0 + 0.5) / 2)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_one_update_decoupled_equals_bypass_reinforce(level: str) -> None:
+    """One mini-batch and one epoch: the decoupled correction (π_old = the policy at the update, PPO ratio
+    1, weights min(π_old / π_roll, C)) and bypass mode's REINFORCE (weights from the current policy) give
+    the same gradient (the losses' values differ: −A·w against −A·w·log π), so an on-policy offline step
+    needs no π_old pass (docs/training.md)."""
+    g = torch.Generator().manual_seed(0)
+    lp0 = -torch.rand(3, 5, generator=g, dtype=torch.float64) * 3
+    roll = lp0 + 0.8 * torch.randn(3, 5, generator=g, dtype=torch.float64)  # some weights past C
+    adv = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    m = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 4 + [0.0]], dtype=torch.float64)
+    settings = rc.CorrectionSettings(rollout_is=level, rollout_is_threshold=2.0)
+    decoupled = settings.apply(lp0, roll, m)
+    lp_a = lp0.clone().requires_grad_(True)
+    loss_a, _ = losses.policy_loss(lp0, lp_a, adv, m, rollout_is_weights=decoupled.weights)
+    loss_a.backward()
+    lp_b = lp0.clone().requires_grad_(True)
+    bypass = settings.apply(lp_b.detach(), roll, m)  # the actor's micro-batch correction in bypass mode
+    loss_b, _ = rc.reinforce_loss(roll, lp_b, adv, m, weights=bypass.weights)
+    loss_b.backward()
+    assert bool((decoupled.weights == 2.0).any()), "the case truncates some weights"
+    torch.testing.assert_close(lp_a.grad, lp_b.grad, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "option,threshold",
     [
