@@ -19,6 +19,7 @@ from typing import Any
 from klppo.algorithms.kl_control import PenaltyShareWatch
 from klppo.assembly.setup import Run
 from klppo.batch import Batch
+from klppo.data.logged import LoggedLoader
 from klppo.data.mixed import MixedBatch
 from klppo.ops.checkpoint import load_checkpoint, save_checkpoint
 from klppo.ops.dumps import chat_text, dump_rollouts, dump_samples
@@ -60,6 +61,7 @@ from klppo.trainer.phases import (
     with_old_log_probs,
     with_reward_baselines,
 )
+from klppo.trainer.ref_cache import RefLogProbCache
 from klppo.trainer.step_metrics import batch_metrics, perf_metrics, validation_metrics
 from klppo.trainer.timer import PhaseTimer
 
@@ -116,6 +118,9 @@ class PPOTrainer:
         self._stop = StopRequest()
         self.monitor = build_monitor(run, self._trainer_state, rank=rank())
         self.profiler = StepProfiler(run.cfg.global_profiler, device=run.device, rank=rank())
+        # a run on logs alone meets each sample again on every pass: its reference log-probs are kept
+        logs_only = isinstance(run.loaders.train, LoggedLoader)
+        self.ref_cache = RefLogProbCache() if logs_only and run.roles.reference is not None else None
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> TrainerState:
@@ -208,6 +213,8 @@ class PPOTrainer:
             with timer.phase("reward"):
                 local = with_step_scores(roles.reward, prompts, local, pending)
             batch = gather_step(run, prompts, local)
+            if self.ref_cache is not None:
+                self.ref_cache.keep(batch)
             batch, adv_metrics, skipped = self._checked_advantages(batch, step, timer)
             if skipped is not None:
                 return StepDone(batch, {**metrics, **adv_metrics, **rollout_stats}, skipped=skipped)
@@ -306,6 +313,9 @@ class PPOTrainer:
         run, reference = self.run, self.run.roles.reference
         if reference is None:
             return samples
+        kept = None if self.ref_cache is None else self.ref_cache.lookup(samples)
+        if kept is not None:  # a logged sample met before (ref_cache.py)
+            return samples.replace(ref_log_probs=kept)
         with timer.phase("ref"), run.offload.on_device(reference):
             return samples.replace(ref_log_probs=reference.compute_ref_log_prob(samples, plan=plan))
 

@@ -11,7 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.trainer.utils import assert_resume_matches, base_overrides, read_metrics, run_training
+from tests.trainer.utils import (
+    assert_resume_matches,
+    base_overrides,
+    read_metrics,
+    run_training,
+    train_two_ranks,
+)
 
 
 @pytest.fixture(scope="module")
@@ -322,3 +328,49 @@ def test_rejection_leaves_out_the_mismatched_samples(logged, tiny_model_dir, ari
         assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(odd)
         assert metrics["rollout_corr/rollout_rs_seq_mean_k1_seq_min"] == pytest.approx(-3.0, abs=0.05)
         assert math.isfinite(metrics["actor/pg_loss"])
+
+
+KEPT_KEYS = (
+    "data.train_batch_size=4",  # 8 groups: 2 steps a pass
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "trainer.total_training_steps=4",
+)
+KEPT_METRICS = ("actor/kl_loss", "actor/pg_loss", "actor/grad_norm")
+
+
+def test_reference_log_probs_kept_across_passes(
+    logged, tiny_model_dir, arithmetic_data, tmp_path, monkeypatch
+):
+    """Two passes over the log: the second runs no reference pass (its samples' log-probs were kept) and
+    trains as a run that keeps nothing."""
+    from klppo.trainer import ref_cache
+
+    scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
+    run_training(_overrides(tiny_model_dir, arithmetic_data, tmp_path / "kept", scored, *KEPT_KEYS))
+    monkeypatch.setattr(ref_cache, "MAX_BYTES", 0)
+    run_training(_overrides(tiny_model_dir, arithmetic_data, tmp_path / "none", scored, *KEPT_KEYS))
+    kept, none = read_metrics(tmp_path / "kept"), read_metrics(tmp_path / "none")
+    assert ["timing_s/ref" in m for m in kept] == [True, True, False, False]
+    assert all("timing_s/ref" in m for m in none)
+    for a, b in zip(kept, none, strict=True):
+        for key in KEPT_METRICS:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-8), (a["step"], key)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("rank_pool")
+def test_two_ranks_keep_reference_log_probs_alike(
+    logged, tiny_model_dir, arithmetic_data, tmp_path, rank_pool
+):
+    """2 gloo ranks, two passes over the log: both ranks skip the reference pass on the second (one decision,
+    no rank left waiting in a collective) and train as one rank does."""
+    scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
+    one = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "one", scored, *KEPT_KEYS)
+    run_training(one)
+    two = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "two", scored, *KEPT_KEYS)
+    assert train_two_ranks(rank_pool, [*two, "trainer.n_gpus_per_node=2"]) == 0
+    rows = read_metrics(tmp_path / "two")
+    assert ["timing_s/ref" in m for m in rows] == [True, True, False, False]
+    for a, b in zip(rows, read_metrics(tmp_path / "one"), strict=True):
+        for key in KEPT_METRICS:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
