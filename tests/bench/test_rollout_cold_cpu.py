@@ -29,8 +29,10 @@ def test_fresh_then_reused_cache_on_cpu(tmp_path) -> None:
     result = json.loads(out.read_text())
     fresh, reused = result["runs"]
     assert 0 < fresh["import_torch_s"] <= fresh["import_s"]
-    assert fresh["fxgraph_cache_miss"] >= 3 and fresh.get("fxgraph_cache_hit", 0) == 0, fresh
-    assert reused["fxgraph_cache_hit"] >= 3 and reused.get("fxgraph_cache_miss", 0) == 0, reused
+    # the fresh process compiles every graph; the reusing one loads each of them and compiles none
+    assert fresh["fxgraph_cache_miss"] >= 1 and fresh.get("fxgraph_cache_hit", 0) == 0, fresh
+    assert reused["fxgraph_cache_hit"] == fresh["fxgraph_cache_miss"], (fresh, reused)
+    assert reused.get("fxgraph_cache_miss", 0) == 0, reused
     assert set(result["median"]) == {"compile", "compile-warm-cache"}
     assert result["median"]["compile"]["to_first_result_s"] == fresh["to_first_result_s"]
 
