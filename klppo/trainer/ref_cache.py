@@ -55,14 +55,14 @@ class RefLogProbCache:
 
     def keep(self, batch: Batch) -> None:
         """Keep the reference log-probs of ``batch`` (the step's global batch, the same on every rank) up to
-        each sample's last response token."""
+        each sample's last response token; a sample with a non-finite one is not kept."""
         if batch.ref_log_probs is None:
             return
         lengths = batch.response_tokens_mask.sum(dim=1).long().tolist()
         values = batch.ref_log_probs.detach().to("cpu", torch.float32)
         for key, row, n in zip(_keys(batch), values, lengths, strict=True):
-            if key in self._entries:
-                continue
+            if key in self._entries or not bool(torch.isfinite(row[:n]).all()):
+                continue  # a non-finite value is not kept: the step skips it, a later pass recomputes
             if self.bytes + 4 * n > self.max_bytes:
                 self._say_full()
                 return

@@ -1,5 +1,5 @@
 """The kept reference log-probs (klppo/trainer/ref_cache.py): a sample is found whatever its padding, its
-values come back where its response is, and past the memory bound nothing more is kept."""
+values come back where its response is; past the memory bound, or when not finite, nothing is kept."""
 
 from __future__ import annotations
 
@@ -38,4 +38,10 @@ def test_found_whatever_the_padding() -> None:
 def test_nothing_kept_past_the_bound() -> None:
     cache = RefLogProbCache(max_bytes=4)  # one token's float32
     cache.keep(_batch(0, 0, [-1.0, -2.0]))
+    assert len(cache) == 0 and cache.lookup(_batch(0, 0, None)) is None
+
+
+def test_non_finite_values_are_not_kept() -> None:
+    cache = RefLogProbCache()
+    cache.keep(_batch(0, 0, [-1.0, float("nan")]))
     assert len(cache) == 0 and cache.lookup(_batch(0, 0, None)) is None
