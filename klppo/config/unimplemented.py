@@ -440,7 +440,8 @@ def rollout_correction_problems(cfg: KLPPOConfig) -> list[str]:
     """What ``algorithm.rollout_correction`` cannot run with: values verl rejects too (named by key), and
     the parts klppo does not build — rejection in bypass mode with ``seq-mean-token-mean`` (verl divides
     each row by its kept tokens, decided per micro-batch), weights with ``geo_mean``, batch normalisation
-    and another policy loss in bypass mode (verl replaces the loss there)."""
+    and another policy loss in bypass mode (verl replaces the loss there), and a KL penalty in the reward in
+    bypass mode on logged samples (π_old there is the log's behaviour policy)."""
     rcfg = cfg.algorithm.rollout_correction
     key = "algorithm.rollout_correction"
     problems = []
@@ -477,4 +478,11 @@ def rollout_correction_problems(cfg: KLPPOConfig) -> list[str]:
         )
     if rcfg.rollout_is is not None and not rcfg.bypass_mode and loss_mode == "geo_mean":
         problems.append(f"{key}.rollout_is with policy_loss.loss_mode='geo_mean' is not built")
+    if rcfg.bypass_mode and cfg.algorithm.use_kl_in_reward and cfg.data.logged_files:
+        problems.append(
+            f"algorithm.use_kl_in_reward=True with {key}.bypass_mode=True on data.logged_files: the penalty "
+            "is computed from π_old, here the logged behaviour policy, not the trained one (docs/data.md, "
+            '"KL to the reference"); set actor_rollout_ref.actor.use_kl_loss=True instead, or '
+            f"{key}.bypass_mode=False (π_old from the actor)"
+        )
     return problems

@@ -7,7 +7,12 @@ On-policy updates (one epoch over one mini-batch) need no separate old-log-prob 
 update runs on the weights that generated nothing new since the rollout, so π_old = π_θ and the ratio is 1
 by construction. With ``skip_old_log_prob_on_policy`` the trainer then leaves ``old_log_probs`` unset and
 :meth:`Actor.update_policy` uses the update's own log-probs, detached, as π_old; the statistics the skipped
-pass gave (``rollout/log_prob_diff``, ``actor/ref_kl_k1``) come from those same log-probs."""
+pass gave (``rollout/log_prob_diff``, ``actor/ref_kl_k1``) come from those same log-probs.
+
+In bypass mode (``algorithm.rollout_correction.bypass_mode``) π_old is the behaviour policy: the trainer
+leaves ``old_log_probs`` unset too, the loss takes ``rollout_log_probs`` (the engine's, or the log's) as
+π_old, and the same statistics come from the update's forward — the KL to the reference of the policy being
+trained, not of the one that sampled (which, for logged responses, may be another model)."""
 
 from __future__ import annotations
 
@@ -157,6 +162,12 @@ class Actor(TrainedRole):
             sp=s.sp,
         )[0]
 
+    @property
+    def bypass_mode(self) -> bool:
+        """Bypass mode: π_old is the behaviour policy's ``rollout_log_probs``."""
+        corr = self.settings.rollout_correction
+        return corr is not None and corr.bypass_mode
+
     def skips_old_log_prob(self, num_rows: int) -> bool:
         """True when an update over ``num_rows`` samples per rank is on-policy (one epoch, one mini-batch)
         and ``skip_old_log_prob_on_policy`` is set: the trainer need not compute ``old_log_probs``."""
@@ -177,10 +188,10 @@ class Actor(TrainedRole):
         Needs ``old_log_probs``, ``advantages``, ``response_mask`` (and ``ref_log_probs`` for the KL loss;
         ``ref_logits_fn`` giving reference logits [b,R,V] when ``kl_loss_type='full'``). ``kl_loss_coef``
         is this step's β of the KL loss (from the trainer's controller); ``None`` = ``settings.kl_loss_coef``.
-        Without ``old_log_probs`` the update must be on-policy (:meth:`skips_old_log_prob`).
+        Without ``old_log_probs`` the update must be on-policy (:meth:`skips_old_log_prob`) or in bypass mode.
         """
         on_policy = self.skips_old_log_prob(len(batch)) and (num_mini_batches or 1) == 1
-        if batch.old_log_probs is None and not on_policy:
+        if batch.old_log_probs is None and not (on_policy or self.bypass_mode):
             raise ValueError(
                 "actor update: old_log_probs missing, and the update is not on-policy "
                 f"(ppo_epochs={self.settings.ppo_epochs}, {len(batch)} samples, mini-batch "
@@ -331,9 +342,9 @@ class Actor(TrainedRole):
         mask = mb.response_mask
         stats = {}
         old_log_prob = mb.old_log_probs
-        if old_log_prob is None:  # on-policy: π_old is the current policy (see the module docstring)
-            old_log_prob = log_prob.detach()
-            stats.update(_skipped_pass_stats(old_log_prob, mb, s))
+        if old_log_prob is None:  # π_old: the behaviour policy in bypass mode, else the current policy
+            old_log_prob = mb.rollout_log_probs if self.bypass_mode else log_prob.detach()
+            stats.update(_skipped_pass_stats(log_prob.detach(), mb, s))  # (module docstring)
         pg_loss, pg_stats = self._policy_loss(mb, old_log_prob, log_prob, stats)
         terms: LossTerms = [(pg_loss, self._pg_agg_mode)]
         stats["actor/pg_loss"] = pg_loss.detach()

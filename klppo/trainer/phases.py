@@ -155,7 +155,8 @@ def rewards_and_advantages(
     if algo.use_kl_in_reward:
         rewards, kl_stats = kl_mod.apply_kl_penalty(
             token_level_scores=batch.token_level_scores,
-            log_prob=batch.old_log_probs,
+            # bypass mode has no π_old pass: the penalty is the behaviour policy's, as verl's
+            log_prob=batch.rollout_log_probs if batch.old_log_probs is None else batch.old_log_probs,
             ref_log_prob=batch.ref_log_probs,
             response_mask=batch.response_mask,
             kl_ctrl=kl_ctrl,
@@ -284,14 +285,15 @@ def whole_batch_kl(batch: Batch, actor: ActorConfig) -> dict[str, float]:
 
 
 def update_rows_metrics(
-    metrics: dict[str, float], batch: Batch, actor: ActorConfig, num_update_rows: int
+    metrics: dict[str, float], batch: Batch, actor: ActorConfig, num_update_rows: int, *, bypass: bool
 ) -> dict[str, float]:
     """With ``actor.skip_zero_advantage_rows``: the share of rows updated, and while the update is on-policy
     (no old-log-prob pass) its forward's KL figures, which cover the kept rows only, as ``*_update_rows``
     beside every sample's (:func:`whole_batch_kl`), which replace them and feed the controller on every
-    step — one source whether or not rows were left out."""
+    step — one source whether or not rows were left out. In bypass mode (``bypass``) the engine's log-probs
+    are the behaviour policy's, not the trained one's: the update's figures stay."""
     out = {"actor/update_rows_share": num_update_rows / len(batch)}
-    if batch.old_log_probs is None:
+    if batch.old_log_probs is None and not bypass:
         out.update(
             {f"{k}_update_rows": metrics[k] for k in ("actor/ref_kl_k1", "actor/ref_kl_k3") if k in metrics}
         )

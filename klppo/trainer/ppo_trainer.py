@@ -295,9 +295,8 @@ class PPOTrainer:
         """π_old's log-probs, unless the update is on-policy (then π_old = the update's own log-probs); the
         pass's micro-batches, cut and packed once, also serve the reference."""
         actor = self.run.roles.actor
-        correction = actor.settings.rollout_correction
-        if correction is not None and correction.bypass_mode:  # π_old = π_rollout: no pass (verl's bypass)
-            return samples.replace(old_log_probs=samples.rollout_log_probs), {}, None
+        if actor.bypass_mode:  # π_old = π_rollout: the actor's loss takes it (verl's bypass mode)
+            return samples, {}, None
         # on-policy: π_old = the update's log-probs; the update's rows per rank are a Ulysses group's
         if actor.skips_old_log_prob(len(samples) * actor.update.sp_size):
             return samples, {}, None
@@ -402,7 +401,13 @@ class PPOTrainer:
             metrics["actor/kl_loss_ctrl_kl"] = reduce_metrics({"k": metrics["actor/kl_loss_ctrl_kl"]})["k"]
         if self.cfg.actor_rollout_ref.actor.skip_zero_advantage_rows:
             metrics.update(
-                update_rows_metrics(metrics, batch, self.cfg.actor_rollout_ref.actor, num_update_rows)
+                update_rows_metrics(
+                    metrics,
+                    batch,
+                    self.cfg.actor_rollout_ref.actor,
+                    num_update_rows,
+                    bypass=roles.actor.bypass_mode,
+                )
             )
         if roles.actor.num_skipped_updates > skipped_before:  # the KL-loss controller is not moved either
             return metrics, "a non-finite actor loss or gradient norm (actor step skipped)"

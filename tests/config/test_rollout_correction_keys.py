@@ -72,6 +72,10 @@ def test_defaults_change_nothing() -> None:
             f"{K}.rollout_is_batch_normalize",
         ),
         ([f"{K}.rollout_is=token", "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"], "geo_mean"),
+        (
+            [f"{K}.bypass_mode=true", "algorithm.use_kl_in_reward=true", "data.logged_files=log.parquet"],
+            "use_kl_in_reward",
+        ),
     ],
 )
 def test_unsupported_values_are_refused_by_name(args: list[str], named: str) -> None:

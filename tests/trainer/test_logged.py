@@ -374,3 +374,24 @@ def test_two_ranks_keep_reference_log_probs_alike(
     for a, b in zip(rows, read_metrics(tmp_path / "one"), strict=True):
         for key in KEPT_METRICS:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+def test_bypass_kl_is_the_trained_policys(logged, tiny_model_dir, arithmetic_data, tmp_path):
+    """Bypass mode on a log of the initial model: the KL to the reference that the step reports and the
+    KL-loss controller holds is the trained policy's (0 at step 1, then growing as it learns), not the
+    behaviour policy's (the initial model's: about 0 on every step)."""
+    scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
+    keys = [
+        "algorithm.rollout_correction.bypass_mode=True",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.kl_loss_ctrl.type=pi",
+        "actor_rollout_ref.actor.kl_loss_ctrl.target_kl=0.01",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one update a step: its forward is at π_old
+        "trainer.total_training_steps=4",
+    ]
+    run_training(_overrides(tiny_model_dir, arithmetic_data, tmp_path / "run", scored, *keys))
+    rows = read_metrics(tmp_path / "run")
+    k3 = [r["actor/ref_kl_k3"] for r in rows]
+    assert abs(k3[0]) < 1e-6 and all(k > 1e-5 for k in k3[1:]), k3
+    assert [r["actor/kl_loss_ctrl_kl"] for r in rows] == pytest.approx(k3, rel=1e-6, abs=1e-9)
