@@ -292,7 +292,8 @@ class PPOTrainer:
     def _old_log_probs(
         self, samples: Batch, timer: PhaseTimer
     ) -> tuple[Batch, dict[str, float], ForwardPlan | None]:
-        """π_old's log-probs, unless the update is on-policy (then π_old = the update's own log-probs); the
+        """π_old's log-probs, unless the update is on-policy (then π_old = the update's own log-probs) or in
+        bypass mode (π_old = the behaviour policy's ``rollout_log_probs``, which the actor's loss reads); the
         pass's micro-batches, cut and packed once, also serve the reference."""
         actor = self.run.roles.actor
         if actor.bypass_mode:  # π_old = π_rollout: the actor's loss takes it (verl's bypass mode)
@@ -308,7 +309,8 @@ class PPOTrainer:
 
     def _reference_log_probs(self, samples: Batch, timer: PhaseTimer, plan: ForwardPlan | None) -> Batch:
         """Reference log-probs, with the reference on the device just for them; over ``plan`` (the
-        old-log-prob pass's micro-batches) when its micro-batching is the reference's."""
+        old-log-prob pass's micro-batches) when its micro-batching is the reference's; on a run from logs
+        alone, the kept ones when every rank has all of its samples' (``ref_cache.py``)."""
         run, reference = self.run, self.run.roles.reference
         if reference is None:
             return samples
