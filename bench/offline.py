@@ -17,7 +17,7 @@ and the step time of both against the online recipe at the same samples per step
      (bypass mode's ``ppo_clip`` stops pushing a token once π_θ / π_behaviour leaves 1 ± ε). With one
      mini-batch per step this is the decoupled correction's gradient (π_old from the actor, ratio 1, weights
      min(π_old / π_behaviour, 2)) without its π_old pass (tests/algorithms/test_rollout_correction.py). A k3
-     KL loss whose β the PI controller moves toward ``--target-kl`` (learning.py's ``grpo_pi``). The
+     KL loss whose β the PI controller moves toward ``--offline-target-kl`` (learning.py's ``grpo_pi``). The
      controller holds the KL estimated on the logged tokens, which the trained policy did not sample
      (docs/data.md, "KL to the reference"); the figure of record is the held-out one below.
    - ``sft``: filtered SFT on the same logs. klppo has no SFT mode, and a group estimator on a log of the
@@ -170,7 +170,7 @@ def arm_overrides(kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int) 
         ]
     keys = [
         *learning.PRESETS["grpo_pi"],
-        f"{A}.kl_loss_ctrl.target_kl={args.target_kl}",
+        f"{A}.kl_loss_ctrl.target_kl={args.offline_target_kl if kind == 'offline' else args.target_kl}",
         f"data.train_batch_size={args.prompts}",
         f"{A}.ppo_mini_batch_size={args.prompts}",
         f"actor_rollout_ref.rollout.n={args.log_n}",
@@ -431,7 +431,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-n", type=int, default=4, help="samples per held-out prompt for the KL")
     p.add_argument("--max-prompt-length", type=int, default=128)
     p.add_argument("--max-response-length", type=int, default=128)
-    p.add_argument("--target-kl", type=float, default=0.05, help="the offline and online arms' KL target")
+    p.add_argument("--target-kl", type=float, default=0.05, help="the online arms' KL target")
+    p.add_argument(
+        "--offline-target-kl",
+        type=float,
+        default=0.05,
+        help="the offline arm's KL target (estimated on the logged tokens, not on the policy's samples)",
+    )
     p.add_argument("--train-seconds", type=float, default=300.0)
     p.add_argument("--max-wall", type=float, default=560.0, help="kill a run after this many seconds")
     p.add_argument("--workdir", default="runs/offline")
