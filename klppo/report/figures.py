@@ -96,7 +96,25 @@ FIGURES: tuple[FigureSpec, ...] = (
             "critic/vf_loss",
             "critic/vf_clipfrac",
             "critic/grad_norm",
+        ),
+    ),
+    FigureSpec(
+        "rollout_correction",
+        "Rollout correction",
+        "The mismatch between the trainer's policy and the one that sampled (the rollout engine's, or a "
+        "log's): KL estimates and the absolute log-perplexity gap per token, and, with "
+        "algorithm.rollout_correction, the importance weights' mean, maximum and effective sample share, "
+        "the share of weights cut at the threshold, and the share of tokens rejection sampling left out.",
+        (
             "rollout/log_prob_diff",
+            "rollout_corr/kl",
+            "rollout_corr/k3_kl",
+            "rollout_corr/log_ppl_abs_diff",
+            "rollout_corr/rollout_is_mean",
+            "rollout_corr/rollout_is_max",
+            "rollout_corr/rollout_is_eff_sample_size",
+            "rollout_corr/rollout_is_ratio_fraction_high",
+            "rollout_corr/rollout_rs_masked_fraction",
         ),
     ),
     FigureSpec(

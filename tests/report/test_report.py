@@ -23,6 +23,7 @@ EXPECTED = {
     "response_length",
     "advantages",
     "update",
+    "rollout_correction",  # rollout/log_prob_diff: the engine's log-probs against the trainer's
     "timing",
     "throughput",
     "memory",
@@ -154,3 +155,20 @@ def test_non_finite_values_leave_a_gap_and_a_red_x():
     assert [v for v in curve.get_ydata() if not math.isnan(v)] == [1.0, 0.5]  # a gap at steps 2 and 3
     assert marks.get_marker() == "x" and marks.get_color() == "red" and list(marks.get_xdata()) == [2, 3]
     assert make_figure(next(s for s in FIGURES if s.slug == "memory"), [run]) is None  # nothing logged
+
+
+def test_rollout_correction_metrics_have_their_panels():
+    """A run with token TIS: the mismatch and weight statistics each get a panel of the correction figure."""
+    from klppo.report.figures import FIGURES, make_figure
+    from klppo.report.runs import run_from_history
+
+    spec = next(s for s in FIGURES if s.slug == "rollout_correction")
+    logged = [
+        "rollout_corr/kl",
+        "rollout_corr/k3_kl",
+        "rollout_corr/rollout_is_mean",
+        "rollout_corr/rollout_is_max",
+    ]
+    run = run_from_history("tis", [(step, {k: 0.1 * step for k in logged}) for step in (1, 2, 3)])
+    figure = make_figure(spec, [run])
+    assert [ax.get_title() for ax in figure.axes if ax.get_lines()] == logged
