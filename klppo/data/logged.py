@@ -250,26 +250,11 @@ class LoggedLoader:
                     else f"0 at token {k}: tokens the model did not produce (tool output) are not trained yet"
                 )
             )
-        log_probs = row.get(LOG_PROBS)
-        if log_probs is not None:
-            if len(log_probs) != len(ids):
-                raise DataError(
-                    f"{where}, column {LOG_PROBS!r}: {len(log_probs)} values for {len(ids)} response tokens"
-                )
-            if any(v is None or not math.isfinite(v) or v > 1e-6 for v in log_probs):
-                raise DataError(f"{where}, column {LOG_PROBS!r}: a value that is null, not finite or above 0")
-        kept = row.get(KEPT_MASS)
-        if kept is not None:
-            if log_probs is None:
-                raise DataError(
-                    f"{where}, column {KEPT_MASS!r}: set without {LOG_PROBS!r}, which it completes"
-                )
-            if len(kept) != len(ids):
-                raise DataError(
-                    f"{where}, column {KEPT_MASS!r}: {len(kept)} values for {len(ids)} response tokens"
-                )
-            if any(v is None or not math.isfinite(v) or v > 1e-6 for v in kept):
-                raise DataError(f"{where}, column {KEPT_MASS!r}: a value that is null, not finite or above 0")
+        log_probs, kept = row.get(LOG_PROBS), row.get(KEPT_MASS)
+        if kept is not None and log_probs is None:
+            raise DataError(f"{where}, column {KEPT_MASS!r}: set without {LOG_PROBS!r}, which it completes")
+        for column, values in ((LOG_PROBS, log_probs), (KEPT_MASS, kept)):
+            _check_log_values(values, column, len(ids), where)
         score = row.get(SCORE)
         if score is not None and not math.isfinite(float(score)):
             raise DataError(f"{where}, column {SCORE!r}: {score} is not finite (null: the reward scores it)")
@@ -433,6 +418,17 @@ class LoggedLoader:
                 "data.seed changed"
             )
         self.epoch, self._batch_index = int(state["epoch"]), int(state["batch_index"])
+
+
+def _check_log_values(values: list[float] | None, column: str, num_tokens: int, where: str) -> None:
+    """A per-token column of logs (``response_log_probs``, ``response_log_kept_mass``): one value per
+    response token, each finite and ≤ 0; ``None`` (not logged) passes."""
+    if values is None:
+        return
+    if len(values) != num_tokens:
+        raise DataError(f"{where}, column {column!r}: {len(values)} values for {num_tokens} response tokens")
+    if any(v is None or not math.isfinite(v) or v > 1e-6 for v in values):
+        raise DataError(f"{where}, column {column!r}: a value that is null, not finite or above 0")
 
 
 def _group_key(sample: _Sample) -> Any:
