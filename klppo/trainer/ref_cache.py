@@ -37,6 +37,7 @@ class RefLogProbCache:
         self.bytes = 0
         self._entries: dict[bytes, torch.Tensor] = {}
         self._full_said = False
+        self._step_found = False  # the last lookup found every rank's samples: the step brings none new
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -45,7 +46,8 @@ class RefLogProbCache:
         """[B, R] float32 reference log-probs of ``samples`` (0 past each response) on their device when
         every rank has kept all of its samples, else None: then every rank runs the reference pass."""
         found = [self._entries.get(k) for k in _keys(samples)]
-        if all_reduce_max(int(any(f is None for f in found))):
+        self._step_found = not all_reduce_max(int(any(f is None for f in found)))
+        if not self._step_found:
             return None
         assert samples.response_mask is not None
         out = torch.zeros(samples.response_mask.shape, dtype=torch.float32)
@@ -55,8 +57,9 @@ class RefLogProbCache:
 
     def keep(self, batch: Batch) -> None:
         """Keep the reference log-probs of ``batch`` (the step's global batch, the same on every rank) up to
-        each sample's last response token; a sample with a non-finite one is not kept."""
-        if batch.ref_log_probs is None:
+        each sample's last response token; a sample with a non-finite one is not kept. After a lookup that
+        found every rank's samples there is nothing new to keep (the global batch is their union)."""
+        if batch.ref_log_probs is None or self._step_found:
             return
         lengths = batch.response_tokens_mask.sum(dim=1).long().tolist()
         values = batch.ref_log_probs.detach().to("cpu", torch.float32)
