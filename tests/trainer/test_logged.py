@@ -41,6 +41,11 @@ def _rewrite(src: Path, dst: Path, change) -> Path:
     return dst
 
 
+def _scored(logged: Path, tmp_path: Path) -> Path:
+    """The log with scores 0, 1, 0, 1, … (groups of two: every group has an advantage)."""
+    return _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
+
+
 def _loader_settings(
     path: Path, *, groups_per_batch: int = 8, shuffle: bool = False, overlong: str = "error"
 ):
@@ -87,7 +92,7 @@ def test_log_file_round_trip(logged, tiny_model_dir, arithmetic_data, tmp_path):
         assert batch.rollout_log_probs[i, :n].tolist() == pytest.approx(row["response_log_probs"])
         assert batch.token_level_scores[i, n - 1] == row["score"]
 
-    scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
+    scored = _scored(logged, tmp_path)
     run = tmp_path / "run"
     run_training(
         _overrides(
@@ -213,7 +218,7 @@ def test_overlong_drop_leaves_out_the_group(logged, tiny_model_dir):
 def test_logged_resume_equals_uninterrupted(logged, tiny_model_dir, arithmetic_data, tmp_path):
     """Two epochs over the log (4 steps of 4 groups) with an adaptive KL-in-reward controller and a KL loss:
     stopped after step 2 and resumed, step 3 and 4 are the uninterrupted run's."""
-    scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
+    scored = _scored(logged, tmp_path)
     keys = [
         "data.train_batch_size=4",
         "algorithm.use_kl_in_reward=True",
@@ -345,7 +350,7 @@ def test_reference_log_probs_kept_across_passes(
     trains as a run that keeps nothing."""
     from klppo.trainer import ref_cache
 
-    scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
+    scored = _scored(logged, tmp_path)
     run_training(_overrides(tiny_model_dir, arithmetic_data, tmp_path / "kept", scored, *KEPT_KEYS))
     monkeypatch.setattr(ref_cache, "MAX_BYTES", 0)
     run_training(_overrides(tiny_model_dir, arithmetic_data, tmp_path / "none", scored, *KEPT_KEYS))
@@ -364,7 +369,7 @@ def test_two_ranks_keep_reference_log_probs_alike(
 ):
     """2 gloo ranks, two passes over the log: both ranks skip the reference pass on the second (one decision,
     no rank left waiting in a collective) and train as one rank does."""
-    scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
+    scored = _scored(logged, tmp_path)
     one = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "one", scored, *KEPT_KEYS)
     run_training(one)
     two = _overrides(tiny_model_dir, arithmetic_data, tmp_path / "two", scored, *KEPT_KEYS)
@@ -380,7 +385,7 @@ def test_bypass_kl_is_the_trained_policys(logged, tiny_model_dir, arithmetic_dat
     """Bypass mode on a log of the initial model: the KL to the reference that the step reports and the
     KL-loss controller holds is the trained policy's (0 at step 1, then growing as it learns), not the
     behaviour policy's (the initial model's: about 0 on every step)."""
-    scored = _rewrite(logged, tmp_path / "scored.parquet", lambda i, r: r.update(score=float(i % 2)))
+    scored = _scored(logged, tmp_path)
     keys = [
         "algorithm.rollout_correction.bypass_mode=True",
         "actor_rollout_ref.actor.use_kl_loss=True",
