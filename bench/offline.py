@@ -153,9 +153,12 @@ def write_informative_log(src: Path, dst: Path) -> int:
     return len(kept)
 
 
-def arm_overrides(kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int) -> list[str]:
+def arm_overrides(
+    kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int, target_kl: float | None = None
+) -> list[str]:
     """The settings of arm ``kind`` at ``--prompts`` × ``--log-n`` samples per step, one mini-batch (the
-    SFT arm: that many correct responses, or all the log has)."""
+    SFT arm: that many correct responses, or all the log has); ``target_kl`` is the offline arm's KL target
+    (default: the first ``--offline-target-kl``)."""
     if kind == "sft":
         pairs = min(args.prompts * args.log_n, sft_pairs)
         return [
@@ -170,7 +173,7 @@ def arm_overrides(kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int) 
         ]
     keys = [
         *learning.PRESETS["grpo_pi"],
-        f"{A}.kl_loss_ctrl.target_kl={args.offline_target_kl if kind == 'offline' else args.target_kl}",
+        f"{A}.kl_loss_ctrl.target_kl={_target_kl(kind, args, target_kl)}",
         f"data.train_batch_size={args.prompts}",
         f"{A}.ppo_mini_batch_size={args.prompts}",
         f"actor_rollout_ref.rollout.n={args.log_n}",
@@ -180,6 +183,12 @@ def arm_overrides(kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int) 
     if kind == "online_tis":
         keys += TIS
     return keys
+
+
+def _target_kl(kind: str, args, target_kl: float | None) -> float:
+    if kind != "offline":
+        return args.target_kl
+    return args.offline_target_kl[0] if target_kl is None else target_kl
 
 
 def heldout_kl(samples: Path, policy: Path, reference: str, *, n: int, lengths: tuple[int, int]) -> dict:
@@ -327,9 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         log_info["informative_groups"] = groups
     arms = []
     for kind, lrs in args.arms:
-        for lr in lrs or args.lrs:
-            over = arm_overrides(kind, log=informative, sft_log=sft_log, args=args, sft_pairs=sft_pairs)
-            arms.append((f"{kind}_lr{lr:g}", kind, [*over, f"{A}.optim.lr={lr}"]))
+        targets = args.offline_target_kl if kind == "offline" else [None]
+        for target, lr in ((t, lr) for t in targets for lr in lrs or args.lrs):
+            over = arm_overrides(
+                kind, log=informative, sft_log=sft_log, args=args, sft_pairs=sft_pairs, target_kl=target
+            )
+            tag = f"_kl{target:g}" if len(targets) > 1 else ""
+            arms.append((f"{kind}{tag}_lr{lr:g}", kind, [*over, f"{A}.optim.lr={lr}"]))
     # arms sharing the GPU split the engine's memory share, as learning.py's --parallel does
     share = [f"actor_rollout_ref.rollout.gpu_memory_utilization={0.5 / args.parallel:.3f}"]
     results: list[dict] = []
@@ -434,9 +447,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-kl", type=float, default=0.05, help="the online arms' KL target")
     p.add_argument(
         "--offline-target-kl",
+        nargs="+",
         type=float,
-        default=0.05,
-        help="the offline arm's KL target (estimated on the logged tokens, not on the policy's samples)",
+        default=[0.05],
+        help="the offline arm's KL target, estimated on the logged tokens, not on the policy's samples "
+        "(several: an offline arm at each)",
     )
     p.add_argument("--train-seconds", type=float, default=300.0)
     p.add_argument("--max-wall", type=float, default=560.0, help="kill a run after this many seconds")
