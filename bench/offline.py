@@ -356,12 +356,13 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"name": name, "error": "the log holds no correct response"})
                 continue
             started.append((start_arm(name, [*share, *over], args, keys, work), over))
-        for run, over in started:
-            result = finish_arm(run, over)
+        finished = [finish_arm(run, over) for run, over in started]
+        results += finished
+        write_report(args, log_info, sft_pairs, results)  # a call cut off keeps the arms trained
+        for result in finished:
             if result.get("exit_code") == 0:
-                result["heldout"] = evaluate(work / run.name, args, keys, test, model)
-            results.append(result)
-            write_report(args, log_info, sft_pairs, results)  # a call cut off keeps the arms done
+                result["heldout"] = evaluate(work / result["name"], args, keys, test, model)
+                write_report(args, log_info, sft_pairs, results)  # ... and those evaluated
     _print_table(results)
     return 0 if all(r.get("exit_code") == 0 for r in results) else 1
 
