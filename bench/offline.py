@@ -98,8 +98,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 """``--tiny``'s training reward: a random model never answers, so parity keeps half the log for SFT."""
 
 
-def log_responses(out: Path, model: str, prompts: Path, *, n: int, num_prompts: int, keys: list[str]) -> dict:
-    """``klppo data log`` of ``model`` on ``prompts`` (in this process); the log's size and mean score."""
+def log_responses(
+    out: Path, model: str, prompts: Path, *, n: int, num_prompts: int, keys: list[str], batch: int
+) -> dict:
+    """``klppo data log`` of ``model`` on ``prompts`` (in this process), ``batch`` prompts a rollout; the
+    log's size and mean score."""
     import pyarrow.parquet as pq
 
     from klppo.commands.log_data import main as log_main
@@ -114,6 +117,7 @@ def log_responses(out: Path, model: str, prompts: Path, *, n: int, num_prompts: 
         *keys,
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={prompts}",
+        f"data.train_batch_size={batch}",
     ]
     if log_main(argv) != 0:
         raise SystemExit(f"klppo data log {' '.join(argv)} failed")
@@ -251,7 +255,8 @@ def evaluate(run_dir: Path, args, keys: list[str], test: Path, reference: str) -
     policy = export_checkpoint(ckpt, run_dir / "hf", overwrite=True)
     samples = run_dir / "heldout_samples.parquet"
     eval_keys = [*keys, "actor_rollout_ref.rollout.temperature=1.0"]
-    log_responses(samples, str(policy), test, n=args.eval_n, num_prompts=args.num_test, keys=eval_keys)
+    n, batch = args.eval_n, args.log_batch
+    log_responses(samples, str(policy), test, n=n, num_prompts=args.num_test, keys=eval_keys, batch=batch)
     lengths = (args.max_prompt_length, args.max_response_length)
     kl = heldout_kl(samples, policy, reference, n=args.eval_n, lengths=lengths)
     return {"checkpoint": ckpt.name, **kl}
@@ -327,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.logs and log.exists():
         log_info = {"file": str(log), "reused": True}
     else:
-        log_info = log_responses(log, model, train, n=args.log_n, num_prompts=args.log_prompts, keys=keys)
+        log_info = log_responses(
+            log, model, train, n=args.log_n, num_prompts=args.log_prompts, keys=keys, batch=args.log_batch
+        )
     if log_info["file"]:
         from klppo.models.loading import load_tokenizer
 
@@ -439,6 +446,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--logs", default=None, help="a log made earlier (made here and kept when absent)")
     p.add_argument("--log-prompts", type=int, default=2000, help="training prompts logged")
     p.add_argument("--log-n", type=int, default=8, help="samples per logged prompt (and per online prompt)")
+    p.add_argument(
+        "--log-batch", type=int, default=256, help="prompts a rollout, logging and sampling held-out items"
+    )
     p.add_argument("--prompts", type=int, default=32, help="prompts per step (× --log-n samples)")
     p.add_argument("--num-train", type=int, default=8000)
     p.add_argument("--num-test", type=int, default=200)
