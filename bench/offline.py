@@ -32,7 +32,8 @@ and the step time of both against the online recipe at the same samples per step
      samples (fewer when the log holds fewer).
    - ``online``: learning.py's ``grpo_pi`` at the same prompts × samples per step: the step time the
      offline arm is compared against (``step_time_vs_online``: median step after the first, offline ÷
-     online).
+     online; ``step_time_per_token_vs_online``: the same of the step time per 1,000 tokens, since the
+     online arm's responses shorten as it learns while the log's keep the starting model's lengths).
    - ``online_tis`` (not run by default): ``online`` with token-level truncated importance sampling
      (``TIS``), to compare its accuracy with ``online``'s.
 
@@ -287,8 +288,10 @@ def finish_arm(run: learning.Run, overrides: list[str]) -> dict:
         )
         return {"name": run.name, "exit_code": code, "overrides": overrides}
     summary = learning.summarize(run.name, run.run_dir, overrides, "flexible", code)
-    steps = summary["series"]["step_s"]
+    steps, tokens = summary["series"]["step_s"], summary["series"]["tokens"]
     summary["step_s_median"] = statistics.median(steps[1:] or steps)
+    per_token = [1000 * s / t for s, t in zip(steps, tokens) if t][1:]
+    summary["step_s_per_ktoken_median"] = statistics.median(per_token) if per_token else None
     return summary
 
 
@@ -300,6 +303,7 @@ def write_report(args, log_info: dict, sft_pairs: int, results: list[dict]) -> N
         "samples_per_prompt": args.log_n,
         "results": results,
         "step_time_vs_online": _step_time_ratio(results),
+        "step_time_per_token_vs_online": _step_time_ratio(results, "step_s_per_ktoken_median"),
         **learning.environment(
             argparse.Namespace(train_seconds=args.train_seconds, parallel=args.parallel, task="arithmetic")
         ),
@@ -399,15 +403,15 @@ def _common_keys(args, model: str, train: Path, test: Path, reward: Path) -> lis
     return keys + (TINY if args.tiny else [])
 
 
-def _step_time_ratio(results: list[dict]) -> dict:
-    """Median step time of each offline / SFT arm ÷ the online arm's at the same learning rate."""
-    by_name = {r["name"]: r for r in results if "step_s_median" in r}
+def _step_time_ratio(results: list[dict], key: str = "step_s_median") -> dict:
+    """Median step time (``key``) of each offline / SFT arm ÷ the online arm's at the same learning rate."""
+    by_name = {r["name"]: r for r in results if r.get(key)}
     out = {}
     for name, r in by_name.items():
         kind, _, lr = name.rpartition("_lr")
         online = by_name.get(f"online_lr{lr}")
         if kind != "online" and online:
-            out[name] = r["step_s_median"] / online["step_s_median"]
+            out[name] = r[key] / online[key]
     return out
 
 

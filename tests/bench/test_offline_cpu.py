@@ -32,6 +32,8 @@ def test_offline_bench_tiny_runs_every_arm(tmp_path):
     assert results["offline_lr0.001"]["series"]["gen_s"] == [None, None]  # logged: nothing generated
     assert all(x is not None for x in results["online_lr0.001"]["series"]["gen_s"])
     assert set(report["step_time_vs_online"]) == {"offline_lr0.001", "sft_lr0.001", "online_tis_lr0.001"}
+    per_token = report["step_time_per_token_vs_online"]
+    assert set(per_token) == set(report["step_time_vs_online"]) and all(x > 0 for x in per_token.values())
     tis = read_metrics(tmp_path / "work" / "online_tis_lr0.001")
     assert any("rollout_corr/rollout_is_mean" in m for m in tis)  # the TIS arm weights its tokens
     assert report["parallel"] == 2
