@@ -159,11 +159,11 @@ def write_informative_log(src: Path, dst: Path) -> int:
 
 
 def arm_overrides(
-    kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int, target_kl: float | None = None
+    kind: str, *, log: Path, sft_log: Path, args, sft_pairs: int, target_kl: float | None
 ) -> list[str]:
     """The settings of arm ``kind`` at ``--prompts`` × ``--log-n`` samples per step, one mini-batch (the
-    SFT arm: that many correct responses, or all the log has); ``target_kl`` is the offline arm's KL target
-    (default: the first ``--offline-target-kl``)."""
+    SFT arm: that many correct responses, or all the log has); ``target_kl``: the offline arm's KL target
+    (one of ``--offline-target-kl``; the online arms hold ``--target-kl``)."""
     if kind == "sft":
         pairs = min(args.prompts * args.log_n, sft_pairs)
         return [
@@ -178,7 +178,7 @@ def arm_overrides(
         ]
     keys = [
         *learning.PRESETS["grpo_pi"],
-        f"{A}.kl_loss_ctrl.target_kl={_target_kl(kind, args, target_kl)}",
+        f"{A}.kl_loss_ctrl.target_kl={target_kl if kind == 'offline' else args.target_kl}",
         f"data.train_batch_size={args.prompts}",
         f"{A}.ppo_mini_batch_size={args.prompts}",
         f"actor_rollout_ref.rollout.n={args.log_n}",
@@ -188,12 +188,6 @@ def arm_overrides(
     if kind == "online_tis":
         keys += TIS
     return keys
-
-
-def _target_kl(kind: str, args, target_kl: float | None) -> float:
-    if kind != "offline":
-        return args.target_kl
-    return args.offline_target_kl[0] if target_kl is None else target_kl
 
 
 def heldout_kl(samples: Path, policy: Path, reference: str, *, n: int, lengths: tuple[int, int]) -> dict:
