@@ -197,3 +197,20 @@ def test_which_kl_the_loss_gradient_follows(seed: int) -> None:
     torch.testing.assert_close(
         _expected_sampled_gradient("kl", z, q_log), torch.zeros_like(z), rtol=0, atol=1e-12
     )
+
+
+def test_k3_on_tokens_the_reference_sampled_is_chi2_minus_reverse_kl() -> None:
+    """docs/data.md, "KL to the reference": the k3 estimate's expectation over tokens sampled by π_ref (a log
+    of the reference) is χ²(π_ref‖π_θ) − KL(π_ref‖π_θ), and over tokens the policy samples KL(π_θ‖π_ref)."""
+    gen = torch.Generator().manual_seed(3)
+    ref_lp = torch.log_softmax(torch.randn(40, generator=gen, dtype=torch.float64), 0)
+    pol_lp = torch.log_softmax(0.8 * torch.randn(40, generator=gen, dtype=torch.float64), 0)
+    k3 = kl_penalty(pol_lp, ref_lp, "low_var_kl")  # every token of the vocabulary, weighted exactly below
+    assert float(k3.max()) < 10  # inside the per-token clamp
+    p_ref, p_pol = ref_lp.exp(), pol_lp.exp()
+    chi2 = float((p_ref**2 / p_pol).sum()) - 1.0
+    kl_ref_pol = float((p_ref * (ref_lp - pol_lp)).sum())
+    kl_pol_ref = float((p_pol * (pol_lp - ref_lp)).sum())
+    assert float((p_ref * k3).sum()) == pytest.approx(chi2 - kl_ref_pol, rel=1e-12)
+    assert float((p_pol * k3).sum()) == pytest.approx(kl_pol_ref, rel=1e-12)
+    assert chi2 - kl_ref_pol > 2 * kl_pol_ref  # the logged-token figure runs far ahead of the policy's
