@@ -44,7 +44,10 @@ and the step time of both against the online recipe at the same samples per step
    trainer's validation, as learning.py scores it), and the KL to the starting model measured on
    responses the trained policy samples for the held-out prompts (``--eval-n`` each, temperature 1): both
    models' log-probs of those tokens from one float32 transformers forward, k3 = mean over tokens of
-   e^δ − δ − 1 with δ = log π_ref − log π_θ (and k1), beside the sampled responses' accuracy.
+   e^δ − δ − 1 with δ = log π_ref − log π_θ (and k1), beside the sampled responses' accuracy. The arms
+   named by ``--curve`` also validate and keep a checkpoint every ``--curve-every`` steps, and after the
+   final figures each of those checkpoints is measured the same way (``curve``: accuracy and KL by step),
+   so that an arm without a KL term (SFT) can be compared with another at the same KL.
 
 One JSON (``--out``): the log's size and score, each arm's steps, step times, accuracies and KLs.
 
@@ -238,17 +241,19 @@ def _response_log_probs(model, batch):
     ]
 
 
-def evaluate(run_dir: Path, args, keys: list[str], test: Path, reference: str) -> dict:
-    """The arm's final checkpoint exported, sampled on the held-out prompts and measured against the
-    starting model (:func:`heldout_kl`)."""
+def evaluate(
+    run_dir: Path, args, keys: list[str], test: Path, reference: str, ckpt: Path | None = None
+) -> dict:
+    """The arm's checkpoint ``ckpt`` (default: its last) exported, sampled on the held-out prompts and
+    measured against the starting model (:func:`heldout_kl`)."""
     from klppo.commands.export import export_checkpoint
     from klppo.ops.checkpoint import latest_checkpoint
 
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = ckpt or latest_checkpoint(run_dir)
     if ckpt is None:
         return {"error": f"no checkpoint in {run_dir}"}
-    policy = export_checkpoint(ckpt, run_dir / "hf", overwrite=True)
-    samples = run_dir / "heldout_samples.parquet"
+    policy = export_checkpoint(ckpt, run_dir / f"hf_{ckpt.name}", overwrite=True)
+    samples = run_dir / f"heldout_{ckpt.name}.parquet"
     eval_keys = [*keys, "actor_rollout_ref.rollout.temperature=1.0"]
     n, batch = args.eval_n, args.log_batch
     log_responses(samples, str(policy), test, n=n, num_prompts=args.num_test, keys=eval_keys, batch=batch)
@@ -287,6 +292,19 @@ def finish_arm(run: learning.Run, overrides: list[str]) -> dict:
     per_token = [1000 * s / t for s, t in zip(steps, tokens) if t][1:]
     summary["step_s_per_ktoken_median"] = statistics.median(per_token) if per_token else None
     return summary
+
+
+def curve(result: dict, run_dir: Path, args, keys: list[str], test: Path, reference: str) -> list[dict]:
+    """Held-out accuracy (the validation at that step, greedy) and KL (:func:`evaluate`) at each of the
+    arm's checkpoints before its last (``--curve``): where its accuracy stood at a given KL."""
+    from klppo.ops.checkpoint import list_checkpoints
+
+    accuracy = {p["step"]: p.get("flexible") for p in result.get("trajectory", [])}
+    points = []
+    for step, ckpt in list_checkpoints(run_dir)[:-1]:
+        held = evaluate(run_dir, args, keys, test, reference, ckpt)
+        points.append({"step": step, "accuracy": accuracy.get(step), **held})
+    return points
 
 
 def write_report(args, log_info: dict, sft_pairs: int, results: list[dict]) -> None:
@@ -347,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
                 kind, log=informative, sft_log=sft_log, args=args, sft_pairs=sft_pairs, target_kl=target
             )
             tag = f"_kl{target:g}" if len(targets) > 1 else ""
+            if kind in args.curve:  # a checkpoint and a validation every --curve-every steps
+                over += [f"trainer.save_freq={args.curve_every}", f"trainer.test_freq={args.curve_every}"]
             arms.append((f"{kind}{tag}_lr{lr:g}", kind, [*over, f"{A}.optim.lr={lr}"]))
+    kinds = {name: kind for name, kind, _ in arms}
     # arms sharing the GPU split the engine's memory share, as learning.py's --parallel does
     share = [f"actor_rollout_ref.rollout.gpu_memory_utilization={0.5 / args.parallel:.3f}"]
     results: list[dict] = []
@@ -368,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
             if result.get("exit_code") == 0:
                 result["heldout"] = evaluate(work / result["name"], args, keys, test, model)
                 write_report(args, log_info, sft_pairs, results)  # ... and those evaluated
+        for result in finished:  # the curves last: the figures of record come first
+            if result.get("exit_code") == 0 and kinds[result["name"]] in args.curve:
+                result["curve"] = curve(result, work / result["name"], args, keys, test, model)
+                write_report(args, log_info, sft_pairs, results)
     _print_table(results)
     return 0 if all(r.get("exit_code") == 0 for r in results) else 1
 
@@ -462,6 +487,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="the offline arm's KL target, estimated on the logged tokens, not on the policy's samples "
         "(several: an offline arm at each)",
     )
+    p.add_argument(
+        "--curve",
+        nargs="*",
+        default=[],
+        choices=ARMS,
+        help="arms that also measure held-out accuracy and KL every --curve-every steps",
+    )
+    p.add_argument("--curve-every", type=int, default=50)
     p.add_argument("--train-seconds", type=float, default=300.0)
     p.add_argument("--max-wall", type=float, default=560.0, help="kill a run after this many seconds")
     p.add_argument("--workdir", default="runs/offline")

@@ -18,7 +18,8 @@ from tests.trainer.utils import read_metrics
 @device_bench_run
 def test_offline_bench_tiny_runs_every_arm(tmp_path):
     out = tmp_path / "offline.json"
-    arms = ["--arms", "offline", "sft", "online", "online_tis", "--parallel", "2"]
+    arms = ["--arms", "offline", "sft", "online", "online_tis", "--parallel", "2", "--curve", "sft"]
+    arms += ["--curve-every", "1"]
     assert main(["--tiny", *arms, "--workdir", str(tmp_path / "work"), "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["log"]["samples"] == 16 and report["log"]["sft_pairs"] > 0
@@ -37,6 +38,10 @@ def test_offline_bench_tiny_runs_every_arm(tmp_path):
     tis = read_metrics(tmp_path / "work" / "online_tis_lr0.001")
     assert any("rollout_corr/rollout_is_mean" in m for m in tis)  # the TIS arm weights its tokens
     assert report["parallel"] == 2
+    # the SFT arm's curve: its checkpoint before the last, with the validation and the KL at that step
+    (point,) = results["sft_lr0.001"]["curve"]
+    assert point["step"] == 1 and point["checkpoint"] == "global_step_1" and 0 <= point["accuracy"] <= 1
+    assert math.isfinite(point["kl_k3"]) and "curve" not in results["offline_lr0.001"]
     # the SFT arm's advantages: +½ on the correct responses, −½ on the EOS-only partners, no KL loss
     sft = read_metrics(tmp_path / "work" / "sft_lr0.001")
     for step in (m for m in sft if "critic/advantages/max" in m):
