@@ -64,6 +64,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -294,17 +295,15 @@ def finish_arm(run: learning.Run, overrides: list[str]) -> dict:
     return summary
 
 
-def curve(result: dict, run_dir: Path, args, keys: list[str], test: Path, reference: str) -> list[dict]:
+def curve(result: dict, run_dir: Path, args, keys: list[str], test: Path, reference: str) -> Iterator[dict]:
     """Held-out accuracy (the validation at that step, greedy) and KL (:func:`evaluate`) at each of the
-    arm's checkpoints before its last (``--curve``): where its accuracy stood at a given KL."""
+    arm's checkpoints before its last, oldest first (``--curve``): where its accuracy stood at a given KL."""
     from klppo.ops.checkpoint import list_checkpoints
 
     accuracy = {p["step"]: p.get("flexible") for p in result.get("trajectory", [])}
-    points = []
     for step, ckpt in list_checkpoints(run_dir)[:-1]:
         held = evaluate(run_dir, args, keys, test, reference, ckpt)
-        points.append({"step": step, "accuracy": accuracy.get(step), **held})
-    return points
+        yield {"step": step, "accuracy": accuracy.get(step), **held}
 
 
 def write_report(args, log_info: dict, sft_pairs: int, results: list[dict]) -> None:
@@ -391,8 +390,10 @@ def main(argv: list[str] | None = None) -> int:
                 write_report(args, log_info, sft_pairs, results)  # ... and those evaluated
         for result in finished:  # the curves last: the figures of record come first
             if result.get("exit_code") == 0 and kinds[result["name"]] in args.curve:
-                result["curve"] = curve(result, work / result["name"], args, keys, test, model)
-                write_report(args, log_info, sft_pairs, results)
+                result["curve"] = []
+                for point in curve(result, work / result["name"], args, keys, test, model):
+                    result["curve"].append(point)
+                    write_report(args, log_info, sft_pairs, results)  # a call cut off keeps the points
     _print_table(results)
     return 0 if all(r.get("exit_code") == 0 for r in results) else 1
 
