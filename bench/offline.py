@@ -259,7 +259,7 @@ def evaluate(
     n, batch = args.eval_n, args.log_batch
     log_responses(samples, str(policy), test, n=n, num_prompts=args.num_test, keys=eval_keys, batch=batch)
     lengths = (args.max_prompt_length, args.max_response_length)
-    kl = heldout_kl(samples, policy, reference, n=args.eval_n, lengths=lengths)
+    kl = heldout_kl(samples, policy, reference, n=n, lengths=lengths)
     return {"checkpoint": ckpt.name, **kl}
 
 
