@@ -42,9 +42,9 @@ and the step time of both against the online recipe at the same samples per step
 
 3. Evaluation of each arm's final weights (exported from its checkpoint): held-out accuracy, greedy (the
    trainer's validation, as learning.py scores it), and the KL to the starting model measured on
-   responses the trained policy samples for the held-out prompts (``--eval-n`` each, temperature 1): both
-   models' log-probs of those tokens from one float32 transformers forward, k3 = mean over tokens of
-   e^δ − δ − 1 with δ = log π_ref − log π_θ (and k1), beside the sampled responses' accuracy. The arms
+   responses the trained policy samples for the held-out prompts (``--eval-n`` each, temperature 1;
+   ``klppo data log --reference``): k3 = mean over tokens of e^δ − δ − 1 with δ = log π_ref − log π_θ,
+   each from its model's forward (and k1), beside the sampled responses' accuracy. The arms
    named by ``--curve`` also validate and keep a checkpoint every ``--curve-every`` steps, and after the
    final figures each of those checkpoints is measured the same way (``curve``: accuracy and KL by step),
    so that an arm without a KL term (SFT) can be compared with another at the same KL.
@@ -104,30 +104,32 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 def log_responses(
-    out: Path, model: str, prompts: Path, *, n: int, num_prompts: int, keys: list[str], batch: int
+    out: Path,
+    model: str,
+    prompts: Path,
+    *,
+    n: int,
+    num_prompts: int,
+    keys: list[str],
+    batch: int,
+    reference: str | None = None,
 ) -> dict:
     """``klppo data log`` of ``model`` on ``prompts`` (in this process), ``batch`` prompts a rollout; the
-    log's size and mean score."""
+    log's size and mean score, and with ``reference`` the samples' KL to it (``klppo data log --reference``:
+    k3 and k1 per response token, and k1 summed over a response)."""
     import pyarrow.parquet as pq
 
-    from klppo.commands.log_data import main as log_main
+    from klppo.commands.log_data import run
 
-    argv = [
-        "--output",
-        str(out),
-        "--n",
-        str(n),
-        "--num-prompts",
-        str(num_prompts),
-        *keys,
-        f"actor_rollout_ref.model.path={model}",
-        f"data.train_files={prompts}",
-        f"data.train_batch_size={batch}",
-    ]
-    if log_main(argv) != 0:
-        raise SystemExit(f"klppo data log {' '.join(argv)} failed")
+    argv = ["--output", str(out), "--n", str(n), "--num-prompts", str(num_prompts)]
+    argv += [*keys, f"actor_rollout_ref.model.path={model}", f"data.train_files={prompts}"]
+    argv += [f"data.train_batch_size={batch}", *(["--reference", reference] if reference else [])]
+    _, samples, kl = run(argv)
     scores = pq.read_table(out, columns=["score"]).column("score").to_pylist()
-    return {"file": str(out), "samples": len(scores), "mean_score": statistics.fmean(scores)}
+    info = {"file": str(out), "samples": samples, "mean_score": statistics.fmean(scores)}
+    if kl is not None:
+        info |= {"kl_k3": kl["k3"], "kl_k1": kl["k1"], "response_kl_k1": kl["k1"] * kl["tokens"] / samples}
+    return info
 
 
 def write_sft_log(src: Path, dst: Path, eos_id: int) -> int:
@@ -194,59 +196,11 @@ def arm_overrides(
     return keys
 
 
-def heldout_kl(samples: Path, policy: Path, reference: str, *, n: int, lengths: tuple[int, int]) -> dict:
-    """KL(π_θ‖π_ref) on ``samples`` (the trained policy's own responses, ``n`` per prompt): k3 and k1 per
-    token from one float32 forward of each model, and the per-response k1 (× tokens)."""
-    import pyarrow.parquet as pq
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from klppo.algorithms.kl import kl_penalty
-    from klppo.algorithms.masked import masked_mean
-    from klppo.data.logged import LoggedLoader, LoggedSettings
-    from klppo.models.loading import load_tokenizer
-
-    groups = pq.read_metadata(samples).num_rows // n  # the prompts that fit max_prompt_length
-    settings = LoggedSettings(
-        [str(samples)], groups, n, lengths[0], lengths[1], vocab_size=10**9, shuffle=False
-    )
-    batch = LoggedLoader(settings, load_tokenizer(str(policy))).next_batch()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    log_probs = []
-    for path in (policy, reference):
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to(device).eval()
-        log_probs.append(torch.cat([_response_log_probs(model, part.to(device)) for part in batch.split(64)]))
-        del model
-    mask = batch.response_mask.to(device)
-    k3 = kl_penalty(log_probs[0], log_probs[1], "k3")
-    k1 = log_probs[0] - log_probs[1]
-    return {
-        "kl_k3": float(masked_mean(k3, mask)),
-        "kl_k1": float(masked_mean(k1, mask)),
-        "response_kl_k1": float((k1 * mask).sum(dim=1).mean()),
-        "sampled_accuracy": float(batch.token_level_scores.sum(dim=1).mean()),
-        "samples": len(batch),
-    }
-
-
-def _response_log_probs(model, batch):
-    import torch
-
-    with torch.no_grad():
-        logits = model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-        ).logits
-    p = batch.prompts.shape[1]
-    return torch.log_softmax(logits[:, p - 1 : -1].float(), dim=-1).gather(-1, batch.responses[..., None])[
-        ..., 0
-    ]
-
-
 def evaluate(
     run_dir: Path, args, keys: list[str], test: Path, reference: str, ckpt: Path | None = None
 ) -> dict:
-    """The arm's checkpoint ``ckpt`` (default: its last) exported, sampled on the held-out prompts and
-    measured against the starting model (:func:`heldout_kl`)."""
+    """The arm's checkpoint ``ckpt`` (default: its last) exported and sampled on the held-out prompts
+    (``--eval-n`` each, temperature 1): the samples' accuracy and their KL to the starting model."""
     from klppo.commands.export import export_checkpoint
     from klppo.ops.checkpoint import latest_checkpoint
 
@@ -255,12 +209,17 @@ def evaluate(
         return {"error": f"no checkpoint in {run_dir}"}
     policy = export_checkpoint(ckpt, run_dir / f"hf_{ckpt.name}", overwrite=True)
     samples = run_dir / f"heldout_{ckpt.name}.parquet"
-    eval_keys = [*keys, "actor_rollout_ref.rollout.temperature=1.0"]
-    n, batch = args.eval_n, args.log_batch
-    log_responses(samples, str(policy), test, n=n, num_prompts=args.num_test, keys=eval_keys, batch=batch)
-    lengths = (args.max_prompt_length, args.max_response_length)
-    kl = heldout_kl(samples, policy, reference, n=n, lengths=lengths)
-    return {"checkpoint": ckpt.name, **kl}
+    held = log_responses(
+        samples,
+        str(policy),
+        test,
+        n=args.eval_n,
+        num_prompts=args.num_test,
+        keys=[*keys, "actor_rollout_ref.rollout.temperature=1.0"],
+        batch=args.log_batch,
+        reference=reference,
+    )
+    return {"checkpoint": ckpt.name, "sampled_accuracy": held.pop("mean_score"), **held}
 
 
 def start_arm(name: str, overrides: list[str], args, common: list[str], work: Path) -> learning.Run:

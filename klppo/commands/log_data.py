@@ -10,6 +10,12 @@ distribution each token was drawn from (``log softmax(logits / temperature)``, o
 truncated, renormalised one: the engine's ``truncated_log_probs``) and the sampling settings
 (``temperature``, ``top_p``, ``top_k``); the samples of one prompt share a ``group_id``. One process; the
 weights in inference mode, no optimizer.
+
+``--reference PATH`` also measures the KL of the model to a reference on these samples — KL(π‖π_ref) on the
+model's own responses, the figure a KL target is meant to hold, which an offline run's controller does not
+see (docs/data.md, "KL to the reference"): per response token, k3 = e^δ − δ − 1 and k1 = −δ with
+δ = log π_ref − log π, both log-probs from one forward of each model at the sampling temperature (the full
+softmax, as the trainer's KL; unclamped), printed as one line.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from klppo.data.dataset import PromptLoader
 from klppo.data.logged import tokenizer_fingerprint, write_logged
 from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
 from klppo.parallel import dist
+from klppo.roles.forward import policy_forward
 from klppo.rollout.base import SamplingParams
 from klppo.rollout.factory import make_rollout
 
@@ -47,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
         "--n", type=int, default=None, help="samples per prompt (default: actor_rollout_ref.rollout.n)"
     )
     p.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (default: all)")
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="also print the samples' KL to this model (a path as model.path takes): k3 and k1 per token",
+    )
     return p
 
 
@@ -95,12 +107,44 @@ def sample_rows(
     return rows
 
 
+KL_TOKENS = 8192
+"""Tokens (rows × prompt and response width) of one forward when measuring the KL to the reference."""
+
+
+def kl_sums(
+    policy: torch.nn.Module, reference: torch.nn.Module, samples: Batch, temperature: float
+) -> torch.Tensor:
+    """[3] float64: the sums over ``samples``' response tokens of k3 and k1 (δ = log π_ref − log π, each from
+    one forward at ``temperature``), and their count."""
+    rows = max(1, KL_TOKENS // samples.input_ids.shape[1])
+    sums = torch.zeros(3, dtype=torch.float64)
+    for start in range(0, len(samples), rows):
+        mb = samples.select(range(start, min(start + rows, len(samples))))
+        with torch.no_grad():
+            lp = policy_forward(policy, mb, temperature=temperature, calculate_entropy=False)[0]
+            rp = policy_forward(reference, mb, temperature=temperature, calculate_entropy=False)[0]
+        delta = (rp.double() - lp.double())[mb.response_mask.bool()]
+        sums += torch.stack(
+            [(delta.exp() - delta - 1).sum(), -delta.sum(), delta.new_tensor(delta.numel())]
+        ).cpu()
+    return sums
+
+
 def log_samples(
-    cfg: KLPPOConfig, *, device: torch.device, output: str, n: int | None, num_prompts: int | None
-) -> int:
-    """Write ``output`` from the model on ``device``; returns the number of samples."""
+    cfg: KLPPOConfig,
+    *,
+    device: torch.device,
+    output: str,
+    n: int | None,
+    num_prompts: int | None,
+    reference: str | None = None,
+) -> tuple[int, dict[str, float] | None]:
+    """Write ``output`` from the model on ``device``; returns the number of samples and, with ``reference``,
+    the samples' KL to it per response token (``k3``, ``k1``, ``tokens``)."""
     arr = cfg.actor_rollout_ref
     params = sampling_for_log(cfg, n)
+    if reference and not params.do_sample:
+        raise ValueError("--reference needs sampled responses: actor_rollout_ref.rollout.temperature is 0")
     model_path = model_dir(arr.model.path, key="actor_rollout_ref.model.path")
     tok_path = (
         model_dir(arr.model.tokenizer_path, key="actor_rollout_ref.model.tokenizer_path")
@@ -112,6 +156,11 @@ def log_samples(
     loader = PromptLoader(dataclasses.replace(settings, shuffle=False, drop_last=False), tokenizer)
     dtype = to_dtype(arr.rollout.dtype) if device.type == "cuda" else torch.float32
     model = load_policy_model(arr.model, model_path, dtype, device, train=False).eval()
+    ref_model = None
+    if reference:
+        ref_path = model_dir(reference, key="--reference")
+        ref_model = load_policy_model(arr.model, ref_path, dtype, device, train=False).eval()
+    kl = torch.zeros(3, dtype=torch.float64)
     eos = eos_token_ids(tokenizer, model.config, getattr(model, "generation_config", None))
     engine = make_rollout(
         arr.rollout.name,
@@ -141,26 +190,48 @@ def log_samples(
             rollout_log_probs=behaviour_log_probs(out),
         )
         rows += sample_rows(prompts, out, reward.score(samples), params, identity)
+        if ref_model is not None:
+            kl += kl_sums(model, ref_model, samples, params.temperature)
     reward.close()
     write_logged(output, rows)
-    return len(rows)
+    if ref_model is None:
+        return len(rows), None
+    tokens = max(float(kl[2]), 1.0)
+    return len(rows), {"k3": float(kl[0]) / tokens, "k1": float(kl[1]) / tokens, "tokens": int(kl[2])}
+
+
+def run(argv: list[str] | None = None) -> tuple[argparse.Namespace, int, dict[str, float] | None]:
+    """``klppo data log`` without its error handling: the parsed flags, the samples written and, with
+    ``--reference``, their KL to it (:func:`log_samples`)."""
+    args, rest = _parser().parse_known_args(argv)
+    cfg = load_config(rest)
+    use_cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
+    # one process; the engine's rank-aware code needs a process group
+    info = dist.init_distributed("cuda" if use_cuda else "cpu", 600.0)
+    try:
+        count, kl = log_samples(
+            cfg,
+            device=info.device,
+            output=args.output,
+            n=args.n,
+            num_prompts=args.num_prompts,
+            reference=args.reference,
+        )
+    finally:
+        dist.destroy()
+    return args, count, kl
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, rest = _parser().parse_known_args(argv)
     try:
-        cfg = load_config(rest)
-        use_cuda = cfg.trainer.device != "cpu" and torch.cuda.is_available()
-        # one process; the engine's rank-aware code needs a process group
-        info = dist.init_distributed("cuda" if use_cuda else "cpu", 600.0)
-        try:
-            count = log_samples(
-                cfg, device=info.device, output=args.output, n=args.n, num_prompts=args.num_prompts
-            )
-        finally:
-            dist.destroy()
+        args, count, kl = run(argv)
     except (OSError, ValueError) as exc:
         print(f"klppo data log: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {count} logged samples to {args.output}")
+    if kl is not None:
+        print(
+            f"KL to the reference {args.reference} on {kl['tokens']} response tokens: "
+            f"k3 {kl['k3']:.4g}, k1 {kl['k1']:.4g} per token"
+        )
     return 0
