@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 for point in curve(result, work / result["name"], args, keys, test, model):
                     result["curve"].append(point)
                     write_report(args, log_info, sft_pairs, results)  # a call cut off keeps the points
+                write_report(args, log_info, sft_pairs, results)  # also an arm with no point before its last
     _print_table(results)
     return 0 if all(r.get("exit_code") == 0 for r in results) else 1
 
