@@ -130,6 +130,19 @@ def kl_sums(
     return sums
 
 
+def _check_reference_vocabulary(name: str, path: str, vocab_size: int, trust_remote_code: bool) -> None:
+    """Refuse, before its weights load, a reference whose vocabulary differs from the model's: the same token
+    ids would name other tokens, and the KL would be meaningless."""
+    from transformers import AutoConfig  # noqa: PLC0415  heavy: only with --reference
+
+    theirs = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).vocab_size
+    if theirs != vocab_size:
+        raise ValueError(
+            f"--reference {name}: a vocabulary of {theirs} tokens, the model's has {vocab_size}; the KL "
+            "needs a reference with the model's tokenizer"
+        )
+
+
 def log_samples(
     cfg: KLPPOConfig,
     *,
@@ -159,6 +172,7 @@ def log_samples(
     ref_model = None
     if reference:
         ref_path = model_dir(reference, key="--reference")
+        _check_reference_vocabulary(reference, ref_path, model.config.vocab_size, arr.model.trust_remote_code)
         ref_model = load_policy_model(arr.model, ref_path, dtype, device, train=False).eval()
     kl = torch.zeros(3, dtype=torch.float64)
     eos = eos_token_ids(tokenizer, model.config, getattr(model, "generation_config", None))

@@ -97,3 +97,9 @@ def test_kl_to_a_reference_on_the_logged_samples(tiny_model_dir, arithmetic_data
     greedy = [*argv, "actor_rollout_ref.rollout.temperature=0", "--reference", str(other)]
     assert main(greedy) == 2
     assert "--reference needs sampled responses" in capsys.readouterr().err
+
+    wider = save_tiny_model_dir(tmp_path / "wider", num_layers=2, hidden_size=64, vocab_size=512)
+    capsys.readouterr()  # the save's progress bars
+    assert main([*argv, "--reference", str(wider)]) == 2
+    err = capsys.readouterr().err
+    assert f"--reference {wider}: a vocabulary of 512 tokens" in err and len(err.strip().splitlines()) == 1
