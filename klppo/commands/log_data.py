@@ -130,12 +130,15 @@ def kl_sums(
     return sums
 
 
-def _check_reference_vocabulary(name: str, path: str, vocab_size: int, trust_remote_code: bool) -> None:
-    """Refuse, before its weights load, a reference whose vocabulary differs from the model's: the same token
-    ids would name other tokens, and the KL would be meaningless."""
+def _check_reference_vocabulary(name: str, path: str, model_path: str, trust_remote_code: bool) -> None:
+    """Refuse, before any weights load, a reference whose vocabulary differs from the model's: the same
+    token ids would name other tokens, and the KL would be meaningless."""
     from transformers import AutoConfig  # noqa: PLC0415  heavy: only with --reference
 
-    theirs = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).vocab_size
+    theirs, vocab_size = (
+        AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code).vocab_size
+        for p in (path, model_path)
+    )
     if theirs != vocab_size:
         raise ValueError(
             f"--reference {name}: a vocabulary of {theirs} tokens, the model's has {vocab_size}; the KL "
@@ -168,11 +171,12 @@ def log_samples(
     settings = loader_settings(cfg.data, seed=cfg.trainer.seed, validation=False)
     loader = PromptLoader(dataclasses.replace(settings, shuffle=False, drop_last=False), tokenizer)
     dtype = to_dtype(arr.rollout.dtype) if device.type == "cuda" else torch.float32
+    ref_path = model_dir(reference, key="--reference") if reference else None
+    if ref_path:
+        _check_reference_vocabulary(reference, ref_path, model_path, arr.model.trust_remote_code)
     model = load_policy_model(arr.model, model_path, dtype, device, train=False).eval()
     ref_model = None
-    if reference:
-        ref_path = model_dir(reference, key="--reference")
-        _check_reference_vocabulary(reference, ref_path, model.config.vocab_size, arr.model.trust_remote_code)
+    if ref_path:
         ref_model = load_policy_model(arr.model, ref_path, dtype, device, train=False).eval()
     kl = torch.zeros(3, dtype=torch.float64)
     eos = eos_token_ids(tokenizer, model.config, getattr(model, "generation_config", None))
