@@ -16,10 +16,25 @@ from tests.trainer.conftest import arithmetic_data, tiny_model_dir  # noqa: F401
 from tests.trainer.utils import base_overrides
 
 
-def test_truncated_log_holds_the_law_sampled_from(tiny_model_dir, arithmetic_data, tmp_path):  # noqa: F811
-    from klppo.commands.log_data import main
+def _read_log(out, tokenizer_dir):
+    """The 4 prompts × 2 samples of a log written by the tests below, as one batch in file order."""
     from klppo.data.logged import LoggedLoader, LoggedSettings
     from klppo.models.loading import load_tokenizer
+
+    settings = LoggedSettings(
+        [str(out)],
+        groups_per_batch=4,
+        samples_per_group=2,
+        max_prompt_length=64,
+        max_response_length=8,
+        vocab_size=10**6,
+        shuffle=False,
+    )
+    return LoggedLoader(settings, load_tokenizer(str(tokenizer_dir))).next_batch()
+
+
+def test_truncated_log_holds_the_law_sampled_from(tiny_model_dir, arithmetic_data, tmp_path):  # noqa: F811
+    from klppo.commands.log_data import main
 
     out = tmp_path / "log.parquet"
     overrides = base_overrides(tiny_model_dir, arithmetic_data, tmp_path / "unused") + [
@@ -31,16 +46,7 @@ def test_truncated_log_holds_the_law_sampled_from(tiny_model_dir, arithmetic_dat
     rows = pq.read_table(out).to_pylist()
     assert len(rows) == 8
     assert all((r["temperature"], r["top_p"], r["top_k"]) == (0.9, 1.0, 5) for r in rows)
-    settings = LoggedSettings(
-        [str(out)],
-        groups_per_batch=4,
-        samples_per_group=2,
-        max_prompt_length=64,
-        max_response_length=8,
-        vocab_size=10**6,
-        shuffle=False,
-    )
-    batch = LoggedLoader(settings, load_tokenizer(str(tiny_model_dir))).next_batch()
+    batch = _read_log(out, tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     args = (model, batch.prompts, batch.prompt_mask, batch.responses, batch.response_mask, 0.9, 1)
     truncated, full = reference_log_probs(*args, top_k=5), reference_log_probs(*args)
@@ -56,8 +62,6 @@ def test_kl_to_a_reference_on_the_logged_samples(tiny_model_dir, arithmetic_data
     """``--reference``: the samples' KL to another model, k3 and k1 per response token, against float64
     forwards of both models on the logged rows; 0 against the model itself."""
     from klppo.commands.log_data import main
-    from klppo.data.logged import LoggedLoader, LoggedSettings
-    from klppo.models.loading import load_tokenizer
     from klppo.models.tiny import save_tiny_model_dir
 
     other = save_tiny_model_dir(tmp_path / "other", num_layers=2, hidden_size=64, seed=7)
@@ -69,16 +73,7 @@ def test_kl_to_a_reference_on_the_logged_samples(tiny_model_dir, arithmetic_data
     argv = ["--output", str(out), "--n", "2", "--num-prompts", "4", *overrides]
     assert main([*argv, "--reference", str(other)]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
-    settings = LoggedSettings(
-        [str(out)],
-        groups_per_batch=4,
-        samples_per_group=2,
-        max_prompt_length=64,
-        max_response_length=8,
-        vocab_size=10**6,
-        shuffle=False,
-    )
-    batch = LoggedLoader(settings, load_tokenizer(str(tiny_model_dir))).next_batch()
+    batch = _read_log(out, tiny_model_dir)
     args = (batch.prompts, batch.prompt_mask, batch.responses, batch.response_mask, 0.9, 1)
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     ref = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
