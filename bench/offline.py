@@ -47,7 +47,8 @@ and the step time of both against the online recipe at the same samples per step
    each from its model's forward (and k1), beside the sampled responses' accuracy. The arms
    named by ``--curve`` also validate and keep a checkpoint every ``--curve-every`` steps, and after the
    final figures each of those checkpoints is measured the same way (``curve``: accuracy and KL by step),
-   so that an arm without a KL term (SFT) can be compared with another at the same KL.
+   so that an arm without a KL term (SFT) can be compared with another at the same KL. ``--evaluate-only``
+   trains nothing and evaluates the arms an earlier call left in ``--workdir`` (one cut off while evaluating).
 
 One JSON (``--out``): the log's size and score, each arm's steps, step times, accuracies and KLs.
 
@@ -246,7 +247,13 @@ def finish_arm(run: learning.Run, overrides: list[str]) -> dict:
             + "\n".join(lines[-25:])
         )
         return {"name": run.name, "exit_code": code, "overrides": overrides}
-    summary = learning.summarize(run.name, run.run_dir, overrides, "flexible", code)
+    return summarize_arm(run.name, run.run_dir, overrides)
+
+
+def summarize_arm(name: str, run_dir: Path, overrides: list[str]) -> dict:
+    """A finished arm's run directory summarised as learning.py does, with its median step after the first
+    (and per 1,000 tokens)."""
+    summary = learning.summarize(name, run_dir, overrides, "flexible", 0)
     steps, tokens = summary["series"]["step_s"], summary["series"]["tokens"]
     summary["step_s_median"] = statistics.median(steps[1:] or steps)
     per_token = [1000 * s / t for s, t in zip(steps, tokens) if t][1:]
@@ -303,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     informative, groups = work / "informative_log.parquet", 0
     if not {"offline", "sft"} & {kind for kind, _ in args.arms}:
         log_info = {"file": None}  # the online arms read no log
-    elif args.logs and log.exists():
+    elif (args.logs or args.evaluate_only) and log.exists():
         log_info = {"file": str(log), "reused": True}
     else:
         log_info = log_responses(
@@ -339,8 +346,14 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "sft" and not sft_pairs:
                 results.append({"name": name, "error": "the log holds no correct response"})
                 continue
-            started.append((start_arm(name, [*share, *over], args, keys, work), over))
-        finished = [finish_arm(run, over) for run, over in started]
+            if args.evaluate_only:  # trained by an earlier call
+                started.append((name, over))
+            else:
+                started.append((start_arm(name, [*share, *over], args, keys, work), over))
+        finished = [
+            summarize_arm(run, work / run, over) if args.evaluate_only else finish_arm(run, over)
+            for run, over in started
+        ]
         results += finished
         write_report(args, log_info, sft_pairs, results)  # a call cut off keeps the arms trained
         for result in finished:
@@ -456,6 +469,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="arms that also measure held-out accuracy and KL every --curve-every steps",
     )
     p.add_argument("--curve-every", type=int, default=50)
+    p.add_argument(
+        "--evaluate-only",
+        action="store_true",
+        help="train nothing: summarise and evaluate the arms an earlier call trained in --workdir",
+    )
     p.add_argument("--train-seconds", type=float, default=300.0)
     p.add_argument("--max-wall", type=float, default=560.0, help="kill a run after this many seconds")
     p.add_argument("--workdir", default="runs/offline")

@@ -42,6 +42,12 @@ def test_offline_bench_tiny_runs_every_arm(tmp_path):
     (point,) = results["sft_lr0.001"]["curve"]
     assert point["step"] == 1 and point["checkpoint"] == "global_step_1" and 0 <= point["accuracy"] <= 1
     assert math.isfinite(point["kl_k3"]) and "curve" not in results["offline_lr0.001"]
+    # a later call evaluates the trained arms again without training them (a call cut off before its curve)
+    again = tmp_path / "again.json"
+    argv = ["--tiny", "--arms", "sft", "--curve", "sft", "--curve-every", "1", "--evaluate-only"]
+    assert main([*argv, "--workdir", str(tmp_path / "work"), "--out", str(again)]) == 0
+    (sft,) = json.loads(again.read_text())["results"]
+    assert sft["steps"] == 2 and sft["curve"] == results["sft_lr0.001"]["curve"]
     # the SFT arm's advantages: +½ on the correct responses, −½ on the EOS-only partners, no KL loss
     sft = read_metrics(tmp_path / "work" / "sft_lr0.001")
     for step in (m for m in sft if "critic/advantages/max" in m):
