@@ -133,15 +133,13 @@ def log_responses(
     return info
 
 
-def write_sft_log(src: Path, dst: Path, eos_id: int) -> int:
-    """The correct responses of ``src`` (score 1), each a group with an EOS-only response scored 0 (the
-    module docstring says why); no behaviour log-probs (the SFT arm uses none). Returns the pairs."""
-    import pyarrow.parquet as pq
-
+def write_sft_log(log: list[dict], dst: Path, eos_id: int) -> int:
+    """The correct responses of ``log`` (its rows; score 1), each a group with an EOS-only response scored 0
+    (the module docstring says why); no behaviour log-probs (the SFT arm uses none). Returns the pairs."""
     from klppo.data.logged import write_logged
 
     rows = []
-    for k, row in enumerate(r for r in pq.read_table(src).to_pylist() if r["score"] == 1.0):
+    for k, row in enumerate(r for r in log if r["score"] == 1.0):
         kept = {**row, "group_id": f"sft{k}", "response_log_probs": None}
         end = {**kept, "response_ids": [eos_id], "response": None, "response_mask": [1], "score": 0.0}
         rows += [kept, end]
@@ -150,14 +148,13 @@ def write_sft_log(src: Path, dst: Path, eos_id: int) -> int:
     return len(rows) // 2
 
 
-def write_informative_log(src: Path, dst: Path) -> int:
-    """The groups of ``src`` whose scores are not all equal (those with an advantage); returns them."""
-    import pyarrow.parquet as pq
-
+def write_informative_log(log: list[dict], dst: Path) -> int:
+    """The groups of ``log`` (its rows) whose scores are not all equal (those with an advantage); returns
+    them."""
     from klppo.data.logged import write_logged
 
     groups: dict[str, list[dict]] = {}
-    for row in pq.read_table(src).to_pylist():
+    for row in log:
         groups.setdefault(row["group_id"], []).append(row)
     kept = [g for g in groups.values() if len({r["score"] for r in g}) > 1]
     if kept:
@@ -317,10 +314,13 @@ def main(argv: list[str] | None = None) -> int:
             log, model, train, n=args.log_n, num_prompts=args.log_prompts, keys=keys, batch=args.log_batch
         )
     if log_info["file"]:
+        import pyarrow.parquet as pq
+
         from klppo.models.loading import load_tokenizer
 
-        sft_pairs = write_sft_log(log, sft_log, load_tokenizer(model).eos_token_id)
-        groups = write_informative_log(log, informative)
+        rows = pq.read_table(log).to_pylist()  # read once for both files
+        sft_pairs = write_sft_log(rows, sft_log, load_tokenizer(model).eos_token_id)
+        groups = write_informative_log(rows, informative)
         log_info["informative_groups"] = groups
     arms = []
     for kind, lrs in args.arms:
