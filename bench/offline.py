@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     share = [f"actor_rollout_ref.rollout.gpu_memory_utilization={0.5 / args.parallel:.3f}"]
     results: list[dict] = []
     for first in range(0, len(arms), args.parallel):
-        started = []
+        ready = []
         for name, kind, over in arms[first : first + args.parallel]:
             if kind == "offline" and not groups:
                 results.append({"name": name, "error": "the log holds no group of unequal scores"})
@@ -346,14 +346,12 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "sft" and not sft_pairs:
                 results.append({"name": name, "error": "the log holds no correct response"})
                 continue
-            if args.evaluate_only:  # trained by an earlier call
-                started.append((name, over))
-            else:
-                started.append((start_arm(name, [*share, *over], args, keys, work), over))
-        finished = [
-            summarize_arm(run, work / run, over) if args.evaluate_only else finish_arm(run, over)
-            for run, over in started
-        ]
+            ready.append((name, over))
+        if args.evaluate_only:  # trained by an earlier call
+            finished = [summarize_arm(name, work / name, over) for name, over in ready]
+        else:
+            started = [(start_arm(name, [*share, *over], args, keys, work), over) for name, over in ready]
+            finished = [finish_arm(run, over) for run, over in started]
         results += finished
         write_report(args, log_info, sft_pairs, results)  # a call cut off keeps the arms trained
         for result in finished:
