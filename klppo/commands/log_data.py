@@ -38,7 +38,7 @@ from klppo.data.dataset import PromptLoader
 from klppo.data.logged import tokenizer_fingerprint, write_logged
 from klppo.models.loading import eos_token_ids, load_tokenizer, model_dir
 from klppo.parallel import dist
-from klppo.roles.forward import policy_forward
+from klppo.roles.forward import MicroBatching, no_grad_pass, policy_forward
 from klppo.rollout.base import SamplingParams
 from klppo.rollout.factory import make_rollout
 
@@ -108,7 +108,7 @@ def sample_rows(
 
 
 KL_TOKENS = 8192
-"""Tokens (rows × prompt and response width) of one forward when measuring the KL to the reference."""
+"""Real tokens (prompt and response) of one forward when measuring the KL to the reference."""
 
 
 def kl_sums(
@@ -116,18 +116,16 @@ def kl_sums(
 ) -> torch.Tensor:
     """[3] float64: the sums over ``samples``' response tokens of k3 and k1 (δ = log π_ref − log π, each from
     one forward at ``temperature``), and their count."""
-    rows = max(1, KL_TOKENS // samples.input_ids.shape[1])
-    sums = torch.zeros(3, dtype=torch.float64)
-    for start in range(0, len(samples), rows):
-        mb = samples.select(range(start, min(start + rows, len(samples))))
-        with torch.no_grad():
-            lp = policy_forward(policy, mb, temperature=temperature, calculate_entropy=False)[0]
-            rp = policy_forward(reference, mb, temperature=temperature, calculate_entropy=False)[0]
-        delta = (rp.double() - lp.double())[mb.response_mask.bool()]
-        sums += torch.stack(
-            [(delta.exp() - delta - 1).sum(), -delta.sum(), delta.new_tensor(delta.numel())]
-        ).cpu()
-    return sums
+    micro = MicroBatching(1, use_dynamic_bsz=True, max_token_len=KL_TOKENS)
+
+    def log_probs(model: torch.nn.Module) -> torch.Tensor:
+        def forward(mb: Batch) -> torch.Tensor:
+            return policy_forward(model, mb, temperature=temperature, calculate_entropy=False)[0]
+
+        return no_grad_pass(samples, micro, forward).double()
+
+    delta = (log_probs(reference) - log_probs(policy))[samples.response_mask.bool()]
+    return torch.stack([(delta.exp() - delta - 1).sum(), -delta.sum(), delta.new_tensor(delta.numel())]).cpu()
 
 
 def _check_reference_vocabulary(name: str, path: str, model_path: str, trust_remote_code: bool) -> None:
@@ -175,9 +173,9 @@ def log_samples(
     if ref_path:
         _check_reference_vocabulary(reference, ref_path, model_path, arr.model.trust_remote_code)
     model = load_policy_model(arr.model, model_path, dtype, device, train=False).eval()
-    ref_model = None
-    if ref_path:
-        ref_model = load_policy_model(arr.model, ref_path, dtype, device, train=False).eval()
+    ref_model = (
+        load_policy_model(arr.model, ref_path, dtype, device, train=False).eval() if ref_path else None
+    )
     kl = torch.zeros(3, dtype=torch.float64)
     eos = eos_token_ids(tokenizer, model.config, getattr(model, "generation_config", None))
     engine = make_rollout(
